@@ -1,0 +1,70 @@
+# Two commands set everything up on a fresh machine:
+#   make demo   create .venv, install the package with its compiled ops, run the demo
+#   make test   same set-up, then the C++ table tests (plain and ASan) and pytest
+PY ?= python3.11
+VENV := .venv
+PYTHON := $(VENV)/bin/python
+DEPS_STAMP := $(VENV)/.deps-stamp
+INSTALL_STAMP := $(VENV)/.install-stamp
+EXT_SUFFIX := $(shell $(PY) -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
+SO := keras_rec_emb/_kre_ops$(EXT_SUFFIX)
+CSRC := $(shell find csrc -name '*.cc' -o -name '*.h' | grep -v '/tests/')
+KV_SRC := $(wildcard csrc/kv/*.cc)
+KV_TESTS := $(wildcard csrc/kv/tests/*_test.cc)
+KV_BIN := csrc/kv/tests/bin
+CXX ?= g++
+KV_FLAGS := -std=c++17 -Wall -Wextra -Werror -pthread -Icsrc
+
+.PHONY: all install build demo test test-kv test-kv-asan test-py bench clean
+
+all: install
+
+$(PYTHON):
+	$(PY) -m venv $(VENV)
+
+$(DEPS_STAMP): requirements.txt requirements-dev.txt | $(PYTHON)
+	$(PYTHON) -m pip install --quiet --upgrade pip
+	$(PYTHON) -m pip install --quiet -r requirements-dev.txt
+	touch $@
+
+# The library is built in place (next to the Python sources) against the TF
+# installed in .venv; the editable install registers the package and the CLI.
+$(SO): $(CSRC) setup.py $(DEPS_STAMP)
+	$(PYTHON) setup.py --quiet build_ext --inplace
+	@touch $(SO)
+
+$(INSTALL_STAMP): pyproject.toml $(DEPS_STAMP) | $(SO)
+	KRE_SKIP_EXT_BUILD=1 $(PYTHON) -m pip install --quiet --no-build-isolation --no-deps -e .
+	touch $@
+
+install: $(INSTALL_STAMP) $(SO)
+
+build: $(SO)
+
+demo: install
+	$(VENV)/bin/keras-rec-emb demo $(DEMO_ARGS)
+
+$(KV_BIN)/%: csrc/kv/tests/%.cc $(KV_SRC) $(wildcard csrc/kv/*.h)
+	@mkdir -p $(KV_BIN)
+	$(CXX) $(KV_FLAGS) -O2 -o $@ $< $(KV_SRC)
+
+$(KV_BIN)/%-asan: csrc/kv/tests/%.cc $(KV_SRC) $(wildcard csrc/kv/*.h)
+	@mkdir -p $(KV_BIN)
+	$(CXX) $(KV_FLAGS) -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -o $@ $< $(KV_SRC)
+
+test-kv: $(patsubst csrc/kv/tests/%.cc,$(KV_BIN)/%,$(KV_TESTS))
+	@for t in $^; do echo "== $$t"; $$t || exit 1; done
+
+test-kv-asan: $(patsubst csrc/kv/tests/%.cc,$(KV_BIN)/%-asan,$(KV_TESTS))
+	@for t in $^; do echo "== $$t"; ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=halt_on_error=1 $$t || exit 1; done
+
+test-py: install
+	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+
+test: install test-kv test-kv-asan test-py
+
+bench: install
+	$(VENV)/bin/keras-rec-emb bench
+
+clean:
+	rm -rf build $(KV_BIN) keras_rec_emb/*.so *.egg-info

@@ -1,0 +1,1 @@
+"""Input pipelines: Parquet and Kafka into tf.data (issue 3)."""

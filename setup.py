@@ -1,0 +1,67 @@
+"""Builds csrc/ into one TensorFlow custom-op library inside the package.
+
+Compile and link flags come from ``tf.sysconfig`` of the TensorFlow that is
+installed, so the library matches exactly the TensorFlow that will load it
+(see ../shared/NOTES.md). Link flags go after the object files.
+"""
+
+import glob
+import os
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+
+def _sources():
+    files = []
+    for sub in ("kv", "ops", "kernels"):
+        files += sorted(glob.glob(os.path.join("csrc", sub, "*.cc")))
+    return files
+
+
+class TFBuildExt(build_ext):
+    """build_ext that takes its flags from tf.sysconfig and compiles 2 at a time."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        if not self.parallel:
+            self.parallel = int(os.environ.get("KRE_BUILD_JOBS", "2"))
+
+    def build_extensions(self):
+        import tensorflow as tf
+
+        cflags = list(tf.sysconfig.get_compile_flags())
+        lflags = list(tf.sysconfig.get_link_flags())
+        extra = ["-O3", "-fPIC", "-Wall", "-Wextra", "-Wno-unused-parameter",
+                 "-Wno-deprecated-declarations", "-Wno-sign-compare",
+                 "-Wno-ignored-qualifiers", "-Wno-missing-field-initializers",
+                 "-march=x86-64-v2"]
+        if os.environ.get("KRE_DEBUG_BUILD"):
+            extra = [f for f in extra if f != "-O3"] + ["-O0", "-g"]
+        # setuptools passes python's own CFLAGS first (-O2 -g ...); drop -g to
+        # keep the library small.
+        for flag in ("-g", "-Wstrict-prototypes"):
+            while flag in self.compiler.compiler_so:
+                self.compiler.compiler_so.remove(flag)
+        for ext in self.extensions:
+            ext.extra_compile_args = cflags + extra
+            ext.extra_link_args = lflags + ["-shared"]
+            ext.include_dirs = ["csrc"]
+            ext.language = "c++"
+        super().build_extensions()
+
+    def get_export_symbols(self, ext):
+        # A TensorFlow op library, not a Python module: no PyInit_ symbol.
+        return []
+
+
+# `make` builds the library in place with `setup.py build_ext --inplace` and
+# then registers the package with an editable install that need not build it
+# again (KRE_SKIP_EXT_BUILD=1). A plain `pip install .` builds it.
+_ext = [] if os.environ.get("KRE_SKIP_EXT_BUILD") else [
+    Extension("keras_rec_emb._kre_ops", sources=_sources())]
+
+setup(
+    ext_modules=_ext,
+    cmdclass={"build_ext": TFBuildExt},
+)
