@@ -1,0 +1,72 @@
+// Copyright keras_rec_emb authors. Apache-2.0.
+//
+// A chunked arena of fixed-width rows. Chunks never move once allocated, so a
+// pointer to a row stays valid while the arena grows. Chunk sizes grow
+// geometrically (kFirstChunkRows, 2x, 4x, ...) so a small table costs little
+// and a large one needs few chunks; locating a row is a few integer ops.
+#ifndef KRE_KV_ARENA_H_
+#define KRE_KV_ARENA_H_
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+namespace kre {
+namespace kv {
+
+template <typename T>
+class ChunkedArena {
+ public:
+  static constexpr int kFirstChunkLog2 = 4;  // 16 rows in the first chunk.
+
+  explicit ChunkedArena(int64_t width = 1) : width_(width) {}
+  ChunkedArena(ChunkedArena&&) = default;
+  ChunkedArena& operator=(ChunkedArena&&) = default;
+
+  int64_t width() const { return width_; }
+
+  // Rows [0, capacity()) are addressable.
+  uint64_t capacity() const { return capacity_; }
+
+  T* Row(uint64_t id) const {
+    // Chunk c holds ids [B * (2^c - 1), B * (2^(c+1) - 1)), B = 2^k.
+    const uint64_t q = (id >> kFirstChunkLog2) + 1;
+    const int c = 63 - __builtin_clzll(q);
+    const uint64_t start = ((uint64_t{1} << c) - 1) << kFirstChunkLog2;
+    return chunks_[c].get() + (id - start) * width_;
+  }
+
+  // Makes ids < n addressable. New memory is filled with `fill`.
+  void EnsureCapacity(uint64_t n, T fill) {
+    while (capacity_ < n) {
+      const int c = static_cast<int>(chunks_.size());
+      const uint64_t rows = uint64_t{1} << (c + kFirstChunkLog2);
+      const uint64_t elems = rows * static_cast<uint64_t>(width_);
+      std::unique_ptr<T[]> chunk(new T[elems]);
+      std::fill(chunk.get(), chunk.get() + elems, fill);
+      chunks_.push_back(std::move(chunk));
+      capacity_ += rows;
+    }
+  }
+
+  void Clear() {
+    chunks_.clear();
+    capacity_ = 0;
+  }
+
+  uint64_t BytesAllocated() const {
+    return capacity_ * static_cast<uint64_t>(width_) * sizeof(T);
+  }
+
+ private:
+  int64_t width_;
+  uint64_t capacity_ = 0;
+  std::vector<std::unique_ptr<T[]>> chunks_;
+};
+
+}  // namespace kv
+}  // namespace kre
+
+#endif  // KRE_KV_ARENA_H_

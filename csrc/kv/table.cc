@@ -1,0 +1,312 @@
+// Copyright keras_rec_emb authors. Apache-2.0.
+#include "kv/table.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+namespace kre {
+namespace kv {
+
+template <typename K>
+Table<K>::Table(int64_t dim, std::vector<float> default_values, int num_shards)
+    : dim_(dim),
+      default_values_(std::move(default_values)),
+      default_value_dim_(dim > 0 ? static_cast<int64_t>(default_values_.size()) / dim : 0) {
+  if (dim <= 0) throw std::invalid_argument("dim must be positive");
+  if (default_value_dim_ <= 0 ||
+      default_value_dim_ * dim != static_cast<int64_t>(default_values_.size())) {
+    throw std::invalid_argument(
+        "default_values must hold default_value_dim >= 1 rows of dim floats");
+  }
+  if (num_shards < 1 || num_shards > 65536 || (num_shards & (num_shards - 1))) {
+    throw std::invalid_argument("num_shards must be a power of two in [1, 65536]");
+  }
+  shard_mask_ = static_cast<uint64_t>(num_shards - 1);
+  shards_.reserve(num_shards);
+  for (int i = 0; i < num_shards; ++i) {
+    shards_.push_back(std::make_unique<Shard>());
+    shards_.back()->values = ChunkedArena<float>(dim);
+  }
+}
+
+template <typename K>
+const float* Table<K>::DefaultRow(K key) const {
+  int64_t r = static_cast<int64_t>(key) % default_value_dim_;
+  if (r < 0) r += default_value_dim_;
+  return default_values_.data() + r * dim_;
+}
+
+template <typename K>
+int64_t Table<K>::Size() const {
+  int64_t n = 0;
+  for (const auto& s : shards_) {
+    std::shared_lock<std::shared_mutex> lock(s->mu);
+    n += static_cast<int64_t>(s->live);
+  }
+  return n;
+}
+
+template <typename K>
+uint64_t Table<K>::MemoryBytes() const {
+  uint64_t bytes = default_values_.size() * sizeof(float);
+  for (const auto& sp : shards_) {
+    const Shard& s = *sp;
+    std::shared_lock<std::shared_mutex> lock(s.mu);
+    bytes += s.ctrl.capacity() + s.entries.capacity() * sizeof(Entry);
+    bytes += s.values.BytesAllocated() + s.meta.BytesAllocated();
+    for (const auto& a : s.slots) bytes += a.BytesAllocated();
+    bytes += s.free_rows.capacity() * sizeof(uint32_t);
+  }
+  return bytes;
+}
+
+template <typename K>
+int64_t Table<K>::FindIndex(const Shard& s, K key, uint64_t h) const {
+  if (s.ctrl.empty()) return -1;
+  const uint8_t tag = Tag(h);
+  uint64_t i = h & s.mask;
+  while (true) {
+    const uint8_t c = s.ctrl[i];
+    if (c == tag && s.entries[i].key == key) return static_cast<int64_t>(i);
+    if (c == kEmpty) return -1;
+    i = (i + 1) & s.mask;
+  }
+}
+
+template <typename K>
+void Table<K>::Rehash(Shard& s, uint64_t new_capacity) {
+  std::vector<uint8_t> ctrl(new_capacity, kEmpty);
+  std::vector<Entry> entries(new_capacity);
+  const uint64_t mask = new_capacity - 1;
+  for (uint64_t i = 0; i < s.ctrl.size(); ++i) {
+    if (s.ctrl[i] & 0x80) continue;
+    const uint64_t h = Hash(s.entries[i].key);
+    uint64_t j = h & mask;
+    while (ctrl[j] != kEmpty) j = (j + 1) & mask;
+    ctrl[j] = Tag(h);
+    entries[j] = s.entries[i];
+  }
+  s.ctrl.swap(ctrl);
+  s.entries.swap(entries);
+  s.mask = mask;
+  s.tombstones = 0;
+}
+
+template <typename K>
+uint32_t Table<K>::InsertNew(Shard& s, K key, uint64_t h) {
+  const uint64_t cap = s.ctrl.size();
+  if ((s.live + s.tombstones + 1) * 4 > cap * 3) {
+    // Grow when live entries alone pass 3/8 of capacity; otherwise the load
+    // is mostly tombstones and a same-size rehash clears them.
+    uint64_t new_cap = cap == 0 ? kMinCapacity : cap;
+    if ((s.live + 1) * 8 > cap * 3) new_cap = std::max(kMinCapacity, cap * 2);
+    Rehash(s, new_cap);
+  }
+  uint32_t row;
+  if (!s.free_rows.empty()) {
+    row = s.free_rows.back();
+    s.free_rows.pop_back();
+  } else {
+    if (s.next_row == UINT32_MAX) throw std::length_error("shard is full");
+    row = s.next_row++;
+    s.values.EnsureCapacity(s.next_row, 0.0f);
+    s.meta.EnsureCapacity(s.next_row, 0);
+    for (size_t j = 0; j < s.slots.size(); ++j) {
+      s.slots[j].EnsureCapacity(s.next_row, slot_specs_[j].init);
+    }
+  }
+  const float* init = DefaultRow(key);
+  std::copy(init, init + dim_, s.values.Row(row));
+  for (size_t j = 0; j < s.slots.size(); ++j) {
+    float* sv = s.slots[j].Row(row);
+    std::fill(sv, sv + slot_specs_[j].width, slot_specs_[j].init);
+  }
+  int64_t* m = s.meta.Row(row);
+  m[kFreq] = 0;
+  m[kVersion] = 0;
+
+  uint64_t i = h & s.mask;
+  while (!(s.ctrl[i] & 0x80)) i = (i + 1) & s.mask;
+  if (s.ctrl[i] == kDeleted) --s.tombstones;
+  s.ctrl[i] = Tag(h);
+  s.entries[i] = Entry{key, row};
+  ++s.live;
+  return row;
+}
+
+template <typename K>
+void Table<K>::EraseAt(Shard& s, uint64_t i) {
+  s.free_rows.push_back(s.entries[i].row);
+  // With linear probing a slot followed by an empty one ends every probe
+  // chain through it, so it can become empty instead of a tombstone.
+  if (s.ctrl[(i + 1) & s.mask] == kEmpty) {
+    s.ctrl[i] = kEmpty;
+  } else {
+    s.ctrl[i] = kDeleted;
+    ++s.tombstones;
+  }
+  --s.live;
+}
+
+template <typename K>
+int64_t Table<K>::Lookup(int shard, const K* keys, const uint64_t* hashes,
+                         const int64_t* order, int64_t n, bool insert,
+                         float* out) {
+  Shard& s = *shards_[shard];
+  std::unique_lock<std::shared_mutex> wlock(s.mu, std::defer_lock);
+  std::shared_lock<std::shared_mutex> rlock(s.mu, std::defer_lock);
+  if (insert) {
+    wlock.lock();
+  } else {
+    rlock.lock();
+  }
+  constexpr int64_t kAhead = 8;
+  int64_t inserted = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    if (j + kAhead < n && !s.ctrl.empty()) {
+      const uint64_t p = hashes[order[j + kAhead]] & s.mask;
+      __builtin_prefetch(&s.ctrl[p]);
+      __builtin_prefetch(&s.entries[p]);
+    }
+    const int64_t i = order[j];
+    const int64_t idx = FindIndex(s, keys[i], hashes[i]);
+    const float* src;
+    if (idx >= 0) {
+      const uint32_t row = s.entries[idx].row;
+      src = s.values.Row(row);
+      if (insert) ++s.meta.Row(row)[kFreq];
+    } else if (insert) {
+      const uint32_t row = InsertNew(s, keys[i], hashes[i]);
+      ++inserted;
+      src = s.values.Row(row);
+      s.meta.Row(row)[kFreq] = 1;
+    } else {
+      src = DefaultRow(keys[i]);
+    }
+    std::copy(src, src + dim_, out + i * dim_);
+  }
+  return inserted;
+}
+
+template <typename K>
+int Table<K>::AddSlot(const std::string& name, int64_t width, float init) {
+  if (width <= 0) throw std::invalid_argument("slot width must be positive");
+  std::vector<std::unique_lock<std::shared_mutex>> locks;
+  for (auto& s : shards_) locks.emplace_back(s->mu);
+  std::lock_guard<std::mutex> specs_lock(slot_specs_mu_);
+  for (size_t j = 0; j < slot_specs_.size(); ++j) {
+    if (slot_specs_[j].name == name) {
+      if (slot_specs_[j].width != width) {
+        throw std::invalid_argument("slot '" + name + "' exists with width " +
+                                    std::to_string(slot_specs_[j].width));
+      }
+      slot_specs_[j].init = init;
+      return static_cast<int>(j);
+    }
+  }
+  slot_specs_.push_back(SlotSpec{name, width, init});
+  for (auto& sp : shards_) {
+    sp->slots.emplace_back(width);
+    sp->slots.back().EnsureCapacity(sp->next_row, init);
+  }
+  return static_cast<int>(slot_specs_.size() - 1);
+}
+
+template <typename K>
+int Table<K>::SlotIndex(const std::string& name) const {
+  std::lock_guard<std::mutex> lock(slot_specs_mu_);
+  for (size_t j = 0; j < slot_specs_.size(); ++j) {
+    if (slot_specs_[j].name == name) return static_cast<int>(j);
+  }
+  return -1;
+}
+
+template <typename K>
+std::vector<SlotSpec> Table<K>::Slots() const {
+  std::lock_guard<std::mutex> lock(slot_specs_mu_);
+  return slot_specs_;
+}
+
+template <typename K>
+void Table<K>::Import(const K* keys, const float* values, const int64_t* freqs,
+                      const int64_t* versions, int64_t n, const float* slots,
+                      const std::vector<int>& slot_ids,
+                      const std::vector<int64_t>& slot_widths) {
+  int64_t total_width = 0;
+  for (int64_t w : slot_widths) total_width += w;
+  std::vector<std::unique_lock<std::shared_mutex>> locks;
+  for (auto& s : shards_) locks.emplace_back(s->mu);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t h = Hash(keys[i]);
+    Shard& s = *shards_[ShardOf(h)];
+    const int64_t idx = FindIndex(s, keys[i], h);
+    const uint32_t row = idx >= 0 ? s.entries[idx].row : InsertNew(s, keys[i], h);
+    std::copy(values + i * dim_, values + (i + 1) * dim_, s.values.Row(row));
+    int64_t* m = s.meta.Row(row);
+    m[kFreq] = freqs ? freqs[i] : 0;
+    m[kVersion] = versions ? versions[i] : 0;
+    const float* src = slots + i * total_width;
+    for (size_t j = 0; j < slot_ids.size(); ++j) {
+      std::copy(src, src + slot_widths[j], s.slots[slot_ids[j]].Row(row));
+      src += slot_widths[j];
+    }
+  }
+}
+
+template <typename K>
+bool Table<K>::Erase(K key) {
+  const uint64_t h = Hash(key);
+  Shard& s = *shards_[ShardOf(h)];
+  std::unique_lock<std::shared_mutex> lock(s.mu);
+  const int64_t idx = FindIndex(s, key, h);
+  if (idx < 0) return false;
+  EraseAt(s, static_cast<uint64_t>(idx));
+  return true;
+}
+
+template <typename K>
+void Table<K>::ResetShard(Shard& s) {
+  s.ctrl.clear();
+  s.ctrl.shrink_to_fit();
+  s.entries.clear();
+  s.entries.shrink_to_fit();
+  s.mask = 0;
+  s.live = 0;
+  s.tombstones = 0;
+  s.values.Clear();
+  for (auto& a : s.slots) a.Clear();
+  s.meta.Clear();
+  s.next_row = 0;
+  s.free_rows.clear();
+  s.free_rows.shrink_to_fit();
+}
+
+template <typename K>
+void Table<K>::Clear() {
+  for (auto& s : shards_) {
+    std::unique_lock<std::shared_mutex> lock(s->mu);
+    ResetShard(*s);
+  }
+}
+
+template <typename K>
+bool Table<K>::Find(K key, std::vector<float>* value, int64_t* freq,
+                    int64_t* version) const {
+  const uint64_t h = Hash(key);
+  const Shard& s = *shards_[ShardOf(h)];
+  std::shared_lock<std::shared_mutex> lock(s.mu);
+  const int64_t idx = FindIndex(s, key, h);
+  if (idx < 0) return false;
+  const uint32_t row = s.entries[idx].row;
+  const float* v = s.values.Row(row);
+  value->assign(v, v + dim_);
+  *freq = s.meta.Row(row)[kFreq];
+  *version = s.meta.Row(row)[kVersion];
+  return true;
+}
+
+template class Table<int64_t>;
+template class Table<int32_t>;
+
+}  // namespace kv
+}  // namespace kre

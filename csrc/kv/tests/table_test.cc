@@ -1,0 +1,307 @@
+// Copyright keras_rec_emb authors. Apache-2.0.
+// Plain C++ tests of the TF-free table. Run by `make test` (also under ASan).
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "kv/partition.h"
+#include "kv/table.h"
+
+using kre::kv::Partition;
+using kre::kv::Partitioned;
+using kre::kv::Table;
+
+static int g_failures = 0;
+#define CHECK(cond)                                                   \
+  do {                                                                \
+    if (!(cond)) {                                                    \
+      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__,     \
+                   __LINE__, #cond);                                  \
+      ++g_failures;                                                   \
+    }                                                                 \
+  } while (0)
+
+namespace {
+
+constexpr int64_t kDim = 4;
+constexpr int64_t kDefaultDim = 7;
+
+std::vector<float> Defaults() {
+  std::vector<float> d(kDefaultDim * kDim);
+  for (size_t i = 0; i < d.size(); ++i) d[i] = static_cast<float>(i) * 0.5f;
+  return d;
+}
+
+auto Serial = [](int blocks, auto&& fn) {
+  for (int b = 0; b < blocks; ++b) fn(b);
+};
+
+template <typename K>
+std::vector<float> Lookup(Table<K>& t, const std::vector<K>& keys, bool insert,
+                          int64_t* inserted = nullptr) {
+  Partitioned p = Partition(t, keys.data(), keys.size(), 3, Serial);
+  std::vector<float> out(keys.size() * t.dim(), -1.0f);
+  int64_t total = 0;
+  for (int s = 0; s < t.num_shards(); ++s) {
+    total += t.Lookup(s, keys.data(), p.hashes.data(), p.order.data() + p.offsets[s],
+                      p.offsets[s + 1] - p.offsets[s], insert, out.data());
+  }
+  if (inserted) *inserted = total;
+  return out;
+}
+
+template <typename K>
+void TestInsertFindDefaultRows() {
+  Table<K> t(kDim, Defaults(), 4);
+  std::vector<K> keys = {3, 10, 3, -2, 0};
+  int64_t inserted = 0;
+  std::vector<float> out = Lookup(t, keys, /*insert=*/true, &inserted);
+  CHECK(inserted == 4);
+  CHECK(t.Size() == 4);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    int64_t r = static_cast<int64_t>(keys[i]) % kDefaultDim;
+    if (r < 0) r += kDefaultDim;
+    for (int64_t d = 0; d < kDim; ++d) {
+      CHECK(out[i * kDim + d] == (r * kDim + d) * 0.5f);
+    }
+  }
+  std::vector<float> v;
+  int64_t freq = 0, version = 0;
+  CHECK(t.Find(3, &v, &freq, &version));
+  CHECK(freq == 2);
+  CHECK(version == 0);
+  // Lookup without insert leaves the table alone and reads default rows.
+  std::vector<K> missing = {100, 3};
+  out = Lookup(t, missing, /*insert=*/false);
+  CHECK(t.Size() == 4);
+  CHECK(out[0] == (100 % kDefaultDim) * kDim * 0.5f);
+  CHECK(!t.Find(100, &v, &freq, &version));
+  CHECK(t.Find(3, &v, &freq, &version) && freq == 2);
+}
+
+void TestGrowManyKeys() {
+  Table<int64_t> t(kDim, Defaults(), 8);
+  std::vector<int64_t> keys;
+  for (int64_t i = 0; i < 200000; ++i) keys.push_back(i * 1000003 + (int64_t{1} << 50));
+  int64_t inserted = 0;
+  Lookup(t, keys, true, &inserted);
+  CHECK(inserted == 200000);
+  CHECK(t.Size() == 200000);
+  std::vector<float> v;
+  int64_t f, ver;
+  for (int64_t i = 0; i < 200000; i += 997) CHECK(t.Find(keys[i], &v, &f, &ver) && f == 1);
+  CHECK(!t.Find(5, &v, &f, &ver));
+}
+
+void TestEraseReusesRows() {
+  Table<int64_t> t(kDim, Defaults(), 2);
+  std::vector<int64_t> keys;
+  for (int64_t i = 0; i < 5000; ++i) keys.push_back(i);
+  Lookup(t, keys, true);
+  // Evict and re-admit a rolling window of new keys many times: after the
+  // first rounds (the index may double once when tombstones first force a
+  // rehash) memory must stop growing, because rows come back from the free
+  // list and tombstones are cleared by same-size rehashes.
+  uint64_t mem = 0;
+  for (int round = 1; round <= 20; ++round) {
+    if (round == 3) mem = t.MemoryBytes();
+    for (int64_t i = 0; i < 5000; ++i) CHECK(t.Erase(keys[i]));
+    CHECK(t.Size() == 0);
+    for (auto& k : keys) k += 5000;
+    Lookup(t, keys, true);
+    CHECK(t.Size() == 5000);
+  }
+  CHECK(t.MemoryBytes() == mem);
+  CHECK(!t.Erase(-1));
+  std::vector<float> v;
+  int64_t f, ver;
+  CHECK(t.Find(keys[17], &v, &f, &ver));
+  CHECK(!t.Find(17, &v, &f, &ver));
+}
+
+void TestSlotsApplyDedupe() {
+  Table<int64_t> t(kDim, Defaults(), 4);
+  std::vector<int64_t> keys = {5, 9, 5, 5};
+  Lookup(t, keys, true);
+  const int acc = t.AddSlot("accumulator", kDim, 0.1f);
+  CHECK(acc == 0);
+  CHECK(t.AddSlot("accumulator", kDim, 0.2f) == 0);  // idempotent
+  CHECK(t.SlotIndex("accumulator") == 0 && t.SlotIndex("nope") == -1);
+  bool threw = false;
+  try {
+    t.AddSlot("accumulator", 1, 0.0f);
+  } catch (const std::invalid_argument&) {
+    threw = true;
+  }
+  CHECK(threw);
+  std::vector<float> grads(keys.size() * kDim);
+  for (size_t i = 0; i < grads.size(); ++i) grads[i] = 1.0f + i % kDim;
+  Partitioned p = Partition(t, keys.data(), keys.size(), 2, Serial);
+  int calls = 0;
+  std::map<float, int> seen;  // row's first value -> count of calls
+  for (int s = 0; s < t.num_shards(); ++s) {
+    t.Apply(s, keys.data(), p.hashes.data(), p.order.data() + p.offsets[s],
+            p.offsets[s + 1] - p.offsets[s], grads.data(), {acc}, /*step=*/7,
+            [&](float* value, float** slots, const float* g) {
+              ++calls;
+              // Existing rows keep the init of their time (0.1).
+              CHECK(std::fabs(slots[0][0] - 0.1f) < 1e-7f);
+              for (int64_t d = 0; d < kDim; ++d) {
+                slots[0][d] += g[d] * g[d];
+                value[d] -= g[d];
+              }
+            });
+  }
+  CHECK(calls == 2);
+  std::vector<float> v;
+  int64_t f, ver;
+  CHECK(t.Find(5, &v, &f, &ver));
+  CHECK(ver == 7 && f == 3);
+  // key 5: default row 5, gradient summed over three occurrences.
+  for (int64_t d = 0; d < kDim; ++d) CHECK(v[d] == (5 * kDim + d) * 0.5f - 3.0f * (1 + d));
+  // A key inserted after the re-registration starts at the new init (0.2).
+  std::vector<int64_t> fresh = {1234};
+  Lookup(t, fresh, true);
+  std::vector<float> slots;
+  t.Export([&](int64_t n) {
+    static std::vector<int64_t> k, fr, vs;
+    static std::vector<float> vals;
+    k.resize(n); fr.resize(n); vs.resize(n); vals.resize(n * kDim); slots.resize(n * kDim);
+    return Table<int64_t>::ExportBuffers{k.data(), vals.data(), fr.data(), vs.data(), slots.data()};
+  });
+  CHECK(slots.size() == 3 * kDim);
+}
+
+void TestExportImportRoundTrip() {
+  Table<int32_t> a(kDim, Defaults(), 4);
+  std::vector<int32_t> keys;
+  for (int32_t i = -50; i < 50; ++i) keys.push_back(i * 7);
+  Lookup(a, keys, true);
+  a.AddSlot("m", kDim, 0.0f);
+  a.AddSlot("p", 1, 1.0f);
+  std::vector<int32_t> k;
+  std::vector<float> vals, slots;
+  std::vector<int64_t> fr, vs;
+  a.Export([&](int64_t n) {
+    k.resize(n); fr.resize(n); vs.resize(n); vals.resize(n * kDim); slots.resize(n * (kDim + 1));
+    return Table<int32_t>::ExportBuffers{k.data(), vals.data(), fr.data(), vs.data(), slots.data()};
+  });
+  CHECK(k.size() == 100);
+  for (size_t i = 0; i < k.size(); ++i) {
+    fr[i] = k[i] + 1000;
+    vs[i] = 3;
+    for (int64_t d = 0; d < kDim; ++d) vals[i * kDim + d] = k[i] * 0.25f + d;
+    for (int64_t d = 0; d <= kDim; ++d) slots[i * (kDim + 1) + d] = -k[i] - 0.5f * d;
+  }
+  Table<int32_t> b(kDim, Defaults(), 2);
+  const int m = b.AddSlot("m", kDim, 0.0f);
+  const int pp = b.AddSlot("p", 1, 1.0f);
+  b.Import(k.data(), vals.data(), fr.data(), vs.data(), k.size(), slots.data(), {m, pp}, {kDim, 1});
+  CHECK(b.Size() == 100);
+  std::vector<float> v;
+  int64_t f, ver;
+  CHECK(b.Find(-21, &v, &f, &ver));
+  CHECK(f == -21 + 1000 && ver == 3 && v[2] == -21 * 0.25f + 2);
+  std::vector<int32_t> k2;
+  std::vector<float> vals2, slots2;
+  std::vector<int64_t> fr2, vs2;
+  b.Export([&](int64_t n) {
+    k2.resize(n); fr2.resize(n); vs2.resize(n); vals2.resize(n * kDim); slots2.resize(n * (kDim + 1));
+    return Table<int32_t>::ExportBuffers{k2.data(), vals2.data(), fr2.data(), vs2.data(), slots2.data()};
+  });
+  std::map<int32_t, std::vector<float>> s1, s2;
+  for (size_t i = 0; i < k.size(); ++i) s1[k[i]].assign(&slots[i * (kDim + 1)], &slots[(i + 1) * (kDim + 1)]);
+  for (size_t i = 0; i < k2.size(); ++i) s2[k2[i]].assign(&slots2[i * (kDim + 1)], &slots2[(i + 1) * (kDim + 1)]);
+  CHECK(s1 == s2);
+  b.Clear();
+  CHECK(b.Size() == 0);
+}
+
+void TestPartitionStable() {
+  Table<int64_t> t(kDim, Defaults(), 16);
+  std::vector<int64_t> keys;
+  std::mt19937_64 rng(1);
+  for (int i = 0; i < 10000; ++i) keys.push_back(static_cast<int64_t>(rng() % 3000));
+  Partitioned p = Partition(t, keys.data(), keys.size(), 5, Serial);
+  std::vector<int> seen(keys.size(), 0);
+  for (int s = 0; s < 16; ++s) {
+    for (int64_t j = p.offsets[s]; j < p.offsets[s + 1]; ++j) {
+      CHECK(t.ShardOf(p.hashes[p.order[j]]) == s);
+      if (j > p.offsets[s]) CHECK(p.order[j] > p.order[j - 1]);
+      ++seen[p.order[j]];
+    }
+  }
+  for (int c : seen) CHECK(c == 1);
+  Partitioned empty = Partition(t, keys.data(), 0, 4, Serial);
+  CHECK(empty.offsets[16] == 0);
+}
+
+void TestConcurrentReadersWriters() {
+  Table<int64_t> t(kDim, Defaults(), 8);
+  std::vector<int64_t> base;
+  for (int64_t i = 0; i < 20000; ++i) base.push_back(i);
+  Lookup(t, base, true);
+  std::atomic<int> bad{0};
+  std::vector<std::thread> threads;
+  // Writers insert overlapping new keys; readers look up the base keys and
+  // must always see their default rows (never torn or missing).
+  for (int w = 0; w < 3; ++w) {
+    threads.emplace_back([&, w] {
+      std::vector<int64_t> keys;
+      for (int64_t i = 0; i < 30000; ++i) keys.push_back(100000 + (i * 3 + w) % 50000);
+      Lookup(t, keys, true);
+    });
+  }
+  for (int r = 0; r < 3; ++r) {
+    threads.emplace_back([&] {
+      for (int rep = 0; rep < 5; ++rep) {
+        std::vector<float> out = Lookup(t, base, false);
+        for (size_t i = 0; i < base.size(); ++i) {
+          if (out[i * kDim] != (base[i] % kDefaultDim) * kDim * 0.5f) ++bad;
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  CHECK(bad.load() == 0);
+  CHECK(t.Size() == 20000 + 50000);
+  std::vector<float> v;
+  int64_t f, ver, total = 0;
+  for (int64_t k = 100000; k < 150000; ++k) {
+    if (t.Find(k, &v, &f, &ver)) total += f;
+  }
+  CHECK(total == 3 * 30000);  // every occurrence counted exactly once
+}
+
+void TestBadConstruction() {
+  int threw = 0;
+  try { Table<int64_t> t(0, Defaults(), 4); } catch (const std::invalid_argument&) { ++threw; }
+  try { Table<int64_t> t(kDim, {1.0f, 2.0f}, 4); } catch (const std::invalid_argument&) { ++threw; }
+  try { Table<int64_t> t(kDim, Defaults(), 3); } catch (const std::invalid_argument&) { ++threw; }
+  CHECK(threw == 3);
+}
+
+}  // namespace
+
+int main() {
+  TestInsertFindDefaultRows<int64_t>();
+  TestInsertFindDefaultRows<int32_t>();
+  TestGrowManyKeys();
+  TestEraseReusesRows();
+  TestSlotsApplyDedupe();
+  TestExportImportRoundTrip();
+  TestPartitionStable();
+  TestConcurrentReadersWriters();
+  TestBadConstruction();
+  if (g_failures) {
+    std::fprintf(stderr, "%d failed\n", g_failures);
+    return 1;
+  }
+  std::printf("table_test: all passed\n");
+  return 0;
+}
