@@ -6,6 +6,7 @@ installed, so the library matches exactly the TensorFlow that will load it
 """
 
 import glob
+import json
 import os
 
 from setuptools import Extension, setup
@@ -33,7 +34,7 @@ class TFBuildExt(build_ext):
         cflags = list(tf.sysconfig.get_compile_flags())
         lflags = list(tf.sysconfig.get_link_flags())
         extra = ["-O3", "-fPIC", "-Wall", "-Wextra", "-Wno-unused-parameter",
-                 "-Wno-deprecated-declarations", "-Wno-sign-compare",
+                 "-Wno-deprecated-declarations", "-Wno-interference-size", "-Wno-sign-compare",
                  "-Wno-ignored-qualifiers", "-Wno-missing-field-initializers",
                  "-march=x86-64-v2"]
         if os.environ.get("KRE_DEBUG_BUILD"):
@@ -49,6 +50,12 @@ class TFBuildExt(build_ext):
             ext.include_dirs = ["csrc"]
             ext.language = "c++"
         super().build_extensions()
+        # Record the TensorFlow the library was built against, so that
+        # keras_rec_emb/_ops.py can name both versions when they differ.
+        for ext in self.extensions:
+            out_dir = os.path.dirname(self.get_ext_fullpath(ext.name))
+            with open(os.path.join(out_dir, "_kre_ops_build.json"), "w") as f:
+                json.dump({"tensorflow": tf.__version__}, f)
 
     def get_export_symbols(self, ext):
         # A TensorFlow op library, not a Python module: no PyInit_ symbol.

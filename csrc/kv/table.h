@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <shared_mutex>
 #include <string>
 #include <vector>
@@ -100,8 +101,9 @@ class Table {
   std::vector<SlotSpec> Slots() const;
 
   // Exports every row. `alloc(n)` is called once, with every shard locked,
-  // and must return buffers for n rows: keys[n], values[n, dim], freqs[n],
-  // versions[n], slots[n, total_slot_width] (slot columns in slot order).
+  // and returns buffers for n rows: keys[n], values[n, dim], freqs[n],
+  // versions[n], slots[n, total_slot_width] (slot columns in slot order), or
+  // std::nullopt to abandon the export.
   struct ExportBuffers {
     K* keys;
     float* values;
@@ -227,7 +229,9 @@ void Table<K>::Export(Alloc&& alloc) const {
   }
   int64_t total_width = 0;
   for (const auto& spec : slot_specs_) total_width += spec.width;
-  ExportBuffers b = alloc(n);
+  const std::optional<ExportBuffers> buffers = alloc(n);
+  if (!buffers) return;
+  const ExportBuffers& b = *buffers;
   int64_t out = 0;
   for (const auto& sp : shards_) {
     const Shard& s = *sp;

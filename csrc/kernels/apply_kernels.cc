@@ -1,0 +1,202 @@
+// Copyright keras_rec_emb authors. Apache-2.0.
+// The fused sparse-apply kernel: one op per table and step dedupes keys, sums
+// their gradient rows and updates value and slots in place, following the
+// formulas of Keras's own optimizers (keras/src/optimizers/*.py) row by row.
+//
+// hyper[0] is the learning rate and hyper[1] the decoupled weight decay
+// factor (weight_decay * learning_rate, applied to touched rows first, as
+// Keras applies it before update_step). The rest is per rule (see _ops.py).
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "kernels/table_resource.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/tensor.h"
+
+namespace kre {
+namespace {
+
+using tf::OpKernel;
+using tf::OpKernelConstruction;
+using tf::OpKernelContext;
+using tf::Tensor;
+namespace errors = tf::errors;
+
+struct Sgd {
+  static constexpr int kHyper = 2;
+  static constexpr int kSlots = 0;
+  float lr;
+  explicit Sgd(const float* h) : lr(h[0]) {}
+  void operator()(float* var, float**, const float* g, int64_t dim) const {
+    for (int64_t d = 0; d < dim; ++d) var[d] -= g[d] * lr;
+  }
+};
+
+struct Momentum {
+  static constexpr int kHyper = 4;
+  static constexpr int kSlots = 1;  // momentum
+  float lr, momentum;
+  bool nesterov;
+  explicit Momentum(const float* h) : lr(h[0]), momentum(h[2]), nesterov(h[3] != 0.0f) {}
+  void operator()(float* var, float** slots, const float* g, int64_t dim) const {
+    float* m = slots[0];
+    for (int64_t d = 0; d < dim; ++d) {
+      m[d] = m[d] * momentum - g[d] * lr;
+      var[d] += nesterov ? m[d] * momentum - g[d] * lr : m[d];
+    }
+  }
+};
+
+struct Adagrad {
+  static constexpr int kHyper = 3;
+  static constexpr int kSlots = 1;  // accumulator
+  float lr, epsilon;
+  explicit Adagrad(const float* h) : lr(h[0]), epsilon(h[2]) {}
+  void operator()(float* var, float** slots, const float* g, int64_t dim) const {
+    float* acc = slots[0];
+    for (int64_t d = 0; d < dim; ++d) {
+      acc[d] += g[d] * g[d];
+      var[d] -= (lr * g[d]) / std::sqrt(acc[d] + epsilon);
+    }
+  }
+};
+
+struct Adam {
+  static constexpr int kHyper = 7;
+  static constexpr int kSlots = 2;  // momentum, velocity (+ velocity_hat)
+  float alpha, beta1, beta2, epsilon;
+  bool amsgrad;
+  explicit Adam(const float* h)
+      : alpha(h[2]), beta1(h[3]), beta2(h[4]), epsilon(h[5]), amsgrad(h[6] != 0.0f) {}
+  void operator()(float* var, float** slots, const float* g, int64_t dim) const {
+    float* m = slots[0];
+    float* v = slots[1];
+    for (int64_t d = 0; d < dim; ++d) {
+      m[d] += (g[d] - m[d]) * (1.0f - beta1);
+      v[d] += (g[d] * g[d] - v[d]) * (1.0f - beta2);
+      float vv = v[d];
+      if (amsgrad) {
+        slots[2][d] = std::max(slots[2][d], v[d]);
+        vv = slots[2][d];
+      }
+      var[d] -= (m[d] * alpha) / (std::sqrt(vv) + epsilon);
+    }
+  }
+};
+
+struct Ftrl {
+  static constexpr int kHyper = 6;
+  static constexpr int kSlots = 2;  // accumulator, linear
+  float lr, lr_power, l1, l2, l2_shrinkage;
+  // hyper: lr, decay, lr_power, l1, l2 + beta / (2 lr), l2_shrinkage
+  explicit Ftrl(const float* h)
+      : lr(h[0]), lr_power(h[2]), l1(h[3]), l2(h[4]), l2_shrinkage(h[5]) {}
+  void operator()(float* var, float** slots, const float* g, int64_t dim) const {
+    float* accum = slots[0];
+    float* linear = slots[1];
+    for (int64_t d = 0; d < dim; ++d) {
+      const float grad_to_use = g[d] + 2.0f * l2_shrinkage * var[d];
+      const float new_accum = accum[d] + g[d] * g[d];
+      const float new_pow = std::pow(new_accum, -lr_power);
+      linear[d] += grad_to_use - (new_pow - std::pow(accum[d], -lr_power)) / lr * var[d];
+      const float quadratic = new_pow / lr + 2.0f * l2;
+      const float clipped = std::min(std::max(linear[d], -l1), l1);
+      var[d] = (clipped - linear[d]) / quadratic;
+      accum[d] = new_accum;
+    }
+  }
+};
+
+template <typename K>
+class TableSparseApplyOp : public OpKernel {
+ public:
+  explicit TableSparseApplyOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("rule", &rule_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("slots", &slot_names_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    if (rule_ == "sgd") return Run<Sgd>(ctx);
+    if (rule_ == "momentum") return Run<Momentum>(ctx);
+    if (rule_ == "adagrad") return Run<Adagrad>(ctx);
+    if (rule_ == "adam") return Run<Adam>(ctx);
+    if (rule_ == "ftrl") return Run<Ftrl>(ctx);
+    ctx->SetStatus(errors::InvalidArgument("unknown rule ", rule_));
+  }
+
+ private:
+  template <typename Rule>
+  void Run(OpKernelContext* ctx) {
+    tf::core::RefCountPtr<TableResource<K>> res;
+    OP_REQUIRES_OK(ctx, GetTable<K>(ctx, &res));
+    kv::Table<K>& table = res->table();
+    const int64_t dim = table.dim();
+    const Tensor& keys = ctx->input(1);
+    const Tensor& grads = ctx->input(2);
+    const Tensor& hyper = ctx->input(3);
+    const Tensor& step = ctx->input(4);
+    OP_REQUIRES(ctx, keys.dims() == 1,
+                errors::InvalidArgument("keys must be 1-D, got ", keys.shape().DebugString()));
+    const int64_t n = keys.dim_size(0);
+    OP_REQUIRES(ctx, grads.dims() == 2 && grads.dim_size(0) == n && grads.dim_size(1) == dim,
+                errors::InvalidArgument("grads must be [", n, ", ", dim, "], got ",
+                                        grads.shape().DebugString()));
+    OP_REQUIRES(ctx, hyper.dims() == 1 && hyper.dim_size(0) == Rule::kHyper,
+                errors::InvalidArgument("rule '", rule_, "' takes ", Rule::kHyper,
+                                        " hyper-parameters, got shape ",
+                                        hyper.shape().DebugString()));
+    OP_REQUIRES(ctx, tf::TensorShapeUtils::IsScalar(step.shape()),
+                errors::InvalidArgument("step must be a scalar"));
+    OP_REQUIRES(ctx, static_cast<int>(slot_names_.size()) >= Rule::kSlots,
+                errors::InvalidArgument("rule '", rule_, "' needs ", Rule::kSlots,
+                                        " slots, got ", slot_names_.size()));
+    std::vector<int> slot_ids;
+    const std::vector<kv::SlotSpec> specs = table.Slots();
+    for (const std::string& name : slot_names_) {
+      const int id = table.SlotIndex(name);
+      OP_REQUIRES(ctx, id >= 0,
+                  errors::FailedPrecondition(
+                      "the embedding table has no optimizer slot '", name,
+                      "'; build the optimizer on the model's variables first"));
+      OP_REQUIRES(ctx, specs[id].width == dim,
+                  errors::InvalidArgument("slot '", name, "' has width ", specs[id].width,
+                                          ", rule '", rule_, "' needs ", dim));
+      slot_ids.push_back(id);
+    }
+    if (n == 0) return;
+    const float* h = hyper.flat<float>().data();
+    const Rule rule(h);
+    const float decay = h[1];  // weight_decay * learning_rate
+    const int64_t version = step.scalar<int64_t>()();
+    const K* k = keys.flat<K>().data();
+    const float* g = grads.flat<float>().data();
+    kv::Partitioned p = PartitionKeys(ctx, table, k, n);
+    const int64_t per_shard = n / table.num_shards() + 1;
+    OP_REQUIRES_OK(
+        ctx, ParallelFor(ctx, table.num_shards(), per_shard * (60 + 4 * dim), [&](int64_t s) {
+          const int64_t b = p.offsets[s];
+          table.Apply(static_cast<int>(s), k, p.hashes.data(), p.order.data() + b,
+                      p.offsets[s + 1] - b, g, slot_ids, version,
+                      [&](float* var, float** slots, const float* grad) {
+                        if (decay != 0.0f) {
+                          for (int64_t d = 0; d < dim; ++d) var[d] -= var[d] * decay;
+                        }
+                        rule(var, slots, grad, dim);
+                      });
+        }));
+  }
+
+  std::string rule_;
+  std::vector<std::string> slot_names_;
+};
+
+REGISTER_KERNEL_BUILDER(
+    Name("KRE>TableSparseApply").Device(tf::DEVICE_CPU).TypeConstraint<int64_t>("Tkeys"),
+    TableSparseApplyOp<int64_t>);
+REGISTER_KERNEL_BUILDER(
+    Name("KRE>TableSparseApply").Device(tf::DEVICE_CPU).TypeConstraint<int32_t>("Tkeys"),
+    TableSparseApplyOp<int32_t>);
+
+}  // namespace
+}  // namespace kre

@@ -1,0 +1,309 @@
+// Copyright keras_rec_emb authors. Apache-2.0.
+// Kernels that create, read and (de)serialize embedding tables.
+#include <string>
+#include <vector>
+
+#include "kernels/table_resource.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/register_types.h"
+#include "tensorflow/core/framework/tensor.h"
+
+namespace kre {
+namespace {
+
+using tf::OpKernel;
+using tf::OpKernelConstruction;
+using tf::OpKernelContext;
+using tf::Tensor;
+using tf::TensorShape;
+namespace errors = tf::errors;
+
+class TableCreateOp : public OpKernel {
+ public:
+  explicit TableCreateOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("key_dtype", &key_dtype_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("dim", &dim_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_shards", &num_shards_));
+    OP_REQUIRES(ctx, num_shards_ >= 1 && num_shards_ <= 65536 &&
+                         (num_shards_ & (num_shards_ - 1)) == 0,
+                errors::InvalidArgument(
+                    "num_shards must be a power of two in [1, 65536], got ",
+                    num_shards_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& defaults = ctx->input(0);
+    OP_REQUIRES(ctx, defaults.dims() == 2 && defaults.dim_size(1) == dim_ &&
+                         defaults.dim_size(0) >= 1,
+                errors::InvalidArgument(
+                    "default_values must be [default_value_dim >= 1, ", dim_,
+                    "], got ", defaults.shape().DebugString()));
+    auto flat = defaults.flat<float>();
+    std::vector<float> d(flat.data(), flat.data() + flat.size());
+    TableResourceBase* resource;
+    try {
+      if (key_dtype_ == tf::DT_INT64) {
+        resource = new TableResource<int64_t>(dim_, std::move(d), num_shards_);
+      } else {
+        resource = new TableResource<int32_t>(dim_, std::move(d), num_shards_);
+      }
+    } catch (const std::exception& e) {
+      ctx->SetStatus(errors::InvalidArgument(e.what()));
+      return;
+    }
+    Tensor* out;
+    tf::AllocatorAttributes attr;
+    attr.set_on_host(true);
+    absl::Status s = ctx->allocate_output(0, TensorShape({}), &out, attr);
+    if (!s.ok()) {
+      resource->Unref();
+      ctx->SetStatus(s);
+      return;
+    }
+    // The handle owns the new resource's one reference.
+    out->scalar<tf::ResourceHandle>()() =
+        tf::ResourceHandle::MakeRefCountingHandle<TableResourceBase>(
+            resource, ctx->device()->name());
+  }
+
+ private:
+  tf::DataType key_dtype_;
+  int64_t dim_;
+  int num_shards_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("KRE>TableCreate").Device(tf::DEVICE_CPU), TableCreateOp);
+
+// Checks the table's width against the op's static `dim` attribute.
+template <typename K>
+absl::Status CheckDim(const kv::Table<K>& t, int64_t dim) {
+  if (t.dim() != dim) {
+    return errors::InvalidArgument("the embedding table has dim ", t.dim(),
+                                   " but the op expects dim ", dim);
+  }
+  return absl::OkStatus();
+}
+
+template <typename K>
+class TableLookupOp : public OpKernel {
+ public:
+  explicit TableLookupOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("dim", &dim_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("insert", &insert_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    tf::core::RefCountPtr<TableResource<K>> res;
+    OP_REQUIRES_OK(ctx, GetTable<K>(ctx, &res));
+    kv::Table<K>& table = res->table();
+    OP_REQUIRES_OK(ctx, CheckDim(table, dim_));
+    const Tensor& keys = ctx->input(1);
+    TensorShape out_shape = keys.shape();
+    OP_REQUIRES_OK(ctx, out_shape.AddDimWithStatus(dim_));
+    Tensor* out;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, out_shape, &out));
+    const int64_t n = keys.NumElements();
+    if (n == 0) return;
+    const K* k = keys.flat<K>().data();
+    float* o = out->flat<float>().data();
+    kv::Partitioned p = PartitionKeys(ctx, table, k, n);
+    const int64_t per_shard = n / table.num_shards() + 1;
+    OP_REQUIRES_OK(ctx, ParallelFor(ctx, table.num_shards(), per_shard * (40 + dim_),
+                                    [&](int64_t s) {
+                                      const int64_t b = p.offsets[s];
+                                      table.Lookup(static_cast<int>(s), k, p.hashes.data(),
+                                                   p.order.data() + b, p.offsets[s + 1] - b,
+                                                   insert_, o);
+                                    }));
+  }
+
+ private:
+  int64_t dim_;
+  bool insert_;
+};
+
+template <typename K>
+class TableSizeOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    tf::core::RefCountPtr<TableResource<K>> res;
+    OP_REQUIRES_OK(ctx, GetTable<K>(ctx, &res));
+    Tensor* out;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<int64_t>()() = res->table().Size();
+  }
+};
+
+template <typename K>
+class TableMemoryBytesOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    tf::core::RefCountPtr<TableResource<K>> res;
+    OP_REQUIRES_OK(ctx, GetTable<K>(ctx, &res));
+    Tensor* out;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<int64_t>()() = static_cast<int64_t>(res->table().MemoryBytes());
+  }
+};
+
+template <typename K>
+class TableAddSlotOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    tf::core::RefCountPtr<TableResource<K>> res;
+    OP_REQUIRES_OK(ctx, GetTable<K>(ctx, &res));
+    const std::string name(ctx->input(1).scalar<tf::tstring>()());
+    const int64_t width = ctx->input(2).scalar<int64_t>()();
+    const float init = ctx->input(3).scalar<float>()();
+    OP_REQUIRES(ctx, !name.empty(), errors::InvalidArgument("slot name must not be empty"));
+    OP_REQUIRES(ctx, width >= 1,
+                errors::InvalidArgument("slot width must be >= 1, got ", width));
+    try {
+      res->table().AddSlot(name, width, init);
+    } catch (const std::exception& e) {
+      ctx->SetStatus(errors::InvalidArgument(e.what()));
+    }
+  }
+};
+
+template <typename K>
+class TableExportOp : public OpKernel {
+ public:
+  explicit TableExportOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("dim", &dim_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    tf::core::RefCountPtr<TableResource<K>> res;
+    OP_REQUIRES_OK(ctx, GetTable<K>(ctx, &res));
+    kv::Table<K>& table = res->table();
+    OP_REQUIRES_OK(ctx, CheckDim(table, dim_));
+    absl::Status status;
+    using Buffers = typename kv::Table<K>::ExportBuffers;
+    table.Export([&](int64_t n) -> std::optional<Buffers> {
+      // Called with every shard locked, so the slot list is stable here.
+      const std::vector<kv::SlotSpec> specs = table.Slots();
+      int64_t width = 0;
+      for (const auto& s : specs) width += s.width;
+      const int64_t num_slots = static_cast<int64_t>(specs.size());
+      Tensor *keys, *values, *freqs, *versions, *slots, *names, *widths;
+      status.Update(ctx->allocate_output(0, TensorShape({n}), &keys));
+      if (status.ok()) status.Update(ctx->allocate_output(1, TensorShape({n, dim_}), &values));
+      if (status.ok()) status.Update(ctx->allocate_output(2, TensorShape({n}), &freqs));
+      if (status.ok()) status.Update(ctx->allocate_output(3, TensorShape({n}), &versions));
+      if (status.ok()) status.Update(ctx->allocate_output(4, TensorShape({n, width}), &slots));
+      if (status.ok()) status.Update(ctx->allocate_output(5, TensorShape({num_slots}), &names));
+      if (status.ok()) status.Update(ctx->allocate_output(6, TensorShape({num_slots}), &widths));
+      if (!status.ok()) return std::nullopt;
+      for (int64_t j = 0; j < num_slots; ++j) {
+        names->flat<tf::tstring>()(j) = specs[j].name;
+        widths->flat<int64_t>()(j) = specs[j].width;
+      }
+      return Buffers{keys->flat<K>().data(), values->flat<float>().data(),
+                     freqs->flat<int64_t>().data(), versions->flat<int64_t>().data(),
+                     slots->flat<float>().data()};
+    });
+    OP_REQUIRES_OK(ctx, status);
+  }
+
+ private:
+  int64_t dim_;
+};
+
+template <typename K>
+class TableImportOp : public OpKernel {
+ public:
+  explicit TableImportOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("dim", &dim_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("clear", &clear_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    tf::core::RefCountPtr<TableResource<K>> res;
+    OP_REQUIRES_OK(ctx, GetTable<K>(ctx, &res));
+    kv::Table<K>& table = res->table();
+    OP_REQUIRES_OK(ctx, CheckDim(table, dim_));
+    const Tensor& keys = ctx->input(1);
+    const Tensor& values = ctx->input(2);
+    const Tensor& freqs = ctx->input(3);
+    const Tensor& versions = ctx->input(4);
+    const Tensor& slots = ctx->input(5);
+    const Tensor& names = ctx->input(6);
+    const Tensor& widths = ctx->input(7);
+    OP_REQUIRES(ctx, keys.dims() == 1,
+                errors::InvalidArgument("keys must be 1-D, got ", keys.shape().DebugString()));
+    const int64_t n = keys.dim_size(0);
+    OP_REQUIRES(ctx, values.dims() == 2 && values.dim_size(0) == n && values.dim_size(1) == dim_,
+                errors::InvalidArgument("values must be [", n, ", ", dim_, "], got ",
+                                        values.shape().DebugString()));
+    OP_REQUIRES(ctx, freqs.shape() == keys.shape() && versions.shape() == keys.shape(),
+                errors::InvalidArgument("freqs and versions must be [", n, "], got ",
+                                        freqs.shape().DebugString(), " and ",
+                                        versions.shape().DebugString()));
+    OP_REQUIRES(ctx, names.dims() == 1 && widths.shape() == names.shape(),
+                errors::InvalidArgument("slot_names and slot_widths must be 1-D of one length"));
+    int64_t total = 0;
+    std::vector<int64_t> w(widths.NumElements());
+    for (int64_t j = 0; j < widths.NumElements(); ++j) {
+      w[j] = widths.flat<int64_t>()(j);
+      OP_REQUIRES(ctx, w[j] >= 1, errors::InvalidArgument("slot widths must be >= 1"));
+      total += w[j];
+    }
+    OP_REQUIRES(ctx, slots.dims() == 2 && slots.dim_size(0) == n && slots.dim_size(1) == total,
+                errors::InvalidArgument("slot_values must be [", n, ", ", total, "], got ",
+                                        slots.shape().DebugString()));
+    std::vector<int> ids;
+    const std::vector<kv::SlotSpec> specs = table.Slots();
+    try {
+      for (int64_t j = 0; j < names.NumElements(); ++j) {
+        const std::string name(names.flat<tf::tstring>()(j));
+        const int id = table.SlotIndex(name);
+        OP_REQUIRES(ctx, id < 0 || specs[id].width == w[j],
+                    errors::InvalidArgument("slot '", name, "' has width ",
+                                            id < 0 ? 0 : specs[id].width,
+                                            " in the table but ", w[j], " in the data"));
+        ids.push_back(id >= 0 ? id : table.AddSlot(name, w[j], 0.0f));
+      }
+      if (clear_) table.Clear();
+      table.Import(keys.flat<K>().data(), values.flat<float>().data(),
+                   freqs.flat<int64_t>().data(), versions.flat<int64_t>().data(), n,
+                   slots.flat<float>().data(), ids, w);
+    } catch (const std::exception& e) {
+      ctx->SetStatus(errors::InvalidArgument("import failed: ", e.what()));
+    }
+  }
+
+ private:
+  int64_t dim_;
+  bool clear_;
+};
+
+#define REGISTER(K)                                                                    \
+  REGISTER_KERNEL_BUILDER(                                                             \
+      Name("KRE>TableLookup").Device(tf::DEVICE_CPU).TypeConstraint<K>("Tkeys"),       \
+      TableLookupOp<K>);                                                               \
+  REGISTER_KERNEL_BUILDER(                                                             \
+      Name("KRE>TableSize").Device(tf::DEVICE_CPU).TypeConstraint<K>("Tkeys"),         \
+      TableSizeOp<K>);                                                                 \
+  REGISTER_KERNEL_BUILDER(                                                             \
+      Name("KRE>TableMemoryBytes").Device(tf::DEVICE_CPU).TypeConstraint<K>("Tkeys"),  \
+      TableMemoryBytesOp<K>);                                                          \
+  REGISTER_KERNEL_BUILDER(                                                             \
+      Name("KRE>TableAddSlot").Device(tf::DEVICE_CPU).TypeConstraint<K>("Tkeys"),      \
+      TableAddSlotOp<K>);                                                              \
+  REGISTER_KERNEL_BUILDER(                                                             \
+      Name("KRE>TableExport").Device(tf::DEVICE_CPU).TypeConstraint<K>("Tkeys"),       \
+      TableExportOp<K>);                                                               \
+  REGISTER_KERNEL_BUILDER(                                                             \
+      Name("KRE>TableImport").Device(tf::DEVICE_CPU).TypeConstraint<K>("Tkeys"),       \
+      TableImportOp<K>);
+
+REGISTER(int64_t)
+REGISTER(int32_t)
+#undef REGISTER
+
+}  // namespace
+}  // namespace kre

@@ -1,0 +1,204 @@
+// Copyright keras_rec_emb authors. Apache-2.0.
+// Op registrations and shape functions of the embedding table. Kernels live
+// in csrc/kernels/.
+#include "tensorflow/core/framework/common_shape_fns.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+namespace kre {
+
+using ::tensorflow::shape_inference::DimensionHandle;
+using ::tensorflow::shape_inference::InferenceContext;
+using ::tensorflow::shape_inference::ShapeHandle;
+
+namespace {
+
+absl::Status ScalarHandle(InferenceContext* c) {
+  ShapeHandle unused;
+  return c->WithRank(c->input(0), 0, &unused);
+}
+
+absl::Status GetDim(InferenceContext* c, int64_t* dim) {
+  return c->GetAttr("dim", dim);
+}
+
+}  // namespace
+
+// Creates an anonymous embedding table from integer keys to float rows of width
+// `dim` and returns a ref-counting handle: the table lives as long as a handle
+// to it does. `default_values` [default_value_dim, dim] are the EV-initializer
+// rows: a new key k starts as row k mod default_value_dim.
+REGISTER_OP("KRE>TableCreate")
+    .Input("default_values: float")
+    .Output("handle: resource")
+    .Attr("key_dtype: {int32, int64}")
+    .Attr("dim: int >= 1")
+    .Attr("num_shards: int = 32")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      int64_t dim;
+      TF_RETURN_IF_ERROR(GetDim(c, &dim));
+      ShapeHandle defaults;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &defaults));
+      DimensionHandle unused;
+      TF_RETURN_IF_ERROR(c->WithValue(c->Dim(defaults, 1), dim, &unused));
+      c->set_output(0, c->Scalar());
+      return absl::OkStatus();
+    });
+
+// Gathers the rows of `keys` (any shape) into values [keys.shape..., dim]. With
+// `insert`, missing keys are inserted with their default row and every
+// occurrence counts towards the key's frequency (training); without, missing
+// keys read their default row and the table is unchanged (inference).
+REGISTER_OP("KRE>TableLookup")
+    .Input("handle: resource")
+    .Input("keys: Tkeys")
+    .Output("values: float")
+    .Attr("Tkeys: {int32, int64}")
+    .Attr("dim: int >= 1")
+    .Attr("insert: bool = false")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      TF_RETURN_IF_ERROR(ScalarHandle(c));
+      int64_t dim;
+      TF_RETURN_IF_ERROR(GetDim(c, &dim));
+      ShapeHandle out;
+      TF_RETURN_IF_ERROR(c->Concatenate(c->input(1), c->Vector(dim), &out));
+      c->set_output(0, out);
+      return absl::OkStatus();
+    });
+
+REGISTER_OP("KRE>TableSize")
+    .Input("handle: resource")
+    .Output("size: int64")
+    .Attr("Tkeys: {int32, int64}")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      TF_RETURN_IF_ERROR(ScalarHandle(c));
+      c->set_output(0, c->Scalar());
+      return absl::OkStatus();
+    });
+
+REGISTER_OP("KRE>TableMemoryBytes")
+    .Input("handle: resource")
+    .Output("bytes: int64")
+    .Attr("Tkeys: {int32, int64}")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      TF_RETURN_IF_ERROR(ScalarHandle(c));
+      c->set_output(0, c->Scalar());
+      return absl::OkStatus();
+    });
+
+// Adds an optimizer slot (per-row state of `width` floats, `init` for new rows)
+// or, if it exists with that width, sets its init value for rows made from now.
+REGISTER_OP("KRE>TableAddSlot")
+    .Input("handle: resource")
+    .Input("slot_name: string")
+    .Input("width: int64")
+    .Input("init: float")
+    .Attr("Tkeys: {int32, int64}")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      TF_RETURN_IF_ERROR(ScalarHandle(c));
+      ShapeHandle unused;
+      for (int i = 1; i < 4; ++i) {
+        TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 0, &unused));
+      }
+      return absl::OkStatus();
+    });
+
+// Exports every row: keys [N], values [N, dim], freqs [N], versions [N], and the
+// optimizer slots side by side in slot_values [N, sum(slot_widths)].
+REGISTER_OP("KRE>TableExport")
+    .Input("handle: resource")
+    .Output("keys: Tkeys")
+    .Output("values: float")
+    .Output("freqs: int64")
+    .Output("versions: int64")
+    .Output("slot_values: float")
+    .Output("slot_names: string")
+    .Output("slot_widths: int64")
+    .Attr("Tkeys: {int32, int64}")
+    .Attr("dim: int >= 1")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      TF_RETURN_IF_ERROR(ScalarHandle(c));
+      int64_t dim;
+      TF_RETURN_IF_ERROR(GetDim(c, &dim));
+      DimensionHandle n = c->UnknownDim();
+      c->set_output(0, c->Vector(n));
+      c->set_output(1, c->Matrix(n, dim));
+      c->set_output(2, c->Vector(n));
+      c->set_output(3, c->Vector(n));
+      c->set_output(4, c->Matrix(n, c->UnknownDim()));
+      c->set_output(5, c->Vector(c->UnknownDim()));
+      c->set_output(6, c->Vector(c->UnknownDim()));
+      return absl::OkStatus();
+    });
+
+// Inserts or overwrites rows (after clearing the table when `clear`). Slots
+// named in slot_names that the table lacks are created with init 0.
+REGISTER_OP("KRE>TableImport")
+    .Input("handle: resource")
+    .Input("keys: Tkeys")
+    .Input("values: float")
+    .Input("freqs: int64")
+    .Input("versions: int64")
+    .Input("slot_values: float")
+    .Input("slot_names: string")
+    .Input("slot_widths: int64")
+    .Attr("Tkeys: {int32, int64}")
+    .Attr("dim: int >= 1")
+    .Attr("clear: bool = true")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      TF_RETURN_IF_ERROR(ScalarHandle(c));
+      int64_t dim;
+      TF_RETURN_IF_ERROR(GetDim(c, &dim));
+      ShapeHandle keys, values, freqs, versions, slots, names, widths;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &keys));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 2, &values));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(3), 1, &freqs));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(4), 1, &versions));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(5), 2, &slots));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(6), 1, &names));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(7), 1, &widths));
+      DimensionHandle n = c->Dim(keys, 0), unused;
+      TF_RETURN_IF_ERROR(c->Merge(n, c->Dim(values, 0), &n));
+      TF_RETURN_IF_ERROR(c->Merge(n, c->Dim(freqs, 0), &n));
+      TF_RETURN_IF_ERROR(c->Merge(n, c->Dim(versions, 0), &n));
+      TF_RETURN_IF_ERROR(c->Merge(n, c->Dim(slots, 0), &n));
+      TF_RETURN_IF_ERROR(c->WithValue(c->Dim(values, 1), dim, &unused));
+      TF_RETURN_IF_ERROR(c->Merge(c->Dim(names, 0), c->Dim(widths, 0), &unused));
+      return absl::OkStatus();
+    });
+
+// One fused optimizer step on the rows of `keys`: equal keys are deduplicated
+// and their gradient rows summed, each distinct row (value and slots) is updated
+// in place by `rule` with hyper-parameters `hyper`, and its version is set to
+// `step`. Missing keys are inserted first. See keras_rec_emb/_ops.py for the
+// layout of `hyper` per rule.
+REGISTER_OP("KRE>TableSparseApply")
+    .Input("handle: resource")
+    .Input("keys: Tkeys")
+    .Input("grads: float")
+    .Input("hyper: float")
+    .Input("step: int64")
+    .Attr("Tkeys: {int32, int64}")
+    .Attr("rule: {'sgd', 'momentum', 'adagrad', 'adam', 'ftrl'}")
+    .Attr("slots: list(string) >= 0")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      TF_RETURN_IF_ERROR(ScalarHandle(c));
+      ShapeHandle keys, grads, hyper, step;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &keys));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 2, &grads));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(3), 1, &hyper));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(4), 0, &step));
+      DimensionHandle unused;
+      TF_RETURN_IF_ERROR(c->Merge(c->Dim(keys, 0), c->Dim(grads, 0), &unused));
+      return absl::OkStatus();
+    });
+
+}  // namespace kre

@@ -1,0 +1,131 @@
+"""The one place that loads the compiled ops library and wraps its raw ops.
+
+The library (`_kre_ops*.so`, built from csrc/) is loaded once, on first use or
+when `keras_rec_emb` is imported (so that a SavedModel that uses the ops can
+be loaded in a fresh process after `import keras_rec_emb`).
+"""
+
+import functools
+import glob
+import json
+import os
+
+import tensorflow as tf
+
+_DIR = os.path.dirname(os.path.abspath(__file__))
+_REBUILD = (
+    "Rebuild it against the installed TensorFlow: in a source checkout run "
+    "`make build` (or `make install`), otherwise reinstall with "
+    "`pip install --no-build-isolation --force-reinstall keras-rec-emb`."
+)
+
+# Update rules of the fused sparse-apply kernel and the layout of their
+# `hyper` vector (csrc/kernels/apply_kernels.cc). Every vector starts with
+# [learning_rate, weight_decay * learning_rate].
+APPLY_RULES = {
+    "sgd": ("learning_rate", "decay"),
+    "momentum": ("learning_rate", "decay", "momentum", "nesterov"),
+    "adagrad": ("learning_rate", "decay", "epsilon"),
+    "adam": ("learning_rate", "decay", "alpha", "beta_1", "beta_2", "epsilon",
+             "amsgrad"),
+    "ftrl": ("learning_rate", "decay", "learning_rate_power", "l1",
+             "l2_plus_beta", "l2_shrinkage"),
+}
+
+
+def _built_against():
+    try:
+        with open(os.path.join(_DIR, "_kre_ops_build.json")) as f:
+            return json.load(f).get("tensorflow")
+    except (OSError, ValueError):
+        return None
+
+
+@functools.cache
+def gen():
+    """Returns the loaded op module (generated wrappers `kre_table_*`)."""
+    paths = sorted(glob.glob(os.path.join(_DIR, "_kre_ops*.so")))
+    if not paths:
+        raise ImportError(
+            "keras_rec_emb's compiled ops library (_kre_ops*.so) is missing "
+            f"from {_DIR}. {_REBUILD}"
+        )
+    built = _built_against()
+    if built is not None and built != tf.__version__:
+        raise ImportError(
+            f"keras_rec_emb's compiled ops ({paths[0]}) were built against "
+            f"TensorFlow {built}, but TensorFlow {tf.__version__} is "
+            f"installed. {_REBUILD}"
+        )
+    try:
+        return tf.load_op_library(paths[0])
+    except (tf.errors.NotFoundError, OSError) as e:
+        raise ImportError(
+            f"keras_rec_emb's compiled ops ({paths[0]}) failed to load: {e}. "
+            "The library must be built against exactly the installed "
+            f"TensorFlow {tf.__version__}. {_REBUILD}"
+        ) from e
+
+
+@tf.RegisterGradient("KRE>TableLookup")
+def _table_lookup_grad(op, grad):
+    """Gradient of a lookup for the table handle: rows per key, like
+    ResourceGather's gradient for a tf.Variable. Keys are the indices; the
+    dense shape is unknown (a hash table has no dense form)."""
+    dim = op.get_attr("dim")
+    keys = tf.reshape(op.inputs[1], [-1])
+    values = tf.reshape(grad, [-1, dim])
+    return [tf.IndexedSlices(values, keys), None]
+
+
+def create_table(default_values, key_dtype, dim, num_shards):
+    return gen().kre_table_create(
+        default_values, key_dtype=key_dtype, dim=dim, num_shards=num_shards
+    )
+
+
+def lookup(handle, keys, dim, insert):
+    return gen().kre_table_lookup(handle, keys, dim=dim, insert=insert)
+
+
+def size(handle, key_dtype):
+    return gen().kre_table_size(handle, Tkeys=key_dtype)
+
+
+def memory_bytes(handle, key_dtype):
+    return gen().kre_table_memory_bytes(handle, Tkeys=key_dtype)
+
+
+def add_slot(handle, key_dtype, name, width, init):
+    return gen().kre_table_add_slot(
+        handle, name, tf.constant(width, tf.int64), tf.constant(init, tf.float32),
+        Tkeys=key_dtype,
+    )
+
+
+def export(handle, key_dtype, dim):
+    """Returns (keys, values, freqs, versions, slot_values, slot_names,
+    slot_widths)."""
+    return gen().kre_table_export(handle, Tkeys=key_dtype, dim=dim)
+
+
+def import_(handle, dim, keys, values, freqs, versions, slot_values,
+            slot_names, slot_widths, clear=True):
+    return gen().kre_table_import(
+        handle, keys, values, freqs, versions, slot_values, slot_names,
+        slot_widths, dim=dim, clear=clear,
+    )
+
+
+def sparse_apply(handle, keys, grads, rule, hyper, step, slots):
+    """One fused optimizer step on a table (see APPLY_RULES for `hyper`)."""
+    if len(hyper) != len(APPLY_RULES[rule]):
+        raise ValueError(
+            f"rule {rule!r} takes hyper-parameters {APPLY_RULES[rule]}; "
+            f"got {len(hyper)} values"
+        )
+    hyper = tf.stack([tf.cast(h, tf.float32) for h in hyper])
+    return gen().kre_table_sparse_apply(
+        handle, keys, grads, hyper, tf.cast(step, tf.int64), rule=rule,
+        slots=list(slots),
+    )
