@@ -1,3 +1,35 @@
-"""keras_rec_emb: industrial sparse embeddings for Keras 3 (TensorFlow backend)."""
+"""keras_rec_emb: industrial sparse embeddings for Keras 3 (TensorFlow backend).
 
-from keras_rec_emb import data  # noqa: F401
+Dynamic hash-table embeddings (DeepRec's EmbeddingVariable) that train with
+`model.fit`, sparse-aware optimizers that update them, saving with
+`model.save`, and Parquet/Kafka input pipelines.
+"""
+
+import keras as _keras
+
+if _keras.backend.backend() != "tensorflow":
+    raise ImportError(
+        "keras_rec_emb runs on Keras's TensorFlow backend, but the active "
+        f"backend is {_keras.backend.backend()!r}. Set the environment variable "
+        "KERAS_BACKEND=tensorflow before importing keras."
+    )
+
+from keras_rec_emb import _ops  # noqa: E402
+
+# Register the ops now, so that SavedModels using them load after import.
+_ops.gen()
+
+from keras_rec_emb import data, layers, optimizers  # noqa: E402,F401
+from keras_rec_emb.options import (  # noqa: E402,F401
+    CBFFilter,
+    CounterFilter,
+    EmbeddingVariableOption,
+    GlobalStepEvict,
+    InitializerOption,
+    L2WeightEvict,
+    StorageOption,
+)
+from keras_rec_emb.saving import save_model  # noqa: E402,F401
+from keras_rec_emb.variables import EmbeddingTable  # noqa: E402,F401
+
+__version__ = "0.1.0"

@@ -1,0 +1,295 @@
+"""EmbeddingVariable: an embedding layer backed by a dynamic hash table."""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_rec_emb import options as options_lib
+from keras_rec_emb.variables import EmbeddingTable
+
+_COMBINERS = ("sum", "mean", "sqrtn")
+_KEY_DTYPES = ("int32", "int64")
+
+
+def combine_rows(rows, segment_ids, num_segments, combiner, weights=None):
+    """Reduces `rows` [n, dim] into [num_segments, dim] by `segment_ids`.
+
+    `sum`, `mean` (divide by the number, or total weight, of ids in the
+    segment) or `sqrtn` (divide by the square root of the sum of squared
+    weights). Empty segments give zeros.
+    """
+    if weights is not None:
+        rows = rows * tf.expand_dims(weights, -1)
+        w = weights
+    else:
+        w = tf.ones(tf.shape(segment_ids), rows.dtype)
+    total = tf.math.unsorted_segment_sum(rows, segment_ids, num_segments)
+    if combiner == "sum":
+        return total
+    if combiner == "mean":
+        denom = tf.math.unsorted_segment_sum(w, segment_ids, num_segments)
+    else:
+        denom = tf.sqrt(tf.math.unsorted_segment_sum(w * w, segment_ids, num_segments))
+    return tf.math.divide_no_nan(total, tf.expand_dims(denom, -1))
+
+
+@keras.saving.register_keras_serializable(package="keras_rec_emb")
+class EmbeddingVariable(keras.layers.Layer):
+    """Embedding layer whose table grows as new ids arrive (DeepRec's EV).
+
+    Ids index a collision-free hash table instead of a `[vocab, dim]` matrix:
+    any int32/int64 id works (`10**15` as well as `3`), and memory grows
+    with the number of distinct ids seen. A new id's row is a copy of row
+    `id mod default_value_dim` of a matrix drawn once from `initializer`
+    (DeepRec's EV Initializer).
+
+    In training (`training=True`, as in `model.fit`) unseen ids are inserted
+    and counted; in inference they read their initial row and the table is
+    unchanged. Train with an optimizer from `keras_rec_emb.optimizers`; the
+    table's gradient is a `tf.IndexedSlices` over ids. `model.save`,
+    `tf.train.Checkpoint` and `model.export` keep every row, the optimizer
+    slots, frequencies and versions.
+
+    Args:
+        embedding_dim: int > 0. Width of each embedding row.
+        initializer: Keras initializer for new rows (the EV-initializer
+            matrix). Defaults to `"truncated_normal"`.
+        key_dtype: `"int64"` or `"int32"`. Dtype of the table's keys; ids
+            of the other integer dtype are cast. Defaults to `"int64"`.
+        combiner: `None`, `"sum"`, `"mean"` or `"sqrtn"`. With a combiner,
+            ids `[B, L]` (dense, `tf.RaggedTensor` or `tf.SparseTensor`) give
+            `[B, embedding_dim]`, and empty rows give zeros. Defaults to
+            `None`.
+        ev_option: `keras_rec_emb.EmbeddingVariableOption` or `None`.
+        trainable: bool. Defaults to `True`.
+        name: str or `None`.
+        **kwargs: other `keras.layers.Layer` arguments (e.g. `dtype`).
+
+    Input shape:
+        Integer ids of any shape; or `[B, None]` ragged/sparse ids with a
+        combiner.
+
+    Output shape:
+        `ids.shape + (embedding_dim,)` without a combiner (ragged ids give a
+        ragged result); `ids.shape[:-1] + (embedding_dim,)` with one.
+
+    Example:
+
+    >>> ids = keras.Input(shape=(3,), dtype="int64")
+    >>> emb = keras_rec_emb.layers.EmbeddingVariable(8, combiner="mean")(ids)
+    >>> out = keras.layers.Dense(1, activation="sigmoid")(emb)
+    >>> model = keras.Model(ids, out)
+    >>> model.compile(optimizer=keras_rec_emb.optimizers.Adagrad(0.1),
+    ...               loss="binary_crossentropy")
+    >>> x = np.random.randint(0, 10**12, size=(64, 3))
+    >>> y = np.random.randint(0, 2, size=(64, 1))
+    >>> history = model.fit(x, y, epochs=1, verbose=0)
+    >>> model.layers[1].table_size()
+    192
+    """
+
+    def __init__(self, embedding_dim, initializer="truncated_normal",
+                 key_dtype="int64", combiner=None, ev_option=None,
+                 trainable=True, name=None, **kwargs):
+        super().__init__(trainable=trainable, name=name, **kwargs)
+        if (isinstance(embedding_dim, bool) or not isinstance(embedding_dim, (int, np.integer))
+                or embedding_dim <= 0):
+            raise ValueError(
+                "`embedding_dim` must be a positive integer. Received: "
+                f"embedding_dim={embedding_dim!r}"
+            )
+        key_dtype = tf.as_dtype(key_dtype).name if isinstance(key_dtype, tf.DType) else key_dtype
+        if key_dtype not in _KEY_DTYPES:
+            raise ValueError(
+                f"`key_dtype` must be one of {_KEY_DTYPES}. Received: "
+                f"key_dtype={key_dtype!r}"
+            )
+        if combiner is not None and combiner not in _COMBINERS:
+            raise ValueError(
+                f"`combiner` must be None or one of {_COMBINERS}. Received: "
+                f"combiner={combiner!r}"
+            )
+        if ev_option is None:
+            ev_option = options_lib.EmbeddingVariableOption()
+        elif not isinstance(ev_option, options_lib.EmbeddingVariableOption):
+            raise TypeError(
+                "`ev_option` must be a keras_rec_emb.EmbeddingVariableOption or "
+                f"None. Received: ev_option={ev_option!r}"
+            )
+        missing = ev_option.unimplemented_feature()
+        if missing is not None:
+            raise NotImplementedError(
+                f"EmbeddingVariable does not support {missing} yet (issue 4: "
+                "feature admission filters, eviction and storage tiers). "
+                f"Received: ev_option={ev_option!r}"
+            )
+        self.embedding_dim = int(embedding_dim)
+        self.initializer = keras.initializers.get(initializer)
+        self.key_dtype = key_dtype
+        self.combiner = combiner
+        self.ev_option = ev_option
+        self.table = None
+
+    def build(self, input_shape=None):
+        if self.built:
+            return
+        init_option = self.ev_option.init_option
+        initializer = init_option.initializer or self.initializer
+        default_values = keras.ops.convert_to_numpy(initializer(
+            shape=(init_option.default_value_dim, self.embedding_dim), dtype="float32"))
+        self.table = EmbeddingTable(
+            self.embedding_dim, self.key_dtype, default_values,
+            num_shards=self.ev_option.num_shards, trainable=self.trainable,
+            name=f"{self.name}/embeddings",
+        )
+        self._track_variable(self.table)
+        self.built = True
+
+    @property
+    def trainable(self):
+        return super().trainable
+
+    @trainable.setter
+    def trainable(self, value):
+        keras.layers.Layer.trainable.fset(self, value)
+        if getattr(self, "table", None) is not None:
+            self.table.trainable = value
+
+    # -- forward --------------------------------------------------------------
+    def _ids(self, ids):
+        if not ids.dtype.is_integer:
+            raise TypeError(
+                f"EmbeddingVariable '{self.name}' expects integer ids "
+                f"(int32 or int64). Received ids of dtype {ids.dtype.name}. Hash "
+                "strings or floats to integers first, e.g. with "
+                "keras.layers.Hashing or tf.strings.to_hash_bucket_fast."
+            )
+        return tf.cast(ids, self.key_dtype) if ids.dtype != self.key_dtype else ids
+
+    def _lookup(self, ids, training):
+        rows = self.table.lookup(ids, insert=bool(training) and self.trainable)
+        if self.compute_dtype != "float32":
+            rows = tf.cast(rows, self.compute_dtype)
+        return rows
+
+    def call(self, inputs, training=None):
+        if isinstance(inputs, tf.RaggedTensor):
+            if inputs.ragged_rank != 1 or inputs.shape.rank != 2:
+                raise ValueError(
+                    f"EmbeddingVariable '{self.name}' takes ragged ids of shape "
+                    f"[batch, None]. Received shape {inputs.shape} with "
+                    f"ragged_rank {inputs.ragged_rank}"
+                )
+            ids = self._ids(inputs.values)
+            rows = self._lookup(ids, training)
+            if self.combiner is None:
+                return inputs.with_values(rows)
+            return combine_rows(rows, inputs.value_rowids(), inputs.nrows(), self.combiner)
+        if isinstance(inputs, tf.SparseTensor):
+            if inputs.shape.rank != 2:
+                raise ValueError(
+                    f"EmbeddingVariable '{self.name}' takes sparse ids of shape "
+                    f"[batch, None]. Received shape {inputs.shape}"
+                )
+            if self.combiner is None:
+                raise ValueError(
+                    f"EmbeddingVariable '{self.name}' needs a `combiner` to "
+                    "embed tf.SparseTensor ids. Received combiner=None"
+                )
+            rows = self._lookup(self._ids(inputs.values), training)
+            return combine_rows(rows, inputs.indices[:, 0], inputs.dense_shape[0],
+                                self.combiner)
+        inputs = tf.convert_to_tensor(inputs)
+        ids = self._ids(inputs)
+        if self.combiner is None:
+            return self._lookup(ids, training)
+        if inputs.shape.rank is not None and inputs.shape.rank < 1:
+            raise ValueError(
+                f"EmbeddingVariable '{self.name}' with a combiner combines the "
+                f"last axis of the ids; received scalar ids of shape {inputs.shape}"
+            )
+        rows = self._lookup(ids, training)
+        return self._combine_dense(rows)
+
+    def _combine_dense(self, rows):
+        if self.combiner == "sum":
+            return tf.reduce_sum(rows, axis=-2)
+        if self.combiner == "mean":
+            return tf.reduce_mean(rows, axis=-2)
+        length = tf.cast(tf.shape(rows)[-2], rows.dtype)
+        return tf.reduce_sum(rows, axis=-2) / tf.sqrt(length)
+
+    def compute_output_shape(self, input_shape):
+        input_shape = tuple(input_shape)
+        if self.combiner is not None:
+            return input_shape[:-1] + (self.embedding_dim,)
+        return input_shape + (self.embedding_dim,)
+
+    def compute_output_spec(self, inputs, training=None):
+        shape = self.compute_output_shape(inputs.shape)
+        ragged = bool(getattr(inputs, "ragged", False)) and self.combiner is None
+        return keras.KerasTensor(shape, dtype=self.compute_dtype, ragged=ragged)
+
+    # -- table access ---------------------------------------------------------
+    def _require_built(self, what):
+        if self.table is None:
+            raise ValueError(
+                f"EmbeddingVariable '{self.name}' is not built yet; call it on "
+                f"ids (or build it) before {what}."
+            )
+
+    def table_size(self):
+        """Number of distinct ids in the table."""
+        self._require_built("table_size()")
+        return self.table.size()
+
+    def export(self):
+        """All rows as NumPy arrays: `keys` [N], `values` [N, dim], `freqs`
+        [N], `versions` [N], and `slots` {slot name: [N, width]} in the same
+        key order."""
+        self._require_built("export()")
+        return self.table.export()
+
+    def import_(self, data):
+        """Replaces the table's contents with `data` (shaped like
+        `export()`'s result; `freqs`, `versions` and `slots` optional)."""
+        self._require_built("import_()")
+        self.table.import_(data)
+
+    # -- saving ---------------------------------------------------------------
+    def save_own_variables(self, store):
+        if self.table is None:
+            return
+        data = self.table.export()
+        for key in ("keys", "values", "freqs", "versions"):
+            store[key] = data[key]
+        for name, values in data["slots"].items():
+            store[f"slot:{name}"] = values
+
+    def load_own_variables(self, store):
+        if self.table is None:
+            self.build()
+        names = list(store.keys())
+        data = {key: np.asarray(store[key]) for key in ("keys", "values", "freqs", "versions")
+                if key in names}
+        data["slots"] = {n[len("slot:"):]: np.asarray(store[n]) for n in names
+                         if n.startswith("slot:")}
+        self.table.import_(data)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update({
+            "embedding_dim": self.embedding_dim,
+            "initializer": keras.initializers.serialize(self.initializer),
+            "key_dtype": self.key_dtype,
+            "combiner": self.combiner,
+            "ev_option": keras.saving.serialize_keras_object(self.ev_option),
+        })
+        return config
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        if isinstance(config.get("ev_option"), dict):
+            config["ev_option"] = keras.saving.deserialize_keras_object(config["ev_option"])
+        return cls(**config)

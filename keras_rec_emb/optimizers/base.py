@@ -1,0 +1,156 @@
+"""The optimizer base that also updates embedding tables.
+
+Our optimizers subclass Keras's own (`class Adam(TableOptimizer,
+keras.optimizers.Adam)`), so dense variables and `keras.layers.Embedding` take
+exactly Keras's path. This mixin intercepts the seams where a table differs:
+
+* `add_variable_from_reference`: a table's slot is a parallel arena inside
+  the table (`EmbeddingTable.add_slot`), not a Keras variable; a `TableSlot`
+  placeholder stands in Keras's slot lists.
+* `_backend_update_step`: table gradients (`tf.IndexedSlices` over keys) go to
+  one fused C++ kernel per table; the rest to Keras.
+* `_apply_weight_decay`: decoupled weight decay of a table is applied by the
+  kernel to the rows updated in the step.
+* `_clip_gradients`: `global_clipnorm` over deduplicated rows, since Keras's
+  version densifies `IndexedSlices` (impossible for a hash table).
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_rec_emb import _ops
+from keras_rec_emb.variables import is_table
+
+
+class TableSlot:
+    """Stands for an optimizer slot that lives inside an embedding table."""
+
+    def __init__(self, table, name):
+        self.table = table
+        self.name = name
+
+    def __repr__(self):
+        return f"<TableSlot '{self.name}' of {self.table.name}>"
+
+
+def _initial_value(initializer):
+    """The constant a slot initializer fills with (slots are constants)."""
+    init = keras.initializers.get(initializer)
+    value = np.asarray(keras.ops.convert_to_numpy(init(shape=(2,), dtype="float32")))
+    if value[0] != value[1]:
+        raise ValueError(
+            "Optimizer slots of embedding tables must start from a constant; "
+            f"received initializer {initializer!r}"
+        )
+    return float(value[0])
+
+
+def _dedupe(grad):
+    """Sums the rows of equal indices of an IndexedSlices."""
+    unique, idx = tf.unique(grad.indices)
+    values = tf.math.unsorted_segment_sum(grad.values, idx, tf.size(unique))
+    return values
+
+
+class TableOptimizer:
+    """Mixin placed before a Keras optimizer class; see the module docstring.
+
+    Subclasses implement `_table_update(learning_rate)` returning
+    `(rule, hyper, slot_names)` for the fused kernel, where
+    `hyper[:2] == [learning_rate, decay]` is filled in by this class.
+    """
+
+    def _table_update(self, learning_rate):
+        raise NotImplementedError
+
+    # -- building ---------------------------------------------------------------
+    def build(self, variables):
+        if self.built:
+            return
+        tables = [v for v in variables if is_table(v)]
+        if tables and self.use_ema:
+            raise ValueError(
+                f"{type(self).__name__}(use_ema=True) cannot keep a moving "
+                "average of embedding tables (their rows change in number). "
+                f"Tables: {[t.name for t in tables]}"
+            )
+        if tables and self.gradient_accumulation_steps:
+            raise ValueError(
+                f"{type(self).__name__}(gradient_accumulation_steps="
+                f"{self.gradient_accumulation_steps}) is not supported with "
+                f"embedding tables. Tables: {[t.name for t in tables]}"
+            )
+        super().build(variables)
+
+    def add_variable_from_reference(self, reference_variable, name=None,
+                                    initializer="zeros"):
+        if is_table(reference_variable):
+            # Built inside the first traced train step: like Keras variable
+            # creation, slot creation is lifted out to run once, eagerly.
+            with tf.init_scope():
+                reference_variable.add_slot(name, _initial_value(initializer))
+            return TableSlot(reference_variable, name)
+        return super().add_variable_from_reference(
+            reference_variable, name=name, initializer=initializer)
+
+    def _var_key(self, variable):
+        if is_table(variable):
+            return variable._kre_id
+        return super()._var_key(variable)
+
+    # -- applying -----------------------------------------------------------
+    def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        dense_grads, dense_vars = [], []
+        for grad, var in zip(grads, trainable_variables):
+            if is_table(var):
+                self._apply_to_table(grad, var, learning_rate)
+            else:
+                dense_grads.append(grad)
+                dense_vars.append(var)
+        if dense_vars:
+            super()._backend_update_step(dense_grads, dense_vars, learning_rate)
+
+    def _apply_to_table(self, grad, table, learning_rate):
+        if not isinstance(grad, tf.IndexedSlices):
+            raise TypeError(
+                f"The gradient of embedding table '{table.name}' must be a "
+                f"tf.IndexedSlices over keys; received {type(grad).__name__}"
+            )
+        lr = tf.cast(learning_rate, tf.float32)
+        decay = 0.0
+        if self.weight_decay is not None and self._use_weight_decay(table):
+            decay = lr * tf.cast(self.weight_decay, tf.float32)
+        rule, hyper, slots = self._table_update(lr)
+        keys = tf.cast(grad.indices, table.key_dtype)
+        values = tf.reshape(tf.cast(grad.values, tf.float32), [-1, table.dim])
+        _ops.sparse_apply(table.handle, keys, values, rule, [lr, decay] + list(hyper),
+                          self.iterations, slots)
+
+    def _apply_weight_decay(self, variables):
+        super()._apply_weight_decay([v for v in variables if not is_table(v)])
+
+    def _clip_gradients(self, grads):
+        if not (self.global_clipnorm and self.global_clipnorm > 0):
+            return super()._clip_gradients(grads)
+        # The norm of the densified gradient: duplicate indices summed first.
+        squares = []
+        for g in grads:
+            if g is None:
+                continue
+            values = _dedupe(g) if isinstance(g, tf.IndexedSlices) else g
+            squares.append(tf.reduce_sum(tf.square(tf.cast(values, tf.float32))))
+        norm = tf.sqrt(tf.add_n(squares))
+        clip = tf.cast(self.global_clipnorm, tf.float32)
+        scale = clip * tf.minimum(1.0 / norm, 1.0 / clip)
+        scale = scale + (norm - norm)  # NaN/inf norms give NaN, as in Keras
+
+        def scaled(g):
+            if g is None:
+                return None
+            if isinstance(g, tf.IndexedSlices):
+                return tf.IndexedSlices(g.values * tf.cast(scale, g.values.dtype),
+                                        g.indices, g.dense_shape)
+            return g * tf.cast(scale, g.dtype)
+
+        return [scaled(g) for g in grads]

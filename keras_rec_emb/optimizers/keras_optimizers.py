@@ -1,0 +1,92 @@
+"""SGD, Adagrad, Adam and Ftrl that also update embedding tables.
+
+Each accepts exactly the arguments of its Keras namesake and updates dense
+variables exactly as Keras does. Embedding tables are updated by one fused
+kernel per table and step, with the same per-row formula, on the rows that
+have a gradient in the step ("lazy" sparse updates: rows absent from the
+batch, their slots included, are untouched — as in DeepRec, and the only
+choice for a table whose rows are not enumerable each step).
+"""
+
+import keras
+import tensorflow as tf
+
+from keras_rec_emb.optimizers.base import TableOptimizer
+
+_register = keras.saving.register_keras_serializable(package="keras_rec_emb")
+
+_EXAMPLE = """
+    Example:
+
+    >>> ids = keras.Input(shape=(2,), dtype="int64")
+    >>> x = keras_rec_emb.layers.EmbeddingVariable(4, combiner="sum")(ids)
+    >>> model = keras.Model(ids, keras.layers.Dense(1)(x))
+    >>> model.compile(optimizer=keras_rec_emb.optimizers.{name}({args}),
+    ...               loss="mse")
+    >>> history = model.fit(np.array([[1, 10**12], [7, 1]]), np.ones((2, 1)),
+    ...                     verbose=0)
+"""
+
+
+def _doc(name, keras_name, rule, args=""):
+    return (
+        f"`keras.optimizers.{keras_name}` that also updates embedding tables.\n\n"
+        f"    Dense variables follow Keras's {keras_name} exactly. A table's rows\n"
+        f"    are updated in place by one fused kernel per step: {rule}\n"
+        "    Slots live inside the table and are saved with it.\n\n"
+        f"    Args:\n        Same as `keras.optimizers.{keras_name}`.\n"
+        + _EXAMPLE.format(name=name, args=args)
+    )
+
+
+@_register
+class SGD(TableOptimizer, keras.optimizers.SGD):
+    __doc__ = _doc("SGD", "SGD",
+                   "equal keys summed, then `row -= lr * g` (or the momentum /\n"
+                   "    Nesterov update with a per-row `momentum` slot).", "0.1")
+
+    def _table_update(self, learning_rate):
+        if self.momentum == 0:
+            return "sgd", [], []
+        return "momentum", [self.momentum, float(self.nesterov)], ["momentum"]
+
+
+@_register
+class Adagrad(TableOptimizer, keras.optimizers.Adagrad):
+    __doc__ = _doc("Adagrad", "Adagrad",
+                   "`accumulator += g**2; row -= lr * g / sqrt(accumulator +\n"
+                   "    epsilon)`.", "0.1")
+
+    def _table_update(self, learning_rate):
+        return "adagrad", [self.epsilon], ["accumulator"]
+
+
+@_register
+class Adam(TableOptimizer, keras.optimizers.Adam):
+    __doc__ = _doc("Adam", "Adam",
+                   "Keras's Adam formula with the bias correction of the\n"
+                   "    optimizer's step (`iterations + 1`), on per-row `momentum`\n"
+                   "    and `velocity` (and `velocity_hat` with `amsgrad`) slots.",
+                   "0.01")
+
+    def _table_update(self, learning_rate):
+        step = tf.cast(self.iterations + 1, tf.float32)
+        beta_1_power = tf.pow(tf.cast(self.beta_1, tf.float32), step)
+        beta_2_power = tf.pow(tf.cast(self.beta_2, tf.float32), step)
+        alpha = learning_rate * tf.sqrt(1 - beta_2_power) / (1 - beta_1_power)
+        slots = ["momentum", "velocity"] + (["velocity_hat"] if self.amsgrad else [])
+        return ("adam", [alpha, self.beta_1, self.beta_2, self.epsilon,
+                         float(self.amsgrad)], slots)
+
+
+@_register
+class Ftrl(TableOptimizer, keras.optimizers.Ftrl):
+    __doc__ = _doc("Ftrl", "Ftrl",
+                   "Keras's FTRL-proximal formula on per-row `accumulator` and\n"
+                   "    `linear` slots.", "0.1")
+
+    def _table_update(self, learning_rate):
+        l2 = self.l2_regularization_strength + self.beta / (2.0 * learning_rate)
+        return ("ftrl", [self.learning_rate_power, self.l1_regularization_strength, l2,
+                         self.l2_shrinkage_regularization_strength],
+                ["accumulator", "linear"])

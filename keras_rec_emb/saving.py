@@ -1,0 +1,39 @@
+"""Saving that never destroys the previous file."""
+
+import os
+import tempfile
+
+
+def save_model(model, filepath, **kwargs):
+    """`model.save(filepath)`, atomically: the previous file survives a failure.
+
+    Keras's `model.save` opens `filepath` for writing (truncating it) before
+    it serializes the model, so an error midway leaves neither the old nor a
+    new model. This writes to a temporary file in the same directory and
+    renames it over `filepath` only once the save has succeeded.
+
+    Args:
+        model: a `keras.Model`.
+        filepath: str or path-like ending in `.keras`.
+        **kwargs: passed to `model.save`.
+
+    Example:
+
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    >>> keras_rec_emb.save_model(model, "/tmp/kre_doc_model.keras")
+    """
+    filepath = os.fspath(filepath)
+    if not filepath.endswith(".keras"):
+        raise ValueError(
+            f"`filepath` must end in `.keras`. Received: filepath={filepath!r}"
+        )
+    directory = os.path.dirname(os.path.abspath(filepath))
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".keras", dir=directory)
+    os.close(fd)
+    try:
+        model.save(tmp, **kwargs)
+        os.replace(tmp, filepath)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
