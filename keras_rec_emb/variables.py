@@ -113,6 +113,12 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         return self._name
 
     @property
+    def _shared_name(self):
+        # The checkpointer records it as the "full name" of variable-like
+        # objects (for name-based checkpoint compatibility).
+        return self._name
+
+    @property
     def dtype(self):
         return tf.float32
 

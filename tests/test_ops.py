@@ -1,0 +1,231 @@
+"""The raw table ops and the EmbeddingTable resource, against NumPy."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_rec_emb import _ops
+from keras_rec_emb.variables import EmbeddingTable
+
+DIM = 4
+
+
+def make_table(key_dtype="int64", dvd=5, num_shards=4):
+    defaults = np.arange(dvd * DIM, dtype=np.float32).reshape(dvd, DIM)
+    return EmbeddingTable(DIM, key_dtype, defaults, num_shards=num_shards), defaults
+
+
+def default_rows(keys, defaults):
+    return defaults[np.mod(np.asarray(keys, np.int64), defaults.shape[0])]
+
+
+@pytest.mark.parametrize("key_dtype", ["int64", "int32"])
+def test_lookup_inserts_with_ev_initializer_rows(key_dtype):
+    table, defaults = make_table(key_dtype)
+    big = 2**40 + 3 if key_dtype == "int64" else 2**30 + 3
+    keys = np.array([[7, -3, big], [7, 0, 12]], key_dtype)
+    rows = table.lookup(tf.constant(keys), insert=True).numpy()
+    assert rows.shape == (2, 3, DIM)
+    np.testing.assert_array_equal(rows, default_rows(keys, defaults))
+    assert table.size() == 5  # 7 appears twice
+    exported = table.export()
+    freq = dict(zip(exported["keys"].tolist(), exported["freqs"].tolist()))
+    assert freq == {7: 2, -3: 1, big: 1, 0: 1, 12: 1}
+
+
+def test_lookup_without_insert_reads_defaults_and_leaves_table_alone():
+    table, defaults = make_table()
+    table.lookup(tf.constant([1, 2], tf.int64), insert=True)
+    rows = table.lookup(tf.constant([2, 10**15], tf.int64), insert=False).numpy()
+    np.testing.assert_array_equal(rows, default_rows([2, 10**15], defaults))
+    assert table.size() == 2
+    freqs = table.export()["freqs"]
+    assert sorted(freqs.tolist()) == [1, 1]  # inference does not count
+
+
+def test_table_grows_by_exactly_the_new_unique_keys():
+    table, _ = make_table(num_shards=8)
+    rng = np.random.default_rng(0)
+    seen = set()
+    for _ in range(5):
+        batch = rng.integers(0, 5000, size=3000) * 10**9
+        table.lookup(tf.constant(batch), insert=True)
+        seen |= set(batch.tolist())
+        assert table.size() == len(seen)
+    assert set(table.export()["keys"].tolist()) == seen
+
+
+def test_empty_and_scalar_keys():
+    table, defaults = make_table()
+    empty = table.lookup(tf.zeros([0, 3], tf.int64), insert=True)
+    assert empty.shape == (0, 3, DIM)
+    scalar = table.lookup(tf.constant(9, tf.int64), insert=True).numpy()
+    np.testing.assert_array_equal(scalar, defaults[9 % 5])
+
+
+def test_export_import_round_trip_with_slots():
+    table, _ = make_table()
+    table.lookup(tf.constant([3, 1, 4, 1, 5], tf.int64), insert=True)
+    table.add_slot("accumulator", 0.1)
+    table.add_slot("beta_power", 0.9, width=1)
+    data = table.export()
+    assert set(data["slots"]) == {"accumulator", "beta_power"}
+    assert data["slots"]["beta_power"].shape == (4, 1)
+    np.testing.assert_allclose(data["slots"]["accumulator"], 0.1)
+    data["values"] = data["values"] * -2.0
+    data["slots"]["accumulator"] = (data["slots"]["accumulator"] + data["keys"][:, None]).astype(np.float32)
+    other, _ = make_table(num_shards=2)
+    other.import_(data)
+    back = other.export()
+    order = np.argsort(back["keys"])
+    src = np.argsort(data["keys"])
+    np.testing.assert_array_equal(back["keys"][order], data["keys"][src])
+    np.testing.assert_array_equal(back["values"][order], data["values"][src])
+    np.testing.assert_array_equal(back["freqs"][order], data["freqs"][src])
+    for name in data["slots"]:
+        np.testing.assert_array_equal(back["slots"][name][order], data["slots"][name][src])
+
+
+def test_import_rejects_bad_data():
+    table, _ = make_table()
+    with pytest.raises(ValueError, match="keys"):
+        table.import_({"values": np.zeros((1, DIM))})
+    with pytest.raises(ValueError, match=r"values.*shape \(2, 4\)"):
+        table.import_({"keys": np.array([1, 2]), "values": np.zeros((2, 3))})
+    with pytest.raises(TypeError, match="integers"):
+        table.import_({"keys": np.array([1.5]), "values": np.zeros((1, DIM))})
+
+
+def _apply(table, keys, grads, rule, hyper, slots, step=1):
+    return _ops.sparse_apply(table.handle, tf.constant(keys, tf.int64),
+                             tf.constant(grads, tf.float32), rule, hyper, step, slots)
+
+
+def test_sparse_apply_adagrad_matches_numpy_with_duplicate_keys():
+    table, defaults = make_table()
+    keys = np.array([2, 9, 2, 2, 11])
+    table.lookup(tf.constant(keys), insert=True)
+    table.add_slot("accumulator", 0.1)
+    rng = np.random.default_rng(1)
+    grads = rng.normal(size=(5, DIM)).astype(np.float32)
+    lr, eps = 0.3, 1e-7
+    _apply(table, keys, grads, "adagrad", [lr, 0.0, eps], ["accumulator"], step=42)
+    data = table.export()
+    for k in (2, 9, 11):
+        g = grads[keys == k].sum(axis=0)
+        acc = 0.1 + g * g
+        expect = defaults[k % 5] - lr * g / np.sqrt(acc + eps)
+        i = list(data["keys"]).index(k)
+        np.testing.assert_allclose(data["values"][i], expect, rtol=1e-6)
+        np.testing.assert_allclose(data["slots"]["accumulator"][i], acc, rtol=1e-6)
+        assert data["versions"][i] == 42
+
+
+def test_sparse_apply_ftrl_matches_numpy():
+    table, defaults = make_table()
+    keys = np.array([1, 1, 3])
+    table.lookup(tf.constant(keys), insert=True)
+    table.add_slot("accumulator", 0.1)
+    table.add_slot("linear", 0.0)
+    grads = np.array([[0.5, -1, 2, 0], [1, 1, -1, 3], [0.2, 0.2, 0.2, 0.2]], np.float32)
+    lr, p, l1, l2, shr = 0.1, -0.5, 0.01, 0.02, 0.03
+    _apply(table, keys, grads, "ftrl", [lr, 0.0, p, l1, l2, shr], ["accumulator", "linear"])
+    data = table.export()
+    for k in (1, 3):
+        g = grads[keys == k].sum(axis=0)
+        var = defaults[k % 5].astype(np.float64)
+        acc = np.full(DIM, 0.1)
+        new_acc = acc + g * g
+        linear = (g + 2 * shr * var) - (new_acc ** -p - acc ** -p) / lr * var
+        quad = new_acc ** -p / lr + 2 * l2
+        expect = (np.clip(linear, -l1, l1) - linear) / quad
+        i = list(data["keys"]).index(k)
+        np.testing.assert_allclose(data["values"][i], expect, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(data["slots"]["linear"][i], linear, rtol=1e-5, atol=1e-6)
+
+
+def test_sparse_apply_inserts_missing_keys_and_applies_weight_decay():
+    table, defaults = make_table()
+    _apply(table, [8], np.ones((1, DIM)), "sgd", [0.5, 0.1], [])
+    np.testing.assert_allclose(table.export()["values"][0],
+                               defaults[8 % 5] * (1 - 0.1) - 0.5, rtol=1e-6)
+
+
+def test_kernels_reject_bad_inputs_with_invalid_argument():
+    table, _ = make_table()
+    with pytest.raises(tf.errors.InvalidArgumentError, match="key dtype int64.*int32"):
+        table.lookup(tf.constant([1], tf.int32))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="grads must be"):
+        _apply(table, [1, 2], np.ones((3, DIM)), "sgd", [0.1, 0.0], [])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="takes 3 hyper"):
+        _ops.gen().kre_table_sparse_apply(
+            table.handle, tf.constant([1], tf.int64), tf.ones([1, DIM]),
+            tf.constant([0.1], tf.float32), tf.constant(0, tf.int64),
+            rule="adagrad", slots=["accumulator"])
+    with pytest.raises(tf.errors.FailedPreconditionError, match="no optimizer slot"):
+        _apply(table, [1], np.ones((1, DIM)), "adagrad", [0.1, 0.0, 1e-7], ["accumulator"])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="dim 4 but the op expects dim 8"):
+        _ops.lookup(table.handle, tf.constant([1], tf.int64), 8, False)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="default_values must be"):
+        _ops.create_table(tf.zeros([0, DIM]), tf.int64, DIM, 4)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="power of two"):
+        _ops.create_table(tf.zeros([2, DIM]), tf.int64, DIM, 3)
+    table.add_slot("m", 0.0)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="slot 'm' exists with width"):
+        table.add_slot("m", 0.0, width=1)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="slot_values must be"):
+        _ops.import_(table.handle, DIM, tf.constant([1], tf.int64), tf.zeros([1, DIM]),
+                     tf.zeros([1], tf.int64), tf.zeros([1], tf.int64), tf.zeros([1, 3]),
+                     tf.constant(["m"]), tf.constant([DIM], tf.int64))
+    with pytest.raises(ValueError, match="hyper-parameters"):
+        _apply(table, [1], np.ones((1, DIM)), "sgd", [0.1], [])
+
+
+def test_gradient_is_indexed_slices_over_keys_eager_and_in_function():
+    table, _ = make_table()
+    keys = tf.constant([[5, 10**15], [5, 7]], tf.int64)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(table.lookup(keys, insert=True) * 3.0)
+    grad = tape.gradient(loss, table)
+    assert isinstance(grad, tf.IndexedSlices)
+    np.testing.assert_array_equal(grad.indices.numpy(), [5, 10**15, 5, 7])
+    np.testing.assert_array_equal(grad.values.numpy(), np.full((4, DIM), 3.0))
+
+    @tf.function
+    def traced(k):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(table.lookup(k, insert=True) ** 2)
+        return tape.gradient(loss, table)
+
+    g = traced(tf.constant([1, 2], tf.int64))
+    np.testing.assert_array_equal(g.indices.numpy(), [1, 2])
+    assert table.size() == 5
+
+
+def test_checkpoint_round_trip(tmp_path):
+    table, defaults = make_table()
+    table.lookup(tf.constant([1, 2, 3], tf.int64), insert=True)
+    table.add_slot("accumulator", 0.5)
+    path = tf.train.Checkpoint(table=table).save(str(tmp_path / "ckpt"))
+    table.lookup(tf.constant([99], tf.int64), insert=True)  # changes after the save
+    fresh = EmbeddingTable(DIM, "int64", defaults, num_shards=2)
+    tf.train.Checkpoint(table=fresh).restore(path).assert_consumed()
+    assert fresh.size() == 3
+    data = fresh.export()
+    assert sorted(data["keys"].tolist()) == [1, 2, 3]
+    np.testing.assert_allclose(data["slots"]["accumulator"], 0.5)
+
+
+def test_missing_library_and_version_mismatch_messages(tmp_path, monkeypatch):
+    load = _ops.gen.__wrapped__
+    monkeypatch.setattr(_ops, "_DIR", str(tmp_path))
+    with pytest.raises(ImportError, match="missing.*make build"):
+        load()
+    real = next(p for p in os.listdir(os.path.dirname(_ops.__file__)) if p.startswith("_kre_ops"))
+    os.symlink(os.path.join(os.path.dirname(_ops.__file__), real), tmp_path / real)
+    (tmp_path / "_kre_ops_build.json").write_text(json.dumps({"tensorflow": "2.0.0"}))
+    with pytest.raises(ImportError, match=rf"built against TensorFlow 2.0.0, but TensorFlow {tf.__version__}"):
+        load()
