@@ -11,8 +11,11 @@ exactly Keras's path. This mixin intercepts the seams where a table differs:
   one fused C++ kernel per table; the rest to Keras.
 * `_apply_weight_decay`: decoupled weight decay of a table is applied by the
   kernel to the rows updated in the step.
-* `_clip_gradients`: `global_clipnorm` over deduplicated rows, since Keras's
-  version densifies `IndexedSlices` (impossible for a hash table).
+* `apply` / `_clip_gradients`: when clipping is configured, a table's
+  gradient has its duplicate keys summed first, so that clipping sees the
+  row's true gradient; `global_clipnorm` counts a table's rows without
+  densifying them (Keras's version densifies `IndexedSlices`, impossible for
+  a hash table). Keras variables keep Keras's exact semantics.
 """
 
 import keras
@@ -46,11 +49,16 @@ def _initial_value(initializer):
     return float(value[0])
 
 
-def _dedupe(grad):
-    """Sums the rows of equal indices of an IndexedSlices."""
+def _sum_duplicates(grad):
+    """A table gradient with the rows of equal keys summed."""
     unique, idx = tf.unique(grad.indices)
     values = tf.math.unsorted_segment_sum(grad.values, idx, tf.size(unique))
-    return values
+    return tf.IndexedSlices(values, unique)
+
+
+def _is_table_grad(grad):
+    # The lookup's gradient is the only IndexedSlices without a dense shape.
+    return isinstance(grad, tf.IndexedSlices) and grad.dense_shape is None
 
 
 class TableOptimizer:
@@ -130,27 +138,32 @@ class TableOptimizer:
     def _apply_weight_decay(self, variables):
         super()._apply_weight_decay([v for v in variables if not is_table(v)])
 
+    def apply(self, grads, trainable_variables=None):
+        if self.clipnorm or self.clipvalue or self.global_clipnorm:
+            variables = (getattr(self, "_trainable_variables", []) if trainable_variables is None
+                         else list(trainable_variables))
+            grads = [_sum_duplicates(g) if is_table(v) and g is not None else g
+                     for g, v in zip(grads, variables)]
+        return super().apply(grads, trainable_variables)
+
     def _clip_gradients(self, grads):
         if not (self.global_clipnorm and self.global_clipnorm > 0):
             return super()._clip_gradients(grads)
-        # The norm of the densified gradient: duplicate indices summed first.
-        squares = []
-        for g in grads:
-            if g is None:
-                continue
-            values = _dedupe(g) if isinstance(g, tf.IndexedSlices) else g
-            squares.append(tf.reduce_sum(tf.square(tf.cast(values, tf.float32))))
-        norm = tf.sqrt(tf.add_n(squares))
-        clip = tf.cast(self.global_clipnorm, tf.float32)
-        scale = clip * tf.minimum(1.0 / norm, 1.0 / clip)
+        # Keras's clip_by_global_norm, except that a table's rows are counted
+        # as they are (duplicates were summed in `apply`), never densified.
+        ops = keras.ops
+        squared = [ops.sum(ops.square(g.values if _is_table_grad(g) else g))
+                   for g in grads if g is not None]
+        norm = ops.sqrt(ops.sum(ops.stack(squared)))
+        clip = self.global_clipnorm
+        scale = clip * ops.minimum(1.0 / norm, 1.0 / clip)
         scale = scale + (norm - norm)  # NaN/inf norms give NaN, as in Keras
 
         def scaled(g):
             if g is None:
                 return None
-            if isinstance(g, tf.IndexedSlices):
-                return tf.IndexedSlices(g.values * tf.cast(scale, g.values.dtype),
-                                        g.indices, g.dense_shape)
-            return g * tf.cast(scale, g.dtype)
+            if _is_table_grad(g):
+                return tf.IndexedSlices(g.values * scale, g.indices)
+            return g * scale
 
         return [scaled(g) for g in grads]
