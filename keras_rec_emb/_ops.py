@@ -105,15 +105,17 @@ def add_slot(handle, key_dtype, name, width, init):
 
 def export(handle, key_dtype, dim):
     """Returns (keys, values, freqs, versions, slot_values, slot_names,
-    slot_widths)."""
+    slot_widths, default_values)."""
     return gen().kre_table_export(handle, Tkeys=key_dtype, dim=dim)
 
 
 def import_(handle, dim, keys, values, freqs, versions, slot_values,
-            slot_names, slot_widths, clear=True):
+            slot_names, slot_widths, default_values, clear=True):
+    """Loads rows; a non-empty `default_values` [rows, dim] replaces the
+    EV-initializer matrix."""
     return gen().kre_table_import(
         handle, keys, values, freqs, versions, slot_values, slot_names,
-        slot_widths, dim=dim, clear=clear,
+        slot_widths, default_values, dim=dim, clear=clear,
     )
 
 

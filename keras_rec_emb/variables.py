@@ -1,18 +1,20 @@
-"""The embedding-table variable: a TensorFlow resource owning a C++ hash table.
+"""The embedding table: a TensorFlow resource owning a C++ hash table.
 
-`EmbeddingTable` is what an `EmbeddingVariable` layer adds to its weights. It
-behaves as a trainable variable where Keras and TensorFlow need one:
+Two objects with two roles:
 
-* `tf.GradientTape` watches it through `handle` (it has
-  `_should_act_as_resource_variable`), and the lookup op's registered gradient
-  gives it a `tf.IndexedSlices` over keys, like `ResourceGather` does for a
-  `tf.Variable`;
-* it is a `TrackableResource`, so `tf.train.Checkpoint` saves and restores its
-  rows, slots, frequencies and versions (`_serialize_to_tensors`), and
-  `tf.saved_model.save` re-creates it in the exported graph;
-* the optimizers of `keras_rec_emb.optimizers` recognize it and update it with
-  one fused kernel; a stock Keras optimizer is refused with an error naming
-  the fix.
+* `EmbeddingTable` is a `TrackableResource`: `tf.train.Checkpoint` saves and
+  restores its rows, slots, frequencies, versions and initializer matrix
+  (`_serialize_to_tensors`), and `tf.saved_model.save` re-creates it in the
+  exported graph and restores it there. It is what `EmbeddingVariable.table`
+  is.
+* `TableVariable` (`table.variable`) is its face as a trainable variable, the
+  object in a layer's `trainable_weights`: `tf.GradientTape` watches it
+  through `handle` (it has `_should_act_as_resource_variable`) and receives
+  the lookup's gradient, a `tf.IndexedSlices` over keys, as `ResourceGather`
+  gives one for a `tf.Variable`. The optimizers of `keras_rec_emb.optimizers`
+  update it with one fused kernel; a stock Keras optimizer is refused with an
+  error naming the fix. It is deliberately not trackable: TensorFlow saves
+  objects that act as resource variables as variables, which a table is not.
 """
 
 import itertools
@@ -35,6 +37,7 @@ _STOCK_OPTIMIZER_ERROR = (
 # Checkpoint tensor names (see DESIGN.md, "Saving").
 _KEYS, _VALUES, _FREQS, _VERSIONS = "keys", "values", "freqs", "versions"
 _SLOT_VALUES, _SLOT_NAMES, _SLOT_WIDTHS = "slot_values", "slot_names", "slot_widths"
+_DEFAULTS = "default_values"
 
 
 class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
@@ -52,10 +55,6 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         name: str. Name used in errors, saving and `path`.
     """
 
-    # tf.GradientTape treats objects with this attribute as resource
-    # variables and differentiates with respect to their `handle`.
-    _should_act_as_resource_variable = True
-
     def __init__(self, dim, key_dtype, default_values, num_shards=32,
                  trainable=True, name="embedding_table"):
         super().__init__()
@@ -65,23 +64,29 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         self._trainable = bool(trainable)
         self._name = name
         self._kre_id = f"{name}/table_{next(_ids)}"
+        self._variable = TableVariable(self)
+        # Kept as NumPy: `_create_resource` also runs in export graphs, where
+        # it must make its own constant (restoring then sets the current
+        # matrix, which imports may have replaced).
+        self._initial_default_values = np.asarray(default_values, np.float32)
         with tf.init_scope():
-            self._default_values = tf.constant(default_values, tf.float32)
             self._resource_handle = self._create_resource()
 
     # -- TrackableResource ------------------------------------------------
     def _create_resource(self):
         return _ops.create_table(
-            self._default_values, self._key_dtype, self._dim, self._num_shards
+            tf.constant(self._initial_default_values), self._key_dtype, self._dim,
+            self._num_shards,
         )
 
     def _serialize_to_tensors(self):
-        keys, values, freqs, versions, slots, names, widths = _ops.export(
+        keys, values, freqs, versions, slots, names, widths, defaults = _ops.export(
             self.handle, self._key_dtype, self._dim
         )
         return {
             _KEYS: keys, _VALUES: values, _FREQS: freqs, _VERSIONS: versions,
             _SLOT_VALUES: slots, _SLOT_NAMES: names, _SLOT_WIDTHS: widths,
+            _DEFAULTS: defaults,
         }
 
     def _restore_from_tensors(self, restored_tensors):
@@ -89,12 +94,17 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         return _ops.import_(
             self.handle, self._dim, t[_KEYS], t[_VALUES], t[_FREQS],
             t[_VERSIONS], t[_SLOT_VALUES], t[_SLOT_NAMES], t[_SLOT_WIDTHS],
+            t[_DEFAULTS],
         )
 
-    # -- What Keras and tf.GradientTape read of a variable -----------------
     @property
     def handle(self):
         return self.resource_handle
+
+    @property
+    def variable(self):
+        """The table as a trainable variable (see `TableVariable`)."""
+        return self._variable
 
     @property
     def trainable(self):
@@ -109,53 +119,12 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         return self._name
 
     @property
-    def path(self):
-        return self._name
-
-    @property
-    def _shared_name(self):
-        # The checkpointer records it as the "full name" of variable-like
-        # objects (for name-based checkpoint compatibility).
-        return self._name
-
-    @property
-    def dtype(self):
-        return tf.float32
-
-    @property
     def key_dtype(self):
         return self._key_dtype
 
     @property
     def dim(self):
         return self._dim
-
-    @property
-    def shape(self):
-        """`(number of keys, dim)` when eager; `(None, dim)` while tracing."""
-        if tf.executing_eagerly():
-            return tf.TensorShape([self.size(), self._dim])
-        return tf.TensorShape([None, self._dim])
-
-    constraint = None
-    overwrite_with_gradient = False
-    regularizer = None
-
-    @property
-    def _unique_id(self):
-        # Read by stock Keras/TF optimizers (`_var_key`) when they are built
-        # on a model's variables: the first point where they meet a table.
-        raise TypeError(_STOCK_OPTIMIZER_ERROR.format(name=self._name))
-
-    def _refuse_stock_update(self, *args, **kwargs):
-        raise TypeError(_STOCK_OPTIMIZER_ERROR.format(name=self._name))
-
-    assign = assign_add = assign_sub = _refuse_stock_update
-    scatter_add = scatter_sub = scatter_update = _refuse_stock_update
-
-    def numpy(self):
-        """The rows, in the key order of `export()` (for `get_weights`)."""
-        return self.export()["values"]
 
     def __repr__(self):
         return (f"<EmbeddingTable '{self._name}' key_dtype={self._key_dtype.name} "
@@ -173,7 +142,7 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         if self._trainable:
             from tensorflow.python.eager import tape as tape_lib
 
-            tape_lib.variable_accessed(self)
+            tape_lib.variable_accessed(self._variable)
         return _ops.lookup(self.handle, keys, self._dim, insert)
 
     def size(self):
@@ -197,14 +166,16 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
 
         Returns:
             dict with `keys` [N], `values` [N, dim], `freqs` [N],
-            `versions` [N] and `slots`, a dict from slot name to [N, width]
-            rows in the same key order.
+            `versions` [N], `slots` (a dict from slot name to [N, width]
+            rows in the same key order) and `default_values`, the
+            EV-initializer matrix [default_value_dim, dim] that rows of new
+            keys are copied from.
         """
-        keys, values, freqs, versions, slots, names, widths = (
+        keys, values, freqs, versions, slots, names, widths, defaults = (
             t.numpy() for t in _ops.export(self.handle, self._key_dtype, self._dim)
         )
         out = {_KEYS: keys, _VALUES: values, _FREQS: freqs, _VERSIONS: versions,
-               "slots": {}}
+               "slots": {}, _DEFAULTS: defaults}
         start = 0
         for name, width in zip(names, widths):
             out["slots"][name.decode()] = slots[:, start:start + width]
@@ -214,8 +185,9 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
     def import_(self, data, clear=True):
         """Loads rows from a dict shaped like `export()`'s result.
 
-        `freqs`, `versions` and `slots` may be missing (then zero / none).
-        With `clear=True` the table is emptied first.
+        `freqs`, `versions`, `slots` and `default_values` may be missing
+        (then zero / none / unchanged). With `clear=True` the table is
+        emptied first.
         """
         if not isinstance(data, dict) or _KEYS not in data or _VALUES not in data:
             raise ValueError(
@@ -243,14 +215,95 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         blocks = [np.asarray(slots[s], np.float32).reshape(n, -1) for s in names]
         slot_values = (np.concatenate(blocks, axis=1) if blocks
                        else np.zeros((n, 0), np.float32))
+        defaults = np.asarray(data.get(_DEFAULTS, np.zeros((0, self._dim))), np.float32)
+        if defaults.ndim != 2 or defaults.shape[1] != self._dim:
+            raise ValueError(
+                f"`default_values` must have shape (rows, {self._dim}). "
+                f"Received: {defaults.shape}"
+            )
         _ops.import_(
             self.handle, self._dim, keys.astype(self._key_dtype.as_numpy_dtype),
             values, freqs, versions, slot_values,
             tf.constant(names, tf.string, shape=[len(names)]),
-            np.array([b.shape[1] for b in blocks], np.int64), clear=clear,
+            np.array([b.shape[1] for b in blocks], np.int64), defaults, clear=clear,
         )
 
 
+class TableVariable:
+    """An `EmbeddingTable` seen as a trainable variable.
+
+    It is what Keras lists in `trainable_weights`, what `tf.GradientTape`
+    differentiates with respect to (through `handle`), and what optimizers
+    receive with the table's `tf.IndexedSlices` gradient. Reach the table
+    with `.table`.
+    """
+
+    # tf.GradientTape treats objects with this attribute as resource
+    # variables and differentiates with respect to their `handle`.
+    _should_act_as_resource_variable = True
+
+    constraint = None
+    overwrite_with_gradient = False
+    regularizer = None
+
+    def __init__(self, table):
+        self._table = table
+
+    @property
+    def table(self):
+        return self._table
+
+    @property
+    def handle(self):
+        return self._table.resource_handle
+
+    @property
+    def trainable(self):
+        return self._table.trainable
+
+    @trainable.setter
+    def trainable(self, value):
+        self._table.trainable = value
+
+    @property
+    def name(self):
+        return self._table.name
+
+    @property
+    def path(self):
+        return self._table.name
+
+    @property
+    def dtype(self):
+        return tf.float32
+
+    @property
+    def shape(self):
+        """`(number of keys, dim)` when eager; `(None, dim)` while tracing."""
+        if tf.executing_eagerly():
+            return tf.TensorShape([self._table.size(), self._table.dim])
+        return tf.TensorShape([None, self._table.dim])
+
+    @property
+    def _unique_id(self):
+        # Read by stock Keras/TF optimizers (`_var_key`) when they are built
+        # on a model's variables: the first point where they meet a table.
+        raise TypeError(_STOCK_OPTIMIZER_ERROR.format(name=self.name))
+
+    def _refuse_stock_update(self, *args, **kwargs):
+        raise TypeError(_STOCK_OPTIMIZER_ERROR.format(name=self.name))
+
+    assign = assign_add = assign_sub = _refuse_stock_update
+    scatter_add = scatter_sub = scatter_update = _refuse_stock_update
+
+    def numpy(self):
+        """The rows, in the key order of `table.export()` (for `get_weights`)."""
+        return self._table.export()["values"]
+
+    def __repr__(self):
+        return f"<TableVariable of {self._table!r}>"
+
+
 def is_table(variable):
-    """Whether `variable` is an embedding table (not a dense variable)."""
-    return isinstance(variable, EmbeddingTable)
+    """Whether `variable` is an embedding table's `TableVariable`."""
+    return isinstance(variable, TableVariable)

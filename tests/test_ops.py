@@ -179,7 +179,11 @@ def test_kernels_reject_bad_inputs_with_invalid_argument():
     with pytest.raises(tf.errors.InvalidArgumentError, match="slot_values must be"):
         _ops.import_(table.handle, DIM, tf.constant([1], tf.int64), tf.zeros([1, DIM]),
                      tf.zeros([1], tf.int64), tf.zeros([1], tf.int64), tf.zeros([1, 3]),
-                     tf.constant(["m"]), tf.constant([DIM], tf.int64))
+                     tf.constant(["m"]), tf.constant([DIM], tf.int64), tf.zeros([0, DIM]))
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"default_values must be \[rows, 4\]"):
+        _ops.import_(table.handle, DIM, tf.constant([1], tf.int64), tf.zeros([1, DIM]),
+                     tf.zeros([1], tf.int64), tf.zeros([1], tf.int64), tf.zeros([1, 0]),
+                     tf.zeros([0], tf.string), tf.zeros([0], tf.int64), tf.zeros([2, 3]))
     with pytest.raises(ValueError, match="hyper-parameters"):
         _apply(table, [1], np.ones((1, DIM)), "sgd", [0.1], [])
 
@@ -189,7 +193,7 @@ def test_gradient_is_indexed_slices_over_keys_eager_and_in_function():
     keys = tf.constant([[5, 10**15], [5, 7]], tf.int64)
     with tf.GradientTape() as tape:
         loss = tf.reduce_sum(table.lookup(keys, insert=True) * 3.0)
-    grad = tape.gradient(loss, table)
+    grad = tape.gradient(loss, table.variable)
     assert isinstance(grad, tf.IndexedSlices)
     np.testing.assert_array_equal(grad.indices.numpy(), [5, 10**15, 5, 7])
     np.testing.assert_array_equal(grad.values.numpy(), np.full((4, DIM), 3.0))
@@ -198,7 +202,7 @@ def test_gradient_is_indexed_slices_over_keys_eager_and_in_function():
     def traced(k):
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(table.lookup(k, insert=True) ** 2)
-        return tape.gradient(loss, table)
+        return tape.gradient(loss, table.variable)
 
     g = traced(tf.constant([1, 2], tf.int64))
     np.testing.assert_array_equal(g.indices.numpy(), [1, 2])

@@ -189,7 +189,8 @@ class TableExportOp : public OpKernel {
       int64_t width = 0;
       for (const auto& s : specs) width += s.width;
       const int64_t num_slots = static_cast<int64_t>(specs.size());
-      Tensor *keys, *values, *freqs, *versions, *slots, *names, *widths;
+      const std::vector<float> defaults = table.DefaultValues();
+      Tensor *keys, *values, *freqs, *versions, *slots, *names, *widths, *dv;
       status.Update(ctx->allocate_output(0, TensorShape({n}), &keys));
       if (status.ok()) status.Update(ctx->allocate_output(1, TensorShape({n, dim_}), &values));
       if (status.ok()) status.Update(ctx->allocate_output(2, TensorShape({n}), &freqs));
@@ -197,7 +198,10 @@ class TableExportOp : public OpKernel {
       if (status.ok()) status.Update(ctx->allocate_output(4, TensorShape({n, width}), &slots));
       if (status.ok()) status.Update(ctx->allocate_output(5, TensorShape({num_slots}), &names));
       if (status.ok()) status.Update(ctx->allocate_output(6, TensorShape({num_slots}), &widths));
+      const int64_t dvd = static_cast<int64_t>(defaults.size()) / dim_;
+      if (status.ok()) status.Update(ctx->allocate_output(7, TensorShape({dvd, dim_}), &dv));
       if (!status.ok()) return std::nullopt;
+      std::copy(defaults.begin(), defaults.end(), dv->flat<float>().data());
       for (int64_t j = 0; j < num_slots; ++j) {
         names->flat<tf::tstring>()(j) = specs[j].name;
         widths->flat<int64_t>()(j) = specs[j].width;
@@ -233,6 +237,10 @@ class TableImportOp : public OpKernel {
     const Tensor& slots = ctx->input(5);
     const Tensor& names = ctx->input(6);
     const Tensor& widths = ctx->input(7);
+    const Tensor& defaults = ctx->input(8);
+    OP_REQUIRES(ctx, defaults.dims() == 2 && defaults.dim_size(1) == dim_,
+                errors::InvalidArgument("default_values must be [rows, ", dim_, "], got ",
+                                        defaults.shape().DebugString()));
     OP_REQUIRES(ctx, keys.dims() == 1,
                 errors::InvalidArgument("keys must be 1-D, got ", keys.shape().DebugString()));
     const int64_t n = keys.dim_size(0);
@@ -266,6 +274,10 @@ class TableImportOp : public OpKernel {
                                             id < 0 ? 0 : specs[id].width,
                                             " in the table but ", w[j], " in the data"));
         ids.push_back(id >= 0 ? id : table.AddSlot(name, w[j], 0.0f));
+      }
+      if (defaults.dim_size(0) > 0) {
+        auto d = defaults.flat<float>();
+        table.SetDefaultValues(std::vector<float>(d.data(), d.data() + d.size()));
       }
       if (clear_) table.Clear();
       table.Import(keys.flat<K>().data(), values.flat<float>().data(),

@@ -37,6 +37,25 @@ const float* Table<K>::DefaultRow(K key) const {
 }
 
 template <typename K>
+std::vector<float> Table<K>::DefaultValues() const {
+  std::shared_lock<std::shared_mutex> lock(shards_[0]->mu);
+  return default_values_;
+}
+
+template <typename K>
+void Table<K>::SetDefaultValues(std::vector<float> default_values) {
+  const int64_t rows = static_cast<int64_t>(default_values.size()) / dim_;
+  if (rows <= 0 || rows * dim_ != static_cast<int64_t>(default_values.size())) {
+    throw std::invalid_argument(
+        "default_values must hold default_value_dim >= 1 rows of dim floats");
+  }
+  std::vector<std::unique_lock<std::shared_mutex>> locks;
+  for (auto& s : shards_) locks.emplace_back(s->mu);
+  default_values_ = std::move(default_values);
+  default_value_dim_ = rows;
+}
+
+template <typename K>
 int64_t Table<K>::Size() const {
   int64_t n = 0;
   for (const auto& s : shards_) {

@@ -70,6 +70,10 @@ class Table {
 
   // The EV-initializer row of `key`.
   const float* DefaultRow(K key) const;
+  // The EV-initializer matrix [default_value_dim, dim], row-major.
+  std::vector<float> DefaultValues() const;
+  // Replaces it (rows added from now on use the new matrix).
+  void SetDefaultValues(std::vector<float> default_values);
 
   // Number of keys.
   int64_t Size() const;
@@ -160,8 +164,9 @@ class Table {
   void ResetShard(Shard& s);
 
   const int64_t dim_;
-  const std::vector<float> default_values_;
-  const int64_t default_value_dim_;
+  // Read under any shard lock, replaced with every shard locked.
+  std::vector<float> default_values_;
+  int64_t default_value_dim_;
   uint64_t shard_mask_;
   std::vector<std::unique_ptr<Shard>> shards_;
   // Changed only with every shard locked exclusively, so holding any shard

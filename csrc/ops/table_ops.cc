@@ -108,8 +108,9 @@ REGISTER_OP("KRE>TableAddSlot")
       return absl::OkStatus();
     });
 
-// Exports every row: keys [N], values [N, dim], freqs [N], versions [N], and the
-// optimizer slots side by side in slot_values [N, sum(slot_widths)].
+// Exports every row: keys [N], values [N, dim], freqs [N], versions [N], the
+// optimizer slots side by side in slot_values [N, sum(slot_widths)], and the
+// EV-initializer matrix default_values [default_value_dim, dim].
 REGISTER_OP("KRE>TableExport")
     .Input("handle: resource")
     .Output("keys: Tkeys")
@@ -119,6 +120,7 @@ REGISTER_OP("KRE>TableExport")
     .Output("slot_values: float")
     .Output("slot_names: string")
     .Output("slot_widths: int64")
+    .Output("default_values: float")
     .Attr("Tkeys: {int32, int64}")
     .Attr("dim: int >= 1")
     .SetIsStateful()
@@ -134,11 +136,14 @@ REGISTER_OP("KRE>TableExport")
       c->set_output(4, c->Matrix(n, c->UnknownDim()));
       c->set_output(5, c->Vector(c->UnknownDim()));
       c->set_output(6, c->Vector(c->UnknownDim()));
+      c->set_output(7, c->Matrix(c->UnknownDim(), dim));
       return absl::OkStatus();
     });
 
 // Inserts or overwrites rows (after clearing the table when `clear`). Slots
-// named in slot_names that the table lacks are created with init 0.
+// named in slot_names that the table lacks are created with init 0. A
+// non-empty default_values [default_value_dim, dim] replaces the
+// EV-initializer matrix.
 REGISTER_OP("KRE>TableImport")
     .Input("handle: resource")
     .Input("keys: Tkeys")
@@ -148,6 +153,7 @@ REGISTER_OP("KRE>TableImport")
     .Input("slot_values: float")
     .Input("slot_names: string")
     .Input("slot_widths: int64")
+    .Input("default_values: float")
     .Attr("Tkeys: {int32, int64}")
     .Attr("dim: int >= 1")
     .Attr("clear: bool = true")
@@ -165,6 +171,9 @@ REGISTER_OP("KRE>TableImport")
       TF_RETURN_IF_ERROR(c->WithRank(c->input(6), 1, &names));
       TF_RETURN_IF_ERROR(c->WithRank(c->input(7), 1, &widths));
       DimensionHandle n = c->Dim(keys, 0), unused;
+      ShapeHandle defaults;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(8), 2, &defaults));
+      TF_RETURN_IF_ERROR(c->WithValue(c->Dim(defaults, 1), dim, &unused));
       TF_RETURN_IF_ERROR(c->Merge(n, c->Dim(values, 0), &n));
       TF_RETURN_IF_ERROR(c->Merge(n, c->Dim(freqs, 0), &n));
       TF_RETURN_IF_ERROR(c->Merge(n, c->Dim(versions, 0), &n));

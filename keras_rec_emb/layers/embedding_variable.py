@@ -142,7 +142,7 @@ class EmbeddingVariable(keras.layers.Layer):
             num_shards=self.ev_option.num_shards, trainable=self.trainable,
             name=f"{self.name}/embeddings",
         )
-        self._track_variable(self.table)
+        self._track_variable(self.table.variable)
         self.built = True
 
     @property
@@ -245,8 +245,8 @@ class EmbeddingVariable(keras.layers.Layer):
 
     def export(self):
         """All rows as NumPy arrays: `keys` [N], `values` [N, dim], `freqs`
-        [N], `versions` [N], and `slots` {slot name: [N, width]} in the same
-        key order."""
+        [N], `versions` [N], `slots` {slot name: [N, width]} in the same key
+        order, and `default_values`, the EV-initializer matrix."""
         self._require_built("export()")
         return self.table.export()
 
@@ -261,7 +261,7 @@ class EmbeddingVariable(keras.layers.Layer):
         if self.table is None:
             return
         data = self.table.export()
-        for key in ("keys", "values", "freqs", "versions"):
+        for key in ("keys", "values", "freqs", "versions", "default_values"):
             store[key] = data[key]
         for name, values in data["slots"].items():
             store[f"slot:{name}"] = values
@@ -270,7 +270,8 @@ class EmbeddingVariable(keras.layers.Layer):
         if self.table is None:
             self.build()
         names = list(store.keys())
-        data = {key: np.asarray(store[key]) for key in ("keys", "values", "freqs", "versions")
+        data = {key: np.asarray(store[key])
+                for key in ("keys", "values", "freqs", "versions", "default_values")
                 if key in names}
         data["slots"] = {n[len("slot:"):]: np.asarray(store[n]) for n in names
                          if n.startswith("slot:")}

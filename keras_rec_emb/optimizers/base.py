@@ -97,14 +97,14 @@ class TableOptimizer:
             # Built inside the first traced train step: like Keras variable
             # creation, slot creation is lifted out to run once, eagerly.
             with tf.init_scope():
-                reference_variable.add_slot(name, _initial_value(initializer))
-            return TableSlot(reference_variable, name)
+                reference_variable.table.add_slot(name, _initial_value(initializer))
+            return TableSlot(reference_variable.table, name)
         return super().add_variable_from_reference(
             reference_variable, name=name, initializer=initializer)
 
     def _var_key(self, variable):
         if is_table(variable):
-            return variable._kre_id
+            return variable.table._kre_id
         return super()._var_key(variable)
 
     # -- applying -----------------------------------------------------------
@@ -119,7 +119,8 @@ class TableOptimizer:
         if dense_vars:
             super()._backend_update_step(dense_grads, dense_vars, learning_rate)
 
-    def _apply_to_table(self, grad, table, learning_rate):
+    def _apply_to_table(self, grad, variable, learning_rate):
+        table = variable.table
         if not isinstance(grad, tf.IndexedSlices):
             raise TypeError(
                 f"The gradient of embedding table '{table.name}' must be a "
@@ -127,7 +128,7 @@ class TableOptimizer:
             )
         lr = tf.cast(learning_rate, tf.float32)
         decay = 0.0
-        if self.weight_decay is not None and self._use_weight_decay(table):
+        if self.weight_decay is not None and self._use_weight_decay(variable):
             decay = lr * tf.cast(self.weight_decay, tf.float32)
         rule, hyper, slots = self._table_update(lr)
         keys = tf.cast(grad.indices, table.key_dtype)

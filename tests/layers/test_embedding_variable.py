@@ -100,7 +100,8 @@ def test_export_import(matrix_initializer):
     layer = make_layer(matrix_initializer)
     layer(np.array([4, 9]), training=True)
     data = layer.export()
-    assert set(data) == {"keys", "values", "freqs", "versions", "slots"}
+    assert set(data) == {"keys", "values", "freqs", "versions", "slots", "default_values"}
+    np.testing.assert_array_equal(data["default_values"], MATRIX)
     other = make_layer(matrix_initializer)
     other.build()
     data["values"] = data["values"] + 1.0
