@@ -5,14 +5,25 @@ Dynamic hash-table embeddings (DeepRec's EmbeddingVariable) that train with
 `model.save`, and Parquet/Kafka input pipelines.
 """
 
-import keras as _keras
+import os as _os
 
-if _keras.backend.backend() != "tensorflow":
-    raise ImportError(
-        "keras_rec_emb runs on Keras's TensorFlow backend, but the active "
-        f"backend is {_keras.backend.backend()!r}. Set the environment variable "
-        "KERAS_BACKEND=tensorflow before importing keras."
-    )
+
+def _require_tensorflow_backend(backend):
+    if backend != "tensorflow":
+        raise ImportError(
+            "keras_rec_emb runs on Keras's TensorFlow backend, but the active "
+            f"backend is {backend!r}. Set the environment variable "
+            "KERAS_BACKEND=tensorflow before importing keras."
+        )
+
+
+# Checked before importing Keras too: another backend may fail to import.
+if "KERAS_BACKEND" in _os.environ:
+    _require_tensorflow_backend(_os.environ["KERAS_BACKEND"])
+
+import keras as _keras  # noqa: E402
+
+_require_tensorflow_backend(_keras.backend.backend())  # e.g. from keras.json
 
 from keras_rec_emb import _ops  # noqa: E402
 
