@@ -1,0 +1,28 @@
+"""The `Example:` of every public docstring runs (doctest)."""
+
+import doctest
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_rec_emb
+from keras_rec_emb import options, saving
+from keras_rec_emb.layers import embedding_variable
+from keras_rec_emb.optimizers import keras_optimizers
+
+MODULES = [embedding_variable, keras_optimizers, options, saving]
+
+
+@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
+def test_examples_run(module):
+    globs = {"keras": keras, "np": np, "tf": tf, "keras_rec_emb": keras_rec_emb}
+    finder = doctest.DocTestFinder()
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    tests = [t for t in finder.find(module, globs=globs) if t.examples]
+    assert tests, f"no examples in {module.__name__}"
+    for test in tests:
+        runner.run(test)
+    result = runner.summarize(verbose=False)
+    assert result.attempted >= len(tests) and result.failed == 0
