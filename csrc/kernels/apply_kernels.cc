@@ -171,13 +171,13 @@ class TableSparseApplyOp : public OpKernel {
     const int64_t version = step.scalar<int64_t>()();
     const K* k = keys.flat<K>().data();
     const float* g = grads.flat<float>().data();
-    kv::Partitioned p = PartitionKeys(ctx, table, k, n);
+    kv::Partitioned<K> p = PartitionKeys(ctx, table, k, n);
     const int64_t per_shard = n / table.num_shards() + 1;
     OP_REQUIRES_OK(
         ctx, ParallelFor(ctx, table.num_shards(), per_shard * (60 + 4 * dim), [&](int64_t s) {
           const int64_t b = p.offsets[s];
-          table.Apply(static_cast<int>(s), k, p.hashes.data(), p.order.data() + b,
-                      p.offsets[s + 1] - b, g, slot_ids, version,
+          table.Apply(static_cast<int>(s), p.keys.data() + b, p.hashes.data() + b,
+                      p.order.data() + b, p.offsets[s + 1] - b, g, slot_ids, version,
                       [&](float* var, float** slots, const float* grad) {
                         if (decay != 0.0f) {
                           for (int64_t d = 0; d < dim; ++d) var[d] -= var[d] * decay;

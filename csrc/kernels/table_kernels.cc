@@ -106,14 +106,14 @@ class TableLookupOp : public OpKernel {
     if (n == 0) return;
     const K* k = keys.flat<K>().data();
     float* o = out->flat<float>().data();
-    kv::Partitioned p = PartitionKeys(ctx, table, k, n);
+    kv::Partitioned<K> p = PartitionKeys(ctx, table, k, n);
     const int64_t per_shard = n / table.num_shards() + 1;
     OP_REQUIRES_OK(ctx, ParallelFor(ctx, table.num_shards(), per_shard * (40 + dim_),
                                     [&](int64_t s) {
                                       const int64_t b = p.offsets[s];
-                                      table.Lookup(static_cast<int>(s), k, p.hashes.data(),
-                                                   p.order.data() + b, p.offsets[s + 1] - b,
-                                                   insert_, o);
+                                      table.Lookup(static_cast<int>(s), p.keys.data() + b,
+                                                   p.hashes.data() + b, p.order.data() + b,
+                                                   p.offsets[s + 1] - b, insert_, o);
                                     }));
   }
 

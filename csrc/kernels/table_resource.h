@@ -91,7 +91,7 @@ absl::Status ParallelFor(tf::OpKernelContext* ctx, int64_t n,
 
 // Groups keys by shard using the thread pool.
 template <typename K>
-kv::Partitioned PartitionKeys(tf::OpKernelContext* ctx, const kv::Table<K>& table,
+kv::Partitioned<K> PartitionKeys(tf::OpKernelContext* ctx, const kv::Table<K>& table,
                               const K* keys, int64_t n) {
   const int blocks = std::max(
       1, ctx->device()->tensorflow_cpu_worker_threads()->num_threads);

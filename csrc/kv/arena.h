@@ -1,9 +1,10 @@
 // Copyright keras_rec_emb authors. Apache-2.0.
 //
 // A chunked arena of fixed-width rows. Chunks never move once allocated, so a
-// pointer to a row stays valid while the arena grows. Chunk sizes grow
-// geometrically (kFirstChunkRows, 2x, 4x, ...) so a small table costs little
-// and a large one needs few chunks; locating a row is a few integer ops.
+// pointer to a row stays valid while the arena grows. Chunk sizes double from
+// 16 rows up to 16384 rows and stay there: a small table costs little, and a
+// large one over-allocates at most one chunk. Locating a row is a few integer
+// ops.
 #ifndef KRE_KV_ARENA_H_
 #define KRE_KV_ARENA_H_
 
@@ -19,7 +20,12 @@ namespace kv {
 template <typename T>
 class ChunkedArena {
  public:
-  static constexpr int kFirstChunkLog2 = 4;  // 16 rows in the first chunk.
+  static constexpr int kFirstChunkLog2 = 4;   // 16 rows in the first chunk
+  static constexpr int kMaxChunkLog2 = 14;    // 16384 rows in later chunks
+  static constexpr int kGrowingChunks = kMaxChunkLog2 - kFirstChunkLog2;
+  // Rows held by the growing chunks: 16 + 32 + ... + 8192.
+  static constexpr uint64_t kGrowingRows =
+      ((uint64_t{1} << kGrowingChunks) - 1) << kFirstChunkLog2;
 
   explicit ChunkedArena(int64_t width = 1) : width_(width) {}
   ChunkedArena(ChunkedArena&&) = default;
@@ -31,7 +37,12 @@ class ChunkedArena {
   uint64_t capacity() const { return capacity_; }
 
   T* Row(uint64_t id) const {
-    // Chunk c holds ids [B * (2^c - 1), B * (2^(c+1) - 1)), B = 2^k.
+    if (id >= kGrowingRows) {
+      const uint64_t rel = id - kGrowingRows;
+      return chunks_[kGrowingChunks + (rel >> kMaxChunkLog2)].get() +
+             (rel & ((uint64_t{1} << kMaxChunkLog2) - 1)) * width_;
+    }
+    // Growing chunk c holds ids [B * (2^c - 1), B * (2^(c+1) - 1)), B = 16.
     const uint64_t q = (id >> kFirstChunkLog2) + 1;
     const int c = 63 - __builtin_clzll(q);
     const uint64_t start = ((uint64_t{1} << c) - 1) << kFirstChunkLog2;
@@ -42,7 +53,7 @@ class ChunkedArena {
   void EnsureCapacity(uint64_t n, T fill) {
     while (capacity_ < n) {
       const int c = static_cast<int>(chunks_.size());
-      const uint64_t rows = uint64_t{1} << (c + kFirstChunkLog2);
+      const uint64_t rows = uint64_t{1} << std::min(c + kFirstChunkLog2, kMaxChunkLog2);
       const uint64_t elems = rows * static_cast<uint64_t>(width_);
       std::unique_ptr<T[]> chunk(new T[elems]);
       std::fill(chunk.get(), chunk.get() + elems, fill);

@@ -1,8 +1,9 @@
 // Copyright keras_rec_emb authors. Apache-2.0.
 //
 // Groups a batch of keys by table shard (a stable counting sort), so that a
-// batched table operation locks each shard once. The work is split into
-// blocks that a caller-supplied parallel-for runs concurrently.
+// batched table operation locks each shard once and reads its keys and
+// hashes in order. The work is split into blocks that a caller-supplied
+// parallel-for runs concurrently.
 #ifndef KRE_KV_PARTITION_H_
 #define KRE_KV_PARTITION_H_
 
@@ -14,21 +15,26 @@
 namespace kre {
 namespace kv {
 
+template <typename K>
 struct Partitioned {
-  std::vector<uint64_t> hashes;   // hashes[i] of keys[i]
-  std::vector<int64_t> order;     // positions grouped by shard, stable
-  std::vector<int64_t> offsets;   // shard s owns order[offsets[s], offsets[s+1])
+  // Entry j of shard s, for j in [offsets[s], offsets[s+1]): the key, its
+  // hash, and its position in the batch (increasing within a shard).
+  std::vector<K> keys;
+  std::vector<uint64_t> hashes;
+  std::vector<int64_t> order;
+  std::vector<int64_t> offsets;
 };
 
 // `parallel_for(num_blocks, fn)` must call fn(b) for every b in
 // [0, num_blocks), in any order and on any threads, and return when all done.
 template <typename K, typename ParallelFor>
-Partitioned Partition(const Table<K>& table, const K* keys, int64_t n,
-                      int num_blocks, ParallelFor&& parallel_for) {
+Partitioned<K> Partition(const Table<K>& table, const K* keys, int64_t n,
+                         int num_blocks, ParallelFor&& parallel_for) {
   const int shards = table.num_shards();
   if (num_blocks < 1) num_blocks = 1;
   if (n < num_blocks) num_blocks = n > 0 ? static_cast<int>(n) : 1;
-  Partitioned p;
+  Partitioned<K> p;
+  p.keys.resize(n);
   p.hashes.resize(n);
   p.order.resize(n);
   p.offsets.assign(shards + 1, 0);
@@ -38,9 +44,7 @@ Partitioned Partition(const Table<K>& table, const K* keys, int64_t n,
   parallel_for(num_blocks, [&](int b) {
     int64_t* c = counts.data() + static_cast<size_t>(b) * shards;
     for (int64_t i = block_begin(b); i < block_begin(b + 1); ++i) {
-      const uint64_t h = Table<K>::Hash(keys[i]);
-      p.hashes[i] = h;
-      ++c[table.ShardOf(h)];
+      ++c[table.ShardOf(Table<K>::Hash(keys[i]))];
     }
   });
   // Block b's first position in shard s: all of shard < s, then blocks < b.
@@ -58,7 +62,11 @@ Partitioned Partition(const Table<K>& table, const K* keys, int64_t n,
   parallel_for(num_blocks, [&](int b) {
     int64_t* next = counts.data() + static_cast<size_t>(b) * shards;
     for (int64_t i = block_begin(b); i < block_begin(b + 1); ++i) {
-      p.order[next[table.ShardOf(p.hashes[i])]++] = i;
+      const uint64_t h = Table<K>::Hash(keys[i]);  // cheaper than storing it
+      const int64_t j = next[table.ShardOf(h)]++;
+      p.keys[j] = keys[i];
+      p.hashes[j] = h;
+      p.order[j] = i;
     }
   });
   return p;

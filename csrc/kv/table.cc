@@ -2,6 +2,7 @@
 #include "kv/table.h"
 
 #include <algorithm>
+#include <cstring>
 #include <stdexcept>
 
 namespace kre {
@@ -167,6 +168,36 @@ void Table<K>::EraseAt(Shard& s, uint64_t i) {
   --s.live;
 }
 
+namespace {
+
+template <int D>
+inline void CopyFixed(float* dst, const float* src) {
+  for (int d = 0; d < D; ++d) dst[d] = src[d];
+}
+
+// Copies one row; common widths get an inlined fixed-size copy instead of a
+// library call per row.
+inline void CopyRow(float* dst, const float* src, int64_t dim) {
+  switch (dim) {
+    case 4: return CopyFixed<4>(dst, src);
+    case 8: return CopyFixed<8>(dst, src);
+    case 16: return CopyFixed<16>(dst, src);
+    case 32: return CopyFixed<32>(dst, src);
+    case 64: return CopyFixed<64>(dst, src);
+    case 128: return CopyFixed<128>(dst, src);
+    default: std::memcpy(dst, src, static_cast<size_t>(dim) * sizeof(float));
+  }
+}
+
+inline void PrefetchRow(const float* row, int64_t dim) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t off = 0; off < dim * static_cast<int64_t>(sizeof(float)); off += 64) {
+    __builtin_prefetch(p + off);
+  }
+}
+
+}  // namespace
+
 template <typename K>
 int64_t Table<K>::Lookup(int shard, const K* keys, const uint64_t* hashes,
                          const int64_t* order, int64_t n, bool insert,
@@ -179,30 +210,41 @@ int64_t Table<K>::Lookup(int shard, const K* keys, const uint64_t* hashes,
   } else {
     rlock.lock();
   }
-  constexpr int64_t kAhead = 8;
+  // Keys go in blocks: probe a block (its index slots were prefetched while
+  // the previous block was probed) and prefetch each row found, then copy
+  // the block's rows, by then on their way to the cache.
+  constexpr int64_t kBlock = 16;
+  const float* src[kBlock];
   int64_t inserted = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    if (j + kAhead < n && !s.ctrl.empty()) {
-      const uint64_t p = hashes[order[j + kAhead]] & s.mask;
+  auto prefetch_slots = [&](int64_t begin, int64_t end) {
+    if (s.ctrl.empty()) return;
+    for (int64_t j = begin; j < end; ++j) {
+      const uint64_t p = hashes[j] & s.mask;
       __builtin_prefetch(&s.ctrl[p]);
       __builtin_prefetch(&s.entries[p]);
     }
-    const int64_t i = order[j];
-    const int64_t idx = FindIndex(s, keys[i], hashes[i]);
-    const float* src;
-    if (idx >= 0) {
-      const uint32_t row = s.entries[idx].row;
-      src = s.values.Row(row);
-      if (insert) ++s.meta.Row(row)[kFreq];
-    } else if (insert) {
-      const uint32_t row = InsertNew(s, keys[i], hashes[i]);
-      ++inserted;
-      src = s.values.Row(row);
-      s.meta.Row(row)[kFreq] = 1;
-    } else {
-      src = DefaultRow(keys[i]);
+  };
+  prefetch_slots(0, std::min(n, kBlock));
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const int64_t e = std::min(n, b + kBlock);
+    prefetch_slots(e, std::min(n, e + kBlock));
+    for (int64_t j = b; j < e; ++j) {
+      const int64_t idx = FindIndex(s, keys[j], hashes[j]);
+      if (idx >= 0) {
+        const uint32_t row = s.entries[idx].row;
+        src[j - b] = s.values.Row(row);
+        if (insert) ++s.meta.Row(row)[kFreq];
+      } else if (insert) {
+        const uint32_t row = InsertNew(s, keys[j], hashes[j]);
+        ++inserted;
+        src[j - b] = s.values.Row(row);
+        s.meta.Row(row)[kFreq] = 1;
+      } else {
+        src[j - b] = DefaultRow(keys[j]);
+      }
+      PrefetchRow(src[j - b], dim_);
     }
-    std::copy(src, src + dim_, out + i * dim_);
+    for (int64_t j = b; j < e; ++j) CopyRow(out + order[j] * dim_, src[j - b], dim_);
   }
   return inserted;
 }

@@ -14,8 +14,9 @@
 //   the [default_value_dim, dim] matrix given at construction (DeepRec's EV
 //   Initializer).
 //
-// Batched operations take a list of positions into a key array that all
-// belong to one shard (see Partition in partition.h) and lock that shard once.
+// Batched operations take the keys of one shard with their hashes and their
+// positions in the batch (see Partition in partition.h) and lock that shard
+// once.
 #ifndef KRE_KV_TABLE_H_
 #define KRE_KV_TABLE_H_
 
@@ -80,18 +81,19 @@ class Table {
   // Bytes held by index, arenas and free lists.
   uint64_t MemoryBytes() const;
 
-  // Looks up keys[order[0..n)] (all in shard `shard`), writing row i of the
-  // result to out + i * dim. With `insert`, missing keys are inserted with
-  // their default row and every occurrence increments the key's frequency;
-  // without, missing keys read their default row and nothing changes.
-  // Returns the number of keys inserted.
+  // Looks up keys[0..n) (all in shard `shard`, with their hashes), writing
+  // the row of keys[j] to out + order[j] * dim. With `insert`, missing keys
+  // are inserted with their default row and every occurrence increments the
+  // key's frequency; without, missing keys read their default row and
+  // nothing changes. Returns the number of keys inserted.
   int64_t Lookup(int shard, const K* keys, const uint64_t* hashes,
                  const int64_t* order, int64_t n, bool insert, float* out);
 
-  // Sums the gradient rows of equal keys among keys[order[0..n)] (all in
-  // shard `shard`), finds or inserts each distinct key, stamps its version
-  // with `step`, and calls fn(value_row, slot_rows, grad_sum) once per
-  // distinct key with slot_rows[j] the row of slot slot_ids[j].
+  // Sums the gradient rows (grads + order[j] * dim) of equal keys among
+  // keys[0..n) (all in shard `shard`, with their hashes), finds or inserts
+  // each distinct key, stamps its version with `step`, and calls
+  // fn(value_row, slot_rows, grad_sum) once per distinct key with
+  // slot_rows[j] the row of slot slot_ids[j].
   template <typename Fn>
   void Apply(int shard, const K* keys, const uint64_t* hashes,
              const int64_t* order, int64_t n, const float* grads,
@@ -195,13 +197,12 @@ void Table<K>::Apply(int shard, const K* keys, const uint64_t* hashes,
   while (cap < static_cast<uint64_t>(n) * 2) cap <<= 1;
   std::vector<int64_t> pos(cap, -1);
   for (int64_t j = 0; j < n; ++j) {
-    const int64_t i = order[j];
-    int64_t idx = FindIndex(s, keys[i], hashes[i]);
+    int64_t idx = FindIndex(s, keys[j], hashes[j]);
     const uint32_t row =
-        idx >= 0 ? s.entries[idx].row : InsertNew(s, keys[i], hashes[i]);
+        idx >= 0 ? s.entries[idx].row : InsertNew(s, keys[j], hashes[j]);
     uint64_t p = HashKey(row) & (cap - 1);
     while (pos[p] >= 0 && rows[pos[p]] != row) p = (p + 1) & (cap - 1);
-    const float* g = grads + i * dim_;
+    const float* g = grads + order[j] * dim_;
     if (pos[p] < 0) {
       pos[p] = static_cast<int64_t>(rows.size());
       rows.push_back(row);

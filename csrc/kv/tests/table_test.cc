@@ -13,7 +13,6 @@
 #include "kv/table.h"
 
 using kre::kv::Partition;
-using kre::kv::Partitioned;
 using kre::kv::Table;
 
 static int g_failures = 0;
@@ -44,12 +43,13 @@ auto Serial = [](int blocks, auto&& fn) {
 template <typename K>
 std::vector<float> Lookup(Table<K>& t, const std::vector<K>& keys, bool insert,
                           int64_t* inserted = nullptr) {
-  Partitioned p = Partition(t, keys.data(), keys.size(), 3, Serial);
+  auto p = Partition(t, keys.data(), keys.size(), 3, Serial);
   std::vector<float> out(keys.size() * t.dim(), -1.0f);
   int64_t total = 0;
   for (int s = 0; s < t.num_shards(); ++s) {
-    total += t.Lookup(s, keys.data(), p.hashes.data(), p.order.data() + p.offsets[s],
-                      p.offsets[s + 1] - p.offsets[s], insert, out.data());
+    const int64_t b = p.offsets[s];
+    total += t.Lookup(s, p.keys.data() + b, p.hashes.data() + b, p.order.data() + b,
+                      p.offsets[s + 1] - b, insert, out.data());
   }
   if (inserted) *inserted = total;
   return out;
@@ -141,12 +141,13 @@ void TestSlotsApplyDedupe() {
   CHECK(threw);
   std::vector<float> grads(keys.size() * kDim);
   for (size_t i = 0; i < grads.size(); ++i) grads[i] = 1.0f + i % kDim;
-  Partitioned p = Partition(t, keys.data(), keys.size(), 2, Serial);
+  auto p = Partition(t, keys.data(), keys.size(), 2, Serial);
   int calls = 0;
   std::map<float, int> seen;  // row's first value -> count of calls
   for (int s = 0; s < t.num_shards(); ++s) {
-    t.Apply(s, keys.data(), p.hashes.data(), p.order.data() + p.offsets[s],
-            p.offsets[s + 1] - p.offsets[s], grads.data(), {acc}, /*step=*/7,
+    const int64_t b = p.offsets[s];
+    t.Apply(s, p.keys.data() + b, p.hashes.data() + b, p.order.data() + b,
+            p.offsets[s + 1] - b, grads.data(), {acc}, /*step=*/7,
             [&](float* value, float** slots, const float* g) {
               ++calls;
               // Existing rows keep the init of their time (0.1).
@@ -227,17 +228,19 @@ void TestPartitionStable() {
   std::vector<int64_t> keys;
   std::mt19937_64 rng(1);
   for (int i = 0; i < 10000; ++i) keys.push_back(static_cast<int64_t>(rng() % 3000));
-  Partitioned p = Partition(t, keys.data(), keys.size(), 5, Serial);
+  auto p = Partition(t, keys.data(), keys.size(), 5, Serial);
   std::vector<int> seen(keys.size(), 0);
   for (int s = 0; s < 16; ++s) {
     for (int64_t j = p.offsets[s]; j < p.offsets[s + 1]; ++j) {
-      CHECK(t.ShardOf(p.hashes[p.order[j]]) == s);
+      CHECK(t.ShardOf(p.hashes[j]) == s);
+      CHECK(p.keys[j] == keys[p.order[j]]);
+      CHECK(p.hashes[j] == Table<int64_t>::Hash(p.keys[j]));
       if (j > p.offsets[s]) CHECK(p.order[j] > p.order[j - 1]);
       ++seen[p.order[j]];
     }
   }
   for (int c : seen) CHECK(c == 1);
-  Partitioned empty = Partition(t, keys.data(), 0, 4, Serial);
+  auto empty = Partition(t, keys.data(), 0, 4, Serial);
   CHECK(empty.offsets[16] == 0);
 }
 
@@ -278,6 +281,22 @@ void TestConcurrentReadersWriters() {
   CHECK(total == 3 * 30000);  // every occurrence counted exactly once
 }
 
+void TestArenaRowsAcrossChunkSizes() {
+  kre::kv::ChunkedArena<int64_t> arena(3);
+  const uint64_t n = kre::kv::ChunkedArena<int64_t>::kGrowingRows + 3 * 16384 + 5;
+  arena.EnsureCapacity(n, -1);
+  CHECK(arena.capacity() >= n && arena.capacity() < n + 16384);
+  for (uint64_t id = 0; id < n; ++id) {
+    for (int d = 0; d < 3; ++d) arena.Row(id)[d] = static_cast<int64_t>(id * 3 + d);
+  }
+  bool ok = true;
+  for (uint64_t id = 0; id < n; ++id) {
+    for (int d = 0; d < 3; ++d) ok &= arena.Row(id)[d] == static_cast<int64_t>(id * 3 + d);
+  }
+  CHECK(ok);  // no two ids share memory
+  CHECK(arena.BytesAllocated() == arena.capacity() * 3 * sizeof(int64_t));
+}
+
 void TestBadConstruction() {
   int threw = 0;
   try { Table<int64_t> t(0, Defaults(), 4); } catch (const std::invalid_argument&) { ++threw; }
@@ -297,6 +316,7 @@ int main() {
   TestExportImportRoundTrip();
   TestPartitionStable();
   TestConcurrentReadersWriters();
+  TestArenaRowsAcrossChunkSizes();
   TestBadConstruction();
   if (g_failures) {
     std::fprintf(stderr, "%d failed\n", g_failures);
