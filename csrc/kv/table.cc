@@ -243,6 +243,7 @@ int64_t Table<K>::Lookup(int shard, const K* keys, const uint64_t* hashes,
         src[j - b] = DefaultRow(keys[j]);
       }
       PrefetchRow(src[j - b], dim_);
+      __builtin_prefetch(out + order[j] * dim_, 1);
     }
     for (int64_t j = b; j < e; ++j) CopyRow(out + order[j] * dim_, src[j - b], dim_);
   }

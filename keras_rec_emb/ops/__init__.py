@@ -1,0 +1,1 @@
+"""Functional API: fused embedding lookups over tables and variables (issue 6)."""
