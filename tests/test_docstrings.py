@@ -10,9 +10,9 @@ import tensorflow as tf
 import keras_rec_emb
 from keras_rec_emb import options, saving
 from keras_rec_emb.layers import embedding_variable
-from keras_rec_emb.optimizers import keras_optimizers
+from keras_rec_emb.optimizers import deeprec_optimizers, keras_optimizers
 
-MODULES = [embedding_variable, keras_optimizers, options, saving]
+MODULES = [embedding_variable, keras_optimizers, deeprec_optimizers, options, saving]
 
 
 @pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)

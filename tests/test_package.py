@@ -24,7 +24,8 @@ def test_public_api():
                  "GlobalStepEvict", "L2WeightEvict", "StorageOption", "save_model"):
         assert hasattr(kre, name), name
     assert kre.layers.__all__ == ["EmbeddingVariable"]
-    assert set(kre.optimizers.__all__) == {"SGD", "Adagrad", "Adam", "Ftrl"}
+    assert set(kre.optimizers.__all__) == {"SGD", "Adagrad", "Adam", "Ftrl", "AdamAsync",
+                                           "AdagradDecay", "AdamW"}
 
 
 def test_cli_demo_small_and_inspect(tmp_path):

@@ -6,6 +6,10 @@
 // hyper[0] is the learning rate and hyper[1] the decoupled weight decay
 // factor (weight_decay * learning_rate, applied to touched rows first, as
 // Keras applies it before update_step). The rest is per rule (see _ops.py).
+//
+// A rule declares its slots' widths in kSlotWidths: 0 for a full row (dim
+// floats), 1 for one float per row. Slots passed beyond those (e.g. Adam's
+// velocity_hat) are full rows.
 #include <cmath>
 #include <string>
 #include <vector>
@@ -26,6 +30,7 @@ namespace errors = tf::errors;
 struct Sgd {
   static constexpr int kHyper = 2;
   static constexpr int kSlots = 0;
+  static constexpr int kSlotWidths[1] = {0};
   float lr;
   explicit Sgd(const float* h) : lr(h[0]) {}
   void operator()(float* var, float**, const float* g, int64_t dim) const {
@@ -36,6 +41,7 @@ struct Sgd {
 struct Momentum {
   static constexpr int kHyper = 4;
   static constexpr int kSlots = 1;  // momentum
+  static constexpr int kSlotWidths[1] = {0};
   float lr, momentum;
   bool nesterov;
   explicit Momentum(const float* h) : lr(h[0]), momentum(h[2]), nesterov(h[3] != 0.0f) {}
@@ -51,6 +57,7 @@ struct Momentum {
 struct Adagrad {
   static constexpr int kHyper = 3;
   static constexpr int kSlots = 1;  // accumulator
+  static constexpr int kSlotWidths[1] = {0};
   float lr, epsilon;
   explicit Adagrad(const float* h) : lr(h[0]), epsilon(h[2]) {}
   void operator()(float* var, float** slots, const float* g, int64_t dim) const {
@@ -65,6 +72,7 @@ struct Adagrad {
 struct Adam {
   static constexpr int kHyper = 7;
   static constexpr int kSlots = 2;  // momentum, velocity (+ velocity_hat)
+  static constexpr int kSlotWidths[2] = {0, 0};
   float alpha, beta1, beta2, epsilon;
   bool amsgrad;
   explicit Adam(const float* h)
@@ -88,6 +96,7 @@ struct Adam {
 struct Ftrl {
   static constexpr int kHyper = 6;
   static constexpr int kSlots = 2;  // accumulator, linear
+  static constexpr int kSlotWidths[2] = {0, 0};
   float lr, lr_power, l1, l2, l2_shrinkage;
   // hyper: lr, decay, lr_power, l1, l2 + beta / (2 lr), l2_shrinkage
   explicit Ftrl(const float* h)
@@ -108,6 +117,71 @@ struct Ftrl {
   }
 };
 
+// DeepRec's AdamAsync with bias-correction powers per row, so that a row's
+// correction follows its own number of updates. hyper: lr, decay, beta1,
+// beta2, epsilon, use_nesterov, apply_sparse_rmsprop.
+struct AdamAsync {
+  static constexpr int kHyper = 7;
+  static constexpr int kSlots = 4;  // momentum, velocity, beta1_power, beta2_power
+  static constexpr int kSlotWidths[4] = {0, 0, 1, 1};
+  float lr, beta1, beta2, epsilon;
+  bool nesterov, rmsprop;
+  explicit AdamAsync(const float* h)
+      : lr(h[0]), beta1(h[2]), beta2(h[3]), epsilon(h[4]), nesterov(h[5] != 0.0f),
+        rmsprop(h[6] != 0.0f) {}
+  void operator()(float* var, float** slots, const float* g, int64_t dim) const {
+    float* m = slots[0];
+    float* v = slots[1];
+    if (rmsprop) {  // RMSProp on the row; the powers stay as they are
+      for (int64_t d = 0; d < dim; ++d) {
+        v[d] = v[d] * beta2 + g[d] * g[d] * (1.0f - beta2);
+        m[d] = m[d] * beta1 + lr * g[d] / std::sqrt(v[d] + epsilon);
+        var[d] -= m[d];
+      }
+      return;
+    }
+    float& beta1_power = slots[2][0];
+    float& beta2_power = slots[3][0];
+    const float alpha = lr * std::sqrt(1.0f - beta2_power) / (1.0f - beta1_power);
+    for (int64_t d = 0; d < dim; ++d) {
+      m[d] = m[d] * beta1 + g[d] * (1.0f - beta1);
+      v[d] = v[d] * beta2 + g[d] * g[d] * (1.0f - beta2);
+      const float step = nesterov ? g[d] * (1.0f - beta1) + beta1 * m[d] : m[d];
+      var[d] -= step * alpha / (std::sqrt(v[d]) + epsilon);
+    }
+    beta1_power *= beta1;
+    beta2_power *= beta2;
+  }
+};
+
+// DeepRec's AdagradDecay: the accumulator is multiplied by `rate` once per
+// elapsed period of the global step and never falls below `baseline`. A row
+// keeps the last period it was decayed for and catches up on the periods it
+// missed when next updated, which equals decaying every row every period.
+// hyper: lr, decay, epsilon, rate, baseline, period (global step // period
+// length, as a float).
+struct AdagradDecay {
+  static constexpr int kHyper = 6;
+  static constexpr int kSlots = 2;  // accumulator, decay_period
+  static constexpr int kSlotWidths[2] = {0, 1};
+  float lr, epsilon, rate, baseline, period;
+  explicit AdagradDecay(const float* h)
+      : lr(h[0]), epsilon(h[2]), rate(h[3]), baseline(h[4]), period(h[5]) {}
+  void operator()(float* var, float** slots, const float* g, int64_t dim) const {
+    float* acc = slots[0];
+    float& row_period = slots[1][0];
+    if (period > row_period) {
+      const float factor = std::pow(rate, period - row_period);
+      for (int64_t d = 0; d < dim; ++d) acc[d] = std::max(acc[d] * factor, baseline);
+      row_period = period;
+    }
+    for (int64_t d = 0; d < dim; ++d) {
+      acc[d] += g[d] * g[d];
+      var[d] -= lr * g[d] / std::sqrt(acc[d] + epsilon);
+    }
+  }
+};
+
 template <typename K>
 class TableSparseApplyOp : public OpKernel {
  public:
@@ -122,6 +196,8 @@ class TableSparseApplyOp : public OpKernel {
     if (rule_ == "adagrad") return Run<Adagrad>(ctx);
     if (rule_ == "adam") return Run<Adam>(ctx);
     if (rule_ == "ftrl") return Run<Ftrl>(ctx);
+    if (rule_ == "adam_async") return Run<AdamAsync>(ctx);
+    if (rule_ == "adagrad_decay") return Run<AdagradDecay>(ctx);
     ctx->SetStatus(errors::InvalidArgument("unknown rule ", rule_));
   }
 
@@ -153,15 +229,18 @@ class TableSparseApplyOp : public OpKernel {
                                         " slots, got ", slot_names_.size()));
     std::vector<int> slot_ids;
     const std::vector<kv::SlotSpec> specs = table.Slots();
-    for (const std::string& name : slot_names_) {
+    for (size_t j = 0; j < slot_names_.size(); ++j) {
+      const std::string& name = slot_names_[j];
       const int id = table.SlotIndex(name);
       OP_REQUIRES(ctx, id >= 0,
                   errors::FailedPrecondition(
                       "the embedding table has no optimizer slot '", name,
                       "'; build the optimizer on the model's variables first"));
-      OP_REQUIRES(ctx, specs[id].width == dim,
+      const int64_t width =
+          static_cast<int>(j) < Rule::kSlots && Rule::kSlotWidths[j] == 1 ? 1 : dim;
+      OP_REQUIRES(ctx, specs[id].width == width,
                   errors::InvalidArgument("slot '", name, "' has width ", specs[id].width,
-                                          ", rule '", rule_, "' needs ", dim));
+                                          ", rule '", rule_, "' needs ", width));
       slot_ids.push_back(id);
     }
     if (n == 0) return;

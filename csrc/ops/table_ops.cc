@@ -195,7 +195,7 @@ REGISTER_OP("KRE>TableSparseApply")
     .Input("hyper: float")
     .Input("step: int64")
     .Attr("Tkeys: {int32, int64}")
-    .Attr("rule: {'sgd', 'momentum', 'adagrad', 'adam', 'ftrl'}")
+    .Attr("rule: {'sgd', 'momentum', 'adagrad', 'adam', 'ftrl', 'adam_async', 'adagrad_decay'}")
     .Attr("slots: list(string) >= 0")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {

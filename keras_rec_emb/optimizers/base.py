@@ -51,9 +51,23 @@ def _initial_value(initializer):
 
 def _sum_duplicates(grad):
     """A table gradient with the rows of equal keys summed."""
-    unique, idx = tf.unique(grad.indices)
-    values = tf.math.unsorted_segment_sum(grad.values, idx, tf.size(unique))
+    unique, values = sum_duplicate_rows(grad)
     return tf.IndexedSlices(values, unique)
+
+
+def sum_duplicate_rows(grad):
+    """(unique indices, summed rows) of an IndexedSlices gradient."""
+    unique, idx = tf.unique(grad.indices)
+    return unique, tf.math.unsorted_segment_sum(grad.values, idx, tf.size(unique))
+
+
+def check_learning_rate(learning_rate):
+    if isinstance(learning_rate, (int, float)) and not isinstance(learning_rate, bool) \
+            and learning_rate < 0:
+        raise ValueError(
+            "`learning_rate` must be >= 0. Received: "
+            f"learning_rate={learning_rate}"
+        )
 
 
 def _is_table_grad(grad):
@@ -101,6 +115,25 @@ class TableOptimizer:
             return TableSlot(reference_variable.table, name)
         return super().add_variable_from_reference(
             reference_variable, name=name, initializer=initializer)
+
+    def add_scalar_slots(self, variables, name, init):
+        """One float of state per variable, or per row for a table.
+
+        Returns a list aligned with `variables`: a scalar Keras variable for
+        a dense variable, a `TableSlot` (a width-1 slot inside the table)
+        for a table.
+        """
+        slots = []
+        for variable in variables:
+            if is_table(variable):
+                with tf.init_scope():
+                    variable.table.add_slot(name, init, width=1)
+                slots.append(TableSlot(variable.table, name))
+            else:
+                slots.append(self.add_variable(
+                    shape=(), initializer=keras.initializers.Constant(init),
+                    name=f"{variable.path.replace('/', '_')}_{name}"))
+        return slots
 
     def _var_key(self, variable):
         if is_table(variable):

@@ -1,0 +1,353 @@
+"""DeepRec's optimizers for large sparse models: AdamAsync, AdagradDecay, AdamW.
+
+Each updates dense variables, `keras.layers.Embedding` (sparse
+`tf.IndexedSlices` gradients, duplicate indices summed first) and embedding
+tables (one fused kernel per table and step).
+"""
+
+import keras
+import tensorflow as tf
+
+from keras_rec_emb.optimizers.base import (
+    TableOptimizer,
+    check_learning_rate,
+    sum_duplicate_rows,
+)
+from keras_rec_emb.optimizers.keras_optimizers import Adam
+
+ops = keras.ops
+_register = keras.saving.register_keras_serializable(package="keras_rec_emb")
+
+_BASE_ARGS = """
+        weight_decay, clipnorm, clipvalue, global_clipnorm, use_ema,
+        ema_momentum, ema_overwrite_frequency, loss_scale_factor,
+        gradient_accumulation_steps, name: as for every Keras optimizer
+            (`use_ema` and `gradient_accumulation_steps` are refused when the
+            model has embedding tables)."""
+
+
+def _check_beta(name, value):
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < 1:
+        raise ValueError(f"`{name}` must be a float in [0, 1). Received: {name}={value!r}")
+
+
+def _check_non_negative(name, value):
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"`{name}` must be a float >= 0. Received: {name}={value!r}")
+
+
+@_register
+class AdamAsync(TableOptimizer, keras.optimizers.Optimizer):
+    """Adam with per-variable (per-row for tables) bias-correction powers.
+
+    DeepRec's AdamAsync: instead of deriving the bias correction from a
+    global step, each variable keeps `beta1_power` and `beta2_power` slots
+    (for an embedding table, one pair per row, so a row's correction follows
+    its own number of updates), updated together with the variable:
+
+        alpha = lr * sqrt(1 - beta2_power) / (1 - beta1_power)
+        m = beta_1 * m + (1 - beta_1) * g
+        v = beta_2 * v + (1 - beta_2) * g**2
+        var -= alpha * m / (sqrt(v) + epsilon)       # or, with use_nesterov,
+        var -= alpha * ((1 - beta_1) * g + beta_1 * m) / (sqrt(v) + epsilon)
+        beta1_power *= beta_1; beta2_power *= beta_2
+
+    Powers start at `beta_1` and `beta_2`. Sparse updates (tables, and
+    `tf.IndexedSlices` gradients of dense variables) touch only the rows in
+    the batch; a dense variable's powers advance once per step. With
+    `apply_sparse_rmsprop=True`, sparse updates use RMSProp instead (no bias
+    correction, powers unchanged):
+
+        v = beta_2 * v + (1 - beta_2) * g**2
+        m = beta_1 * m + lr * g / sqrt(v + epsilon)
+        var -= m
+
+    Args:
+        learning_rate: float >= 0, a schedule, or a callable. Defaults to
+            `0.001`.
+        beta_1: float in [0, 1). Defaults to `0.9`.
+        beta_2: float in [0, 1). Defaults to `0.999`.
+        epsilon: float >= 0. Defaults to `1e-8`.
+        use_nesterov: bool. Defaults to `False`.
+        apply_sparse_rmsprop: bool. RMSProp for sparse updates. Defaults to
+            `False`.""" + _BASE_ARGS + """
+
+    Example:
+
+    >>> ids = keras.Input(shape=(2,), dtype="int64")
+    >>> x = keras_rec_emb.layers.EmbeddingVariable(4, combiner="sum")(ids)
+    >>> model = keras.Model(ids, keras.layers.Dense(1)(x))
+    >>> model.compile(optimizer="adam_async", loss="mse")
+    >>> history = model.fit(np.array([[1, 10**12], [7, 1]]), np.ones((2, 1)),
+    ...                     verbose=0)
+    """
+
+    def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-8,
+                 use_nesterov=False, apply_sparse_rmsprop=False, weight_decay=None,
+                 clipnorm=None, clipvalue=None, global_clipnorm=None, use_ema=False,
+                 ema_momentum=0.99, ema_overwrite_frequency=None, loss_scale_factor=None,
+                 gradient_accumulation_steps=None, name="adam_async", **kwargs):
+        check_learning_rate(learning_rate)
+        _check_beta("beta_1", beta_1)
+        _check_beta("beta_2", beta_2)
+        _check_non_negative("epsilon", epsilon)
+        super().__init__(
+            learning_rate=learning_rate, name=name, weight_decay=weight_decay,
+            clipnorm=clipnorm, clipvalue=clipvalue, global_clipnorm=global_clipnorm,
+            use_ema=use_ema, ema_momentum=ema_momentum,
+            ema_overwrite_frequency=ema_overwrite_frequency,
+            loss_scale_factor=loss_scale_factor,
+            gradient_accumulation_steps=gradient_accumulation_steps, **kwargs)
+        self.beta_1 = beta_1
+        self.beta_2 = beta_2
+        self.epsilon = epsilon
+        self.use_nesterov = bool(use_nesterov)
+        self.apply_sparse_rmsprop = bool(apply_sparse_rmsprop)
+
+    def build(self, var_list):
+        if self.built:
+            return
+        super().build(var_list)
+        self._momentums, self._velocities = self.add_optimizer_variables(
+            var_list, ["momentum", "velocity"])
+        self._beta1_powers = self.add_scalar_slots(var_list, "beta1_power", self.beta_1)
+        self._beta2_powers = self.add_scalar_slots(var_list, "beta2_power", self.beta_2)
+
+    def _table_update(self, learning_rate):
+        return ("adam_async", [self.beta_1, self.beta_2, self.epsilon,
+                               float(self.use_nesterov), float(self.apply_sparse_rmsprop)],
+                ["momentum", "velocity", "beta1_power", "beta2_power"])
+
+    def update_step(self, gradient, variable, learning_rate):
+        index = self._get_variable_index(variable)
+        m, v = self._momentums[index], self._velocities[index]
+        b1p, b2p = self._beta1_powers[index], self._beta2_powers[index]
+        lr = ops.cast(learning_rate, variable.dtype)
+        b1, b2 = self.beta_1, self.beta_2
+        if isinstance(gradient, tf.IndexedSlices):
+            rows, g = sum_duplicate_rows(gradient)
+            m_rows, v_rows = tf.gather(m.value, rows), tf.gather(v.value, rows)
+            if self.apply_sparse_rmsprop:
+                v_rows = v_rows * b2 + g * g * (1 - b2)
+                m_rows = m_rows * b1 + lr * g / ops.sqrt(v_rows + self.epsilon)
+                self.assign(v, tf.IndexedSlices(v_rows, rows))
+                self.assign(m, tf.IndexedSlices(m_rows, rows))
+                self.assign_sub(variable, tf.IndexedSlices(m_rows, rows))
+                return
+            alpha = lr * ops.sqrt(1 - b2p) / (1 - b1p)
+            m_rows = m_rows * b1 + g * (1 - b1)
+            v_rows = v_rows * b2 + g * g * (1 - b2)
+            step = g * (1 - b1) + b1 * m_rows if self.use_nesterov else m_rows
+            self.assign(m, tf.IndexedSlices(m_rows, rows))
+            self.assign(v, tf.IndexedSlices(v_rows, rows))
+            self.assign_sub(variable, tf.IndexedSlices(
+                step * alpha / (ops.sqrt(v_rows) + self.epsilon), rows))
+        else:
+            g = ops.cast(gradient, variable.dtype)
+            alpha = lr * ops.sqrt(1 - b2p) / (1 - b1p)
+            self.assign(m, m * b1 + g * (1 - b1))
+            self.assign(v, v * b2 + g * g * (1 - b2))
+            step = g * (1 - b1) + b1 * m if self.use_nesterov else m
+            self.assign_sub(variable, step * alpha / (ops.sqrt(v) + self.epsilon))
+        self.assign(b1p, b1p * b1)
+        self.assign(b2p, b2p * b2)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update({
+            "beta_1": self.beta_1, "beta_2": self.beta_2, "epsilon": self.epsilon,
+            "use_nesterov": self.use_nesterov,
+            "apply_sparse_rmsprop": self.apply_sparse_rmsprop,
+        })
+        return config
+
+
+@_register
+class AdagradDecay(TableOptimizer, keras.optimizers.Optimizer):
+    """Adagrad whose accumulator decays once per period of the global step.
+
+    DeepRec's AdagradDecay, for models trained on an unbounded stream: the
+    accumulator of plain Adagrad grows without bound and stops learning. Here,
+    whenever the global step (the optimizer's `iterations`) enters a new
+    multiple of `accumulator_decay_step`, accumulators are multiplied by
+    `accumulator_decay_rate`, and never fall below
+    `initial_accumulator_value`:
+
+        period = iterations // accumulator_decay_step
+        acc = max(acc * rate ** (period - last_period), initial_accumulator_value)
+        acc += g**2
+        var -= lr * g / sqrt(acc + epsilon)
+
+    The period is global (not a count of a key's occurrences). An embedding
+    table row keeps the last period it was decayed for (slot
+    `decay_period`) and catches up on missed periods when it is next updated,
+    which equals decaying every row every period.
+
+    Args:
+        learning_rate: float >= 0, a schedule, or a callable. Defaults to
+            `0.001`.
+        initial_accumulator_value: float > 0. Starting value and floor of the
+            accumulators. Defaults to `0.1`.
+        accumulator_decay_step: int > 0. Period length in steps. Defaults to
+            `100000`.
+        accumulator_decay_rate: float in (0, 1]. Defaults to `0.9`.
+        epsilon: float >= 0. Defaults to `1e-7`.""" + _BASE_ARGS + """
+
+    Example:
+
+    >>> ids = keras.Input(shape=(2,), dtype="int64")
+    >>> x = keras_rec_emb.layers.EmbeddingVariable(4, combiner="sum")(ids)
+    >>> model = keras.Model(ids, keras.layers.Dense(1)(x))
+    >>> opt = keras_rec_emb.optimizers.AdagradDecay(
+    ...     0.1, accumulator_decay_step=1000, accumulator_decay_rate=0.5)
+    >>> model.compile(optimizer=opt, loss="mse")
+    >>> history = model.fit(np.array([[1, 10**12], [7, 1]]), np.ones((2, 1)),
+    ...                     verbose=0)
+    """
+
+    def __init__(self, learning_rate=0.001, initial_accumulator_value=0.1,
+                 accumulator_decay_step=100000, accumulator_decay_rate=0.9, epsilon=1e-7,
+                 weight_decay=None, clipnorm=None, clipvalue=None, global_clipnorm=None,
+                 use_ema=False, ema_momentum=0.99, ema_overwrite_frequency=None,
+                 loss_scale_factor=None, gradient_accumulation_steps=None,
+                 name="adagrad_decay", **kwargs):
+        check_learning_rate(learning_rate)
+        v = initial_accumulator_value
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+            raise ValueError("`initial_accumulator_value` must be a float > 0. "
+                             f"Received: initial_accumulator_value={v!r}")
+        s = accumulator_decay_step
+        if not isinstance(s, int) or isinstance(s, bool) or s <= 0:
+            raise ValueError("`accumulator_decay_step` must be a positive integer. "
+                             f"Received: accumulator_decay_step={s!r}")
+        r = accumulator_decay_rate
+        if not isinstance(r, (int, float)) or isinstance(r, bool) or not 0 < r <= 1:
+            raise ValueError("`accumulator_decay_rate` must be a float in (0, 1]. "
+                             f"Received: accumulator_decay_rate={r!r}")
+        _check_non_negative("epsilon", epsilon)
+        super().__init__(
+            learning_rate=learning_rate, name=name, weight_decay=weight_decay,
+            clipnorm=clipnorm, clipvalue=clipvalue, global_clipnorm=global_clipnorm,
+            use_ema=use_ema, ema_momentum=ema_momentum,
+            ema_overwrite_frequency=ema_overwrite_frequency,
+            loss_scale_factor=loss_scale_factor,
+            gradient_accumulation_steps=gradient_accumulation_steps, **kwargs)
+        self.initial_accumulator_value = float(v)
+        self.accumulator_decay_step = s
+        self.accumulator_decay_rate = float(r)
+        self.epsilon = epsilon
+
+    def build(self, var_list):
+        if self.built:
+            return
+        super().build(var_list)
+        self._accumulators = self.add_optimizer_variables(
+            var_list, "accumulator",
+            initializer=keras.initializers.Constant(self.initial_accumulator_value))
+        self._decay_periods = self.add_scalar_slots(var_list, "decay_period", 0.0)
+
+    def _period(self):
+        return ops.cast(self.iterations // self.accumulator_decay_step, "float32")
+
+    def _table_update(self, learning_rate):
+        return ("adagrad_decay", [self.epsilon, self.accumulator_decay_rate,
+                                  self.initial_accumulator_value, self._period()],
+                ["accumulator", "decay_period"])
+
+    def update_step(self, gradient, variable, learning_rate):
+        index = self._get_variable_index(variable)
+        acc, last = self._accumulators[index], self._decay_periods[index]
+        lr = ops.cast(learning_rate, variable.dtype)
+        period = self._period()
+        # Decay every row for the periods elapsed since the last update.
+        factor = ops.power(self.accumulator_decay_rate, period - last)
+        decayed = ops.maximum(acc * factor, self.initial_accumulator_value)
+        self.assign(acc, ops.where(period > last, decayed, acc))
+        self.assign(last, ops.maximum(last, period))
+        if isinstance(gradient, tf.IndexedSlices):
+            rows, g = sum_duplicate_rows(gradient)
+            acc_rows = tf.gather(acc.value, rows) + g * g
+            self.assign(acc, tf.IndexedSlices(acc_rows, rows))
+            self.assign_sub(variable, tf.IndexedSlices(
+                lr * g / ops.sqrt(acc_rows + self.epsilon), rows))
+        else:
+            g = ops.cast(gradient, variable.dtype)
+            self.assign_add(acc, g * g)
+            self.assign_sub(variable, lr * g / ops.sqrt(acc + self.epsilon))
+
+    def get_config(self):
+        config = super().get_config()
+        config.update({
+            "initial_accumulator_value": self.initial_accumulator_value,
+            "accumulator_decay_step": self.accumulator_decay_step,
+            "accumulator_decay_rate": self.accumulator_decay_rate,
+            "epsilon": self.epsilon,
+        })
+        return config
+
+
+@_register
+class AdamW(TableOptimizer, keras.optimizers.AdamW):
+    """Adam with decoupled weight decay (Loshchilov & Hutter), sparse-aware.
+
+    `var -= learning_rate * weight_decay * var`, then Keras's Adam update. For
+    dense gradients the decay covers the whole variable, exactly as
+    `keras.optimizers.AdamW`. For sparse gradients, both embedding tables and
+    `tf.IndexedSlices` gradients of dense variables (`keras.layers.Embedding`),
+    the decay applies only to the rows updated in this step: rows that are
+    not looked up are neither trained nor shrunk. `exclude_from_weight_decay`
+    works as in Keras.
+
+    Args:
+        weight_decay: float >= 0.
+        learning_rate: float >= 0, a schedule, or a callable. Defaults to
+            `0.001`.
+        beta_1: float. Defaults to `0.9`.
+        beta_2: float. Defaults to `0.999`.
+        epsilon: float. Defaults to `1e-8`.
+        amsgrad: bool. Defaults to `False`.
+        **kwargs: other `keras.optimizers.AdamW` arguments.
+
+    Example:
+
+    >>> ids = keras.Input(shape=(2,), dtype="int64")
+    >>> x = keras_rec_emb.layers.EmbeddingVariable(4, combiner="sum")(ids)
+    >>> model = keras.Model(ids, keras.layers.Dense(1)(x))
+    >>> model.compile(optimizer=keras_rec_emb.optimizers.AdamW(0.01, 0.01),
+    ...               loss="mse")
+    >>> history = model.fit(np.array([[1, 10**12], [7, 1]]), np.ones((2, 1)),
+    ...                     verbose=0)
+    """
+
+    def __init__(self, weight_decay, learning_rate=0.001, beta_1=0.9, beta_2=0.999,
+                 epsilon=1e-8, amsgrad=False, name="adamw", **kwargs):
+        check_learning_rate(learning_rate)
+        _check_non_negative("weight_decay", weight_decay)
+        super().__init__(learning_rate=learning_rate, weight_decay=weight_decay,
+                         beta_1=beta_1, beta_2=beta_2, epsilon=epsilon, amsgrad=amsgrad,
+                         name=name, **kwargs)
+
+    _table_update = Adam._table_update
+
+    def _apply_weight_decay(self, variables):
+        pass  # applied per variable in update_step, sparse-aware
+
+    def update_step(self, gradient, variable, learning_rate):
+        if isinstance(gradient, tf.IndexedSlices):
+            # Repeated indices summed first: Adam then sees each row's true
+            # gradient (as tables do).
+            rows, values = sum_duplicate_rows(gradient)
+            gradient = tf.IndexedSlices(values, rows, gradient.dense_shape)
+        if self._use_weight_decay(variable):
+            factor = ops.cast(learning_rate, variable.dtype) * self.weight_decay
+            if isinstance(gradient, tf.IndexedSlices):
+                self.assign_sub(variable, tf.IndexedSlices(
+                    tf.gather(variable, gradient.indices) * factor, gradient.indices))
+            else:
+                self.assign_sub(variable, variable * factor)
+        super().update_step(gradient, variable, learning_rate)
+
+
+# Usable by name in `model.compile(optimizer=...)` ("adamw" stays Keras's).
+keras.saving.get_custom_objects().update(
+    {"adam_async": AdamAsync, "adagrad_decay": AdagradDecay})
