@@ -82,9 +82,15 @@ def _table_lookup_grad(op, grad):
     return [tf.IndexedSlices(values, keys), None]
 
 
-def create_table(default_values, key_dtype, dim, num_shards):
+def create_table(default_values, key_dtype, dim, num_shards, track_meta=True,
+                 filter_freq=0, bloom=None, no_permission_value=0.0):
+    """A new table; `bloom` is (counters, hashes, counter_bytes) or None."""
+    counters, hashes, counter_bytes = bloom or (0, 0, 8)
     return gen().kre_table_create(
-        default_values, key_dtype=key_dtype, dim=dim, num_shards=num_shards
+        default_values, key_dtype=key_dtype, dim=dim, num_shards=num_shards,
+        track_meta=track_meta, filter_freq=filter_freq, bloom_counters=counters,
+        bloom_hashes=hashes, bloom_counter_bytes=counter_bytes,
+        no_permission_value=no_permission_value,
     )
 
 
@@ -96,8 +102,17 @@ def size(handle, key_dtype):
     return gen().kre_table_size(handle, Tkeys=key_dtype)
 
 
-def memory_bytes(handle, key_dtype):
-    return gen().kre_table_memory_bytes(handle, Tkeys=key_dtype)
+def stats(handle, key_dtype):
+    """[admitted keys, keys counted but not admitted, memory bytes, latest step]."""
+    return gen().kre_table_stats(handle, Tkeys=key_dtype)
+
+
+def evict(handle, key_dtype, step, steps_to_live, l2_threshold):
+    """Erases stale or small keys (-1 disables a criterion); returns how many."""
+    return gen().kre_table_evict(
+        handle, tf.constant(step, tf.int64), tf.constant(steps_to_live, tf.int64),
+        tf.constant(l2_threshold, tf.float32), Tkeys=key_dtype,
+    )
 
 
 def add_slot(handle, key_dtype, name, width, init):
@@ -107,19 +122,23 @@ def add_slot(handle, key_dtype, name, width, init):
     )
 
 
-def export(handle, key_dtype, dim):
-    """Returns (keys, values, freqs, versions, slot_values, slot_names,
-    slot_widths, default_values)."""
-    return gen().kre_table_export(handle, Tkeys=key_dtype, dim=dim)
+EXPORT_PARTS = ("keys", "values", "freqs", "versions", "slot_values", "slot_names",
+                "slot_widths", "default_values", "keys_filtered", "freqs_filtered",
+                "versions_filtered", "bloom")
 
 
-def import_(handle, dim, keys, values, freqs, versions, slot_values,
-            slot_names, slot_widths, default_values, clear=True):
-    """Loads rows; a non-empty `default_values` [rows, dim] replaces the
-    EV-initializer matrix."""
+def export(handle, key_dtype, dim, include_filtered=True):
+    """Returns a dict of the tensors named in EXPORT_PARTS."""
+    out = gen().kre_table_export(handle, Tkeys=key_dtype, dim=dim,
+                                 include_filtered=include_filtered)
+    return dict(zip(EXPORT_PARTS, out))
+
+
+def import_(handle, dim, parts, clear=True):
+    """Loads a dict of the EXPORT_PARTS tensors; a non-empty
+    `default_values` [rows, dim] replaces the EV-initializer matrix."""
     return gen().kre_table_import(
-        handle, keys, values, freqs, versions, slot_values, slot_names,
-        slot_widths, default_values, dim=dim, clear=clear,
+        handle, *(parts[name] for name in EXPORT_PARTS), dim=dim, clear=clear,
     )
 
 

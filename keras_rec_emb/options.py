@@ -1,11 +1,12 @@
 """Options of an EmbeddingVariable, after DeepRec's `tf.EmbeddingVariableOption`.
 
-`InitializerOption` is in effect today. Admission filters (`CounterFilter`,
-`CBFFilter`), eviction (`GlobalStepEvict`, `L2WeightEvict`) and storage tiers
-other than DRAM (`StorageOption`) are validated and serializable, but a layer
-given one raises `NotImplementedError` until the feature lands (issue 4,
-"Feature admission filters, feature eviction"; storage tiers later).
+Initialization (`InitializerOption`), admission filters (`CounterFilter`,
+`CBFFilter`) and eviction (`GlobalStepEvict`, `L2WeightEvict`) are in effect.
+Storage tiers other than DRAM (`StorageOption("FILE")`) are validated and
+serializable, but a layer given one raises `NotImplementedError`.
 """
+
+import math
 
 import keras
 
@@ -89,17 +90,23 @@ class InitializerOption(_Option):
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
 class CounterFilter(_Option):
-    """Admit a key once it has been seen `filter_freq` times (issue 4).
+    """Admit a key once training lookups have seen it `filter_freq` times.
+
+    Until then the key reads `InitializerOption.default_value_no_permission`,
+    its gradients are dropped and it has no embedding row or optimizer slots,
+    only its count (exported as `keys_filtered` / `freqs_filtered`). The
+    lookup that brings the count to `filter_freq` gives it its initializer
+    row, and it trains normally from then on.
 
     Args:
-        filter_freq: int >= 0. `0` disables the filter.
+        filter_freq: int >= 0. `0` (or `1`) admits every key.
 
     Example:
 
     >>> f = keras_rec_emb.CounterFilter(filter_freq=3)
+    >>> layer = keras_rec_emb.layers.EmbeddingVariable(
+    ...     8, ev_option=keras_rec_emb.EmbeddingVariableOption(filter_option=f))
     """
-
-    feature = "the counter admission filter"
 
     def __init__(self, filter_freq):
         _check_int("filter_freq", filter_freq, 0)
@@ -114,8 +121,14 @@ _COUNTER_TYPES = ("uint8", "uint16", "uint32", "uint64")
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
 class CBFFilter(_Option):
-    """Admit a key once a counting Bloom filter has seen it `filter_freq`
-    times (issue 4).
+    """Admit a key once a counting Bloom filter has seen it `filter_freq` times.
+
+    Keys are counted in `m` counters of `counter_type` with `k` hash
+    functions, sized for `max_element_size` keys at
+    `false_positive_probability` (m = ceil(-n ln p / ln(2)^2),
+    k = round(m / n ln 2)); a key enters the table only when admitted, so
+    memory holds the counters plus admitted keys. A false positive admits a
+    key early. Counters saturate at the type's maximum.
 
     Args:
         filter_freq: int >= 0.
@@ -129,8 +142,6 @@ class CBFFilter(_Option):
     >>> f = keras_rec_emb.CBFFilter(3, max_element_size=2**20,
     ...                             false_positive_probability=0.01)
     """
-
-    feature = "the counting Bloom admission filter"
 
     def __init__(self, filter_freq, max_element_size, false_positive_probability,
                  counter_type="uint64"):
@@ -152,6 +163,13 @@ class CBFFilter(_Option):
         self.false_positive_probability = float(p)
         self.counter_type = counter_type
 
+    def sizing(self):
+        """(counters, hashes, bytes per counter) of the filter."""
+        n, p = self.max_element_size, self.false_positive_probability
+        m = max(1, math.ceil(-n * math.log(p) / math.log(2) ** 2))
+        k = max(1, round(m / n * math.log(2)))
+        return m, k, int(self.counter_type[4:]) // 8
+
     def get_config(self):
         return {
             "filter_freq": self.filter_freq,
@@ -163,7 +181,13 @@ class CBFFilter(_Option):
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
 class GlobalStepEvict(_Option):
-    """Evict keys not updated for more than `steps_to_live` steps (issue 4).
+    """Evict keys not updated for more than `steps_to_live` optimizer steps.
+
+    Eviction runs when the model or a checkpoint is saved (as in DeepRec),
+    on `EmbeddingVariable.evict()`, and from
+    `keras_rec_emb.callbacks.EvictionCallback`. Evicted rows and their slots
+    return to the table's free lists. Keys counted by a filter but not
+    admitted are evicted when not looked up for `steps_to_live` steps.
 
     Args:
         steps_to_live: int >= 0.
@@ -172,8 +196,6 @@ class GlobalStepEvict(_Option):
 
     >>> e = keras_rec_emb.GlobalStepEvict(steps_to_live=10000)
     """
-
-    feature = "global-step eviction"
 
     def __init__(self, steps_to_live):
         _check_int("steps_to_live", steps_to_live, 0)
@@ -185,7 +207,9 @@ class GlobalStepEvict(_Option):
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
 class L2WeightEvict(_Option):
-    """Evict keys whose row L2 norm is below a threshold (issue 4).
+    """Evict keys whose row L2 norm is below a threshold.
+
+    Runs when `GlobalStepEvict` would (see there).
 
     Args:
         l2_weight_threshold: float >= 0.
@@ -194,8 +218,6 @@ class L2WeightEvict(_Option):
 
     >>> e = keras_rec_emb.L2WeightEvict(l2_weight_threshold=1e-4)
     """
-
-    feature = "L2-weight eviction"
 
     def __init__(self, l2_weight_threshold):
         t = l2_weight_threshold
@@ -271,6 +293,16 @@ class EmbeddingVariableOption(_Option):
         storage_option: `StorageOption` or `None` (DRAM).
         num_shards: int, a power of two in [1, 65536]. Index shards of the
             hash table, each with its own lock. Defaults to `32`.
+        track_meta: bool or `None`. Keep each key's frequency and version
+            (last optimizer step that updated it; 16 bytes per key). `None`
+            keeps them when a filter or eviction is configured. `False`
+            with a `CounterFilter` or `GlobalStepEvict` (which need them) is
+            an error. Defaults to `None`.
+        save_filtered: bool. Save the keys a `CounterFilter` has counted but
+            not admitted (and the Bloom counters of a `CBFFilter`), so that
+            training resumes with their counts. The environment variable
+            `KRE_EV_SAVE_FILTERED_FEATURES=false` also turns it off.
+            Defaults to `True`.
 
     Example:
 
@@ -280,7 +312,7 @@ class EmbeddingVariableOption(_Option):
     """
 
     def __init__(self, init_option=None, filter_option=None, evict_option=None,
-                 storage_option=None, num_shards=32):
+                 storage_option=None, num_shards=32, track_meta=None, save_filtered=True):
         _check_instance("init_option", init_option, InitializerOption)
         _check_instance("filter_option", filter_option, (CounterFilter, CBFFilter))
         _check_instance("evict_option", evict_option, (GlobalStepEvict, L2WeightEvict))
@@ -291,6 +323,21 @@ class EmbeddingVariableOption(_Option):
                 "`num_shards` must be a power of two in [1, 65536]. Received: "
                 f"num_shards={num_shards}"
             )
+        needs_meta = (isinstance(filter_option, CounterFilter) and filter_option.filter_freq > 1
+                      or isinstance(evict_option, GlobalStepEvict))
+        if track_meta not in (None, True, False):
+            raise TypeError(f"`track_meta` must be None, True or False. Received: "
+                            f"track_meta={track_meta!r}")
+        if track_meta is False and needs_meta:
+            raise ValueError(
+                "`track_meta=False` conflicts with the counter filter or "
+                "global-step eviction, which count in the metadata. Received: "
+                f"filter_option={filter_option!r}, evict_option={evict_option!r}")
+        if not isinstance(save_filtered, bool):
+            raise TypeError(f"`save_filtered` must be a bool. Received: "
+                            f"save_filtered={save_filtered!r}")
+        self.track_meta = track_meta
+        self.save_filtered = save_filtered
         self.init_option = init_option or InitializerOption()
         self.filter_option = filter_option
         self.evict_option = evict_option
@@ -299,12 +346,35 @@ class EmbeddingVariableOption(_Option):
 
     def unimplemented_feature(self):
         """The name of a requested feature that is not implemented, or None."""
-        for option in (self.filter_option, self.evict_option):
-            if option is not None:
-                return option.feature
         if self.storage_option.storage_type != "DRAM":
             return self.storage_option.feature
         return None
+
+    def tracks_meta(self):
+        """Whether keys keep frequency and version (see `track_meta`)."""
+        if self.track_meta is not None:
+            return self.track_meta
+        return self.filter_option is not None or self.evict_option is not None
+
+    def table_kwargs(self):
+        """The EmbeddingTable arguments these options give."""
+        kwargs = {
+            "num_shards": self.num_shards,
+            "track_meta": self.tracks_meta(),
+            "no_permission_value": self.init_option.default_value_no_permission,
+            "save_filtered": self.save_filtered,
+        }
+        f = self.filter_option
+        if f is not None:
+            kwargs["filter_freq"] = f.filter_freq
+            if isinstance(f, CBFFilter):
+                kwargs["bloom"] = f.sizing()
+        e = self.evict_option
+        if isinstance(e, GlobalStepEvict):
+            kwargs["steps_to_live"] = e.steps_to_live
+        elif isinstance(e, L2WeightEvict):
+            kwargs["l2_weight_threshold"] = e.l2_weight_threshold
+        return kwargs
 
     def get_config(self):
         ser = keras.saving.serialize_keras_object
@@ -314,6 +384,8 @@ class EmbeddingVariableOption(_Option):
             "evict_option": None if self.evict_option is None else ser(self.evict_option),
             "storage_option": ser(self.storage_option),
             "num_shards": self.num_shards,
+            "track_meta": self.track_meta,
+            "save_filtered": self.save_filtered,
         }
 
     @classmethod

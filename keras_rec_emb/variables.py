@@ -18,6 +18,7 @@ Two objects with two roles:
 """
 
 import itertools
+import os
 
 import numpy as np
 import tensorflow as tf
@@ -25,6 +26,8 @@ import tensorflow as tf
 from keras_rec_emb import _ops
 
 _ids = itertools.count()
+
+_KEYS, _VALUES = "keys", "values"
 
 _STOCK_OPTIMIZER_ERROR = (
     "Embedding table '{name}' is a dynamic hash table and cannot be updated by "
@@ -34,16 +37,23 @@ _STOCK_OPTIMIZER_ERROR = (
     "kernel."
 )
 
-# Checkpoint tensor names (see DESIGN.md, "Saving").
-_KEYS, _VALUES, _FREQS, _VERSIONS = "keys", "values", "freqs", "versions"
-_SLOT_VALUES, _SLOT_NAMES, _SLOT_WIDTHS = "slot_values", "slot_names", "slot_widths"
-_DEFAULTS = "default_values"
+_SAVE_FILTERED_ENV = "KRE_EV_SAVE_FILTERED_FEATURES"
+
+
+def save_filtered_from_env(default=True):
+    """`KRE_EV_SAVE_FILTERED_FEATURES=false` (or 0/no/off) turns off saving
+    the keys that an admission filter has counted but not admitted."""
+    value = os.environ.get(_SAVE_FILTERED_ENV)
+    if value is None:
+        return default
+    return value.strip().lower() not in ("0", "false", "no", "off")
 
 
 class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
     """A dynamic hash table from integer keys to float32 rows of width `dim`.
 
-    Users normally reach it as `EmbeddingVariable(...).table`.
+    Users normally reach it as `EmbeddingVariable(...).table`; the layer maps
+    its `EmbeddingVariableOption` to these arguments.
 
     Args:
         dim: int. Width of each row.
@@ -53,16 +63,35 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         num_shards: int, a power of two. Index shards, each with its own lock.
         trainable: bool. Whether gradient tapes watch the table.
         name: str. Name used in errors, saving and `path`.
+        track_meta: bool. Keep per-key frequency and version.
+        filter_freq: int. Admission threshold (counter filter, or the
+            Bloom filter's when `bloom` is given); <= 1 admits every key.
+        bloom: `(counters, hashes, counter_bytes)` of a counting Bloom filter,
+            or None.
+        no_permission_value: float. What keys not admitted yet read.
+        steps_to_live: int or None. Global-step eviction threshold.
+        l2_weight_threshold: float or None. L2-weight eviction threshold.
+        save_filtered: bool. Save keys counted but not admitted (also off
+            when `KRE_EV_SAVE_FILTERED_FEATURES=false`).
     """
 
     def __init__(self, dim, key_dtype, default_values, num_shards=32,
-                 trainable=True, name="embedding_table"):
+                 trainable=True, name="embedding_table", track_meta=True,
+                 filter_freq=0, bloom=None, no_permission_value=0.0,
+                 steps_to_live=None, l2_weight_threshold=None, save_filtered=True):
         super().__init__()
         self._dim = int(dim)
         self._key_dtype = tf.as_dtype(key_dtype)
         self._num_shards = int(num_shards)
         self._trainable = bool(trainable)
         self._name = name
+        self._track_meta = bool(track_meta)
+        self._filter_freq = int(filter_freq)
+        self._bloom = None if bloom is None else tuple(int(b) for b in bloom)
+        self._no_permission_value = float(no_permission_value)
+        self._steps_to_live = -1 if steps_to_live is None else int(steps_to_live)
+        self._l2_threshold = -1.0 if l2_weight_threshold is None else float(l2_weight_threshold)
+        self._save_filtered = bool(save_filtered)
         self._kre_id = f"{name}/table_{next(_ids)}"
         self._variable = TableVariable(self)
         # Kept as NumPy: `_create_resource` also runs in export graphs, where
@@ -76,26 +105,20 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
     def _create_resource(self):
         return _ops.create_table(
             tf.constant(self._initial_default_values), self._key_dtype, self._dim,
-            self._num_shards,
+            self._num_shards, track_meta=self._track_meta, filter_freq=self._filter_freq,
+            bloom=self._bloom, no_permission_value=self._no_permission_value,
         )
 
     def _serialize_to_tensors(self):
-        keys, values, freqs, versions, slots, names, widths, defaults = _ops.export(
-            self.handle, self._key_dtype, self._dim
-        )
-        return {
-            _KEYS: keys, _VALUES: values, _FREQS: freqs, _VERSIONS: versions,
-            _SLOT_VALUES: slots, _SLOT_NAMES: names, _SLOT_WIDTHS: widths,
-            _DEFAULTS: defaults,
-        }
+        # DeepRec evicts when a checkpoint is saved; every part is always
+        # present (possibly empty) so that checkpoints of tables with and
+        # without filters restore into each other.
+        with tf.control_dependencies([self._evict_op()] if self.evicts else []):
+            return _ops.export(self.handle, self._key_dtype, self._dim,
+                               include_filtered=self.save_filtered)
 
     def _restore_from_tensors(self, restored_tensors):
-        t = restored_tensors
-        return _ops.import_(
-            self.handle, self._dim, t[_KEYS], t[_VALUES], t[_FREQS],
-            t[_VERSIONS], t[_SLOT_VALUES], t[_SLOT_NAMES], t[_SLOT_WIDTHS],
-            t[_DEFAULTS],
-        )
+        return _ops.import_(self.handle, self._dim, restored_tensors)
 
     @property
     def handle(self):
@@ -126,6 +149,15 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
     def dim(self):
         return self._dim
 
+    @property
+    def evicts(self):
+        """Whether an eviction rule is configured."""
+        return self._steps_to_live >= 0 or self._l2_threshold >= 0
+
+    @property
+    def save_filtered(self):
+        return self._save_filtered and save_filtered_from_env()
+
     def __repr__(self):
         return (f"<EmbeddingTable '{self._name}' key_dtype={self._key_dtype.name} "
                 f"dim={self._dim}>")
@@ -134,10 +166,10 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
     def lookup(self, keys, insert=False):
         """Rows of `keys` (any shape) as `keys.shape + (dim,)`.
 
-        With `insert=True` (training) missing keys are inserted with their
-        initializer row and counted; with `insert=False` (inference) they
-        read that row and the table is unchanged. A watching gradient tape
-        records the access either way.
+        With `insert=True` (training) every occurrence is counted, unseen
+        keys get their initializer row once admitted, and keys not admitted
+        read `no_permission_value`; with `insert=False` (inference) the table
+        is unchanged. A watching gradient tape records the access either way.
         """
         if self._trainable:
             from tensorflow.python.eager import tape as tape_lib
@@ -146,14 +178,36 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         return _ops.lookup(self.handle, keys, self._dim, insert)
 
     def size(self):
-        """Number of keys in the table (an int when eager)."""
+        """Number of admitted keys (an int when eager)."""
         n = _ops.size(self.handle, self._key_dtype)
         return int(n) if tf.executing_eagerly() else n
 
+    def stats(self):
+        """dict: `size` (admitted keys), `filtered` (keys counted but not
+        admitted), `memory_bytes`, `latest_step` (last optimizer step that
+        updated a row)."""
+        values = _ops.stats(self.handle, self._key_dtype).numpy()
+        return dict(zip(("size", "filtered", "memory_bytes", "latest_step"),
+                        (int(v) for v in values)))
+
     def memory_bytes(self):
-        """Bytes held by the table (index, rows, slots, metadata)."""
-        n = _ops.memory_bytes(self.handle, self._key_dtype)
-        return int(n) if tf.executing_eagerly() else n
+        """Bytes held by the table (index, rows, slots, metadata, filter)."""
+        return self.stats()["memory_bytes"]
+
+    def _evict_op(self, step=None):
+        return _ops.evict(self.handle, self._key_dtype, -1 if step is None else step,
+                          self._steps_to_live, self._l2_threshold)
+
+    def evict(self, step=None):
+        """Applies the configured eviction now; returns how many keys went.
+
+        Args:
+            step: int or None. The current global step for `steps_to_live`;
+                None uses the last step that updated this table.
+        """
+        if not self.evicts:
+            return 0
+        return int(self._evict_op(step))
 
     def add_slot(self, name, init=0.0, width=None):
         """Adds optimizer slot `name` (width `dim` unless given) or updates
@@ -161,33 +215,36 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         _ops.add_slot(self.handle, self._key_dtype, name,
                       self._dim if width is None else int(width), float(init))
 
-    def export(self):
-        """All rows as NumPy arrays (DeepRec's export format).
+    def export(self, include_filtered=True):
+        """All keys as NumPy arrays (DeepRec's export format).
 
         Returns:
             dict with `keys` [N], `values` [N, dim], `freqs` [N],
-            `versions` [N], `slots` (a dict from slot name to [N, width]
-            rows in the same key order) and `default_values`, the
-            EV-initializer matrix [default_value_dim, dim] that rows of new
-            keys are copied from.
+            `versions` [N] of the admitted keys; `slots` (a dict from slot
+            name to [N, width] rows in the same key order);
+            `default_values`, the EV-initializer matrix that rows of new keys
+            are copied from; `keys_filtered`, `freqs_filtered`,
+            `versions_filtered` of keys counted by an admission filter but
+            not admitted (empty without `include_filtered`); and `bloom`,
+            the counting Bloom filter's counters as bytes.
         """
-        keys, values, freqs, versions, slots, names, widths, defaults = (
-            t.numpy() for t in _ops.export(self.handle, self._key_dtype, self._dim)
-        )
-        out = {_KEYS: keys, _VALUES: values, _FREQS: freqs, _VERSIONS: versions,
-               "slots": {}, _DEFAULTS: defaults}
+        parts = {k: v.numpy() for k, v in _ops.export(
+            self.handle, self._key_dtype, self._dim, include_filtered).items()}
+        out = {k: parts[k] for k in _ops.EXPORT_PARTS if not k.startswith("slot_")}
+        out["slots"] = {}
         start = 0
-        for name, width in zip(names, widths):
-            out["slots"][name.decode()] = slots[:, start:start + width]
+        for name, width in zip(parts["slot_names"], parts["slot_widths"]):
+            out["slots"][name.decode()] = parts["slot_values"][:, start:start + width]
             start += width
         return out
 
     def import_(self, data, clear=True):
-        """Loads rows from a dict shaped like `export()`'s result.
+        """Loads keys from a dict shaped like `export()`'s result.
 
-        `freqs`, `versions`, `slots` and `default_values` may be missing
-        (then zero / none / unchanged). With `clear=True` the table is
-        emptied first.
+        Only `keys` and `values` are required; missing parts count as empty
+        (zero frequencies and versions, no slots, no filtered keys) and a
+        missing `default_values` leaves the initializer matrix unchanged.
+        With `clear=True` the table is emptied first.
         """
         if not isinstance(data, dict) or _KEYS not in data or _VALUES not in data:
             raise ValueError(
@@ -198,35 +255,38 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
             )
         keys = np.asarray(data[_KEYS])
         if not np.issubdtype(keys.dtype, np.integer):
-            raise TypeError(
-                f"`keys` must be integers. Received dtype {keys.dtype}"
-            )
+            raise TypeError(f"`keys` must be integers. Received dtype {keys.dtype}")
         n = keys.shape[0]
         values = np.asarray(data[_VALUES], np.float32)
         if values.shape != (n, self._dim):
             raise ValueError(
-                f"`values` must have shape ({n}, {self._dim}). Received: "
-                f"{values.shape}"
-            )
-        freqs = np.asarray(data.get(_FREQS, np.zeros(n)), np.int64)
-        versions = np.asarray(data.get(_VERSIONS, np.zeros(n)), np.int64)
+                f"`values` must have shape ({n}, {self._dim}). Received: {values.shape}")
+        key_np = self._key_dtype.as_numpy_dtype
         slots = data.get("slots") or {}
-        names = list(slots)
-        blocks = [np.asarray(slots[s], np.float32).reshape(n, -1) for s in names]
-        slot_values = (np.concatenate(blocks, axis=1) if blocks
-                       else np.zeros((n, 0), np.float32))
-        defaults = np.asarray(data.get(_DEFAULTS, np.zeros((0, self._dim))), np.float32)
+        blocks = [np.asarray(slots[name], np.float32).reshape(n, -1) for name in slots]
+        defaults = np.asarray(data.get("default_values", np.zeros((0, self._dim))), np.float32)
         if defaults.ndim != 2 or defaults.shape[1] != self._dim:
             raise ValueError(
                 f"`default_values` must have shape (rows, {self._dim}). "
-                f"Received: {defaults.shape}"
-            )
-        _ops.import_(
-            self.handle, self._dim, keys.astype(self._key_dtype.as_numpy_dtype),
-            values, freqs, versions, slot_values,
-            tf.constant(names, tf.string, shape=[len(names)]),
-            np.array([b.shape[1] for b in blocks], np.int64), defaults, clear=clear,
-        )
+                f"Received: {defaults.shape}")
+        keys_f = np.asarray(data.get("keys_filtered", np.zeros(0)), key_np)
+        parts = {
+            _KEYS: keys.astype(key_np), _VALUES: values,
+            "freqs": np.asarray(data.get("freqs", np.zeros(n)), np.int64),
+            "versions": np.asarray(data.get("versions", np.zeros(n)), np.int64),
+            "slot_values": (np.concatenate(blocks, axis=1) if blocks
+                            else np.zeros((n, 0), np.float32)),
+            "slot_names": tf.constant(list(slots), tf.string, shape=[len(slots)]),
+            "slot_widths": np.array([b.shape[1] for b in blocks], np.int64),
+            "default_values": defaults,
+            "keys_filtered": keys_f,
+            "freqs_filtered": np.asarray(
+                data.get("freqs_filtered", np.zeros(len(keys_f))), np.int64),
+            "versions_filtered": np.asarray(
+                data.get("versions_filtered", np.zeros(len(keys_f))), np.int64),
+            "bloom": np.asarray(data.get("bloom", np.zeros(0)), np.uint8),
+        }
+        _ops.import_(self.handle, self._dim, parts, clear=clear)
 
 
 class TableVariable:

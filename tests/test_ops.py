@@ -176,14 +176,23 @@ def test_kernels_reject_bad_inputs_with_invalid_argument():
     table.add_slot("m", 0.0)
     with pytest.raises(tf.errors.InvalidArgumentError, match="slot 'm' exists with width"):
         table.add_slot("m", 0.0, width=1)
+    def parts(**override):
+        base = dict(keys=tf.constant([1], tf.int64), values=tf.zeros([1, DIM]),
+                    freqs=tf.zeros([1], tf.int64), versions=tf.zeros([1], tf.int64),
+                    slot_values=tf.zeros([1, 0]), slot_names=tf.zeros([0], tf.string),
+                    slot_widths=tf.zeros([0], tf.int64), default_values=tf.zeros([0, DIM]),
+                    keys_filtered=tf.zeros([0], tf.int64), freqs_filtered=tf.zeros([0], tf.int64),
+                    versions_filtered=tf.zeros([0], tf.int64), bloom=tf.zeros([0], tf.uint8))
+        return {**base, **override}
+
     with pytest.raises(tf.errors.InvalidArgumentError, match="slot_values must be"):
-        _ops.import_(table.handle, DIM, tf.constant([1], tf.int64), tf.zeros([1, DIM]),
-                     tf.zeros([1], tf.int64), tf.zeros([1], tf.int64), tf.zeros([1, 3]),
-                     tf.constant(["m"]), tf.constant([DIM], tf.int64), tf.zeros([0, DIM]))
+        _ops.import_(table.handle, DIM, parts(slot_values=tf.zeros([1, 3]),
+                                              slot_names=tf.constant(["m"]),
+                                              slot_widths=tf.constant([DIM], tf.int64)))
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"default_values must be \[rows, 4\]"):
-        _ops.import_(table.handle, DIM, tf.constant([1], tf.int64), tf.zeros([1, DIM]),
-                     tf.zeros([1], tf.int64), tf.zeros([1], tf.int64), tf.zeros([1, 0]),
-                     tf.zeros([0], tf.string), tf.zeros([0], tf.int64), tf.zeros([2, 3]))
+        _ops.import_(table.handle, DIM, parts(default_values=tf.zeros([2, 3])))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="keys_filtered, freqs_filtered"):
+        _ops.import_(table.handle, DIM, parts(keys_filtered=tf.zeros([2], tf.int64)))
     with pytest.raises(ValueError, match="hyper-parameters"):
         _apply(table, [1], np.ones((1, DIM)), "sgd", [0.1], [])
 

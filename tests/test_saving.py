@@ -22,7 +22,8 @@ Y = rng.integers(0, 2, size=(64, 1)).astype(np.float32)
 
 def make_model(optimizer="adam", key_dtype="int64"):
     ids = keras.Input((3,), dtype=key_dtype, name="ids")
-    emb = EmbeddingVariable(8, combiner="mean", key_dtype=key_dtype, name="ev")(ids)
+    emb = EmbeddingVariable(8, combiner="mean", key_dtype=key_dtype, name="ev",
+                            ev_option=kre.EmbeddingVariableOption(track_meta=True))(ids)
     seq = EmbeddingVariable(4, key_dtype=key_dtype, name="ev_seq")(ids)
     h = keras.layers.Concatenate()([emb, keras.layers.Flatten()(seq)])
     out = keras.layers.Dense(1, activation="sigmoid")(keras.layers.Dense(8, "relu")(h))

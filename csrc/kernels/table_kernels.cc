@@ -22,30 +22,40 @@ class TableCreateOp : public OpKernel {
  public:
   explicit TableCreateOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("key_dtype", &key_dtype_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("dim", &dim_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_shards", &num_shards_));
-    OP_REQUIRES(ctx, num_shards_ >= 1 && num_shards_ <= 65536 &&
-                         (num_shards_ & (num_shards_ - 1)) == 0,
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("dim", &options_.dim));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_shards", &options_.num_shards));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("track_meta", &options_.track_meta));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("filter_freq", &options_.filter_freq));
+    int64_t bloom_counters;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("bloom_counters", &bloom_counters));
+    OP_REQUIRES(ctx, bloom_counters >= 0,
+                errors::InvalidArgument("bloom_counters must be >= 0, got ", bloom_counters));
+    options_.bloom_counters = static_cast<uint64_t>(bloom_counters);
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("bloom_hashes", &options_.bloom_hashes));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("bloom_counter_bytes", &options_.bloom_counter_bytes));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("no_permission_value", &options_.no_permission_value));
+    const int shards = options_.num_shards;
+    OP_REQUIRES(ctx, shards >= 1 && shards <= 65536 && (shards & (shards - 1)) == 0,
                 errors::InvalidArgument(
-                    "num_shards must be a power of two in [1, 65536], got ",
-                    num_shards_));
+                    "num_shards must be a power of two in [1, 65536], got ", shards));
   }
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& defaults = ctx->input(0);
-    OP_REQUIRES(ctx, defaults.dims() == 2 && defaults.dim_size(1) == dim_ &&
+    OP_REQUIRES(ctx, defaults.dims() == 2 && defaults.dim_size(1) == options_.dim &&
                          defaults.dim_size(0) >= 1,
                 errors::InvalidArgument(
-                    "default_values must be [default_value_dim >= 1, ", dim_,
+                    "default_values must be [default_value_dim >= 1, ", options_.dim,
                     "], got ", defaults.shape().DebugString()));
     auto flat = defaults.flat<float>();
-    std::vector<float> d(flat.data(), flat.data() + flat.size());
+    kv::TableOptions options = options_;
+    options.default_values.assign(flat.data(), flat.data() + flat.size());
     TableResourceBase* resource;
     try {
       if (key_dtype_ == tf::DT_INT64) {
-        resource = new TableResource<int64_t>(dim_, std::move(d), num_shards_);
+        resource = new TableResource<int64_t>(std::move(options));
       } else {
-        resource = new TableResource<int32_t>(dim_, std::move(d), num_shards_);
+        resource = new TableResource<int32_t>(std::move(options));
       }
     } catch (const std::exception& e) {
       ctx->SetStatus(errors::InvalidArgument(e.what()));
@@ -68,8 +78,7 @@ class TableCreateOp : public OpKernel {
 
  private:
   tf::DataType key_dtype_;
-  int64_t dim_;
-  int num_shards_;
+  kv::TableOptions options_;  // all but default_values
 };
 
 REGISTER_KERNEL_BUILDER(Name("KRE>TableCreate").Device(tf::DEVICE_CPU), TableCreateOp);
@@ -136,15 +145,36 @@ class TableSizeOp : public OpKernel {
 };
 
 template <typename K>
-class TableMemoryBytesOp : public OpKernel {
+class TableStatsOp : public OpKernel {
  public:
   using OpKernel::OpKernel;
   void Compute(OpKernelContext* ctx) override {
     tf::core::RefCountPtr<TableResource<K>> res;
     OP_REQUIRES_OK(ctx, GetTable<K>(ctx, &res));
+    const kv::Table<K>& t = res->table();
+    Tensor* out;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({4}), &out));
+    auto v = out->flat<int64_t>();
+    v(0) = t.Size();
+    v(1) = t.FilteredSize();
+    v(2) = static_cast<int64_t>(t.MemoryBytes());
+    v(3) = t.LatestStep();
+  }
+};
+
+template <typename K>
+class TableEvictOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    tf::core::RefCountPtr<TableResource<K>> res;
+    OP_REQUIRES_OK(ctx, GetTable<K>(ctx, &res));
+    const int64_t step = ctx->input(1).scalar<int64_t>()();
+    const int64_t steps_to_live = ctx->input(2).scalar<int64_t>()();
+    const float l2 = ctx->input(3).scalar<float>()();
     Tensor* out;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
-    out->scalar<int64_t>()() = static_cast<int64_t>(res->table().MemoryBytes());
+    out->scalar<int64_t>()() = res->table().Evict(step, steps_to_live, l2);
   }
 };
 
@@ -174,6 +204,7 @@ class TableExportOp : public OpKernel {
  public:
   explicit TableExportOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("dim", &dim_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("include_filtered", &include_filtered_));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -183,7 +214,10 @@ class TableExportOp : public OpKernel {
     OP_REQUIRES_OK(ctx, CheckDim(table, dim_));
     absl::Status status;
     using Buffers = typename kv::Table<K>::ExportBuffers;
-    table.Export([&](int64_t n) -> std::optional<Buffers> {
+    // Filtered keys left out are written to scratch space and not output.
+    std::vector<K> skip_keys;
+    std::vector<int64_t> skip_freqs, skip_versions;
+    table.Export([&](int64_t n, int64_t nf) -> std::optional<Buffers> {
       // Called with every shard locked, so the slot list is stable here.
       const std::vector<kv::SlotSpec> specs = table.Slots();
       int64_t width = 0;
@@ -200,21 +234,44 @@ class TableExportOp : public OpKernel {
       if (status.ok()) status.Update(ctx->allocate_output(6, TensorShape({num_slots}), &widths));
       const int64_t dvd = static_cast<int64_t>(defaults.size()) / dim_;
       if (status.ok()) status.Update(ctx->allocate_output(7, TensorShape({dvd, dim_}), &dv));
+      const int64_t out_f = include_filtered_ ? nf : 0;
+      Tensor *kf, *ff, *vf;
+      if (status.ok()) status.Update(ctx->allocate_output(8, TensorShape({out_f}), &kf));
+      if (status.ok()) status.Update(ctx->allocate_output(9, TensorShape({out_f}), &ff));
+      if (status.ok()) status.Update(ctx->allocate_output(10, TensorShape({out_f}), &vf));
       if (!status.ok()) return std::nullopt;
       std::copy(defaults.begin(), defaults.end(), dv->flat<float>().data());
       for (int64_t j = 0; j < num_slots; ++j) {
         names->flat<tf::tstring>()(j) = specs[j].name;
         widths->flat<int64_t>()(j) = specs[j].width;
       }
-      return Buffers{keys->flat<K>().data(), values->flat<float>().data(),
-                     freqs->flat<int64_t>().data(), versions->flat<int64_t>().data(),
-                     slots->flat<float>().data()};
+      Buffers b{keys->flat<K>().data(), values->flat<float>().data(),
+                freqs->flat<int64_t>().data(), versions->flat<int64_t>().data(),
+                slots->flat<float>().data(), kf->flat<K>().data(),
+                ff->flat<int64_t>().data(), vf->flat<int64_t>().data()};
+      if (!include_filtered_) {
+        skip_keys.resize(nf);
+        skip_freqs.resize(nf);
+        skip_versions.resize(nf);
+        b.keys_filtered = skip_keys.data();
+        b.freqs_filtered = skip_freqs.data();
+        b.versions_filtered = skip_versions.data();
+      }
+      return b;
     });
+    if (status.ok()) {
+      const std::vector<uint8_t> bloom = table.BloomState();
+      Tensor* out;
+      status.Update(ctx->allocate_output(
+          11, TensorShape({static_cast<int64_t>(bloom.size())}), &out));
+      if (status.ok()) std::copy(bloom.begin(), bloom.end(), out->flat<uint8_t>().data());
+    }
     OP_REQUIRES_OK(ctx, status);
   }
 
  private:
   int64_t dim_;
+  bool include_filtered_;
 };
 
 template <typename K>
@@ -238,6 +295,18 @@ class TableImportOp : public OpKernel {
     const Tensor& names = ctx->input(6);
     const Tensor& widths = ctx->input(7);
     const Tensor& defaults = ctx->input(8);
+    const Tensor& keys_f = ctx->input(9);
+    const Tensor& freqs_f = ctx->input(10);
+    const Tensor& versions_f = ctx->input(11);
+    const Tensor& bloom = ctx->input(12);
+    OP_REQUIRES(ctx, keys_f.dims() == 1 && freqs_f.shape() == keys_f.shape() &&
+                         versions_f.shape() == keys_f.shape(),
+                errors::InvalidArgument(
+                    "keys_filtered, freqs_filtered and versions_filtered must be 1-D of one "
+                    "length, got ", keys_f.shape().DebugString(), ", ",
+                    freqs_f.shape().DebugString(), ", ", versions_f.shape().DebugString()));
+    OP_REQUIRES(ctx, bloom.dims() == 1,
+                errors::InvalidArgument("bloom must be 1-D, got ", bloom.shape().DebugString()));
     OP_REQUIRES(ctx, defaults.dims() == 2 && defaults.dim_size(1) == dim_,
                 errors::InvalidArgument("default_values must be [rows, ", dim_, "], got ",
                                         defaults.shape().DebugString()));
@@ -283,6 +352,12 @@ class TableImportOp : public OpKernel {
       table.Import(keys.flat<K>().data(), values.flat<float>().data(),
                    freqs.flat<int64_t>().data(), versions.flat<int64_t>().data(), n,
                    slots.flat<float>().data(), ids, w);
+      table.ImportFiltered(keys_f.flat<K>().data(), freqs_f.flat<int64_t>().data(),
+                           versions_f.flat<int64_t>().data(), keys_f.NumElements());
+      if (bloom.NumElements() > 0) {
+        auto b = bloom.flat<uint8_t>();
+        table.SetBloomState(std::vector<uint8_t>(b.data(), b.data() + b.size()));
+      }
     } catch (const std::exception& e) {
       ctx->SetStatus(errors::InvalidArgument("import failed: ", e.what()));
     }
@@ -301,8 +376,11 @@ class TableImportOp : public OpKernel {
       Name("KRE>TableSize").Device(tf::DEVICE_CPU).TypeConstraint<K>("Tkeys"),         \
       TableSizeOp<K>);                                                                 \
   REGISTER_KERNEL_BUILDER(                                                             \
-      Name("KRE>TableMemoryBytes").Device(tf::DEVICE_CPU).TypeConstraint<K>("Tkeys"),  \
-      TableMemoryBytesOp<K>);                                                          \
+      Name("KRE>TableStats").Device(tf::DEVICE_CPU).TypeConstraint<K>("Tkeys"),        \
+      TableStatsOp<K>);                                                                \
+  REGISTER_KERNEL_BUILDER(                                                             \
+      Name("KRE>TableEvict").Device(tf::DEVICE_CPU).TypeConstraint<K>("Tkeys"),        \
+      TableEvictOp<K>);                                                                \
   REGISTER_KERNEL_BUILDER(                                                             \
       Name("KRE>TableAddSlot").Device(tf::DEVICE_CPU).TypeConstraint<K>("Tkeys"),      \
       TableAddSlotOp<K>);                                                              \

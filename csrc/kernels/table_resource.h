@@ -31,8 +31,7 @@ class TableResourceBase : public tf::ResourceBase {
 template <typename K>
 class TableResource : public TableResourceBase {
  public:
-  TableResource(int64_t dim, std::vector<float> defaults, int num_shards)
-      : table_(dim, std::move(defaults), num_shards) {}
+  explicit TableResource(kv::TableOptions options) : table_(std::move(options)) {}
 
   kv::Table<K>& table() { return table_; }
   tf::DataType key_dtype() const override { return tf::DataTypeToEnum<K>::v(); }

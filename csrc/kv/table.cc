@@ -2,31 +2,92 @@
 #include "kv/table.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <stdexcept>
 
 namespace kre {
 namespace kv {
 
-template <typename K>
-Table<K>::Table(int64_t dim, std::vector<float> default_values, int num_shards)
-    : dim_(dim),
-      default_values_(std::move(default_values)),
-      default_value_dim_(dim > 0 ? static_cast<int64_t>(default_values_.size()) / dim : 0) {
-  if (dim <= 0) throw std::invalid_argument("dim must be positive");
-  if (default_value_dim_ <= 0 ||
-      default_value_dim_ * dim != static_cast<int64_t>(default_values_.size())) {
+void BloomSizing(uint64_t n, double p, uint64_t* counters, int* hashes) {
+  const double ln2 = std::log(2.0);
+  const double m = std::ceil(-static_cast<double>(n) * std::log(p) / (ln2 * ln2));
+  *counters = static_cast<uint64_t>(std::max(1.0, m));
+  *hashes = std::max(1, static_cast<int>(std::lround(m / static_cast<double>(n) * ln2)));
+}
+
+namespace {
+
+TableOptions Validated(TableOptions o) {
+  if (o.dim <= 0) throw std::invalid_argument("dim must be positive");
+  const int64_t rows = static_cast<int64_t>(o.default_values.size()) / o.dim;
+  if (rows <= 0 || rows * o.dim != static_cast<int64_t>(o.default_values.size())) {
     throw std::invalid_argument(
         "default_values must hold default_value_dim >= 1 rows of dim floats");
   }
-  if (num_shards < 1 || num_shards > 65536 || (num_shards & (num_shards - 1))) {
+  if (o.num_shards < 1 || o.num_shards > 65536 || (o.num_shards & (o.num_shards - 1))) {
     throw std::invalid_argument("num_shards must be a power of two in [1, 65536]");
   }
+  if (o.bloom_counters > 0) {
+    const int b = o.bloom_counter_bytes;
+    if (b != 1 && b != 2 && b != 4 && b != 8) {
+      throw std::invalid_argument("bloom_counter_bytes must be 1, 2, 4 or 8");
+    }
+    if (o.bloom_hashes < 1) throw std::invalid_argument("bloom_hashes must be >= 1");
+  } else if (o.filter_freq > 1) {
+    o.track_meta = true;  // the counter filter counts in the metadata
+  }
+  return o;
+}
+
+uint64_t CounterMax(int bytes) {
+  return bytes == 8 ? UINT64_MAX : (uint64_t{1} << (8 * bytes)) - 1;
+}
+
+uint64_t GetCounter(const uint8_t* base, uint64_t i, int bytes) {
+  uint64_t v = 0;
+  std::memcpy(&v, base + i * bytes, bytes);  // little-endian
+  return v;
+}
+
+void SetCounter(uint8_t* base, uint64_t i, int bytes, uint64_t v) {
+  std::memcpy(base + i * bytes, &v, bytes);
+}
+
+}  // namespace
+
+template <typename K>
+Table<K>::Table(int64_t dim, std::vector<float> default_values, int num_shards)
+    : Table([&] {
+        TableOptions o;
+        o.dim = dim;
+        o.default_values = std::move(default_values);
+        o.num_shards = num_shards;
+        return o;
+      }()) {}
+
+template <typename K>
+Table<K>::Table(TableOptions options)
+    : options_(Validated(std::move(options))),
+      dim_(options_.dim),
+      default_values_(options_.default_values),
+      default_value_dim_(static_cast<int64_t>(default_values_.size()) / dim_),
+      no_permission_row_(dim_, options_.no_permission_value) {
+  const int num_shards = options_.num_shards;
   shard_mask_ = static_cast<uint64_t>(num_shards - 1);
+  if (bloom()) bloom_per_shard_ = (options_.bloom_counters + num_shards - 1) / num_shards;
   shards_.reserve(num_shards);
   for (int i = 0; i < num_shards; ++i) {
     shards_.push_back(std::make_unique<Shard>());
-    shards_.back()->values = ChunkedArena<float>(dim);
+    shards_.back()->values = ChunkedArena<float>(dim_);
+    shards_.back()->bloom.assign(bloom_per_shard_ * options_.bloom_counter_bytes, 0);
+  }
+}
+
+template <typename K>
+void Table<K>::RaiseLatestStep(int64_t step) {
+  int64_t cur = latest_step_.load(std::memory_order_relaxed);
+  while (step > cur && !latest_step_.compare_exchange_weak(cur, step)) {
   }
 }
 
@@ -61,7 +122,17 @@ int64_t Table<K>::Size() const {
   int64_t n = 0;
   for (const auto& s : shards_) {
     std::shared_lock<std::shared_mutex> lock(s->mu);
-    n += static_cast<int64_t>(s->live);
+    n += static_cast<int64_t>(s->live - s->filtered);
+  }
+  return n;
+}
+
+template <typename K>
+int64_t Table<K>::FilteredSize() const {
+  int64_t n = 0;
+  for (const auto& s : shards_) {
+    std::shared_lock<std::shared_mutex> lock(s->mu);
+    n += static_cast<int64_t>(s->filtered);
   }
   return n;
 }
@@ -75,7 +146,8 @@ uint64_t Table<K>::MemoryBytes() const {
     bytes += s.ctrl.capacity() + s.entries.capacity() * sizeof(Entry);
     bytes += s.values.BytesAllocated() + s.meta.BytesAllocated();
     for (const auto& a : s.slots) bytes += a.BytesAllocated();
-    bytes += s.free_rows.capacity() * sizeof(uint32_t);
+    bytes += (s.free_rows.capacity() + s.free_meta.capacity()) * sizeof(uint32_t);
+    bytes += s.bloom.capacity();
   }
   return bytes;
 }
@@ -113,7 +185,7 @@ void Table<K>::Rehash(Shard& s, uint64_t new_capacity) {
 }
 
 template <typename K>
-uint32_t Table<K>::InsertNew(Shard& s, K key, uint64_t h) {
+uint64_t Table<K>::InsertNew(Shard& s, K key, uint64_t h, bool admit) {
   const uint64_t cap = s.ctrl.size();
   if ((s.live + s.tombstones + 1) * 4 > cap * 3) {
     // Grow when live entries alone pass 3/8 of capacity; otherwise the load
@@ -122,41 +194,120 @@ uint32_t Table<K>::InsertNew(Shard& s, K key, uint64_t h) {
     if ((s.live + 1) * 8 > cap * 3) new_cap = std::max(kMinCapacity, cap * 2);
     Rehash(s, new_cap);
   }
+  uint32_t meta_row = kNoRow;
+  if (options_.track_meta) {
+    if (!s.free_meta.empty()) {
+      meta_row = s.free_meta.back();
+      s.free_meta.pop_back();
+    } else {
+      if (s.next_meta == kNoRow) throw std::length_error("shard is full");
+      meta_row = s.next_meta++;
+      s.meta.EnsureCapacity(s.next_meta, 0);
+    }
+    int64_t* m = s.meta.Row(meta_row);
+    m[kFreq] = 0;
+    m[kVersion] = 0;
+  }
+  uint64_t i = h & s.mask;
+  while (!(s.ctrl[i] & 0x80)) i = (i + 1) & s.mask;
+  if (s.ctrl[i] == kDeleted) --s.tombstones;
+  s.ctrl[i] = Tag(h);
+  s.entries[i] = Entry{key, kNoRow, meta_row};
+  ++s.live;
+  ++s.filtered;
+  if (admit) Admit(s, i);
+  return i;
+}
+
+template <typename K>
+uint32_t Table<K>::Admit(Shard& s, uint64_t i) {
   uint32_t row;
   if (!s.free_rows.empty()) {
     row = s.free_rows.back();
     s.free_rows.pop_back();
   } else {
-    if (s.next_row == UINT32_MAX) throw std::length_error("shard is full");
+    if (s.next_row == kNoRow) throw std::length_error("shard is full");
     row = s.next_row++;
     s.values.EnsureCapacity(s.next_row, 0.0f);
-    s.meta.EnsureCapacity(s.next_row, 0);
     for (size_t j = 0; j < s.slots.size(); ++j) {
       s.slots[j].EnsureCapacity(s.next_row, slot_specs_[j].init);
     }
   }
-  const float* init = DefaultRow(key);
+  const float* init = DefaultRow(s.entries[i].key);
   std::copy(init, init + dim_, s.values.Row(row));
   for (size_t j = 0; j < s.slots.size(); ++j) {
     float* sv = s.slots[j].Row(row);
     std::fill(sv, sv + slot_specs_[j].width, slot_specs_[j].init);
   }
-  int64_t* m = s.meta.Row(row);
-  m[kFreq] = 0;
-  m[kVersion] = 0;
-
-  uint64_t i = h & s.mask;
-  while (!(s.ctrl[i] & 0x80)) i = (i + 1) & s.mask;
-  if (s.ctrl[i] == kDeleted) --s.tombstones;
-  s.ctrl[i] = Tag(h);
-  s.entries[i] = Entry{key, row};
-  ++s.live;
+  s.entries[i].row = row;
+  --s.filtered;
   return row;
 }
 
 template <typename K>
+uint64_t Table<K>::BloomMin(const Shard& s, uint64_t h) const {
+  const int bytes = options_.bloom_counter_bytes;
+  const uint64_t step = HashKey(h) | 1;  // double hashing
+  uint64_t least = UINT64_MAX;
+  for (int k = 0; k < options_.bloom_hashes; ++k) {
+    least = std::min(least, GetCounter(s.bloom.data(), (h + k * step) % bloom_per_shard_, bytes));
+  }
+  return least;
+}
+
+template <typename K>
+uint64_t Table<K>::BloomAdd(Shard& s, uint64_t h) {
+  const int bytes = options_.bloom_counter_bytes;
+  const uint64_t top = CounterMax(bytes);
+  const uint64_t step = HashKey(h) | 1;
+  for (int k = 0; k < options_.bloom_hashes; ++k) {
+    const uint64_t i = (h + k * step) % bloom_per_shard_;
+    const uint64_t v = GetCounter(s.bloom.data(), i, bytes);
+    if (v < top) SetCounter(s.bloom.data(), i, bytes, v + 1);
+  }
+  return BloomMin(s, h);
+}
+
+template <typename K>
+uint64_t Table<K>::BloomCount(K key) const {
+  if (!bloom()) return 0;
+  const uint64_t h = Hash(key);
+  const Shard& s = *shards_[ShardOf(h)];
+  std::shared_lock<std::shared_mutex> lock(s.mu);
+  return BloomMin(s, h);
+}
+
+template <typename K>
+std::vector<uint8_t> Table<K>::BloomState() const {
+  std::vector<uint8_t> state;
+  for (const auto& s : shards_) {
+    std::shared_lock<std::shared_mutex> lock(s->mu);
+    state.insert(state.end(), s->bloom.begin(), s->bloom.end());
+  }
+  return state;
+}
+
+template <typename K>
+bool Table<K>::SetBloomState(const std::vector<uint8_t>& state) {
+  const size_t per_shard = bloom_per_shard_ * options_.bloom_counter_bytes;
+  if (!bloom() || state.size() != per_shard * shards_.size()) return false;
+  for (size_t i = 0; i < shards_.size(); ++i) {
+    std::unique_lock<std::shared_mutex> lock(shards_[i]->mu);
+    std::copy(state.begin() + i * per_shard, state.begin() + (i + 1) * per_shard,
+              shards_[i]->bloom.begin());
+  }
+  return true;
+}
+
+template <typename K>
 void Table<K>::EraseAt(Shard& s, uint64_t i) {
-  s.free_rows.push_back(s.entries[i].row);
+  const Entry& e = s.entries[i];
+  if (e.row == kNoRow) {
+    --s.filtered;
+  } else {
+    s.free_rows.push_back(e.row);
+  }
+  if (e.meta_row != kNoRow) s.free_meta.push_back(e.meta_row);
   // With linear probing a slot followed by an empty one ends every probe
   // chain through it, so it can become empty instead of a tombstone.
   if (s.ctrl[(i + 1) & s.mask] == kEmpty) {
@@ -199,6 +350,39 @@ inline void PrefetchRow(const float* row, int64_t dim) {
 }  // namespace
 
 template <typename K>
+const float* Table<K>::Resolve(Shard& s, K key, uint64_t h, bool insert, int64_t now,
+                               int64_t* admitted) {
+  const int64_t idx = FindIndex(s, key, h);
+  if (idx >= 0) {
+    Entry& e = s.entries[idx];
+    int64_t* m = Meta(s, e);
+    if (insert && m) ++m[kFreq];
+    if (e.row != kNoRow) return s.values.Row(e.row);
+    // Counted by the counter filter, not admitted yet.
+    if (!insert) return no_permission_row_.data();
+    m[kVersion] = now;  // last seen
+    if (m[kFreq] < options_.filter_freq) return no_permission_row_.data();
+    ++*admitted;
+    return s.values.Row(Admit(s, static_cast<uint64_t>(idx)));
+  }
+  if (!insert) return filtering() || bloom() ? no_permission_row_.data() : DefaultRow(key);
+  int64_t count = 1;
+  if (bloom()) {
+    count = static_cast<int64_t>(std::min<uint64_t>(BloomAdd(s, h), INT64_MAX));
+    if (count < options_.filter_freq) return no_permission_row_.data();
+  }
+  const bool admit = bloom() || !filtering();
+  const Entry& e = s.entries[InsertNew(s, key, h, admit)];
+  if (int64_t* m = Meta(s, e)) {
+    m[kFreq] = count;
+    m[kVersion] = admit ? 0 : now;
+  }
+  if (!admit) return no_permission_row_.data();
+  ++*admitted;
+  return s.values.Row(e.row);
+}
+
+template <typename K>
 int64_t Table<K>::Lookup(int shard, const K* keys, const uint64_t* hashes,
                          const int64_t* order, int64_t n, bool insert,
                          float* out) {
@@ -210,9 +394,10 @@ int64_t Table<K>::Lookup(int shard, const K* keys, const uint64_t* hashes,
   } else {
     rlock.lock();
   }
-  // Keys go in blocks: probe a block (its index slots were prefetched while
-  // the previous block was probed) and prefetch each row found, then copy
-  // the block's rows, by then on their way to the cache.
+  // Keys go in blocks: resolve a block (its index slots were prefetched
+  // while the previous block was resolved) and prefetch each row found and
+  // its output, then copy the block's rows, by then on their way to the
+  // cache.
   constexpr int64_t kBlock = 16;
   const float* src[kBlock];
   int64_t inserted = 0;
@@ -224,24 +409,13 @@ int64_t Table<K>::Lookup(int shard, const K* keys, const uint64_t* hashes,
       __builtin_prefetch(&s.entries[p]);
     }
   };
+  const int64_t now = LatestStep();
   prefetch_slots(0, std::min(n, kBlock));
   for (int64_t b = 0; b < n; b += kBlock) {
     const int64_t e = std::min(n, b + kBlock);
     prefetch_slots(e, std::min(n, e + kBlock));
     for (int64_t j = b; j < e; ++j) {
-      const int64_t idx = FindIndex(s, keys[j], hashes[j]);
-      if (idx >= 0) {
-        const uint32_t row = s.entries[idx].row;
-        src[j - b] = s.values.Row(row);
-        if (insert) ++s.meta.Row(row)[kFreq];
-      } else if (insert) {
-        const uint32_t row = InsertNew(s, keys[j], hashes[j]);
-        ++inserted;
-        src[j - b] = s.values.Row(row);
-        s.meta.Row(row)[kFreq] = 1;
-      } else {
-        src[j - b] = DefaultRow(keys[j]);
-      }
+      src[j - b] = Resolve(s, keys[j], hashes[j], insert, now, &inserted);
       PrefetchRow(src[j - b], dim_);
       __builtin_prefetch(out + order[j] * dim_, 1);
     }
@@ -301,18 +475,68 @@ void Table<K>::Import(const K* keys, const float* values, const int64_t* freqs,
   for (int64_t i = 0; i < n; ++i) {
     const uint64_t h = Hash(keys[i]);
     Shard& s = *shards_[ShardOf(h)];
-    const int64_t idx = FindIndex(s, keys[i], h);
-    const uint32_t row = idx >= 0 ? s.entries[idx].row : InsertNew(s, keys[i], h);
-    std::copy(values + i * dim_, values + (i + 1) * dim_, s.values.Row(row));
-    int64_t* m = s.meta.Row(row);
-    m[kFreq] = freqs ? freqs[i] : 0;
-    m[kVersion] = versions ? versions[i] : 0;
+    int64_t idx = FindIndex(s, keys[i], h);
+    if (idx < 0) idx = static_cast<int64_t>(InsertNew(s, keys[i], h, /*admit=*/true));
+    if (s.entries[idx].row == kNoRow) Admit(s, static_cast<uint64_t>(idx));
+    const Entry& e = s.entries[idx];
+    std::copy(values + i * dim_, values + (i + 1) * dim_, s.values.Row(e.row));
+    if (int64_t* m = Meta(s, e)) {
+      m[kFreq] = freqs ? freqs[i] : 0;
+      m[kVersion] = versions ? versions[i] : 0;
+      if (versions) RaiseLatestStep(versions[i]);
+    }
     const float* src = slots + i * total_width;
     for (size_t j = 0; j < slot_ids.size(); ++j) {
-      std::copy(src, src + slot_widths[j], s.slots[slot_ids[j]].Row(row));
+      std::copy(src, src + slot_widths[j], s.slots[slot_ids[j]].Row(e.row));
       src += slot_widths[j];
     }
   }
+}
+
+template <typename K>
+void Table<K>::ImportFiltered(const K* keys, const int64_t* freqs, const int64_t* versions,
+                              int64_t n) {
+  if (!filtering() || bloom()) return;  // only the counter filter keeps such keys
+  std::vector<std::unique_lock<std::shared_mutex>> locks;
+  for (auto& s : shards_) locks.emplace_back(s->mu);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t h = Hash(keys[i]);
+    Shard& s = *shards_[ShardOf(h)];
+    int64_t idx = FindIndex(s, keys[i], h);
+    if (idx >= 0 && s.entries[idx].row != kNoRow) continue;  // stays admitted
+    if (idx < 0) idx = static_cast<int64_t>(InsertNew(s, keys[i], h, /*admit=*/false));
+    int64_t* m = Meta(s, s.entries[idx]);
+    m[kFreq] = freqs[i];
+    m[kVersion] = versions[i];
+  }
+}
+
+template <typename K>
+int64_t Table<K>::Evict(int64_t now, int64_t steps_to_live, float l2_threshold) {
+  if (now < 0) now = LatestStep();
+  const bool by_step = steps_to_live >= 0 && options_.track_meta;
+  int64_t erased = 0;
+  for (auto& sp : shards_) {
+    Shard& s = *sp;
+    std::unique_lock<std::shared_mutex> lock(s.mu);
+    for (uint64_t i = 0; i < s.ctrl.size(); ++i) {
+      if (s.ctrl[i] & 0x80) continue;
+      const Entry& e = s.entries[i];
+      const int64_t* m = Meta(s, e);
+      bool evict = by_step && now - m[kVersion] > steps_to_live;
+      if (!evict && l2_threshold >= 0 && e.row != kNoRow) {
+        const float* v = s.values.Row(e.row);
+        double sq = 0;
+        for (int64_t d = 0; d < dim_; ++d) sq += static_cast<double>(v[d]) * v[d];
+        evict = std::sqrt(sq) < l2_threshold;
+      }
+      if (evict) {
+        EraseAt(s, i);
+        ++erased;
+      }
+    }
+  }
+  return erased;
 }
 
 template <typename K>
@@ -337,10 +561,15 @@ void Table<K>::ResetShard(Shard& s) {
   s.tombstones = 0;
   s.values.Clear();
   for (auto& a : s.slots) a.Clear();
-  s.meta.Clear();
   s.next_row = 0;
   s.free_rows.clear();
   s.free_rows.shrink_to_fit();
+  s.meta.Clear();
+  s.next_meta = 0;
+  s.free_meta.clear();
+  s.free_meta.shrink_to_fit();
+  s.filtered = 0;
+  std::fill(s.bloom.begin(), s.bloom.end(), 0);
 }
 
 template <typename K>
@@ -359,11 +588,16 @@ bool Table<K>::Find(K key, std::vector<float>* value, int64_t* freq,
   std::shared_lock<std::shared_mutex> lock(s.mu);
   const int64_t idx = FindIndex(s, key, h);
   if (idx < 0) return false;
-  const uint32_t row = s.entries[idx].row;
-  const float* v = s.values.Row(row);
-  value->assign(v, v + dim_);
-  *freq = s.meta.Row(row)[kFreq];
-  *version = s.meta.Row(row)[kVersion];
+  const Entry& e = s.entries[idx];
+  if (e.row == kNoRow) {
+    value->clear();
+  } else {
+    const float* v = s.values.Row(e.row);
+    value->assign(v, v + dim_);
+  }
+  const int64_t* m = Meta(s, e);
+  *freq = m ? m[kFreq] : 0;
+  *version = m ? m[kVersion] : 0;
   return true;
 }
 

@@ -5,14 +5,22 @@
 //
 // * The key space is split into shards by hash bits; each shard has its own
 //   reader/writer lock, open-addressing index (one control byte per slot kept
-//   apart from the {key, row} entries, linear probing, power-of-two capacity,
-//   load factor <= 0.75 with tombstones counted) and its own arenas.
+//   apart from the {key, value_row, meta_row} entries, linear probing,
+//   power-of-two capacity, load factor <= 0.75 with tombstones counted) and
+//   its own arenas.
 // * Rows live in chunked arenas that never move; optimizer slots live in
-//   parallel arenas indexed by the same row id, as does the per-row metadata
-//   (frequency, version = last-update step). Erased rows go to a free list.
+//   parallel arenas indexed by the same value row id. Per-key metadata
+//   (frequency, version) lives in a separate arena, only when tracked.
+//   Erased rows go to free lists.
 // * A new key k starts as a copy of default row (k mod default_value_dim) of
 //   the [default_value_dim, dim] matrix given at construction (DeepRec's EV
 //   Initializer).
+// * Admission filters (DeepRec's feature filter): with a counter filter a
+//   key seen fewer than `filter_freq` times has an index entry and metadata
+//   but no value or slot rows; it reads `no_permission_value` and its
+//   gradients are dropped. With a counting Bloom filter, keys are counted in
+//   per-shard Bloom counters and enter the index only once admitted.
+// * Eviction (GlobalStepEvict, L2WeightEvict) erases keys on demand.
 //
 // Batched operations take the keys of one shard with their hashes and their
 // positions in the batch (see Partition in partition.h) and lock that shard
@@ -20,6 +28,7 @@
 #ifndef KRE_KV_TABLE_H_
 #define KRE_KV_TABLE_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -43,6 +52,24 @@ inline uint64_t HashKey(uint64_t x) {
   return x;
 }
 
+struct TableOptions {
+  int64_t dim = 0;
+  std::vector<float> default_values;  // [default_value_dim, dim]
+  int num_shards = 32;                // power of two in [1, 65536]
+  bool track_meta = true;             // per-key frequency and version
+  int64_t filter_freq = 0;            // admission threshold; <= 1: none
+  // Counting Bloom filter (when bloom_counters > 0): total counters, hashes
+  // per key, and bytes per counter (1, 2, 4 or 8; counters saturate).
+  uint64_t bloom_counters = 0;
+  int bloom_hashes = 0;
+  int bloom_counter_bytes = 8;
+  float no_permission_value = 0.0f;   // what keys not yet admitted read
+};
+
+// Counting Bloom filter parameters for n expected keys and false-positive
+// probability p: m = ceil(-n ln p / ln(2)^2) counters, k = round(m/n ln 2).
+void BloomSizing(uint64_t n, double p, uint64_t* counters, int* hashes);
+
 struct SlotSpec {
   std::string name;
   int64_t width;
@@ -55,8 +82,8 @@ enum MetaColumn { kFreq = 0, kVersion = 1, kNumMeta = 2 };
 template <typename K>
 class Table {
  public:
-  // `default_values` is row-major [default_value_dim, dim].
-  // `num_shards` must be a power of two in [1, 65536].
+  explicit Table(TableOptions options);
+  // A table without filters that tracks metadata.
   Table(int64_t dim, std::vector<float> default_values, int num_shards);
   Table(const Table&) = delete;
   Table& operator=(const Table&) = delete;
@@ -76,24 +103,36 @@ class Table {
   // Replaces it (rows added from now on use the new matrix).
   void SetDefaultValues(std::vector<float> default_values);
 
-  // Number of keys.
+  const TableOptions& options() const { return options_; }
+  bool filtering() const { return options_.filter_freq > 1; }
+  bool bloom() const { return options_.bloom_counters > 0; }
+
+  // Number of admitted keys (those with rows).
   int64_t Size() const;
+  // Number of keys counted by the counter filter but not admitted yet.
+  int64_t FilteredSize() const;
+  // The latest step stamped by Apply (the table's notion of "now").
+  int64_t LatestStep() const { return latest_step_.load(std::memory_order_relaxed); }
   // Bytes held by index, arenas and free lists.
   uint64_t MemoryBytes() const;
 
   // Looks up keys[0..n) (all in shard `shard`, with their hashes), writing
-  // the row of keys[j] to out + order[j] * dim. With `insert`, missing keys
-  // are inserted with their default row and every occurrence increments the
-  // key's frequency; without, missing keys read their default row and
-  // nothing changes. Returns the number of keys inserted.
+  // the row of keys[j] to out + order[j] * dim. With `insert` (training),
+  // every occurrence counts towards the key's frequency, keys that reach the
+  // admission threshold get their default row, and keys not admitted read
+  // `no_permission_value`. Without `insert` (inference) nothing changes:
+  // admitted keys read their rows, others their default row (or
+  // `no_permission_value` when a filter is on). Returns the number of keys
+  // admitted.
   int64_t Lookup(int shard, const K* keys, const uint64_t* hashes,
                  const int64_t* order, int64_t n, bool insert, float* out);
 
   // Sums the gradient rows (grads + order[j] * dim) of equal keys among
-  // keys[0..n) (all in shard `shard`, with their hashes), finds or inserts
-  // each distinct key, stamps its version with `step`, and calls
-  // fn(value_row, slot_rows, grad_sum) once per distinct key with
-  // slot_rows[j] the row of slot slot_ids[j].
+  // keys[0..n) (all in shard `shard`, with their hashes), and for each
+  // distinct admitted key stamps its version with `step` and calls
+  // fn(value_row, slot_rows, grad_sum) with slot_rows[j] the row of slot
+  // slot_ids[j]. Missing keys are inserted first when no filter is on; with
+  // a filter, gradients of keys not admitted are dropped.
   template <typename Fn>
   void Apply(int shard, const K* keys, const uint64_t* hashes,
              const int64_t* order, int64_t n, const float* grads,
@@ -106,19 +145,30 @@ class Table {
   int SlotIndex(const std::string& name) const;  // -1 when absent.
   std::vector<SlotSpec> Slots() const;
 
-  // Exports every row. `alloc(n)` is called once, with every shard locked,
-  // and returns buffers for n rows: keys[n], values[n, dim], freqs[n],
-  // versions[n], slots[n, total_slot_width] (slot columns in slot order), or
-  // std::nullopt to abandon the export.
+  // Exports every key. `alloc(n, nf)` is called once, with every shard
+  // locked, and returns buffers for n admitted keys: keys[n], values[n,
+  // dim], freqs[n], versions[n], slots[n, total_slot_width] (slot columns
+  // in slot order); and for nf keys counted but not admitted (counter
+  // filter): keys_filtered, freqs_filtered, versions_filtered. It may
+  // return std::nullopt to abandon the export.
   struct ExportBuffers {
     K* keys;
     float* values;
     int64_t* freqs;
     int64_t* versions;
     float* slots;
+    K* keys_filtered;
+    int64_t* freqs_filtered;
+    int64_t* versions_filtered;
   };
   template <typename Alloc>
   void Export(Alloc&& alloc) const;
+  // The Bloom counters, shard after shard (empty without a Bloom filter).
+  std::vector<uint8_t> BloomState() const;
+  // Restores them if `state` has this table's size; returns whether it did.
+  bool SetBloomState(const std::vector<uint8_t>& state);
+  // The estimated count of `key` in the Bloom filter (0 without one).
+  uint64_t BloomCount(K key) const;
 
   // Inserts or overwrites n rows. `slot_ids[j]` names the table slot that
   // column block j of `slots` ([n, sum(widths)]) holds; `slot_widths[j]` its
@@ -127,10 +177,23 @@ class Table {
               const int64_t* versions, int64_t n, const float* slots,
               const std::vector<int>& slot_ids,
               const std::vector<int64_t>& slot_widths);
+  // Inserts keys counted but not admitted, with their counts; a key that is
+  // already admitted stays admitted. They are admitted by the lookup that
+  // brings their count to the (current) threshold.
+  void ImportFiltered(const K* keys, const int64_t* freqs, const int64_t* versions,
+                      int64_t n);
+
+  // Erases keys: admitted keys whose version is older than
+  // now - steps_to_live (when steps_to_live >= 0), admitted keys whose row
+  // L2 norm is below l2_threshold (when l2_threshold >= 0), and keys not
+  // admitted whose last lookup is older than now - steps_to_live. `now` < 0
+  // means LatestStep(). Returns the number of keys erased.
+  int64_t Evict(int64_t now, int64_t steps_to_live, float l2_threshold);
 
   bool Erase(K key);
   void Clear();
-  // Reads one row (value and meta) if present, for tests and tools.
+  // Reads one key if present, for tests and tools: its value (empty when
+  // not admitted), frequency and version.
   bool Find(K key, std::vector<float>* value, int64_t* freq,
             int64_t* version) const;
 
@@ -138,10 +201,12 @@ class Table {
   static constexpr uint8_t kEmpty = 0x80;
   static constexpr uint8_t kDeleted = 0xFE;
   static constexpr uint64_t kMinCapacity = 16;
+  static constexpr uint32_t kNoRow = UINT32_MAX;
 
   struct Entry {
     K key;
-    uint32_t row;
+    uint32_t row;       // value (and slot) row; kNoRow while not admitted
+    uint32_t meta_row;  // metadata row; kNoRow when not tracked
   };
 
   struct Shard {
@@ -153,23 +218,46 @@ class Table {
     uint64_t tombstones = 0;
     ChunkedArena<float> values;
     std::vector<ChunkedArena<float>> slots;
-    ChunkedArena<int64_t> meta{kNumMeta};
     uint32_t next_row = 0;
     std::vector<uint32_t> free_rows;
+    ChunkedArena<int64_t> meta{kNumMeta};
+    uint32_t next_meta = 0;
+    std::vector<uint32_t> free_meta;
+    uint64_t filtered = 0;       // entries not admitted
+    std::vector<uint8_t> bloom;  // bloom_counters / num_shards counters
   };
 
   static uint8_t Tag(uint64_t h) { return static_cast<uint8_t>(h >> 57); }
   int64_t FindIndex(const Shard& s, K key, uint64_t h) const;
-  uint32_t InsertNew(Shard& s, K key, uint64_t h);
+  // Inserts a missing key; with `admit` it gets value and slot rows. Returns
+  // its index position.
+  uint64_t InsertNew(Shard& s, K key, uint64_t h, bool admit);
+  // Gives entry i its value and slot rows, initialized for its key.
+  uint32_t Admit(Shard& s, uint64_t i);
+  int64_t* Meta(const Shard& s, const Entry& e) const {
+    return e.meta_row == kNoRow ? nullptr : s.meta.Row(e.meta_row);
+  }
+  // One key's row for Lookup (see there); counts admissions in *admitted.
+  const float* Resolve(Shard& s, K key, uint64_t h, bool insert, int64_t now,
+                       int64_t* admitted);
+  // Adds one sighting of hash h to the shard's Bloom counters; returns the
+  // estimated count (the smallest of its counters).
+  uint64_t BloomAdd(Shard& s, uint64_t h);
+  uint64_t BloomMin(const Shard& s, uint64_t h) const;
   void Rehash(Shard& s, uint64_t new_capacity);
   void EraseAt(Shard& s, uint64_t i);
   void ResetShard(Shard& s);
+  void RaiseLatestStep(int64_t step);
 
+  const TableOptions options_;
   const int64_t dim_;
   // Read under any shard lock, replaced with every shard locked.
   std::vector<float> default_values_;
   int64_t default_value_dim_;
   uint64_t shard_mask_;
+  uint64_t bloom_per_shard_ = 0;
+  std::vector<float> no_permission_row_;
+  std::atomic<int64_t> latest_step_{0};
   std::vector<std::unique_ptr<Shard>> shards_;
   // Changed only with every shard locked exclusively, so holding any shard
   // lock gives a consistent view.
@@ -185,27 +273,34 @@ template <typename Fn>
 void Table<K>::Apply(int shard, const K* keys, const uint64_t* hashes,
                      const int64_t* order, int64_t n, const float* grads,
                      const std::vector<int>& slot_ids, int64_t step, Fn&& fn) {
+  RaiseLatestStep(step);
   Shard& s = *shards_[shard];
   std::unique_lock<std::shared_mutex> lock(s.mu);
-  // Distinct rows in first-seen order with their summed gradient. A small
+  // Distinct admitted keys in first-seen order with their summed gradient.
+  // Row ids (stable while inserts rehash the index) identify them; a small
   // open-addressing map from row id to position dedupes equal keys.
-  std::vector<uint32_t> rows;
+  std::vector<Entry> hits;
   std::vector<float> sums;
-  rows.reserve(n);
+  hits.reserve(n);
   sums.reserve(n * dim_);
   uint64_t cap = 16;
   while (cap < static_cast<uint64_t>(n) * 2) cap <<= 1;
   std::vector<int64_t> pos(cap, -1);
+  const bool filter = filtering() || bloom();
   for (int64_t j = 0; j < n; ++j) {
     int64_t idx = FindIndex(s, keys[j], hashes[j]);
-    const uint32_t row =
-        idx >= 0 ? s.entries[idx].row : InsertNew(s, keys[j], hashes[j]);
-    uint64_t p = HashKey(row) & (cap - 1);
-    while (pos[p] >= 0 && rows[pos[p]] != row) p = (p + 1) & (cap - 1);
+    if (idx < 0) {
+      if (filter) continue;  // never admitted: the gradient is dropped
+      idx = static_cast<int64_t>(InsertNew(s, keys[j], hashes[j], /*admit=*/true));
+    }
+    const Entry& e = s.entries[idx];
+    if (e.row == kNoRow) continue;  // not admitted yet: dropped
+    uint64_t p = HashKey(e.row) & (cap - 1);
+    while (pos[p] >= 0 && hits[pos[p]].row != e.row) p = (p + 1) & (cap - 1);
     const float* g = grads + order[j] * dim_;
     if (pos[p] < 0) {
-      pos[p] = static_cast<int64_t>(rows.size());
-      rows.push_back(row);
+      pos[p] = static_cast<int64_t>(hits.size());
+      hits.push_back(e);
       sums.insert(sums.end(), g, g + dim_);
     } else {
       float* acc = sums.data() + pos[p] * dim_;
@@ -213,13 +308,13 @@ void Table<K>::Apply(int shard, const K* keys, const uint64_t* hashes,
     }
   }
   std::vector<float*> slot_rows(slot_ids.size());
-  for (size_t r = 0; r < rows.size(); ++r) {
-    const uint32_t row = rows[r];
+  for (size_t r = 0; r < hits.size(); ++r) {
+    const Entry& e = hits[r];
     for (size_t j = 0; j < slot_ids.size(); ++j) {
-      slot_rows[j] = s.slots[slot_ids[j]].Row(row);
+      slot_rows[j] = s.slots[slot_ids[j]].Row(e.row);
     }
-    fn(s.values.Row(row), slot_rows.data(), sums.data() + r * dim_);
-    s.meta.Row(row)[kVersion] = step;
+    fn(s.values.Row(e.row), slot_rows.data(), sums.data() + r * dim_);
+    if (int64_t* m = Meta(s, e)) m[kVersion] = step;
   }
 }
 
@@ -228,31 +323,39 @@ template <typename Alloc>
 void Table<K>::Export(Alloc&& alloc) const {
   std::vector<std::shared_lock<std::shared_mutex>> locks;
   locks.reserve(shards_.size());
-  int64_t n = 0;
+  int64_t n = 0, nf = 0;
   for (const auto& s : shards_) {
     locks.emplace_back(s->mu);
-    n += static_cast<int64_t>(s->live);
+    n += static_cast<int64_t>(s->live - s->filtered);
+    nf += static_cast<int64_t>(s->filtered);
   }
   int64_t total_width = 0;
   for (const auto& spec : slot_specs_) total_width += spec.width;
-  const std::optional<ExportBuffers> buffers = alloc(n);
+  const std::optional<ExportBuffers> buffers = alloc(n, nf);
   if (!buffers) return;
   const ExportBuffers& b = *buffers;
-  int64_t out = 0;
+  int64_t out = 0, out_f = 0;
   for (const auto& sp : shards_) {
     const Shard& s = *sp;
     for (uint64_t i = 0; i < s.ctrl.size(); ++i) {
       if (s.ctrl[i] & 0x80) continue;  // empty or deleted
-      const uint32_t row = s.entries[i].row;
-      b.keys[out] = s.entries[i].key;
-      const float* v = s.values.Row(row);
+      const Entry& e = s.entries[i];
+      const int64_t* m = Meta(s, e);
+      if (e.row == kNoRow) {
+        b.keys_filtered[out_f] = e.key;
+        b.freqs_filtered[out_f] = m ? m[kFreq] : 0;
+        b.versions_filtered[out_f] = m ? m[kVersion] : 0;
+        ++out_f;
+        continue;
+      }
+      b.keys[out] = e.key;
+      const float* v = s.values.Row(e.row);
       std::copy(v, v + dim_, b.values + out * dim_);
-      const int64_t* m = s.meta.Row(row);
-      b.freqs[out] = m[kFreq];
-      b.versions[out] = m[kVersion];
+      b.freqs[out] = m ? m[kFreq] : 0;
+      b.versions[out] = m ? m[kVersion] : 0;
       float* dst = b.slots + out * total_width;
       for (size_t j = 0; j < s.slots.size(); ++j) {
-        const float* sv = s.slots[j].Row(row);
+        const float* sv = s.slots[j].Row(e.row);
         std::copy(sv, sv + slot_specs_[j].width, dst);
         dst += slot_specs_[j].width;
       }

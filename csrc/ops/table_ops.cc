@@ -27,13 +27,21 @@ absl::Status GetDim(InferenceContext* c, int64_t* dim) {
 // Creates an anonymous embedding table from integer keys to float rows of width
 // `dim` and returns a ref-counting handle: the table lives as long as a handle
 // to it does. `default_values` [default_value_dim, dim] are the EV-initializer
-// rows: a new key k starts as row k mod default_value_dim.
+// rows: a new key k starts as row k mod default_value_dim. `filter_freq` > 1
+// turns on the counter admission filter, or with `bloom_counters` > 0 the
+// counting Bloom filter; keys not admitted read `no_permission_value`.
 REGISTER_OP("KRE>TableCreate")
     .Input("default_values: float")
     .Output("handle: resource")
     .Attr("key_dtype: {int32, int64}")
     .Attr("dim: int >= 1")
     .Attr("num_shards: int = 32")
+    .Attr("track_meta: bool = true")
+    .Attr("filter_freq: int = 0")
+    .Attr("bloom_counters: int = 0")
+    .Attr("bloom_hashes: int = 0")
+    .Attr("bloom_counter_bytes: int = 8")
+    .Attr("no_permission_value: float = 0.0")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       int64_t dim;
@@ -79,13 +87,35 @@ REGISTER_OP("KRE>TableSize")
       return absl::OkStatus();
     });
 
-REGISTER_OP("KRE>TableMemoryBytes")
+// [admitted keys, keys counted but not admitted, memory bytes, latest step]
+REGISTER_OP("KRE>TableStats")
     .Input("handle: resource")
-    .Output("bytes: int64")
+    .Output("stats: int64")
     .Attr("Tkeys: {int32, int64}")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       TF_RETURN_IF_ERROR(ScalarHandle(c));
+      c->set_output(0, c->Vector(4));
+      return absl::OkStatus();
+    });
+
+// Erases admitted keys not updated for more than `steps_to_live` steps
+// before `step` (when steps_to_live >= 0; step < 0 means the table's latest
+// step), admitted keys whose row L2 norm is below `l2_threshold` (when >= 0),
+// and keys not admitted last seen more than `steps_to_live` steps ago.
+// Returns how many.
+REGISTER_OP("KRE>TableEvict")
+    .Input("handle: resource")
+    .Input("step: int64")
+    .Input("steps_to_live: int64")
+    .Input("l2_threshold: float")
+    .Output("evicted: int64")
+    .Attr("Tkeys: {int32, int64}")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      TF_RETURN_IF_ERROR(ScalarHandle(c));
+      ShapeHandle unused;
+      for (int i = 1; i < 4; ++i) TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 0, &unused));
       c->set_output(0, c->Scalar());
       return absl::OkStatus();
     });
@@ -109,8 +139,10 @@ REGISTER_OP("KRE>TableAddSlot")
     });
 
 // Exports every row: keys [N], values [N, dim], freqs [N], versions [N], the
-// optimizer slots side by side in slot_values [N, sum(slot_widths)], and the
-// EV-initializer matrix default_values [default_value_dim, dim].
+// optimizer slots side by side in slot_values [N, sum(slot_widths)], the
+// EV-initializer matrix default_values [default_value_dim, dim], the keys
+// counted but not admitted with their counts and versions (empty unless
+// include_filtered), and the Bloom filter's counters as bytes.
 REGISTER_OP("KRE>TableExport")
     .Input("handle: resource")
     .Output("keys: Tkeys")
@@ -121,8 +153,13 @@ REGISTER_OP("KRE>TableExport")
     .Output("slot_names: string")
     .Output("slot_widths: int64")
     .Output("default_values: float")
+    .Output("keys_filtered: Tkeys")
+    .Output("freqs_filtered: int64")
+    .Output("versions_filtered: int64")
+    .Output("bloom: uint8")
     .Attr("Tkeys: {int32, int64}")
     .Attr("dim: int >= 1")
+    .Attr("include_filtered: bool = true")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       TF_RETURN_IF_ERROR(ScalarHandle(c));
@@ -137,13 +174,18 @@ REGISTER_OP("KRE>TableExport")
       c->set_output(5, c->Vector(c->UnknownDim()));
       c->set_output(6, c->Vector(c->UnknownDim()));
       c->set_output(7, c->Matrix(c->UnknownDim(), dim));
+      DimensionHandle nf = c->UnknownDim();
+      for (int i = 8; i < 11; ++i) c->set_output(i, c->Vector(nf));
+      c->set_output(11, c->Vector(c->UnknownDim()));
       return absl::OkStatus();
     });
 
 // Inserts or overwrites rows (after clearing the table when `clear`). Slots
 // named in slot_names that the table lacks are created with init 0. A
 // non-empty default_values [default_value_dim, dim] replaces the
-// EV-initializer matrix.
+// EV-initializer matrix. Keys counted but not admitted come back with their
+// counts (under a counter filter; otherwise they are dropped), and Bloom
+// counters are restored when their size matches the table's filter.
 REGISTER_OP("KRE>TableImport")
     .Input("handle: resource")
     .Input("keys: Tkeys")
@@ -154,6 +196,10 @@ REGISTER_OP("KRE>TableImport")
     .Input("slot_names: string")
     .Input("slot_widths: int64")
     .Input("default_values: float")
+    .Input("keys_filtered: Tkeys")
+    .Input("freqs_filtered: int64")
+    .Input("versions_filtered: int64")
+    .Input("bloom: uint8")
     .Attr("Tkeys: {int32, int64}")
     .Attr("dim: int >= 1")
     .Attr("clear: bool = true")
@@ -174,6 +220,14 @@ REGISTER_OP("KRE>TableImport")
       ShapeHandle defaults;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(8), 2, &defaults));
       TF_RETURN_IF_ERROR(c->WithValue(c->Dim(defaults, 1), dim, &unused));
+      ShapeHandle kf, ff, vf, bloom;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(9), 1, &kf));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(10), 1, &ff));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(11), 1, &vf));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(12), 1, &bloom));
+      DimensionHandle nf = c->Dim(kf, 0);
+      TF_RETURN_IF_ERROR(c->Merge(nf, c->Dim(ff, 0), &nf));
+      TF_RETURN_IF_ERROR(c->Merge(nf, c->Dim(vf, 0), &nf));
       TF_RETURN_IF_ERROR(c->Merge(n, c->Dim(values, 0), &n));
       TF_RETURN_IF_ERROR(c->Merge(n, c->Dim(freqs, 0), &n));
       TF_RETURN_IF_ERROR(c->Merge(n, c->Dim(versions, 0), &n));
@@ -186,7 +240,8 @@ REGISTER_OP("KRE>TableImport")
 // One fused optimizer step on the rows of `keys`: equal keys are deduplicated
 // and their gradient rows summed, each distinct row (value and slots) is updated
 // in place by `rule` with hyper-parameters `hyper`, and its version is set to
-// `step`. Missing keys are inserted first. See keras_rec_emb/_ops.py for the
+// `step`. Missing keys are inserted first, unless an admission filter is on:
+// then gradients of keys not admitted are dropped. See keras_rec_emb/_ops.py for the
 // layout of `hyper` per rule.
 REGISTER_OP("KRE>TableSparseApply")
     .Input("handle: resource")

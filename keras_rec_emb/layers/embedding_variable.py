@@ -119,9 +119,8 @@ class EmbeddingVariable(keras.layers.Layer):
         missing = ev_option.unimplemented_feature()
         if missing is not None:
             raise NotImplementedError(
-                f"EmbeddingVariable does not support {missing} yet (issue 4: "
-                "feature admission filters, eviction and storage tiers). "
-                f"Received: ev_option={ev_option!r}"
+                f"EmbeddingVariable does not support {missing} yet; DRAM is the "
+                f"only storage tier. Received: ev_option={ev_option!r}"
             )
         self.embedding_dim = int(embedding_dim)
         self.initializer = keras.initializers.get(initializer)
@@ -138,9 +137,8 @@ class EmbeddingVariable(keras.layers.Layer):
         default_values = keras.ops.convert_to_numpy(initializer(
             shape=(init_option.default_value_dim, self.embedding_dim), dtype="float32"))
         self.table = EmbeddingTable(
-            self.embedding_dim, self.key_dtype, default_values,
-            num_shards=self.ev_option.num_shards, trainable=self.trainable,
-            name=f"{self.name}/embeddings",
+            self.embedding_dim, self.key_dtype, default_values, trainable=self.trainable,
+            name=f"{self.name}/embeddings", **self.ev_option.table_kwargs(),
         )
         self._track_variable(self.table.variable)
         self.built = True
@@ -239,14 +237,28 @@ class EmbeddingVariable(keras.layers.Layer):
             )
 
     def table_size(self):
-        """Number of distinct ids in the table."""
+        """Number of distinct ids admitted to the table."""
         self._require_built("table_size()")
         return self.table.size()
 
+    def evict(self, step=None):
+        """Applies the configured eviction (`GlobalStepEvict` /
+        `L2WeightEvict`) now; returns how many ids were evicted.
+
+        Args:
+            step: int or None. The current global step; None uses the last
+                optimizer step that updated this table.
+        """
+        self._require_built("evict()")
+        return self.table.evict(step)
+
     def export(self):
-        """All rows as NumPy arrays: `keys` [N], `values` [N, dim], `freqs`
-        [N], `versions` [N], `slots` {slot name: [N, width]} in the same key
-        order, and `default_values`, the EV-initializer matrix."""
+        """All ids as NumPy arrays, in DeepRec's format: `keys` [N], `values`
+        [N, dim], `freqs` [N], `versions` [N] and `slots` {slot name: [N,
+        width]} of admitted ids; `keys_filtered`, `freqs_filtered`,
+        `versions_filtered` of ids counted by a filter but not admitted;
+        `default_values` (the EV-initializer matrix) and `bloom` (a Bloom
+        filter's counters)."""
         self._require_built("export()")
         return self.table.export()
 
@@ -257,12 +269,19 @@ class EmbeddingVariable(keras.layers.Layer):
         self.table.import_(data)
 
     # -- saving ---------------------------------------------------------------
+    _ARRAYS = ("keys", "values", "freqs", "versions", "default_values", "keys_filtered",
+               "freqs_filtered", "versions_filtered", "bloom")
+
     def save_own_variables(self, store):
         if self.table is None:
             return
-        data = self.table.export()
-        for key in ("keys", "values", "freqs", "versions", "default_values"):
-            store[key] = data[key]
+        self.table.evict()  # DeepRec evicts when a model is saved
+        data = self.table.export(include_filtered=self.table.save_filtered)
+        if not self.table.save_filtered:
+            del data["bloom"]
+        for key in self._ARRAYS:
+            if key in data:
+                store[key] = data[key]
         for name, values in data["slots"].items():
             store[f"slot:{name}"] = values
 
@@ -270,9 +289,9 @@ class EmbeddingVariable(keras.layers.Layer):
         if self.table is None:
             self.build()
         names = list(store.keys())
-        data = {key: np.asarray(store[key])
-                for key in ("keys", "values", "freqs", "versions", "default_values")
-                if key in names}
+        # Parts a file lacks (e.g. saved before a filter was configured, or
+        # stripped of filtered ids) load as empty.
+        data = {key: np.asarray(store[key]) for key in self._ARRAYS if key in names}
         data["slots"] = {n[len("slot:"):]: np.asarray(store[n]) for n in names
                          if n.startswith("slot:")}
         self.table.import_(data)

@@ -100,7 +100,9 @@ def test_export_import(matrix_initializer):
     layer = make_layer(matrix_initializer)
     layer(np.array([4, 9]), training=True)
     data = layer.export()
-    assert set(data) == {"keys", "values", "freqs", "versions", "slots", "default_values"}
+    assert set(data) == {"keys", "values", "freqs", "versions", "slots", "default_values",
+                         "keys_filtered", "freqs_filtered", "versions_filtered", "bloom"}
+    assert len(data["keys_filtered"]) == 0 and len(data["bloom"]) == 0
     np.testing.assert_array_equal(data["default_values"], MATRIX)
     other = make_layer(matrix_initializer)
     other.build()
@@ -189,15 +191,9 @@ def test_bad_arguments(kwargs, error, match):
         EmbeddingVariable(**kwargs)
 
 
-@pytest.mark.parametrize("option, feature", [
-    (kre.EmbeddingVariableOption(filter_option=kre.CounterFilter(3)), "counter admission"),
-    (kre.EmbeddingVariableOption(filter_option=kre.CBFFilter(3, 1000, 0.01)), "Bloom"),
-    (kre.EmbeddingVariableOption(evict_option=kre.GlobalStepEvict(10)), "global-step eviction"),
-    (kre.EmbeddingVariableOption(evict_option=kre.L2WeightEvict(0.1)), "L2-weight eviction"),
-    (kre.EmbeddingVariableOption(storage_option=kre.StorageOption("FILE")), "file-backed"),
-])
-def test_unimplemented_options_name_the_feature(option, feature):
-    with pytest.raises(NotImplementedError, match=f"{feature}.*issue 4"):
+def test_file_storage_tier_is_not_implemented_yet():
+    option = kre.EmbeddingVariableOption(storage_option=kre.StorageOption("FILE"))
+    with pytest.raises(NotImplementedError, match="file-backed storage tiers.*DRAM"):
         EmbeddingVariable(4, ev_option=option)
 
 

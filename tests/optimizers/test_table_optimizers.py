@@ -73,7 +73,7 @@ def build(kind, optimizer, matrix_initializer, length=LEN):
     ids = keras.Input((length,), dtype="int64")
     if kind == "ev":
         emb = EmbeddingVariable(DIM, initializer=matrix_initializer(ROWS), ev_option=kre.EmbeddingVariableOption(
-            init_option=kre.InitializerOption(default_value_dim=VOCAB)))
+            init_option=kre.InitializerOption(default_value_dim=VOCAB), track_meta=True))
     elif kind == "onehot":
         emb = OneHotEmbedding(matrix_initializer(ROWS))
     else:

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <map>
+#include <optional>
 #include <random>
 #include <thread>
 #include <vector>
@@ -12,6 +13,7 @@
 #include "kv/partition.h"
 #include "kv/table.h"
 
+using kre::kv::BloomSizing;
 using kre::kv::Partition;
 using kre::kv::Table;
 
@@ -39,6 +41,29 @@ std::vector<float> Defaults() {
 auto Serial = [](int blocks, auto&& fn) {
   for (int b = 0; b < blocks; ++b) fn(b);
 };
+
+template <typename K>
+struct Exported {
+  std::vector<K> keys, keys_f;
+  std::vector<float> values, slots;
+  std::vector<int64_t> freqs, versions, freqs_f, versions_f;
+};
+
+template <typename K>
+Exported<K> ExportAll(const Table<K>& t) {
+  Exported<K> x;
+  int64_t width = 0;
+  for (const auto& spec : t.Slots()) width += spec.width;
+  t.Export([&](int64_t n, int64_t nf) {
+    x.keys.resize(n); x.values.resize(n * t.dim()); x.freqs.resize(n); x.versions.resize(n);
+    x.slots.resize(n * width);
+    x.keys_f.resize(nf); x.freqs_f.resize(nf); x.versions_f.resize(nf);
+    return std::optional<typename Table<K>::ExportBuffers>(typename Table<K>::ExportBuffers{
+        x.keys.data(), x.values.data(), x.freqs.data(), x.versions.data(), x.slots.data(),
+        x.keys_f.data(), x.freqs_f.data(), x.versions_f.data()});
+  });
+  return x;
+}
 
 template <typename K>
 std::vector<float> Lookup(Table<K>& t, const std::vector<K>& keys, bool insert,
@@ -168,14 +193,7 @@ void TestSlotsApplyDedupe() {
   // A key inserted after the re-registration starts at the new init (0.2).
   std::vector<int64_t> fresh = {1234};
   Lookup(t, fresh, true);
-  std::vector<float> slots;
-  t.Export([&](int64_t n) {
-    static std::vector<int64_t> k, fr, vs;
-    static std::vector<float> vals;
-    k.resize(n); fr.resize(n); vs.resize(n); vals.resize(n * kDim); slots.resize(n * kDim);
-    return Table<int64_t>::ExportBuffers{k.data(), vals.data(), fr.data(), vs.data(), slots.data()};
-  });
-  CHECK(slots.size() == 3 * kDim);
+  CHECK(ExportAll(t).slots.size() == 3 * kDim);
 }
 
 void TestExportImportRoundTrip() {
@@ -185,13 +203,12 @@ void TestExportImportRoundTrip() {
   Lookup(a, keys, true);
   a.AddSlot("m", kDim, 0.0f);
   a.AddSlot("p", 1, 1.0f);
-  std::vector<int32_t> k;
-  std::vector<float> vals, slots;
-  std::vector<int64_t> fr, vs;
-  a.Export([&](int64_t n) {
-    k.resize(n); fr.resize(n); vs.resize(n); vals.resize(n * kDim); slots.resize(n * (kDim + 1));
-    return Table<int32_t>::ExportBuffers{k.data(), vals.data(), fr.data(), vs.data(), slots.data()};
-  });
+  Exported<int32_t> ea = ExportAll(a);
+  std::vector<int32_t>& k = ea.keys;
+  std::vector<float>& vals = ea.values;
+  std::vector<float>& slots = ea.slots;
+  std::vector<int64_t>& fr = ea.freqs;
+  std::vector<int64_t>& vs = ea.versions;
   CHECK(k.size() == 100);
   for (size_t i = 0; i < k.size(); ++i) {
     fr[i] = k[i] + 1000;
@@ -208,13 +225,9 @@ void TestExportImportRoundTrip() {
   int64_t f, ver;
   CHECK(b.Find(-21, &v, &f, &ver));
   CHECK(f == -21 + 1000 && ver == 3 && v[2] == -21 * 0.25f + 2);
-  std::vector<int32_t> k2;
-  std::vector<float> vals2, slots2;
-  std::vector<int64_t> fr2, vs2;
-  b.Export([&](int64_t n) {
-    k2.resize(n); fr2.resize(n); vs2.resize(n); vals2.resize(n * kDim); slots2.resize(n * (kDim + 1));
-    return Table<int32_t>::ExportBuffers{k2.data(), vals2.data(), fr2.data(), vs2.data(), slots2.data()};
-  });
+  Exported<int32_t> eb = ExportAll(b);
+  std::vector<int32_t>& k2 = eb.keys;
+  std::vector<float>& slots2 = eb.slots;
   std::map<int32_t, std::vector<float>> s1, s2;
   for (size_t i = 0; i < k.size(); ++i) s1[k[i]].assign(&slots[i * (kDim + 1)], &slots[(i + 1) * (kDim + 1)]);
   for (size_t i = 0; i < k2.size(); ++i) s2[k2[i]].assign(&slots2[i * (kDim + 1)], &slots2[(i + 1) * (kDim + 1)]);
@@ -297,6 +310,155 @@ void TestArenaRowsAcrossChunkSizes() {
   CHECK(arena.BytesAllocated() == arena.capacity() * 3 * sizeof(int64_t));
 }
 
+kre::kv::TableOptions FilterOptions(int64_t filter_freq) {
+  kre::kv::TableOptions o;
+  o.dim = kDim;
+  o.default_values = Defaults();
+  o.num_shards = 4;
+  o.filter_freq = filter_freq;
+  o.no_permission_value = -7.0f;
+  return o;
+}
+
+void TestCounterFilter() {
+  Table<int64_t> t(FilterOptions(3));
+  std::vector<int64_t> once = {11};
+  for (int i = 1; i <= 2; ++i) {
+    std::vector<float> out = Lookup(t, once, true);
+    CHECK(out[0] == -7.0f);  // not admitted yet
+    CHECK(t.Size() == 0 && t.FilteredSize() == 1);
+  }
+  // Gradients of a key not admitted are dropped, without a row.
+  auto p = Partition(t, once.data(), 1, 1, Serial);
+  std::vector<float> g(kDim, 1.0f);
+  int calls = 0;
+  t.Apply(t.ShardOf(p.hashes[0]), p.keys.data(), p.hashes.data(), p.order.data(), 1, g.data(),
+          {}, 5, [&](float*, float**, const float*) { ++calls; });
+  CHECK(calls == 0);
+  std::vector<float> out = Lookup(t, once, true);  // third sighting admits
+  CHECK(out[0] == (11 % kDefaultDim) * kDim * 0.5f);
+  CHECK(t.Size() == 1 && t.FilteredSize() == 0);
+  std::vector<float> v;
+  int64_t f, ver;
+  CHECK(t.Find(11, &v, &f, &ver) && f == 3 && v.size() == kDim);
+  // Inference never admits and reads the no-permission value.
+  std::vector<int64_t> fresh = {99, 99, 99};
+  out = Lookup(t, fresh, false);
+  CHECK(out[0] == -7.0f && t.FilteredSize() == 0);
+  // A filtered key costs no value row: counted keys take less memory than
+  // the same keys admitted, by at least their rows.
+  Table<int64_t> u(FilterOptions(2));
+  kre::kv::TableOptions no_filter = FilterOptions(0);
+  Table<int64_t> admitted_all(no_filter);
+  std::vector<int64_t> keys;
+  for (int64_t i = 0; i < 5000; ++i) keys.push_back(i);
+  Lookup(u, keys, true);
+  Lookup(admitted_all, keys, true);
+  CHECK(u.FilteredSize() == 5000 && admitted_all.Size() == 5000);
+  CHECK(admitted_all.MemoryBytes() - u.MemoryBytes() >= 5000 * kDim * sizeof(float));
+  Lookup(u, keys, true);
+  CHECK(u.Size() == 5000 && u.FilteredSize() == 0);
+  CHECK(u.MemoryBytes() == admitted_all.MemoryBytes());
+  // Export splits admitted and filtered keys; ImportFiltered restores counts.
+  std::vector<int64_t> seen_once = {77777};
+  Lookup(u, seen_once, true);
+  Exported<int64_t> x = ExportAll(u);
+  CHECK(x.keys.size() == 5000);
+  CHECK(x.keys_f.size() == 1);
+  CHECK(x.keys_f[0] == 77777);
+  CHECK(x.freqs_f[0] == 1);
+  Table<int64_t> w(FilterOptions(2));
+  w.ImportFiltered(x.keys_f.data(), x.freqs_f.data(), x.versions_f.data(), 1);
+  CHECK(w.FilteredSize() == 1);
+  out = Lookup(w, seen_once, true);  // 1 + 1 reaches the threshold
+  CHECK(w.Size() == 1 && out[0] == (77777 % kDefaultDim) * kDim * 0.5f);
+}
+
+void TestBloomFilter() {
+  kre::kv::TableOptions o = FilterOptions(2);
+  const uint64_t n = 20000;
+  BloomSizing(n, 0.01, &o.bloom_counters, &o.bloom_hashes);
+  CHECK(o.bloom_hashes == 7);  // round(m/n ln 2) for p = 1%
+  o.bloom_counter_bytes = 1;
+  Table<int64_t> t(o);
+  std::vector<int64_t> keys;
+  for (uint64_t i = 0; i < n; ++i) keys.push_back(static_cast<int64_t>(i) * 3);
+  std::vector<float> out = Lookup(t, keys, true);
+  CHECK(t.Size() < 600);  // only false positives get in on first sight
+  CHECK(t.FilteredSize() == 0);  // a Bloom filter keeps no index entries
+  // False-positive rate: never-seen keys that the filter already counts.
+  int fp = 0;
+  const int probes = 100000;
+  for (int i = 0; i < probes; ++i) fp += t.BloomCount(static_cast<int64_t>(i) * 3 + 1) > 0;
+  const double rate = static_cast<double>(fp) / probes;
+  std::printf("bloom false-positive rate %.4f (requested 0.01)\n", rate);
+  CHECK(rate > 0.005 && rate < 0.02);
+  Lookup(t, keys, true);
+  CHECK(t.Size() == static_cast<int64_t>(n));
+  // Counters saturate at the counter type's maximum (a key that is never
+  // admitted keeps being counted in the filter).
+  kre::kv::TableOptions never = o;
+  never.filter_freq = 1000;
+  Table<int64_t> h(never);
+  std::vector<int64_t> hot(300, 5);
+  Lookup(h, hot, true);
+  CHECK(h.BloomCount(5) == 255 && h.Size() == 0);
+  // State round trip.
+  Table<int64_t> u(never);
+  CHECK(u.SetBloomState(h.BloomState()));
+  CHECK(u.BloomCount(5) == 255 && u.BloomCount(6) < 255);
+  CHECK(!u.SetBloomState(std::vector<uint8_t>(3)));
+}
+
+void TestEviction() {
+  Table<int64_t> t(kDim, Defaults(), 4);
+  std::vector<int64_t> keys = {1, 2, 3, 4};
+  Lookup(t, keys, true);
+  auto p = Partition(t, keys.data(), 2, 1, Serial);  // keys 1 and 2 trained at step 10
+  std::vector<float> g(2 * kDim, 0.0f);
+  for (int s = 0; s < t.num_shards(); ++s) {
+    t.Apply(s, p.keys.data() + p.offsets[s], p.hashes.data() + p.offsets[s],
+            p.order.data() + p.offsets[s], p.offsets[s + 1] - p.offsets[s], g.data(), {}, 10,
+            [](float*, float**, const float*) {});
+  }
+  CHECK(t.LatestStep() == 10);
+  CHECK(t.Evict(-1, 5, -1.0f) == 2);  // 3 and 4 were never updated (version 0)
+  CHECK(t.Size() == 2);
+  std::vector<float> v;
+  int64_t f, ver;
+  CHECK(t.Find(1, &v, &f, &ver) && !t.Find(3, &v, &f, &ver));
+  // L2: default row 0 has norm 1.87, rows 1 and 2 have more than 5.
+  std::vector<int64_t> zero = {0};
+  Lookup(t, zero, true);
+  CHECK(t.Evict(-1, -1, 2.0f) == 1);
+  CHECK(!t.Find(0, &v, &f, &ver) && t.Find(1, &v, &f, &ver));
+  // A stream of new keys evicted at the rate it arrives: memory plateaus.
+  Table<int64_t> u(FilterOptions(2));
+  Table<int64_t> kept(FilterOptions(2));  // the same stream, never evicted
+  uint64_t mem_after_warmup = 0;
+  for (int64_t step = 1; step <= 40; ++step) {
+    std::vector<int64_t> batch;
+    for (int64_t i = 0; i < 1000; ++i) batch.push_back(step * 1000 + i);
+    Lookup(kept, batch, true);
+    Lookup(kept, batch, true);
+    Lookup(u, batch, true);
+    Lookup(u, batch, true);  // admitted
+    std::vector<float> grads(batch.size() * kDim, 0.0f);
+    auto q = Partition(u, batch.data(), batch.size(), 1, Serial);
+    for (int s = 0; s < u.num_shards(); ++s) {
+      u.Apply(s, q.keys.data() + q.offsets[s], q.hashes.data() + q.offsets[s],
+              q.order.data() + q.offsets[s], q.offsets[s + 1] - q.offsets[s], grads.data(), {},
+              step, [](float*, float**, const float*) {});
+    }
+    u.Evict(-1, 2, -1.0f);
+    if (step == 20) mem_after_warmup = u.MemoryBytes();
+    if (step > 20) CHECK(u.MemoryBytes() == mem_after_warmup);
+  }
+  CHECK(u.Size() == 3000);  // steps 38..40 live
+  CHECK(kept.Size() == 40000);
+  CHECK(mem_after_warmup * 3 < kept.MemoryBytes());
+}
+
 void TestBadConstruction() {
   int threw = 0;
   try { Table<int64_t> t(0, Defaults(), 4); } catch (const std::invalid_argument&) { ++threw; }
@@ -317,6 +479,9 @@ int main() {
   TestPartitionStable();
   TestConcurrentReadersWriters();
   TestArenaRowsAcrossChunkSizes();
+  TestCounterFilter();
+  TestBloomFilter();
+  TestEviction();
   TestBadConstruction();
   if (g_failures) {
     std::fprintf(stderr, "%d failed\n", g_failures);
