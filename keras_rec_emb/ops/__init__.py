@@ -1,1 +1,15 @@
-"""Functional API: fused embedding lookups over tables and variables (issue 6)."""
+"""Functional API: fused embedding lookups over tables and variables."""
+
+from keras_rec_emb.ops.embedding_ops import (
+    embedding_lookup,
+    embedding_lookup_sparse,
+    group_embedding_lookup,
+    group_embedding_lookup_sparse,
+)
+
+__all__ = [
+    "embedding_lookup",
+    "embedding_lookup_sparse",
+    "group_embedding_lookup",
+    "group_embedding_lookup_sparse",
+]

@@ -1,0 +1,355 @@
+"""GroupEmbedding: many embedding features looked up by one fused op."""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
+from keras_rec_emb.ops import embedding_ops
+
+_OUTPUT_MODES = ("dict", "concat")
+
+
+def _table_from_spec(spec, what):
+    """A table layer from a spec dict: a serialized Keras layer, the
+    arguments of `EmbeddingVariable` (`embedding_dim`, ...) or those of
+    `keras.layers.Embedding` (`input_dim`, `output_dim`, ...)."""
+    if "class_name" in spec:
+        layer = keras.saving.deserialize_keras_object(spec)
+    elif "embedding_dim" in spec:
+        layer = EmbeddingVariable(**spec)
+    elif "input_dim" in spec and "output_dim" in spec:
+        layer = keras.layers.Embedding(**spec)
+    else:
+        raise ValueError(
+            f"`{what}` as a dict must be a serialized layer or hold "
+            "EmbeddingVariable arguments (`embedding_dim`, ...) or "
+            "keras.layers.Embedding arguments (`input_dim`, `output_dim`, ...). "
+            f"Received: {what}={spec!r}"
+        )
+    return _check_table_layer(layer, what)
+
+
+def _check_table_layer(layer, what):
+    if isinstance(layer, EmbeddingVariable):
+        if layer.combiner is not None:
+            pass  # the group applies the feature's own combiner
+        return layer
+    if isinstance(layer, keras.layers.Embedding):
+        return layer
+    raise TypeError(
+        f"`{what}` must be an EmbeddingVariable, a keras.layers.Embedding, a "
+        f"spec dict or a table index. Received: {what}={layer!r}"
+    )
+
+
+@keras.saving.register_keras_serializable(package="keras_rec_emb")
+class FeatureSpec:
+    """How `GroupEmbedding` embeds one feature.
+
+    Args:
+        table: the embedding parameter: an `EmbeddingVariable` layer, a
+            `keras.layers.Embedding`, a dict to create one (arguments of
+            `EmbeddingVariable`, e.g. `{"embedding_dim": 8}`, or of
+            `keras.layers.Embedding`, e.g. `{"input_dim": 100,
+            "output_dim": 8}`), or an int index into `GroupEmbedding`'s
+            `tables`. One table object may serve several features.
+        combiner: `"sum"`, `"mean"` or `"sqrtn"`. Defaults to `"sum"`.
+        weight_feature: `None` or the name of the input holding per-id
+            weights (same shape as the ids). Defaults to `None`.
+        sequence: bool. Return `[batch, T, dim]` rows instead of combining.
+            Defaults to `False`.
+        max_norm: `None` or float. Clip each row to this L2 norm before
+            combining. Defaults to `None`.
+        default_id: `None` or int. Id read by rows with no valid id (ids
+            < 0 are padding and dropped); `None` gives zeros. Defaults to
+            `None`.
+
+    Example:
+
+    >>> spec = keras_rec_emb.layers.FeatureSpec({"embedding_dim": 4}, combiner="mean")
+    >>> spec.combiner
+    'mean'
+    """
+
+    def __init__(self, table, combiner="sum", weight_feature=None, sequence=False,
+                 max_norm=None, default_id=None):
+        if combiner not in embedding_ops.COMBINERS:
+            raise ValueError(
+                f"`combiner` must be one of {embedding_ops.COMBINERS}. "
+                f"Received: combiner={combiner!r}"
+            )
+        if weight_feature is not None and not isinstance(weight_feature, str):
+            raise TypeError(
+                "`weight_feature` must be None or an input name. Received: "
+                f"weight_feature={weight_feature!r}"
+            )
+        if not isinstance(sequence, (bool, np.bool_)):
+            raise TypeError(f"`sequence` must be a bool. Received: sequence={sequence!r}")
+        if max_norm is not None and not (isinstance(max_norm, (int, float)) and max_norm > 0):
+            raise ValueError(
+                f"`max_norm` must be None or a positive number. Received: max_norm={max_norm!r}"
+            )
+        if default_id is not None and (isinstance(default_id, bool) or not isinstance(
+                default_id, (int, np.integer)) or default_id < 0):
+            raise ValueError(
+                "`default_id` must be None or a non-negative integer. Received: "
+                f"default_id={default_id!r}"
+            )
+        if isinstance(table, bool) or not isinstance(
+                table, (int, np.integer, dict, EmbeddingVariable, keras.layers.Embedding)):
+            raise TypeError(
+                "`table` must be an EmbeddingVariable, a keras.layers.Embedding, a "
+                f"spec dict or a table index. Received: table={table!r}"
+            )
+        self.table = table
+        self.combiner = combiner
+        self.weight_feature = weight_feature
+        self.sequence = bool(sequence)
+        self.max_norm = None if max_norm is None else float(max_norm)
+        self.default_id = None if default_id is None else int(default_id)
+
+    def get_config(self):
+        table = self.table
+        if isinstance(table, keras.layers.Layer):
+            table = keras.saving.serialize_keras_object(table)
+        return {"table": table, "combiner": self.combiner,
+                "weight_feature": self.weight_feature, "sequence": self.sequence,
+                "max_norm": self.max_norm, "default_id": self.default_id}
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+    def __repr__(self):
+        return (f"FeatureSpec(table={self.table!r}, combiner={self.combiner!r}, "
+                f"weight_feature={self.weight_feature!r}, sequence={self.sequence})")
+
+
+@keras.saving.register_keras_serializable(package="keras_rec_emb")
+class GroupEmbedding(keras.layers.Layer):
+    """Embeds many features with one fused lookup op (DeepRec's Group Embedding).
+
+    Every feature reads its table (an `EmbeddingVariable` or a
+    `keras.layers.Embedding`) and combines each example's ids; all features
+    run in one C++ op forward and one backward, so the number of kernels per
+    training step does not grow with the number of features. Ids `< 0` are
+    padding and dropped. In training (`model.fit`) unseen ids are inserted
+    into `EmbeddingVariable` tables. Train with an optimizer from
+    `keras_rec_emb.optimizers`.
+
+    Args:
+        features: dict from feature (input) name to `FeatureSpec` (or its
+            config dict). Several features may share one table.
+        output_mode: `"dict"` (a dict of per-feature outputs) or
+            `"concat"` (one `[batch, sum(dims)]` tensor, features in order).
+            Defaults to `"dict"`.
+        tables: `None` or a list of table layers (or their serialized
+            configs) that `FeatureSpec.table` indices refer to. Tables given
+            directly in the specs are appended. Defaults to `None`.
+        name: str or `None`.
+        **kwargs: other `keras.layers.Layer` arguments.
+
+    Input shape:
+        A dict from feature name (and weight feature name) to ids `[batch]`,
+        `[batch, L]` (pad with -1), `tf.RaggedTensor` or `tf.SparseTensor`
+        `[batch, None]`. Or OneEmbedding's forms: one `[batch, num_features]`
+        tensor whose column j feeds feature j, or a tuple `(ids, table_ids)`
+        of equal shape `[batch, L]` where `table_ids` picks each id's
+        feature (index in `features`).
+
+    Output shape:
+        dict of `[batch, dim]` (or `[batch, T, dim]` for sequence features),
+        or `[batch, sum(dims)]` with `output_mode="concat"`.
+
+    Example:
+
+    >>> user = keras_rec_emb.layers.EmbeddingVariable(4, name="user_table")
+    >>> group = keras_rec_emb.layers.GroupEmbedding({
+    ...     "user": keras_rec_emb.layers.FeatureSpec(user),
+    ...     "history": keras_rec_emb.layers.FeatureSpec(
+    ...         {"embedding_dim": 8}, combiner="mean"),
+    ... }, output_mode="concat")
+    >>> inputs = {"user": keras.Input((), dtype="int64", name="user"),
+    ...           "history": keras.Input((5,), dtype="int64", name="history")}
+    >>> out = keras.layers.Dense(1, activation="sigmoid")(group(inputs))
+    >>> model = keras.Model(inputs, out)
+    >>> model.compile(optimizer=keras_rec_emb.optimizers.Adagrad(0.1),
+    ...               loss="binary_crossentropy")
+    >>> x = {"user": np.arange(32), "history": np.random.randint(-1, 100, (32, 5))}
+    >>> history = model.fit(x, np.ones((32, 1)), epochs=1, verbose=0)
+    >>> model.output_shape
+    (None, 1)
+    """
+
+    def __init__(self, features, output_mode="dict", tables=None, name=None, **kwargs):
+        super().__init__(name=name, **kwargs)
+        if not isinstance(features, dict) or not features:
+            raise ValueError(
+                "`features` must be a non-empty dict from feature name to "
+                f"FeatureSpec. Received: features={features!r}"
+            )
+        if output_mode not in _OUTPUT_MODES:
+            raise ValueError(
+                f"`output_mode` must be one of {_OUTPUT_MODES}. Received: "
+                f"output_mode={output_mode!r}"
+            )
+        if tables is not None and not isinstance(tables, (list, tuple)):
+            raise TypeError(f"`tables` must be None or a list. Received: tables={tables!r}")
+        self._tables = []
+        for i, t in enumerate(tables or []):
+            what = f"tables[{i}]"
+            if isinstance(t, dict):
+                t = _table_from_spec(t, what)
+            self._tables.append(_check_table_layer(t, what))
+        self._features = {}
+        by_id = {id(t): i for i, t in enumerate(self._tables)}
+        for fname, spec in features.items():
+            if not isinstance(fname, str):
+                raise TypeError(f"Feature names must be strings. Received: {fname!r}")
+            if isinstance(spec, dict) and "combiner" in spec or isinstance(spec, dict) and "table" in spec:
+                spec = FeatureSpec.from_config(spec)
+            if not isinstance(spec, FeatureSpec):
+                raise TypeError(
+                    f"`features[{fname!r}]` must be a FeatureSpec. Received: {spec!r}"
+                )
+            table = spec.table
+            if isinstance(table, (int, np.integer)):
+                if not 0 <= table < len(self._tables):
+                    raise ValueError(
+                        f"`features[{fname!r}].table` index {table} is out of "
+                        f"range for {len(self._tables)} tables"
+                    )
+                index = int(table)
+            else:
+                if isinstance(table, dict):
+                    table = _table_from_spec(table, f"features[{fname!r}].table")
+                if id(table) not in by_id:
+                    by_id[id(table)] = len(self._tables)
+                    self._tables.append(table)
+                index = by_id[id(table)]
+            self._features[fname] = FeatureSpec(
+                index, spec.combiner, spec.weight_feature, spec.sequence,
+                spec.max_norm, spec.default_id)
+            if output_mode == "concat" and spec.sequence:
+                raise ValueError(
+                    f"Sequence feature {fname!r} cannot be concatenated; use "
+                    "output_mode='dict'. Received: output_mode='concat'"
+                )
+        self.output_mode = output_mode
+        # Tracked as sub-layers: their weights train and save with this layer.
+        self.tables = list(self._tables)
+
+    @property
+    def features(self):
+        return dict(self._features)
+
+    def _dim(self, table):
+        if isinstance(table, EmbeddingVariable):
+            return table.embedding_dim
+        return table.output_dim
+
+    def build(self, input_shape=None):
+        if self.built:
+            return
+        for t in self.tables:
+            if not t.built:
+                t.build(None)
+        self.built = True
+
+    # -- forward ---------------------------------------------------------------
+    def _feature_inputs(self, inputs):
+        names = list(self._features)
+        if isinstance(inputs, dict):
+            missing = [n for n in names if n not in inputs]
+            weights = [s.weight_feature for s in self._features.values()
+                       if s.weight_feature is not None and s.weight_feature not in inputs]
+            if missing or weights:
+                raise ValueError(
+                    f"GroupEmbedding '{self.name}' is missing inputs "
+                    f"{missing + weights}. Received keys: {sorted(inputs)}"
+                )
+            ids = [inputs[n] for n in names]
+            w = [None if s.weight_feature is None else inputs[s.weight_feature]
+                 for s in self._features.values()]
+            return ids, w
+        if any(s.weight_feature for s in self._features.values()):
+            raise ValueError(
+                f"GroupEmbedding '{self.name}' has weight features; pass a dict "
+                "of inputs, not OneEmbedding's id tensor form"
+            )
+        if isinstance(inputs, (list, tuple)):
+            if len(inputs) != 2:
+                raise ValueError(
+                    "A GroupEmbedding called on a tuple takes (ids, table_ids). "
+                    f"Received {len(inputs)} tensors"
+                )
+            ids, table_ids = (tf.convert_to_tensor(t) for t in inputs)
+            if ids.shape.rank is not None and ids.shape != table_ids.shape:
+                raise ValueError(
+                    "`ids` and `table_ids` must have the same shape. Received "
+                    f"{ids.shape} and {table_ids.shape}"
+                )
+            if ids.shape.rank == 1:
+                ids, table_ids = ids[:, None], table_ids[:, None]
+            table_ids = tf.cast(table_ids, ids.dtype)
+            return [tf.ragged.boolean_mask(ids, tf.equal(table_ids, j))
+                    for j in range(len(names))], [None] * len(names)
+        ids = tf.convert_to_tensor(inputs)
+        if ids.shape.rank != 2 or ids.shape[-1] != len(names):
+            raise ValueError(
+                f"GroupEmbedding '{self.name}' called on one tensor expects "
+                f"[batch, {len(names)}] ids (column j feeds feature j). "
+                f"Received shape {ids.shape}"
+            )
+        return [ids[:, j] for j in range(len(names))], [None] * len(names)
+
+    def call(self, inputs, training=None):
+        ids, weights = self._feature_inputs(inputs)
+        specs = list(self._features.values())
+        has_w = any(w is not None for w in weights)
+        outs = embedding_ops.group_embedding_lookup_sparse(
+            [self.tables[s.table] for s in specs], ids, [s.combiner for s in specs],
+            sp_weights=weights if has_w else None,
+            is_sequence=[s.sequence for s in specs],
+            max_norm=[s.max_norm for s in specs],
+            default_id=[s.default_id for s in specs],
+            training=bool(training), name=self.name)
+        if self.compute_dtype != "float32":
+            outs = [tf.cast(o, self.compute_dtype) for o in outs]
+        if self.output_mode == "concat":
+            return tf.concat(outs, axis=-1)
+        return dict(zip(self._features, outs))
+
+    def compute_output_spec(self, inputs, training=None):
+        if isinstance(inputs, dict):
+            batch = inputs[next(iter(self._features))].shape[0]
+        elif isinstance(inputs, (list, tuple)):
+            batch = inputs[0].shape[0]
+        else:
+            batch = inputs.shape[0]
+        dims = [self._dim(self.tables[s.table]) for s in self._features.values()]
+        if self.output_mode == "concat":
+            return keras.KerasTensor((batch, sum(dims)), dtype=self.compute_dtype)
+        return {n: keras.KerasTensor((batch, None, d) if s.sequence else (batch, d),
+                                     dtype=self.compute_dtype)
+                for (n, s), d in zip(self._features.items(), dims)}
+
+    # -- saving ------------------------------------------------------------------
+    def get_config(self):
+        config = super().get_config()
+        config.update({
+            "features": {n: s.get_config() for n, s in self._features.items()},
+            "output_mode": self.output_mode,
+            "tables": [keras.saving.serialize_keras_object(t) for t in self.tables],
+        })
+        return config
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        config["tables"] = [keras.saving.deserialize_keras_object(t)
+                            for t in config.get("tables") or []]
+        config["features"] = {n: FeatureSpec.from_config(s)
+                              for n, s in config["features"].items()}
+        return cls(**config)

@@ -1,0 +1,496 @@
+"""Fused embedding lookups over many tables and variables (DeepRec's Group
+Embedding and Embedding Subgraph Fusion).
+
+All features of a group run in one C++ op (`KRE>GroupLookup`) and their
+gradients in one more (`KRE>GroupLookupGrad`), whatever the number of
+features: ids are pruned, empty rows filled, rows clipped and combined inside
+the kernel. The gradient of an embedding table is a `tf.IndexedSlices` over
+distinct keys (no dense shape), as the single lookup's; that of a dense
+`[vocab, dim]` variable a `tf.IndexedSlices` over distinct row indices, as
+`tf.gather`'s. The optimizers of `keras_rec_emb.optimizers` (and, for dense
+variables, any Keras optimizer) apply them unchanged.
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.eager import tape as tape_lib
+
+from keras_rec_emb import _ops
+from keras_rec_emb.variables import EmbeddingTable, TableVariable
+
+COMBINERS = ("sum", "mean", "sqrtn")
+
+
+# -- parameters --------------------------------------------------------------
+class _Param:
+    """A normalized parameter: an embedding table or a dense [vocab, dim] one."""
+
+    def __init__(self, table=None, variable=None):
+        self.table = table
+        self.variable = variable
+
+    @property
+    def key(self):
+        return id(self.table) if self.table is not None else id(self.variable)
+
+    @property
+    def dim(self):
+        if self.table is not None:
+            return self.table.dim
+        return int(self.variable.shape[-1])
+
+
+def _as_param(p, index):
+    from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
+
+    if isinstance(p, EmbeddingVariable):
+        if p.table is None:
+            p.build()
+        return _Param(table=p.table)
+    if isinstance(p, EmbeddingTable):
+        return _Param(table=p)
+    if isinstance(p, TableVariable):
+        return _Param(table=p.table)
+    if isinstance(p, keras.layers.Embedding):
+        if not p.built:
+            p.build()
+        p = p.embeddings
+    if isinstance(p, (keras.Variable, tf.Variable)) or tf.is_tensor(p):
+        shape = p.shape
+        if shape.rank != 2 if isinstance(shape, tf.TensorShape) else len(shape) != 2:
+            raise ValueError(
+                f"`params[{index}]` must be a [vocab, dim] variable. Received "
+                f"shape {tuple(shape)}"
+            )
+        if shape[-1] is None:
+            raise ValueError(
+                f"`params[{index}]` must have a static last dimension. "
+                f"Received shape {tuple(shape)}"
+            )
+        return _Param(variable=p)
+    raise TypeError(
+        f"`params[{index}]` must be an EmbeddingVariable layer, an "
+        "EmbeddingTable (or its `.variable`), a keras.layers.Embedding, or a "
+        f"[vocab, dim] keras.Variable / tf.Variable. Received: {p!r}"
+    )
+
+
+def _dense_value(variable):
+    if isinstance(variable, keras.Variable):
+        value = variable.value
+    else:
+        value = tf.convert_to_tensor(variable)
+    return tf.cast(value, tf.float32) if value.dtype != tf.float32 else value
+
+
+# -- ids ---------------------------------------------------------------------
+def _check_int(values, what):
+    if not values.dtype.is_integer:
+        raise TypeError(
+            f"`{what}` must hold integer ids (int32 or int64). Received dtype "
+            f"{values.dtype.name}. Hash strings or floats first, e.g. with "
+            "keras.layers.Hashing or tf.strings.to_hash_bucket_fast."
+        )
+    return tf.cast(values, tf.int64) if values.dtype != tf.int64 else values
+
+
+def _to_ragged(ids, what):
+    """Returns (flat int64 ids, int64 row splits) of [B, None] ids."""
+    if isinstance(ids, tf.RaggedTensor):
+        if ids.ragged_rank != 1:
+            raise ValueError(
+                f"`{what}` must be a [batch, None] tf.RaggedTensor. Received "
+                f"ragged_rank {ids.ragged_rank} and shape {ids.shape}"
+            )
+        return _check_int(ids.values, what), tf.cast(ids.row_splits, tf.int64)
+    if isinstance(ids, tf.SparseTensor):
+        if ids.shape.rank is not None and ids.shape.rank != 2:
+            raise ValueError(
+                f"`{what}` must be a [batch, None] tf.SparseTensor. Received "
+                f"shape {ids.shape}"
+            )
+        values = _check_int(ids.values, what)
+        rows = ids.indices[:, 0]
+        splits = tf.concat([[0], tf.cumsum(tf.math.bincount(
+            rows, minlength=ids.dense_shape[0], maxlength=ids.dense_shape[0],
+            dtype=tf.int64))], 0)
+        return values, splits
+    ids = tf.convert_to_tensor(ids)
+    _check_int(ids, what)
+    if ids.shape.rank == 1:
+        ids = tf.expand_dims(ids, 1)
+    if ids.shape.rank != 2:
+        raise ValueError(
+            f"`{what}` must be a tf.RaggedTensor, a tf.SparseTensor or a "
+            f"dense [batch] / [batch, length] tensor. Received shape {ids.shape}"
+        )
+    r = tf.RaggedTensor.from_tensor(ids)
+    return _check_int(r.values, what), tf.cast(r.row_splits, tf.int64)
+
+
+def _weights_values(w, nnz_ids, what):
+    if w is None:
+        return tf.zeros([0], tf.float32)
+    if isinstance(w, tf.RaggedTensor):
+        values = w.values
+    elif isinstance(w, tf.SparseTensor):
+        values = w.values
+    else:
+        w = tf.convert_to_tensor(w)
+        values = tf.reshape(w, [-1])
+    if not (values.dtype.is_floating or values.dtype.is_integer):
+        raise TypeError(f"`{what}` must be numeric. Received dtype {values.dtype.name}")
+    values = tf.cast(values, tf.float32)
+    n_w, n_i = values.shape[0], nnz_ids.shape[0]
+    if n_w is not None and n_i is not None and n_w != n_i:
+        raise ValueError(
+            f"`{what}` must have one weight per id ({n_i} ids). Received "
+            f"{n_w} weights"
+        )
+    return values
+
+
+def _as_list(x, n, what, check=None):
+    if isinstance(x, (list, tuple)):
+        if len(x) != n:
+            raise ValueError(
+                f"`{what}` must have one entry per feature ({n}). Received "
+                f"{len(x)}: {x!r}"
+            )
+        out = list(x)
+    else:
+        out = [x] * n
+    if check is not None:
+        for v in out:
+            check(v)
+    return out
+
+
+def _check_combiner(c):
+    if c not in COMBINERS:
+        raise ValueError(
+            f"`combiners` entries must be one of {COMBINERS}. Received: "
+            f"combiner={c!r}"
+        )
+
+
+# -- the fused op and its gradient --------------------------------------------
+def _fused_lookup(params, flat_ids, splits, weights, combiners, max_norms,
+                  default_ids, prunes, sequences, training, name):
+    """Runs one KRE>GroupLookup over features (lists of equal length)."""
+    # Distinct parameters, tables first (the op's input order).
+    tables, dense, index = [], [], {}
+    for p in params:
+        if p.key in index:
+            continue
+        if p.table is not None:
+            index[p.key] = ("t", len(tables))
+            tables.append(p)
+        else:
+            index[p.key] = ("d", len(dense))
+            dense.append(p)
+    feature_params = [index[p.key][1] + (0 if index[p.key][0] == "t" else len(tables))
+                      for p in params]
+    for t in tables:
+        if t.table.trainable:
+            tape_lib.variable_accessed(t.table.variable)
+    attrs = dict(
+        table_key_dtypes=[t.table.key_dtype for t in tables],
+        param_dims=[p.dim for p in tables + dense],
+        feature_params=feature_params,
+        combiners=list(combiners),
+        max_norms=[float(m or 0.0) for m in max_norms],
+        default_ids=[-1 if d is None else int(d) for d in default_ids],
+        prune_invalid_ids=[bool(b) for b in prunes],
+        is_sequence=[bool(b) for b in sequences],
+    )
+    outs = _ops.gen().kre_group_lookup(
+        [t.table.handle for t in tables], [_dense_value(d.variable) for d in dense],
+        list(flat_ids), list(splits), list(weights), insert=bool(training),
+        name=name or "GroupLookup", **attrs)
+    return list(outs)
+
+
+def _attrs_of(op, names):
+    return {n: op.get_attr(n) for n in names}
+
+
+_GRAD_ATTRS = ("table_key_dtypes", "param_dims", "feature_params", "combiners",
+               "max_norms", "default_ids", "prune_invalid_ids", "is_sequence")
+
+
+@tf.RegisterGradient("KRE>GroupLookup")
+def _group_lookup_grad(op, *grads):
+    """Per table: IndexedSlices over distinct keys (no dense shape, like the
+    single lookup's); per dense param: IndexedSlices over distinct rows."""
+    nt, nd, nf = (op.get_attr("num_tables"), op.get_attr("num_dense"),
+                  op.get_attr("num_features"))
+    inputs = list(op.inputs)
+    tables = inputs[:nt]
+    dense = inputs[nt:nt + nd]
+    ids = inputs[nt + nd:nt + nd + nf]
+    splits = inputs[nt + nd + nf:nt + nd + 2 * nf]
+    weights = inputs[nt + nd + 2 * nf:]
+    grads = [tf.zeros_like(out) if g is None else g for g, out in zip(grads, op.outputs)]
+    grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+    attrs = _attrs_of(op, _GRAD_ATTRS)
+    unique_ids, unique_grads = _ops.gen().kre_group_lookup_grad(
+        tables, dense, ids, splits, weights, grads, num_params=nt + nd, **attrs)
+    result = []
+    for p in range(nt):
+        result.append(tf.IndexedSlices(unique_grads[p], unique_ids[p]))
+    for d in range(nd):
+        p = nt + d
+        result.append(tf.IndexedSlices(unique_grads[p], unique_ids[p],
+                                       dense_shape=tf.shape(dense[d], out_type=tf.int64)))
+    return result + [None] * (3 * nf)
+
+
+# -- public API ----------------------------------------------------------------
+@tf.autograph.experimental.do_not_convert
+def _group(params, ids_list, combiners, weights_list, sequences, max_norms,
+           default_ids, prunes, params_num_per_group, training, name,
+           what_ids="sp_ids", what_weights="sp_weights"):
+    if not isinstance(params, (list, tuple)):
+        raise TypeError(f"`params` must be a list. Received: params={params!r}")
+    if not isinstance(ids_list, (list, tuple)):
+        raise TypeError(f"`{what_ids}` must be a list. Received: {what_ids}={ids_list!r}")
+    n = len(params)
+    if n == 0:
+        raise ValueError("`params` must not be empty. Received: params=[]")
+    if len(ids_list) != n:
+        raise ValueError(
+            f"`params` and `{what_ids}` must have the same length. Received "
+            f"len(params)={n} and len({what_ids})={len(ids_list)}"
+        )
+    if params_num_per_group is not None and (
+            isinstance(params_num_per_group, bool)
+            or not isinstance(params_num_per_group, (int, np.integer))
+            or params_num_per_group < 1):
+        raise ValueError(
+            "`params_num_per_group` must be None or a positive integer. "
+            f"Received: params_num_per_group={params_num_per_group!r}"
+        )
+    ps = [_as_param(p, i) for i, p in enumerate(params)]
+    flat, splits, weights = [], [], []
+    for i, ids in enumerate(ids_list):
+        v, s = _to_ragged(ids, f"{what_ids}[{i}]")
+        flat.append(v)
+        splits.append(s)
+        w = None if weights_list is None else weights_list[i]
+        weights.append(_weights_values(w, v, f"{what_weights}[{i}]"))
+    # Split into ops of at most params_num_per_group distinct parameters.
+    groups, keys = [], []
+    for i, p in enumerate(ps):
+        for g, k in zip(groups, keys):
+            if p.key in k or params_num_per_group is None or len(k) < params_num_per_group:
+                g.append(i)
+                k.add(p.key)
+                break
+        else:
+            groups.append([i])
+            keys.append({p.key})
+    outputs = [None] * n
+    for gi, g in enumerate(groups):
+        op_name = name if len(groups) == 1 else (f"{name}_{gi}" if name else None)
+        outs = _fused_lookup(
+            [ps[i] for i in g], [flat[i] for i in g], [splits[i] for i in g],
+            [weights[i] for i in g], [combiners[i] for i in g],
+            [max_norms[i] for i in g], [default_ids[i] for i in g],
+            [prunes[i] for i in g], [sequences[i] for i in g], training, op_name)
+        for i, o in zip(g, outs):
+            outputs[i] = o
+    return outputs
+
+
+def group_embedding_lookup_sparse(params, sp_ids, combiners, sp_weights=None,
+                                  is_sequence=False, params_num_per_group=None,
+                                  name=None, *, max_norm=None, default_id=None,
+                                  prune_invalid_ids=True, training=False):
+    """Looks up and combines many sparse features in one fused op.
+
+    Feature `i` reads `params[i]` with ids `sp_ids[i]` (`[batch, None]`) and
+    combines each row's embeddings with `combiners[i]`. All features (and
+    all their parameters) run in one C++ op, and their gradients in one
+    more, however many features there are.
+
+    Args:
+        params: list of embedding parameters, one per feature: our tables
+            (`EmbeddingVariable` layers, `EmbeddingTable`s or their
+            `.variable`) and/or dense `[vocab, dim]` `keras.Variable` /
+            `tf.Variable` / `keras.layers.Embedding`. Dims may differ; the
+            same parameter may serve several features.
+        sp_ids: list of `tf.RaggedTensor` / `tf.SparseTensor` `[batch, None]`
+            (or dense `[batch, L]` / `[batch]`) integer ids, one per feature.
+        combiners: list of `"sum"`, `"mean"` or `"sqrtn"` (or one string for
+            all features).
+        sp_weights: `None` or a list (entries may be `None`) of per-id
+            weights with the same structure as the ids.
+        is_sequence: bool or list of bools. A sequence feature is not
+            combined: it gives `[batch, T, dim]` (rows times weights, `T` the
+            longest row in the batch, zero padded).
+        params_num_per_group: `None` or int. At most this many distinct
+            parameters per fused op (features sharing a parameter stay in
+            one op). Defaults to `None`: one op.
+        name: str or `None`. Name of the op.
+        max_norm: `None`, float or list. Rows are scaled to L2 norm at most
+            `max_norm` before combining.
+        default_id: `None`, int or list. A row with no (valid) id reads this
+            id with weight 1; `None` gives zeros.
+        prune_invalid_ids: bool or list. Drop ids < 0 (padding). Defaults to
+            `True`.
+        training: bool. Insert (and count) unseen ids into tables, as
+            `EmbeddingVariable` does in training. Defaults to `False`
+            (inference: unseen ids read their initial row).
+
+    Returns:
+        A list of float32 tensors, `[batch, dim_i]` (or `[batch, T, dim_i]`).
+
+    Example:
+
+    >>> table = keras_rec_emb.layers.EmbeddingVariable(4)
+    >>> matrix = keras.Variable(np.ones((10, 2), "float32"))
+    >>> ids = tf.ragged.constant([[1, 5], [], [7]], dtype=tf.int64)
+    >>> a, b = keras_rec_emb.ops.group_embedding_lookup_sparse(
+    ...     [table, matrix], [ids, ids], ["mean", "sum"])
+    >>> a.shape, b.shape
+    (TensorShape([3, 4]), TensorShape([3, 2]))
+    >>> b.numpy()[:, 0]
+    array([2., 0., 1.], dtype=float32)
+    """
+    n = len(params) if isinstance(params, (list, tuple)) else 0
+    if isinstance(combiners, str):
+        combiners = [combiners] * n
+    if not isinstance(combiners, (list, tuple)):
+        raise TypeError(f"`combiners` must be a list of strings. Received: {combiners!r}")
+    if isinstance(params, (list, tuple)) and len(combiners) != n:
+        raise ValueError(
+            "`params` and `combiners` must have the same length. Received "
+            f"len(params)={n} and len(combiners)={len(combiners)}"
+        )
+    for c in combiners:
+        _check_combiner(c)
+    if sp_weights is not None:
+        if not isinstance(sp_weights, (list, tuple)) or len(sp_weights) != n:
+            raise ValueError(
+                "`sp_weights` must be None or a list with one entry per "
+                f"feature ({n}). Received: {sp_weights!r}"
+            )
+    return _group(
+        params, sp_ids, list(combiners), sp_weights,
+        _as_list(is_sequence, n, "is_sequence"), _as_list(max_norm, n, "max_norm"),
+        _as_list(default_id, n, "default_id"), _as_list(prune_invalid_ids, n, "prune_invalid_ids"),
+        params_num_per_group, training, name)
+
+
+def group_embedding_lookup(params, ids, name=None, *, training=False):
+    """Gathers the rows of many id tensors in one fused op.
+
+    Args:
+        params: list of embedding parameters, as in
+            `group_embedding_lookup_sparse`.
+        ids: list of integer tensors of any shape, one per parameter.
+        name: str or `None`. Name of the op.
+        training: bool. Insert (and count) unseen ids into tables. Defaults
+            to `False`.
+
+    Returns:
+        A list of float32 tensors, `ids[i].shape + (dim_i,)`.
+
+    Example:
+
+    >>> matrix = keras.Variable(np.arange(20, dtype="float32").reshape(10, 2))
+    >>> table = keras_rec_emb.layers.EmbeddingVariable(3)
+    >>> x, y = keras_rec_emb.ops.group_embedding_lookup(
+    ...     [matrix, table], [np.array([[1, 2]]), np.array([4, 5, 6])])
+    >>> x.numpy().tolist(), y.shape
+    ([[[2.0, 3.0], [4.0, 5.0]]], TensorShape([3, 3]))
+    """
+    if not isinstance(ids, (list, tuple)):
+        raise TypeError(f"`ids` must be a list. Received: ids={ids!r}")
+    if not isinstance(params, (list, tuple)):
+        raise TypeError(f"`params` must be a list. Received: params={params!r}")
+    tensors = []
+    for i, t in enumerate(ids):
+        if isinstance(t, (tf.RaggedTensor, tf.SparseTensor)):
+            raise TypeError(
+                f"`ids[{i}]` must be a dense tensor; use "
+                "group_embedding_lookup_sparse for ragged or sparse ids"
+            )
+        t = tf.convert_to_tensor(t)
+        _check_int(t, f"ids[{i}]")
+        tensors.append(t)
+    flat = [tf.reshape(t, [-1, 1]) for t in tensors]
+    n = len(tensors)
+    outs = _group(params, flat, ["sum"] * n, None, [False] * n, [None] * n,
+                  [None] * n, [False] * n, None, training, name, what_ids="ids")
+    result = []
+    for t, o in zip(tensors, outs):
+        dim = o.shape[-1]
+        shape = tf.concat([tf.shape(t), [dim]], 0)
+        result.append(tf.ensure_shape(tf.reshape(o, shape), t.shape.concatenate([dim])))
+    return result
+
+
+def embedding_lookup(params, ids, *, training=False):
+    """Gathers the rows of `ids` (any shape) from one parameter (fused op).
+
+    Args:
+        params: an embedding parameter, as in `group_embedding_lookup`.
+        ids: integer tensor of any shape.
+        training: bool. Insert unseen ids into a table. Defaults to `False`.
+
+    Returns:
+        float32 tensor `ids.shape + (dim,)`.
+
+    Example:
+
+    >>> matrix = keras.Variable(np.eye(3, dtype="float32"))
+    >>> keras_rec_emb.ops.embedding_lookup(matrix, [2, 0]).numpy()
+    array([[0., 0., 1.],
+           [1., 0., 0.]], dtype=float32)
+    """
+    return group_embedding_lookup([params], [ids], training=training)[0]
+
+
+def embedding_lookup_sparse(params, sp_ids, sp_weights=None, combiner="mean",
+                            default_id=None, prune_invalid_ids=True, max_norm=None,
+                            *, training=False, name=None):
+    """Fused single-feature sparse lookup (DeepRec's Embedding Subgraph Fusion).
+
+    In one kernel: drop ids < 0 (`prune_invalid_ids`), fill rows left empty
+    with `default_id` (or zeros), clip rows to `max_norm`, weight and combine.
+
+    Args:
+        params: an embedding parameter, as in `group_embedding_lookup_sparse`.
+        sp_ids: `tf.RaggedTensor` / `tf.SparseTensor` `[batch, None]` (or
+            dense `[batch, L]`) integer ids.
+        sp_weights: `None` or per-id weights of the same structure.
+        combiner: `"sum"`, `"mean"` or `"sqrtn"`. Defaults to `"mean"`.
+        default_id: `None` or int. Id read (weight 1) by rows with no valid
+            id. Defaults to `None` (zeros).
+        prune_invalid_ids: bool. Defaults to `True`.
+        max_norm: `None` or float. Defaults to `None`.
+        training: bool. Insert unseen ids into a table. Defaults to `False`.
+        name: str or `None`.
+
+    Returns:
+        float32 tensor `[batch, dim]`.
+
+    Example:
+
+    >>> matrix = keras.Variable(np.eye(4, dtype="float32"))
+    >>> ids = tf.ragged.constant([[0, 1], [-1], []], dtype=tf.int64)
+    >>> keras_rec_emb.ops.embedding_lookup_sparse(
+    ...     matrix, ids, combiner="sum", default_id=3).numpy()
+    array([[1., 1., 0., 0.],
+           [0., 0., 0., 1.],
+           [0., 0., 0., 1.]], dtype=float32)
+    """
+    _check_combiner(combiner)
+    return group_embedding_lookup_sparse(
+        [params], [sp_ids], [combiner],
+        None if sp_weights is None else [sp_weights], name=name,
+        max_norm=max_norm, default_id=default_id,
+        prune_invalid_ids=prune_invalid_ids, training=training)[0]

@@ -1,0 +1,356 @@
+"""Fused group lookups: outputs and gradients vs NumPy and vs separate
+per-feature lookups, kernel count, training/inference, errors."""
+
+import doctest
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_rec_emb as kre
+from keras_rec_emb import ops
+from keras_rec_emb.layers import EmbeddingVariable
+from keras_rec_emb.layers.embedding_variable import combine_rows
+from keras_rec_emb.ops import embedding_ops
+
+DVD = 11
+
+
+def make_table(matrix_initializer, dim, seed, key_dtype="int64"):
+    matrix = np.random.default_rng(seed).normal(size=(DVD, dim)).astype(np.float32)
+    opt = kre.EmbeddingVariableOption(init_option=kre.InitializerOption(default_value_dim=DVD),
+                                      track_meta=True)
+    layer = EmbeddingVariable(dim, initializer=matrix_initializer(matrix), ev_option=opt,
+                              key_dtype=key_dtype)
+    layer.build()
+    return layer, lambda ids: matrix[np.mod(np.asarray(ids, np.int64), DVD)]
+
+
+def make_dense(vocab, dim, seed):
+    m = np.random.default_rng(seed).normal(size=(vocab, dim)).astype(np.float32)
+    return keras.Variable(m), lambda ids: m[np.asarray(ids, np.int64)]
+
+
+def random_ids(rng, batch, hi, invalid=True, empty=True):
+    rows = []
+    for b in range(batch):
+        n = int(rng.integers(0 if empty else 1, 5))
+        r = rng.integers(0, hi, n).tolist()
+        if invalid and n and rng.random() < 0.3:
+            r[int(rng.integers(0, n))] = -1
+        rows.append(r)
+    return rows
+
+
+def clean(rows, weights, default_id):
+    """Prunes ids < 0 and fills empty rows with default_id (weight 1)."""
+    out_r, out_w = [], []
+    for r, w in zip(rows, weights):
+        keep = [(i, x) for i, x in zip(r, w) if i >= 0]
+        if not keep and default_id is not None:
+            keep = [(default_id, 1.0)]
+        out_r.append([k[0] for k in keep])
+        out_w.append([k[1] for k in keep])
+    return out_r, out_w
+
+
+def numpy_feature(rows_fn, dim, rows, weights, combiner, max_norm, default_id, seq):
+    r_ids, r_w = clean(rows, weights, default_id)
+    if seq:
+        t = max([len(r) for r in r_ids] + [0])
+        out = np.zeros((len(rows), t, dim), np.float32)
+    else:
+        out = np.zeros((len(rows), dim), np.float32)
+    for b, (ids, w) in enumerate(zip(r_ids, r_w)):
+        if not ids:
+            continue
+        x = rows_fn(ids).astype(np.float64)
+        if max_norm:
+            n = np.linalg.norm(x, axis=1, keepdims=True)
+            x = x * np.where(n > max_norm, max_norm / np.maximum(n, 1e-30), 1.0)
+        w = np.asarray(w, np.float64)[:, None]
+        if seq:
+            out[b, :len(ids)] = x * w
+            continue
+        s = (x * w).sum(0)
+        if combiner == "mean":
+            s = s / w.sum()
+        elif combiner == "sqrtn":
+            s = s / np.sqrt((w * w).sum())
+        out[b] = s
+    return out
+
+
+def tf_feature(param, rows, weights, combiner, max_norm, default_id, seq):
+    """Separate per-feature lookup with stock TF ops (our single-table lookup
+    for tables, tf.gather for dense variables)."""
+    r_ids, r_w = clean(rows, weights, default_id)
+    ragged = tf.ragged.constant(r_ids, dtype=tf.int64, ragged_rank=1)
+    w = tf.constant(sum(r_w, []), tf.float32)
+    if isinstance(param, EmbeddingVariable):
+        x = param.table.lookup(tf.cast(ragged.values, param.table.key_dtype), insert=True)
+    else:
+        x = tf.gather(param, ragged.values)
+    if max_norm:
+        x = tf.clip_by_norm(x, max_norm, axes=[1])
+    if seq:
+        return ragged.with_values(x * w[:, None]).to_tensor()
+    return combine_rows(x, ragged.value_rowids(), ragged.nrows(), combiner, w)
+
+
+def dedupe(grad):
+    """{id: summed row} of an IndexedSlices gradient."""
+    out = {}
+    for i, v in zip(grad.indices.numpy().tolist(), grad.values.numpy()):
+        out[i] = out.get(i, 0) + v
+    return out
+
+
+def assert_same_grad(a, b):
+    da, db = dedupe(a), dedupe(b)
+    assert sorted(da) == sorted(db)
+    for k in da:
+        np.testing.assert_allclose(da[k], db[k], rtol=1e-5, atol=1e-6)
+
+
+CASES = [
+    # combiner, weights, max_norm, default_id, seq
+    ("sum", False, None, None, False),
+    ("mean", False, None, None, False),
+    ("sqrtn", False, None, None, False),
+    ("sum", True, None, None, False),
+    ("mean", True, None, 2, False),
+    ("sqrtn", True, None, None, False),
+    ("mean", False, 0.8, None, False),
+    ("sum", True, 0.5, 3, False),
+    ("sum", True, None, None, True),
+    ("sum", False, 0.7, 1, True),
+]
+
+
+@pytest.mark.parametrize("combiner,use_w,max_norm,default_id,seq", CASES)
+def test_mixed_group_matches_numpy_and_separate_lookups(
+        matrix_initializer, combiner, use_w, max_norm, default_id, seq):
+    rng = np.random.default_rng(7)
+    batch = 9
+    t1, t1_rows = make_table(matrix_initializer, 4, 1)
+    t2, t2_rows = make_table(matrix_initializer, 3, 2, key_dtype="int32")
+    d1, d1_rows = make_dense(20, 5, 3)
+    # Feature 3 shares table t1 with feature 0.
+    params = [t1, t2, d1, t1]
+    fns = [t1_rows, t2_rows, d1_rows, t1_rows]
+    dims = [4, 3, 5, 4]
+    his = [10**12, 50, 20, 10**12]
+    id_rows = [random_ids(rng, batch, hi) for hi in his]
+    id_rows[0][0] = []  # an empty row
+    w_rows = [[rng.uniform(0.5, 2.0, len(r)).tolist() for r in rows] for rows in id_rows]
+    if not use_w:
+        w_rows = [[[1.0] * len(r) for r in rows] for rows in id_rows]
+    sp_ids = [tf.ragged.constant(r, dtype=tf.int64, ragged_rank=1) for r in id_rows]
+    sp_ids[1] = tf.cast(sp_ids[1], tf.int32)
+    sp_ids[2] = sp_ids[2].to_sparse()  # SparseTensor input too
+    sp_w = None
+    if use_w:
+        sp_w = [tf.ragged.constant(w, dtype=tf.float32, ragged_rank=1) for w in w_rows]
+        sp_w[2] = sp_w[2].to_sparse()
+    targets = [tf.constant(rng.normal(size=(batch, 4, d) if seq else (batch, d)),
+                           tf.float32) for d in dims]
+
+    def loss_of(outs):
+        total = 0.0
+        for o, t in zip(outs, targets):
+            if seq:
+                o = tf.pad(o, [[0, 0], [0, 4 - tf.shape(o)[1]], [0, 0]])
+            total += tf.reduce_sum(o * t)
+        return total
+
+    variables = [t1.table.variable, t2.table.variable, d1]
+    with tf.GradientTape() as tape:
+        outs = ops.group_embedding_lookup_sparse(
+            params, sp_ids, [combiner] * 4, sp_weights=sp_w, is_sequence=seq,
+            max_norm=max_norm, default_id=default_id, training=True)
+        loss = loss_of(outs)
+    fused = tape.gradient(loss, variables)
+    with tf.GradientTape() as tape:
+        refs = [tf_feature(p, r, w, combiner, max_norm, default_id, seq)
+                for p, r, w in zip(params, id_rows, w_rows)]
+        loss_ref = loss_of(refs)
+    separate = tape.gradient(loss_ref, variables)
+
+    for f in range(4):
+        expect = numpy_feature(fns[f], dims[f], id_rows[f], w_rows[f], combiner,
+                               max_norm, default_id, seq)
+        np.testing.assert_allclose(outs[f].numpy(), expect, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(outs[f].numpy(), refs[f].numpy(), rtol=1e-5, atol=1e-6)
+    for a, b in zip(fused, separate):
+        assert isinstance(a, tf.IndexedSlices)
+        assert_same_grad(a, b)
+    # Tables: keys deduplicated, no dense shape (as the single lookup's).
+    for g in fused[:2]:
+        assert g.dense_shape is None
+        assert len(np.unique(g.indices.numpy())) == len(g.indices.numpy())
+    assert tuple(fused[2].dense_shape.numpy()) == (20, 5)
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_dense_matches_safe_embedding_lookup_sparse(combiner):
+    rng = np.random.default_rng(3)
+    var = tf.Variable(rng.normal(size=(30, 6)).astype(np.float32))
+    rows = random_ids(rng, 12, 30)
+    sp = tf.ragged.constant(rows, dtype=tf.int64, ragged_rank=1).to_sparse()
+    spw = tf.SparseTensor(sp.indices, tf.constant(rng.uniform(0.5, 2, sp.values.shape[0]),
+                                                  tf.float32), sp.dense_shape)
+    with tf.GradientTape(persistent=True) as tape:
+        ours = ops.embedding_lookup_sparse(var, sp, spw, combiner=combiner,
+                                           default_id=4, max_norm=1.5)
+        ref = tf.nn.safe_embedding_lookup_sparse(
+            [var], sp, spw, combiner=combiner, default_id=4, max_norm=1.5)
+        l1, l2 = tf.reduce_sum(ours * ours), tf.reduce_sum(ref * ref)
+    np.testing.assert_allclose(ours.numpy(), ref.numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(tf.convert_to_tensor(tape.gradient(l1, var)).numpy(),
+                               tf.convert_to_tensor(tape.gradient(l2, var)).numpy(),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_matches_keras_embedding_and_embedding_variable(matrix_initializer):
+    emb = keras.layers.Embedding(40, 3)
+    emb.build()
+    ev, _ = make_table(matrix_initializer, 3, 5)
+    ids = np.random.default_rng(0).integers(0, 40, (6, 4))
+    a, b = ops.group_embedding_lookup([emb, ev], [ids, ids])
+    np.testing.assert_allclose(a.numpy(), emb(ids).numpy(), rtol=1e-6)
+    np.testing.assert_allclose(b.numpy(), ev(ids).numpy(), rtol=1e-6)
+    assert a.shape == (6, 4, 3)
+
+
+def _graph_op_counts(num_features, per_group=None):
+    tables = [EmbeddingVariable(4) for _ in range(num_features)]
+    for t in tables:
+        t.build()
+    dense = keras.Variable(np.ones((100, 4), np.float32))
+    params = tables + [dense]
+    opt = kre.optimizers.Adagrad(0.1)
+    ids = [tf.ragged.constant([[1, 2], [3]], dtype=tf.int64)] * len(params)
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            outs = ops.group_embedding_lookup_sparse(
+                params, ids, ["sum"] * len(params), params_num_per_group=per_group,
+                training=True)
+            loss = tf.add_n([tf.reduce_sum(o) for o in outs])
+        variables = [t.table.variable for t in tables] + [dense]
+        opt.apply(tape.gradient(loss, variables), variables)
+        return loss
+
+    graph = step.get_concrete_function().graph
+    types = [op.type for op in graph.get_operations()]
+    return types.count("KRE>GroupLookup"), types.count("KRE>GroupLookupGrad")
+
+
+def test_kernel_count_does_not_grow_with_features():
+    assert _graph_op_counts(2) == (1, 1)
+    assert _graph_op_counts(20) == (1, 1)
+    # params_num_per_group splits 21 parameters into ops of at most 5.
+    assert _graph_op_counts(20, per_group=5) == (5, 5)
+
+
+def test_training_inserts_inference_does_not(matrix_initializer):
+    t, _ = make_table(matrix_initializer, 2, 0)
+    ids = [tf.ragged.constant([[5, 6], [7]], dtype=tf.int64)]
+    ops.group_embedding_lookup_sparse([t], ids, ["sum"])
+    assert t.table_size() == 0
+    ops.group_embedding_lookup_sparse([t], ids, ["sum"], training=True)
+    assert t.table_size() == 3
+    np.testing.assert_array_equal(np.sort(t.export()["freqs"]), [1, 1, 1])
+
+
+def test_optimizer_applies_fused_gradients(matrix_initializer):
+    """One SGD step through the fused op equals one through separate lookups."""
+    results = []
+    for fused in (True, False):
+        t, _ = make_table(matrix_initializer, 3, 9)
+        d = keras.Variable(np.ones((10, 3), np.float32))
+        rows = [[1, 2, 2], [], [4]]
+        ids = tf.ragged.constant(rows, dtype=tf.int64)
+        opt = kre.optimizers.SGD(0.5)
+        with tf.GradientTape() as tape:
+            if fused:
+                a, b = ops.group_embedding_lookup_sparse([t, d], [ids, ids], ["mean", "sum"],
+                                                         training=True)
+            else:
+                a = tf_feature(t, rows, [[1.0] * len(r) for r in rows], "mean", None, None, False)
+                b = tf_feature(d, rows, [[1.0] * len(r) for r in rows], "sum", None, None, False)
+            loss = tf.reduce_sum(a * a) + tf.reduce_sum(b * b)
+        variables = [t.table.variable, d]
+        opt.apply(tape.gradient(loss, variables), variables)
+        e = t.export()
+        order = np.argsort(e["keys"])
+        results.append((e["keys"][order], e["values"][order], d.numpy()))
+    for x, y in zip(*results):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_inputs_raise_clear_errors():
+    t = EmbeddingVariable(2)
+    v = keras.Variable(np.ones((5, 2), np.float32))
+    ids = tf.ragged.constant([[1], [2]], dtype=tf.int64)
+    with pytest.raises(ValueError, match=r"len\(params\)=2 and len\(sp_ids\)=1"):
+        ops.group_embedding_lookup_sparse([t, v], [ids], ["sum", "sum"])
+    with pytest.raises(ValueError, match="combiner='max'"):
+        ops.group_embedding_lookup_sparse([t], [ids], ["max"])
+    with pytest.raises(ValueError, match="len\\(combiners\\)=1"):
+        ops.group_embedding_lookup_sparse([t, v], [ids, ids], ["sum"])
+    with pytest.raises(TypeError, match="sp_ids\\[0\\].*float32"):
+        ops.group_embedding_lookup_sparse([t], [tf.ragged.constant([[1.0]])], ["sum"])
+    with pytest.raises(ValueError, match="sp_weights\\[0\\].*2 ids.*3 weights"):
+        ops.group_embedding_lookup_sparse([t], [ids], ["sum"], sp_weights=[[1.0, 2.0, 3.0]])
+    with pytest.raises(TypeError, match="params\\[0\\]"):
+        ops.group_embedding_lookup_sparse(["nope"], [ids], ["sum"])
+    with pytest.raises(ValueError, match="params\\[0\\].*vocab, dim"):
+        ops.group_embedding_lookup_sparse([keras.Variable(np.ones(3))], [ids], ["sum"])
+    with pytest.raises(ValueError, match="params_num_per_group"):
+        ops.group_embedding_lookup_sparse([t], [ids], ["sum"], params_num_per_group=0)
+    with pytest.raises(TypeError, match="ids\\[0\\]"):
+        ops.group_embedding_lookup([t], [tf.constant([1.5])])
+    # Out of range ids of a dense variable: InvalidArgument from the kernel.
+    with pytest.raises(tf.errors.InvalidArgumentError, match="out of range \\[0, 5\\)"):
+        ops.group_embedding_lookup_sparse([v], [tf.ragged.constant([[7]], tf.int64)], ["sum"])
+
+
+def test_kernel_validates_raw_inputs():
+    gen = kre._ops.gen()
+    v = tf.ones((5, 2))
+    common = dict(table_key_dtypes=[], param_dims=[2], feature_params=[0], combiners=["sum"],
+                  max_norms=[0.0], default_ids=[-1], prune_invalid_ids=[True],
+                  is_sequence=[False])
+    ids = tf.constant([1, 2], tf.int64)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="row_splits"):
+        gen.kre_group_lookup([], [v], [ids], [tf.constant([0, 3], tf.int64)],
+                             [tf.zeros([0])], **common)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="non-decreasing"):
+        gen.kre_group_lookup([], [v], [ids], [tf.constant([0, 2, 1, 2], tf.int64)],
+                             [tf.zeros([0])], **common)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="weights"):
+        gen.kre_group_lookup([], [v], [ids], [tf.constant([0, 2], tf.int64)],
+                             [tf.zeros([3])], **common)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="combiners"):
+        gen.kre_group_lookup([], [v], [ids], [tf.constant([0, 2], tf.int64)],
+                             [tf.zeros([0])], **dict(common, combiners=["max"]))
+    with pytest.raises((tf.errors.InvalidArgumentError, ValueError)):
+        gen.kre_group_lookup([], [tf.ones((5, 3))], [ids], [tf.constant([0, 2], tf.int64)],
+                             [tf.zeros([0])], **common)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="output_grads"):
+        gen.kre_group_lookup_grad([], [v], [ids], [tf.constant([0, 2], tf.int64)],
+                                  [tf.zeros([0])], [tf.zeros((3, 2))], num_params=1, **common)
+
+
+def test_docstring_examples_run():
+    globs = {"keras": keras, "np": np, "tf": tf, "keras_rec_emb": kre}
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    tests = [t for t in doctest.DocTestFinder().find(embedding_ops, globs=globs) if t.examples]
+    assert len(tests) == 4
+    for t in tests:
+        runner.run(t)
+    assert runner.summarize(verbose=False).failed == 0
