@@ -1,13 +1,18 @@
-"""The `keras-rec-emb` command: `demo` and `inspect`.
+"""The `keras-rec-emb` command: `demo`, `inspect` and `strip-filtered`.
 
     keras-rec-emb demo [--rows N] [--epochs E] [--output DIR]
     keras-rec-emb inspect MODEL.keras [--rows K]
+    keras-rec-emb strip-filtered IN.keras OUT.keras
 """
 
 import argparse
+import io
 import os
+import shutil
 import sys
+import tempfile
 import time
+import zipfile
 
 import numpy as np
 
@@ -127,14 +132,59 @@ def inspect(args):
         print(f"{args.model}: no EmbeddingVariable tables")
     for layer in layers:
         data = layer.export()
+        stats = layer.table.stats()
         print(f"{layer.name}: dim={layer.embedding_dim} key_dtype={layer.key_dtype} "
-              f"keys={len(data['keys']):,} memory={layer.table.memory_bytes():,} bytes "
-              f"slots={sorted(data['slots']) or '-'}")
+              f"keys={stats['size']:,} filtered={stats['filtered']:,} "
+              f"memory={stats['memory_bytes']:,} bytes slots={sorted(data['slots']) or '-'}")
         for i in range(min(args.rows, len(data["keys"]))):
             values = np.array2string(data["values"][i][:6], precision=4, separator=", ")
             print(f"  key={data['keys'][i]} freq={data['freqs'][i]} "
                   f"version={data['versions'][i]} values[:6]={values}")
     return 0
+
+
+# Parts of a table that only an admission filter needs (DeepRec's strip tool
+# removes them from checkpoints meant for serving).
+FILTER_PARTS = ("keys_filtered", "freqs_filtered", "versions_filtered", "bloom")
+
+
+def strip_filtered(args):
+    """Copies a .keras file without the tables' filtered parts."""
+    import h5py
+
+    def keep(name, obj):
+        return not (isinstance(obj, h5py.Dataset) and "/vars/" in name
+                    and name.rsplit("/", 1)[-1] in FILTER_PARTS)
+
+    removed = []
+    with zipfile.ZipFile(args.input) as src, tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "out.keras")
+        with zipfile.ZipFile(out_path, "w", zipfile.ZIP_DEFLATED) as dst:
+            for info in src.infolist():
+                data = src.read(info)
+                if info.filename == "model.weights.h5":
+                    data = _copy_h5(h5py, data, keep, removed)
+                dst.writestr(info, data)
+        shutil.move(out_path, args.output)
+    print(f"wrote {args.output}: removed {len(removed)} filtered parts"
+          + "".join(f"\n  {name}" for name in removed))
+    return 0
+
+
+def _copy_h5(h5py, data, keep, removed):
+    out = io.BytesIO()
+    with h5py.File(io.BytesIO(data), "r") as src, h5py.File(out, "w") as dst:
+        def visit(name, obj):
+            if not keep(name, obj):
+                removed.append(name)
+            elif isinstance(obj, h5py.Group):
+                dst.require_group(name).attrs.update(obj.attrs)
+            else:
+                src.copy(obj, dst.require_group(os.path.dirname(name) or "/"),
+                         name=os.path.basename(name))
+        dst.attrs.update(src.attrs)
+        src.visititems(visit)
+    return out.getvalue()
 
 
 def main(argv=None):
@@ -151,10 +201,19 @@ def main(argv=None):
     p = sub.add_parser("inspect", help="print the embedding tables of a saved .keras model")
     p.add_argument("model", help="path of a .keras file")
     p.add_argument("--rows", type=int, default=3, help="rows to print per table")
+    p = sub.add_parser("strip-filtered",
+                       help="copy a .keras model without the ids an admission filter "
+                            "counted but did not admit (for serving)")
+    p.add_argument("input", help="path of a .keras file")
+    p.add_argument("output", help="path of the .keras file to write")
     args = parser.parse_args(argv)
-    if args.command == "inspect" and not os.path.isfile(args.model):
-        parser.error(f"no such model file: {args.model}")
-    return {"demo": demo, "inspect": inspect}[args.command](args)
+    path = args.model if args.command == "inspect" else getattr(args, "input", None)
+    if path is not None and not os.path.isfile(path):
+        parser.error(f"no such model file: {path}")
+    if args.command == "strip-filtered" and not args.output.endswith(".keras"):
+        parser.error(f"the output must end in .keras, got {args.output}")
+    commands = {"demo": demo, "inspect": inspect, "strip-filtered": strip_filtered}
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":
