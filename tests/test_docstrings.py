@@ -8,11 +8,13 @@ import pytest
 import tensorflow as tf
 
 import keras_rec_emb
-from keras_rec_emb import options, saving
-from keras_rec_emb.layers import embedding_variable
+from keras_rec_emb import callbacks, options, saving
+from keras_rec_emb.layers import embedding_variable, group_embedding
+from keras_rec_emb.ops import embedding_ops
 from keras_rec_emb.optimizers import deeprec_optimizers, keras_optimizers
 
-MODULES = [embedding_variable, keras_optimizers, deeprec_optimizers, options, saving]
+MODULES = [embedding_variable, group_embedding, embedding_ops, keras_optimizers,
+           deeprec_optimizers, options, saving, callbacks]
 
 
 @pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
