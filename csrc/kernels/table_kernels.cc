@@ -83,16 +83,6 @@ class TableCreateOp : public OpKernel {
 
 REGISTER_KERNEL_BUILDER(Name("KRE>TableCreate").Device(tf::DEVICE_CPU), TableCreateOp);
 
-// Checks the table's width against the op's static `dim` attribute.
-template <typename K>
-absl::Status CheckDim(const kv::Table<K>& t, int64_t dim) {
-  if (t.dim() != dim) {
-    return errors::InvalidArgument("the embedding table has dim ", t.dim(),
-                                   " but the op expects dim ", dim);
-  }
-  return absl::OkStatus();
-}
-
 template <typename K>
 class TableLookupOp : public OpKernel {
  public:
@@ -103,9 +93,8 @@ class TableLookupOp : public OpKernel {
 
   void Compute(OpKernelContext* ctx) override {
     tf::core::RefCountPtr<TableResource<K>> res;
-    OP_REQUIRES_OK(ctx, GetTable<K>(ctx, &res));
+    OP_REQUIRES_OK(ctx, GetTable<K>(ctx, &res, dim_));
     kv::Table<K>& table = res->table();
-    OP_REQUIRES_OK(ctx, CheckDim(table, dim_));
     const Tensor& keys = ctx->input(1);
     TensorShape out_shape = keys.shape();
     OP_REQUIRES_OK(ctx, out_shape.AddDimWithStatus(dim_));
@@ -209,9 +198,8 @@ class TableExportOp : public OpKernel {
 
   void Compute(OpKernelContext* ctx) override {
     tf::core::RefCountPtr<TableResource<K>> res;
-    OP_REQUIRES_OK(ctx, GetTable<K>(ctx, &res));
+    OP_REQUIRES_OK(ctx, GetTable<K>(ctx, &res, dim_));
     kv::Table<K>& table = res->table();
-    OP_REQUIRES_OK(ctx, CheckDim(table, dim_));
     absl::Status status;
     using Buffers = typename kv::Table<K>::ExportBuffers;
     // Filtered keys left out are written to scratch space and not output.
@@ -284,9 +272,8 @@ class TableImportOp : public OpKernel {
 
   void Compute(OpKernelContext* ctx) override {
     tf::core::RefCountPtr<TableResource<K>> res;
-    OP_REQUIRES_OK(ctx, GetTable<K>(ctx, &res));
+    OP_REQUIRES_OK(ctx, GetTable<K>(ctx, &res, dim_));
     kv::Table<K>& table = res->table();
-    OP_REQUIRES_OK(ctx, CheckDim(table, dim_));
     const Tensor& keys = ctx->input(1);
     const Tensor& values = ctx->input(2);
     const Tensor& freqs = ctx->input(3);

@@ -49,10 +49,11 @@ class TableResource : public TableResourceBase {
   kv::Table<K> table_;
 };
 
-// Resolves input 0 to a table with key type K.
+// Resolves input 0 to a table with key type K and, when dim >= 0, rows of
+// width dim (the op's static `dim` attribute).
 template <typename K>
 absl::Status GetTable(tf::OpKernelContext* ctx,
-                      tf::core::RefCountPtr<TableResource<K>>* out) {
+                      tf::core::RefCountPtr<TableResource<K>>* out, int64_t dim = -1) {
   tf::core::RefCountPtr<TableResourceBase> base;
   TF_RETURN_IF_ERROR(tf::LookupResource(ctx, tf::HandleFromInput(ctx, 0), &base));
   auto* typed = dynamic_cast<TableResource<K>*>(base.get());
@@ -61,6 +62,10 @@ absl::Status GetTable(tf::OpKernelContext* ctx,
         "the embedding table has key dtype ", tf::DataTypeString(base->key_dtype()),
         " but this op was given ", tf::DataTypeString(tf::DataTypeToEnum<K>::v()),
         " keys; cast the keys to the table's key dtype");
+  }
+  if (dim >= 0 && typed->dim() != dim) {
+    return tf::errors::InvalidArgument("the embedding table has dim ", typed->dim(),
+                                       " but the op expects dim ", dim);
   }
   typed->Ref();
   out->reset(typed);

@@ -40,6 +40,25 @@ TableOptions Validated(TableOptions o) {
   return o;
 }
 
+// A row id from the free list, or the next new one (then *fresh is true and
+// the arenas must grow to hold it).
+uint32_t TakeRow(std::vector<uint32_t>* free, uint32_t* next, bool* fresh) {
+  *fresh = free->empty();
+  if (!*fresh) {
+    const uint32_t row = free->back();
+    free->pop_back();
+    return row;
+  }
+  if (*next == UINT32_MAX) throw std::length_error("shard is full");
+  return (*next)++;
+}
+
+// Maps a well-mixed 64-bit value to [0, n) with a multiply instead of a
+// division (Lemire's fast range reduction).
+inline uint64_t Reduce(uint64_t x, uint64_t n) {
+  return static_cast<uint64_t>((static_cast<unsigned __int128>(x) * n) >> 64);
+}
+
 uint64_t CounterMax(int bytes) {
   return bytes == 8 ? UINT64_MAX : (uint64_t{1} << (8 * bytes)) - 1;
 }
@@ -196,14 +215,9 @@ uint64_t Table<K>::InsertNew(Shard& s, K key, uint64_t h, bool admit) {
   }
   uint32_t meta_row = kNoRow;
   if (options_.track_meta) {
-    if (!s.free_meta.empty()) {
-      meta_row = s.free_meta.back();
-      s.free_meta.pop_back();
-    } else {
-      if (s.next_meta == kNoRow) throw std::length_error("shard is full");
-      meta_row = s.next_meta++;
-      s.meta.EnsureCapacity(s.next_meta, 0);
-    }
+    bool fresh;
+    meta_row = TakeRow(&s.free_meta, &s.next_meta, &fresh);
+    if (fresh) s.meta.EnsureCapacity(s.next_meta, 0);
     int64_t* m = s.meta.Row(meta_row);
     m[kFreq] = 0;
     m[kVersion] = 0;
@@ -221,13 +235,9 @@ uint64_t Table<K>::InsertNew(Shard& s, K key, uint64_t h, bool admit) {
 
 template <typename K>
 uint32_t Table<K>::Admit(Shard& s, uint64_t i) {
-  uint32_t row;
-  if (!s.free_rows.empty()) {
-    row = s.free_rows.back();
-    s.free_rows.pop_back();
-  } else {
-    if (s.next_row == kNoRow) throw std::length_error("shard is full");
-    row = s.next_row++;
+  bool fresh;
+  const uint32_t row = TakeRow(&s.free_rows, &s.next_row, &fresh);
+  if (fresh) {
     s.values.EnsureCapacity(s.next_row, 0.0f);
     for (size_t j = 0; j < s.slots.size(); ++j) {
       s.slots[j].EnsureCapacity(s.next_row, slot_specs_[j].init);
@@ -245,12 +255,21 @@ uint32_t Table<K>::Admit(Shard& s, uint64_t i) {
 }
 
 template <typename K>
+uint64_t Table<K>::BloomSlot(uint64_t h, int k) const {
+  // Double hashing over two re-mixed hashes (h's own high bits select the
+  // shard, so they are constant within one), reduced to the shard's range
+  // by a multiply.
+  const uint64_t base = HashKey(h ^ 0x9e3779b97f4a7c15ULL);
+  const uint64_t step = HashKey(h) | 1;
+  return Reduce(base + static_cast<uint64_t>(k) * step, bloom_per_shard_);
+}
+
+template <typename K>
 uint64_t Table<K>::BloomMin(const Shard& s, uint64_t h) const {
   const int bytes = options_.bloom_counter_bytes;
-  const uint64_t step = HashKey(h) | 1;  // double hashing
   uint64_t least = UINT64_MAX;
   for (int k = 0; k < options_.bloom_hashes; ++k) {
-    least = std::min(least, GetCounter(s.bloom.data(), (h + k * step) % bloom_per_shard_, bytes));
+    least = std::min(least, GetCounter(s.bloom.data(), BloomSlot(h, k), bytes));
   }
   return least;
 }
@@ -259,9 +278,8 @@ template <typename K>
 uint64_t Table<K>::BloomAdd(Shard& s, uint64_t h) {
   const int bytes = options_.bloom_counter_bytes;
   const uint64_t top = CounterMax(bytes);
-  const uint64_t step = HashKey(h) | 1;
   for (int k = 0; k < options_.bloom_hashes; ++k) {
-    const uint64_t i = (h + k * step) % bloom_per_shard_;
+    const uint64_t i = BloomSlot(h, k);
     const uint64_t v = GetCounter(s.bloom.data(), i, bytes);
     if (v < top) SetCounter(s.bloom.data(), i, bytes, v + 1);
   }
@@ -375,7 +393,7 @@ const float* Table<K>::Resolve(Shard& s, K key, uint64_t h, bool insert, int64_t
   const Entry& e = s.entries[InsertNew(s, key, h, admit)];
   if (int64_t* m = Meta(s, e)) {
     m[kFreq] = count;
-    m[kVersion] = admit ? 0 : now;
+    m[kVersion] = now;  // first seen; Apply stamps updates
   }
   if (!admit) return no_permission_row_.data();
   ++*admitted;
@@ -409,7 +427,7 @@ int64_t Table<K>::Lookup(int shard, const K* keys, const uint64_t* hashes,
       __builtin_prefetch(&s.entries[p]);
     }
   };
-  const int64_t now = LatestStep();
+  const int64_t now = LatestStep() + 1;  // the step this lookup belongs to
   prefetch_slots(0, std::min(n, kBlock));
   for (int64_t b = 0; b < n; b += kBlock) {
     const int64_t e = std::min(n, b + kBlock);

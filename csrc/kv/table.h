@@ -111,7 +111,8 @@ class Table {
   int64_t Size() const;
   // Number of keys counted by the counter filter but not admitted yet.
   int64_t FilteredSize() const;
-  // The latest step stamped by Apply (the table's notion of "now").
+  // The latest step stamped by Apply (the table's notion of "now"); -1
+  // before any. A training lookup belongs to the step after it.
   int64_t LatestStep() const { return latest_step_.load(std::memory_order_relaxed); }
   // Bytes held by index, arenas and free lists.
   uint64_t MemoryBytes() const;
@@ -244,6 +245,8 @@ class Table {
   // estimated count (the smallest of its counters).
   uint64_t BloomAdd(Shard& s, uint64_t h);
   uint64_t BloomMin(const Shard& s, uint64_t h) const;
+  // The counter of hash h's k-th Bloom position within its shard.
+  uint64_t BloomSlot(uint64_t h, int k) const;
   void Rehash(Shard& s, uint64_t new_capacity);
   void EraseAt(Shard& s, uint64_t i);
   void ResetShard(Shard& s);
@@ -257,7 +260,7 @@ class Table {
   uint64_t shard_mask_;
   uint64_t bloom_per_shard_ = 0;
   std::vector<float> no_permission_row_;
-  std::atomic<int64_t> latest_step_{0};
+  std::atomic<int64_t> latest_step_{-1};
   std::vector<std::unique_ptr<Shard>> shards_;
   // Changed only with every shard locked exclusively, so holding any shard
   // lock gives a consistent view.

@@ -19,11 +19,11 @@ ops = keras.ops
 _register = keras.saving.register_keras_serializable(package="keras_rec_emb")
 
 _BASE_ARGS = """
-        weight_decay, clipnorm, clipvalue, global_clipnorm, use_ema,
-        ema_momentum, ema_overwrite_frequency, loss_scale_factor,
-        gradient_accumulation_steps, name: as for every Keras optimizer
-            (`use_ema` and `gradient_accumulation_steps` are refused when the
-            model has embedding tables)."""
+        **kwargs: the arguments of every Keras optimizer (`name`,
+            `weight_decay`, `clipnorm`, `clipvalue`, `global_clipnorm`,
+            `loss_scale_factor`, ...; `use_ema` and
+            `gradient_accumulation_steps` are refused when the model has
+            embedding tables)."""
 
 
 def _check_beta(name, value):
@@ -83,21 +83,13 @@ class AdamAsync(TableOptimizer, keras.optimizers.Optimizer):
     """
 
     def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-8,
-                 use_nesterov=False, apply_sparse_rmsprop=False, weight_decay=None,
-                 clipnorm=None, clipvalue=None, global_clipnorm=None, use_ema=False,
-                 ema_momentum=0.99, ema_overwrite_frequency=None, loss_scale_factor=None,
-                 gradient_accumulation_steps=None, name="adam_async", **kwargs):
+                 use_nesterov=False, apply_sparse_rmsprop=False, name="adam_async",
+                 **kwargs):
         check_learning_rate(learning_rate)
         _check_beta("beta_1", beta_1)
         _check_beta("beta_2", beta_2)
         _check_non_negative("epsilon", epsilon)
-        super().__init__(
-            learning_rate=learning_rate, name=name, weight_decay=weight_decay,
-            clipnorm=clipnorm, clipvalue=clipvalue, global_clipnorm=global_clipnorm,
-            use_ema=use_ema, ema_momentum=ema_momentum,
-            ema_overwrite_frequency=ema_overwrite_frequency,
-            loss_scale_factor=loss_scale_factor,
-            gradient_accumulation_steps=gradient_accumulation_steps, **kwargs)
+        super().__init__(learning_rate=learning_rate, name=name, **kwargs)
         self.beta_1 = beta_1
         self.beta_2 = beta_2
         self.epsilon = epsilon
@@ -207,9 +199,6 @@ class AdagradDecay(TableOptimizer, keras.optimizers.Optimizer):
 
     def __init__(self, learning_rate=0.001, initial_accumulator_value=0.1,
                  accumulator_decay_step=100000, accumulator_decay_rate=0.9, epsilon=1e-7,
-                 weight_decay=None, clipnorm=None, clipvalue=None, global_clipnorm=None,
-                 use_ema=False, ema_momentum=0.99, ema_overwrite_frequency=None,
-                 loss_scale_factor=None, gradient_accumulation_steps=None,
                  name="adagrad_decay", **kwargs):
         check_learning_rate(learning_rate)
         v = initial_accumulator_value
@@ -225,13 +214,7 @@ class AdagradDecay(TableOptimizer, keras.optimizers.Optimizer):
             raise ValueError("`accumulator_decay_rate` must be a float in (0, 1]. "
                              f"Received: accumulator_decay_rate={r!r}")
         _check_non_negative("epsilon", epsilon)
-        super().__init__(
-            learning_rate=learning_rate, name=name, weight_decay=weight_decay,
-            clipnorm=clipnorm, clipvalue=clipvalue, global_clipnorm=global_clipnorm,
-            use_ema=use_ema, ema_momentum=ema_momentum,
-            ema_overwrite_frequency=ema_overwrite_frequency,
-            loss_scale_factor=loss_scale_factor,
-            gradient_accumulation_steps=gradient_accumulation_steps, **kwargs)
+        super().__init__(learning_rate=learning_rate, name=name, **kwargs)
         self.initial_accumulator_value = float(v)
         self.accumulator_decay_step = s
         self.accumulator_decay_rate = float(r)
