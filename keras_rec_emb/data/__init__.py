@@ -1,1 +1,23 @@
-"""Input pipelines: Parquet and Kafka into tf.data (issue 3)."""
+"""Input pipelines: Parquet and Kafka into tf.data."""
+
+from keras_rec_emb.data.dataframe import DataFrame
+from keras_rec_emb.data.decoders import decode_csv
+from keras_rec_emb.data.decoders import decode_example
+from keras_rec_emb.data.decoders import decode_json
+from keras_rec_emb.data.kafka import KafkaDataset
+from keras_rec_emb.data.kafka import KafkaGroupIODataset
+from keras_rec_emb.data.kafka import KafkaPosition
+from keras_rec_emb.data.parquet import ParquetDataset
+from keras_rec_emb.data.parquet import read_parquet
+
+__all__ = [
+    "DataFrame",
+    "KafkaDataset",
+    "KafkaGroupIODataset",
+    "KafkaPosition",
+    "ParquetDataset",
+    "decode_csv",
+    "decode_example",
+    "decode_json",
+    "read_parquet",
+]

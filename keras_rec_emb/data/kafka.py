@@ -1,0 +1,563 @@
+"""Kafka topics as `tf.data` datasets, on confluent-kafka (librdkafka).
+
+Messages are consumed in batches (`Consumer.consume(n, timeout)`), and each
+element is handed to TensorFlow with one `tf.numpy_function` call: a single
+message (the seed's API) or, with `batch_size`, a 1-D batch of messages for
+the vectorized decoders in `keras_rec_emb.data.decode_*`.
+
+The consumed position is state. `dataset.position` (a `KafkaPosition`) holds
+the next offset of every partition read so far, updated when an element is
+handed out, and saves with `tf.train.Checkpoint`; a new dataset restored
+from that checkpoint starts each of those partitions there. Buffers after
+the dataset (`prefetch`, `shuffle`) hold elements already counted as read.
+"""
+
+import logging
+import re
+import threading
+
+import confluent_kafka
+import numpy as np
+import tensorflow as tf
+
+from keras_rec_emb.data._source import WrappedDataset
+from keras_rec_emb.data._source import python_dataset
+
+_LOGGER = logging.getLogger(__name__)
+_TOPIC = re.compile(r"[A-Za-z0-9._-]+")
+# group.id for KafkaDataset without a group: librdkafka requires one; with
+# auto-commit off it is never used on the broker.
+_NO_GROUP = "keras-rec-emb"
+
+
+class KafkaPosition(tf.__internal__.tracking.Trackable):
+    """The consumed position of a Kafka dataset, as checkpointable state.
+
+    Maps `(topic, partition)` to the offset of the next message to read,
+    for every partition this dataset has handed out messages from (or that
+    was restored). Save it with `tf.train.Checkpoint(data=ds.position)`;
+    restoring it into the `position` of a new dataset over the same topics
+    makes that dataset's next iteration resume exactly after the last message
+    handed out before the save. Restore before iterating: an iteration that
+    already runs keeps its own consumer position.
+
+    Example:
+
+    >>> import tensorflow as tf
+    >>> from keras_rec_emb.data import KafkaPosition
+    >>> position = KafkaPosition({("clicks", 0): 42})
+    >>> path = tf.train.Checkpoint(data=position).write("/tmp/kafka_pos")
+    >>> restored = KafkaPosition()
+    >>> _ = tf.train.Checkpoint(data=restored).read(path)
+    >>> restored.offsets()
+    {('clicks', 0): 42}
+    """
+
+    def __init__(self, offsets=None):
+        self._offsets = dict(offsets or {})
+        self._lock = threading.Lock()
+
+    def offsets(self):
+        """A copy of `{(topic, partition): next_offset}`."""
+        with self._lock:
+            return dict(self._offsets)
+
+    def _advance(self, offsets):
+        with self._lock:
+            self._offsets.update(offsets)
+
+    def _serialize_to_tensors(self):
+        items = sorted(self.offsets().items())
+        return {
+            "topics": tf.constant([t for (t, _), _ in items], tf.string),
+            "partitions": tf.constant([p for (_, p), _ in items], tf.int64),
+            "offsets": tf.constant([o for _, o in items], tf.int64),
+        }
+
+    def _restore_from_tensors(self, restored_tensors):
+        topics, partitions, offsets = (
+            restored_tensors[k].numpy()
+            for k in ("topics", "partitions", "offsets"))
+        with self._lock:
+            self._offsets = {(t.decode(), int(p)): int(o)
+                             for t, p, o in zip(topics, partitions, offsets)}
+
+
+def _config(entries, argument, strip_prefix=None):
+    """`["key=value", ...]` (list or 1-D tf.string tensor) as a dict."""
+    if entries is None:
+        return {}
+    if isinstance(entries, tf.Tensor):
+        entries = [e.decode() for e in entries.numpy().reshape([-1])]
+    if isinstance(entries, str) or not isinstance(entries, (list, tuple)):
+        raise TypeError(f"`{argument}` must be a list of 'key=value' strings. "
+                        f"Received: {argument}={entries!r}")
+    config = {}
+    for entry in entries:
+        key, sep, value = entry.partition("=") if isinstance(
+            entry, str) else ("", "", "")
+        if not sep or not key:
+            raise ValueError(
+                f"`{argument}` entries must look like 'key=value'. "
+                f"Received: {entry!r} in {argument}={entries!r}")
+        if strip_prefix and key.startswith(strip_prefix):
+            key = key[len(strip_prefix):]
+        config[key] = value
+    return config
+
+
+def _servers(servers):
+    if isinstance(servers, (list, tuple)) and all(
+            isinstance(s, str) for s in servers) and servers:
+        return ",".join(servers)
+    if not isinstance(servers, str) or not servers:
+        raise TypeError("`servers` must be 'host:port[,host:port...]' or a "
+                        f"list of them. Received: servers={servers!r}")
+    return servers
+
+
+def _timeout(name, value, allow_infinite=False):
+    low = -1 if allow_infinite else 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        allowed = "-1 (no limit) or " if allow_infinite else ""
+        raise ValueError(f"`{name}` must be {allowed}a non-negative number of "
+                         f"milliseconds. Received: {name}={value!r}")
+    return value
+
+
+def _check_reachable(config, servers, timeout_ms):
+    """Raises ValueError naming `servers` unless a broker answers in time."""
+    consumer = confluent_kafka.Consumer({**config, "log_level": 0})
+    try:
+        consumer.list_topics(timeout=timeout_ms / 1000)
+    except confluent_kafka.KafkaException as e:
+        raise ValueError(
+            f"Cannot reach a Kafka broker at servers={servers!r} within "
+            f"{timeout_ms} ms: {e.args[0].str()}. Check the address and "
+            "that the broker is running.") from None
+    finally:
+        consumer.close()
+
+
+def _element_spec(batch_size, message_key):
+    spec = tf.TensorSpec([] if batch_size is None else [None], tf.string)
+    return (spec, spec) if message_key else spec
+
+
+class _Pass:
+    """One iteration over a Kafka dataset: a consumer and a message buffer.
+
+    Subclasses connect the consumer (`_start`) and filter what it returns
+    (`_accept`, `_ended`).
+    """
+
+    def __init__(self, config, position, batch_size, message_key,
+                 poll_timeout_ms):
+        self._config = config
+        self._store = (config["enable.auto.offset.store"].lower() == "false"
+                       and config["enable.auto.commit"].lower() != "false")
+        self._position = position
+        self._batch_size = batch_size
+        self._message_key = message_key
+        self._poll_timeout = poll_timeout_ms / 1000
+        self._pending = []
+        self._consumer = None
+
+    def elements(self):
+        """Yields the NumPy components of each element, updating `position`."""
+        self._consumer = confluent_kafka.Consumer(self._config)
+        try:
+            self._start()
+            size = self._batch_size or 1
+            while True:
+                while len(self._pending) < size and not self._ended():
+                    # Take what is already fetched; else wait for one.
+                    messages = (self._consumer.consume(
+                        size - len(self._pending), 0) or
+                                self._consumer.consume(1, self._poll_timeout))
+                    self._pending.extend(m for m in messages if self._accept(m))
+                    self._polled(bool(messages))
+                if not self._pending:
+                    return
+                batch, self._pending = (self._pending[:size],
+                                        self._pending[size:])
+                self._hand_out(batch)
+                yield self._components(batch)
+        finally:
+            self._consumer.close()
+
+    def _hand_out(self, batch):
+        offsets = {(m.topic(), m.partition()): m.offset() + 1 for m in batch}
+        self._position._advance(offsets)  # pylint: disable=protected-access
+        if self._store:
+            self._consumer.store_offsets(offsets=[
+                confluent_kafka.TopicPartition(t, p, o)
+                for (t, p), o in offsets.items()
+            ])
+
+    def _components(self, batch):
+        columns = [[m.value() or b"" for m in batch]]
+        if self._message_key:
+            columns.insert(0, [m.key() or b"" for m in batch])
+        if self._batch_size is None:
+            return [np.array(c[0], dtype=object) for c in columns]
+        return [np.array(c, dtype=object) for c in columns]
+
+    def _raise_unless_benign(self, message):
+        error = message.error()
+        if error.fatal() or not (error.retriable() or error.code() in (
+                confluent_kafka.KafkaError._TRANSPORT,  # pylint: disable=protected-access
+                confluent_kafka.KafkaError._PARTITION_EOF)):  # pylint: disable=protected-access
+            raise RuntimeError(
+                f"Kafka error on {message.topic()}:{message.partition()}: "
+                f"{error.str()}")
+        _LOGGER.info("Kafka: %s", error.str())
+
+    def _start(self):
+        raise NotImplementedError
+
+    def _accept(self, message):
+        raise NotImplementedError
+
+    def _ended(self):
+        raise NotImplementedError
+
+    def _polled(self, got_messages):
+        """Called after each consume call, with whether it returned anything."""
+
+
+class _RangePass(_Pass):
+    """Reads explicit partition ranges (KafkaDataset)."""
+
+    def __init__(self, ranges, eof, **kwargs):
+        super().__init__(**kwargs)
+        self._eof = eof
+        start = self._position.offsets()
+        self._start_offsets = {}
+        self._end = {}  # exclusive end offset, None: unbounded
+        self._length = {}
+        self._done = set()
+        for topic, partition, offset, length in ranges:
+            tp = (topic, partition)
+            self._start_offsets[tp] = start.get(tp, offset)
+            self._length[tp] = length
+            self._end[tp] = (offset + length
+                             if offset >= 0 and length >= 0 else None)
+            if length == 0 or (self._end[tp] is not None and
+                               self._start_offsets[tp] >= self._end[tp]):
+                self._done.add(tp)
+
+    def _start(self):
+        self._consumer.assign([
+            confluent_kafka.TopicPartition(t, p, o)
+            for (t, p), o in self._start_offsets.items()
+            if (t, p) not in self._done
+        ])
+
+    def _accept(self, message):
+        tp = (message.topic(), message.partition())
+        if message.error():
+            self._raise_unless_benign(message)
+            if self._eof and message.error().code() == (
+                    confluent_kafka.KafkaError._PARTITION_EOF):  # pylint: disable=protected-access
+                self._finish(tp)
+            return False
+        if tp in self._done:
+            return False
+        if self._end[tp] is None and self._length[tp] >= 0:
+            self._end[tp] = message.offset() + self._length[tp]
+        end = self._end[tp]
+        if end is not None and message.offset() + 1 >= end:
+            self._finish(tp)
+        return end is None or message.offset() < end
+
+    def _finish(self, tp):
+        self._done.add(tp)
+        self._consumer.pause([confluent_kafka.TopicPartition(*tp)])
+
+    def _ended(self):
+        return len(self._done) == len(self._start_offsets)
+
+
+class _GroupPass(_Pass):
+    """Reads the partitions a consumer group assigns (KafkaGroupIODataset)."""
+
+    def __init__(self, topics, stream_timeout, **kwargs):
+        super().__init__(**kwargs)
+        self._topics = topics
+        self._stream_timeout = stream_timeout
+        self._assigned = False
+        self._idle_ms = 0
+        self._stop = False
+
+    def _start(self):
+        self._consumer.subscribe(self._topics, on_assign=self._on_assign,
+                                 on_revoke=self._on_revoke)
+
+    def _on_assign(self, consumer, partitions):
+        start = self._position.offsets()
+        for tp in partitions:
+            tp.offset = start.get((tp.topic, tp.partition), tp.offset)
+        consumer.assign(partitions)
+        self._assigned = True
+        self._idle_ms = 0
+
+    def _on_revoke(self, consumer, partitions):
+        # The next owner starts after what was handed out: drop the rest.
+        revoked = {(tp.topic, tp.partition) for tp in partitions}
+        self._pending = [m for m in self._pending
+                         if (m.topic(), m.partition()) not in revoked]
+
+    def _accept(self, message):
+        if message.error():
+            self._raise_unless_benign(message)
+            return False
+        return True
+
+    def _polled(self, got_messages):
+        if got_messages or not self._assigned:
+            self._idle_ms = 0
+            return
+        self._idle_ms += self._poll_timeout * 1000
+        self._stop = (self._stream_timeout != -1 and
+                      self._idle_ms >= self._stream_timeout)
+
+    def _ended(self):
+        return self._stop
+
+
+def _parse_topic(spec):
+    parts = spec.split(":") if isinstance(spec, str) else []
+    try:
+        partition, offset, length = (int(p) for p in (parts[1:] + [
+            "0", "0", "-1"][len(parts) - 1:]))
+        ok = (1 <= len(parts) <= 4 and _TOPIC.fullmatch(parts[0])
+              and partition >= 0 and (offset >= 0 or offset in (-1, -2))
+              and length >= -1)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            "`topics` entries must look like 'topic[:partition[:offset"
+            "[:length]]]' with partition >= 0, offset >= 0 (or -1: end, -2: "
+            f"beginning) and length >= -1 (-1: unbounded). Received: {spec!r}")
+    return parts[0], partition, offset, length
+
+
+def _strings(value, argument):
+    if isinstance(value, tf.Tensor):
+        value = [v.decode() for v in value.numpy().reshape([-1])]
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not value:
+        raise TypeError(f"`{argument}` must be a string or a non-empty list "
+                        f"of strings. Received: {argument}={value!r}")
+    return list(value)
+
+
+def _batch_size(batch_size):
+    if batch_size is not None and (isinstance(batch_size, bool) or
+                                   not isinstance(batch_size, int) or
+                                   batch_size < 1):
+        raise ValueError("`batch_size` must be None or a positive integer. "
+                         f"Received: batch_size={batch_size!r}")
+    return batch_size
+
+
+class _KafkaDatasetBase(WrappedDataset):
+    """A dataset of Kafka messages with a checkpointable `position`."""
+
+    def __init__(self, make_pass, batch_size, message_key):
+        self.position = KafkaPosition()
+        spec = _element_spec(batch_size, message_key)
+        dtypes = [tf.string] * (2 if message_key else 1)
+        shape = [] if batch_size is None else [None]
+
+        def to_element(components):
+            tensors = [tf.ensure_shape(c, shape) for c in components]
+            return tuple(tensors) if message_key else tensors[0]
+
+        # Keep tf.data from reading ahead on its own (an injected prefetch,
+        # maps made parallel), so `position` matches what was consumed.
+        options = tf.data.Options()
+        options.experimental_optimization.inject_prefetch = False
+        options.experimental_optimization.map_parallelization = False
+        super().__init__(
+            python_dataset(lambda: make_pass().elements(), (), dtypes,
+                           to_element, spec).with_options(options))
+
+    def offsets(self):
+        """`{(topic, partition): next_offset}` of what was handed out."""
+        return self.position.offsets()
+
+
+class KafkaDataset(_KafkaDatasetBase):
+    """Messages of explicit Kafka topic partitions, as a `tf.data.Dataset`.
+
+    Each partition is read from its start offset for `length` messages (or
+    without end), in the order the broker delivers them. With `eof=True` a
+    partition also ends when the consumer reaches the end of its log (a
+    partition-EOF event, not the broker's reported high watermark). The
+    dataset ends when every partition has ended; with `eof=False` and an
+    unbounded partition it streams forever.
+
+    A new iteration starts every partition at `position` if it has one
+    (what earlier iterations handed out, or a restored checkpoint), else at
+    the offset of its spec. With a `group`, handed-out offsets are also
+    committed to that consumer group (librdkafka auto-commit).
+
+    Args:
+        topics: str, list of str or 1-D `tf.string` tensor of
+            `"topic:partition:offset:length"`. `partition` defaults to 0,
+            `offset` (first offset read) to 0, or -1 for the end of the log
+            (new messages only) or -2 for its beginning; `length` (number of
+            offsets to read, counted from `offset`, or from the first message
+            read when `offset` is -1/-2) defaults to -1: unbounded.
+        servers: str or list of str. Bootstrap servers, `host:port`.
+            Defaults to `"localhost"`.
+        group: str. Consumer group that handed-out offsets are committed to.
+            Defaults to `""`: none.
+        eof: bool. Stop each partition at the end of its log. Defaults to
+            `False`.
+        timeout: int. Milliseconds one consume call waits for messages, and
+            the time the broker has to answer when the dataset is built
+            (unreachable: `ValueError` naming `servers`). Defaults to `1000`.
+        config_global: list of `"key=value"` librdkafka global properties,
+            optional.
+        config_topic: list of `"key=value"` librdkafka topic properties,
+            optional.
+        message_key: bool. Yield `(key, value)` instead of `value`. Defaults
+            to `False`.
+        batch_size: int, optional. Yield 1-D batches of up to `batch_size`
+            messages (full unless the dataset ends) instead of one message
+            per element: much faster, and what the `decode_*` functions take.
+            Defaults to `None`.
+
+    Example:
+
+    >>> from keras_rec_emb.data import KafkaDataset
+    >>> ds = KafkaDataset(["clicks:0:0:100"], servers="127.0.0.1:9092",
+    ...                   eof=True, batch_size=32)  # doctest: +SKIP
+    >>> for values in ds:  # doctest: +SKIP
+    ...     print(values.shape)
+    """
+
+    def __init__(self,
+                 topics,
+                 servers="localhost",
+                 group="",
+                 eof=False,
+                 timeout=1000,
+                 config_global=None,
+                 config_topic=None,
+                 message_key=False,
+                 batch_size=None):
+        ranges = [_parse_topic(s) for s in _strings(topics, "topics")]
+        partitions = [(t, p) for t, p, _, _ in ranges]
+        if len(set(partitions)) != len(partitions):
+            raise ValueError("`topics` names a partition twice. "
+                             f"Received: topics={topics!r}")
+        if not isinstance(group, str):
+            raise TypeError(f"`group` must be a string. Received: group={group!r}")
+        servers = _servers(servers)
+        timeout = _timeout("timeout", timeout)
+        batch_size = _batch_size(batch_size)
+        config = {
+            "bootstrap.servers": servers,
+            "group.id": group or _NO_GROUP,
+            "enable.auto.commit": "true" if group else "false",
+            "enable.auto.offset.store": "false",
+            "enable.partition.eof": "true" if eof else "false",
+            "logger": _LOGGER,
+            **_config(config_global, "config_global"),
+            **_config(config_topic, "config_topic"),
+        }
+        _check_reachable(config, servers, timeout)
+
+        def make_pass():
+            return _RangePass(ranges, bool(eof), config=config,
+                              position=self.position, batch_size=batch_size,
+                              message_key=bool(message_key),
+                              poll_timeout_ms=timeout)
+
+        super().__init__(make_pass, batch_size, bool(message_key))
+
+
+class KafkaGroupIODataset(_KafkaDatasetBase):
+    """Messages of Kafka topics read by a consumer group, as a dataset.
+
+    The group balances the topics' partitions over all its consumers (other
+    datasets, other processes). Partitions start at this dataset's
+    `position` where it has one (restored checkpoint, earlier iteration),
+    else at the group's committed offset, else per `auto.offset.reset`.
+    Handed-out offsets are committed to the group (librdkafka auto-commit);
+    when a partition moves to another consumer, messages fetched but not yet
+    handed out are dropped, so the next owner reads them instead.
+
+    Args:
+        topics: str, list of str or 1-D `tf.string` tensor of topic names.
+        group_id: str. Consumer group.
+        servers: str or list of str. Bootstrap servers, `host:port`.
+        stream_timeout: int. Milliseconds without new messages (once the
+            group has assigned partitions) after which the dataset ends: 0
+            ends after the first empty poll, -1 never. Defaults to `0`.
+        message_poll_timeout: int. Milliseconds one consume call waits; also
+            the time the broker has to answer when the dataset is built
+            (unreachable: `ValueError` naming `servers`). Defaults to `10000`.
+        configuration: list of `"key=value"` librdkafka properties,
+            optional; topic properties may carry the prefix `conf.topic.`.
+        message_key: bool. Yield `(key, value)` instead of `value`. Defaults
+            to `False`.
+        batch_size: int, optional. Yield 1-D batches of up to `batch_size`
+            messages instead of one message per element. Defaults to `None`.
+
+    Example:
+
+    >>> from keras_rec_emb.data import KafkaGroupIODataset
+    >>> ds = KafkaGroupIODataset(
+    ...     ["clicks"], group_id="trainer", servers="127.0.0.1:9092",
+    ...     configuration=["auto.offset.reset=earliest"],
+    ...     batch_size=32)  # doctest: +SKIP
+    """
+
+    def __init__(self,
+                 topics,
+                 group_id,
+                 servers,
+                 stream_timeout=0,
+                 message_poll_timeout=10000,
+                 configuration=None,
+                 message_key=False,
+                 batch_size=None):
+        topics = _strings(topics, "topics")
+        for topic in topics:
+            if not _TOPIC.fullmatch(topic):
+                raise ValueError(
+                    "`topics` entries must be topic names ([A-Za-z0-9._-]+). "
+                    f"Received: {topic!r}")
+        if not isinstance(group_id, str) or not group_id:
+            raise TypeError("`group_id` must be a non-empty string. "
+                            f"Received: group_id={group_id!r}")
+        servers = _servers(servers)
+        stream_timeout = _timeout("stream_timeout", stream_timeout,
+                                  allow_infinite=True)
+        poll_timeout = _timeout("message_poll_timeout", message_poll_timeout)
+        batch_size = _batch_size(batch_size)
+        config = {
+            "bootstrap.servers": servers,
+            "group.id": group_id,
+            "enable.auto.commit": "true",
+            "enable.auto.offset.store": "false",
+            "logger": _LOGGER,
+            **_config(configuration, "configuration",
+                      strip_prefix="conf.topic."),
+        }
+        _check_reachable(config, servers, poll_timeout)
+
+        def make_pass():
+            return _GroupPass(topics, stream_timeout, config=config,
+                              position=self.position, batch_size=batch_size,
+                              message_key=bool(message_key),
+                              poll_timeout_ms=poll_timeout)
+
+        super().__init__(make_pass, batch_size, bool(message_key))

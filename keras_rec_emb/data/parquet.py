@@ -1,0 +1,664 @@
+"""`ParquetDataset`: Parquet files into `tf.data`, decoded by pyarrow.
+
+pyarrow reads and decodes row groups (in its own threads, without the GIL);
+Python only slices whole Arrow columns into batches and hands their buffers
+to TensorFlow as NumPy arrays: fixed-width values zero-copy, lists as flat
+values plus row splits, strings as one byte buffer plus offsets that
+`tf.strings.substr` cuts in the graph. Nothing loops over rows in Python.
+"""
+
+import collections
+import concurrent.futures
+import dataclasses
+import functools
+import itertools
+import operator
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import tensorflow as tf
+
+from keras_rec_emb.data._source import WrappedDataset
+from keras_rec_emb.data._source import python_dataset
+from keras_rec_emb.data.dataframe import DataFrame
+
+# A batch size that gathers a whole (finite) dataset of filenames.
+_ALL_FILES = 2**62
+
+
+@dataclasses.dataclass(frozen=True)
+class _Column:
+    """How one column is read: output dtype, ragged levels, dense inner shape."""
+
+    name: str
+    dtype: tf.DType
+    ragged_rank: int
+    shape: tuple[int, ...]
+
+    def spec(self, batch_dim):
+        if self.ragged_rank == 0:
+            return tf.TensorSpec([batch_dim, *self.shape], self.dtype)
+        return tf.RaggedTensorSpec(
+            [batch_dim] + [None] * self.ragged_rank + list(self.shape),
+            self.dtype, ragged_rank=self.ragged_rank,
+            row_splits_dtype=tf.int64)
+
+    def component_dtypes(self):
+        leaf = [tf.string, tf.int64] if self.dtype == tf.string else [self.dtype]
+        return leaf + [tf.int64] * self.ragged_rank
+
+    def components(self, array):
+        """NumPy arrays for one batch of this column (`array`: pa.Array)."""
+        splits = []
+        for level in range(self.ragged_rank + len(self.shape)):
+            fixed = pa.types.is_fixed_size_list(array.type)
+            array, offsets = _unnest(array)
+            if level < self.ragged_rank:
+                splits.append(offsets)
+                continue
+            size = self.shape[level - self.ragged_rank]
+            if not fixed and np.any(np.diff(offsets) != size):
+                raise ValueError(
+                    f"Column '{self.name}' is read with shape={self.shape}, "
+                    f"so every list at level {level} must have {size} "
+                    f"values; found lengths {np.unique(np.diff(offsets))}.")
+        leaf = _leaf_components(array, self.dtype)
+        if self.dtype != tf.string:
+            leaf = [leaf[0].reshape(-1, *self.shape)]
+        return leaf + splits
+
+    def to_tensor(self, components, batch_dim):
+        """Graph side of `components`: a `tf.Tensor` or `tf.RaggedTensor`."""
+        if self.dtype == tf.string:
+            data, offsets, *splits = components
+            offsets.set_shape([None])
+            values = tf.reshape(
+                tf.strings.substr(data, offsets[:-1],
+                                  offsets[1:] - offsets[:-1]),
+                [-1, *self.shape])
+        else:
+            values, *splits = components
+        outer = [batch_dim] if not splits else [None]
+        values.set_shape(outer + list(self.shape))
+        if not splits:
+            return values
+        splits[0].set_shape([None if batch_dim is None else batch_dim + 1])
+        for inner in splits[1:]:
+            inner.set_shape([None])
+        return tf.RaggedTensor.from_nested_row_splits(values, splits,
+                                                      validate=False)
+
+
+def _unnest(array):
+    """One list level: (child values, int64 row splits starting at 0)."""
+    n = len(array)
+    if pa.types.is_fixed_size_list(array.type):
+        size = array.type.list_size
+        return (array.values.slice(array.offset * size, n * size),
+                np.arange(0, (n + 1) * size, size, dtype=np.int64))
+    if array.null_count:  # null lists read as empty lists
+        lengths = pc.list_value_length(array).fill_null(0)
+        offsets = np.zeros(n + 1, np.int64)
+        np.cumsum(lengths.to_numpy(), out=offsets[1:])
+        return array.flatten(), offsets
+    offsets = array.offsets.to_numpy()
+    return (array.values.slice(offsets[0], offsets[-1] - offsets[0]),
+            (offsets - offsets[0]).astype(np.int64, copy=False))
+
+
+def _leaf_components(array, dtype):
+    """Values of a non-list array; nulls read as 0, False or b""."""
+    if dtype != tf.string:
+        if array.null_count:
+            array = array.fill_null(dtype.as_numpy_dtype(0))
+        return [array.to_numpy(zero_copy_only=False)]
+    if array.null_count:
+        array = array.fill_null(pa.scalar(b"", pa.binary()).cast(array.type))
+    if not (pa.types.is_large_binary(array.type)
+            or pa.types.is_large_string(array.type)):
+        array = array.cast(pa.large_binary())
+    if len(array) == 0:
+        return [np.array(b"", dtype=object), np.zeros(1, np.int64)]
+    _, offsets_buffer, data_buffer = array.buffers()
+    offsets = np.frombuffer(offsets_buffer, np.int64)[
+        array.offset:array.offset + len(array) + 1]
+    start, end = int(offsets[0]), int(offsets[-1])
+    data = b"" if data_buffer is None else data_buffer[start:end].to_pybytes()
+    return [np.array(data, dtype=object), offsets - start]
+
+
+def _list_levels(arrow_type):
+    """(list sizes outermost first, `None` for variable length; leaf type)."""
+    levels = []
+    while pa.types.is_list(arrow_type) or pa.types.is_large_list(
+            arrow_type) or pa.types.is_fixed_size_list(arrow_type):
+        levels.append(arrow_type.list_size
+                      if pa.types.is_fixed_size_list(arrow_type) else None)
+        arrow_type = arrow_type.value_type
+    return tuple(levels), arrow_type
+
+
+def _leaf_dtype(arrow_type, name, source):
+    if (pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type)
+            or pa.types.is_binary(arrow_type)
+            or pa.types.is_large_binary(arrow_type)
+            or pa.types.is_string_view(arrow_type)
+            or pa.types.is_binary_view(arrow_type)):
+        return tf.string
+    if (pa.types.is_integer(arrow_type) or pa.types.is_floating(arrow_type)
+            or pa.types.is_boolean(arrow_type)):
+        return tf.as_dtype(arrow_type.to_pandas_dtype())
+    raise TypeError(
+        f"Column '{name}' of Parquet file '{source}' has type {arrow_type}, "
+        "which ParquetDataset does not support. Supported: integers "
+        "(int8..int64, uint8..uint64), floats (float16, float32, float64), "
+        "bool, string/binary, and (nested) lists of those.")
+
+
+def _arrow_leaf(dtype):
+    if dtype == tf.string:
+        return pa.large_string()
+    return pa.from_numpy_dtype(dtype.as_numpy_dtype)
+
+
+def _with_leaf(arrow_type, leaf):
+    """`arrow_type` with its innermost value type replaced by `leaf`."""
+    if pa.types.is_fixed_size_list(arrow_type):
+        return pa.list_(_with_leaf(arrow_type.value_type, leaf),
+                        arrow_type.list_size)
+    if pa.types.is_large_list(arrow_type):
+        return pa.large_list(_with_leaf(arrow_type.value_type, leaf))
+    if pa.types.is_list(arrow_type):
+        return pa.list_(_with_leaf(arrow_type.value_type, leaf))
+    return leaf
+
+
+def _output_type(arrow_type, dtype, name, source):
+    """`arrow_type` with its leaf cast to `dtype` if that differs."""
+    _, leaf = _list_levels(arrow_type)
+    if _leaf_dtype(leaf, name, source) == dtype:
+        return arrow_type
+    return _with_leaf(arrow_type, _arrow_leaf(dtype))
+
+
+def _layout(levels, ragged_rank, shape, name, source):
+    """(ragged_rank, shape) for a column with list `levels`, checked."""
+    depth = len(levels)
+    if shape is None:
+        if ragged_rank is None:
+            ragged_rank = depth
+            while ragged_rank and levels[ragged_rank - 1] is not None:
+                ragged_rank -= 1
+        shape = levels[ragged_rank:]
+        if None in shape:
+            raise ValueError(
+                f"Column '{name}' of Parquet file '{source}' has "
+                f"variable-length list levels {levels} (None = variable) "
+                f"below ragged_rank={ragged_rank}; give the field a `shape` "
+                "for them or a larger `ragged_rank`.")
+    elif ragged_rank is None:
+        ragged_rank = depth - len(shape)
+    if ragged_rank < 0 or ragged_rank + len(shape) != depth or any(
+            level not in (None, size)
+            for level, size in zip(levels[ragged_rank:], shape)):
+        raise ValueError(
+            f"Column '{name}' of Parquet file '{source}' has list levels "
+            f"{levels} (None = variable length), which ragged_rank="
+            f"{ragged_rank} and shape={tuple(shape)} do not describe: they "
+            "must account for every level, and fixed sizes must match.")
+    return ragged_rank, tuple(shape)
+
+
+def _resolve(path):
+    """(pyarrow filesystem, path in it) for a local path or a URI."""
+    if "://" in path:
+        try:
+            return pafs.FileSystem.from_uri(path)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+            raise ValueError(
+                f"`filenames`: pyarrow has no filesystem for '{path}' ({e}). "
+                "Use a local path or a URI pyarrow.fs understands (file://, "
+                "s3://, gs://, hdfs://, abfs://).") from e
+    return pafs.LocalFileSystem(), os.path.abspath(path)
+
+
+def _open(path):
+    filesystem, fs_path = _resolve(path)
+    info = filesystem.get_file_info(fs_path)
+    if info.type != pafs.FileType.File:
+        raise ValueError(
+            f"`filenames`: Parquet file '{path}' "
+            f"{'does not exist' if info.type == pafs.FileType.NotFound else 'is not a file'}.")
+    try:
+        return pq.ParquetFile(fs_path, filesystem=filesystem)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise ValueError(
+            f"`filenames`: '{path}' is not a readable Parquet file: {e}") from e
+
+
+def _columns(fields, schema, source):
+    """`_Column`s for `fields`, completed from `schema` when it is known."""
+    if fields is None:
+        if schema is None:
+            raise ValueError(
+                "`fields` is required when `filenames` is a symbolic tensor "
+                "or a dataset: name the columns with `DataFrame.Field(name, "
+                "type, ragged_rank, shape)`. Received: fields=None")
+        fields = schema.names
+    if isinstance(fields, (str, DataFrame.Field)):
+        fields = [fields]
+    if not isinstance(fields, (list, tuple)) or not fields:
+        raise TypeError(
+            "`fields` must be a column name, a `DataFrame.Field`, or a "
+            f"non-empty list of them. Received: fields={fields!r}")
+    columns = []
+    for field in fields:
+        if isinstance(field, str):
+            field = DataFrame.Field(field)
+        if not isinstance(field, DataFrame.Field):
+            raise TypeError(
+                "`fields` items must be column names or `DataFrame.Field`s. "
+                f"Received: {field!r} in fields={fields!r}")
+        columns.append(_column(field, schema, source))
+    names = [c.name for c in columns]
+    if len(set(names)) != len(names):
+        raise ValueError(f"`fields` names a column twice. Received: {names}")
+    return columns
+
+
+def _column(field, schema, source):
+    if schema is None:
+        if field.type is None:
+            raise ValueError(
+                f"`fields`: field '{field.name}' needs a `type` because "
+                "`filenames` is a symbolic tensor or a dataset (no schema "
+                f"to read it from). Received: {field}")
+        return _Column(field.name, field.type, field.ragged_rank or 0,
+                       field.shape or ())
+    if field.name not in schema.names:
+        raise ValueError(
+            f"`fields` names column '{field.name}', which is not in Parquet "
+            f"file '{source}'. Available columns: {schema.names}")
+    levels, leaf = _list_levels(schema.field(field.name).type)
+    dtype = field.type or _leaf_dtype(leaf, field.name, source)
+    ragged_rank, shape = _layout(levels, field.ragged_rank, field.shape,
+                                 field.name, source)
+    return _Column(field.name, dtype, ragged_rank, shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ReadOptions:
+    batch_size: int
+    drop_remainder: bool
+    partition_count: int
+    partition_index: int
+    num_parallel_reads: int
+    num_sequential_reads: int
+
+
+def _integer(name, value, low, high=None, context=""):
+    """`value` as an int in [low, high), else a ValueError naming `name`."""
+    try:
+        number = operator.index(value)
+    except TypeError:
+        number = None
+    if (isinstance(value, bool) or number is None or number < low
+            or (high is not None and number >= high)):
+        allowed = f"in [{low}, {high})" if high is not None else f">= {low}"
+        raise ValueError(f"`{name}` must be an integer {allowed}{context}. "
+                         f"Received: {name}={value!r}")
+    return number
+
+
+def _read_options(batch_size, drop_remainder, partition_count,
+                  partition_index, num_parallel_reads, num_sequential_reads):
+    if not isinstance(drop_remainder, bool):
+        raise TypeError("`drop_remainder` must be a bool. "
+                        f"Received: drop_remainder={drop_remainder!r}")
+    partition_count = _integer("partition_count", partition_count, 1)
+    return _ReadOptions(
+        batch_size=_integer("batch_size", batch_size, 1),
+        drop_remainder=drop_remainder,
+        partition_count=partition_count,
+        partition_index=_integer(
+            "partition_index", partition_index, 0, partition_count,
+            f" (partition_count={partition_count})"),
+        num_parallel_reads=1 if num_parallel_reads is None else _integer(
+            "num_parallel_reads", num_parallel_reads, 1),
+        num_sequential_reads=_integer("num_sequential_reads",
+                                      num_sequential_reads, 1))
+
+
+def _filenames(filenames):
+    """(dataset of 1-D string tensors of paths, the paths if known now)."""
+    if isinstance(filenames, tf.data.Dataset):
+        if filenames.element_spec != tf.TensorSpec([], tf.string):
+            raise TypeError(
+                "A dataset of `filenames` must have scalar tf.string elements. "
+                f"Received: element_spec={filenames.element_spec}")
+        return filenames.batch(_ALL_FILES), None
+    if isinstance(filenames, tf.Tensor):
+        if filenames.dtype != tf.string or filenames.shape.rank not in (0, 1):
+            raise TypeError(
+                "A `filenames` tensor must be a 0-D or 1-D tf.string tensor. "
+                f"Received: {filenames!r}")
+        if not tf.executing_eagerly():
+            return tf.data.Dataset.from_tensors(tf.reshape(filenames, [-1])), None
+        filenames = [f.decode() for f in filenames.numpy().reshape([-1])]
+    if isinstance(filenames, str):
+        filenames = [filenames]
+    if (not isinstance(filenames, (list, tuple)) or not filenames
+            or not all(isinstance(f, str) for f in filenames)):
+        raise TypeError(
+            "`filenames` must be a path, a non-empty list of paths, a "
+            "tf.string tensor or a dataset of filenames. "
+            f"Received: filenames={filenames!r}")
+    for path in filenames:
+        _open(path).close()
+    return tf.data.Dataset.from_tensors(tf.constant(filenames)), filenames
+
+
+def _use_arrow_threads():
+    """Applies ARROW_NUM_THREADS (>0: that many, 0: none, <0: all cores)."""
+    value = os.environ.get("ARROW_NUM_THREADS")
+    if value is None:
+        return True
+    try:
+        threads = int(value)
+    except ValueError:
+        raise ValueError("ARROW_NUM_THREADS must be an integer. "
+                         f"Received: ARROW_NUM_THREADS={value!r}") from None
+    if threads == 0:
+        return False
+    pa.set_cpu_count(threads if threads > 0 else os.cpu_count())
+    return True
+
+
+class _FileReader:
+    """The selected row groups of one file, read one ahead in a pool."""
+
+    def __init__(self, pool, parquet_file, row_groups, read_row_group):
+        self._pool = pool
+        self._file = parquet_file
+        self._row_groups = collections.deque(row_groups)
+        self._read_row_group = read_row_group
+        self._table = pa.table({})
+        self._future = self._submit()
+
+    def _submit(self):
+        if not self._row_groups:
+            return None
+        return self._pool.submit(self._read_row_group, self._file,
+                                 self._row_groups.popleft())
+
+    @property
+    def exhausted(self):
+        return self._future is None and self._table.num_rows == 0
+
+    def take(self, rows):
+        """Tables with up to `rows` rows in all (fewer at the end)."""
+        tables = []
+        while rows > 0 and not self.exhausted:
+            if self._table.num_rows == 0:
+                self._table = self._future.result()
+                self._future = self._submit()
+                continue
+            table = self._table.slice(0, rows)
+            self._table = self._table.slice(table.num_rows)
+            tables.append(table)
+            rows -= table.num_rows
+        if self.exhausted:
+            self._file.close()
+        return tables
+
+
+def _file_readers(paths, columns, options, use_threads, pool):
+    """`_FileReader`s of the files with row groups in this partition.
+
+    Row groups are numbered across all files in order (file 0's first, then
+    file 1's, ...); this partition takes those whose number `g` has
+    `g % partition_count == partition_index`.
+    """
+    names = [c.name for c in columns]
+    schema = None  # output Arrow schema, fixed by the first file
+    first_row_group = 0
+    for path in paths:
+        path = path.decode() if isinstance(path, bytes) else path
+        parquet_file = _open(path)
+        file_schema = parquet_file.schema_arrow
+        for column in columns:
+            if column.name not in file_schema.names:
+                raise ValueError(
+                    f"Column '{column.name}' is not in Parquet file '{path}'. "
+                    f"Available columns: {file_schema.names}")
+            levels, _ = _list_levels(file_schema.field(column.name).type)
+            _layout(levels, column.ragged_rank, column.shape, column.name, path)
+        if schema is None:
+            schema = pa.schema([
+                pa.field(c.name, _output_type(file_schema.field(c.name).type,
+                                              c.dtype, c.name, path))
+                for c in columns
+            ])
+        count = parquet_file.num_row_groups
+        row_groups = [
+            i for i in range(count)
+            if (first_row_group + i) % options.partition_count ==
+            options.partition_index
+        ]
+        first_row_group += count
+        if not row_groups:
+            parquet_file.close()
+            continue
+        yield _FileReader(
+            pool, parquet_file, row_groups,
+            functools.partial(_read_row_group, names=names, schema=schema,
+                              path=path, use_threads=use_threads))
+
+
+def _read_row_group(parquet_file, index, names, schema, path, use_threads):
+    table = parquet_file.read_row_group(index, columns=names,
+                                        use_threads=use_threads)
+    arrays = []
+    for field in schema:
+        column = table.column(field.name)
+        if column.type == field.type:
+            arrays.append(column)
+            continue
+        try:
+            arrays.append(column.cast(field.type))
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+            raise ValueError(
+                f"Column '{field.name}' of Parquet file '{path}' cannot be "
+                f"read as {field.type}: {e}") from e
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def _tables(paths, columns, options, use_threads):
+    """Tables of the partition's row groups, interleaving the open files.
+
+    `num_parallel_reads` files are open at once, each read ahead in its own
+    thread; the output takes `num_sequential_reads * batch_size` rows from
+    each open file in turn, and an exhausted file's place goes to the next.
+    """
+    block_rows = options.num_sequential_reads * options.batch_size
+    with concurrent.futures.ThreadPoolExecutor(
+            options.num_parallel_reads) as pool:
+        files = _file_readers(paths, columns, options, use_threads, pool)
+        active = collections.deque(
+            itertools.islice(files, options.num_parallel_reads))
+        while active:
+            reader = active.popleft()
+            yield from reader.take(block_rows)
+            active.extend(itertools.islice(files, 1) if reader.exhausted
+                          else [reader])
+
+
+def _batches(paths, columns, options):
+    """Lists of NumPy components, one per batch of `batch_size` rows.
+
+    Batches run across row group and file boundaries; only the last one
+    can be short (and is dropped with `drop_remainder`).
+    """
+    leftover = None
+    for table in _tables(paths, columns, options, _use_arrow_threads()):
+        if leftover is not None and leftover.num_rows:
+            table = pa.concat_tables([leftover, table])
+        start = 0
+        while table.num_rows - start >= options.batch_size:
+            yield _components(columns, table.slice(start, options.batch_size))
+            start += options.batch_size
+        leftover = table.slice(start)
+    if leftover is not None and leftover.num_rows and not options.drop_remainder:
+        yield _components(columns, leftover)
+
+
+def _components(columns, table):
+    components = []
+    for column in columns:
+        chunks = [c for c in table.column(column.name).chunks if len(c)]
+        array = chunks[0] if len(chunks) == 1 else pa.concat_arrays(chunks)
+        components.extend(column.components(array))
+    return components
+
+
+class ParquetDataset(WrappedDataset):
+    """A `tf.data.Dataset` of batches read from Parquet files.
+
+    Each element is a dict from column name to a batch: `tf.Tensor` for
+    scalars and fixed-length lists, `tf.RaggedTensor` for variable-length
+    (nested) lists. Batches hold `batch_size` rows taken in file order across
+    row groups and files; only the last batch can be smaller (or is dropped
+    with `drop_remainder=True`, which also makes the batch dimension static).
+
+    Physical types: int8..int64, uint8..uint64, float16/32/64, bool and
+    string/binary, each read as the TensorFlow dtype of the same name
+    (strings and binaries as `tf.string`; uint32 and uint64 stay unsigned,
+    pass `DataFrame.Field(name, tf.int64)` to get int64). Nulls read as 0,
+    `False`, `b""`, or an empty list.
+
+    Partitioning: the row groups of all files are numbered in order (file
+    0's first, then file 1's, ...); partition `partition_index` reads the
+    row groups whose number `g` has `g % partition_count == partition_index`,
+    so the partitions are disjoint and together read every row.
+
+    `ARROW_NUM_THREADS` (read when iteration starts) sets pyarrow's decoding
+    threads: > 0 that many, 0 none, < 0 one per core (process-wide, through
+    `pyarrow.set_cpu_count`).
+
+    Args:
+        filenames: Parquet files: a path or URI (`str`), a list/tuple of them,
+            a 0-D/1-D `tf.string` tensor, or a dataset of scalar `tf.string`
+            (finite: it is read in full when iteration starts). Local paths
+            and any URI of `pyarrow.fs` (file://, s3://, gs://, hdfs://).
+        batch_size: int. Rows per batch. Defaults to `1`.
+        fields: column name, `DataFrame.Field`, or a list of them, optional.
+            Defaults to `None`: every column. Required (as `Field`s with a
+            `type`) when `filenames` is a symbolic tensor or a dataset.
+        partition_count: int. Number of row-group partitions. Defaults to `1`.
+        partition_index: int. Partition to read, in
+            `[0, partition_count)`. Defaults to `0`.
+        drop_remainder: bool. Drop the last batch if it is short. Defaults to
+            `False`.
+        num_parallel_reads: int, optional. Files read at once (each by its
+            own thread, read ahead by one row group). Defaults to `None`:
+            one file after the other.
+        num_sequential_reads: int. With several files open, how many batches
+            worth of rows to take from one before moving to the next.
+            Defaults to `1`.
+
+    Example:
+
+    >>> import os, tempfile
+    >>> import pyarrow as pa, pyarrow.parquet as pq
+    >>> from keras_rec_emb.data import ParquetDataset
+    >>> path = os.path.join(tempfile.mkdtemp(), "clicks.parquet")
+    >>> pq.write_table(pa.table({"user": [1, 2, 3],
+    ...                          "items": [[10, 11], [], [12]]}), path)
+    >>> batch = next(iter(ParquetDataset(path, batch_size=2)))
+    >>> batch["user"].numpy().tolist(), batch["items"].to_list()
+    ([1, 2], [[10, 11], []])
+    """
+
+    def __init__(self,
+                 filenames,
+                 batch_size=1,
+                 fields=None,
+                 partition_count=1,
+                 partition_index=0,
+                 drop_remainder=False,
+                 num_parallel_reads=None,
+                 num_sequential_reads=1):
+        options = _read_options(batch_size, drop_remainder, partition_count,
+                                partition_index, num_parallel_reads,
+                                num_sequential_reads)
+        names, paths = _filenames(filenames)
+        schema = _open(paths[0]).schema_arrow if paths else None
+        columns = _columns(fields, schema, paths[0] if paths else None)
+        batch_dim = options.batch_size if options.drop_remainder else None
+        dtypes = [d for c in columns for d in c.component_dtypes()]
+        spec = {c.name: c.spec(batch_dim) for c in columns}
+
+        def to_element(components):
+            components = iter(components)
+            return {
+                c.name: c.to_tensor(
+                    list(itertools.islice(components,
+                                          len(c.component_dtypes()))),
+                    batch_dim) for c in columns
+            }
+
+        def read(paths):
+            return python_dataset(
+                functools.partial(_batches, columns=columns, options=options),
+                (paths,), dtypes, to_element, spec)
+
+        super().__init__(names.flat_map(read))
+
+
+def read_parquet(batch_size,
+                 fields=None,
+                 partition_count=1,
+                 partition_index=0,
+                 drop_remainder=False,
+                 num_parallel_reads=None,
+                 num_sequential_reads=1):
+    """A transformation reading a dataset of filenames as a `ParquetDataset`.
+
+    Args:
+        batch_size: int. Rows per batch.
+        fields: `DataFrame.Field` or list of them (each with a `type`),
+            required because the files are only known at run time.
+        partition_count: int. Number of row-group partitions. Defaults to `1`.
+        partition_index: int. Partition to read. Defaults to `0`.
+        drop_remainder: bool. Drop the last short batch. Defaults to `False`.
+        num_parallel_reads: int, optional. Files read at once. Defaults to
+            `None` (sequential).
+        num_sequential_reads: int. Batches taken from one open file before
+            moving to the next. Defaults to `1`.
+
+    Returns:
+        A function `Dataset -> ParquetDataset` for `Dataset.apply`.
+
+    Example:
+
+    >>> import os, tempfile
+    >>> import pyarrow as pa, pyarrow.parquet as pq, tensorflow as tf
+    >>> from keras_rec_emb.data import DataFrame, read_parquet
+    >>> path = os.path.join(tempfile.mkdtemp(), "part-0.parquet")
+    >>> pq.write_table(pa.table({"a": [1, 2, 3]}), path)
+    >>> ds = tf.data.Dataset.from_tensor_slices([path]).apply(
+    ...     read_parquet(2, fields=[DataFrame.Field("a", tf.int64)]))
+    >>> [b["a"].numpy().tolist() for b in ds]
+    [[1, 2], [3]]
+    """
+
+    def apply(filenames):
+        return ParquetDataset(filenames, batch_size, fields, partition_count,
+                              partition_index, drop_remainder,
+                              num_parallel_reads, num_sequential_reads)
+
+    return apply
