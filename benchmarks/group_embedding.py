@@ -36,7 +36,6 @@ Writes benchmarks/group_embedding.json (config, machine, times, ratios).
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 
@@ -48,6 +47,8 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import keras_rec_emb as kre  # noqa: E402
+
+from _machine import machine_info  # noqa: E402  (run as a script)
 
 DEFAULT_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "group_embedding.json")
 
@@ -165,9 +166,7 @@ def main(argv=None):
           f"keras_hashing / group = {ratios['keras_hashing_over_group']:.2f}x")
     report = {
         "config": vars(opts) | {"json": None},
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
-                    "processor": platform.processor(), "tensorflow": tf.__version__,
-                    "keras": keras.__version__},
+        "machine": machine_info(),
         "median_s": med,
         "times_s": times,
         "ratios": ratios,

@@ -51,10 +51,8 @@ takes about 2 minutes (mostly setup) on 2 cores.
 
 import argparse
 import gc
-from importlib import metadata
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -65,6 +63,8 @@ import numpy as np
 import tensorflow as tf
 
 from keras_rec_emb.variables import EmbeddingTable
+
+from _machine import machine_info  # noqa: E402  (run as a script)
 
 TARGET_VS_DENSE = 0.5
 TARGET_VS_MHT = 5.0
@@ -245,8 +245,6 @@ def worker(opts):
         "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
         "unique_ids_in_batch": int(np.unique(positions).size),
         "setup_s": {"keys_and_batch": t1 - t0, "mutable_hash_table_insert": t2 - t1},
-        "versions": {"tensorflow": tf.__version__, "keras": metadata.version("keras"),
-                     "numpy": np.__version__, "python": platform.python_version()},
         "results": results,
     }
     with open(opts.json, "w") as f:
@@ -266,20 +264,6 @@ def run_worker(threads, opts):
         subprocess.run(cmd, check=True, env=env)
         with open(path) as f:
             return json.load(f)
-
-
-def machine_info():
-    model = "unknown"
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    with open("/proc/meminfo") as f:
-        mem_kb = int(f.readline().split()[1])
-    return {"cpu_model": model, "cpu_count": os.cpu_count(),
-            "cpus_available": len(os.sched_getaffinity(0)),
-            "memory_gib": round(mem_kb / 2**20, 1), "platform": platform.platform()}
 
 
 # -- Report --------------------------------------------------------------------------
