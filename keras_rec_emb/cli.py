@@ -31,48 +31,68 @@ def _positive_int(text):
 
 
 def synthetic_ctr(rows, num_cat, seed=0):
-    """Criteo-like rows: 13 log-normal dense features, `num_cat` categorical
-    features with Zipf-distributed ids from a space of 10**9, and a click
-    label drawn from a hidden logistic model of both (so AUC is learnable)."""
+    """Criteo-like columns: dense `I1..I13` (log-normal), categorical
+    `C1..C{num_cat}` with Zipf-distributed ids from a space of 10**9, and a
+    click `label` drawn from a hidden logistic model of both (so AUC is
+    learnable)."""
     rng = np.random.default_rng(seed)
     dense = np.log1p(rng.lognormal(0.0, 1.0, size=(rows, NUM_DENSE))).astype(np.float32)
     logit = dense @ rng.normal(0, 0.3, NUM_DENSE) - 1.5
-    features = {"dense": dense}
+    columns = {f"I{j + 1}": dense[:, j] for j in range(NUM_DENSE)}
     for j in range(num_cat):
         rank = np.minimum(rng.zipf(1.2, size=rows), 10**7)
         # Scatter ranks over the id space; hidden effect per id from its hash.
         ids = (rank * 2654435761 + j * 97) % ID_SPACE
         mixed = ids.astype(np.uint64) * np.uint64(11400714819323198485)  # wraps
-        effect = ((mixed >> np.uint64(40)) / 2.0**24 - 0.5) * 1.2
-        logit = logit + effect
-        features[f"C{j + 1}"] = ids.astype(np.int64)
-    label = (rng.random(rows) < 1 / (1 + np.exp(-logit))).astype(np.float32)
-    return features, label
+        logit = logit + ((mixed >> np.uint64(40)) / 2.0**24 - 0.5) * 1.2
+        columns[f"C{j + 1}"] = ids.astype(np.int64)
+    columns["label"] = (rng.random(rows) < 1 / (1 + np.exp(-logit))).astype(np.float32)
+    return columns
 
 
-def build_model(num_cat, dim):
+def write_parquet(path, columns, row_group_size=65536):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table(columns), path, row_group_size=row_group_size)
+
+
+def build_model(num_cat, dim, steps_to_live):
+    """A DLRM-style model: a bottom MLP on the dense features, one
+    GroupEmbedding over the categorical ones (a table each, with a counter
+    filter and global-step eviction), a top MLP on both."""
     import keras
 
     import keras_rec_emb as kre
 
-    dense_in = keras.Input((NUM_DENSE,), name="dense")
-    cat_in = [keras.Input((), dtype="int64", name=f"C{j + 1}") for j in range(num_cat)]
-    embedded = [kre.layers.EmbeddingVariable(dim, name=f"emb_C{j + 1}")(x)
-                for j, x in enumerate(cat_in)]
-    h = keras.layers.Concatenate()([dense_in, *embedded])
+    dense_in = {f"I{j + 1}": keras.Input((), name=f"I{j + 1}") for j in range(NUM_DENSE)}
+    cat_in = {f"C{j + 1}": keras.Input((), dtype="int64", name=f"C{j + 1}")
+              for j in range(num_cat)}
+    option = kre.EmbeddingVariableOption(
+        filter_option=kre.CounterFilter(2),
+        evict_option=kre.GlobalStepEvict(steps_to_live=steps_to_live))
+    group = kre.layers.GroupEmbedding(
+        {name: kre.layers.FeatureSpec(kre.layers.EmbeddingVariable(
+            dim, name=f"emb_{name}", ev_option=option)) for name in cat_in},
+        output_mode="concat", name="embeddings")
+    bottom = keras.layers.Dense(dim, activation="relu", name="bottom")(
+        keras.layers.Concatenate(name="dense")([keras.ops.expand_dims(x, -1)
+                                                for x in dense_in.values()]))
+    h = keras.layers.Concatenate(name="features")([bottom, group(cat_in)])
     for i, units in enumerate((64, 32)):
-        h = keras.layers.Dense(units, activation="relu", name=f"mlp_{i}")(h)
+        h = keras.layers.Dense(units, activation="relu", name=f"top_{i}")(h)
     out = keras.layers.Dense(1, activation="sigmoid", name="click")(h)
-    model = keras.Model([dense_in, *cat_in], out)
-    model.compile(optimizer=kre.optimizers.Adagrad(0.05),
-                  loss="binary_crossentropy", metrics=[keras.metrics.AUC(name="auc")])
+    model = keras.Model({**dense_in, **cat_in}, out)
+    model.compile(optimizer=kre.optimizers.AdagradDecay(
+        0.05, accumulator_decay_step=1000, accumulator_decay_rate=0.9),
+        loss="binary_crossentropy", metrics=[keras.metrics.AUC(name="auc")])
     return model
 
 
 def _ev_layers(model):
     from keras_rec_emb.layers import EmbeddingVariable
 
-    return [layer for layer in model.layers if isinstance(layer, EmbeddingVariable)]
+    return [layer for layer in model._flatten_layers() if isinstance(layer, EmbeddingVariable)]
 
 
 def demo(args):
@@ -83,42 +103,53 @@ def demo(args):
 
     keras.utils.set_random_seed(0)
     os.makedirs(args.output, exist_ok=True)
-    print(f"Generating {args.rows:,} synthetic click rows "
-          f"({NUM_DENSE} dense, {args.features} categorical features, ids in [0, 1e9)) ...")
-    features, label = synthetic_ctr(args.rows, args.features)
+    print(f"Writing {args.rows:,} synthetic click rows to Parquet ({NUM_DENSE} dense, "
+          f"{args.features} categorical features, ids in [0, 1e9)) ...", flush=True)
+    columns = synthetic_ctr(args.rows, args.features)
     split = int(args.rows * 0.9)
-    train = {k: v[:split] for k, v in features.items()}
-    test = {k: v[split:] for k, v in features.items()}
-    train_ds = tf.data.Dataset.from_tensor_slices((train, label[:split])).batch(
-        args.batch_size).prefetch(2)
-    test_ds = tf.data.Dataset.from_tensor_slices((test, label[split:])).batch(args.batch_size)
+    paths = {}
+    for part, rows in (("train", slice(0, split)), ("test", slice(split, None))):
+        paths[part] = os.path.join(args.output, f"{part}.parquet")
+        write_parquet(paths[part], {k: v[rows] for k, v in columns.items()})
 
-    model = build_model(args.features, args.dim)
+    def dataset(part):
+        return kre.data.ParquetDataset(paths[part], batch_size=args.batch_size).map(
+            lambda batch: ({k: v for k, v in batch.items() if k != "label"}, batch["label"]))
+
+    steps = -(-split // args.batch_size)
+    model = build_model(args.features, args.dim, steps_to_live=max(1, steps // 2))
     start = time.perf_counter()
-    model.fit(train_ds, epochs=args.epochs, shuffle=False,  # synthetic rows are i.i.d.
-              verbose=1 if sys.stdout.isatty() else 2)
+    model.fit(dataset("train"), epochs=args.epochs, shuffle=False,
+              verbose=1 if sys.stdout.isatty() else 2,
+              callbacks=[kre.callbacks.EvictionCallback(on_epoch_end=True)])
     train_seconds = time.perf_counter() - start
-    _, auc = model.evaluate(test_ds, verbose=0)
+    _, auc = model.evaluate(dataset("test"), verbose=0)
 
     path = os.path.join(args.output, "model.keras")
     kre.save_model(model, path)
     reloaded = keras.saving.load_model(path)
-    same = np.array_equal(model.predict(test_ds, verbose=0), reloaded.predict(test_ds, verbose=0))
+    probe, _ = next(iter(dataset("test")))
+    expect = model.predict(probe, verbose=0)
+    same = np.array_equal(expect, reloaded.predict(probe, verbose=0))
     serving = os.path.join(args.output, "serving")
     model.export(serving, verbose=False)
+    loaded = tf.saved_model.load(serving)  # keep it alive while serving
+    served = loaded.serve(probe).numpy()
+    serves = np.allclose(served, expect, rtol=1e-5, atol=1e-6)
 
-    tables = _ev_layers(model)
+    tables = [layer.table.stats() for layer in _ev_layers(model)]
     print()
     print("keras_rec_emb demo summary")
-    print(f"  train rows/s            {split * args.epochs / train_seconds:,.0f}")
-    print(f"  test AUC                {auc:.4f}")
-    print(f"  distinct ids (tables)   {sum(t.table_size() for t in tables):,}"
-          f" in {len(tables)} tables")
-    print(f"  table memory            {sum(t.table.memory_bytes() for t in tables) / 2**20:,.1f} MiB")
-    print(f"  saved model             {path}")
-    print(f"  serving SavedModel      {serving}")
+    print(f"  train rows/s              {split * args.epochs / train_seconds:,.0f}")
+    print(f"  test AUC                  {auc:.4f}")
+    print(f"  admitted ids              {sum(t['size'] for t in tables):,} in {len(tables)} tables")
+    print(f"  ids seen once (filtered)  {sum(t['filtered'] for t in tables):,}")
+    print(f"  table memory              {sum(t['memory_bytes'] for t in tables) / 2**20:,.1f} MiB")
+    print(f"  saved model               {path}")
+    print(f"  serving SavedModel        {serving}")
     print(f"  predictions identical after reload: {'yes' if same else 'NO'}")
-    return 0 if same else 1
+    print(f"  SavedModel serves the same predictions: {'yes' if serves else 'NO'}")
+    return 0 if same and serves else 1
 
 
 def inspect(args):
@@ -190,13 +221,15 @@ def _copy_h5(h5py, data, keep, removed):
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="keras-rec-emb", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="train, evaluate, save, reload and export a CTR model")
-    p.add_argument("--rows", type=_positive_int, default=200_000, help="rows of synthetic data")
+    p = sub.add_parser("demo", help="train, evaluate, save, reload and export a CTR model "
+                                    "on synthetic Criteo-like Parquet data")
+    p.add_argument("--rows", type=_positive_int, default=1_000_000,
+                   help="rows of synthetic data (90%% train, 10%% test)")
     p.add_argument("--epochs", type=_positive_int, default=1)
-    p.add_argument("--features", type=_positive_int, default=8,
+    p.add_argument("--features", type=_positive_int, default=26,
                    help="categorical features (one EmbeddingVariable each)")
     p.add_argument("--dim", type=_positive_int, default=16, help="embedding dimension")
-    p.add_argument("--batch-size", type=_positive_int, default=1024)
+    p.add_argument("--batch-size", type=_positive_int, default=4096)
     p.add_argument("--output", default="demo-output", help="directory for the saved models")
     p = sub.add_parser("inspect", help="print the embedding tables of a saved .keras model")
     p.add_argument("model", help="path of a .keras file")
