@@ -9,11 +9,13 @@ import tensorflow as tf
 
 import keras_rec_emb
 from keras_rec_emb import callbacks, options, saving
-from keras_rec_emb.layers import embedding_variable, group_embedding
+from keras_rec_emb.layers import (adaptive_embedding, embedding_variable, group_embedding,
+                                  multi_hash_embedding)
 from keras_rec_emb.ops import embedding_ops
 from keras_rec_emb.optimizers import deeprec_optimizers, keras_optimizers
 
-MODULES = [embedding_variable, group_embedding, embedding_ops, keras_optimizers,
+MODULES = [embedding_variable, group_embedding, multi_hash_embedding, adaptive_embedding,
+           embedding_ops, keras_optimizers,
            deeprec_optimizers, options, saving, callbacks]
 
 

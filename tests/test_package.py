@@ -23,7 +23,8 @@ def test_public_api():
     for name in ("EmbeddingVariableOption", "InitializerOption", "CounterFilter", "CBFFilter",
                  "GlobalStepEvict", "L2WeightEvict", "StorageOption", "save_model"):
         assert hasattr(kre, name), name
-    assert set(kre.layers.__all__) == {"EmbeddingVariable", "GroupEmbedding", "FeatureSpec"}
+    assert set(kre.layers.__all__) == {"EmbeddingVariable", "GroupEmbedding", "FeatureSpec",
+                                       "MultiHashEmbedding", "AdaptiveEmbedding"}
     assert callable(kre.callbacks.EvictionCallback)
     assert set(kre.optimizers.__all__) == {"SGD", "Adagrad", "Adam", "Ftrl", "AdamAsync",
                                            "AdagradDecay", "AdamW"}

@@ -1,0 +1,338 @@
+"""AdaptiveEmbedding: a static hashed table for rare ids and an
+EmbeddingVariable for frequent ones (DeepRec's Adaptive Embedding).
+
+How promotion works, in graph as in eager (one `call` in training):
+
+1. Counting. The EmbeddingVariable's table has a `CounterFilter` with
+   `filter_freq = promote_threshold`, an initializer matrix of one row of
+   `+inf` and a no-permission value of `NaN`. A training lookup of every id
+   (`insert=True`) counts each occurrence and tells each id's state by what
+   it reads: `NaN` = still counting (static), `+inf` = admitted by this very
+   lookup (its count reached the threshold: newly promoted), finite =
+   promoted before.
+2. Copy. Newly promoted ids (and ids an explicit mask routes to the EV that
+   have no row yet) get their current static row written into the table
+   (`_ops.import_` with `clear=False`), with the frequency they have reached.
+3. Serve. Ids routed to the EV are looked up again (now reading the copied
+   rows; their gradient is the table's `tf.IndexedSlices`); the others are
+   gathered from the static matrix. Each table only sees the gradient of
+   the ids it served, so a promoted id no longer updates its static bucket.
+
+In inference nothing is counted or copied: ids with an EV row read it, the
+rest their static bucket. Promotion state (promoted ids with their counts,
+and the counts of ids not promoted yet) lives in the table, so `model.save`
+and `tf.train.Checkpoint` keep it.
+"""
+
+import math
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_rec_emb import _ops
+from keras_rec_emb import options as options_lib
+from keras_rec_emb.layers.embedding_variable import _COMBINERS, EmbeddingVariable
+from keras_rec_emb.layers.multi_hash_embedding import (
+    embed_ids,
+    hash_to_range,
+    output_spec,
+)
+
+_NOT_PROMOTED, _NEWLY_PROMOTED, _PROMOTED = 0, 1, 2
+
+
+@keras.saving.register_keras_serializable(package="keras_rec_emb")
+class AdaptiveEmbedding(keras.layers.Layer):
+    """Rare ids share a static hashed table; frequent ids get their own rows.
+
+    Every id starts in a static `[hash_bucket_size, embedding_dim]` matrix
+    (a Keras weight), at row `fingerprint64(id) mod hash_bucket_size` (see
+    `keras_rec_emb.layers.multi_hash_embedding.fingerprint64`), shared with
+    the ids that collide there. Training lookups count each id; the one
+    that brings its count to `promote_threshold` promotes it: it gets a
+    collision-free row in an `EmbeddingVariable`, initialized with its
+    current static row (so what it learnt carries over), and from then on is
+    served and trained by that row only. With `promote_threshold=None`,
+    ids move only by an explicit mask.
+
+    `layer(ids, adaptive_mask=mask)` (a 0/1 tensor shaped like the ids; 1 =
+    EV, 0 = static) routes ids by the mask instead of their promotion state,
+    as DeepRec's `adaptive_mask_tensors`. In training an id masked 1 that
+    has no EV row yet gets one, copied from its static row (its count
+    restarts from that batch); in inference it reads its static row. Counting
+    and frequency promotion go on under a mask.
+
+    Train with an optimizer from `keras_rec_emb.optimizers`. `model.save`
+    keeps both tables and the promotion state: which ids are promoted, their
+    frequencies, and the counts of ids not promoted yet (unless
+    `ev_option.save_filtered` is off).
+
+    Args:
+        embedding_dim: int > 0. Width of each embedding row.
+        hash_bucket_size: int > 0. Rows of the static table.
+        promote_threshold: int >= 1 or `None`. Training lookups after which
+            an id is promoted to the EV; `None` never promotes by frequency.
+            Defaults to `None`.
+        initializer: Keras initializer of the static table (EV rows are
+            copies of static rows). Defaults to `"truncated_normal"`.
+        ev_option: `keras_rec_emb.EmbeddingVariableOption` or `None`: the
+            EV's eviction (an evicted id falls back to the static table),
+            shards and `save_filtered`. Its `filter_option` and
+            `init_option` must be left unset: the layer uses them to count
+            and copy.
+        combiner: `None`, `"sum"`, `"mean"` or `"sqrtn"`, as in
+            `EmbeddingVariable`. Defaults to `None`.
+        name: str or `None`.
+        **kwargs: other `keras.layers.Layer` arguments (e.g. `dtype`).
+
+    Input shape:
+        Integer ids of any shape; or `[B, None]` ragged/sparse ids with a
+        combiner. `adaptive_mask`, if given, has the structure of the ids.
+
+    Output shape:
+        `ids.shape + (embedding_dim,)` without a combiner;
+        `ids.shape[:-1] + (embedding_dim,)` with one.
+
+    Example:
+
+    >>> layer = keras_rec_emb.layers.AdaptiveEmbedding(
+    ...     4, hash_bucket_size=100, promote_threshold=2)
+    >>> ids = np.array([7, 8, 7])
+    >>> out = layer(ids, training=True)  # 7 is seen twice: promoted
+    >>> layer.promoted_ids().tolist()
+    [7]
+    >>> routed = layer(ids, adaptive_mask=np.array([0, 1, 0]))  # 8 -> EV
+    >>> inputs = keras.Input(shape=(2,), dtype="int64")
+    >>> emb = keras_rec_emb.layers.AdaptiveEmbedding(
+    ...     4, 100, promote_threshold=3, combiner="mean")(inputs)
+    >>> model = keras.Model(inputs, keras.layers.Dense(1)(emb))
+    >>> model.compile(optimizer=keras_rec_emb.optimizers.Adagrad(0.1), loss="mse")
+    >>> history = model.fit(np.random.randint(0, 20, (64, 2)), np.ones((64, 1)),
+    ...                     verbose=0)
+    >>> model.layers[1].promoted_ids().size > 0
+    True
+    """
+
+    def __init__(self, embedding_dim, hash_bucket_size, promote_threshold=None,
+                 initializer="truncated_normal", ev_option=None, combiner=None, name=None,
+                 **kwargs):
+        super().__init__(name=name, **kwargs)
+        for arg, value in (("embedding_dim", embedding_dim),
+                           ("hash_bucket_size", hash_bucket_size)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+                raise ValueError(
+                    f"`{arg}` must be a positive integer. Received: {arg}={value!r}")
+        t = promote_threshold
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, np.integer))
+                              or t < 1):
+            raise ValueError(
+                "`promote_threshold` must be None or an integer >= 1. Received: "
+                f"promote_threshold={t!r}"
+            )
+        if combiner is not None and combiner not in _COMBINERS:
+            raise ValueError(
+                f"`combiner` must be None or one of {_COMBINERS}. Received: "
+                f"combiner={combiner!r}"
+            )
+        if ev_option is None:
+            ev_option = options_lib.EmbeddingVariableOption()
+        elif not isinstance(ev_option, options_lib.EmbeddingVariableOption):
+            raise TypeError(
+                "`ev_option` must be a keras_rec_emb.EmbeddingVariableOption or "
+                f"None. Received: ev_option={ev_option!r}"
+            )
+        if ev_option.filter_option is not None:
+            raise ValueError(
+                "AdaptiveEmbedding counts ids for promotion itself; set "
+                "`promote_threshold` instead of a filter. Received: "
+                f"ev_option.filter_option={ev_option.filter_option!r}"
+            )
+        if ev_option.init_option != options_lib.InitializerOption():
+            raise ValueError(
+                "AdaptiveEmbedding initializes EV rows from the static table; "
+                "`ev_option.init_option` must be left unset. Received: "
+                f"ev_option.init_option={ev_option.init_option!r}"
+            )
+        self.embedding_dim = int(embedding_dim)
+        self.hash_bucket_size = int(hash_bucket_size)
+        self.promote_threshold = None if t is None else int(t)
+        self.initializer = keras.initializers.get(initializer)
+        self.ev_option = ev_option
+        self.combiner = combiner
+        # The EV's own option: +inf initial rows and NaN no-permission
+        # values are the sentinels that tell promotion states apart.
+        inner = options_lib.EmbeddingVariableOption(
+            init_option=options_lib.InitializerOption(
+                initializer=keras.initializers.Constant(math.inf), default_value_dim=1,
+                default_value_no_permission=math.nan),
+            filter_option=(None if t is None else options_lib.CounterFilter(int(t))),
+            evict_option=ev_option.evict_option, storage_option=ev_option.storage_option,
+            num_shards=ev_option.num_shards, track_meta=True,
+            save_filtered=ev_option.save_filtered,
+        )
+        self.dynamic = EmbeddingVariable(self.embedding_dim, ev_option=inner,
+                                         name=f"{self.name}_dynamic")
+        self.static_embeddings = None
+
+    def build(self, input_shape=None):
+        if self.built:
+            return
+        self.static_embeddings = self.add_weight(
+            shape=(self.hash_bucket_size, self.embedding_dim), initializer=self.initializer,
+            name="static_embeddings")
+        self.dynamic.build()
+        self.built = True
+
+    # -- helpers ----------------------------------------------------------------
+    def static_bucket(self, ids):
+        """Row of the static table of each id: `fingerprint64(id) mod
+        hash_bucket_size` (int64, shape of `ids`)."""
+        return hash_to_range(tf.cast(ids, tf.int64), self.hash_bucket_size)
+
+    def _require_built(self, what):
+        if not self.built:
+            raise ValueError(
+                f"AdaptiveEmbedding '{self.name}' is not built yet; call it on ids "
+                f"(or build it) before {what}."
+            )
+
+    def promoted_ids(self):
+        """The ids with an EV row (promoted), sorted, as a NumPy array."""
+        self._require_built("promoted_ids()")
+        return np.sort(self.dynamic.export()["keys"])
+
+    def promotion_state(self):
+        """dict of NumPy arrays: `promoted_ids` and their `promoted_freqs`
+        (training lookups seen), `counting_ids` and their `counting_freqs`
+        (ids counted but not promoted yet), each sorted by id."""
+        self._require_built("promotion_state()")
+        data = self.dynamic.export()
+        order = np.argsort(data["keys"])
+        order_f = np.argsort(data["keys_filtered"])
+        return {
+            "promoted_ids": data["keys"][order],
+            "promoted_freqs": data["freqs"][order],
+            "counting_ids": data["keys_filtered"][order_f],
+            "counting_freqs": data["freqs_filtered"][order_f],
+        }
+
+    # -- forward ----------------------------------------------------------------
+    def _copy_static_rows(self, keys, freqs):
+        """Writes the current static rows of `keys` into the EV (in graph)."""
+        table = self.dynamic.table
+        n = tf.size(keys)
+        values = tf.stop_gradient(tf.gather(self.static_embeddings.value,
+                                            self.static_bucket(keys)))
+        latest = _ops.stats(table.handle, table.key_dtype)[3]
+        empty_keys = tf.zeros([0], table.key_dtype)
+        empty_i64 = tf.zeros([0], tf.int64)
+        parts = {
+            "keys": tf.cast(keys, table.key_dtype),
+            "values": tf.cast(values, tf.float32),
+            "freqs": freqs,
+            "versions": tf.fill([n], tf.maximum(latest, 0)),
+            "slot_values": tf.zeros([n, 0], tf.float32),
+            "slot_names": tf.zeros([0], tf.string),
+            "slot_widths": empty_i64,
+            "default_values": tf.zeros([0, self.embedding_dim], tf.float32),
+            "keys_filtered": empty_keys,
+            "freqs_filtered": empty_i64,
+            "versions_filtered": empty_i64,
+            "bloom": tf.zeros([0], tf.uint8),
+        }
+        return _ops.import_(table.handle, self.embedding_dim, parts, clear=False)
+
+    def _embed_flat(self, ids, mask, training):
+        table = self.dynamic.table
+        dim = self.embedding_dim
+        use_mask = None if mask is None else tf.not_equal(tf.cast(mask, tf.float32), 0.0)
+        counting = self.promote_threshold is not None
+        deps = []
+        if training:
+            # 1. Count (and tell states apart by the sentinels).
+            probe = tf.stop_gradient(_ops.lookup(table.handle, ids, dim, counting))[:, 0]
+            finite = tf.math.is_finite(probe)
+            newly = tf.math.is_inf(probe) if counting else tf.zeros_like(finite)
+            code = tf.where(finite, _PROMOTED, tf.where(newly, _NEWLY_PROMOTED, _NOT_PROMOTED))
+            uniq, idx = tf.unique(ids)
+            n = tf.size(uniq)
+            status = tf.math.unsorted_segment_max(code, idx, n)
+            # 2. Copy static rows into newly promoted (or newly masked) rows.
+            to_copy = tf.equal(status, _NEWLY_PROMOTED)
+            forced = tf.zeros_like(to_copy)
+            if use_mask is not None:
+                wants_ev = tf.math.unsorted_segment_max(tf.cast(use_mask, tf.int32), idx, n) > 0
+                forced = tf.logical_and(tf.equal(status, _NOT_PROMOTED), wants_ev)
+                to_copy = tf.logical_or(to_copy, forced)
+            # Frequencies reached: an id admitted by this lookup read +inf
+            # from its admitting occurrence on; a forced id keeps the count
+            # of this batch (its earlier count is not readable in graph).
+            ones = tf.ones_like(idx, tf.int64)
+            occurrences = tf.math.unsorted_segment_sum(ones, idx, n)
+            if counting:
+                admitted_reads = tf.math.unsorted_segment_sum(
+                    tf.cast(newly, tf.int64), idx, n)
+                freqs = tf.where(forced, occurrences,
+                                 self.promote_threshold - 1 + admitted_reads)
+            else:
+                freqs = tf.zeros_like(occurrences)  # the serving lookup counts
+            op = self._copy_static_rows(tf.boolean_mask(uniq, to_copy),
+                                        tf.boolean_mask(freqs, to_copy))
+            deps = [] if op is None or tf.executing_eagerly() else [op]
+            use_ev = use_mask if use_mask is not None else tf.gather(status, idx) > 0
+        else:
+            probe_rows = table.lookup(ids, insert=False)
+            present = tf.math.is_finite(probe_rows[:, 0])
+            use_ev = present if use_mask is None else tf.logical_and(use_mask, present)
+        # 3. Serve: each table only sees the ids it serves.
+        positions = tf.range(tf.size(ids))
+        ev_pos = tf.boolean_mask(positions, use_ev)
+        static_pos = tf.boolean_mask(positions, tf.logical_not(use_ev))
+        if training:
+            with tf.control_dependencies(deps):
+                ev_ids = tf.gather(ids, ev_pos)
+                ev_rows = table.lookup(ev_ids, insert=not counting)
+        else:
+            ev_rows = tf.gather(probe_rows, ev_pos)
+        static_rows = tf.gather(self.static_embeddings,
+                                self.static_bucket(tf.gather(ids, static_pos)))
+        rows = tf.dynamic_stitch([ev_pos, static_pos],
+                                 [ev_rows, tf.cast(static_rows, tf.float32)])
+        rows = tf.ensure_shape(rows, [None, dim])
+        if rows.dtype != self.compute_dtype:
+            rows = tf.cast(rows, self.compute_dtype)
+        return rows
+
+    def call(self, inputs, adaptive_mask=None, training=None):
+        training = bool(training) and self.trainable
+        return embed_ids(self, inputs, lambda ids, mask: self._embed_flat(ids, mask, training),
+                         self.combiner, extra=adaptive_mask)
+
+    def compute_output_shape(self, input_shape, adaptive_mask_shape=None):
+        input_shape = tuple(input_shape)
+        if self.combiner is not None:
+            return input_shape[:-1] + (self.embedding_dim,)
+        return input_shape + (self.embedding_dim,)
+
+    def compute_output_spec(self, inputs, adaptive_mask=None, training=None):
+        return output_spec(self, inputs, self.embedding_dim, self.combiner)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update({
+            "embedding_dim": self.embedding_dim,
+            "hash_bucket_size": self.hash_bucket_size,
+            "promote_threshold": self.promote_threshold,
+            "initializer": keras.initializers.serialize(self.initializer),
+            "ev_option": keras.saving.serialize_keras_object(self.ev_option),
+            "combiner": self.combiner,
+        })
+        return config
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        if isinstance(config.get("ev_option"), dict):
+            config["ev_option"] = keras.saving.deserialize_keras_object(config["ev_option"])
+        return cls(**config)

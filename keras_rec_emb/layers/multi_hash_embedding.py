@@ -1,0 +1,535 @@
+"""MultiHashEmbedding: compositional embeddings from complementary partitions
+(DeepRec's Multi-Hash Variable; Shi et al., "Compositional Embeddings Using
+Complementary Partitions for Memory-Efficient Recommendation Systems").
+
+Also home of `fingerprint64` / `hash_to_range`, the stable id hash shared
+with `AdaptiveEmbedding`, and of `embed_ids`, the input handling (dense,
+ragged, sparse; combiners) that both layers share with `EmbeddingVariable`.
+"""
+
+import math
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_rec_emb.layers.embedding_variable import _COMBINERS, combine_rows
+
+_STRATEGIES = ("Q-R", "generalized_QR", "CRT")
+_OPERATIONS = ("add", "mult", "concat")
+
+# splitmix64 (Steele, Lea & Flood; the finalizer of Java's SplittableRandom).
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+
+
+def fingerprint64(ids):
+    """A stable 64-bit fingerprint of integer ids (splitmix64), as uint64.
+
+    With `x` the id as a 64-bit two's-complement integer read unsigned and
+    all arithmetic modulo 2**64:
+
+        z = x + 0x9E3779B97F4A7C15
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+        fingerprint = z ^ (z >> 31)
+
+    It depends on nothing but the id: the same in every run, process and
+    machine (unlike Python's `hash`).
+
+    Args:
+        ids: integer tensor (int32 ids are sign-extended first).
+
+    Returns:
+        uint64 tensor of the shape of `ids`.
+
+    Example:
+
+    >>> from keras_rec_emb.layers.multi_hash_embedding import fingerprint64
+    >>> fingerprint64(tf.constant([0, 1], tf.int64)).numpy().tolist()
+    [16294208416658607535, 10451216379200822465]
+    """
+    ids = tf.convert_to_tensor(ids)
+    if ids.dtype != tf.int64:
+        ids = tf.cast(ids, tf.int64)
+    z = tf.bitcast(ids, tf.uint64) + tf.constant(_GOLDEN, tf.uint64)
+    z = tf.bitwise.bitwise_xor(z, tf.bitwise.right_shift(z, tf.constant(30, tf.uint64)))
+    z = z * tf.constant(_MIX1, tf.uint64)
+    z = tf.bitwise.bitwise_xor(z, tf.bitwise.right_shift(z, tf.constant(27, tf.uint64)))
+    z = z * tf.constant(_MIX2, tf.uint64)
+    return tf.bitwise.bitwise_xor(z, tf.bitwise.right_shift(z, tf.constant(31, tf.uint64)))
+
+
+def hash_to_range(ids, num_buckets):
+    """`fingerprint64(ids) mod num_buckets` as int64 (all ids hashed)."""
+    h = tf.math.floormod(fingerprint64(ids), tf.constant(num_buckets, tf.uint64))
+    return tf.cast(h, tf.int64)
+
+
+def _positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
+    return int(value)
+
+
+def _int_root_ceil(n, k):
+    """The smallest m >= 1 with m**k >= n."""
+    m = max(1, int(round(n ** (1.0 / k))))
+    while m ** k < n:
+        m += 1
+    while m > 1 and (m - 1) ** k >= n:
+        m -= 1
+    return m
+
+
+def _check_ids_dtype(ids, layer):
+    if not ids.dtype.is_integer:
+        raise TypeError(
+            f"{type(layer).__name__} '{layer.name}' expects integer ids (int32 "
+            f"or int64). Received ids of dtype {ids.dtype.name}. Hash strings "
+            "or floats to integers first, e.g. with keras.layers.Hashing or "
+            "tf.strings.to_hash_bucket_fast."
+        )
+    return tf.cast(ids, tf.int64) if ids.dtype != tf.int64 else ids
+
+
+def _combine_dense(rows, combiner):
+    if combiner == "sum":
+        return tf.reduce_sum(rows, axis=-2)
+    if combiner == "mean":
+        return tf.reduce_mean(rows, axis=-2)
+    length = tf.cast(tf.shape(rows)[-2], rows.dtype)
+    return tf.reduce_sum(rows, axis=-2) / tf.sqrt(length)
+
+
+def embed_ids(layer, inputs, embed_flat, combiner, extra=None):
+    """Shared input handling of the compact embedding layers.
+
+    `embed_flat(flat_int64_ids, flat_extra)` returns `[n, dim]` rows. Dense
+    ids of any shape give `ids.shape + (dim,)`; with a combiner the last
+    axis is combined. Ragged `[B, None]` ids give ragged rows (no combiner)
+    or `[B, dim]`; sparse `[B, None]` ids need a combiner. `extra` (an
+    optional per-id tensor of the same structure as `inputs`, e.g. a mask)
+    is flattened alongside.
+    """
+    what = f"{type(layer).__name__} '{layer.name}'"
+    if isinstance(inputs, tf.RaggedTensor):
+        if inputs.ragged_rank != 1 or inputs.shape.rank != 2:
+            raise ValueError(
+                f"{what} takes ragged ids of shape [batch, None]. Received "
+                f"shape {inputs.shape} with ragged_rank {inputs.ragged_rank}"
+            )
+        flat_extra = None if extra is None else _flat_like(extra, inputs.values)
+        rows = embed_flat(_check_ids_dtype(inputs.values, layer), flat_extra)
+        if combiner is None:
+            return inputs.with_values(rows)
+        return combine_rows(rows, inputs.value_rowids(), inputs.nrows(), combiner)
+    if isinstance(inputs, tf.SparseTensor):
+        if inputs.shape.rank != 2:
+            raise ValueError(
+                f"{what} takes sparse ids of shape [batch, None]. Received "
+                f"shape {inputs.shape}"
+            )
+        if combiner is None:
+            raise ValueError(
+                f"{what} needs a `combiner` to embed tf.SparseTensor ids. "
+                "Received combiner=None"
+            )
+        flat_extra = None if extra is None else _flat_like(extra, inputs.values)
+        rows = embed_flat(_check_ids_dtype(inputs.values, layer), flat_extra)
+        return combine_rows(rows, inputs.indices[:, 0], inputs.dense_shape[0], combiner)
+    inputs = tf.convert_to_tensor(inputs)
+    ids = _check_ids_dtype(inputs, layer)
+    if combiner is not None and inputs.shape.rank is not None and inputs.shape.rank < 1:
+        raise ValueError(
+            f"{what} with a combiner combines the last axis of the ids; "
+            f"received scalar ids of shape {inputs.shape}"
+        )
+    flat_extra = None if extra is None else _flat_like(extra, ids)
+    rows = embed_flat(tf.reshape(ids, [-1]), flat_extra)
+    dim = rows.shape[-1]
+    shape = tf.concat([tf.shape(ids, out_type=tf.int64), [dim]], 0)
+    rows = tf.ensure_shape(tf.reshape(rows, shape), ids.shape.concatenate([dim]))
+    return rows if combiner is None else _combine_dense(rows, combiner)
+
+
+def _flat_like(extra, ids):
+    """`extra` (dense, ragged or sparse, like the ids) as a flat tensor."""
+    if isinstance(extra, tf.RaggedTensor):
+        extra = extra.flat_values
+    elif isinstance(extra, tf.SparseTensor):
+        extra = extra.values
+    extra = tf.reshape(tf.convert_to_tensor(extra), [-1])
+    tf.debugging.assert_equal(tf.size(extra), tf.size(ids),
+                              message="the mask must have one entry per id")
+    return extra
+
+
+def output_spec(layer, inputs, dim, combiner):
+    """compute_output_spec of the layers above."""
+    shape = tuple(inputs.shape)
+    shape = shape[:-1] + (dim,) if combiner is not None else shape + (dim,)
+    ragged = bool(getattr(inputs, "ragged", False)) and combiner is None
+    return keras.KerasTensor(shape, dtype=layer.compute_dtype, ragged=ragged)
+
+
+@keras.saving.register_keras_serializable(package="keras_rec_emb")
+class MultiHashEmbedding(keras.layers.Layer):
+    """Compositional embedding over complementary partitions (Multi-Hash).
+
+    Instead of one `[num_buckets, dim]` matrix, `k` small tables are kept;
+    id `x` in `[0, num_buckets)` picks row `p_j(x)` of table `j` and the
+    rows are combined by `operation`. The partitions are complementary: no
+    two ids in `[0, num_buckets)` pick the same rows in every table, so
+    every id keeps a distinct embedding with about `k * num_buckets**(1/k)`
+    rows in all.
+
+    Strategies (`M_j` is the product of the moduli before `j`):
+
+    * `"Q-R"` (quotient-remainder, 2 tables): `x // m` in a table of
+      `ceil(num_buckets / m)` rows and `x mod m` in one of `m` rows;
+      `m = ceil(sqrt(num_buckets))` unless given.
+    * `"generalized_QR"` with moduli `m_1..m_k`: `(x // M_j) mod m_j`.
+    * `"CRT"` (Chinese remainder) with pairwise-coprime moduli: `x mod m_j`.
+
+    Unless given, `num_partitions` moduli near `num_buckets**(1/k)` are
+    chosen whose product is at least `num_buckets` (pairwise coprime for
+    `"CRT"`). The tables are ordinary Keras weights, trained by any
+    optimizer (their gradients are `tf.IndexedSlices`).
+
+    Ids outside `[0, num_buckets)` are hashed into it with
+    `fingerprint64(id) mod num_buckets` (splitmix64, stable across runs and
+    processes; see `fingerprint64`), unless `hash_input=False`: then they
+    are an error (a `ValueError` when called eagerly, an
+    `InvalidArgumentError` inside `model.fit` and other graphs).
+
+    Args:
+        num_buckets: int > 0. Size of the id range `[0, num_buckets)` that
+            embeds without collisions.
+        embedding_dim: int > 0 for `"add"` and `"mult"` (every table has
+            this width; a one-element list is accepted); for `"concat"` a
+            list of one positive width per table, whose sum is the output
+            width (DeepRec's `dims`).
+        complementary_strategy: `"Q-R"`, `"generalized_QR"` or `"CRT"`.
+            Defaults to `"Q-R"`.
+        operation: `"add"`, `"mult"` (element-wise product) or `"concat"`.
+            Defaults to `"add"`.
+        initializer: Keras initializer of the tables; table `j` of a
+            seeded random initializer uses `seed + j`. Defaults to
+            `"truncated_normal"` (for `"mult"`, an initializer centred on 1,
+            e.g. `RandomNormal(mean=1.0)`, keeps products from vanishing).
+        combiner: `None`, `"sum"`, `"mean"` or `"sqrtn"`, as in
+            `EmbeddingVariable`. Defaults to `None`.
+        m: int > 0 or `None`. The remainder modulus of `"Q-R"`. Defaults to
+            `ceil(sqrt(num_buckets))`.
+        num_partitions: int >= 2 or `None`. Number of tables `k` of
+            `"generalized_QR"` and `"CRT"` (`"Q-R"` has 2). Defaults to
+            `len(moduli)`, else 2.
+        moduli: list of ints > 0 or `None`. The moduli `m_1..m_k` of
+            `"generalized_QR"` and `"CRT"`; their product must be at least
+            `num_buckets`, and for `"CRT"` they must be pairwise coprime.
+        hash_input: bool. Hash ids outside `[0, num_buckets)` into range
+            instead of failing. Defaults to `True`.
+        output_dim: int or `None`. If given, the output width the
+            `embedding_dim` list of `"concat"` must sum to (for `"add"` and
+            `"mult"`, must equal `embedding_dim`).
+        name: str or `None`.
+        **kwargs: other `keras.layers.Layer` arguments (e.g. `dtype`).
+
+    Input shape:
+        Integer ids of any shape; or `[B, None]` ragged/sparse ids with a
+        combiner.
+
+    Output shape:
+        `ids.shape + (output_dim,)` without a combiner;
+        `ids.shape[:-1] + (output_dim,)` with one.
+
+    Example:
+
+    >>> layer = keras_rec_emb.layers.MultiHashEmbedding(
+    ...     num_buckets=10**6, embedding_dim=[8, 8], operation="concat")
+    >>> layer(np.array([[3, 999_999]])).shape
+    TensorShape([1, 2, 16])
+    >>> [tuple(w.shape) for w in layer.weights]
+    [(1000, 8), (1000, 8)]
+    >>> ids = keras.Input(shape=(2,), dtype="int64")
+    >>> emb = keras_rec_emb.layers.MultiHashEmbedding(1000, 4, combiner="sum")(ids)
+    >>> model = keras.Model(ids, keras.layers.Dense(1)(emb))
+    >>> model.compile(optimizer="adam", loss="mse")
+    >>> history = model.fit(np.random.randint(0, 1000, (32, 2)),
+    ...                     np.zeros((32, 1)), verbose=0)
+    """
+
+    def __init__(self, num_buckets, embedding_dim, complementary_strategy="Q-R",
+                 operation="add", initializer="truncated_normal", combiner=None, m=None,
+                 num_partitions=None, moduli=None, hash_input=True, output_dim=None,
+                 name=None, **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.num_buckets = _positive_int("num_buckets", num_buckets)
+        if complementary_strategy not in _STRATEGIES:
+            raise ValueError(
+                f"`complementary_strategy` must be one of {_STRATEGIES}. Received: "
+                f"complementary_strategy={complementary_strategy!r}"
+            )
+        if operation not in _OPERATIONS:
+            raise ValueError(
+                f"`operation` must be one of {_OPERATIONS}. Received: operation={operation!r}"
+            )
+        if combiner is not None and combiner not in _COMBINERS:
+            raise ValueError(
+                f"`combiner` must be None or one of {_COMBINERS}. Received: "
+                f"combiner={combiner!r}"
+            )
+        if not isinstance(hash_input, bool):
+            raise TypeError(f"`hash_input` must be a bool. Received: hash_input={hash_input!r}")
+        self.complementary_strategy = complementary_strategy
+        self.operation = operation
+        self.combiner = combiner
+        self.hash_input = hash_input
+        self.initializer = keras.initializers.get(initializer)
+        self.m = None if m is None else _positive_int("m", m)
+        self.num_partitions = num_partitions
+        self.moduli = None if moduli is None else list(moduli)
+        self.output_dim = output_dim
+        # (divisor, modulus) per table: index_j = (x // divisor_j) mod modulus_j,
+        # and table j has modulus_j rows.
+        self._partitions = self._make_partitions()
+        k = len(self._partitions)
+        self.embedding_dim = self._check_dims(embedding_dim, k)
+        self.tables = []
+
+    # -- argument checks --------------------------------------------------------
+    def _make_partitions(self):
+        n, strategy = self.num_buckets, self.complementary_strategy
+        k = self.num_partitions
+        if k is not None:
+            if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 2:
+                raise ValueError(
+                    "`num_partitions` must be an integer >= 2. Received: "
+                    f"num_partitions={k!r}"
+                )
+            k = int(k)
+            self.num_partitions = k
+        if strategy == "Q-R":
+            if k not in (None, 2):
+                raise ValueError(
+                    "`num_partitions` must be 2 (or None) with "
+                    f"complementary_strategy='Q-R'. Received: num_partitions={k!r}"
+                )
+            if self.moduli is not None:
+                raise ValueError(
+                    "`moduli` is for 'generalized_QR' and 'CRT'; 'Q-R' takes `m`. "
+                    f"Received: moduli={self.moduli!r}"
+                )
+            m = self.m if self.m is not None else math.isqrt(n - 1) + 1
+            return [(m, -(-n // m)), (1, m)]
+        if self.m is not None:
+            raise ValueError(
+                "`m` is the remainder modulus of 'Q-R'; use `moduli` with "
+                f"complementary_strategy={strategy!r}. Received: m={self.m!r}"
+            )
+        if self.moduli is not None:
+            moduli = [_positive_int("moduli", v) for v in self.moduli]
+            if len(moduli) < 2:
+                raise ValueError(
+                    f"`moduli` must list at least 2 moduli. Received: moduli={self.moduli!r}"
+                )
+            if k is not None and k != len(moduli):
+                raise ValueError(
+                    f"`num_partitions` ({k}) must equal len(moduli) ({len(moduli)}). "
+                    f"Received: num_partitions={k}, moduli={self.moduli!r}"
+                )
+            if math.prod(moduli) < n:
+                raise ValueError(
+                    "The product of `moduli` must be at least `num_buckets` "
+                    f"({n}) for the partitions to be complementary. Received: "
+                    f"moduli={self.moduli!r} (product {math.prod(moduli)})"
+                )
+            if strategy == "CRT":
+                for i in range(len(moduli)):
+                    for j in range(i + 1, len(moduli)):
+                        if math.gcd(moduli[i], moduli[j]) != 1:
+                            raise ValueError(
+                                "`moduli` must be pairwise coprime with "
+                                f"complementary_strategy='CRT'; {moduli[i]} and "
+                                f"{moduli[j]} share the factor "
+                                f"{math.gcd(moduli[i], moduli[j])}. Received: "
+                                f"moduli={self.moduli!r}"
+                            )
+            self.moduli = moduli
+        else:
+            k = k or 2
+            moduli = _default_moduli(n, k, coprime=strategy == "CRT")
+        if strategy == "CRT":
+            return [(1, mj) for mj in moduli]
+        parts, divisor = [], 1
+        for mj in moduli:
+            parts.append((divisor, mj))
+            divisor *= mj
+        return parts
+
+    def _check_dims(self, embedding_dim, k):
+        if self.operation == "concat":
+            if (not isinstance(embedding_dim, (list, tuple)) or len(embedding_dim) != k):
+                raise ValueError(
+                    f"`embedding_dim` must be a list of {k} widths (one per table) "
+                    "with operation='concat'. Received: "
+                    f"embedding_dim={embedding_dim!r}"
+                )
+            dims = [_positive_int("embedding_dim", d) for d in embedding_dim]
+            total = sum(dims)
+        else:
+            if isinstance(embedding_dim, (list, tuple)):
+                if len(embedding_dim) != 1:
+                    raise ValueError(
+                        "`embedding_dim` must be one integer with "
+                        f"operation={self.operation!r} (tables of equal width; a "
+                        "list of widths needs operation='concat'). Received: "
+                        f"embedding_dim={embedding_dim!r}"
+                    )
+                embedding_dim = embedding_dim[0]
+            dims = _positive_int("embedding_dim", embedding_dim)
+            total = dims
+        if self.output_dim is not None:
+            if _positive_int("output_dim", self.output_dim) != total:
+                raise ValueError(
+                    f"`embedding_dim` must sum to `output_dim` ({self.output_dim}). "
+                    f"Received: embedding_dim={embedding_dim!r} (sum {total})"
+                )
+            self.output_dim = int(self.output_dim)
+        self._total_dim = total
+        return dims
+
+    # -- partitions -------------------------------------------------------------
+    @property
+    def partition_sizes(self):
+        """Rows of each table."""
+        return [mod for _, mod in self._partitions]
+
+    @property
+    def table_dims(self):
+        """Width of each table."""
+        if self.operation == "concat":
+            return list(self.embedding_dim)
+        return [self.embedding_dim] * len(self._partitions)
+
+    @property
+    def output_width(self):
+        """Width of each output embedding."""
+        return self._total_dim
+
+    def partition_indices(self, ids):
+        """Row of each table for ids in `[0, num_buckets)`: a list of int64
+        tensors `(ids // divisor_j) mod modulus_j`."""
+        ids = tf.cast(ids, tf.int64)
+        return [tf.math.floormod(tf.math.floordiv(ids, d) if d > 1 else ids, mod)
+                for d, mod in self._partitions]
+
+    def build(self, input_shape=None):
+        if self.built:
+            return
+        if self.complementary_strategy == "Q-R":
+            names = ["quotient_embeddings", "remainder_embeddings"]
+        else:
+            names = [f"partition_{j}_embeddings" for j in range(len(self._partitions))]
+        self.tables = [
+            self.add_weight(shape=(rows, dim), initializer=self._table_initializer(j),
+                            name=name)
+            for j, (name, rows, dim) in enumerate(zip(names, self.partition_sizes,
+                                                      self.table_dims))
+        ]
+        self.built = True
+
+    def _table_initializer(self, j):
+        # A Keras random initializer draws the same values at every call, and
+        # tables of equal shape must differ (with "add", equal tables give
+        # ids (a, b) and (b, a) one embedding): table j gets its own seed.
+        init = self.initializer
+        config = init.get_config()
+        if j == 0 or "seed" not in config:
+            return init
+        if isinstance(config["seed"], int):
+            config["seed"] += j
+        return type(init).from_config(config)  # unseeded: a fresh seed
+
+    # -- forward ----------------------------------------------------------------
+    def _in_range(self, ids):
+        n = self.num_buckets
+        if self.hash_input:
+            inside = tf.logical_and(ids >= 0, ids < n)
+            return tf.where(inside, ids, hash_to_range(ids, n))
+        if tf.executing_eagerly():
+            bad = ids.numpy()[(ids.numpy() < 0) | (ids.numpy() >= n)]
+            if bad.size:
+                raise ValueError(
+                    f"MultiHashEmbedding '{self.name}' has hash_input=False and "
+                    f"takes ids in [0, {n}). Received {bad.size} id(s) outside, "
+                    f"e.g. {bad[0]}"
+                )
+            return ids
+        message = (f"MultiHashEmbedding '{self.name}' has hash_input=False and takes "
+                   f"ids in [0, {n}); received ids outside")
+        checks = [tf.debugging.assert_non_negative(ids, message=message),
+                  tf.debugging.assert_less(ids, tf.constant(n, tf.int64), message=message)]
+        with tf.control_dependencies(checks):
+            return tf.identity(ids)
+
+    def _embed_flat(self, ids, _):
+        ids = self._in_range(ids)
+        rows = [tf.gather(table, idx) for table, idx in zip(self.tables,
+                                                            self.partition_indices(ids))]
+        if self.operation == "concat":
+            out = tf.concat(rows, axis=-1)
+        elif self.operation == "add":
+            out = tf.add_n(rows)
+        else:
+            out = rows[0]
+            for r in rows[1:]:
+                out = out * r
+        if out.dtype != self.compute_dtype:
+            out = tf.cast(out, self.compute_dtype)
+        return out
+
+    def call(self, inputs):
+        return embed_ids(self, inputs, self._embed_flat, self.combiner)
+
+    def compute_output_shape(self, input_shape):
+        input_shape = tuple(input_shape)
+        if self.combiner is not None:
+            return input_shape[:-1] + (self._total_dim,)
+        return input_shape + (self._total_dim,)
+
+    def compute_output_spec(self, inputs):
+        return output_spec(self, inputs, self._total_dim, self.combiner)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update({
+            "num_buckets": self.num_buckets,
+            "embedding_dim": (list(self.embedding_dim) if isinstance(self.embedding_dim, list)
+                              else self.embedding_dim),
+            "complementary_strategy": self.complementary_strategy,
+            "operation": self.operation,
+            "initializer": keras.initializers.serialize(self.initializer),
+            "combiner": self.combiner,
+            "m": self.m,
+            "num_partitions": self.num_partitions,
+            "moduli": self.moduli,
+            "hash_input": self.hash_input,
+            "output_dim": self.output_dim,
+        })
+        return config
+
+
+def _default_moduli(n, k, coprime):
+    """k moduli near n**(1/k) with product >= n (pairwise coprime if asked)."""
+    m = _int_root_ceil(n, k)
+    moduli = []
+    for j in range(k):
+        # The last one only needs to close the gap to n.
+        c = max(1, -(-n // math.prod(moduli))) if j == k - 1 else m
+        while coprime and any(math.gcd(c, p) != 1 for p in moduli):
+            c += 1
+        moduli.append(c)
+    return moduli
