@@ -32,7 +32,8 @@ import tensorflow as tf
 
 from keras_rec_emb import _ops
 from keras_rec_emb import options as options_lib
-from keras_rec_emb.layers.embedding_variable import _COMBINERS, EmbeddingVariable
+from keras_rec_emb._checks import check_combiner, ev_option_or_default
+from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
 from keras_rec_emb.layers.multi_hash_embedding import (
     embed_ids,
     hash_to_range,
@@ -130,18 +131,8 @@ class AdaptiveEmbedding(keras.layers.Layer):
                 "`promote_threshold` must be None or an integer >= 1. Received: "
                 f"promote_threshold={t!r}"
             )
-        if combiner is not None and combiner not in _COMBINERS:
-            raise ValueError(
-                f"`combiner` must be None or one of {_COMBINERS}. Received: "
-                f"combiner={combiner!r}"
-            )
-        if ev_option is None:
-            ev_option = options_lib.EmbeddingVariableOption()
-        elif not isinstance(ev_option, options_lib.EmbeddingVariableOption):
-            raise TypeError(
-                "`ev_option` must be a keras_rec_emb.EmbeddingVariableOption or "
-                f"None. Received: ev_option={ev_option!r}"
-            )
+        check_combiner(combiner)
+        ev_option = ev_option_or_default(ev_option)
         if ev_option.filter_option is not None:
             raise ValueError(
                 "AdaptiveEmbedding counts ids for promotion itself; set "

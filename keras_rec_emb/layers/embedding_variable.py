@@ -4,10 +4,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_rec_emb import options as options_lib
+from keras_rec_emb._checks import check_combiner, ev_option_or_default, integer_ids
 from keras_rec_emb.variables import EmbeddingTable
 
-_COMBINERS = ("sum", "mean", "sqrtn")
 _KEY_DTYPES = ("int32", "int64")
 
 
@@ -104,18 +103,8 @@ class EmbeddingVariable(keras.layers.Layer):
                 f"`key_dtype` must be one of {_KEY_DTYPES}. Received: "
                 f"key_dtype={key_dtype!r}"
             )
-        if combiner is not None and combiner not in _COMBINERS:
-            raise ValueError(
-                f"`combiner` must be None or one of {_COMBINERS}. Received: "
-                f"combiner={combiner!r}"
-            )
-        if ev_option is None:
-            ev_option = options_lib.EmbeddingVariableOption()
-        elif not isinstance(ev_option, options_lib.EmbeddingVariableOption):
-            raise TypeError(
-                "`ev_option` must be a keras_rec_emb.EmbeddingVariableOption or "
-                f"None. Received: ev_option={ev_option!r}"
-            )
+        check_combiner(combiner)
+        ev_option = ev_option_or_default(ev_option)
         missing = ev_option.unimplemented_feature()
         if missing is not None:
             raise NotImplementedError(
@@ -155,14 +144,7 @@ class EmbeddingVariable(keras.layers.Layer):
 
     # -- forward --------------------------------------------------------------
     def _ids(self, ids):
-        if not ids.dtype.is_integer:
-            raise TypeError(
-                f"EmbeddingVariable '{self.name}' expects integer ids "
-                f"(int32 or int64). Received ids of dtype {ids.dtype.name}. Hash "
-                "strings or floats to integers first, e.g. with "
-                "keras.layers.Hashing or tf.strings.to_hash_bucket_fast."
-            )
-        return tf.cast(ids, self.key_dtype) if ids.dtype != self.key_dtype else ids
+        return integer_ids(ids, f"EmbeddingVariable '{self.name}'", tf.as_dtype(self.key_dtype))
 
     def _lookup(self, ids, training):
         rows = self.table.lookup(ids, insert=bool(training) and self.trainable)

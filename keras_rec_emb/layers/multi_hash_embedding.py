@@ -13,7 +13,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_rec_emb.layers.embedding_variable import _COMBINERS, combine_rows
+from keras_rec_emb._checks import check_combiner, integer_ids
+from keras_rec_emb.layers.embedding_variable import combine_rows
 
 _STRATEGIES = ("Q-R", "generalized_QR", "CRT")
 _OPERATIONS = ("add", "mult", "concat")
@@ -84,14 +85,7 @@ def _int_root_ceil(n, k):
 
 
 def _check_ids_dtype(ids, layer):
-    if not ids.dtype.is_integer:
-        raise TypeError(
-            f"{type(layer).__name__} '{layer.name}' expects integer ids (int32 "
-            f"or int64). Received ids of dtype {ids.dtype.name}. Hash strings "
-            "or floats to integers first, e.g. with keras.layers.Hashing or "
-            "tf.strings.to_hash_bucket_fast."
-        )
-    return tf.cast(ids, tf.int64) if ids.dtype != tf.int64 else ids
+    return integer_ids(ids, f"{type(layer).__name__} '{layer.name}'")
 
 
 def _combine_dense(rows, combiner):
@@ -276,11 +270,7 @@ class MultiHashEmbedding(keras.layers.Layer):
             raise ValueError(
                 f"`operation` must be one of {_OPERATIONS}. Received: operation={operation!r}"
             )
-        if combiner is not None and combiner not in _COMBINERS:
-            raise ValueError(
-                f"`combiner` must be None or one of {_COMBINERS}. Received: "
-                f"combiner={combiner!r}"
-            )
+        check_combiner(combiner)
         if not isinstance(hash_input, bool):
             raise TypeError(f"`hash_input` must be a bool. Received: hash_input={hash_input!r}")
         self.complementary_strategy = complementary_strategy

@@ -17,9 +17,9 @@ import tensorflow as tf
 from tensorflow.python.eager import tape as tape_lib
 
 from keras_rec_emb import _ops
+from keras_rec_emb._checks import COMBINERS, integer_ids
 from keras_rec_emb.variables import EmbeddingTable, TableVariable
 
-COMBINERS = ("sum", "mean", "sqrtn")
 
 
 # -- parameters --------------------------------------------------------------
@@ -86,13 +86,7 @@ def _dense_value(variable):
 
 # -- ids ---------------------------------------------------------------------
 def _check_int(values, what):
-    if not values.dtype.is_integer:
-        raise TypeError(
-            f"`{what}` must hold integer ids (int32 or int64). Received dtype "
-            f"{values.dtype.name}. Hash strings or floats first, e.g. with "
-            "keras.layers.Hashing or tf.strings.to_hash_bucket_fast."
-        )
-    return tf.cast(values, tf.int64) if values.dtype != tf.int64 else values
+    return integer_ids(values, f"`{what}`")
 
 
 def _to_ragged(ids, what):

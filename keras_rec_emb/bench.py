@@ -1,0 +1,523 @@
+"""`keras-rec-emb bench`: runs the scripts of `benchmarks/` and writes a report.
+
+Each benchmark script runs its paths side by side in one process and writes
+a JSON file. This module runs them one after another as subprocesses of the
+same Python (each with `--json` into the output directory), collects their
+JSON, and writes `report.md` with the machine, a table of ratios (ours vs
+the stock reference and vs the hardware bound, with the issue's targets),
+PNG plots (matplotlib, Agg backend) and the exact commands used.
+
+The scripts live in a source checkout, not in the installed package: by
+default the `benchmarks` folder next to the `keras_rec_emb` package (an
+editable install of a checkout).
+
+Example (from Python; the CLI is `keras-rec-emb bench [--quick]`):
+
+    from keras_rec_emb import bench
+    path = bench.run("bench-report", quick=True)
+"""
+
+import argparse
+import datetime
+import importlib.util
+import json
+import math
+import os
+import pathlib
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from importlib import metadata
+
+_PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
+DEFAULT_BENCHMARKS_DIR = _PACKAGE_DIR.parent / "benchmarks"
+DEFAULT_OUTPUT_DIR = "bench-report"
+REPORT_NAME = "report.md"
+HEARTBEAT_S = 30
+STDERR_TAIL_LINES = 25
+
+SECTIONS = ("## Machine", "## Results", "## Plots", "## Commands", "## Notes")
+PLOTS = {"lookup": "lookup_vs_table_size.png", "training": "training_steps.png",
+         "group": "group_fused_vs_unfused.png"}
+
+# Table sizes (rows) for the lookup runs, and every script's arguments.
+LOOKUP_ROWS = {"quick": (100_000, 400_000), "full": (100_000, 1_000_000, 10_000_000)}
+ARGS = {
+    "quick": {
+        "lookup": ["--batch", "50000", "--dims", "64", "--threads", "0",
+                   "--reps", "5", "--warmup", "1"],
+        "filters": ["--ids", "200000", "--batch", "20000", "--reps", "3"],
+        "group_embedding": ["--features", "8", "--batch", "1024", "--vocab", "100000",
+                            "--bins", "20000", "--warmup", "2", "--reps", "8"],
+        "training": ["--quick"],
+    },
+    "full": {
+        "lookup": ["--batch", "1000000", "--dims", "64", "--threads", "0"],
+        "filters": [],
+        "group_embedding": [],
+        "training": [],
+        "data": [],
+    },
+}
+QUICK_SKIPPED = {
+    "data": "the Parquet/Kafka benchmark (`data.py`) writes a 2M-row file and starts "
+            "a Kafka broker; run without `--quick` to include it",
+}
+
+
+class BenchError(RuntimeError):
+    """A benchmark run that cannot go on: missing scripts, a failed script."""
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+# -- Running the scripts -----------------------------------------------------------
+
+def find_benchmarks_dir(benchmarks_dir=None):
+    """The folder holding the benchmark scripts, or a BenchError saying where
+    it was looked for and how to point at it."""
+    path = pathlib.Path(benchmarks_dir) if benchmarks_dir else DEFAULT_BENCHMARKS_DIR
+    if not (path / "lookup.py").is_file():
+        where = "given" if benchmarks_dir else (
+            "default: the `benchmarks` folder next to the keras_rec_emb package "
+            f"({_PACKAGE_DIR})")
+        raise BenchError(
+            f"benchmarks directory not found: {path} ({where}). The benchmark scripts "
+            "live in a source checkout of keras-rec-emb, not in the installed package: "
+            "install the checkout in editable mode (`make install`) and run from it, "
+            "or pass --benchmarks-dir /path/to/checkout/benchmarks.")
+    return path.resolve()
+
+
+def _run_script(label, cmd, log_path, cwd):
+    """Runs one benchmark command, streaming its output to `log_path`, with
+    progress on stderr; raises BenchError naming it, with its output's tail."""
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "KERAS_BACKEND": "tensorflow",
+           "MPLBACKEND": "Agg"}
+    start = time.perf_counter()
+    with open(log_path, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=cwd,
+                                env=env)
+        try:
+            while True:
+                try:
+                    rc = proc.wait(timeout=HEARTBEAT_S)
+                    break
+                except subprocess.TimeoutExpired:
+                    log(f"      ... {label} still running ({time.perf_counter() - start:.0f} s)")
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+    elapsed = time.perf_counter() - start
+    if rc != 0:
+        lines = pathlib.Path(log_path).read_text(errors="replace").splitlines()
+        tail = "\n".join("    " + line for line in lines[-STDERR_TAIL_LINES:])
+        raise BenchError(
+            f"benchmark {label!r} failed (exit status {rc}) after {elapsed:.0f} s.\n"
+            f"  command: {shlex.join(cmd)}\n  full output: {log_path}\n"
+            f"  last lines of its output:\n{tail}")
+    return elapsed
+
+
+def _plan(bench_dir, out_dir, quick):
+    """(key, label, script name, argument list, json path) for every run."""
+    mode = "quick" if quick else "full"
+    runs = []
+    for rows in LOOKUP_ROWS[mode]:
+        runs.append((f"lookup_{rows}", f"lookup ({rows:,} rows)", "lookup.py",
+                     ["--rows", str(rows), *ARGS[mode]["lookup"]]))
+    for name in ("filters", "group_embedding", "training", "data"):
+        if name in ARGS[mode]:
+            runs.append((name, name, f"{name}.py", list(ARGS[mode][name])))
+    for _, label, script, _ in runs:
+        if not (bench_dir / script).is_file():
+            raise BenchError(f"benchmark script {script} (for {label}) not found in "
+                             f"{bench_dir}")
+    return [(key, label, script, args, out_dir / f"{key}.json")
+            for key, label, script, args in runs]
+
+
+def _supports_json(script_path):
+    return '"--json"' in script_path.read_text()
+
+
+def _shown(path, cwd):
+    """`path` relative to `cwd` when inside it (for the report's commands)."""
+    path = pathlib.Path(path)
+    try:
+        return str(path.relative_to(cwd))
+    except ValueError:
+        return str(path)
+
+
+def _run_all(bench_dir, out_dir, quick):
+    """Runs every planned script; returns {key: result JSON}, the commands
+    (as shown in the report) and notes."""
+    logs = out_dir / "logs"
+    logs.mkdir(exist_ok=True)
+    plan = _plan(bench_dir, out_dir, quick)
+    cwd = bench_dir.parent
+    results, commands, notes = {}, [], []
+    for i, (key, label, script, args, json_path) in enumerate(plan, 1):
+        script_path = bench_dir / script
+        if _supports_json(script_path):
+            cmd = [sys.executable, str(script_path), *args, "--json", str(json_path)]
+            written = json_path
+        else:
+            # The script writes its JSON next to itself: run a copy in the
+            # output folder so the checkout's file is left alone.
+            work = out_dir / "work"
+            work.mkdir(exist_ok=True)
+            for f in bench_dir.glob("*.py"):
+                shutil.copy(f, work / f.name)
+            cmd = [sys.executable, str(work / script), *args]
+            written = work / f"{script_path.stem}.json"
+            notes.append(f"`{script}` has no `--json` option: a copy of it ran in "
+                         f"`{work}` (so the checkout's `{written.name}` is untouched).")
+        shown = shlex.join(["python", *(_shown(c, cwd) for c in cmd[1:])])
+        commands.append(shown)
+        log(f"[{i}/{len(plan)}] {label}: {shown}")
+        elapsed = _run_script(label, cmd, logs / f"{key}.log", cwd)
+        if written != json_path:
+            shutil.move(str(written), json_path)
+        with open(json_path) as f:
+            results[key] = json.load(f)
+        log(f"      done in {elapsed:.1f} s")
+    return results, commands, notes
+
+
+# -- Turning JSON into table rows ----------------------------------------------------
+
+def _row(bench, comparison, ratio, target=None):
+    """A results-table row: ratio is ours / the other (higher is better for
+    us, except memory, where the comparison says so)."""
+    return {"benchmark": bench, "comparison": comparison, "ratio": float(ratio),
+            "target": target,
+            "status": "-" if target is None else ("met" if ratio >= target else "not met")}
+
+
+def _lookup_rows(results):
+    rows = []
+    for key in sorted((k for k in results if k.startswith("lookup_")),
+                      key=lambda k: int(k.split("_")[1])):
+        data = results[key]
+        targets = data.get("targets", {})
+        n = data["config"]["rows"]
+        for worker in data["workers"]:
+            threads = "all cores" if worker["requested_threads"] == 0 else \
+                f"{worker['requested_threads']} thread(s)"
+            for r in worker["results"]:
+                what = f"`lookup.py`: {n:,} keys, dim {r['dim']}, {threads}"
+                rows.append(_row(what, "lookups/s, ours / `tf.gather` on a dense "
+                                 "variable (hardware bound)", r["ours_vs_dense_gather"],
+                                 targets.get("ours_vs_dense_gather")))
+                rows.append(_row(what, "lookups/s, ours / `MutableHashTable` + gather "
+                                 "(reference)", r["ours_vs_mutable_hash_table"],
+                                 targets.get("ours_vs_mutable_hash_table")))
+    return rows
+
+
+def _filters_rows(data):
+    c = data["config"]
+    what = f"`filters.py`: {c['ids']:,} ids, {data['stream']['singleton_fraction']:.0%} " \
+           "of keys seen once"
+    rows = []
+    for name, label in (("counter", "counter filter"), ("cbf_uint8", "counting Bloom "
+                                                        "filter (uint8)")):
+        r = data["results"][name]
+        rows.append(_row(what, f"lookups/s, {label} / no filter", r["throughput_vs_none"]))
+        rows.append(_row(what, f"memory, {label} / no filter (lower is better)",
+                         r["memory_vs_none"]))
+    return rows
+
+
+def _group_rows(data):
+    c = data["config"]
+    what = (f"`group_embedding.py`: {c['features']} features, batch {c['batch']:,}, "
+            "fwd+bwd")
+    r = data["ratios"]
+    return [_row(what, "speed, fused group / separate lookups (time separate / group)",
+                 r["separate_over_group"], 1.5),
+            _row(what, "speed, fused group / Hashing+Embedding (time keras / group)",
+                 r["keras_hashing_over_group"])]
+
+
+def _training_rows(data):
+    c = data["config"]
+    what = (f"`training.py`: batch {c['batch']:,}, {c['features']} features, "
+            f"Hashing bins {c['bins']:,}")
+    ref = "Hashing+Embedding, `keras.optimizers.Adagrad`"
+    labels = {"ev_adagrad": "EmbeddingVariable + our Adagrad",
+              "ev_adagrad_decay": "EmbeddingVariable + our AdagradDecay",
+              "group_adagrad": "GroupEmbedding + our Adagrad"}
+    targets = data.get("targets", {})
+    rows = []
+    for name, label in labels.items():
+        key = f"{name}_over_hashing_adagrad"
+        if key in data["ratios"]:
+            rows.append(_row(what, f"steps/s, {label} / {ref}", data["ratios"][key],
+                             targets.get(key)))
+    return rows
+
+
+def _data_rows(data):
+    what = f"`data.py`: {data['config']['rows']:,}-row Criteo-like Parquet"
+    rows = [_row(what, "rows/s, ParquetDataset / `pyarrow.parquet.read_table` (bound)",
+                 data["parquet_ratio"]["ours/raw"], 0.8),
+            _row(what, "rows/s, pandas + `from_tensor_slices` / `read_table`",
+                 data["parquet_ratio"]["naive/raw"])]
+    kafka = data.get("kafka_messages_per_s") or {}
+    if kafka.get("per_message"):
+        rows.append(_row(f"`data.py`: Kafka, {data['config']['messages']:,} messages",
+                         "messages/s, KafkaDataset(batch_size) / one message per element",
+                         kafka["batched"] / kafka["per_message"]))
+    return rows
+
+
+def table_rows(results):
+    rows = _lookup_rows(results)
+    for key, fn in (("filters", _filters_rows), ("group_embedding", _group_rows),
+                    ("training", _training_rows), ("data", _data_rows)):
+        if key in results:
+            rows.extend(fn(results[key]))
+    for r in rows:
+        if not math.isfinite(r["ratio"]):
+            raise BenchError(f"{r['benchmark']}: {r['comparison']} is not a number "
+                             f"({r['ratio']})")
+    return rows
+
+
+# -- Plots ---------------------------------------------------------------------------
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise BenchError("`keras-rec-emb bench` draws its plots with matplotlib, which "
+                         "is not installed: pip install matplotlib") from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _human(n):
+    for unit, div in (("M", 10**6), ("k", 10**3)):
+        if n >= div:
+            return f"{n / div:g}{unit}"
+    return str(n)
+
+
+def make_plots(results, out_dir):
+    """Writes the PNGs; returns {plot key: file name}."""
+    plt = _pyplot()
+    made = {}
+
+    lookups = sorted((results[k] for k in results if k.startswith("lookup_")),
+                     key=lambda d: d["config"]["rows"])
+    if lookups:
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        sizes = [d["config"]["rows"] for d in lookups]
+        labels = {"dense_gather": "tf.gather, dense (bound)",
+                  "mutable_hash_table": "MutableHashTable + gather",
+                  "ours": "ours (inference)", "ours_insert": "ours (training, insert)"}
+        worker = lambda d: d["workers"][-1]["results"][-1]  # noqa: E731
+        for path, label in labels.items():
+            ax.plot(sizes, [worker(d)["paths"][path]["lookups_per_s"] / 1e6 for d in lookups],
+                    marker="o", label=label)
+        r = worker(lookups[0])
+        ax.set_xscale("log")
+        ax.set_xticks(sizes, [_human(n) for n in sizes])
+        ax.minorticks_off()
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("keys in the table")
+        ax.set_ylabel("million lookups/s")
+        ax.set_title(f"Lookup throughput vs table size (dim {r['dim']}, batch "
+                     f"{lookups[0]['config']['batch']:,} Zipf ids)")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out_dir / PLOTS["lookup"], dpi=100)
+        plt.close(fig)
+        made["lookup"] = PLOTS["lookup"]
+
+    if "training" in results:
+        d = results["training"]
+        names = list(d["steps_per_s"])
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        bars = ax.bar(names, [d["steps_per_s"][n] for n in names],
+                      color=["tab:gray" if n == "hashing_adagrad" else "tab:blue"
+                             for n in names])
+        ax.bar_label(bars, fmt="%.1f")
+        ax.margins(y=0.12)
+        ax.set_ylabel("training steps/s (model.fit)")
+        c = d["config"]
+        ax.set_title(f"Training: EV vs Hashing+Embedding (batch {c['batch']}, "
+                     f"{c['features']} features)")
+        ax.tick_params(axis="x", labelrotation=15)
+        fig.tight_layout()
+        fig.savefig(out_dir / PLOTS["training"], dpi=100)
+        plt.close(fig)
+        made["training"] = PLOTS["training"]
+
+    if "group_embedding" in results:
+        d = results["group_embedding"]
+        names = list(d["median_s"])
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        bars = ax.bar(names, [1e3 * d["median_s"][n] for n in names],
+                      color=["tab:blue" if n == "group" else "tab:gray" for n in names])
+        ax.bar_label(bars, fmt="%.1f")
+        ax.margins(y=0.12)
+        ax.set_ylabel("ms per forward+backward step (lower is better)")
+        c = d["config"]
+        ax.set_title(f"Fused group vs separate lookups ({c['features']} features, "
+                     f"batch {c['batch']})")
+        fig.tight_layout()
+        fig.savefig(out_dir / PLOTS["group"], dpi=100)
+        plt.close(fig)
+        made["group"] = PLOTS["group"]
+    return made
+
+
+# -- The report ----------------------------------------------------------------------
+
+def _machine(bench_dir):
+    spec = importlib.util.spec_from_file_location("_kre_bench_machine",
+                                                  bench_dir / "_machine.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    info = module.machine_info()
+    for name in ("keras-rec-emb", "matplotlib"):
+        try:
+            info["versions"][name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            info["versions"][name] = "not installed"
+    return info
+
+
+def _fmt_target(t):
+    return "-" if t is None else f">= {t:g}x"
+
+
+def write_report(out_dir, quick, machine, rows, plots, commands, notes, elapsed):
+    mode = "quick (small sizes: for checking the pipeline, not for quoting)" if quick \
+        else "full"
+    lines = [
+        "# keras-rec-emb benchmark report",
+        "",
+        f"Written {datetime.datetime.now().isoformat(timespec='seconds')} by "
+        f"`keras-rec-emb bench{' --quick' if quick else ''}` in {elapsed:.0f} s. "
+        f"Mode: {mode}.",
+        "",
+        "## Machine",
+        "",
+        f"- CPU: {machine['cpu_model']}, {machine['cpu_count']} cores "
+        f"({machine['cpus_available']} available to this process)",
+        f"- Memory: {machine['memory_gib']} GiB",
+        f"- Platform: {machine['platform']}, Python {machine['python']}",
+        "- Versions: " + ", ".join(f"{k} {v}" for k, v in machine["versions"].items()),
+        "",
+        "## Results",
+        "",
+        "Each ratio is ours / the other path, measured side by side in one process "
+        "(higher is better, except memory). Noisy machines move ratios by 10-30%.",
+        "",
+        "| benchmark | comparison | ratio | target | status |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['benchmark']} | {r['comparison']} | {r['ratio']:.2f} | "
+                     f"{_fmt_target(r['target'])} | {r['status']} |")
+    lines += ["", "## Plots", ""]
+    titles = {"lookup": "Lookup throughput vs table size",
+              "training": "Training steps/s: EmbeddingVariable vs Hashing+Embedding",
+              "group": "Fused vs unfused group lookup"}
+    for key, name in plots.items():
+        lines += [f"### {titles[key]}", "", f"![{titles[key]}]({name})", ""]
+    lines += ["## Commands", "",
+              "Run from the repository root (`python` is the interpreter that ran the "
+              f"benchmarks: `{sys.executable}`); JSON results and logs are in this folder.",
+              "", "```sh", *commands, "```", "", "## Notes", ""]
+    if quick:
+        notes = [f"Skipped in quick mode: {why}." for why in QUICK_SKIPPED.values()] + notes
+    notes = notes or ["None."]
+    lines += [f"- {n}" for n in notes] + [""]
+    path = out_dir / REPORT_NAME
+    path.write_text("\n".join(lines))
+    return path
+
+
+def run(output_dir=DEFAULT_OUTPUT_DIR, quick=False, benchmarks_dir=None):
+    """Runs the benchmarks and writes `output_dir/report.md`.
+
+    Args:
+        output_dir: str or path. Folder for report.md, the PNGs, every
+            benchmark's JSON and log. Created if missing. Defaults to
+            `"bench-report"`.
+        quick: bool. Small sizes (about a minute on 2 cores; the data
+            benchmark is skipped). Defaults to `False` (about 10 minutes).
+        benchmarks_dir: `None` or path of the checkout's `benchmarks/`.
+            Defaults to `None`: the folder next to the package.
+
+    Returns:
+        The `pathlib.Path` of report.md.
+
+    Raises:
+        BenchError: the benchmarks folder or a script is missing, or a
+            benchmark failed (its name, command and output's tail).
+    """
+    bench_dir = find_benchmarks_dir(benchmarks_dir)
+    out_dir = pathlib.Path(output_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    log(f"keras-rec-emb bench ({'quick' if quick else 'full'}): scripts in {bench_dir}, "
+        f"report in {out_dir}")
+    results, commands, notes = _run_all(bench_dir, out_dir, quick)
+    rows = table_rows(results)
+    plots = make_plots(results, out_dir)
+    path = write_report(out_dir, quick, _machine(bench_dir), rows, plots, commands,
+                        notes, time.perf_counter() - start)
+    log(f"wrote {path} ({time.perf_counter() - start:.0f} s in all)")
+    return path
+
+
+# -- Command line ----------------------------------------------------------------------
+
+def add_arguments(parser):
+    """Adds `bench`'s options to an argparse parser (or subparser)."""
+    parser.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR,
+                        help="folder for report.md, plots, JSON and logs "
+                             "(default: %(default)s)")
+    parser.add_argument("--quick", action="store_true",
+                        help="small sizes, about a minute; skips the data benchmark")
+    parser.add_argument("--benchmarks-dir", default=None,
+                        help="the checkout's benchmarks/ folder (default: next to the "
+                             "keras_rec_emb package)")
+    return parser
+
+
+def command(args):
+    """Runs `bench` for parsed arguments; returns the exit status (errors go
+    to stderr as one clear message, without a traceback)."""
+    try:
+        path = run(args.output_dir, quick=args.quick, benchmarks_dir=args.benchmarks_dir)
+    except BenchError as e:
+        print(f"keras-rec-emb bench: error: {e}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="keras-rec-emb bench",
+                                     description=__doc__.split("\n")[0])
+    return command(add_arguments(parser).parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
