@@ -151,6 +151,8 @@ def main():
     parser.add_argument("--batch-size", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--messages", type=int, default=200_000)
+    parser.add_argument("--json", default=str(pathlib.Path(__file__).with_name("data.json")),
+                        help="where to write results")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -177,7 +179,7 @@ def main():
     print("Kafka into tf.data batches of 1024 (messages/s):")
     for name, rate in kafka.items():
         print(f"  {name:12s} {rate:12,.0f}")
-    out = pathlib.Path(__file__).with_name("data.json")
+    out = pathlib.Path(args.json)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
 

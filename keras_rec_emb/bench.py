@@ -179,7 +179,10 @@ def _run_all(bench_dir, out_dir, quick):
             written = work / f"{script_path.stem}.json"
             notes.append(f"`{script}` has no `--json` option: a copy of it ran in "
                          f"`{work}` (so the checkout's `{written.name}` is untouched).")
-        shown = shlex.join(["python", *(_shown(c, cwd) for c in cmd[1:])])
+        shown = shlex.join(["python", _shown(script_path, cwd),
+                            *(_shown(c, cwd) for c in cmd[2:])])
+        if written != json_path:
+            shown += f"  # writes {_shown(bench_dir / written.name, cwd)}"
         commands.append(shown)
         log(f"[{i}/{len(plan)}] {label}: {shown}")
         elapsed = _run_script(label, cmd, logs / f"{key}.log", cwd)

@@ -1,6 +1,7 @@
-"""The `keras-rec-emb` command: `demo`, `inspect` and `strip-filtered`.
+"""The `keras-rec-emb` command: `demo`, `bench`, `inspect` and `strip-filtered`.
 
     keras-rec-emb demo [--rows N] [--epochs E] [--output DIR]
+    keras-rec-emb bench [--quick] [--output-dir DIR]
     keras-rec-emb inspect MODEL.keras [--rows K]
     keras-rec-emb strip-filtered IN.keras OUT.keras
 """
@@ -15,6 +16,8 @@ import time
 import zipfile
 
 import numpy as np
+
+from keras_rec_emb import bench as bench_lib  # standard library only
 
 NUM_DENSE = 13
 ID_SPACE = 10**9
@@ -231,6 +234,9 @@ def main(argv=None):
     p.add_argument("--dim", type=_positive_int, default=16, help="embedding dimension")
     p.add_argument("--batch-size", type=_positive_int, default=4096)
     p.add_argument("--output", default="demo-output", help="directory for the saved models")
+    p = sub.add_parser("bench", help="run the benchmarks of benchmarks/ side by side and "
+                                     "write bench-report/report.md (ratios, plots, machine)")
+    bench_lib.add_arguments(p)
     p = sub.add_parser("inspect", help="print the embedding tables of a saved .keras model")
     p.add_argument("model", help="path of a .keras file")
     p.add_argument("--rows", type=int, default=3, help="rows to print per table")
@@ -245,7 +251,8 @@ def main(argv=None):
         parser.error(f"no such model file: {path}")
     if args.command == "strip-filtered" and not args.output.endswith(".keras"):
         parser.error(f"the output must end in .keras, got {args.output}")
-    commands = {"demo": demo, "inspect": inspect, "strip-filtered": strip_filtered}
+    commands = {"demo": demo, "inspect": inspect, "strip-filtered": strip_filtered,
+                "bench": bench_lib.command}
     return commands[args.command](args)
 
 

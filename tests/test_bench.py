@@ -1,0 +1,93 @@
+"""`keras-rec-emb bench`: the report of a quick run, and its errors."""
+
+import argparse
+import re
+
+import pytest
+
+from keras_rec_emb import bench
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def quick_report(tmp_path_factory):
+    """One quick run (about a minute on 2 cores), shared by the checks."""
+    out = tmp_path_factory.mktemp("bench-report")
+    return bench.run(out, quick=True)
+
+
+def _results_table(text):
+    section = text.split("## Results", 1)[1].split("\n## ", 1)[0]
+    lines = [line for line in section.splitlines() if line.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    return header, [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+
+
+def test_report_sections(quick_report):
+    text = quick_report.read_text()
+    assert quick_report.name == "report.md"
+    for section in bench.SECTIONS:
+        assert section + "\n" in text, section
+    assert "cores" in text and "tensorflow-cpu" in text and "keras " in text
+    assert "Skipped in quick mode" in text  # says the data benchmark was skipped
+    commands = text.split("## Commands", 1)[1].split("```sh\n", 1)[1].split("```")[0]
+    for script in ("lookup.py", "filters.py", "group_embedding.py", "training.py"):
+        assert f"python benchmarks/{script} " in commands
+
+
+def test_every_ratio_is_a_number(quick_report):
+    header, rows = _results_table(quick_report.read_text())
+    assert header == ["benchmark", "comparison", "ratio", "target", "status"]
+    benchmarks = {row[0].split(":")[0] for row in rows}
+    assert benchmarks == {"`lookup.py`", "`filters.py`", "`group_embedding.py`",
+                          "`training.py`"}
+    for row in rows:
+        assert len(row) == 5, row
+        ratio = float(row[2])
+        assert ratio > 0, row
+        assert row[4] in ("met", "not met", "-"), row
+        if row[3] != "-":
+            target = float(re.fullmatch(r">= ([0-9.]+)x", row[3]).group(1))
+            assert row[4] == ("met" if ratio >= target else "not met"), row
+    assert any("EmbeddingVariable + our Adagrad / Hashing+Embedding" in row[1]
+               for row in rows)
+
+
+def test_plots_are_png_files(quick_report):
+    text = quick_report.read_text()
+    for name in bench.PLOTS.values():
+        path = quick_report.parent / name
+        assert path.is_file(), name
+        data = path.read_bytes()
+        assert data[:8] == PNG_SIGNATURE and data[12:16] == b"IHDR", name
+        assert f"]({name})" in text
+
+
+def test_benchmarks_dir_not_found(tmp_path):
+    with pytest.raises(bench.BenchError, match="benchmarks directory not found: .*nowhere"
+                       ".*source checkout.*--benchmarks-dir"):
+        bench.run(tmp_path / "out", benchmarks_dir=tmp_path / "nowhere")
+    assert not (tmp_path / "out").exists()
+
+
+def test_failing_benchmark_is_named_with_its_output(tmp_path, capsys):
+    scripts = tmp_path / "benchmarks"
+    scripts.mkdir()
+    (scripts / "lookup.py").write_text(
+        "import sys\nprint('building the table')\n"
+        "print('MemoryError: out of arena', file=sys.stderr)\nsys.exit(3)\n")
+    for name in ("filters", "group_embedding", "training"):
+        (scripts / f"{name}.py").write_text("")
+    with pytest.raises(bench.BenchError) as info:
+        bench.run(tmp_path / "out", quick=True, benchmarks_dir=scripts)
+    message = str(info.value)
+    assert "benchmark 'lookup (100,000 rows)' failed (exit status 3)" in message
+    assert "MemoryError: out of arena" in message and "lookup.py --rows 100000" in message
+
+    args = bench.add_arguments(argparse.ArgumentParser()).parse_args(
+        ["--quick", "--benchmarks-dir", str(tmp_path / "nowhere"),
+         "--output-dir", str(tmp_path / "out2")])
+    assert bench.command(args) == 1
+    assert "keras-rec-emb bench: error: benchmarks directory not found" in \
+        capsys.readouterr().err
