@@ -35,3 +35,14 @@ def ev_option_or_default(ev_option):
             f"None. Received: ev_option={ev_option!r}"
         )
     return ev_option
+
+
+def deserialize_ev_option(config):
+    """A layer config with its serialized `ev_option` turned back into an
+    EmbeddingVariableOption (for `from_config`)."""
+    import keras
+
+    config = dict(config)
+    if isinstance(config.get("ev_option"), dict):
+        config["ev_option"] = keras.saving.deserialize_keras_object(config["ev_option"])
+    return config

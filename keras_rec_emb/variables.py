@@ -22,6 +22,7 @@ import os
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.eager import tape as tape_lib
 
 from keras_rec_emb import _ops
 
@@ -172,8 +173,6 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         is unchanged. A watching gradient tape records the access either way.
         """
         if self._trainable:
-            from tensorflow.python.eager import tape as tape_lib
-
             tape_lib.variable_accessed(self._variable)
         return _ops.lookup(self.handle, keys, self._dim, insert)
 

@@ -486,6 +486,7 @@ void Table<K>::Import(const K* keys, const float* values, const int64_t* freqs,
                       const int64_t* versions, int64_t n, const float* slots,
                       const std::vector<int>& slot_ids,
                       const std::vector<int64_t>& slot_widths) {
+  if (n == 0) return;  // e.g. a promotion step with nothing to copy
   int64_t total_width = 0;
   for (int64_t w : slot_widths) total_width += w;
   std::vector<std::unique_lock<std::shared_mutex>> locks;
@@ -514,7 +515,7 @@ void Table<K>::Import(const K* keys, const float* values, const int64_t* freqs,
 template <typename K>
 void Table<K>::ImportFiltered(const K* keys, const int64_t* freqs, const int64_t* versions,
                               int64_t n) {
-  if (!filtering() || bloom()) return;  // only the counter filter keeps such keys
+  if (n == 0 || !filtering() || bloom()) return;  // only the counter filter keeps such keys
   std::vector<std::unique_lock<std::shared_mutex>> locks;
   for (auto& s : shards_) locks.emplace_back(s->mu);
   for (int64_t i = 0; i < n; ++i) {

@@ -32,7 +32,7 @@ import tensorflow as tf
 
 from keras_rec_emb import _ops
 from keras_rec_emb import options as options_lib
-from keras_rec_emb._checks import check_combiner, ev_option_or_default
+from keras_rec_emb._checks import check_combiner, deserialize_ev_option, ev_option_or_default
 from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
 from keras_rec_emb.layers.multi_hash_embedding import (
     embed_ids,
@@ -323,7 +323,4 @@ class AdaptiveEmbedding(keras.layers.Layer):
 
     @classmethod
     def from_config(cls, config):
-        config = dict(config)
-        if isinstance(config.get("ev_option"), dict):
-            config["ev_option"] = keras.saving.deserialize_keras_object(config["ev_option"])
-        return cls(**config)
+        return cls(**deserialize_ev_option(config))

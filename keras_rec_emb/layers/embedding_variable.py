@@ -4,7 +4,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_rec_emb._checks import check_combiner, ev_option_or_default, integer_ids
+from keras_rec_emb._checks import (check_combiner, deserialize_ev_option, ev_option_or_default,
+                                   integer_ids)
 from keras_rec_emb.variables import EmbeddingTable
 
 _KEY_DTYPES = ("int32", "int64")
@@ -291,7 +292,4 @@ class EmbeddingVariable(keras.layers.Layer):
 
     @classmethod
     def from_config(cls, config):
-        config = dict(config)
-        if isinstance(config.get("ev_option"), dict):
-            config["ev_option"] = keras.saving.deserialize_keras_object(config["ev_option"])
-        return cls(**config)
+        return cls(**deserialize_ev_option(config))
