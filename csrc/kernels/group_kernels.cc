@@ -3,12 +3,16 @@
 // a group, over all their embedding tables and dense matrices, in one
 // forward op and one backward op, each a few passes over the intra-op pool.
 //
-// Forward:  (1) per feature, prune/default the ragged ids;  (2) per table,
-// gather the keys of all its features and group them by shard;  (3) per
-// (table, shard), look the keys up into one row buffer per table;  (4) per
-// (feature, block of rows), clip and combine rows into the outputs.
-// Backward: (1) as above;  (2) per (parameter, hash bucket), sum the row
-// gradients of equal ids;  (3) copy the buckets into the outputs.
+// Forward:  (1) per feature, prune/default the ragged ids;  (2) per
+// parameter, deduplicate the ids of all its features (distinct ids, their
+// counts, each id's index among them: `inverse`) and, for a table, group
+// the distinct keys by shard;  (3) per (table, shard), look up each
+// distinct key once, counted as often as it occurs;  (4) per (feature,
+// block of rows), clip and combine rows into the outputs. The distinct ids
+// and `inverse` are outputs too, for the backward.
+// Backward: (1) as above;  (2) per (parameter, range of distinct ids), sum
+// the row gradients through `inverse` (no hashing, no table access unless a
+// max_norm clip must be differentiated).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -55,6 +59,13 @@ struct GroupConfig {
     TF_RETURN_IF_ERROR(ctx->GetAttr("num_tables", &num_tables));
     TF_RETURN_IF_ERROR(ctx->GetAttr("num_dense", &num_dense));
     TF_RETURN_IF_ERROR(ctx->GetAttr("num_features", &num_features));
+    int given_params;
+    TF_RETURN_IF_ERROR(ctx->GetAttr("num_params", &given_params));
+    if (given_params != num_tables + num_dense) {
+      return errors::InvalidArgument("num_params = ", given_params,
+                                     " must be num_tables + num_dense = ",
+                                     num_tables + num_dense);
+    }
     TF_RETURN_IF_ERROR(ctx->GetAttr("table_key_dtypes", &key_dtypes));
     TF_RETURN_IF_ERROR(ctx->GetAttr("param_dims", &dims));
     std::vector<int64_t> fp;
@@ -118,7 +129,10 @@ struct Feature {
   std::vector<int64_t> splits;  // [batch + 1]
   std::vector<int64_t> ids;
   std::vector<float> weights;
-  int64_t offset = 0;  // position of ids[0] in its table's key buffer
+  // Forward: ids[j] is distinct id inverse[j] of its parameter, and its
+  // rank[j]-th occurrence in the batch (ranks only for filtered tables).
+  int32_t* inverse = nullptr;
+  std::vector<int32_t> rank;
 };
 
 absl::Status BuildFeature(OpKernelContext* ctx, const GroupConfig& cfg, int f,
@@ -158,16 +172,18 @@ absl::Status BuildFeature(OpKernelContext* ctx, const GroupConfig& cfg, int f,
                             : ctx->input(p).dim_size(0);
   out->batch = batch;
   out->splits.resize(batch + 1);
-  out->ids.clear();
-  out->weights.clear();
-  out->ids.reserve(nnz + (def >= 0 ? batch : 0));
-  out->weights.reserve(out->ids.capacity());
+  out->ids.resize(nnz + (def >= 0 ? batch : 0));
+  out->weights.resize(out->ids.size());
+  int64_t* oid = out->ids.data();
+  float* ow = out->weights.data();
+  int64_t n = 0;
   out->splits[0] = 0;
   out->max_len = 0;
   for (int64_t b = 0; b < batch; ++b) {
     if (splits[b + 1] < splits[b]) {
       return errors::InvalidArgument("feature ", f, ": row_splits must be non-decreasing");
     }
+    const int64_t row_begin = n;
     for (int64_t j = splits[b]; j < splits[b + 1]; ++j) {
       const int64_t id = ids[j];
       if (prune && id < 0) continue;
@@ -176,20 +192,24 @@ absl::Status BuildFeature(OpKernelContext* ctx, const GroupConfig& cfg, int f,
                                        " is out of range [0, ", vocab,
                                        ") of its dense embedding matrix");
       }
-      out->ids.push_back(id);
-      out->weights.push_back(w ? w[j] : 1.0f);
+      oid[n] = id;
+      ow[n] = w ? w[j] : 1.0f;
+      ++n;
     }
-    if (static_cast<int64_t>(out->ids.size()) == out->splits[b] && def >= 0) {
+    if (n == row_begin && def >= 0) {
       if (vocab >= 0 && def >= vocab) {
         return errors::InvalidArgument("feature ", f, ": default_id ", def,
                                        " is out of range [0, ", vocab, ")");
       }
-      out->ids.push_back(def);
-      out->weights.push_back(1.0f);
+      oid[n] = def;
+      ow[n] = 1.0f;
+      ++n;
     }
-    out->splits[b + 1] = static_cast<int64_t>(out->ids.size());
-    out->max_len = std::max(out->max_len, out->splits[b + 1] - out->splits[b]);
+    out->splits[b + 1] = n;
+    out->max_len = std::max(out->max_len, n - row_begin);
   }
+  out->ids.resize(n);
+  out->weights.resize(n);
   return absl::OkStatus();
 }
 
@@ -201,30 +221,43 @@ absl::Status BuildFeatures(OpKernelContext* ctx, const GroupConfig& cfg,
     status[f] = BuildFeature(ctx, cfg, static_cast<int>(f), &(*features)[f]);
   }));
   for (const auto& s : status) TF_RETURN_IF_ERROR(s);
-  // Offsets of each feature's ids in its parameter's key buffer.
-  for (int p = 0; p < cfg.num_params(); ++p) {
-    int64_t off = 0;
-    for (int f : cfg.features_of[p]) {
-      (*features)[f].offset = off;
-      off += static_cast<int64_t>((*features)[f].ids.size());
-    }
-  }
   return absl::OkStatus();
 }
 
-// A table of either key dtype, with the rows its features read.
+// A table of either key dtype.
 struct TableSlot {
   tf::core::RefCountPtr<TableResource<int64_t>> t64;
   tf::core::RefCountPtr<TableResource<int32_t>> t32;
-  int64_t dim() const { return t64 ? t64->table().dim() : t32->table().dim(); }
   int num_shards() const {
     return t64 ? t64->table().num_shards() : t32->table().num_shards();
   }
+  bool filtered() const {
+    return t64 ? t64->table().filtering() || t64->table().bloom()
+               : t32->table().filtering() || t32->table().bloom();
+  }
+  const float* NoPermissionRow() const {
+    return t64 ? t64->table().NoPermissionRow() : t32->table().NoPermissionRow();
+  }
+  uint64_t Hash(int64_t id) const {
+    return t64 ? kv::Table<int64_t>::Hash(id)
+               : kv::Table<int32_t>::Hash(static_cast<int32_t>(id));
+  }
+};
+
+// The distinct ids one parameter is read with, and for a table their rows.
+struct ParamIds {
+  std::vector<int64_t> uniq;     // distinct ids (table keys in the key dtype)
+  std::vector<uint64_t> hashes;  // their hashes
+  std::vector<int32_t> counts;   // occurrences in the batch
+  // Tables: the distinct keys grouped by shard (positions into uniq), their
+  // rows [U, dim] and how many leading occurrences read no_permission_value.
   std::vector<int64_t> keys64;
   std::vector<int32_t> keys32;
-  kv::Partitioned<int64_t> part64;
-  kv::Partitioned<int32_t> part32;
-  std::vector<float> rows;  // [n, dim]
+  std::vector<uint64_t> part_hashes;
+  std::vector<int64_t> order;
+  std::vector<int64_t> offsets;
+  std::vector<float> rows;
+  std::vector<int32_t> skips;
 };
 
 absl::Status ResolveTables(OpKernelContext* ctx, const GroupConfig& cfg,
@@ -271,76 +304,158 @@ absl::Status CheckDense(OpKernelContext* ctx, const GroupConfig& cfg) {
   return absl::OkStatus();
 }
 
-template <typename K>
-void GatherAndPartition(const GroupConfig& cfg, int t, const std::vector<Feature>& features,
-                        const kv::Table<K>& table, std::vector<K>* keys,
-                        kv::Partitioned<K>* part) {
+// Deduplicates the ids of parameter p's features into *out, writing each
+// feature's inverse (and ranks, when wanted); `hash` maps an id to its key's
+// hash, `key` to the key as the table stores it.
+template <typename HashFn, typename KeyFn>
+void Dedupe(const GroupConfig& cfg, int p, std::vector<Feature>* features, bool ranks,
+            HashFn&& hash, KeyFn&& key, ParamIds* out) {
   int64_t n = 0;
-  for (int f : cfg.features_of[t]) n += static_cast<int64_t>(features[f].ids.size());
+  for (int f : cfg.features_of[p]) n += static_cast<int64_t>((*features)[f].ids.size());
+  uint64_t cap = 16;
+  while (cap < 2 * static_cast<uint64_t>(n)) cap <<= 1;
+  const uint64_t mask = cap - 1;
+  std::vector<int32_t> slot(cap, -1);
+  out->uniq.clear();
+  out->hashes.clear();
+  out->counts.clear();
+  out->uniq.reserve(n);
+  out->hashes.reserve(n);
+  out->counts.reserve(n);
+  for (int f : cfg.features_of[p]) {
+    Feature& ft = (*features)[f];
+    const int64_t m = static_cast<int64_t>(ft.ids.size());
+    if (ranks) ft.rank.resize(m);
+    for (int64_t j = 0; j < m; ++j) {
+      const int64_t k = key(ft.ids[j]);
+      const uint64_t h = hash(k);
+      uint64_t i = (h ^ (h >> 29)) & mask;
+      int32_t u;
+      while (true) {
+        u = slot[i];
+        if (u < 0) {
+          u = static_cast<int32_t>(out->uniq.size());
+          slot[i] = u;
+          out->uniq.push_back(k);
+          out->hashes.push_back(h);
+          out->counts.push_back(0);
+          break;
+        }
+        if (out->uniq[u] == k) break;
+        i = (i + 1) & mask;
+      }
+      ft.inverse[j] = u;
+      if (ranks) ft.rank[j] = out->counts[u];
+      ++out->counts[u];
+    }
+  }
+}
+
+// Groups a table's distinct keys by shard (a counting sort on their hashes).
+template <typename K>
+void PartitionDistinct(const kv::Table<K>& table, ParamIds* ids, std::vector<K>* keys) {
+  const int shards = table.num_shards();
+  const int64_t n = static_cast<int64_t>(ids->uniq.size());
+  ids->offsets.assign(shards + 1, 0);
+  for (int64_t u = 0; u < n; ++u) ++ids->offsets[table.ShardOf(ids->hashes[u]) + 1];
+  for (int s = 0; s < shards; ++s) ids->offsets[s + 1] += ids->offsets[s];
+  std::vector<int64_t> next(ids->offsets.begin(), ids->offsets.end() - 1);
   keys->resize(n);
-  for (int f : cfg.features_of[t]) {
-    const Feature& ft = features[f];
-    for (size_t j = 0; j < ft.ids.size(); ++j) {
-      (*keys)[ft.offset + j] = static_cast<K>(ft.ids[j]);
-    }
+  ids->part_hashes.resize(n);
+  ids->order.resize(n);
+  for (int64_t u = 0; u < n; ++u) {
+    const int64_t j = next[table.ShardOf(ids->hashes[u])]++;
+    (*keys)[j] = static_cast<K>(ids->uniq[u]);
+    ids->part_hashes[j] = ids->hashes[u];
+    ids->order[j] = u;
   }
-  *part = kv::Partition(table, keys->data(), n, 1, [](int num_blocks, auto&& fn) {
-    for (int b = 0; b < num_blocks; ++b) fn(b);
-  });
 }
 
-// Reads the rows of every table key of every feature into tables[t].rows.
-absl::Status LookupTables(OpKernelContext* ctx, const GroupConfig& cfg,
-                          const std::vector<Feature>& features,
-                          std::vector<TableSlot>* tables, bool insert,
-                          const std::vector<bool>& wanted) {
-  std::vector<int> todo;
-  for (int t = 0; t < cfg.num_tables; ++t) {
-    if (wanted[t]) todo.push_back(t);
-  }
-  if (todo.empty()) return absl::OkStatus();
-  TF_RETURN_IF_ERROR(ParallelFor(ctx, static_cast<int64_t>(todo.size()), 20000, [&](int64_t i) {
-    TableSlot& s = (*tables)[todo[i]];
-    if (s.t64) {
-      GatherAndPartition(cfg, todo[i], features, s.t64->table(), &s.keys64, &s.part64);
-      s.rows.resize(s.keys64.size() * s.dim());
-    } else {
-      GatherAndPartition(cfg, todo[i], features, s.t32->table(), &s.keys32, &s.part32);
-      s.rows.resize(s.keys32.size() * s.dim());
-    }
-  }));
-  // One unit per (table, shard).
-  std::vector<std::pair<int, int>> units;
-  for (int t : todo) {
-    for (int sh = 0; sh < (*tables)[t].num_shards(); ++sh) units.emplace_back(t, sh);
-  }
+// Deduplicates every parameter's ids (one unit per parameter), and groups
+// the distinct keys of each table by shard.
+absl::Status DedupeParams(OpKernelContext* ctx, const GroupConfig& cfg,
+                          const std::vector<TableSlot>& tables,
+                          std::vector<Feature>* features, std::vector<ParamIds>* params) {
+  params->assign(cfg.num_params(), ParamIds());
   int64_t total = 0;
-  for (int t : todo) total += static_cast<int64_t>((*tables)[t].rows.size());
-  const int64_t cost = 40 * (total / std::max<int64_t>(1, units.size()) + 1);
-  return ParallelFor(ctx, static_cast<int64_t>(units.size()), cost, [&](int64_t u) {
-    TableSlot& s = (*tables)[units[u].first];
-    const int sh = units[u].second;
-    if (s.t64) {
-      const auto& p = s.part64;
-      const int64_t b = p.offsets[sh];
-      s.t64->table().Lookup(sh, p.keys.data() + b, p.hashes.data() + b, p.order.data() + b,
-                            p.offsets[sh + 1] - b, insert, s.rows.data());
+  for (const Feature& ft : *features) total += static_cast<int64_t>(ft.ids.size());
+  const int64_t cost = 30 * (total / std::max(1, cfg.num_params()) + 1);
+  return ParallelFor(ctx, cfg.num_params(), cost, [&](int64_t p64) {
+    const int p = static_cast<int>(p64);
+    ParamIds& ids = (*params)[p];
+    if (!cfg.is_table(p)) {
+      Dedupe(cfg, p, features, false,
+             [](int64_t k) { return kv::HashKey(static_cast<uint64_t>(k)); },
+             [](int64_t id) { return id; }, &ids);
+      return;
+    }
+    const TableSlot& t = tables[p];
+    if (t.t64) {
+      Dedupe(cfg, p, features, t.filtered(),
+             [](int64_t k) { return kv::Table<int64_t>::Hash(k); },
+             [](int64_t id) { return id; }, &ids);
+      PartitionDistinct(t.t64->table(), &ids, &ids.keys64);
     } else {
-      const auto& p = s.part32;
-      const int64_t b = p.offsets[sh];
-      s.t32->table().Lookup(sh, p.keys.data() + b, p.hashes.data() + b, p.order.data() + b,
-                            p.offsets[sh + 1] - b, insert, s.rows.data());
+      Dedupe(cfg, p, features, t.filtered(),
+             [](int64_t k) { return kv::Table<int32_t>::Hash(static_cast<int32_t>(k)); },
+             [](int64_t id) { return static_cast<int64_t>(static_cast<int32_t>(id)); },
+             &ids);
+      PartitionDistinct(t.t32->table(), &ids, &ids.keys32);
     }
   });
 }
 
-// The row of entry j of feature f.
+// Reads the row of every distinct key of the wanted tables into rows, one
+// unit per (table, shard); with `insert` (training) each key counts as
+// often as it occurs.
+absl::Status LookupDistinct(OpKernelContext* ctx, const GroupConfig& cfg,
+                            const std::vector<TableSlot>& tables,
+                            std::vector<ParamIds>* params, bool insert,
+                            const std::vector<bool>& wanted) {
+  std::vector<std::pair<int, int>> units;
+  int64_t total = 0;
+  for (int t = 0; t < cfg.num_tables; ++t) {
+    if (!wanted[t]) continue;
+    ParamIds& ids = (*params)[t];
+    ids.rows.resize(ids.uniq.size() * cfg.dims[t]);
+    ids.skips.assign(ids.uniq.size(), 0);
+    total += static_cast<int64_t>(ids.uniq.size());
+    for (int sh = 0; sh < tables[t].num_shards(); ++sh) units.emplace_back(t, sh);
+  }
+  if (units.empty()) return absl::OkStatus();
+  const int64_t cost = 60 * (total / static_cast<int64_t>(units.size()) + 1);
+  return ParallelFor(ctx, static_cast<int64_t>(units.size()), cost, [&](int64_t i) {
+    const int t = units[i].first;
+    const int sh = units[i].second;
+    ParamIds& ids = (*params)[t];
+    const int64_t b = ids.offsets[sh];
+    const int64_t n = ids.offsets[sh + 1] - b;
+    if (n == 0) return;
+    if (tables[t].t64) {
+      tables[t].t64->table().LookupCounted(sh, ids.keys64.data() + b,
+                                           ids.part_hashes.data() + b, ids.order.data() + b,
+                                           ids.counts.data(), n, insert, ids.rows.data(),
+                                           ids.skips.data());
+    } else {
+      tables[t].t32->table().LookupCounted(sh, ids.keys32.data() + b,
+                                           ids.part_hashes.data() + b, ids.order.data() + b,
+                                           ids.counts.data(), n, insert, ids.rows.data(),
+                                           ids.skips.data());
+    }
+  });
+}
+
+// The row that entry j of feature f reads (parameter p).
 inline const float* RowOf(OpKernelContext* ctx, const GroupConfig& cfg,
-                          const std::vector<TableSlot>& tables, const Feature& ft, int p,
+                          const std::vector<TableSlot>& tables,
+                          const std::vector<ParamIds>& params, const Feature& ft, int p,
                           int64_t j) {
   const int64_t dim = cfg.dims[p];
-  if (cfg.is_table(p)) return tables[p].rows.data() + (ft.offset + j) * dim;
-  return ctx->input(p).flat<float>().data() + ft.ids[j] * dim;
+  if (!cfg.is_table(p)) return ctx->input(p).flat<float>().data() + ft.ids[j] * dim;
+  const ParamIds& ids = params[p];
+  const int32_t u = ft.inverse[j];
+  if (!ft.rank.empty() && ft.rank[j] < ids.skips[u]) return tables[p].NoPermissionRow();
+  return ids.rows.data() + static_cast<int64_t>(u) * dim;
 }
 
 inline float ClipScale(const float* row, int64_t dim, float max_norm, float* norm_out) {
@@ -385,15 +500,33 @@ class GroupLookupOp : public OpKernel {
 
   void Compute(OpKernelContext* ctx) override {
     const GroupConfig& cfg = cfg_;
+    const int F = cfg.num_features;
+    const int P = cfg.num_params();
     OP_REQUIRES_OK(ctx, CheckDense(ctx, cfg));
     std::vector<TableSlot> tables;
     OP_REQUIRES_OK(ctx, ResolveTables(ctx, cfg, &tables));
     std::vector<Feature> features;
     OP_REQUIRES_OK(ctx, BuildFeatures(ctx, cfg, &features));
-    OP_REQUIRES_OK(ctx, LookupTables(ctx, cfg, features, &tables, insert_,
-                                     std::vector<bool>(cfg.num_tables, true)));
-    std::vector<float*> outs(cfg.num_features);
-    for (int f = 0; f < cfg.num_features; ++f) {
+    for (int f = 0; f < F; ++f) {
+      Tensor* inv;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                              F + P + f, TensorShape({static_cast<int64_t>(features[f].ids.size())}),
+                              &inv));
+      features[f].inverse = inv->flat<int32_t>().data();
+    }
+    std::vector<ParamIds> params;
+    OP_REQUIRES_OK(ctx, DedupeParams(ctx, cfg, tables, &features, &params));
+    OP_REQUIRES_OK(ctx, LookupDistinct(ctx, cfg, tables, &params, insert_,
+                                       std::vector<bool>(cfg.num_tables, true)));
+    for (int p = 0; p < P; ++p) {
+      Tensor* u;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                              F + p, TensorShape({static_cast<int64_t>(params[p].uniq.size())}),
+                              &u));
+      std::copy(params[p].uniq.begin(), params[p].uniq.end(), u->flat<int64_t>().data());
+    }
+    std::vector<float*> outs(F);
+    for (int f = 0; f < F; ++f) {
       const int64_t dim = cfg.dims[cfg.feature_param[f]];
       TensorShape shape = cfg.sequence[f]
                               ? TensorShape({features[f].batch, features[f].max_len, dim})
@@ -416,7 +549,7 @@ class GroupLookupOp : public OpKernel {
           float* o = outs[f] + b * ft.max_len * dim;
           std::fill(o, o + ft.max_len * dim, 0.0f);
           for (int64_t j = ft.splits[b]; j < ft.splits[b + 1]; ++j, o += dim) {
-            const float* row = RowOf(ctx, cfg, tables, ft, p, j);
+            const float* row = RowOf(ctx, cfg, tables, params, ft, p, j);
             float norm;
             const float s = ft.weights[j] * ClipScale(row, dim, max_norm, &norm);
             for (int64_t d = 0; d < dim; ++d) o[d] = s * row[d];
@@ -426,7 +559,7 @@ class GroupLookupOp : public OpKernel {
         float* o = outs[f] + b * dim;
         std::fill(o, o + dim, 0.0f);
         for (int64_t j = ft.splits[b]; j < ft.splits[b + 1]; ++j) {
-          const float* row = RowOf(ctx, cfg, tables, ft, p, j);
+          const float* row = RowOf(ctx, cfg, tables, params, ft, p, j);
           float norm;
           const float s = ft.weights[j] * ClipScale(row, dim, max_norm, &norm);
           for (int64_t d = 0; d < dim; ++d) o[d] += s * row[d];
@@ -446,13 +579,6 @@ class GroupLookupOp : public OpKernel {
 
 REGISTER_KERNEL_BUILDER(Name("KRE>GroupLookup").Device(tf::DEVICE_CPU), GroupLookupOp);
 
-// Distinct ids of one (parameter, hash bucket) with their summed gradients.
-struct Bucket {
-  std::vector<int64_t> ids;
-  std::vector<float> grads;
-  int64_t out_offset = 0;
-};
-
 class GroupLookupGradOp : public OpKernel {
  public:
   explicit GroupLookupGradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -462,17 +588,40 @@ class GroupLookupGradOp : public OpKernel {
   void Compute(OpKernelContext* ctx) override {
     const GroupConfig& cfg = cfg_;
     const int P = cfg.num_params();
+    const int F = cfg.num_features;
     OP_REQUIRES_OK(ctx, CheckDense(ctx, cfg));
     std::vector<TableSlot> tables;
     OP_REQUIRES_OK(ctx, ResolveTables(ctx, cfg, &tables));
     std::vector<Feature> features;
     OP_REQUIRES_OK(ctx, BuildFeatures(ctx, cfg, &features));
-    const int grads0 = P + 3 * cfg.num_features;
-    std::vector<const float*> grads(cfg.num_features);
-    for (int f = 0; f < cfg.num_features; ++f) {
+    const int uniq0 = P + 3 * F, inverse0 = uniq0 + P, grads0 = inverse0 + F;
+    std::vector<ParamIds> params(P);
+    for (int p = 0; p < P; ++p) {
+      const Tensor& u = ctx->input(uniq0 + p);
+      OP_REQUIRES(ctx, u.dims() == 1,
+                  errors::InvalidArgument("unique_ids[", p, "] must be 1-D, got ",
+                                          u.shape().DebugString()));
+      const int64_t* d = u.flat<int64_t>().data();
+      params[p].uniq.assign(d, d + u.dim_size(0));
+    }
+    std::vector<const float*> grads(F);
+    for (int f = 0; f < F; ++f) {
+      Feature& ft = features[f];
+      const int p = cfg.feature_param[f];
+      const Tensor& inv = ctx->input(inverse0 + f);
+      OP_REQUIRES(ctx, inv.dims() == 1 && inv.dim_size(0) == static_cast<int64_t>(ft.ids.size()),
+                  errors::InvalidArgument("inverse[", f, "] must be [", ft.ids.size(),
+                                          "] (one entry per looked-up id), got ",
+                                          inv.shape().DebugString()));
+      ft.inverse = const_cast<int32_t*>(inv.flat<int32_t>().data());
+      const int64_t num_uniq = static_cast<int64_t>(params[p].uniq.size());
+      for (size_t j = 0; j < ft.ids.size(); ++j) {
+        OP_REQUIRES(ctx, ft.inverse[j] >= 0 && ft.inverse[j] < num_uniq,
+                    errors::InvalidArgument("inverse[", f, "][", j, "] = ", ft.inverse[j],
+                                            " is not in [0, ", num_uniq, ")"));
+      }
       const Tensor& g = ctx->input(grads0 + f);
-      const int64_t dim = cfg.dims[cfg.feature_param[f]];
-      const Feature& ft = features[f];
+      const int64_t dim = cfg.dims[p];
       const TensorShape want = cfg.sequence[f] ? TensorShape({ft.batch, ft.max_len, dim})
                                                : TensorShape({ft.batch, dim});
       OP_REQUIRES(ctx, g.shape() == want,
@@ -483,67 +632,65 @@ class GroupLookupGradOp : public OpKernel {
     }
     // Rows are needed only to differentiate the max_norm clip.
     std::vector<bool> wanted(cfg.num_tables, false);
-    for (int f = 0; f < cfg.num_features; ++f) {
+    for (int f = 0; f < F; ++f) {
       const int p = cfg.feature_param[f];
       if (cfg.is_table(p) && cfg.max_norms[f] > 0) wanted[p] = true;
     }
-    OP_REQUIRES_OK(ctx, LookupTables(ctx, cfg, features, &tables, false, wanted));
-
-    // Units: (parameter, bucket) with the ids of bucket b having hash % n == b.
-    const int threads = ctx->device()->tensorflow_cpu_worker_threads()->num_threads;
-    std::vector<int> num_buckets(P), first_unit(P + 1, 0);
-    for (int p = 0; p < P; ++p) {
-      int64_t n = 0;
-      for (int f : cfg.features_of[p]) n += static_cast<int64_t>(features[f].ids.size());
-      num_buckets[p] = static_cast<int>(
-          std::max<int64_t>(1, std::min<int64_t>(4 * threads, n / 8192)));
-      first_unit[p + 1] = first_unit[p] + num_buckets[p];
+    for (int t = 0; t < cfg.num_tables; ++t) {
+      if (!wanted[t]) continue;
+      ParamIds& ids = params[t];
+      ids.hashes.resize(ids.uniq.size());
+      for (size_t u = 0; u < ids.uniq.size(); ++u) ids.hashes[u] = tables[t].Hash(ids.uniq[u]);
+      if (tables[t].t64) {
+        PartitionDistinct(tables[t].t64->table(), &ids, &ids.keys64);
+      } else {
+        PartitionDistinct(tables[t].t32->table(), &ids, &ids.keys32);
+      }
+      ids.counts.assign(ids.uniq.size(), 1);
     }
-    std::vector<Bucket> buckets(first_unit[P]);
+    OP_REQUIRES_OK(ctx, LookupDistinct(ctx, cfg, tables, &params, false, wanted));
+
+    // Units: (parameter, range of distinct ids); a unit scans all ids of
+    // its parameter and sums those in its range, so no two units write the
+    // same row.
+    const int threads = ctx->device()->tensorflow_cpu_worker_threads()->num_threads;
+    std::vector<int> num_ranges(P), first_unit(P + 1, 0);
+    std::vector<float*> outs(P);
+    for (int p = 0; p < P; ++p) {
+      const int64_t num_uniq = static_cast<int64_t>(params[p].uniq.size());
+      Tensor* out;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(p, TensorShape({num_uniq, cfg.dims[p]}), &out));
+      outs[p] = out->flat<float>().data();
+      std::fill(outs[p], outs[p] + num_uniq * cfg.dims[p], 0.0f);
+      num_ranges[p] = static_cast<int>(
+          std::max<int64_t>(1, std::min<int64_t>(threads, num_uniq / 16384)));
+      first_unit[p + 1] = first_unit[p] + num_ranges[p];
+    }
     std::vector<int> unit_param(first_unit[P]);
     for (int p = 0; p < P; ++p) {
       for (int u = first_unit[p]; u < first_unit[p + 1]; ++u) unit_param[u] = p;
     }
-    OP_REQUIRES_OK(ctx, ParallelFor(ctx, first_unit[P], 100000, [&](int64_t u) {
-      const int p = unit_param[u];
-      const int nb = num_buckets[p];
-      const int bucket = static_cast<int>(u - first_unit[p]);
-      Accumulate(ctx, cfg, tables, features, grads, p, nb, bucket, &buckets[u]);
+    int64_t total = 0;
+    for (const Feature& ft : features) total += static_cast<int64_t>(ft.ids.size());
+    const int64_t cost = 20 * (total / std::max(1, first_unit[P]) + 1);
+    OP_REQUIRES_OK(ctx, ParallelFor(ctx, first_unit[P], cost, [&](int64_t unit) {
+      const int p = unit_param[unit];
+      const int64_t num_uniq = static_cast<int64_t>(params[p].uniq.size());
+      const int r = static_cast<int>(unit - first_unit[p]);
+      const int64_t lo = num_uniq * r / num_ranges[p];
+      const int64_t hi = num_uniq * (r + 1) / num_ranges[p];
+      Accumulate(ctx, cfg, tables, params, features, grads, p, lo, hi, outs[p]);
     }));
-    for (int p = 0; p < P; ++p) {
-      int64_t n = 0;
-      for (int u = first_unit[p]; u < first_unit[p + 1]; ++u) {
-        buckets[u].out_offset = n;
-        n += static_cast<int64_t>(buckets[u].ids.size());
-      }
-      Tensor *ids_out, *grads_out;
-      OP_REQUIRES_OK(ctx, ctx->allocate_output(p, TensorShape({n}), &ids_out));
-      OP_REQUIRES_OK(ctx,
-                     ctx->allocate_output(P + p, TensorShape({n, cfg.dims[p]}), &grads_out));
-      int64_t* io = ids_out->flat<int64_t>().data();
-      float* go = grads_out->flat<float>().data();
-      for (int u = first_unit[p]; u < first_unit[p + 1]; ++u) {
-        const Bucket& bk = buckets[u];
-        if (bk.ids.empty()) continue;
-        std::memcpy(io + bk.out_offset, bk.ids.data(), bk.ids.size() * sizeof(int64_t));
-        std::memcpy(go + bk.out_offset * cfg.dims[p], bk.grads.data(),
-                    bk.grads.size() * sizeof(float));
-      }
-    }
   }
 
  private:
   static void Accumulate(OpKernelContext* ctx, const GroupConfig& cfg,
                          const std::vector<TableSlot>& tables,
+                         const std::vector<ParamIds>& params,
                          const std::vector<Feature>& features,
-                         const std::vector<const float*>& grads, int p, int nb, int bucket,
-                         Bucket* out) {
+                         const std::vector<const float*>& grads, int p, int64_t lo,
+                         int64_t hi, float* out) {
     const int64_t dim = cfg.dims[p];
-    int64_t n = 0;
-    for (int f : cfg.features_of[p]) n += static_cast<int64_t>(features[f].ids.size());
-    uint64_t cap = 16;
-    while (cap < 2 * static_cast<uint64_t>(n / nb + 1)) cap <<= 1;
-    std::vector<int64_t> slot(cap, -1);  // position in out->ids
     std::vector<float> g(dim);
     for (int f : cfg.features_of[p]) {
       const Feature& ft = features[f];
@@ -551,46 +698,33 @@ class GroupLookupGradOp : public OpKernel {
       for (int64_t b = 0; b < ft.batch; ++b) {
         const int64_t begin = ft.splits[b], end = ft.splits[b + 1];
         if (begin == end) continue;
-        const float c = cfg.sequence[f] ? 1.0f : CombinerScale(ft, cfg.combiners[f], b);
+        float c = -1.0f;  // computed on first use
         for (int64_t j = begin; j < end; ++j) {
-          const int64_t id = ft.ids[j];
-          const uint64_t h = kv::HashKey(static_cast<uint64_t>(id));
-          if (nb > 1 && static_cast<int>(h % nb) != bucket) continue;
+          const int64_t u = ft.inverse[j];
+          if (u < lo || u >= hi) continue;
+          if (c < 0) c = cfg.sequence[f] ? 1.0f : CombinerScale(ft, cfg.combiners[f], b);
           const float* dout = cfg.sequence[f] ? grads[f] + (b * ft.max_len + (j - begin)) * dim
                                               : grads[f] + b * dim;
           const float s = c * ft.weights[j];
+          float* acc = out + u * dim;
+          if (max_norm <= 0) {
+            for (int64_t d = 0; d < dim; ++d) acc[d] += s * dout[d];
+            continue;
+          }
           for (int64_t d = 0; d < dim; ++d) g[d] = s * dout[d];
-          if (max_norm > 0) {
-            // d/dx of x * m / max(|x|, m): (m/|x|)(g - x (x.g) / |x|^2).
-            const float* x = RowOf(ctx, cfg, tables, ft, p, j);
-            float norm = 0;
-            if (ClipScale(x, dim, max_norm, &norm) < 1.0f) {
-              float xg = 0;
-              for (int64_t d = 0; d < dim; ++d) xg += x[d] * g[d];
-              const float k = xg / (norm * norm);
-              const float r = max_norm / norm;
-              for (int64_t d = 0; d < dim; ++d) g[d] = r * (g[d] - x[d] * k);
-            }
+          // d/dx of x * m / max(|x|, m): (m/|x|)(g - x (x.g) / |x|^2).
+          const float* x = cfg.is_table(p)
+                               ? params[p].rows.data() + u * dim
+                               : ctx->input(p).flat<float>().data() + ft.ids[j] * dim;
+          float norm = 0;
+          if (ClipScale(x, dim, max_norm, &norm) < 1.0f) {
+            float xg = 0;
+            for (int64_t d = 0; d < dim; ++d) xg += x[d] * g[d];
+            const float k = xg / (norm * norm);
+            const float rr = max_norm / norm;
+            for (int64_t d = 0; d < dim; ++d) g[d] = rr * (g[d] - x[d] * k);
           }
-          if (2 * (out->ids.size() + 1) > cap) {  // grow: keep load <= 1/2
-            cap <<= 1;
-            slot.assign(cap, -1);
-            for (size_t r = 0; r < out->ids.size(); ++r) {
-              uint64_t k = (kv::HashKey(static_cast<uint64_t>(out->ids[r])) >> 7) & (cap - 1);
-              while (slot[k] >= 0) k = (k + 1) & (cap - 1);
-              slot[k] = static_cast<int64_t>(r);
-            }
-          }
-          uint64_t i = (h >> 7) & (cap - 1);
-          while (slot[i] >= 0 && out->ids[slot[i]] != id) i = (i + 1) & (cap - 1);
-          if (slot[i] < 0) {
-            slot[i] = static_cast<int64_t>(out->ids.size());
-            out->ids.push_back(id);
-            out->grads.insert(out->grads.end(), g.begin(), g.end());
-          } else {
-            float* acc = out->grads.data() + slot[i] * dim;
-            for (int64_t d = 0; d < dim; ++d) acc[d] += g[d];
-          }
+          for (int64_t d = 0; d < dim; ++d) acc[d] += g[d];
         }
       }
     }

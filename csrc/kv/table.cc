@@ -260,7 +260,9 @@ uint64_t Table<K>::BloomSlot(uint64_t h, int k) const {
   // shard, so they are constant within one), reduced to the shard's range
   // by a multiply.
   const uint64_t base = HashKey(h ^ 0x9e3779b97f4a7c15ULL);
-  const uint64_t step = HashKey(h) | 1;
+  // (Not HashKey(h): for h = 0 that is 0, a step of 1 that the multiply
+  // maps every position onto one counter.)
+  const uint64_t step = HashKey(h ^ 0x632be59bd9b4e019ULL) | 1;
   return Reduce(base + static_cast<uint64_t>(k) * step, bloom_per_shard_);
 }
 
@@ -369,41 +371,65 @@ inline void PrefetchRow(const float* row, int64_t dim) {
 
 template <typename K>
 const float* Table<K>::Resolve(Shard& s, K key, uint64_t h, bool insert, int64_t now,
-                               int64_t* admitted) {
+                               int64_t count, int64_t* admitted, int64_t* skip) {
+  // `count` occurrences of the key at once, with the result the last of
+  // them would get one at a time; *skip is how many leading occurrences
+  // read no_permission_value before the key was admitted in this call.
+  *skip = 0;
+  const int64_t threshold = options_.filter_freq;
   const int64_t idx = FindIndex(s, key, h);
   if (idx >= 0) {
     Entry& e = s.entries[idx];
     int64_t* m = Meta(s, e);
-    if (insert && m) ++m[kFreq];
+    int64_t before = 0;
+    if (insert && m) {
+      before = m[kFreq];
+      m[kFreq] += count;
+    }
     if (e.row != kNoRow) return s.values.Row(e.row);
     // Counted by the counter filter, not admitted yet.
     if (!insert) return no_permission_row_.data();
     m[kVersion] = now;  // last seen
-    if (m[kFreq] < options_.filter_freq) return no_permission_row_.data();
+    if (m[kFreq] < threshold) return no_permission_row_.data();
     ++*admitted;
+    *skip = std::max<int64_t>(0, threshold - before - 1);
     return s.values.Row(Admit(s, static_cast<uint64_t>(idx)));
   }
   if (!insert) return filtering() || bloom() ? no_permission_row_.data() : DefaultRow(key);
-  int64_t count = 1;
+  int64_t freq = count;
+  int64_t first = 1;  // the occurrence that is admitted
   if (bloom()) {
-    count = static_cast<int64_t>(std::min<uint64_t>(BloomAdd(s, h), INT64_MAX));
-    if (count < options_.filter_freq) return no_permission_row_.data();
+    // One sighting at a time (k positions may share a counter, so the
+    // estimate need not grow by exactly 1 per sighting); once admitted, the
+    // remaining occurrences find the key in the index and add nothing.
+    first = 0;
+    while (first < count) {
+      ++first;
+      freq = static_cast<int64_t>(std::min<uint64_t>(BloomAdd(s, h), INT64_MAX));
+      if (freq >= threshold) break;
+    }
+    if (freq < threshold) return no_permission_row_.data();
+    freq += count - first;
+  } else if (filtering()) {
+    first = threshold;
   }
-  const bool admit = bloom() || !filtering();
+  const bool admit = first <= count;
   const Entry& e = s.entries[InsertNew(s, key, h, admit)];
   if (int64_t* m = Meta(s, e)) {
-    m[kFreq] = count;
+    m[kFreq] = freq;
     m[kVersion] = now;  // first seen; Apply stamps updates
   }
   if (!admit) return no_permission_row_.data();
   ++*admitted;
+  *skip = first - 1;
   return s.values.Row(e.row);
 }
 
 template <typename K>
-int64_t Table<K>::Lookup(int shard, const K* keys, const uint64_t* hashes,
-                         const int64_t* order, int64_t n, bool insert,
-                         float* out) {
+template <bool kCounted>
+int64_t Table<K>::LookupImpl(int shard, const K* keys, const uint64_t* hashes,
+                             const int64_t* order, const int32_t* counts, int64_t n,
+                             bool insert, float* out, int32_t* skips) {
   Shard& s = *shards_[shard];
   std::unique_lock<std::shared_mutex> wlock(s.mu, std::defer_lock);
   std::shared_lock<std::shared_mutex> rlock(s.mu, std::defer_lock);
@@ -433,13 +459,30 @@ int64_t Table<K>::Lookup(int shard, const K* keys, const uint64_t* hashes,
     const int64_t e = std::min(n, b + kBlock);
     prefetch_slots(e, std::min(n, e + kBlock));
     for (int64_t j = b; j < e; ++j) {
-      src[j - b] = Resolve(s, keys[j], hashes[j], insert, now, &inserted);
+      int64_t skip;
+      src[j - b] = Resolve(s, keys[j], hashes[j], insert, now,
+                           kCounted ? counts[order[j]] : 1, &inserted, &skip);
+      if (kCounted) skips[order[j]] = static_cast<int32_t>(skip);
       PrefetchRow(src[j - b], dim_);
       __builtin_prefetch(out + order[j] * dim_, 1);
     }
     for (int64_t j = b; j < e; ++j) CopyRow(out + order[j] * dim_, src[j - b], dim_);
   }
   return inserted;
+}
+
+template <typename K>
+int64_t Table<K>::Lookup(int shard, const K* keys, const uint64_t* hashes,
+                         const int64_t* order, int64_t n, bool insert,
+                         float* out) {
+  return LookupImpl<false>(shard, keys, hashes, order, nullptr, n, insert, out, nullptr);
+}
+
+template <typename K>
+int64_t Table<K>::LookupCounted(int shard, const K* keys, const uint64_t* hashes,
+                                const int64_t* order, const int32_t* counts, int64_t n,
+                                bool insert, float* out, int32_t* skips) {
+  return LookupImpl<true>(shard, keys, hashes, order, counts, n, insert, out, skips);
 }
 
 template <typename K>

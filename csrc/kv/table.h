@@ -127,6 +127,17 @@ class Table {
   // admitted.
   int64_t Lookup(int shard, const K* keys, const uint64_t* hashes,
                  const int64_t* order, int64_t n, bool insert, float* out);
+  // Lookup of distinct keys, keys[j] standing for counts[order[j]] >= 1
+  // occurrences in a batch: the table ends as if each occurrence had been
+  // looked up, and every occurrence reads the row the last one would (the
+  // admitted row when the key is admitted by this call), except the first
+  // skips[order[j]] occurrences, which read NoPermissionRow() (they come
+  // before the key reached its admission threshold; 0 otherwise).
+  int64_t LookupCounted(int shard, const K* keys, const uint64_t* hashes,
+                        const int64_t* order, const int32_t* counts, int64_t n,
+                        bool insert, float* out, int32_t* skips);
+  // What keys not yet admitted read: dim() copies of no_permission_value.
+  const float* NoPermissionRow() const { return no_permission_row_.data(); }
 
   // Sums the gradient rows (grads + order[j] * dim) of equal keys among
   // keys[0..n) (all in shard `shard`, with their hashes), and for each
@@ -240,7 +251,11 @@ class Table {
   }
   // One key's row for Lookup (see there); counts admissions in *admitted.
   const float* Resolve(Shard& s, K key, uint64_t h, bool insert, int64_t now,
-                       int64_t* admitted);
+                       int64_t count, int64_t* admitted, int64_t* skip);
+  template <bool kCounted>
+  int64_t LookupImpl(int shard, const K* keys, const uint64_t* hashes,
+                     const int64_t* order, const int32_t* counts, int64_t n,
+                     bool insert, float* out, int32_t* skips);
   // Adds one sighting of hash h to the shard's Bloom counters; returns the
   // estimated count (the smallest of its counters).
   uint64_t BloomAdd(Shard& s, uint64_t h);

@@ -32,6 +32,11 @@ absl::Status ReadGroupAttrs(InferenceContext* c, GroupAttrs* a) {
   TF_RETURN_IF_ERROR(c->GetAttr("feature_params", &a->feature_params));
   TF_RETURN_IF_ERROR(c->GetAttr("is_sequence", &a->is_sequence));
   const int64_t num_params = a->num_tables + a->num_dense;
+  int given_params;
+  TF_RETURN_IF_ERROR(c->GetAttr("num_params", &given_params));
+  if (given_params != num_params) {
+    return absl::InvalidArgumentError("num_params must be num_tables + num_dense");
+  }
   if (static_cast<int64_t>(a->param_dims.size()) != num_params) {
     return absl::InvalidArgumentError(
         "param_dims must have num_tables + num_dense entries");
@@ -98,7 +103,13 @@ absl::Status CheckGroupInputs(InferenceContext* c, const GroupAttrs& a,
 // combiners[f] ("sum", "mean": / sum(w), "sqrtn": / sqrt(sum(w^2))) into
 // outputs[f] [B, dim], or with is_sequence[f] laid out as [B, T, dim]
 // (row * weight, T the longest row, zero padded). With `insert`, missing
-// table keys are inserted and counted (training).
+// table keys are inserted and counted (training): each distinct key is
+// looked up once, counted as often as it occurs.
+//
+// Also returns, per parameter p, the distinct ids it was read with,
+// unique_ids[p] [U] (int64: table keys in the table's key dtype, or row
+// indices of a dense param), and per feature inverse[f] [n] (int32): the
+// index in unique_ids of each id kept after pruning and default filling.
 REGISTER_OP("KRE>GroupLookup")
     .Input("tables: num_tables * resource")
     .Input("dense_params: num_dense * float")
@@ -106,9 +117,12 @@ REGISTER_OP("KRE>GroupLookup")
     .Input("row_splits: num_features * int64")
     .Input("weights: num_features * float")
     .Output("outputs: num_features * float")
+    .Output("unique_ids: num_params * int64")
+    .Output("inverse: num_features * int32")
     .Attr("num_tables: int >= 0")
     .Attr("num_dense: int >= 0")
     .Attr("num_features: int >= 1")
+    .Attr("num_params: int >= 1")
     .Attr("table_key_dtypes: list({int32, int64}) >= 0")
     .Attr("param_dims: list(int)")
     .Attr("feature_params: list(int)")
@@ -124,6 +138,7 @@ REGISTER_OP("KRE>GroupLookup")
       TF_RETURN_IF_ERROR(ReadGroupAttrs(c, &a));
       std::vector<DimensionHandle> batch;
       TF_RETURN_IF_ERROR(CheckGroupInputs(c, a, &batch));
+      const int num_params = a.num_tables + a.num_dense;
       for (int f = 0; f < a.num_features; ++f) {
         const int64_t dim = a.param_dims[a.feature_params[f]];
         if (a.is_sequence[f]) {
@@ -131,23 +146,28 @@ REGISTER_OP("KRE>GroupLookup")
         } else {
           c->set_output(f, c->MakeShape({batch[f], c->MakeDim(dim)}));
         }
+        c->set_output(a.num_features + num_params + f, c->Vector(c->UnknownDim()));
+      }
+      for (int p = 0; p < num_params; ++p) {
+        c->set_output(a.num_features + p, c->Vector(c->UnknownDim()));
       }
       return absl::OkStatus();
     });
 
 // The gradient of KRE>GroupLookup: same inputs and attributes plus the
-// gradients of its outputs. For each parameter p (tables, then dense
-// params) returns the distinct ids it was read with, unique_ids[p] [U]
-// (int64: keys for a table, row indices for a dense param), and the summed
-// gradient of their rows, unique_grads[p] [U, param_dims[p]].
+// forward's unique_ids and inverse outputs and the gradients of its
+// outputs. For each parameter p (tables, then dense params) returns the
+// summed gradient of the rows of its distinct ids unique_ids[p],
+// unique_grads[p] [U, param_dims[p]].
 REGISTER_OP("KRE>GroupLookupGrad")
     .Input("tables: num_tables * resource")
     .Input("dense_params: num_dense * float")
     .Input("ids: num_features * int64")
     .Input("row_splits: num_features * int64")
     .Input("weights: num_features * float")
+    .Input("unique_ids: num_params * int64")
+    .Input("inverse: num_features * int32")
     .Input("output_grads: num_features * float")
-    .Output("unique_ids: num_params * int64")
     .Output("unique_grads: num_params * float")
     .Attr("num_tables: int >= 0")
     .Attr("num_dense: int >= 0")
@@ -165,23 +185,17 @@ REGISTER_OP("KRE>GroupLookupGrad")
     .SetShapeFn([](InferenceContext* c) {
       GroupAttrs a;
       TF_RETURN_IF_ERROR(ReadGroupAttrs(c, &a));
-      int num_params;
-      TF_RETURN_IF_ERROR(c->GetAttr("num_params", &num_params));
-      if (num_params != a.num_tables + a.num_dense) {
-        return absl::InvalidArgumentError("num_params must be num_tables + num_dense");
-      }
+      const int num_params = a.num_tables + a.num_dense;
       std::vector<DimensionHandle> batch;
       TF_RETURN_IF_ERROR(CheckGroupInputs(c, a, &batch));
-      const int grads0 = a.num_tables + a.num_dense + 3 * a.num_features;
+      const int grads0 = 2 * (a.num_tables + a.num_dense) + 4 * a.num_features;
       for (int f = 0; f < a.num_features; ++f) {
         ShapeHandle g;
         TF_RETURN_IF_ERROR(
             c->WithRank(c->input(grads0 + f), a.is_sequence[f] ? 3 : 2, &g));
       }
       for (int p = 0; p < num_params; ++p) {
-        c->set_output(p, c->Vector(c->UnknownDim()));
-        c->set_output(num_params + p,
-                      c->MakeShape({c->UnknownDim(), c->MakeDim(a.param_dims[p])}));
+        c->set_output(p, c->MakeShape({c->UnknownDim(), c->MakeDim(a.param_dims[p])}));
       }
       return absl::OkStatus();
     });

@@ -199,10 +199,10 @@ def _fused_lookup(params, flat_ids, splits, weights, combiners, max_norms,
         prune_invalid_ids=[bool(b) for b in prunes],
         is_sequence=[bool(b) for b in sequences],
     )
-    outs = _ops.gen().kre_group_lookup(
+    outs, _, _ = _ops.gen().kre_group_lookup(
         [t.table.handle for t in tables], [_dense_value(d.variable) for d in dense],
         list(flat_ids), list(splits), list(weights), insert=bool(training),
-        name=name or "GroupLookup", **attrs)
+        num_params=len(tables) + len(dense), name=name or "GroupLookup", **attrs)
     return list(outs)
 
 
@@ -226,11 +226,15 @@ def _group_lookup_grad(op, *grads):
     ids = inputs[nt + nd:nt + nd + nf]
     splits = inputs[nt + nd + nf:nt + nd + 2 * nf]
     weights = inputs[nt + nd + 2 * nf:]
-    grads = [tf.zeros_like(out) if g is None else g for g, out in zip(grads, op.outputs)]
+    outputs = list(op.outputs)
+    unique_ids = outputs[nf:nf + nt + nd]
+    inverse = outputs[nf + nt + nd:]
+    grads = [tf.zeros_like(out) if g is None else g
+             for g, out in zip(grads[:nf], outputs[:nf])]
     grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
     attrs = _attrs_of(op, _GRAD_ATTRS)
-    unique_ids, unique_grads = _ops.gen().kre_group_lookup_grad(
-        tables, dense, ids, splits, weights, grads, num_params=nt + nd, **attrs)
+    unique_grads = _ops.gen().kre_group_lookup_grad(
+        tables, dense, ids, splits, weights, unique_ids, inverse, grads, **attrs)
     result = []
     for p in range(nt):
         result.append(tf.IndexedSlices(unique_grads[p], unique_ids[p]))

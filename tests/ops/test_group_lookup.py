@@ -266,6 +266,47 @@ def test_training_inserts_inference_does_not(matrix_initializer):
     np.testing.assert_array_equal(np.sort(t.export()["freqs"]), [1, 1, 1])
 
 
+@pytest.mark.parametrize("filter_option", [
+    kre.CounterFilter(filter_freq=4),
+    kre.CBFFilter(filter_freq=3, max_element_size=1000, false_positive_probability=0.01,
+                  counter_type="uint8"),
+], ids=["counter", "bloom"])
+def test_filtered_tables_match_separate_lookups(filter_option, matrix_initializer):
+    """The group looks each distinct key up once, counted as often as it
+    occurs; outputs (including occurrences read before a key is admitted in
+    the same batch) and the table's counts match per-occurrence lookups."""
+    matrix = np.random.default_rng(0).normal(size=(DVD, 3)).astype(np.float32)
+
+    def build():
+        opt = kre.EmbeddingVariableOption(
+            init_option=kre.InitializerOption(default_value_dim=DVD),
+            filter_option=filter_option)
+        layer = EmbeddingVariable(3, combiner="sum", ev_option=opt, name="t",
+                                  initializer=matrix_initializer(matrix))
+        layer.build()
+        return layer
+    fused, separate = build(), build()
+    rng = np.random.default_rng(3)
+    for step in range(5):
+        # Two features on the same table, with ids repeated within rows.
+        feats = [[rng.choice([1, 2, 3, 5, 8], int(rng.integers(1, 6))).tolist()
+                  for _ in range(6)] for _ in range(2)]
+        ids = [tf.ragged.constant(f, dtype=tf.int64) for f in feats]
+        got = ops.group_embedding_lookup_sparse([fused, fused], ids, ["sum", "sum"],
+                                                training=True)
+        # Per-occurrence order of the fused op: feature 0, then feature 1.
+        want = [separate(x, training=True) for x in ids]
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-6)
+        a, b = fused.table.export(), separate.table.export()
+        for keys, freqs in (("keys", "freqs"), ("keys_filtered", "freqs_filtered")):
+            oa, ob = np.argsort(a[keys]), np.argsort(b[keys])
+            np.testing.assert_array_equal(a[keys][oa], b[keys][ob])
+            np.testing.assert_array_equal(a[freqs][oa], b[freqs][ob])
+        np.testing.assert_array_equal(a["bloom"], b["bloom"])
+    assert fused.table.size() > 0  # some keys were admitted along the way
+
+
 def test_optimizer_applies_fused_gradients(matrix_initializer):
     """One SGD step through the fused op equals one through separate lookups."""
     results = []
@@ -325,25 +366,38 @@ def test_kernel_validates_raw_inputs():
     common = dict(table_key_dtypes=[], param_dims=[2], feature_params=[0], combiners=["sum"],
                   max_norms=[0.0], default_ids=[-1], prune_invalid_ids=[True],
                   is_sequence=[False])
+    fwd = dict(common, num_params=1)
     ids = tf.constant([1, 2], tf.int64)
     with pytest.raises(tf.errors.InvalidArgumentError, match="row_splits"):
         gen.kre_group_lookup([], [v], [ids], [tf.constant([0, 3], tf.int64)],
-                             [tf.zeros([0])], **common)
+                             [tf.zeros([0])], **fwd)
     with pytest.raises(tf.errors.InvalidArgumentError, match="non-decreasing"):
         gen.kre_group_lookup([], [v], [ids], [tf.constant([0, 2, 1, 2], tf.int64)],
-                             [tf.zeros([0])], **common)
+                             [tf.zeros([0])], **fwd)
     with pytest.raises(tf.errors.InvalidArgumentError, match="weights"):
         gen.kre_group_lookup([], [v], [ids], [tf.constant([0, 2], tf.int64)],
-                             [tf.zeros([3])], **common)
+                             [tf.zeros([3])], **fwd)
     with pytest.raises(tf.errors.InvalidArgumentError, match="combiners"):
         gen.kre_group_lookup([], [v], [ids], [tf.constant([0, 2], tf.int64)],
-                             [tf.zeros([0])], **dict(common, combiners=["max"]))
+                             [tf.zeros([0])], **dict(fwd, combiners=["max"]))
     with pytest.raises((tf.errors.InvalidArgumentError, ValueError)):
         gen.kre_group_lookup([], [tf.ones((5, 3))], [ids], [tf.constant([0, 2], tf.int64)],
-                             [tf.zeros([0])], **common)
+                             [tf.zeros([0])], **fwd)
+    splits = [tf.constant([0, 2], tf.int64)]
+    uniq, inverse = [tf.constant([1, 2], tf.int64)], [tf.constant([0, 1], tf.int32)]
     with pytest.raises(tf.errors.InvalidArgumentError, match="output_grads"):
-        gen.kre_group_lookup_grad([], [v], [ids], [tf.constant([0, 2], tf.int64)],
-                                  [tf.zeros([0])], [tf.zeros((3, 2))], num_params=1, **common)
+        gen.kre_group_lookup_grad([], [v], [ids], splits, [tf.zeros([0])], uniq, inverse,
+                                  [tf.zeros((3, 2))], **common)
+    # The forward's inverse must index its distinct ids, one entry per id.
+    with pytest.raises(tf.errors.InvalidArgumentError, match="inverse\\[0\\]\\[1\\] = 2"):
+        gen.kre_group_lookup_grad([], [v], [ids], splits, [tf.zeros([0])], uniq,
+                                  [tf.constant([0, 2], tf.int32)], [tf.zeros((1, 2))], **common)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="one entry per looked-up id"):
+        gen.kre_group_lookup_grad([], [v], [ids], splits, [tf.zeros([0])], uniq,
+                                  [tf.constant([0], tf.int32)], [tf.zeros((1, 2))], **common)
+    good = gen.kre_group_lookup_grad([], [v], [ids], splits, [tf.zeros([0])], uniq, inverse,
+                                     [tf.constant([[1.0, 2.0]])], **common)
+    np.testing.assert_allclose(good[0].numpy(), [[1.0, 2.0], [1.0, 2.0]])
 
 
 def test_docstring_examples_run():
