@@ -60,14 +60,17 @@ def python_dataset(make_iterator, args, component_dtypes, to_element,
     """
     passes = _Passes(make_iterator)
 
+    @tf.autograph.experimental.do_not_convert
     def init(*arg_tensors):
         return tf.numpy_function(passes.start, list(arg_tensors), tf.int64)
 
+    @tf.autograph.experimental.do_not_convert
     def next_element(pass_id):
         components = tf.numpy_function(passes.next, [pass_id],
                                        component_dtypes)
         return to_element(components)
 
+    @tf.autograph.experimental.do_not_convert
     def finalize(pass_id):
         return tf.numpy_function(passes.finish, [pass_id], tf.int64)
 

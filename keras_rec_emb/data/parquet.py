@@ -1,10 +1,11 @@
 """`ParquetDataset`: Parquet files into `tf.data`, decoded by pyarrow.
 
-pyarrow reads and decodes row groups (in its own threads, without the GIL);
-Python only slices whole Arrow columns into batches and hands their buffers
-to TensorFlow as NumPy arrays: fixed-width values zero-copy, lists as flat
-values plus row splits, strings as one byte buffer plus offsets that
-`tf.strings.substr` cuts in the graph. Nothing loops over rows in Python.
+pyarrow reads and decodes row groups (in its own threads, without the GIL)
+and fills nulls once per row group. Python only slices whole Arrow tables
+into batches and hands each batch to TensorFlow through the Arrow C data
+interface: one small tensor of two addresses per batch, which the
+`KRE>ArrowBatchToTensors` op turns into the column tensors, sharing the
+Arrow buffers where they are aligned. Nothing loops over rows in Python.
 """
 
 import collections
@@ -22,6 +23,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import tensorflow as tf
 
+from keras_rec_emb import _ops
 from keras_rec_emb.data._source import WrappedDataset
 from keras_rec_emb.data._source import python_dataset
 from keras_rec_emb.data.dataframe import DataFrame
@@ -48,40 +50,13 @@ class _Column:
             row_splits_dtype=tf.int64)
 
     def component_dtypes(self):
-        leaf = [tf.string, tf.int64] if self.dtype == tf.string else [self.dtype]
-        return leaf + [tf.int64] * self.ragged_rank
-
-    def components(self, array):
-        """NumPy arrays for one batch of this column (`array`: pa.Array)."""
-        splits = []
-        for level in range(self.ragged_rank + len(self.shape)):
-            fixed = pa.types.is_fixed_size_list(array.type)
-            array, offsets = _unnest(array)
-            if level < self.ragged_rank:
-                splits.append(offsets)
-                continue
-            size = self.shape[level - self.ragged_rank]
-            if not fixed and np.any(np.diff(offsets) != size):
-                raise ValueError(
-                    f"Column '{self.name}' is read with shape={self.shape}, "
-                    f"so every list at level {level} must have {size} "
-                    f"values; found lengths {np.unique(np.diff(offsets))}.")
-        leaf = _leaf_components(array, self.dtype)
-        if self.dtype != tf.string:
-            leaf = [leaf[0].reshape(-1, *self.shape)]
-        return leaf + splits
+        """What `KRE>ArrowBatchToTensors` returns for this column: values,
+        then one row_splits vector per ragged level."""
+        return [self.dtype] + [tf.int64] * self.ragged_rank
 
     def to_tensor(self, components, batch_dim):
-        """Graph side of `components`: a `tf.Tensor` or `tf.RaggedTensor`."""
-        if self.dtype == tf.string:
-            data, offsets, *splits = components
-            offsets.set_shape([None])
-            values = tf.reshape(
-                tf.strings.substr(data, offsets[:-1],
-                                  offsets[1:] - offsets[:-1]),
-                [-1, *self.shape])
-        else:
-            values, *splits = components
+        """Graph side of the components: a `tf.Tensor` or `tf.RaggedTensor`."""
+        values, *splits = components
         outer = [batch_dim] if not splits else [None]
         values.set_shape(outer + list(self.shape))
         if not splits:
@@ -93,42 +68,47 @@ class _Column:
                                                       validate=False)
 
 
-def _unnest(array):
-    """One list level: (child values, int64 row splits starting at 0)."""
-    n = len(array)
-    if pa.types.is_fixed_size_list(array.type):
-        size = array.type.list_size
-        return (array.values.slice(array.offset * size, n * size),
-                np.arange(0, (n + 1) * size, size, dtype=np.int64))
-    if array.null_count:  # null lists read as empty lists
-        lengths = pc.list_value_length(array).fill_null(0)
-        offsets = np.zeros(n + 1, np.int64)
-        np.cumsum(lengths.to_numpy(), out=offsets[1:])
-        return array.flatten(), offsets
-    offsets = array.offsets.to_numpy()
-    return (array.values.slice(offsets[0], offsets[-1] - offsets[0]),
-            (offsets - offsets[0]).astype(np.int64, copy=False))
-
-
-def _leaf_components(array, dtype):
-    """Values of a non-list array; nulls read as 0, False or b""."""
-    if dtype != tf.string:
+def _has_nulls(array):
+    """Whether `array` (or, conservatively, any level below it) has nulls."""
+    while True:
         if array.null_count:
-            array = array.fill_null(dtype.as_numpy_dtype(0))
-        return [array.to_numpy(zero_copy_only=False)]
-    if array.null_count:
-        array = array.fill_null(pa.scalar(b"", pa.binary()).cast(array.type))
-    if not (pa.types.is_large_binary(array.type)
-            or pa.types.is_large_string(array.type)):
-        array = array.cast(pa.large_binary())
-    if len(array) == 0:
-        return [np.array(b"", dtype=object), np.zeros(1, np.int64)]
-    _, offsets_buffer, data_buffer = array.buffers()
-    offsets = np.frombuffer(offsets_buffer, np.int64)[
-        array.offset:array.offset + len(array) + 1]
-    start, end = int(offsets[0]), int(offsets[-1])
-    data = b"" if data_buffer is None else data_buffer[start:end].to_pybytes()
-    return [np.array(data, dtype=object), offsets - start]
+            return True
+        if not (pa.types.is_list(array.type) or pa.types.is_large_list(array.type)
+                or pa.types.is_fixed_size_list(array.type)):
+            return False
+        array = array.values
+
+
+def _fill_nulls(array):
+    """`array` (same type) with null values as 0, False or b"" and null
+    lists as empty lists (fixed-size lists keep their values)."""
+    arrow_type = array.type
+    n = len(array)
+    if pa.types.is_fixed_size_list(arrow_type):
+        size = arrow_type.list_size
+        values = array.values.slice(array.offset * size, n * size)
+        return pa.FixedSizeListArray.from_arrays(_fill_nulls(values), type=arrow_type)
+    if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type):
+        if array.null_count:
+            lengths = pc.list_value_length(array).fill_null(0).to_numpy()
+            offsets = np.zeros(n + 1, np.int64)
+            np.cumsum(lengths, out=offsets[1:])
+            values = array.flatten()
+        else:
+            offsets = array.offsets.to_numpy().astype(np.int64)
+            values = array.values.slice(offsets[0], offsets[-1] - offsets[0])
+            offsets -= offsets[0]
+        width = pa.int64() if pa.types.is_large_list(arrow_type) else pa.int32()
+        cls = pa.LargeListArray if pa.types.is_large_list(arrow_type) else pa.ListArray
+        return cls.from_arrays(pa.array(offsets, width), _fill_nulls(values),
+                               type=arrow_type)
+    if not array.null_count:
+        return array
+    if pa.types.is_boolean(arrow_type):
+        return array.fill_null(False)
+    if pa.types.is_integer(arrow_type) or pa.types.is_floating(arrow_type):
+        return array.fill_null(pa.scalar(0, arrow_type))
+    return array.fill_null(pa.scalar(b"", pa.binary()).cast(arrow_type))
 
 
 def _list_levels(arrow_type):
@@ -180,7 +160,8 @@ def _with_leaf(arrow_type, leaf):
 def _output_type(arrow_type, dtype, name, source):
     """`arrow_type` with its leaf cast to `dtype` if that differs."""
     _, leaf = _list_levels(arrow_type)
-    if _leaf_dtype(leaf, name, source) == dtype:
+    if _leaf_dtype(leaf, name, source) == dtype and not (
+            pa.types.is_string_view(leaf) or pa.types.is_binary_view(leaf)):
         return arrow_type
     return _with_leaf(arrow_type, _arrow_leaf(dtype))
 
@@ -214,16 +195,37 @@ def _layout(levels, ragged_rank, shape, name, source):
 
 
 def _resolve(path):
-    """(pyarrow filesystem, path in it) for a local path or a URI."""
-    if "://" in path:
-        try:
-            return pafs.FileSystem.from_uri(path)
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
-            raise ValueError(
-                f"`filenames`: pyarrow has no filesystem for '{path}' ({e}). "
-                "Use a local path or a URI pyarrow.fs understands (file://, "
-                "s3://, gs://, hdfs://, abfs://).") from e
-    return pafs.LocalFileSystem(), os.path.abspath(path)
+    """(pyarrow filesystem, path in it) for a local path or a URI.
+
+    Local paths and URIs `pyarrow.fs` understands use pyarrow's own
+    filesystems; any other URI goes through fsspec (optional), wrapped as a
+    `pyarrow.fs.PyFileSystem`. fsspec caches its filesystem instances per
+    protocol and storage options, and the wrapper holds no state, so
+    nothing more is cached here.
+    """
+    if "://" not in path:
+        return pafs.LocalFileSystem(), os.path.abspath(path)
+    try:
+        return pafs.FileSystem.from_uri(path)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+        arrow_error = e
+    allowed = ("Use a local path, a URI pyarrow.fs understands (file://, "
+               "s3://, gs://, hdfs://, abfs://)")
+    try:
+        import fsspec
+    except ImportError:
+        raise ValueError(
+            f"`filenames`: pyarrow has no filesystem for '{path}' "
+            f"({arrow_error}), and fsspec is not installed. {allowed}, or "
+            "`pip install fsspec` to read any fsspec URI.") from arrow_error
+    try:
+        filesystem, fs_path = fsspec.core.url_to_fs(path)
+    except (ImportError, ValueError) as e:
+        raise ValueError(
+            f"`filenames`: neither pyarrow nor fsspec has a filesystem for "
+            f"'{path}' (pyarrow: {arrow_error}; fsspec: {e}). {allowed}, or "
+            "a URI of an installed fsspec protocol.") from e
+    return pafs.PyFileSystem(pafs.FSSpecHandler(filesystem)), fs_path
 
 
 def _open(path):
@@ -234,6 +236,9 @@ def _open(path):
             f"`filenames`: Parquet file '{path}' "
             f"{'does not exist' if info.type == pafs.FileType.NotFound else 'is not a file'}.")
     try:
+        if isinstance(filesystem, pafs.LocalFileSystem):
+            # Memory-mapped: decoding reads the page cache without a copy.
+            return pq.ParquetFile(fs_path, memory_map=True)
         return pq.ParquetFile(fs_path, filesystem=filesystem)
     except (pa.ArrowInvalid, OSError) as e:
         raise ValueError(
@@ -379,41 +384,55 @@ def _use_arrow_threads():
 
 
 class _FileReader:
-    """The selected row groups of one file, read one ahead in a pool."""
+    """The selected row groups of one file, read ahead in a pool.
 
-    def __init__(self, pool, parquet_file, row_groups, read_row_group):
+    `_READ_AHEAD` row groups are decoded at once, each through its own
+    handle on the file (a pyarrow reader is not shared between threads),
+    so the cores stay busy while one row group's slowest column finishes.
+    """
+
+    _READ_AHEAD = 2
+
+    def __init__(self, pool, parquet_files, row_groups, read_row_group):
         self._pool = pool
-        self._file = parquet_file
-        self._row_groups = collections.deque(row_groups)
+        self._files = parquet_files
+        self._row_groups = collections.deque(enumerate(row_groups))
         self._read_row_group = read_row_group
         self._table = pa.table({})
-        self._future = self._submit()
+        self._futures = collections.deque()
+        self._fill()
 
-    def _submit(self):
-        if not self._row_groups:
-            return None
-        return self._pool.submit(self._read_row_group, self._file,
-                                 self._row_groups.popleft())
+    def _fill(self):
+        while self._row_groups and len(self._futures) < len(self._files):
+            i, row_group = self._row_groups.popleft()
+            self._futures.append(self._pool.submit(
+                self._read_row_group, self._files[i % len(self._files)], row_group))
 
     @property
     def exhausted(self):
-        return self._future is None and self._table.num_rows == 0
+        return not self._futures and self._table.num_rows == 0
 
     def take(self, rows):
         """Tables with up to `rows` rows in all (fewer at the end)."""
         tables = []
         while rows > 0 and not self.exhausted:
             if self._table.num_rows == 0:
-                self._table = self._future.result()
-                self._future = self._submit()
+                self._table = self._futures.popleft().result()
+                self._fill()
                 continue
             table = self._table.slice(0, rows)
             self._table = self._table.slice(table.num_rows)
             tables.append(table)
             rows -= table.num_rows
         if self.exhausted:
-            self._file.close()
+            self.close()
         return tables
+
+    def close(self):
+        for future in self._futures:
+            future.cancel()
+        for parquet_file in self._files:
+            parquet_file.close()
 
 
 def _file_readers(paths, columns, options, use_threads, pool):
@@ -453,8 +472,10 @@ def _file_readers(paths, columns, options, use_threads, pool):
         if not row_groups:
             parquet_file.close()
             continue
+        handles = [parquet_file] + [
+            _open(path) for _ in range(min(len(row_groups), _FileReader._READ_AHEAD) - 1)]
         yield _FileReader(
-            pool, parquet_file, row_groups,
+            pool, handles, row_groups,
             functools.partial(_read_row_group, names=names, schema=schema,
                               path=path, use_threads=use_threads))
 
@@ -465,15 +486,17 @@ def _read_row_group(parquet_file, index, names, schema, path, use_threads):
     arrays = []
     for field in schema:
         column = table.column(field.name)
-        if column.type == field.type:
-            arrays.append(column)
-            continue
-        try:
-            arrays.append(column.cast(field.type))
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
-            raise ValueError(
-                f"Column '{field.name}' of Parquet file '{path}' cannot be "
-                f"read as {field.type}: {e}") from e
+        if column.type != field.type:
+            try:
+                column = column.cast(field.type)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+                raise ValueError(
+                    f"Column '{field.name}' of Parquet file '{path}' cannot be "
+                    f"read as {field.type}: {e}") from e
+        if any(_has_nulls(chunk) for chunk in column.chunks):
+            column = pa.chunked_array([_fill_nulls(c) for c in column.chunks],
+                                      type=field.type)
+        arrays.append(column)
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
@@ -486,43 +509,83 @@ def _tables(paths, columns, options, use_threads):
     """
     block_rows = options.num_sequential_reads * options.batch_size
     with concurrent.futures.ThreadPoolExecutor(
-            options.num_parallel_reads) as pool:
+            options.num_parallel_reads * _FileReader._READ_AHEAD) as pool:
         files = _file_readers(paths, columns, options, use_threads, pool)
         active = collections.deque(
             itertools.islice(files, options.num_parallel_reads))
-        while active:
-            reader = active.popleft()
-            yield from reader.take(block_rows)
-            active.extend(itertools.islice(files, 1) if reader.exhausted
-                          else [reader])
+        try:
+            while active:
+                reader = active.popleft()
+                yield from reader.take(block_rows)
+                active.extend(itertools.islice(files, 1) if reader.exhausted
+                              else [reader])
+        finally:  # also when the pass is abandoned early
+            for reader in active:
+                reader.close()
 
 
 def _batches(paths, columns, options):
-    """Lists of NumPy components, one per batch of `batch_size` rows.
+    """Batches of `batch_size` rows, exported as Arrow C structs: yields
+    1-element lists (the components of `python_dataset`) of [k, 2] arrays,
+    the addresses of k batches (all those a table read in holds, so that
+    Python is entered once per table rather than once per batch).
 
     Batches run across row group and file boundaries; only the last one
     can be short (and is dropped with `drop_remainder`).
     """
+    exports = _Exports()
     leftover = None
-    for table in _tables(paths, columns, options, _use_arrow_threads()):
-        if leftover is not None and leftover.num_rows:
-            table = pa.concat_tables([leftover, table])
-        start = 0
-        while table.num_rows - start >= options.batch_size:
-            yield _components(columns, table.slice(start, options.batch_size))
-            start += options.batch_size
-        leftover = table.slice(start)
-    if leftover is not None and leftover.num_rows and not options.drop_remainder:
-        yield _components(columns, leftover)
+    try:
+        for table in _tables(paths, columns, options, _use_arrow_threads()):
+            if leftover is not None and leftover.num_rows:
+                table = pa.concat_tables([leftover, table])
+            start, addresses = 0, []
+            while table.num_rows - start >= options.batch_size:
+                addresses.append(exports.export(table.slice(start, options.batch_size)))
+                start += options.batch_size
+            if addresses:
+                yield [np.stack(addresses)]
+            leftover = table.slice(start)
+        if leftover is not None and leftover.num_rows and not options.drop_remainder:
+            yield [exports.export(leftover)[None]]
+    finally:
+        exports.close()
 
 
-def _components(columns, table):
-    components = []
-    for column in columns:
-        chunks = [c for c in table.column(column.name).chunks if len(c)]
-        array = chunks[0] if len(chunks) == 1 else pa.concat_arrays(chunks)
-        components.extend(column.components(array))
-    return components
+class _Exports:
+    """Exports tables as Arrow C structs (ArrowArray then ArrowSchema) in
+    memory kept here until `KRE>ArrowBatchToTensors` has moved them out."""
+
+    _ARRAY_BYTES, _SCHEMA_BYTES = 80, 72
+    # uint64 index of each struct's `release` pointer (0 once moved out).
+    _ARRAY_RELEASE, _SCHEMA_RELEASE = 8, (80 + 56) // 8
+
+    def __init__(self):
+        self._live = collections.deque()
+
+    def export(self, table):
+        batches = table.to_batches()
+        if len(batches) != 1:
+            batches = table.combine_chunks().to_batches()
+        memory = np.zeros((self._ARRAY_BYTES + self._SCHEMA_BYTES) // 8, np.uint64)
+        array = memory.ctypes.data
+        batches[0]._export_to_c(array, array + self._ARRAY_BYTES)
+        self._live.append(memory)
+        while self._live and not self._pending(self._live[0]):
+            self._live.popleft()
+        return np.array([array, array + self._ARRAY_BYTES], np.int64)
+
+    def _pending(self, memory):
+        return bool(memory[self._ARRAY_RELEASE] or memory[self._SCHEMA_RELEASE])
+
+    def close(self):
+        """Releases exported batches that were never consumed."""
+        while self._live:
+            memory = self._live.popleft()
+            if self._pending(memory):
+                array = memory.ctypes.data
+                pa.RecordBatch._import_from_c(  # pylint: disable=protected-access
+                    array, array + self._ARRAY_BYTES)
 
 
 class ParquetDataset(WrappedDataset):
@@ -552,8 +615,9 @@ class ParquetDataset(WrappedDataset):
     Args:
         filenames: Parquet files: a path or URI (`str`), a list/tuple of them,
             a 0-D/1-D `tf.string` tensor, or a dataset of scalar `tf.string`
-            (finite: it is read in full when iteration starts). Local paths
-            and any URI of `pyarrow.fs` (file://, s3://, gs://, hdfs://).
+            (finite: it is read in full when iteration starts). Local paths,
+            any URI of `pyarrow.fs` (file://, s3://, gs://, hdfs://), and,
+            when fsspec is installed, any other fsspec URI (memory://, ...).
         batch_size: int. Rows per batch. Defaults to `1`.
         fields: column name, `DataFrame.Field`, or a list of them, optional.
             Defaults to `None`: every column. Required (as `Field`s with a
@@ -599,11 +663,16 @@ class ParquetDataset(WrappedDataset):
         schema = _open(paths[0]).schema_arrow if paths else None
         columns = _columns(fields, schema, paths[0] if paths else None)
         batch_dim = options.batch_size if options.drop_remainder else None
-        dtypes = [d for c in columns for d in c.component_dtypes()]
+        out_types = [d for c in columns for d in c.component_dtypes()]
         spec = {c.name: c.spec(batch_dim) for c in columns}
 
-        def to_element(components):
-            components = iter(components)
+        @tf.autograph.experimental.do_not_convert
+        def to_element(addresses):
+            components = iter(_ops.gen().kre_arrow_batch_to_tensors(
+                addresses, out_types=out_types,
+                ragged_ranks=[c.ragged_rank for c in columns],
+                inner_ranks=[len(c.shape) for c in columns],
+                inner_shapes=[d for c in columns for d in c.shape]))
             return {
                 c.name: c.to_tensor(
                     list(itertools.islice(components,
@@ -611,10 +680,17 @@ class ParquetDataset(WrappedDataset):
                     batch_dim) for c in columns
             }
 
+        @tf.autograph.experimental.do_not_convert
         def read(paths):
-            return python_dataset(
+            @tf.autograph.experimental.do_not_convert
+            def first(components):
+                components[0].set_shape([None, 2])
+                return components[0]
+
+            addresses = python_dataset(
                 functools.partial(_batches, columns=columns, options=options),
-                (paths,), dtypes, to_element, spec)
+                (paths,), [tf.int64], first, tf.TensorSpec([None, 2], tf.int64))
+            return addresses.unbatch().map(to_element)
 
         super().__init__(names.flat_map(read))
 
