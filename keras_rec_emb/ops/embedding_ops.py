@@ -176,6 +176,12 @@ def _check_combiner(c):
 def _fused_lookup(params, flat_ids, splits, weights, combiners, max_norms,
                   default_ids, prunes, sequences, training, name):
     """Runs one KRE>GroupLookup over features (lists of equal length)."""
+    from keras_rec_emb import serving
+
+    if serving.serving_active() and not training:  # traced for export_for_serving
+        return serving.stock_group_lookup(params, flat_ids, splits, weights, combiners,
+                                          max_norms, default_ids, prunes, sequences,
+                                          _dense_value)
     # Distinct parameters, tables first (the op's input order).
     tables, dense, index = [], [], {}
     for p in params:

@@ -1,0 +1,259 @@
+"""`export_for_serving`: a SavedModel that stock TensorFlow serves without
+this package (no custom ops): each embedding table becomes a
+`tf.lookup.experimental.MutableHashTable` from key to row plus a dense
+`[N, dim]` matrix of the rows, read with stock ops.
+
+While the serving function is traced, `EmbeddingTable.lookup` and the fused
+group lookup route to those stock tables (see `serving_lookup` and
+`stock_group_lookup`); outside the export nothing changes.
+"""
+
+import contextlib
+import os
+import shutil
+import tempfile
+import threading
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+_STATE = threading.local()
+
+
+class _StockTable(tf.Module):
+    """One embedding table as stock TensorFlow state, with the inference
+    semantics of `KRE>TableLookup`: admitted keys read their rows; other
+    keys read `no_permission_value` when the table has an admission filter,
+    else their initializer row `default_values[key mod default_value_dim]`."""
+
+    def __init__(self, table):
+        super().__init__(name=_module_name(table.name))
+        data = table.export(include_filtered=False)
+        keys = np.asarray(data["keys"]).astype(np.int64)
+        self._dim = table.dim
+        self._key_dtype = table.key_dtype
+        self._filtered = table._filter_freq > 1 or table._bloom is not None
+        self._no_permission_value = table._no_permission_value
+        self.index = tf.lookup.experimental.MutableHashTable(
+            tf.int64, tf.int64, default_value=-1, name="index")
+        if len(keys):
+            self.index.insert(keys, np.arange(len(keys), dtype=np.int64))
+        values = np.asarray(data["values"], np.float32).reshape(len(keys), self._dim)
+        self.values = tf.Variable(values, trainable=False, name="values")
+        defaults = np.asarray(data["default_values"], np.float32).reshape(-1, self._dim)
+        self.default_values = tf.Variable(defaults, trainable=False, name="default_values")
+
+    def lookup(self, keys):
+        keys = tf.convert_to_tensor(keys)
+        shape = tf.shape(keys)
+        flat = tf.cast(tf.cast(tf.reshape(keys, [-1]), self._key_dtype), tf.int64)
+        index = self.index.lookup(flat)
+        found = index >= 0
+        rows = tf.gather(self.values, tf.maximum(index, 0))
+        if self._filtered:
+            other = tf.fill(tf.shape(rows), tf.constant(self._no_permission_value, tf.float32))
+        else:
+            dvd = tf.shape(self.default_values, out_type=tf.int64)[0]
+            other = tf.gather(self.default_values, tf.math.floormod(flat, dvd))
+        rows = tf.where(found[:, None], rows, other)
+        return tf.reshape(rows, tf.concat([shape, [self._dim]], 0))
+
+
+def _module_name(name):
+    cleaned = "".join(c if c.isalnum() or c == "_" else "_" for c in str(name or "table"))
+    return cleaned if cleaned[:1].isalpha() else f"t_{cleaned}"
+
+
+class _Untracked:
+    """A plain holder that TensorFlow's object tracking does not look into."""
+
+    def __init__(self):
+        self.items = []
+
+
+class _StockTables(tf.Module):
+    """The stock tables of one export, made on first lookup of each table."""
+
+    def __init__(self):
+        super().__init__(name="embedding_tables")
+        self.tables = []
+        # The EmbeddingTables, in the order of `tables` (kept out of the
+        # SavedModel: they need this package's ops).
+        self._sources = _Untracked()
+
+    def get(self, table):
+        for source, stock in zip(self._sources.items, self.tables):
+            if source is table:
+                return stock
+        with tf.init_scope():  # eager state, captured by the traced function
+            stock = _StockTable(table)
+        self._sources.items.append(table)
+        self.tables.append(stock)
+        return stock
+
+
+@contextlib.contextmanager
+def _serving(stock_tables):
+    previous = getattr(_STATE, "tables", None)
+    _STATE.tables = stock_tables
+    try:
+        yield
+    finally:
+        _STATE.tables = previous
+
+
+def serving_lookup(table):
+    """The stock table that replaces `table` while a serving function is
+    traced, or `None` outside `export_for_serving`."""
+    tables = getattr(_STATE, "tables", None)
+    return None if tables is None else tables.get(table)
+
+
+def serving_active():
+    return getattr(_STATE, "tables", None) is not None
+
+
+def stock_group_lookup(params, flat_ids, splits, weights, combiners, max_norms,
+                       default_ids, prunes, sequences, dense_value):
+    """`KRE>GroupLookup` (inference) with stock TensorFlow ops, feature by
+    feature: prune ids < 0, fill empty rows with the default id, clip rows
+    to max_norm, weight, then combine or lay out as a sequence."""
+    outs = []
+    for p, ids, s, w, combiner, max_norm, default_id, prune, sequence in zip(
+            params, flat_ids, splits, weights, combiners, max_norms, default_ids,
+            prunes, sequences):
+        ids = tf.cast(ids, tf.int64)
+        s = tf.cast(s, tf.int64)
+        batch = tf.shape(s, out_type=tf.int64)[0] - 1
+        rows_of = tf.ragged.row_splits_to_segment_ids(s, out_type=tf.int64)
+        w = tf.cond(tf.size(w) > 0, lambda w=w: tf.reshape(w, [-1]),
+                    lambda ids=ids: tf.ones(tf.shape(ids), tf.float32))
+        if prune:
+            keep = ids >= 0
+            ids, w, rows_of = (tf.boolean_mask(x, keep) for x in (ids, w, rows_of))
+        if default_id is not None:
+            counts = tf.math.unsorted_segment_sum(tf.ones_like(rows_of), rows_of, batch)
+            empty = tf.where(tf.equal(counts, 0))[:, 0]
+            ids = tf.concat([ids, tf.fill(tf.shape(empty), tf.constant(default_id, tf.int64))], 0)
+            w = tf.concat([w, tf.ones(tf.shape(empty), tf.float32)], 0)
+            rows_of = tf.concat([rows_of, empty], 0)
+            order = tf.argsort(rows_of, stable=True)
+            ids, w, rows_of = (tf.gather(x, order) for x in (ids, w, rows_of))
+        if p.table is not None:
+            rows = p.table.lookup(tf.cast(ids, p.table.key_dtype))
+        else:
+            rows = tf.gather(dense_value(p.variable), ids)
+        if max_norm:
+            rows = tf.clip_by_norm(rows, max_norm, axes=[1])
+        rows = rows * w[:, None]
+        if sequence:
+            outs.append(tf.RaggedTensor.from_value_rowids(rows, rows_of, nrows=batch).to_tensor())
+            continue
+        out = tf.math.unsorted_segment_sum(rows, rows_of, batch)
+        if combiner == "mean":
+            out = tf.math.divide_no_nan(out, tf.math.unsorted_segment_sum(w, rows_of, batch)[:, None])
+        elif combiner == "sqrtn":
+            denom = tf.sqrt(tf.math.unsorted_segment_sum(w * w, rows_of, batch))
+            out = tf.math.divide_no_nan(out, denom[:, None])
+        outs.append(out)
+    return outs
+
+
+def _custom_ops(graph_def):
+    """Op types of this package (prefix KRE>) in a GraphDef and its library."""
+    found = {n.op for n in graph_def.node if n.op.startswith("KRE>")}
+    for function in graph_def.library.function:
+        found.update(n.op for n in function.node_def if n.op.startswith("KRE>"))
+    return found
+
+
+def export_for_serving(model, filepath, input_signature=None, verbose=False):
+    """Exports `model` for inference as a SavedModel that needs only TensorFlow.
+
+    `model.export` writes a SavedModel whose tables use this package's ops
+    (so serving it needs `import keras_rec_emb`). This one does not: each
+    embedding table becomes a stock `tf.lookup.experimental.MutableHashTable`
+    (key to row number) and a dense `[N, dim]` matrix of its admitted rows,
+    stored with the SavedModel's variables; fused group lookups become stock
+    gathers and segment sums. Predictions equal `model(x, training=False)`:
+    keys the table has read their rows, other keys read their initializer
+    row (`default_values[key mod default_value_dim]`), or
+    `no_permission_value` when the table has an admission filter. Keys
+    counted by a filter but not admitted are not exported. The served
+    tables are frozen: serving does not insert or count keys.
+
+    The export is atomic: it is written next to `filepath` and moved into
+    place only once complete, so a failed export leaves a previous one
+    intact.
+
+    Args:
+        model: a built `keras.Model` (TensorFlow backend).
+        filepath: str or path-like. Directory to write the SavedModel to.
+        input_signature: optional structure of `tf.TensorSpec` /
+            `keras.InputSpec` for the endpoint, as in `model.export`.
+            Defaults to `None`: taken from the model's inputs.
+        verbose: bool. Print the endpoint's signature. Defaults to `False`.
+
+    Returns:
+        The path written.
+
+    Example:
+
+    >>> import os, sys, subprocess, tempfile
+    >>> ev = keras_rec_emb.layers.EmbeddingVariable(4, combiner="sum")
+    >>> inputs = keras.Input((3,), dtype="int64")
+    >>> model = keras.Model(inputs, keras.layers.Dense(1)(ev(inputs)))
+    >>> _ = model(np.array([[1, 2, 3]]), training=True)  # insert some keys
+    >>> path = os.path.join(tempfile.mkdtemp(), "serving")
+    >>> _ = keras_rec_emb.export_for_serving(model, path)
+    >>> code = ("import sys, tensorflow as tf; m = tf.saved_model.load(sys.argv[1]); "
+    ...         "print(m.serve(tf.constant([[1, 2, 7]], tf.int64)).shape, "
+    ...         "'keras_rec_emb' in sys.modules)")
+    >>> print(subprocess.run([sys.executable, "-c", code, path], capture_output=True,
+    ...                      text=True).stdout.strip())
+    (1, 1) False
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a keras.Model. Received: model={model!r}")
+    if not model.built:
+        raise ValueError("`model` must be built (called once or given Inputs) before export.")
+    filepath = os.fspath(filepath)
+    if os.path.exists(filepath) and not os.path.isdir(filepath):
+        raise ValueError(
+            f"`filepath` must be a directory for the SavedModel. Received: "
+            f"filepath={filepath!r}, an existing file")
+    if input_signature is None:
+        from keras.src.export.export_utils import get_input_signature
+        input_signature = get_input_signature(model)
+    stock = _StockTables()
+    archive = keras.export.ExportArchive()
+    parent = os.path.dirname(os.path.abspath(filepath))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-serving-", dir=parent)
+    try:
+        # Every trace (also any the save makes) reads the stock tables.
+        with _serving(stock):
+            endpoint = archive.add_endpoint(
+                "serve", lambda *args: model(*args, training=False), input_signature)
+            concrete = endpoint.get_concrete_function()
+            left = _custom_ops(concrete.graph.as_graph_def())
+            if left:
+                raise NotImplementedError(
+                    "export_for_serving: the model still runs ops of keras_rec_emb "
+                    f"({sorted(left)}) in inference; these layers cannot be served "
+                    "without the package. Use model.export instead.")
+            archive.track(stock)
+            archive.write_out(tmp, verbose=verbose)
+        if os.path.isdir(filepath):
+            old = tempfile.mkdtemp(prefix=".old-serving-", dir=parent)
+            os.rmdir(old)
+            os.replace(filepath, old)
+            os.replace(tmp, filepath)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, filepath)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return filepath

@@ -1,0 +1,180 @@
+"""export_for_serving: SavedModels that stock TensorFlow serves in a process
+that never imports keras_rec_emb, with the predictions of the Keras model;
+the stock group lookup against the fused kernel; atomicity; bad input."""
+
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_rec_emb as kre
+from keras_rec_emb import ops
+from keras_rec_emb import serving
+from keras_rec_emb.layers import EmbeddingVariable, FeatureSpec, GroupEmbedding
+
+_SERVE = """
+import json, sys
+import numpy as np
+import tensorflow as tf
+path, inputs = sys.argv[1], json.loads(sys.argv[2])
+model = tf.saved_model.load(path)
+if isinstance(inputs, dict):
+    args = [{k: tf.constant(v, tf.int64) for k, v in inputs.items()}]
+else:
+    args = [tf.constant(inputs, tf.int64)]
+out = model.serve(*args)
+print(json.dumps({"out": np.asarray(out).tolist(),
+                  "kre_imported": any(m.startswith("keras_rec_emb") for m in sys.modules)}))
+"""
+
+
+def serve_elsewhere(path, inputs):
+    """Runs the SavedModel in a fresh Python that imports only TensorFlow."""
+    env = dict(os.environ, PYTHONPATH="")  # not even the repository on the path
+    r = subprocess.run([sys.executable, "-c", _SERVE, path, json.dumps(inputs)],
+                       capture_output=True, text=True, env=env, cwd="/", timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["kre_imported"] is False
+    return np.asarray(result["out"], np.float32)
+
+
+def test_embedding_variable_model_serves_without_the_package(tmp_path):
+    keras.utils.set_random_seed(0)
+    ids = keras.Input((3,), dtype="int64")
+    ev64 = EmbeddingVariable(4, combiner="mean", name="ev64")
+    ev32 = EmbeddingVariable(3, combiner="sum", key_dtype="int32", name="ev32")
+    x = keras.layers.Concatenate()([ev64(ids), ev32(ids)])
+    model = keras.Model(ids, keras.layers.Dense(2)(x))
+    model.compile(optimizer=kre.optimizers.Adagrad(0.1), loss="mse")
+    train = np.random.default_rng(0).integers(0, 50, (64, 3))
+    model.fit(train, np.zeros((64, 2)), batch_size=16, epochs=2, verbose=0)
+    # Seen ids, unseen ids (initializer rows), negative ids.
+    query = [[1, 2, 3], [10**12, 7, -5], [49, 49, 0]]
+    want = model.predict(np.array(query), verbose=0)
+    path = kre.export_for_serving(model, str(tmp_path / "serving"))
+    np.testing.assert_allclose(serve_elsewhere(path, query), want, rtol=1e-5, atol=1e-6)
+
+
+def test_filtered_table_serves_no_permission_value(tmp_path):
+    opt = kre.EmbeddingVariableOption(filter_option=kre.CounterFilter(filter_freq=3))
+    ev = EmbeddingVariable(2, combiner=None, ev_option=opt, name="filtered")
+    ids = keras.Input((1,), dtype="int64")
+    model = keras.Model(ids, ev(ids))
+    for _ in range(3):
+        model(np.array([[1]]), training=True)  # admitted
+    model(np.array([[2]]), training=True)  # counted once, not admitted
+    query = [[1], [2], [3]]
+    want = model.predict(np.array(query), verbose=0)
+    assert np.all(want[1:] == 0.0) and np.any(want[0] != 0.0)
+    path = kre.export_for_serving(model, str(tmp_path / "serving"))
+    np.testing.assert_allclose(serve_elsewhere(path, query), want, rtol=1e-6)
+
+
+def test_group_embedding_model_serves_without_the_package(tmp_path):
+    keras.utils.set_random_seed(1)
+    shared = EmbeddingVariable(4, name="shared")
+    dense = keras.layers.Embedding(100, 4, name="dense")
+    group = GroupEmbedding({
+        "a": FeatureSpec(shared, combiner="sum"),
+        "b": FeatureSpec(shared, combiner="mean", max_norm=0.05),
+        "c": FeatureSpec(dense, combiner="sqrtn", default_id=3),
+        "d": FeatureSpec(EmbeddingVariable(4, name="seq"), sequence=True),
+    })
+    inputs = {k: keras.Input((3,), dtype="int64", name=k) for k in "abcd"}
+    outs = group(inputs)
+    x = keras.layers.Concatenate()([outs["a"], outs["b"], outs["c"],
+                                    keras.ops.max(outs["d"], axis=1)])
+    model = keras.Model(inputs, keras.layers.Dense(1)(x))
+    rng = np.random.default_rng(1)
+    batch = {k: rng.integers(-1, 30, (32, 3)) for k in "abcd"}
+    model.compile(optimizer=kre.optimizers.Adam(0.01), loss="mse")
+    model.fit(batch, np.ones((32, 1)), batch_size=8, verbose=0)
+    query = {k: rng.integers(-1, 60, (5, 3)).tolist() for k in "abcd"}
+    query["c"][0] = [-1, -1, -1]  # an empty row: default_id
+    want = model.predict({k: np.array(v) for k, v in query.items()}, verbose=0)
+    path = kre.export_for_serving(model, str(tmp_path / "serving"))
+    np.testing.assert_allclose(serve_elsewhere(path, query), want, rtol=1e-5, atol=1e-6)
+
+
+def test_adaptive_embedding_model_serves_without_the_package(tmp_path):
+    keras.utils.set_random_seed(2)
+    layer = kre.layers.AdaptiveEmbedding(3, hash_bucket_size=7, promote_threshold=2,
+                                         combiner="sum")
+    ids = keras.Input((2,), dtype="int64")
+    model = keras.Model(ids, layer(ids))
+    for _ in range(2):
+        model(np.array([[5, 6], [5, 9]]), training=True)  # 5 promoted, 6 and 9 not
+    query = [[5, 6], [9, 11], [5, 5]]
+    want = model.predict(np.array(query), verbose=0)
+    path = kre.export_for_serving(model, str(tmp_path / "serving"))
+    np.testing.assert_allclose(serve_elsewhere(path, query), want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_stock_group_lookup_matches_the_fused_kernel(combiner, matrix_initializer):
+    """The stock-op path (what a served model runs) against KRE>GroupLookup,
+    with weights, invalid ids, empty rows, default ids, max_norm, sequences,
+    a filtered table and a dense variable."""
+    rng = np.random.default_rng(3)
+    matrix = rng.normal(size=(5, 3)).astype(np.float32)
+    plain = EmbeddingVariable(3, initializer=matrix_initializer(matrix),
+                              ev_option=kre.EmbeddingVariableOption(
+                                  init_option=kre.InitializerOption(default_value_dim=5)))
+    filtered = EmbeddingVariable(3, ev_option=kre.EmbeddingVariableOption(
+        filter_option=kre.CounterFilter(filter_freq=2)))
+    dense = keras.Variable(rng.normal(size=(20, 3)).astype(np.float32))
+    params = [plain, plain, filtered, dense, plain]
+    rows = [[[1, 2, -1], [], [7, 7]], [[3], [4, 5], []], [[1, 1, 2], [2], [9]],
+            [[0, 19], [], [3]], [[8, 2], [1], []]]
+    ids = [tf.ragged.constant(r, dtype=tf.int64) for r in rows]
+    weights = [tf.ragged.constant([[float(len(x)) + 0.5 * j for j in range(len(x))] for x in r])
+               for r in rows]
+    ops.group_embedding_lookup_sparse([plain, filtered], [ids[0], ids[2]], ["sum"] * 2,
+                                      training=True)  # rows to read; key 1 admitted
+    kwargs = dict(sp_weights=weights, is_sequence=[False, False, False, False, True],
+                  max_norm=[None, 0.5, None, 1.0, 0.7], default_id=[None, 6, 3, 2, None])
+    want = ops.group_embedding_lookup_sparse(params, ids, [combiner] * 5, **kwargs)
+    stock = serving._StockTables()
+    with serving._serving(stock):
+        got = tf.function(lambda: ops.group_embedding_lookup_sparse(
+            params, ids, [combiner] * 5, **kwargs))()
+    graph_ops = tf.function(lambda: ops.group_embedding_lookup_sparse(
+        params, ids, [combiner] * 5, **kwargs))
+    with serving._serving(stock):
+        graph = graph_ops.get_concrete_function().graph.as_graph_def()
+    assert serving._custom_ops(graph) == set()
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_failed_export_keeps_the_previous_one(tmp_path):
+    ids = keras.Input((2,), dtype="int64")
+    model = keras.Model(ids, EmbeddingVariable(2, combiner="sum")(ids))
+    model(np.array([[1, 2]]), training=True)
+    path = str(tmp_path / "serving")
+    kre.export_for_serving(model, path)
+    before = sorted(os.listdir(path))
+    with pytest.raises(Exception):  # a signature the model cannot take
+        kre.export_for_serving(model, path, input_signature=[tf.TensorSpec([None, 2, 2],
+                                                                            tf.string)])
+    assert sorted(os.listdir(path)) == before
+    assert [p for p in os.listdir(tmp_path) if p.startswith(".tmp-")] == []
+    np.testing.assert_allclose(serve_elsewhere(path, [[1, 2]]),
+                               model.predict(np.array([[1, 2]]), verbose=0), rtol=1e-6)
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(TypeError, match="`model` must be a keras.Model"):
+        kre.export_for_serving("model", str(tmp_path / "x"))
+    ids = keras.Input((2,), dtype="int64")
+    model = keras.Model(ids, EmbeddingVariable(2, combiner="sum")(ids))
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(ValueError, match="`filepath` must be a directory"):
+        kre.export_for_serving(model, str(a_file))
