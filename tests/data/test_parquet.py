@@ -14,25 +14,12 @@ from keras_rec_emb.data import DataFrame
 from keras_rec_emb.data import ParquetDataset
 from keras_rec_emb.data import read_parquet
 
+from _frames import read_all
+
 
 def write(path, table, row_group_size):
     pq.write_table(table, path, row_group_size=row_group_size)
     return str(path)
-
-
-def to_python(value):
-    if isinstance(value, tf.RaggedTensor):
-        return value.to_list()
-    return value.numpy().tolist()
-
-
-def read_all(dataset):
-    """Column -> list of rows, concatenating every batch."""
-    rows = {}
-    for batch in dataset:
-        for name, value in batch.items():
-            rows.setdefault(name, []).extend(to_python(value))
-    return rows
 
 
 def fill_nulls(values, empty):
