@@ -119,6 +119,8 @@ def stock_group_lookup(params, flat_ids, splits, weights, combiners, max_norms,
     """`KRE>GroupLookup` (inference) with stock TensorFlow ops, feature by
     feature: prune ids < 0, fill empty rows with the default id, clip rows
     to max_norm, weight, then combine or lay out as a sequence."""
+    from keras_rec_emb.layers.embedding_variable import combine_rows
+
     outs = []
     for p, ids, s, w, combiner, max_norm, default_id, prune, sequence in zip(
             params, flat_ids, splits, weights, combiners, max_norms, default_ids,
@@ -146,17 +148,11 @@ def stock_group_lookup(params, flat_ids, splits, weights, combiners, max_norms,
             rows = tf.gather(dense_value(p.variable), ids)
         if max_norm:
             rows = tf.clip_by_norm(rows, max_norm, axes=[1])
-        rows = rows * w[:, None]
         if sequence:
-            outs.append(tf.RaggedTensor.from_value_rowids(rows, rows_of, nrows=batch).to_tensor())
-            continue
-        out = tf.math.unsorted_segment_sum(rows, rows_of, batch)
-        if combiner == "mean":
-            out = tf.math.divide_no_nan(out, tf.math.unsorted_segment_sum(w, rows_of, batch)[:, None])
-        elif combiner == "sqrtn":
-            denom = tf.sqrt(tf.math.unsorted_segment_sum(w * w, rows_of, batch))
-            out = tf.math.divide_no_nan(out, denom[:, None])
-        outs.append(out)
+            outs.append(tf.RaggedTensor.from_value_rowids(
+                rows * w[:, None], rows_of, nrows=batch).to_tensor())
+        else:
+            outs.append(combine_rows(rows, rows_of, batch, combiner, w))
     return outs
 
 
