@@ -191,3 +191,36 @@ def sparse_apply(handle, keys, grads, rule, hyper, step, slots):
         handle, keys, grads, values, tf.cast(step, tf.int64), rule=rule,
         slots=list(slots), hparam_names=list(hyper),
     )
+
+
+# -- Change tracking (incremental checkpoints) and counters -----------------
+COUNTER_PARTS = ("size", "filtered", "memory_bytes", "latest_step", "lookups", "hits",
+                 "admitted_total", "erased_total", "change_epoch", "erased_log")
+
+
+def mark_changes(handle, key_dtype):
+    """Closes the table's change epoch; returns it as a mark (int64 scalar)."""
+    return gen().kre_table_mark_changes(handle, Tkeys=key_dtype)
+
+
+def export_changed_since(handle, key_dtype, dim, since):
+    """EXPORT_PARTS of the keys changed after mark `since`, plus `erased`
+    (keys erased after it) and `complete` (False: take a full export)."""
+    out = gen().kre_table_export_changed_since(
+        handle, tf.constant(since, tf.int64), Tkeys=key_dtype, dim=dim)
+    return dict(zip(EXPORT_PARTS + ("erased", "complete"), out))
+
+
+def trim_erased(handle, key_dtype, upto):
+    """Forgets logged erasures at or before mark `upto`; returns the log size."""
+    return gen().kre_table_trim_erased(handle, tf.constant(upto, tf.int64), Tkeys=key_dtype)
+
+
+def erase(handle, keys):
+    """Erases a vector of keys; returns how many were present."""
+    return gen().kre_table_erase(handle, keys)
+
+
+def counters(handle, key_dtype):
+    """The COUNTER_PARTS of a table as an int64 vector."""
+    return gen().kre_table_counters(handle, Tkeys=key_dtype)

@@ -201,11 +201,14 @@ def _keras_tables(model, rows):
     tables = []
     for layer in _ev_layers(model):
         data = layer.export()
-        stats = layer.table.stats()
+        stats = layer.table.counters()  # the numbers of callbacks.TableStats
         tables.append({
             "name": layer.name, "dim": layer.embedding_dim, "key_dtype": layer.key_dtype,
             "keys": stats["size"], "filtered": stats["filtered"],
             "memory_bytes": stats["memory_bytes"], "slots": sorted(data["slots"]),
+            "latest_step": stats["latest_step"],
+            "max_version": int(data["versions"].max()) if len(data["versions"]) else None,
+            "total_freq": int(data["freqs"].sum()),
             "rows": [{"key": int(data["keys"][i]), "freq": int(data["freqs"][i]),
                       "version": int(data["versions"][i]),
                       "values": [float(v) for v in data["values"][i][:6]]}
@@ -272,7 +275,8 @@ def inspect(args):
         if source == "keras":
             print(f"{t['name']}: dim={t['dim']} key_dtype={t['key_dtype']} "
                   f"keys={t['keys']:,} filtered={t['filtered']:,} "
-                  f"memory={t['memory_bytes']:,} bytes slots={t['slots'] or '-'}")
+                  f"memory={t['memory_bytes']:,} bytes slots={t['slots'] or '-'} "
+                  f"latest_step={t['latest_step']} total_freq={t['total_freq']:,}")
             for row in t["rows"]:
                 values = np.array2string(np.array(row["values"], np.float32), precision=4,
                                          separator=", ")

@@ -163,6 +163,21 @@ def export_for_serving(model, filepath, input_signature=None, verbose=False):
     place only once complete, so a failed export leaves a previous one
     intact.
 
+    Fresh rows for online serving: the stock export is frozen, so a TF
+    Serving deployment picks up new rows the way TF Serving picks up any new
+    model: export on a schedule (e.g. after each full or incremental
+    checkpoint of `keras_rec_emb.callbacks.CheckpointCallback`) into a new
+    numbered version folder of the model's base path
+    (`export_for_serving(model, f"{base}/{int(time.time())}")`); TF
+    Serving's file-system poller (`--file_system_poll_wait_seconds`) loads the
+    newest version and, with the default version policy, unloads the older
+    one once the new one serves. A server that runs this package's ops
+    instead (a SavedModel from `model.export`, loaded with
+    `tf.saved_model.load` after `import keras_rec_emb`) can apply each
+    incremental checkpoint in place, without a reload:
+    `keras_rec_emb.apply_to_saved_model(loaded, link_path)` (DeepRec's
+    incremental model update).
+
     Args:
         model: a built `keras.Model` (TensorFlow backend).
         filepath: str or path-like. Directory to write the SavedModel to.

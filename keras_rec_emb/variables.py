@@ -508,6 +508,63 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
                                   clear=False)
 
 
+    # -- Change tracking (incremental checkpoints, serving deltas) -----------
+    def mark_changes(self):
+        """Closes the table's current change epoch and returns it (an int
+        mark): `export_changes(mark)` later returns what changed after it."""
+        return int(_ops.mark_changes(self.handle, self._key_dtype))
+
+    def export_changes(self, since):
+        """The keys changed after mark `since`, shaped like `export()`,
+        plus `erased` (keys erased after it: replay erases them first) and
+        `complete` (False when the contents were replaced wholesale since,
+        e.g. by a restore: then only a full export is correct)."""
+        parts = {k: v.numpy() for k, v in _ops.export_changed_since(
+            self.handle, self._key_dtype, self._dim, int(since)).items()}
+        out = {k: parts[k] for k in _ops.EXPORT_PARTS if not k.startswith("slot_")}
+        out["slots"] = {}
+        start = 0
+        for name, width in zip(parts["slot_names"], parts["slot_widths"]):
+            out["slots"][name.decode()] = parts["slot_values"][:, start:start + width]
+            start += width
+        out["erased"] = parts["erased"]
+        out["complete"] = bool(parts["complete"])
+        return out
+
+    def trim_erased(self, upto):
+        """Forgets logged erasures at or before mark `upto`; returns how
+        many stay logged."""
+        return int(_ops.trim_erased(self.handle, self._key_dtype, int(upto)))
+
+    def erase(self, keys):
+        """Erases `keys` (absent ones are skipped); returns how many were
+        present."""
+        keys = keys_in_range(np.asarray(keys).reshape(-1), self._key_dtype,
+                             f"`keys` of table '{self._name}'")
+        return int(_ops.erase(self.handle, tf.constant(keys, self._key_dtype)))
+
+    def apply_changes(self, delta):
+        """Replays a dict from `export_changes` (or one read back from an
+        incremental checkpoint) onto this table: erases `erased`, then
+        imports the changed rows and counted keys without clearing."""
+        if not isinstance(delta, dict) or "erased" not in delta:
+            raise ValueError(
+                "`delta` must be a dict from export_changes() (with 'erased'). "
+                f"Received: {type(delta).__name__}")
+        erased = np.asarray(delta["erased"])
+        if erased.size:
+            self.erase(erased)
+        rows = {k: v for k, v in delta.items() if k not in ("erased", "complete")}
+        self.import_(rows, clear=False)
+
+    def counters(self):
+        """dict of cumulative counters: `size`, `filtered`, `memory_bytes`,
+        `latest_step`, `lookups` (key occurrences looked up), `hits` (of them
+        found admitted), `admitted_total`, `erased_total`, `change_epoch`,
+        `erased_log`."""
+        values = _ops.counters(self.handle, self._key_dtype).numpy()
+        return dict(zip(_ops.COUNTER_PARTS, (int(v) for v in values)))
+
     def _slot_block(self, name, rows, n):
         """Slot `name`'s rows as a float32 [n, width] array (an empty table's
         slots keep their width: `reshape(0, -1)` cannot infer it)."""

@@ -257,6 +257,7 @@ uint64_t Table<K>::InsertNew(Shard& s, K key, uint64_t h, bool admit) {
     int64_t* m = s.meta.Row(meta_row);
     m[kFreq] = 0;
     m[kVersion] = 0;
+    m[kEpoch] = epoch_.load(std::memory_order_relaxed);
   }
   uint64_t i = h & s.mask;
   while (!(s.ctrl[i] & 0x80)) i = (i + 1) & s.mask;
@@ -283,6 +284,7 @@ uint32_t Table<K>::Admit(Shard& s, uint64_t i) {
   if (fresh) {
     try {
       s.values.EnsureCapacity(s.next_row, 0.0f);
+      if (!options_.track_meta) s.row_epochs.EnsureCapacity(s.next_row, 0);
       for (size_t j = 0; j < s.slots.size(); ++j) {
         s.slots[j].EnsureCapacity(s.next_row, slot_specs_[j].init);
       }
@@ -299,6 +301,8 @@ uint32_t Table<K>::Admit(Shard& s, uint64_t i) {
   }
   s.entries[i].row = row;
   --s.filtered;
+  ++s.admitted_total;
+  Touch(s, s.entries[i]);
   return row;
 }
 
@@ -388,6 +392,10 @@ bool Table<K>::SetBloomState(const std::vector<uint8_t>& state) {
 template <typename K>
 void Table<K>::EraseAt(Shard& s, uint64_t i) {
   const Entry& e = s.entries[i];
+  ++s.erased_total;
+  if (log_erased_.load(std::memory_order_relaxed)) {
+    s.erased_log.emplace_back(e.key, epoch_.load(std::memory_order_relaxed));
+  }
   if (e.row == kNoRow) {
     --s.filtered;
   } else {
@@ -461,7 +469,8 @@ int64_t Table<K>::CountFreq(int64_t freq, int64_t count) const {
 
 template <typename K>
 const float* Table<K>::Resolve(Shard& s, K key, uint64_t h, bool insert, int64_t now,
-                               int64_t count, int64_t* admitted, int64_t* skip) {
+                               int64_t count, int64_t* admitted, int64_t* skip,
+                               uint64_t* hits) {
   // `count` occurrences of the key at once; all of them read the same row.
   // With a filter (DeepRec's rule) a training lookup reads the row only if
   // the key was admitted before it: the lookup whose count reaches the
@@ -474,8 +483,14 @@ const float* Table<K>::Resolve(Shard& s, K key, uint64_t h, bool insert, int64_t
   if (idx >= 0) {
     Entry& e = s.entries[idx];
     int64_t* m = Meta(s, e);
-    if (insert && m) m[kFreq] = CountFreq(m[kFreq], count);
-    if (e.row != kNoRow) return s.values.Row(e.row);
+    if (insert && m) {
+      m[kFreq] = CountFreq(m[kFreq], count);
+      m[kEpoch] = epoch_.load(std::memory_order_relaxed);
+    }
+    if (e.row != kNoRow) {
+      *hits += static_cast<uint64_t>(count);
+      return s.values.Row(e.row);
+    }
     // Counted by the counter filter, not admitted yet.
     if (!insert) return no_permission_row_.data();
     m[kVersion] = now;  // last seen
@@ -534,6 +549,7 @@ int64_t Table<K>::LookupImpl(int shard, const K* keys, const uint64_t* hashes,
   constexpr int64_t kBlock = 16;
   const float* src[kBlock];
   int64_t inserted = 0;
+  uint64_t hits = 0, occurrences = 0;
   auto prefetch_slots = [&](int64_t begin, int64_t end) {
     if (s.ctrl.empty()) return;
     for (int64_t j = begin; j < end; ++j) {
@@ -566,9 +582,10 @@ int64_t Table<K>::LookupImpl(int shard, const K* keys, const uint64_t* hashes,
     for (size_t u = 0; u < first.size(); ++u) {
       int64_t skip;
       rows[u] = Resolve(s, keys[first[u]], hashes[first[u]], true, now, count[u], &inserted,
-                        &skip);
+                        &skip, &hits);
     }
     for (int64_t j = 0; j < n; ++j) CopyRow(out + order[j] * dim_, rows[which[j]], dim_);
+    CountLookups(s, static_cast<uint64_t>(n), hits);
     return inserted;
   }
   prefetch_slots(0, std::min(n, kBlock));
@@ -577,14 +594,16 @@ int64_t Table<K>::LookupImpl(int shard, const K* keys, const uint64_t* hashes,
     prefetch_slots(e, std::min(n, e + kBlock));
     for (int64_t j = b; j < e; ++j) {
       int64_t skip;
-      src[j - b] = Resolve(s, keys[j], hashes[j], insert, now,
-                           kCounted ? counts[order[j]] : 1, &inserted, &skip);
+      const int64_t c = kCounted ? counts[order[j]] : 1;
+      occurrences += static_cast<uint64_t>(c);
+      src[j - b] = Resolve(s, keys[j], hashes[j], insert, now, c, &inserted, &skip, &hits);
       if (kCounted) skips[order[j]] = static_cast<int32_t>(skip);
       PrefetchRow(src[j - b], dim_);
       __builtin_prefetch(out + order[j] * dim_, 1);
     }
     for (int64_t j = b; j < e; ++j) CopyRow(out + order[j] * dim_, src[j - b], dim_);
   }
+  CountLookups(s, occurrences, hits);
   return inserted;
 }
 
@@ -682,6 +701,7 @@ void Table<K>::Import(const K* keys, const float* values, const int64_t* freqs,
       std::copy(src, src + slot_widths[j], s.slots[slot_ids[j]].Row(e.row));
       src += slot_widths[j];
     }
+    Touch(s, e);
   }
 }
 
@@ -700,6 +720,7 @@ void Table<K>::ImportFiltered(const K* keys, const int64_t* freqs, const int64_t
     int64_t* m = Meta(s, s.entries[idx]);
     m[kFreq] = freqs[i];
     m[kVersion] = versions[i];
+    m[kEpoch] = epoch_.load(std::memory_order_relaxed);
   }
 }
 
@@ -763,6 +784,9 @@ void Table<K>::ResetShard(Shard& s) {
   s.free_meta.clear();
   s.free_meta.shrink_to_fit();
   s.filtered = 0;
+  s.row_epochs.Clear();
+  s.erased_log.clear();
+  s.erased_log.shrink_to_fit();
 }
 
 template <typename K>
@@ -799,7 +823,12 @@ void Table<K>::SwapContents(Table& other) {
     std::swap(a.next_meta, b.next_meta);
     std::swap(a.free_meta, b.free_meta);
     std::swap(a.filtered, b.filtered);
+    std::swap(a.row_epochs, b.row_epochs);
+    std::swap(a.erased_log, b.erased_log);
   }
+  // Rows now carry the other table's epochs: no delta spans this.
+  reset_epoch_ = ChangeEpoch();
+  other.reset_epoch_ = other.ChangeEpoch();
   std::swap(bloom_words_, other.bloom_words_);
   std::swap(slot_specs_, other.slot_specs_);
   std::swap(default_values_, other.default_values_);
@@ -813,6 +842,7 @@ void Table<K>::Clear() {
   for (auto& s : shards_) locks.emplace_back(s->mu);
   for (auto& s : shards_) ResetShard(*s);
   std::fill(bloom_words_.begin(), bloom_words_.end(), 0);
+  reset_epoch_ = ChangeEpoch();  // no delta spans a clear
 }
 
 template <typename K>
@@ -834,6 +864,58 @@ bool Table<K>::Find(K key, std::vector<float>* value, int64_t* freq,
   *freq = m ? m[kFreq] : 0;
   *version = m ? m[kVersion] : 0;
   return true;
+}
+
+// --- Change tracking ------------------------------------------------------
+
+template <typename K>
+void Table<K>::CountLookups(Shard& s, uint64_t occurrences, uint64_t hits) {
+  s.lookups.fetch_add(occurrences, std::memory_order_relaxed);
+  s.hits.fetch_add(hits, std::memory_order_relaxed);
+}
+
+template <typename K>
+int64_t Table<K>::MarkChanges() {
+  std::vector<std::unique_lock<std::shared_mutex>> locks;
+  for (auto& s : shards_) locks.emplace_back(s->mu);
+  log_erased_.store(true, std::memory_order_relaxed);
+  return epoch_.fetch_add(1, std::memory_order_relaxed);
+}
+
+template <typename K>
+void Table<K>::TrimErasedLog(int64_t upto) {
+  for (auto& sp : shards_) {
+    Shard& s = *sp;
+    std::unique_lock<std::shared_mutex> lock(s.mu);
+    auto& log = s.erased_log;
+    log.erase(std::remove_if(log.begin(), log.end(),
+                             [upto](const std::pair<K, int64_t>& ke) { return ke.second <= upto; }),
+              log.end());
+    if (log.capacity() > 4 * log.size() + 64) log.shrink_to_fit();
+  }
+}
+
+template <typename K>
+int64_t Table<K>::ErasedLogSize() const {
+  int64_t n = 0;
+  for (const auto& s : shards_) {
+    std::shared_lock<std::shared_mutex> lock(s->mu);
+    n += static_cast<int64_t>(s->erased_log.size());
+  }
+  return n;
+}
+
+template <typename K>
+TableCounters Table<K>::Counters() const {
+  TableCounters c;
+  for (const auto& s : shards_) {
+    std::shared_lock<std::shared_mutex> lock(s->mu);
+    c.lookups += s->lookups.load(std::memory_order_relaxed);
+    c.hits += s->hits.load(std::memory_order_relaxed);
+    c.admitted += s->admitted_total;
+    c.erased += s->erased_total;
+  }
+  return c;
 }
 
 template class Table<int64_t>;

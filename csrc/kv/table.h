@@ -87,7 +87,19 @@ struct SlotSpec {
 };
 
 // Per-row metadata columns.
-enum MetaColumn { kFreq = 0, kVersion = 1, kNumMeta = 2 };
+// kEpoch is the table's change epoch at the row's last change (see "Change
+// tracking" below).
+enum MetaColumn { kFreq = 0, kVersion = 1, kEpoch = 2, kNumMeta = 3 };
+
+// Cumulative counters of a table (for statistics): key occurrences looked
+// up, those that found an admitted row, keys admitted (rows created) and
+// keys erased (eviction, Erase), since the table was made.
+struct TableCounters {
+  uint64_t lookups = 0;
+  uint64_t hits = 0;
+  uint64_t admitted = 0;
+  uint64_t erased = 0;
+};
 
 template <typename K>
 class Table {
@@ -235,6 +247,35 @@ class Table {
   bool Find(K key, std::vector<float>* value, int64_t* freq,
             int64_t* version) const;
 
+  // --- Change tracking (incremental checkpoints, serving deltas) ---------
+  // Every change of a key's state (row created, value or slot updated,
+  // frequency or version changed, imported) stamps the key with the
+  // table's current change epoch; erased keys are logged with the epoch of
+  // their erasure once tracking is on (after the first MarkChanges).
+  //
+  // Closes the current epoch and returns it as a mark M: changes from now
+  // on carry epochs > M. Takes every shard lock exclusively (so no change
+  // in flight straddles the mark) and turns on the log of erased keys.
+  int64_t MarkChanges();
+  // The current (open) change epoch.
+  int64_t ChangeEpoch() const { return epoch_.load(std::memory_order_relaxed); }
+  // Exports, as Export does, only the keys changed after mark `since`
+  // (admitted and counted-but-not-admitted), and appends to *erased the keys
+  // erased after it (a key erased and re-inserted is in both: replay erases
+  // first, then imports). One consistent view, every shard locked shared.
+  // Returns false when the contents were replaced wholesale (Clear,
+  // SwapContents) after `since`: the changes cannot be expressed as a
+  // delta and a full export is needed.
+  template <typename Alloc>
+  bool ExportChangedSince(int64_t since, Alloc&& alloc, std::vector<K>* erased) const;
+  // Forgets logged erasures at or before mark `upto` (once a delta that
+  // holds them is safely stored).
+  void TrimErasedLog(int64_t upto);
+  // Entries in the erased-keys log.
+  int64_t ErasedLogSize() const;
+  // Cumulative counters (see TableCounters).
+  TableCounters Counters() const;
+
  private:
   static constexpr uint8_t kEmpty = 0x80;
   static constexpr uint8_t kDeleted = 0xFE;
@@ -262,6 +303,17 @@ class Table {
     uint32_t next_meta = 0;
     std::vector<uint32_t> free_meta;
     uint64_t filtered = 0;       // entries not admitted
+    // Change tracking: the epoch of each value row when metadata is not
+    // tracked (otherwise it is the metadata's kEpoch column), and the keys
+    // erased with the epoch of their erasure.
+    ChunkedArena<int64_t> row_epochs{1};
+    std::vector<std::pair<K, int64_t>> erased_log;
+    // Counters (see TableCounters); lookups and hits are added once per
+    // batch, also under a shared lock.
+    std::atomic<uint64_t> lookups{0};
+    std::atomic<uint64_t> hits{0};
+    uint64_t admitted_total = 0;  // under the exclusive lock
+    uint64_t erased_total = 0;    // under the exclusive lock
   };
 
   static uint8_t Tag(uint64_t h) { return static_cast<uint8_t>(h >> 57); }
@@ -277,9 +329,22 @@ class Table {
   int64_t* Meta(const Shard& s, const Entry& e) const {
     return e.meta_row == kNoRow ? nullptr : s.meta.Row(e.meta_row);
   }
+  // Change tracking: where entry e's change epoch lives, stamping it with
+  // the current epoch (caller holds the shard exclusively), and reading it.
+  int64_t* EpochSlot(const Shard& s, const Entry& e) const {
+    if (e.meta_row != kNoRow) return s.meta.Row(e.meta_row) + kEpoch;
+    return e.row == kNoRow ? nullptr : s.row_epochs.Row(e.row);
+  }
+  void Touch(Shard& s, const Entry& e) {
+    if (int64_t* ep = EpochSlot(s, e)) *ep = epoch_.load(std::memory_order_relaxed);
+  }
+  int64_t EpochOf(const Shard& s, const Entry& e) const {
+    const int64_t* ep = EpochSlot(s, e);
+    return ep ? *ep : 0;
+  }
   // One key's row for Lookup (see there); counts admissions in *admitted.
   const float* Resolve(Shard& s, K key, uint64_t h, bool insert, int64_t now,
-                       int64_t count, int64_t* admitted, int64_t* skip);
+                       int64_t count, int64_t* admitted, int64_t* skip, uint64_t* hits);
   template <bool kCounted>
   int64_t LookupImpl(int shard, const K* keys, const uint64_t* hashes,
                      const int64_t* order, const int32_t* counts, int64_t n,
@@ -295,6 +360,8 @@ class Table {
   void EraseAt(Shard& s, uint64_t i);
   void ResetShard(Shard& s);
   void RaiseLatestStep(int64_t step);
+  // Adds one batch's lookup counts to the shard's counters.
+  void CountLookups(Shard& s, uint64_t occurrences, uint64_t hits);
 
   const TableOptions options_;
   const int64_t dim_;
@@ -312,6 +379,12 @@ class Table {
   // lock gives a consistent view.
   std::vector<SlotSpec> slot_specs_;
   mutable std::mutex slot_specs_mu_;  // for readers that hold no shard lock
+  // Change tracking: the open epoch, whether erasures are logged, and the
+  // epoch at which the contents were last replaced wholesale (changed
+  // with every shard locked exclusively).
+  std::atomic<int64_t> epoch_{1};
+  std::atomic<bool> log_erased_{false};
+  int64_t reset_epoch_ = 0;
 };
 
 // ---------------------------------------------------------------------------
@@ -364,6 +437,7 @@ void Table<K>::Apply(int shard, const K* keys, const uint64_t* hashes,
     }
     fn(s.values.Row(e.row), slot_rows.data(), sums.data() + r * dim_);
     if (int64_t* m = Meta(s, e)) m[kVersion] = step;
+    Touch(s, e);
   }
 }
 
@@ -411,6 +485,64 @@ void Table<K>::Export(Alloc&& alloc) const {
       ++out;
     }
   }
+}
+
+template <typename K>
+template <typename Alloc>
+bool Table<K>::ExportChangedSince(int64_t since, Alloc&& alloc,
+                                  std::vector<K>* erased) const {
+  std::vector<std::shared_lock<std::shared_mutex>> locks;
+  locks.reserve(shards_.size());
+  for (const auto& s : shards_) locks.emplace_back(s->mu);
+  const bool complete = since >= reset_epoch_;
+  int64_t n = 0, nf = 0;
+  for (const auto& sp : shards_) {
+    const Shard& s = *sp;
+    for (uint64_t i = 0; i < s.ctrl.size(); ++i) {
+      if (s.ctrl[i] & 0x80) continue;
+      const Entry& e = s.entries[i];
+      if (EpochOf(s, e) <= since) continue;
+      ++(e.row == kNoRow ? nf : n);
+    }
+    for (const auto& ke : s.erased_log) {
+      if (ke.second > since) erased->push_back(ke.first);
+    }
+  }
+  int64_t total_width = 0;
+  for (const auto& spec : slot_specs_) total_width += spec.width;
+  const std::optional<ExportBuffers> buffers = alloc(n, nf);
+  if (!buffers) return complete;
+  const ExportBuffers& b = *buffers;
+  int64_t out = 0, out_f = 0;
+  for (const auto& sp : shards_) {
+    const Shard& s = *sp;
+    for (uint64_t i = 0; i < s.ctrl.size(); ++i) {
+      if (s.ctrl[i] & 0x80) continue;
+      const Entry& e = s.entries[i];
+      if (EpochOf(s, e) <= since) continue;
+      const int64_t* m = Meta(s, e);
+      if (e.row == kNoRow) {
+        b.keys_filtered[out_f] = e.key;
+        b.freqs_filtered[out_f] = m ? m[kFreq] : 0;
+        b.versions_filtered[out_f] = m ? m[kVersion] : 0;
+        ++out_f;
+        continue;
+      }
+      b.keys[out] = e.key;
+      const float* v = s.values.Row(e.row);
+      std::copy(v, v + dim_, b.values + out * dim_);
+      b.freqs[out] = m ? m[kFreq] : 0;
+      b.versions[out] = m ? m[kVersion] : 0;
+      float* dst = b.slots + out * total_width;
+      for (size_t j = 0; j < s.slots.size(); ++j) {
+        const float* sv = s.slots[j].Row(e.row);
+        std::copy(sv, sv + slot_specs_[j].width, dst);
+        dst += slot_specs_[j].width;
+      }
+      ++out;
+    }
+  }
+  return complete;
 }
 
 }  // namespace kv
