@@ -204,11 +204,11 @@ def mark_changes(handle, key_dtype):
 
 
 def export_changed_since(handle, key_dtype, dim, since):
-    """EXPORT_PARTS of the keys changed after mark `since`, plus `erased`
-    (keys erased after it) and `complete` (False: take a full export)."""
-    out = gen().kre_table_export_changed_since(
-        handle, tf.constant(since, tf.int64), Tkeys=key_dtype, dim=dim)
-    return dict(zip(EXPORT_PARTS + ("erased", "complete"), out))
+    """The parts of the keys changed after mark `since` (a dict by the op's
+    output names: `variables.PARTS`, plus `erased`, the keys erased after
+    it, and `complete`, False when only a full export is correct)."""
+    return gen().kre_table_export_changed_since(
+        handle, tf.constant(since, tf.int64), Tkeys=key_dtype, dim=dim)._asdict()
 
 
 def trim_erased(handle, key_dtype, upto):

@@ -521,7 +521,7 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         e.g. by a restore: then only a full export is correct)."""
         parts = {k: v.numpy() for k, v in _ops.export_changed_since(
             self.handle, self._key_dtype, self._dim, int(since)).items()}
-        out = {k: parts[k] for k in _ops.EXPORT_PARTS if not k.startswith("slot_")}
+        out = {k: parts[k] for k in ARRAY_PARTS}
         out["slots"] = {}
         start = 0
         for name, width in zip(parts["slot_names"], parts["slot_widths"]):
