@@ -206,6 +206,9 @@ def _keras_tables(model, rows):
             "name": layer.name, "dim": layer.embedding_dim, "key_dtype": layer.key_dtype,
             "keys": stats["size"], "filtered": stats["filtered"],
             "memory_bytes": stats["memory_bytes"], "slots": sorted(data["slots"]),
+            "storage": {k: stats[k] for k in (
+                "storage", "rows", "cached_rows", "cache_memory_bytes", "disk_bytes",
+                "cache_hits", "cache_misses", "cache_hit_rate", "file_reads", "file_writes")},
             "rows": [{"key": int(data["keys"][i]), "freq": int(data["freqs"][i]),
                       "version": int(data["versions"][i]),
                       "values": [float(v) for v in data["values"][i][:6]]}
@@ -273,6 +276,13 @@ def inspect(args):
             print(f"{t['name']}: dim={t['dim']} key_dtype={t['key_dtype']} "
                   f"keys={t['keys']:,} filtered={t['filtered']:,} "
                   f"memory={t['memory_bytes']:,} bytes slots={t['slots'] or '-'}")
+            st = t["storage"]
+            if st["storage"] == "FILE":
+                print(f"  file tier: rows={st['rows']:,} in_cache={st['cached_rows']:,} "
+                      f"cache={st['cache_memory_bytes']:,} bytes "
+                      f"on_disk={st['disk_bytes']:,} bytes "
+                      f"hit_rate={st['cache_hit_rate']:.3f} "
+                      f"file_reads={st['file_reads']:,} file_writes={st['file_writes']:,}")
             for row in t["rows"]:
                 values = np.array2string(np.array(row["values"], np.float32), precision=4,
                                          separator=", ")
