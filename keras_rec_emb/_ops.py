@@ -187,6 +187,11 @@ def snapshot(handle, key_dtype):
     return gen().kre_table_snapshot(handle, Tkeys=key_dtype)
 
 
+def release_storage(handle, key_dtype):
+    """File tier: releases the table's lock on its folder."""
+    return gen().kre_table_release_storage(handle, Tkeys=key_dtype)
+
+
 def restore_snapshot(handle, key_dtype, path=""):
     """File tier: the latest snapshot under `path` (default: the table's
     folder) replaces the contents; returns the number of keys."""

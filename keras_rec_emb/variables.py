@@ -170,6 +170,14 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
             storage_path=self._storage_dir or "", cache_bytes=self._cache_bytes,
         )
 
+    def _destroy_resource(self):
+        # The Python table is going: its file tier's folder lock goes with it
+        # (the C++ resource may outlive it, held by TensorFlow's function
+        # caches), so that a reloaded model can take the folder. Eager only:
+        # this is also traced into SavedModels, which must not need the op.
+        if self._storage_dir is not None and tf.executing_eagerly():
+            _ops.release_storage(self._resource_handle, self._key_dtype)
+
     def _serialize_to_tensors(self):
         # DeepRec evicts when a checkpoint is saved; every part is always
         # present (possibly empty) so that checkpoints of tables with and

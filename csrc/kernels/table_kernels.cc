@@ -209,6 +209,21 @@ class TableSnapshotOp : public OpKernel {
 };
 
 template <typename K>
+class TableReleaseStorageOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    tf::core::RefCountPtr<TableResource<K>> res;
+    OP_REQUIRES_OK(ctx, GetTable<K>(ctx, &res));
+    kv::Table<K>& t = res->table();
+    if (t.file_tier()) t.ReleaseStorageLock();
+    Tensor* out;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<bool>()() = t.file_tier();
+  }
+};
+
+template <typename K>
 class TableRestoreSnapshotOp : public OpKernel {
  public:
   using OpKernel::OpKernel;
@@ -507,6 +522,9 @@ class TableImportOp : public OpKernel {
   REGISTER_KERNEL_BUILDER(                                                             \
       Name("KRE>TableSnapshot").Device(tf::DEVICE_CPU).TypeConstraint<K>("Tkeys"),     \
       TableSnapshotOp<K>);                                                             \
+  REGISTER_KERNEL_BUILDER(                                                             \
+      Name("KRE>TableReleaseStorage").Device(tf::DEVICE_CPU).TypeConstraint<K>("Tkeys"), \
+      TableReleaseStorageOp<K>);                                                       \
   REGISTER_KERNEL_BUILDER(                                                             \
       Name("KRE>TableRestoreSnapshot").Device(tf::DEVICE_CPU).TypeConstraint<K>("Tkeys"), \
       TableRestoreSnapshotOp<K>);                                                      \

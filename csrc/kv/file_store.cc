@@ -189,11 +189,14 @@ void FileRowStore::OpenSegment() {
   seg.size = kHeaderBytes;
   segments_[id] = seg;
   active_ = id;
+  file_bytes_ += kHeaderBytes;
 }
 
 void FileRowStore::FlushBuffer() {
   if (active_ < 0 || buffer_.empty()) return;
   Segment& seg = segments_[static_cast<uint32_t>(active_)];
+  // A failed write (disk full) keeps the buffer: nothing is lost in memory
+  // and the error names the file.
   WriteAll(seg.fd, buffer_.data(), buffer_.size(), seg.size, seg.path);
   seg.size += buffer_.size();
   buffer_.clear();
@@ -210,6 +213,8 @@ uint64_t FileRowStore::Append(const float* record) {
   const uint64_t offset = seg.size + buffer_.size();
   const char* p = reinterpret_cast<const char*>(record);
   buffer_.insert(buffer_.end(), p, p + bytes);
+  file_bytes_ += bytes;
+  live_bytes_ += bytes;
   if (buffer_.size() >= kBufferBytes) FlushBuffer();
   ++writes_;
   return (static_cast<uint64_t>(active_) << kOffsetBits) | offset;
@@ -235,10 +240,56 @@ void FileRowStore::ReadRecord(uint64_t loc, float* dst) const {
   }
 }
 
+void FileRowStore::Forget(uint64_t loc) {
+  if (loc == kNoLocation) return;
+  const auto it = segments_.find(static_cast<uint32_t>(loc >> kOffsetBits));
+  if (it != segments_.end()) live_bytes_ -= it->second.width * 4;
+}
+
 void FileRowStore::WriteBack(uint32_t slot) {
   const uint32_t row = cache_row_[slot];
-  loc_[row] = Append(cache_.data() + static_cast<uint64_t>(slot) * width_);
+  const uint64_t loc = Append(cache_.data() + static_cast<uint64_t>(slot) * width_);
+  Forget(loc_[row]);
+  loc_[row] = loc;
   dirty_[slot] = 0;
+  MaybeCompact();
+}
+
+void FileRowStore::MaybeCompact() {
+  if (compacting_ || file_bytes_ <= 2 * live_bytes_ ||
+      file_bytes_ < 2 * space_->segment_bytes()) {
+    return;
+  }
+  compacting_ = true;
+  try {
+    FlushBuffer();
+    active_ = -1;  // rows go to new segments
+    std::vector<uint32_t> old;
+    for (const auto& kv : segments_) old.push_back(kv.first);
+    const uint32_t first_new = next_segment_;
+    std::vector<float> rec(width_);
+    for (uint32_t row = 0; row < next_row_; ++row) {
+      const uint64_t loc = loc_[row];
+      if (loc == kNoLocation || (loc >> kOffsetBits) >= first_new) continue;
+      ReadRecord(loc, rec.data());
+      const uint64_t moved = Append(rec.data());
+      Forget(loc);
+      loc_[row] = moved;
+    }
+    FlushBuffer();
+    for (uint32_t id : old) {
+      Segment& seg = segments_[id];
+      file_bytes_ -= seg.size;
+      ::close(seg.fd);
+      ::unlink(seg.path.c_str());
+      segments_.erase(id);
+    }
+    ++compactions_;
+  } catch (...) {
+    compacting_ = false;  // every row still points at a readable record
+    throw;
+  }
+  compacting_ = false;
 }
 
 uint32_t FileRowStore::TakeCacheSlot() {
@@ -334,6 +385,7 @@ void FileRowStore::Release(uint32_t row) {
     free_slots_.push_back(static_cast<uint32_t>(slot));
     slot_of_[row] = -1;
   }
+  Forget(loc_[row]);
   loc_[row] = kNoLocation;
   free_rows_.push_back(row);
   --rows_;
@@ -414,6 +466,8 @@ void FileRowStore::Clear() {
   segments_.clear();
   active_ = -1;
   buffer_.clear();
+  file_bytes_ = 0;
+  live_bytes_ = 0;
   cache_.clear();
   cache_.shrink_to_fit();
   cache_row_.clear();
@@ -437,8 +491,7 @@ RowStoreStats FileRowStore::Stats() const {
   s.memory_bytes = cache_.capacity() * 4 + slot_of_.capacity() * 4 + loc_.capacity() * 8 +
                    free_rows_.capacity() * 4 + buffer_.capacity() +
                    cache_row_.capacity() * 6;
-  for (const auto& kv : segments_) s.disk_bytes += kv.second.size;
-  s.disk_bytes += buffer_.size();
+  s.disk_bytes = file_bytes_;
   s.hits = hits_;
   s.misses = misses_;
   s.file_reads = reads_;
@@ -466,6 +519,7 @@ uint32_t FileRowStore::AdoptSegment(const std::string& path, uint64_t width, uin
   seg.width = width;
   seg.size = size;
   segments_[id] = seg;
+  file_bytes_ += size;
   return id;
 }
 
@@ -475,6 +529,8 @@ uint32_t FileRowStore::AdoptRow(uint64_t location) {
   EnsureRowCapacity(next_row_);
   slot_of_[row] = -1;
   loc_[row] = location;
+  const auto it = segments_.find(static_cast<uint32_t>(location >> kOffsetBits));
+  if (it != segments_.end()) live_bytes_ += it->second.width * 4;
   ++rows_;
   return row;
 }

@@ -17,7 +17,10 @@
 //   most max(16, cache_bytes / num_shards / record bytes) rows per shard
 //   and replaces by CLOCK (second chance); a dirty row is appended to the
 //   current segment when it leaves the cache (writes are buffered, 1 MiB).
-//   A rewritten row leaves garbage behind (counted in Stats().disk_bytes).
+//   A rewritten row leaves garbage behind (counted in Stats().disk_bytes);
+//   when the files hold more than twice the live rows' bytes (and more than
+//   two segments' worth), every row on file is copied to new segments and
+//   the old ones are unlinked (a snapshot keeps its own links).
 // * Snapshot (Table::Snapshot): every shard locked, dirty rows written,
 //   segments flushed, fsynced and sealed; the segments are hard-linked into
 //   P/snap-<seq>.tmp/ with an index file (keys, locations, frequencies,
@@ -134,6 +137,9 @@ class FileRowStore final : public RowStore {
   // was written get their init values).
   void ReadRecord(uint64_t loc, float* dst) const;
   void EnsureRowCapacity(uint32_t rows);
+  // Drops the file bytes of `loc` from the live count.
+  void Forget(uint64_t loc);
+  void MaybeCompact();
   void Recompute();
 
   std::shared_ptr<FileSpace> space_;
@@ -165,7 +171,11 @@ class FileRowStore final : public RowStore {
   int64_t active_ = -1;  // segment being appended to
   std::vector<char> buffer_;  // its unflushed tail
   mutable std::vector<float> scratch_;
+  uint64_t file_bytes_ = 0;  // all segment bytes, the buffer included
+  uint64_t live_bytes_ = 0;  // bytes of the records rows point at
+  bool compacting_ = false;
   // Counters.
+  uint64_t compactions_ = 0;
   uint64_t hits_ = 0, misses_ = 0, reads_ = 0, writes_ = 0;
 };
 

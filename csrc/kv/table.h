@@ -236,6 +236,10 @@ class Table {
   // before it changes the table).
   bool file_tier() const { return !options_.storage_path.empty(); }
   int64_t Snapshot();
+  // Releases storage_path's lock (the owner of this table has let go of it
+  // and another table may take the path); the table keeps working on its
+  // open files but must not snapshot any more.
+  void ReleaseStorageLock();
   int64_t RestoreSnapshot(const std::string& path);
 
  private:

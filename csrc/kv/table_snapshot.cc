@@ -170,8 +170,19 @@ std::string SnapName(int64_t seq) { return "snap-" + std::to_string(seq); }
 }  // namespace
 
 template <typename K>
+void Table<K>::ReleaseStorageLock() {
+  std::vector<std::unique_lock<std::shared_mutex>> locks;
+  LockAll(&locks);
+  storage_lock_.reset();
+}
+
+template <typename K>
 int64_t Table<K>::Snapshot() {
   if (!file_tier()) throw std::invalid_argument("Snapshot needs a file-tier table");
+  if (!storage_lock_) {
+    throw std::runtime_error("the table has released storage_path '" + options_.storage_path +
+                             "'; snapshots need its lock");
+  }
   const std::string root = options_.storage_path;
   std::vector<std::unique_lock<std::shared_mutex>> locks;
   LockAll(&locks);
@@ -388,6 +399,8 @@ int64_t Table<K>::RestoreSnapshot(const std::string& path) {
   return keys;
 }
 
+template void Table<int64_t>::ReleaseStorageLock();
+template void Table<int32_t>::ReleaseStorageLock();
 template int64_t Table<int64_t>::Snapshot();
 template int64_t Table<int32_t>::Snapshot();
 template int64_t Table<int64_t>::RestoreSnapshot(const std::string&);

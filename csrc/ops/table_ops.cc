@@ -128,6 +128,19 @@ REGISTER_OP("KRE>TableSnapshot")
       return absl::OkStatus();
     });
 
+// File tier: releases the lock on the table's storage_path (its Python
+// owner is gone); returns whether the table is a file-tier one.
+REGISTER_OP("KRE>TableReleaseStorage")
+    .Input("handle: resource")
+    .Output("released: bool")
+    .Attr("Tkeys: {int32, int64}")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      TF_RETURN_IF_ERROR(ScalarHandle(c));
+      c->set_output(0, c->Scalar());
+      return absl::OkStatus();
+    });
+
 // File tier: replaces the contents with the latest snapshot under `path`
 // (the table's storage_path when empty); returns the number of keys.
 REGISTER_OP("KRE>TableRestoreSnapshot")
