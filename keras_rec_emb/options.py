@@ -383,10 +383,6 @@ class EmbeddingVariableOption(_Option):
         self.storage_option = storage_option or StorageOption()
         self.num_shards = num_shards
 
-    def unimplemented_feature(self):
-        """The name of a requested feature that is not implemented, or None."""
-        return None
-
     def tracks_meta(self):
         """Whether keys keep frequency and version (see `track_meta`)."""
         if self.track_meta is not None:

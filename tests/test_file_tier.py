@@ -2,6 +2,7 @@
 side (training with filters and eviction, export/import, model.save,
 tf.train.Checkpoint, export_for_serving), snapshots, statistics, faults."""
 
+import gc
 import inspect
 import os
 import subprocess
@@ -200,3 +201,70 @@ def test_storage_option_round_trip():
     again = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(option))
     assert again.get_config() == option.get_config()
     assert again.cache_bytes == 1 << 20
+
+
+WRITER = """
+import os, sys, numpy as np, keras, keras_rec_emb as kre
+folder = sys.argv[1]
+option = kre.EmbeddingVariableOption(num_shards=4, storage_option=kre.StorageOption(
+    "FILE", storage_path=folder, storage_size=4096))
+layer = kre.layers.EmbeddingVariable(4, ev_option=option, name="w")
+layer.build()
+if os.path.exists(os.path.join(folder, "w_embeddings", "CURRENT")):
+    layer.restore_snapshot()
+opt = kre.optimizers.Adagrad(0.1)
+rng = np.random.default_rng(os.getpid())
+print("READY", flush=True)
+while True:
+    ids = rng.integers(0, 5000, size=256)
+    with __import__("tensorflow").GradientTape() as tape:
+        loss = keras.ops.sum(layer(ids, training=True) ** 2)
+    opt.apply_gradients(zip(tape.gradient(loss, layer.trainable_variables),
+                            layer.trainable_variables))
+    data = layer.export()
+    seq = int(open(os.path.join(folder, "w_embeddings", "CURRENT")).read()[5:]) + 1 \\
+        if os.path.exists(os.path.join(folder, "w_embeddings", "CURRENT")) else 1
+    tmp = os.path.join(folder, f"expect-{seq}.tmp.npz")
+    np.savez(tmp, keys=data["keys"], values=data["values"],
+             acc=data["slots"]["accumulator"])
+    os.replace(tmp, os.path.join(folder, f"expect-{seq}.npz"))
+    assert layer.snapshot() == seq
+"""
+
+
+def test_snapshot_survives_kill_9_of_the_writer(tmp_path):
+    """A writer trains and snapshots in a loop (saving what each snapshot
+    must hold just before taking it); it is killed with SIGKILL at a random
+    point, several times; after each kill the latest completed snapshot
+    restores exactly, and the next writer goes on from it."""
+    import signal
+    import time
+
+    rng = np.random.default_rng(3)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow")
+    checked = 0
+    for _ in range(3):
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        assert proc.stdout.readline().strip() == b"READY", proc.stderr.read()[-2000:]
+        time.sleep(0.3 + rng.random() * 1.5)
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait() == -signal.SIGKILL, proc.stderr.read()[-2000:]  # not a crash
+        current = tmp_path / "w_embeddings" / "CURRENT"
+        if not current.exists():
+            continue
+        seq = int(current.read_text()[5:])
+        expect = np.load(tmp_path / f"expect-{seq}.npz")
+        layer = EmbeddingVariable(4, name="w", ev_option=kre.EmbeddingVariableOption(
+            num_shards=4, storage_option=file_option(tmp_path)))
+        layer.build()
+        assert layer.restore_snapshot() == len(expect["keys"])
+        data = layer.export()
+        a, b = np.argsort(expect["keys"]), np.argsort(data["keys"])
+        np.testing.assert_array_equal(expect["keys"][a], data["keys"][b])
+        np.testing.assert_array_equal(expect["values"][a], data["values"][b])
+        np.testing.assert_array_equal(expect["acc"][a], data["slots"]["accumulator"][b])
+        checked += 1
+        del layer, data  # releases the folder for the next writer
+        gc.collect()
+    assert checked >= 2

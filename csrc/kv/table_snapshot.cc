@@ -48,6 +48,7 @@ class Writer {
     buf.insert(buf.end(), p, p + sizeof(T));
   }
   void PutBytes(const void* p, size_t n) {
+    if (n == 0) return;
     const auto* b = static_cast<const uint8_t*>(p);
     buf.insert(buf.end(), b, b + n);
   }
@@ -71,6 +72,7 @@ class Reader {
   }
   void GetBytes(void* p, size_t n) {
     Need(n);
+    if (n == 0) return;
     std::memcpy(p, buf.data() + pos, n);
     pos += n;
   }
@@ -190,8 +192,27 @@ int64_t Table<K>::Snapshot() {
   for (const int64_t seq : SnapshotSeqs(root, /*tmp=*/true)) {
     RemoveDir(root + "/" + SnapName(seq) + ".tmp");  // a killed snapshot's leftovers
   }
-  const std::vector<int64_t> done = SnapshotSeqs(root, false);
-  const int64_t seq = done.empty() ? 1 : done.back() + 1;
+  // The next number follows the committed one (CURRENT); a snapshot folder
+  // past it is one a killed process renamed but never committed: removed.
+  int64_t committed = 0;
+  {
+    const int fd = ::open((root + "/CURRENT").c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd >= 0) {
+      char text[64] = {};
+      const ssize_t r = ::read(fd, text, sizeof(text) - 1);
+      ::close(fd);
+      if (r > 5 && std::strncmp(text, "snap-", 5) == 0) committed = std::atoll(text + 5);
+    }
+  }
+  std::vector<int64_t> done;
+  for (const int64_t old : SnapshotSeqs(root, false)) {
+    if (old > committed) {
+      RemoveDir(root + "/" + SnapName(old));
+    } else {
+      done.push_back(old);
+    }
+  }
+  const int64_t seq = committed + 1;
   const std::string tmp = root + "/" + SnapName(seq) + ".tmp";
   if (::mkdir(tmp.c_str(), 0755) != 0) throw SnapError("cannot create", tmp);
   Writer w;
