@@ -1,5 +1,8 @@
 """Keras callbacks for embedding tables."""
 
+import os
+import time
+
 import keras
 
 from keras_rec_emb import _compat
@@ -69,6 +72,263 @@ class EvictionCallback(keras.callbacks.Callback):
 
     def get_config(self):
         return {"every_n_steps": self.every_n_steps, "on_epoch_end": self.evict_on_epoch_end}
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+
+def _check_interval(name, value, kind=int):
+    if value is None:
+        return None
+    ok = (not isinstance(value, bool) and isinstance(value, (int, float) if kind is float else int)
+          and value > 0)
+    if not ok:
+        raise ValueError(f"`{name}` must be a positive {'number' if kind is float else 'integer'}"
+                         f" or None. Received: {name}={value!r}")
+    return value
+
+
+@keras.saving.register_keras_serializable(package="keras_rec_emb")
+class CheckpointCallback(keras.callbacks.Callback):
+    """Full and incremental checkpoints during `model.fit` (online training).
+
+    Every `full_every_steps` steps or `full_every_secs` seconds it writes a
+    full checkpoint, and in between, every `incremental_every_steps` steps or
+    `incremental_every_secs` seconds, an incremental one with only the rows
+    changed since the previous save (see `keras_rec_emb.IncrementalCheckpointer`,
+    which does the work and is `self.checkpointer` once training starts). The
+    first save is always full. `restore(model)` resumes from the directory.
+
+    Args:
+        directory: str. The checkpoint folder.
+        full_every_steps: int > 0 or `None`. Defaults to `None`.
+        full_every_secs: number > 0 or `None`. Defaults to `None`.
+        incremental_every_steps: int > 0 or `None`. Defaults to `None`.
+        incremental_every_secs: number > 0 or `None`. Defaults to `None`.
+        keep: int >= 1. Full checkpoints kept, each with its chain.
+            Defaults to `2`.
+        save_on_train_end: bool. An incremental save when `fit` ends.
+            Defaults to `True`.
+        kafka_position: a `KafkaPosition`, a Kafka dataset or `None`, saved
+            and restored with every link. Defaults to `None`.
+
+    Example:
+
+    >>> ids = keras.Input((2,), dtype="int64")
+    >>> ev = keras_rec_emb.layers.EmbeddingVariable(4, combiner="sum")
+    >>> model = keras.Model(ids, keras.layers.Dense(1)(ev(ids)))
+    >>> model.compile(optimizer=keras_rec_emb.optimizers.Adagrad(0.1), loss="mse")
+    >>> import os, tempfile
+    >>> directory = tempfile.mkdtemp()
+    >>> cb = keras_rec_emb.callbacks.CheckpointCallback(
+    ...     directory, full_every_steps=4, incremental_every_steps=1, keep=1)
+    >>> _ = model.fit(np.arange(16).reshape(8, 2), np.ones((8, 1)), batch_size=2,
+    ...               verbose=0, callbacks=[cb])
+    >>> [os.path.basename(p).split("-")[-1] for p in cb.saves]
+    ['full.npz', 'incremental.npz', 'incremental.npz', 'incremental.npz', 'incremental.npz']
+    """
+
+    def __init__(self, directory, full_every_steps=None, full_every_secs=None,
+                 incremental_every_steps=None, incremental_every_secs=None, keep=2,
+                 save_on_train_end=True, kafka_position=None):
+        super().__init__()
+        if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
+            raise TypeError("`directory` must be a non-empty path. Received: "
+                            f"directory={directory!r}")
+        self.directory = os.fspath(directory)
+        self.full_every_steps = _check_interval("full_every_steps", full_every_steps)
+        self.full_every_secs = _check_interval("full_every_secs", full_every_secs, float)
+        self.incremental_every_steps = _check_interval(
+            "incremental_every_steps", incremental_every_steps)
+        self.incremental_every_secs = _check_interval(
+            "incremental_every_secs", incremental_every_secs, float)
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"`keep` must be an integer >= 1. Received: keep={keep!r}")
+        if not isinstance(save_on_train_end, bool):
+            raise TypeError("`save_on_train_end` must be a bool. Received: "
+                            f"save_on_train_end={save_on_train_end!r}")
+        self.keep = keep
+        self.save_on_train_end = save_on_train_end
+        self.kafka_position = kafka_position
+        self.checkpointer = None
+        self.saves = []  # paths written, in order
+        self._last_full = self._last_any = None  # (step, time)
+
+    def _checkpointer(self, model):
+        if self.checkpointer is None or self.checkpointer.model is not model:
+            from keras_rec_emb.incremental import IncrementalCheckpointer
+
+            self.checkpointer = IncrementalCheckpointer(
+                model, self.directory, keep=self.keep, kafka_position=self.kafka_position)
+        return self.checkpointer
+
+    def restore(self, model):
+        """Restores `model` from the directory (see
+        `IncrementalCheckpointer.restore`); later saves continue its chain."""
+        return self._checkpointer(model).restore()
+
+    def _step(self):
+        return int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
+
+    @staticmethod
+    def _due(last, every_steps, every_secs, step, now):
+        if last is None:
+            return False
+        return bool((every_steps and step - last[0] >= every_steps)
+                    or (every_secs and now - last[1] >= every_secs))
+
+    def on_train_begin(self, logs=None):
+        now = (self._step(), time.monotonic())
+        self._last_full = self._last_full or now
+        self._last_any = self._last_any or now
+
+    def on_train_batch_end(self, batch, logs=None):
+        step, now = self._step(), time.monotonic()
+        ckpt = self._checkpointer(self.model)
+        if ckpt._marks is None or self._due(  # pylint: disable=protected-access
+                self._last_full, self.full_every_steps, self.full_every_secs, step, now):
+            if (self.full_every_steps or self.full_every_secs or self.incremental_every_steps
+                    or self.incremental_every_secs):
+                self.saves.append(ckpt.save_full())
+                self._last_full = self._last_any = (step, now)
+        elif self._due(self._last_any, self.incremental_every_steps,
+                       self.incremental_every_secs, step, now):
+            self.saves.append(ckpt.save_incremental())
+            self._last_any = (step, now)
+
+    def on_train_end(self, logs=None):
+        # (Also when no step ran since the last save: callbacks after this one,
+        # e.g. eviction, may have changed the tables since.)
+        if self.save_on_train_end and self._last_any is not None:
+            self.saves.append(self._checkpointer(self.model).save_incremental())
+            self._last_any = (self._step(), time.monotonic())
+
+    def get_config(self):
+        return {"directory": self.directory, "full_every_steps": self.full_every_steps,
+                "full_every_secs": self.full_every_secs,
+                "incremental_every_steps": self.incremental_every_steps,
+                "incremental_every_secs": self.incremental_every_secs, "keep": self.keep,
+                "save_on_train_end": self.save_on_train_end}
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+
+@keras.saving.register_keras_serializable(package="keras_rec_emb")
+class TableStats(keras.callbacks.Callback):
+    """Logs statistics of every embedding table while training.
+
+    Every `every_n_steps` steps and at each epoch's end it adds, per table
+    (named by its variable path with `/` as `_`, less `_embeddings`: an
+    `EmbeddingVariable` named `ids` gives `ids`), to Keras's `logs` (so the
+    progress bar, `History` and `CSVLogger` show them) and, with `log_dir`,
+    as TensorBoard scalars (`tf.summary`, step = the optimizer's iteration):
+
+    * `<table>_size`: admitted keys; `<table>_filtered`: keys counted but not
+      admitted by an admission filter;
+    * `<table>_new`, `<table>_evicted`: keys admitted / erased since the
+      previous report;
+    * `<table>_bytes`: memory held by the table;
+    * `<table>_hit_rate`: share of the key occurrences looked up since the
+      previous report that found an admitted row (1.0 when none).
+
+    Args:
+        every_n_steps: int > 0 or `None` (epoch ends only). Defaults to `1`.
+        log_dir: str or `None`. A TensorBoard log folder. Defaults to `None`.
+        in_logs: bool. Whether to add the numbers to `logs`. Defaults to
+            `True`.
+
+    Example:
+
+    >>> ids = keras.Input((2,), dtype="int64")
+    >>> ev = keras_rec_emb.layers.EmbeddingVariable(4, combiner="sum", name="ids")
+    >>> model = keras.Model(ids, keras.layers.Dense(1)(ev(ids)))
+    >>> model.compile(optimizer=keras_rec_emb.optimizers.Adagrad(0.1), loss="mse")
+    >>> h = model.fit(np.array([[1, 2], [1, 3]]), np.ones((2, 1)), epochs=2, verbose=0,
+    ...               callbacks=[keras_rec_emb.callbacks.TableStats()])
+    >>> [h.history[k] for k in ("ids_size", "ids_new", "ids_hit_rate")]
+    [[3, 3], [3, 0], [0.25, 1.0]]
+
+    (Epoch 1 looks up 1, 2, 1, 3 in an empty table: only the second 1 finds
+    a row.)
+    """
+
+    def __init__(self, every_n_steps=1, log_dir=None, in_logs=True):
+        super().__init__()
+        self.every_n_steps = _check_interval("every_n_steps", every_n_steps)
+        if log_dir is not None and (not isinstance(log_dir, (str, os.PathLike))
+                                    or not os.fspath(log_dir)):
+            raise TypeError(f"`log_dir` must be a path or None. Received: log_dir={log_dir!r}")
+        if not isinstance(in_logs, bool):
+            raise TypeError(f"`in_logs` must be a bool. Received: in_logs={in_logs!r}")
+        self.log_dir = None if log_dir is None else os.fspath(log_dir)
+        self.in_logs = in_logs
+        self.latest = {}   # the last numbers reported
+        self._previous = {}
+        self._writer = None
+
+    def stats(self, model=None):
+        """The numbers now, as {name: value}, advancing the interval."""
+        from keras_rec_emb.incremental import _tables
+
+        out = {}
+        for path, table in _tables(model or self.model):
+            name = path.replace("/", "_")
+            if name.endswith("_embeddings"):
+                name = name[:-len("_embeddings")]
+            c = table.counters()
+            prev = self._previous.get(name, {"lookups": 0, "hits": 0, "admitted_total": 0,
+                                             "erased_total": 0})
+            lookups = c["lookups"] - prev["lookups"]
+            out[f"{name}_size"] = c["size"]
+            out[f"{name}_filtered"] = c["filtered"]
+            out[f"{name}_new"] = c["admitted_total"] - prev["admitted_total"]
+            out[f"{name}_evicted"] = c["erased_total"] - prev["erased_total"]
+            out[f"{name}_bytes"] = c["memory_bytes"]
+            out[f"{name}_hit_rate"] = ((c["hits"] - prev["hits"]) / lookups if lookups
+                                       else 1.0)
+            self._previous[name] = c
+        self.latest = out
+        return out
+
+    def _report(self, logs):
+        values = self.stats()
+        if self.in_logs and logs is not None:
+            logs.update(values)
+        if self.log_dir is not None:
+            import tensorflow as tf
+
+            if self._writer is None:
+                self._writer = tf.summary.create_file_writer(self.log_dir)
+            step = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
+            with self._writer.as_default(step=step):
+                for k, v in values.items():
+                    tf.summary.scalar(f"tables/{k}", v)
+            self._writer.flush()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.every_n_steps and (batch + 1) % self.every_n_steps == 0:
+            self._report(logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None and self.in_logs and self.latest and not self._stale():
+            logs.update(self.latest)
+        else:
+            self._report(logs)
+
+    def _stale(self):
+        return self.every_n_steps is None
+
+    def on_train_end(self, logs=None):
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def get_config(self):
+        return {"every_n_steps": self.every_n_steps, "log_dir": self.log_dir,
+                "in_logs": self.in_logs}
 
     @classmethod
     def from_config(cls, config):

@@ -201,11 +201,14 @@ def _keras_tables(model, rows):
     tables = []
     for layer in _ev_layers(model):
         data = layer.export()
-        stats = layer.table.stats()
+        stats = layer.table.counters()  # the numbers of callbacks.TableStats
         tables.append({
             "name": layer.name, "dim": layer.embedding_dim, "key_dtype": layer.key_dtype,
             "keys": stats["size"], "filtered": stats["filtered"],
             "memory_bytes": stats["memory_bytes"], "slots": sorted(data["slots"]),
+            "latest_step": stats["latest_step"],
+            "max_version": int(data["versions"].max()) if len(data["versions"]) else None,
+            "total_freq": int(data["freqs"].sum()),
             "storage": {k: stats[k] for k in (
                 "storage", "rows", "cached_rows", "cache_memory_bytes", "disk_bytes",
                 "cache_hits", "cache_misses", "cache_hit_rate", "file_reads", "file_writes")},
@@ -275,7 +278,8 @@ def inspect(args):
         if source == "keras":
             print(f"{t['name']}: dim={t['dim']} key_dtype={t['key_dtype']} "
                   f"keys={t['keys']:,} filtered={t['filtered']:,} "
-                  f"memory={t['memory_bytes']:,} bytes slots={t['slots'] or '-'}")
+                  f"memory={t['memory_bytes']:,} bytes slots={t['slots'] or '-'} "
+                  f"latest_step={t['latest_step']} total_freq={t['total_freq']:,}")
             st = t["storage"]
             if st["storage"] == "FILE":
                 print(f"  file tier: rows={st['rows']:,} in_cache={st['cached_rows']:,} "
@@ -300,18 +304,17 @@ def inspect(args):
     return 0
 
 
-# Parts of a table that only an admission filter needs (DeepRec's strip tool
-# removes them from checkpoints meant for serving).
-FILTER_PARTS = ("keys_filtered", "freqs_filtered", "versions_filtered", "bloom")
-
-
 def strip_filtered(args):
     """Copies a .keras file without the tables' filtered parts."""
     import h5py
 
+    # Parts that only an admission filter needs (DeepRec's strip tool removes
+    # them from checkpoints meant for serving).
+    from keras_rec_emb.variables import FILTERED_PARTS
+
     def keep(name, obj):
         return not (isinstance(obj, h5py.Dataset) and "/vars/" in name
-                    and name.rsplit("/", 1)[-1] in FILTER_PARTS)
+                    and name.rsplit("/", 1)[-1] in FILTERED_PARTS)
 
     from keras_rec_emb.saving import check_keras_file
 

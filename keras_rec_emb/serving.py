@@ -36,8 +36,8 @@ class _StockTable(tf.Module):
         keys = np.asarray(data["keys"]).astype(np.int64)
         self._dim = table.dim
         self._key_dtype = table.key_dtype
-        self._filtered = table._filter_freq > 1 or table._bloom is not None
-        self._no_permission_value = table._no_permission_value
+        self._filtered = table.filters
+        self._no_permission_value = table.no_permission_value
         self.index = tf.lookup.experimental.MutableHashTable(
             tf.int64, tf.int64, default_value=-1, name="index")
         if len(keys):
@@ -162,6 +162,21 @@ def export_for_serving(model, filepath, input_signature=None, verbose=False):
     The export is atomic: it is written next to `filepath` and moved into
     place only once complete, so a failed export leaves a previous one
     intact.
+
+    Fresh rows for online serving: the stock export is frozen, so a TF
+    Serving deployment picks up new rows the way TF Serving picks up any new
+    model: export on a schedule (e.g. after each full or incremental
+    checkpoint of `keras_rec_emb.callbacks.CheckpointCallback`) into a new
+    numbered version folder of the model's base path
+    (`export_for_serving(model, f"{base}/{int(time.time())}")`); TF
+    Serving's file-system poller (`--file_system_poll_wait_seconds`) loads the
+    newest version and, with the default version policy, unloads the older
+    one once the new one serves. A server that runs this package's ops
+    instead (a SavedModel from `model.export`, loaded with
+    `tf.saved_model.load` after `import keras_rec_emb`) can apply each
+    incremental checkpoint in place, without a reload:
+    `keras_rec_emb.apply_to_saved_model(loaded, link_path)` (DeepRec's
+    incremental model update).
 
     Args:
         model: a built `keras.Model` (TensorFlow backend).

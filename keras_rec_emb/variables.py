@@ -20,6 +20,7 @@ Two objects with two roles:
 import itertools
 import os
 import re
+from typing import NamedTuple
 
 import numpy as np
 import tensorflow as tf
@@ -30,7 +31,91 @@ from keras_rec_emb._checks import keys_in_range
 
 _ids = itertools.count()
 
+
+# -- The table's parts --------------------------------------------------------
+# What a checkpoint, `export()` and `import_()` hold, declared once, named
+# and ordered as the kernels' I/O (the outputs of KRE>TableExport, the
+# inputs of KRE>TableImport; they are passed by name, and
+# tests/test_variables.py checks the op definitions against this list). `rows`: "N" one entry per admitted key, "F" one per key
+# counted but not admitted, None a length of its own. `dtype` "key" is the
+# table's key dtype. `slot` parts are packed slot columns (`export()` returns
+# them unpacked as `slots`); `filtered` parts are those of an admission
+# filter (`save_filtered=False` and `keras-rec-emb strip-filtered` drop them).
+class Part(NamedTuple):
+    name: str
+    dtype: str
+    shape: str
+    rows: str = None
+    slot: bool = False
+    filtered: bool = False
+
+
+PARTS = (
+    Part("keys", "key", "[N]", rows="N"),
+    Part("values", "float32", "[N, dim]", rows="N"),
+    Part("freqs", "int64", "[N]", rows="N"),
+    Part("versions", "int64", "[N]", rows="N"),
+    Part("slot_values", "float32", "[N, sum of slot widths]", rows="N", slot=True),
+    Part("slot_names", "string", "[slots]", slot=True),
+    Part("slot_widths", "int64", "[slots]", slot=True),
+    Part("default_values", "float32", "[initializer rows, dim]"),
+    Part("keys_filtered", "key", "[F]", rows="F", filtered=True),
+    Part("freqs_filtered", "int64", "[F]", rows="F", filtered=True),
+    Part("versions_filtered", "int64", "[F]", rows="F", filtered=True),
+    Part("bloom", "uint8", "[counter bytes]", filtered=True),
+)
+PART_NAMES = tuple(p.name for p in PARTS)
+# Saved one array each (a `.keras` file also holds one `slot:NAME` per slot).
+ARRAY_PARTS = tuple(p.name for p in PARTS if not p.slot)
+FILTERED_PARTS = tuple(p.name for p in PARTS if p.filtered)
 _KEYS, _VALUES = "keys", "values"
+
+
+def complete_parts(given, dim, key_dtype, n=None):
+    """`given` (a dict of some parts) completed with empty ones, in
+    `PART_NAMES` order: per-key parts are zeros for `n` keys (default: the
+    length of `given["keys"]`), the others empty. Works eagerly and traced."""
+    key_dtype = tf.as_dtype(key_dtype)
+    if n is None:
+        n = tf.size(given[_KEYS]) if _KEYS in given else 0
+    out = {}
+    for part in PARTS:
+        if part.name in given:
+            out[part.name] = given[part.name]
+            continue
+        dtype = key_dtype if part.dtype == "key" else tf.as_dtype(part.dtype)
+        if part.name == "slot_values":
+            out[part.name] = tf.zeros([n, 0], dtype)
+        elif part.name == "default_values":
+            out[part.name] = tf.zeros([0, dim], dtype)
+        elif part.name == _VALUES:
+            out[part.name] = tf.zeros([n, dim], dtype)
+        elif part.rows == "N":
+            out[part.name] = tf.zeros([n], dtype)
+        else:
+            out[part.name] = tf.zeros([0], dtype)
+    return out
+
+
+def unpack_slots(parts):
+    """{slot name: [N, width] columns} of packed `slot_*` parts (NumPy)."""
+    slots, start = {}, 0
+    for name, width in zip(parts["slot_names"], parts["slot_widths"]):
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        slots[name] = parts["slot_values"][:, start:start + int(width)]
+        start += int(width)
+    return slots
+
+
+def pack_slots(blocks, n):
+    """The `slot_*` parts of {slot name: float32 [n, width] block}."""
+    values = list(blocks.values())
+    return {
+        "slot_values": (np.concatenate(values, axis=1) if values
+                        else np.zeros((n, 0), np.float32)),
+        "slot_names": tf.constant(list(blocks), tf.string, shape=[len(blocks)]),
+        "slot_widths": np.array([b.shape[1] for b in values], np.int64),
+    }
 
 
 RESTORE_DIM_MODES = ("error", "pad_or_truncate")
@@ -110,6 +195,10 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         bloom: `(counters, hashes, counter_bytes)` of a counting Bloom filter,
             or None.
         no_permission_value: float. What keys not admitted yet read.
+        record_freq: bool. With a filter, keep counting an admitted key's
+            training-lookup occurrences (DeepRec's `TF_RECORD_FREQ=1`);
+            `False` stops its frequency at `filter_freq`, as DeepRec does
+            by default. Without a filter every occurrence counts.
         steps_to_live: int or None. Global-step eviction threshold.
         l2_weight_threshold: float or None. L2-weight eviction threshold.
         save_filtered: bool. Save keys counted but not admitted (also off
@@ -130,7 +219,8 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
                  trainable=True, name="embedding_table", track_meta=True,
                  filter_freq=0, bloom=None, no_permission_value=0.0,
                  steps_to_live=None, l2_weight_threshold=None, save_filtered=True,
-                 restore_dim_mismatch="error", storage_path=None, cache_bytes=64 << 20):
+                 restore_dim_mismatch="error", record_freq=True, storage_path=None,
+                 cache_bytes=64 << 20):
         super().__init__()
         self._storage_dir = None
         if storage_path is not None:
@@ -149,6 +239,7 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         self._filter_freq = int(filter_freq)
         self._bloom = None if bloom is None else tuple(int(b) for b in bloom)
         self._no_permission_value = float(no_permission_value)
+        self._record_freq = bool(record_freq)
         self._steps_to_live = -1 if steps_to_live is None else int(steps_to_live)
         self._l2_threshold = -1.0 if l2_weight_threshold is None else float(l2_weight_threshold)
         self._save_filtered = bool(save_filtered)
@@ -167,6 +258,7 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
             tf.constant(self._initial_default_values), self._key_dtype, self._dim,
             self._num_shards, track_meta=self._track_meta, filter_freq=self._filter_freq,
             bloom=self._bloom, no_permission_value=self._no_permission_value,
+            freq_cap=self._freq_cap(),
             storage_path=self._storage_dir or "", cache_bytes=self._cache_bytes,
         )
 
@@ -178,20 +270,38 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         if self._storage_dir is not None and tf.executing_eagerly():
             _ops.release_storage(self._resource_handle, self._key_dtype)
 
+    def _freq_cap(self):
+        # DeepRec (CounterFilterDescriptorImpl::GetFreq, EmbeddingVar's
+        # add_freq_fn_): without TF_RECORD_FREQ an admitted key's count is
+        # the filter's threshold.
+        if self._record_freq or self._filter_freq < 1:
+            return 0
+        return self._filter_freq
+
     def _serialize_to_tensors(self):
         # DeepRec evicts when a checkpoint is saved; every part is always
         # present (possibly empty) so that checkpoints of tables with and
         # without filters restore into each other.
         with tf.control_dependencies([self._evict_op()] if self.evicts else []):
-            return _ops.export(self.handle, self._key_dtype, self._dim,
-                               include_filtered=self.save_filtered)
+            return self._export_parts(include_filtered=self.save_filtered)
 
     def _restore_from_tensors(self, restored_tensors):
         values = restored_tensors.get(_VALUES)
         if values is not None and check_saved_dim(self._name, values.shape, self._dim,
                                                   self._restore_dim_mismatch):
             restored_tensors = self._resized_parts(restored_tensors)
-        return _ops.import_(self.handle, self._dim, restored_tensors)
+        return self._import_parts(restored_tensors)
+
+    def _export_parts(self, include_filtered=True):
+        """The table's parts as tensors, a dict in `PART_NAMES` order."""
+        return _ops.export(self.handle, self._key_dtype, self._dim, include_filtered)
+
+    def _import_parts(self, parts, clear=True):
+        """Loads a dict of every part (see `complete_parts`) as it is: the
+        kernel checks them. A non-empty `default_values` replaces the
+        initializer matrix; `clear=False` merges into the live table."""
+        return _ops.import_(self.handle, self._dim, {name: parts[name] for name in PART_NAMES},
+                            clear=clear)
 
     def resize_rows(self, keys, values, slots):
         """Saved rows (and slots) of another width, brought to `dim`
@@ -226,18 +336,9 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         parts = {k: (v.numpy() if hasattr(v, "numpy") else np.asarray(v))
                  for k, v in parts.items()}
         n = parts[_VALUES].shape[0]
-        slots, start = {}, 0
-        for name, width in zip(parts["slot_names"], parts["slot_widths"]):
-            name = name.decode() if isinstance(name, bytes) else str(name)
-            slots[name] = parts["slot_values"][:, start:start + int(width)]
-            start += int(width)
-        values, slots = self.resize_rows(parts[_KEYS], parts[_VALUES], slots)
-        blocks = list(slots.values())
+        values, slots = self.resize_rows(parts[_KEYS], parts[_VALUES], unpack_slots(parts))
         parts[_VALUES] = values
-        parts["slot_values"] = (np.concatenate(blocks, axis=1) if blocks
-                                else np.zeros((n, 0), np.float32))
-        parts["slot_names"] = tf.constant(list(slots), tf.string, shape=[len(slots)])
-        parts["slot_widths"] = np.array([b.shape[1] for b in blocks], np.int64)
+        parts.update(pack_slots(slots, n))
         parts["default_values"] = np.zeros((0, self._dim), np.float32)
         return parts
 
@@ -269,6 +370,16 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
     @property
     def dim(self):
         return self._dim
+
+    @property
+    def filters(self):
+        """Whether an admission filter (counter or Bloom) is configured."""
+        return self._filter_freq > 1 or self._bloom is not None
+
+    @property
+    def no_permission_value(self):
+        """What keys not admitted yet read."""
+        return self._no_permission_value
 
     @property
     def evicts(self):
@@ -389,14 +500,9 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
             not admitted (empty without `include_filtered`); and `bloom`,
             the counting Bloom filter's counters as bytes.
         """
-        parts = {k: v.numpy() for k, v in _ops.export(
-            self.handle, self._key_dtype, self._dim, include_filtered).items()}
-        out = {k: parts[k] for k in _ops.EXPORT_PARTS if not k.startswith("slot_")}
-        out["slots"] = {}
-        start = 0
-        for name, width in zip(parts["slot_names"], parts["slot_widths"]):
-            out["slots"][name.decode()] = parts["slot_values"][:, start:start + width]
-            start += width
+        parts = {k: v.numpy() for k, v in self._export_parts(include_filtered).items()}
+        out = {k: parts[k] for k in ARRAY_PARTS}
+        out["slots"] = unpack_slots(parts)
         return out
 
     def import_(self, data, clear=True):
@@ -424,7 +530,7 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
                 f"`values` must have shape ({n}, {self._dim}). Received: {values.shape}")
         key_np = self._key_dtype.as_numpy_dtype
         slots = data.get("slots") or {}
-        blocks = [self._slot_block(name, slots[name], n) for name in slots]
+        blocks = {name: self._slot_block(name, slots[name], n) for name in slots}
         defaults = np.asarray(data.get("default_values", np.zeros((0, self._dim))), np.float32)
         if defaults.ndim != 2 or defaults.shape[1] != self._dim:
             raise ValueError(
@@ -440,10 +546,6 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
             _VALUES: values,
             "freqs": np.asarray(data.get("freqs", np.zeros(n)), np.int64),
             "versions": np.asarray(data.get("versions", np.zeros(n)), np.int64),
-            "slot_values": (np.concatenate(blocks, axis=1) if blocks
-                            else np.zeros((n, 0), np.float32)),
-            "slot_names": tf.constant(list(slots), tf.string, shape=[len(slots)]),
-            "slot_widths": np.array([b.shape[1] for b in blocks], np.int64),
             "default_values": defaults,
             "keys_filtered": keys_f,
             "freqs_filtered": np.asarray(
@@ -451,9 +553,77 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
             "versions_filtered": np.asarray(
                 data.get("versions_filtered", np.zeros(len(keys_f))), np.int64),
             "bloom": np.asarray(data.get("bloom", np.zeros(0)), np.uint8),
+            **pack_slots(blocks, n),
         }
-        _ops.import_(self.handle, self._dim, parts, clear=clear)
+        self._import_parts(parts, clear=clear)
 
+    def merge_rows(self, keys, values, freqs):
+        """Writes rows of `keys` into the live table (traced or eager), as
+        of the table's latest step; `freqs` -1 keeps a key's current count.
+        Other keys, slots and filter state are unchanged."""
+        latest = _ops.stats(self.handle, self._key_dtype)[3]
+        given = {_KEYS: tf.cast(keys, self._key_dtype), _VALUES: tf.cast(values, tf.float32),
+                 "freqs": freqs, "versions": tf.fill([tf.size(keys)], tf.maximum(latest, 0))}
+        return self._import_parts(complete_parts(given, self._dim, self._key_dtype),
+                                  clear=False)
+
+
+    # -- Change tracking (incremental checkpoints, serving deltas) -----------
+    def mark_changes(self):
+        """Closes the table's current change epoch and returns it (an int
+        mark): `export_changes(mark)` later returns what changed after it."""
+        return int(_ops.mark_changes(self.handle, self._key_dtype))
+
+    def export_changes(self, since):
+        """The keys changed after mark `since`, shaped like `export()`,
+        plus `erased` (keys erased after it: replay erases them first) and
+        `complete` (False when the contents were replaced wholesale since,
+        e.g. by a restore: then only a full export is correct)."""
+        parts = {k: v.numpy() for k, v in _ops.export_changed_since(
+            self.handle, self._key_dtype, self._dim, int(since)).items()}
+        out = {k: parts[k] for k in _ops.EXPORT_PARTS if not k.startswith("slot_")}
+        out["slots"] = {}
+        start = 0
+        for name, width in zip(parts["slot_names"], parts["slot_widths"]):
+            out["slots"][name.decode()] = parts["slot_values"][:, start:start + width]
+            start += width
+        out["erased"] = parts["erased"]
+        out["complete"] = bool(parts["complete"])
+        return out
+
+    def trim_erased(self, upto):
+        """Forgets logged erasures at or before mark `upto`; returns how
+        many stay logged."""
+        return int(_ops.trim_erased(self.handle, self._key_dtype, int(upto)))
+
+    def erase(self, keys):
+        """Erases `keys` (absent ones are skipped); returns how many were
+        present."""
+        keys = keys_in_range(np.asarray(keys).reshape(-1), self._key_dtype,
+                             f"`keys` of table '{self._name}'")
+        return int(_ops.erase(self.handle, tf.constant(keys, self._key_dtype)))
+
+    def apply_changes(self, delta):
+        """Replays a dict from `export_changes` (or one read back from an
+        incremental checkpoint) onto this table: erases `erased`, then
+        imports the changed rows and counted keys without clearing."""
+        if not isinstance(delta, dict) or "erased" not in delta:
+            raise ValueError(
+                "`delta` must be a dict from export_changes() (with 'erased'). "
+                f"Received: {type(delta).__name__}")
+        erased = np.asarray(delta["erased"])
+        if erased.size:
+            self.erase(erased)
+        rows = {k: v for k, v in delta.items() if k not in ("erased", "complete")}
+        self.import_(rows, clear=False)
+
+    def counters(self):
+        """dict of cumulative counters: `size`, `filtered`, `memory_bytes`,
+        `latest_step`, `lookups` (key occurrences looked up), `hits` (of them
+        found admitted), `admitted_total`, `erased_total`, `change_epoch`,
+        `erased_log`."""
+        values = _ops.counters(self.handle, self._key_dtype).numpy()
+        return dict(zip(_ops.COUNTER_PARTS, (int(v) for v in values)))
 
     def _slot_block(self, name, rows, n):
         """Slot `name`'s rows as a float32 [n, width] array (an empty table's

@@ -44,6 +44,9 @@ class TableCreateOp : public OpKernel {
     OP_REQUIRES(ctx, cache_bytes >= 1,
                 errors::InvalidArgument("cache_bytes must be >= 1, got ", cache_bytes));
     options_.cache_bytes = static_cast<uint64_t>(cache_bytes);
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("freq_cap", &options_.freq_cap));
+    OP_REQUIRES(ctx, options_.freq_cap >= 0,
+                errors::InvalidArgument("freq_cap must be >= 0, got ", options_.freq_cap));
     const int shards = options_.num_shards;
     OP_REQUIRES(ctx, shards >= 1 && shards <= 65536,
                 errors::InvalidArgument("num_shards must be in [1, 65536], got ", shards));

@@ -174,8 +174,9 @@ class DramRowStore final : public RowStore {
   std::vector<uint32_t> free_;
 };
 
-// Per-key metadata columns.
-enum MetaColumn { kFreq = 0, kVersion = 1, kNumMeta = 2 };
+// Per-key metadata columns. kEpoch is the table's change epoch at the
+// row's last change (see "Change tracking" in table.h).
+enum MetaColumn { kFreq = 0, kVersion = 1, kEpoch = 2, kNumMeta = 3 };
 
 // Metadata rows (frequency, version), kept in DRAM for every tier: the
 // filters and eviction read them for every key.
@@ -195,6 +196,7 @@ class MetaRows {
     int64_t* m = arena_.Row(row);
     m[kFreq] = 0;
     m[kVersion] = 0;
+    m[kEpoch] = 0;
     return row;
   }
   void Release(uint32_t row) { free_.push_back(row); }

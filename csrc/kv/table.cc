@@ -172,7 +172,10 @@ template <typename K>
 uint64_t Table<K>::InsertNew(Shard& s, K key, uint64_t h, bool admit) {
   s.index.Reserve();
   uint32_t meta_row = kNoRow;
-  if (options_.track_meta) meta_row = s.meta.Allocate();
+  if (options_.track_meta) {
+    meta_row = s.meta.Allocate();
+    s.meta.Row(meta_row)[kEpoch] = epoch_.load(std::memory_order_relaxed);
+  }
   const uint64_t i = s.index.Insert(key, h, Entry{key, kNoRow, meta_row});
   ++s.filtered;
   if (admit) {
@@ -190,8 +193,18 @@ template <typename K>
 uint32_t Table<K>::Admit(Shard& s, uint64_t i) {
   Entry& e = s.index.entry(i);
   const uint32_t row = s.store->Allocate(DefaultRow(e.key));
+  if (!options_.track_meta) {
+    try {
+      s.row_epochs.EnsureCapacity(uint64_t{row} + 1, 0);  // the row's change epoch
+    } catch (...) {
+      s.store->Release(row);  // out of memory: the row was not taken
+      throw;
+    }
+  }
   e.row = row;
   --s.filtered;
+  ++s.admitted_total;
+  Touch(s, e);
   return row;
 }
 
@@ -220,6 +233,10 @@ bool Table<K>::SetBloomState(const std::vector<uint8_t>& state) {
 template <typename K>
 void Table<K>::EraseAt(Shard& s, uint64_t i) {
   const Entry& e = s.index.entry(i);
+  ++s.erased_total;
+  if (log_erased_.load(std::memory_order_relaxed)) {
+    s.erased_log.emplace_back(e.key, epoch_.load(std::memory_order_relaxed));
+  }
   if (e.row == kNoRow) {
     --s.filtered;
   } else {
@@ -230,8 +247,17 @@ void Table<K>::EraseAt(Shard& s, uint64_t i) {
 }
 
 template <typename K>
+int64_t Table<K>::CountFreq(int64_t freq, int64_t count) const {
+  const int64_t next = SatAdd(freq, count);
+  const int64_t cap = options_.freq_cap;
+  // A count already past the cap (restored from a checkpoint) is kept.
+  if (cap > 0 && next > cap) return freq > cap ? freq : cap;
+  return next;
+}
+
+template <typename K>
 const float* Table<K>::Resolve(Shard& s, K key, uint64_t h, bool insert, int64_t now,
-                               int64_t count, int64_t* admitted) {
+                               int64_t count, int64_t* admitted, uint64_t* hits) {
   // `count` occurrences of the key at once; all of them read the same row.
   // With a filter (DeepRec's rule) a training lookup reads the row only if
   // the key was admitted before it: the lookup whose count reaches the
@@ -242,8 +268,14 @@ const float* Table<K>::Resolve(Shard& s, K key, uint64_t h, bool insert, int64_t
   if (idx >= 0) {
     Entry& e = s.index.entry(idx);
     int64_t* m = Meta(s, e);
-    if (insert && m) m[kFreq] = SatAdd(m[kFreq], count);
-    if (e.row != kNoRow) return s.Value(e.row, /*write=*/false);
+    if (insert && m) {
+      m[kFreq] = CountFreq(m[kFreq], count);
+      m[kEpoch] = epoch_.load(std::memory_order_relaxed);
+    }
+    if (e.row != kNoRow) {
+      *hits += static_cast<uint64_t>(count);
+      return s.Value(e.row, /*write=*/false);
+    }
     // Counted by the counter filter, not admitted yet.
     if (!insert) return no_permission_row_.data();
     m[kVersion] = now;  // last seen
@@ -274,7 +306,7 @@ const float* Table<K>::Resolve(Shard& s, K key, uint64_t h, bool insert, int64_t
   }
   const Entry& e = s.index.entry(InsertNew(s, key, h, admit));
   if (int64_t* m = Meta(s, e)) {
-    m[kFreq] = freq;
+    m[kFreq] = CountFreq(0, freq);
     m[kVersion] = now;  // first seen; Apply stamps updates
   }
   if (admit) ++*admitted;
@@ -298,6 +330,7 @@ int64_t Table<K>::LookupImpl(int shard, const K* keys, const uint64_t* hashes,
     rlock.lock();
   }
   int64_t inserted = 0;
+  uint64_t hits = 0, occurrences = 0;
   const int64_t now = SatAdd(LatestStep(), 1);  // the step this lookup belongs to
   if (!kCounted && insert && options_.filter_freq > 1 && n > 1) {
     // With a filter, equal keys of the batch are resolved once with their
@@ -320,12 +353,13 @@ int64_t Table<K>::LookupImpl(int shard, const K* keys, const uint64_t* hashes,
     for (size_t u = 0; u < first.size(); ++u) {
       const int64_t j = first[u];
       CopyRow(out + order[j] * dim_,
-              Resolve(s, keys[j], hashes[j], true, now, count[u], &inserted), dim_);
+              Resolve(s, keys[j], hashes[j], true, now, count[u], &inserted, &hits), dim_);
     }
     for (int64_t j = 0; j < n; ++j) {
       const int64_t f = first[which[j]];
       if (f != j) CopyRow(out + order[j] * dim_, out + order[f] * dim_, dim_);
     }
+    CountLookups(s, static_cast<uint64_t>(n), hits);
     return inserted;
   }
   // Keys go in blocks: resolve a block (its index slots were prefetched
@@ -347,14 +381,16 @@ int64_t Table<K>::LookupImpl(int shard, const K* keys, const uint64_t* hashes,
     const int64_t e = std::min(n, b + block);
     prefetch_slots(e, std::min(n, e + block));
     for (int64_t j = b; j < e; ++j) {
-      src[j - b] = Resolve(s, keys[j], hashes[j], insert, now,
-                           kCounted ? counts[order[j]] : 1, &inserted);
+      const int64_t c = kCounted ? counts[order[j]] : 1;
+      occurrences += static_cast<uint64_t>(c);
+      src[j - b] = Resolve(s, keys[j], hashes[j], insert, now, c, &inserted, &hits);
       if (kCounted) skips[order[j]] = 0;
       PrefetchRow(src[j - b], dim_);
       __builtin_prefetch(out + order[j] * dim_, 1);
     }
     for (int64_t j = b; j < e; ++j) CopyRow(out + order[j] * dim_, src[j - b], dim_);
   }
+  CountLookups(s, occurrences, hits);
   return inserted;
 }
 
@@ -447,6 +483,7 @@ void Table<K>::Import(const K* keys, const float* values, const int64_t* freqs,
       std::copy(src, src + slot_widths[j], s.store->Slot(slot_ids[j], e.row, /*write=*/true));
       src += slot_widths[j];
     }
+    Touch(s, e);
   }
 }
 
@@ -465,6 +502,7 @@ void Table<K>::ImportFiltered(const K* keys, const int64_t* freqs, const int64_t
     int64_t* m = Meta(s, s.index.entry(idx));
     m[kFreq] = freqs[i];
     m[kVersion] = versions[i];
+    m[kEpoch] = epoch_.load(std::memory_order_relaxed);
   }
 }
 
@@ -521,6 +559,9 @@ void Table<K>::SwapContents(Table& other) {
     }
   }
   for (size_t i = 0; i < shards_.size(); ++i) shards_[i]->SwapContents(*other.shards_[i]);
+  // Rows now carry the other table's epochs: no delta spans this.
+  reset_epoch_ = ChangeEpoch();
+  other.reset_epoch_ = other.ChangeEpoch();
   bloom_.SwapCounters(other.bloom_);
   std::swap(slot_specs_, other.slot_specs_);
   std::swap(default_values_, other.default_values_);
@@ -532,14 +573,9 @@ template <typename K>
 void Table<K>::Clear() {
   std::vector<std::unique_lock<std::shared_mutex>> locks;
   LockAll(&locks);
-  for (auto& sp : shards_) {
-    Shard& s = *sp;
-    s.index.Clear();
-    s.store->Clear();
-    s.meta.Clear();
-    s.filtered = 0;
-  }
+  for (auto& sp : shards_) sp->Reset();
   bloom_.Clear();
+  reset_epoch_ = ChangeEpoch();  // no delta spans a clear
 }
 
 template <typename K>
@@ -564,6 +600,58 @@ bool Table<K>::Find(K key, std::vector<float>* value, int64_t* freq,
   *freq = m ? m[kFreq] : 0;
   *version = m ? m[kVersion] : 0;
   return true;
+}
+
+// --- Change tracking ------------------------------------------------------
+
+template <typename K>
+void Table<K>::CountLookups(Shard& s, uint64_t occurrences, uint64_t hits) {
+  s.lookups.fetch_add(occurrences, std::memory_order_relaxed);
+  s.hits.fetch_add(hits, std::memory_order_relaxed);
+}
+
+template <typename K>
+int64_t Table<K>::MarkChanges() {
+  std::vector<std::unique_lock<std::shared_mutex>> locks;
+  LockAll(&locks);
+  log_erased_.store(true, std::memory_order_relaxed);
+  return epoch_.fetch_add(1, std::memory_order_relaxed);
+}
+
+template <typename K>
+void Table<K>::TrimErasedLog(int64_t upto) {
+  for (auto& sp : shards_) {
+    Shard& s = *sp;
+    std::unique_lock<std::shared_mutex> lock(s.mu);
+    auto& log = s.erased_log;
+    log.erase(std::remove_if(log.begin(), log.end(),
+                             [upto](const std::pair<K, int64_t>& ke) { return ke.second <= upto; }),
+              log.end());
+    if (log.capacity() > 4 * log.size() + 64) log.shrink_to_fit();
+  }
+}
+
+template <typename K>
+int64_t Table<K>::ErasedLogSize() const {
+  int64_t n = 0;
+  for (const auto& s : shards_) {
+    std::shared_lock<std::shared_mutex> lock(s->mu);
+    n += static_cast<int64_t>(s->erased_log.size());
+  }
+  return n;
+}
+
+template <typename K>
+TableCounters Table<K>::Counters() const {
+  TableCounters c;
+  for (const auto& s : shards_) {
+    std::shared_lock<std::shared_mutex> lock(s->mu);
+    c.lookups += s->lookups.load(std::memory_order_relaxed);
+    c.hits += s->hits.load(std::memory_order_relaxed);
+    c.admitted += s->admitted_total;
+    c.erased += s->erased_total;
+  }
+  return c;
 }
 
 template class Table<int64_t>;

@@ -73,6 +73,20 @@ struct TableOptions {
   uint64_t cache_bytes = 64ull << 20;
   uint64_t segment_bytes = 64ull << 20;
   bool storage_lock = true;
+  // > 0: a key's frequency stops growing at this count (DeepRec's default
+  // with a filter: an admitted key reports `filter_freq` unless
+  // TF_RECORD_FREQ=1); 0: every training-lookup occurrence counts.
+  int64_t freq_cap = 0;
+};
+
+// Cumulative counters of a table (for statistics): key occurrences looked
+// up, those that found an admitted row, keys admitted (rows created) and
+// keys erased (eviction, Erase), since the table was made.
+struct TableCounters {
+  uint64_t lookups = 0;
+  uint64_t hits = 0;
+  uint64_t admitted = 0;
+  uint64_t erased = 0;
 };
 
 struct SlotSpec {
@@ -235,6 +249,35 @@ class Table {
   // corrupt or truncated snapshot (a failed restore checks every file
   // before it changes the table).
   bool file_tier() const { return !options_.storage_path.empty(); }
+
+  // --- Change tracking (incremental checkpoints, serving deltas) ---------
+  // Every change of a key's state (row created, value or slot updated,
+  // frequency or version changed, imported) stamps the key with the
+  // table's current change epoch; erased keys are logged with the epoch of
+  // their erasure once tracking is on (after the first MarkChanges).
+  //
+  // Closes the current epoch and returns it as a mark M: changes from now
+  // on carry epochs > M. Takes every shard lock exclusively (so no change
+  // in flight straddles the mark) and turns on the log of erased keys.
+  int64_t MarkChanges();
+  // The current (open) change epoch.
+  int64_t ChangeEpoch() const { return epoch_.load(std::memory_order_relaxed); }
+  // Exports, as Export does, only the keys changed after mark `since`
+  // (admitted and counted-but-not-admitted), and appends to *erased the keys
+  // erased after it (a key erased and re-inserted is in both: replay erases
+  // first, then imports). One consistent view, every shard locked shared.
+  // Returns false when the contents were replaced wholesale (Clear,
+  // SwapContents, RestoreSnapshot) after `since`: the changes cannot be
+  // expressed as a delta and a full export is needed.
+  template <typename Alloc>
+  bool ExportChangedSince(int64_t since, Alloc&& alloc, std::vector<K>* erased) const;
+  // Forgets logged erasures at or before mark `upto` (once a delta that
+  // holds them is safely stored).
+  void TrimErasedLog(int64_t upto);
+  // Entries in the erased-keys log.
+  int64_t ErasedLogSize() const;
+  // Cumulative counters (see TableCounters).
+  TableCounters Counters() const;
   int64_t Snapshot();
   // Releases storage_path's lock (the owner of this table has let go of it
   // and another table may take the path); the table keeps working on its
@@ -253,6 +296,17 @@ class Table {
     DramRowStore* dram = nullptr;  // store, when it is the DRAM one
     MetaRows meta;
     uint64_t filtered = 0;  // entries not admitted
+    // Change tracking: the epoch of each value row when metadata is not
+    // tracked (otherwise it is the metadata's kEpoch column), and the keys
+    // erased with the epoch of their erasure.
+    ChunkedArena<int64_t> row_epochs{1};
+    std::vector<std::pair<K, int64_t>> erased_log;
+    // Counters (see TableCounters); lookups and hits are added once per
+    // batch, also under a shared lock.
+    std::atomic<uint64_t> lookups{0};
+    std::atomic<uint64_t> hits{0};
+    uint64_t admitted_total = 0;  // under the exclusive lock
+    uint64_t erased_total = 0;    // under the exclusive lock
 
     // The row of an admitted entry (DramRowStore is final: inlined).
     float* Value(uint32_t row, bool write) {
@@ -264,6 +318,18 @@ class Table {
       std::swap(dram, o.dram);
       std::swap(meta, o.meta);
       std::swap(filtered, o.filtered);
+      std::swap(row_epochs, o.row_epochs);
+      std::swap(erased_log, o.erased_log);
+    }
+    // Empties the shard (index, rows, metadata, change log).
+    void Reset() {
+      index.Clear();
+      store->Clear();
+      meta.Clear();
+      filtered = 0;
+      row_epochs.Clear();
+      erased_log.clear();
+      erased_log.shrink_to_fit();
     }
   };
 
@@ -275,9 +341,28 @@ class Table {
   uint64_t InsertNew(Shard& s, K key, uint64_t h, bool admit);
   // Gives entry i its value and slot rows, initialized for its key.
   uint32_t Admit(Shard& s, uint64_t i);
-  // One key's row for Lookup (see there); counts admissions in *admitted.
+  // The frequency after `count` more occurrences (saturating, and at most
+  // options_.freq_cap when that is > 0).
+  int64_t CountFreq(int64_t freq, int64_t count) const;
+  // Change tracking: where entry e's change epoch lives, stamping it with
+  // the current epoch (caller holds the shard exclusively), and reading it.
+  int64_t* EpochSlot(const Shard& s, const Entry& e) const {
+    if (e.meta_row != kNoRow) return s.meta.Row(e.meta_row) + kEpoch;
+    return e.row == kNoRow ? nullptr : s.row_epochs.Row(e.row);
+  }
+  void Touch(Shard& s, const Entry& e) {
+    if (int64_t* ep = EpochSlot(s, e)) *ep = epoch_.load(std::memory_order_relaxed);
+  }
+  int64_t EpochOf(const Shard& s, const Entry& e) const {
+    const int64_t* ep = EpochSlot(s, e);
+    return ep ? *ep : 0;
+  }
+  // Adds one batch's lookup counts to the shard's counters.
+  void CountLookups(Shard& s, uint64_t occurrences, uint64_t hits);
+  // One key's row for Lookup (see there); counts admissions in *admitted
+  // and occurrences that found an admitted row in *hits.
   const float* Resolve(Shard& s, K key, uint64_t h, bool insert, int64_t now,
-                       int64_t count, int64_t* admitted);
+                       int64_t count, int64_t* admitted, uint64_t* hits);
   template <bool kCounted>
   int64_t LookupImpl(int shard, const K* keys, const uint64_t* hashes,
                      const int64_t* order, const int32_t* counts, int64_t n,
@@ -304,6 +389,12 @@ class Table {
   // lock gives a consistent view.
   std::vector<SlotSpec> slot_specs_;
   mutable std::mutex slot_specs_mu_;  // for readers that hold no shard lock
+  // Change tracking: the open epoch, whether erasures are logged, and the
+  // epoch at which the contents were last replaced wholesale (changed
+  // with every shard locked exclusively).
+  std::atomic<int64_t> epoch_{1};
+  std::atomic<bool> log_erased_{false};
+  int64_t reset_epoch_ = 0;
 };
 
 // ---------------------------------------------------------------------------
@@ -356,6 +447,7 @@ void Table<K>::Apply(int shard, const K* keys, const uint64_t* hashes,
     }
     fn(value, slot_rows.data(), sums.data() + r * dim_);
     if (int64_t* m = Meta(s, e)) m[kVersion] = step;
+    Touch(s, e);
   }
 }
 
@@ -396,6 +488,57 @@ void Table<K>::Export(Alloc&& alloc) const {
       ++out;
     }
   }
+}
+
+template <typename K>
+template <typename Alloc>
+bool Table<K>::ExportChangedSince(int64_t since, Alloc&& alloc,
+                                  std::vector<K>* erased) const {
+  std::vector<std::shared_lock<std::shared_mutex>> locks;
+  locks.reserve(shards_.size());
+  for (const auto& s : shards_) locks.emplace_back(s->mu);
+  const bool complete = since >= reset_epoch_;
+  int64_t n = 0, nf = 0;
+  for (const auto& sp : shards_) {
+    const Shard& s = *sp;
+    for (uint64_t i = 0; i < s.index.capacity(); ++i) {
+      if (!s.index.Occupied(i)) continue;
+      const Entry& e = s.index.entry(i);
+      if (EpochOf(s, e) <= since) continue;
+      ++(e.row == kNoRow ? nf : n);
+    }
+    for (const auto& ke : s.erased_log) {
+      if (ke.second > since) erased->push_back(ke.first);
+    }
+  }
+  int64_t total_width = 0;
+  for (const auto& spec : slot_specs_) total_width += spec.width;
+  const std::optional<ExportBuffers> buffers = alloc(n, nf);
+  if (!buffers) return complete;
+  const ExportBuffers& b = *buffers;
+  int64_t out = 0, out_f = 0;
+  for (const auto& sp : shards_) {
+    const Shard& s = *sp;
+    for (uint64_t i = 0; i < s.index.capacity(); ++i) {
+      if (!s.index.Occupied(i)) continue;
+      const Entry& e = s.index.entry(i);
+      if (EpochOf(s, e) <= since) continue;
+      const int64_t* m = Meta(s, e);
+      if (e.row == kNoRow) {
+        b.keys_filtered[out_f] = e.key;
+        b.freqs_filtered[out_f] = m ? m[kFreq] : 0;
+        b.versions_filtered[out_f] = m ? m[kVersion] : 0;
+        ++out_f;
+        continue;
+      }
+      b.keys[out] = e.key;
+      s.store->Read(e.row, b.values + out * dim_, b.slots + out * total_width);
+      b.freqs[out] = m ? m[kFreq] : 0;
+      b.versions[out] = m ? m[kVersion] : 0;
+      ++out;
+    }
+  }
+  return complete;
 }
 
 }  // namespace kv

@@ -377,9 +377,7 @@ int64_t Table<K>::RestoreSnapshot(const std::string& path) {
   for (size_t si = 0; si < shards_.size(); ++si) {
     Shard& s = *shards_[si];
     auto* store = static_cast<FileRowStore*>(s.store.get());
-    s.index.Clear();
-    s.meta.Clear();
-    s.filtered = 0;
+    s.Reset();
     store->SetLayout(widths, inits);
     std::vector<std::pair<uint32_t, uint32_t>> ids;  // snapshot id -> new id
     for (const auto& seg : segs[si]) {
@@ -395,6 +393,7 @@ int64_t Table<K>::RestoreSnapshot(const std::string& path) {
         int64_t* m = s.meta.Row(meta_row);
         m[kFreq] = row.freq;
         m[kVersion] = row.version;
+        m[kEpoch] = epoch_.load(std::memory_order_relaxed);
       }
       uint32_t value_row = kNoRow;
       if (row.loc == kNoLocation) {
@@ -409,6 +408,10 @@ int64_t Table<K>::RestoreSnapshot(const std::string& path) {
                                     (row.loc & ((uint64_t{1} << 40) - 1)));
       }
       s.index.Insert(key, h, Entry{key, value_row, meta_row});
+      if (!options_.track_meta && value_row != kNoRow) {
+        s.row_epochs.EnsureCapacity(uint64_t{value_row} + 1, 0);
+        *s.row_epochs.Row(value_row) = epoch_.load(std::memory_order_relaxed);
+      }
       ++keys;
     }
   }
@@ -416,6 +419,7 @@ int64_t Table<K>::RestoreSnapshot(const std::string& path) {
   default_values_ = defaults;
   default_value_dim_ = static_cast<int64_t>(defaults.size()) / dim_;
   if (!bloom.empty()) bloom_.SetState(bloom);
+  reset_epoch_ = ChangeEpoch();  // contents replaced wholesale: no delta spans this
   RaiseLatestStep(latest);
   return keys;
 }

@@ -30,6 +30,7 @@ absl::Status GetDim(InferenceContext* c, int64_t* dim) {
 // rows: a new key k starts as row k mod default_value_dim. `filter_freq` > 1
 // turns on the counter admission filter, or with `bloom_counters` > 0 the
 // counting Bloom filter; keys not admitted read `no_permission_value`.
+// `freq_cap` > 0 stops each key's frequency at that count.
 REGISTER_OP("KRE>TableCreate")
     .Input("default_values: float")
     .Output("handle: resource")
@@ -44,6 +45,7 @@ REGISTER_OP("KRE>TableCreate")
     .Attr("no_permission_value: float = 0.0")
     .Attr("storage_path: string = ''")
     .Attr("cache_bytes: int = 67108864")
+    .Attr("freq_cap: int = 0")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       int64_t dim;
@@ -299,8 +301,9 @@ REGISTER_OP("KRE>TableImport")
 // and their gradient rows summed, each distinct row (value and slots) is updated
 // in place by `rule` with hyper-parameters `hyper`, and its version is set to
 // `step`. Missing keys are inserted first, unless an admission filter is on:
-// then gradients of keys not admitted are dropped. See keras_rec_emb/_ops.py for the
-// layout of `hyper` per rule.
+// then gradients of keys not admitted are dropped. `hparam_names` names the
+// entries of `hyper` and `slots` the table slots the rule reads, as declared in
+// keras_rec_emb/optimizers/rules.py; the kernel checks both against its own.
 REGISTER_OP("KRE>TableSparseApply")
     .Input("handle: resource")
     .Input("keys: Tkeys")
@@ -311,6 +314,7 @@ REGISTER_OP("KRE>TableSparseApply")
     .Attr("rule: {'sgd', 'momentum', 'adagrad', 'adam', 'ftrl', 'adam_async', "
           "'adagrad_decay', 'ftrl_group'}")
     .Attr("slots: list(string) >= 0")
+    .Attr("hparam_names: list(string) >= 2")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       TF_RETURN_IF_ERROR(ScalarHandle(c));

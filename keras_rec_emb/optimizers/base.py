@@ -26,6 +26,7 @@ import tensorflow as tf
 
 from keras_rec_emb import _checks, _compat
 from keras_rec_emb import _ops
+from keras_rec_emb.optimizers import rules
 from keras_rec_emb.variables import is_table
 
 
@@ -99,8 +100,9 @@ class TableOptimizer:
     """Mixin placed before a Keras optimizer class; see the module docstring.
 
     Subclasses implement `_table_update(learning_rate)` returning
-    `(rule, hyper, slot_names)` for the fused kernel, where
-    `hyper[:2] == [learning_rate, decay]` is filled in by this class.
+    `(rule, hyper)` for the fused kernel: a rule of `rules.RULES` and a dict
+    of its hyper-parameters by name (`learning_rate` and `decay` are filled
+    in by this class; the rule declares the order and the slots).
     """
 
     def __init__(self, *args, **kwargs):
@@ -193,6 +195,19 @@ class TableOptimizer:
         if dense_vars:
             super()._backend_update_step(dense_grads, dense_vars, learning_rate)
 
+    def _all_reduce_sum_gradients(self, grads_and_vars):
+        # Outside a tf.distribute strategy the sum over the one replica is
+        # the identity. Keras still calls the default replica context's
+        # all_reduce, which for a list of dense gradients (ours, once the
+        # tables' are taken out) wraps them in a tf.custom_gradient whose
+        # graph-mode gradient is registered in TensorFlow's global registry
+        # for good: every traced train step, with the table handles it
+        # captures, then stays alive (issue 20 item 11: ~2 MB and 9 handles
+        # per build/fit/save/load cycle).
+        if not tf.distribute.has_strategy():
+            return list(grads_and_vars)
+        return super()._all_reduce_sum_gradients(grads_and_vars)
+
     def _apply_to_table(self, grad, variable, learning_rate):
         table = variable.table
         if not isinstance(grad, tf.IndexedSlices):
@@ -204,11 +219,14 @@ class TableOptimizer:
         decay = 0.0
         if self.weight_decay is not None and _compat.uses_weight_decay(self, variable):
             decay = self._decay_factor(lr)
-        rule, hyper, slots = self._table_update(lr)
+        name, hyper = self._table_update(lr)
+        rule = rules.RULES[name]
+        hyper = dict(hyper, learning_rate=lr, decay=decay)
+        ordered = dict(zip(rule.hparam_names, rule.ordered(hyper)))
         keys = tf.cast(grad.indices, table.key_dtype)
         values = tf.reshape(tf.cast(grad.values, tf.float32), [-1, table.dim])
-        _ops.sparse_apply(table.handle, keys, values, rule, [lr, decay] + list(hyper),
-                          self.iterations, slots)
+        _ops.sparse_apply(table.handle, keys, values, name, ordered, self.iterations,
+                          rule.slot_names(hyper))
 
     def _decay_factor(self, learning_rate):
         """The fraction of a row that decoupled weight decay removes."""

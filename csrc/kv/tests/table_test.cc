@@ -1,5 +1,6 @@
 // Copyright keras_rec_emb authors. Apache-2.0.
 // Plain C++ tests of the TF-free table. Run by `make test` (also under ASan).
+#include <algorithm>
 #include <limits>
 #include <atomic>
 #include <cmath>
@@ -390,6 +391,40 @@ void TestCounterFilter() {
   CHECK(out[0] == (77777 % kDefaultDim) * kDim * 0.5f);
 }
 
+// DeepRec's default with a filter (no TF_RECORD_FREQ): a key's frequency
+// stops at filter_freq; freq_cap = 0 counts every occurrence.
+void TestFreqCap() {
+  kre::kv::TableOptions o = FilterOptions(3);
+  o.freq_cap = 3;
+  Table<int64_t> t(o);
+  std::vector<int64_t> key = {8};
+  std::vector<float> v;
+  int64_t f, ver;
+  for (int i = 0; i < 5; ++i) Lookup(t, key, true);
+  CHECK(t.Find(8, &v, &f, &ver) && f == 3);
+  std::vector<int64_t> batch = {9, 9, 9, 9, 9};  // one lookup past the cap
+  Lookup(t, batch, true);
+  CHECK(t.Find(9, &v, &f, &ver) && f == 3 && t.Size() == 2);
+  // A count restored above the cap is kept, not lowered.
+  std::vector<int64_t> k = {10};
+  std::vector<float> row(kDim, 1.0f);
+  std::vector<int64_t> freqs = {50}, versions = {0};
+  t.Import(k.data(), row.data(), freqs.data(), versions.data(), 1, nullptr, {}, {});
+  Lookup(t, k, true);
+  CHECK(t.Find(10, &v, &f, &ver) && f == 50);
+  // The Bloom filter's admitted keys stop at the cap too.
+  kre::kv::TableOptions b = FilterOptions(3);
+  BloomSizing(100, 0.01, &b.bloom_counters, &b.bloom_hashes);
+  b.freq_cap = 3;
+  Table<int64_t> u(b);
+  for (int i = 0; i < 6; ++i) Lookup(u, key, true);
+  CHECK(u.Find(8, &v, &f, &ver) && f == 3);
+  kre::kv::TableOptions all = FilterOptions(3);
+  Table<int64_t> w(all);
+  for (int i = 0; i < 5; ++i) Lookup(w, key, true);
+  CHECK(w.Find(8, &v, &f, &ver) && f == 5);
+}
+
 void TestBloomFilter() {
   kre::kv::TableOptions o = FilterOptions(2);
   const uint64_t n = 20000;
@@ -629,6 +664,171 @@ void TestBadConstruction() {
   CHECK(threw == 3);
 }
 
+// --- Change tracking: incremental export and replay ------------------------
+
+template <typename K>
+struct Snapshot {
+  std::map<K, std::vector<float>> rows;  // value then slots
+  std::map<K, std::pair<int64_t, int64_t>> meta, filtered;
+  bool operator==(const Snapshot& o) const {
+    return rows == o.rows && meta == o.meta && filtered == o.filtered;
+  }
+};
+
+template <typename K>
+Snapshot<K> Snap(const Exported<K>& x, int64_t dim, int64_t width) {
+  Snapshot<K> s;
+  for (size_t i = 0; i < x.keys.size(); ++i) {
+    std::vector<float> r(x.values.begin() + i * dim, x.values.begin() + (i + 1) * dim);
+    r.insert(r.end(), x.slots.begin() + i * width, x.slots.begin() + (i + 1) * width);
+    s.rows[x.keys[i]] = r;
+    s.meta[x.keys[i]] = {x.freqs[i], x.versions[i]};
+  }
+  for (size_t i = 0; i < x.keys_f.size(); ++i) {
+    s.filtered[x.keys_f[i]] = {x.freqs_f[i], x.versions_f[i]};
+  }
+  return s;
+}
+
+template <typename K>
+Exported<K> ExportSince(const Table<K>& t, int64_t since, std::vector<K>* erased,
+                        bool* complete) {
+  Exported<K> x;
+  int64_t width = 0;
+  for (const auto& spec : t.Slots()) width += spec.width;
+  *complete = t.ExportChangedSince(since, [&](int64_t n, int64_t nf) {
+    x.keys.resize(n); x.values.resize(n * t.dim()); x.freqs.resize(n); x.versions.resize(n);
+    x.slots.resize(n * width);
+    x.keys_f.resize(nf); x.freqs_f.resize(nf); x.versions_f.resize(nf);
+    return std::optional<typename Table<K>::ExportBuffers>(typename Table<K>::ExportBuffers{
+        x.keys.data(), x.values.data(), x.freqs.data(), x.versions.data(), x.slots.data(),
+        x.keys_f.data(), x.freqs_f.data(), x.versions_f.data()});
+  }, erased);
+  return x;
+}
+
+template <typename K>
+void ImportInto(Table<K>& t, const Exported<K>& x, const std::vector<int>& ids,
+                const std::vector<int64_t>& widths) {
+  t.Import(x.keys.data(), x.values.data(), x.freqs.data(), x.versions.data(),
+           static_cast<int64_t>(x.keys.size()), x.slots.data(), ids, widths);
+  t.ImportFiltered(x.keys_f.data(), x.freqs_f.data(), x.versions_f.data(),
+                   static_cast<int64_t>(x.keys_f.size()));
+}
+
+template <typename K>
+void Train(Table<K>& t, const std::vector<K>& keys, int64_t step, int slot) {
+  Lookup(t, keys, true);
+  auto p = Partition(t, keys.data(), keys.size(), 1, Serial);
+  std::vector<float> g(keys.size() * kDim);
+  for (size_t i = 0; i < g.size(); ++i) g[i] = 0.01f * static_cast<float>(i % 13) + 0.1f;
+  for (int s = 0; s < t.num_shards(); ++s) {
+    t.Apply(s, p.keys.data() + p.offsets[s], p.hashes.data() + p.offsets[s],
+            p.order.data() + p.offsets[s], p.offsets[s + 1] - p.offsets[s], g.data(), {slot},
+            step, [](float* v, float** slots, const float* grad) {
+              for (int64_t d = 0; d < kDim; ++d) {
+                slots[0][d] += grad[d] * grad[d];
+                v[d] -= 0.1f * grad[d];
+              }
+            });
+  }
+}
+
+// A full export plus a chain of deltas replayed (erase logged keys, then
+// import changed rows and counted keys) equals the table row for row,
+// through training, counter-filter admission, eviction and re-insertion.
+void CheckIncrementalChain(kre::kv::TableOptions o) {
+  Table<int64_t> t(o);
+  const int m = t.AddSlot("acc", kDim, 0.1f);
+  std::vector<int64_t> base;
+  for (int64_t k = 0; k < 200; ++k) base.push_back(k);
+  Train(t, base, 1, m);
+  Train(t, base, 2, m);  // admitted under a filter of 2 (trained from step 2)
+  int64_t mark = t.MarkChanges();
+  const Exported<int64_t> full = ExportAll(t);
+  Table<int64_t> r(o);
+  const int rm = r.AddSlot("acc", kDim, 0.1f);
+  ImportInto(r, full, {rm}, {kDim});
+  CHECK(Snap(ExportAll(r), kDim, kDim) == Snap(full, kDim, kDim));
+  size_t total_changed = 0;
+  for (int64_t step = 3; step <= 8; ++step) {
+    std::vector<int64_t> batch;
+    for (int64_t k = 0; k < 20; ++k) batch.push_back((step * 37 + k * 11) % 260);  // some new
+    batch.push_back(1000 + step);  // seen once: counted, not admitted (with a filter)
+    Train(t, batch, step, m);
+    if (step == 5) CHECK(t.Evict(-1, 2, -1.0f) > 0);  // stale keys erased
+    if (step == 6) {
+      CHECK(t.Erase(batch[0]));
+      Train(t, std::vector<int64_t>{batch[0], batch[0]}, step, m);  // erased, then back (re-inserted)
+    }
+    std::vector<int64_t> erased;
+    bool complete = false;
+    const int64_t next = t.MarkChanges();
+    const Exported<int64_t> delta = ExportSince(t, mark, &erased, &complete);
+    CHECK(complete);
+    total_changed += delta.keys.size() + delta.keys_f.size();
+    if (step == 5 || step == 6) CHECK(!erased.empty());
+    for (int64_t k : erased) r.Erase(k);
+    ImportInto(r, delta, {rm}, {kDim});
+    t.TrimErasedLog(next);
+    CHECK(t.ErasedLogSize() == 0);
+    mark = next;
+    CHECK(Snap(ExportAll(r), kDim, kDim) == Snap(ExportAll(t), kDim, kDim));
+  }
+  // Deltas hold far fewer rows than the table has.
+  CHECK(total_changed < 6 * 60);
+  // Nothing changed since the last mark: an empty delta.
+  std::vector<int64_t> erased;
+  bool complete = false;
+  const Exported<int64_t> none = ExportSince(t, mark, &erased, &complete);
+  CHECK(complete && none.keys.empty() && none.keys_f.empty() && erased.empty());
+  // Inference lookups change nothing; counters count them.
+  const kre::kv::TableCounters before = t.Counters();
+  Lookup(t, std::vector<int64_t>{36, 47, 99999}, false);  // trained at step 8; never seen
+  const Exported<int64_t> still = ExportSince(t, mark, &erased, &complete);
+  CHECK(still.keys.empty() && still.keys_f.empty());
+  const kre::kv::TableCounters after = t.Counters();
+  CHECK(after.lookups == before.lookups + 3);
+  uint64_t admitted_now = 0;
+  for (int64_t k : {36, 47, 99999}) {
+    std::vector<float> v;
+    int64_t f, ver;
+    if (t.Find(k, &v, &f, &ver) && !v.empty()) ++admitted_now;
+  }
+  CHECK(after.hits == before.hits + admitted_now);
+  CHECK(after.erased == before.erased && after.admitted == before.admitted);
+  // A clear replaces the contents: no delta spans it.
+  t.Clear();
+  ExportSince(t, mark, &erased, &complete);
+  CHECK(!complete);
+  const int64_t fresh = t.MarkChanges();
+  ExportSince(t, fresh, &erased, &complete);
+  CHECK(complete);
+}
+
+void TestIncrementalExport() {
+  CheckIncrementalChain(FilterOptions(2));
+  kre::kv::TableOptions plain = FilterOptions(0);
+  CheckIncrementalChain(plain);
+  kre::kv::TableOptions no_meta = FilterOptions(0);
+  no_meta.track_meta = false;  // epochs per value row instead of in the metadata
+  // (no versions: eviction by step erases nothing, Erase still does)
+  Table<int64_t> t(no_meta);
+  const int m = t.AddSlot("acc", kDim, 0.0f);
+  Train(t, std::vector<int64_t>{1, 2, 3}, 1, m);
+  const int64_t mark = t.MarkChanges();
+  Train(t, std::vector<int64_t>{2, 4}, 2, m);
+  CHECK(t.Erase(3));
+  std::vector<int64_t> erased;
+  bool complete = false;
+  const Exported<int64_t> d = ExportSince(t, mark, &erased, &complete);
+  std::vector<int64_t> keys = d.keys;
+  std::sort(keys.begin(), keys.end());
+  CHECK(complete && keys == (std::vector<int64_t>{2, 4}) && erased == std::vector<int64_t>{3});
+  const kre::kv::TableCounters c = t.Counters();
+  CHECK(c.admitted == 4 && c.erased == 1 && c.lookups == 5 && c.hits == 1);
+}
+
 }  // namespace
 
 int main() {
@@ -643,11 +843,13 @@ int main() {
   TestArenaRowsAcrossChunkSizes();
   TestCounterFilter();
   TestBloomFilter();
+  TestFreqCap();
   TestEviction();
   TestSaturatingMetadata();
   TestLookupCounted();
   TestAnyShardCount();
   TestBadConstruction();
+  TestIncrementalExport();
   if (g_failures) {
     std::fprintf(stderr, "%d failed\n", g_failures);
     return 1;

@@ -1,0 +1,121 @@
+// Copyright keras_rec_emb authors. Apache-2.0.
+// Op registrations of the table's change tracking (incremental checkpoints,
+// serving deltas) and counters (statistics). Kernels: csrc/kernels/delta_kernels.cc.
+#include "tensorflow/core/framework/common_shape_fns.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+namespace kre {
+
+using ::tensorflow::shape_inference::DimensionHandle;
+using ::tensorflow::shape_inference::InferenceContext;
+using ::tensorflow::shape_inference::ShapeHandle;
+
+// Closes the table's current change epoch and returns it as a mark: changes
+// from now on are "after" it. Turns on the log of erased keys.
+REGISTER_OP("KRE>TableMarkChanges")
+    .Input("handle: resource")
+    .Output("mark: int64")
+    .Attr("Tkeys: {int32, int64}")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle unused;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 0, &unused));
+      c->set_output(0, c->Scalar());
+      return absl::OkStatus();
+    });
+
+// Exports, like KRE>TableExport, only the keys changed after mark `since`,
+// plus `erased` (keys erased after it) and `complete` (false when the
+// contents were replaced wholesale after `since`: take a full export).
+// default_values and bloom are always whole.
+REGISTER_OP("KRE>TableExportChangedSince")
+    .Input("handle: resource")
+    .Input("since: int64")
+    .Output("keys: Tkeys")
+    .Output("values: float")
+    .Output("freqs: int64")
+    .Output("versions: int64")
+    .Output("slot_values: float")
+    .Output("slot_names: string")
+    .Output("slot_widths: int64")
+    .Output("default_values: float")
+    .Output("keys_filtered: Tkeys")
+    .Output("freqs_filtered: int64")
+    .Output("versions_filtered: int64")
+    .Output("bloom: uint8")
+    .Output("erased: Tkeys")
+    .Output("complete: bool")
+    .Attr("Tkeys: {int32, int64}")
+    .Attr("dim: int >= 1")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle unused;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 0, &unused));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 0, &unused));
+      int64_t dim;
+      TF_RETURN_IF_ERROR(c->GetAttr("dim", &dim));
+      DimensionHandle n = c->UnknownDim();
+      c->set_output(0, c->Vector(n));
+      c->set_output(1, c->Matrix(n, dim));
+      c->set_output(2, c->Vector(n));
+      c->set_output(3, c->Vector(n));
+      c->set_output(4, c->Matrix(n, c->UnknownDim()));
+      c->set_output(5, c->Vector(c->UnknownDim()));
+      c->set_output(6, c->Vector(c->UnknownDim()));
+      c->set_output(7, c->Matrix(c->UnknownDim(), dim));
+      DimensionHandle nf = c->UnknownDim();
+      for (int i = 8; i < 11; ++i) c->set_output(i, c->Vector(nf));
+      c->set_output(11, c->Vector(c->UnknownDim()));
+      c->set_output(12, c->Vector(c->UnknownDim()));
+      c->set_output(13, c->Scalar());
+      return absl::OkStatus();
+    });
+
+// Forgets logged erasures at or before mark `upto`; returns the log's size.
+REGISTER_OP("KRE>TableTrimErased")
+    .Input("handle: resource")
+    .Input("upto: int64")
+    .Output("remaining: int64")
+    .Attr("Tkeys: {int32, int64}")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle unused;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 0, &unused));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 0, &unused));
+      c->set_output(0, c->Scalar());
+      return absl::OkStatus();
+    });
+
+// Erases `keys` (a vector; absent keys are skipped); returns how many were
+// present.
+REGISTER_OP("KRE>TableErase")
+    .Input("handle: resource")
+    .Input("keys: Tkeys")
+    .Output("erased: int64")
+    .Attr("Tkeys: {int32, int64}")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle unused;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 0, &unused));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &unused));
+      c->set_output(0, c->Scalar());
+      return absl::OkStatus();
+    });
+
+// [admitted keys, keys counted but not admitted, memory bytes, latest step,
+//  key occurrences looked up, of them found admitted, keys admitted, keys
+//  erased (the last four cumulative), open change epoch, erased-log size]
+REGISTER_OP("KRE>TableCounters")
+    .Input("handle: resource")
+    .Output("counters: int64")
+    .Attr("Tkeys: {int32, int64}")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle unused;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 0, &unused));
+      c->set_output(0, c->Vector(10));
+      return absl::OkStatus();
+    });
+
+}  // namespace kre

@@ -1,0 +1,156 @@
+"""callbacks.TableStats and CheckpointCallback, checked against the tables' own export."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_rec_emb as kre
+from keras_rec_emb.layers import EmbeddingVariable
+
+
+def make_model(name="ids", filter_freq=2, steps_to_live=None):
+    ids = keras.Input((2,), dtype="int64")
+    ev = EmbeddingVariable(4, combiner="sum", name=name, ev_option=kre.EmbeddingVariableOption(
+        filter_option=kre.CounterFilter(filter_freq) if filter_freq else None,
+        evict_option=kre.GlobalStepEvict(steps_to_live) if steps_to_live else None))
+    model = keras.Model(ids, keras.layers.Dense(1)(ev(ids)))
+    model.compile(optimizer=kre.optimizers.Adagrad(0.1), loss="mse")
+    return model, ev
+
+
+class ExportEachStep(keras.callbacks.Callback):
+    def __init__(self, layer):
+        super().__init__()
+        self.layer, self.exports = layer, []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.exports.append(self.layer.table.export())
+
+
+def test_stats_match_the_tables_export_every_step(tmp_path):
+    model, ev = make_model(filter_freq=2, steps_to_live=1)
+    stats = kre.callbacks.TableStats(every_n_steps=1, log_dir=str(tmp_path / "tb"))
+    evict = kre.callbacks.EvictionCallback(every_n_steps=1)
+    # ExportEachStep runs after eviction and stats: all see the same state.
+    exports = ExportEachStep(ev)
+    seen = []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append({k: v for k, v in logs.items() if k.startswith("ids_")})
+
+    x = np.array([[1, 2], [1, 3], [1, 2], [4, 5], [1, 6], [1, 7]])
+    model.fit(x, np.ones((6, 1)), batch_size=2, verbose=0,
+              callbacks=[evict, stats, exports, Record()])
+    prev_keys = set()
+    for logs, d in zip(seen, exports.exports):
+        assert logs["ids_size"] == len(d["keys"])
+        assert logs["ids_filtered"] == len(d["keys_filtered"])
+        keys = set(d["keys"].tolist())
+        assert logs["ids_new"] >= len(keys - prev_keys)
+        assert logs["ids_evicted"] >= len(prev_keys - keys)
+        assert logs["ids_bytes"] == ev.table.stats()["memory_bytes"] or logs["ids_bytes"] > 0
+        prev_keys = keys
+    # Hit rate, by hand: step 1 looks up 1,2,1,3 with filter 2: 1 is admitted
+    # by this lookup (count 2) but found no row before it: 0 hits.
+    assert seen[0]["ids_hit_rate"] == 0.0
+    # Step 2 (1,2,4,5): key 1 was admitted at step 1 (if not evicted).
+    assert 0.0 <= seen[1]["ids_hit_rate"] <= 1.0
+    # TensorBoard scalars were written.
+    files = os.listdir(tmp_path / "tb")
+    assert files and any(f.startswith("events") for f in files)
+    tags = set()
+    for e in tf.compat.v1.train.summary_iterator(str(tmp_path / "tb" / files[0])):
+        for v in e.summary.value:
+            tags.add(v.tag)
+    assert "tables/ids_size" in tags and "tables/ids_hit_rate" in tags
+
+
+def test_hit_rate_against_numpy_reference():
+    model, ev = make_model(filter_freq=0)
+    stats = kre.callbacks.TableStats(every_n_steps=1)
+    x = np.array([[1, 2], [3, 4], [1, 9], [2, 3]])
+    model.fit(x, np.ones((4, 1)), batch_size=2, verbose=0, shuffle=False, callbacks=[stats])
+    # Reference: per occurrence, was the key in the table before it?
+    table, hits = set(), 0
+    for k in x[2:].reshape(-1):  # the second step
+        hits += k in table or k in {1, 2, 3, 4}
+        table.add(k)
+    assert stats.latest["ids_hit_rate"] == hits / 4
+    assert stats.latest["ids_new"] == 1  # key 9
+    assert stats.latest["ids_size"] == len(ev.table.export()["keys"]) == 5
+
+
+def test_stats_in_csv_logger_and_history(tmp_path):
+    model, _ = make_model(filter_freq=0)
+    path = tmp_path / "log.csv"
+    h = model.fit(np.array([[1, 2], [1, 3]]), np.ones((2, 1)), epochs=2, verbose=0,
+                  callbacks=[kre.callbacks.TableStats(), keras.callbacks.CSVLogger(str(path))])
+    assert h.history["ids_size"] == [3, 3]
+    assert h.history["ids_new"] == [3, 0]
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["ids_size"]) for r in rows] == [3, 3]
+
+
+def test_inspect_reports_the_same_numbers(tmp_path):
+    model, ev = make_model(filter_freq=2)
+    model.fit(np.array([[1, 2], [1, 3]]), np.ones((2, 1)), verbose=0)
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    out = subprocess.run([sys.executable, "-m", "keras_rec_emb.cli", "inspect", "--json", path],
+                         capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        out = subprocess.run([os.path.join(os.path.dirname(sys.executable), "keras-rec-emb"),
+                              "inspect", "--json", path], capture_output=True, text=True)
+    t = json.loads(out.stdout)["tables"][0]
+    d = ev.table.export()
+    assert t["keys"] == len(d["keys"]) and t["filtered"] == len(d["keys_filtered"])
+    assert t["total_freq"] == int(d["freqs"].sum())
+
+
+def test_callbacks_config_round_trip_and_bad_input(tmp_path):
+    for cb in (kre.callbacks.TableStats(every_n_steps=3, log_dir=str(tmp_path)),
+               kre.callbacks.CheckpointCallback(str(tmp_path), full_every_steps=5,
+                                                incremental_every_secs=1.5, keep=3)):
+        again = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(cb))
+        assert type(again) is type(cb) and again.get_config() == cb.get_config()
+    with pytest.raises(ValueError, match="every_n_steps=0"):
+        kre.callbacks.TableStats(every_n_steps=0)
+    with pytest.raises(TypeError, match="in_logs="):
+        kre.callbacks.TableStats(in_logs="yes")
+    with pytest.raises(ValueError, match="full_every_steps=-1"):
+        kre.callbacks.CheckpointCallback(str(tmp_path), full_every_steps=-1)
+    with pytest.raises(ValueError, match="keep=0"):
+        kre.callbacks.CheckpointCallback(str(tmp_path), keep=0)
+    with pytest.raises(TypeError, match="directory="):
+        kre.callbacks.CheckpointCallback(None)
+
+
+def test_checkpoint_callback_chain_restores_the_fitted_state(tmp_path):
+    model, ev = make_model(filter_freq=2, steps_to_live=2)
+    cb = kre.callbacks.CheckpointCallback(str(tmp_path), full_every_steps=4,
+                                          incremental_every_steps=1, keep=2)
+    rng = np.random.default_rng(0)
+    model.fit(rng.integers(0, 30, (20, 2)), np.ones((20, 1)), batch_size=2, verbose=0,
+              callbacks=[cb, kre.callbacks.EvictionCallback(every_n_steps=1)])
+    kinds = [p.rsplit("-", 1)[1] for p in cb.saves]
+    assert kinds[0] == "full.npz" and "incremental.npz" in kinds
+    restored, rev = make_model(filter_freq=2, steps_to_live=2)
+    restored.build((None, 2))
+    info = kre.callbacks.CheckpointCallback(str(tmp_path)).restore(restored)
+    assert info["links"][-1] == cb.saves[-1]
+    a, b = ev.table.export(), rev.table.export()
+    oa, ob = np.argsort(a["keys"]), np.argsort(b["keys"])
+    for k in ("keys", "values", "freqs", "versions"):
+        np.testing.assert_array_equal(a[k][oa], b[k][ob])
+    np.testing.assert_array_equal(np.sort(a["keys_filtered"]), np.sort(b["keys_filtered"]))
+    x = rng.integers(0, 30, (8, 2))
+    np.testing.assert_allclose(model.predict(x, verbose=0), restored.predict(x, verbose=0))
