@@ -202,6 +202,7 @@ def _keras_tables(model, rows):
     for layer in _ev_layers(model):
         data = layer.export()
         stats = layer.table.counters()  # the numbers of callbacks.TableStats
+        storage = layer.table.stats()  # with the row store's (file tier) numbers
         tables.append({
             "name": layer.name, "dim": layer.embedding_dim, "key_dtype": layer.key_dtype,
             "keys": stats["size"], "filtered": stats["filtered"],
@@ -209,7 +210,7 @@ def _keras_tables(model, rows):
             "latest_step": stats["latest_step"],
             "max_version": int(data["versions"].max()) if len(data["versions"]) else None,
             "total_freq": int(data["freqs"].sum()),
-            "storage": {k: stats[k] for k in (
+            "storage": {k: storage[k] for k in (
                 "storage", "rows", "cached_rows", "cache_memory_bytes", "disk_bytes",
                 "cache_hits", "cache_misses", "cache_hit_rate", "file_reads", "file_writes")},
             "rows": [{"key": int(data["keys"][i]), "freq": int(data["freqs"][i]),
