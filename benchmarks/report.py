@@ -51,6 +51,8 @@ ARGS = {
                             "--bins", "20000", "--warmup", "2", "--reps", "8"],
         "training": ["--quick"],
         "memory_per_key": ["--keys", "200000", "--chunk", "100000"],
+        "storage": ["--batch", "512", "--features", "8", "--vocab", "20000",
+                    "--batches", "5", "--steps", "3", "--reps", "2"],
     },
     "full": {
         "lookup": ["--batch", "1000000", "--dims", "64", "--threads", "0"],
@@ -58,6 +60,7 @@ ARGS = {
         "group_embedding": [],
         "training": [],
         "memory_per_key": [],
+        "storage": [],
         "data": [],
     },
 }
@@ -128,7 +131,8 @@ def _plan(bench_dir, out_dir, quick):
     for rows in LOOKUP_ROWS[mode]:
         runs.append((f"lookup_{rows}", f"lookup ({rows:,} rows)", "lookup.py",
                      ["--rows", str(rows), *ARGS[mode]["lookup"]]))
-    for name in ("filters", "group_embedding", "training", "memory_per_key", "data"):
+    for name in ("filters", "group_embedding", "training", "memory_per_key", "storage",
+                 "data"):
         if name in ARGS[mode]:
             runs.append((name, name, f"{name}.py", list(ARGS[mode][name])))
     for _, label, script, _ in runs:
@@ -279,6 +283,17 @@ def _memory_rows(data):
     return rows
 
 
+def _storage_rows(data):
+    what = (f"`storage.py`: {data['rows']:,} rows, dim {data['config']['dim']}, cache "
+            f"{data['config']['cache_fraction']:.0%} of the rows "
+            f"(hit rate {data['cache_hit_rate']:.2f})")
+    return [_row(what, "training steps/s, FILE tier / DRAM", data["file_over_dram"],
+                 data["target_file_over_dram"]),
+            _row(what, f"bytes on disk per key / `4*dim*(1+slots)` = "
+                 f"{data['row_bound_bytes_per_key']} (lower is better)",
+                 data["disk_over_bound"])]
+
+
 def _data_rows(data):
     what = f"`data.py`: {data['config']['rows']:,}-row Criteo-like Parquet"
     rows = [_row(what, "rows/s, ParquetDataset / `pyarrow.parquet.read_table` (bound)",
@@ -297,7 +312,7 @@ def table_rows(results):
     rows = _lookup_rows(results)
     for key, fn in (("filters", _filters_rows), ("group_embedding", _group_rows),
                     ("training", _training_rows), ("memory_per_key", _memory_rows),
-                    ("data", _data_rows)):
+                    ("storage", _storage_rows), ("data", _data_rows)):
         if key in results:
             rows.extend(fn(results[key]))
     for r in rows:

@@ -93,9 +93,11 @@ def _table_lookup_grad(op, grad):
 
 
 def create_table(default_values, key_dtype, dim, num_shards, track_meta=True,
-                 filter_freq=0, bloom=None, no_permission_value=0.0, freq_cap=0):
+                 filter_freq=0, bloom=None, no_permission_value=0.0, freq_cap=0,
+                 storage_path="", cache_bytes=64 << 20):
     """A new table; `bloom` is (counters, hashes, counter_bytes) or None;
-    `freq_cap` > 0 stops each key's frequency at that count."""
+    `freq_cap` > 0 stops each key's frequency at that count; a non-empty
+    `storage_path` makes it a file-tier table."""
     refuse_distribution("Creating an embedding table")
     counters, hashes, counter_bytes = bloom or (0, 0, 8)
     return gen().kre_table_create(
@@ -103,6 +105,7 @@ def create_table(default_values, key_dtype, dim, num_shards, track_meta=True,
         track_meta=track_meta, filter_freq=filter_freq, bloom_counters=counters,
         bloom_hashes=hashes, bloom_counter_bytes=counter_bytes,
         no_permission_value=no_permission_value, freq_cap=freq_cap,
+        storage_path=storage_path, cache_bytes=cache_bytes,
     )
 
 
@@ -149,6 +152,32 @@ def size(handle, key_dtype):
 def stats(handle, key_dtype):
     """[admitted keys, keys counted but not admitted, memory bytes, latest step]."""
     return gen().kre_table_stats(handle, Tkeys=key_dtype)
+
+
+STORAGE_STATS = ("rows", "cached_rows", "cache_memory_bytes", "disk_bytes", "cache_hits",
+                 "cache_misses", "file_reads", "file_writes")
+
+
+def storage_stats(handle, key_dtype):
+    """The row store's counters, named by STORAGE_STATS."""
+    return gen().kre_table_storage_stats(handle, Tkeys=key_dtype)
+
+
+def snapshot(handle, key_dtype):
+    """File tier: a snapshot under the table's folder; returns its number."""
+    return gen().kre_table_snapshot(handle, Tkeys=key_dtype)
+
+
+def release_storage(handle, key_dtype):
+    """File tier: releases the table's lock on its folder."""
+    return gen().kre_table_release_storage(handle, Tkeys=key_dtype)
+
+
+def restore_snapshot(handle, key_dtype, path=""):
+    """File tier: the latest snapshot under `path` (default: the table's
+    folder) replaces the contents; returns the number of keys."""
+    return gen().kre_table_restore_snapshot(handle, tf.constant(path, tf.string),
+                                            Tkeys=key_dtype)
 
 
 def evict(handle, key_dtype, step, steps_to_live, l2_threshold):

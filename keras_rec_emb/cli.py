@@ -202,6 +202,7 @@ def _keras_tables(model, rows):
     for layer in _ev_layers(model):
         data = layer.export()
         stats = layer.table.counters()  # the numbers of callbacks.TableStats
+        storage = layer.table.stats()  # with the row store's (file tier) numbers
         tables.append({
             "name": layer.name, "dim": layer.embedding_dim, "key_dtype": layer.key_dtype,
             "keys": stats["size"], "filtered": stats["filtered"],
@@ -209,6 +210,9 @@ def _keras_tables(model, rows):
             "latest_step": stats["latest_step"],
             "max_version": int(data["versions"].max()) if len(data["versions"]) else None,
             "total_freq": int(data["freqs"].sum()),
+            "storage": {k: storage[k] for k in (
+                "storage", "rows", "cached_rows", "cache_memory_bytes", "disk_bytes",
+                "cache_hits", "cache_misses", "cache_hit_rate", "file_reads", "file_writes")},
             "rows": [{"key": int(data["keys"][i]), "freq": int(data["freqs"][i]),
                       "version": int(data["versions"][i]),
                       "values": [float(v) for v in data["values"][i][:6]]}
@@ -277,6 +281,13 @@ def inspect(args):
                   f"keys={t['keys']:,} filtered={t['filtered']:,} "
                   f"memory={t['memory_bytes']:,} bytes slots={t['slots'] or '-'} "
                   f"latest_step={t['latest_step']} total_freq={t['total_freq']:,}")
+            st = t["storage"]
+            if st["storage"] == "FILE":
+                print(f"  file tier: rows={st['rows']:,} in_cache={st['cached_rows']:,} "
+                      f"cache={st['cache_memory_bytes']:,} bytes "
+                      f"on_disk={st['disk_bytes']:,} bytes "
+                      f"hit_rate={st['cache_hit_rate']:.3f} "
+                      f"file_reads={st['file_reads']:,} file_writes={st['file_writes']:,}")
             for row in t["rows"]:
                 values = np.array2string(np.array(row["values"], np.float32), precision=4,
                                          separator=", ")

@@ -2,8 +2,8 @@
 
 Initialization (`InitializerOption`), admission filters (`CounterFilter`,
 `CBFFilter`) and eviction (`GlobalStepEvict`, `L2WeightEvict`) are in effect.
-Storage tiers other than DRAM (`StorageOption("FILE")`) are validated and
-serializable, but a layer given one raises `NotImplementedError`.
+Storage: DRAM, or a file tier (`StorageOption("FILE", storage_path, storage_size)`)
+whose rows live in files with a bounded DRAM cache.
 """
 
 import math
@@ -244,24 +244,43 @@ class L2WeightEvict(_Option):
 _STORAGE_TYPES = ("DRAM", "FILE")
 
 
+_DEFAULT_CACHE_BYTES = 64 << 20
+
+
 @keras.saving.register_keras_serializable(package=_PACKAGE)
 class StorageOption(_Option):
     """Where an EmbeddingVariable keeps its rows.
 
+    `"DRAM"` keeps every row in memory. `"FILE"` is a tier for tables larger
+    than memory (DeepRec's DRAM+SSDHASH, OneEmbedding's cached SSD store):
+    rows (values and optimizer slots) live in append-only segment files
+    under `storage_path/<table name>/`, a DRAM cache of about `storage_size`
+    bytes holds the hot rows (CLOCK replacement, dirty rows written back on
+    eviction), and the key index with per-key frequency and version stays in
+    DRAM (about 40 bytes per key). Lookups, optimizer updates, filters,
+    eviction, export/import, `model.save`, `tf.train.Checkpoint` and
+    `export_for_serving` give the same results as on DRAM. A live table locks
+    its folder: two live tables (for instance a model and its reloaded copy
+    in one process) cannot share one `storage_path` and table name.
+    `layer.snapshot()` writes a crash-safe snapshot of the table's files
+    (no rows go through Python); `layer.restore_snapshot()` reads it back.
+
     Args:
-        storage_type: `"DRAM"` (in memory, the default and the only tier
-            implemented today) or `"FILE"` (memory-mapped file tier, not yet
-            implemented).
-        storage_path: str or `None`. Directory of the file tier.
-        storage_size: int or `None`. Bytes of the in-memory cache of the file
-            tier.
+        storage_type: `"DRAM"` (the default) or `"FILE"`.
+        storage_path: str. Folder of the file tier (created if missing);
+            required for `"FILE"`, must be `None` for `"DRAM"`.
+        storage_size: int or `None`. Bytes of DRAM cache for the file tier's
+            rows, split over the table's shards (each keeps at least 16
+            rows). Defaults to 64 MiB.
 
     Example:
 
     >>> s = keras_rec_emb.StorageOption("DRAM")
+    >>> f = keras_rec_emb.StorageOption("FILE", storage_path="/tmp/kre_doc",
+    ...                                 storage_size=1 << 20)
+    >>> f.get_config()["storage_size"]
+    1048576
     """
-
-    feature = "file-backed storage tiers"
 
     def __init__(self, storage_type="DRAM", storage_path=None, storage_size=None):
         if storage_type not in _STORAGE_TYPES:
@@ -271,9 +290,22 @@ class StorageOption(_Option):
             )
         if storage_size is not None:
             _check_int("storage_size", storage_size, 1)
+        if storage_path is not None and (not isinstance(storage_path, str) or not storage_path):
+            raise TypeError(
+                "`storage_path` must be a non-empty str or None. Received: "
+                f"storage_path={storage_path!r}")
+        if storage_type == "FILE" and storage_path is None:
+            raise ValueError(
+                "`storage_path` is required for storage_type='FILE' (a folder for "
+                "the table's files). Received: storage_path=None")
         self.storage_type = storage_type
         self.storage_path = storage_path
         self.storage_size = storage_size
+
+    @property
+    def cache_bytes(self):
+        """DRAM cache bytes of the file tier."""
+        return self.storage_size or _DEFAULT_CACHE_BYTES
 
     def get_config(self):
         return {
@@ -366,12 +398,6 @@ class EmbeddingVariableOption(_Option):
         self.storage_option = storage_option or StorageOption()
         self.num_shards = num_shards
 
-    def unimplemented_feature(self):
-        """The name of a requested feature that is not implemented, or None."""
-        if self.storage_option.storage_type != "DRAM":
-            return self.storage_option.feature
-        return None
-
     def tracks_meta(self):
         """Whether keys keep frequency and version (see `track_meta`)."""
         if self.track_meta is not None:
@@ -392,6 +418,10 @@ class EmbeddingVariableOption(_Option):
             kwargs["filter_freq"] = f.filter_freq
             if isinstance(f, CBFFilter):
                 kwargs["bloom"] = f.sizing()
+        storage = self.storage_option
+        if storage.storage_type == "FILE":
+            kwargs["storage_path"] = storage.storage_path
+            kwargs["cache_bytes"] = storage.cache_bytes
         e = self.evict_option
         if isinstance(e, GlobalStepEvict):
             kwargs["steps_to_live"] = e.steps_to_live

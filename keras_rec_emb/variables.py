@@ -19,6 +19,7 @@ Two objects with two roles:
 
 import itertools
 import os
+import re
 from typing import NamedTuple
 
 import numpy as np
@@ -208,14 +209,25 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
             columns of key `k` from initializer row `k mod
             default_value_dim` and those of width-`dim` optimizer slots with
             the slot's init value; the table keeps its own initializer matrix.
+        storage_path: str or None. A folder: the table's rows live in files
+            under `storage_path/<name>` with a DRAM cache (the file tier;
+            see `StorageOption`); None keeps every row in DRAM.
+        cache_bytes: int. DRAM cache bytes of the file tier.
     """
 
     def __init__(self, dim, key_dtype, default_values, num_shards=32,
                  trainable=True, name="embedding_table", track_meta=True,
                  filter_freq=0, bloom=None, no_permission_value=0.0,
                  steps_to_live=None, l2_weight_threshold=None, save_filtered=True,
-                 restore_dim_mismatch="error", record_freq=True):
+                 restore_dim_mismatch="error", record_freq=True, storage_path=None,
+                 cache_bytes=64 << 20):
         super().__init__()
+        self._storage_dir = None
+        if storage_path is not None:
+            # One folder per table: its name, made a safe file name.
+            safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("._") or "table"
+            self._storage_dir = os.path.join(os.path.abspath(storage_path), safe)
+        self._cache_bytes = int(cache_bytes)
         self._restore_dim_mismatch = check_restore_dim_mode(restore_dim_mismatch)
         self._slot_inits = {}
         self._dim = int(dim)
@@ -247,7 +259,16 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
             self._num_shards, track_meta=self._track_meta, filter_freq=self._filter_freq,
             bloom=self._bloom, no_permission_value=self._no_permission_value,
             freq_cap=self._freq_cap(),
+            storage_path=self._storage_dir or "", cache_bytes=self._cache_bytes,
         )
+
+    def _destroy_resource(self):
+        # The Python table is going: its file tier's folder lock goes with it
+        # (the C++ resource may outlive it, held by TensorFlow's function
+        # caches), so that a reloaded model can take the folder. Eager only:
+        # this is also traced into SavedModels, which must not need the op.
+        if self._storage_dir is not None and tf.executing_eagerly():
+            _ops.release_storage(self._resource_handle, self._key_dtype)
 
     def _freq_cap(self):
         # DeepRec (CounterFilterDescriptorImpl::GetFreq, EmbeddingVar's
@@ -393,11 +414,50 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
 
     def stats(self):
         """dict: `size` (admitted keys), `filtered` (keys counted but not
-        admitted), `memory_bytes`, `latest_step` (last optimizer step that
-        updated a row)."""
+        admitted), `memory_bytes` (all DRAM the table holds), `latest_step`
+        (last optimizer step that updated a row), `storage` (`"DRAM"` or
+        `"FILE"`), and the row store's counters: `rows`, `cached_rows` (rows
+        in DRAM), `cache_memory_bytes`, `disk_bytes` (files, garbage
+        included), `cache_hits`, `cache_misses`, `cache_hit_rate` (hits /
+        accesses, 1.0 before any), `file_reads`, `file_writes` (rows)."""
         values = _ops.stats(self.handle, self._key_dtype).numpy()
-        return dict(zip(("size", "filtered", "memory_bytes", "latest_step"),
-                        (int(v) for v in values)))
+        out = dict(zip(("size", "filtered", "memory_bytes", "latest_step"),
+                       (int(v) for v in values)))
+        store = _ops.storage_stats(self.handle, self._key_dtype).numpy()
+        out.update(zip(_ops.STORAGE_STATS, (int(v) for v in store)))
+        out["storage"] = "FILE" if self._storage_dir else "DRAM"
+        accesses = out["cache_hits"] + out["cache_misses"]
+        out["cache_hit_rate"] = out["cache_hits"] / accesses if accesses else 1.0
+        return out
+
+    @property
+    def storage_dir(self):
+        """The file tier's folder of this table, or None (DRAM)."""
+        return self._storage_dir
+
+    def _check_file_tier(self, what):
+        if self._storage_dir is None:
+            raise ValueError(
+                f"{what} needs a file-tier table (EmbeddingVariableOption("
+                f"storage_option=StorageOption('FILE', storage_path=...))); table "
+                f"'{self._name}' keeps its rows in DRAM.")
+
+    def snapshot(self):
+        """File tier: writes a crash-safe snapshot of the table (rows stay in
+        C++: segments are flushed, fsynced and hard-linked, an index written,
+        a manifest renamed) under `storage_dir`; returns its number."""
+        self._check_file_tier("snapshot()")
+        return int(_ops.snapshot(self.handle, self._key_dtype))
+
+    def restore_snapshot(self, path=None):
+        """File tier: replaces the contents with the latest snapshot under
+        `path` (default `storage_dir`); returns the number of keys. A corrupt
+        or truncated snapshot raises an error naming the file and leaves the
+        table unchanged."""
+        self._check_file_tier("restore_snapshot()")
+        if path is not None and not isinstance(path, str):
+            raise TypeError(f"`path` must be a str or None. Received: path={path!r}")
+        return int(_ops.restore_snapshot(self.handle, self._key_dtype, path or ""))
 
     def memory_bytes(self):
         """Bytes held by the table (index, rows, slots, metadata, filter)."""

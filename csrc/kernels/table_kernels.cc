@@ -38,6 +38,12 @@ class TableCreateOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("bloom_hashes", &options_.bloom_hashes));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("bloom_counter_bytes", &options_.bloom_counter_bytes));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("no_permission_value", &options_.no_permission_value));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("storage_path", &options_.storage_path));
+    int64_t cache_bytes;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("cache_bytes", &cache_bytes));
+    OP_REQUIRES(ctx, cache_bytes >= 1,
+                errors::InvalidArgument("cache_bytes must be >= 1, got ", cache_bytes));
+    options_.cache_bytes = static_cast<uint64_t>(cache_bytes);
     OP_REQUIRES_OK(ctx, ctx->GetAttr("freq_cap", &options_.freq_cap));
     OP_REQUIRES(ctx, options_.freq_cap >= 0,
                 errors::InvalidArgument("freq_cap must be >= 0, got ", options_.freq_cap));
@@ -161,6 +167,87 @@ class TableStatsOp : public OpKernel {
     v(1) = t.FilteredSize();
     v(2) = static_cast<int64_t>(t.MemoryBytes());
     v(3) = t.LatestStep();
+  }
+};
+
+template <typename K>
+class TableStorageStatsOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    tf::core::RefCountPtr<TableResource<K>> res;
+    OP_REQUIRES_OK(ctx, GetTable<K>(ctx, &res));
+    const kv::RowStoreStats s = res->table().StoreStats();
+    Tensor* out;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({8}), &out));
+    auto v = out->flat<int64_t>();
+    const uint64_t fields[8] = {s.rows, s.cached_rows, s.memory_bytes, s.disk_bytes,
+                                s.hits, s.misses, s.file_reads, s.file_writes};
+    for (int i = 0; i < 8; ++i) v(i) = static_cast<int64_t>(fields[i]);
+  }
+};
+
+template <typename K>
+class TableSnapshotOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    tf::core::RefCountPtr<TableResource<K>> res;
+    OP_REQUIRES_OK(ctx, GetTable<K>(ctx, &res));
+    kv::Table<K>& t = res->table();
+    OP_REQUIRES(ctx, t.file_tier(),
+                errors::InvalidArgument("snapshots need a file-tier table "
+                                        "(StorageOption(\"FILE\", storage_path=...))"));
+    int64_t seq = 0;
+    try {
+      seq = t.Snapshot();
+    } catch (const std::exception& e) {
+      ctx->SetStatus(errors::Internal("snapshot failed: ", e.what()));
+      return;
+    }
+    Tensor* out;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<int64_t>()() = seq;
+  }
+};
+
+template <typename K>
+class TableReleaseStorageOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    tf::core::RefCountPtr<TableResource<K>> res;
+    OP_REQUIRES_OK(ctx, GetTable<K>(ctx, &res));
+    kv::Table<K>& t = res->table();
+    if (t.file_tier()) t.ReleaseStorageLock();
+    Tensor* out;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<bool>()() = t.file_tier();
+  }
+};
+
+template <typename K>
+class TableRestoreSnapshotOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    tf::core::RefCountPtr<TableResource<K>> res;
+    OP_REQUIRES_OK(ctx, GetTable<K>(ctx, &res));
+    kv::Table<K>& t = res->table();
+    OP_REQUIRES(ctx, t.file_tier(),
+                errors::InvalidArgument("snapshots need a file-tier table "
+                                        "(StorageOption(\"FILE\", storage_path=...))"));
+    const std::string path(ctx->input(1).scalar<tf::tstring>()());
+    int64_t keys = 0;
+    try {
+      keys = t.RestoreSnapshot(path);
+    } catch (const std::exception& e) {
+      ctx->SetStatus(errors::InvalidArgument("snapshot restore failed: ", e.what()));
+      return;
+    }
+    Tensor* out;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<int64_t>()() = keys;
   }
 };
 
@@ -400,6 +487,7 @@ class TableImportOp : public OpKernel {
         // as before. Peak memory is the old plus the new contents.
         kv::TableOptions options = table.options();
         options.default_values = table.DefaultValues();
+        options.storage_lock = false;  // a file tier's staging table beside the live one
         kv::Table<K> staging(std::move(options));
         for (const auto& spec : specs) staging.AddSlot(spec.name, spec.width, spec.init);
         fill(staging);
@@ -431,6 +519,18 @@ class TableImportOp : public OpKernel {
   REGISTER_KERNEL_BUILDER(                                                             \
       Name("KRE>TableStats").Device(tf::DEVICE_CPU).TypeConstraint<K>("Tkeys"),        \
       TableStatsOp<K>);                                                                \
+  REGISTER_KERNEL_BUILDER(                                                             \
+      Name("KRE>TableStorageStats").Device(tf::DEVICE_CPU).TypeConstraint<K>("Tkeys"), \
+      TableStorageStatsOp<K>);                                                         \
+  REGISTER_KERNEL_BUILDER(                                                             \
+      Name("KRE>TableSnapshot").Device(tf::DEVICE_CPU).TypeConstraint<K>("Tkeys"),     \
+      TableSnapshotOp<K>);                                                             \
+  REGISTER_KERNEL_BUILDER(                                                             \
+      Name("KRE>TableReleaseStorage").Device(tf::DEVICE_CPU).TypeConstraint<K>("Tkeys"), \
+      TableReleaseStorageOp<K>);                                                       \
+  REGISTER_KERNEL_BUILDER(                                                             \
+      Name("KRE>TableRestoreSnapshot").Device(tf::DEVICE_CPU).TypeConstraint<K>("Tkeys"), \
+      TableRestoreSnapshotOp<K>);                                                      \
   REGISTER_KERNEL_BUILDER(                                                             \
       Name("KRE>TableEvict").Device(tf::DEVICE_CPU).TypeConstraint<K>("Tkeys"),        \
       TableEvictOp<K>);                                                                \

@@ -1,20 +1,16 @@
 // Copyright keras_rec_emb authors. Apache-2.0.
+// The engine: shards of (index, row store, metadata) under one lock each,
+// with the filter, eviction and import/export policies on top.
 #include "kv/table.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <stdexcept>
 
+#include "kv/eviction.h"
+
 namespace kre {
 namespace kv {
-
-void BloomSizing(uint64_t n, double p, uint64_t* counters, int* hashes) {
-  const double ln2 = std::log(2.0);
-  const double m = std::ceil(-static_cast<double>(n) * std::log(p) / (ln2 * ln2));
-  *counters = static_cast<uint64_t>(std::max(1.0, m));
-  *hashes = std::max(1, static_cast<int>(std::lround(m / static_cast<double>(n) * ln2)));
-}
 
 namespace {
 
@@ -40,66 +36,6 @@ TableOptions Validated(TableOptions o) {
   return o;
 }
 
-// A row id from the free list, or the next new one (then *fresh is true and
-// the arenas must grow to hold it).
-uint32_t TakeRow(std::vector<uint32_t>* free, uint32_t* next, bool* fresh) {
-  *fresh = free->empty();
-  if (!*fresh) {
-    const uint32_t row = free->back();
-    free->pop_back();
-    return row;
-  }
-  if (*next == UINT32_MAX) throw std::length_error("shard is full");
-  return (*next)++;
-}
-
-// Maps a well-mixed 64-bit value to [0, n) with a multiply instead of a
-// division (Lemire's fast range reduction).
-inline uint64_t Reduce(uint64_t x, uint64_t n) {
-  return static_cast<uint64_t>((static_cast<unsigned __int128>(x) * n) >> 64);
-}
-
-// Bloom counters of 1, 2, 4 or 8 bytes, read and incremented atomically
-// (relaxed: a counter is an estimate; shards that share one race only on
-// the count, which the compare-exchange keeps exact).
-template <typename C>
-uint64_t LoadCounter(const uint8_t* base, uint64_t i) {
-  return __atomic_load_n(reinterpret_cast<const C*>(base) + i, __ATOMIC_RELAXED);
-}
-
-template <typename C>
-void IncrementCounter(uint8_t* base, uint64_t i) {
-  C* c = reinterpret_cast<C*>(base) + i;
-  C v = __atomic_load_n(c, __ATOMIC_RELAXED);
-  while (v != static_cast<C>(~C{0}) &&  // saturated counters stay
-         !__atomic_compare_exchange_n(c, &v, static_cast<C>(v + 1), /*weak=*/true,
-                                      __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
-  }
-}
-
-uint64_t GetCounter(const uint8_t* base, uint64_t i, int bytes) {
-  switch (bytes) {
-    case 1: return LoadCounter<uint8_t>(base, i);
-    case 2: return LoadCounter<uint16_t>(base, i);
-    case 4: return LoadCounter<uint32_t>(base, i);
-    default: return LoadCounter<uint64_t>(base, i);
-  }
-}
-
-void BumpCounter(uint8_t* base, uint64_t i, int bytes) {
-  switch (bytes) {
-    case 1: return IncrementCounter<uint8_t>(base, i);
-    case 2: return IncrementCounter<uint16_t>(base, i);
-    case 4: return IncrementCounter<uint32_t>(base, i);
-    default: return IncrementCounter<uint64_t>(base, i);
-  }
-}
-
-// Appended to the saved Bloom counters: tells this layout (one filter for
-// the table) from the per-shard layout of earlier versions, which cannot be
-// mapped to it and is not restored.
-constexpr char kBloomMagic[8] = {'K', 'R', 'E', 'C', 'B', 'F', '2', '\0'};
-
 }  // namespace
 
 template <typename K>
@@ -118,18 +54,36 @@ Table<K>::Table(TableOptions options)
       dim_(options_.dim),
       default_values_(options_.default_values),
       default_value_dim_(static_cast<int64_t>(default_values_.size()) / dim_),
+      bloom_(options_.bloom_counters, options_.bloom_hashes, options_.bloom_counter_bytes),
+      filter_(options_.filter_freq, /*counts_in_meta=*/options_.bloom_counters == 0),
       no_permission_row_(dim_, options_.no_permission_value) {
   const int num_shards = options_.num_shards;
   num_shards_ = static_cast<uint64_t>(num_shards);
-  if (bloom()) {
-    const uint64_t bytes = options_.bloom_counters * options_.bloom_counter_bytes;
-    bloom_words_.assign((bytes + 7) / 8, 0);
+  if (file_tier()) {
+    if (options_.storage_lock) storage_lock_ = std::make_unique<StorageLock>(options_.storage_path);
+    space_ = std::make_shared<FileSpace>(options_.storage_path, options_.segment_bytes);
   }
   shards_.reserve(num_shards);
   for (int i = 0; i < num_shards; ++i) {
     shards_.push_back(std::make_unique<Shard>());
-    shards_.back()->values = ChunkedArena<float>(dim_);
+    shards_.back()->store = NewStore(i);
+    shards_.back()->dram = dynamic_cast<DramRowStore*>(shards_.back()->store.get());
   }
+}
+
+template <typename K>
+std::unique_ptr<RowStore> Table<K>::NewStore(int shard) const {
+  if (file_tier()) {
+    return std::make_unique<FileRowStore>(space_, shard, dim_,
+                                          options_.cache_bytes / num_shards_);
+  }
+  return std::make_unique<DramRowStore>(dim_);
+}
+
+template <typename K>
+void Table<K>::LockAll(std::vector<std::unique_lock<std::shared_mutex>>* locks) const {
+  locks->reserve(locks->size() + shards_.size());
+  for (auto& s : shards_) locks->emplace_back(s->mu);
 }
 
 template <typename K>
@@ -160,7 +114,7 @@ void Table<K>::SetDefaultValues(std::vector<float> default_values) {
         "default_values must hold default_value_dim >= 1 rows of dim floats");
   }
   std::vector<std::unique_lock<std::shared_mutex>> locks;
-  for (auto& s : shards_) locks.emplace_back(s->mu);
+  LockAll(&locks);
   default_values_ = std::move(default_values);
   default_value_dim_ = rows;
 }
@@ -170,7 +124,7 @@ int64_t Table<K>::Size() const {
   int64_t n = 0;
   for (const auto& s : shards_) {
     std::shared_lock<std::shared_mutex> lock(s->mu);
-    n += static_cast<int64_t>(s->live - s->filtered);
+    n += static_cast<int64_t>(s->index.live() - s->filtered);
   }
   return n;
 }
@@ -187,84 +141,42 @@ int64_t Table<K>::FilteredSize() const {
 
 template <typename K>
 uint64_t Table<K>::MemoryBytes() const {
-  uint64_t bytes = default_values_.size() * sizeof(float) +
-                   bloom_words_.capacity() * sizeof(uint64_t);
+  uint64_t bytes = default_values_.size() * sizeof(float) + bloom_.MemoryBytes();
   for (const auto& sp : shards_) {
     const Shard& s = *sp;
     std::shared_lock<std::shared_mutex> lock(s.mu);
-    bytes += s.ctrl.capacity() + s.entries.capacity() * sizeof(Entry);
-    bytes += s.values.BytesAllocated() + s.meta.BytesAllocated();
-    for (const auto& a : s.slots) bytes += a.BytesAllocated();
-    bytes += (s.free_rows.capacity() + s.free_meta.capacity()) * sizeof(uint32_t);
+    bytes += s.index.MemoryBytes() + s.store->Stats().memory_bytes + s.meta.MemoryBytes();
   }
   return bytes;
 }
 
 template <typename K>
-int64_t Table<K>::FindIndex(const Shard& s, K key, uint64_t h) const {
-  if (s.ctrl.empty()) return -1;
-  const uint8_t tag = Tag(h);
-  uint64_t i = h & s.mask;
-  while (true) {
-    const uint8_t c = s.ctrl[i];
-    if (c == tag && s.entries[i].key == key) return static_cast<int64_t>(i);
-    if (c == kEmpty) return -1;
-    i = (i + 1) & s.mask;
+RowStoreStats Table<K>::StoreStats() const {
+  RowStoreStats total;
+  for (const auto& sp : shards_) {
+    std::shared_lock<std::shared_mutex> lock(sp->mu);
+    const RowStoreStats s = sp->store->Stats();
+    total.rows += s.rows;
+    total.cached_rows += s.cached_rows;
+    total.memory_bytes += s.memory_bytes;
+    total.disk_bytes += s.disk_bytes;
+    total.hits += s.hits;
+    total.misses += s.misses;
+    total.file_reads += s.file_reads;
+    total.file_writes += s.file_writes;
   }
-}
-
-template <typename K>
-void Table<K>::Rehash(Shard& s, uint64_t new_capacity) {
-  std::vector<uint8_t> ctrl(new_capacity, kEmpty);
-  std::vector<Entry> entries(new_capacity);
-  const uint64_t mask = new_capacity - 1;
-  for (uint64_t i = 0; i < s.ctrl.size(); ++i) {
-    if (s.ctrl[i] & 0x80) continue;
-    const uint64_t h = Hash(s.entries[i].key);
-    uint64_t j = h & mask;
-    while (ctrl[j] != kEmpty) j = (j + 1) & mask;
-    ctrl[j] = Tag(h);
-    entries[j] = s.entries[i];
-  }
-  s.ctrl.swap(ctrl);
-  s.entries.swap(entries);
-  s.mask = mask;
-  s.tombstones = 0;
+  return total;
 }
 
 template <typename K>
 uint64_t Table<K>::InsertNew(Shard& s, K key, uint64_t h, bool admit) {
-  const uint64_t cap = s.ctrl.size();
-  if ((s.live + s.tombstones + 1) * 4 > cap * 3) {
-    // Grow when live entries alone pass 3/8 of capacity; otherwise the load
-    // is mostly tombstones and a same-size rehash clears them.
-    uint64_t new_cap = cap == 0 ? kMinCapacity : cap;
-    if ((s.live + 1) * 8 > cap * 3) new_cap = std::max(kMinCapacity, cap * 2);
-    Rehash(s, new_cap);
-  }
+  s.index.Reserve();
   uint32_t meta_row = kNoRow;
   if (options_.track_meta) {
-    bool fresh;
-    meta_row = TakeRow(&s.free_meta, &s.next_meta, &fresh);
-    if (fresh) {
-      try {
-        s.meta.EnsureCapacity(s.next_meta, 0);
-      } catch (...) {
-        --s.next_meta;  // out of memory: the row was not taken
-        throw;
-      }
-    }
-    int64_t* m = s.meta.Row(meta_row);
-    m[kFreq] = 0;
-    m[kVersion] = 0;
-    m[kEpoch] = epoch_.load(std::memory_order_relaxed);
+    meta_row = s.meta.Allocate();
+    s.meta.Row(meta_row)[kEpoch] = epoch_.load(std::memory_order_relaxed);
   }
-  uint64_t i = h & s.mask;
-  while (!(s.ctrl[i] & 0x80)) i = (i + 1) & s.mask;
-  if (s.ctrl[i] == kDeleted) --s.tombstones;
-  s.ctrl[i] = Tag(h);
-  s.entries[i] = Entry{key, kNoRow, meta_row};
-  ++s.live;
+  const uint64_t i = s.index.Insert(key, h, Entry{key, kNoRow, meta_row});
   ++s.filtered;
   if (admit) {
     try {
@@ -279,119 +191,48 @@ uint64_t Table<K>::InsertNew(Shard& s, K key, uint64_t h, bool admit) {
 
 template <typename K>
 uint32_t Table<K>::Admit(Shard& s, uint64_t i) {
-  bool fresh;
-  const uint32_t row = TakeRow(&s.free_rows, &s.next_row, &fresh);
-  if (fresh) {
+  Entry& e = s.index.entry(i);
+  const uint32_t row = s.store->Allocate(DefaultRow(e.key));
+  if (!options_.track_meta) {
     try {
-      s.values.EnsureCapacity(s.next_row, 0.0f);
-      if (!options_.track_meta) s.row_epochs.EnsureCapacity(s.next_row, 0);
-      for (size_t j = 0; j < s.slots.size(); ++j) {
-        s.slots[j].EnsureCapacity(s.next_row, slot_specs_[j].init);
-      }
+      s.row_epochs.EnsureCapacity(uint64_t{row} + 1, 0);  // the row's change epoch
     } catch (...) {
-      --s.next_row;  // out of memory: the row was not taken
+      s.store->Release(row);  // out of memory: the row was not taken
       throw;
     }
   }
-  const float* init = DefaultRow(s.entries[i].key);
-  std::copy(init, init + dim_, s.values.Row(row));
-  for (size_t j = 0; j < s.slots.size(); ++j) {
-    float* sv = s.slots[j].Row(row);
-    std::fill(sv, sv + slot_specs_[j].width, slot_specs_[j].init);
-  }
-  s.entries[i].row = row;
+  e.row = row;
   --s.filtered;
   ++s.admitted_total;
-  Touch(s, s.entries[i]);
+  Touch(s, e);
   return row;
 }
 
 template <typename K>
-uint64_t Table<K>::BloomSlot(uint64_t h, int k) const {
-  // Double hashing over two re-mixed hashes (h's own middle bits select the
-  // shard), reduced to the filter's range by a multiply. The filter is one
-  // for the table: a key's k positions range over all m counters whatever
-  // the shard count, so the false-positive rate is the one it was sized
-  // for.
-  const uint64_t base = HashKey(h ^ 0x9e3779b97f4a7c15ULL);
-  // (Not HashKey(h): for h = 0 that is 0, a step of 1 that the multiply
-  // maps every position onto one counter.)
-  const uint64_t step = HashKey(h ^ 0x632be59bd9b4e019ULL) | 1;
-  return Reduce(base + static_cast<uint64_t>(k) * step, options_.bloom_counters);
-}
-
-template <typename K>
-uint64_t Table<K>::BloomMin(uint64_t h) const {
-  const int bytes = options_.bloom_counter_bytes;
-  const uint8_t* base = reinterpret_cast<const uint8_t*>(bloom_words_.data());
-  uint64_t least = UINT64_MAX;
-  for (int k = 0; k < options_.bloom_hashes; ++k) {
-    least = std::min(least, GetCounter(base, BloomSlot(h, k), bytes));
-  }
-  return least;
-}
-
-template <typename K>
-uint64_t Table<K>::BloomAdd(uint64_t h) {
-  const int bytes = options_.bloom_counter_bytes;
-  uint8_t* base = reinterpret_cast<uint8_t*>(bloom_words_.data());
-  // Each distinct position once per sighting: in a small filter two of a
-  // key's k positions may coincide, and counting that counter twice would
-  // let a key pass the threshold on fewer sightings than it has.
-  uint64_t small[64];
-  std::vector<uint64_t> large;
-  uint64_t* pos = small;
-  if (options_.bloom_hashes > 64) {
-    large.resize(options_.bloom_hashes);
-    pos = large.data();
-  }
-  int distinct = 0;
-  for (int k = 0; k < options_.bloom_hashes; ++k) {
-    const uint64_t i = BloomSlot(h, k);
-    bool seen = false;
-    for (int j = 0; j < distinct && !seen; ++j) seen = pos[j] == i;
-    if (!seen) pos[distinct++] = i;
-  }
-  for (int j = 0; j < distinct; ++j) BumpCounter(base, pos[j], bytes);
-  return BloomMin(h);
-}
-
-template <typename K>
 uint64_t Table<K>::BloomCount(K key) const {
-  if (!bloom()) return 0;
-  return BloomMin(Hash(key));
+  return bloom_.Count(Hash(key));
 }
 
 template <typename K>
 std::vector<uint8_t> Table<K>::BloomState() const {
   if (!bloom()) return {};
-  const size_t bytes = options_.bloom_counters * options_.bloom_counter_bytes;
-  std::vector<uint8_t> state(bytes + sizeof(kBloomMagic));
   // Every shard locked shared: no lookup adds sightings meanwhile.
   std::vector<std::shared_lock<std::shared_mutex>> locks;
   for (const auto& s : shards_) locks.emplace_back(s->mu);
-  std::memcpy(state.data(), bloom_words_.data(), bytes);
-  std::memcpy(state.data() + bytes, kBloomMagic, sizeof(kBloomMagic));
-  return state;
+  return bloom_.State();
 }
 
 template <typename K>
 bool Table<K>::SetBloomState(const std::vector<uint8_t>& state) {
   if (!bloom()) return false;
-  const size_t bytes = options_.bloom_counters * options_.bloom_counter_bytes;
-  if (state.size() != bytes + sizeof(kBloomMagic) ||
-      std::memcmp(state.data() + bytes, kBloomMagic, sizeof(kBloomMagic)) != 0) {
-    return false;
-  }
   std::vector<std::unique_lock<std::shared_mutex>> locks;
-  for (auto& s : shards_) locks.emplace_back(s->mu);
-  std::memcpy(bloom_words_.data(), state.data(), bytes);
-  return true;
+  LockAll(&locks);
+  return bloom_.SetState(state);
 }
 
 template <typename K>
 void Table<K>::EraseAt(Shard& s, uint64_t i) {
-  const Entry& e = s.entries[i];
+  const Entry& e = s.index.entry(i);
   ++s.erased_total;
   if (log_erased_.load(std::memory_order_relaxed)) {
     s.erased_log.emplace_back(e.key, epoch_.load(std::memory_order_relaxed));
@@ -399,64 +240,11 @@ void Table<K>::EraseAt(Shard& s, uint64_t i) {
   if (e.row == kNoRow) {
     --s.filtered;
   } else {
-    s.free_rows.push_back(e.row);
+    s.store->Release(e.row);
   }
-  if (e.meta_row != kNoRow) s.free_meta.push_back(e.meta_row);
-  // With linear probing a slot followed by an empty one ends every probe
-  // chain through it, so it can become empty instead of a tombstone.
-  if (s.ctrl[(i + 1) & s.mask] == kEmpty) {
-    s.ctrl[i] = kEmpty;
-  } else {
-    s.ctrl[i] = kDeleted;
-    ++s.tombstones;
-  }
-  --s.live;
+  if (e.meta_row != kNoRow) s.meta.Release(e.meta_row);
+  s.index.EraseAt(i);
 }
-
-namespace {
-
-template <int D>
-inline void CopyFixed(float* dst, const float* src) {
-  for (int d = 0; d < D; ++d) dst[d] = src[d];
-}
-
-// Copies one row; common widths get an inlined fixed-size copy instead of a
-// library call per row.
-inline void CopyRow(float* dst, const float* src, int64_t dim) {
-  switch (dim) {
-    case 4: return CopyFixed<4>(dst, src);
-    case 8: return CopyFixed<8>(dst, src);
-    case 16: return CopyFixed<16>(dst, src);
-    case 32: return CopyFixed<32>(dst, src);
-    case 64: return CopyFixed<64>(dst, src);
-    case 128: return CopyFixed<128>(dst, src);
-    default: std::memcpy(dst, src, static_cast<size_t>(dim) * sizeof(float));
-  }
-}
-
-inline void PrefetchRow(const float* row, int64_t dim) {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t off = 0; off < dim * static_cast<int64_t>(sizeof(float)); off += 64) {
-    __builtin_prefetch(p + off);
-  }
-}
-
-// Saturating int64 arithmetic for frequencies and versions: they may come
-// from a checkpoint (any int64, INT64_MIN included), and a wrapped difference
-// would silently keep a stale key (eviction) or never admit one (filter).
-inline int64_t SatAdd(int64_t a, int64_t b) {
-  int64_t r;
-  if (__builtin_add_overflow(a, b, &r)) return b > 0 ? INT64_MAX : INT64_MIN;
-  return r;
-}
-
-inline int64_t SatSub(int64_t a, int64_t b) {
-  int64_t r;
-  if (__builtin_sub_overflow(a, b, &r)) return b < 0 ? INT64_MAX : INT64_MIN;
-  return r;
-}
-
-}  // namespace
 
 template <typename K>
 int64_t Table<K>::CountFreq(int64_t freq, int64_t count) const {
@@ -469,19 +257,16 @@ int64_t Table<K>::CountFreq(int64_t freq, int64_t count) const {
 
 template <typename K>
 const float* Table<K>::Resolve(Shard& s, K key, uint64_t h, bool insert, int64_t now,
-                               int64_t count, int64_t* admitted, int64_t* skip,
-                               uint64_t* hits) {
+                               int64_t count, int64_t* admitted, uint64_t* hits) {
   // `count` occurrences of the key at once; all of them read the same row.
   // With a filter (DeepRec's rule) a training lookup reads the row only if
   // the key was admitted before it: the lookup whose count reaches the
   // threshold admits the key (so this step's gradient trains its new row)
   // but still reads no_permission_value.
-  *skip = 0;
-  const int64_t threshold = options_.filter_freq;
-  const bool gate = threshold > 1 && (filtering() || bloom());
-  const int64_t idx = FindIndex(s, key, h);
+  const bool gate = filter_.gates() && (filtering() || bloom());
+  const int64_t idx = s.index.Find(key, h);
   if (idx >= 0) {
-    Entry& e = s.entries[idx];
+    Entry& e = s.index.entry(idx);
     int64_t* m = Meta(s, e);
     if (insert && m) {
       m[kFreq] = CountFreq(m[kFreq], count);
@@ -489,12 +274,12 @@ const float* Table<K>::Resolve(Shard& s, K key, uint64_t h, bool insert, int64_t
     }
     if (e.row != kNoRow) {
       *hits += static_cast<uint64_t>(count);
-      return s.values.Row(e.row);
+      return s.Value(e.row, /*write=*/false);
     }
     // Counted by the counter filter, not admitted yet.
     if (!insert) return no_permission_row_.data();
     m[kVersion] = now;  // last seen
-    if (m[kFreq] >= threshold) {
+    if (filter_.Admits(m[kFreq])) {
       ++*admitted;
       Admit(s, static_cast<uint64_t>(idx));
     }
@@ -511,22 +296,22 @@ const float* Table<K>::Resolve(Shard& s, K key, uint64_t h, bool insert, int64_t
     freq = 0;
     while (seen < count) {
       ++seen;
-      freq = static_cast<int64_t>(std::min<uint64_t>(BloomAdd(h), INT64_MAX));
-      if (freq >= threshold) break;
+      freq = static_cast<int64_t>(std::min<uint64_t>(bloom_.Add(h), INT64_MAX));
+      if (filter_.Admits(freq)) break;
     }
-    if (freq < threshold) return no_permission_row_.data();
+    if (!filter_.Admits(freq)) return no_permission_row_.data();
     freq = SatAdd(freq, count - seen);
   } else if (filtering()) {
-    admit = count >= threshold;
+    admit = filter_.Admits(count);
   }
-  const Entry& e = s.entries[InsertNew(s, key, h, admit)];
+  const Entry& e = s.index.entry(InsertNew(s, key, h, admit));
   if (int64_t* m = Meta(s, e)) {
     m[kFreq] = CountFreq(0, freq);
     m[kVersion] = now;  // first seen; Apply stamps updates
   }
   if (admit) ++*admitted;
   if (gate || !admit) return no_permission_row_.data();
-  return s.values.Row(e.row);
+  return s.Value(e.row, /*write=*/false);
 }
 
 template <typename K>
@@ -535,69 +320,71 @@ int64_t Table<K>::LookupImpl(int shard, const K* keys, const uint64_t* hashes,
                              const int64_t* order, const int32_t* counts, int64_t n,
                              bool insert, float* out, int32_t* skips) {
   Shard& s = *shards_[shard];
+  // A file store's cache changes on reads too: it takes the lock exclusively.
+  const bool stable = s.store->stable_pointers();
   std::unique_lock<std::shared_mutex> wlock(s.mu, std::defer_lock);
   std::shared_lock<std::shared_mutex> rlock(s.mu, std::defer_lock);
-  if (insert) {
+  if (insert || !stable) {
     wlock.lock();
   } else {
     rlock.lock();
   }
-  // Keys go in blocks: resolve a block (its index slots were prefetched
-  // while the previous block was resolved) and prefetch each row found and
-  // its output, then copy the block's rows, by then on their way to the
-  // cache.
-  constexpr int64_t kBlock = 16;
-  const float* src[kBlock];
   int64_t inserted = 0;
   uint64_t hits = 0, occurrences = 0;
-  auto prefetch_slots = [&](int64_t begin, int64_t end) {
-    if (s.ctrl.empty()) return;
-    for (int64_t j = begin; j < end; ++j) {
-      const uint64_t p = hashes[j] & s.mask;
-      __builtin_prefetch(&s.ctrl[p]);
-      __builtin_prefetch(&s.entries[p]);
-    }
-  };
   const int64_t now = SatAdd(LatestStep(), 1);  // the step this lookup belongs to
   if (!kCounted && insert && options_.filter_freq > 1 && n > 1) {
     // With a filter, equal keys of the batch are resolved once with their
-    // count, so that all their occurrences read the same value.
-    uint64_t cap = 16;
-    while (cap < static_cast<uint64_t>(n) * 2) cap <<= 1;
-    std::vector<int64_t> slot(cap, -1);
+    // count, so that all their occurrences read the same value: the first
+    // occurrence's output row is copied to the others.
+    BatchGroups groups(n);
     std::vector<int64_t> first, count;
     std::vector<int64_t> which(n);
     for (int64_t j = 0; j < n; ++j) {
-      uint64_t p = hashes[j] & (cap - 1);
-      while (slot[p] >= 0 && keys[first[slot[p]]] != keys[j]) p = (p + 1) & (cap - 1);
-      if (slot[p] < 0) {
-        slot[p] = static_cast<int64_t>(first.size());
+      bool created;
+      const int64_t g = groups.Group(
+          hashes[j], [&](int64_t other) { return keys[first[other]] == keys[j]; }, &created);
+      if (created) {
         first.push_back(j);
         count.push_back(0);
       }
-      which[j] = slot[p];
-      ++count[slot[p]];
+      which[j] = g;
+      ++count[g];
     }
-    std::vector<const float*> rows(first.size());
     for (size_t u = 0; u < first.size(); ++u) {
-      int64_t skip;
-      rows[u] = Resolve(s, keys[first[u]], hashes[first[u]], true, now, count[u], &inserted,
-                        &skip, &hits);
+      const int64_t j = first[u];
+      CopyRow(out + order[j] * dim_,
+              Resolve(s, keys[j], hashes[j], true, now, count[u], &inserted, &hits), dim_);
     }
-    for (int64_t j = 0; j < n; ++j) CopyRow(out + order[j] * dim_, rows[which[j]], dim_);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t f = first[which[j]];
+      if (f != j) CopyRow(out + order[j] * dim_, out + order[f] * dim_, dim_);
+    }
     CountLookups(s, static_cast<uint64_t>(n), hits);
     return inserted;
   }
-  prefetch_slots(0, std::min(n, kBlock));
-  for (int64_t b = 0; b < n; b += kBlock) {
-    const int64_t e = std::min(n, b + kBlock);
-    prefetch_slots(e, std::min(n, e + kBlock));
+  // Keys go in blocks: resolve a block (its index slots were prefetched
+  // while the previous block was resolved) and prefetch each row found and
+  // its output, then copy the block's rows, by then on their way to the
+  // cache. A store without stable pointers gets blocks of one key.
+  constexpr int64_t kMaxBlock = 16;
+  const int64_t block = stable ? kMaxBlock : 1;
+  const float* src[kMaxBlock];
+  auto prefetch_slots = [&](int64_t begin, int64_t end) {
+    if (s.index.empty_storage()) return;
+    for (int64_t j = begin; j < end; ++j) {
+      __builtin_prefetch(s.index.CtrlAddress(hashes[j]));
+      __builtin_prefetch(s.index.EntryAddress(hashes[j]));
+    }
+  };
+  prefetch_slots(0, std::min(n, block));
+  for (int64_t b = 0; b < n; b += block) {
+    const int64_t e = std::min(n, b + block);
+    prefetch_slots(e, std::min(n, e + block));
     for (int64_t j = b; j < e; ++j) {
-      int64_t skip;
       const int64_t c = kCounted ? counts[order[j]] : 1;
       occurrences += static_cast<uint64_t>(c);
-      src[j - b] = Resolve(s, keys[j], hashes[j], insert, now, c, &inserted, &skip, &hits);
-      if (kCounted) skips[order[j]] = static_cast<int32_t>(skip);
+      src[j - b] = Resolve(s, keys[j], hashes[j], insert, now, c, &inserted, &hits);
+      if (kCounted) skips[order[j]] = 0;
       PrefetchRow(src[j - b], dim_);
       __builtin_prefetch(out + order[j] * dim_, 1);
     }
@@ -625,7 +412,7 @@ template <typename K>
 int Table<K>::AddSlot(const std::string& name, int64_t width, float init) {
   if (width <= 0) throw std::invalid_argument("slot width must be positive");
   std::vector<std::unique_lock<std::shared_mutex>> locks;
-  for (auto& s : shards_) locks.emplace_back(s->mu);
+  LockAll(&locks);
   std::lock_guard<std::mutex> specs_lock(slot_specs_mu_);
   for (size_t j = 0; j < slot_specs_.size(); ++j) {
     if (slot_specs_[j].name == name) {
@@ -634,20 +421,15 @@ int Table<K>::AddSlot(const std::string& name, int64_t width, float init) {
                                     std::to_string(slot_specs_[j].width));
       }
       slot_specs_[j].init = init;
+      for (auto& sp : shards_) sp->store->SetSlotInit(j, init);
       return static_cast<int>(j);
     }
   }
-  // Allocate everything first, then commit with moves that cannot fail, so
+  // Reserve everything first, then commit with steps that cannot fail, so
   // that running out of memory leaves the table as it was.
-  std::vector<ChunkedArena<float>> arenas;
-  arenas.reserve(shards_.size());
-  for (auto& sp : shards_) {
-    arenas.emplace_back(width);
-    arenas.back().EnsureCapacity(sp->next_row, init);
-    sp->slots.reserve(sp->slots.size() + 1);
-  }
+  for (auto& sp : shards_) sp->store->ReserveSlot(width, init);
   slot_specs_.reserve(slot_specs_.size() + 1);
-  for (size_t i = 0; i < shards_.size(); ++i) shards_[i]->slots.push_back(std::move(arenas[i]));
+  for (auto& sp : shards_) sp->store->CommitSlot();
   slot_specs_.push_back(SlotSpec{name, width, init});
   return static_cast<int>(slot_specs_.size() - 1);
 }
@@ -676,16 +458,16 @@ void Table<K>::Import(const K* keys, const float* values, const int64_t* freqs,
   int64_t total_width = 0;
   for (int64_t w : slot_widths) total_width += w;
   std::vector<std::unique_lock<std::shared_mutex>> locks;
-  for (auto& s : shards_) locks.emplace_back(s->mu);
+  LockAll(&locks);
   for (int64_t i = 0; i < n; ++i) {
     const uint64_t h = Hash(keys[i]);
     Shard& s = *shards_[ShardOf(h)];
-    int64_t idx = FindIndex(s, keys[i], h);
+    int64_t idx = s.index.Find(keys[i], h);
     const bool existed = idx >= 0;
     if (idx < 0) idx = static_cast<int64_t>(InsertNew(s, keys[i], h, /*admit=*/true));
-    if (s.entries[idx].row == kNoRow) Admit(s, static_cast<uint64_t>(idx));
-    const Entry& e = s.entries[idx];
-    std::copy(values + i * dim_, values + (i + 1) * dim_, s.values.Row(e.row));
+    if (s.index.entry(idx).row == kNoRow) Admit(s, static_cast<uint64_t>(idx));
+    const Entry& e = s.index.entry(idx);
+    std::copy(values + i * dim_, values + (i + 1) * dim_, s.Value(e.row, /*write=*/true));
     if (int64_t* m = Meta(s, e)) {
       // A negative frequency keeps the count of a key already present.
       if (!freqs || freqs[i] >= 0) {
@@ -698,7 +480,7 @@ void Table<K>::Import(const K* keys, const float* values, const int64_t* freqs,
     }
     const float* src = slots + i * total_width;
     for (size_t j = 0; j < slot_ids.size(); ++j) {
-      std::copy(src, src + slot_widths[j], s.slots[slot_ids[j]].Row(e.row));
+      std::copy(src, src + slot_widths[j], s.store->Slot(slot_ids[j], e.row, /*write=*/true));
       src += slot_widths[j];
     }
     Touch(s, e);
@@ -710,14 +492,14 @@ void Table<K>::ImportFiltered(const K* keys, const int64_t* freqs, const int64_t
                               int64_t n) {
   if (n == 0 || !filtering() || bloom()) return;  // only the counter filter keeps such keys
   std::vector<std::unique_lock<std::shared_mutex>> locks;
-  for (auto& s : shards_) locks.emplace_back(s->mu);
+  LockAll(&locks);
   for (int64_t i = 0; i < n; ++i) {
     const uint64_t h = Hash(keys[i]);
     Shard& s = *shards_[ShardOf(h)];
-    int64_t idx = FindIndex(s, keys[i], h);
-    if (idx >= 0 && s.entries[idx].row != kNoRow) continue;  // stays admitted
+    int64_t idx = s.index.Find(keys[i], h);
+    if (idx >= 0 && s.index.entry(idx).row != kNoRow) continue;  // stays admitted
     if (idx < 0) idx = static_cast<int64_t>(InsertNew(s, keys[i], h, /*admit=*/false));
-    int64_t* m = Meta(s, s.entries[idx]);
+    int64_t* m = Meta(s, s.index.entry(idx));
     m[kFreq] = freqs[i];
     m[kVersion] = versions[i];
     m[kEpoch] = epoch_.load(std::memory_order_relaxed);
@@ -727,23 +509,18 @@ void Table<K>::ImportFiltered(const K* keys, const int64_t* freqs, const int64_t
 template <typename K>
 int64_t Table<K>::Evict(int64_t now, int64_t steps_to_live, float l2_threshold) {
   if (now < 0) now = LatestStep();
-  const bool by_step = steps_to_live >= 0 && options_.track_meta;
+  const EvictionPolicy policy(now, steps_to_live, l2_threshold, options_.track_meta);
   int64_t erased = 0;
   for (auto& sp : shards_) {
     Shard& s = *sp;
     std::unique_lock<std::shared_mutex> lock(s.mu);
-    for (uint64_t i = 0; i < s.ctrl.size(); ++i) {
-      if (s.ctrl[i] & 0x80) continue;
-      const Entry& e = s.entries[i];
+    for (uint64_t i = 0; i < s.index.capacity(); ++i) {
+      if (!s.index.Occupied(i)) continue;
+      const Entry& e = s.index.entry(i);
       const int64_t* m = Meta(s, e);
-      bool evict = by_step && SatSub(now, m[kVersion]) > steps_to_live;
-      if (!evict && l2_threshold >= 0 && e.row != kNoRow) {
-        const float* v = s.values.Row(e.row);
-        // DeepRec's L2WeightEvict: half the squared L2 norm (tf.nn.l2_loss
-        // of the row) against the threshold.
-        double sq = 0;
-        for (int64_t d = 0; d < dim_; ++d) sq += static_cast<double>(v[d]) * v[d];
-        evict = 0.5 * sq < static_cast<double>(l2_threshold);
+      bool evict = m && policy.StaleVersion(m + kVersion);
+      if (!evict && policy.needs_values() && e.row != kNoRow) {
+        evict = policy.SmallWeight(s.Value(e.row, /*write=*/false), dim_);
       }
       if (evict) {
         EraseAt(s, i);
@@ -759,47 +536,21 @@ bool Table<K>::Erase(K key) {
   const uint64_t h = Hash(key);
   Shard& s = *shards_[ShardOf(h)];
   std::unique_lock<std::shared_mutex> lock(s.mu);
-  const int64_t idx = FindIndex(s, key, h);
+  const int64_t idx = s.index.Find(key, h);
   if (idx < 0) return false;
   EraseAt(s, static_cast<uint64_t>(idx));
   return true;
 }
 
 template <typename K>
-void Table<K>::ResetShard(Shard& s) {
-  s.ctrl.clear();
-  s.ctrl.shrink_to_fit();
-  s.entries.clear();
-  s.entries.shrink_to_fit();
-  s.mask = 0;
-  s.live = 0;
-  s.tombstones = 0;
-  s.values.Clear();
-  for (auto& a : s.slots) a.Clear();
-  s.next_row = 0;
-  s.free_rows.clear();
-  s.free_rows.shrink_to_fit();
-  s.meta.Clear();
-  s.next_meta = 0;
-  s.free_meta.clear();
-  s.free_meta.shrink_to_fit();
-  s.filtered = 0;
-  s.row_epochs.Clear();
-  s.erased_log.clear();
-  s.erased_log.shrink_to_fit();
-}
-
-template <typename K>
 void Table<K>::SwapContents(Table& other) {
   if (other.dim_ != dim_ || other.shards_.size() != shards_.size() ||
-      other.bloom_words_.size() != bloom_words_.size() ||
-      other.options_.bloom_counter_bytes != options_.bloom_counter_bytes ||
-      other.options_.track_meta != options_.track_meta) {
+      !other.bloom_.SameShape(bloom_) || other.options_.track_meta != options_.track_meta) {
     throw std::invalid_argument("SwapContents: the tables differ in shape");
   }
   std::vector<std::unique_lock<std::shared_mutex>> locks;
-  for (auto& s : shards_) locks.emplace_back(s->mu);
-  for (auto& s : other.shards_) locks.emplace_back(s->mu);
+  LockAll(&locks);
+  other.LockAll(&locks);
   std::scoped_lock specs_lock(slot_specs_mu_, other.slot_specs_mu_);
   for (size_t j = 0; j < slot_specs_.size(); ++j) {
     if (j >= other.slot_specs_.size() || other.slot_specs_[j].name != slot_specs_[j].name ||
@@ -807,29 +558,11 @@ void Table<K>::SwapContents(Table& other) {
       throw std::invalid_argument("the table's optimizer slots changed during the import");
     }
   }
-  for (size_t i = 0; i < shards_.size(); ++i) {
-    Shard& a = *shards_[i];
-    Shard& b = *other.shards_[i];
-    std::swap(a.ctrl, b.ctrl);
-    std::swap(a.entries, b.entries);
-    std::swap(a.mask, b.mask);
-    std::swap(a.live, b.live);
-    std::swap(a.tombstones, b.tombstones);
-    std::swap(a.values, b.values);
-    std::swap(a.slots, b.slots);
-    std::swap(a.next_row, b.next_row);
-    std::swap(a.free_rows, b.free_rows);
-    std::swap(a.meta, b.meta);
-    std::swap(a.next_meta, b.next_meta);
-    std::swap(a.free_meta, b.free_meta);
-    std::swap(a.filtered, b.filtered);
-    std::swap(a.row_epochs, b.row_epochs);
-    std::swap(a.erased_log, b.erased_log);
-  }
+  for (size_t i = 0; i < shards_.size(); ++i) shards_[i]->SwapContents(*other.shards_[i]);
   // Rows now carry the other table's epochs: no delta spans this.
   reset_epoch_ = ChangeEpoch();
   other.reset_epoch_ = other.ChangeEpoch();
-  std::swap(bloom_words_, other.bloom_words_);
+  bloom_.SwapCounters(other.bloom_);
   std::swap(slot_specs_, other.slot_specs_);
   std::swap(default_values_, other.default_values_);
   std::swap(default_value_dim_, other.default_value_dim_);
@@ -839,9 +572,9 @@ void Table<K>::SwapContents(Table& other) {
 template <typename K>
 void Table<K>::Clear() {
   std::vector<std::unique_lock<std::shared_mutex>> locks;
-  for (auto& s : shards_) locks.emplace_back(s->mu);
-  for (auto& s : shards_) ResetShard(*s);
-  std::fill(bloom_words_.begin(), bloom_words_.end(), 0);
+  LockAll(&locks);
+  for (auto& sp : shards_) sp->Reset();
+  bloom_.Clear();
   reset_epoch_ = ChangeEpoch();  // no delta spans a clear
 }
 
@@ -851,14 +584,17 @@ bool Table<K>::Find(K key, std::vector<float>* value, int64_t* freq,
   const uint64_t h = Hash(key);
   const Shard& s = *shards_[ShardOf(h)];
   std::shared_lock<std::shared_mutex> lock(s.mu);
-  const int64_t idx = FindIndex(s, key, h);
+  const int64_t idx = s.index.Find(key, h);
   if (idx < 0) return false;
-  const Entry& e = s.entries[idx];
+  const Entry& e = s.index.entry(idx);
   if (e.row == kNoRow) {
     value->clear();
   } else {
-    const float* v = s.values.Row(e.row);
-    value->assign(v, v + dim_);
+    int64_t width = 0;
+    for (const auto& spec : slot_specs_) width += spec.width;
+    std::vector<float> slots(width);
+    value->resize(dim_);
+    s.store->Read(e.row, value->data(), slots.data());
   }
   const int64_t* m = Meta(s, e);
   *freq = m ? m[kFreq] : 0;
@@ -877,7 +613,7 @@ void Table<K>::CountLookups(Shard& s, uint64_t occurrences, uint64_t hits) {
 template <typename K>
 int64_t Table<K>::MarkChanges() {
   std::vector<std::unique_lock<std::shared_mutex>> locks;
-  for (auto& s : shards_) locks.emplace_back(s->mu);
+  LockAll(&locks);
   log_erased_.store(true, std::memory_order_relaxed);
   return epoch_.fetch_add(1, std::memory_order_relaxed);
 }

@@ -1,32 +1,31 @@
 // Copyright keras_rec_emb authors. Apache-2.0.
 //
 // The embedding table: a collision-free hash map from integer keys to float
-// rows of fixed width `dim`, free of TensorFlow.
+// rows of fixed width `dim`, free of TensorFlow. An engine with policies:
 //
-// * The key space is split into shards by hash bits; each shard has its own
-//   reader/writer lock, open-addressing index (one control byte per slot kept
-//   apart from the {key, value_row, meta_row} entries, linear probing,
-//   power-of-two capacity, load factor <= 0.75 with tombstones counted) and
-//   its own arenas.
-// * Rows live in chunked arenas that never move; optimizer slots live in
-//   parallel arenas indexed by the same value row id. Per-key metadata
-//   (frequency, version) lives in a separate arena, only when tracked.
-//   Erased rows go to free lists.
+// * shard_index.h: the key space is split into shards by hash bits (hash.h
+//   documents which bits pick the shard, the slot and the tag); each shard
+//   has its own reader/writer lock and open-addressing index of {key,
+//   value_row, meta_row} entries.
+// * row_store.h: the seam where rows live: values and parallel optimizer
+//   slots by row id, in DRAM arenas (DramRowStore) or in a bounded DRAM
+//   cache over segment files (file_store.h). Per-key metadata (frequency,
+//   version) lives in DRAM metadata rows, only when tracked.
 // * A new key k starts as a copy of default row (k mod default_value_dim) of
 //   the [default_value_dim, dim] matrix given at construction (DeepRec's EV
 //   Initializer).
-// * Admission filters (DeepRec's feature filter): with a counter filter a
-//   key seen fewer than `filter_freq` times has an index entry and metadata
-//   but no value or slot rows; it reads `no_permission_value` and its
-//   gradients are dropped. With a counting Bloom filter, keys are counted in
-//   one counting Bloom filter of the whole table (sized for the table, not
-//   split over shards; counters updated atomically) and enter the index
-//   only once admitted. As in DeepRec, a key's count before a training
-//   lookup decides what it reads: the lookup that brings the count to the
-//   threshold admits the key (its row exists, so this step's gradient
-//   trains it) but still reads no_permission_value, and every occurrence of
-//   a key in one lookup reads the same value.
-// * Eviction (GlobalStepEvict, L2WeightEvict) erases keys on demand.
+// * counter_filter.h / bloom_filter.h: admission filters (DeepRec's feature
+//   filter). With a counter filter a key seen fewer than `filter_freq` times
+//   has an index entry and metadata but no value or slot rows; it reads
+//   `no_permission_value` and its gradients are dropped. With a counting
+//   Bloom filter, keys are counted in one counting Bloom filter of the whole
+//   table and enter the index only once admitted. As in DeepRec, a key's
+//   count before a training lookup decides what it reads: the lookup that
+//   brings the count to the threshold admits the key (its row exists, so
+//   this step's gradient trains it) but still reads no_permission_value,
+//   and every occurrence of a key in one lookup reads the same value.
+// * eviction.h: GlobalStepEvict and L2WeightEvict erase keys on demand.
+// * shard_ops.h: helpers of the batched shard operations below.
 //
 // Batched operations take the keys of one shard with their hashes and their
 // positions in the batch (see Partition in partition.h) and lock that shard
@@ -43,20 +42,16 @@
 #include <string>
 #include <vector>
 
-#include "kv/arena.h"
+#include "kv/bloom_filter.h"
+#include "kv/counter_filter.h"
+#include "kv/file_store.h"
+#include "kv/hash.h"
+#include "kv/row_store.h"
+#include "kv/shard_index.h"
+#include "kv/shard_ops.h"
 
 namespace kre {
 namespace kv {
-
-// splitmix64 finalizer: a strong, cheap mix so that sequential ids spread.
-inline uint64_t HashKey(uint64_t x) {
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ULL;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebULL;
-  x ^= x >> 31;
-  return x;
-}
 
 struct TableOptions {
   int64_t dim = 0;
@@ -70,26 +65,19 @@ struct TableOptions {
   int bloom_hashes = 0;
   int bloom_counter_bytes = 8;
   float no_permission_value = 0.0f;   // what keys not yet admitted read
+  // Row storage: DRAM when storage_path is empty; otherwise the file tier
+  // (file_store.h) under storage_path with a DRAM cache of about
+  // cache_bytes for rows (split over shards). storage_lock = false is for a
+  // staging table built beside a live table on the same path (an import).
+  std::string storage_path;
+  uint64_t cache_bytes = 64ull << 20;
+  uint64_t segment_bytes = 64ull << 20;
+  bool storage_lock = true;
   // > 0: a key's frequency stops growing at this count (DeepRec's default
   // with a filter: an admitted key reports `filter_freq` unless
   // TF_RECORD_FREQ=1); 0: every training-lookup occurrence counts.
   int64_t freq_cap = 0;
 };
-
-// Counting Bloom filter parameters for n expected keys and false-positive
-// probability p: m = ceil(-n ln p / ln(2)^2) counters, k = round(m/n ln 2).
-void BloomSizing(uint64_t n, double p, uint64_t* counters, int* hashes);
-
-struct SlotSpec {
-  std::string name;
-  int64_t width;
-  float init;
-};
-
-// Per-row metadata columns.
-// kEpoch is the table's change epoch at the row's last change (see "Change
-// tracking" below).
-enum MetaColumn { kFreq = 0, kVersion = 1, kEpoch = 2, kNumMeta = 3 };
 
 // Cumulative counters of a table (for statistics): key occurrences looked
 // up, those that found an admitted row, keys admitted (rows created) and
@@ -99,6 +87,12 @@ struct TableCounters {
   uint64_t hits = 0;
   uint64_t admitted = 0;
   uint64_t erased = 0;
+};
+
+struct SlotSpec {
+  std::string name;
+  int64_t width;
+  float init;
 };
 
 template <typename K>
@@ -115,9 +109,7 @@ class Table {
   }
   // Bits 24..55 of the hash scaled to [0, num_shards) by a multiply (any
   // shard count; apart from the slot bits (low) and the tag bits (57..63)).
-  int ShardOf(uint64_t h) const {
-    return static_cast<int>((((h >> 24) & 0xFFFFFFFFULL) * num_shards_) >> 32);
-  }
+  int ShardOf(uint64_t h) const { return ShardOfHash(h, num_shards_); }
   int num_shards() const { return static_cast<int>(shards_.size()); }
   int64_t dim() const { return dim_; }
   int64_t default_value_dim() const { return default_value_dim_; }
@@ -131,7 +123,7 @@ class Table {
 
   const TableOptions& options() const { return options_; }
   bool filtering() const { return options_.filter_freq > 1; }
-  bool bloom() const { return options_.bloom_counters > 0; }
+  bool bloom() const { return bloom_.enabled(); }
 
   // Number of admitted keys (those with rows).
   int64_t Size() const;
@@ -142,6 +134,8 @@ class Table {
   int64_t LatestStep() const { return latest_step_.load(std::memory_order_relaxed); }
   // Bytes held by index, arenas and free lists.
   uint64_t MemoryBytes() const;
+  // The row stores' counters, summed over shards.
+  RowStoreStats StoreStats() const;
 
   // Looks up keys[0..n) (all in shard `shard`, with their hashes), writing
   // the row of keys[j] to out + order[j] * dim. With `insert` (training),
@@ -247,6 +241,15 @@ class Table {
   bool Find(K key, std::vector<float>* value, int64_t* freq,
             int64_t* version) const;
 
+  // File tier only (see file_store.h). Snapshot writes a consistent
+  // snapshot of the table under storage_path and returns its sequence
+  // number; RestoreSnapshot replaces the contents with the latest snapshot
+  // under `path` (storage_path when empty) and returns the number of keys.
+  // Both throw std::runtime_error naming the file on I/O errors or a
+  // corrupt or truncated snapshot (a failed restore checks every file
+  // before it changes the table).
+  bool file_tier() const { return !options_.storage_path.empty(); }
+
   // --- Change tracking (incremental checkpoints, serving deltas) ---------
   // Every change of a key's state (row created, value or slot updated,
   // frequency or version changed, imported) stamps the key with the
@@ -264,8 +267,8 @@ class Table {
   // erased after it (a key erased and re-inserted is in both: replay erases
   // first, then imports). One consistent view, every shard locked shared.
   // Returns false when the contents were replaced wholesale (Clear,
-  // SwapContents) after `since`: the changes cannot be expressed as a
-  // delta and a full export is needed.
+  // SwapContents, RestoreSnapshot) after `since`: the changes cannot be
+  // expressed as a delta and a full export is needed.
   template <typename Alloc>
   bool ExportChangedSince(int64_t since, Alloc&& alloc, std::vector<K>* erased) const;
   // Forgets logged erasures at or before mark `upto` (once a delta that
@@ -275,34 +278,24 @@ class Table {
   int64_t ErasedLogSize() const;
   // Cumulative counters (see TableCounters).
   TableCounters Counters() const;
+  int64_t Snapshot();
+  // Releases storage_path's lock (the owner of this table has let go of it
+  // and another table may take the path); the table keeps working on its
+  // open files but must not snapshot any more.
+  void ReleaseStorageLock();
+  int64_t RestoreSnapshot(const std::string& path);
 
  private:
-  static constexpr uint8_t kEmpty = 0x80;
-  static constexpr uint8_t kDeleted = 0xFE;
-  static constexpr uint64_t kMinCapacity = 16;
-  static constexpr uint32_t kNoRow = UINT32_MAX;
-
-  struct Entry {
-    K key;
-    uint32_t row;       // value (and slot) row; kNoRow while not admitted
-    uint32_t meta_row;  // metadata row; kNoRow when not tracked
-  };
+  using Index = ShardIndex<K>;
+  using Entry = typename Index::Entry;
 
   struct Shard {
     mutable std::shared_mutex mu;
-    std::vector<uint8_t> ctrl;  // kEmpty, kDeleted, or a 7-bit hash tag.
-    std::vector<Entry> entries;
-    uint64_t mask = 0;
-    uint64_t live = 0;
-    uint64_t tombstones = 0;
-    ChunkedArena<float> values;
-    std::vector<ChunkedArena<float>> slots;
-    uint32_t next_row = 0;
-    std::vector<uint32_t> free_rows;
-    ChunkedArena<int64_t> meta{kNumMeta};
-    uint32_t next_meta = 0;
-    std::vector<uint32_t> free_meta;
-    uint64_t filtered = 0;       // entries not admitted
+    Index index;
+    std::unique_ptr<RowStore> store;
+    DramRowStore* dram = nullptr;  // store, when it is the DRAM one
+    MetaRows meta;
+    uint64_t filtered = 0;  // entries not admitted
     // Change tracking: the epoch of each value row when metadata is not
     // tracked (otherwise it is the metadata's kEpoch column), and the keys
     // erased with the epoch of their erasure.
@@ -314,10 +307,35 @@ class Table {
     std::atomic<uint64_t> hits{0};
     uint64_t admitted_total = 0;  // under the exclusive lock
     uint64_t erased_total = 0;    // under the exclusive lock
+
+    // The row of an admitted entry (DramRowStore is final: inlined).
+    float* Value(uint32_t row, bool write) {
+      return dram ? dram->Value(row, write) : store->Value(row, write);
+    }
+    void SwapContents(Shard& o) {
+      index.Swap(o.index);
+      store.swap(o.store);
+      std::swap(dram, o.dram);
+      std::swap(meta, o.meta);
+      std::swap(filtered, o.filtered);
+      std::swap(row_epochs, o.row_epochs);
+      std::swap(erased_log, o.erased_log);
+    }
+    // Empties the shard (index, rows, metadata, change log).
+    void Reset() {
+      index.Clear();
+      store->Clear();
+      meta.Clear();
+      filtered = 0;
+      row_epochs.Clear();
+      erased_log.clear();
+      erased_log.shrink_to_fit();
+    }
   };
 
-  static uint8_t Tag(uint64_t h) { return static_cast<uint8_t>(h >> 57); }
-  int64_t FindIndex(const Shard& s, K key, uint64_t h) const;
+  int64_t* Meta(const Shard& s, const Entry& e) const {
+    return e.meta_row == kNoRow ? nullptr : s.meta.Row(e.meta_row);
+  }
   // Inserts a missing key; with `admit` it gets value and slot rows. Returns
   // its index position.
   uint64_t InsertNew(Shard& s, K key, uint64_t h, bool admit);
@@ -326,9 +344,6 @@ class Table {
   // The frequency after `count` more occurrences (saturating, and at most
   // options_.freq_cap when that is > 0).
   int64_t CountFreq(int64_t freq, int64_t count) const;
-  int64_t* Meta(const Shard& s, const Entry& e) const {
-    return e.meta_row == kNoRow ? nullptr : s.meta.Row(e.meta_row);
-  }
   // Change tracking: where entry e's change epoch lives, stamping it with
   // the current epoch (caller holds the shard exclusively), and reading it.
   int64_t* EpochSlot(const Shard& s, const Entry& e) const {
@@ -342,26 +357,20 @@ class Table {
     const int64_t* ep = EpochSlot(s, e);
     return ep ? *ep : 0;
   }
-  // One key's row for Lookup (see there); counts admissions in *admitted.
+  // Adds one batch's lookup counts to the shard's counters.
+  void CountLookups(Shard& s, uint64_t occurrences, uint64_t hits);
+  // One key's row for Lookup (see there); counts admissions in *admitted
+  // and occurrences that found an admitted row in *hits.
   const float* Resolve(Shard& s, K key, uint64_t h, bool insert, int64_t now,
-                       int64_t count, int64_t* admitted, int64_t* skip, uint64_t* hits);
+                       int64_t count, int64_t* admitted, uint64_t* hits);
   template <bool kCounted>
   int64_t LookupImpl(int shard, const K* keys, const uint64_t* hashes,
                      const int64_t* order, const int32_t* counts, int64_t n,
                      bool insert, float* out, int32_t* skips);
-  // Adds one sighting of hash h to the Bloom counters (atomically: several
-  // shards share them); returns the estimated count (the smallest of its
-  // counters).
-  uint64_t BloomAdd(uint64_t h);
-  uint64_t BloomMin(uint64_t h) const;
-  // The counter of hash h's k-th Bloom position.
-  uint64_t BloomSlot(uint64_t h, int k) const;
-  void Rehash(Shard& s, uint64_t new_capacity);
   void EraseAt(Shard& s, uint64_t i);
-  void ResetShard(Shard& s);
   void RaiseLatestStep(int64_t step);
-  // Adds one batch's lookup counts to the shard's counters.
-  void CountLookups(Shard& s, uint64_t occurrences, uint64_t hits);
+  std::unique_ptr<RowStore> NewStore(int shard) const;
+  void LockAll(std::vector<std::unique_lock<std::shared_mutex>>* locks) const;
 
   const TableOptions options_;
   const int64_t dim_;
@@ -369,9 +378,10 @@ class Table {
   std::vector<float> default_values_;
   int64_t default_value_dim_;
   uint64_t num_shards_;
-  // The Bloom counters (bloom_counters * bloom_counter_bytes bytes, in
-  // 8-byte words so that every counter is naturally aligned for atomics).
-  std::vector<uint64_t> bloom_words_;
+  std::unique_ptr<StorageLock> storage_lock_;
+  std::shared_ptr<FileSpace> space_;
+  CountingBloomFilter bloom_;
+  CounterFilter filter_;
   std::vector<float> no_permission_row_;
   std::atomic<int64_t> latest_step_{-1};
   std::vector<std::unique_ptr<Shard>> shards_;
@@ -399,43 +409,43 @@ void Table<K>::Apply(int shard, const K* keys, const uint64_t* hashes,
   Shard& s = *shards_[shard];
   std::unique_lock<std::shared_mutex> lock(s.mu);
   // Distinct admitted keys in first-seen order with their summed gradient.
-  // Row ids (stable while inserts rehash the index) identify them; a small
-  // open-addressing map from row id to position dedupes equal keys.
+  // Row ids (stable while inserts rehash the index) identify them.
   std::vector<Entry> hits;
   std::vector<float> sums;
   hits.reserve(n);
   sums.reserve(n * dim_);
-  uint64_t cap = 16;
-  while (cap < static_cast<uint64_t>(n) * 2) cap <<= 1;
-  std::vector<int64_t> pos(cap, -1);
+  BatchGroups groups(n);
   const bool filter = filtering() || bloom();
   for (int64_t j = 0; j < n; ++j) {
-    int64_t idx = FindIndex(s, keys[j], hashes[j]);
+    int64_t idx = s.index.Find(keys[j], hashes[j]);
     if (idx < 0) {
       if (filter) continue;  // never admitted: the gradient is dropped
       idx = static_cast<int64_t>(InsertNew(s, keys[j], hashes[j], /*admit=*/true));
     }
-    const Entry& e = s.entries[idx];
+    const Entry& e = s.index.entry(idx);
     if (e.row == kNoRow) continue;  // not admitted yet: dropped
-    uint64_t p = HashKey(e.row) & (cap - 1);
-    while (pos[p] >= 0 && hits[pos[p]].row != e.row) p = (p + 1) & (cap - 1);
-    const float* g = grads + order[j] * dim_;
-    if (pos[p] < 0) {
-      pos[p] = static_cast<int64_t>(hits.size());
+    bool created;
+    const int64_t g = groups.Group(
+        HashKey(e.row), [&](int64_t other) { return hits[other].row == e.row; }, &created);
+    const float* grad = grads + order[j] * dim_;
+    if (created) {
       hits.push_back(e);
-      sums.insert(sums.end(), g, g + dim_);
+      sums.insert(sums.end(), grad, grad + dim_);
     } else {
-      float* acc = sums.data() + pos[p] * dim_;
-      for (int64_t d = 0; d < dim_; ++d) acc[d] += g[d];
+      float* acc = sums.data() + g * dim_;
+      for (int64_t d = 0; d < dim_; ++d) acc[d] += grad[d];
     }
   }
   std::vector<float*> slot_rows(slot_ids.size());
   for (size_t r = 0; r < hits.size(); ++r) {
     const Entry& e = hits[r];
+    // Value first: a file store loads the row's record, then its slots
+    // come from the same record.
+    float* value = s.Value(e.row, /*write=*/true);
     for (size_t j = 0; j < slot_ids.size(); ++j) {
-      slot_rows[j] = s.slots[slot_ids[j]].Row(e.row);
+      slot_rows[j] = s.store->Slot(slot_ids[j], e.row, /*write=*/true);
     }
-    fn(s.values.Row(e.row), slot_rows.data(), sums.data() + r * dim_);
+    fn(value, slot_rows.data(), sums.data() + r * dim_);
     if (int64_t* m = Meta(s, e)) m[kVersion] = step;
     Touch(s, e);
   }
@@ -449,7 +459,7 @@ void Table<K>::Export(Alloc&& alloc) const {
   int64_t n = 0, nf = 0;
   for (const auto& s : shards_) {
     locks.emplace_back(s->mu);
-    n += static_cast<int64_t>(s->live - s->filtered);
+    n += static_cast<int64_t>(s->index.live() - s->filtered);
     nf += static_cast<int64_t>(s->filtered);
   }
   int64_t total_width = 0;
@@ -460,9 +470,9 @@ void Table<K>::Export(Alloc&& alloc) const {
   int64_t out = 0, out_f = 0;
   for (const auto& sp : shards_) {
     const Shard& s = *sp;
-    for (uint64_t i = 0; i < s.ctrl.size(); ++i) {
-      if (s.ctrl[i] & 0x80) continue;  // empty or deleted
-      const Entry& e = s.entries[i];
+    for (uint64_t i = 0; i < s.index.capacity(); ++i) {
+      if (!s.index.Occupied(i)) continue;
+      const Entry& e = s.index.entry(i);
       const int64_t* m = Meta(s, e);
       if (e.row == kNoRow) {
         b.keys_filtered[out_f] = e.key;
@@ -472,16 +482,9 @@ void Table<K>::Export(Alloc&& alloc) const {
         continue;
       }
       b.keys[out] = e.key;
-      const float* v = s.values.Row(e.row);
-      std::copy(v, v + dim_, b.values + out * dim_);
+      s.store->Read(e.row, b.values + out * dim_, b.slots + out * total_width);
       b.freqs[out] = m ? m[kFreq] : 0;
       b.versions[out] = m ? m[kVersion] : 0;
-      float* dst = b.slots + out * total_width;
-      for (size_t j = 0; j < s.slots.size(); ++j) {
-        const float* sv = s.slots[j].Row(e.row);
-        std::copy(sv, sv + slot_specs_[j].width, dst);
-        dst += slot_specs_[j].width;
-      }
       ++out;
     }
   }
@@ -498,9 +501,9 @@ bool Table<K>::ExportChangedSince(int64_t since, Alloc&& alloc,
   int64_t n = 0, nf = 0;
   for (const auto& sp : shards_) {
     const Shard& s = *sp;
-    for (uint64_t i = 0; i < s.ctrl.size(); ++i) {
-      if (s.ctrl[i] & 0x80) continue;
-      const Entry& e = s.entries[i];
+    for (uint64_t i = 0; i < s.index.capacity(); ++i) {
+      if (!s.index.Occupied(i)) continue;
+      const Entry& e = s.index.entry(i);
       if (EpochOf(s, e) <= since) continue;
       ++(e.row == kNoRow ? nf : n);
     }
@@ -516,9 +519,9 @@ bool Table<K>::ExportChangedSince(int64_t since, Alloc&& alloc,
   int64_t out = 0, out_f = 0;
   for (const auto& sp : shards_) {
     const Shard& s = *sp;
-    for (uint64_t i = 0; i < s.ctrl.size(); ++i) {
-      if (s.ctrl[i] & 0x80) continue;
-      const Entry& e = s.entries[i];
+    for (uint64_t i = 0; i < s.index.capacity(); ++i) {
+      if (!s.index.Occupied(i)) continue;
+      const Entry& e = s.index.entry(i);
       if (EpochOf(s, e) <= since) continue;
       const int64_t* m = Meta(s, e);
       if (e.row == kNoRow) {
@@ -529,16 +532,9 @@ bool Table<K>::ExportChangedSince(int64_t since, Alloc&& alloc,
         continue;
       }
       b.keys[out] = e.key;
-      const float* v = s.values.Row(e.row);
-      std::copy(v, v + dim_, b.values + out * dim_);
+      s.store->Read(e.row, b.values + out * dim_, b.slots + out * total_width);
       b.freqs[out] = m ? m[kFreq] : 0;
       b.versions[out] = m ? m[kVersion] : 0;
-      float* dst = b.slots + out * total_width;
-      for (size_t j = 0; j < s.slots.size(); ++j) {
-        const float* sv = s.slots[j].Row(e.row);
-        std::copy(sv, sv + slot_specs_[j].width, dst);
-        dst += slot_specs_[j].width;
-      }
       ++out;
     }
   }

@@ -43,6 +43,8 @@ REGISTER_OP("KRE>TableCreate")
     .Attr("bloom_hashes: int = 0")
     .Attr("bloom_counter_bytes: int = 8")
     .Attr("no_permission_value: float = 0.0")
+    .Attr("storage_path: string = ''")
+    .Attr("cache_bytes: int = 67108864")
     .Attr("freq_cap: int = 0")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
@@ -98,6 +100,62 @@ REGISTER_OP("KRE>TableStats")
     .SetShapeFn([](InferenceContext* c) {
       TF_RETURN_IF_ERROR(ScalarHandle(c));
       c->set_output(0, c->Vector(4));
+      return absl::OkStatus();
+    });
+
+// The row store's counters: [rows, rows in DRAM, row bytes in DRAM, bytes
+// on file, cache hits, cache misses, rows read from file, rows written to
+// file] (a DRAM table: every row in DRAM, no file counters).
+REGISTER_OP("KRE>TableStorageStats")
+    .Input("handle: resource")
+    .Output("stats: int64")
+    .Attr("Tkeys: {int32, int64}")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      TF_RETURN_IF_ERROR(ScalarHandle(c));
+      c->set_output(0, c->Vector(8));
+      return absl::OkStatus();
+    });
+
+// File tier: writes a snapshot under the table's storage_path; returns its
+// sequence number.
+REGISTER_OP("KRE>TableSnapshot")
+    .Input("handle: resource")
+    .Output("seq: int64")
+    .Attr("Tkeys: {int32, int64}")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      TF_RETURN_IF_ERROR(ScalarHandle(c));
+      c->set_output(0, c->Scalar());
+      return absl::OkStatus();
+    });
+
+// File tier: releases the lock on the table's storage_path (its Python
+// owner is gone); returns whether the table is a file-tier one.
+REGISTER_OP("KRE>TableReleaseStorage")
+    .Input("handle: resource")
+    .Output("released: bool")
+    .Attr("Tkeys: {int32, int64}")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      TF_RETURN_IF_ERROR(ScalarHandle(c));
+      c->set_output(0, c->Scalar());
+      return absl::OkStatus();
+    });
+
+// File tier: replaces the contents with the latest snapshot under `path`
+// (the table's storage_path when empty); returns the number of keys.
+REGISTER_OP("KRE>TableRestoreSnapshot")
+    .Input("handle: resource")
+    .Input("path: string")
+    .Output("keys: int64")
+    .Attr("Tkeys: {int32, int64}")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      TF_RETURN_IF_ERROR(ScalarHandle(c));
+      ShapeHandle unused;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 0, &unused));
+      c->set_output(0, c->Scalar());
       return absl::OkStatus();
     });
 

@@ -98,12 +98,6 @@ class EmbeddingVariable(keras.layers.Layer):
             )
         check_combiner(combiner)
         ev_option = ev_option_or_default(ev_option)
-        missing = ev_option.unimplemented_feature()
-        if missing is not None:
-            raise NotImplementedError(
-                f"EmbeddingVariable does not support {missing} yet; DRAM is the "
-                f"only storage tier. Received: ev_option={ev_option!r}"
-            )
         self.embedding_dim = int(embedding_dim)
         self.initializer = keras.initializers.get(initializer)
         self.key_dtype = key_dtype
@@ -193,6 +187,27 @@ class EmbeddingVariable(keras.layers.Layer):
         """
         self._require_built("evict()")
         return self.table.evict(step)
+
+    def stats(self):
+        """The table's statistics (see `EmbeddingTable.stats`): keys, DRAM
+        bytes, and for the file tier rows in cache / on file, cache hit
+        rate, bytes on disk, rows read from and written to files."""
+        self._require_built("stats()")
+        return self.table.stats()
+
+    def snapshot(self):
+        """File tier (`StorageOption("FILE", ...)`): writes a crash-safe
+        snapshot of the table's files under `table.storage_dir` without
+        passing rows through Python; returns the snapshot's number."""
+        self._require_built("snapshot()")
+        return self.table.snapshot()
+
+    def restore_snapshot(self, path=None):
+        """File tier: replaces the table's contents with its latest snapshot
+        (under `path`, default `table.storage_dir`); returns the number of
+        ids. A corrupt or truncated snapshot raises naming the file."""
+        self._require_built("restore_snapshot()")
+        return self.table.restore_snapshot(path)
 
     def export(self):
         """All ids as NumPy arrays, in DeepRec's format: `keys` [N], `values`

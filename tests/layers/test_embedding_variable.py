@@ -191,10 +191,9 @@ def test_bad_arguments(kwargs, error, match):
         EmbeddingVariable(**kwargs)
 
 
-def test_file_storage_tier_is_not_implemented_yet():
-    option = kre.EmbeddingVariableOption(storage_option=kre.StorageOption("FILE"))
-    with pytest.raises(NotImplementedError, match="file-backed storage tiers.*DRAM"):
-        EmbeddingVariable(4, ev_option=option)
+def test_file_storage_tier_needs_a_path():
+    with pytest.raises(ValueError, match="storage_path.*required.*storage_path=None"):
+        kre.StorageOption("FILE")
 
 
 def test_bad_inputs(matrix_initializer):

@@ -1,0 +1,539 @@
+// Copyright keras_rec_emb authors. Apache-2.0.
+#include "kv/file_store.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <stdexcept>
+
+namespace kre {
+namespace kv {
+
+namespace {
+
+constexpr char kSegmentMagic[8] = {'K', 'R', 'E', 'S', 'E', 'G', '0', '1'};
+constexpr uint64_t kHeaderBytes = 32;
+constexpr size_t kBufferBytes = 1 << 20;
+constexpr uint64_t kOffsetBits = 40;
+
+std::runtime_error IoError(const std::string& what, const std::string& path) {
+  return std::runtime_error(what + " '" + path + "': " + std::strerror(errno));
+}
+
+void WriteAll(int fd, const char* p, size_t n, uint64_t offset, const std::string& path) {
+  while (n > 0) {
+    const ssize_t w = ::pwrite(fd, p, n, static_cast<off_t>(offset));
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      throw IoError("cannot write the file-tier segment", path);
+    }
+    p += w;
+    n -= static_cast<size_t>(w);
+    offset += static_cast<uint64_t>(w);
+  }
+}
+
+void ReadAll(int fd, char* p, size_t n, uint64_t offset, const std::string& path) {
+  while (n > 0) {
+    const ssize_t r = ::pread(fd, p, n, static_cast<off_t>(offset));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) {
+      if (r == 0) errno = EIO;
+      throw IoError("cannot read the file-tier segment (truncated or unreadable)", path);
+    }
+    p += r;
+    n -= static_cast<size_t>(r);
+    offset += static_cast<uint64_t>(r);
+  }
+}
+
+std::atomic<uint64_t> g_space_counter{0};
+
+void RemoveTree(const std::string& path) {
+  if (DIR* d = ::opendir(path.c_str())) {
+    while (dirent* e = ::readdir(d)) {
+      const std::string name = e->d_name;
+      if (name == "." || name == "..") continue;
+      ::unlink((path + "/" + name).c_str());
+    }
+    ::closedir(d);
+  }
+  ::rmdir(path.c_str());
+}
+
+}  // namespace
+
+void MakeDirs(const std::string& path) {
+  if (path.empty()) throw std::invalid_argument("storage_path must not be empty");
+  size_t pos = 0;
+  while (true) {
+    pos = path.find('/', pos + 1);
+    const std::string part = path.substr(0, pos);
+    if (!part.empty() && ::mkdir(part.c_str(), 0755) != 0 && errno != EEXIST) {
+      throw IoError("cannot create the storage directory", part);
+    }
+    if (pos == std::string::npos) break;
+  }
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    errno = ENOTDIR;
+    throw IoError("storage_path is not a directory", path);
+  }
+  if (::access(path.c_str(), W_OK | X_OK) != 0) {
+    throw IoError("storage_path is not writable", path);
+  }
+}
+
+void RemoveStaleLiveDirs(const std::string& root) {
+  if (DIR* d = ::opendir(root.c_str())) {
+    std::vector<std::string> stale;
+    while (dirent* e = ::readdir(d)) {
+      const std::string name = e->d_name;
+      if (name.rfind("live-", 0) == 0) stale.push_back(root + "/" + name);
+    }
+    ::closedir(d);
+    for (const auto& p : stale) RemoveTree(p);
+  }
+}
+
+StorageLock::StorageLock(const std::string& path) {
+  MakeDirs(path);
+  const std::string lock = path + "/LOCK";
+  fd_ = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd_ < 0) throw IoError("cannot create the lock file of storage_path", lock);
+  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+    ::close(fd_);
+    fd_ = -1;
+    throw std::runtime_error("storage_path '" + path +
+                             "' is in use by another live table (its lock file '" + lock +
+                             "' is held); give each table its own storage_path");
+  }
+  RemoveStaleLiveDirs(path);
+}
+
+StorageLock::~StorageLock() {
+  if (fd_ >= 0) ::close(fd_);  // releases the flock
+}
+
+FileSpace::FileSpace(const std::string& root, uint64_t segment_bytes)
+    : root_(root), segment_bytes_(segment_bytes) {
+  MakeDirs(root);
+  dir_ = root + "/live-" + std::to_string(::getpid()) + "-" +
+         std::to_string(g_space_counter.fetch_add(1));
+  if (::mkdir(dir_.c_str(), 0755) != 0) throw IoError("cannot create", dir_);
+}
+
+FileSpace::~FileSpace() { RemoveTree(dir_); }
+
+FileRowStore::FileRowStore(std::shared_ptr<FileSpace> space, int shard, int64_t dim,
+                           uint64_t cache_bytes)
+    : space_(std::move(space)), shard_(shard), dim_(dim), cache_bytes_(cache_bytes),
+      width_(dim) {
+  Recompute();
+}
+
+FileRowStore::~FileRowStore() {
+  for (auto& kv : segments_) {
+    if (kv.second.fd >= 0) ::close(kv.second.fd);
+  }
+}
+
+void FileRowStore::Recompute() {
+  slot_offsets_.assign(widths_.size(), 0);
+  int64_t off = dim_;
+  for (size_t j = 0; j < widths_.size(); ++j) {
+    slot_offsets_[j] = off;
+    off += widths_[j];
+  }
+  width_ = off;
+  capacity_ = std::max<uint64_t>(16, cache_bytes_ / (static_cast<uint64_t>(width_) * 4));
+  // Bounded by the 31-bit cache slot numbers.
+  capacity_ = std::min<uint64_t>(capacity_, INT32_MAX);
+}
+
+void FileRowStore::EnsureRowCapacity(uint32_t rows) {
+  if (slot_of_.size() < rows) {
+    const size_t n = std::max<size_t>(rows, slot_of_.size() * 2);
+    slot_of_.resize(n, -1);
+    loc_.resize(n, kNoLocation);
+  }
+}
+
+void FileRowStore::OpenSegment() {
+  FlushBuffer();
+  const uint32_t id = next_segment_++;
+  Segment seg;
+  seg.path = space_->dir() + "/s" + std::to_string(shard_) + "-" + std::to_string(id) + ".seg";
+  seg.fd = ::open(seg.path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (seg.fd < 0) throw IoError("cannot create the file-tier segment", seg.path);
+  seg.width = static_cast<uint64_t>(width_);
+  char header[kHeaderBytes] = {};
+  std::memcpy(header, kSegmentMagic, 8);
+  std::memcpy(header + 8, &seg.width, 8);
+  const uint64_t dim = static_cast<uint64_t>(dim_);
+  std::memcpy(header + 16, &dim, 8);
+  try {
+    WriteAll(seg.fd, header, kHeaderBytes, 0, seg.path);
+  } catch (...) {
+    ::close(seg.fd);
+    ::unlink(seg.path.c_str());
+    throw;
+  }
+  seg.size = kHeaderBytes;
+  segments_[id] = seg;
+  active_ = id;
+  file_bytes_ += kHeaderBytes;
+}
+
+void FileRowStore::FlushBuffer() {
+  if (active_ < 0 || buffer_.empty()) return;
+  Segment& seg = segments_[static_cast<uint32_t>(active_)];
+  // A failed write (disk full) keeps the buffer: nothing is lost in memory
+  // and the error names the file.
+  WriteAll(seg.fd, buffer_.data(), buffer_.size(), seg.size, seg.path);
+  seg.size += buffer_.size();
+  buffer_.clear();
+}
+
+uint64_t FileRowStore::Append(const float* record) {
+  const uint64_t bytes = static_cast<uint64_t>(width_) * 4;
+  if (active_ < 0 || segments_[static_cast<uint32_t>(active_)].width != static_cast<uint64_t>(width_) ||
+      segments_[static_cast<uint32_t>(active_)].size + buffer_.size() + bytes >
+          std::max<uint64_t>(space_->segment_bytes(), kHeaderBytes + bytes)) {
+    OpenSegment();
+  }
+  const Segment& seg = segments_[static_cast<uint32_t>(active_)];
+  const uint64_t offset = seg.size + buffer_.size();
+  const char* p = reinterpret_cast<const char*>(record);
+  buffer_.insert(buffer_.end(), p, p + bytes);
+  file_bytes_ += bytes;
+  live_bytes_ += bytes;
+  if (buffer_.size() >= kBufferBytes) FlushBuffer();
+  ++writes_;
+  return (static_cast<uint64_t>(active_) << kOffsetBits) | offset;
+}
+
+void FileRowStore::ReadRecord(uint64_t loc, float* dst) const {
+  const uint32_t id = static_cast<uint32_t>(loc >> kOffsetBits);
+  const uint64_t offset = loc & ((uint64_t{1} << kOffsetBits) - 1);
+  const auto it = segments_.find(id);
+  if (it == segments_.end()) throw std::runtime_error("file-tier row in a missing segment");
+  const Segment& seg = it->second;
+  const uint64_t bytes = seg.width * 4;
+  if (static_cast<int64_t>(id) == active_ && offset >= seg.size) {
+    std::memcpy(dst, buffer_.data() + (offset - seg.size), bytes);
+  } else {
+    ReadAll(seg.fd, reinterpret_cast<char*>(dst), bytes, offset, seg.path);
+  }
+  // Slots added after the record was written start at their init values.
+  for (size_t j = 0; j < widths_.size(); ++j) {
+    if (static_cast<uint64_t>(slot_offsets_[j]) >= seg.width) {
+      std::fill(dst + slot_offsets_[j], dst + slot_offsets_[j] + widths_[j], inits_[j]);
+    }
+  }
+}
+
+void FileRowStore::Forget(uint64_t loc) {
+  if (loc == kNoLocation) return;
+  const auto it = segments_.find(static_cast<uint32_t>(loc >> kOffsetBits));
+  if (it != segments_.end()) live_bytes_ -= it->second.width * 4;
+}
+
+void FileRowStore::WriteBack(uint32_t slot) {
+  const uint32_t row = cache_row_[slot];
+  const uint64_t loc = Append(cache_.data() + static_cast<uint64_t>(slot) * width_);
+  Forget(loc_[row]);
+  loc_[row] = loc;
+  dirty_[slot] = 0;
+  MaybeCompact();
+}
+
+void FileRowStore::MaybeCompact() {
+  if (compacting_ || file_bytes_ <= 2 * live_bytes_ ||
+      file_bytes_ < 2 * space_->segment_bytes()) {
+    return;
+  }
+  compacting_ = true;
+  try {
+    FlushBuffer();
+    active_ = -1;  // rows go to new segments
+    std::vector<uint32_t> old;
+    for (const auto& kv : segments_) old.push_back(kv.first);
+    const uint32_t first_new = next_segment_;
+    std::vector<float> rec(width_);
+    for (uint32_t row = 0; row < next_row_; ++row) {
+      const uint64_t loc = loc_[row];
+      if (loc == kNoLocation || (loc >> kOffsetBits) >= first_new) continue;
+      ReadRecord(loc, rec.data());
+      const uint64_t moved = Append(rec.data());
+      Forget(loc);
+      loc_[row] = moved;
+    }
+    FlushBuffer();
+    for (uint32_t id : old) {
+      Segment& seg = segments_[id];
+      file_bytes_ -= seg.size;
+      ::close(seg.fd);
+      ::unlink(seg.path.c_str());
+      segments_.erase(id);
+    }
+    ++compactions_;
+  } catch (...) {
+    compacting_ = false;  // every row still points at a readable record
+    throw;
+  }
+  compacting_ = false;
+}
+
+uint32_t FileRowStore::TakeCacheSlot() {
+  if (!free_slots_.empty()) {
+    const uint32_t slot = free_slots_.back();
+    free_slots_.pop_back();
+    return slot;
+  }
+  if (cache_row_.size() < capacity_) {
+    const uint32_t slot = static_cast<uint32_t>(cache_row_.size());
+    cache_.resize(cache_.size() + width_);
+    cache_row_.push_back(kNoRow);
+    ref_.push_back(0);
+    dirty_.push_back(0);
+    return slot;
+  }
+  // CLOCK: the first slot whose reference bit is clear, clearing bits on
+  // the way (a row touched since the hand last passed gets a second chance).
+  while (true) {
+    const uint64_t h = hand_;
+    hand_ = (hand_ + 1) % cache_row_.size();
+    if (ref_[h]) {
+      ref_[h] = 0;
+      continue;
+    }
+    const uint32_t slot = static_cast<uint32_t>(h);
+    if (dirty_[slot]) WriteBack(slot);  // may throw: nothing changed yet
+    slot_of_[cache_row_[slot]] = -1;
+    cache_row_[slot] = kNoRow;
+    return slot;
+  }
+}
+
+float* FileRowStore::Fetch(uint32_t row, bool write) {
+  int32_t slot = slot_of_[row];
+  if (slot >= 0) {
+    ++hits_;
+  } else {
+    ++misses_;
+    const uint32_t s = TakeCacheSlot();
+    try {
+      ReadRecord(loc_[row], cache_.data() + static_cast<uint64_t>(s) * width_);
+    } catch (...) {
+      free_slots_.push_back(s);
+      throw;
+    }
+    ++reads_;
+    slot = static_cast<int32_t>(s);
+    slot_of_[row] = slot;
+    cache_row_[s] = row;
+    dirty_[s] = 0;
+  }
+  ref_[slot] = 1;
+  if (write) dirty_[slot] = 1;
+  return cache_.data() + static_cast<uint64_t>(slot) * width_;
+}
+
+uint32_t FileRowStore::Allocate(const float* init) {
+  bool fresh;
+  const uint32_t row = TakeRow(&free_rows_, &next_row_, &fresh);
+  uint32_t slot;
+  try {
+    EnsureRowCapacity(next_row_);
+    slot = TakeCacheSlot();
+  } catch (...) {
+    if (fresh) {
+      --next_row_;
+    } else {
+      free_rows_.push_back(row);
+    }
+    throw;
+  }
+  float* rec = cache_.data() + static_cast<uint64_t>(slot) * width_;
+  std::copy(init, init + dim_, rec);
+  for (size_t j = 0; j < widths_.size(); ++j) {
+    std::fill(rec + slot_offsets_[j], rec + slot_offsets_[j] + widths_[j], inits_[j]);
+  }
+  cache_row_[slot] = row;
+  slot_of_[row] = static_cast<int32_t>(slot);
+  loc_[row] = kNoLocation;
+  ref_[slot] = 1;
+  dirty_[slot] = 1;
+  ++rows_;
+  return row;
+}
+
+void FileRowStore::Release(uint32_t row) {
+  const int32_t slot = slot_of_[row];
+  if (slot >= 0) {
+    cache_row_[slot] = kNoRow;
+    ref_[slot] = 0;
+    dirty_[slot] = 0;
+    free_slots_.push_back(static_cast<uint32_t>(slot));
+    slot_of_[row] = -1;
+  }
+  Forget(loc_[row]);
+  loc_[row] = kNoLocation;
+  free_rows_.push_back(row);
+  --rows_;
+}
+
+void FileRowStore::Read(uint32_t row, float* value, float* slots) const {
+  std::vector<float> local;
+  const float* rec;
+  if (slot_of_[row] >= 0) {
+    rec = cache_.data() + static_cast<uint64_t>(slot_of_[row]) * width_;
+  } else {
+    local.resize(width_);
+    ReadRecord(loc_[row], local.data());
+    rec = local.data();
+  }
+  std::copy(rec, rec + dim_, value);
+  std::copy(rec + dim_, rec + width_, slots);
+}
+
+void FileRowStore::Sync() {
+  for (uint32_t s = 0; s < cache_row_.size(); ++s) {
+    if (cache_row_[s] != kNoRow && dirty_[s]) WriteBack(s);
+  }
+  FlushBuffer();
+  if (active_ >= 0) {
+    const Segment& seg = segments_[static_cast<uint32_t>(active_)];
+    if (::fdatasync(seg.fd) != 0) throw IoError("cannot sync the file-tier segment", seg.path);
+  }
+}
+
+void FileRowStore::Seal() {
+  Sync();
+  active_ = -1;
+}
+
+void FileRowStore::ReserveSlot(int64_t width, float init) {
+  // Every row is written out first (may fail: nothing changes); records of
+  // the new width go to a new segment.
+  Sync();
+  pending_width_ = width;
+  pending_init_ = init;
+  widths_.reserve(widths_.size() + 1);
+  inits_.reserve(inits_.size() + 1);
+}
+
+void FileRowStore::CommitSlot() {
+  // The cache is dropped (every row is clean after ReserveSlot) and comes
+  // back at the new width.
+  for (uint32_t r : cache_row_) {
+    if (r != kNoRow) slot_of_[r] = -1;
+  }
+  cache_.clear();
+  cache_.shrink_to_fit();
+  cache_row_.clear();
+  ref_.clear();
+  dirty_.clear();
+  free_slots_.clear();
+  hand_ = 0;
+  widths_.push_back(pending_width_);
+  inits_.push_back(pending_init_);
+  active_ = -1;
+  Recompute();
+}
+
+void FileRowStore::SetLayout(const std::vector<int64_t>& widths,
+                             const std::vector<float>& inits) {
+  Clear();
+  widths_ = widths;
+  inits_ = inits;
+  Recompute();
+}
+
+void FileRowStore::Clear() {
+  for (auto& kv : segments_) {
+    if (kv.second.fd >= 0) ::close(kv.second.fd);
+    ::unlink(kv.second.path.c_str());
+  }
+  segments_.clear();
+  active_ = -1;
+  buffer_.clear();
+  file_bytes_ = 0;
+  live_bytes_ = 0;
+  cache_.clear();
+  cache_.shrink_to_fit();
+  cache_row_.clear();
+  ref_.clear();
+  dirty_.clear();
+  free_slots_.clear();
+  hand_ = 0;
+  slot_of_.clear();
+  slot_of_.shrink_to_fit();
+  loc_.clear();
+  loc_.shrink_to_fit();
+  free_rows_.clear();
+  next_row_ = 0;
+  rows_ = 0;
+}
+
+RowStoreStats FileRowStore::Stats() const {
+  RowStoreStats s;
+  s.rows = rows_;
+  s.cached_rows = cache_row_.size() - free_slots_.size();
+  s.memory_bytes = cache_.capacity() * 4 + slot_of_.capacity() * 4 + loc_.capacity() * 8 +
+                   free_rows_.capacity() * 4 + buffer_.capacity() +
+                   cache_row_.capacity() * 6;
+  s.disk_bytes = file_bytes_;
+  s.hits = hits_;
+  s.misses = misses_;
+  s.file_reads = reads_;
+  s.file_writes = writes_;
+  return s;
+}
+
+std::vector<FileRowStore::SegmentInfo> FileRowStore::Segments() const {
+  std::vector<SegmentInfo> out;
+  for (const auto& kv : segments_) {
+    out.push_back(SegmentInfo{kv.first, kv.second.path, kv.second.size, kv.second.width});
+  }
+  return out;
+}
+
+uint32_t FileRowStore::AdoptSegment(const std::string& path, uint64_t width, uint64_t size) {
+  const uint32_t id = next_segment_++;
+  Segment seg;
+  seg.path = space_->dir() + "/s" + std::to_string(shard_) + "-" + std::to_string(id) + ".seg";
+  if (::link(path.c_str(), seg.path.c_str()) != 0) {
+    throw IoError("cannot link the snapshot segment into the table's directory", path);
+  }
+  seg.fd = ::open(seg.path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (seg.fd < 0) throw IoError("cannot open the snapshot segment", path);
+  seg.width = width;
+  seg.size = size;
+  segments_[id] = seg;
+  file_bytes_ += size;
+  return id;
+}
+
+uint32_t FileRowStore::AdoptRow(uint64_t location) {
+  bool fresh;
+  const uint32_t row = TakeRow(&free_rows_, &next_row_, &fresh);
+  EnsureRowCapacity(next_row_);
+  slot_of_[row] = -1;
+  loc_[row] = location;
+  const auto it = segments_.find(static_cast<uint32_t>(location >> kOffsetBits));
+  if (it != segments_.end()) live_bytes_ += it->second.width * 4;
+  ++rows_;
+  return row;
+}
+
+}  // namespace kv
+}  // namespace kre

@@ -1,0 +1,185 @@
+// Copyright keras_rec_emb authors. Apache-2.0.
+//
+// The file tier: a RowStore (row_store.h) whose rows live in append-only
+// segment files under a directory, with a bounded DRAM cache of hot rows.
+//
+// * Files. A table with storage_path P takes an exclusive flock on P/LOCK
+//   (a second live table on P fails with an error naming the path) and
+//   writes its segments in P/live-<pid>-<n>/ (removed when the table goes;
+//   left-overs of a killed process are removed by the next table that
+//   takes the lock). A segment holds records of one width (value + slots
+//   at the time it was written) after a 32-byte header; a new segment is
+//   started when it reaches segment_bytes, when a slot is added, and after
+//   each snapshot, so that a segment is immutable once it is left.
+// * DRAM. Per row id: its cache slot (or none) and its file location
+//   (segment, offset) or none (12 bytes); the key index and the per-key
+//   metadata stay in DRAM (shard_index.h, MetaRows). The cache holds at
+//   most max(16, cache_bytes / num_shards / record bytes) rows per shard
+//   and replaces by CLOCK (second chance); a dirty row is appended to the
+//   current segment when it leaves the cache (writes are buffered, 1 MiB).
+//   A rewritten row leaves garbage behind (counted in Stats().disk_bytes);
+//   when the files hold more than twice the live rows' bytes (and more than
+//   two segments' worth), every row on file is copied to new segments and
+//   the old ones are unlinked (a snapshot keeps its own links).
+// * Snapshot (Table::Snapshot): every shard locked, dirty rows written,
+//   segments flushed, fsynced and sealed; the segments are hard-linked into
+//   P/snap-<seq>.tmp/ with an index file (keys, locations, frequencies,
+//   versions, slot specs, initializer matrix, Bloom state; CRC-32 at the
+//   end), fsynced, renamed to P/snap-<seq>, and P/CURRENT (the name of the
+//   latest snapshot) replaced by an atomic rename. Segments are never
+//   written after being sealed and a snapshot holds its own links, so a
+//   kill -9 at any point leaves the previous snapshot intact; the snapshot
+//   before the latest is kept as well, older ones removed.
+#ifndef KRE_KV_FILE_STORE_H_
+#define KRE_KV_FILE_STORE_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kv/row_store.h"
+
+namespace kre {
+namespace kv {
+
+// The exclusive lock of a storage path (flock on P/LOCK, released when the
+// process dies). Throws std::runtime_error naming the path when the path
+// cannot be created or written, or another live table holds it.
+class StorageLock {
+ public:
+  explicit StorageLock(const std::string& path);
+  ~StorageLock();
+  StorageLock(const StorageLock&) = delete;
+  StorageLock& operator=(const StorageLock&) = delete;
+
+ private:
+  int fd_ = -1;
+};
+
+// One table's working directory P/live-<pid>-<n>; removed with its files
+// when the last store that uses it goes.
+class FileSpace {
+ public:
+  FileSpace(const std::string& root, uint64_t segment_bytes);
+  ~FileSpace();
+  const std::string& dir() const { return dir_; }
+  const std::string& root() const { return root_; }
+  uint64_t segment_bytes() const { return segment_bytes_; }
+
+ private:
+  std::string root_;
+  std::string dir_;
+  uint64_t segment_bytes_;
+};
+
+// Creates a directory and its parents; throws naming it on failure.
+void MakeDirs(const std::string& path);
+// Removes P/live-* directories (under the lock: no live table uses them).
+void RemoveStaleLiveDirs(const std::string& root);
+
+constexpr uint64_t kNoLocation = ~uint64_t{0};
+
+class FileRowStore final : public RowStore {
+ public:
+  FileRowStore(std::shared_ptr<FileSpace> space, int shard, int64_t dim,
+               uint64_t cache_bytes);
+  ~FileRowStore() override;
+
+  uint32_t Allocate(const float* init) override;
+  void Release(uint32_t row) override;
+  float* Value(uint32_t row, bool write) override { return Fetch(row, write); }
+  float* Slot(size_t j, uint32_t row, bool write) override {
+    return Fetch(row, write) + slot_offsets_[j];
+  }
+  void Read(uint32_t row, float* value, float* slots) const override;
+  void ReserveSlot(int64_t width, float init) override;
+  void CommitSlot() override;
+  void SetSlotInit(size_t j, float init) override { inits_[j] = init; }
+  void Sync() override;
+  void Clear() override;
+  bool stable_pointers() const override { return false; }
+  RowStoreStats Stats() const override;
+
+  // Snapshot support. Seal: Sync, then the next write starts a new segment.
+  void Seal();
+  uint64_t Location(uint32_t row) const { return loc_[row]; }
+  struct SegmentInfo {
+    uint32_t id;
+    std::string path;
+    uint64_t size;   // bytes, header included
+    uint64_t width;  // floats per record
+  };
+  std::vector<SegmentInfo> Segments() const;
+  // Restore support: links `path` (a segment of `width` floats per record,
+  // `size` bytes) into this store's directory; returns its new id.
+  uint32_t AdoptSegment(const std::string& path, uint64_t width, uint64_t size);
+  // A new row whose record is at `location` (of an adopted segment).
+  uint32_t AdoptRow(uint64_t location);
+  // Sets the slot layout of an empty store.
+  void SetLayout(const std::vector<int64_t>& widths, const std::vector<float>& inits);
+
+ private:
+  struct Segment {
+    int fd = -1;
+    std::string path;
+    uint64_t width = 0;  // floats per record
+    uint64_t size = 0;   // bytes on file
+  };
+  float* Fetch(uint32_t row, bool write);
+  uint32_t TakeCacheSlot();
+  void WriteBack(uint32_t slot);
+  uint64_t Append(const float* record);
+  void FlushBuffer();
+  void OpenSegment();
+  // Reads the record at `loc` into dst (width_ floats; slots added after it
+  // was written get their init values).
+  void ReadRecord(uint64_t loc, float* dst) const;
+  void EnsureRowCapacity(uint32_t rows);
+  // Drops the file bytes of `loc` from the live count.
+  void Forget(uint64_t loc);
+  void MaybeCompact();
+  void Recompute();
+
+  std::shared_ptr<FileSpace> space_;
+  int shard_;
+  int64_t dim_;
+  uint64_t cache_bytes_;
+  int64_t width_;  // dim + slot widths
+  std::vector<int64_t> widths_;
+  std::vector<float> inits_;
+  std::vector<int64_t> slot_offsets_;
+  int64_t pending_width_ = 0;
+  float pending_init_ = 0;
+  // Rows.
+  std::vector<int32_t> slot_of_;
+  std::vector<uint64_t> loc_;
+  std::vector<uint32_t> free_rows_;
+  uint32_t next_row_ = 0;
+  uint64_t rows_ = 0;
+  // Cache.
+  uint64_t capacity_ = 16;
+  std::vector<float> cache_;
+  std::vector<uint32_t> cache_row_;
+  std::vector<uint8_t> ref_, dirty_;
+  std::vector<uint32_t> free_slots_;
+  uint64_t hand_ = 0;
+  // Files.
+  std::map<uint32_t, Segment> segments_;
+  uint32_t next_segment_ = 0;
+  int64_t active_ = -1;  // segment being appended to
+  std::vector<char> buffer_;  // its unflushed tail
+  mutable std::vector<float> scratch_;
+  uint64_t file_bytes_ = 0;  // all segment bytes, the buffer included
+  uint64_t live_bytes_ = 0;  // bytes of the records rows point at
+  bool compacting_ = false;
+  // Counters.
+  uint64_t compactions_ = 0;
+  uint64_t hits_ = 0, misses_ = 0, reads_ = 0, writes_ = 0;
+};
+
+}  // namespace kv
+}  // namespace kre
+
+#endif  // KRE_KV_FILE_STORE_H_

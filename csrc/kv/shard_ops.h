@@ -1,0 +1,87 @@
+// Copyright keras_rec_emb authors. Apache-2.0.
+//
+// Helpers of the batched shard operations (Table::Lookup, Apply): row
+// copies, prefetches, saturating metadata arithmetic, and the grouping of
+// equal items of one batch.
+#ifndef KRE_KV_SHARD_OPS_H_
+#define KRE_KV_SHARD_OPS_H_
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "kv/shard_index.h"
+
+namespace kre {
+namespace kv {
+
+template <int D>
+inline void CopyFixed(float* dst, const float* src) {
+  for (int d = 0; d < D; ++d) dst[d] = src[d];
+}
+
+// Copies one row; common widths get an inlined fixed-size copy instead of a
+// library call per row.
+inline void CopyRow(float* dst, const float* src, int64_t dim) {
+  switch (dim) {
+    case 4: return CopyFixed<4>(dst, src);
+    case 8: return CopyFixed<8>(dst, src);
+    case 16: return CopyFixed<16>(dst, src);
+    case 32: return CopyFixed<32>(dst, src);
+    case 64: return CopyFixed<64>(dst, src);
+    case 128: return CopyFixed<128>(dst, src);
+    default: std::memcpy(dst, src, static_cast<size_t>(dim) * sizeof(float));
+  }
+}
+
+inline void PrefetchRow(const float* row, int64_t dim) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t off = 0; off < dim * static_cast<int64_t>(sizeof(float)); off += 64) {
+    __builtin_prefetch(p + off);
+  }
+}
+
+// Saturating int64 arithmetic for frequencies and versions: they may come
+// from a checkpoint (any int64, INT64_MIN included), and a wrapped difference
+// would silently keep a stale key (eviction) or never admit one (filter).
+inline int64_t SatAdd(int64_t a, int64_t b) {
+  int64_t r;
+  if (__builtin_add_overflow(a, b, &r)) return b > 0 ? INT64_MAX : INT64_MIN;
+  return r;
+}
+
+inline int64_t SatSub(int64_t a, int64_t b) {
+  int64_t r;
+  if (__builtin_sub_overflow(a, b, &r)) return b < 0 ? INT64_MAX : INT64_MIN;
+  return r;
+}
+
+// Groups up to n items of one batch by equality: Group(h, same) returns the
+// group of an item with hash h, `same(g)` telling whether it equals group
+// g's first item; groups are numbered 0, 1, ... in first-seen order.
+class BatchGroups {
+ public:
+  explicit BatchGroups(int64_t n) {
+    uint64_t cap = 16;
+    while (cap < static_cast<uint64_t>(n) * 2) cap <<= 1;
+    slots_.assign(cap, -1);
+  }
+  template <typename Same>
+  int64_t Group(uint64_t h, Same&& same, bool* created) {
+    const uint64_t i = Probe(h, slots_.size() - 1,
+                             [&](uint64_t j) { return slots_[j] < 0 || same(slots_[j]); });
+    *created = slots_[i] < 0;
+    if (*created) slots_[i] = count_++;
+    return slots_[i];
+  }
+  int64_t size() const { return count_; }
+
+ private:
+  std::vector<int64_t> slots_;
+  int64_t count_ = 0;
+};
+
+}  // namespace kv
+}  // namespace kre
+
+#endif  // KRE_KV_SHARD_OPS_H_

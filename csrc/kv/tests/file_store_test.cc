@@ -1,0 +1,380 @@
+// Copyright keras_rec_emb authors. Apache-2.0.
+// Tests of the file tier (file_store.h): a file-tier table against a DRAM
+// table through the same operations (identical exports), snapshots and
+// restores, faults (lock, unwritable path, corrupt and truncated files),
+// and a writer killed with SIGKILL at random points. Run by `make test`
+// (also under ASan and TSan).
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <optional>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kv/partition.h"
+#include "kv/table.h"
+
+using kre::kv::Partition;
+using kre::kv::Table;
+using kre::kv::TableOptions;
+
+static int g_failures = 0;
+#define CHECK(cond)                                                   \
+  do {                                                                \
+    if (!(cond)) {                                                    \
+      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__,     \
+                   __LINE__, #cond);                                  \
+      ++g_failures;                                                   \
+    }                                                                 \
+  } while (0)
+
+namespace {
+
+constexpr int64_t kDim = 4;
+
+std::string g_root;
+
+std::string TempDir(const std::string& name) {
+  const std::string p = g_root + "/" + name;
+  std::system(("rm -rf '" + p + "'").c_str());
+  return p;
+}
+
+TableOptions Options(const std::string& path, int filter) {
+  TableOptions o;
+  o.dim = kDim;
+  o.default_values.resize(5 * kDim);
+  for (size_t i = 0; i < o.default_values.size(); ++i) o.default_values[i] = 0.25f * i;
+  o.num_shards = 3;
+  if (filter == 1) o.filter_freq = 3;
+  if (filter == 2) {
+    o.filter_freq = 2;
+    o.bloom_counters = 4096;
+    o.bloom_hashes = 3;
+    o.bloom_counter_bytes = 1;
+  }
+  o.storage_path = path;
+  o.cache_bytes = 1;  // the smallest cache: 16 rows per shard
+  o.segment_bytes = 4096;  // many segments
+  return o;
+}
+
+auto Serial = [](int blocks, auto&& fn) {
+  for (int b = 0; b < blocks; ++b) fn(b);
+};
+
+struct Exported {
+  std::vector<int64_t> keys, keys_f, freqs, versions, freqs_f, versions_f;
+  std::vector<float> values, slots;
+  bool operator==(const Exported& o) const {
+    return keys == o.keys && keys_f == o.keys_f && freqs == o.freqs && versions == o.versions &&
+           freqs_f == o.freqs_f && versions_f == o.versions_f && values == o.values &&
+           slots == o.slots;
+  }
+};
+
+// Every key, sorted by key.
+Exported ExportSorted(const Table<int64_t>& t) {
+  Exported x;
+  int64_t width = 0;
+  for (const auto& spec : t.Slots()) width += spec.width;
+  t.Export([&](int64_t n, int64_t nf) {
+    x.keys.resize(n); x.values.resize(n * kDim); x.freqs.resize(n); x.versions.resize(n);
+    x.slots.resize(n * width);
+    x.keys_f.resize(nf); x.freqs_f.resize(nf); x.versions_f.resize(nf);
+    return std::optional<Table<int64_t>::ExportBuffers>(Table<int64_t>::ExportBuffers{
+        x.keys.data(), x.values.data(), x.freqs.data(), x.versions.data(), x.slots.data(),
+        x.keys_f.data(), x.freqs_f.data(), x.versions_f.data()});
+  });
+  Exported s;
+  std::vector<size_t> idx(x.keys.size());
+  std::iota(idx.begin(), idx.end(), 0);
+  std::sort(idx.begin(), idx.end(), [&](size_t a, size_t b) { return x.keys[a] < x.keys[b]; });
+  for (size_t i : idx) {
+    s.keys.push_back(x.keys[i]);
+    s.freqs.push_back(x.freqs[i]);
+    s.versions.push_back(x.versions[i]);
+    s.values.insert(s.values.end(), x.values.begin() + i * kDim, x.values.begin() + (i + 1) * kDim);
+    s.slots.insert(s.slots.end(), x.slots.begin() + i * width, x.slots.begin() + (i + 1) * width);
+  }
+  std::vector<size_t> f(x.keys_f.size());
+  std::iota(f.begin(), f.end(), 0);
+  std::sort(f.begin(), f.end(), [&](size_t a, size_t b) { return x.keys_f[a] < x.keys_f[b]; });
+  for (size_t i : f) {
+    s.keys_f.push_back(x.keys_f[i]);
+    s.freqs_f.push_back(x.freqs_f[i]);
+    s.versions_f.push_back(x.versions_f[i]);
+  }
+  return s;
+}
+
+// One training step: a lookup with insert, then an Adagrad update of the
+// rows with slot "acc" (added at step 0).
+std::vector<float> Step(Table<int64_t>& t, int64_t step, int64_t key_range) {
+  std::mt19937_64 rng(static_cast<uint64_t>(step) * 7919 + 1);
+  std::vector<int64_t> keys(64);
+  for (auto& k : keys) k = static_cast<int64_t>(rng() % key_range) - 7;
+  const int acc = t.AddSlot("acc", kDim, 0.1f);
+  auto p = Partition(t, keys.data(), static_cast<int64_t>(keys.size()), 2, Serial);
+  std::vector<float> out(keys.size() * kDim);
+  for (int s = 0; s < t.num_shards(); ++s) {
+    const int64_t b = p.offsets[s];
+    t.Lookup(s, p.keys.data() + b, p.hashes.data() + b, p.order.data() + b,
+             p.offsets[s + 1] - b, true, out.data());
+  }
+  std::vector<float> grads(out.size());
+  for (size_t i = 0; i < grads.size(); ++i) grads[i] = 0.01f * out[i] + 0.001f * (i % 7);
+  for (int s = 0; s < t.num_shards(); ++s) {
+    const int64_t b = p.offsets[s];
+    t.Apply(s, p.keys.data() + b, p.hashes.data() + b, p.order.data() + b,
+            p.offsets[s + 1] - b, grads.data(), {acc}, step,
+            [&](float* v, float** slots, const float* g) {
+              for (int64_t d = 0; d < kDim; ++d) {
+                slots[0][d] += g[d] * g[d];
+                v[d] -= 0.1f * g[d] / std::sqrt(slots[0][d]);
+              }
+            });
+  }
+  return out;
+}
+
+void TestSideBySide(int filter) {
+  const std::string path = TempDir("side" + std::to_string(filter));
+  TableOptions dram_options = Options(path, filter);
+  dram_options.storage_path.clear();
+  Table<int64_t> dram(dram_options);
+  Table<int64_t> file(Options(path, filter));
+  CHECK(file.file_tier() && !dram.file_tier());
+  for (int64_t step = 0; step < 40; ++step) {
+    CHECK(Step(dram, step, 400) == Step(file, step, 400));
+    if (step == 20) {
+      // A second slot added mid-way: rows on file get its init.
+      CHECK(dram.AddSlot("m", 2, 0.5f) == file.AddSlot("m", 2, 0.5f));
+    }
+    if (step % 10 == 9) CHECK(dram.Evict(-1, 15, -1.0f) == file.Evict(-1, 15, -1.0f));
+    if (step == 30) CHECK(dram.Evict(-1, -1, 0.05f) == file.Evict(-1, -1, 0.05f));
+  }
+  CHECK(dram.Size() == file.Size());
+  CHECK(dram.FilteredSize() == file.FilteredSize());
+  CHECK(ExportSorted(dram) == ExportSorted(file));
+  const auto stats = file.StoreStats();
+  CHECK(stats.rows == static_cast<uint64_t>(file.Size()));
+  CHECK(stats.cached_rows <= 3 * 16);  // the cache stays bounded
+  CHECK(stats.misses > 0 && stats.file_writes > 0 && stats.disk_bytes > 0);
+  // Import into both (a merge) and compare again.
+  std::vector<int64_t> keys = {1000, 1001, 5};
+  std::vector<float> values(3 * kDim, 1.5f), slots(3 * kDim, 2.0f);
+  dram.Import(keys.data(), values.data(), nullptr, nullptr, 3, slots.data(), {0}, {kDim});
+  file.Import(keys.data(), values.data(), nullptr, nullptr, 3, slots.data(), {0}, {kDim});
+  CHECK(ExportSorted(dram) == ExportSorted(file));
+  std::vector<float> v;
+  int64_t f, ver;
+  CHECK(file.Find(1000, &v, &f, &ver) && v == std::vector<float>(kDim, 1.5f));
+}
+
+void TestCompaction() {
+  // Rows rewritten over and over: without compaction the files would grow
+  // with every write-back; with it they stay within a few times the rows.
+  const std::string path = TempDir("compact");
+  TableOptions o = Options(path, 0);
+  Table<int64_t> file(o);
+  o.storage_path.clear();
+  Table<int64_t> dram(o);
+  for (int64_t step = 0; step < 300; ++step) {
+    CHECK(Step(dram, step, 200) == Step(file, step, 200));
+  }
+  CHECK(ExportSorted(dram) == ExportSorted(file));
+  const auto stats = file.StoreStats();
+  const uint64_t row_bytes = 2 * kDim * 4;
+  CHECK(stats.file_writes > 10 * stats.rows);  // rows were rewritten many times
+  CHECK(stats.disk_bytes <= 2 * stats.rows * row_bytes + 3 * o.segment_bytes + 4096);
+}
+
+void TestSnapshotRestore() {
+  const std::string path = TempDir("snap");
+  Exported at_snapshot;
+  {
+    Table<int64_t> t(Options(path, 0));
+    for (int64_t step = 0; step < 10; ++step) Step(t, step, 300);
+    CHECK(t.Snapshot() == 1);
+    at_snapshot = ExportSorted(t);
+    for (int64_t step = 10; step < 15; ++step) Step(t, step, 300);
+    CHECK(!(ExportSorted(t) == at_snapshot));
+    // Restoring into the live table goes back to the snapshot.
+    CHECK(t.RestoreSnapshot("") == static_cast<int64_t>(at_snapshot.keys.size()));
+    CHECK(ExportSorted(t) == at_snapshot);
+    CHECK(t.LatestStep() == 14);  // the latest step never goes back
+    for (int64_t step = 15; step < 20; ++step) Step(t, step, 300);
+    CHECK(t.Snapshot() == 2);
+    CHECK(t.Snapshot() == 3);
+  }
+  // A new table (after the old one is gone) restores the latest snapshot;
+  // only the last two snapshots are kept.
+  struct stat st;
+  CHECK(::stat((path + "/snap-1").c_str(), &st) != 0);
+  CHECK(::stat((path + "/snap-2").c_str(), &st) == 0);
+  Table<int64_t> t(Options(path, 0));
+  CHECK(t.RestoreSnapshot("") > 0);
+  CHECK(t.LatestStep() == 19);
+  TableOptions o = Options(path, 0);
+  o.storage_path.clear();
+  Table<int64_t> dram(o);
+  for (int64_t step = 0; step < 20; ++step) {
+    if (step == 10) {
+      // The reference goes through the same restore: back to step 9's rows.
+      dram.Clear();
+      for (int64_t s = 0; s < 10; ++s) Step(dram, s, 300);
+      continue;
+    }
+    if (step > 10 && step < 15) continue;
+    Step(dram, step, 300);
+  }
+  CHECK(ExportSorted(dram) == ExportSorted(t));
+}
+
+template <typename Fn>
+std::string ErrorOf(Fn&& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+bool Contains(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
+
+void TestFaults() {
+  const std::string path = TempDir("faults");
+  {
+    Table<int64_t> a(Options(path, 0));
+    const std::string e = ErrorOf([&] { Table<int64_t> b(Options(path, 0)); });
+    CHECK(Contains(e, "in use by another live table") && Contains(e, path));
+    // A staging table beside it (no lock) works.
+    TableOptions o = Options(path, 0);
+    o.storage_lock = false;
+    Table<int64_t> staging(o);
+    // Nothing to restore yet.
+    CHECK(Contains(ErrorOf([&] { a.RestoreSnapshot(""); }), path + "/CURRENT"));
+    for (int64_t step = 0; step < 5; ++step) Step(a, step, 100);
+    a.Snapshot();
+  }
+  // The lock is released with the table.
+  { Table<int64_t> again(Options(path, 0)); }
+  // A path under a regular file cannot be created.
+  const std::string file = path + "/plain";
+  std::fclose(std::fopen(file.c_str(), "w"));
+  const std::string e = ErrorOf([&] { Table<int64_t> t(Options(file + "/sub", 0)); });
+  CHECK(Contains(e, file));
+  // A corrupt index: one byte flipped.
+  const std::string index = path + "/snap-1/index";
+  {
+    const int fd = ::open(index.c_str(), O_RDWR);
+    char c;
+    CHECK(::pread(fd, &c, 1, 40) == 1);
+    c ^= 0x5A;
+    CHECK(::pwrite(fd, &c, 1, 40) == 1);
+    ::close(fd);
+    Table<int64_t> t(Options(path, 0));
+    const std::string err = ErrorOf([&] { t.RestoreSnapshot(""); });
+    CHECK(Contains(err, "corrupt") && Contains(err, index));
+    CHECK(t.Size() == 0);  // unchanged
+    ::pwrite(::open(index.c_str(), O_RDWR), &(c ^= 0x5A), 1, 40);
+    CHECK(t.RestoreSnapshot("") > 0);
+  }
+  // A truncated segment.
+  {
+    Table<int64_t> t(Options(path, 0));
+    std::string seg;
+    for (int s = 0; s < 3 && seg.empty(); ++s) {
+      const std::string p = path + "/snap-1/s" + std::to_string(s) + "-0.seg";
+      struct stat st;
+      if (::stat(p.c_str(), &st) == 0 && st.st_size > 64) seg = p;
+    }
+    CHECK(!seg.empty());
+    // Unlink the shared inode's name and write a shorter copy: the live
+    // table's own links (none now) are not touched.
+    std::system(("head -c 40 '" + seg + "' > '" + seg + ".x' && mv '" + seg + ".x' '" + seg + "'").c_str());
+    const std::string err = ErrorOf([&] { t.RestoreSnapshot(""); });
+    CHECK(Contains(err, "truncated") && Contains(err, seg));
+    CHECK(t.Size() == 0);
+  }
+}
+
+// The writer: restores the latest snapshot if any, then trains step after
+// step, snapshotting every 3 steps, until killed.
+[[noreturn]] void Writer(const std::string& path) {
+  Table<int64_t> t(Options(path, 0));
+  struct stat st;
+  if (::stat((path + "/CURRENT").c_str(), &st) == 0) t.RestoreSnapshot("");
+  for (int64_t step = t.LatestStep() + 1;; ++step) {
+    Step(t, step, 500);
+    if (step % 3 == 2) t.Snapshot();
+  }
+}
+
+void TestKillWriter() {
+  const std::string path = TempDir("kill");
+  std::mt19937 rng(12345);
+  int restored = 0;
+  for (int round = 0; round < 8; ++round) {
+    const pid_t pid = ::fork();
+    if (pid == 0) Writer(path);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20 + rng() % 200));
+    ::kill(pid, SIGKILL);
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    CHECK(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+    struct stat st;
+    if (::stat((path + "/CURRENT").c_str(), &st) != 0) continue;  // killed before the first
+    Table<int64_t> t(Options(path, 0));
+    const std::string err = ErrorOf([&] { t.RestoreSnapshot(""); });
+    CHECK(err.empty());
+    if (!err.empty()) std::fprintf(stderr, "restore after kill: %s\n", err.c_str());
+    const int64_t last = t.LatestStep();
+    CHECK(last % 3 == 2);  // a completed snapshot
+    TableOptions o = Options(path, 0);
+    o.storage_path.clear();
+    Table<int64_t> reference(o);
+    for (int64_t step = 0; step <= last; ++step) Step(reference, step, 500);
+    CHECK(ExportSorted(reference) == ExportSorted(t));
+    ++restored;
+  }
+  CHECK(restored >= 3);
+  std::printf("kill -9 rounds restored: %d of 8\n", restored);
+}
+
+}  // namespace
+
+int main() {
+  char tmpl[] = "/tmp/kre-file-store-XXXXXX";
+  g_root = ::mkdtemp(tmpl);
+  TestSideBySide(0);
+  TestSideBySide(1);
+  TestSideBySide(2);
+  TestCompaction();
+  TestSnapshotRestore();
+  TestFaults();
+  TestKillWriter();
+  std::system(("rm -rf '" + g_root + "'").c_str());
+  if (g_failures) {
+    std::fprintf(stderr, "%d failed\n", g_failures);
+    return 1;
+  }
+  std::printf("file_store_test: all passed\n");
+  return 0;
+}

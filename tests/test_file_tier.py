@@ -1,0 +1,270 @@
+"""The file tier (StorageOption("FILE")): identical results to DRAM side by
+side (training with filters and eviction, export/import, model.save,
+tf.train.Checkpoint, export_for_serving), snapshots, statistics, faults."""
+
+import gc
+import inspect
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_rec_emb as kre
+from keras_rec_emb.layers import EmbeddingVariable
+
+DIM = 4
+VOCAB = 3000
+
+
+def ev_option(storage=None, filter_option=None, evict_option=None):
+    return kre.EmbeddingVariableOption(
+        init_option=kre.InitializerOption(default_value_dim=97),
+        filter_option=filter_option, evict_option=evict_option,
+        storage_option=storage, num_shards=4)
+
+
+def file_option(path, cache=4096):
+    # 4 KiB over 4 shards: each shard caches 1 KiB of rows (32 rows of value
+    # and Adagrad accumulator), far fewer than the table holds, so rows go
+    # to and come back from files.
+    return kre.StorageOption("FILE", storage_path=str(path), storage_size=cache)
+
+
+def build_model(option, name="ev"):
+    keras.utils.set_random_seed(7)
+    ids = keras.Input((3,), dtype="int64", name="ids")
+    emb = EmbeddingVariable(DIM, ev_option=option, combiner="sum", name=name)(ids)
+    out = keras.layers.Dense(1, name="dense")(keras.layers.Flatten()(emb))
+    model = keras.Model(ids, out)
+    model.compile(optimizer=kre.optimizers.Adagrad(0.1), loss="mse")
+    return model
+
+
+def data(seed=0, n=512):
+    rng = np.random.default_rng(seed)
+    ids = (rng.zipf(1.2, size=(n, 3)) % VOCAB).astype(np.int64)
+    y = rng.normal(size=(n, 1)).astype(np.float32)
+    return ids, y
+
+
+def same_export(a, b):
+    assert sorted(a) == sorted(b)
+    order_a, order_b = np.argsort(a["keys"]), np.argsort(b["keys"])
+    for key in ("keys", "values", "freqs", "versions"):
+        np.testing.assert_array_equal(a[key][order_a], b[key][order_b], err_msg=key)
+    assert sorted(a["slots"]) == sorted(b["slots"])
+    for name in a["slots"]:
+        np.testing.assert_array_equal(a["slots"][name][order_a], b["slots"][name][order_b])
+    fa, fb = np.argsort(a["keys_filtered"]), np.argsort(b["keys_filtered"])
+    for key in ("keys_filtered", "freqs_filtered", "versions_filtered"):
+        np.testing.assert_array_equal(a[key][fa], b[key][fb], err_msg=key)
+
+
+@pytest.mark.parametrize("policy", ["none", "counter", "bloom", "evict"])
+def test_file_tier_trains_like_dram(tmp_path, policy):
+    filters = {"counter": kre.CounterFilter(filter_freq=3),
+               "bloom": kre.CBFFilter(filter_freq=2, max_element_size=10000,
+                                      false_positive_probability=0.01)}
+    evict = kre.GlobalStepEvict(steps_to_live=4) if policy == "evict" else None
+    dram = build_model(ev_option(None, filters.get(policy), evict))
+    file = build_model(ev_option(file_option(tmp_path), filters.get(policy), evict))
+    ids, y = data()
+    dram.fit(ids, y, batch_size=64, epochs=2, verbose=0, shuffle=False)
+    file.fit(ids, y, batch_size=64, epochs=2, verbose=0, shuffle=False)
+    d, f = dram.get_layer("ev"), file.get_layer("ev")
+    if evict is not None:
+        assert d.evict() == f.evict() > 0
+    same_export(d.export(), f.export())
+    np.testing.assert_array_equal(dram.predict(ids, verbose=0), file.predict(ids, verbose=0))
+    stats = f.stats()
+    assert stats["storage"] == "FILE" and d.stats()["storage"] == "DRAM"
+    assert stats["rows"] == stats["size"] == d.stats()["size"]
+    assert 0 < stats["cached_rows"] <= 4 * (4096 // 4 // (2 * DIM * 4)) < stats["rows"]
+    assert stats["disk_bytes"] > 0 and stats["file_writes"] > 0 and stats["file_reads"] > 0
+    assert 0.0 < stats["cache_hit_rate"] < 1.0
+    assert os.path.isdir(f.table.storage_dir)
+    assert f.table.storage_dir.startswith(str(tmp_path))
+
+
+def test_file_tier_save_load_checkpoint_and_serving(tmp_path):
+    # The file-tier model trains and saves in another process (a live table
+    # locks its folder, so the reload below needs that process gone), the
+    # DRAM twin here; then the file-tier model is loaded here.
+    ids, y = data(1)
+    dram = build_model(ev_option())
+    dram.fit(ids, y, batch_size=128, epochs=1, verbose=0, shuffle=False)
+    expect = dram.predict(ids, verbose=0)
+    path = str(tmp_path / "m.keras")
+    source = "\n".join(inspect.getsource(f) for f in (ev_option, file_option, build_model,
+                                                        data))
+    script = f"""
+import keras, numpy as np, keras_rec_emb as kre
+from keras_rec_emb.layers import EmbeddingVariable
+DIM, VOCAB = {DIM}, {VOCAB}
+{source}
+ids, y = data(1)
+model = build_model(ev_option(file_option({str(tmp_path / "store")!r})))
+model.fit(ids, y, batch_size=128, epochs=1, verbose=0, shuffle=False)
+kre.save_model(model, {path!r})
+print("SAVED-OK")
+"""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            env=env, timeout=300)
+    assert "SAVED-OK" in result.stdout, result.stderr[-3000:]
+
+    file = keras.saving.load_model(path)
+    layer = file.get_layer("ev")
+    assert layer.stats()["storage"] == "FILE"
+    assert layer.table.storage_dir == os.path.join(str(tmp_path / "store"), "ev_embeddings")
+    exported = layer.export()
+    same_export(dram.get_layer("ev").export(), exported)
+    np.testing.assert_array_equal(file.predict(ids, verbose=0), expect)
+
+    # tf.train.Checkpoint into a fresh file-tier model on another folder.
+    ckpt = tf.train.Checkpoint(model=file).write(str(tmp_path / "ckpt" / "c"))
+    other = build_model(ev_option(file_option(tmp_path / "other")))
+    other(ids[:1])
+    tf.train.Checkpoint(model=other).read(ckpt).expect_partial()
+    same_export(exported, other.get_layer("ev").export())
+
+    # export_for_serving: stock TensorFlow serves what the DRAM model predicts.
+    kre.export_for_serving(file, str(tmp_path / "serving"))
+    served = tf.saved_model.load(str(tmp_path / "serving"))
+    fn = served.signatures["serving_default"]
+    out = list(fn(ids=tf.constant(ids)).values())[0].numpy()
+    np.testing.assert_allclose(out, expect, rtol=1e-5, atol=1e-6)
+
+
+def test_snapshot_restore_and_faults(tmp_path):
+    ids, y = data(2)
+    model = build_model(ev_option(file_option(tmp_path)))
+    model.fit(ids, y, batch_size=128, epochs=1, verbose=0)
+    layer = model.get_layer("ev")
+    assert layer.snapshot() == 1
+    at_snapshot = layer.export()
+    model.fit(ids, y, batch_size=128, epochs=1, verbose=0)
+    assert not np.array_equal(layer.export()["values"], at_snapshot["values"])
+    assert layer.restore_snapshot() == len(at_snapshot["keys"])
+    same_export(at_snapshot, layer.export())
+
+    # A second live table on the same folder.
+    with pytest.raises(Exception, match="in use by another live table.*give each table"):
+        build_model(ev_option(file_option(tmp_path)))(ids[:1])
+
+    # A corrupt snapshot index: a clear error naming it; the table unchanged.
+    index = os.path.join(layer.table.storage_dir, "snap-1", "index")
+    with open(index, "r+b") as f:
+        f.seek(50)
+        byte = f.read(1)
+        f.seek(50)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(tf.errors.InvalidArgumentError, match=f"corrupt.*{index}"):
+        layer.restore_snapshot()
+    same_export(at_snapshot, layer.export())
+
+    # Snapshots need the file tier.
+    dram = EmbeddingVariable(DIM, name="dram")
+    dram(np.array([1, 2]))
+    with pytest.raises(ValueError, match="needs a file-tier table.*'dram"):
+        dram.snapshot()
+    with pytest.raises(TypeError, match="path.*Received: path=3"):
+        layer.restore_snapshot(3)
+
+
+def test_unwritable_storage_path_names_it(tmp_path):
+    plain = tmp_path / "plain"
+    plain.write_text("x")
+    layer = EmbeddingVariable(DIM, ev_option=ev_option(file_option(plain / "sub")))
+    with pytest.raises(tf.errors.InvalidArgumentError, match=str(plain)):
+        layer(np.array([1, 2]))
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"storage_type": "FILE"}, ValueError, "storage_path.*required"),
+    ({"storage_type": "FILE", "storage_path": ""}, TypeError, "storage_path=''"),
+    ({"storage_type": "FILE", "storage_path": 3}, TypeError, "storage_path=3"),
+    ({"storage_type": "FILE", "storage_path": "/tmp/x", "storage_size": 0}, ValueError,
+     "storage_size"),
+])
+def test_storage_option_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        kre.StorageOption(**kwargs)
+
+
+def test_storage_option_round_trip():
+    option = kre.StorageOption("FILE", storage_path="/tmp/kre_x", storage_size=1 << 20)
+    again = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(option))
+    assert again.get_config() == option.get_config()
+    assert again.cache_bytes == 1 << 20
+
+
+WRITER = """
+import os, sys, numpy as np, keras, keras_rec_emb as kre
+folder = sys.argv[1]
+option = kre.EmbeddingVariableOption(num_shards=4, storage_option=kre.StorageOption(
+    "FILE", storage_path=folder, storage_size=4096))
+layer = kre.layers.EmbeddingVariable(4, ev_option=option, name="w")
+layer.build()
+if os.path.exists(os.path.join(folder, "w_embeddings", "CURRENT")):
+    layer.restore_snapshot()
+opt = kre.optimizers.Adagrad(0.1)
+rng = np.random.default_rng(os.getpid())
+print("READY", flush=True)
+while True:
+    ids = rng.integers(0, 5000, size=256)
+    with __import__("tensorflow").GradientTape() as tape:
+        loss = keras.ops.sum(layer(ids, training=True) ** 2)
+    opt.apply_gradients(zip(tape.gradient(loss, layer.trainable_variables),
+                            layer.trainable_variables))
+    data = layer.export()
+    seq = int(open(os.path.join(folder, "w_embeddings", "CURRENT")).read()[5:]) + 1 \\
+        if os.path.exists(os.path.join(folder, "w_embeddings", "CURRENT")) else 1
+    tmp = os.path.join(folder, f"expect-{seq}.tmp.npz")
+    np.savez(tmp, keys=data["keys"], values=data["values"],
+             acc=data["slots"]["accumulator"])
+    os.replace(tmp, os.path.join(folder, f"expect-{seq}.npz"))
+    assert layer.snapshot() == seq
+"""
+
+
+def test_snapshot_survives_kill_9_of_the_writer(tmp_path):
+    """A writer trains and snapshots in a loop (saving what each snapshot
+    must hold just before taking it); it is killed with SIGKILL at a random
+    point, several times; after each kill the latest completed snapshot
+    restores exactly, and the next writer goes on from it."""
+    import signal
+    import time
+
+    rng = np.random.default_rng(3)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow")
+    checked = 0
+    for _ in range(3):
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        assert proc.stdout.readline().strip() == b"READY", proc.stderr.read()[-2000:]
+        time.sleep(0.3 + rng.random() * 1.5)
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait() == -signal.SIGKILL, proc.stderr.read()[-2000:]  # not a crash
+        current = tmp_path / "w_embeddings" / "CURRENT"
+        if not current.exists():
+            continue
+        seq = int(current.read_text()[5:])
+        expect = np.load(tmp_path / f"expect-{seq}.npz")
+        layer = EmbeddingVariable(4, name="w", ev_option=kre.EmbeddingVariableOption(
+            num_shards=4, storage_option=file_option(tmp_path)))
+        layer.build()
+        assert layer.restore_snapshot() == len(expect["keys"])
+        data = layer.export()
+        a, b = np.argsort(expect["keys"]), np.argsort(data["keys"])
+        np.testing.assert_array_equal(expect["keys"][a], data["keys"][b])
+        np.testing.assert_array_equal(expect["values"][a], data["values"][b])
+        np.testing.assert_array_equal(expect["acc"][a], data["slots"]["accumulator"][b])
+        checked += 1
+        del layer, data  # releases the folder for the next writer
+        gc.collect()
+    assert checked >= 2
