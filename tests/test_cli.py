@@ -116,7 +116,7 @@ def _fake_checkout(root):
         shutil.copy(BENCHMARKS / name, scripts / name)
     (scripts / "lookup.py").write_text(
         "import sys\nprint('MemoryError: out of arena', file=sys.stderr)\nsys.exit(3)\n")
-    for name in ("filters", "group_embedding", "training", "memory_per_key"):
+    for name in ("filters", "group_embedding", "training", "memory_per_key", "checkpoint"):
         (scripts / f"{name}.py").write_text("")
     return scripts
 
