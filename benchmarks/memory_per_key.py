@@ -37,16 +37,11 @@ import keras_rec_emb as kre  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _machine import machine_info  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
+from protocol import rss_bytes  # noqa: E402
+
 TARGET = 1.3
 DEFAULT_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "memory_per_key.json")
-
-
-def rss_bytes():
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def bound(dim, slots):

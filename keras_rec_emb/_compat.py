@@ -186,6 +186,10 @@ OVERRIDDEN_HOOKS = {
                                "decay is applied by the kernel to the updated rows only",
         "_clip_gradients": "optimizers/base.py: global_clipnorm counts a table's rows "
                            "without densifying them",
+        "_all_reduce_sum_gradients": "optimizers/base.py: outside a tf.distribute "
+                                     "strategy the one-replica sum is skipped (its "
+                                     "tf.custom_gradient kept every traced train step "
+                                     "alive in TF's gradient registry)",
     },
     tf.data.Dataset: {
         "_inputs": "data/_source.WrappedDataset: reports the wrapped pipeline as its "

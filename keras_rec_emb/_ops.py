@@ -19,26 +19,6 @@ _REBUILD = (
     "`pip install --no-build-isolation --force-reinstall keras-rec-emb`."
 )
 
-# Update rules of the fused sparse-apply kernel and the layout of their
-# `hyper` vector (csrc/kernels/apply_kernels.cc). Every vector starts with
-# [learning_rate, weight_decay * learning_rate].
-APPLY_RULES = {
-    "sgd": ("learning_rate", "decay"),
-    "momentum": ("learning_rate", "decay", "momentum", "nesterov"),
-    "adagrad": ("learning_rate", "decay", "epsilon"),
-    "adam": ("learning_rate", "decay", "alpha", "beta_1", "beta_2", "epsilon",
-             "amsgrad"),
-    "ftrl": ("learning_rate", "decay", "learning_rate_power", "l1",
-             "l2_plus_beta", "l2_shrinkage"),
-    "ftrl_group": ("learning_rate", "decay", "learning_rate_power", "l1",
-                   "l2_plus_beta", "l2_shrinkage"),
-    "adam_async": ("learning_rate", "decay", "beta_1", "beta_2", "epsilon",
-                   "use_nesterov", "apply_sparse_rmsprop"),
-    "adagrad_decay": ("learning_rate", "decay", "epsilon", "decay_rate",
-                      "baseline", "period"),
-}
-
-
 def _built_against():
     try:
         with open(os.path.join(_DIR, "_kre_ops_build.json")) as f:
@@ -186,39 +166,30 @@ def add_slot(handle, key_dtype, name, width, init):
     )
 
 
-EXPORT_PARTS = ("keys", "values", "freqs", "versions", "slot_values", "slot_names",
-                "slot_widths", "default_values", "keys_filtered", "freqs_filtered",
-                "versions_filtered", "bloom")
-
-
 def export(handle, key_dtype, dim, include_filtered=True):
-    """Returns a dict of the tensors named in EXPORT_PARTS."""
-    out = gen().kre_table_export(handle, Tkeys=key_dtype, dim=dim,
-                                 include_filtered=include_filtered)
-    return dict(zip(EXPORT_PARTS, out))
+    """The table's parts, a dict by the op's output names (`variables.PARTS`
+    declares them)."""
+    return gen().kre_table_export(handle, Tkeys=key_dtype, dim=dim,
+                                  include_filtered=include_filtered)._asdict()
 
 
 def import_(handle, dim, parts, clear=True):
-    """Loads a dict of the EXPORT_PARTS tensors; a non-empty
-    `default_values` [rows, dim] replaces the EV-initializer matrix."""
-    return gen().kre_table_import(
-        handle, *(parts[name] for name in EXPORT_PARTS), dim=dim, clear=clear,
-    )
+    """Loads `parts`, a dict passed by the op's input names (every part of
+    `variables.PARTS`)."""
+    return gen().kre_table_import(handle, **parts, dim=dim, clear=clear)
 
 
 def sparse_apply(handle, keys, grads, rule, hyper, step, slots):
-    """One fused optimizer step on a table (see APPLY_RULES for `hyper`)."""
-    if len(hyper) != len(APPLY_RULES[rule]):
-        raise ValueError(
-            f"rule {rule!r} takes hyper-parameters {APPLY_RULES[rule]}; "
-            f"got {len(hyper)} values"
-        )
+    """One fused optimizer step on a table: `hyper` is a dict from name to
+    value in the kernel's order and `slots` the slot names the rule reads
+    (`keras_rec_emb.optimizers.rules` declares both; the kernel checks the
+    names)."""
     refuse_distribution("An embedding table update")
     refuse_xla("An embedding table update")
-    hyper = tf.stack([tf.cast(h, tf.float32) for h in hyper])
+    values = tf.stack([tf.cast(h, tf.float32) for h in hyper.values()])
     return gen().kre_table_sparse_apply(
-        handle, keys, grads, hyper, tf.cast(step, tf.int64), rule=rule,
-        slots=list(slots),
+        handle, keys, grads, values, tf.cast(step, tf.int64), rule=rule,
+        slots=list(slots), hparam_names=list(hyper),
     )
 
 
@@ -233,11 +204,11 @@ def mark_changes(handle, key_dtype):
 
 
 def export_changed_since(handle, key_dtype, dim, since):
-    """EXPORT_PARTS of the keys changed after mark `since`, plus `erased`
-    (keys erased after it) and `complete` (False: take a full export)."""
-    out = gen().kre_table_export_changed_since(
-        handle, tf.constant(since, tf.int64), Tkeys=key_dtype, dim=dim)
-    return dict(zip(EXPORT_PARTS + ("erased", "complete"), out))
+    """The parts of the keys changed after mark `since` (a dict by the op's
+    output names: `variables.PARTS`, plus `erased`, the keys erased after
+    it, and `complete`, False when only a full export is correct)."""
+    return gen().kre_table_export_changed_since(
+        handle, tf.constant(since, tf.int64), Tkeys=key_dtype, dim=dim)._asdict()
 
 
 def trim_erased(handle, key_dtype, upto):

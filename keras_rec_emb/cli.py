@@ -294,18 +294,17 @@ def inspect(args):
     return 0
 
 
-# Parts of a table that only an admission filter needs (DeepRec's strip tool
-# removes them from checkpoints meant for serving).
-FILTER_PARTS = ("keys_filtered", "freqs_filtered", "versions_filtered", "bloom")
-
-
 def strip_filtered(args):
     """Copies a .keras file without the tables' filtered parts."""
     import h5py
 
+    # Parts that only an admission filter needs (DeepRec's strip tool removes
+    # them from checkpoints meant for serving).
+    from keras_rec_emb.variables import FILTERED_PARTS
+
     def keep(name, obj):
         return not (isinstance(obj, h5py.Dataset) and "/vars/" in name
-                    and name.rsplit("/", 1)[-1] in FILTER_PARTS)
+                    and name.rsplit("/", 1)[-1] in FILTERED_PARTS)
 
     from keras_rec_emb.saving import check_keras_file
 

@@ -32,8 +32,7 @@ from keras_rec_emb import variables as _variables
 
 _FORMAT = "keras_rec_emb.checkpoint/1"
 _NAME = re.compile(r"^ckpt-(\d{8,})-(full|incremental)\.npz$")
-_TABLE_PARTS = ("keys", "values", "freqs", "versions", "default_values", "keys_filtered",
-                "freqs_filtered", "versions_filtered", "bloom")
+_TABLE_PARTS = _variables.ARRAY_PARTS
 
 
 def _tables(model):

@@ -36,8 +36,8 @@ class _StockTable(tf.Module):
         keys = np.asarray(data["keys"]).astype(np.int64)
         self._dim = table.dim
         self._key_dtype = table.key_dtype
-        self._filtered = table._filter_freq > 1 or table._bloom is not None
-        self._no_permission_value = table._no_permission_value
+        self._filtered = table.filters
+        self._no_permission_value = table.no_permission_value
         self.index = tf.lookup.experimental.MutableHashTable(
             tf.int64, tf.int64, default_value=-1, name="index")
         if len(keys):

@@ -19,6 +19,7 @@ Two objects with two roles:
 
 import itertools
 import os
+from typing import NamedTuple
 
 import numpy as np
 import tensorflow as tf
@@ -29,7 +30,91 @@ from keras_rec_emb._checks import keys_in_range
 
 _ids = itertools.count()
 
+
+# -- The table's parts --------------------------------------------------------
+# What a checkpoint, `export()` and `import_()` hold, declared once, named
+# and ordered as the kernels' I/O (the outputs of KRE>TableExport, the
+# inputs of KRE>TableImport; they are passed by name, and
+# tests/test_variables.py checks the op definitions against this list). `rows`: "N" one entry per admitted key, "F" one per key
+# counted but not admitted, None a length of its own. `dtype` "key" is the
+# table's key dtype. `slot` parts are packed slot columns (`export()` returns
+# them unpacked as `slots`); `filtered` parts are those of an admission
+# filter (`save_filtered=False` and `keras-rec-emb strip-filtered` drop them).
+class Part(NamedTuple):
+    name: str
+    dtype: str
+    shape: str
+    rows: str = None
+    slot: bool = False
+    filtered: bool = False
+
+
+PARTS = (
+    Part("keys", "key", "[N]", rows="N"),
+    Part("values", "float32", "[N, dim]", rows="N"),
+    Part("freqs", "int64", "[N]", rows="N"),
+    Part("versions", "int64", "[N]", rows="N"),
+    Part("slot_values", "float32", "[N, sum of slot widths]", rows="N", slot=True),
+    Part("slot_names", "string", "[slots]", slot=True),
+    Part("slot_widths", "int64", "[slots]", slot=True),
+    Part("default_values", "float32", "[initializer rows, dim]"),
+    Part("keys_filtered", "key", "[F]", rows="F", filtered=True),
+    Part("freqs_filtered", "int64", "[F]", rows="F", filtered=True),
+    Part("versions_filtered", "int64", "[F]", rows="F", filtered=True),
+    Part("bloom", "uint8", "[counter bytes]", filtered=True),
+)
+PART_NAMES = tuple(p.name for p in PARTS)
+# Saved one array each (a `.keras` file also holds one `slot:NAME` per slot).
+ARRAY_PARTS = tuple(p.name for p in PARTS if not p.slot)
+FILTERED_PARTS = tuple(p.name for p in PARTS if p.filtered)
 _KEYS, _VALUES = "keys", "values"
+
+
+def complete_parts(given, dim, key_dtype, n=None):
+    """`given` (a dict of some parts) completed with empty ones, in
+    `PART_NAMES` order: per-key parts are zeros for `n` keys (default: the
+    length of `given["keys"]`), the others empty. Works eagerly and traced."""
+    key_dtype = tf.as_dtype(key_dtype)
+    if n is None:
+        n = tf.size(given[_KEYS]) if _KEYS in given else 0
+    out = {}
+    for part in PARTS:
+        if part.name in given:
+            out[part.name] = given[part.name]
+            continue
+        dtype = key_dtype if part.dtype == "key" else tf.as_dtype(part.dtype)
+        if part.name == "slot_values":
+            out[part.name] = tf.zeros([n, 0], dtype)
+        elif part.name == "default_values":
+            out[part.name] = tf.zeros([0, dim], dtype)
+        elif part.name == _VALUES:
+            out[part.name] = tf.zeros([n, dim], dtype)
+        elif part.rows == "N":
+            out[part.name] = tf.zeros([n], dtype)
+        else:
+            out[part.name] = tf.zeros([0], dtype)
+    return out
+
+
+def unpack_slots(parts):
+    """{slot name: [N, width] columns} of packed `slot_*` parts (NumPy)."""
+    slots, start = {}, 0
+    for name, width in zip(parts["slot_names"], parts["slot_widths"]):
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        slots[name] = parts["slot_values"][:, start:start + int(width)]
+        start += int(width)
+    return slots
+
+
+def pack_slots(blocks, n):
+    """The `slot_*` parts of {slot name: float32 [n, width] block}."""
+    values = list(blocks.values())
+    return {
+        "slot_values": (np.concatenate(values, axis=1) if values
+                        else np.zeros((n, 0), np.float32)),
+        "slot_names": tf.constant(list(blocks), tf.string, shape=[len(blocks)]),
+        "slot_widths": np.array([b.shape[1] for b in values], np.int64),
+    }
 
 
 RESTORE_DIM_MODES = ("error", "pad_or_truncate")
@@ -177,15 +262,25 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         # present (possibly empty) so that checkpoints of tables with and
         # without filters restore into each other.
         with tf.control_dependencies([self._evict_op()] if self.evicts else []):
-            return _ops.export(self.handle, self._key_dtype, self._dim,
-                               include_filtered=self.save_filtered)
+            return self._export_parts(include_filtered=self.save_filtered)
 
     def _restore_from_tensors(self, restored_tensors):
         values = restored_tensors.get(_VALUES)
         if values is not None and check_saved_dim(self._name, values.shape, self._dim,
                                                   self._restore_dim_mismatch):
             restored_tensors = self._resized_parts(restored_tensors)
-        return _ops.import_(self.handle, self._dim, restored_tensors)
+        return self._import_parts(restored_tensors)
+
+    def _export_parts(self, include_filtered=True):
+        """The table's parts as tensors, a dict in `PART_NAMES` order."""
+        return _ops.export(self.handle, self._key_dtype, self._dim, include_filtered)
+
+    def _import_parts(self, parts, clear=True):
+        """Loads a dict of every part (see `complete_parts`) as it is: the
+        kernel checks them. A non-empty `default_values` replaces the
+        initializer matrix; `clear=False` merges into the live table."""
+        return _ops.import_(self.handle, self._dim, {name: parts[name] for name in PART_NAMES},
+                            clear=clear)
 
     def resize_rows(self, keys, values, slots):
         """Saved rows (and slots) of another width, brought to `dim`
@@ -220,18 +315,9 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         parts = {k: (v.numpy() if hasattr(v, "numpy") else np.asarray(v))
                  for k, v in parts.items()}
         n = parts[_VALUES].shape[0]
-        slots, start = {}, 0
-        for name, width in zip(parts["slot_names"], parts["slot_widths"]):
-            name = name.decode() if isinstance(name, bytes) else str(name)
-            slots[name] = parts["slot_values"][:, start:start + int(width)]
-            start += int(width)
-        values, slots = self.resize_rows(parts[_KEYS], parts[_VALUES], slots)
-        blocks = list(slots.values())
+        values, slots = self.resize_rows(parts[_KEYS], parts[_VALUES], unpack_slots(parts))
         parts[_VALUES] = values
-        parts["slot_values"] = (np.concatenate(blocks, axis=1) if blocks
-                                else np.zeros((n, 0), np.float32))
-        parts["slot_names"] = tf.constant(list(slots), tf.string, shape=[len(slots)])
-        parts["slot_widths"] = np.array([b.shape[1] for b in blocks], np.int64)
+        parts.update(pack_slots(slots, n))
         parts["default_values"] = np.zeros((0, self._dim), np.float32)
         return parts
 
@@ -263,6 +349,16 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
     @property
     def dim(self):
         return self._dim
+
+    @property
+    def filters(self):
+        """Whether an admission filter (counter or Bloom) is configured."""
+        return self._filter_freq > 1 or self._bloom is not None
+
+    @property
+    def no_permission_value(self):
+        """What keys not admitted yet read."""
+        return self._no_permission_value
 
     @property
     def evicts(self):
@@ -344,14 +440,9 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
             not admitted (empty without `include_filtered`); and `bloom`,
             the counting Bloom filter's counters as bytes.
         """
-        parts = {k: v.numpy() for k, v in _ops.export(
-            self.handle, self._key_dtype, self._dim, include_filtered).items()}
-        out = {k: parts[k] for k in _ops.EXPORT_PARTS if not k.startswith("slot_")}
-        out["slots"] = {}
-        start = 0
-        for name, width in zip(parts["slot_names"], parts["slot_widths"]):
-            out["slots"][name.decode()] = parts["slot_values"][:, start:start + width]
-            start += width
+        parts = {k: v.numpy() for k, v in self._export_parts(include_filtered).items()}
+        out = {k: parts[k] for k in ARRAY_PARTS}
+        out["slots"] = unpack_slots(parts)
         return out
 
     def import_(self, data, clear=True):
@@ -379,7 +470,7 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
                 f"`values` must have shape ({n}, {self._dim}). Received: {values.shape}")
         key_np = self._key_dtype.as_numpy_dtype
         slots = data.get("slots") or {}
-        blocks = [self._slot_block(name, slots[name], n) for name in slots]
+        blocks = {name: self._slot_block(name, slots[name], n) for name in slots}
         defaults = np.asarray(data.get("default_values", np.zeros((0, self._dim))), np.float32)
         if defaults.ndim != 2 or defaults.shape[1] != self._dim:
             raise ValueError(
@@ -395,10 +486,6 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
             _VALUES: values,
             "freqs": np.asarray(data.get("freqs", np.zeros(n)), np.int64),
             "versions": np.asarray(data.get("versions", np.zeros(n)), np.int64),
-            "slot_values": (np.concatenate(blocks, axis=1) if blocks
-                            else np.zeros((n, 0), np.float32)),
-            "slot_names": tf.constant(list(slots), tf.string, shape=[len(slots)]),
-            "slot_widths": np.array([b.shape[1] for b in blocks], np.int64),
             "default_values": defaults,
             "keys_filtered": keys_f,
             "freqs_filtered": np.asarray(
@@ -406,8 +493,19 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
             "versions_filtered": np.asarray(
                 data.get("versions_filtered", np.zeros(len(keys_f))), np.int64),
             "bloom": np.asarray(data.get("bloom", np.zeros(0)), np.uint8),
+            **pack_slots(blocks, n),
         }
-        _ops.import_(self.handle, self._dim, parts, clear=clear)
+        self._import_parts(parts, clear=clear)
+
+    def merge_rows(self, keys, values, freqs):
+        """Writes rows of `keys` into the live table (traced or eager), as
+        of the table's latest step; `freqs` -1 keeps a key's current count.
+        Other keys, slots and filter state are unchanged."""
+        latest = _ops.stats(self.handle, self._key_dtype)[3]
+        given = {_KEYS: tf.cast(keys, self._key_dtype), _VALUES: tf.cast(values, tf.float32),
+                 "freqs": freqs, "versions": tf.fill([tf.size(keys)], tf.maximum(latest, 0))}
+        return self._import_parts(complete_parts(given, self._dim, self._key_dtype),
+                                  clear=False)
 
 
     # -- Change tracking (incremental checkpoints, serving deltas) -----------
@@ -423,7 +521,7 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         e.g. by a restore: then only a full export is correct)."""
         parts = {k: v.numpy() for k, v in _ops.export_changed_since(
             self.handle, self._key_dtype, self._dim, int(since)).items()}
-        out = {k: parts[k] for k in _ops.EXPORT_PARTS if not k.startswith("slot_")}
+        out = {k: parts[k] for k in ARRAY_PARTS}
         out["slots"] = {}
         start = 0
         for name, width in zip(parts["slot_names"], parts["slot_widths"]):

@@ -39,11 +39,15 @@ TF = _table(filter_freq=3)
 TB = _table(filter_freq=2, bloom=(1024, 3, 1))
 for _t in (T, T32, TF, TB):
     _t.add_slot("m"); _t.add_slot("v"); _t.add_slot("one", width=1)
+    for _s in ("momentum", "velocity", "velocity_hat", "accumulator", "linear"):
+        _t.add_slot(_s)
+    for _s in ("beta1_power", "beta2_power", "decay_period"):
+        _t.add_slot(_s, width=1)
 EV = EmbeddingVariable(4, combiner="sum", name="fuzz_ev"); EV.build()
 DENSE = keras.Variable(np.eye(4, 4, dtype="float32"))
 G = GroupEmbedding({"a": FeatureSpec(EV, combiner="mean"),
                     "b": FeatureSpec({"input_dim": 4, "output_dim": 4}, combiner="sqrtn")})
-EXPORT = {k: v for k, v in _ops.export(T.handle, tf.int64, 4).items()}
+EXPORT = T._export_parts()
 
 def group_attrs(n_tables=1, n_dense=0, n_features=1, grad=False, **over):
     a = dict(table_key_dtypes=[tf.int64] * n_tables, param_dims=[4] * (n_tables + n_dense),
@@ -159,11 +163,9 @@ def _table_case(rng, gen):
         kw = ", ".join(f"{k}={v}" for k, v in attrs.items())
         return f"gen.kre_table_create({dv}, {kw})"
     if op == "import":
-        parts = {k: f"EXPORT[{k!r}]" for k in ("keys", "values", "freqs", "versions",
-                                               "slot_values", "slot_names", "slot_widths",
-                                               "default_values", "keys_filtered",
-                                               "freqs_filtered", "versions_filtered",
-                                               "bloom")}
+        from keras_rec_emb.variables import PART_NAMES  # noqa: PLC0415 - parent only
+
+        parts = {k: f"EXPORT[{k!r}]" for k in PART_NAMES}
         if t == "T32":
             parts["keys"] = "tf.cast(EXPORT['keys'], tf.int32)"
             parts["keys_filtered"] = "tf.cast(EXPORT['keys_filtered'], tf.int32)"
@@ -172,15 +174,20 @@ def _table_case(rng, gen):
                      f"dim={gen.pick([4, 3])}, clear={gen.pick(['True', 'False'])}")
     rule = gen.pick(["sgd", "momentum", "adagrad", "adam", "ftrl", "adam_async",
                      "adagrad_decay"])
-    from keras_rec_emb._ops import APPLY_RULES  # noqa: PLC0415 - parent only
+    from keras_rec_emb.optimizers.rules import RULES  # noqa: PLC0415 - parent only
 
-    hyper = [gen.pick(["0.1", "0.0", "1.0", "0.9"]) for _ in APPLY_RULES[rule]]
+    names = list(RULES[rule].hparam_names)
+    hyper = [gen.pick(["0.1", "0.0", "1.0", "0.9"]) for _ in names]
     slots = gen.pick([[], ["m"], ["m", "v"], ["m", "v", "one"], ["m", "one"], ["one", "one"],
-                      ["m", "v", "one", "one"], ["nope"], ["m", "v", "m"]])
+                      ["m", "v", "one", "one"], ["nope"], ["m", "v", "m"],
+                      list(RULES[rule].slots), list(RULES[rule].slots)[::-1],
+                      list(RULES[rule].slots) + ["velocity_hat"]])
     args = _replace(rng, {"h": f"{t}.handle", "k": f"tf.constant([1, 2, 1], {kd})",
                           "g": "tf.ones([3, 4])", "hy": f"tf.constant([{', '.join(hyper)}])",
                           "s": "tf.constant(3, tf.int64)"}, gen)
-    return _call("gen.kre_table_sparse_apply", args, f"rule={rule!r}, slots={slots!r}")
+    names = gen.pick([names, names[::-1], names[:-1]])
+    return _call("gen.kre_table_sparse_apply", args,
+                 f"rule={rule!r}, slots={slots!r}, hparam_names={names!r}")
 
 
 def _group_case(rng, gen):

@@ -10,6 +10,7 @@ from tests._isolated import run_cases
 PRELUDE = """
 from keras_rec_emb.variables import EmbeddingTable
 gen = _ops.gen()
+ADAM = ['learning_rate', 'decay', 'alpha', 'beta_1', 'beta_2', 'epsilon', 'amsgrad']
 
 def table(dim=4, key_dtype="int64", **kw):
     return EmbeddingTable(dim, key_dtype, np.zeros((2, dim), np.float32), num_shards=4, **kw)
@@ -32,7 +33,7 @@ def group_attrs(num_features=1, combiner="sum", sequence=False, grad=False):
                 prune_invalid_ids=[True] * num_features, is_sequence=[sequence] * num_features)
 
 def parts(t, **over):
-    p = {k: v for k, v in _ops.export(t.handle, tf.int64, t.dim).items()}
+    p = t._export_parts()
     p.update(over)
     return p
 
@@ -54,7 +55,8 @@ CRASHES = [
     ("add_slot_init_empty", "gen.kre_table_add_slot(table().handle, 'a', "
                             "tf.constant(4, tf.int64), tf.zeros([0]), Tkeys=tf.int64)", "init"),
     ("sparse_apply_step_vector", "gen.kre_table_sparse_apply(table().handle, tf.constant([1], tf.int64), [[1.0] * 4], "
-                                 "[0.1, 0.0], [1, 2], rule='sgd', slots=[])", "step"),
+                                 "[0.1, 0.0], [1, 2], rule='sgd', slots=[], "
+                                 "hparam_names=['learning_rate', 'decay'])", "step"),
     # 2. Ragged row_splits trusted.
     ("ragged_splits_lookup_sparse",
      "ids = tf.RaggedTensor.from_row_splits(tf.constant([1, 2, 3], tf.int64), "
@@ -107,27 +109,28 @@ CRASHES = [
      "t = filled()\n"
      "p = parts(t, slot_values=np.zeros((3, 8), np.float32), "
      "slot_names=tf.constant(['m', 'm']), slot_widths=np.array([4, 4], np.int64))\n"
-     "_ops.import_(t.handle, 4, p)", "slot"),
+     "t._import_parts(p)", "slot"),
     ("import_huge_slot_width",
      "t = filled()\n"
      "p = parts(table(), slot_values=np.zeros((0, 2**40), np.float32), "
      "slot_names=tf.constant(['m']), slot_widths=np.array([2**40], np.int64))\n"
-     "_ops.import_(t.handle, 4, p)", "slot_widths"),
+     "t._import_parts(p)", "slot_widths"),
     ("import_slot_width_overflow",
      "t = filled()\n"
      "p = parts(t, slot_values=np.zeros((3, 4), np.float32), "
      "slot_names=tf.constant(['a', 'b']), slot_widths=np.array([2**62, 2**62 + 4], np.int64))\n"
-     "_ops.import_(t.handle, 4, p)", "slot_widths"),
+     "t._import_parts(p)", "slot_widths"),
     ("import_names_not_vector",
      "t = filled()\n"
      "p = parts(t, slot_names=tf.constant([['m']]), slot_widths=np.array([[4]], np.int64))\n"
-     "_ops.import_(t.handle, 4, p)", "slot_names"),
+     "t._import_parts(p)", "slot_names"),
     # 5. Adam with amsgrad but no velocity_hat slot.
     ("adam_amsgrad_missing_slot",
      "t = table()\n"
-     "t.add_slot('m'); t.add_slot('v')\n"
+     "t.add_slot('momentum'); t.add_slot('velocity')\n"
      "gen.kre_table_sparse_apply(t.handle, tf.constant([1], tf.int64), [[1.0] * 4], [0.1, 0, 0.1, 0.9, 0.99, 1e-7, 1], "
-     "tf.constant(1, tf.int64), rule='adam', slots=['m', 'v'])", "amsgrad"),
+     "tf.constant(1, tf.int64), rule='adam', slots=['momentum', 'velocity'], "
+     "hparam_names=ADAM)", "amsgrad"),
     # Huge sizes name the argument instead of reporting std::bad_alloc.
     ("cbf_huge", "ev(ev_option=kre.EmbeddingVariableOption(filter_option=kre.CBFFilter("
                  "3, max_element_size=2**40, false_positive_probability=0.01)))",
@@ -200,7 +203,8 @@ def test_shape_functions_reject_bad_ranks_when_a_graph_is_built():
                                                     Tkeys=tf.int64),
         "keys": lambda: gen.kre_table_sparse_apply(
             t.handle, tf.constant([[1]], tf.int64), tf.ones([1, 4]), tf.constant([0.1, 0.0]),
-            tf.constant(1, tf.int64), rule="sgd", slots=[]),
+            tf.constant(1, tf.int64), rule="sgd", slots=[],
+            hparam_names=["learning_rate", "decay"]),
         "row_splits": lambda: gen.kre_group_lookup(
             [t.handle], [], [tf.constant([1], tf.int64)], [tf.constant([[0, 1]], tf.int64)],
             [tf.zeros([0])], num_params=1, table_key_dtypes=[tf.int64], param_dims=[4],

@@ -8,7 +8,8 @@ import pytest
 import tensorflow as tf
 
 from keras_rec_emb import _ops
-from keras_rec_emb.variables import EmbeddingTable
+from keras_rec_emb.optimizers.rules import RULES
+from keras_rec_emb.variables import EmbeddingTable, complete_parts
 
 DIM = 4
 
@@ -100,8 +101,11 @@ def test_import_rejects_bad_data():
 
 
 def _apply(table, keys, grads, rule, hyper, slots, step=1):
+    spec = RULES[rule]  # values given in the kernel's order; checked by name
+    ordered = spec.ordered(dict(zip(spec.hparam_names, hyper)))
     return _ops.sparse_apply(table.handle, tf.constant(keys, tf.int64),
-                             tf.constant(grads, tf.float32), rule, hyper, step, slots)
+                             tf.constant(grads, tf.float32), rule,
+                             dict(zip(spec.hparam_names, ordered)), step, slots)
 
 
 def test_sparse_apply_adagrad_matches_numpy_with_duplicate_keys():
@@ -164,7 +168,8 @@ def test_kernels_reject_bad_inputs_with_invalid_argument():
         _ops.gen().kre_table_sparse_apply(
             table.handle, tf.constant([1], tf.int64), tf.ones([1, DIM]),
             tf.constant([0.1], tf.float32), tf.constant(0, tf.int64),
-            rule="adagrad", slots=["accumulator"])
+            rule="adagrad", slots=["accumulator"],
+            hparam_names=["learning_rate", "decay", "epsilon"])
     with pytest.raises(tf.errors.FailedPreconditionError, match="no optimizer slot"):
         _apply(table, [1], np.ones((1, DIM)), "adagrad", [0.1, 0.0, 1e-7], ["accumulator"])
     with pytest.raises(tf.errors.InvalidArgumentError, match="dim 4 but the op expects dim 8"):
@@ -177,22 +182,16 @@ def test_kernels_reject_bad_inputs_with_invalid_argument():
     with pytest.raises(tf.errors.InvalidArgumentError, match="slot 'm' exists with width"):
         table.add_slot("m", 0.0, width=1)
     def parts(**override):
-        base = dict(keys=tf.constant([1], tf.int64), values=tf.zeros([1, DIM]),
-                    freqs=tf.zeros([1], tf.int64), versions=tf.zeros([1], tf.int64),
-                    slot_values=tf.zeros([1, 0]), slot_names=tf.zeros([0], tf.string),
-                    slot_widths=tf.zeros([0], tf.int64), default_values=tf.zeros([0, DIM]),
-                    keys_filtered=tf.zeros([0], tf.int64), freqs_filtered=tf.zeros([0], tf.int64),
-                    versions_filtered=tf.zeros([0], tf.int64), bloom=tf.zeros([0], tf.uint8))
-        return {**base, **override}
+        return complete_parts({"keys": tf.constant([1], tf.int64), **override}, DIM, tf.int64)
 
     with pytest.raises(tf.errors.InvalidArgumentError, match="slot_values`? must be"):
-        _ops.import_(table.handle, DIM, parts(slot_values=tf.zeros([1, 3]),
+        table._import_parts(parts(slot_values=tf.zeros([1, 3]),
                                               slot_names=tf.constant(["m"]),
                                               slot_widths=tf.constant([DIM], tf.int64)))
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"default_values`? must be \[rows, 4\]"):
-        _ops.import_(table.handle, DIM, parts(default_values=tf.zeros([2, 3])))
+        table._import_parts(parts(default_values=tf.zeros([2, 3])))
     with pytest.raises(tf.errors.InvalidArgumentError, match="freqs_filtered`? must be a vector of length 2"):
-        _ops.import_(table.handle, DIM, parts(keys_filtered=tf.zeros([2], tf.int64)))
+        table._import_parts(parts(keys_filtered=tf.zeros([2], tf.int64)))
     with pytest.raises(ValueError, match="hyper-parameters"):
         _apply(table, [1], np.ones((1, DIM)), "sgd", [0.1], [])
 
@@ -242,3 +241,29 @@ def test_missing_library_and_version_mismatch_messages(tmp_path, monkeypatch):
     (tmp_path / "_kre_ops_build.json").write_text(json.dumps({"tensorflow": "2.0.0"}))
     with pytest.raises(ImportError, match=rf"built against TensorFlow 2.0.0, but TensorFlow {tf.__version__}"):
         load()
+
+
+def test_table_parts_are_declared_once_and_match_the_kernels():
+    """`variables.PARTS` is the one list of a table's parts: the export and
+    import ops name theirs alike, `export()` returns the non-slot parts plus
+    `slots`, and a checkpoint of the table holds exactly these parts."""
+    from tensorflow.python.framework import op_def_registry
+
+    from keras_rec_emb import variables
+
+    out = [a.name for a in op_def_registry.get("KRE>TableExport").output_arg]
+    into = [a.name for a in op_def_registry.get("KRE>TableImport").input_arg]
+    assert out == list(variables.PART_NAMES)
+    assert into == ["handle"] + list(variables.PART_NAMES)
+    table = EmbeddingTable(DIM, tf.int64, np.zeros((2, DIM), np.float32), name="parts")
+    table.add_slot("m")
+    table.lookup(tf.constant([5, 6], tf.int64), insert=True)
+    data = table.export()
+    assert set(data) == set(variables.ARRAY_PARTS) | {"slots"}
+    assert list(data["slots"]) == ["m"] and data["slots"]["m"].shape == (2, DIM)
+    assert set(table._serialize_to_tensors()) == set(variables.PART_NAMES)
+    assert variables.FILTERED_PARTS == ("keys_filtered", "freqs_filtered",
+                                        "versions_filtered", "bloom")
+    empty = variables.complete_parts({}, DIM, tf.int32)
+    assert set(empty) == set(variables.PART_NAMES)
+    assert empty["keys"].dtype == tf.int32 and empty["default_values"].shape == (0, DIM)

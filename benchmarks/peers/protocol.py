@@ -31,6 +31,50 @@ def rss_bytes():
     return 0
 
 
+def lookup_batches(tf, ids, meta):
+    """The workload's ids as `meta["batches"]` tensors of `meta["batch"]` rows."""
+    b = meta["batch"]
+    return [tf.constant(ids[i * b:(i + 1) * b]) for i in range(meta["batches"])]
+
+
+class FitRounds:
+    """The round loop of the Keras-based workers (ours and TFRA's): `train`
+    times `model.fit` from the end of its first batch to the end of its
+    last, `lookup` times `embed_fn` over `lookup_batches`. A worker sets
+    `model` (compiled) and `lookup_batches`, then calls `start_rounds`."""
+
+    def start_rounds(self, tf, keras, ids, labels, meta, embed_fn):
+        b = meta["batch"]
+        self.dataset = (tf.data.Dataset.from_tensor_slices((ids, labels[:, None]))
+                        .batch(b, drop_remainder=True).cache().repeat().prefetch(2))
+        self.embed_fn = embed_fn
+
+        class Clock(keras.callbacks.Callback):
+            def on_train_batch_end(cb, batch, logs=None):
+                now = time.perf_counter()
+                if batch == 0:
+                    cb.start = now
+                cb.end = now
+
+        self.Clock = Clock
+        # Warm-up: trace, build the optimizer, insert every key once.
+        self.train(meta["batches"])
+        self.lookup(3)
+
+    def train(self, steps):
+        clock = self.Clock()
+        hist = self.model.fit(self.dataset, steps_per_epoch=steps + 1, epochs=1, verbose=0,
+                              callbacks=[clock])
+        return clock.end - clock.start, hist.history["loss"][-1]
+
+    def lookup(self, n):
+        batches = self.lookup_batches
+        t0 = time.perf_counter()
+        for i in range(n):
+            self.embed_fn(batches[i % len(batches)])
+        return time.perf_counter() - t0
+
+
 def thread_env(threads):
     """Environment every framework reads for its thread pools (set before
     the framework is imported)."""

@@ -24,7 +24,6 @@ splitting its work over T threads, as `torch.set_num_threads(T)` does).
 
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import protocol  # noqa: E402
@@ -43,7 +42,7 @@ def make_worker(args):
     return KerasWorker(args.impl, ids, labels, meta, tf, keras)
 
 
-class KerasWorker:
+class KerasWorker(protocol.FitRounds):
     def __init__(self, impl, ids, labels, meta, tf, keras):
         if impl not in ("group", "separate", "keras"):
             raise ValueError(f"--impl must be group, separate or keras; got {impl!r}")
@@ -97,42 +96,14 @@ class KerasWorker:
                 return self.head(self.embed(x, training=training))
 
         self.model = Model()
-        B = meta["batch"]
-        n = meta["batches"]
-        self.lookup_batches = [tf.constant(ids[i * B:(i + 1) * B]) for i in range(n)]
+        self.lookup_batches = protocol.lookup_batches(tf, ids, meta)
         self.model(self.lookup_batches[0])  # build eagerly (EV tables draw their init rows)
         opt = keras.optimizers.Adagrad(lr) if impl == "keras" else kre.optimizers.Adagrad(lr)
         self.model.compile(optimizer=opt, loss="binary_crossentropy")
-        self.dataset = (tf.data.Dataset.from_tensor_slices((ids, labels[:, None]))
-                        .batch(B, drop_remainder=True).cache().repeat().prefetch(2))
-        self.embed_fn = tf.function(lambda x: self.model.embed(x, training=False))
-
-        class Clock(keras.callbacks.Callback):
-            def on_train_batch_end(cb, batch, logs=None):
-                now = time.perf_counter()
-                if batch == 0:
-                    cb.start = now
-                cb.end = now
-
-        self.Clock = Clock
-        # Warm-up: trace, build the optimizer, insert every key once.
-        self.train(n)
-        self.lookup(3)
+        self.start_rounds(tf, keras, ids, labels, meta,
+                          tf.function(lambda x: self.model.embed(x, training=False)))
         self.info = {"impl": impl, "framework_versions": {
             "tensorflow": tf.__version__, "keras": keras.__version__}}
-
-    def train(self, steps):
-        clock = self.Clock()
-        hist = self.model.fit(self.dataset, steps_per_epoch=steps + 1, epochs=1, verbose=0,
-                              callbacks=[clock])
-        return clock.end - clock.start, hist.history["loss"][-1]
-
-    def lookup(self, n):
-        batches = self.lookup_batches
-        t0 = time.perf_counter()
-        for i in range(n):
-            self.embed_fn(batches[i % len(batches)])
-        return time.perf_counter() - t0
 
     def stats(self):
         if self.impl == "keras":

@@ -13,7 +13,6 @@ callback after the first step; forward lookup = the embedding part in a
 
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import protocol  # noqa: E402
@@ -32,7 +31,7 @@ def make_worker(args):
     return TfraWorker(ids, labels, meta, tf, de)
 
 
-class TfraWorker:
+class TfraWorker(protocol.FitRounds):
     def __init__(self, ids, labels, meta, tf, de):
         import tensorflow_recommenders_addons as tfra
 
@@ -68,36 +67,10 @@ class TfraWorker:
         self.model = Model()
         opt = de.DynamicEmbeddingOptimizer(keras.optimizers.legacy.Adagrad(lr))
         self.model.compile(optimizer=opt, loss="binary_crossentropy")
-        B, n = meta["batch"], meta["batches"]
-        self.dataset = (tf.data.Dataset.from_tensor_slices((ids, labels[:, None]))
-                        .batch(B, drop_remainder=True).cache().repeat().prefetch(2))
-        self.lookup_batches = [tf.constant(ids[i * B:(i + 1) * B]) for i in range(n)]
-        self.embed_fn = tf.function(self.model.embed)
-
-        class Clock(keras.callbacks.Callback):
-            def on_train_batch_end(cb, batch, logs=None):
-                now = time.perf_counter()
-                if batch == 0:
-                    cb.start = now
-                cb.end = now
-
-        self.Clock = Clock
-        self.train(n)
-        self.lookup(3)
+        self.lookup_batches = protocol.lookup_batches(tf, ids, meta)
+        self.start_rounds(tf, keras, ids, labels, meta, tf.function(self.model.embed))
         self.info = {"impl": "tfra", "framework_versions": {
             "tensorflow": tf.__version__, "tfra": tfra.__version__}}
-
-    def train(self, steps):
-        clock = self.Clock()
-        hist = self.model.fit(self.dataset, steps_per_epoch=steps + 1, epochs=1, verbose=0,
-                              callbacks=[clock])
-        return clock.end - clock.start, hist.history["loss"][-1]
-
-    def lookup(self, n):
-        t0 = time.perf_counter()
-        for i in range(n):
-            self.embed_fn(self.lookup_batches[i % len(self.lookup_batches)])
-        return time.perf_counter() - t0
 
     def stats(self):
         # The hash tables do not report their memory; RSS growth stands for it.

@@ -5,11 +5,17 @@
 //
 // hyper[0] is the learning rate and hyper[1] the decoupled weight decay
 // factor (weight_decay * learning_rate, applied to touched rows first, as
-// Keras applies it before update_step). The rest is per rule (see _ops.py).
+// Keras applies it before update_step). The rest is per rule.
+//
+// Each rule names its hyper-parameters (kHyperNames, the layout of `hyper`)
+// and slots (kSlotNames; kExtraSlot, if any, is passed only when
+// NeedsExtraSlot). keras_rec_emb/optimizers/rules.py declares the same names
+// and the op receives them (attrs `hparam_names`, `slots`): the kernel
+// checks them at construction, so a reordered or renamed list fails with
+// InvalidArgument instead of training wrong.
 //
 // A rule declares its slots' widths in kSlotWidths: 0 for a full row (dim
-// floats), 1 for one float per row. Slots passed beyond those (e.g. Adam's
-// velocity_hat) are full rows.
+// floats), 1 for one float per row. The extra slot is a full row.
 #include <cmath>
 #include <string>
 #include <vector>
@@ -34,6 +40,9 @@ struct Sgd {
   static constexpr int kHyper = 2;
   static constexpr int kSlots = 0;
   static constexpr int kSlotWidths[1] = {0};
+  static constexpr const char* kHyperNames[kHyper] = {"learning_rate", "decay"};
+  static constexpr const char* kSlotNames[1] = {nullptr};
+  static constexpr const char* kExtraSlot = nullptr;
   float lr;
   explicit Sgd(const float* h) : lr(h[0]) {}
   void operator()(float* var, float**, const float* g, int64_t dim) const {
@@ -47,6 +56,10 @@ struct Momentum {
   static constexpr int kHyper = 4;
   static constexpr int kSlots = 1;  // momentum
   static constexpr int kSlotWidths[1] = {0};
+  static constexpr const char* kHyperNames[kHyper] = {"learning_rate", "decay", "momentum",
+                                                      "nesterov"};
+  static constexpr const char* kSlotNames[1] = {"momentum"};
+  static constexpr const char* kExtraSlot = nullptr;
   float lr, momentum;
   bool nesterov;
   explicit Momentum(const float* h) : lr(h[0]), momentum(h[2]), nesterov(h[3] != 0.0f) {}
@@ -65,6 +78,9 @@ struct Adagrad {
   static constexpr int kHyper = 3;
   static constexpr int kSlots = 1;  // accumulator
   static constexpr int kSlotWidths[1] = {0};
+  static constexpr const char* kHyperNames[kHyper] = {"learning_rate", "decay", "epsilon"};
+  static constexpr const char* kSlotNames[1] = {"accumulator"};
+  static constexpr const char* kExtraSlot = nullptr;
   float lr, epsilon;
   explicit Adagrad(const float* h) : lr(h[0]), epsilon(h[2]) {}
   void operator()(float* var, float** slots, const float* g, int64_t dim) const {
@@ -83,6 +99,10 @@ struct Adam {
   static constexpr int kHyper = 7;
   static constexpr int kSlots = 2;  // momentum, velocity (+ velocity_hat)
   static constexpr int kSlotWidths[2] = {0, 0};
+  static constexpr const char* kHyperNames[kHyper] = {"learning_rate", "decay", "alpha", "beta_1",
+                                                      "beta_2", "epsilon", "amsgrad"};
+  static constexpr const char* kSlotNames[2] = {"momentum", "velocity"};
+  static constexpr const char* kExtraSlot = "velocity_hat";
   float alpha, beta1, beta2, epsilon;
   bool amsgrad;
   explicit Adam(const float* h)
@@ -109,6 +129,11 @@ struct Ftrl {
   static constexpr int kHyper = 6;
   static constexpr int kSlots = 2;  // accumulator, linear
   static constexpr int kSlotWidths[2] = {0, 0};
+  static constexpr const char* kHyperNames[kHyper] = {"learning_rate", "decay",
+                                                      "learning_rate_power", "l1",
+                                                      "l2_plus_beta", "l2_shrinkage"};
+  static constexpr const char* kSlotNames[2] = {"accumulator", "linear"};
+  static constexpr const char* kExtraSlot = nullptr;
   float lr, lr_power, l1, l2, l2_shrinkage;
   // hyper: lr, decay, lr_power, l1, l2 + beta / (2 lr), l2_shrinkage
   explicit Ftrl(const float* h)
@@ -136,15 +161,8 @@ struct Ftrl {
 // (element-wise accumulators). As in DeepRec, with l2_shrinkage the new
 // accumulator adds the square of the shrunk gradient for `linear` but the
 // stored one adds the plain gradient's square. hyper as for "ftrl".
-struct FtrlGroup {
-  static constexpr const char* kSlotsDoc = "(accumulator, linear)";
-  static bool NeedsExtraSlot(const float*) { return false; }
-  static constexpr int kHyper = 6;
-  static constexpr int kSlots = 2;  // accumulator, linear
-  static constexpr int kSlotWidths[2] = {0, 0};
-  float lr, lr_power, l1, l2, l2_shrinkage;
-  explicit FtrlGroup(const float* h)
-      : lr(h[0]), lr_power(h[2]), l1(h[3]), l2(h[4]), l2_shrinkage(h[5]) {}
+struct FtrlGroup : Ftrl {
+  using Ftrl::Ftrl;
   void operator()(float* var, float** slots, const float* g, int64_t dim) const {
     float* accum = slots[0];
     float* linear = slots[1];
@@ -180,6 +198,12 @@ struct AdamAsync {
   static constexpr int kHyper = 7;
   static constexpr int kSlots = 4;  // momentum, velocity, beta1_power, beta2_power
   static constexpr int kSlotWidths[4] = {0, 0, 1, 1};
+  static constexpr const char* kHyperNames[kHyper] = {"learning_rate", "decay", "beta_1", "beta_2",
+                                                      "epsilon", "use_nesterov",
+                                                      "apply_sparse_rmsprop"};
+  static constexpr const char* kSlotNames[4] = {"momentum", "velocity", "beta1_power",
+                                                "beta2_power"};
+  static constexpr const char* kExtraSlot = nullptr;
   float lr, beta1, beta2, epsilon;
   bool nesterov, rmsprop;
   explicit AdamAsync(const float* h)
@@ -223,6 +247,10 @@ struct AdagradDecay {
   static constexpr int kHyper = 6;
   static constexpr int kSlots = 2;  // accumulator, decay_period
   static constexpr int kSlotWidths[2] = {0, 1};
+  static constexpr const char* kHyperNames[kHyper] = {"learning_rate", "decay", "epsilon",
+                                                      "decay_rate", "baseline", "period"};
+  static constexpr const char* kSlotNames[2] = {"accumulator", "decay_period"};
+  static constexpr const char* kExtraSlot = nullptr;
   float lr, epsilon, rate, baseline, period;
   explicit AdagradDecay(const float* h)
       : lr(h[0]), epsilon(h[2]), rate(h[3]), baseline(h[4]), period(h[5]) {}
@@ -240,27 +268,79 @@ struct AdagradDecay {
   }
 };
 
+template <typename Rule>
+struct RuleTag {
+  using type = Rule;
+};
+
+// Calls `visit(RuleTag<Rule>())` for the rule named `rule`; false if none is.
+template <typename Visit>
+bool WithRule(const std::string& rule, Visit&& visit) {
+  if (rule == "sgd") return visit(RuleTag<Sgd>()), true;
+  if (rule == "momentum") return visit(RuleTag<Momentum>()), true;
+  if (rule == "adagrad") return visit(RuleTag<Adagrad>()), true;
+  if (rule == "adam") return visit(RuleTag<Adam>()), true;
+  if (rule == "ftrl") return visit(RuleTag<Ftrl>()), true;
+  if (rule == "ftrl_group") return visit(RuleTag<FtrlGroup>()), true;
+  if (rule == "adam_async") return visit(RuleTag<AdamAsync>()), true;
+  if (rule == "adagrad_decay") return visit(RuleTag<AdagradDecay>()), true;
+  return false;
+}
+
 template <typename K>
 class TableSparseApplyOp : public OpKernel {
  public:
   explicit TableSparseApplyOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("rule", &rule_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("slots", &slot_names_));
+    std::vector<std::string> hparam_names;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("hparam_names", &hparam_names));
+    OP_REQUIRES_OK(ctx, CheckRuleNames(hparam_names));
   }
 
   void Compute(OpKernelContext* ctx) override {
-    if (rule_ == "sgd") return Run<Sgd>(ctx);
-    if (rule_ == "momentum") return Run<Momentum>(ctx);
-    if (rule_ == "adagrad") return Run<Adagrad>(ctx);
-    if (rule_ == "adam") return Run<Adam>(ctx);
-    if (rule_ == "ftrl") return Run<Ftrl>(ctx);
-    if (rule_ == "ftrl_group") return Run<FtrlGroup>(ctx);
-    if (rule_ == "adam_async") return Run<AdamAsync>(ctx);
-    if (rule_ == "adagrad_decay") return Run<AdagradDecay>(ctx);
-    ctx->SetStatus(errors::InvalidArgument("unknown rule ", rule_));
+    const bool known = WithRule(rule_, [&](auto tag) { Run<typename decltype(tag)::type>(ctx); });
+    if (!known) ctx->SetStatus(errors::InvalidArgument("unknown rule ", rule_));
   }
 
  private:
+  tf::Status CheckRuleNames(const std::vector<std::string>& hparams) const {
+    tf::Status status = errors::InvalidArgument("unknown rule ", rule_);
+    WithRule(rule_, [&](auto tag) { status = CheckNames<typename decltype(tag)::type>(hparams); });
+    return status;
+  }
+
+  static std::string Joined(const std::vector<std::string>& names) {
+    std::string out = "[";
+    for (size_t i = 0; i < names.size(); ++i) out += (i ? ", " : "") + names[i];
+    return out + "]";
+  }
+
+  // The names the op received against the rule's own (see the top).
+  template <typename Rule>
+  tf::Status CheckNames(const std::vector<std::string>& hparams) const {
+    const std::vector<std::string> want_h(Rule::kHyperNames, Rule::kHyperNames + Rule::kHyper);
+    if (hparams != want_h) {
+      return errors::InvalidArgument("rule '", rule_, "' takes hyper-parameters ",
+                                     Joined(want_h), " in this order; the op received ",
+                                     Joined(hparams));
+    }
+    std::vector<std::string> want_s(Rule::kSlotNames, Rule::kSlotNames + Rule::kSlots);
+    const bool extra = Rule::kExtraSlot != nullptr &&
+                       slot_names_.size() == static_cast<size_t>(Rule::kSlots) + 1;
+    if (extra) want_s.push_back(Rule::kExtraSlot);
+    if (slot_names_ != want_s) {
+      std::string allowed = Joined(want_s);
+      if (Rule::kExtraSlot != nullptr && !extra) {
+        allowed += std::string(" (plus ") + Rule::kExtraSlot + ")";
+      }
+      return errors::InvalidArgument("rule '", rule_, "' takes slots ", allowed,
+                                     " in this order; the op received ",
+                                     Joined(slot_names_));
+    }
+    return absl::OkStatus();
+  }
+
   template <typename Rule>
   void Run(OpKernelContext* ctx) {
     tf::core::RefCountPtr<TableResource<K>> res;

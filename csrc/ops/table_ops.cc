@@ -243,8 +243,9 @@ REGISTER_OP("KRE>TableImport")
 // and their gradient rows summed, each distinct row (value and slots) is updated
 // in place by `rule` with hyper-parameters `hyper`, and its version is set to
 // `step`. Missing keys are inserted first, unless an admission filter is on:
-// then gradients of keys not admitted are dropped. See keras_rec_emb/_ops.py for the
-// layout of `hyper` per rule.
+// then gradients of keys not admitted are dropped. `hparam_names` names the
+// entries of `hyper` and `slots` the table slots the rule reads, as declared in
+// keras_rec_emb/optimizers/rules.py; the kernel checks both against its own.
 REGISTER_OP("KRE>TableSparseApply")
     .Input("handle: resource")
     .Input("keys: Tkeys")
@@ -255,6 +256,7 @@ REGISTER_OP("KRE>TableSparseApply")
     .Attr("rule: {'sgd', 'momentum', 'adagrad', 'adam', 'ftrl', 'adam_async', "
           "'adagrad_decay', 'ftrl_group'}")
     .Attr("slots: list(string) >= 0")
+    .Attr("hparam_names: list(string) >= 2")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       TF_RETURN_IF_ERROR(ScalarHandle(c));

@@ -12,7 +12,7 @@ How promotion works, in graph as in eager (one `call` in training):
    promoted before.
 2. Copy. Newly promoted ids (and ids an explicit mask routes to the EV that
    have no row yet) get their current static row written into the table
-   (`_ops.import_` with `clear=False`), with the frequency they have reached.
+   (`EmbeddingTable.merge_rows`), with the frequency they have reached.
 3. Serve. Ids routed to the EV are looked up again (now reading the copied
    rows; their gradient is the table's `tf.IndexedSlices`); the others are
    gathered from the static matrix. Each table only sees the gradient of
@@ -30,7 +30,6 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_rec_emb import _ops
 from keras_rec_emb import options as options_lib
 from keras_rec_emb import variables
 from keras_rec_emb._checks import check_combiner
@@ -224,28 +223,9 @@ class AdaptiveEmbedding(keras.layers.Layer):
     # -- forward ----------------------------------------------------------------
     def _copy_static_rows(self, keys, freqs):
         """Writes the current static rows of `keys` into the EV (in graph)."""
-        table = self.dynamic.table
-        n = tf.size(keys)
         values = tf.stop_gradient(tf.gather(self.static_embeddings.value,
                                             self.static_bucket(keys)))
-        latest = _ops.stats(table.handle, table.key_dtype)[3]
-        empty_keys = tf.zeros([0], table.key_dtype)
-        empty_i64 = tf.zeros([0], tf.int64)
-        parts = {
-            "keys": tf.cast(keys, table.key_dtype),
-            "values": tf.cast(values, tf.float32),
-            "freqs": freqs,
-            "versions": tf.fill([n], tf.maximum(latest, 0)),
-            "slot_values": tf.zeros([n, 0], tf.float32),
-            "slot_names": tf.zeros([0], tf.string),
-            "slot_widths": empty_i64,
-            "default_values": tf.zeros([0, self.embedding_dim], tf.float32),
-            "keys_filtered": empty_keys,
-            "freqs_filtered": empty_i64,
-            "versions_filtered": empty_i64,
-            "bloom": tf.zeros([0], tf.uint8),
-        }
-        return _ops.import_(table.handle, self.embedding_dim, parts, clear=False)
+        return self.dynamic.table.merge_rows(keys, values, freqs)
 
     def _embed_flat(self, ids, mask, training):
         table = self.dynamic.table
@@ -255,14 +235,14 @@ class AdaptiveEmbedding(keras.layers.Layer):
         deps = []
         if training:
             # 1. Count (and tell states apart by the sentinels).
-            probe = tf.stop_gradient(_ops.lookup(table.handle, ids, dim, counting))[:, 0]
+            probe = tf.stop_gradient(table.lookup(ids, insert=counting))[:, 0]
             finite = tf.math.is_finite(probe)
             if counting:
                 # The admitting lookup still reads the no-permission NaN
                 # (DeepRec's filter timing); a read-only probe after it
                 # tells the newly admitted ids (+inf, their default row).
                 with tf.control_dependencies([probe]):
-                    after = tf.stop_gradient(_ops.lookup(table.handle, ids, dim, False))[:, 0]
+                    after = tf.stop_gradient(table.lookup(ids, insert=False))[:, 0]
                 newly = tf.logical_and(tf.math.is_nan(probe), tf.math.is_inf(after))
             else:
                 newly = tf.zeros_like(finite)

@@ -211,9 +211,6 @@ class EmbeddingVariable(keras.layers.Layer):
         self.table.import_(data)
 
     # -- saving ---------------------------------------------------------------
-    _ARRAYS = ("keys", "values", "freqs", "versions", "default_values", "keys_filtered",
-               "freqs_filtered", "versions_filtered", "bloom")
-
     def save_own_variables(self, store):
         if self.table is None:
             return
@@ -221,7 +218,7 @@ class EmbeddingVariable(keras.layers.Layer):
         data = self.table.export(include_filtered=self.table.save_filtered)
         if not self.table.save_filtered:
             del data["bloom"]
-        for key in self._ARRAYS:
+        for key in variables.ARRAY_PARTS:
             if key in data:
                 store[key] = data[key]
         for name, values in data["slots"].items():
@@ -233,7 +230,7 @@ class EmbeddingVariable(keras.layers.Layer):
         names = list(store.keys())
         # Parts a file lacks (e.g. saved before a filter was configured, or
         # stripped of filtered ids) load as empty.
-        data = {key: np.asarray(store[key]) for key in self._ARRAYS if key in names}
+        data = {key: np.asarray(store[key]) for key in variables.ARRAY_PARTS if key in names}
         data["slots"] = {n[len("slot:"):]: np.asarray(store[n]) for n in names
                          if n.startswith("slot:")}
         if "values" in data and check_saved_dim(self.table.name, data["values"].shape,

@@ -26,6 +26,7 @@ import tensorflow as tf
 
 from keras_rec_emb import _checks, _compat
 from keras_rec_emb import _ops
+from keras_rec_emb.optimizers import rules
 from keras_rec_emb.variables import is_table
 
 
@@ -99,8 +100,9 @@ class TableOptimizer:
     """Mixin placed before a Keras optimizer class; see the module docstring.
 
     Subclasses implement `_table_update(learning_rate)` returning
-    `(rule, hyper, slot_names)` for the fused kernel, where
-    `hyper[:2] == [learning_rate, decay]` is filled in by this class.
+    `(rule, hyper)` for the fused kernel: a rule of `rules.RULES` and a dict
+    of its hyper-parameters by name (`learning_rate` and `decay` are filled
+    in by this class; the rule declares the order and the slots).
     """
 
     def __init__(self, *args, **kwargs):
@@ -217,11 +219,14 @@ class TableOptimizer:
         decay = 0.0
         if self.weight_decay is not None and _compat.uses_weight_decay(self, variable):
             decay = self._decay_factor(lr)
-        rule, hyper, slots = self._table_update(lr)
+        name, hyper = self._table_update(lr)
+        rule = rules.RULES[name]
+        hyper = dict(hyper, learning_rate=lr, decay=decay)
+        ordered = dict(zip(rule.hparam_names, rule.ordered(hyper)))
         keys = tf.cast(grad.indices, table.key_dtype)
         values = tf.reshape(tf.cast(grad.values, tf.float32), [-1, table.dim])
-        _ops.sparse_apply(table.handle, keys, values, rule, [lr, decay] + list(hyper),
-                          self.iterations, slots)
+        _ops.sparse_apply(table.handle, keys, values, name, ordered, self.iterations,
+                          rule.slot_names(hyper))
 
     def _decay_factor(self, learning_rate):
         """The fraction of a row that decoupled weight decay removes."""

@@ -110,9 +110,10 @@ class AdamAsync(TableOptimizer, keras.optimizers.Optimizer):
         self._beta2_powers = self.add_scalar_slots(var_list, "beta2_power", self.beta_2)
 
     def _table_update(self, learning_rate):
-        return ("adam_async", [self.beta_1, self.beta_2, self.epsilon,
-                               float(self.use_nesterov), float(self.apply_sparse_rmsprop)],
-                ["momentum", "velocity", "beta1_power", "beta2_power"])
+        return "adam_async", {"beta_1": self.beta_1, "beta_2": self.beta_2,
+                              "epsilon": self.epsilon,
+                              "use_nesterov": float(self.use_nesterov),
+                              "apply_sparse_rmsprop": float(self.apply_sparse_rmsprop)}
 
     def update_step(self, gradient, variable, learning_rate):
         index = _compat.variable_index(self, variable)
@@ -279,9 +280,10 @@ class AdagradDecay(TableOptimizer, keras.optimizers.Optimizer):
         return ops.cast((self.iterations + 1) // self.accumulator_decay_step, "float32")
 
     def _table_update(self, learning_rate):
-        return ("adagrad_decay", [self.epsilon, self.accumulator_decay_rate,
-                                  self.initial_accumulator_value, self._period()],
-                ["accumulator", "decay_period"])
+        return "adagrad_decay", {"epsilon": self.epsilon,
+                                 "decay_rate": self.accumulator_decay_rate,
+                                 "baseline": self.initial_accumulator_value,
+                                 "period": self._period()}
 
     def update_step(self, gradient, variable, learning_rate):
         index = _compat.variable_index(self, variable)

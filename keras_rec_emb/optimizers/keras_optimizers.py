@@ -47,8 +47,8 @@ class SGD(TableOptimizer, keras.optimizers.SGD):
 
     def _table_update(self, learning_rate):
         if self.momentum == 0:
-            return "sgd", [], []
-        return "momentum", [self.momentum, float(self.nesterov)], ["momentum"]
+            return "sgd", {}
+        return "momentum", {"momentum": self.momentum, "nesterov": float(self.nesterov)}
 
 
 @_register
@@ -58,7 +58,7 @@ class Adagrad(TableOptimizer, keras.optimizers.Adagrad):
                    "    epsilon)`.", "0.1")
 
     def _table_update(self, learning_rate):
-        return "adagrad", [self.epsilon], ["accumulator"]
+        return "adagrad", {"epsilon": self.epsilon}
 
 
 @_register
@@ -74,9 +74,8 @@ class Adam(TableOptimizer, keras.optimizers.Adam):
         beta_1_power = tf.pow(tf.cast(self.beta_1, tf.float32), step)
         beta_2_power = tf.pow(tf.cast(self.beta_2, tf.float32), step)
         alpha = learning_rate * tf.sqrt(1 - beta_2_power) / (1 - beta_1_power)
-        slots = ["momentum", "velocity"] + (["velocity_hat"] if self.amsgrad else [])
-        return ("adam", [alpha, self.beta_1, self.beta_2, self.epsilon,
-                         float(self.amsgrad)], slots)
+        return "adam", {"alpha": alpha, "beta_1": self.beta_1, "beta_2": self.beta_2,
+                        "epsilon": self.epsilon, "amsgrad": float(self.amsgrad)}
 
 
 _TABLE_RULES = ("keras", "deeprec")
@@ -136,6 +135,6 @@ class Ftrl(TableOptimizer, keras.optimizers.Ftrl):
     def _table_update(self, learning_rate):
         l2 = self.l2_regularization_strength + self.beta / (2.0 * learning_rate)
         rule = "ftrl_group" if self.table_rule == "deeprec" else "ftrl"
-        return (rule, [self.learning_rate_power, self.l1_regularization_strength, l2,
-                       self.l2_shrinkage_regularization_strength],
-                ["accumulator", "linear"])
+        return rule, {"learning_rate_power": self.learning_rate_power,
+                      "l1": self.l1_regularization_strength, "l2_plus_beta": l2,
+                      "l2_shrinkage": self.l2_shrinkage_regularization_strength}
