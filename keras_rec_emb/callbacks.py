@@ -229,7 +229,7 @@ class TableStats(keras.callbacks.Callback):
     * `<table>_size`: admitted keys; `<table>_filtered`: keys counted but not
       admitted by an admission filter;
     * `<table>_new`, `<table>_evicted`: keys admitted / erased since the
-      previous report;
+      previous report (the first one counts from the start of `fit`);
     * `<table>_bytes`: memory held by the table;
     * `<table>_hit_rate`: share of the key occurrences looked up since the
       previous report that found an admitted row (1.0 when none).
@@ -307,6 +307,14 @@ class TableStats(keras.callbacks.Callback):
                 for k, v in values.items():
                     tf.summary.scalar(f"tables/{k}", v)
             self._writer.flush()
+
+    def on_train_begin(self, logs=None):
+        # The first interval starts here: what happened to the tables before
+        # `fit` (a restore replaying a checkpoint chain, earlier fits with
+        # another callback) is not counted as new or evicted.
+        if not self._previous:
+            self.stats()
+            self.latest = {}
 
     def on_train_batch_end(self, batch, logs=None):
         if self.every_n_steps and (batch + 1) % self.every_n_steps == 0:

@@ -240,6 +240,15 @@ class IncrementalCheckpointer:
         self._base = None   # file name of the chain's full checkpoint
         self._last = None   # file name of the chain's last link
         self.last_save_bytes = 0
+        self._order = None  # (table identities, export order): walking the
+        # SavedModel view traces the model's functions (~0.3 s), so it runs
+        # once per set of tables, not once per save.
+
+    def _export_order(self):
+        key = tuple(id(t) for _, t in _tables(self.model))
+        if self._order is None or self._order[0] != key:
+            self._order = (key, _export_order(self.model))
+        return self._order[1]
 
     def get_config(self):
         return {"directory": self.directory, "keep": self.keep}
@@ -257,7 +266,7 @@ class IncrementalCheckpointer:
             arrays[f"opt/{i}"] = keras.ops.convert_to_numpy(v)
         meta["dense"] = [v.path for v in _dense(self.model)]
         meta["dense_names"] = [[v.name, list(v.shape)] for v in _dense(self.model)]
-        meta["export_order"] = _export_order(self.model)
+        meta["export_order"] = self._export_order()
         meta["optimizer"] = [v.path for v in opt_vars]
         opt = getattr(self.model, "optimizer", None)
         meta["step"] = int(keras.ops.convert_to_numpy(opt.iterations)) if opt is not None else 0

@@ -116,7 +116,8 @@ def _fake_checkout(root):
         shutil.copy(BENCHMARKS / name, scripts / name)
     (scripts / "lookup.py").write_text(
         "import sys\nprint('MemoryError: out of arena', file=sys.stderr)\nsys.exit(3)\n")
-    for name in ("filters", "group_embedding", "training", "memory_per_key", "storage"):
+    for name in ("filters", "group_embedding", "training", "memory_per_key", "storage",
+                 "checkpoint"):
         (scripts / f"{name}.py").write_text("")
     return scripts
 

@@ -154,3 +154,27 @@ def test_checkpoint_callback_chain_restores_the_fitted_state(tmp_path):
     np.testing.assert_array_equal(np.sort(a["keys_filtered"]), np.sort(b["keys_filtered"]))
     x = rng.integers(0, 30, (8, 2))
     np.testing.assert_allclose(model.predict(x, verbose=0), restored.predict(x, verbose=0))
+
+
+def test_first_interval_starts_at_fit_not_at_the_restore(tmp_path):
+    """A restore replays admissions and erasures; TableStats counts from fit."""
+    model, ev = make_model(filter_freq=None, steps_to_live=1)
+    ckpt = kre.IncrementalCheckpointer(model, str(tmp_path))
+    model.fit(np.array([[1, 2], [3, 4]]), np.ones((2, 1)), batch_size=1, verbose=0)
+    ckpt.save_full()
+    ev.evict(5)  # erases all four ids (trained at steps 0 and 1)
+    model.fit(np.array([[5, 6]]), np.ones((1, 1)), verbose=0)
+    ckpt.save_incremental()
+
+    model2, ev2 = make_model(filter_freq=None, steps_to_live=1)
+    kre.IncrementalCheckpointer(model2, str(tmp_path)).restore()
+    before = ev2.table.counters()
+    assert before["admitted_total"] >= 2 and before["erased_total"] >= 4  # the replay
+    assert sorted(ev2.table.export()["keys"].tolist()) == [5, 6]
+    stats = kre.callbacks.TableStats(every_n_steps=1)
+    h = model2.fit(np.array([[5, 7]]), np.ones((1, 1)), verbose=0, callbacks=[stats])
+    # One step: 7 is new, 5 and 6 stay (no eviction ran), 5 was a hit.
+    assert h.history["ids_new"] == [1]
+    assert h.history["ids_evicted"] == [0]
+    assert h.history["ids_size"] == [3]
+    assert h.history["ids_hit_rate"] == [0.5]

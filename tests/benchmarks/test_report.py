@@ -39,7 +39,7 @@ def test_report_sections(quick_report):
     assert "Skipped in quick mode" in text  # says the data benchmark was skipped
     commands = text.split("## Commands", 1)[1].split("```sh\n", 1)[1].split("```")[0]
     for script in ("lookup.py", "filters.py", "group_embedding.py", "training.py",
-                   "memory_per_key.py", "storage.py"):
+                   "memory_per_key.py", "storage.py", "checkpoint.py"):
         assert f"python benchmarks/{script} " in commands
 
 
@@ -48,7 +48,8 @@ def test_every_ratio_is_a_number(quick_report):
     assert header == ["benchmark", "comparison", "ratio", "target", "status"]
     benchmarks = {row[0].split(":")[0] for row in rows}
     assert benchmarks == {"`lookup.py`", "`filters.py`", "`group_embedding.py`",
-                          "`training.py`", "`memory_per_key.py`", "`storage.py`"}
+                          "`training.py`", "`memory_per_key.py`", "`storage.py`",
+                          "`checkpoint.py`"}
     for row in rows:
         assert len(row) == 5, row
         ratio = float(row[2])
@@ -64,6 +65,9 @@ def test_every_ratio_is_a_number(quick_report):
     assert any(row[0].startswith("`memory_per_key.py`") and row[3] == "<= 1.3x"
                for row in rows)
     assert any("`tf.gather` on a dense variable" in row[1] for row in rows)
+    # Issue 16 item 5: incremental vs full save, target <= 0.1x at 1% changed.
+    assert any(row[0].startswith("`checkpoint.py`") and "(1% of rows changed)" in row[1]
+               and row[3] == "<= 0.1x" for row in rows)
 
 
 def test_plots_are_png_files(quick_report):
@@ -89,7 +93,8 @@ def test_failing_benchmark_is_named_with_its_output(tmp_path, capsys):
     (scripts / "lookup.py").write_text(
         "import sys\nprint('building the table')\n"
         "print('MemoryError: out of arena', file=sys.stderr)\nsys.exit(3)\n")
-    for name in ("filters", "group_embedding", "training", "memory_per_key", "storage"):
+    for name in ("filters", "group_embedding", "training", "memory_per_key", "storage",
+                 "checkpoint"):
         (scripts / f"{name}.py").write_text("")
     with pytest.raises(bench.BenchError) as info:
         bench.run(tmp_path / "out", quick=True, benchmarks_dir=scripts)
