@@ -113,15 +113,17 @@ def _table_lookup_grad(op, grad):
 
 
 def create_table(default_values, key_dtype, dim, num_shards, track_meta=True,
-                 filter_freq=0, bloom=None, no_permission_value=0.0):
-    """A new table; `bloom` is (counters, hashes, counter_bytes) or None."""
+                 filter_freq=0, bloom=None, no_permission_value=0.0, shared_name=""):
+    """A new table; `bloom` is (counters, hashes, counter_bytes) or None. A
+    non-empty `shared_name` finds or creates the table of that name on the
+    current device (shared by every client of a parameter server)."""
     refuse_distribution("Creating an embedding table")
     counters, hashes, counter_bytes = bloom or (0, 0, 8)
     return gen().kre_table_create(
         default_values, key_dtype=key_dtype, dim=dim, num_shards=num_shards,
         track_meta=track_meta, filter_freq=filter_freq, bloom_counters=counters,
         bloom_hashes=hashes, bloom_counter_bytes=counter_bytes,
-        no_permission_value=no_permission_value,
+        no_permission_value=no_permission_value, shared_name=shared_name,
     )
 
 
