@@ -113,6 +113,13 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         l2_weight_threshold: float or None. L2-weight eviction threshold.
         save_filtered: bool. Save keys counted but not admitted (also off
             when `KRE_EV_SAVE_FILTERED_FEATURES=false`).
+        shared_name: str. Empty (the default) makes a private table owned
+            by its handle; a name finds or creates the table of that name
+            on `device`, shared by every client of that device (how
+            parameter-server workers reach one table, see
+            `keras_rec_emb.distribute`).
+        device: str. Where the table lives (e.g. `"/job:ps/task:0"`);
+            empty means the current device.
         restore_dim_mismatch: `"error"` or `"pad_or_truncate"`. What
             restoring rows of another width does: raise (the default), or
             (DeepRec) truncate wider rows and pad narrower ones, the new
@@ -125,8 +132,9 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
                  trainable=True, name="embedding_table", track_meta=True,
                  filter_freq=0, bloom=None, no_permission_value=0.0,
                  steps_to_live=None, l2_weight_threshold=None, save_filtered=True,
-                 restore_dim_mismatch="error"):
-        super().__init__()
+                 restore_dim_mismatch="error", shared_name="", device=""):
+        super().__init__(device=device)
+        self._shared_name = str(shared_name)
         self._restore_dim_mismatch = check_restore_dim_mode(restore_dim_mismatch)
         self._slot_inits = {}
         self._dim = int(dim)
@@ -147,7 +155,7 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         # it must make its own constant (restoring then sets the current
         # matrix, which imports may have replaced).
         self._initial_default_values = np.asarray(default_values, np.float32)
-        with tf.init_scope():
+        with tf.init_scope(), tf.device(device):
             self._resource_handle = self._create_resource()
 
     # -- TrackableResource ------------------------------------------------
@@ -156,6 +164,7 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
             tf.constant(self._initial_default_values), self._key_dtype, self._dim,
             self._num_shards, track_meta=self._track_meta, filter_freq=self._filter_freq,
             bloom=self._bloom, no_permission_value=self._no_permission_value,
+            shared_name=self._shared_name,
         )
 
     def _serialize_to_tensors(self):
@@ -229,6 +238,16 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
     def variable(self):
         """The table as a trainable variable (see `TableVariable`)."""
         return self._variable
+
+    @property
+    def variables(self):
+        """`[variable]`: what a layer tracks (a sharded table has one per shard)."""
+        return [self._variable]
+
+    @property
+    def device(self):
+        """The device holding the table."""
+        return self.resource_handle.device
 
     @property
     def trainable(self):

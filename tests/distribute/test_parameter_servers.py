@@ -1,0 +1,200 @@
+"""Asynchronous parameter-server tables: 2 PS and 2 worker processes on
+127.0.0.1 (TensorFlow's gRPC runtime carries the traffic)."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_rec_emb as kre
+from keras_rec_emb.distribute import ps_tables
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+import ps_worker  # noqa: E402
+
+
+def free_ports(n):
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _env():
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _stop(procs):
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()  # by its pid
+    for proc in procs:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _run(cmd, log, timeout):
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT)
+    return proc
+
+
+def _wait_ok(proc, log, timeout):
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rc = "timeout"
+    with open(log) as f:
+        text = f.read()
+    assert rc == 0, f"{proc.args} ended with {rc}:\n{text[-4000:]}"
+
+
+def expected_table(default_values):
+    """Initial rows minus the sum of both workers' SGD pushes (order-free),
+    and every key's lookup count."""
+    pushes, counts = {}, {}
+    for task in (0, 1):
+        ids, weights = ps_worker.worker_data(task)
+        for start in range(0, len(ids), ps_worker.BATCH):
+            b_ids = ids[start:start + ps_worker.BATCH]
+            b_w = weights[start:start + ps_worker.BATCH]
+            for row, w in zip(b_ids, b_w):
+                for key in row:
+                    pushes[int(key)] = pushes.get(int(key), 0.0) + float(w) / len(b_ids)
+                    counts[int(key)] = counts.get(int(key), 0) + 1
+    keys = np.array(sorted(pushes), np.int64)
+    init = default_values[keys % default_values.shape[0]]
+    values = init - ps_worker.LR * np.array([pushes[k] for k in keys])[:, None]
+    return keys, values.astype(np.float32), np.array([counts[k] for k in keys])
+
+
+@pytest.mark.multiprocess
+def test_two_ps_two_workers_sum_of_pushes(tmp_path):
+    ps_ports = free_ports(2)
+    ps = ",".join(f"127.0.0.1:{p}" for p in ps_ports)
+    worker_ports = free_ports(3)
+    procs = []
+    try:
+        for task in (0, 1):
+            procs.append(_run([sys.executable, "-m", "keras_rec_emb.distribute.ps",
+                               "--ps", ps, "--task", str(task)],
+                              tmp_path / f"ps{task}.log", 60))
+        workers = []
+        for task in (0, 1):
+            workers.append(_run(
+                [sys.executable, os.path.join(HERE, "ps_worker.py"), "train", "--ps", ps,
+                 "--worker", f"127.0.0.1:{worker_ports[task]}", "--task", str(task),
+                 "--out", str(tmp_path)], tmp_path / f"worker{task}.log", 300))
+        procs += workers
+        for task, proc in enumerate(workers):
+            _wait_ok(proc, tmp_path / f"worker{task}.log", 300)
+        checker = _run([sys.executable, os.path.join(HERE, "ps_worker.py"), "check",
+                        "--ps", ps, "--worker", f"127.0.0.1:{worker_ports[2]}",
+                        "--task", "2", "--out", str(tmp_path)], tmp_path / "check.log", 300)
+        procs.append(checker)
+        _wait_ok(checker, tmp_path / "check.log", 300)
+    finally:
+        _stop(procs)
+
+    for task in (0, 1):
+        placed = (tmp_path / f"placed_{task}.txt").read_text().split()
+        assert placed == ["/job:ps/replica:0/task:0/device:CPU:0",
+                          "/job:ps/replica:0/task:1/device:CPU:0"]
+    got = np.load(tmp_path / "table.npz")
+    keys, values, counts = expected_table(got["default_values"])
+    order = np.argsort(got["keys"])
+    np.testing.assert_array_equal(got["keys"][order], keys)
+    np.testing.assert_allclose(got["values"][order], values, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got["freqs"][order], counts)
+    # Both PS tasks hold rows, exactly the keys that hash to them.
+    sizes = got["shard_sizes"]
+    assert sizes.sum() == len(keys) and sizes.min() > 0
+    np.testing.assert_array_equal(
+        np.bincount(ps_tables.shard_of_numpy(keys, 2), minlength=2), sizes)
+
+    # The checker's model.save holds the ordinary format: it loads into one
+    # process without parameter servers (2 shards -> 1 table).
+    model = keras.saving.load_model(tmp_path / "ps_model.keras",
+                                    custom_objects={"linear_loss": ps_worker.linear_loss})
+    table = model.get_layer("emb").table
+    assert isinstance(table, kre.variables.EmbeddingTable)
+    data = table.export()
+    order = np.argsort(data["keys"])
+    np.testing.assert_allclose(data["values"][order], values, rtol=1e-5, atol=1e-5)
+    ids = keys[:6].reshape(2, 3)
+    np.testing.assert_allclose(
+        model.predict(ids, verbose=0),
+        values[:6].reshape(2, 3, -1).sum(axis=(1, 2)), rtol=1e-5, atol=1e-5)
+
+
+def test_unreachable_parameter_server_names_the_address():
+    (port,) = free_ports(1)
+    address = f"127.0.0.1:{port}"
+    with pytest.raises(ConnectionError, match=address):
+        kre.distribute.connect([address], "127.0.0.1:0", timeout=1.0)
+
+
+def test_ps_command_checks_task_index(capsys):
+    import keras_rec_emb_cli
+
+    with pytest.raises(SystemExit) as e:
+        keras_rec_emb_cli.main(["ps", "--ps", "127.0.0.1:1,127.0.0.1:2", "--task", "2"])
+    assert e.value.code == 2
+    assert "--task must be in [0, 2)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("devices, error", [
+    ("/job:ps/task:0", ValueError), ([], ValueError), ([3], TypeError), ([""], TypeError)])
+def test_parameter_servers_bad_devices(devices, error):
+    with pytest.raises(error, match="devices"):
+        with kre.distribute.parameter_servers(devices):
+            pass
+
+
+def test_sharded_table_in_one_process_matches_one_table():
+    """Two shards on the local CPU: lookups, gradients through the stitch,
+    export/import across shard counts (2 -> 3 -> 1) keep every row."""
+    init = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)
+    sharded = ps_tables.ShardedEmbeddingTable(["/cpu:0", "/device:CPU:0"], 3, "int64", init,
+                                              name="sharded_local", track_meta=True)
+    plain = kre.variables.EmbeddingTable(3, "int64", init, name="plain_local",
+                                         track_meta=True)
+    keys = tf.constant([[5, 9, 5], [100, 2, 77]], tf.int64)
+    for table in (sharded, plain):
+        with tf.GradientTape() as tape:
+            rows = table.lookup(keys, insert=True)
+            loss = tf.reduce_sum(rows * tf.reshape(tf.range(18, dtype=tf.float32), [2, 3, 3]))
+        grads = tape.gradient(loss, [v for v in getattr(table, "variables")])
+        for var, grad in zip(table.variables, grads):
+            if grad is not None:
+                kre._ops.sparse_apply(var.handle, grad.indices, grad.values, "sgd",
+                                      [0.01, 0.0], 1, [])
+    np.testing.assert_allclose(sharded.lookup(keys).numpy(), plain.lookup(keys).numpy())
+    assert sharded.size() == plain.size() == 5
+    assert min(s.size() for s in sharded.shards) > 0
+    assert sharded.stats()["size"] == 5
+    data = sharded.export()
+    three = ps_tables.ShardedEmbeddingTable(["/cpu:0"] * 3,
+                                            3, "int64", init, name="three_local")
+    three.import_(data)
+    one = kre.variables.EmbeddingTable(3, "int64", np.zeros((1, 3), np.float32), name="one")
+    one.import_(three.export())
+    for table in (three, one):
+        np.testing.assert_allclose(table.lookup(keys).numpy(), plain.lookup(keys).numpy())
+    np.testing.assert_array_equal(np.sort(one.export()["freqs"]),
+                                  np.sort(plain.export()["freqs"]))
