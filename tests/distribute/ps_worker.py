@@ -19,14 +19,44 @@ import keras_rec_emb as kre  # noqa: E402
 DIM, BATCH, STEPS, IDS_PER_ROW, LR = 4, 8, 6, 3, 0.1
 
 
-def worker_data(task):
-    """Ids [STEPS * BATCH, IDS_PER_ROW] and per-example weights [N] of a
-    worker; the two workers' ids overlap on 0..19."""
-    rng = np.random.default_rng(100 + task)
-    n = STEPS * BATCH
-    ids = rng.integers(0, 20 + 10 * task, size=(n, IDS_PER_ROW)).astype(np.int64)
-    weights = rng.uniform(-1, 1, size=n).astype(np.float32)
+ROW_GROUP = 2 * BATCH
+NUM_ROWS = 2 * STEPS * BATCH
+
+
+def all_data():
+    """Ids [NUM_ROWS, IDS_PER_ROW] and per-example weights [NUM_ROWS]."""
+    rng = np.random.default_rng(100)
+    ids = rng.integers(0, 30, size=(NUM_ROWS, IDS_PER_ROW)).astype(np.int64)
+    weights = rng.uniform(-1, 1, size=NUM_ROWS).astype(np.float32)
     return ids, weights
+
+
+def write_parquet(path):
+    """The training file: row groups of ROW_GROUP rows."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    ids, weights = all_data()
+    columns = {f"id{j}": ids[:, j] for j in range(IDS_PER_ROW)}
+    columns["weight"] = weights
+    pq.write_table(pa.table(columns), path, row_group_size=ROW_GROUP)
+
+
+def worker_rows(task, num_workers=2):
+    """The rows worker `task` reads: row groups g with g % num_workers == task."""
+    groups = np.arange(NUM_ROWS) // ROW_GROUP
+    return np.flatnonzero(groups % num_workers == task)
+
+
+def worker_dataset(path, task, num_workers=2):
+    """Worker `task`'s own part of the Parquet file (ParquetDataset's
+    partition_count/partition_index), as (ids, weights) batches."""
+    import tensorflow as tf
+
+    ds = kre.data.ParquetDataset(path, batch_size=BATCH, partition_count=num_workers,
+                                 partition_index=task)
+    return ds.map(lambda d: (tf.stack([d[f"id{j}"] for j in range(IDS_PER_ROW)], axis=1),
+                             d["weight"]))
 
 
 def linear_loss(y_true, y_pred):
@@ -62,8 +92,8 @@ def main(argv):
     with kre.distribute.parameter_servers(devices):
         model = build_model()
     if args.role == "train":
-        ids, weights = worker_data(args.task)
-        model.fit(ids, weights, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        model.fit(worker_dataset(os.path.join(args.out, "train.parquet"), args.task),
+                  epochs=1, verbose=0)
         placed = {s.device for s in model.get_layer("emb").table.shards}
         with open(os.path.join(args.out, f"placed_{args.task}.txt"), "w") as f:
             f.write("\n".join(sorted(placed)))

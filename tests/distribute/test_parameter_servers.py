@@ -68,8 +68,10 @@ def expected_table(default_values):
     """Initial rows minus the sum of both workers' SGD pushes (order-free),
     and every key's lookup count."""
     pushes, counts = {}, {}
+    all_ids, all_weights = ps_worker.all_data()
     for task in (0, 1):
-        ids, weights = ps_worker.worker_data(task)
+        rows = ps_worker.worker_rows(task)
+        ids, weights = all_ids[rows], all_weights[rows]
         for start in range(0, len(ids), ps_worker.BATCH):
             b_ids = ids[start:start + ps_worker.BATCH]
             b_w = weights[start:start + ps_worker.BATCH]
@@ -88,6 +90,7 @@ def test_two_ps_two_workers_sum_of_pushes(tmp_path):
     ps_ports = free_ports(2)
     ps = ",".join(f"127.0.0.1:{p}" for p in ps_ports)
     worker_ports = free_ports(3)
+    ps_worker.write_parquet(tmp_path / "train.parquet")
     procs = []
     try:
         for task in (0, 1):
@@ -140,6 +143,21 @@ def test_two_ps_two_workers_sum_of_pushes(tmp_path):
     np.testing.assert_allclose(
         model.predict(ids, verbose=0),
         values[:6].reshape(2, 3, -1).sum(axis=(1, 2)), rtol=1e-5, atol=1e-5)
+
+
+def test_workers_read_disjoint_parts_of_the_parquet_file(tmp_path):
+    """Input sharding: each worker's ParquetDataset partition, together
+    exactly the file's rows once."""
+    path = str(tmp_path / "train.parquet")
+    ps_worker.write_parquet(path)
+    all_ids, all_weights = ps_worker.all_data()
+    seen = []
+    for task in (0, 1):
+        ids = np.concatenate([i.numpy() for i, _ in ps_worker.worker_dataset(path, task)])
+        rows = ps_worker.worker_rows(task)
+        np.testing.assert_array_equal(ids, all_ids[rows])
+        seen.append(rows)
+    np.testing.assert_array_equal(np.sort(np.concatenate(seen)), np.arange(len(all_ids)))
 
 
 def test_unreachable_parameter_server_names_the_address():
