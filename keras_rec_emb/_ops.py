@@ -113,11 +113,15 @@ def _table_lookup_grad(op, grad):
 
 
 def create_table(default_values, key_dtype, dim, num_shards, track_meta=True,
-                 filter_freq=0, bloom=None, no_permission_value=0.0, shared_name=""):
+                 filter_freq=0, bloom=None, no_permission_value=0.0, shared_name="",
+                 replica_shard=False):
     """A new table; `bloom` is (counters, hashes, counter_bytes) or None. A
     non-empty `shared_name` finds or creates the table of that name on the
-    current device (shared by every client of a parameter server)."""
-    refuse_distribution("Creating an embedding table")
+    current device (shared by every client of a parameter server).
+    `replica_shard`: the table is one replica's shard of a table sharded
+    over a MirroredStrategy's devices (keras_rec_emb.distribute)."""
+    if not replica_shard:
+        refuse_distribution("Creating an embedding table")
     counters, hashes, counter_bytes = bloom or (0, 0, 8)
     return gen().kre_table_create(
         default_values, key_dtype=key_dtype, dim=dim, num_shards=num_shards,
@@ -143,22 +147,27 @@ def refuse_xla(what):
 
 
 def refuse_distribution(what):
-    """Tables are not sharded over replicas yet: under a tf.distribute
-    strategy each replica would train its own copy of every table, silently
-    different from one device. Refused until sharded tables exist."""
+    """Under a tf.distribute strategy each replica would train its own copy
+    of a table, silently different from one device: refused, except for the
+    shards of tables sharded over a MirroredStrategy's replicas
+    (`replica_shard=True`, see keras_rec_emb.distribute)."""
     if tf.distribute.has_strategy():
         strategy = tf.distribute.get_strategy()
         raise ValueError(
             f"{what} under the tf.distribute strategy "
             f"{type(strategy).__name__} ({strategy.num_replicas_in_sync} replicas) is "
-            "not supported yet: embedding tables are not sharded over replicas, "
-            "so training would silently differ from one device. Build and fit "
-            "models with keras_rec_emb tables outside any strategy scope (the "
-            "default strategy).")
+            "not supported for this table: a table built outside a MirroredStrategy's "
+            "scope (or a GroupEmbedding table) would train one copy per replica, "
+            "silently different from one device. Build EmbeddingVariable layers inside "
+            "`tf.distribute.MirroredStrategy().scope()` (their tables are sharded over "
+            "the replicas), use parameter-server tables "
+            "(keras_rec_emb.distribute.parameter_servers), or build and fit outside "
+            "any strategy scope.")
 
 
-def lookup(handle, keys, dim, insert):
-    refuse_distribution("An embedding table lookup")
+def lookup(handle, keys, dim, insert, replica_shard=False):
+    if not replica_shard:
+        refuse_distribution("An embedding table lookup")
     refuse_xla("An embedding table lookup")
     return gen().kre_table_lookup(handle, keys, dim=dim, insert=insert)
 
@@ -207,14 +216,15 @@ def import_(handle, dim, parts, clear=True):
     )
 
 
-def sparse_apply(handle, keys, grads, rule, hyper, step, slots):
+def sparse_apply(handle, keys, grads, rule, hyper, step, slots, replica_shard=False):
     """One fused optimizer step on a table (see APPLY_RULES for `hyper`)."""
     if len(hyper) != len(APPLY_RULES[rule]):
         raise ValueError(
             f"rule {rule!r} takes hyper-parameters {APPLY_RULES[rule]}; "
             f"got {len(hyper)} values"
         )
-    refuse_distribution("An embedding table update")
+    if not replica_shard:
+        refuse_distribution("An embedding table update")
     refuse_xla("An embedding table update")
     hyper = tf.stack([tf.cast(h, tf.float32) for h in hyper])
     return gen().kre_table_sparse_apply(

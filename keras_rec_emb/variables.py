@@ -132,9 +132,12 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
                  trainable=True, name="embedding_table", track_meta=True,
                  filter_freq=0, bloom=None, no_permission_value=0.0,
                  steps_to_live=None, l2_weight_threshold=None, save_filtered=True,
-                 restore_dim_mismatch="error", shared_name="", device=""):
+                 restore_dim_mismatch="error", shared_name="", device="",
+                 replica_shard=None):
         super().__init__(device=device)
         self._shared_name = str(shared_name)
+        # Index of the MirroredStrategy replica owning this shard, or None.
+        self._replica_shard = replica_shard
         self._restore_dim_mismatch = check_restore_dim_mode(restore_dim_mismatch)
         self._slot_inits = {}
         self._dim = int(dim)
@@ -164,7 +167,7 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
             tf.constant(self._initial_default_values), self._key_dtype, self._dim,
             self._num_shards, track_meta=self._track_meta, filter_freq=self._filter_freq,
             bloom=self._bloom, no_permission_value=self._no_permission_value,
-            shared_name=self._shared_name,
+            shared_name=self._shared_name, replica_shard=self._replica_shard is not None,
         )
 
     def _serialize_to_tensors(self):
@@ -245,6 +248,11 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         return [self._variable]
 
     @property
+    def replica_shard(self):
+        """The MirroredStrategy replica that owns and updates this shard, or None."""
+        return self._replica_shard
+
+    @property
     def device(self):
         """The device holding the table."""
         return self.resource_handle.device
@@ -300,7 +308,8 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
             return stock.lookup(keys)
         if self._trainable:
             _compat.variable_accessed(self._variable)
-        return _ops.lookup(self.handle, keys, self._dim, insert)
+        return _ops.lookup(self.handle, keys, self._dim, insert,
+                           replica_shard=self._replica_shard is not None)
 
     def size(self):
         """Number of admitted keys (an int when eager)."""

@@ -104,10 +104,15 @@ def make_table(dim, key_dtype, default_values, name, **kwargs):
     """An `EmbeddingTable`, or a `ShardedEmbeddingTable` inside
     `parameter_servers(...)`."""
     devices = current_devices()
-    if devices is None:
-        return _variables.EmbeddingTable(dim, key_dtype, default_values, name=name, **kwargs)
-    return ShardedEmbeddingTable(devices, dim, key_dtype, default_values, name=name,
-                                 **kwargs)
+    if devices is not None:
+        return ShardedEmbeddingTable(devices, dim, key_dtype, default_values, name=name,
+                                     **kwargs)
+    if tf.distribute.has_strategy() and isinstance(tf.distribute.get_strategy(),
+                                                   tf.distribute.MirroredStrategy):
+        devices = list(tf.distribute.get_strategy().extended.worker_devices)
+        return ShardedEmbeddingTable(devices, dim, key_dtype, default_values, name=name,
+                                     replicas=True, **kwargs)
+    return _variables.EmbeddingTable(dim, key_dtype, default_values, name=name, **kwargs)
 
 
 def _concat(arrays, like):
@@ -127,18 +132,25 @@ class ShardedEmbeddingTable:
     Args:
         devices: list of str. One device per shard.
         dim, key_dtype, default_values, name, **kwargs: as `EmbeddingTable`.
+        replicas: bool. The devices are a MirroredStrategy's replicas: shard
+            `i` is owned by replica `i`, which alone applies its updates
+            (the optimizers gather every replica's gradient for it).
     """
 
     def __init__(self, devices, dim, key_dtype, default_values, name="embedding_table",
-                 **kwargs):
+                 replicas=False, **kwargs):
         self._devices = _check_devices(devices)
         self._name = name
+        self._replicas = bool(replicas)
         n = len(self._devices)
+        # Parameter-server shards are found by name (every worker reaches the
+        # same one); a replica's shard is private to this process.
         self._shards = [
             _variables.EmbeddingTable(dim, key_dtype, default_values,
                                       name=f"{name}/shard_{i}_of_{n}",
-                                      shared_name=f"{name}/shard_{i}_of_{n}",
-                                      device=device, **kwargs)
+                                      shared_name="" if replicas else f"{name}/shard_{i}_of_{n}",
+                                      device=device, replica_shard=i if replicas else None,
+                                      **kwargs)
             for i, device in enumerate(self._devices)
         ]
 
@@ -158,6 +170,23 @@ class ShardedEmbeddingTable:
     @property
     def variables(self):
         return [s.variable for s in self._shards]
+
+    def _not_one_table(self, what):
+        raise ValueError(
+            f"Embedding table '{self._name}' is sharded over {len(self._shards)} devices "
+            f"{self._devices}; it has no single `{what}`. Only EmbeddingVariable's own "
+            "lookups (calling the layer) and the optimizers of keras_rec_emb.optimizers "
+            "support sharded tables so far: GroupEmbedding, AdaptiveEmbedding, "
+            "MultiHashEmbedding and the functional ops need one table per process "
+            "(build them outside `parameter_servers(...)` / a MirroredStrategy scope).")
+
+    @property
+    def handle(self):
+        self._not_one_table("handle")
+
+    @property
+    def variable(self):
+        self._not_one_table("variable")
 
     @property
     def name(self):

@@ -216,3 +216,12 @@ def test_sharded_table_in_one_process_matches_one_table():
         np.testing.assert_allclose(table.lookup(keys).numpy(), plain.lookup(keys).numpy())
     np.testing.assert_array_equal(np.sort(one.export()["freqs"]),
                                   np.sort(plain.export()["freqs"]))
+
+
+def test_group_embedding_refuses_sharded_tables_clearly():
+    with kre.distribute.parameter_servers(["/cpu:0", "/cpu:0"]):
+        group = kre.layers.GroupEmbedding(
+            {"a": kre.layers.FeatureSpec({"embedding_dim": 4, "name": "group_sharded"})})
+        with pytest.raises(ValueError, match=r"'group_sharded/embeddings' is sharded over 2 "
+                                             r"devices.*GroupEmbedding"):
+            group({"a": tf.constant([[1, 2]], tf.int64)})
