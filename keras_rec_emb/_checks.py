@@ -29,31 +29,6 @@ def check_combiner(combiner, allow_none=True):
     raise ValueError(f"`combiner` must be {allowed}. Received: combiner={combiner!r}")
 
 
-def ev_option_or_default(ev_option):
-    """`ev_option`, or the default EmbeddingVariableOption when None."""
-    from keras_rec_emb import options
-
-    if ev_option is None:
-        return options.EmbeddingVariableOption()
-    if not isinstance(ev_option, options.EmbeddingVariableOption):
-        raise TypeError(
-            "`ev_option` must be a keras_rec_emb.EmbeddingVariableOption or "
-            f"None. Received: ev_option={ev_option!r}"
-        )
-    return ev_option
-
-
-def deserialize_ev_option(config):
-    """A layer config with its serialized `ev_option` turned back into an
-    EmbeddingVariableOption (for `from_config`)."""
-    import keras
-
-    config = dict(config)
-    if isinstance(config.get("ev_option"), dict):
-        config["ev_option"] = keras.saving.deserialize_keras_object(config["ev_option"])
-    return config
-
-
 # -- one vocabulary of argument checks (options, optimizers, ops, layers) -----
 # Each raises `TypeError` for a value of the wrong kind and `ValueError` for
 # one out of range; the message names the argument, what is allowed and the

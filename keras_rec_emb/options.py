@@ -402,3 +402,24 @@ class EmbeddingVariableOption(_Option):
             if config.get(key) is not None:
                 config[key] = keras.saving.deserialize_keras_object(config[key])
         return cls(**config)
+
+
+def ev_option_or_default(ev_option):
+    """`ev_option`, or the default EmbeddingVariableOption when None."""
+    if ev_option is None:
+        return EmbeddingVariableOption()
+    if not isinstance(ev_option, EmbeddingVariableOption):
+        raise TypeError(
+            "`ev_option` must be a keras_rec_emb.EmbeddingVariableOption or "
+            f"None. Received: ev_option={ev_option!r}"
+        )
+    return ev_option
+
+
+def deserialize_ev_option(config):
+    """A layer config with its serialized `ev_option` turned back into an
+    EmbeddingVariableOption (for `from_config`)."""
+    config = dict(config)
+    if isinstance(config.get("ev_option"), dict):
+        config["ev_option"] = keras.saving.deserialize_keras_object(config["ev_option"])
+    return config

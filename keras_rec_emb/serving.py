@@ -3,9 +3,10 @@ this package (no custom ops): each embedding table becomes a
 `tf.lookup.experimental.MutableHashTable` from key to row plus a dense
 `[N, dim]` matrix of the rows, read with stock ops.
 
-While the serving function is traced, `EmbeddingTable.lookup` and the fused
-group lookup route to those stock tables (see `serving_lookup` and
-`stock_group_lookup`); outside the export nothing changes.
+While the serving function is traced (in the exporting thread), the
+model's tables have their `lookup` substituted by their stock twin's and
+fused group lookups run `embedding_ops.stock_group_lookup` (see
+`_serving`); outside the export nothing changes.
 """
 
 import contextlib
@@ -19,8 +20,8 @@ import numpy as np
 import tensorflow as tf
 
 from keras_rec_emb import _compat, saving
-
-_STATE = threading.local()
+from keras_rec_emb.ops import embedding_ops
+from keras_rec_emb.variables import is_table
 
 
 class _StockTable(tf.Module):
@@ -95,88 +96,44 @@ class _StockTables(tf.Module):
         return stock
 
 
+def model_tables(model):
+    """The embedding tables among `model`'s weights, each once."""
+    tables = {}
+    for w in model.weights:
+        if is_table(w):
+            tables.setdefault(id(w.table), w.table)
+    return list(tables.values())
+
+
+def _stock_lookup(stock_tables, table, thread):
+    """`table.lookup` as substituted while this thread traces an export:
+    reads the stock twin; other threads keep the table's own lookup."""
+    own = type(table).lookup.__get__(table)
+
+    def lookup(keys, insert=False):
+        if threading.get_ident() != thread:
+            return own(keys, insert)
+        if insert:
+            raise ValueError("export_for_serving traces inference only (insert=False).")
+        return stock_tables.get(table).lookup(keys)
+
+    return lookup
+
+
 @contextlib.contextmanager
-def _serving(stock_tables):
-    previous = getattr(_STATE, "tables", None)
-    _STATE.tables = stock_tables
+def _serving(stock_tables, tables=()):
+    """While a serving function is traced: each of `tables` looks up in its
+    stock twin (its `lookup` substituted on the instance, for this thread),
+    and fused group lookups run on stock ops reading the stock twins."""
+    thread = threading.get_ident()
+    for table in tables:
+        table.lookup = _stock_lookup(stock_tables, table, thread)
     try:
-        yield
+        with embedding_ops.stock_lookups(stock_tables.get):
+            yield
     finally:
-        _STATE.tables = previous
-
-
-def serving_lookup(table):
-    """The stock table that replaces `table` while a serving function is
-    traced, or `None` outside `export_for_serving`."""
-    tables = getattr(_STATE, "tables", None)
-    return None if tables is None else tables.get(table)
-
-
-def serving_active():
-    return getattr(_STATE, "tables", None) is not None
-
-
-def _checked_splits(splits, nnz):
-    """`splits` once checked (with stock ops, in the served graph) to be the
-    row splits of `nnz` values: a serving request with malformed ragged
-    input gets an InvalidArgument error, never rows read from the wrong
-    places."""
-    message = ("row_splits of a ragged input must have at least one entry, start at "
-               "0, never decrease and end at the number of values")
-    n = tf.size(splits)
-    ok = tf.logical_and(n >= 1, tf.reduce_all(splits[1:] >= splits[:-1]))
-    ok = tf.logical_and(ok, tf.equal(tf.concat([splits[:1], [0]], 0)[0], 0))
-    ok = tf.logical_and(ok, tf.equal(tf.concat([[nnz], splits], 0)[-1], nnz))
-    check = tf.debugging.Assert(ok, [message, "row_splits:", splits, "values:", nnz],
-                                summarize=16)
-    with tf.control_dependencies([check]):
-        return tf.identity(splits)
-
-
-def stock_group_lookup(params, flat_ids, splits, weights, combiners, max_norms,
-                       default_ids, prunes, sequences, dense_value):
-    """`KRE>GroupLookup` (inference) with stock TensorFlow ops, feature by
-    feature: prune ids < 0 (and, for mean and sqrtn, ids of weight <= 0), fill empty rows with the default id, clip rows
-    to max_norm, weight, then combine or lay out as a sequence."""
-    from keras_rec_emb.layers.embedding_variable import combine_rows
-
-    outs = []
-    for p, ids, s, w, combiner, max_norm, default_id, prune, sequence in zip(
-            params, flat_ids, splits, weights, combiners, max_norms, default_ids,
-            prunes, sequences):
-        ids = tf.cast(ids, tf.int64)
-        s = _checked_splits(tf.cast(s, tf.int64), tf.size(ids, out_type=tf.int64))
-        batch = tf.shape(s, out_type=tf.int64)[0] - 1
-        rows_of = tf.ragged.row_splits_to_segment_ids(s, out_type=tf.int64)
-        weighted = tf.size(w) > 0
-        w = tf.cond(weighted, lambda w=w: tf.reshape(w, [-1]),
-                    lambda ids=ids: tf.ones(tf.shape(ids), tf.float32))
-        if prune:
-            keep = ids >= 0
-            ids, w, rows_of = (tf.boolean_mask(x, keep) for x in (ids, w, rows_of))
-        if combiner != "sum":  # as TF's safe_embedding_lookup_sparse
-            keep = tf.logical_or(w > 0, tf.logical_not(weighted))
-            ids, w, rows_of = (tf.boolean_mask(x, keep) for x in (ids, w, rows_of))
-        if default_id is not None:
-            counts = tf.math.unsorted_segment_sum(tf.ones_like(rows_of), rows_of, batch)
-            empty = tf.where(tf.equal(counts, 0))[:, 0]
-            ids = tf.concat([ids, tf.fill(tf.shape(empty), tf.constant(default_id, tf.int64))], 0)
-            w = tf.concat([w, tf.ones(tf.shape(empty), tf.float32)], 0)
-            rows_of = tf.concat([rows_of, empty], 0)
-            order = tf.argsort(rows_of, stable=True)
-            ids, w, rows_of = (tf.gather(x, order) for x in (ids, w, rows_of))
-        if p.table is not None:
-            rows = p.table.lookup(tf.cast(ids, p.table.key_dtype))
-        else:
-            rows = tf.gather(dense_value(p.variable), ids)
-        if max_norm:
-            rows = tf.clip_by_norm(rows, max_norm, axes=[1])
-        if sequence:
-            outs.append(tf.RaggedTensor.from_value_rowids(
-                rows * w[:, None], rows_of, nrows=batch).to_tensor())
-        else:
-            outs.append(combine_rows(rows, rows_of, batch, combiner, w))
-    return outs
+        for table in tables:
+            del table.lookup
 
 
 def _custom_ops(graph_def):
@@ -251,7 +208,7 @@ def export_for_serving(model, filepath, input_signature=None, verbose=False):
     tmp = tempfile.mkdtemp(prefix=".tmp-serving-", dir=parent)
     try:
         # Every trace (also any the save makes) reads the stock tables.
-        with _serving(stock):
+        with _serving(stock, model_tables(model)):
             endpoint = archive.add_endpoint(
                 "serve", lambda *args: model(*args, training=False), input_signature)
             concrete = endpoint.get_concrete_function()

@@ -299,13 +299,6 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         read `no_permission_value`; with `insert=False` (inference) the table
         is unchanged. A watching gradient tape records the access either way.
         """
-        from keras_rec_emb import serving  # a lookup traced for export_for_serving
-
-        stock = serving.serving_lookup(self)
-        if stock is not None:
-            if insert:
-                raise ValueError("export_for_serving traces inference only (insert=False).")
-            return stock.lookup(keys)
         if self._trainable:
             _compat.variable_accessed(self._variable)
         return _ops.lookup(self.handle, keys, self._dim, insert,

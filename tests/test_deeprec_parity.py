@@ -559,16 +559,16 @@ def test_multi_hash_qr_sizes_config_and_bad_input():
 
 def test_fused_lookup_weight_pruning_in_the_stock_serving_graph():
     # export_for_serving replaces the fused op with stock ops: same rule.
-    from keras_rec_emb import serving
+    from keras_rec_emb._ids import flat_ids_and_splits
     from keras_rec_emb.ops import embedding_ops as eo
 
     ids, weights = _tf_ids_and_weights(2)
-    v, s = eo._to_ragged(ids, "sp_ids")
+    v, s = flat_ids_and_splits(ids, "sp_ids")
     for combiner in ("mean", "sum"):
         for w in (weights.values, tf.zeros([0], tf.float32)):
-            (got,) = serving.stock_group_lookup(
+            (got,) = eo.stock_group_lookup(
                 [eo._Param(variable=keras.Variable(_MATRIX))], [v], [s], [w], [combiner],
-                [None], [None], [True], [False], eo._dense_value)
+                [None], [None], [True], [False])
             want = tf.nn.safe_embedding_lookup_sparse(
                 tf.Variable(_MATRIX), ids, weights if w.shape[0] else None,
                 combiner=combiner)

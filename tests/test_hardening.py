@@ -138,23 +138,21 @@ CRASHES = [
     ("add_slot_huge_width", "table().add_slot('big', width=2**40)", "width"),
     # 2 (served): the stock lookup of export_for_serving checks row splits too.
     ("serving_stock_bad_splits", """
-from keras_rec_emb import serving
-from keras_rec_emb.ops.embedding_ops import _Param
+from keras_rec_emb.ops.embedding_ops import _Param, stock_group_lookup
 t = filled()
 @tf.function(input_signature=[tf.TensorSpec([None], tf.int64)] * 2)
 def f(ids, splits):
-    return serving.stock_group_lookup([_Param(table=t)], [ids], [splits], [tf.zeros([0])],
-                                      ['mean'], [None], [None], [True], [False], None)
+    return stock_group_lookup([_Param(table=t)], [ids], [splits], [tf.zeros([0])],
+                              ['mean'], [None], [None], [True], [False])
 f(tf.constant([1, 2, 3], tf.int64), tf.constant([0, 10**6, 3], tf.int64))
 """, "row_splits"),
     ("serving_stock_short_splits", """
-from keras_rec_emb import serving
-from keras_rec_emb.ops.embedding_ops import _Param
+from keras_rec_emb.ops.embedding_ops import _Param, stock_group_lookup
 t = filled()
 @tf.function(input_signature=[tf.TensorSpec([None], tf.int64)] * 2)
 def f(ids, splits):
-    return serving.stock_group_lookup([_Param(table=t)], [ids], [splits], [tf.zeros([0])],
-                                      ['sum'], [None], [0], [True], [False], None)
+    return stock_group_lookup([_Param(table=t)], [ids], [splits], [tf.zeros([0])],
+                              ['sum'], [None], [0], [True], [False])
 f(tf.constant([1, 2, 3], tf.int64), tf.constant([0, 1], tf.int64))
 """, "row_splits"),
     # 6. Arbitrary addresses to the Arrow op.

@@ -33,13 +33,11 @@ import tensorflow as tf
 from keras_rec_emb import _ops
 from keras_rec_emb import options as options_lib
 from keras_rec_emb import variables
-from keras_rec_emb._checks import check_combiner, deserialize_ev_option, ev_option_or_default
+from keras_rec_emb._checks import check_combiner
+from keras_rec_emb._hashing import hash_to_range
+from keras_rec_emb._ids import embed_ids, output_spec
 from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
-from keras_rec_emb.layers.multi_hash_embedding import (
-    embed_ids,
-    hash_to_range,
-    output_spec,
-)
+from keras_rec_emb.options import deserialize_ev_option, ev_option_or_default
 
 _NOT_PROMOTED, _NEWLY_PROMOTED, _PROMOTED = 0, 1, 2
 

@@ -5,50 +5,13 @@ import numpy as np
 import tensorflow as tf
 
 from keras_rec_emb import _compat
-from keras_rec_emb._checks import (check_combiner, checked_sparse_ids, deserialize_ev_option,
-                                   ev_option_or_default, integer_ids)
 from keras_rec_emb import variables
+from keras_rec_emb._checks import check_combiner
+from keras_rec_emb._ids import embed_ids, output_spec
+from keras_rec_emb.options import deserialize_ev_option, ev_option_or_default
 from keras_rec_emb.variables import check_restore_dim_mode, check_saved_dim
 
 _KEY_DTYPES = ("int32", "int64")
-
-
-def combine_rows(rows, segment_ids, num_segments, combiner, weights=None):
-    """Reduces `rows` [n, dim] into [num_segments, dim] by `segment_ids`.
-
-    `sum`, `mean` (divide by the number, or total weight, of ids in the
-    segment) or `sqrtn` (divide by the square root of the sum of squared
-    weights). Empty segments give zeros.
-    """
-    if weights is not None:
-        rows = rows * tf.expand_dims(weights, -1)
-        w = weights
-    else:
-        w = tf.ones(tf.shape(segment_ids), rows.dtype)
-    total = tf.math.unsorted_segment_sum(rows, segment_ids, num_segments)
-    if combiner == "sum":
-        return total
-    if combiner == "mean":
-        denom = tf.math.unsorted_segment_sum(w, segment_ids, num_segments)
-    else:
-        denom = tf.sqrt(tf.math.unsorted_segment_sum(w * w, segment_ids, num_segments))
-    return tf.math.divide_no_nan(total, tf.expand_dims(denom, -1))
-
-
-def combine_dense(rows, combiner):
-    """Reduces the last-but-one axis of `rows` [..., L, dim] by `combiner`;
-    `L = 0` gives zeros (as empty ragged rows do), not NaN."""
-    total = tf.reduce_sum(rows, axis=-2)
-    if combiner == "sum":
-        return total
-    length = tf.cast(tf.shape(rows)[-2], rows.dtype)
-    return tf.math.divide_no_nan(total, length if combiner == "mean" else tf.sqrt(length))
-
-
-def combine_sparse(rows, sp_ids, combiner):
-    """`combine_rows` for the rows of `tf.SparseTensor` ids [B, None] (any
-    index order; checked by `checked_sparse_ids`)."""
-    return combine_rows(rows, sp_ids.indices[:, 0], sp_ids.dense_shape[0], combiner)
 
 
 @keras.saving.register_keras_serializable(package="keras_rec_emb")
@@ -180,9 +143,6 @@ class EmbeddingVariable(keras.layers.Layer):
             self.table.trainable = value
 
     # -- forward --------------------------------------------------------------
-    def _ids(self, ids):
-        return integer_ids(ids, f"EmbeddingVariable '{self.name}'", tf.as_dtype(self.key_dtype))
-
     def _lookup(self, ids, training):
         rows = self.table.lookup(ids, insert=bool(training) and self.trainable)
         if self.compute_dtype != "float32":
@@ -190,43 +150,8 @@ class EmbeddingVariable(keras.layers.Layer):
         return rows
 
     def call(self, inputs, training=None):
-        if isinstance(inputs, tf.RaggedTensor):
-            if inputs.ragged_rank != 1 or inputs.shape.rank != 2:
-                raise ValueError(
-                    f"EmbeddingVariable '{self.name}' takes ragged ids of shape "
-                    f"[batch, None]. Received shape {inputs.shape} with "
-                    f"ragged_rank {inputs.ragged_rank}"
-                )
-            ids = self._ids(inputs.values)
-            rows = self._lookup(ids, training)
-            if self.combiner is None:
-                return inputs.with_values(rows)
-            return combine_rows(rows, inputs.value_rowids(), inputs.nrows(), self.combiner)
-        if isinstance(inputs, tf.SparseTensor):
-            if inputs.shape.rank != 2:
-                raise ValueError(
-                    f"EmbeddingVariable '{self.name}' takes sparse ids of shape "
-                    f"[batch, None]. Received shape {inputs.shape}"
-                )
-            if self.combiner is None:
-                raise ValueError(
-                    f"EmbeddingVariable '{self.name}' needs a `combiner` to "
-                    "embed tf.SparseTensor ids. Received combiner=None"
-                )
-            inputs = checked_sparse_ids(inputs, f"EmbeddingVariable '{self.name}' ids")
-            rows = self._lookup(self._ids(inputs.values), training)
-            return combine_sparse(rows, inputs, self.combiner)
-        inputs = tf.convert_to_tensor(inputs)
-        ids = self._ids(inputs)
-        if self.combiner is None:
-            return self._lookup(ids, training)
-        if inputs.shape.rank is not None and inputs.shape.rank < 1:
-            raise ValueError(
-                f"EmbeddingVariable '{self.name}' with a combiner combines the "
-                f"last axis of the ids; received scalar ids of shape {inputs.shape}"
-            )
-        rows = self._lookup(ids, training)
-        return combine_dense(rows, self.combiner)
+        return embed_ids(self, inputs, lambda ids, _: self._lookup(ids, training),
+                         self.combiner, key_dtype=tf.as_dtype(self.key_dtype))
 
     def compute_output_shape(self, input_shape):
         input_shape = tuple(input_shape)
@@ -235,9 +160,7 @@ class EmbeddingVariable(keras.layers.Layer):
         return input_shape + (self.embedding_dim,)
 
     def compute_output_spec(self, inputs, training=None):
-        shape = self.compute_output_shape(inputs.shape)
-        ragged = bool(getattr(inputs, "ragged", False)) and self.combiner is None
-        return keras.KerasTensor(shape, dtype=self.compute_dtype, ragged=ragged)
+        return output_spec(self, inputs, self.embedding_dim, self.combiner)
 
     def count_params(self):
         """Scalars in the weights, a table counting (ids admitted) x dim;
@@ -253,6 +176,12 @@ class EmbeddingVariable(keras.layers.Layer):
                 f"EmbeddingVariable '{self.name}' is not built yet; call it on "
                 f"ids (or build it) before {what}."
             )
+
+    def _table_for_lookup(self):
+        """The table, built if need be (for the functional ops' `params`)."""
+        if self.table is None:
+            self.build()
+        return self.table
 
     def table_size(self):
         """Number of distinct ids admitted to the table."""

@@ -2,9 +2,9 @@
 (DeepRec's Multi-Hash Variable; Shi et al., "Compositional Embeddings Using
 Complementary Partitions for Memory-Efficient Recommendation Systems").
 
-Also home of `fingerprint64` / `hash_to_range`, the stable id hash shared
-with `AdaptiveEmbedding`, and of `embed_ids`, the input handling (dense,
-ragged, sparse; combiners) that both layers share with `EmbeddingVariable`.
+The stable id hash (`fingerprint64`, `hash_to_range`) lives in
+`keras_rec_emb._hashing` and the input handling (`embed_ids`) in
+`keras_rec_emb._ids`; both are re-exported here for old import paths.
 """
 
 import math
@@ -13,60 +13,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_rec_emb._checks import check_combiner, checked_sparse_ids, integer_ids
-from keras_rec_emb.layers.embedding_variable import combine_dense, combine_rows, combine_sparse
+from keras_rec_emb._checks import check_combiner
+from keras_rec_emb._hashing import fingerprint64, hash_to_range  # noqa: F401 (old path)
+from keras_rec_emb._ids import embed_ids, output_spec
 
 _STRATEGIES = ("Q-R", "generalized_QR", "CRT")
 _OPERATIONS = ("add", "mult", "concat")
-
-# splitmix64 (Steele, Lea & Flood; the finalizer of Java's SplittableRandom).
-_GOLDEN = 0x9E3779B97F4A7C15
-_MIX1 = 0xBF58476D1CE4E5B9
-_MIX2 = 0x94D049BB133111EB
-
-
-def fingerprint64(ids):
-    """A stable 64-bit fingerprint of integer ids (splitmix64), as uint64.
-
-    With `x` the id as a 64-bit two's-complement integer read unsigned and
-    all arithmetic modulo 2**64:
-
-        z = x + 0x9E3779B97F4A7C15
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EB
-        fingerprint = z ^ (z >> 31)
-
-    It depends on nothing but the id: the same in every run, process and
-    machine (unlike Python's `hash`).
-
-    Args:
-        ids: integer tensor (int32 ids are sign-extended first).
-
-    Returns:
-        uint64 tensor of the shape of `ids`.
-
-    Example:
-
-    >>> from keras_rec_emb.layers.multi_hash_embedding import fingerprint64
-    >>> fingerprint64(tf.constant([0, 1], tf.int64)).numpy().tolist()
-    [16294208416658607535, 10451216379200822465]
-    """
-    ids = tf.convert_to_tensor(ids)
-    if ids.dtype != tf.int64:
-        ids = tf.cast(ids, tf.int64)
-    z = tf.bitcast(ids, tf.uint64) + tf.constant(_GOLDEN, tf.uint64)
-    z = tf.bitwise.bitwise_xor(z, tf.bitwise.right_shift(z, tf.constant(30, tf.uint64)))
-    z = z * tf.constant(_MIX1, tf.uint64)
-    z = tf.bitwise.bitwise_xor(z, tf.bitwise.right_shift(z, tf.constant(27, tf.uint64)))
-    z = z * tf.constant(_MIX2, tf.uint64)
-    return tf.bitwise.bitwise_xor(z, tf.bitwise.right_shift(z, tf.constant(31, tf.uint64)))
-
-
-def hash_to_range(ids, num_buckets):
-    """`fingerprint64(ids) mod num_buckets` as int64 (all ids hashed)."""
-    h = tf.math.floormod(fingerprint64(ids), tf.constant(num_buckets, tf.uint64))
-    return tf.cast(h, tf.int64)
-
 
 def _positive_int(name, value):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
@@ -82,85 +34,6 @@ def _int_root_ceil(n, k):
     while m > 1 and (m - 1) ** k >= n:
         m -= 1
     return m
-
-
-def _check_ids_dtype(ids, layer):
-    return integer_ids(ids, f"{type(layer).__name__} '{layer.name}'")
-
-
-def embed_ids(layer, inputs, embed_flat, combiner, extra=None):
-    """Shared input handling of the compact embedding layers.
-
-    `embed_flat(flat_int64_ids, flat_extra)` returns `[n, dim]` rows. Dense
-    ids of any shape give `ids.shape + (dim,)`; with a combiner the last
-    axis is combined. Ragged `[B, None]` ids give ragged rows (no combiner)
-    or `[B, dim]`; sparse `[B, None]` ids need a combiner. `extra` (an
-    optional per-id tensor of the same structure as `inputs`, e.g. a mask)
-    is flattened alongside.
-    """
-    what = f"{type(layer).__name__} '{layer.name}'"
-    if isinstance(inputs, tf.RaggedTensor):
-        if inputs.ragged_rank != 1 or inputs.shape.rank != 2:
-            raise ValueError(
-                f"{what} takes ragged ids of shape [batch, None]. Received "
-                f"shape {inputs.shape} with ragged_rank {inputs.ragged_rank}"
-            )
-        flat_extra = None if extra is None else _flat_like(extra, inputs.values)
-        rows = embed_flat(_check_ids_dtype(inputs.values, layer), flat_extra)
-        if combiner is None:
-            return inputs.with_values(rows)
-        return combine_rows(rows, inputs.value_rowids(), inputs.nrows(), combiner)
-    if isinstance(inputs, tf.SparseTensor):
-        if inputs.shape.rank != 2:
-            raise ValueError(
-                f"{what} takes sparse ids of shape [batch, None]. Received "
-                f"shape {inputs.shape}"
-            )
-        if combiner is None:
-            raise ValueError(
-                f"{what} needs a `combiner` to embed tf.SparseTensor ids. "
-                "Received combiner=None"
-            )
-        if extra is not None:  # reordered alike below
-            extra = tf.SparseTensor(inputs.indices, _flat_like(extra, inputs.values),
-                                    inputs.dense_shape)
-            extra = checked_sparse_ids(extra, f"{what} mask").values
-        inputs = checked_sparse_ids(inputs, f"{what} ids")
-        rows = embed_flat(_check_ids_dtype(inputs.values, layer), extra)
-        return combine_sparse(rows, inputs, combiner)
-    inputs = tf.convert_to_tensor(inputs)
-    ids = _check_ids_dtype(inputs, layer)
-    if combiner is not None and inputs.shape.rank is not None and inputs.shape.rank < 1:
-        raise ValueError(
-            f"{what} with a combiner combines the last axis of the ids; "
-            f"received scalar ids of shape {inputs.shape}"
-        )
-    flat_extra = None if extra is None else _flat_like(extra, ids)
-    rows = embed_flat(tf.reshape(ids, [-1]), flat_extra)
-    dim = rows.shape[-1]
-    shape = tf.concat([tf.shape(ids, out_type=tf.int64), [dim]], 0)
-    rows = tf.ensure_shape(tf.reshape(rows, shape), ids.shape.concatenate([dim]))
-    return rows if combiner is None else combine_dense(rows, combiner)
-
-
-def _flat_like(extra, ids):
-    """`extra` (dense, ragged or sparse, like the ids) as a flat tensor."""
-    if isinstance(extra, tf.RaggedTensor):
-        extra = extra.flat_values
-    elif isinstance(extra, tf.SparseTensor):
-        extra = extra.values
-    extra = tf.reshape(tf.convert_to_tensor(extra), [-1])
-    tf.debugging.assert_equal(tf.size(extra), tf.size(ids),
-                              message="the mask must have one entry per id")
-    return extra
-
-
-def output_spec(layer, inputs, dim, combiner):
-    """compute_output_spec of the layers above."""
-    shape = tuple(inputs.shape)
-    shape = shape[:-1] + (dim,) if combiner is not None else shape + (dim,)
-    ragged = bool(getattr(inputs, "ragged", False)) and combiner is None
-    return keras.KerasTensor(shape, dtype=layer.compute_dtype, ragged=ragged)
 
 
 @keras.saving.register_keras_serializable(package="keras_rec_emb")

@@ -14,6 +14,9 @@ distinct keys (no dense shape), as the single lookup's; that of a dense
 variables, any Keras optimizer) apply them unchanged.
 """
 
+import contextlib
+import threading
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -21,7 +24,9 @@ import tensorflow as tf
 from keras_rec_emb import _compat
 from keras_rec_emb import _ops
 from keras_rec_emb._checks import (COMBINERS, assert_ids_in_range, check_bool, check_float,
-                                   check_int, checked_sparse_ids, integer_ids)
+                                   check_int)
+from keras_rec_emb._embed_reduce import combine_rows
+from keras_rec_emb._ids import collapse_outer, flat_ids_and_splits, int_ids, weights_values
 from keras_rec_emb.variables import EmbeddingTable, TableVariable
 
 
@@ -46,12 +51,8 @@ class _Param:
 
 
 def _as_param(p, index):
-    from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
-
-    if isinstance(p, EmbeddingVariable):
-        if p.table is None:
-            p.build()
-        return _Param(table=p.table)
+    if isinstance(p, keras.layers.Layer) and hasattr(p, "_table_for_lookup"):
+        return _Param(table=p._table_for_lookup())  # an EmbeddingVariable
     if isinstance(p, EmbeddingTable):
         return _Param(table=p)
     if isinstance(p, TableVariable):
@@ -88,130 +89,6 @@ def _dense_value(variable):
     return tf.cast(value, tf.float32) if value.dtype != tf.float32 else value
 
 
-# -- ids ---------------------------------------------------------------------
-def _check_int(values, what):
-    return integer_ids(values, f"`{what}`")
-
-
-def _collapse_outer(ids, what):
-    """Rank > 2 ids as TF's safe_embedding_lookup_sparse takes them.
-
-    Returns (ids as [d0 * ... * dn-1, dn], outer) where `outer` is None for
-    rank <= 2 ids, else (the dynamic and the static shape [d0, ..., dn-1]) to
-    give the combined output back that shape plus the embedding dim.
-    """
-    if isinstance(ids, tf.SparseTensor):
-        rank = ids.shape.rank
-        if rank is None or rank <= 2:
-            return ids, None
-        shape = ids.dense_shape
-        flat = tf.sparse.reshape(ids, tf.stack([tf.reduce_prod(shape[:-1]), shape[-1]]))
-        return flat, (shape[:-1], ids.shape[:-1])
-    if isinstance(ids, tf.RaggedTensor):
-        return ids, None
-    ids = tf.convert_to_tensor(ids)
-    if ids.shape.rank is None or ids.shape.rank <= 2:
-        return ids, None
-    shape = tf.shape(ids, out_type=tf.int64)
-    flat = tf.reshape(ids, tf.stack([tf.reduce_prod(shape[:-1]), shape[-1]]))
-    return flat, (shape[:-1], ids.shape[:-1])
-
-
-def _to_ragged(ids, what):
-    """Returns (flat int64 ids, int64 row splits) of [B, None] ids."""
-    if isinstance(ids, tf.RaggedTensor):
-        if ids.ragged_rank != 1:
-            raise ValueError(
-                f"`{what}` must be a [batch, None] tf.RaggedTensor. Received "
-                f"ragged_rank {ids.ragged_rank} and shape {ids.shape}"
-            )
-        return _check_int(ids.values, what), tf.cast(ids.row_splits, tf.int64)
-    if isinstance(ids, tf.SparseTensor):
-        if ids.shape.rank is None or ids.shape.rank < 2:
-            raise ValueError(
-                f"`{what}` must be a tf.SparseTensor of rank >= 2 "
-                f"([d0, ..., dn]). Received shape {ids.shape}"
-            )
-        # Rows are read in index order: reorder first (a row index outside
-        # [0, dense_shape[0]) is an error, not a silently dropped row).
-        ids = checked_sparse_ids(ids, f"`{what}`")
-        return _check_int(ids.values, what), _sparse_row_splits(ids)
-    ids = tf.convert_to_tensor(ids)
-    _check_int(ids, what)
-    if ids.shape.rank not in (1, 2):
-        raise ValueError(
-            f"`{what}` must be a tf.RaggedTensor, a tf.SparseTensor or a "
-            f"dense [batch] / [batch, length] tensor. Received shape {ids.shape}"
-        )
-    # Every row has `length` ids, so the splits are a range. (Not
-    # RaggedTensor.from_tensor: its ~20 small ops per feature, times 26
-    # features, cost a GroupEmbedding more per step than the fused lookup
-    # saves; see benchmarks/fit_epoch.py.)
-    batch = tf.shape(ids, out_type=tf.int64)[0]
-    if ids.shape.rank == 1:
-        return _check_int(ids, what), tf.range(batch + 1, dtype=tf.int64)
-    length = ids.shape[1] if ids.shape[1] is not None else tf.shape(ids, out_type=tf.int64)[1]
-    values = _check_int(tf.reshape(ids, [-1]), what)  # int64, as the op takes
-    return values, tf.range(batch + 1, dtype=tf.int64) * length
-
-
-def _sparse_row_splits(sp):
-    """Row splits of a row-major ordered [batch, None] tf.SparseTensor."""
-    return tf.concat([[0], tf.cumsum(tf.math.bincount(
-        sp.indices[:, 0], minlength=sp.dense_shape[0], maxlength=sp.dense_shape[0],
-        dtype=tf.int64))], 0)
-
-
-def _same_vector(a, b):
-    """Scalar bool tensor: `a` and `b` (any shapes) hold the same elements."""
-    a, b = tf.reshape(a, [-1]), tf.reshape(b, [-1])
-    n = tf.minimum(tf.size(a), tf.size(b))
-    return tf.logical_and(tf.equal(tf.size(a), tf.size(b)),
-                          tf.reduce_all(tf.equal(a[:n], b[:n])))
-
-
-def _weights_values(w, ids, splits, what, what_ids):
-    """Flat float32 weights of `w`, checked to have the structure of `ids`
-    (same row lengths; same indices for sparse ones): weights are paired
-    with ids by position, so another structure would weight the wrong ids."""
-    if w is None:
-        return tf.zeros([0], tf.float32)
-    if isinstance(w, tf.SparseTensor):
-        w = checked_sparse_ids(w, f"`{what}`")
-        values, w_splits = w.values, _sparse_row_splits(w)
-    elif isinstance(w, tf.RaggedTensor):
-        if w.ragged_rank != 1:
-            raise ValueError(f"`{what}` must be a [batch, None] tf.RaggedTensor. "
-                             f"Received ragged_rank {w.ragged_rank}")
-        values, w_splits = w.values, tf.cast(w.row_splits, tf.int64)
-    else:
-        w = tf.convert_to_tensor(w)
-        if w.shape.rank == 1:
-            w = tf.expand_dims(w, 1)
-        if w.shape.rank != 2:
-            raise ValueError(f"`{what}` must be [batch, length] weights like the ids. "
-                             f"Received shape {w.shape}")
-        r = tf.RaggedTensor.from_tensor(w)
-        values, w_splits = r.values, tf.cast(r.row_splits, tf.int64)
-    if not (values.dtype.is_floating or values.dtype.is_integer):
-        raise TypeError(f"`{what}` must be numeric. Received dtype {values.dtype.name}")
-    values = tf.cast(values, tf.float32)
-    same = _same_vector(w_splits, splits)
-    if isinstance(w, tf.SparseTensor) and isinstance(ids, tf.SparseTensor):
-        same = tf.logical_and(same, _same_vector(tf.sparse.reorder(ids).indices, w.indices))
-    message = (f"`{what}` must have the structure of `{what_ids}` (one weight per "
-               "id, the same row lengths and, for tf.SparseTensor, the same indices)")
-    if tf.executing_eagerly():
-        if not bool(same):
-            raise ValueError(
-                f"{message}. Received {int(splits[-1])} ids with row splits "
-                f"{splits.numpy().tolist()[:8]} and {int(tf.size(values))} weights "
-                f"with row splits {w_splits.numpy().tolist()[:8]}")
-        return values
-    with tf.control_dependencies([tf.debugging.assert_equal(same, True, message=message)]):
-        return tf.identity(values)
-
-
 def _as_list(x, n, what, check=None):
     if isinstance(x, (list, tuple)):
         if len(x) != n:
@@ -240,12 +117,10 @@ def _check_combiner(c):
 def _fused_lookup(params, flat_ids, splits, weights, combiners, max_norms,
                   default_ids, prunes, sequences, training, name):
     """Runs one KRE>GroupLookup over features (lists of equal length)."""
-    from keras_rec_emb import serving
-
-    if serving.serving_active() and not training:  # traced for export_for_serving
-        return serving.stock_group_lookup(params, flat_ids, splits, weights, combiners,
-                                          max_norms, default_ids, prunes, sequences,
-                                          _dense_value)
+    stock_table = getattr(_STOCK, "table", None)
+    if stock_table is not None and not training:  # traced inside `stock_lookups`
+        return stock_group_lookup(params, flat_ids, splits, weights, combiners, max_norms,
+                                  default_ids, prunes, sequences, stock_table)
     # Distinct parameters, tables first (the op's input order).
     tables, dense, index = [], [], {}
     for p in params:
@@ -279,6 +154,89 @@ def _fused_lookup(params, flat_ids, splits, weights, combiners, max_norms,
         list(flat_ids), list(splits), list(weights), insert=bool(training),
         num_params=len(tables) + len(dense), name=name or "GroupLookup", **attrs)
     return list(outs)
+
+
+# -- the same lookup with stock TensorFlow ops (export_for_serving) ------------
+_STOCK = threading.local()
+
+
+@contextlib.contextmanager
+def stock_lookups(stock_table):
+    """Inside (in this thread), inference group lookups run on stock
+    TensorFlow ops (`stock_group_lookup`) instead of `KRE>GroupLookup`,
+    reading each table's rows from `stock_table(table)`: what
+    `export_for_serving` traces. Training lookups are unchanged."""
+    previous = getattr(_STOCK, "table", None)
+    _STOCK.table = stock_table
+    try:
+        yield
+    finally:
+        _STOCK.table = previous
+
+
+def _checked_splits(splits, nnz):
+    """`splits` once checked (with stock ops, in the served graph) to be the
+    row splits of `nnz` values: a serving request with malformed ragged
+    input gets an InvalidArgument error, never rows read from the wrong
+    places."""
+    message = ("row_splits of a ragged input must have at least one entry, start at "
+               "0, never decrease and end at the number of values")
+    n = tf.size(splits)
+    ok = tf.logical_and(n >= 1, tf.reduce_all(splits[1:] >= splits[:-1]))
+    ok = tf.logical_and(ok, tf.equal(tf.concat([splits[:1], [0]], 0)[0], 0))
+    ok = tf.logical_and(ok, tf.equal(tf.concat([[nnz], splits], 0)[-1], nnz))
+    check = tf.debugging.Assert(ok, [message, "row_splits:", splits, "values:", nnz],
+                                summarize=16)
+    with tf.control_dependencies([check]):
+        return tf.identity(splits)
+
+
+def stock_group_lookup(params, flat_ids, splits, weights, combiners, max_norms,
+                       default_ids, prunes, sequences, stock_table=None):
+    """`KRE>GroupLookup` (inference) with stock TensorFlow ops, feature by
+    feature: prune ids < 0 (and, for mean and sqrtn, ids of weight <= 0),
+    fill empty rows with the default id, clip rows to max_norm, weight, then
+    combine or lay out as a sequence. A table's rows are read from
+    `stock_table(table)` (an object with `lookup(keys)`), or from the table
+    itself without it."""
+    outs = []
+    for p, ids, s, w, combiner, max_norm, default_id, prune, sequence in zip(
+            params, flat_ids, splits, weights, combiners, max_norms, default_ids,
+            prunes, sequences):
+        ids = tf.cast(ids, tf.int64)
+        s = _checked_splits(tf.cast(s, tf.int64), tf.size(ids, out_type=tf.int64))
+        batch = tf.shape(s, out_type=tf.int64)[0] - 1
+        rows_of = tf.ragged.row_splits_to_segment_ids(s, out_type=tf.int64)
+        weighted = tf.size(w) > 0
+        w = tf.cond(weighted, lambda w=w: tf.reshape(w, [-1]),
+                    lambda ids=ids: tf.ones(tf.shape(ids), tf.float32))
+        if prune:
+            keep = ids >= 0
+            ids, w, rows_of = (tf.boolean_mask(x, keep) for x in (ids, w, rows_of))
+        if combiner != "sum":  # as TF's safe_embedding_lookup_sparse
+            keep = tf.logical_or(w > 0, tf.logical_not(weighted))
+            ids, w, rows_of = (tf.boolean_mask(x, keep) for x in (ids, w, rows_of))
+        if default_id is not None:
+            counts = tf.math.unsorted_segment_sum(tf.ones_like(rows_of), rows_of, batch)
+            empty = tf.where(tf.equal(counts, 0))[:, 0]
+            ids = tf.concat([ids, tf.fill(tf.shape(empty), tf.constant(default_id, tf.int64))], 0)
+            w = tf.concat([w, tf.ones(tf.shape(empty), tf.float32)], 0)
+            rows_of = tf.concat([rows_of, empty], 0)
+            order = tf.argsort(rows_of, stable=True)
+            ids, w, rows_of = (tf.gather(x, order) for x in (ids, w, rows_of))
+        if p.table is not None:
+            source = p.table if stock_table is None else stock_table(p.table)
+            rows = source.lookup(tf.cast(ids, p.table.key_dtype))
+        else:
+            rows = tf.gather(_dense_value(p.variable), ids)
+        if max_norm:
+            rows = tf.clip_by_norm(rows, max_norm, axes=[1])
+        if sequence:
+            outs.append(tf.RaggedTensor.from_value_rowids(
+                rows * w[:, None], rows_of, nrows=batch).to_tensor())
+        else:
+            outs.append(combine_rows(rows, rows_of, batch, combiner, w))
+    return outs
 
 
 def _attrs_of(op, names):
@@ -348,20 +306,20 @@ def _group(params, ids_list, combiners, weights_list, sequences, max_norms,
     ps = [_as_param(p, i) for i, p in enumerate(params)]
     flat, splits, weights, outers = [], [], [], []
     for i, ids in enumerate(ids_list):
-        ids, outer = _collapse_outer(ids, f"{what_ids}[{i}]")
+        ids, outer = collapse_outer(ids, f"{what_ids}[{i}]")
         if outer is not None and sequences[i]:
             raise ValueError(
                 f"`{what_ids}[{i}]` of a sequence feature (`is_sequence`) must "
                 f"be [batch, None]. Received shape {outer[1].concatenate([None])}"
             )
         outers.append(outer)
-        v, s = _to_ragged(ids, f"{what_ids}[{i}]")
+        v, s = flat_ids_and_splits(ids, f"{what_ids}[{i}]")
         flat.append(v)
         splits.append(s)
         w = None if weights_list is None else weights_list[i]
         if w is not None and outer is not None:  # the ids' [d0 * ... * dn-1, dn]
-            w, _ = _collapse_outer(w, f"{what_weights}[{i}]")
-        weights.append(_weights_values(w, ids, s, f"{what_weights}[{i}]", f"{what_ids}[{i}]"))
+            w, _ = collapse_outer(w, f"{what_weights}[{i}]")
+        weights.append(weights_values(w, ids, s, f"{what_weights}[{i}]", f"{what_ids}[{i}]"))
         if ps[i].table is not None:  # int64 ids must fit an int32 table's keys
             flat[i] = assert_ids_in_range(v, ps[i].table.key_dtype, f"`{what_ids}[{i}]`",
                                           lower=not prunes[i])
@@ -521,7 +479,7 @@ def group_embedding_lookup(params, ids, name=None, *, training=False):
                 "group_embedding_lookup_sparse for ragged or sparse ids"
             )
         t = tf.convert_to_tensor(t)
-        _check_int(t, f"ids[{i}]")
+        int_ids(t, f"ids[{i}]")
         tensors.append(t)
     flat = [tf.reshape(t, [-1, 1]) for t in tensors]
     n = len(tensors)

@@ -11,7 +11,7 @@ import tensorflow as tf
 import keras_rec_emb as kre
 from keras_rec_emb import ops
 from keras_rec_emb.layers import EmbeddingVariable
-from keras_rec_emb.layers.embedding_variable import combine_rows
+from keras_rec_emb._embed_reduce import combine_rows
 from keras_rec_emb.ops import embedding_ops
 
 DVD = 11

@@ -1,0 +1,53 @@
+"""The stable id hash (splitmix64) that MultiHashEmbedding and
+AdaptiveEmbedding share (private; `fingerprint64` is also reachable as
+`keras_rec_emb.layers.multi_hash_embedding.fingerprint64`)."""
+
+import tensorflow as tf
+
+# splitmix64 (Steele, Lea & Flood; the finalizer of Java's SplittableRandom).
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+
+
+def fingerprint64(ids):
+    """A stable 64-bit fingerprint of integer ids (splitmix64), as uint64.
+
+    With `x` the id as a 64-bit two's-complement integer read unsigned and
+    all arithmetic modulo 2**64:
+
+        z = x + 0x9E3779B97F4A7C15
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+        fingerprint = z ^ (z >> 31)
+
+    It depends on nothing but the id: the same in every run, process and
+    machine (unlike Python's `hash`).
+
+    Args:
+        ids: integer tensor (int32 ids are sign-extended first).
+
+    Returns:
+        uint64 tensor of the shape of `ids`.
+
+    Example:
+
+    >>> from keras_rec_emb._hashing import fingerprint64
+    >>> fingerprint64(tf.constant([0, 1], tf.int64)).numpy().tolist()
+    [16294208416658607535, 10451216379200822465]
+    """
+    ids = tf.convert_to_tensor(ids)
+    if ids.dtype != tf.int64:
+        ids = tf.cast(ids, tf.int64)
+    z = tf.bitcast(ids, tf.uint64) + tf.constant(_GOLDEN, tf.uint64)
+    z = tf.bitwise.bitwise_xor(z, tf.bitwise.right_shift(z, tf.constant(30, tf.uint64)))
+    z = z * tf.constant(_MIX1, tf.uint64)
+    z = tf.bitwise.bitwise_xor(z, tf.bitwise.right_shift(z, tf.constant(27, tf.uint64)))
+    z = z * tf.constant(_MIX2, tf.uint64)
+    return tf.bitwise.bitwise_xor(z, tf.bitwise.right_shift(z, tf.constant(31, tf.uint64)))
+
+
+def hash_to_range(ids, num_buckets):
+    """`fingerprint64(ids) mod num_buckets` as int64 (all ids hashed)."""
+    h = tf.math.floormod(fingerprint64(ids), tf.constant(num_buckets, tf.uint64))
+    return tf.cast(h, tf.int64)
