@@ -30,6 +30,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
+from keras_rec_emb import _compat, _ops
 from keras_rec_emb import variables as _variables
 
 # Fibonacci hashing (the golden-ratio multiplier, high 32 bits). The kv
@@ -120,7 +121,7 @@ def _concat(arrays, like):
     return np.concatenate(arrays, axis=0) if arrays else like
 
 
-class ShardedEmbeddingTable:
+class ShardedEmbeddingTable(_compat.Trackable):
     """One embedding table split by key hash over several devices.
 
     Shard `i` holds the keys with `shard_of(key, N) == i`; it is an
@@ -139,6 +140,7 @@ class ShardedEmbeddingTable:
 
     def __init__(self, devices, dim, key_dtype, default_values, name="embedding_table",
                  replicas=False, **kwargs):
+        super().__init__()
         self._devices = _check_devices(devices)
         self._name = name
         self._replicas = bool(replicas)
@@ -220,6 +222,47 @@ class ShardedEmbeddingTable:
     def __repr__(self):
         return (f"<ShardedEmbeddingTable '{self._name}' dim={self.dim} "
                 f"shards={self._devices}>")
+
+    # -- tf.train.Checkpoint: one table in the ordinary format ----------------
+    _ROW_PARTS = ("keys", "values", "freqs", "versions", "slot_values")
+    _FILTERED_PARTS = ("keys_filtered", "freqs_filtered", "versions_filtered")
+
+    def _serialize_to_tensors(self):
+        """The shards gathered into `EmbeddingTable`'s checkpoint format (the
+        same names), so a checkpoint restores into any shard count."""
+        shard_parts = []
+        for shard in self._shards:
+            with tf.device(shard.device):
+                evict = [shard._evict_op()] if shard.evicts else []  # noqa: SLF001
+                with tf.control_dependencies(evict):
+                    shard_parts.append(_ops.export(shard.handle, shard.key_dtype, shard.dim,
+                                                   include_filtered=shard.save_filtered))
+        out = {k: tf.concat([p[k] for p in shard_parts], axis=0)
+               for k in self._ROW_PARTS + self._FILTERED_PARTS}
+        for k in ("slot_names", "slot_widths", "default_values"):
+            out[k] = shard_parts[0][k]
+        # Each shard's Bloom counters cover its own keys only; not merged.
+        out["bloom"] = tf.zeros([0], tf.uint8)
+        return out
+
+    def _restore_from_tensors(self, restored_tensors):
+        parts = dict(restored_tensors)
+        values = parts.get("values")
+        if values is not None:
+            _variables.check_saved_dim(self._name, values.shape, self.dim)
+        n = len(self._shards)
+        rows = shard_of(parts["keys"], n)
+        filtered = shard_of(parts["keys_filtered"], n)
+        split = {k: tf.dynamic_partition(parts[k], rows, n) for k in self._ROW_PARTS}
+        split.update({k: tf.dynamic_partition(parts[k], filtered, n)
+                      for k in self._FILTERED_PARTS})
+        ops = []
+        for i, shard in enumerate(self._shards):
+            mine = dict(parts)
+            mine.update({k: v[i] for k, v in split.items()})
+            with tf.device(shard.device):
+                ops.append(_ops.import_(shard.handle, shard.dim, mine))
+        return tf.group(ops)
 
     # -- table operations -------------------------------------------------
     def lookup(self, keys, insert=False):

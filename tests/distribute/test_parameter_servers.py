@@ -225,3 +225,63 @@ def test_group_embedding_refuses_sharded_tables_clearly():
         with pytest.raises(ValueError, match=r"'group_sharded/embeddings' is sharded over 2 "
                                              r"devices.*GroupEmbedding"):
             group({"a": tf.constant([[1, 2]], tf.int64)})
+
+
+def test_checkpoint_reshards_on_restore(tmp_path):
+    """tf.train.Checkpoint of a sharded table is the ordinary per-table
+    format: 1 -> 2 -> 3 -> 1 shards keep every row, slot and count."""
+    init = np.random.default_rng(0).normal(size=(5, 3)).astype(np.float32)
+    keys = tf.constant(np.arange(-20, 40, 3), tf.int64)
+
+    def make(n, name):
+        if n == 1:
+            return kre.variables.EmbeddingTable(3, "int64", init, name=name, track_meta=True)
+        return ps_tables.ShardedEmbeddingTable(["/cpu:0"] * n, 3, "int64", init, name=name,
+                                               track_meta=True)
+
+    first = make(1, "ckpt_one")
+    first.add_slot("accumulator", 0.5)
+    first.lookup(keys, insert=True)
+    kre._ops.sparse_apply(first.handle, keys, tf.ones([keys.shape[0], 3]), "adagrad",
+                          [0.1, 0.0, 1e-7], 1, ["accumulator"])
+    want = first.export()
+    order = np.argsort(want["keys"])
+    path = tf.train.Checkpoint(table=first).write(str(tmp_path / "one"))
+    for n, name in ((2, "ckpt_two"), (3, "ckpt_three"), (1, "ckpt_back")):
+        table = make(n, name)
+        table.add_slot("accumulator", 0.5)
+        tf.train.Checkpoint(table=table).read(path).assert_consumed()
+        got = table.export()
+        mine = np.argsort(got["keys"])
+        np.testing.assert_array_equal(got["keys"][mine], want["keys"][order])
+        np.testing.assert_allclose(got["values"][mine], want["values"][order])
+        np.testing.assert_array_equal(got["freqs"][mine], want["freqs"][order])
+        np.testing.assert_allclose(got["slots"]["accumulator"][mine],
+                                   want["slots"]["accumulator"][order])
+        if n > 1:
+            assert min(s.size() for s in table.shards) > 0
+        path = tf.train.Checkpoint(table=table).write(str(tmp_path / name))
+
+
+def test_model_checkpoint_from_sharded_layer_restores_into_one_table(tmp_path):
+    def model(devices=None):
+        ids = keras.Input((2,), dtype="int64")
+        layer = kre.layers.EmbeddingVariable(
+            3, combiner="sum", name="ckpt_layer",
+            initializer=keras.initializers.RandomUniform(seed=3))
+        if devices:
+            with kre.distribute.parameter_servers(devices):
+                out = layer(ids)
+        else:
+            out = layer(ids)
+        return keras.Model(ids, out), layer
+
+    sharded, layer = model(["/cpu:0", "/cpu:0"])
+    ids = np.array([[1, 2], [3, 900]], np.int64)
+    sharded(ids, training=True)
+    assert isinstance(layer.table, ps_tables.ShardedEmbeddingTable)
+    path = tf.train.Checkpoint(model=sharded).write(str(tmp_path / "m"))
+    plain, plain_layer = model()
+    tf.train.Checkpoint(model=plain).read(path).assert_existing_objects_matched()
+    assert plain_layer.table.size() == 4
+    np.testing.assert_allclose(plain(ids).numpy(), sharded(ids).numpy())
