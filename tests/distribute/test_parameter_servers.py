@@ -1,6 +1,7 @@
 """Asynchronous parameter-server tables: 2 PS and 2 worker processes on
 127.0.0.1 (TensorFlow's gRPC runtime carries the traffic)."""
 
+import json
 import os
 import socket
 import subprocess
@@ -285,3 +286,25 @@ def test_model_checkpoint_from_sharded_layer_restores_into_one_table(tmp_path):
     tf.train.Checkpoint(model=plain).read(path).assert_existing_objects_matched()
     assert plain_layer.table.size() == 4
     np.testing.assert_allclose(plain(ids).numpy(), sharded(ids).numpy())
+
+
+def test_export_for_serving_of_a_sharded_table(tmp_path):
+    """The SavedModel of a model with a sharded table reads its rows with
+    stock TensorFlow ops (loaded in a process without this package)."""
+    ids = keras.Input((2,), dtype="int64")
+    with kre.distribute.parameter_servers(["/cpu:0", "/cpu:0"]):
+        rows = kre.layers.EmbeddingVariable(3, combiner="mean", name="serve_sharded")(ids)
+    model = keras.Model(ids, keras.layers.Dense(1)(rows))
+    x = np.array([[1, 2], [3, 900], [7, 7]], np.int64)
+    model(x, training=True)
+    kre.export_for_serving(model, str(tmp_path / "sm"))
+    script = (
+        "import json, tensorflow as tf\n"
+        f"m = tf.saved_model.load({str(tmp_path / 'sm')!r})\n"
+        f"print(json.dumps(m.serve(tf.constant({x.tolist()}, tf.int64)).numpy().ravel()"
+        ".tolist()))\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    served = np.array(json.loads(proc.stdout.strip().splitlines()[-1]))
+    np.testing.assert_allclose(served, model.predict(x, verbose=0).ravel(), rtol=1e-5)
