@@ -40,7 +40,7 @@ from keras_rec_emb.options import (  # noqa: E402,F401
     L2WeightEvict,
     StorageOption,
 )
-from keras_rec_emb.saving import save_model  # noqa: E402,F401
+from keras_rec_emb.saving import load_model, save_model  # noqa: E402,F401
 from keras_rec_emb.serving import export_for_serving  # noqa: E402,F401
 
 __version__ = "0.1.0"

@@ -113,13 +113,14 @@ def _table_lookup_grad(op, grad):
 
 
 def create_table(default_values, key_dtype, dim, num_shards, track_meta=True,
-                 filter_freq=0, bloom=None, no_permission_value=0.0, shared_name="",
-                 replica_shard=False):
-    """A new table; `bloom` is (counters, hashes, counter_bytes) or None. A
-    non-empty `shared_name` finds or creates the table of that name on the
-    current device (shared by every client of a parameter server).
-    `replica_shard`: the table is one replica's shard of a table sharded
-    over a MirroredStrategy's devices (keras_rec_emb.distribute)."""
+                 filter_freq=0, bloom=None, no_permission_value=0.0, freq_cap=0,
+                 shared_name="", replica_shard=False):
+    """A new table; `bloom` is (counters, hashes, counter_bytes) or None;
+    `freq_cap` > 0 stops each key's frequency at that count. A non-empty
+    `shared_name` finds or creates the table of that name on the current
+    device (shared by every client of a parameter server). `replica_shard`:
+    the table is one replica's shard of a table sharded over a
+    MirroredStrategy's devices (keras_rec_emb.distribute)."""
     if not replica_shard:
         refuse_distribution("Creating an embedding table")
     counters, hashes, counter_bytes = bloom or (0, 0, 8)
@@ -127,7 +128,8 @@ def create_table(default_values, key_dtype, dim, num_shards, track_meta=True,
         default_values, key_dtype=key_dtype, dim=dim, num_shards=num_shards,
         track_meta=track_meta, filter_freq=filter_freq, bloom_counters=counters,
         bloom_hashes=hashes, bloom_counter_bytes=counter_bytes,
-        no_permission_value=no_permission_value, shared_name=shared_name,
+        no_permission_value=no_permission_value, freq_cap=freq_cap,
+        shared_name=shared_name,
     )
 
 

@@ -95,7 +95,10 @@ class CounterFilter(_Option):
     its gradients are dropped and it has no embedding row or optimizer slots,
     only its count (exported as `keys_filtered` / `freqs_filtered`). The
     lookup that brings the count to `filter_freq` gives it its initializer
-    row, and it trains normally from then on.
+    row, and it trains normally from then on. As in DeepRec, an admitted
+    key's frequency then stays at `filter_freq` (keep counting with
+    `EmbeddingVariableOption(record_freq=True)`, DeepRec's
+    `TF_RECORD_FREQ=1`).
 
     Args:
         filter_freq: int >= 0. `0` (or `1`) admits every key.
@@ -310,6 +313,13 @@ class EmbeddingVariableOption(_Option):
             training resumes with their counts. The environment variable
             `KRE_EV_SAVE_FILTERED_FEATURES=false` also turns it off.
             Defaults to `True`.
+        record_freq: bool. With a `CounterFilter` or `CBFFilter`, keep
+            counting a key's training-lookup occurrences after it is
+            admitted (DeepRec's `TF_RECORD_FREQ=1`). `False` is DeepRec's
+            default: an admitted key's frequency stays at `filter_freq`
+            (DeepRec's export test: `CounterFilter(1)`, three lookups,
+            freq 1). Without a filter every occurrence counts. Defaults to
+            `False`.
 
     Example:
 
@@ -319,7 +329,8 @@ class EmbeddingVariableOption(_Option):
     """
 
     def __init__(self, init_option=None, filter_option=None, evict_option=None,
-                 storage_option=None, num_shards=32, track_meta=None, save_filtered=True):
+                 storage_option=None, num_shards=32, track_meta=None, save_filtered=True,
+                 record_freq=False):
         _check_instance("init_option", init_option, InitializerOption)
         _check_instance("filter_option", filter_option, (CounterFilter, CBFFilter))
         _check_instance("evict_option", evict_option, (GlobalStepEvict, L2WeightEvict))
@@ -343,8 +354,12 @@ class EmbeddingVariableOption(_Option):
         if not isinstance(save_filtered, bool):
             raise TypeError(f"`save_filtered` must be a bool. Received: "
                             f"save_filtered={save_filtered!r}")
+        if not isinstance(record_freq, bool):
+            raise TypeError(f"`record_freq` must be a bool. Received: "
+                            f"record_freq={record_freq!r}")
         self.track_meta = track_meta
         self.save_filtered = save_filtered
+        self.record_freq = record_freq
         self.init_option = init_option or InitializerOption()
         self.filter_option = filter_option
         self.evict_option = evict_option
@@ -370,6 +385,7 @@ class EmbeddingVariableOption(_Option):
             "track_meta": self.tracks_meta(),
             "no_permission_value": self.init_option.default_value_no_permission,
             "save_filtered": self.save_filtered,
+            "record_freq": self.record_freq,
         }
         f = self.filter_option
         if f is not None:
@@ -393,6 +409,7 @@ class EmbeddingVariableOption(_Option):
             "num_shards": self.num_shards,
             "track_meta": self.track_meta,
             "save_filtered": self.save_filtered,
+            "record_freq": self.record_freq,
         }
 
     @classmethod

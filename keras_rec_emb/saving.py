@@ -130,3 +130,38 @@ def check_keras_file(filepath):
         raise ValueError(
             f"{filepath} is not a complete .keras file: it lacks {missing} "
             f"(members: {names}). {fix}")
+
+
+def load_model(filepath, **kwargs):
+    """`keras.saving.load_model(filepath)` with errors that say what is wrong.
+
+    Keras reports a missing file, a file that is not a zip archive and a
+    truncated or corrupt archive alike as "File not found". This checks
+    the file first (`check_keras_file`: it exists, is a zip archive whose
+    members pass their CRC check, and holds a model config and weights) and
+    raises an error naming `filepath` and the fix; then it loads the model
+    (our layers and optimizers are registered for Keras serialization).
+
+    Args:
+        filepath: str or path-like, a `.keras` file.
+        **kwargs: passed to `keras.saving.load_model` (`custom_objects`,
+            `compile`, `safe_mode`).
+
+    Returns:
+        The `keras.Model`.
+
+    Raises:
+        FileNotFoundError: `filepath` does not exist.
+        ValueError: `filepath` is not a complete, readable `.keras` file.
+
+    Example:
+
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    >>> keras_rec_emb.save_model(model, "/tmp/kre_doc_load.keras")
+    >>> keras_rec_emb.load_model("/tmp/kre_doc_load.keras").output_shape
+    (None, 1)
+    """
+    import keras  # pylint: disable=import-outside-toplevel
+
+    check_keras_file(filepath)
+    return keras.saving.load_model(os.fspath(filepath), **kwargs)

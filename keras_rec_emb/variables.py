@@ -109,6 +109,10 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         bloom: `(counters, hashes, counter_bytes)` of a counting Bloom filter,
             or None.
         no_permission_value: float. What keys not admitted yet read.
+        record_freq: bool. With a filter, keep counting an admitted key's
+            training-lookup occurrences (DeepRec's `TF_RECORD_FREQ=1`);
+            `False` stops its frequency at `filter_freq`, as DeepRec does
+            by default. Without a filter every occurrence counts.
         steps_to_live: int or None. Global-step eviction threshold.
         l2_weight_threshold: float or None. L2-weight eviction threshold.
         save_filtered: bool. Save keys counted but not admitted (also off
@@ -132,7 +136,7 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
                  trainable=True, name="embedding_table", track_meta=True,
                  filter_freq=0, bloom=None, no_permission_value=0.0,
                  steps_to_live=None, l2_weight_threshold=None, save_filtered=True,
-                 restore_dim_mismatch="error", shared_name="", device="",
+                 restore_dim_mismatch="error", record_freq=True, shared_name="", device="",
                  replica_shard=None):
         super().__init__(device=device)
         self._shared_name = str(shared_name)
@@ -149,6 +153,7 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         self._filter_freq = int(filter_freq)
         self._bloom = None if bloom is None else tuple(int(b) for b in bloom)
         self._no_permission_value = float(no_permission_value)
+        self._record_freq = bool(record_freq)
         self._steps_to_live = -1 if steps_to_live is None else int(steps_to_live)
         self._l2_threshold = -1.0 if l2_weight_threshold is None else float(l2_weight_threshold)
         self._save_filtered = bool(save_filtered)
@@ -167,8 +172,17 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
             tf.constant(self._initial_default_values), self._key_dtype, self._dim,
             self._num_shards, track_meta=self._track_meta, filter_freq=self._filter_freq,
             bloom=self._bloom, no_permission_value=self._no_permission_value,
-            shared_name=self._shared_name, replica_shard=self._replica_shard is not None,
+            freq_cap=self._freq_cap(), shared_name=self._shared_name,
+            replica_shard=self._replica_shard is not None,
         )
+
+    def _freq_cap(self):
+        # DeepRec (CounterFilterDescriptorImpl::GetFreq, EmbeddingVar's
+        # add_freq_fn_): without TF_RECORD_FREQ an admitted key's count is
+        # the filter's threshold.
+        if self._record_freq or self._filter_freq < 1:
+            return 0
+        return self._filter_freq
 
     def _serialize_to_tensors(self):
         # DeepRec evicts when a checkpoint is saved; every part is always

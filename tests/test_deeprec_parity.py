@@ -637,3 +637,87 @@ def test_restore_dim_mismatch_config_and_default_error(tmp_path):
         tf.train.Checkpoint(layer=strict).read(path)
     with pytest.raises(ValueError, match=r"restore_dim_mismatch=.*'pad'"):
         EmbeddingVariable(6, restore_dim_mismatch="pad")
+
+
+# -- 7. Frequency counting -----------------------------------------------------------
+# DeepRec counts a key's frequency in the training lookup (KvResourceGather ->
+# filter LookupOrCreateKey -> AddFreq), once per occurrence, so once per step
+# for a model with one lookup per step. With a filter and without
+# TF_RECORD_FREQ=1 an admitted key reports the filter's threshold
+# (CounterFilterDescriptorImpl::GetFreq; before it, EmbeddingVar's
+# add_freq_fn_ counted only while freq < filter_freq). Ours: `record_freq`.
+
+def _freqs(layer):
+    data = layer.export()
+    return dict(zip(data["keys"].tolist(), data["freqs"].tolist()))
+
+
+def test_export_after_lookups_without_an_optimizer_step():
+    # embedding_variable_ops_test.py: testEmbeddingVariableForExport
+    # (CounterFilter(filter_freq=1), steps_to_live=10000, three runs of the
+    # lookup of [0,1,2,5,6,7] and no train op).
+    layer = ones_ev(filter_option=kre.CounterFilter(filter_freq=1),
+                    evict_option=kre.GlobalStepEvict(steps_to_live=10000))
+    layer.build()
+    ids = tf.constant([0, 1, 2, 5, 6, 7], tf.int64)
+    for _ in range(3):
+        layer(ids, training=True)
+    data = layer.export()
+    order = np.argsort(data["keys"])
+    np.testing.assert_array_equal(data["keys"][order], [0, 1, 2, 5, 6, 7])
+    np.testing.assert_array_equal(data["values"][order], np.ones((6, 3)))
+    np.testing.assert_array_equal(data["versions"][order], [0, 0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(data["freqs"][order], [1, 1, 1, 1, 1, 1])
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda: kre.optimizers.Adagrad(0.1), lambda: kre.optimizers.AdagradDecay(0.1),
+    lambda: kre.optimizers.Adam(0.1), lambda: kre.optimizers.AdamAsync(0.1),
+    lambda: kre.optimizers.Ftrl(0.1), lambda: kre.optimizers.SGD(0.1)],
+    ids=["adagrad", "adagrad_decay", "adam", "adam_async", "ftrl", "sgd"])
+def test_record_freq_counts_every_occurrence_once_per_step(make_opt):
+    # embedding_variable_ops_test.py: _RecordFreqTestTemplate (TF_RECORD_FREQ=1,
+    # ids [1,1,1,2,2,3], two runs of lookup + train op): var_1-freqs 6, 4, 2.
+    layer = ones_ev(track_meta=True, record_freq=True)
+    train_steps(layer, [1, 1, 1, 2, 2, 3], make_opt(), 2)
+    assert _freqs(layer) == {1: 6, 2: 4, 3: 2}
+
+
+@pytest.mark.parametrize("make_filter", FILTERS, ids=["counter", "cbf"])
+def test_filtered_frequency_stops_at_filter_freq_unless_record_freq(make_filter):
+    # DeepRec's default (no TF_RECORD_FREQ): an admitted key reports
+    # filter_freq however often it is seen; with it, every occurrence.
+    ids = [1, 1, 1, 1, 2, 2, 2, 3, 3, 4]
+    capped = ones_ev(name="capped", filter_option=make_filter())
+    train_steps(capped, ids, kre.optimizers.SGD(0.1), 3)
+    assert _freqs(capped) == {1: 3, 2: 3, 3: 3, 4: 3}
+    counted = ones_ev(name="counted", filter_option=make_filter(), record_freq=True)
+    train_steps(counted, ids, kre.optimizers.SGD(0.1), 3)
+    assert _freqs(counted) == {1: 12, 2: 9, 3: 6, 4: 3}
+    # Keys not admitted yet count below the threshold either way (key 4
+    # has been seen 3 times: admitted by the third step).
+    assert counted.table_size() == capped.table_size() == 4
+
+
+def test_record_freq_option_config_and_bad_input():
+    opt = kre.EmbeddingVariableOption(filter_option=kre.CounterFilter(2), record_freq=True)
+    back = kre.EmbeddingVariableOption.from_config(opt.get_config())
+    assert back.record_freq is True
+    assert kre.EmbeddingVariableOption().record_freq is False
+    with pytest.raises(TypeError, match=r"record_freq=1"):
+        kre.EmbeddingVariableOption(record_freq=1)
+
+
+def test_capped_frequencies_round_trip_and_old_counts_restore(tmp_path):
+    # A checkpoint written before the cap (counts past filter_freq) restores
+    # its counts unchanged; further lookups do not lower or raise them.
+    old = ones_ev(name="old", filter_option=kre.CounterFilter(2), record_freq=True)
+    train_steps(old, [5, 5, 5], kre.optimizers.SGD(0.1), 2)
+    assert _freqs(old) == {5: 6}
+    path = tf.train.Checkpoint(layer=old).write(str(tmp_path / "ckpt"))
+    new = ones_ev(name="old", filter_option=kre.CounterFilter(2))
+    new.build()
+    tf.train.Checkpoint(layer=new).read(path).assert_consumed()
+    assert _freqs(new) == {5: 6}
+    new(tf.constant([5, 7, 7, 7], tf.int64), training=True)
+    assert _freqs(new) == {5: 6, 7: 2}

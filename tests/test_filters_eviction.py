@@ -53,7 +53,8 @@ def test_counter_filter_reads_no_permission_and_drops_gradients_until_admitted()
     model.fit(np.array([[7, 1001]]), y, verbose=0)
     assert not np.array_equal(row(layer, 7), trained)
     data = layer.export()
-    assert data["freqs"][list(data["keys"]).index(7)] == 4
+    # Four sightings; an admitted key's frequency stays at filter_freq (DeepRec).
+    assert data["freqs"][list(data["keys"]).index(7)] == 3
 
 
 def test_key_below_threshold_is_unchanged_by_training():
@@ -130,7 +131,8 @@ def test_l2_weight_evict():
 @pytest.mark.parametrize("kwargs, tracked", [
     ({}, False),
     ({"track_meta": True}, True),
-    ({"filter_option": kre.CounterFilter(1)}, True),
+    ({"filter_option": kre.CounterFilter(1)}, "capped"),
+    ({"filter_option": kre.CounterFilter(1), "record_freq": True}, True),
     ({"evict_option": kre.L2WeightEvict(0.0)}, True),
 ])
 def test_frequencies_and_versions_tracked_when_needed(kwargs, tracked):
@@ -141,7 +143,9 @@ def test_frequencies_and_versions_tracked_when_needed(kwargs, tracked):
     data = layer.export()
     freqs = dict(zip(data["keys"].tolist(), data["freqs"].tolist()))
     versions = dict(zip(data["keys"].tolist(), data["versions"].tolist()))
-    if tracked:
+    if tracked == "capped":  # a filter's admitted keys report filter_freq
+        assert freqs == {5: 1, 6: 1} and versions == {5: 1, 6: 1}
+    elif tracked:
         assert freqs == {5: 4, 6: 2} and versions == {5: 1, 6: 1}
     else:
         assert freqs == {5: 0, 6: 0} and versions == {5: 0, 6: 0}

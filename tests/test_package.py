@@ -21,7 +21,7 @@ def test_non_tensorflow_backend_is_refused_with_the_fix():
 
 def test_public_api():
     for name in ("EmbeddingVariableOption", "InitializerOption", "CounterFilter", "CBFFilter",
-                 "GlobalStepEvict", "L2WeightEvict", "StorageOption", "save_model",
+                 "GlobalStepEvict", "L2WeightEvict", "StorageOption", "save_model", "load_model",
                  "export_for_serving"):
         assert hasattr(kre, name), name
     assert set(kre.layers.__all__) == {"EmbeddingVariable", "GroupEmbedding", "FeatureSpec",

@@ -2,6 +2,7 @@
 a fresh process, and saves that never destroy the previous file."""
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -154,3 +155,25 @@ def test_weights_round_trip_and_get_weights(tmp_path):
     assert_tables_equal(tables(fresh), tables(model))
     weights = model.get_layer("ev").get_weights()
     assert weights[0].shape == (len(np.unique(X)), 8)
+
+
+def test_load_model_names_the_file_and_what_is_wrong(tmp_path):
+    # Issue 20 item 12: Keras says "File not found" for all three cases.
+    missing = tmp_path / "missing.keras"
+    with pytest.raises(FileNotFoundError, match=re.escape(str(missing))):
+        kre.load_model(missing)
+    not_zip = tmp_path / "notzip.keras"
+    not_zip.write_bytes(b"this is not a zip archive")
+    with pytest.raises(ValueError, match=re.escape(str(not_zip)) + ".*not a zip archive"):
+        kre.load_model(not_zip)
+    inp = keras.Input((2,), dtype="int64")
+    model = keras.Model(inp, keras.layers.Flatten()(EmbeddingVariable(3, name="ev")(inp)))
+    good = tmp_path / "good.keras"
+    kre.save_model(model, good)
+    truncated = tmp_path / "truncated.keras"
+    truncated.write_bytes(good.read_bytes()[:-200])
+    with pytest.raises(ValueError, match=re.escape(str(truncated)) + ".*(corrupt|not a zip)"):
+        kre.load_model(truncated)
+    back = kre.load_model(good)
+    x = np.array([[1, 2]])
+    np.testing.assert_array_equal(back(x).numpy(), model(x).numpy())

@@ -39,6 +39,9 @@ class TableCreateOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("bloom_counter_bytes", &options_.bloom_counter_bytes));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("no_permission_value", &options_.no_permission_value));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("shared_name", &shared_name_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("freq_cap", &options_.freq_cap));
+    OP_REQUIRES(ctx, options_.freq_cap >= 0,
+                errors::InvalidArgument("freq_cap must be >= 0, got ", options_.freq_cap));
     const int shards = options_.num_shards;
     OP_REQUIRES(ctx, shards >= 1 && shards <= 65536,
                 errors::InvalidArgument("num_shards must be in [1, 65536], got ", shards));

@@ -451,6 +451,15 @@ inline int64_t SatSub(int64_t a, int64_t b) {
 }  // namespace
 
 template <typename K>
+int64_t Table<K>::CountFreq(int64_t freq, int64_t count) const {
+  const int64_t next = SatAdd(freq, count);
+  const int64_t cap = options_.freq_cap;
+  // A count already past the cap (restored from a checkpoint) is kept.
+  if (cap > 0 && next > cap) return freq > cap ? freq : cap;
+  return next;
+}
+
+template <typename K>
 const float* Table<K>::Resolve(Shard& s, K key, uint64_t h, bool insert, int64_t now,
                                int64_t count, int64_t* admitted, int64_t* skip) {
   // `count` occurrences of the key at once; all of them read the same row.
@@ -465,7 +474,7 @@ const float* Table<K>::Resolve(Shard& s, K key, uint64_t h, bool insert, int64_t
   if (idx >= 0) {
     Entry& e = s.entries[idx];
     int64_t* m = Meta(s, e);
-    if (insert && m) m[kFreq] = SatAdd(m[kFreq], count);
+    if (insert && m) m[kFreq] = CountFreq(m[kFreq], count);
     if (e.row != kNoRow) return s.values.Row(e.row);
     // Counted by the counter filter, not admitted yet.
     if (!insert) return no_permission_row_.data();
@@ -497,7 +506,7 @@ const float* Table<K>::Resolve(Shard& s, K key, uint64_t h, bool insert, int64_t
   }
   const Entry& e = s.entries[InsertNew(s, key, h, admit)];
   if (int64_t* m = Meta(s, e)) {
-    m[kFreq] = freq;
+    m[kFreq] = CountFreq(0, freq);
     m[kVersion] = now;  // first seen; Apply stamps updates
   }
   if (admit) ++*admitted;

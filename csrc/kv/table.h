@@ -70,6 +70,10 @@ struct TableOptions {
   int bloom_hashes = 0;
   int bloom_counter_bytes = 8;
   float no_permission_value = 0.0f;   // what keys not yet admitted read
+  // > 0: a key's frequency stops growing at this count (DeepRec's default
+  // with a filter: an admitted key reports `filter_freq` unless
+  // TF_RECORD_FREQ=1); 0: every training-lookup occurrence counts.
+  int64_t freq_cap = 0;
 };
 
 // Counting Bloom filter parameters for n expected keys and false-positive
@@ -267,6 +271,9 @@ class Table {
   uint64_t InsertNew(Shard& s, K key, uint64_t h, bool admit);
   // Gives entry i its value and slot rows, initialized for its key.
   uint32_t Admit(Shard& s, uint64_t i);
+  // The frequency after `count` more occurrences (saturating, and at most
+  // options_.freq_cap when that is > 0).
+  int64_t CountFreq(int64_t freq, int64_t count) const;
   int64_t* Meta(const Shard& s, const Entry& e) const {
     return e.meta_row == kNoRow ? nullptr : s.meta.Row(e.meta_row);
   }

@@ -30,6 +30,7 @@ absl::Status GetDim(InferenceContext* c, int64_t* dim) {
 // rows: a new key k starts as row k mod default_value_dim. `filter_freq` > 1
 // turns on the counter admission filter, or with `bloom_counters` > 0 the
 // counting Bloom filter; keys not admitted read `no_permission_value`.
+// `freq_cap` > 0 stops each key's frequency at that count.
 // A non-empty `shared_name` instead finds or creates the table of that name in
 // the device's resource manager and returns a handle by name: every client of
 // a TensorFlow server (parameter-server training: several workers) that asks
@@ -48,6 +49,7 @@ REGISTER_OP("KRE>TableCreate")
     .Attr("bloom_hashes: int = 0")
     .Attr("bloom_counter_bytes: int = 8")
     .Attr("no_permission_value: float = 0.0")
+    .Attr("freq_cap: int = 0")
     .Attr("shared_name: string = ''")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {

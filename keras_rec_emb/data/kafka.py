@@ -242,6 +242,13 @@ class _Pass:
                         idle_since = time.monotonic()
                     else:
                         idle_since = self._check_broker(idle_since)
+                    if not messages and not self._closing.is_set():
+                        # Hand control back to tf.data after every empty
+                        # poll (a placeholder it filters out), so that an
+                        # abandoned iterator (deleted while its prefetch
+                        # thread waits here) is released within one poll
+                        # timeout, not when a message or an error arrives.
+                        yield self._idle()
                 if not self._pending or self._closing.is_set():
                     return
                 batch, self._pending = (self._pending[:size],
@@ -265,8 +272,16 @@ class _Pass:
         if self._message_key:
             columns.insert(0, [m.key() or b"" for m in batch])
         if self._batch_size is None:
-            return [np.array(c[0], dtype=object) for c in columns]
-        return [np.array(c, dtype=object) for c in columns]
+            return [np.True_] + [np.array(c[0], dtype=object) for c in columns]
+        return [np.True_] + [np.array(c, dtype=object) for c in columns]
+
+    def _idle(self):
+        """The placeholder element yielded after an empty poll (filtered
+        out by the dataset): a False flag and empty components."""
+        n = 2 if self._message_key else 1
+        if self._batch_size is None:
+            return [np.False_] + [np.array(b"", dtype=object)] * n
+        return [np.False_] + [np.array([], dtype=object)] * n
 
     def _raise_unless_benign(self, message):
         error = message.error()
@@ -463,17 +478,22 @@ class _KafkaDatasetBase(WrappedDataset):
         shape = [] if batch_size is None else [None]
 
         def to_element(components):
-            tensors = [tf.ensure_shape(c, shape) for c in components]
-            return tuple(tensors) if message_key else tensors[0]
+            ok = tf.ensure_shape(components[0], [])
+            tensors = [tf.ensure_shape(c, shape) for c in components[1:]]
+            return ok, (tuple(tensors) if message_key else tensors[0])
 
         # Keep tf.data from reading ahead on its own (an injected prefetch,
         # maps made parallel), so `position` matches what was consumed.
         options = tf.data.Options()
         options.experimental_optimization.inject_prefetch = False
         options.experimental_optimization.map_parallelization = False
+        flagged = (tf.TensorSpec([], tf.bool), spec)
+        # Placeholders of empty polls (see _Pass.elements) are dropped here.
         super().__init__(
-            python_dataset(make_pass, (), dtypes,
-                           to_element, spec).with_options(options))
+            python_dataset(make_pass, (), [tf.bool] + dtypes, to_element, flagged)
+            .filter(lambda ok, element: ok)
+            .map(lambda ok, element: element)
+            .with_options(options))
 
     def offsets(self):
         """`{(topic, partition): next_offset}` of what was handed out."""

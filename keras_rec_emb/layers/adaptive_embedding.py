@@ -165,6 +165,8 @@ class AdaptiveEmbedding(keras.layers.Layer):
             evict_option=ev_option.evict_option, storage_option=ev_option.storage_option,
             num_shards=ev_option.num_shards, track_meta=True,
             save_filtered=ev_option.save_filtered,
+            # Promoted ids keep counting (their `promoted_freqs`).
+            record_freq=True,
         )
         self.dynamic = EmbeddingVariable(self.embedding_dim, ev_option=inner,
                                          name=f"{self.name}_dynamic")

@@ -6,6 +6,7 @@ import os
 import threading
 import time
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -163,3 +164,36 @@ def test_abandoned_iterations_close_their_consumers(tmp_path):
     finally:
         if own._process.poll() is None:
             own.stop()
+
+
+@pytest.mark.parametrize("batch_size, message_key", [(None, False), (2, True)])
+def test_deleting_an_iterator_whose_prefetch_waits_for_messages_returns(
+        broker, batch_size, message_key):
+    """Issue 20 item 10: a prefetch thread waiting in the consume loop (the
+    broker is up, no new message comes, no eof) used to keep `del iterator`
+    blocked until a message or an error arrived; now it ends within one poll."""
+    topic = broker.create_topic()
+    broker.produce(topic, messages(4))
+    ds = KafkaDataset([topic], servers=broker.address, timeout=200, eof=False,
+                      batch_size=batch_size, message_key=message_key,
+                      broker_timeout=600000)
+    iterator = iter(ds.prefetch(1))
+    got = []
+    for _ in range(4 if batch_size is None else 2):
+        element = next(iterator)
+        values = element[1] if message_key else element
+        got.extend(np.asarray(values.numpy()).reshape([-1]).tolist())
+    assert got == messages(4)  # empty-poll placeholders never reach the user
+    time.sleep(1.0)  # the prefetch thread now waits for a fifth message
+    holder = [iterator]
+    del iterator
+
+    def release():
+        holder.clear()
+        gc.collect()
+
+    deleter = threading.Thread(target=release, daemon=True)
+    deleter.start()
+    deleter.join(30)
+    assert not deleter.is_alive(), "deleting the iterator blocked"
+    assert ds.offsets() == {(topic, 0): 4}  # placeholders do not advance it

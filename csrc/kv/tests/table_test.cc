@@ -390,6 +390,40 @@ void TestCounterFilter() {
   CHECK(out[0] == (77777 % kDefaultDim) * kDim * 0.5f);
 }
 
+// DeepRec's default with a filter (no TF_RECORD_FREQ): a key's frequency
+// stops at filter_freq; freq_cap = 0 counts every occurrence.
+void TestFreqCap() {
+  kre::kv::TableOptions o = FilterOptions(3);
+  o.freq_cap = 3;
+  Table<int64_t> t(o);
+  std::vector<int64_t> key = {8};
+  std::vector<float> v;
+  int64_t f, ver;
+  for (int i = 0; i < 5; ++i) Lookup(t, key, true);
+  CHECK(t.Find(8, &v, &f, &ver) && f == 3);
+  std::vector<int64_t> batch = {9, 9, 9, 9, 9};  // one lookup past the cap
+  Lookup(t, batch, true);
+  CHECK(t.Find(9, &v, &f, &ver) && f == 3 && t.Size() == 2);
+  // A count restored above the cap is kept, not lowered.
+  std::vector<int64_t> k = {10};
+  std::vector<float> row(kDim, 1.0f);
+  std::vector<int64_t> freqs = {50}, versions = {0};
+  t.Import(k.data(), row.data(), freqs.data(), versions.data(), 1, nullptr, {}, {});
+  Lookup(t, k, true);
+  CHECK(t.Find(10, &v, &f, &ver) && f == 50);
+  // The Bloom filter's admitted keys stop at the cap too.
+  kre::kv::TableOptions b = FilterOptions(3);
+  BloomSizing(100, 0.01, &b.bloom_counters, &b.bloom_hashes);
+  b.freq_cap = 3;
+  Table<int64_t> u(b);
+  for (int i = 0; i < 6; ++i) Lookup(u, key, true);
+  CHECK(u.Find(8, &v, &f, &ver) && f == 3);
+  kre::kv::TableOptions all = FilterOptions(3);
+  Table<int64_t> w(all);
+  for (int i = 0; i < 5; ++i) Lookup(w, key, true);
+  CHECK(w.Find(8, &v, &f, &ver) && f == 5);
+}
+
 void TestBloomFilter() {
   kre::kv::TableOptions o = FilterOptions(2);
   const uint64_t n = 20000;
@@ -643,6 +677,7 @@ int main() {
   TestArenaRowsAcrossChunkSizes();
   TestCounterFilter();
   TestBloomFilter();
+  TestFreqCap();
   TestEviction();
   TestSaturatingMetadata();
   TestLookupCounted();
