@@ -201,9 +201,10 @@ OVERRIDDEN_HOOKS = {
                             "SavedModels re-create it on load)",
     },
     Trackable: {
-        "_serialize_to_tensors": "variables.EmbeddingTable, data/kafka.KafkaPosition: "
-                                 "the state tf.train.Checkpoint saves",
-        "_restore_from_tensors": "variables.EmbeddingTable, data/kafka.KafkaPosition: "
-                                 "restores it",
+        "_serialize_to_tensors": "variables.EmbeddingTable, data/kafka.KafkaPosition, "
+                                 "distribute.ShardedEmbeddingTable: the state "
+                                 "tf.train.Checkpoint saves",
+        "_restore_from_tensors": "variables.EmbeddingTable, data/kafka.KafkaPosition, "
+                                 "distribute.ShardedEmbeddingTable: restores it",
     },
 }
