@@ -199,6 +199,9 @@ OVERRIDDEN_HOOKS = {
         "_create_resource": "variables.EmbeddingTable: creates the C++ table (the "
                             "documented way to define a TrackableResource, so that "
                             "SavedModels re-create it on load)",
+        "_destroy_resource": "variables.EmbeddingTable: a file-tier table releases the "
+                             "lock on its folder when the Python table goes (the C++ "
+                             "resource may outlive it in TF's function caches)",
     },
     Trackable: {
         "_serialize_to_tensors": "variables.EmbeddingTable, data/kafka.KafkaPosition, "
