@@ -44,15 +44,15 @@ build: $(SO)
 demo: install
 	$(VENV)/bin/keras-rec-emb demo $(DEMO_ARGS)
 
-$(KV_BIN)/%: csrc/kv/tests/%.cc $(KV_SRC) $(wildcard csrc/kv/*.h)
+$(KV_BIN)/%: csrc/kv/tests/%.cc $(KV_SRC) $(wildcard csrc/kv/*.h) $(wildcard csrc/kv/tests/*.h)
 	@mkdir -p $(KV_BIN)
 	$(CXX) $(KV_FLAGS) -O2 -o $@ $< $(KV_SRC)
 
-$(KV_BIN)/%-asan: csrc/kv/tests/%.cc $(KV_SRC) $(wildcard csrc/kv/*.h)
+$(KV_BIN)/%-asan: csrc/kv/tests/%.cc $(KV_SRC) $(wildcard csrc/kv/*.h) $(wildcard csrc/kv/tests/*.h)
 	@mkdir -p $(KV_BIN)
 	$(CXX) $(KV_FLAGS) -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -o $@ $< $(KV_SRC)
 
-$(KV_BIN)/%-tsan: csrc/kv/tests/%.cc $(KV_SRC) $(wildcard csrc/kv/*.h)
+$(KV_BIN)/%-tsan: csrc/kv/tests/%.cc $(KV_SRC) $(wildcard csrc/kv/*.h) $(wildcard csrc/kv/tests/*.h)
 	@mkdir -p $(KV_BIN)
 	$(CXX) $(KV_FLAGS) -O1 -g -fsanitize=thread -fno-omit-frame-pointer -o $@ $< $(KV_SRC)
 
