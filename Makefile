@@ -68,7 +68,7 @@ test-kv-tsan: $(patsubst csrc/kv/tests/%.cc,$(KV_BIN)/%-tsan,$(KV_TESTS))
 	@for t in $^; do echo "== $$t"; TSAN_OPTIONS=halt_on_error=1 $$t || exit 1; done
 
 test-py: install
-	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 test: install test-kv test-kv-asan test-kv-tsan test-py
 
