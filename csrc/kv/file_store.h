@@ -141,6 +141,9 @@ class FileRowStore final : public RowStore {
   void Forget(uint64_t loc);
   void MaybeCompact();
   void Recompute();
+  // Empties the DRAM cache (its rows must be clean or be discarded): no row
+  // is cached any more and the cache's memory is freed.
+  void DropCache();
 
   std::shared_ptr<FileSpace> space_;
   int shard_;
