@@ -1,0 +1,70 @@
+"""Synchronous tables sharded over MirroredStrategy replicas (logical CPU
+devices): same numbers as one process with the same global batch; the
+saved model restores into another shard count."""
+
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+import keras_rec_emb as kre
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+def run_mirrored(tmp_path, replicas, optimizer):
+    out = tmp_path / f"mirrored_{replicas}_{optimizer}.npz"
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "mirrored_run.py"), str(replicas), optimizer,
+         str(out)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return np.load(out)
+
+
+@pytest.mark.parametrize("replicas, optimizer", [(2, "sgd"), (2, "adagrad"), (3, "adagrad")])
+def test_replicas_match_one_process(tmp_path, replicas, optimizer):
+    got = run_mirrored(tmp_path, replicas, optimizer)
+    keys = [k[len("one_"):] for k in got.files if k.startswith("one_")]
+    assert {"keys", "values", "freqs", "kernel", "bias", "predict"} <= set(keys)
+    if optimizer == "adagrad":
+        assert "slot_accumulator" in keys
+    for key in keys:
+        np.testing.assert_allclose(got[f"many_{key}"], got[f"one_{key}"], rtol=1e-5,
+                                   atol=1e-5, err_msg=key)
+    # Training moved the dense weights (same init in both runs) and the rows.
+    init_kernel = np.random.default_rng(1).normal(size=(4, 1)).astype(np.float32)
+    assert np.abs(got["one_kernel"] - init_kernel).max() > 1e-3
+    # Every replica owns a shard, and each shard holds exactly its keys.
+    from keras_rec_emb.distribute import ps_tables
+
+    np.testing.assert_array_equal(
+        np.bincount(ps_tables.shard_of_numpy(got["one_keys"], replicas),
+                    minlength=replicas), got["shard_sizes"])
+    assert [d.rsplit(":", 1)[1] for d in got["shard_devices"]] == [
+        str(i) for i in range(replicas)]
+
+    # The model saved under the strategy restores into one process (N -> 1)
+    # and into another shard count (N -> N + 1).
+    path = tmp_path / f"mirrored_{replicas}_{optimizer}.keras"
+    for devices in (None, ["/cpu:0"] * (replicas + 1)):
+        if devices is None:
+            model = keras.saving.load_model(path)
+        else:
+            with kre.distribute.parameter_servers(devices):
+                model = keras.saving.load_model(path)
+            assert model.get_layer("emb").table.num_shards == replicas + 1
+        data = model.get_layer("emb").table.export()
+        order = np.argsort(data["keys"])
+        np.testing.assert_array_equal(data["keys"][order], got["one_keys"])
+        np.testing.assert_allclose(data["values"][order], got["many_values"], rtol=1e-6)
+        ids = got["one_keys"][:6].reshape(2, 3)
+        rows = got["many_values"][:6].reshape(2, 3, -1).mean(axis=1)
+        np.testing.assert_allclose(
+            model.predict(ids, verbose=0), rows @ got["many_kernel"] + got["many_bias"],
+            rtol=1e-5, atol=1e-5)
