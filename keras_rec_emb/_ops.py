@@ -110,7 +110,8 @@ def create_table(default_values, key_dtype, dim, num_shards, track_meta=True,
         track_meta=track_meta, filter_freq=filter_freq, bloom_counters=counters,
         bloom_hashes=hashes, bloom_counter_bytes=counter_bytes,
         no_permission_value=no_permission_value, freq_cap=freq_cap,
-        storage_path=storage_path, cache_bytes=cache_bytes, shared_name=shared_name,
+        storage_path=storage_path, cache_bytes=cache_bytes,
+        table_shared_name=shared_name,
     )
 
 

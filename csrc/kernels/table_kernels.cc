@@ -44,7 +44,7 @@ class TableCreateOp : public OpKernel {
     OP_REQUIRES(ctx, cache_bytes >= 1,
                 errors::InvalidArgument("cache_bytes must be >= 1, got ", cache_bytes));
     options_.cache_bytes = static_cast<uint64_t>(cache_bytes);
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("shared_name", &shared_name_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("table_shared_name", &shared_name_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("freq_cap", &options_.freq_cap));
     OP_REQUIRES(ctx, options_.freq_cap >= 0,
                 errors::InvalidArgument("freq_cap must be >= 0, got ", options_.freq_cap));
@@ -104,7 +104,7 @@ class TableCreateOp : public OpKernel {
     return absl::OkStatus();
   }
 
-  // A table named `shared_name` in the device's resource manager, found or
+  // A table named `table_shared_name` in the device's resource manager, found or
   // created; the handle refers to it by name (it lives until the server or
   // process ends), so every client of the device reaches the same table.
   void ComputeShared(OpKernelContext* ctx, const Tensor& defaults) {

@@ -42,7 +42,18 @@ _state = threading.local()
 
 
 def shard_of(keys, num_shards):
-    """The parameter-server shard of each key: a TF int32 tensor."""
+    """The shard of each key among `num_shards`: a TF int32 tensor.
+
+    Args:
+        keys: int tensor of keys (any shape).
+        num_shards: int >= 1.
+
+    Example:
+
+    >>> from keras_rec_emb.distribute import shard_of
+    >>> shard_of(tf.constant([1, 2, 3], tf.int64), 2).numpy().tolist()
+    [1, 0, 0]
+    """
     keys = tf.cast(keys, tf.int64)
     mixed = tf.bitcast(keys, tf.uint64) * tf.constant(_GOLDEN, tf.uint64)
     high = tf.bitwise.right_shift(mixed, tf.constant(32, tf.uint64))
@@ -136,6 +147,16 @@ class ShardedEmbeddingTable(_compat.Trackable):
         replicas: bool. The devices are a MirroredStrategy's replicas: shard
             `i` is owned by replica `i`, which alone applies its updates
             (the optimizers gather every replica's gradient for it).
+
+    Example:
+
+    >>> from keras_rec_emb.distribute import ShardedEmbeddingTable
+    >>> table = ShardedEmbeddingTable(["/cpu:0", "/cpu:0"], 2, "int64",
+    ...                               np.ones((1, 2), np.float32), name="doc_sharded")
+    >>> table.lookup(tf.constant([1, 2, 3, 4], tf.int64), insert=True).shape
+    TensorShape([4, 2])
+    >>> table.size(), sum(s.size() for s in table.shards)
+    (4, 4)
     """
 
     def __init__(self, devices, dim, key_dtype, default_values, name="embedding_table",
@@ -392,6 +413,15 @@ def connect(ps, worker, task_index=0, timeout=60.0):
 
     Raises:
         ConnectionError: a PS address did not answer in time (it is named).
+
+    Example:
+
+    >>> from keras_rec_emb.distribute import connect
+    >>> try:
+    ...     connect(["127.0.0.1:1"], "127.0.0.1:0", timeout=0.5)
+    ... except ConnectionError as e:
+    ...     print(str(e).split(" (")[0])
+    Cannot reach the TensorFlow server at 127.0.0.1:1
     """
     if isinstance(ps, str) or not isinstance(ps, (list, tuple)) or not ps:
         raise ValueError(f"`ps` must be a non-empty list of 'host:port'. Received: ps={ps!r}")

@@ -202,7 +202,7 @@ def test_sharded_table_in_one_process_matches_one_table():
         for var, grad in zip(table.variables, grads):
             if grad is not None:
                 kre._ops.sparse_apply(var.handle, grad.indices, grad.values, "sgd",
-                                      [0.01, 0.0], 1, [])
+                                      {"learning_rate": 0.01, "decay": 0.0}, 1, [])
     np.testing.assert_allclose(sharded.lookup(keys).numpy(), plain.lookup(keys).numpy())
     assert sharded.size() == plain.size() == 5
     assert min(s.size() for s in sharded.shards) > 0
@@ -244,7 +244,8 @@ def test_checkpoint_reshards_on_restore(tmp_path):
     first.add_slot("accumulator", 0.5)
     first.lookup(keys, insert=True)
     kre._ops.sparse_apply(first.handle, keys, tf.ones([keys.shape[0], 3]), "adagrad",
-                          [0.1, 0.0, 1e-7], 1, ["accumulator"])
+                          {"learning_rate": 0.1, "decay": 0.0, "epsilon": 1e-7}, 1,
+                          ["accumulator"])
     want = first.export()
     order = np.argsort(want["keys"])
     path = tf.train.Checkpoint(table=first).write(str(tmp_path / "one"))
