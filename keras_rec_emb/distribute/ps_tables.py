@@ -23,6 +23,8 @@ other, including one process without parameter servers.
 """
 
 import contextlib
+import os
+import re
 import socket
 import threading
 import time
@@ -323,6 +325,51 @@ class ShardedEmbeddingTable(_compat.Trackable):
     def evict(self, step=None):
         return sum(s.evict(step) for s in self._shards)
 
+    @property
+    def storage_dir(self):
+        """File tier: the folder holding the shards' folders (each shard's
+        `storage_dir` is `<this>/<name>_shard_<i>_of_<N>`), or None (DRAM)."""
+        first = self._shards[0].storage_dir
+        return None if first is None else os.path.dirname(first)
+
+    def snapshot(self):
+        """File tier: a crash-safe snapshot of every shard (each under its own
+        folder); returns the snapshot numbers, one per shard."""
+        return [s.snapshot() for s in self._shards]
+
+    def restore_snapshot(self, path=None):
+        """File tier: every shard restores the latest snapshot of its folder
+        under `path` (default `storage_dir`); returns the number of keys.
+
+        A snapshot is per shard (files of the keys hashed to it), so it
+        restores only into the same shard count: if `path` holds this
+        table's snapshot for another count, a ValueError names both counts
+        (a `tf.train.Checkpoint` or `model.save` reshards instead)."""
+        if path is not None and not isinstance(path, str):
+            raise TypeError(f"`path` must be a str or None. Received: path={path!r}")
+        root = path or self.storage_dir
+        if root is None:
+            self._shards[0].restore_snapshot()  # its error names the fix
+        n = len(self._shards)
+        folders = [os.path.join(root, os.path.basename(s.storage_dir)) for s in self._shards]
+        missing = [f for f in folders if not os.path.isdir(f)]
+        if missing:
+            saved = saved_shard_counts(root, os.path.basename(self._shards[0].storage_dir))
+            if saved and n not in saved:
+                counts = " or ".join(str(c) for c in sorted(saved))
+                raise ValueError(
+                    f"Cannot restore the file-tier snapshot of table '{self._name}' "
+                    f"under {root!r}: it was saved with {counts} shards and this table "
+                    f"has {n} shards. A snapshot holds each "
+                    "shard's own files and cannot be resharded; restore from a "
+                    "tf.train.Checkpoint or model.save (the ordinary per-table format, "
+                    "which any shard count restores), or build the table with the saved "
+                    "shard count.")
+            raise ValueError(
+                f"No file-tier snapshot of table '{self._name}' ({n} shards) under "
+                f"{root!r}: missing {missing}.")
+        return sum(s.restore_snapshot(f) for s, f in zip(self._shards, folders))
+
     def add_slot(self, name, init=0.0, width=None):
         for s in self._shards:
             s.add_slot(name, init, width)
@@ -373,6 +420,18 @@ class ShardedEmbeddingTable(_compat.Trackable):
             part["slots"] = {name: np.asarray(rows).reshape(keys.shape[0], -1)[mask]
                              for name, rows in (data.get("slots") or {}).items()}
             shard.import_(part, clear)
+
+
+def saved_shard_counts(root, shard_folder):
+    """The shard counts N whose folders `<table>_shard_<i>_of_<N>` exist
+    under `root` for the table whose shard folder is `shard_folder`."""
+    base = re.sub(r"_shard_\d+_of_\d+$", "", shard_folder)
+    pattern = re.compile(re.escape(base) + r"_shard_\d+_of_(\d+)$")
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return set()
+    return {int(m.group(1)) for m in map(pattern.match, names) if m}
 
 
 def wait_for(address, timeout):

@@ -309,3 +309,35 @@ def test_export_for_serving_of_a_sharded_table(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     served = np.array(json.loads(proc.stdout.strip().splitlines()[-1]))
     np.testing.assert_allclose(served, model.predict(x, verbose=0).ravel(), rtol=1e-5)
+
+
+def test_file_tier_snapshot_restores_only_into_its_shard_count(tmp_path):
+    """A sharded file-tier table snapshots per shard; the same count restores
+    every row, another count is refused naming both counts (a checkpoint
+    reshards instead)."""
+    init = np.random.default_rng(2).normal(size=(4, 3)).astype(np.float32)
+    store = str(tmp_path / "tier")
+
+    def make(n, tag):
+        return ps_tables.ShardedEmbeddingTable(["/cpu:0"] * n, 3, "int64", init,
+                                               name=f"snap_{tag}", storage_path=store)
+
+    keys = tf.constant(np.arange(0, 50, 7), tf.int64)
+    two = make(2, "a")
+    assert two.storage_dir == os.path.abspath(store)
+    want = two.lookup(keys, insert=True).numpy()
+    assert len(two.snapshot()) == 2
+    two.import_({"keys": np.zeros(0, np.int64), "values": np.zeros((0, 3), np.float32)})
+    assert two.size() == 0
+    assert two.restore_snapshot() == keys.shape[0]
+    np.testing.assert_allclose(two.lookup(keys).numpy(), want)
+
+    # The same table name with 3 shards: its folders are not there, the 2's are.
+    three = ps_tables.ShardedEmbeddingTable(["/cpu:0"] * 3, 3, "int64", init,
+                                            name="snap_a", storage_path=str(tmp_path / "t3"))
+    with pytest.raises(ValueError, match=r"saved with 2 shards and this table has 3 shards"):
+        three.restore_snapshot(store)
+    with pytest.raises(ValueError, match="No file-tier snapshot"):
+        make(2, "b").restore_snapshot(str(tmp_path / "empty"))
+    with pytest.raises(TypeError, match="path"):
+        two.restore_snapshot(3)
