@@ -137,9 +137,14 @@ def refuse_distribution(what):
     (`replica_shard=True`, see keras_rec_emb.distribute)."""
     if tf.distribute.has_strategy():
         strategy = tf.distribute.get_strategy()
+        kind = type(strategy).__name__
+        if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+            kind = ("MultiWorkerMirroredStrategy (tables are not sharded over worker "
+                    "processes yet: their lookups would need ids and rows exchanged by "
+                    "collectives between the workers)")
         raise ValueError(
             f"{what} under the tf.distribute strategy "
-            f"{type(strategy).__name__} ({strategy.num_replicas_in_sync} replicas) is "
+            f"{kind} ({strategy.num_replicas_in_sync} replicas) is "
             "not supported for this table: a table built outside a MirroredStrategy's "
             "scope (or a GroupEmbedding table) would train one copy per replica, "
             "silently different from one device. Build EmbeddingVariable layers inside "

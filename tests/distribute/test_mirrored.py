@@ -118,3 +118,49 @@ def test_killed_synchronous_worker_resumes_from_its_checkpoint(tmp_path):
     for part in ("values", "accumulator", "kernel"):
         np.testing.assert_allclose(resumed[part], full[part], rtol=1e-6, atol=1e-6,
                                    err_msg=part)
+
+
+@pytest.mark.multiprocess
+def test_multi_worker_mirrored_collectives_work_and_tables_are_refused_clearly(tmp_path):
+    """2 MultiWorkerMirroredStrategy workers on 127.0.0.1 (TF_CONFIG, free
+    ports, bounded, killed by pid): TF 2.21's CPU collectives carry an
+    all-reduce and an all-gather of ids between the processes (so a
+    cross-worker id/row exchange is possible), but tables are not sharded
+    over workers yet: building an EmbeddingVariable under the strategy is
+    refused with an error that names the strategy and the alternatives."""
+    import json
+    import socket
+
+    socks = [socket.socket() for _ in range(2)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    workers = [f"127.0.0.1:{s.getsockname()[1]}" for s in socks]
+    for s in socks:
+        s.close()
+    procs = []
+    try:
+        for task in (0, 1):
+            env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow",
+                       TF_CONFIG=json.dumps({"cluster": {"worker": workers},
+                                             "task": {"type": "worker", "index": task}}))
+            env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+            log = open(tmp_path / f"w{task}.log", "w")
+            procs.append(subprocess.Popen(
+                [sys.executable, os.path.join(HERE, "mwms_probe.py"),
+                 str(tmp_path / f"w{task}.json")], stdout=log, stderr=subprocess.STDOUT,
+                env=env, cwd=ROOT))
+        for task, proc in enumerate(procs):
+            rc = proc.wait(timeout=240)
+            assert rc == 0, (tmp_path / f"w{task}.log").read_text()[-3000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()  # by its pid
+                proc.wait(timeout=30)
+    for task in (0, 1):
+        got = json.loads((tmp_path / f"w{task}.json").read_text())
+        assert got["replicas"] == 2
+        assert got["all_reduce"] == 3.0  # 1 + 2: both processes took part
+        assert got["all_gather"] == [10, 20, 110, 120]
+        assert "MultiWorkerMirroredStrategy" in got["build"]
+        assert "not supported" in got["build"]
