@@ -30,7 +30,7 @@ from keras_rec_emb import _ops  # noqa: E402
 # Register the ops now, so that SavedModels using them load after import.
 _ops.gen()
 
-from keras_rec_emb import callbacks, data, layers, ops, optimizers  # noqa: E402,F401
+from keras_rec_emb import callbacks, data, distribute, layers, ops, optimizers  # noqa: E402,F401
 from keras_rec_emb.options import (  # noqa: E402,F401
     CBFFilter,
     CounterFilter,
