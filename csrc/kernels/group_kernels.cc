@@ -718,8 +718,7 @@ class GroupLookupGradOp : public OpKernel {
       const int64_t num_uniq = static_cast<int64_t>(params[p].uniq.size());
       Tensor* out;
       OP_REQUIRES_OK(ctx, ctx->allocate_output(p, TensorShape({num_uniq, cfg.dims[p]}), &out));
-      outs[p] = out->flat<float>().data();
-      std::fill(outs[p], outs[p] + num_uniq * cfg.dims[p], 0.0f);
+      outs[p] = out->flat<float>().data();  // each unit zeroes its rows
       num_ranges[p] = static_cast<int>(
           std::max<int64_t>(1, std::min<int64_t>(threads, num_uniq / 16384)));
       first_unit[p + 1] = first_unit[p] + num_ranges[p];
@@ -737,6 +736,7 @@ class GroupLookupGradOp : public OpKernel {
       const int r = static_cast<int>(unit - first_unit[p]);
       const int64_t lo = num_uniq * r / num_ranges[p];
       const int64_t hi = num_uniq * (r + 1) / num_ranges[p];
+      std::fill(outs[p] + lo * cfg.dims[p], outs[p] + hi * cfg.dims[p], 0.0f);
       Accumulate(ctx, cfg, tables, params, features, grads, p, lo, hi, outs[p]);
     }));
   }
