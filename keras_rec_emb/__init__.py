@@ -7,6 +7,12 @@ Dynamic hash-table embeddings (DeepRec's EmbeddingVariable) that train with
 
 import os as _os
 
+from keras_rec_emb import _allocator
+
+# Before anything runs a TensorFlow op: the CPU allocator is chosen when
+# TensorFlow creates its devices (see _allocator for why and how to opt out).
+_allocator.use_bfc_allocator()
+
 
 def _require_tensorflow_backend(backend):
     if backend != "tensorflow":
