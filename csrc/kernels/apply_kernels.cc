@@ -28,12 +28,6 @@
 namespace kre {
 namespace {
 
-using tf::OpKernel;
-using tf::OpKernelConstruction;
-using tf::OpKernelContext;
-using tf::Tensor;
-namespace errors = tf::errors;
-
 struct Sgd {
   static constexpr const char* kSlotsDoc = "(no slots)";
   static bool NeedsExtraSlot(const float*) { return false; }

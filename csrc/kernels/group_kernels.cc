@@ -28,13 +28,6 @@
 namespace kre {
 namespace {
 
-using tf::OpKernel;
-using tf::OpKernelConstruction;
-using tf::OpKernelContext;
-using tf::Tensor;
-using tf::TensorShape;
-namespace errors = tf::errors;
-
 enum Combiner { kSum = 0, kMean = 1, kSqrtn = 2 };
 
 // Attributes shared by the forward and backward ops, validated once.
