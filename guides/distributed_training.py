@@ -211,7 +211,11 @@ try:
     workers = [worker(0), worker(1)]
     procs += workers
     for w in workers:
-        assert w.wait(timeout=600) == 0
+        if w.wait(timeout=600) != 0:
+            # Say which process failed: a parameter server that exited (its
+            # code; a negative one is the signal) or the worker itself.
+            raise RuntimeError(f"worker exited with {w.returncode}; parameter servers: "
+                               f"{[p.poll() for p in procs[:2]]} (None: still running)")
     reader = worker(2)
     procs.append(reader)
     out, _ = reader.communicate(timeout=600)

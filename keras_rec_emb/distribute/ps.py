@@ -2,6 +2,7 @@
 runs parameter-server task I (same as `keras-rec-emb ps`)."""
 
 import argparse
+import faulthandler
 import sys
 
 
@@ -18,6 +19,8 @@ def main(argv=None):
     if not 0 <= args.task < len(ps):
         p.error(f"--task must be in [0, {len(ps)}) for {len(ps)} --ps addresses; "
                 f"got {args.task}")
+    # A crash of a long-lived server process prints its stacks (to stderr).
+    faulthandler.enable()
     from keras_rec_emb.distribute.ps_tables import serve
 
     server = serve(ps, args.task)
