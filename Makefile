@@ -44,15 +44,15 @@ build: $(SO)
 demo: install
 	$(VENV)/bin/keras-rec-emb demo $(DEMO_ARGS)
 
-$(KV_BIN)/%: csrc/kv/tests/%.cc $(KV_SRC) $(wildcard csrc/kv/*.h)
+$(KV_BIN)/%: csrc/kv/tests/%.cc $(KV_SRC) $(wildcard csrc/kv/*.h) $(wildcard csrc/kv/tests/*.h)
 	@mkdir -p $(KV_BIN)
 	$(CXX) $(KV_FLAGS) -O2 -o $@ $< $(KV_SRC)
 
-$(KV_BIN)/%-asan: csrc/kv/tests/%.cc $(KV_SRC) $(wildcard csrc/kv/*.h)
+$(KV_BIN)/%-asan: csrc/kv/tests/%.cc $(KV_SRC) $(wildcard csrc/kv/*.h) $(wildcard csrc/kv/tests/*.h)
 	@mkdir -p $(KV_BIN)
 	$(CXX) $(KV_FLAGS) -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -o $@ $< $(KV_SRC)
 
-$(KV_BIN)/%-tsan: csrc/kv/tests/%.cc $(KV_SRC) $(wildcard csrc/kv/*.h)
+$(KV_BIN)/%-tsan: csrc/kv/tests/%.cc $(KV_SRC) $(wildcard csrc/kv/*.h) $(wildcard csrc/kv/tests/*.h)
 	@mkdir -p $(KV_BIN)
 	$(CXX) $(KV_FLAGS) -O1 -g -fsanitize=thread -fno-omit-frame-pointer -o $@ $< $(KV_SRC)
 
@@ -68,7 +68,7 @@ test-kv-tsan: $(patsubst csrc/kv/tests/%.cc,$(KV_BIN)/%-tsan,$(KV_TESTS))
 	@for t in $^; do echo "== $$t"; TSAN_OPTIONS=halt_on_error=1 $$t || exit 1; done
 
 test-py: install
-	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 test: install test-kv test-kv-asan test-kv-tsan test-py
 

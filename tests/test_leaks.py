@@ -61,7 +61,14 @@ _SCRIPT = textwrap.dedent(r'''
 ''')
 
 
-def _measure(kind, cycles=20):
+# Cycles measured after the warm-up. The bounds below are per cycle, so
+# fewer cycles keep what is asserted; a leak of the kind once fixed here (9
+# handles, ~2 MB per cycle) shows in every cycle. KRE_LEAK_CYCLES raises
+# them for a finer look at small growth.
+CYCLES = int(os.environ.get("KRE_LEAK_CYCLES", "10"))
+
+
+def _measure(kind, cycles=CYCLES):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     out = subprocess.run([sys.executable, "-c", _SCRIPT, kind, str(cycles)], env=env,
                          capture_output=True, text=True, timeout=900)
@@ -78,6 +85,6 @@ def test_fit_save_load_cycles_release_tables_like_plain_keras():
 
 
 def test_export_for_serving_cycles_release_tables():
-    export = _measure("export", cycles=10)
+    export = _measure("export", cycles=max(6, CYCLES // 2))
     assert export["handles"] <= 0, export
     assert export["mb_per_cycle"] < 1.0, export

@@ -15,13 +15,6 @@
 namespace kre {
 namespace {
 
-using tf::OpKernel;
-using tf::OpKernelConstruction;
-using tf::OpKernelContext;
-using tf::Tensor;
-using tf::TensorShape;
-namespace errors = tf::errors;
-
 class TableCreateOp : public OpKernel {
  public:
   explicit TableCreateOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -103,20 +96,17 @@ class TableCreateOp : public OpKernel {
 REGISTER_KERNEL_BUILDER(Name("KRE>TableCreate").Device(tf::DEVICE_CPU), TableCreateOp);
 
 template <typename K>
-class TableLookupOp : public OpKernel {
+class TableLookupOp : public TableOpKernel<K> {
  public:
-  explicit TableLookupOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("dim", &dim_));
+  explicit TableLookupOp(OpKernelConstruction* ctx) : TableOpKernel<K>(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("insert", &insert_));
   }
 
-  void Compute(OpKernelContext* ctx) override {
-    tf::core::RefCountPtr<TableResource<K>> res;
-    OP_REQUIRES_OK(ctx, GetTable<K>(ctx, &res, dim_));
-    kv::Table<K>& table = res->table();
+  void ComputeOnTable(OpKernelContext* ctx, kv::Table<K>& table) override {
+    const int64_t dim = this->dim_;
     const Tensor& keys = ctx->input(1);
     TensorShape out_shape = keys.shape();
-    OP_REQUIRES_OK(ctx, out_shape.AddDimWithStatus(dim_));
+    OP_REQUIRES_OK(ctx, out_shape.AddDimWithStatus(dim));
     Tensor* out;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, out_shape, &out));
     const int64_t n = keys.NumElements();
@@ -125,7 +115,7 @@ class TableLookupOp : public OpKernel {
     float* o = out->flat<float>().data();
     kv::Partitioned<K> p = PartitionKeys(ctx, table, k, n);
     const int64_t per_shard = n / table.num_shards() + 1;
-    OP_REQUIRES_OK(ctx, ParallelFor(ctx, table.num_shards(), per_shard * (40 + dim_),
+    OP_REQUIRES_OK(ctx, ParallelFor(ctx, table.num_shards(), per_shard * (40 + dim),
                                     [&](int64_t s) {
                                       const int64_t b = p.offsets[s];
                                       table.Lookup(static_cast<int>(s), p.keys.data() + b,
@@ -135,69 +125,55 @@ class TableLookupOp : public OpKernel {
   }
 
  private:
-  int64_t dim_;
   bool insert_;
 };
 
 template <typename K>
-class TableSizeOp : public OpKernel {
+class TableSizeOp : public TableOpKernel<K> {
  public:
-  using OpKernel::OpKernel;
-  void Compute(OpKernelContext* ctx) override {
-    tf::core::RefCountPtr<TableResource<K>> res;
-    OP_REQUIRES_OK(ctx, GetTable<K>(ctx, &res));
-    Tensor* out;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
-    out->scalar<int64_t>()() = res->table().Size();
+  using TableOpKernel<K>::TableOpKernel;
+  void ComputeOnTable(OpKernelContext* ctx, kv::Table<K>& table) override {
+    OP_REQUIRES_OK(ctx, SetScalarOutput(ctx, 0, table.Size()));
   }
 };
 
 template <typename K>
-class TableStatsOp : public OpKernel {
+class TableStatsOp : public TableOpKernel<K> {
  public:
-  using OpKernel::OpKernel;
-  void Compute(OpKernelContext* ctx) override {
-    tf::core::RefCountPtr<TableResource<K>> res;
-    OP_REQUIRES_OK(ctx, GetTable<K>(ctx, &res));
-    const kv::Table<K>& t = res->table();
-    Tensor* out;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({4}), &out));
-    auto v = out->flat<int64_t>();
-    v(0) = t.Size();
-    v(1) = t.FilteredSize();
-    v(2) = static_cast<int64_t>(t.MemoryBytes());
-    v(3) = t.LatestStep();
+  using TableOpKernel<K>::TableOpKernel;
+  void ComputeOnTable(OpKernelContext* ctx, kv::Table<K>& t) override {
+    const std::vector<int64_t> v = {t.Size(), t.FilteredSize(),
+                                    static_cast<int64_t>(t.MemoryBytes()), t.LatestStep()};
+    OP_REQUIRES_OK(ctx, SetVectorOutput(ctx, 0, v));
   }
 };
 
 template <typename K>
-class TableStorageStatsOp : public OpKernel {
+class TableStorageStatsOp : public TableOpKernel<K> {
  public:
-  using OpKernel::OpKernel;
-  void Compute(OpKernelContext* ctx) override {
-    tf::core::RefCountPtr<TableResource<K>> res;
-    OP_REQUIRES_OK(ctx, GetTable<K>(ctx, &res));
-    const kv::RowStoreStats s = res->table().StoreStats();
-    Tensor* out;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({8}), &out));
-    auto v = out->flat<int64_t>();
+  using TableOpKernel<K>::TableOpKernel;
+  void ComputeOnTable(OpKernelContext* ctx, kv::Table<K>& table) override {
+    const kv::RowStoreStats s = table.StoreStats();
     const uint64_t fields[8] = {s.rows, s.cached_rows, s.memory_bytes, s.disk_bytes,
                                 s.hits, s.misses, s.file_reads, s.file_writes};
-    for (int i = 0; i < 8; ++i) v(i) = static_cast<int64_t>(fields[i]);
+    OP_REQUIRES_OK(ctx, SetVectorOutput(ctx, 0, std::vector<int64_t>(fields, fields + 8)));
   }
 };
 
+// The snapshot ops need a file-tier table.
 template <typename K>
-class TableSnapshotOp : public OpKernel {
+absl::Status NeedFileTier(const kv::Table<K>& t) {
+  if (t.file_tier()) return absl::OkStatus();
+  return errors::InvalidArgument(
+      "snapshots need a file-tier table (StorageOption(\"FILE\", storage_path=...))");
+}
+
+template <typename K>
+class TableSnapshotOp : public TableOpKernel<K> {
  public:
-  using OpKernel::OpKernel;
-  void Compute(OpKernelContext* ctx) override {
-    tf::core::RefCountPtr<TableResource<K>> res;
-    OP_REQUIRES_OK(ctx, GetTable<K>(ctx, &res));
-    kv::Table<K>& t = res->table();
-    OP_REQUIRES(ctx, t.file_tier(),
-                errors::InvalidArgument("snapshots need a file-tier table "
-                                        "(StorageOption(\"FILE\", storage_path=...))"));
+  using TableOpKernel<K>::TableOpKernel;
+  void ComputeOnTable(OpKernelContext* ctx, kv::Table<K>& t) override {
+    OP_REQUIRES_OK(ctx, NeedFileTier(t));
     int64_t seq = 0;
     try {
       seq = t.Snapshot();
@@ -205,38 +181,26 @@ class TableSnapshotOp : public OpKernel {
       ctx->SetStatus(errors::Internal("snapshot failed: ", e.what()));
       return;
     }
-    Tensor* out;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
-    out->scalar<int64_t>()() = seq;
+    OP_REQUIRES_OK(ctx, SetScalarOutput(ctx, 0, seq));
   }
 };
 
 template <typename K>
-class TableReleaseStorageOp : public OpKernel {
+class TableReleaseStorageOp : public TableOpKernel<K> {
  public:
-  using OpKernel::OpKernel;
-  void Compute(OpKernelContext* ctx) override {
-    tf::core::RefCountPtr<TableResource<K>> res;
-    OP_REQUIRES_OK(ctx, GetTable<K>(ctx, &res));
-    kv::Table<K>& t = res->table();
+  using TableOpKernel<K>::TableOpKernel;
+  void ComputeOnTable(OpKernelContext* ctx, kv::Table<K>& t) override {
     if (t.file_tier()) t.ReleaseStorageLock();
-    Tensor* out;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
-    out->scalar<bool>()() = t.file_tier();
+    OP_REQUIRES_OK(ctx, SetScalarOutput(ctx, 0, t.file_tier()));
   }
 };
 
 template <typename K>
-class TableRestoreSnapshotOp : public OpKernel {
+class TableRestoreSnapshotOp : public TableOpKernel<K> {
  public:
-  using OpKernel::OpKernel;
-  void Compute(OpKernelContext* ctx) override {
-    tf::core::RefCountPtr<TableResource<K>> res;
-    OP_REQUIRES_OK(ctx, GetTable<K>(ctx, &res));
-    kv::Table<K>& t = res->table();
-    OP_REQUIRES(ctx, t.file_tier(),
-                errors::InvalidArgument("snapshots need a file-tier table "
-                                        "(StorageOption(\"FILE\", storage_path=...))"));
+  using TableOpKernel<K>::TableOpKernel;
+  void ComputeOnTable(OpKernelContext* ctx, kv::Table<K>& t) override {
+    OP_REQUIRES_OK(ctx, NeedFileTier(t));
     const std::string path(ctx->input(1).scalar<tf::tstring>()());
     int64_t keys = 0;
     try {
@@ -245,19 +209,15 @@ class TableRestoreSnapshotOp : public OpKernel {
       ctx->SetStatus(errors::InvalidArgument("snapshot restore failed: ", e.what()));
       return;
     }
-    Tensor* out;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
-    out->scalar<int64_t>()() = keys;
+    OP_REQUIRES_OK(ctx, SetScalarOutput(ctx, 0, keys));
   }
 };
 
 template <typename K>
-class TableEvictOp : public OpKernel {
+class TableEvictOp : public TableOpKernel<K> {
  public:
-  using OpKernel::OpKernel;
-  void Compute(OpKernelContext* ctx) override {
-    tf::core::RefCountPtr<TableResource<K>> res;
-    OP_REQUIRES_OK(ctx, GetTable<K>(ctx, &res));
+  using TableOpKernel<K>::TableOpKernel;
+  void ComputeOnTable(OpKernelContext* ctx, kv::Table<K>& table) override {
     int64_t step, steps_to_live;
     float l2;
     OP_REQUIRES_OK(ctx, validate::Scalar(ctx->input(1), "step", &step));
@@ -265,19 +225,15 @@ class TableEvictOp : public OpKernel {
     OP_REQUIRES_OK(ctx, validate::Scalar(ctx->input(3), "l2_threshold", &l2));
     OP_REQUIRES(ctx, !std::isnan(l2),
                 errors::InvalidArgument("`l2_threshold` must not be NaN"));
-    Tensor* out;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
-    out->scalar<int64_t>()() = res->table().Evict(step, steps_to_live, l2);
+    OP_REQUIRES_OK(ctx, SetScalarOutput(ctx, 0, table.Evict(step, steps_to_live, l2)));
   }
 };
 
 template <typename K>
-class TableAddSlotOp : public OpKernel {
+class TableAddSlotOp : public TableOpKernel<K> {
  public:
-  using OpKernel::OpKernel;
-  void Compute(OpKernelContext* ctx) override {
-    tf::core::RefCountPtr<TableResource<K>> res;
-    OP_REQUIRES_OK(ctx, GetTable<K>(ctx, &res));
+  using TableOpKernel<K>::TableOpKernel;
+  void ComputeOnTable(OpKernelContext* ctx, kv::Table<K>& table) override {
     tf::tstring tname;
     int64_t width;
     float init;
@@ -289,7 +245,7 @@ class TableAddSlotOp : public OpKernel {
     OP_REQUIRES_OK(ctx, validate::SlotWidth(width, "width"));
     OP_REQUIRES_OK(ctx, validate::Finite(&init, 1, "init"));
     try {
-      res->table().AddSlot(name, width, init);
+      table.AddSlot(name, width, init);
     } catch (const std::bad_alloc&) {
       ctx->SetStatus(errors::ResourceExhausted("could not allocate optimizer slot '", name,
                                                "' of width ", width,
@@ -301,91 +257,46 @@ class TableAddSlotOp : public OpKernel {
 };
 
 template <typename K>
-class TableExportOp : public OpKernel {
+class TableExportOp : public TableOpKernel<K> {
  public:
-  explicit TableExportOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("dim", &dim_));
+  explicit TableExportOp(OpKernelConstruction* ctx) : TableOpKernel<K>(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("include_filtered", &include_filtered_));
   }
 
-  void Compute(OpKernelContext* ctx) override {
-    tf::core::RefCountPtr<TableResource<K>> res;
-    OP_REQUIRES_OK(ctx, GetTable<K>(ctx, &res, dim_));
-    kv::Table<K>& table = res->table();
+  void ComputeOnTable(OpKernelContext* ctx, kv::Table<K>& table) override {
     absl::Status status;
-    using Buffers = typename kv::Table<K>::ExportBuffers;
     // Filtered keys left out are written to scratch space and not output.
     std::vector<K> skip_keys;
     std::vector<int64_t> skip_freqs, skip_versions;
-    table.Export([&](int64_t n, int64_t nf) -> std::optional<Buffers> {
-      // Called with every shard locked, so the slot list is stable here.
-      const std::vector<kv::SlotSpec> specs = table.Slots();
-      int64_t width = 0;
-      for (const auto& s : specs) width += s.width;
-      const int64_t num_slots = static_cast<int64_t>(specs.size());
-      const std::vector<float> defaults = table.DefaultValues();
-      Tensor *keys, *values, *freqs, *versions, *slots, *names, *widths, *dv;
-      status.Update(ctx->allocate_output(0, TensorShape({n}), &keys));
-      if (status.ok()) status.Update(ctx->allocate_output(1, TensorShape({n, dim_}), &values));
-      if (status.ok()) status.Update(ctx->allocate_output(2, TensorShape({n}), &freqs));
-      if (status.ok()) status.Update(ctx->allocate_output(3, TensorShape({n}), &versions));
-      if (status.ok()) status.Update(ctx->allocate_output(4, TensorShape({n, width}), &slots));
-      if (status.ok()) status.Update(ctx->allocate_output(5, TensorShape({num_slots}), &names));
-      if (status.ok()) status.Update(ctx->allocate_output(6, TensorShape({num_slots}), &widths));
-      const int64_t dvd = static_cast<int64_t>(defaults.size()) / dim_;
-      if (status.ok()) status.Update(ctx->allocate_output(7, TensorShape({dvd, dim_}), &dv));
-      const int64_t out_f = include_filtered_ ? nf : 0;
-      Tensor *kf, *ff, *vf;
-      if (status.ok()) status.Update(ctx->allocate_output(8, TensorShape({out_f}), &kf));
-      if (status.ok()) status.Update(ctx->allocate_output(9, TensorShape({out_f}), &ff));
-      if (status.ok()) status.Update(ctx->allocate_output(10, TensorShape({out_f}), &vf));
-      if (!status.ok()) return std::nullopt;
-      std::copy(defaults.begin(), defaults.end(), dv->flat<float>().data());
-      for (int64_t j = 0; j < num_slots; ++j) {
-        names->flat<tf::tstring>()(j) = specs[j].name;
-        widths->flat<int64_t>()(j) = specs[j].width;
-      }
-      Buffers b{keys->flat<K>().data(), values->flat<float>().data(),
-                freqs->flat<int64_t>().data(), versions->flat<int64_t>().data(),
-                slots->flat<float>().data(), kf->flat<K>().data(),
-                ff->flat<int64_t>().data(), vf->flat<int64_t>().data()};
-      if (!include_filtered_) {
+    table.Export([&](int64_t n, int64_t nf) {
+      auto b = AllocateExportOutputs(ctx, table, n, include_filtered_ ? nf : 0, &status);
+      if (b && !include_filtered_) {
         skip_keys.resize(nf);
         skip_freqs.resize(nf);
         skip_versions.resize(nf);
-        b.keys_filtered = skip_keys.data();
-        b.freqs_filtered = skip_freqs.data();
-        b.versions_filtered = skip_versions.data();
+        b->keys_filtered = skip_keys.data();
+        b->freqs_filtered = skip_freqs.data();
+        b->versions_filtered = skip_versions.data();
       }
       return b;
     });
-    if (status.ok()) {
-      const std::vector<uint8_t> bloom = table.BloomState();
-      Tensor* out;
-      status.Update(ctx->allocate_output(
-          11, TensorShape({static_cast<int64_t>(bloom.size())}), &out));
-      if (status.ok()) std::copy(bloom.begin(), bloom.end(), out->flat<uint8_t>().data());
-    }
     OP_REQUIRES_OK(ctx, status);
+    OP_REQUIRES_OK(ctx, SetVectorOutput(ctx, 11, table.BloomState()));
   }
 
  private:
-  int64_t dim_;
   bool include_filtered_;
 };
 
 template <typename K>
-class TableImportOp : public OpKernel {
+class TableImportOp : public TableOpKernel<K> {
  public:
-  explicit TableImportOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("dim", &dim_));
+  explicit TableImportOp(OpKernelConstruction* ctx) : TableOpKernel<K>(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("clear", &clear_));
   }
 
-  void Compute(OpKernelContext* ctx) override {
-    tf::core::RefCountPtr<TableResource<K>> res;
-    OP_REQUIRES_OK(ctx, GetTable<K>(ctx, &res, dim_));
-    kv::Table<K>& table = res->table();
+  void ComputeOnTable(OpKernelContext* ctx, kv::Table<K>& table) override {
+    const int64_t dim = this->dim_;
     const Tensor& keys = ctx->input(1);
     const Tensor& values = ctx->input(2);
     const Tensor& freqs = ctx->input(3);
@@ -403,7 +314,7 @@ class TableImportOp : public OpKernel {
     // was.
     OP_REQUIRES_OK(ctx, validate::Vector(keys, "keys"));
     const int64_t n = keys.dim_size(0);
-    OP_REQUIRES_OK(ctx, validate::Matrix(values, "values", n, dim_));
+    OP_REQUIRES_OK(ctx, validate::Matrix(values, "values", n, dim));
     OP_REQUIRES_OK(ctx, validate::Vector(freqs, "freqs", n));
     OP_REQUIRES_OK(ctx, validate::Vector(versions, "versions", n));
     OP_REQUIRES_OK(ctx, validate::UniqueNames(names, "slot_names"));
@@ -414,7 +325,7 @@ class TableImportOp : public OpKernel {
                                         "got ", names.NumElements(), " and ",
                                         widths.NumElements()));
     OP_REQUIRES_OK(ctx, validate::Matrix(slots, "slot_values", n, total));
-    OP_REQUIRES_OK(ctx, validate::Matrix(defaults, "default_values", -1, dim_));
+    OP_REQUIRES_OK(ctx, validate::Matrix(defaults, "default_values", -1, dim));
     OP_REQUIRES_OK(ctx, validate::Vector(keys_f, "keys_filtered"));
     const int64_t nf = keys_f.dim_size(0);
     OP_REQUIRES_OK(ctx, validate::Vector(freqs_f, "freqs_filtered", nf));
@@ -431,7 +342,7 @@ class TableImportOp : public OpKernel {
                                                    clear_ ? 0 : -1, "freqs"));
     OP_REQUIRES_OK(ctx, validate::AtLeast<int64_t>(freqs_f.flat<int64_t>().data(), nf, 0,
                                                    "freqs_filtered"));
-    OP_REQUIRES_OK(ctx, validate::Finite(values.flat<float>().data(), n * dim_, "values", dim_));
+    OP_REQUIRES_OK(ctx, validate::Finite(values.flat<float>().data(), n * dim, "values", dim));
     OP_REQUIRES_OK(ctx, validate::Finite(slots.flat<float>().data(), n * total, "slot_values",
                                          total));
     // default_values may hold infinities: AdaptiveEmbedding marks rows with them.
@@ -497,7 +408,7 @@ class TableImportOp : public OpKernel {
       }
     } catch (const std::bad_alloc&) {
       ctx->SetStatus(errors::ResourceExhausted(
-          "import of ", n, " rows (", dim_, " values and ", total,
+          "import of ", n, " rows (", dim, " values and ", total,
           " slot values each) ran out of memory", clear_ ? "; the table is unchanged" : ""));
     } catch (const std::exception& e) {
       ctx->SetStatus(errors::InvalidArgument("import failed: ", e.what()));
@@ -505,48 +416,20 @@ class TableImportOp : public OpKernel {
   }
 
  private:
-  int64_t dim_;
   bool clear_;
 };
 
-#define REGISTER(K)                                                                    \
-  REGISTER_KERNEL_BUILDER(                                                             \
-      Name("KRE>TableLookup").Device(tf::DEVICE_CPU).TypeConstraint<K>("Tkeys"),       \
-      TableLookupOp<K>);                                                               \
-  REGISTER_KERNEL_BUILDER(                                                             \
-      Name("KRE>TableSize").Device(tf::DEVICE_CPU).TypeConstraint<K>("Tkeys"),         \
-      TableSizeOp<K>);                                                                 \
-  REGISTER_KERNEL_BUILDER(                                                             \
-      Name("KRE>TableStats").Device(tf::DEVICE_CPU).TypeConstraint<K>("Tkeys"),        \
-      TableStatsOp<K>);                                                                \
-  REGISTER_KERNEL_BUILDER(                                                             \
-      Name("KRE>TableStorageStats").Device(tf::DEVICE_CPU).TypeConstraint<K>("Tkeys"), \
-      TableStorageStatsOp<K>);                                                         \
-  REGISTER_KERNEL_BUILDER(                                                             \
-      Name("KRE>TableSnapshot").Device(tf::DEVICE_CPU).TypeConstraint<K>("Tkeys"),     \
-      TableSnapshotOp<K>);                                                             \
-  REGISTER_KERNEL_BUILDER(                                                             \
-      Name("KRE>TableReleaseStorage").Device(tf::DEVICE_CPU).TypeConstraint<K>("Tkeys"), \
-      TableReleaseStorageOp<K>);                                                       \
-  REGISTER_KERNEL_BUILDER(                                                             \
-      Name("KRE>TableRestoreSnapshot").Device(tf::DEVICE_CPU).TypeConstraint<K>("Tkeys"), \
-      TableRestoreSnapshotOp<K>);                                                      \
-  REGISTER_KERNEL_BUILDER(                                                             \
-      Name("KRE>TableEvict").Device(tf::DEVICE_CPU).TypeConstraint<K>("Tkeys"),        \
-      TableEvictOp<K>);                                                                \
-  REGISTER_KERNEL_BUILDER(                                                             \
-      Name("KRE>TableAddSlot").Device(tf::DEVICE_CPU).TypeConstraint<K>("Tkeys"),      \
-      TableAddSlotOp<K>);                                                              \
-  REGISTER_KERNEL_BUILDER(                                                             \
-      Name("KRE>TableExport").Device(tf::DEVICE_CPU).TypeConstraint<K>("Tkeys"),       \
-      TableExportOp<K>);                                                               \
-  REGISTER_KERNEL_BUILDER(                                                             \
-      Name("KRE>TableImport").Device(tf::DEVICE_CPU).TypeConstraint<K>("Tkeys"),       \
-      TableImportOp<K>);
-
-REGISTER(int64_t)
-REGISTER(int32_t)
-#undef REGISTER
+KRE_REGISTER_TABLE_KERNEL("KRE>TableLookup", TableLookupOp);
+KRE_REGISTER_TABLE_KERNEL("KRE>TableSize", TableSizeOp);
+KRE_REGISTER_TABLE_KERNEL("KRE>TableStats", TableStatsOp);
+KRE_REGISTER_TABLE_KERNEL("KRE>TableStorageStats", TableStorageStatsOp);
+KRE_REGISTER_TABLE_KERNEL("KRE>TableSnapshot", TableSnapshotOp);
+KRE_REGISTER_TABLE_KERNEL("KRE>TableReleaseStorage", TableReleaseStorageOp);
+KRE_REGISTER_TABLE_KERNEL("KRE>TableRestoreSnapshot", TableRestoreSnapshotOp);
+KRE_REGISTER_TABLE_KERNEL("KRE>TableEvict", TableEvictOp);
+KRE_REGISTER_TABLE_KERNEL("KRE>TableAddSlot", TableAddSlotOp);
+KRE_REGISTER_TABLE_KERNEL("KRE>TableExport", TableExportOp);
+KRE_REGISTER_TABLE_KERNEL("KRE>TableImport", TableImportOp);
 
 }  // namespace
 }  // namespace kre

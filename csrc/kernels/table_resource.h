@@ -1,13 +1,17 @@
 // Copyright keras_rec_emb authors. Apache-2.0.
 // The TensorFlow resource that owns a kv::Table, and helpers shared by the
-// kernels: typed lookup of the resource, thread-pool sharding, and running
-// per-shard table work with C++ exceptions turned into Status.
+// kernels: typed lookup of the resource (and TableOpKernel, the base of
+// kernels on one table), scalar and export outputs, thread-pool sharding,
+// and running per-shard table work with C++ exceptions turned into Status.
 #ifndef KRE_KERNELS_TABLE_RESOURCE_H_
 #define KRE_KERNELS_TABLE_RESOURCE_H_
 
+#include <algorithm>
 #include <exception>
 #include <mutex>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "kv/partition.h"
 #include "kv/table.h"
@@ -19,6 +23,13 @@
 namespace kre {
 
 namespace tf = ::tensorflow;
+// The names the kernels use unqualified.
+using tf::OpKernel;
+using tf::OpKernelConstruction;
+using tf::OpKernelContext;
+using tf::Tensor;
+using tf::TensorShape;
+namespace errors = tf::errors;
 
 // Untyped base so that a handle can be resolved first and its key dtype
 // checked with a clear error (the resource manager keys types exactly).
@@ -71,6 +82,95 @@ absl::Status GetTable(tf::OpKernelContext* ctx,
   out->reset(typed);
   return absl::OkStatus();
 }
+
+// Base of the kernels whose input 0 is the handle of a table with key type
+// K: Compute resolves it (checking the key dtype, and the row width when
+// the op has a `dim` attribute) and hands the table to ComputeOnTable.
+template <typename K>
+class TableOpKernel : public OpKernel {
+ public:
+  explicit TableOpKernel(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    if (ctx->HasAttr("dim")) OP_REQUIRES_OK(ctx, ctx->GetAttr("dim", &dim_));
+  }
+
+  void Compute(OpKernelContext* ctx) final {
+    tf::core::RefCountPtr<TableResource<K>> res;
+    OP_REQUIRES_OK(ctx, GetTable<K>(ctx, &res, dim_));
+    ComputeOnTable(ctx, res->table());
+  }
+
+ protected:
+  virtual void ComputeOnTable(OpKernelContext* ctx, kv::Table<K>& table) = 0;
+
+  int64_t dim_ = -1;  // the op's `dim` attribute; -1 without one
+};
+
+// Allocates output i as a scalar of type T holding `value`.
+template <typename T>
+absl::Status SetScalarOutput(OpKernelContext* ctx, int i, T value) {
+  Tensor* out;
+  TF_RETURN_IF_ERROR(ctx->allocate_output(i, TensorShape({}), &out));
+  out->scalar<T>()() = value;
+  return absl::OkStatus();
+}
+
+// Allocates output i as a vector holding `values`.
+template <typename T>
+absl::Status SetVectorOutput(OpKernelContext* ctx, int i, const std::vector<T>& values) {
+  Tensor* out;
+  TF_RETURN_IF_ERROR(ctx->allocate_output(
+      i, TensorShape({static_cast<int64_t>(values.size())}), &out));
+  std::copy(values.begin(), values.end(), out->flat<T>().data());
+  return absl::OkStatus();
+}
+
+// For the `alloc` of kv::Table::Export / ExportChangedSince (called with
+// every shard locked, so the slot list is stable): allocates outputs 0 .. 10
+// of an export (see KRE_TABLE_EXPORT_OUTPUTS in csrc/ops/table_shape_fns.h)
+// for n admitted keys and out_f filtered ones, fills in the slot names and
+// widths and the EV-initializer matrix, and returns the buffers the table
+// writes into; std::nullopt, with *status set, when an allocation fails.
+template <typename K>
+std::optional<typename kv::Table<K>::ExportBuffers> AllocateExportOutputs(
+    OpKernelContext* ctx, const kv::Table<K>& table, int64_t n, int64_t out_f,
+    absl::Status* status) {
+  const int64_t dim = table.dim();
+  const std::vector<kv::SlotSpec> specs = table.Slots();
+  int64_t width = 0;
+  for (const auto& s : specs) width += s.width;
+  const int64_t num_slots = static_cast<int64_t>(specs.size());
+  const std::vector<float> defaults = table.DefaultValues();
+  const int64_t dvd = static_cast<int64_t>(defaults.size()) / dim;
+  Tensor* t[11];
+  const TensorShape shapes[11] = {
+      TensorShape({n}),         TensorShape({n, dim}),    TensorShape({n}),
+      TensorShape({n}),         TensorShape({n, width}),  TensorShape({num_slots}),
+      TensorShape({num_slots}), TensorShape({dvd, dim}),  TensorShape({out_f}),
+      TensorShape({out_f}),     TensorShape({out_f})};
+  for (int i = 0; i < 11 && status->ok(); ++i) {
+    status->Update(ctx->allocate_output(i, shapes[i], &t[i]));
+  }
+  if (!status->ok()) return std::nullopt;
+  std::copy(defaults.begin(), defaults.end(), t[7]->flat<float>().data());
+  for (int64_t j = 0; j < num_slots; ++j) {
+    t[5]->flat<tf::tstring>()(j) = specs[j].name;
+    t[6]->flat<int64_t>()(j) = specs[j].width;
+  }
+  return typename kv::Table<K>::ExportBuffers{
+      t[0]->flat<K>().data(),       t[1]->flat<float>().data(),
+      t[2]->flat<int64_t>().data(), t[3]->flat<int64_t>().data(),
+      t[4]->flat<float>().data(),   t[8]->flat<K>().data(),
+      t[9]->flat<int64_t>().data(), t[10]->flat<int64_t>().data()};
+}
+
+// Registers the CPU kernel `Op<K>` of op `name` for both key types.
+#define KRE_REGISTER_TABLE_KERNEL(name, Op)                                        \
+  REGISTER_KERNEL_BUILDER(                                                        \
+      Name(name).Device(::tensorflow::DEVICE_CPU).TypeConstraint<int64_t>("Tkeys"), \
+      Op<int64_t>);                                                               \
+  REGISTER_KERNEL_BUILDER(                                                        \
+      Name(name).Device(::tensorflow::DEVICE_CPU).TypeConstraint<int32_t>("Tkeys"), \
+      Op<int32_t>)
 
 // Runs fn(i) for i in [0, n) over the intra-op thread pool. Exceptions
 // (allocation failure, a full shard) become a ResourceExhausted status.

@@ -502,16 +502,7 @@ void FileRowStore::ReserveSlot(int64_t width, float init) {
 void FileRowStore::CommitSlot() {
   // The cache is dropped (every row is clean after ReserveSlot) and comes
   // back at the new width.
-  for (uint32_t r : cache_row_) {
-    if (r != kNoRow) slot_of_[r] = -1;
-  }
-  cache_.clear();
-  cache_.shrink_to_fit();
-  cache_row_.clear();
-  ref_.clear();
-  dirty_.clear();
-  free_slots_.clear();
-  hand_ = 0;
+  DropCache();
   widths_.push_back(pending_width_);
   inits_.push_back(pending_init_);
   active_ = -1;
@@ -537,13 +528,7 @@ void FileRowStore::Clear() {
   buffer_.clear();
   file_bytes_ = 0;
   live_bytes_ = 0;
-  cache_.clear();
-  cache_.shrink_to_fit();
-  cache_row_.clear();
-  ref_.clear();
-  dirty_.clear();
-  free_slots_.clear();
-  hand_ = 0;
+  DropCache();
   slot_of_.clear();
   slot_of_.shrink_to_fit();
   loc_.clear();
@@ -552,6 +537,19 @@ void FileRowStore::Clear() {
   next_row_ = 0;
   rows_ = 0;
   use_map_ = map_budget_ > 0;
+}
+
+void FileRowStore::DropCache() {
+  for (uint32_t r : cache_row_) {
+    if (r != kNoRow) slot_of_[r] = -1;
+  }
+  cache_.clear();
+  cache_.shrink_to_fit();
+  cache_row_.clear();
+  ref_.clear();
+  dirty_.clear();
+  free_slots_.clear();
+  hand_ = 0;
 }
 
 RowStoreStats FileRowStore::Stats() const {

@@ -169,6 +169,9 @@ class FileRowStore final : public RowStore {
   // Overwrites the record of `row` at its location in place when that is
   // a segment not yet sealed, of the current width; returns whether it did.
   bool RewriteInPlace(uint32_t row, const float* record);
+  // Empties the DRAM cache (its rows must be clean or be discarded): no row
+  // is cached any more and the cache's memory is freed.
+  void DropCache();
 
   std::shared_ptr<FileSpace> space_;
   int shard_;

@@ -372,6 +372,12 @@ class Table {
                      const int64_t* order, const int32_t* counts, int64_t n,
                      bool insert, float* out, int32_t* skips);
   void EraseAt(Shard& s, uint64_t i);
+  // The export pass of Export and ExportChangedSince (caller holds every
+  // shard lock): writes each entry for which keep(shard, entry) holds into
+  // `b`, admitted keys and counted-but-not-admitted ones apart, in shard
+  // and slot order; `b` has room for exactly those entries.
+  template <typename Keep>
+  void WriteEntries(const ExportBuffers& b, Keep&& keep) const;
   void RaiseLatestStep(int64_t step);
   std::unique_ptr<RowStore> NewStore(int shard) const;
   void LockAll(std::vector<std::unique_lock<std::shared_mutex>>* locks) const;
@@ -466,32 +472,9 @@ void Table<K>::Export(Alloc&& alloc) const {
     n += static_cast<int64_t>(s->index.live() - s->filtered);
     nf += static_cast<int64_t>(s->filtered);
   }
-  int64_t total_width = 0;
-  for (const auto& spec : slot_specs_) total_width += spec.width;
   const std::optional<ExportBuffers> buffers = alloc(n, nf);
   if (!buffers) return;
-  const ExportBuffers& b = *buffers;
-  int64_t out = 0, out_f = 0;
-  for (const auto& sp : shards_) {
-    const Shard& s = *sp;
-    for (uint64_t i = 0; i < s.index.capacity(); ++i) {
-      if (!s.index.Occupied(i)) continue;
-      const Entry& e = s.index.entry(i);
-      const int64_t* m = Meta(s, e);
-      if (e.row == kNoRow) {
-        b.keys_filtered[out_f] = e.key;
-        b.freqs_filtered[out_f] = m ? m[kFreq] : 0;
-        b.versions_filtered[out_f] = m ? m[kVersion] : 0;
-        ++out_f;
-        continue;
-      }
-      b.keys[out] = e.key;
-      s.store->Read(e.row, b.values + out * dim_, b.slots + out * total_width);
-      b.freqs[out] = m ? m[kFreq] : 0;
-      b.versions[out] = m ? m[kVersion] : 0;
-      ++out;
-    }
-  }
+  WriteEntries(*buffers, [](const Shard&, const Entry&) { return true; });
 }
 
 template <typename K>
@@ -515,18 +498,26 @@ bool Table<K>::ExportChangedSince(int64_t since, Alloc&& alloc,
       if (ke.second > since) erased->push_back(ke.first);
     }
   }
-  int64_t total_width = 0;
-  for (const auto& spec : slot_specs_) total_width += spec.width;
   const std::optional<ExportBuffers> buffers = alloc(n, nf);
   if (!buffers) return complete;
-  const ExportBuffers& b = *buffers;
+  WriteEntries(*buffers, [&](const Shard& s, const Entry& e) {
+    return EpochOf(s, e) > since;
+  });
+  return complete;
+}
+
+template <typename K>
+template <typename Keep>
+void Table<K>::WriteEntries(const ExportBuffers& b, Keep&& keep) const {
+  int64_t total_width = 0;
+  for (const auto& spec : slot_specs_) total_width += spec.width;
   int64_t out = 0, out_f = 0;
   for (const auto& sp : shards_) {
     const Shard& s = *sp;
     for (uint64_t i = 0; i < s.index.capacity(); ++i) {
       if (!s.index.Occupied(i)) continue;
       const Entry& e = s.index.entry(i);
-      if (EpochOf(s, e) <= since) continue;
+      if (!keep(s, e)) continue;
       const int64_t* m = Meta(s, e);
       if (e.row == kNoRow) {
         b.keys_filtered[out_f] = e.key;
@@ -542,7 +533,6 @@ bool Table<K>::ExportChangedSince(int64_t since, Alloc&& alloc,
       ++out;
     }
   }
-  return complete;
 }
 
 }  // namespace kv

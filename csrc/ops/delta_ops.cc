@@ -4,12 +4,9 @@
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
+#include "ops/table_shape_fns.h"
 
 namespace kre {
-
-using ::tensorflow::shape_inference::DimensionHandle;
-using ::tensorflow::shape_inference::InferenceContext;
-using ::tensorflow::shape_inference::ShapeHandle;
 
 // Closes the table's current change epoch and returns it as a mark: changes
 // from now on are "after" it. Turns on the log of erased keys.
@@ -18,12 +15,7 @@ REGISTER_OP("KRE>TableMarkChanges")
     .Output("mark: int64")
     .Attr("Tkeys: {int32, int64}")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle unused;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 0, &unused));
-      c->set_output(0, c->Scalar());
-      return absl::OkStatus();
-    });
+    .SetShapeFn(ScalarOfHandle<1>);
 
 // Exports, like KRE>TableExport, only the keys changed after mark `since`,
 // plus `erased` (keys erased after it) and `complete` (false when the
@@ -32,41 +24,17 @@ REGISTER_OP("KRE>TableMarkChanges")
 REGISTER_OP("KRE>TableExportChangedSince")
     .Input("handle: resource")
     .Input("since: int64")
-    .Output("keys: Tkeys")
-    .Output("values: float")
-    .Output("freqs: int64")
-    .Output("versions: int64")
-    .Output("slot_values: float")
-    .Output("slot_names: string")
-    .Output("slot_widths: int64")
-    .Output("default_values: float")
-    .Output("keys_filtered: Tkeys")
-    .Output("freqs_filtered: int64")
-    .Output("versions_filtered: int64")
-    .Output("bloom: uint8")
+    .KRE_TABLE_EXPORT_OUTPUTS
     .Output("erased: Tkeys")
     .Output("complete: bool")
     .Attr("Tkeys: {int32, int64}")
     .Attr("dim: int >= 1")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle unused;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 0, &unused));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 0, &unused));
+      TF_RETURN_IF_ERROR(HandleAndScalars(c, 2));
       int64_t dim;
-      TF_RETURN_IF_ERROR(c->GetAttr("dim", &dim));
-      DimensionHandle n = c->UnknownDim();
-      c->set_output(0, c->Vector(n));
-      c->set_output(1, c->Matrix(n, dim));
-      c->set_output(2, c->Vector(n));
-      c->set_output(3, c->Vector(n));
-      c->set_output(4, c->Matrix(n, c->UnknownDim()));
-      c->set_output(5, c->Vector(c->UnknownDim()));
-      c->set_output(6, c->Vector(c->UnknownDim()));
-      c->set_output(7, c->Matrix(c->UnknownDim(), dim));
-      DimensionHandle nf = c->UnknownDim();
-      for (int i = 8; i < 11; ++i) c->set_output(i, c->Vector(nf));
-      c->set_output(11, c->Vector(c->UnknownDim()));
+      TF_RETURN_IF_ERROR(GetDim(c, &dim));
+      SetExportShapes(c, dim);
       c->set_output(12, c->Vector(c->UnknownDim()));
       c->set_output(13, c->Scalar());
       return absl::OkStatus();
@@ -79,13 +47,7 @@ REGISTER_OP("KRE>TableTrimErased")
     .Output("remaining: int64")
     .Attr("Tkeys: {int32, int64}")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle unused;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 0, &unused));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 0, &unused));
-      c->set_output(0, c->Scalar());
-      return absl::OkStatus();
-    });
+    .SetShapeFn(ScalarOfHandle<2>);
 
 // Erases `keys` (a vector; absent keys are skipped); returns how many were
 // present.
@@ -96,8 +58,8 @@ REGISTER_OP("KRE>TableErase")
     .Attr("Tkeys: {int32, int64}")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
+      TF_RETURN_IF_ERROR(ScalarHandle(c));
       ShapeHandle unused;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 0, &unused));
       TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &unused));
       c->set_output(0, c->Scalar());
       return absl::OkStatus();
@@ -111,11 +73,6 @@ REGISTER_OP("KRE>TableCounters")
     .Output("counters: int64")
     .Attr("Tkeys: {int32, int64}")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle unused;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 0, &unused));
-      c->set_output(0, c->Vector(10));
-      return absl::OkStatus();
-    });
+    .SetShapeFn(VectorOfHandle<10>);
 
 }  // namespace kre

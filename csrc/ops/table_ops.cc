@@ -4,25 +4,9 @@
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
+#include "ops/table_shape_fns.h"
 
 namespace kre {
-
-using ::tensorflow::shape_inference::DimensionHandle;
-using ::tensorflow::shape_inference::InferenceContext;
-using ::tensorflow::shape_inference::ShapeHandle;
-
-namespace {
-
-absl::Status ScalarHandle(InferenceContext* c) {
-  ShapeHandle unused;
-  return c->WithRank(c->input(0), 0, &unused);
-}
-
-absl::Status GetDim(InferenceContext* c, int64_t* dim) {
-  return c->GetAttr("dim", dim);
-}
-
-}  // namespace
 
 // Creates an anonymous embedding table from integer keys to float rows of width
 // `dim` and returns a ref-counting handle: the table lives as long as a handle
@@ -85,11 +69,7 @@ REGISTER_OP("KRE>TableSize")
     .Output("size: int64")
     .Attr("Tkeys: {int32, int64}")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      TF_RETURN_IF_ERROR(ScalarHandle(c));
-      c->set_output(0, c->Scalar());
-      return absl::OkStatus();
-    });
+    .SetShapeFn(ScalarOfHandle<1>);
 
 // [admitted keys, keys counted but not admitted, memory bytes, latest step]
 REGISTER_OP("KRE>TableStats")
@@ -97,11 +77,7 @@ REGISTER_OP("KRE>TableStats")
     .Output("stats: int64")
     .Attr("Tkeys: {int32, int64}")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      TF_RETURN_IF_ERROR(ScalarHandle(c));
-      c->set_output(0, c->Vector(4));
-      return absl::OkStatus();
-    });
+    .SetShapeFn(VectorOfHandle<4>);
 
 // The row store's counters: [rows, rows in DRAM, row bytes in DRAM, bytes
 // on file, cache hits, cache misses, rows read from file, rows written to
@@ -111,11 +87,7 @@ REGISTER_OP("KRE>TableStorageStats")
     .Output("stats: int64")
     .Attr("Tkeys: {int32, int64}")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      TF_RETURN_IF_ERROR(ScalarHandle(c));
-      c->set_output(0, c->Vector(8));
-      return absl::OkStatus();
-    });
+    .SetShapeFn(VectorOfHandle<8>);
 
 // File tier: writes a snapshot under the table's storage_path; returns its
 // sequence number.
@@ -124,11 +96,7 @@ REGISTER_OP("KRE>TableSnapshot")
     .Output("seq: int64")
     .Attr("Tkeys: {int32, int64}")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      TF_RETURN_IF_ERROR(ScalarHandle(c));
-      c->set_output(0, c->Scalar());
-      return absl::OkStatus();
-    });
+    .SetShapeFn(ScalarOfHandle<1>);
 
 // File tier: releases the lock on the table's storage_path (its Python
 // owner is gone); returns whether the table is a file-tier one.
@@ -137,11 +105,7 @@ REGISTER_OP("KRE>TableReleaseStorage")
     .Output("released: bool")
     .Attr("Tkeys: {int32, int64}")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      TF_RETURN_IF_ERROR(ScalarHandle(c));
-      c->set_output(0, c->Scalar());
-      return absl::OkStatus();
-    });
+    .SetShapeFn(ScalarOfHandle<1>);
 
 // File tier: replaces the contents with the latest snapshot under `path`
 // (the table's storage_path when empty); returns the number of keys.
@@ -151,13 +115,7 @@ REGISTER_OP("KRE>TableRestoreSnapshot")
     .Output("keys: int64")
     .Attr("Tkeys: {int32, int64}")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      TF_RETURN_IF_ERROR(ScalarHandle(c));
-      ShapeHandle unused;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 0, &unused));
-      c->set_output(0, c->Scalar());
-      return absl::OkStatus();
-    });
+    .SetShapeFn(ScalarOfHandle<2>);
 
 // Erases admitted keys not updated for more than `steps_to_live` steps
 // before `step` (when steps_to_live >= 0; step < 0 means the table's latest
@@ -172,13 +130,7 @@ REGISTER_OP("KRE>TableEvict")
     .Output("evicted: int64")
     .Attr("Tkeys: {int32, int64}")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      TF_RETURN_IF_ERROR(ScalarHandle(c));
-      ShapeHandle unused;
-      for (int i = 1; i < 4; ++i) TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 0, &unused));
-      c->set_output(0, c->Scalar());
-      return absl::OkStatus();
-    });
+    .SetShapeFn(ScalarOfHandle<4>);
 
 // Adds an optimizer slot (per-row state of `width` floats, `init` for new rows)
 // or, if it exists with that width, sets its init value for rows made from now.
@@ -189,14 +141,7 @@ REGISTER_OP("KRE>TableAddSlot")
     .Input("init: float")
     .Attr("Tkeys: {int32, int64}")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      TF_RETURN_IF_ERROR(ScalarHandle(c));
-      ShapeHandle unused;
-      for (int i = 1; i < 4; ++i) {
-        TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 0, &unused));
-      }
-      return absl::OkStatus();
-    });
+    .SetShapeFn([](InferenceContext* c) { return HandleAndScalars(c, 4); });
 
 // Exports every row: keys [N], values [N, dim], freqs [N], versions [N], the
 // optimizer slots side by side in slot_values [N, sum(slot_widths)], the
@@ -205,18 +150,7 @@ REGISTER_OP("KRE>TableAddSlot")
 // include_filtered), and the Bloom filter's counters as bytes.
 REGISTER_OP("KRE>TableExport")
     .Input("handle: resource")
-    .Output("keys: Tkeys")
-    .Output("values: float")
-    .Output("freqs: int64")
-    .Output("versions: int64")
-    .Output("slot_values: float")
-    .Output("slot_names: string")
-    .Output("slot_widths: int64")
-    .Output("default_values: float")
-    .Output("keys_filtered: Tkeys")
-    .Output("freqs_filtered: int64")
-    .Output("versions_filtered: int64")
-    .Output("bloom: uint8")
+    .KRE_TABLE_EXPORT_OUTPUTS
     .Attr("Tkeys: {int32, int64}")
     .Attr("dim: int >= 1")
     .Attr("include_filtered: bool = true")
@@ -225,18 +159,7 @@ REGISTER_OP("KRE>TableExport")
       TF_RETURN_IF_ERROR(ScalarHandle(c));
       int64_t dim;
       TF_RETURN_IF_ERROR(GetDim(c, &dim));
-      DimensionHandle n = c->UnknownDim();
-      c->set_output(0, c->Vector(n));
-      c->set_output(1, c->Matrix(n, dim));
-      c->set_output(2, c->Vector(n));
-      c->set_output(3, c->Vector(n));
-      c->set_output(4, c->Matrix(n, c->UnknownDim()));
-      c->set_output(5, c->Vector(c->UnknownDim()));
-      c->set_output(6, c->Vector(c->UnknownDim()));
-      c->set_output(7, c->Matrix(c->UnknownDim(), dim));
-      DimensionHandle nf = c->UnknownDim();
-      for (int i = 8; i < 11; ++i) c->set_output(i, c->Vector(nf));
-      c->set_output(11, c->Vector(c->UnknownDim()));
+      SetExportShapes(c, dim);
       return absl::OkStatus();
     });
 

@@ -25,20 +25,9 @@
 
 #include "kv/partition.h"
 #include "kv/table.h"
+#include "kv/tests/test_util.h"
 
-using kre::kv::Partition;
-using kre::kv::Table;
-using kre::kv::TableOptions;
-
-static int g_failures = 0;
-#define CHECK(cond)                                                   \
-  do {                                                                \
-    if (!(cond)) {                                                    \
-      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__,     \
-                   __LINE__, #cond);                                  \
-      ++g_failures;                                                   \
-    }                                                                 \
-  } while (0)
+using Exported = kre::kv::test::Exported<int64_t>;
 
 namespace {
 
@@ -76,33 +65,10 @@ TableOptions Options(const std::string& path, int filter) {
   return o;
 }
 
-auto Serial = [](int blocks, auto&& fn) {
-  for (int b = 0; b < blocks; ++b) fn(b);
-};
-
-struct Exported {
-  std::vector<int64_t> keys, keys_f, freqs, versions, freqs_f, versions_f;
-  std::vector<float> values, slots;
-  bool operator==(const Exported& o) const {
-    return keys == o.keys && keys_f == o.keys_f && freqs == o.freqs && versions == o.versions &&
-           freqs_f == o.freqs_f && versions_f == o.versions_f && values == o.values &&
-           slots == o.slots;
-  }
-};
-
 // Every key, sorted by key.
 Exported ExportSorted(const Table<int64_t>& t) {
-  Exported x;
-  int64_t width = 0;
-  for (const auto& spec : t.Slots()) width += spec.width;
-  t.Export([&](int64_t n, int64_t nf) {
-    x.keys.resize(n); x.values.resize(n * kDim); x.freqs.resize(n); x.versions.resize(n);
-    x.slots.resize(n * width);
-    x.keys_f.resize(nf); x.freqs_f.resize(nf); x.versions_f.resize(nf);
-    return std::optional<Table<int64_t>::ExportBuffers>(Table<int64_t>::ExportBuffers{
-        x.keys.data(), x.values.data(), x.freqs.data(), x.versions.data(), x.slots.data(),
-        x.keys_f.data(), x.freqs_f.data(), x.versions_f.data()});
-  });
+  const Exported x = ExportAll(t);
+  const size_t width = x.keys.empty() ? 0 : x.slots.size() / x.keys.size();
   Exported s;
   std::vector<size_t> idx(x.keys.size());
   std::iota(idx.begin(), idx.end(), 0);

@@ -24,57 +24,13 @@
 
 #include "kv/partition.h"
 #include "kv/table.h"
+#include "kv/tests/test_util.h"
 
-using kre::kv::Partition;
-using kre::kv::Table;
-using kre::kv::TableOptions;
-
-static int g_failures = 0;
-#define CHECK(cond)                                                               \
-  do {                                                                            \
-    if (!(cond)) {                                                                \
-      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-      ++g_failures;                                                               \
-    }                                                                             \
-  } while (0)
+using Exported = kre::kv::test::Exported<int64_t>;
 
 namespace {
 
 constexpr int64_t kDim = 8;
-
-auto Serial = [](int blocks, auto&& fn) {
-  for (int b = 0; b < blocks; ++b) fn(b);
-};
-
-struct Exported {
-  std::vector<int64_t> keys, freqs, versions, keys_f, freqs_f, versions_f;
-  std::vector<float> values, slots;
-};
-
-Exported ExportAll(const Table<int64_t>& t) {
-  Exported x;
-  t.Export([&](int64_t n, int64_t nf) {
-    int64_t width = 0;
-    for (const auto& spec : t.Slots()) width += spec.width;
-    x.keys.resize(n); x.values.resize(n * t.dim()); x.freqs.resize(n); x.versions.resize(n);
-    x.slots.resize(n * width);
-    x.keys_f.resize(nf); x.freqs_f.resize(nf); x.versions_f.resize(nf);
-    return std::optional<Table<int64_t>::ExportBuffers>(Table<int64_t>::ExportBuffers{
-        x.keys.data(), x.values.data(), x.freqs.data(), x.versions.data(), x.slots.data(),
-        x.keys_f.data(), x.freqs_f.data(), x.versions_f.data()});
-  });
-  return x;
-}
-
-void LookupAll(Table<int64_t>& t, const std::vector<int64_t>& keys, bool insert) {
-  auto p = Partition(t, keys.data(), static_cast<int64_t>(keys.size()), 2, Serial);
-  std::vector<float> out(keys.size() * kDim);
-  for (int s = 0; s < t.num_shards(); ++s) {
-    const int64_t b = p.offsets[s];
-    t.Lookup(s, p.keys.data() + b, p.hashes.data() + b, p.order.data() + b,
-             p.offsets[s + 1] - b, insert, out.data());
-  }
-}
 
 // One fused apply: every touched row gets value[d] -= 1 for all d (so all
 // its values stay equal), its slot counts the applies.
@@ -96,7 +52,7 @@ std::vector<float> Zeros() { return std::vector<float>(kDim, 0.0f); }
 
 [[maybe_unused]] void TestAddSlotOutOfMemoryKeepsTable() {
   Table<int64_t> t(kDim, Zeros(), 4);
-  LookupAll(t, {1, 2, 3}, true);
+  Lookup(t, {1, 2, 3}, true);
   t.AddSlot("m", kDim, 0.5f);
   const Exported before = ExportAll(t);
   bool threw = false;
@@ -111,18 +67,18 @@ std::vector<float> Zeros() { return std::vector<float>(kDim, 0.0f); }
   CHECK(after.keys == before.keys && after.values == before.values &&
         after.slots == before.slots);
   // New keys, applies and exports still work.
-  LookupAll(t, {10, 11}, true);
+  Lookup(t, {10, 11}, true);
   ApplyAll(t, {10, 1}, 0, 5);
   CHECK(t.Size() == 5 && ExportAll(t).slots.size() == 5 * kDim);
 }
 
 void TestSwapContents() {
   Table<int64_t> a(kDim, Zeros(), 4), b(kDim, std::vector<float>(2 * kDim, 1.0f), 4);
-  LookupAll(a, {1, 2}, true);
+  Lookup(a, {1, 2}, true);
   a.AddSlot("m", kDim, 0.0f);
   b.AddSlot("m", kDim, 0.0f);
   b.AddSlot("v", 1, 0.0f);
-  LookupAll(b, {7, 8, 9}, true);
+  Lookup(b, {7, 8, 9}, true);
   a.SwapContents(b);
   CHECK(a.Size() == 3 && b.Size() == 2 && a.Slots().size() == 2 && b.Slots().size() == 1);
   CHECK(a.default_value_dim() == 2);
@@ -165,7 +121,7 @@ void TestConcurrentStress() {
       for (int r = 0; r < kRounds; ++r) {
         std::vector<int64_t> keys(64);
         for (auto& k : keys) k = static_cast<int64_t>(rng() % kKeys);
-        LookupAll(t, keys, true);
+        Lookup(t, keys, true);
       }
     });
   }

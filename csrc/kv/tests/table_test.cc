@@ -14,20 +14,10 @@
 
 #include "kv/partition.h"
 #include "kv/table.h"
+#include "kv/tests/test_util.h"
 
 using kre::kv::BloomSizing;
-using kre::kv::Partition;
-using kre::kv::Table;
-
-static int g_failures = 0;
-#define CHECK(cond)                                                   \
-  do {                                                                \
-    if (!(cond)) {                                                    \
-      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__,     \
-                   __LINE__, #cond);                                  \
-      ++g_failures;                                                   \
-    }                                                                 \
-  } while (0)
+using kre::kv::test::Exported;
 
 namespace {
 
@@ -38,48 +28,6 @@ std::vector<float> Defaults() {
   std::vector<float> d(kDefaultDim * kDim);
   for (size_t i = 0; i < d.size(); ++i) d[i] = static_cast<float>(i) * 0.5f;
   return d;
-}
-
-auto Serial = [](int blocks, auto&& fn) {
-  for (int b = 0; b < blocks; ++b) fn(b);
-};
-
-template <typename K>
-struct Exported {
-  std::vector<K> keys, keys_f;
-  std::vector<float> values, slots;
-  std::vector<int64_t> freqs, versions, freqs_f, versions_f;
-};
-
-template <typename K>
-Exported<K> ExportAll(const Table<K>& t) {
-  Exported<K> x;
-  int64_t width = 0;
-  for (const auto& spec : t.Slots()) width += spec.width;
-  t.Export([&](int64_t n, int64_t nf) {
-    x.keys.resize(n); x.values.resize(n * t.dim()); x.freqs.resize(n); x.versions.resize(n);
-    x.slots.resize(n * width);
-    x.keys_f.resize(nf); x.freqs_f.resize(nf); x.versions_f.resize(nf);
-    return std::optional<typename Table<K>::ExportBuffers>(typename Table<K>::ExportBuffers{
-        x.keys.data(), x.values.data(), x.freqs.data(), x.versions.data(), x.slots.data(),
-        x.keys_f.data(), x.freqs_f.data(), x.versions_f.data()});
-  });
-  return x;
-}
-
-template <typename K>
-std::vector<float> Lookup(Table<K>& t, const std::vector<K>& keys, bool insert,
-                          int64_t* inserted = nullptr) {
-  auto p = Partition(t, keys.data(), keys.size(), 3, Serial);
-  std::vector<float> out(keys.size() * t.dim(), -1.0f);
-  int64_t total = 0;
-  for (int s = 0; s < t.num_shards(); ++s) {
-    const int64_t b = p.offsets[s];
-    total += t.Lookup(s, p.keys.data() + b, p.hashes.data() + b, p.order.data() + b,
-                      p.offsets[s + 1] - b, insert, out.data());
-  }
-  if (inserted) *inserted = total;
-  return out;
 }
 
 template <typename K>
@@ -694,16 +642,7 @@ template <typename K>
 Exported<K> ExportSince(const Table<K>& t, int64_t since, std::vector<K>* erased,
                         bool* complete) {
   Exported<K> x;
-  int64_t width = 0;
-  for (const auto& spec : t.Slots()) width += spec.width;
-  *complete = t.ExportChangedSince(since, [&](int64_t n, int64_t nf) {
-    x.keys.resize(n); x.values.resize(n * t.dim()); x.freqs.resize(n); x.versions.resize(n);
-    x.slots.resize(n * width);
-    x.keys_f.resize(nf); x.freqs_f.resize(nf); x.versions_f.resize(nf);
-    return std::optional<typename Table<K>::ExportBuffers>(typename Table<K>::ExportBuffers{
-        x.keys.data(), x.values.data(), x.freqs.data(), x.versions.data(), x.slots.data(),
-        x.keys_f.data(), x.freqs_f.data(), x.versions_f.data()});
-  }, erased);
+  *complete = t.ExportChangedSince(since, ExportInto(t, &x), erased);
   return x;
 }
 
