@@ -7,6 +7,12 @@ Dynamic hash-table embeddings (DeepRec's EmbeddingVariable) that train with
 
 import os as _os
 
+from keras_rec_emb import _allocator
+
+# Before anything runs a TensorFlow op: the CPU allocator is chosen when
+# TensorFlow creates its devices (see _allocator for why and how to opt out).
+_allocator.use_bfc_allocator()
+
 
 def _require_tensorflow_backend(backend):
     if backend != "tensorflow":
@@ -30,7 +36,7 @@ from keras_rec_emb import _ops  # noqa: E402
 # Register the ops now, so that SavedModels using them load after import.
 _ops.gen()
 
-from keras_rec_emb import callbacks, data, layers, ops, optimizers  # noqa: E402,F401
+from keras_rec_emb import callbacks, data, distribute, layers, ops, optimizers  # noqa: E402,F401
 from keras_rec_emb.options import (  # noqa: E402,F401
     CBFFilter,
     CounterFilter,

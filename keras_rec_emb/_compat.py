@@ -204,9 +204,10 @@ OVERRIDDEN_HOOKS = {
                              "resource may outlive it in TF's function caches)",
     },
     Trackable: {
-        "_serialize_to_tensors": "variables.EmbeddingTable, data/kafka.KafkaPosition: "
-                                 "the state tf.train.Checkpoint saves",
-        "_restore_from_tensors": "variables.EmbeddingTable, data/kafka.KafkaPosition: "
-                                 "restores it",
+        "_serialize_to_tensors": "variables.EmbeddingTable, data/kafka.KafkaPosition, "
+                                 "distribute.ShardedEmbeddingTable: the state "
+                                 "tf.train.Checkpoint saves",
+        "_restore_from_tensors": "variables.EmbeddingTable, data/kafka.KafkaPosition, "
+                                 "distribute.ShardedEmbeddingTable: restores it",
     },
 }

@@ -94,11 +94,16 @@ def _table_lookup_grad(op, grad):
 
 def create_table(default_values, key_dtype, dim, num_shards, track_meta=True,
                  filter_freq=0, bloom=None, no_permission_value=0.0, freq_cap=0,
-                 storage_path="", cache_bytes=64 << 20):
+                 storage_path="", cache_bytes=64 << 20, shared_name="", replica_shard=False):
     """A new table; `bloom` is (counters, hashes, counter_bytes) or None;
     `freq_cap` > 0 stops each key's frequency at that count; a non-empty
-    `storage_path` makes it a file-tier table."""
-    refuse_distribution("Creating an embedding table")
+    `storage_path` makes it a file-tier table. A non-empty `shared_name`
+    finds or creates the table of that name on the current device (shared
+    by every client of a parameter server). `replica_shard`: the table is
+    one replica's shard of a table sharded over a MirroredStrategy's devices
+    (keras_rec_emb.distribute)."""
+    if not replica_shard:
+        refuse_distribution("Creating an embedding table")
     counters, hashes, counter_bytes = bloom or (0, 0, 8)
     return gen().kre_table_create(
         default_values, key_dtype=key_dtype, dim=dim, num_shards=num_shards,
@@ -106,6 +111,7 @@ def create_table(default_values, key_dtype, dim, num_shards, track_meta=True,
         bloom_hashes=hashes, bloom_counter_bytes=counter_bytes,
         no_permission_value=no_permission_value, freq_cap=freq_cap,
         storage_path=storage_path, cache_bytes=cache_bytes,
+        table_shared_name=shared_name,
     )
 
 
@@ -125,22 +131,32 @@ def refuse_xla(what):
 
 
 def refuse_distribution(what):
-    """Tables are not sharded over replicas yet: under a tf.distribute
-    strategy each replica would train its own copy of every table, silently
-    different from one device. Refused until sharded tables exist."""
+    """Under a tf.distribute strategy each replica would train its own copy
+    of a table, silently different from one device: refused, except for the
+    shards of tables sharded over a MirroredStrategy's replicas
+    (`replica_shard=True`, see keras_rec_emb.distribute)."""
     if tf.distribute.has_strategy():
         strategy = tf.distribute.get_strategy()
+        kind = type(strategy).__name__
+        if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+            kind = ("MultiWorkerMirroredStrategy (tables are not sharded over worker "
+                    "processes yet: their lookups would need ids and rows exchanged by "
+                    "collectives between the workers)")
         raise ValueError(
             f"{what} under the tf.distribute strategy "
-            f"{type(strategy).__name__} ({strategy.num_replicas_in_sync} replicas) is "
-            "not supported yet: embedding tables are not sharded over replicas, "
-            "so training would silently differ from one device. Build and fit "
-            "models with keras_rec_emb tables outside any strategy scope (the "
-            "default strategy).")
+            f"{kind} ({strategy.num_replicas_in_sync} replicas) is "
+            "not supported for this table: a table built outside a MirroredStrategy's "
+            "scope (or a GroupEmbedding table) would train one copy per replica, "
+            "silently different from one device. Build EmbeddingVariable layers inside "
+            "`tf.distribute.MirroredStrategy().scope()` (their tables are sharded over "
+            "the replicas), use parameter-server tables "
+            "(keras_rec_emb.distribute.parameter_servers), or build and fit outside "
+            "any strategy scope.")
 
 
-def lookup(handle, keys, dim, insert):
-    refuse_distribution("An embedding table lookup")
+def lookup(handle, keys, dim, insert, replica_shard=False):
+    if not replica_shard:
+        refuse_distribution("An embedding table lookup")
     refuse_xla("An embedding table lookup")
     return gen().kre_table_lookup(handle, keys, dim=dim, insert=insert)
 
@@ -208,12 +224,14 @@ def import_(handle, dim, parts, clear=True):
     return gen().kre_table_import(handle, **parts, dim=dim, clear=clear)
 
 
-def sparse_apply(handle, keys, grads, rule, hyper, step, slots):
+def sparse_apply(handle, keys, grads, rule, hyper, step, slots, replica_shard=False):
     """One fused optimizer step on a table: `hyper` is a dict from name to
     value in the kernel's order and `slots` the slot names the rule reads
     (`keras_rec_emb.optimizers.rules` declares both; the kernel checks the
-    names)."""
-    refuse_distribution("An embedding table update")
+    names). `replica_shard`: the table is one MirroredStrategy replica's
+    shard (keras_rec_emb.distribute), updated inside the replica context."""
+    if not replica_shard:
+        refuse_distribution("An embedding table update")
     refuse_xla("An embedding table update")
     values = tf.stack([tf.cast(h, tf.float32) for h in hyper.values()])
     return gen().kre_table_sparse_apply(

@@ -4,6 +4,7 @@
     keras-rec-emb bench [--quick] [--output-dir DIR]
     keras-rec-emb inspect MODEL.keras|SAVEDMODEL_DIR [--rows K] [--json]
     keras-rec-emb strip-filtered IN.keras OUT.keras
+    keras-rec-emb ps --ps HOST:PORT,HOST:PORT --task I
 
 Arguments are parsed by `keras_rec_emb_cli` (which answers `--help` and
 `--version` without importing TensorFlow); the commands run here.
@@ -376,6 +377,10 @@ def run(args, forwarded=()):
     the options it forwards to benchmarks/report.py)."""
     if args.command == "bench":
         return bench(args, list(forwarded))
+    if args.command == "ps":
+        from keras_rec_emb.distribute import ps
+
+        return ps.main(["--ps", args.ps, "--task", str(args.task)])
     commands = {"demo": demo, "inspect": inspect, "strip-filtered": strip_filtered}
     try:
         return commands[args.command](args)

@@ -203,6 +203,13 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         l2_weight_threshold: float or None. L2-weight eviction threshold.
         save_filtered: bool. Save keys counted but not admitted (also off
             when `KRE_EV_SAVE_FILTERED_FEATURES=false`).
+        shared_name: str. Empty (the default) makes a private table owned
+            by its handle; a name finds or creates the table of that name
+            on `device`, shared by every client of that device (how
+            parameter-server workers reach one table, see
+            `keras_rec_emb.distribute`).
+        device: str. Where the table lives (e.g. `"/job:ps/task:0"`);
+            empty means the current device.
         restore_dim_mismatch: `"error"` or `"pad_or_truncate"`. What
             restoring rows of another width does: raise (the default), or
             (DeepRec) truncate wider rows and pad narrower ones, the new
@@ -220,14 +227,17 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
                  filter_freq=0, bloom=None, no_permission_value=0.0,
                  steps_to_live=None, l2_weight_threshold=None, save_filtered=True,
                  restore_dim_mismatch="error", record_freq=True, storage_path=None,
-                 cache_bytes=64 << 20):
-        super().__init__()
+                 cache_bytes=64 << 20, shared_name="", device="", replica_shard=None):
+        super().__init__(device=device)
         self._storage_dir = None
         if storage_path is not None:
             # One folder per table: its name, made a safe file name.
             safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("._") or "table"
             self._storage_dir = os.path.join(os.path.abspath(storage_path), safe)
         self._cache_bytes = int(cache_bytes)
+        self._shared_name = str(shared_name)
+        # Index of the MirroredStrategy replica owning this shard, or None.
+        self._replica_shard = replica_shard
         self._restore_dim_mismatch = check_restore_dim_mode(restore_dim_mismatch)
         self._slot_inits = {}
         self._dim = int(dim)
@@ -249,7 +259,7 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         # it must make its own constant (restoring then sets the current
         # matrix, which imports may have replaced).
         self._initial_default_values = np.asarray(default_values, np.float32)
-        with tf.init_scope():
+        with tf.init_scope(), tf.device(device):
             self._resource_handle = self._create_resource()
 
     # -- TrackableResource ------------------------------------------------
@@ -260,6 +270,7 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
             bloom=self._bloom, no_permission_value=self._no_permission_value,
             freq_cap=self._freq_cap(),
             storage_path=self._storage_dir or "", cache_bytes=self._cache_bytes,
+            shared_name=self._shared_name, replica_shard=self._replica_shard is not None,
         )
 
     def _destroy_resource(self):
@@ -352,6 +363,21 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         return self._variable
 
     @property
+    def variables(self):
+        """`[variable]`: what a layer tracks (a sharded table has one per shard)."""
+        return [self._variable]
+
+    @property
+    def replica_shard(self):
+        """The MirroredStrategy replica that owns and updates this shard, or None."""
+        return self._replica_shard
+
+    @property
+    def device(self):
+        """The device holding the table."""
+        return self.resource_handle.device
+
+    @property
     def trainable(self):
         return self._trainable
 
@@ -405,7 +431,8 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         """
         if self._trainable:
             _compat.variable_accessed(self._variable)
-        return _ops.lookup(self.handle, keys, self._dim, insert)
+        return _ops.lookup(self.handle, keys, self._dim, insert,
+                           replica_shard=self._replica_shard is not None)
 
     def size(self):
         """Number of admitted keys (an int when eager)."""

@@ -11,6 +11,7 @@ C++ logging has been quieted (`TF_CPP_MIN_LOG_LEVEL=2` unless set).
     keras-rec-emb bench [--quick] [--output-dir DIR]
     keras-rec-emb inspect MODEL.keras|SAVEDMODEL_DIR [--rows K] [--json]
     keras-rec-emb strip-filtered IN.keras OUT.keras
+    keras-rec-emb ps --ps HOST:PORT,HOST:PORT --task I
 """
 
 import argparse
@@ -72,6 +73,11 @@ def parser():
                             "counted but did not admit (for serving)")
     c.add_argument("input", help="path of a .keras file")
     c.add_argument("output", help="path of the .keras file to write")
+    c = sub.add_parser("ps", help="run a parameter-server task (a tf.distribute.Server "
+                                  "with keras_rec_emb's ops) until killed")
+    c.add_argument("--ps", required=True,
+                   help="comma-separated host:port of every PS task, in task order")
+    c.add_argument("--task", type=int, required=True, help="this task's index in --ps")
     return p
 
 
@@ -88,6 +94,10 @@ def main(argv=None):
             p.error(f"no such model file: {args.input}")
         if not args.output.endswith(".keras"):
             p.error(f"the output must end in .keras, got {args.output}")
+    elif args.command == "ps":
+        n = len([a for a in args.ps.split(",") if a])
+        if not 0 <= args.task < n:
+            p.error(f"--task must be in [0, {n}) for {n} --ps addresses; got {args.task}")
     # Before TensorFlow loads: its C++ start-up lines would bury the output.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from keras_rec_emb import cli

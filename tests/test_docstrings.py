@@ -19,7 +19,8 @@ import keras_rec_emb
 
 PACKAGE_DIR = pathlib.Path(keras_rec_emb.__file__).parent
 PUBLIC_NAMESPACES = ["keras_rec_emb", "keras_rec_emb.callbacks", "keras_rec_emb.data",
-                     "keras_rec_emb.layers", "keras_rec_emb.ops", "keras_rec_emb.optimizers"]
+                     "keras_rec_emb.distribute", "keras_rec_emb.layers", "keras_rec_emb.ops",
+                     "keras_rec_emb.optimizers"]
 
 
 def _globs():

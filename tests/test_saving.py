@@ -177,3 +177,26 @@ def test_load_model_names_the_file_and_what_is_wrong(tmp_path):
     back = kre.load_model(good)
     x = np.array([[1, 2]])
     np.testing.assert_array_equal(back(x).numpy(), model(x).numpy())
+
+
+def test_loaded_export_keeps_every_table_its_own(tmp_path):
+    """Regression: loading a SavedModel rewrites every op's `shared_name`
+    attr (empty ones too) to '<node name>_load_<uid>'; TableCreate's name
+    for parameter-server tables must not be that attr, or every table of a
+    loaded model (same node name in each creator function) becomes one."""
+    ids = keras.Input((2,), dtype="int64", name="ids")
+    a = EmbeddingVariable(4, combiner="sum", name="ev_a")(ids)
+    b = EmbeddingVariable(4, combiner="sum", name="ev_b",
+                          initializer=keras.initializers.RandomNormal(seed=5))(ids)
+    out = keras.layers.Dense(1)(keras.layers.Concatenate()([a, b]))
+    model = keras.Model(ids, out)
+    model.compile(optimizer=kre.optimizers.Adagrad(0.5), loss="mse")
+    model.fit(X[:, :2], Y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    expect = model.predict(X[:8, :2], verbose=0)
+    export_dir = str(tmp_path / "served")
+    model.export(export_dir, verbose=False)
+    first = tf.saved_model.load(export_dir)
+    second = tf.saved_model.load(export_dir)  # a second load has its own tables too
+    for loaded in (first, second):
+        np.testing.assert_allclose(loaded.serve(tf.constant(X[:8, :2])).numpy(), expect,
+                                   rtol=1e-5, atol=1e-6)

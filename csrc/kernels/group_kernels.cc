@@ -372,6 +372,31 @@ void PartitionDistinct(const kv::Table<K>& table, ParamIds* ids, std::vector<K>*
   }
 }
 
+// Deduplicates parameter p's ids and, for a table, groups its distinct keys
+// by shard.
+void DedupeParam(const GroupConfig& cfg, const std::vector<TableSlot>& tables, int p,
+                 std::vector<Feature>* features, ParamIds* ids) {
+  if (!cfg.is_table(p)) {
+    Dedupe(cfg, p, features, false,
+           [](int64_t k) { return kv::HashKey(static_cast<uint64_t>(k)); },
+           [](int64_t id) { return id; }, ids);
+    return;
+  }
+  const TableSlot& t = tables[p];
+  if (t.t64) {
+    Dedupe(cfg, p, features, t.filtered(),
+           [](int64_t k) { return kv::Table<int64_t>::Hash(k); },
+           [](int64_t id) { return id; }, ids);
+    PartitionDistinct(t.t64->table(), ids, &ids->keys64);
+  } else {
+    Dedupe(cfg, p, features, t.filtered(),
+           [](int64_t k) { return kv::Table<int32_t>::Hash(static_cast<int32_t>(k)); },
+           [](int64_t id) { return static_cast<int64_t>(static_cast<int32_t>(id)); },
+           ids);
+    PartitionDistinct(t.t32->table(), ids, &ids->keys32);
+  }
+}
+
 // Deduplicates every parameter's ids (one unit per parameter), and groups
 // the distinct keys of each table by shard.
 absl::Status DedupeParams(OpKernelContext* ctx, const GroupConfig& cfg,
@@ -381,29 +406,34 @@ absl::Status DedupeParams(OpKernelContext* ctx, const GroupConfig& cfg,
   int64_t total = 0;
   for (const Feature& ft : *features) total += static_cast<int64_t>(ft.ids.size());
   const int64_t cost = 30 * (total / std::max(1, cfg.num_params()) + 1);
-  return ParallelFor(ctx, cfg.num_params(), cost, [&](int64_t p64) {
-    const int p = static_cast<int>(p64);
-    ParamIds& ids = (*params)[p];
-    if (!cfg.is_table(p)) {
-      Dedupe(cfg, p, features, false,
-             [](int64_t k) { return kv::HashKey(static_cast<uint64_t>(k)); },
-             [](int64_t id) { return id; }, &ids);
-      return;
-    }
-    const TableSlot& t = tables[p];
-    if (t.t64) {
-      Dedupe(cfg, p, features, t.filtered(),
-             [](int64_t k) { return kv::Table<int64_t>::Hash(k); },
-             [](int64_t id) { return id; }, &ids);
-      PartitionDistinct(t.t64->table(), &ids, &ids.keys64);
-    } else {
-      Dedupe(cfg, p, features, t.filtered(),
-             [](int64_t k) { return kv::Table<int32_t>::Hash(static_cast<int32_t>(k)); },
-             [](int64_t id) { return static_cast<int64_t>(static_cast<int32_t>(id)); },
-             &ids);
-      PartitionDistinct(t.t32->table(), &ids, &ids.keys32);
-    }
+  return ParallelFor(ctx, cfg.num_params(), cost, [&](int64_t p) {
+    DedupeParam(cfg, tables, static_cast<int>(p), features, &(*params)[p]);
   });
+}
+
+// Sizes table t's row buffers for its distinct keys.
+void PrepareRows(const GroupConfig& cfg, int t, ParamIds* ids) {
+  ids->rows.resize(ids->uniq.size() * cfg.dims[t]);
+  ids->skips.assign(ids->uniq.size(), 0);
+}
+
+// Reads the rows of table t's distinct keys of shard sh (PrepareRows first).
+void LookupShard(const std::vector<TableSlot>& tables, int t, int sh, bool insert,
+                 ParamIds* ids) {
+  const int64_t b = ids->offsets[sh];
+  const int64_t n = ids->offsets[sh + 1] - b;
+  if (n == 0) return;
+  if (tables[t].t64) {
+    tables[t].t64->table().LookupCounted(sh, ids->keys64.data() + b,
+                                         ids->part_hashes.data() + b, ids->order.data() + b,
+                                         ids->counts.data(), n, insert, ids->rows.data(),
+                                         ids->skips.data());
+  } else {
+    tables[t].t32->table().LookupCounted(sh, ids->keys32.data() + b,
+                                         ids->part_hashes.data() + b, ids->order.data() + b,
+                                         ids->counts.data(), n, insert, ids->rows.data(),
+                                         ids->skips.data());
+  }
 }
 
 // Reads the row of every distinct key of the wanted tables into rows, one
@@ -418,8 +448,7 @@ absl::Status LookupDistinct(OpKernelContext* ctx, const GroupConfig& cfg,
   for (int t = 0; t < cfg.num_tables; ++t) {
     if (!wanted[t]) continue;
     ParamIds& ids = (*params)[t];
-    ids.rows.resize(ids.uniq.size() * cfg.dims[t]);
-    ids.skips.assign(ids.uniq.size(), 0);
+    PrepareRows(cfg, t, &ids);
     total += static_cast<int64_t>(ids.uniq.size());
     for (int sh = 0; sh < tables[t].num_shards(); ++sh) units.emplace_back(t, sh);
   }
@@ -427,22 +456,7 @@ absl::Status LookupDistinct(OpKernelContext* ctx, const GroupConfig& cfg,
   const int64_t cost = 60 * (total / static_cast<int64_t>(units.size()) + 1);
   return ParallelFor(ctx, static_cast<int64_t>(units.size()), cost, [&](int64_t i) {
     const int t = units[i].first;
-    const int sh = units[i].second;
-    ParamIds& ids = (*params)[t];
-    const int64_t b = ids.offsets[sh];
-    const int64_t n = ids.offsets[sh + 1] - b;
-    if (n == 0) return;
-    if (tables[t].t64) {
-      tables[t].t64->table().LookupCounted(sh, ids.keys64.data() + b,
-                                           ids.part_hashes.data() + b, ids.order.data() + b,
-                                           ids.counts.data(), n, insert, ids.rows.data(),
-                                           ids.skips.data());
-    } else {
-      tables[t].t32->table().LookupCounted(sh, ids.keys32.data() + b,
-                                           ids.part_hashes.data() + b, ids.order.data() + b,
-                                           ids.counts.data(), n, insert, ids.rows.data(),
-                                           ids.skips.data());
-    }
+    LookupShard(tables, t, units[i].second, insert, &(*params)[t]);
   });
 }
 
@@ -492,6 +506,58 @@ std::vector<std::pair<int, int64_t>> RowBlocks(const std::vector<Feature>& featu
   return units;
 }
 
+// Writes rows [begin, end) of feature f's output from its parameter's rows.
+void CombineRows(OpKernelContext* ctx, const GroupConfig& cfg,
+                 const std::vector<TableSlot>& tables, const std::vector<ParamIds>& params,
+                 const std::vector<Feature>& features, int f, int64_t begin, int64_t end,
+                 float* out) {
+  const Feature& ft = features[f];
+  const int p = cfg.feature_param[f];
+  const int64_t dim = cfg.dims[p];
+  const float max_norm = cfg.max_norms[f];
+  for (int64_t b = begin; b < end; ++b) {
+    if (cfg.sequence[f]) {
+      float* o = out + b * ft.max_len * dim;
+      std::fill(o, o + ft.max_len * dim, 0.0f);
+      for (int64_t j = ft.splits[b]; j < ft.splits[b + 1]; ++j, o += dim) {
+        const float* row = RowOf(ctx, cfg, tables, params, ft, p, j);
+        float norm;
+        const float s = ft.weights[j] * ClipScale(row, dim, max_norm, &norm);
+        for (int64_t d = 0; d < dim; ++d) o[d] = s * row[d];
+      }
+      continue;
+    }
+    float* o = out + b * dim;
+    const int64_t j0 = ft.splits[b], j1 = ft.splits[b + 1];
+    if (j1 == j0 + 1 && max_norm <= 0 && cfg.combiners[f] != kSum) {
+      // One id: mean and sqrtn give its row (w / w, w / |w|: the sign of w).
+      const float w = ft.weights[j0];
+      const float* row = RowOf(ctx, cfg, tables, params, ft, p, j0);
+      const float s = cfg.combiners[f] == kMean ? (w == 0 ? 0.0f : 1.0f)
+                                                 : (w == 0 ? 0.0f : (w > 0 ? 1.0f : -1.0f));
+      for (int64_t d = 0; d < dim; ++d) o[d] = s * row[d];
+      continue;
+    }
+    if (j1 == j0 + 1 && max_norm <= 0) {
+      const float w = ft.weights[j0];
+      const float* row = RowOf(ctx, cfg, tables, params, ft, p, j0);
+      for (int64_t d = 0; d < dim; ++d) o[d] = w * row[d];
+      continue;
+    }
+    std::fill(o, o + dim, 0.0f);
+    for (int64_t j = j0; j < j1; ++j) {
+      const float* row = RowOf(ctx, cfg, tables, params, ft, p, j);
+      float norm;
+      const float s = ft.weights[j] * ClipScale(row, dim, max_norm, &norm);
+      for (int64_t d = 0; d < dim; ++d) o[d] += s * row[d];
+    }
+    const float c = CombinerScale(ft, cfg.combiners[f], b);
+    if (c != 1.0f) {
+      for (int64_t d = 0; d < dim; ++d) o[d] *= c;
+    }
+  }
+}
+
 class GroupLookupOp : public OpKernel {
  public:
   explicit GroupLookupOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -508,26 +574,13 @@ class GroupLookupOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ResolveTables(ctx, cfg, &tables));
     std::vector<Feature> features;
     OP_REQUIRES_OK(ctx, BuildFeatures(ctx, cfg, &features));
+    std::vector<float*> outs(F);
     for (int f = 0; f < F; ++f) {
       Tensor* inv;
       OP_REQUIRES_OK(ctx, ctx->allocate_output(
                               F + P + f, TensorShape({static_cast<int64_t>(features[f].ids.size())}),
                               &inv));
       features[f].inverse = inv->flat<int32_t>().data();
-    }
-    std::vector<ParamIds> params;
-    OP_REQUIRES_OK(ctx, DedupeParams(ctx, cfg, tables, &features, &params));
-    OP_REQUIRES_OK(ctx, LookupDistinct(ctx, cfg, tables, &params, insert_,
-                                       std::vector<bool>(cfg.num_tables, true)));
-    for (int p = 0; p < P; ++p) {
-      Tensor* u;
-      OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                              F + p, TensorShape({static_cast<int64_t>(params[p].uniq.size())}),
-                              &u));
-      std::copy(params[p].uniq.begin(), params[p].uniq.end(), u->flat<int64_t>().data());
-    }
-    std::vector<float*> outs(F);
-    for (int f = 0; f < F; ++f) {
       const int64_t dim = cfg.dims[cfg.feature_param[f]];
       TensorShape shape = cfg.sequence[f]
                               ? TensorShape({features[f].batch, features[f].max_len, dim})
@@ -536,41 +589,50 @@ class GroupLookupOp : public OpKernel {
       OP_REQUIRES_OK(ctx, ctx->allocate_output(f, shape, &out));
       outs[f] = out->flat<float>().data();
     }
-    const auto units = RowBlocks(features);
-    OP_REQUIRES_OK(ctx, ParallelFor(ctx, static_cast<int64_t>(units.size()),
-                                    kRowsPerUnit * 200, [&](int64_t u) {
-      const int f = units[u].first;
-      const Feature& ft = features[f];
-      const int p = cfg.feature_param[f];
-      const int64_t dim = cfg.dims[p];
-      const float max_norm = cfg.max_norms[f];
-      const int64_t end = std::min(ft.batch, units[u].second + kRowsPerUnit);
-      for (int64_t b = units[u].second; b < end; ++b) {
-        if (cfg.sequence[f]) {
-          float* o = outs[f] + b * ft.max_len * dim;
-          std::fill(o, o + ft.max_len * dim, 0.0f);
-          for (int64_t j = ft.splits[b]; j < ft.splits[b + 1]; ++j, o += dim) {
-            const float* row = RowOf(ctx, cfg, tables, params, ft, p, j);
-            float norm;
-            const float s = ft.weights[j] * ClipScale(row, dim, max_norm, &norm);
-            for (int64_t d = 0; d < dim; ++d) o[d] = s * row[d];
+    std::vector<ParamIds> params;
+    const int threads = ctx->device()->tensorflow_cpu_worker_threads()->num_threads;
+    if (P >= 2 * threads) {
+      // Enough parameters to keep every thread busy: one unit per parameter
+      // deduplicates, looks up and combines its features, so the op waits
+      // on the pool once rather than once per phase.
+      params.assign(P, ParamIds());
+      int64_t total = 0;
+      for (const Feature& ft : features) total += static_cast<int64_t>(ft.ids.size());
+      const int64_t cost = 200 * (total / P + 1);
+      OP_REQUIRES_OK(ctx, ParallelFor(ctx, P, cost, [&](int64_t p64) {
+        const int p = static_cast<int>(p64);
+        ParamIds& ids = params[p];
+        DedupeParam(cfg, tables, p, &features, &ids);
+        if (cfg.is_table(p)) {
+          PrepareRows(cfg, p, &ids);
+          for (int sh = 0; sh < tables[p].num_shards(); ++sh) {
+            LookupShard(tables, p, sh, insert_, &ids);
           }
-          continue;
         }
-        float* o = outs[f] + b * dim;
-        std::fill(o, o + dim, 0.0f);
-        for (int64_t j = ft.splits[b]; j < ft.splits[b + 1]; ++j) {
-          const float* row = RowOf(ctx, cfg, tables, params, ft, p, j);
-          float norm;
-          const float s = ft.weights[j] * ClipScale(row, dim, max_norm, &norm);
-          for (int64_t d = 0; d < dim; ++d) o[d] += s * row[d];
+        for (int f : cfg.features_of[p]) {
+          CombineRows(ctx, cfg, tables, params, features, f, 0, features[f].batch, outs[f]);
         }
-        const float c = CombinerScale(ft, cfg.combiners[f], b);
-        if (c != 1.0f) {
-          for (int64_t d = 0; d < dim; ++d) o[d] *= c;
-        }
-      }
-    }));
+      }));
+    } else {
+      OP_REQUIRES_OK(ctx, DedupeParams(ctx, cfg, tables, &features, &params));
+      OP_REQUIRES_OK(ctx, LookupDistinct(ctx, cfg, tables, &params, insert_,
+                                         std::vector<bool>(cfg.num_tables, true)));
+      const auto units = RowBlocks(features);
+      OP_REQUIRES_OK(ctx, ParallelFor(ctx, static_cast<int64_t>(units.size()),
+                                      kRowsPerUnit * 200, [&](int64_t u) {
+        const int f = units[u].first;
+        const int64_t begin = units[u].second;
+        CombineRows(ctx, cfg, tables, params, features, f, begin,
+                    std::min(features[f].batch, begin + kRowsPerUnit), outs[f]);
+      }));
+    }
+    for (int p = 0; p < P; ++p) {
+      Tensor* u;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                              F + p, TensorShape({static_cast<int64_t>(params[p].uniq.size())}),
+                              &u));
+      std::copy(params[p].uniq.begin(), params[p].uniq.end(), u->flat<int64_t>().data());
+    }
   }
 
  private:
@@ -656,8 +718,7 @@ class GroupLookupGradOp : public OpKernel {
       const int64_t num_uniq = static_cast<int64_t>(params[p].uniq.size());
       Tensor* out;
       OP_REQUIRES_OK(ctx, ctx->allocate_output(p, TensorShape({num_uniq, cfg.dims[p]}), &out));
-      outs[p] = out->flat<float>().data();
-      std::fill(outs[p], outs[p] + num_uniq * cfg.dims[p], 0.0f);
+      outs[p] = out->flat<float>().data();  // each unit zeroes its rows
       num_ranges[p] = static_cast<int>(
           std::max<int64_t>(1, std::min<int64_t>(threads, num_uniq / 16384)));
       first_unit[p + 1] = first_unit[p] + num_ranges[p];
@@ -675,6 +736,7 @@ class GroupLookupGradOp : public OpKernel {
       const int r = static_cast<int>(unit - first_unit[p]);
       const int64_t lo = num_uniq * r / num_ranges[p];
       const int64_t hi = num_uniq * (r + 1) / num_ranges[p];
+      std::fill(outs[p] + lo * cfg.dims[p], outs[p] + hi * cfg.dims[p], 0.0f);
       Accumulate(ctx, cfg, tables, params, features, grads, p, lo, hi, outs[p]);
     }));
   }

@@ -37,6 +37,7 @@ class TableCreateOp : public OpKernel {
     OP_REQUIRES(ctx, cache_bytes >= 1,
                 errors::InvalidArgument("cache_bytes must be >= 1, got ", cache_bytes));
     options_.cache_bytes = static_cast<uint64_t>(cache_bytes);
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("table_shared_name", &shared_name_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("freq_cap", &options_.freq_cap));
     OP_REQUIRES(ctx, options_.freq_cap >= 0,
                 errors::InvalidArgument("freq_cap must be >= 0, got ", options_.freq_cap));
@@ -52,27 +53,12 @@ class TableCreateOp : public OpKernel {
                 errors::InvalidArgument(
                     "default_values must be [default_value_dim >= 1, ", options_.dim,
                     "], got ", defaults.shape().DebugString()));
-    auto flat = defaults.flat<float>();
-    kv::TableOptions options = options_;
-    options.default_values.assign(flat.data(), flat.data() + flat.size());
-    TableResourceBase* resource;
-    try {
-      if (key_dtype_ == tf::DT_INT64) {
-        resource = new TableResource<int64_t>(std::move(options));
-      } else {
-        resource = new TableResource<int32_t>(std::move(options));
-      }
-    } catch (const std::bad_alloc&) {
-      ctx->SetStatus(errors::ResourceExhausted(
-          "could not allocate the embedding table's counting Bloom filter of bloom_counters=",
-          options_.bloom_counters, " counters of ", options_.bloom_counter_bytes,
-          " bytes; lower CBFFilter's max_element_size or raise its "
-          "false_positive_probability"));
-      return;
-    } catch (const std::exception& e) {
-      ctx->SetStatus(errors::InvalidArgument(e.what()));
+    if (!shared_name_.empty()) {
+      ComputeShared(ctx, defaults);
       return;
     }
+    TableResourceBase* resource;
+    OP_REQUIRES_OK(ctx, NewTable(defaults, &resource));
     Tensor* out;
     tf::AllocatorAttributes attr;
     attr.set_on_host(true);
@@ -89,7 +75,54 @@ class TableCreateOp : public OpKernel {
   }
 
  private:
+  absl::Status NewTable(const Tensor& defaults, TableResourceBase** resource) {
+    auto flat = defaults.flat<float>();
+    kv::TableOptions options = options_;
+    options.default_values.assign(flat.data(), flat.data() + flat.size());
+    try {
+      if (key_dtype_ == tf::DT_INT64) {
+        *resource = new TableResource<int64_t>(std::move(options));
+      } else {
+        *resource = new TableResource<int32_t>(std::move(options));
+      }
+    } catch (const std::bad_alloc&) {
+      return errors::ResourceExhausted(
+          "could not allocate the embedding table's counting Bloom filter of bloom_counters=",
+          options_.bloom_counters, " counters of ", options_.bloom_counter_bytes,
+          " bytes; lower CBFFilter's max_element_size or raise its "
+          "false_positive_probability");
+    } catch (const std::exception& e) {
+      return errors::InvalidArgument(e.what());
+    }
+    return absl::OkStatus();
+  }
+
+  // A table named `table_shared_name` in the device's resource manager, found or
+  // created; the handle refers to it by name (it lives until the server or
+  // process ends), so every client of the device reaches the same table.
+  void ComputeShared(OpKernelContext* ctx, const Tensor& defaults) {
+    tf::ResourceMgr* rm = ctx->resource_manager();
+    TableResourceBase* resource = nullptr;
+    OP_REQUIRES_OK(ctx, rm->LookupOrCreate<TableResourceBase>(
+                            rm->default_container(), shared_name_, &resource,
+                            [&](TableResourceBase** r) { return NewTable(defaults, r); }));
+    tf::core::ScopedUnref unref(resource);
+    OP_REQUIRES(ctx, resource->key_dtype() == key_dtype_ && resource->dim() == options_.dim,
+                errors::InvalidArgument(
+                    "the shared embedding table '", shared_name_, "' exists with key dtype ",
+                    tf::DataTypeString(resource->key_dtype()), " and dim ", resource->dim(),
+                    " but was requested with key dtype ", tf::DataTypeString(key_dtype_),
+                    " and dim ", options_.dim, "; give every worker the same table config"));
+    Tensor* out;
+    tf::AllocatorAttributes attr;
+    attr.set_on_host(true);
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out, attr));
+    out->scalar<tf::ResourceHandle>()() = tf::MakeResourceHandle<TableResourceBase>(
+        ctx, rm->default_container(), shared_name_);
+  }
+
   tf::DataType key_dtype_;
+  std::string shared_name_;
   kv::TableOptions options_;  // all but default_values
 };
 

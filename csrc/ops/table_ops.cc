@@ -15,6 +15,17 @@ namespace kre {
 // turns on the counter admission filter, or with `bloom_counters` > 0 the
 // counting Bloom filter; keys not admitted read `no_permission_value`.
 // `freq_cap` > 0 stops each key's frequency at that count.
+// A non-empty `table_shared_name` instead finds or creates the table of that
+// name in the device's resource manager and returns a handle by name: every
+// client of a TensorFlow server (parameter-server training: several workers)
+// that asks for the same name on the same device gets the same table, which
+// lives as long as the server. The first creator's options win; a later
+// request with another key dtype or dim is an error.
+// The attr is deliberately NOT called `shared_name`: loading a SavedModel
+// (function_deserialization.fix_node_def) rewrites every op's `shared_name`,
+// an empty one included, to "<node name>_load_<uid>", which would turn every
+// table of a loaded model (all their TableCreate nodes have the same node
+// name) into one shared table.
 REGISTER_OP("KRE>TableCreate")
     .Input("default_values: float")
     .Output("handle: resource")
@@ -30,6 +41,7 @@ REGISTER_OP("KRE>TableCreate")
     .Attr("storage_path: string = ''")
     .Attr("cache_bytes: int = 67108864")
     .Attr("freq_cap: int = 0")
+    .Attr("table_shared_name: string = ''")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       int64_t dim;

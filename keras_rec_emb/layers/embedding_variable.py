@@ -9,7 +9,7 @@ from keras_rec_emb import variables
 from keras_rec_emb._checks import check_combiner
 from keras_rec_emb._ids import embed_ids, output_spec
 from keras_rec_emb.options import deserialize_ev_option, ev_option_or_default
-from keras_rec_emb.variables import EmbeddingTable, check_restore_dim_mode, check_saved_dim
+from keras_rec_emb.variables import check_restore_dim_mode, check_saved_dim
 
 _KEY_DTYPES = ("int32", "int64")
 
@@ -113,12 +113,17 @@ class EmbeddingVariable(keras.layers.Layer):
         initializer = init_option.initializer or self.initializer
         default_values = keras.ops.convert_to_numpy(initializer(
             shape=(init_option.default_value_dim, self.embedding_dim), dtype="float32"))
-        self.table = EmbeddingTable(
+        from keras_rec_emb.distribute import ps_tables
+
+        # Under `keras_rec_emb.distribute.parameter_servers(...)` the table is
+        # sharded over the parameter-server tasks; otherwise one local table.
+        self.table = ps_tables.make_table(
             self.embedding_dim, self.key_dtype, default_values, trainable=self.trainable,
             name=f"{self.name}/embeddings", restore_dim_mismatch=self.restore_dim_mismatch,
             **self.ev_option.table_kwargs(),
         )
-        _compat.track_variable(self, self.table.variable)
+        for variable in self.table.variables:
+            _compat.track_variable(self, variable)
         self.built = True
 
     @property

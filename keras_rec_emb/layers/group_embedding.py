@@ -134,6 +134,14 @@ class GroupEmbedding(keras.layers.Layer):
     into `EmbeddingVariable` tables. Train with an optimizer from
     `keras_rec_emb.optimizers`.
 
+    When to use it: for many features (dozens of tables), above all
+    multi-id (ragged or sparse) ones, one fused op per step replaces a
+    chain of ops per feature; with at least two tables per intra-op
+    thread each table is one unit of work (dedupe, lookup and combine), so
+    the op waits on the thread pool once. For a few scalar features on a
+    machine with many threads, separate `EmbeddingVariable` layers overlap
+    their lookups as well and cost about the same.
+
     Args:
         features: dict from feature (input) name to `FeatureSpec` (or its
             config dict). Several features may share one table.

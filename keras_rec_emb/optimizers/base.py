@@ -225,8 +225,18 @@ class TableOptimizer:
         ordered = dict(zip(rule.hparam_names, rule.ordered(hyper)))
         keys = tf.cast(grad.indices, table.key_dtype)
         values = tf.reshape(tf.cast(grad.values, tf.float32), [-1, table.dim])
+        owner = table.replica_shard
+        if owner is not None and not tf.distribute.in_cross_replica_context():
+            # A shard of a table sharded over MirroredStrategy replicas: every
+            # replica's gradient for it is gathered, and its owner alone
+            # applies the sum (as one process would with the global batch).
+            ctx = tf.distribute.get_replica_context()
+            keys = ctx.all_gather(keys, axis=0)
+            values = ctx.all_gather(values, axis=0)
+            if tf.get_static_value(ctx.replica_id_in_sync_group) != owner:
+                return
         _ops.sparse_apply(table.handle, keys, values, name, ordered, self.iterations,
-                          rule.slot_names(hyper))
+                          rule.slot_names(hyper), replica_shard=owner is not None)
 
     def _decay_factor(self, learning_rate):
         """The fraction of a row that decoupled weight decay removes."""

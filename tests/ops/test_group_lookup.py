@@ -2,6 +2,7 @@
 per-feature lookups, kernel count, training/inference, errors."""
 
 import doctest
+import os
 
 import keras
 import numpy as np
@@ -129,9 +130,18 @@ CASES = [
 ]
 
 
+def _extra_tables():
+    # The kernel gives each parameter one unit of work (dedupe, lookup and
+    # combine) when there are at least two per intra-op thread; fewer take
+    # the phase-by-phase path. TensorFlow's intra-op pool has one thread per
+    # core by default.
+    return 2 * (os.cpu_count() or 1)
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["few_params", "param_per_unit"])
 @pytest.mark.parametrize("combiner,use_w,max_norm,default_id,seq", CASES)
 def test_mixed_group_matches_numpy_and_separate_lookups(
-        matrix_initializer, combiner, use_w, max_norm, default_id, seq):
+        matrix_initializer, combiner, use_w, max_norm, default_id, seq, wide):
     rng = np.random.default_rng(7)
     batch = 9
     t1, t1_rows = make_table(matrix_initializer, 4, 1)
@@ -142,6 +152,14 @@ def test_mixed_group_matches_numpy_and_separate_lookups(
     fns = [t1_rows, t2_rows, d1_rows, t1_rows]
     dims = [4, 3, 5, 4]
     his = [10**12, 50, 20, 10**12]
+    extras = []
+    for e in range(_extra_tables() if wide else 0):
+        t, t_rows = make_table(matrix_initializer, 2, 10 + e)
+        extras.append(t)
+        params.append(t)
+        fns.append(t_rows)
+        dims.append(2)
+        his.append(30)
     id_rows = [random_ids(rng, batch, hi) for hi in his]
     id_rows[0][0] = []  # an empty row
     w_rows = [[rng.uniform(0.5, 2.0, len(r)).tolist() for r in rows] for rows in id_rows]
@@ -165,10 +183,10 @@ def test_mixed_group_matches_numpy_and_separate_lookups(
             total += tf.reduce_sum(o * t)
         return total
 
-    variables = [t1.table.variable, t2.table.variable, d1]
+    variables = [t1.table.variable, t2.table.variable, d1] + [t.table.variable for t in extras]
     with tf.GradientTape() as tape:
         outs = ops.group_embedding_lookup_sparse(
-            params, sp_ids, [combiner] * 4, sp_weights=sp_w, is_sequence=seq,
+            params, sp_ids, [combiner] * len(params), sp_weights=sp_w, is_sequence=seq,
             max_norm=max_norm, default_id=default_id, training=True)
         loss = loss_of(outs)
     fused = tape.gradient(loss, variables)
@@ -178,7 +196,7 @@ def test_mixed_group_matches_numpy_and_separate_lookups(
         loss_ref = loss_of(refs)
     separate = tape.gradient(loss_ref, variables)
 
-    for f in range(4):
+    for f in range(len(params)):
         expect = numpy_feature(fns[f], dims[f], id_rows[f], w_rows[f], combiner,
                                max_norm, default_id, seq)
         np.testing.assert_allclose(outs[f].numpy(), expect, rtol=1e-5, atol=1e-6)

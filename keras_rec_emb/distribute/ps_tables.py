@@ -1,0 +1,510 @@
+"""Asynchronous parameter-server tables over TensorFlow's own runtime.
+
+A parameter-server (PS) task is a `tf.distribute.Server` in a process that
+has loaded this package's ops (`keras-rec-emb ps ...` or `python -m
+keras_rec_emb.distribute.ps ...`). A worker calls `connect(...)`, which
+checks that every PS address answers (bounded time, the error names the
+address) and then `tf.config.experimental_connect_to_cluster`; layers built
+inside `parameter_servers(devices)` shard each table over the PS tasks by
+key hash. A lookup partitions the ids by shard (`tf.dynamic_partition`),
+runs each shard's lookup on its PS task (TensorFlow's gRPC runtime carries
+the ids and rows) and stitches the rows back (`tf.dynamic_stitch`); the
+gradient of each shard's lookup is a `tf.IndexedSlices` over that shard's
+keys, which the optimizers of `keras_rec_emb.optimizers` apply with their
+fused kernel on the PS task. Workers do not wait for each other (DeepRec's
+default mode for CPU clusters).
+
+Each shard is a table found or created by name (`shared_name`) on its PS
+task, so every worker that builds the same layer (same name, dim, key dtype)
+reaches the same shards. Saving gathers the shards into the ordinary
+format (`export`), and restoring splits rows by the same hash over however
+many shards the restoring model has: any shard count restores into any
+other, including one process without parameter servers.
+"""
+
+import contextlib
+import os
+import re
+import socket
+import threading
+import time
+
+import numpy as np
+import tensorflow as tf
+
+from keras_rec_emb import _compat, _ops
+from keras_rec_emb import variables as _variables
+
+# Fibonacci hashing (the golden-ratio multiplier, high 32 bits). The kv
+# index picks its own lock shards and slots with splitmix64 bits, a different
+# function, so every parameter-server shard still spreads over all of them.
+_GOLDEN = 0x9E3779B97F4A7C15
+
+_state = threading.local()
+
+
+def shard_of(keys, num_shards):
+    """The shard of each key among `num_shards`: a TF int32 tensor.
+
+    Args:
+        keys: int tensor of keys (any shape).
+        num_shards: int >= 1.
+
+    Example:
+
+    >>> from keras_rec_emb.distribute import shard_of
+    >>> shard_of(tf.constant([1, 2, 3], tf.int64), 2).numpy().tolist()
+    [1, 0, 0]
+    """
+    keys = tf.cast(keys, tf.int64)
+    mixed = tf.bitcast(keys, tf.uint64) * tf.constant(_GOLDEN, tf.uint64)
+    high = tf.bitwise.right_shift(mixed, tf.constant(32, tf.uint64))
+    return tf.cast(tf.math.floormod(high, tf.constant(num_shards, tf.uint64)), tf.int32)
+
+
+def shard_of_numpy(keys, num_shards):
+    """`shard_of` in NumPy (restoring into another shard count)."""
+    keys = np.asarray(keys).astype(np.int64).view(np.uint64)
+    with np.errstate(over="ignore"):
+        mixed = keys * np.uint64(_GOLDEN)
+    return ((mixed >> np.uint64(32)) % np.uint64(num_shards)).astype(np.int64)
+
+
+def _check_devices(devices):
+    if isinstance(devices, str) or not isinstance(devices, (list, tuple)) or not devices:
+        raise ValueError(
+            "`devices` must be a non-empty list of device names such as "
+            f"['/job:ps/task:0', '/job:ps/task:1']. Received: devices={devices!r}")
+    for d in devices:
+        if not isinstance(d, str) or not d:
+            raise TypeError(
+                f"`devices` must hold device name strings. Received: devices={devices!r}")
+    return list(devices)
+
+
+@contextlib.contextmanager
+def parameter_servers(devices):
+    """Layers built inside shard their tables over `devices` by key hash.
+
+    Args:
+        devices: list of str. One device per shard, normally
+            `connect(...)`'s result (`["/job:ps/task:0", ...]`); a device
+            may hold several shards.
+
+    Example:
+
+    >>> import keras_rec_emb as kre
+    >>> with kre.distribute.parameter_servers(["/cpu:0"]):
+    ...     layer = kre.layers.EmbeddingVariable(4, name="ps_doc")
+    ...     layer.build()
+    >>> layer.table.num_shards
+    1
+    """
+    devices = _check_devices(devices)
+    previous = getattr(_state, "devices", None)
+    _state.devices = devices
+    try:
+        yield devices
+    finally:
+        _state.devices = previous
+
+
+def current_devices():
+    """The devices of the innermost `parameter_servers` scope, or None."""
+    return getattr(_state, "devices", None)
+
+
+def make_table(dim, key_dtype, default_values, name, **kwargs):
+    """An `EmbeddingTable`, or a `ShardedEmbeddingTable` inside
+    `parameter_servers(...)`."""
+    devices = current_devices()
+    if devices is not None:
+        return ShardedEmbeddingTable(devices, dim, key_dtype, default_values, name=name,
+                                     **kwargs)
+    if tf.distribute.has_strategy() and isinstance(tf.distribute.get_strategy(),
+                                                   tf.distribute.MirroredStrategy):
+        devices = list(tf.distribute.get_strategy().extended.worker_devices)
+        return ShardedEmbeddingTable(devices, dim, key_dtype, default_values, name=name,
+                                     replicas=True, **kwargs)
+    return _variables.EmbeddingTable(dim, key_dtype, default_values, name=name, **kwargs)
+
+
+def _concat(arrays, like):
+    arrays = [a for a in arrays]
+    return np.concatenate(arrays, axis=0) if arrays else like
+
+
+class ShardedEmbeddingTable(_compat.Trackable):
+    """One embedding table split by key hash over several devices.
+
+    Shard `i` holds the keys with `shard_of(key, N) == i`; it is an
+    `EmbeddingTable` on `devices[i]`, found or created by the name
+    `"{name}/shard_{i}_of_{N}"`. Lookups, `export`, `import_`, `stats` and
+    `evict` cover every shard; each shard's `variable` is what optimizers
+    update (on its device).
+
+    Args:
+        devices: list of str. One device per shard.
+        dim, key_dtype, default_values, name, **kwargs: as `EmbeddingTable`.
+        replicas: bool. The devices are a MirroredStrategy's replicas: shard
+            `i` is owned by replica `i`, which alone applies its updates
+            (the optimizers gather every replica's gradient for it).
+
+    Example:
+
+    >>> from keras_rec_emb.distribute import ShardedEmbeddingTable
+    >>> table = ShardedEmbeddingTable(["/cpu:0", "/cpu:0"], 2, "int64",
+    ...                               np.ones((1, 2), np.float32), name="doc_sharded")
+    >>> table.lookup(tf.constant([1, 2, 3, 4], tf.int64), insert=True).shape
+    TensorShape([4, 2])
+    >>> table.size(), sum(s.size() for s in table.shards)
+    (4, 4)
+    """
+
+    def __init__(self, devices, dim, key_dtype, default_values, name="embedding_table",
+                 replicas=False, **kwargs):
+        super().__init__()
+        self._devices = _check_devices(devices)
+        self._name = name
+        self._replicas = bool(replicas)
+        n = len(self._devices)
+        # Parameter-server shards are found by name (every worker reaches the
+        # same one); a replica's shard is private to this process.
+        self._shards = [
+            _variables.EmbeddingTable(dim, key_dtype, default_values,
+                                      name=f"{name}/shard_{i}_of_{n}",
+                                      shared_name="" if replicas else f"{name}/shard_{i}_of_{n}",
+                                      device=device, replica_shard=i if replicas else None,
+                                      **kwargs)
+            for i, device in enumerate(self._devices)
+        ]
+
+    # -- properties shared with EmbeddingTable --------------------------------
+    @property
+    def shards(self):
+        return list(self._shards)
+
+    @property
+    def num_shards(self):
+        return len(self._shards)
+
+    @property
+    def devices(self):
+        return list(self._devices)
+
+    @property
+    def variables(self):
+        return [s.variable for s in self._shards]
+
+    def _not_one_table(self, what):
+        raise ValueError(
+            f"Embedding table '{self._name}' is sharded over {len(self._shards)} devices "
+            f"{self._devices}; it has no single `{what}`. Only EmbeddingVariable's own "
+            "lookups (calling the layer) and the optimizers of keras_rec_emb.optimizers "
+            "support sharded tables so far: GroupEmbedding, AdaptiveEmbedding, "
+            "MultiHashEmbedding and the functional ops need one table per process "
+            "(build them outside `parameter_servers(...)` / a MirroredStrategy scope).")
+
+    @property
+    def handle(self):
+        self._not_one_table("handle")
+
+    @property
+    def variable(self):
+        self._not_one_table("variable")
+
+    @property
+    def name(self):
+        return self._name
+
+    @property
+    def dim(self):
+        return self._shards[0].dim
+
+    @property
+    def key_dtype(self):
+        return self._shards[0].key_dtype
+
+    @property
+    def trainable(self):
+        return self._shards[0].trainable
+
+    @trainable.setter
+    def trainable(self, value):
+        for s in self._shards:
+            s.trainable = value
+
+    @property
+    def evicts(self):
+        return self._shards[0].evicts
+
+    @property
+    def save_filtered(self):
+        return self._shards[0].save_filtered
+
+    def __repr__(self):
+        return (f"<ShardedEmbeddingTable '{self._name}' dim={self.dim} "
+                f"shards={self._devices}>")
+
+    # -- tf.train.Checkpoint: one table in the ordinary format ----------------
+    _ROW_PARTS = tuple(p.name for p in _variables.PARTS if p.rows == "N")
+    _FILTERED_PARTS = tuple(p.name for p in _variables.PARTS if p.rows == "F")
+
+    def _serialize_to_tensors(self):
+        """The shards gathered into `EmbeddingTable`'s checkpoint format (the
+        same names), so a checkpoint restores into any shard count."""
+        shard_parts = []
+        for shard in self._shards:
+            with tf.device(shard.device):
+                evict = [shard._evict_op()] if shard.evicts else []  # noqa: SLF001
+                with tf.control_dependencies(evict):
+                    shard_parts.append(_ops.export(shard.handle, shard.key_dtype, shard.dim,
+                                                   include_filtered=shard.save_filtered))
+        out = {k: tf.concat([p[k] for p in shard_parts], axis=0)
+               for k in self._ROW_PARTS + self._FILTERED_PARTS}
+        for k in ("slot_names", "slot_widths", "default_values"):
+            out[k] = shard_parts[0][k]
+        # Each shard's Bloom counters cover its own keys only; not merged.
+        out["bloom"] = tf.zeros([0], tf.uint8)
+        return out
+
+    def _restore_from_tensors(self, restored_tensors):
+        parts = dict(restored_tensors)
+        values = parts.get("values")
+        if values is not None:
+            _variables.check_saved_dim(self._name, values.shape, self.dim)
+        n = len(self._shards)
+        rows = shard_of(parts["keys"], n)
+        filtered = shard_of(parts["keys_filtered"], n)
+        split = {k: tf.dynamic_partition(parts[k], rows, n) for k in self._ROW_PARTS}
+        split.update({k: tf.dynamic_partition(parts[k], filtered, n)
+                      for k in self._FILTERED_PARTS})
+        ops = []
+        for i, shard in enumerate(self._shards):
+            mine = dict(parts)
+            mine.update({k: v[i] for k, v in split.items()})
+            with tf.device(shard.device):
+                ops.append(_ops.import_(shard.handle, shard.dim, mine))
+        return tf.group(ops)
+
+    # -- table operations -------------------------------------------------
+    def lookup(self, keys, insert=False):
+        """Rows of `keys` (any shape) as `keys.shape + (dim,)`; each shard's
+        keys are looked up on its device."""
+        keys = tf.convert_to_tensor(keys)
+        if len(self._shards) == 1:
+            with tf.device(self._devices[0]):
+                return self._shards[0].lookup(keys, insert=insert)
+        n = len(self._shards)
+        flat = tf.reshape(keys, [-1])
+        part = shard_of(flat, n)
+        positions = tf.dynamic_partition(tf.range(tf.size(flat)), part, n)
+        ids = tf.dynamic_partition(flat, part, n)
+        rows = []
+        for shard, device, shard_ids in zip(self._shards, self._devices, ids):
+            with tf.device(device):
+                rows.append(shard.lookup(shard_ids, insert=insert))
+        out = tf.dynamic_stitch(positions, rows)
+        out = tf.reshape(out, tf.concat([tf.shape(keys, out_type=tf.int32), [self.dim]], 0))
+        out.set_shape(keys.shape.concatenate([self.dim]))
+        return out
+
+    def size(self):
+        return sum(s.size() for s in self._shards)
+
+    def stats(self):
+        """The shards' statistics added up (`latest_step`: the largest)."""
+        parts = [s.stats() for s in self._shards]
+        out = {k: sum(p[k] for p in parts) for k in ("size", "filtered", "memory_bytes")}
+        out["latest_step"] = max(p["latest_step"] for p in parts)
+        return out
+
+    def memory_bytes(self):
+        return self.stats()["memory_bytes"]
+
+    def evict(self, step=None):
+        return sum(s.evict(step) for s in self._shards)
+
+    @property
+    def storage_dir(self):
+        """File tier: the folder holding the shards' folders (each shard's
+        `storage_dir` is `<this>/<name>_shard_<i>_of_<N>`), or None (DRAM)."""
+        first = self._shards[0].storage_dir
+        return None if first is None else os.path.dirname(first)
+
+    def snapshot(self):
+        """File tier: a crash-safe snapshot of every shard (each under its own
+        folder); returns the snapshot numbers, one per shard."""
+        return [s.snapshot() for s in self._shards]
+
+    def restore_snapshot(self, path=None):
+        """File tier: every shard restores the latest snapshot of its folder
+        under `path` (default `storage_dir`); returns the number of keys.
+
+        A snapshot is per shard (files of the keys hashed to it), so it
+        restores only into the same shard count: if `path` holds this
+        table's snapshot for another count, a ValueError names both counts
+        (a `tf.train.Checkpoint` or `model.save` reshards instead)."""
+        if path is not None and not isinstance(path, str):
+            raise TypeError(f"`path` must be a str or None. Received: path={path!r}")
+        root = path or self.storage_dir
+        if root is None:
+            self._shards[0].restore_snapshot()  # its error names the fix
+        n = len(self._shards)
+        folders = [os.path.join(root, os.path.basename(s.storage_dir)) for s in self._shards]
+        missing = [f for f in folders if not os.path.isdir(f)]
+        if missing:
+            saved = saved_shard_counts(root, os.path.basename(self._shards[0].storage_dir))
+            if saved and n not in saved:
+                counts = " or ".join(str(c) for c in sorted(saved))
+                raise ValueError(
+                    f"Cannot restore the file-tier snapshot of table '{self._name}' "
+                    f"under {root!r}: it was saved with {counts} shards and this table "
+                    f"has {n} shards. A snapshot holds each "
+                    "shard's own files and cannot be resharded; restore from a "
+                    "tf.train.Checkpoint or model.save (the ordinary per-table format, "
+                    "which any shard count restores), or build the table with the saved "
+                    "shard count.")
+            raise ValueError(
+                f"No file-tier snapshot of table '{self._name}' ({n} shards) under "
+                f"{root!r}: missing {missing}.")
+        return sum(s.restore_snapshot(f) for s, f in zip(self._shards, folders))
+
+    def add_slot(self, name, init=0.0, width=None):
+        for s in self._shards:
+            s.add_slot(name, init, width)
+
+    def resize_rows(self, keys, values, slots):
+        return self._shards[0].resize_rows(keys, values, slots)
+
+    def export(self, include_filtered=True):
+        """Every shard's rows in one dict shaped like `EmbeddingTable.export()`
+        (the ordinary format: a single table restores it). A counting Bloom
+        filter's counters are per shard and are not merged: `bloom` is
+        empty, the keys it counted stay in `keys_filtered`."""
+        parts = [s.export(include_filtered) for s in self._shards]
+        out = {}
+        for key in ("keys", "values", "freqs", "versions", "keys_filtered",
+                    "freqs_filtered", "versions_filtered"):
+            out[key] = np.concatenate([p[key] for p in parts], axis=0)
+        out["default_values"] = parts[0]["default_values"]
+        out["bloom"] = np.zeros(0, np.uint8)
+        names = list(parts[0]["slots"])
+        out["slots"] = {name: np.concatenate([p["slots"][name] for p in parts], axis=0)
+                        for name in names}
+        return out
+
+    def import_(self, data, clear=True):
+        """Splits `data` (shaped like `export()`) over the shards by key hash:
+        rows saved with any number of shards restore into this one."""
+        if not isinstance(data, dict) or "keys" not in data or "values" not in data:
+            return self._shards[0].import_(data, clear)  # its error names the fix
+        n = len(self._shards)
+        keys = np.asarray(data["keys"])
+        which = shard_of_numpy(keys, n) if keys.size else np.zeros(0, np.int64)
+        keys_f = np.asarray(data.get("keys_filtered", np.zeros(0, np.int64)))
+        which_f = shard_of_numpy(keys_f, n) if keys_f.size else np.zeros(0, np.int64)
+        per_row = ("keys", "values", "freqs", "versions")
+        per_filtered = ("keys_filtered", "freqs_filtered", "versions_filtered")
+        for i, shard in enumerate(self._shards):
+            part = {k: v for k, v in data.items() if k not in per_row + per_filtered
+                    and k not in ("slots", "bloom")}
+            mask = which == i
+            for k in per_row:
+                if k in data:
+                    part[k] = np.asarray(data[k])[mask]
+            mask_f = which_f == i
+            for k in per_filtered:
+                if k in data:
+                    part[k] = np.asarray(data[k])[mask_f]
+            part["slots"] = {name: np.asarray(rows).reshape(keys.shape[0], -1)[mask]
+                             for name, rows in (data.get("slots") or {}).items()}
+            shard.import_(part, clear)
+
+
+def saved_shard_counts(root, shard_folder):
+    """The shard counts N whose folders `<table>_shard_<i>_of_<N>` exist
+    under `root` for the table whose shard folder is `shard_folder`."""
+    base = re.sub(r"_shard_\d+_of_\d+$", "", shard_folder)
+    pattern = re.compile(re.escape(base) + r"_shard_\d+_of_(\d+)$")
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return set()
+    return {int(m.group(1)) for m in map(pattern.match, names) if m}
+
+
+def wait_for(address, timeout):
+    """Returns once `address` ("host:port") accepts a TCP connection;
+    raises `ConnectionError` naming it after `timeout` seconds."""
+    host, _, port = str(address).rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(
+            f"A cluster address must be 'host:port'. Received: address={address!r}")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=1.0):
+                return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise ConnectionError(
+                    f"Cannot reach the TensorFlow server at {address} (task of the "
+                    f"cluster) within {timeout} s: {e}. Start it with `keras-rec-emb "
+                    "ps ...` (parameter servers) and check the cluster addresses."
+                ) from e
+            time.sleep(0.2)
+
+
+def connect(ps, worker, task_index=0, timeout=60.0):
+    """Connects this process, worker `task_index`, to parameter servers.
+
+    Args:
+        ps: list of str. The PS tasks' "host:port" addresses, in task order.
+        worker: str. "host:port" this worker's own TensorFlow server listens
+            on (it must be free).
+        task_index: int. This worker's index (a name in the cluster; workers
+            do not talk to each other).
+        timeout: float. Seconds to wait for every PS address to answer.
+
+    Returns:
+        The PS devices, `["/job:ps/task:0", ...]`, for `parameter_servers`.
+
+    Raises:
+        ConnectionError: a PS address did not answer in time (it is named).
+
+    Example:
+
+    >>> from keras_rec_emb.distribute import connect
+    >>> try:
+    ...     connect(["127.0.0.1:1"], "127.0.0.1:0", timeout=0.5)
+    ... except ConnectionError as e:
+    ...     print(str(e).split(" (")[0])
+    Cannot reach the TensorFlow server at 127.0.0.1:1
+    """
+    if isinstance(ps, str) or not isinstance(ps, (list, tuple)) or not ps:
+        raise ValueError(f"`ps` must be a non-empty list of 'host:port'. Received: ps={ps!r}")
+    if not isinstance(task_index, int) or task_index < 0:
+        raise ValueError(
+            f"`task_index` must be an integer >= 0. Received: task_index={task_index!r}")
+    for address in ps:
+        wait_for(address, timeout)
+    cluster = tf.train.ClusterSpec({"ps": list(ps), "worker": {task_index: worker}})
+    tf.config.experimental_connect_to_cluster(cluster, job_name="worker",
+                                              task_index=task_index)
+    return [f"/job:ps/task:{i}" for i in range(len(ps))]
+
+
+def serve(ps, task_index, worker=None):
+    """Runs parameter-server task `task_index` of the cluster `ps` (list of
+    "host:port") in this process until it is killed: a
+    `tf.distribute.Server` with this package's ops loaded."""
+    from keras_rec_emb import _ops
+
+    _ops.gen()
+    spec = {"ps": list(ps)}
+    if worker:
+        spec["worker"] = list(worker)
+    server = tf.distribute.Server(tf.train.ClusterSpec(spec), job_name="ps",
+                                  task_index=task_index, protocol="grpc", start=True)
+    return server

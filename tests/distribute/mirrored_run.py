@@ -1,0 +1,83 @@
+"""Trains one small model in one process and under MirroredStrategy with N
+logical CPU devices (tables sharded over the replicas), same global batch;
+writes both results to OUT.npz. Run by test_mirrored.py in a subprocess
+(logical devices must be set before TensorFlow initializes).
+
+    mirrored_run.py N OPTIMIZER OUT.npz
+"""
+
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import tensorflow as tf  # noqa: E402
+
+N = int(sys.argv[1])
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * N)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import keras_rec_emb as kre  # noqa: E402
+
+DIM, BATCH, STEPS, IDS = 4, 8 * N, 4, 3
+
+
+def data():
+    rng = np.random.default_rng(5)
+    ids = rng.integers(0, 40, size=(BATCH * STEPS, IDS)).astype(np.int64)
+    y = rng.uniform(size=(BATCH * STEPS, 1)).astype(np.float32)
+    return ids, y
+
+
+def build(optimizer):
+    ids = keras.Input(shape=(IDS,), dtype="int64")
+    emb = kre.layers.EmbeddingVariable(
+        DIM, combiner="mean", name="emb",
+        initializer=keras.initializers.RandomUniform(-1, 1, seed=7),
+        ev_option=kre.EmbeddingVariableOption(track_meta=True))(ids)
+    out = keras.layers.Dense(1, name="dense")(emb)
+    model = keras.Model(ids, out)
+    opt = {"sgd": lambda: kre.optimizers.SGD(0.1),
+           "adagrad": lambda: kre.optimizers.Adagrad(0.1)}[optimizer]()
+    model.compile(optimizer=opt, loss="mse")
+    return model
+
+
+def train(model, dense_init):
+    model.get_layer("dense").set_weights(dense_init)
+    ids, y = data()
+    model.fit(ids, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    table = model.get_layer("emb").table
+    exported = table.export()
+    order = np.argsort(exported["keys"])
+    out = {"keys": exported["keys"][order], "values": exported["values"][order],
+           "freqs": exported["freqs"][order]}
+    for name, rows in exported["slots"].items():
+        out["slot_" + name] = rows[order]
+    out["kernel"], out["bias"] = [np.asarray(w) for w in model.get_layer("dense").get_weights()]
+    out["predict"] = model.predict(ids[:BATCH], verbose=0)
+    return out, table
+
+
+def main():
+    optimizer, path = sys.argv[2], sys.argv[3]
+    rng = np.random.default_rng(1)
+    dense_init = [rng.normal(size=(DIM, 1)).astype(np.float32), np.zeros(1, np.float32)]
+    one, _ = train(build(optimizer), dense_init)
+    strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(N)])
+    with strategy.scope():
+        model = build(optimizer)
+    many, table = train(model, dense_init)
+    result = {f"one_{k}": v for k, v in one.items()}
+    result.update({f"many_{k}": v for k, v in many.items()})
+    result["shard_sizes"] = np.array([s.size() for s in table.shards])
+    result["shard_devices"] = np.array([s.device for s in table.shards])
+    np.savez(path, **result)
+    model.save(os.path.join(os.path.dirname(path), f"mirrored_{N}_{optimizer}.keras"))
+
+
+if __name__ == "__main__":
+    main()
