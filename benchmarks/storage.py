@@ -17,12 +17,26 @@ rate during the timed steps, bytes on disk per key against
 ``4 * dim * (1 + slots)``, the time of one snapshot, and the peak RSS of
 the process (``ru_maxrss``, both models included).
 
+With --scale (issue 14's scale run; not part of `make test`, whose
+benchmark test runs it tiny): one FILE table of --scale-keys ids (default
+100M) x --dim with its Adagrad accumulator and a DRAM cache of
+--scale-cache-bytes (default 2 GiB). The table is filled by importing
+chunks of --scale-chunk ids (values and accumulators drawn at random, no
+row passes through a DRAM table), stopping early after
+--scale-fill-seconds; then --scale-steps training steps (batch --batch x
+--features, Zipf(--zipf-a) ids over the filled ids) are timed. Reported:
+ids filled and fill rate, steps/s, cache hit rate, peak RSS (ru_maxrss)
+and the RSS at the end split into anonymous and file pages, DRAM held by
+the table, and bytes on disk per key against 4 * dim * (1 + slots).
+
 Run from the repository root:
 
     .venv/bin/python benchmarks/storage.py                 # small default (~1 min)
     .venv/bin/python benchmarks/storage.py --vocab 4000000 --batches 200
+    .venv/bin/python benchmarks/storage.py --scale --storage-dir /work/tmp/kre-scale
 
-Writes --json (default benchmarks/storage.json).
+Writes --json (default benchmarks/storage.json, with --scale
+benchmarks/storage_scale.json).
 """
 
 import argparse
@@ -49,6 +63,9 @@ from _machine import machine_info  # noqa: E402
 
 TARGET_FILE_VS_DRAM = 0.5
 DEFAULT_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "storage.json")
+DEFAULT_SCALE_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                  "storage_scale.json")
+TARGET_SCALE_RSS = 6 * 2**30
 
 
 def make_batches(opts):
@@ -83,6 +100,104 @@ def time_steps(model, batches, steps):
     return statistics.median(times)
 
 
+def rss_now():
+    """The process's RSS now, from /proc/self/status: total, anonymous and
+    file-backed (mapped file pages) bytes."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
+                out[name] = int(rest.split()[0]) * 1024
+    return out
+
+
+def peak_rss():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def scale_run(opts, folder):
+    """The scale run (see the module docstring); returns the report."""
+    per_feature = max(1, opts.scale_keys // opts.features)
+    total = per_feature * opts.features
+    model = build(opts, kre.StorageOption("FILE", storage_path=folder,
+                                          storage_size=opts.scale_cache_bytes))
+    rng = np.random.default_rng(0)
+
+    def batch():
+        z = (rng.zipf(opts.zipf_a, size=(opts.batch, opts.features)) - 1) % per_feature
+        ids = z + np.arange(opts.features, dtype=np.int64) * per_feature
+        return ids.astype(np.int64), rng.normal(size=(opts.batch, 1)).astype(np.float32)
+
+    model.train_on_batch(*batch())  # builds the optimizer: the accumulator slot exists
+    layer = model.get_layer("table")
+    slot_names = sorted(layer.export()["slots"])
+    rss_built = rss_now()["VmRSS"]
+    filled, t0 = 0, time.perf_counter()
+    while filled < total and time.perf_counter() - t0 < opts.scale_fill_seconds:
+        n = min(opts.scale_chunk, total - filled)
+        keys = np.arange(filled, filled + n, dtype=np.int64)
+        values = rng.normal(scale=0.05, size=(n, opts.dim)).astype(np.float32)
+        slots = {name: rng.uniform(0.1, 1.0, size=(n, opts.dim)).astype(np.float32)
+                 for name in slot_names}
+        layer.table.import_({"keys": keys, "values": values, "slots": slots}, clear=False)
+        filled += n
+        if opts.verbose:
+            print(f"  filled {filled:,} ids, {time.perf_counter() - t0:.0f} s, "
+                  f"RSS {rss_now()['VmRSS'] / 2**30:.2f} GiB", flush=True)
+    fill_s = time.perf_counter() - t0
+    rss_filled = rss_now()
+    if filled < total:  # train only over the ids that are there
+        per_feature = max(1, filled // opts.features)
+    batches = [batch() for _ in range(min(opts.batches, opts.scale_steps))]
+    for ids, y in batches[:2]:  # warm-up
+        model.train_on_batch(ids, y)
+    before = layer.stats()
+    times = []
+    for i in range(opts.scale_steps):
+        ids, y = batches[i % len(batches)]
+        t1 = time.perf_counter()
+        model.train_on_batch(ids, y)
+        times.append(time.perf_counter() - t1)
+    after = layer.stats()
+    hits = after["cache_hits"] - before["cache_hits"]
+    misses = after["cache_misses"] - before["cache_misses"]
+    bound = 4 * opts.dim * (1 + len(slot_names))
+    rows = max(1, int(after["rows"]))
+    rss_end = rss_now()
+    return {
+        "benchmark": "storage_scale", "config": vars(opts), "machine": machine_info(),
+        "target_keys": total, "keys_filled": filled, "complete": filled >= total,
+        "fill_s": fill_s, "fill_keys_per_s": filled / max(fill_s, 1e-9),
+        "rows": int(after["rows"]), "cached_rows": int(after["cached_rows"]),
+        "cache_bytes": opts.scale_cache_bytes,
+        "steps_per_s": 1.0 / statistics.median(times),
+        "cache_hit_rate": hits / max(1, hits + misses),
+        "table_memory_bytes": int(after["memory_bytes"]),
+        "table_memory_bytes_per_key": after["memory_bytes"] / rows,
+        "disk_bytes": int(after["disk_bytes"]),
+        "disk_bytes_per_key": after["disk_bytes"] / rows,
+        "row_bound_bytes_per_key": bound,
+        "disk_over_bound": after["disk_bytes"] / rows / bound,
+        "rss_after_build_bytes": rss_built, "rss_after_fill": rss_filled, "rss_end": rss_end,
+        "peak_rss_bytes": peak_rss(), "target_peak_rss_bytes": TARGET_SCALE_RSS,
+    }
+
+
+def print_scale(report):
+    print(f"scale: {report['keys_filled']:,} of {report['target_keys']:,} ids filled in "
+          f"{report['fill_s']:.0f} s ({report['fill_keys_per_s']:,.0f} ids/s); cache "
+          f"{report['cache_bytes'] / 2**30:.2f} GiB")
+    print(f"steps/s {report['steps_per_s']:.2f}; cache hit rate {report['cache_hit_rate']:.3f}; "
+          f"table DRAM {report['table_memory_bytes_per_key']:.1f} B/key")
+    print(f"peak RSS {report['peak_rss_bytes'] / 2**30:.2f} GiB (target <= "
+          f"{report['target_peak_rss_bytes'] / 2**30:.0f} GiB); end RSS anon "
+          f"{report['rss_end'].get('RssAnon', 0) / 2**30:.2f} GiB, file "
+          f"{report['rss_end'].get('RssFile', 0) / 2**30:.2f} GiB")
+    print(f"disk {report['disk_bytes_per_key']:.1f} B/key vs 4*dim*(1+slots) = "
+          f"{report['row_bound_bytes_per_key']} -> {report['disk_over_bound']:.2f}x")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batch", type=int, default=4096)
@@ -96,8 +211,31 @@ def main(argv=None):
     p.add_argument("--cache-fraction", type=float, default=0.1)
     p.add_argument("--storage-dir", default=None, help="folder for the file tier "
                    "(default: a temporary folder, removed afterwards)")
-    p.add_argument("--json", default=DEFAULT_JSON)
+    p.add_argument("--json", default=None,
+                   help="report path (default benchmarks/storage.json, with --scale "
+                   "benchmarks/storage_scale.json)")
+    p.add_argument("--scale", action="store_true", help="the scale run (see above)")
+    p.add_argument("--scale-keys", type=int, default=100_000_000)
+    p.add_argument("--scale-cache-bytes", type=int, default=2 * 2**30)
+    p.add_argument("--scale-chunk", type=int, default=1_000_000)
+    p.add_argument("--scale-fill-seconds", type=float, default=3 * 3600)
+    p.add_argument("--scale-steps", type=int, default=20)
+    p.add_argument("--verbose", action="store_true")
     opts = p.parse_args(argv)
+    if opts.scale:
+        opts.json = opts.json or DEFAULT_SCALE_JSON
+        folder = opts.storage_dir or tempfile.mkdtemp(prefix="kre-storage-scale-")
+        try:
+            report = scale_run(opts, folder)
+        finally:
+            if opts.storage_dir is None:
+                shutil.rmtree(folder, ignore_errors=True)
+        print_scale(report)
+        with open(opts.json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {opts.json}")
+        return
+    opts.json = opts.json or DEFAULT_JSON
     batches = make_batches(opts)
     rows = len(np.unique(np.concatenate([b[0].ravel() for b in batches])))
     row_bytes = 4 * opts.dim * 2  # value + Adagrad accumulator

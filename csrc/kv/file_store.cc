@@ -4,6 +4,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -133,16 +134,45 @@ FileSpace::FileSpace(const std::string& root, uint64_t segment_bytes)
 FileSpace::~FileSpace() { RemoveTree(dir_); }
 
 FileRowStore::FileRowStore(std::shared_ptr<FileSpace> space, int shard, int64_t dim,
-                           uint64_t cache_bytes)
+                           uint64_t cache_bytes, uint64_t map_bytes)
     : space_(std::move(space)), shard_(shard), dim_(dim), cache_bytes_(cache_bytes),
-      width_(dim) {
+      width_(dim), use_map_(map_bytes > 0), map_budget_(map_bytes) {
   Recompute();
 }
 
 FileRowStore::~FileRowStore() {
   for (auto& kv : segments_) {
+    UnmapSegment(&kv.second);
     if (kv.second.fd >= 0) ::close(kv.second.fd);
   }
+}
+
+bool FileRowStore::MapSegment(Segment* seg, bool read_only) {
+  if (!use_map_) return false;
+  // A writable segment is mapped to its full length up front (pages past
+  // the end of the file are never touched: records are read below `size`).
+  const uint64_t len = read_only ? seg->size
+                                 : std::max(seg->size, std::max<uint64_t>(
+                                       space_->segment_bytes(),
+                                       kHeaderBytes + static_cast<uint64_t>(width_) * 4));
+  void* p = ::mmap(nullptr, len, read_only ? PROT_READ : PROT_READ | PROT_WRITE, MAP_SHARED,
+                   seg->fd, 0);
+  if (p == MAP_FAILED) return false;  // pread/pwrite still work
+  seg->map = static_cast<char*>(p);
+  seg->map_len = len;
+  return true;
+}
+
+void FileRowStore::UnmapSegment(Segment* seg) {
+  if (seg->map != nullptr) ::munmap(seg->map, seg->map_len);
+  seg->map = nullptr;
+  seg->map_len = 0;
+}
+
+void FileRowStore::CheckMapBudget() {
+  if (!use_map_ || file_bytes_ <= map_budget_) return;
+  use_map_ = false;
+  for (auto& kv : segments_) UnmapSegment(&kv.second);
 }
 
 void FileRowStore::Recompute() {
@@ -187,9 +217,11 @@ void FileRowStore::OpenSegment() {
     throw;
   }
   seg.size = kHeaderBytes;
+  file_bytes_ += kHeaderBytes;
+  CheckMapBudget();
+  MapSegment(&seg, /*read_only=*/false);
   segments_[id] = seg;
   active_ = id;
-  file_bytes_ += kHeaderBytes;
 }
 
 void FileRowStore::FlushBuffer() {
@@ -229,6 +261,8 @@ void FileRowStore::ReadRecord(uint64_t loc, float* dst) const {
   const uint64_t bytes = seg.width * 4;
   if (static_cast<int64_t>(id) == active_ && offset >= seg.size) {
     std::memcpy(dst, buffer_.data() + (offset - seg.size), bytes);
+  } else if (seg.map != nullptr && offset + bytes <= seg.size) {
+    std::memcpy(dst, seg.map + offset, bytes);
   } else {
     ReadAll(seg.fd, reinterpret_cast<char*>(dst), bytes, offset, seg.path);
   }
@@ -246,9 +280,36 @@ void FileRowStore::Forget(uint64_t loc) {
   if (it != segments_.end()) live_bytes_ -= it->second.width * 4;
 }
 
+bool FileRowStore::RewriteInPlace(uint32_t row, const float* record) {
+  const uint64_t loc = loc_[row];
+  if (loc == kNoLocation) return false;
+  const auto it = segments_.find(static_cast<uint32_t>(loc >> kOffsetBits));
+  if (it == segments_.end()) return false;
+  Segment& seg = it->second;
+  if (seg.sealed || seg.width != static_cast<uint64_t>(width_)) return false;
+  const uint64_t offset = loc & ((uint64_t{1} << kOffsetBits) - 1);
+  const uint64_t bytes = seg.width * 4;
+  const char* p = reinterpret_cast<const char*>(record);
+  if (static_cast<int64_t>(it->first) == active_ && offset >= seg.size) {
+    std::memcpy(buffer_.data() + (offset - seg.size), p, bytes);
+  } else if (seg.map != nullptr && offset + bytes <= seg.size) {
+    std::memcpy(seg.map + offset, p, bytes);
+  } else {
+    WriteAll(seg.fd, p, bytes, offset, seg.path);
+  }
+  seg.written = true;
+  ++writes_;
+  return true;
+}
+
 void FileRowStore::WriteBack(uint32_t slot) {
   const uint32_t row = cache_row_[slot];
-  const uint64_t loc = Append(cache_.data() + static_cast<uint64_t>(slot) * width_);
+  const float* record = cache_.data() + static_cast<uint64_t>(slot) * width_;
+  if (RewriteInPlace(row, record)) {
+    dirty_[slot] = 0;
+    return;
+  }
+  const uint64_t loc = Append(record);
   Forget(loc_[row]);
   loc_[row] = loc;
   dirty_[slot] = 0;
@@ -280,6 +341,7 @@ void FileRowStore::MaybeCompact() {
     for (uint32_t id : old) {
       Segment& seg = segments_[id];
       file_bytes_ -= seg.size;
+      UnmapSegment(&seg);
       ::close(seg.fd);
       ::unlink(seg.path.c_str());
       segments_.erase(id);
@@ -410,14 +472,20 @@ void FileRowStore::Sync() {
     if (cache_row_[s] != kNoRow && dirty_[s]) WriteBack(s);
   }
   FlushBuffer();
-  if (active_ >= 0) {
-    const Segment& seg = segments_[static_cast<uint32_t>(active_)];
+  for (auto& kv : segments_) {
+    Segment& seg = kv.second;
+    if (!seg.written && static_cast<int64_t>(kv.first) != active_) continue;
+    // fdatasync also writes back pages dirtied through the mapping.
     if (::fdatasync(seg.fd) != 0) throw IoError("cannot sync the file-tier segment", seg.path);
+    seg.written = false;
   }
 }
 
 void FileRowStore::Seal() {
   Sync();
+  // Every segment is linked into the snapshot: none is written again (a
+  // row written back later is appended to a new segment).
+  for (auto& kv : segments_) kv.second.sealed = true;
   active_ = -1;
 }
 
@@ -451,6 +519,7 @@ void FileRowStore::SetLayout(const std::vector<int64_t>& widths,
 
 void FileRowStore::Clear() {
   for (auto& kv : segments_) {
+    UnmapSegment(&kv.second);
     if (kv.second.fd >= 0) ::close(kv.second.fd);
     ::unlink(kv.second.path.c_str());
   }
@@ -467,6 +536,7 @@ void FileRowStore::Clear() {
   free_rows_.clear();
   next_row_ = 0;
   rows_ = 0;
+  use_map_ = map_budget_ > 0;
 }
 
 void FileRowStore::DropCache() {
@@ -516,8 +586,11 @@ uint32_t FileRowStore::AdoptSegment(const std::string& path, uint64_t width, uin
   if (seg.fd < 0) throw IoError("cannot open the snapshot segment", path);
   seg.width = width;
   seg.size = size;
-  segments_[id] = seg;
+  seg.sealed = true;  // the snapshot's own file (a hard link): read only
   file_bytes_ += size;
+  CheckMapBudget();
+  MapSegment(&seg, /*read_only=*/true);
+  segments_[id] = seg;
   return id;
 }
 

@@ -15,12 +15,21 @@
 //   (segment, offset) or none (12 bytes); the key index and the per-key
 //   metadata stay in DRAM (shard_index.h, MetaRows). The cache holds at
 //   most max(16, cache_bytes / num_shards / record bytes) rows per shard
-//   and replaces by CLOCK (second chance); a dirty row is appended to the
-//   current segment when it leaves the cache (writes are buffered, 1 MiB).
-//   A rewritten row leaves garbage behind (counted in Stats().disk_bytes);
-//   when the files hold more than twice the live rows' bytes (and more than
-//   two segments' worth), every row on file is copied to new segments and
-//   the old ones are unlinked (a snapshot keeps its own links).
+//   and replaces by CLOCK (second chance). A dirty row leaving the cache
+//   is written over its own record when that record is in a segment not
+//   sealed by a snapshot yet (and of the current width); otherwise (a new
+//   row, or its record is in a snapshot) it is appended to the current
+//   segment (appends are buffered, 1 MiB). So a row leaves garbage behind
+//   at most once per snapshot (counted in Stats().disk_bytes); when the
+//   files hold more than twice the live rows' bytes (and more than two
+//   segments' worth), every row on file is copied to new segments and the
+//   old ones are unlinked (a snapshot keeps its own links).
+// * Reads. While a shard's segments fit in TableOptions::map_bytes /
+//   num_shards (default 1 GiB per table) they are memory-mapped (shared):
+//   a miss is a copy from the page cache, no system call, and in-place
+//   writes are copies into the mapping; the mapped file pages count in the
+//   process's RSS, bounded by that budget. Beyond it the store unmaps them
+//   and reads and writes records with pread/pwrite.
 // * Snapshot (Table::Snapshot): every shard locked, dirty rows written,
 //   segments flushed, fsynced and sealed; the segments are hard-linked into
 //   P/snap-<seq>.tmp/ with an index file (keys, locations, frequencies,
@@ -83,8 +92,10 @@ constexpr uint64_t kNoLocation = ~uint64_t{0};
 
 class FileRowStore final : public RowStore {
  public:
+  // map_bytes: segments are read (and rewritten) through memory maps while
+  // they hold at most this many bytes, by pread/pwrite beyond (and with 0).
   FileRowStore(std::shared_ptr<FileSpace> space, int shard, int64_t dim,
-               uint64_t cache_bytes);
+               uint64_t cache_bytes, uint64_t map_bytes);
   ~FileRowStore() override;
 
   uint32_t Allocate(const float* init) override;
@@ -126,6 +137,14 @@ class FileRowStore final : public RowStore {
     std::string path;
     uint64_t width = 0;  // floats per record
     uint64_t size = 0;   // bytes on file
+    // Read (and, while not sealed, write) mapping of the file, or null:
+    // `map_len` bytes, beyond the end of the file until it fills.
+    char* map = nullptr;
+    uint64_t map_len = 0;
+    // Linked into a snapshot (or adopted from one): never written again.
+    bool sealed = false;
+    // Written in place since the last Sync (to be synced by it).
+    bool written = false;
   };
   float* Fetch(uint32_t row, bool write);
   uint32_t TakeCacheSlot();
@@ -141,6 +160,15 @@ class FileRowStore final : public RowStore {
   void Forget(uint64_t loc);
   void MaybeCompact();
   void Recompute();
+  // Maps a segment for reading (and writing unless read_only) when this
+  // store reads through mappings; returns whether it did.
+  bool MapSegment(Segment* seg, bool read_only);
+  static void UnmapSegment(Segment* seg);
+  // Stops reading through mappings once the files outgrow map_budget_.
+  void CheckMapBudget();
+  // Overwrites the record of `row` at its location in place when that is
+  // a segment not yet sealed, of the current width; returns whether it did.
+  bool RewriteInPlace(uint32_t row, const float* record);
   // Empties the DRAM cache (its rows must be clean or be discarded): no row
   // is cached any more and the cache's memory is freed.
   void DropCache();
@@ -177,6 +205,11 @@ class FileRowStore final : public RowStore {
   uint64_t file_bytes_ = 0;  // all segment bytes, the buffer included
   uint64_t live_bytes_ = 0;  // bytes of the records rows point at
   bool compacting_ = false;
+  // Reads (and in-place writes) go through mmap while every segment of
+  // this store fits in map_budget_ bytes (so mapped file pages add at most
+  // that much to the process's RSS); beyond it, pread and pwrite.
+  bool use_map_ = true;
+  uint64_t map_budget_ = 0;
   // Counters.
   uint64_t compactions_ = 0;
   uint64_t hits_ = 0, misses_ = 0, reads_ = 0, writes_ = 0;

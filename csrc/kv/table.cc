@@ -75,7 +75,8 @@ template <typename K>
 std::unique_ptr<RowStore> Table<K>::NewStore(int shard) const {
   if (file_tier()) {
     return std::make_unique<FileRowStore>(space_, shard, dim_,
-                                          options_.cache_bytes / num_shards_);
+                                          options_.cache_bytes / num_shards_,
+                                          options_.map_bytes / num_shards_);
   }
   return std::make_unique<DramRowStore>(dim_);
 }
@@ -365,9 +366,10 @@ int64_t Table<K>::LookupImpl(int shard, const K* keys, const uint64_t* hashes,
   // Keys go in blocks: resolve a block (its index slots were prefetched
   // while the previous block was resolved) and prefetch each row found and
   // its output, then copy the block's rows, by then on their way to the
-  // cache. A store without stable pointers gets blocks of one key.
+  // cache. A store without stable pointers (the file tier's cache may drop
+  // a row to load the next) copies each row as soon as it is resolved.
   constexpr int64_t kMaxBlock = 16;
-  const int64_t block = stable ? kMaxBlock : 1;
+  const int64_t block = kMaxBlock;
   const float* src[kMaxBlock];
   auto prefetch_slots = [&](int64_t begin, int64_t end) {
     if (s.index.empty_storage()) return;
@@ -385,9 +387,14 @@ int64_t Table<K>::LookupImpl(int shard, const K* keys, const uint64_t* hashes,
       occurrences += static_cast<uint64_t>(c);
       src[j - b] = Resolve(s, keys[j], hashes[j], insert, now, c, &inserted, &hits);
       if (kCounted) skips[order[j]] = 0;
+      if (!stable) {
+        CopyRow(out + order[j] * dim_, src[j - b], dim_);
+        continue;
+      }
       PrefetchRow(src[j - b], dim_);
       __builtin_prefetch(out + order[j] * dim_, 1);
     }
+    if (!stable) continue;
     for (int64_t j = b; j < e; ++j) CopyRow(out + order[j] * dim_, src[j - b], dim_);
   }
   CountLookups(s, occurrences, hits);

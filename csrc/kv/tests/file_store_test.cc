@@ -34,6 +34,10 @@ namespace {
 constexpr int64_t kDim = 4;
 
 std::string g_root;
+// TableOptions::map_bytes of the tables made by Options(): the tests run
+// with mapped segments, with pread/pwrite only (0), and with a budget that
+// the files outgrow mid-test (the store switches from one to the other).
+uint64_t g_map_bytes = 1ull << 30;
 
 std::string TempDir(const std::string& name) {
   const std::string p = g_root + "/" + name;
@@ -57,6 +61,7 @@ TableOptions Options(const std::string& path, int filter) {
   o.storage_path = path;
   o.cache_bytes = 1;  // the smallest cache: 16 rows per shard
   o.segment_bytes = 4096;  // many segments
+  o.map_bytes = g_map_bytes;
   return o;
 }
 
@@ -160,12 +165,33 @@ void TestCompaction() {
   Table<int64_t> dram(o);
   for (int64_t step = 0; step < 300; ++step) {
     CHECK(Step(dram, step, 200) == Step(file, step, 200));
+    // A snapshot seals every segment: rows written back after it are
+    // appended, leaving garbage that compaction has to reclaim.
+    if (step % 20 == 19) file.Snapshot();
   }
   CHECK(ExportSorted(dram) == ExportSorted(file));
   const auto stats = file.StoreStats();
   const uint64_t row_bytes = 2 * kDim * 4;
   CHECK(stats.file_writes > 10 * stats.rows);  // rows were rewritten many times
   CHECK(stats.disk_bytes <= 2 * stats.rows * row_bytes + 3 * o.segment_bytes + 4096);
+}
+
+void TestInPlace() {
+  // Without snapshots a row written back goes over its own record: the
+  // files hold about one record per row however often rows are rewritten.
+  const std::string path = TempDir("inplace");
+  TableOptions o = Options(path, 0);
+  Table<int64_t> file(o);
+  o.storage_path.clear();
+  Table<int64_t> dram(o);
+  for (int64_t step = 0; step < 300; ++step) {
+    CHECK(Step(dram, step, 2000) == Step(file, step, 2000));
+  }
+  CHECK(ExportSorted(dram) == ExportSorted(file));
+  const auto stats = file.StoreStats();
+  const uint64_t row_bytes = 2 * kDim * 4;
+  CHECK(stats.file_writes > 5 * stats.rows);
+  CHECK(stats.disk_bytes <= stats.rows * row_bytes * 11 / 10 + 3 * o.segment_bytes);
 }
 
 void TestSnapshotRestore() {
@@ -333,9 +359,20 @@ int main() {
   TestSideBySide(1);
   TestSideBySide(2);
   TestCompaction();
+  TestInPlace();
   TestSnapshotRestore();
   TestFaults();
   TestKillWriter();
+  // The same with pread/pwrite only, and with a budget of about 12 KiB per
+  // shard that the files outgrow (mapped at first, then pread/pwrite).
+  for (const uint64_t map_bytes : {uint64_t{0}, uint64_t{3 * 12288}}) {
+    g_map_bytes = map_bytes;
+    TestSideBySide(0);
+    TestSideBySide(2);
+    TestCompaction();
+    TestInPlace();
+    TestSnapshotRestore();
+  }
   std::system(("rm -rf '" + g_root + "'").c_str());
   if (g_failures) {
     std::fprintf(stderr, "%d failed\n", g_failures);
