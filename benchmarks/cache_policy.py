@@ -27,15 +27,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-
-def make_batches(opts):  # the same draws as storage.make_batches
-    rng = np.random.default_rng(0)
-    out = []
-    for _ in range(opts.batches):
-        z = rng.zipf(opts.zipf_a, size=(opts.batch, opts.features)) % opts.vocab
-        out.append(z + np.arange(opts.features, dtype=np.int64) * opts.vocab)
-        rng.normal(size=(opts.batch, 1))
-    return out
+from storage import make_batches  # noqa: E402  (the same draws as the timed runs)
 
 
 def simulate(steps, cap, insert_ref, max_ref, admit_by_freq, cycles):
@@ -78,7 +70,7 @@ def main(argv=None):
     p.add_argument("--cache-fraction", type=float, default=0.1)
     p.add_argument("--cycles", type=int, default=3)
     opts = p.parse_args(argv)
-    steps = [np.unique(b).tolist() for b in make_batches(opts)]
+    steps = [np.unique(ids).tolist() for ids, _ in make_batches(opts)]
     keys, counts = np.unique(np.concatenate([np.asarray(s) for s in steps]), return_counts=True)
     cap = max(1, int(opts.cache_fraction * len(keys)))
     top = set(keys[np.argsort(-counts, kind="stable")[:cap]].tolist())

@@ -278,7 +278,7 @@ def main(argv=None):
             "row_bound_bytes_per_key": bound,
             "disk_over_bound": stats["disk_bytes"] / max(1, stats["rows"]) / bound,
             "snapshot_s": snapshot_s,
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "peak_rss_bytes": peak_rss(),
         }
     finally:
         if opts.storage_dir is None:
