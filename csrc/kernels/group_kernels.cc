@@ -522,19 +522,16 @@ void CombineRows(OpKernelContext* ctx, const GroupConfig& cfg,
     }
     float* o = out + b * dim;
     const int64_t j0 = ft.splits[b], j1 = ft.splits[b + 1];
-    if (j1 == j0 + 1 && max_norm <= 0 && cfg.combiners[f] != kSum) {
-      // One id: mean and sqrtn give its row (w / w, w / |w|: the sign of w).
-      const float w = ft.weights[j0];
-      const float* row = RowOf(ctx, cfg, tables, params, ft, p, j0);
-      const float s = cfg.combiners[f] == kMean ? (w == 0 ? 0.0f : 1.0f)
-                                                 : (w == 0 ? 0.0f : (w > 0 ? 1.0f : -1.0f));
-      for (int64_t d = 0; d < dim; ++d) o[d] = s * row[d];
-      continue;
-    }
     if (j1 == j0 + 1 && max_norm <= 0) {
+      // One id: sum gives w * row; mean and sqrtn give its row scaled by
+      // w / w and w / |w| (the sign of w), written without the division.
       const float w = ft.weights[j0];
       const float* row = RowOf(ctx, cfg, tables, params, ft, p, j0);
-      for (int64_t d = 0; d < dim; ++d) o[d] = w * row[d];
+      const float s = cfg.combiners[f] == kSum    ? w
+                      : w == 0                    ? 0.0f
+                      : cfg.combiners[f] == kMean ? 1.0f
+                      : (w > 0 ? 1.0f : -1.0f);
+      for (int64_t d = 0; d < dim; ++d) o[d] = s * row[d];
       continue;
     }
     std::fill(o, o + dim, 0.0f);
