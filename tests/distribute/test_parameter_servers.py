@@ -54,15 +54,24 @@ def _run(cmd, log, timeout):
     return proc
 
 
-def _wait_ok(proc, log, timeout):
+def _wait_ok(proc, log, timeout, servers=(), server_logs=()):
+    """Waits for `proc`; on failure says how it and the servers ended,
+    with the end of each one's log."""
     try:
         rc = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         rc = "timeout"
+    if rc == 0:
+        return
     with open(log) as f:
         text = f.read()
-    assert rc == 0, f"{proc.args} ended with {rc}:\n{text[-4000:]}"
+    report = [f"{proc.args} ended with {rc}:\n{text[-3000:]}"]
+    for server, server_log in zip(servers, server_logs):
+        with open(server_log) as f:
+            tail = f.read()[-1500:]
+        report.append(f"server {server.args[-1]}: exit {server.poll()} (None: running)\n{tail}")
+    raise AssertionError("\n".join(report))
 
 
 def expected_table(default_values):
@@ -99,14 +108,21 @@ def test_two_ps_two_workers_sum_of_pushes(tmp_path):
                                "--ps", ps, "--task", str(task)],
                               tmp_path / f"ps{task}.log", 60))
         workers = []
+        # Worker 1 connects once worker 0 has made its tables: TensorFlow
+        # 2.21's gRPC server can crash (SIGSEGV in its eager service) when
+        # two eager clients connect to it at the same moment (README,
+        # "Semantics worth knowing"); after that they train concurrently.
+        ready = tmp_path / "worker0.ready"
         for task in (0, 1):
+            order = ["--ready", str(ready)] if task == 0 else ["--after", str(ready)]
             workers.append(_run(
                 [sys.executable, os.path.join(HERE, "ps_worker.py"), "train", "--ps", ps,
                  "--worker", f"127.0.0.1:{worker_ports[task]}", "--task", str(task),
-                 "--out", str(tmp_path)], tmp_path / f"worker{task}.log", 300))
+                 "--out", str(tmp_path), *order], tmp_path / f"worker{task}.log", 300))
         procs += workers
         for task, proc in enumerate(workers):
-            _wait_ok(proc, tmp_path / f"worker{task}.log", 300)
+            _wait_ok(proc, tmp_path / f"worker{task}.log", 300, servers=procs[:2],
+                     server_logs=[tmp_path / f"ps{i}.log" for i in (0, 1)])
         checker = _run([sys.executable, os.path.join(HERE, "ps_worker.py"), "check",
                         "--ps", ps, "--worker", f"127.0.0.1:{worker_ports[2]}",
                         "--task", "2", "--out", str(tmp_path)], tmp_path / "check.log", 300)
