@@ -45,6 +45,11 @@ struct GroupConfig {
   std::vector<bool> sequence;
   // Features of each parameter, in feature order.
   std::vector<std::vector<int>> features_of;
+  // `concat`: the features' outputs side by side in one [batch, width]
+  // tensor, feature f's columns from column_of[f].
+  bool concat = false;
+  int64_t width = 0;
+  std::vector<int64_t> column_of;
 
   int num_params() const { return num_tables + num_dense; }
   bool is_table(int p) const { return p < num_tables; }
@@ -108,8 +113,20 @@ struct GroupConfig {
     for (int64_t d : dims) {
       if (d < 1) return errors::InvalidArgument("param_dims must be >= 1, got ", d);
     }
+    TF_RETURN_IF_ERROR(ctx->GetAttr("concat", &concat));
+    for (size_t f = 0; f < F; ++f) {
+      if (concat && sequence[f]) {
+        return errors::InvalidArgument("concat = true but feature ", f, " is a sequence feature");
+      }
+      column_of.push_back(width);
+      width += dims[feature_param[f]];
+    }
     return absl::OkStatus();
   }
+
+  // Where row b of feature f's output (or its gradient) starts, relative to
+  // that feature's base pointer: rows are `width` apart when concatenated.
+  int64_t row_stride(int f) const { return concat ? width : dims[feature_param[f]]; }
 
   int ids_input(int f) const { return num_params() + f; }
   int splits_input(int f) const { return num_params() + num_features + f; }
@@ -520,7 +537,7 @@ void CombineRows(OpKernelContext* ctx, const GroupConfig& cfg,
       }
       continue;
     }
-    float* o = out + b * dim;
+    float* o = out + b * cfg.row_stride(f);
     const int64_t j0 = ft.splits[b], j1 = ft.splits[b + 1];
     if (j1 == j0 + 1 && max_norm <= 0) {
       // One id: sum gives w * row; mean and sqrtn give its row scaled by
@@ -571,6 +588,22 @@ class GroupLookupOp : public OpKernel {
                               F + P + f, TensorShape({static_cast<int64_t>(features[f].ids.size())}),
                               &inv));
       features[f].inverse = inv->flat<int32_t>().data();
+      if (cfg.concat) {
+        OP_REQUIRES(ctx, features[f].batch == features[0].batch,
+                    errors::InvalidArgument("concat = true needs one batch size, but feature ", f,
+                                            " has ", features[f].batch, " rows and feature 0 ",
+                                            features[0].batch));
+        if (f == 0) {
+          Tensor* out;
+          OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({features[0].batch, cfg.width}),
+                                                   &out));
+          outs[0] = out->flat<float>().data();
+        } else {
+          Tensor* empty;
+          OP_REQUIRES_OK(ctx, ctx->allocate_output(f, TensorShape({0}), &empty));
+        }
+        continue;
+      }
       const int64_t dim = cfg.dims[cfg.feature_param[f]];
       TensorShape shape = cfg.sequence[f]
                               ? TensorShape({features[f].batch, features[f].max_len, dim})
@@ -578,6 +611,9 @@ class GroupLookupOp : public OpKernel {
       Tensor* out;
       OP_REQUIRES_OK(ctx, ctx->allocate_output(f, shape, &out));
       outs[f] = out->flat<float>().data();
+    }
+    if (cfg.concat) {
+      for (int f = F - 1; f >= 0; --f) outs[f] = outs[0] + cfg.column_of[f];
     }
     std::vector<ParamIds> params;
     const int threads = ctx->device()->tensorflow_cpu_worker_threads()->num_threads;
@@ -668,8 +704,16 @@ class GroupLookupGradOp : public OpKernel {
       const int64_t num_uniq = static_cast<int64_t>(params[p].uniq.size());
       OP_REQUIRES_OK(ctx, validate::InRange(ft.inverse, static_cast<int64_t>(ft.ids.size()),
                                             0, num_uniq, inv_name));
+      if (cfg.concat && f > 0) {
+        OP_REQUIRES(ctx, ft.batch == features[0].batch,
+                    errors::InvalidArgument("concat = true needs one batch size, but feature ", f,
+                                            " has ", ft.batch, " rows and feature 0 ",
+                                            features[0].batch));
+        grads[f] = grads[0] + cfg.column_of[f];
+        continue;
+      }
       const Tensor& g = ctx->input(grads0 + f);
-      const int64_t dim = cfg.dims[p];
+      const int64_t dim = cfg.concat ? cfg.width : cfg.dims[p];
       const TensorShape want = cfg.sequence[f] ? TensorShape({ft.batch, ft.max_len, dim})
                                                : TensorShape({ft.batch, dim});
       OP_REQUIRES(ctx, g.shape() == want,
@@ -752,7 +796,7 @@ class GroupLookupGradOp : public OpKernel {
           if (u < lo || u >= hi) continue;
           if (c < 0) c = cfg.sequence[f] ? 1.0f : CombinerScale(ft, cfg.combiners[f], b);
           const float* dout = cfg.sequence[f] ? grads[f] + (b * ft.max_len + (j - begin)) * dim
-                                              : grads[f] + b * dim;
+                                              : grads[f] + b * cfg.row_stride(f);
           const float s = c * ft.weights[j];
           float* acc = out + u * dim;
           if (max_norm <= 0) {

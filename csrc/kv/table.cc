@@ -363,6 +363,12 @@ int64_t Table<K>::LookupImpl(int shard, const K* keys, const uint64_t* hashes,
     CountLookups(s, static_cast<uint64_t>(n), hits);
     return inserted;
   }
+  if (stable && !filtering() && !bloom()) {
+    LookupPipelined<kCounted>(s, keys, hashes, order, counts, n, insert, now, out, skips,
+                              &inserted, &hits, &occurrences);
+    CountLookups(s, occurrences, hits);
+    return inserted;
+  }
   // Keys go in blocks: resolve a block (its index slots were prefetched
   // while the previous block was resolved) and prefetch each row found and
   // its output, then copy the block's rows, by then on their way to the
@@ -399,6 +405,67 @@ int64_t Table<K>::LookupImpl(int shard, const K* keys, const uint64_t* hashes,
   }
   CountLookups(s, occurrences, hits);
   return inserted;
+}
+
+template <typename K>
+template <bool kCounted>
+void Table<K>::LookupPipelined(Shard& s, const K* keys, const uint64_t* hashes,
+                               const int64_t* order, const int32_t* counts, int64_t n,
+                               bool insert, int64_t now, float* out, int32_t* skips,
+                               int64_t* inserted, uint64_t* hits, uint64_t* occurrences) {
+  // Three stages kSlotAhead and kRowAhead keys apart: prefetch key j's index
+  // slot; find key j (its slot is in cache by then) and prefetch its row,
+  // its output row and, for a training lookup, its metadata; copy the row
+  // and count the occurrences of the key kRowAhead keys back. Missing keys
+  // go through Resolve at once (an insert may rehash the index: stage 3
+  // keeps only row and metadata pointers, which stay valid).
+  constexpr int64_t kSlotAhead = 32;
+  constexpr int64_t kRowAhead = 16;  // a power of two
+  const float* rows[kRowAhead];
+  int64_t* metas[kRowAhead];
+  int64_t meta_counts[kRowAhead];
+  const int64_t epoch = epoch_.load(std::memory_order_relaxed);
+  auto prefetch_slot = [&](int64_t j) {
+    __builtin_prefetch(s.index.CtrlAddress(hashes[j]));
+    __builtin_prefetch(s.index.EntryAddress(hashes[j]));
+  };
+  if (!s.index.empty_storage()) {
+    for (int64_t j = 0; j < std::min(n, kSlotAhead); ++j) prefetch_slot(j);
+  }
+  for (int64_t j = 0; j < n + kRowAhead; ++j) {
+    // Stage 3 first: key j takes over the ring entry of key j - kRowAhead.
+    if (j >= kRowAhead) {
+      const int64_t i = j - kRowAhead;
+      const int64_t r = i & (kRowAhead - 1);
+      CopyRow(out + order[i] * dim_, rows[r], dim_);
+      if (int64_t* m = metas[r]) {
+        m[kFreq] = CountFreq(m[kFreq], meta_counts[r]);
+        m[kEpoch] = epoch;
+      }
+    }
+    if (j < n) {
+      if (j + kSlotAhead < n && !s.index.empty_storage()) prefetch_slot(j + kSlotAhead);
+      const int64_t c = kCounted ? counts[order[j]] : 1;
+      *occurrences += static_cast<uint64_t>(c);
+      if (kCounted) skips[order[j]] = 0;
+      const int64_t idx = s.index.Find(keys[j], hashes[j]);
+      const float* row;
+      int64_t* m = nullptr;
+      if (idx >= 0 && s.index.entry(idx).row != kNoRow) {
+        const Entry& e = s.index.entry(idx);
+        row = s.Value(e.row, /*write=*/false);
+        *hits += static_cast<uint64_t>(c);
+        if (insert && (m = Meta(s, e)) != nullptr) __builtin_prefetch(m, 1);
+      } else {
+        row = Resolve(s, keys[j], hashes[j], insert, now, c, inserted, hits);
+      }
+      PrefetchRow(row, dim_);
+      __builtin_prefetch(out + order[j] * dim_, 1);
+      rows[j & (kRowAhead - 1)] = row;
+      metas[j & (kRowAhead - 1)] = m;
+      meta_counts[j & (kRowAhead - 1)] = c;
+    }
+  }
 }
 
 template <typename K>

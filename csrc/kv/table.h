@@ -371,6 +371,13 @@ class Table {
   int64_t LookupImpl(int shard, const K* keys, const uint64_t* hashes,
                      const int64_t* order, const int32_t* counts, int64_t n,
                      bool insert, float* out, int32_t* skips);
+  // LookupImpl's path for a DRAM store without filters (caller holds the
+  // shard lock): a software pipeline over the keys.
+  template <bool kCounted>
+  void LookupPipelined(Shard& s, const K* keys, const uint64_t* hashes, const int64_t* order,
+                       const int32_t* counts, int64_t n, bool insert, int64_t now, float* out,
+                       int32_t* skips, int64_t* inserted, uint64_t* hits,
+                       uint64_t* occurrences);
   void EraseAt(Shard& s, uint64_t i);
   // The export pass of Export and ExportChangedSince (caller holds every
   // shard lock): writes each entry for which keep(shard, entry) holds into

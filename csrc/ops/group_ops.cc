@@ -22,6 +22,7 @@ struct GroupAttrs {
   std::vector<int64_t> param_dims;
   std::vector<int64_t> feature_params;
   std::vector<bool> is_sequence;
+  bool concat = false;
 };
 
 absl::Status ReadGroupAttrs(InferenceContext* c, GroupAttrs* a) {
@@ -31,6 +32,7 @@ absl::Status ReadGroupAttrs(InferenceContext* c, GroupAttrs* a) {
   TF_RETURN_IF_ERROR(c->GetAttr("param_dims", &a->param_dims));
   TF_RETURN_IF_ERROR(c->GetAttr("feature_params", &a->feature_params));
   TF_RETURN_IF_ERROR(c->GetAttr("is_sequence", &a->is_sequence));
+  TF_RETURN_IF_ERROR(c->GetAttr("concat", &a->concat));
   const int64_t num_params = a->num_tables + a->num_dense;
   int given_params;
   TF_RETURN_IF_ERROR(c->GetAttr("num_params", &given_params));
@@ -53,6 +55,11 @@ absl::Status ReadGroupAttrs(InferenceContext* c, GroupAttrs* a) {
   }
   for (int64_t d : a->param_dims) {
     if (d < 1) return absl::InvalidArgumentError("param_dims must be >= 1");
+  }
+  for (bool seq : a->is_sequence) {
+    if (seq && a->concat) {
+      return absl::InvalidArgumentError("concat = true needs every is_sequence entry false");
+    }
   }
   return absl::OkStatus();
 }
@@ -110,6 +117,12 @@ absl::Status CheckGroupInputs(InferenceContext* c, const GroupAttrs& a,
 // unique_ids[p] [U] (int64: table keys in the table's key dtype, or row
 // indices of a dense param), and per feature inverse[f] [n] (int32): the
 // index in unique_ids of each id kept after pruning and default filling.
+//
+// With `concat` (no sequence features, every feature of one batch size B)
+// outputs[0] is [B, sum of the features' dims], the features' outputs side
+// by side in feature order (what a concatenation of the outputs gives,
+// written in place), and outputs[1:] are empty [0]; the gradient then takes
+// output_grads[0] of that shape (output_grads[1:] are ignored).
 REGISTER_OP("KRE>GroupLookup")
     .Input("tables: num_tables * resource")
     .Input("dense_params: num_dense * float")
@@ -132,6 +145,7 @@ REGISTER_OP("KRE>GroupLookup")
     .Attr("prune_invalid_ids: list(bool)")
     .Attr("is_sequence: list(bool)")
     .Attr("insert: bool = false")
+    .Attr("concat: bool = false")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       GroupAttrs a;
@@ -139,9 +153,13 @@ REGISTER_OP("KRE>GroupLookup")
       std::vector<DimensionHandle> batch;
       TF_RETURN_IF_ERROR(CheckGroupInputs(c, a, &batch));
       const int num_params = a.num_tables + a.num_dense;
+      int64_t width = 0;
+      for (int f = 0; f < a.num_features; ++f) width += a.param_dims[a.feature_params[f]];
       for (int f = 0; f < a.num_features; ++f) {
         const int64_t dim = a.param_dims[a.feature_params[f]];
-        if (a.is_sequence[f]) {
+        if (a.concat) {
+          c->set_output(f, f == 0 ? c->MakeShape({batch[0], c->MakeDim(width)}) : c->Vector(0));
+        } else if (a.is_sequence[f]) {
           c->set_output(f, c->MakeShape({batch[f], c->UnknownDim(), c->MakeDim(dim)}));
         } else {
           c->set_output(f, c->MakeShape({batch[f], c->MakeDim(dim)}));
@@ -181,6 +199,7 @@ REGISTER_OP("KRE>GroupLookupGrad")
     .Attr("default_ids: list(int)")
     .Attr("prune_invalid_ids: list(bool)")
     .Attr("is_sequence: list(bool)")
+    .Attr("concat: bool = false")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       GroupAttrs a;
@@ -191,6 +210,7 @@ REGISTER_OP("KRE>GroupLookupGrad")
       const int grads0 = 2 * (a.num_tables + a.num_dense) + 4 * a.num_features;
       for (int f = 0; f < a.num_features; ++f) {
         ShapeHandle g;
+        if (a.concat && f > 0) continue;  // output_grads[0] holds them all
         TF_RETURN_IF_ERROR(
             c->WithRank(c->input(grads0 + f), a.is_sequence[f] ? 3 : 2, &g));
       }

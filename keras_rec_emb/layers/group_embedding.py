@@ -340,17 +340,18 @@ class GroupEmbedding(keras.layers.Layer):
         ids, weights = self._feature_inputs(inputs)
         specs = list(self._features.values())
         has_w = any(w is not None for w in weights)
+        concat = self.output_mode == "concat"
         outs = embedding_ops.group_embedding_lookup_sparse(
             [self.tables[s.table] for s in specs], ids, [s.combiner for s in specs],
             sp_weights=weights if has_w else None,
             is_sequence=[s.sequence for s in specs],
             max_norm=[s.max_norm for s in specs],
             default_id=[s.default_id for s in specs],
-            training=bool(training), name=self.name)
+            training=bool(training), name=self.name, concat=concat)
+        if concat:  # one [batch, sum(dims)] tensor, written in place by the op
+            return outs if self.compute_dtype == "float32" else tf.cast(outs, self.compute_dtype)
         if self.compute_dtype != "float32":
             outs = [tf.cast(o, self.compute_dtype) for o in outs]
-        if self.output_mode == "concat":
-            return tf.concat(outs, axis=-1)
         return dict(zip(self._features, outs))
 
     def compute_output_spec(self, inputs, training=None):

@@ -115,12 +115,14 @@ def _check_combiner(c):
 
 # -- the fused op and its gradient --------------------------------------------
 def _fused_lookup(params, flat_ids, splits, weights, combiners, max_norms,
-                  default_ids, prunes, sequences, training, name):
-    """Runs one KRE>GroupLookup over features (lists of equal length)."""
+                  default_ids, prunes, sequences, training, name, concat=False):
+    """Runs one KRE>GroupLookup over features (lists of equal length); with
+    `concat`, returns `[outputs side by side]` (written in place by the op)."""
     stock_table = getattr(_STOCK, "table", None)
     if stock_table is not None and not training:  # traced inside `stock_lookups`
-        return stock_group_lookup(params, flat_ids, splits, weights, combiners, max_norms,
+        outs = stock_group_lookup(params, flat_ids, splits, weights, combiners, max_norms,
                                   default_ids, prunes, sequences, stock_table)
+        return [tf.concat(outs, -1)] if concat else outs
     # Distinct parameters, tables first (the op's input order).
     tables, dense, index = [], [], {}
     for p in params:
@@ -152,8 +154,9 @@ def _fused_lookup(params, flat_ids, splits, weights, combiners, max_norms,
     outs, _, _ = _ops.gen().kre_group_lookup(
         [t.table.handle for t in tables], [_dense_value(d.variable) for d in dense],
         list(flat_ids), list(splits), list(weights), insert=bool(training),
-        num_params=len(tables) + len(dense), name=name or "GroupLookup", **attrs)
-    return list(outs)
+        num_params=len(tables) + len(dense), name=name or "GroupLookup",
+        concat=bool(concat), **attrs)
+    return [outs[0]] if concat else list(outs)
 
 
 # -- the same lookup with stock TensorFlow ops (export_for_serving) ------------
@@ -244,7 +247,7 @@ def _attrs_of(op, names):
 
 
 _GRAD_ATTRS = ("table_key_dtypes", "param_dims", "feature_params", "combiners",
-               "max_norms", "default_ids", "prune_invalid_ids", "is_sequence")
+               "max_norms", "default_ids", "prune_invalid_ids", "is_sequence", "concat")
 
 
 @tf.RegisterGradient("KRE>GroupLookup")
@@ -282,7 +285,7 @@ def _group_lookup_grad(op, *grads):
 @tf.autograph.experimental.do_not_convert
 def _group(params, ids_list, combiners, weights_list, sequences, max_norms,
            default_ids, prunes, params_num_per_group, training, name,
-           what_ids="sp_ids", what_weights="sp_weights"):
+           what_ids="sp_ids", what_weights="sp_weights", concat=False):
     if not isinstance(params, (list, tuple)):
         raise TypeError(f"`params` must be a list. Received: params={params!r}")
     if not isinstance(ids_list, (list, tuple)):
@@ -334,6 +337,10 @@ def _group(params, ids_list, combiners, weights_list, sequences, max_norms,
         else:
             groups.append([i])
             keys.append({p.key})
+    if concat and len(groups) == 1 and all(o is None for o in outers):
+        # One op writes the outputs side by side: no concatenation copy.
+        return _fused_lookup(ps, flat, splits, weights, combiners, max_norms, default_ids,
+                             prunes, sequences, training, name, concat=True)[0]
     outputs = [None] * n
     for gi, g in enumerate(groups):
         op_name = name if len(groups) == 1 else (f"{name}_{gi}" if name else None)
@@ -350,13 +357,13 @@ def _group(params, ids_list, combiners, weights_list, sequences, max_norms,
             out = tf.reshape(outputs[i], tf.concat(
                 [tf.cast(outer[0], tf.int32), [dim]], 0))
             outputs[i] = tf.ensure_shape(out, outer[1].concatenate([dim]))
-    return outputs
+    return tf.concat(outputs, -1) if concat else outputs
 
 
 def group_embedding_lookup_sparse(params, sp_ids, combiners, sp_weights=None,
                                   is_sequence=False, params_num_per_group=None,
                                   name=None, *, max_norm=None, default_id=None,
-                                  prune_invalid_ids=True, training=False):
+                                  prune_invalid_ids=True, training=False, concat=False):
     """Looks up and combines many sparse features in one fused op.
 
     Feature `i` reads `params[i]` with ids `sp_ids[i]` (`[batch, None]`) and
@@ -397,10 +404,15 @@ def group_embedding_lookup_sparse(params, sp_ids, combiners, sp_weights=None,
         training: bool. Insert (and count) unseen ids into tables, as
             `EmbeddingVariable` does in training. Defaults to `False`
             (inference: unseen ids read their initial row).
+        concat: bool. Return one `[batch, sum(dim_i)]` tensor, the features'
+            outputs side by side in order (what `tf.concat(outputs, -1)`
+            gives); the fused op writes them in place, saving the copy.
+            No sequence features. Defaults to `False`.
 
     Returns:
         A list of float32 tensors, `[batch, dim_i]` (`[d0, ..., dn-1, dim_i]`
-        for ids of rank > 2, `[batch, T, dim_i]` for sequence features).
+        for ids of rank > 2, `[batch, T, dim_i]` for sequence features); with
+        `concat`, one tensor.
 
     Example:
 
@@ -432,16 +444,20 @@ def group_embedding_lookup_sparse(params, sp_ids, combiners, sp_weights=None,
                 "`sp_weights` must be None or a list with one entry per "
                 f"feature ({n}). Received: {sp_weights!r}"
             )
+    check_bool("concat", concat)
+    sequences = _as_list(is_sequence, n, "is_sequence", lambda v: check_bool("is_sequence", v))
+    if concat and any(sequences):
+        raise ValueError("`concat=True` needs no sequence features. Received: "
+                         f"is_sequence={is_sequence!r}")
     return _group(
-        params, sp_ids, list(combiners), sp_weights,
-        _as_list(is_sequence, n, "is_sequence", lambda v: check_bool("is_sequence", v)),
+        params, sp_ids, list(combiners), sp_weights, sequences,
         _as_list(max_norm, n, "max_norm", lambda v: check_float(
             "max_norm", v, 0, min_open=True, allow_none=True)),
         _as_list(default_id, n, "default_id", lambda v: check_int(
             "default_id", v, 0, allow_none=True)),
         _as_list(prune_invalid_ids, n, "prune_invalid_ids",
                  lambda v: check_bool("prune_invalid_ids", v)),
-        params_num_per_group, training, name)
+        params_num_per_group, training, name, concat=concat)
 
 
 def group_embedding_lookup(params, ids, name=None, *, training=False):

@@ -211,6 +211,48 @@ def test_mixed_group_matches_numpy_and_separate_lookups(
     assert tuple(fused[2].dense_shape.numpy()) == (20, 5)
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["few_params", "param_per_unit"])
+@pytest.mark.parametrize("combiner,max_norm", [("sum", None), ("mean", 1.0)])
+def test_concat_matches_concatenated_outputs(matrix_initializer, combiner, max_norm, wide):
+    # concat=True: the op writes the outputs side by side; outputs and
+    # gradients equal tf.concat of the per-feature outputs.
+    rng = np.random.default_rng(3)
+    batch = 7
+    t1, _ = make_table(matrix_initializer, 4, 1)
+    t2, _ = make_table(matrix_initializer, 3, 2, key_dtype="int32")
+    d1, _ = make_dense(20, 5, 3)
+    params, his = [t1, t2, d1, t1], [10**12, 50, 20, 10**12]
+    for e in range(_extra_tables() if wide else 0):
+        params.append(make_table(matrix_initializer, 2, 10 + e)[0])
+        his.append(30)
+    sp_ids = [tf.ragged.constant(random_ids(rng, batch, hi), dtype=tf.int64, ragged_rank=1)
+              for hi in his]
+    sp_w = [tf.ragged.map_flat_values(lambda v: tf.ones_like(v, tf.float32) * 1.5, i)
+            for i in sp_ids]
+    variables = [t1.table.variable, t2.table.variable, d1] + [
+        p.table.variable for p in params[4:]]
+    width = sum(4 if p is t1 else 3 if p is t2 else 5 if p is d1 else 2 for p in params)
+    target = tf.constant(rng.normal(size=(batch, width)), tf.float32)
+    results = []
+    for concat in (True, False):
+        with tf.GradientTape() as tape:
+            out = ops.group_embedding_lookup_sparse(
+                params, sp_ids, combiner, sp_weights=sp_w, max_norm=max_norm, default_id=2,
+                training=True, concat=concat)
+            if not concat:
+                out = tf.concat(out, -1)
+            loss = tf.reduce_sum(out * target)
+        results.append((out, tape.gradient(loss, variables)))
+    (out_c, grads_c), (out_s, grads_s) = results
+    assert out_c.shape == (batch, width)
+    np.testing.assert_allclose(out_c.numpy(), out_s.numpy(), rtol=1e-6, atol=1e-7)
+    for a, b in zip(grads_c, grads_s):
+        assert_same_grad(a, b)
+    with pytest.raises(ValueError, match="concat"):
+        ops.group_embedding_lookup_sparse([t1], [sp_ids[0]], "sum", is_sequence=True,
+                                          concat=True)
+
+
 @pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
 def test_dense_matches_safe_embedding_lookup_sparse(combiner):
     rng = np.random.default_rng(3)

@@ -1,0 +1,79 @@
+// benchmarks/kv_ab/run.sh: compiled twice, -DBENCH_NS=oldb -Dkv=kv_old (old csrc) and -DBENCH_NS=newb (this tree).
+#include <algorithm>
+#include <chrono>
+#include <ctime>
+#include <cmath>
+#include <memory>
+#include <random>
+#include <vector>
+#include "kv/partition.h"
+#include "kv/table.h"
+namespace BENCH_NS {
+using namespace kre::kv;
+struct Serial { template <typename F> void operator()(int n, F&& f) const { for (int i = 0; i < n; ++i) f(i); } };
+static double now() { timespec ts; clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts); return ts.tv_sec + 1e-9 * ts.tv_nsec; }
+static std::vector<int64_t> Zipf(std::mt19937_64& rng, int64_t n, int64_t size, double a) {
+  std::vector<double> cdf(n); double s = 0;
+  for (int64_t i = 0; i < n; ++i) { s += 1.0 / std::pow(double(i + 1), a); cdf[i] = s; }
+  std::uniform_real_distribution<double> u(0, s);
+  std::vector<int64_t> out(size);
+  for (auto& o : out) o = std::lower_bound(cdf.begin(), cdf.end(), u(rng)) - cdf.begin();
+  return out;
+}
+const int64_t dim = 16;
+static std::vector<float> Defaults() { std::vector<float> v(97 * dim); for (size_t i = 0; i < v.size(); ++i) v[i] = 0.001f * float(i); return v; }
+template <typename T> void LookupAll(T& t, const Partitioned<int64_t>& p, bool insert, float* out) {
+  for (int s = 0; s < t.num_shards(); ++s) t.Lookup(s, p.keys.data() + p.offsets[s], p.hashes.data() + p.offsets[s], p.order.data() + p.offsets[s], p.offsets[s+1]-p.offsets[s], insert, out);
+}
+struct Big {
+  std::unique_ptr<Table<int64_t>> t; std::vector<int64_t> batch; std::vector<float> out;
+};
+struct Group {
+  std::vector<std::unique_ptr<Table<int64_t>>> ts; std::vector<Partitioned<int64_t>> ps;
+  std::vector<std::vector<int32_t>> counts; std::vector<float> out; std::vector<int32_t> skips;
+};
+static Big* big; static Group* grp;
+void Setup() {
+  std::mt19937_64 rng(1);
+  big = new Big;
+  const int64_t N = 2000000, B = 500000;
+  big->t.reset(new Table<int64_t>(dim, Defaults(), 32));
+  std::vector<int64_t> keys(N);
+  for (auto& k : keys) k = int64_t(rng() >> 1);
+  { auto p = Partition(*big->t, keys.data(), N, 1, Serial()); std::vector<float> out(N * dim); LookupAll(*big->t, p, true, out.data()); }
+  std::vector<int64_t> ranks = Zipf(rng, N, B, 1.1);
+  std::vector<int64_t> perm(N); for (int64_t i = 0; i < N; ++i) perm[i] = i; std::shuffle(perm.begin(), perm.end(), rng);
+  big->batch.resize(B); for (int64_t i = 0; i < B; ++i) big->batch[i] = keys[perm[ranks[i]]];
+  big->out.resize(B * dim);
+  grp = new Group;
+  const int T = 26; const int64_t N2 = 15500, U = 2341;
+  for (int t = 0; t < T; ++t) {
+    grp->ts.emplace_back(new Table<int64_t>(dim, Defaults(), 32));
+    std::vector<int64_t> k2(N2); for (auto& k : k2) k = int64_t(rng() % 1000000);
+    std::sort(k2.begin(), k2.end()); k2.erase(std::unique(k2.begin(), k2.end()), k2.end());
+    auto p = Partition(*grp->ts[t], k2.data(), k2.size(), 1, Serial()); std::vector<float> out(k2.size() * dim);
+    LookupAll(*grp->ts[t], p, true, out.data());
+    std::shuffle(k2.begin(), k2.end(), rng);
+    grp->ps.push_back(Partition(*grp->ts[t], k2.data(), U, 1, Serial()));
+    grp->counts.emplace_back(U, 2);
+  }
+  grp->out.resize(U * dim); grp->skips.resize(U);
+}
+// ns per id: partition+lookup, lookup only
+void BigRound(bool insert, double* total, double* lookup) {
+  const int64_t B = big->batch.size();
+  double t0 = now();
+  auto p = Partition(*big->t, big->batch.data(), B, 1, Serial());
+  double t1 = now();
+  LookupAll(*big->t, p, insert, big->out.data());
+  double t2 = now();
+  *total = (t2 - t0) / B * 1e9; *lookup = (t2 - t1) / B * 1e9;
+}
+double GroupRound(bool insert) {
+  double t0 = now(); int64_t n = 0;
+  for (size_t t = 0; t < grp->ts.size(); ++t) { auto& p = grp->ps[t]; n += p.keys.size();
+    for (int s = 0; s < 32; ++s) grp->ts[t]->LookupCounted(s, p.keys.data() + p.offsets[s], p.hashes.data() + p.offsets[s], p.order.data() + p.offsets[s], grp->counts[t].data(), p.offsets[s+1]-p.offsets[s], insert, grp->out.data(), grp->skips.data()); }
+  return (now() - t0) / n * 1e9;
+}
+float Checksum() { double s = 0; int64_t i = 0; for (float f : big->out) s += f * double(++i % 1013); for (float f : grp->out) s += f * double(++i % 1013); return s; }
+}
