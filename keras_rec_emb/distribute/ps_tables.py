@@ -206,9 +206,10 @@ class ShardedEmbeddingTable(_compat.Trackable):
         raise ValueError(
             f"Embedding table '{self._name}' is sharded over {len(self._shards)} devices "
             f"{self._devices}; it has no single `{what}`. Only EmbeddingVariable's own "
-            "lookups (calling the layer) and the optimizers of keras_rec_emb.optimizers "
-            "support sharded tables so far: GroupEmbedding, AdaptiveEmbedding, "
-            "MultiHashEmbedding and the functional ops need one table per process "
+            "and GroupEmbedding's lookups (calling the layer, or the group_embedding_lookup* "
+            "ops) and the optimizers of keras_rec_emb.optimizers support sharded tables "
+            "so far: AdaptiveEmbedding, MultiHashEmbedding and the embedding_lookup* ops "
+            "need one table per process "
             "(build them outside `parameter_servers(...)` / a MirroredStrategy scope).")
 
     @property

@@ -121,6 +121,9 @@ def _fused_lookup(params, flat_ids, splits, weights, combiners, max_norms,
     if stock_table is not None and not training:  # traced inside `stock_lookups`
         return stock_group_lookup(params, flat_ids, splits, weights, combiners, max_norms,
                                   default_ids, prunes, sequences, stock_table)
+    if any(p.table is not None and not isinstance(p.table, EmbeddingTable) for p in params):
+        return _sharded_group_lookup(params, flat_ids, splits, weights, combiners, max_norms,
+                                     default_ids, prunes, sequences, training)
     # Distinct parameters, tables first (the op's input order).
     tables, dense, index = [], [], {}
     for p in params:
@@ -154,6 +157,19 @@ def _fused_lookup(params, flat_ids, splits, weights, combiners, max_norms,
         list(flat_ids), list(splits), list(weights), insert=bool(training),
         num_params=len(tables) + len(dense), name=name or "GroupLookup", **attrs)
     return list(outs)
+
+
+def _sharded_group_lookup(params, flat_ids, splits, weights, combiners, max_norms,
+                          default_ids, prunes, sequences, training):
+    """A group lookup over tables sharded by `keras_rec_emb.distribute`
+    (parameter servers, MirroredStrategy replicas, MultiWorkerMirroredStrategy
+    workers): feature by feature with stock ops (`stock_group_lookup`), each
+    table's rows from its own sharded `lookup` (which sends ids to their
+    shards and rows back; with `training` it inserts and counts every
+    occurrence, as the fused kernel does). The fused `KRE>GroupLookup`
+    needs every table in this process."""
+    return stock_group_lookup(params, flat_ids, splits, weights, combiners, max_norms,
+                              default_ids, prunes, sequences, insert=bool(training))
 
 
 # -- the same lookup with stock TensorFlow ops (export_for_serving) ------------
@@ -192,13 +208,13 @@ def _checked_splits(splits, nnz):
 
 
 def stock_group_lookup(params, flat_ids, splits, weights, combiners, max_norms,
-                       default_ids, prunes, sequences, stock_table=None):
+                       default_ids, prunes, sequences, stock_table=None, insert=False):
     """`KRE>GroupLookup` (inference) with stock TensorFlow ops, feature by
     feature: prune ids < 0 (and, for mean and sqrtn, ids of weight <= 0),
     fill empty rows with the default id, clip rows to max_norm, weight, then
     combine or lay out as a sequence. A table's rows are read from
     `stock_table(table)` (an object with `lookup(keys)`), or from the table
-    itself without it."""
+    itself without it (`insert`: a training lookup of the table itself)."""
     outs = []
     for p, ids, s, w, combiner, max_norm, default_id, prune, sequence in zip(
             params, flat_ids, splits, weights, combiners, max_norms, default_ids,
@@ -225,8 +241,10 @@ def stock_group_lookup(params, flat_ids, splits, weights, combiners, max_norms,
             order = tf.argsort(rows_of, stable=True)
             ids, w, rows_of = (tf.gather(x, order) for x in (ids, w, rows_of))
         if p.table is not None:
-            source = p.table if stock_table is None else stock_table(p.table)
-            rows = source.lookup(tf.cast(ids, p.table.key_dtype))
+            if stock_table is None:
+                rows = p.table.lookup(tf.cast(ids, p.table.key_dtype), insert=insert)
+            else:
+                rows = stock_table(p.table).lookup(tf.cast(ids, p.table.key_dtype))
         else:
             rows = tf.gather(_dense_value(p.variable), ids)
         if max_norm:
