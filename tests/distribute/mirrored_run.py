@@ -3,7 +3,10 @@ logical CPU devices (tables sharded over the replicas), same global batch;
 writes both results to OUT.npz. Run by test_mirrored.py in a subprocess
 (logical devices must be set before TensorFlow initializes).
 
-    mirrored_run.py N OPTIMIZER OUT.npz
+    mirrored_run.py N OPTIMIZER OUT.npz [group]
+
+With `group` the model also has a GroupEmbedding (one feature per id
+column) over a second table, sharded the same way.
 """
 
 import os
@@ -23,6 +26,7 @@ import numpy as np  # noqa: E402
 import keras_rec_emb as kre  # noqa: E402
 
 DIM, BATCH, STEPS, IDS = 4, 8 * N, 4, 3
+GROUP = len(sys.argv) > 4 and sys.argv[4] == "group"
 
 
 def data():
@@ -38,6 +42,13 @@ def build(optimizer):
         DIM, combiner="mean", name="emb",
         initializer=keras.initializers.RandomUniform(-1, 1, seed=7),
         ev_option=kre.EmbeddingVariableOption(track_meta=True))(ids)
+    if GROUP:
+        group = kre.layers.GroupEmbedding(
+            {f"f{j}": kre.layers.FeatureSpec(0, combiner="sum") for j in range(IDS)},
+            tables=[kre.layers.EmbeddingVariable(
+                DIM, name="group_t", initializer=keras.initializers.RandomUniform(
+                    -1, 1, seed=11))], output_mode="concat", name="group")(ids)
+        emb = keras.layers.Concatenate()([emb, group])
     out = keras.layers.Dense(1, name="dense")(emb)
     model = keras.Model(ids, out)
     opt = {"sgd": lambda: kre.optimizers.SGD(0.1),
@@ -57,6 +68,13 @@ def train(model, dense_init):
            "freqs": exported["freqs"][order]}
     for name, rows in exported["slots"].items():
         out["slot_" + name] = rows[order]
+    if GROUP:
+        data = model.get_layer("group").tables[0].table.export()
+        order = np.argsort(data["keys"])
+        out.update(group_keys=data["keys"][order], group_values=data["values"][order],
+                   group_freqs=data["freqs"][order])
+        for name, rows in data["slots"].items():
+            out["group_slot_" + name] = rows[order]
     out["kernel"], out["bias"] = [np.asarray(w) for w in model.get_layer("dense").get_weights()]
     out["predict"] = model.predict(ids[:BATCH], verbose=0)
     return out, table
@@ -65,7 +83,7 @@ def train(model, dense_init):
 def main():
     optimizer, path = sys.argv[2], sys.argv[3]
     rng = np.random.default_rng(1)
-    dense_init = [rng.normal(size=(DIM, 1)).astype(np.float32), np.zeros(1, np.float32)]
+    dense_init = [rng.normal(size=(DIM * (1 + IDS if GROUP else 1), 1)).astype(np.float32), np.zeros(1, np.float32)]
     one, _ = train(build(optimizer), dense_init)
     strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(N)])
     with strategy.scope():
@@ -73,6 +91,7 @@ def main():
     many, table = train(model, dense_init)
     result = {f"one_{k}": v for k, v in one.items()}
     result.update({f"many_{k}": v for k, v in many.items()})
+    result["predict_ids"] = data()[0][:BATCH]
     result["shard_sizes"] = np.array([s.size() for s in table.shards])
     result["shard_devices"] = np.array([s.device for s in table.shards])
     np.savez(path, **result)

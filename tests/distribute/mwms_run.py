@@ -32,7 +32,7 @@ def data():
 
 def dense_init():
     rng = np.random.default_rng(1)
-    return [rng.normal(size=(DIM, 1)).astype(np.float32), np.zeros(1, np.float32)]
+    return [rng.normal(size=(DIM * (1 + IDS), 1)).astype(np.float32), np.zeros(1, np.float32)]
 
 
 def build(optimizer):
@@ -42,7 +42,15 @@ def build(optimizer):
         initializer=keras.initializers.RandomUniform(-1, 1, seed=7),
         ev_option=kre.EmbeddingVariableOption(
             track_meta=True, filter_option=kre.CounterFilter(filter_freq=2)))(ids)
-    out = keras.layers.Dense(1, name="dense")(emb)
+    # A GroupEmbedding over a second table: one feature per id column.
+    group = kre.layers.GroupEmbedding(
+        {f"f{j}": kre.layers.FeatureSpec(j % 2, combiner="sum") for j in range(IDS)},
+        tables=[kre.layers.EmbeddingVariable(
+            DIM, name=f"group_{t}",
+            initializer=keras.initializers.RandomUniform(-1, 1, seed=11 + t))
+            for t in range(2)],
+        output_mode="concat", name="group")(ids)
+    out = keras.layers.Dense(1, name="dense")(keras.layers.Concatenate()([emb, group]))
     model = keras.Model(ids, out)
     opt = {"sgd": lambda: kre.optimizers.SGD(0.1),
            "adagrad": lambda: kre.optimizers.Adagrad(0.1)}[optimizer]()
@@ -89,6 +97,8 @@ def train(model, worker=0, workers=1):
         lo = i * BATCH + worker * per
         step(tf.constant(ids[lo:lo + per]), tf.constant(y[lo:lo + per]))
     out = table_arrays(model.get_layer("emb").table)
+    for t, table in enumerate(model.get_layer("group").tables):
+        out.update({f"group{t}_{k}": v for k, v in table_arrays(table.table).items()})
     out["kernel"], out["bias"] = [np.asarray(w) for w in model.get_layer("dense").get_weights()]
     out["predict"] = model.predict(ids[:BATCH], batch_size=BATCH, verbose=0)
     return out

@@ -83,7 +83,11 @@ def test_two_workers_match_one_process(two_workers, optimizer):
             np.testing.assert_allclose(got[key], want, rtol=1e-5, atol=1e-5,
                                        err_msg=f"worker {task}: {key}")
     # Training moved the dense weights and rows; the filter held some keys back.
-    assert np.abs(one["kernel"] - np.random.default_rng(1).normal(size=(4, 1))).max() > 1e-3
+    sys.path.insert(0, HERE)
+    import mwms_run
+    sys.path.remove(HERE)
+    assert np.abs(one["kernel"] - mwms_run.dense_init()[0]).max() > 1e-3
+    assert len(one["group1_keys"]) > 10  # the GroupEmbedding's tables trained too
     assert len(one["keys_filtered"]) > 0 and len(one["keys"]) > 10
     # Per-shard statistics add up to the table's (and to one process's).
     shards = [np.load(two_workers / f"w{task}_{optimizer}.npz")["local_stats"]
