@@ -69,11 +69,11 @@ def train(model, dense_init):
     for name, rows in exported["slots"].items():
         out["slot_" + name] = rows[order]
     if GROUP:
-        data = model.get_layer("group").tables[0].table.export()
-        order = np.argsort(data["keys"])
-        out.update(group_keys=data["keys"][order], group_values=data["values"][order],
-                   group_freqs=data["freqs"][order])
-        for name, rows in data["slots"].items():
+        group = model.get_layer("group").tables[0].table.export()
+        order = np.argsort(group["keys"])
+        out.update(group_keys=group["keys"][order], group_values=group["values"][order],
+                   group_freqs=group["freqs"][order])
+        for name, rows in group["slots"].items():
             out["group_slot_" + name] = rows[order]
     out["kernel"], out["bias"] = [np.asarray(w) for w in model.get_layer("dense").get_weights()]
     out["predict"] = model.predict(ids[:BATCH], verbose=0)
