@@ -5,8 +5,8 @@ writes both results to OUT.npz. Run by test_mirrored.py in a subprocess
 
     mirrored_run.py N OPTIMIZER OUT.npz [group]
 
-With `group` the model also has a GroupEmbedding (one feature per id
-column) over a second table, sharded the same way.
+With `group` the table is read through a GroupEmbedding (one feature, the
+same mean) instead of calling the EmbeddingVariable.
 """
 
 import os
@@ -38,17 +38,16 @@ def data():
 
 def build(optimizer):
     ids = keras.Input(shape=(IDS,), dtype="int64")
-    emb = kre.layers.EmbeddingVariable(
+    table = kre.layers.EmbeddingVariable(
         DIM, combiner="mean", name="emb",
         initializer=keras.initializers.RandomUniform(-1, 1, seed=7),
-        ev_option=kre.EmbeddingVariableOption(track_meta=True))(ids)
-    if GROUP:
-        group = kre.layers.GroupEmbedding(
-            {f"f{j}": kre.layers.FeatureSpec(0, combiner="sum") for j in range(IDS)},
-            tables=[kre.layers.EmbeddingVariable(
-                DIM, name="group_t", initializer=keras.initializers.RandomUniform(
-                    -1, 1, seed=11))], output_mode="concat", name="group")(ids)
-        emb = keras.layers.Concatenate()([emb, group])
+        ev_option=kre.EmbeddingVariableOption(track_meta=True))
+    if GROUP:  # the same lookup and mean through a GroupEmbedding
+        emb = kre.layers.GroupEmbedding(
+            {"f": kre.layers.FeatureSpec(table, combiner="mean")}, output_mode="concat",
+            name="group")({"f": ids})
+    else:
+        emb = table(ids)
     out = keras.layers.Dense(1, name="dense")(emb)
     model = keras.Model(ids, out)
     opt = {"sgd": lambda: kre.optimizers.SGD(0.1),
@@ -57,24 +56,24 @@ def build(optimizer):
     return model
 
 
+def emb_table(model):
+    """The model's table (read directly or through the GroupEmbedding)."""
+    names = [layer.name for layer in model.layers]
+    layer = model.get_layer("emb") if "emb" in names else model.get_layer("group").tables[0]
+    return layer.table
+
+
 def train(model, dense_init):
     model.get_layer("dense").set_weights(dense_init)
     ids, y = data()
     model.fit(ids, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-    table = model.get_layer("emb").table
+    table = emb_table(model)
     exported = table.export()
     order = np.argsort(exported["keys"])
     out = {"keys": exported["keys"][order], "values": exported["values"][order],
            "freqs": exported["freqs"][order]}
     for name, rows in exported["slots"].items():
         out["slot_" + name] = rows[order]
-    if GROUP:
-        group = model.get_layer("group").tables[0].table.export()
-        order = np.argsort(group["keys"])
-        out.update(group_keys=group["keys"][order], group_values=group["values"][order],
-                   group_freqs=group["freqs"][order])
-        for name, rows in group["slots"].items():
-            out["group_slot_" + name] = rows[order]
     out["kernel"], out["bias"] = [np.asarray(w) for w in model.get_layer("dense").get_weights()]
     out["predict"] = model.predict(ids[:BATCH], verbose=0)
     return out, table
@@ -83,7 +82,7 @@ def train(model, dense_init):
 def main():
     optimizer, path = sys.argv[2], sys.argv[3]
     rng = np.random.default_rng(1)
-    dense_init = [rng.normal(size=(DIM * (1 + IDS if GROUP else 1), 1)).astype(np.float32), np.zeros(1, np.float32)]
+    dense_init = [rng.normal(size=(DIM, 1)).astype(np.float32), np.zeros(1, np.float32)]
     one, _ = train(build(optimizer), dense_init)
     strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(N)])
     with strategy.scope():

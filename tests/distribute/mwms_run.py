@@ -44,11 +44,9 @@ def build(optimizer):
             track_meta=True, filter_option=kre.CounterFilter(filter_freq=2)))(ids)
     # A GroupEmbedding over a second table: one feature per id column.
     group = kre.layers.GroupEmbedding(
-        {f"f{j}": kre.layers.FeatureSpec(j % 2, combiner="sum") for j in range(IDS)},
+        {f"f{j}": kre.layers.FeatureSpec(0, combiner="sum") for j in range(IDS)},
         tables=[kre.layers.EmbeddingVariable(
-            DIM, name=f"group_{t}",
-            initializer=keras.initializers.RandomUniform(-1, 1, seed=11 + t))
-            for t in range(2)],
+            DIM, name="group_0", initializer=keras.initializers.RandomUniform(-1, 1, seed=11))],
         output_mode="concat", name="group")(ids)
     out = keras.layers.Dense(1, name="dense")(keras.layers.Concatenate()([emb, group]))
     model = keras.Model(ids, out)

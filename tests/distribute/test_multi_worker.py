@@ -87,7 +87,7 @@ def test_two_workers_match_one_process(two_workers, optimizer):
     import mwms_run
     sys.path.remove(HERE)
     assert np.abs(one["kernel"] - mwms_run.dense_init()[0]).max() > 1e-3
-    assert len(one["group1_keys"]) > 10  # the GroupEmbedding's tables trained too
+    assert len(one["group0_keys"]) > 10  # the GroupEmbedding's tables trained too
     assert len(one["keys_filtered"]) > 0 and len(one["keys"]) > 10
     # Per-shard statistics add up to the table's (and to one process's).
     shards = [np.load(two_workers / f"w{task}_{optimizer}.npz")["local_stats"]
