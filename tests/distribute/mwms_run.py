@@ -11,6 +11,14 @@ The one-process reference imports `build`, `data` and `train` from here.
 
 import os
 import sys
+import time
+
+START = time.monotonic()
+
+
+def phase(name):
+    """Seconds since start, in the worker's log (where a slow run spends)."""
+    print(f"PHASE {name} {time.monotonic() - START:.1f}s", flush=True)
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -72,7 +80,9 @@ def train(model, worker=0, workers=1):
     """The model trained on each worker's slice of every global batch by a
     custom step under the strategy (`strategy.run`; the default strategy in
     one process). Keras 3.15.1's own train step cannot run under a
-    multi-worker strategy for any model (see `keras_fit_error`)."""
+    multi-worker strategy for any model (keras-team/keras#20585: its
+    symbolic build and its step's result reduction call `strategy.reduce` on
+    nested values)."""
     strategy = model.distribute_strategy
     model.get_layer("dense").set_weights(dense_init())
     with strategy.scope():
@@ -94,41 +104,41 @@ def train(model, worker=0, workers=1):
     for i in range(STEPS):
         lo = i * BATCH + worker * per
         step(tf.constant(ids[lo:lo + per]), tf.constant(y[lo:lo + per]))
+        phase(f"step {i}")
     out = table_arrays(model.get_layer("emb").table)
     for t, table in enumerate(model.get_layer("group").tables):
         out.update({f"group{t}_{k}": v for k, v in table_arrays(table.table).items()})
     out["kernel"], out["bias"] = [np.asarray(w) for w in model.get_layer("dense").get_weights()]
-    out["predict"] = model.predict(ids[:BATCH], batch_size=BATCH, verbose=0)
+    phase("exported")
+    out["predict"] = forward(model, ids[:BATCH])
+    phase("predicted")
     return out
 
 
-def keras_fit_error():
-    """What `model.fit` of a plain Keras model (no table) does under this
-    multi-worker strategy in Keras 3.15.1: its `_maybe_symbolic_build`
-    reduces the first (x, y) batch with `strategy.reduce`, which is not
-    nest-aware across workers (keras-team/keras#20585)."""
-    inputs = keras.Input(shape=(2,))
-    model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
-    model.compile(optimizer="sgd", loss="mse")
-    try:
-        model.fit(np.ones((8, 2), np.float32), np.ones((8, 1), np.float32), batch_size=4,
-                  verbose=0)
-    except Exception as e:  # noqa: BLE001 (recorded for the test to assert on)
-        return f"{type(e).__name__}: {e}"[:300]
-    return "ok"
+def forward(model, ids):
+    """The model's output for `ids` on every worker (each worker passes all
+    of them), through the strategy's replica function."""
+    strategy = model.distribute_strategy
+    result = tf.function(lambda x: strategy.run(lambda x: model(x, training=False),
+                                                args=(x,)))(tf.constant(ids))
+    return strategy.experimental_local_results(result)[0].numpy()
 
 
 def main():
     keras.config.disable_traceback_filtering()
     folder, mode = sys.argv[1], sys.argv[2]
+    phase("imported")
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     task = strategy.cluster_resolver.task_id
     n = strategy.num_replicas_in_sync
+    phase("strategy")
     if mode == "train":
         for optimizer in ("sgd", "adagrad"):
             with strategy.scope():
                 model = build(optimizer)
+            phase(f"built {optimizer}")
             out = train(model, task, n)
+            phase(f"trained {optimizer}")
             table = model.get_layer("emb").table
             local = table.local_stats()
             out["local_stats"] = np.array([local["size"], local["filtered"]])
@@ -137,12 +147,10 @@ def main():
             out["num_shards"] = np.int64(table.num_shards)
             out["index"] = np.int64(table.index)
             np.savez(os.path.join(folder, f"w{task}_{optimizer}.npz"), **out)
-        with strategy.scope():
-            fit_error = keras_fit_error()
-        np.savez(os.path.join(folder, f"w{task}_fit.npz"), error=np.array(fit_error))
         # Every worker saves (the chief's copy is the one to keep).
         model.save(os.path.join(folder, f"w{task}.keras"))
         tf.train.Checkpoint(model=model).write(os.path.join(folder, f"ckpt_w{task}", "ckpt"))
+        phase("saved")
     else:
         source = sys.argv[3]
         with strategy.scope():
@@ -150,6 +158,7 @@ def main():
             status = tf.train.Checkpoint(model=model).read(
                 os.path.join(source, "ckpt_w0", "ckpt"))
             status.assert_existing_objects_matched()
+        phase("restored")
         out = {f"ckpt_{k}": v for k, v in table_arrays(model.get_layer("emb").table).items()}
         out["ckpt_local_size"] = np.int64(model.get_layer("emb").table.local_stats()["size"])
         with strategy.scope():
@@ -157,7 +166,9 @@ def main():
         out.update({f"keras_{k}": v
                     for k, v in table_arrays(loaded.get_layer("emb").table).items()})
         ids, _ = data()
-        out["keras_predict"] = loaded.predict(ids[:BATCH], batch_size=BATCH, verbose=0)
+        phase("loaded")
+        out["keras_predict"] = forward(loaded, ids[:BATCH])
+        phase("predicted")
         out["num_shards"] = np.int64(n)
         np.savez(os.path.join(folder, f"w{task}_restore.npz"), **out)
 
