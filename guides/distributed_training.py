@@ -174,8 +174,10 @@ def run_multi_worker():
     def step(x, y):
         def replica_step(x, y):
             with tf.GradientTape() as tape:
+                # A Keras loss divides by the number of replicas by itself
+                # under a strategy: the replicas' gradients then sum to the
+                # global batch's.
                 loss = loss_fn(y[:, None], model(x, training=True))
-                loss = loss / strategy.num_replicas_in_sync
             grads = tape.gradient(loss, model.trainable_variables)
             model.optimizer.apply(grads, model.trainable_variables)
 

@@ -59,7 +59,8 @@ def _all_gather(strategy, tensor):
     tensor = tf.convert_to_tensor(tensor)
     inner = tuple(tensor.shape[1:])
     key = (id(strategy), tensor.dtype, inner)
-    fn = _GATHERS.get(key)
+    cached = _GATHERS.get(key)
+    fn = cached[1] if cached is not None and cached[0] is strategy else None
     if fn is None:
         spec = tf.TensorSpec((None,) + inner, tensor.dtype)
 
@@ -71,7 +72,7 @@ def _all_gather(strategy, tensor):
 
             return strategy.experimental_local_results(strategy.run(gather))[0]
 
-        _GATHERS[key] = fn
+        _GATHERS[key] = (strategy, fn)  # (holding the strategy: its id stays its own)
     return fn(tensor)
 
 
@@ -106,9 +107,12 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
 
     Example (one worker, so the only shard holds every key):
 
+    >>> from keras_rec_emb.distribute import CollectiveShardedTable
+    >>> issubclass(CollectiveShardedTable, keras_rec_emb.distribute.ShardedEmbeddingTable)
+    True
     >>> strategy = tf.distribute.MultiWorkerMirroredStrategy()  # doctest: +SKIP
     >>> with strategy.scope():  # doctest: +SKIP
-    ...     layer = kre.layers.EmbeddingVariable(4, name="mwms_doc")
+    ...     layer = keras_rec_emb.layers.EmbeddingVariable(4, name="mwms_doc")
     ...     layer.build()
     >>> type(layer.table).__name__, layer.table.num_shards  # doctest: +SKIP
     ('CollectiveShardedTable', 1)
