@@ -157,7 +157,7 @@ def main():
             model = build("adagrad")
             status = tf.train.Checkpoint(model=model).read(
                 os.path.join(source, "ckpt_w0", "ckpt"))
-            status.assert_existing_objects_matched()
+            status.assert_existing_objects_matched().expect_partial()
         phase("restored")
         out = {f"ckpt_{k}": v for k, v in table_arrays(model.get_layer("emb").table).items()}
         out["ckpt_local_size"] = np.int64(model.get_layer("emb").table.local_stats()["size"])

@@ -127,7 +127,7 @@ def test_two_worker_checkpoint_restores_into_three_workers_and_one_process(two_w
         sys.path.remove(HERE)
     model = mwms_run.build("adagrad")
     tf.train.Checkpoint(model=model).read(
-        str(two_workers / "ckpt_w0" / "ckpt")).assert_existing_objects_matched()
+        str(two_workers / "ckpt_w0" / "ckpt")).assert_existing_objects_matched().expect_partial()
     loaded = keras.saving.load_model(two_workers / "w0.keras")
     for restored in (model, loaded):
         got = mwms_run.table_arrays(restored.get_layer("emb").table)
