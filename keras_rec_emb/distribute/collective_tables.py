@@ -167,8 +167,9 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
             raise ValueError(
                 f"Embedding table '{self._name}' is sharded over the "
                 f"{self._num} workers of a MultiWorkerMirroredStrategy: look ids up "
-                "inside its replica function (strategy.run, or Keras's train_on_batch / "
-                "test_on_batch / predict_on_batch / predict), where every worker takes part. Read rows with "
+                "inside its replica function (strategy.run, inside a tf.function), where "
+                "every worker takes part; Keras 3.15's fit / train_on_batch cannot run "
+                "under a multi-worker strategy (keras-team/keras#20585). Read rows with "
                 "table.export() (every worker calls it).")
         return ctx
 
@@ -179,8 +180,8 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
         shard = self._shards[0]
         refuse = tf.debugging.Assert(tf.constant(False), [
             f"Embedding table '{self._name}' is sharded over {self._num} workers: look "
-            "ids up inside the strategy's replica function (strategy.run, or Keras's "
-            "train_on_batch / test_on_batch / predict_on_batch / predict)."])
+            "ids up inside the strategy's replica function (strategy.run), where every "
+            "worker takes part."])
         with tf.control_dependencies([refuse]), tf.device(shard.device):
             return tf.identity(shard.lookup(keys, insert=False))
 
@@ -289,8 +290,8 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
         count) whose keys hash to this process's shard."""
         if not isinstance(data, dict) or "keys" not in data or "values" not in data:
             return self._shards[0].import_(data, clear)  # its error names the fix
-        self._shards[0].import_(ps_tables._rows_of_shard(data, self._index, self._num),  # noqa: SLF001
-                                clear)
+        rows = ps_tables._rows_of_shard(data, self._index, self._num)  # noqa: SLF001
+        self._shards[0].import_(rows, clear)
 
     def local_stats(self):
         """This process's shard's statistics (`EmbeddingTable.stats`)."""

@@ -35,9 +35,10 @@ def run_cluster(folder, workers, *args, timeout=240):
     procs = []
     try:
         for task in range(workers):
-            env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow", PYTHONFAULTHANDLER="1",
-                       TF_CONFIG=json.dumps({"cluster": {"worker": addresses},
-                                             "task": {"type": "worker", "index": task}}))
+            config = {"cluster": {"worker": addresses},
+                      "task": {"type": "worker", "index": task}}
+            env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow",
+                       PYTHONFAULTHANDLER="1", TF_CONFIG=json.dumps(config))
             env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
             log = open(folder / f"w{task}_{args[0]}.log", "w")
             procs.append(subprocess.Popen(
@@ -45,7 +46,8 @@ def run_cluster(folder, workers, *args, timeout=240):
                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT))
         for task, proc in enumerate(procs):
             rc = proc.wait(timeout=timeout)
-            assert rc == 0, f"worker {task} exited {rc}: " + (folder / f"w{task}_{args[0]}.log").read_text()[-4000:]
+            log = (folder / f"w{task}_{args[0]}.log").read_text()
+            assert rc == 0, f"worker {task} exited {rc}: " + log[-4000:]
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -98,6 +100,12 @@ def test_two_workers_match_one_process(two_workers, optimizer):
     np.testing.assert_array_equal(total, [len(one["keys"]), len(one["keys_filtered"])])
 
 
+def test_lookup_outside_the_replica_function_is_refused_by_name(two_workers):
+    message = str(np.load(two_workers / "w1_refused.npz")["message"])
+    assert "'emb/embeddings' is sharded over the 2 workers" in message
+    assert "strategy.run" in message
+
+
 def test_two_worker_checkpoint_restores_into_three_workers_and_one_process(two_workers,
                                                                           tmp_path):
     """Reshard on restore: a tf.train.Checkpoint and a .keras file written by
@@ -126,8 +134,8 @@ def test_two_worker_checkpoint_restores_into_three_workers_and_one_process(two_w
     finally:
         sys.path.remove(HERE)
     model = mwms_run.build("adagrad")
-    tf.train.Checkpoint(model=model).read(
-        str(two_workers / "ckpt_w0" / "ckpt")).assert_existing_objects_matched().expect_partial()
+    status = tf.train.Checkpoint(model=model).read(str(two_workers / "ckpt_w0" / "ckpt"))
+    status.assert_existing_objects_matched().expect_partial()
     loaded = keras.saving.load_model(two_workers / "w0.keras")
     for restored in (model, loaded):
         got = mwms_run.table_arrays(restored.get_layer("emb").table)
