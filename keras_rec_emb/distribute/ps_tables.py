@@ -121,12 +121,6 @@ def make_table(dim, key_dtype, default_values, name, **kwargs):
     if devices is not None:
         return ShardedEmbeddingTable(devices, dim, key_dtype, default_values, name=name,
                                      **kwargs)
-    if tf.distribute.has_strategy() and isinstance(
-            tf.distribute.get_strategy(), tf.distribute.MultiWorkerMirroredStrategy):
-        from keras_rec_emb.distribute import collective_tables
-
-        return collective_tables.CollectiveShardedTable(
-            tf.distribute.get_strategy(), dim, key_dtype, default_values, name=name, **kwargs)
     if tf.distribute.has_strategy() and isinstance(tf.distribute.get_strategy(),
                                                    tf.distribute.MirroredStrategy):
         devices = list(tf.distribute.get_strategy().extended.worker_devices)
