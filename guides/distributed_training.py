@@ -1,10 +1,11 @@
 """
-Title: Distributed training: tables sharded over replicas and parameter servers
+Title: Distributed training: tables sharded over replicas, workers and parameter servers
 Author: keras_rec_emb authors
 Description: The same small DLRM trained in one process, on 2 logical devices
-with MirroredStrategy (tables sharded over the replicas), and on a localhost
-cluster of 2 parameter servers and 2 workers, each worker reading its own
-part of the Parquet data.
+with MirroredStrategy (tables sharded over the replicas), on 2 worker
+processes with MultiWorkerMirroredStrategy (tables sharded over the workers),
+and on a localhost cluster of 2 parameter servers and 2 workers, each worker
+reading its own part of the Parquet data.
 """
 
 """
@@ -18,6 +19,13 @@ part of the Parquet data.
   with the fused optimizer kernel. Dense layers stay data-parallel as Keras
   does. Training N replicas with global batch B gives the same numbers as
   one process with batch B.
+* **Synchronous over processes (MultiWorkerMirroredStrategy).** One
+  replica per worker process; each table is split by key hash into one shard
+  per worker, which only that process holds. A lookup all-gathers the ids of
+  every worker, each worker looks up the ids it owns, and an all-reduce (sum)
+  of the rows hands every worker its rows; the gradient returns the same way
+  (the gradient of an all-reduce is an all-reduce), so each owner applies the
+  global batch's gradient to its shard with the fused kernel.
 * **Asynchronous (parameter servers).** Tables live on parameter-server
   tasks: `tf.distribute.Server` processes started with `keras-rec-emb ps`.
   Workers connect with `keras_rec_emb.distribute.connect` and build their
@@ -81,8 +89,8 @@ def write_data(path):
     pq.write_table(pa.table(cols), path, row_group_size=BATCH)
 
 
-def dataset(path, partition_count=1, partition_index=0):
-    ds = kre.data.ParquetDataset(path, batch_size=BATCH, partition_count=partition_count,
+def dataset(path, partition_count=1, partition_index=0, batch=BATCH):
+    ds = kre.data.ParquetDataset(path, batch_size=batch, partition_count=partition_count,
                                  partition_index=partition_index)
     return ds.map(lambda d: ({f: d[f] for f in FEATURES + ("dense",)}, d["label"]))
 
@@ -135,8 +143,60 @@ def run_worker():
         print("TABLES " + json.dumps(sizes), flush=True)
 
 
+"""
+## MultiWorkerMirroredStrategy workers
+
+Each worker process reads `TF_CONFIG` (the cluster's addresses and its own
+task), builds the model inside the strategy's scope and trains on its own
+row groups: worker `i` of 2 reads row groups `g` with `g % 2 == i`, so a step
+of the two workers covers row groups `2k` and `2k + 1`, the batch of one
+process reading with twice the batch size.
+
+Keras 3.15's `model.fit` cannot run under a multi-worker strategy, for any
+model (its symbolic build and its step's result reduction are not written
+for one: keras-team/keras#20585), so the step is a few lines of
+`strategy.run`; everything under it (the model call, the tables' exchange,
+the optimizer's `apply`) is the ordinary path. Every worker saves (the
+chief's copy is the one to keep).
+"""
+
+
+def run_multi_worker():
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    task = strategy.cluster_resolver.task_id
+    with strategy.scope():
+        model = build_dlrm()
+        model.optimizer.build(model.trainable_variables)
+    same_dense_init(model)
+    loss_fn = keras.losses.BinaryCrossentropy()
+
+    @tf.function
+    def step(x, y):
+        def replica_step(x, y):
+            with tf.GradientTape() as tape:
+                # A Keras loss divides by the number of replicas by itself
+                # under a strategy: the replicas' gradients then sum to the
+                # global batch's.
+                loss = loss_fn(y[:, None], model(x, training=True))
+            grads = tape.gradient(loss, model.trainable_variables)
+            model.optimizer.apply(grads, model.trainable_variables)
+
+        strategy.run(replica_step, args=(x, y))
+
+    for x, y in dataset(os.environ["KRE_GUIDE_DATA"], 2, task):
+        step(x, y)
+    # Every worker takes part in a table's export, size() and saving.
+    sizes = {f: model.get_layer(f"{f}_emb").table.size() for f in FEATURES}
+    model.save(os.path.join(os.environ["KRE_GUIDE_OUT"], f"worker{task}.keras"))
+    if task == 0:
+        print("TABLES " + json.dumps(sizes), flush=True)
+
+
 if ROLE == "worker":
     run_worker()
+    sys.exit(0)
+if ROLE == "multi_worker":
+    run_multi_worker()
     sys.exit(0)
 
 workdir = tempfile.mkdtemp()
@@ -178,11 +238,12 @@ reloaded = keras.saving.load_model(os.path.join(workdir, "mirrored.keras"))
 assert reloaded.get_layer("user_emb").table_size() == table.size()
 
 """
-## 3. A localhost cluster: 2 parameter servers, 2 workers
+## 3. Two worker processes: MultiWorkerMirroredStrategy
 
-`keras-rec-emb ps --ps HOST:PORT,HOST:PORT --task I` runs parameter-server
-task I (here `python -m keras_rec_emb.distribute.ps`, the same entry point).
-Every process started here is stopped by its pid at the end.
+Two copies of this guide run `run_multi_worker` with `TF_CONFIG` naming
+both (free ports on 127.0.0.1). The saved model loads into one process
+(the shards were gathered) and predicts as one process trained with the
+global batch does.
 """
 
 
@@ -190,6 +251,47 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+reference = build_dlrm()  # one process, the global batch of the 2 workers
+same_dense_init(reference)
+reference.fit(dataset(data_path, batch=2 * BATCH), epochs=1, verbose=0)
+
+addresses = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+procs = []
+try:
+    for task in range(2):
+        env = dict(os.environ, KRE_GUIDE_ROLE="multi_worker", KRE_GUIDE_DATA=data_path,
+                   KRE_GUIDE_OUT=workdir, TF_CONFIG=json.dumps({
+                       "cluster": {"worker": addresses},
+                       "task": {"type": "worker", "index": task}}))
+        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__)], env=env,
+                                      stdout=subprocess.PIPE, text=True))
+    out, _ = procs[0].communicate(timeout=600)
+    for proc in procs:
+        if proc.wait(timeout=600) != 0:
+            raise RuntimeError(f"a MultiWorkerMirroredStrategy worker exited with "
+                               f"{proc.returncode}")
+finally:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()  # by its pid
+        proc.wait(timeout=30)
+sizes = json.loads([x for x in out.splitlines() if x.startswith("TABLES ")][0][7:])
+print("2 workers' tables:", sizes)
+assert sizes["user"] == plain.get_layer("user_emb").table_size()
+gathered = keras.saving.load_model(os.path.join(workdir, "worker0.keras"))
+np.testing.assert_allclose(gathered.predict(ids, verbose=0),
+                           reference.predict(ids, verbose=0), rtol=1e-4, atol=1e-5)
+print("2 workers match one process with their global batch")
+
+"""
+## 4. A localhost cluster: 2 parameter servers, 2 workers
+
+`keras-rec-emb ps --ps HOST:PORT,HOST:PORT --task I` runs parameter-server
+task I (here `python -m keras_rec_emb.distribute.ps`, the same entry point).
+Every process started here is stopped by its pid at the end.
+"""
 
 
 ps_addresses = [f"127.0.0.1:{free_port()}" for _ in range(2)]

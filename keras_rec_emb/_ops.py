@@ -138,18 +138,15 @@ def refuse_distribution(what):
     if tf.distribute.has_strategy():
         strategy = tf.distribute.get_strategy()
         kind = type(strategy).__name__
-        if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
-            kind = ("MultiWorkerMirroredStrategy (tables are not sharded over worker "
-                    "processes yet: their lookups would need ids and rows exchanged by "
-                    "collectives between the workers)")
         raise ValueError(
             f"{what} under the tf.distribute strategy "
             f"{kind} ({strategy.num_replicas_in_sync} replicas) is "
             "not supported for this table: a table built outside a MirroredStrategy's "
             "scope (or a GroupEmbedding table) would train one copy per replica, "
             "silently different from one device. Build EmbeddingVariable layers inside "
-            "`tf.distribute.MirroredStrategy().scope()` (their tables are sharded over "
-            "the replicas), use parameter-server tables "
+            "the strategy's scope (`tf.distribute.MirroredStrategy` or "
+            "`MultiWorkerMirroredStrategy`: their tables are sharded over the "
+            "replicas), use parameter-server tables "
             "(keras_rec_emb.distribute.parameter_servers), or build and fit outside "
             "any strategy scope.")
 

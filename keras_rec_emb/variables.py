@@ -227,8 +227,13 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
                  filter_freq=0, bloom=None, no_permission_value=0.0,
                  steps_to_live=None, l2_weight_threshold=None, save_filtered=True,
                  restore_dim_mismatch="error", record_freq=True, storage_path=None,
-                 cache_bytes=64 << 20, shared_name="", device="", replica_shard=None):
+                 cache_bytes=64 << 20, shared_name="", device="", replica_shard=None,
+                 exchanged=False):
         super().__init__(device=device)
+        # A shard of a table whose lookups exchange ids and rows with
+        # collectives (MultiWorkerMirroredStrategy): its gradient arrives
+        # already summed over every replica (keras_rec_emb.distribute).
+        self._exchanged = bool(exchanged)
         self._storage_dir = None
         if storage_path is not None:
             # One folder per table: its name, made a safe file name.
@@ -371,6 +376,12 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
     def replica_shard(self):
         """The MirroredStrategy replica that owns and updates this shard, or None."""
         return self._replica_shard
+
+    @property
+    def exchanged(self):
+        """Whether this shard's gradient arrives summed over every replica
+        (a table sharded over MultiWorkerMirroredStrategy workers)."""
+        return self._exchanged
 
     @property
     def device(self):

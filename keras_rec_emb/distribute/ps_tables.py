@@ -200,9 +200,10 @@ class ShardedEmbeddingTable(_compat.Trackable):
         raise ValueError(
             f"Embedding table '{self._name}' is sharded over {len(self._shards)} devices "
             f"{self._devices}; it has no single `{what}`. Only EmbeddingVariable's own "
-            "lookups (calling the layer) and the optimizers of keras_rec_emb.optimizers "
-            "support sharded tables so far: GroupEmbedding, AdaptiveEmbedding, "
-            "MultiHashEmbedding and the functional ops need one table per process "
+            "and GroupEmbedding's lookups (calling the layer, or the group_embedding_lookup* "
+            "ops) and the optimizers of keras_rec_emb.optimizers support sharded tables "
+            "so far: AdaptiveEmbedding, MultiHashEmbedding and the embedding_lookup* ops "
+            "need one table per process "
             "(build them outside `parameter_servers(...)` / a MirroredStrategy scope).")
 
     @property
@@ -399,27 +400,32 @@ class ShardedEmbeddingTable(_compat.Trackable):
         rows saved with any number of shards restore into this one."""
         if not isinstance(data, dict) or "keys" not in data or "values" not in data:
             return self._shards[0].import_(data, clear)  # its error names the fix
-        n = len(self._shards)
-        keys = np.asarray(data["keys"])
-        which = shard_of_numpy(keys, n) if keys.size else np.zeros(0, np.int64)
-        keys_f = np.asarray(data.get("keys_filtered", np.zeros(0, np.int64)))
-        which_f = shard_of_numpy(keys_f, n) if keys_f.size else np.zeros(0, np.int64)
-        per_row = ("keys", "values", "freqs", "versions")
-        per_filtered = ("keys_filtered", "freqs_filtered", "versions_filtered")
         for i, shard in enumerate(self._shards):
-            part = {k: v for k, v in data.items() if k not in per_row + per_filtered
-                    and k not in ("slots", "bloom")}
-            mask = which == i
-            for k in per_row:
-                if k in data:
-                    part[k] = np.asarray(data[k])[mask]
-            mask_f = which_f == i
-            for k in per_filtered:
-                if k in data:
-                    part[k] = np.asarray(data[k])[mask_f]
-            part["slots"] = {name: np.asarray(rows).reshape(keys.shape[0], -1)[mask]
-                             for name, rows in (data.get("slots") or {}).items()}
-            shard.import_(part, clear)
+            shard.import_(_rows_of_shard(data, i, len(self._shards)), clear)
+
+
+def _rows_of_shard(data, index, num_shards):
+    """The part of `data` (shaped like `export()`) whose keys hash to shard
+    `index` of `num_shards` (NumPy)."""
+    keys = np.asarray(data["keys"])
+    which = shard_of_numpy(keys, num_shards) if keys.size else np.zeros(0, np.int64)
+    keys_f = np.asarray(data.get("keys_filtered", np.zeros(0, np.int64)))
+    which_f = shard_of_numpy(keys_f, num_shards) if keys_f.size else np.zeros(0, np.int64)
+    per_row = ("keys", "values", "freqs", "versions")
+    per_filtered = ("keys_filtered", "freqs_filtered", "versions_filtered")
+    part = {k: v for k, v in data.items() if k not in per_row + per_filtered
+            and k not in ("slots", "bloom")}
+    mask = which == index
+    for k in per_row:
+        if k in data:
+            part[k] = np.asarray(data[k])[mask]
+    mask_f = which_f == index
+    for k in per_filtered:
+        if k in data:
+            part[k] = np.asarray(data[k])[mask_f]
+    part["slots"] = {name: np.asarray(rows).reshape(keys.shape[0], -1)[mask]
+                     for name, rows in (data.get("slots") or {}).items()}
+    return part
 
 
 def saved_shard_counts(root, shard_folder):

@@ -123,6 +123,10 @@ def _fused_lookup(params, flat_ids, splits, weights, combiners, max_norms,
         outs = stock_group_lookup(params, flat_ids, splits, weights, combiners, max_norms,
                                   default_ids, prunes, sequences, stock_table)
         return [tf.concat(outs, -1)] if concat else outs
+    if any(p.table is not None and not isinstance(p.table, EmbeddingTable) for p in params):
+        outs = _sharded_group_lookup(params, flat_ids, splits, weights, combiners, max_norms,
+                                     default_ids, prunes, sequences, training)
+        return [tf.concat(outs, -1)] if concat else outs
     # Distinct parameters, tables first (the op's input order).
     tables, dense, index = [], [], {}
     for p in params:
@@ -157,6 +161,19 @@ def _fused_lookup(params, flat_ids, splits, weights, combiners, max_norms,
         num_params=len(tables) + len(dense), name=name or "GroupLookup",
         concat=bool(concat), **attrs)
     return [outs[0]] if concat else list(outs)
+
+
+def _sharded_group_lookup(params, flat_ids, splits, weights, combiners, max_norms,
+                          default_ids, prunes, sequences, training):
+    """A group lookup over tables sharded by `keras_rec_emb.distribute`
+    (parameter servers, MirroredStrategy replicas, MultiWorkerMirroredStrategy
+    workers): feature by feature with stock ops (`stock_group_lookup`), each
+    table's rows from its own sharded `lookup` (which sends ids to their
+    shards and rows back; with `training` it inserts and counts every
+    occurrence, as the fused kernel does). The fused `KRE>GroupLookup`
+    needs every table in this process."""
+    return stock_group_lookup(params, flat_ids, splits, weights, combiners, max_norms,
+                              default_ids, prunes, sequences, insert=bool(training))
 
 
 # -- the same lookup with stock TensorFlow ops (export_for_serving) ------------
@@ -195,24 +212,30 @@ def _checked_splits(splits, nnz):
 
 
 def stock_group_lookup(params, flat_ids, splits, weights, combiners, max_norms,
-                       default_ids, prunes, sequences, stock_table=None):
+                       default_ids, prunes, sequences, stock_table=None, insert=False):
     """`KRE>GroupLookup` (inference) with stock TensorFlow ops, feature by
     feature: prune ids < 0 (and, for mean and sqrtn, ids of weight <= 0),
     fill empty rows with the default id, clip rows to max_norm, weight, then
     combine or lay out as a sequence. A table's rows are read from
     `stock_table(table)` (an object with `lookup(keys)`), or from the table
-    itself without it."""
-    outs = []
-    for p, ids, s, w, combiner, max_norm, default_id, prune, sequence in zip(
-            params, flat_ids, splits, weights, combiners, max_norms, default_ids,
-            prunes, sequences):
+    itself without it (`insert`: a training lookup of the table itself,
+    one per table for all its features)."""
+    prepared = []
+    for ids, s, w, combiner, default_id, prune in zip(
+            flat_ids, splits, weights, combiners, default_ids, prunes):
         ids = tf.cast(ids, tf.int64)
-        s = _checked_splits(tf.cast(s, tf.int64), tf.size(ids, out_type=tf.int64))
+        s = tf.cast(s, tf.int64)
+        if stock_table is not None:  # a served graph: requests may be malformed
+            s = _checked_splits(s, tf.size(ids, out_type=tf.int64))
         batch = tf.shape(s, out_type=tf.int64)[0] - 1
         rows_of = tf.ragged.row_splits_to_segment_ids(s, out_type=tf.int64)
-        weighted = tf.size(w) > 0
-        w = tf.cond(weighted, lambda w=w: tf.reshape(w, [-1]),
-                    lambda ids=ids: tf.ones(tf.shape(ids), tf.float32))
+        if w.shape.num_elements() == 0:  # statically unweighted
+            weighted = tf.constant(False)
+            w = tf.ones(tf.shape(ids), tf.float32)
+        else:
+            weighted = tf.size(w) > 0
+            w = tf.cond(weighted, lambda w=w: tf.reshape(w, [-1]),
+                        lambda ids=ids: tf.ones(tf.shape(ids), tf.float32))
         if prune:
             keep = ids >= 0
             ids, w, rows_of = (tf.boolean_mask(x, keep) for x in (ids, w, rows_of))
@@ -227,19 +250,43 @@ def stock_group_lookup(params, flat_ids, splits, weights, combiners, max_norms,
             rows_of = tf.concat([rows_of, empty], 0)
             order = tf.argsort(rows_of, stable=True)
             ids, w, rows_of = (tf.gather(x, order) for x in (ids, w, rows_of))
-        if p.table is not None:
-            source = p.table if stock_table is None else stock_table(p.table)
-            rows = source.lookup(tf.cast(ids, p.table.key_dtype))
-        else:
-            rows = tf.gather(_dense_value(p.variable), ids)
+        prepared.append((ids, w, rows_of, batch))
+    rows = _feature_rows(params, [f[0] for f in prepared], stock_table, insert)
+    outs = []
+    for r, (_, w, rows_of, batch), combiner, max_norm, sequence in zip(
+            rows, prepared, combiners, max_norms, sequences):
         if max_norm:
-            rows = tf.clip_by_norm(rows, max_norm, axes=[1])
+            r = tf.clip_by_norm(r, max_norm, axes=[1])
         if sequence:
             outs.append(tf.RaggedTensor.from_value_rowids(
-                rows * w[:, None], rows_of, nrows=batch).to_tensor())
+                r * w[:, None], rows_of, nrows=batch).to_tensor())
         else:
-            outs.append(combine_rows(rows, rows_of, batch, combiner, w))
+            outs.append(combine_rows(r, rows_of, batch, combiner, w))
     return outs
+
+
+def _feature_rows(params, ids_list, stock_table, insert):
+    """The rows of each feature's ids. Without `stock_table` the features of
+    one table share one lookup (a sharded table's lookup exchanges ids and
+    rows between devices or workers: once per table, not per feature)."""
+    rows = [None] * len(params)
+    shared = {}
+    for i, p in enumerate(params):
+        if p.table is None:
+            rows[i] = tf.gather(_dense_value(p.variable), ids_list[i])
+        elif stock_table is not None:
+            rows[i] = stock_table(p.table).lookup(tf.cast(ids_list[i], p.table.key_dtype))
+        else:
+            shared.setdefault(p.key, []).append(i)
+    for features in shared.values():
+        table = params[features[0]].table
+        ids = [tf.cast(ids_list[i], table.key_dtype) for i in features]
+        looked = table.lookup(tf.concat(ids, 0) if len(ids) > 1 else ids[0], insert=insert)
+        parts = (tf.split(looked, [tf.size(x) for x in ids], 0) if len(ids) > 1
+                 else [looked])
+        for i, r in zip(features, parts):
+            rows[i] = r
+    return rows
 
 
 def _attrs_of(op, names):

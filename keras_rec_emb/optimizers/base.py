@@ -226,7 +226,8 @@ class TableOptimizer:
         keys = tf.cast(grad.indices, table.key_dtype)
         values = tf.reshape(tf.cast(grad.values, tf.float32), [-1, table.dim])
         owner = table.replica_shard
-        if owner is not None and not tf.distribute.in_cross_replica_context():
+        if (owner is not None and not table.exchanged
+                and not tf.distribute.in_cross_replica_context()):
             # A shard of a table sharded over MirroredStrategy replicas: every
             # replica's gradient for it is gathered, and its owner alone
             # applies the sum (as one process would with the global batch).
@@ -235,6 +236,9 @@ class TableOptimizer:
             values = ctx.all_gather(values, axis=0)
             if tf.get_static_value(ctx.replica_id_in_sync_group) != owner:
                 return
+        # A shard of a table sharded over MultiWorkerMirroredStrategy workers
+        # (`table.exchanged`): the collectives of its lookup already summed
+        # every replica's gradient for its keys; the process owning it applies.
         _ops.sparse_apply(table.handle, keys, values, name, ordered, self.iterations,
                           rule.slot_names(hyper), replica_shard=owner is not None)
 

@@ -3,7 +3,10 @@ logical CPU devices (tables sharded over the replicas), same global batch;
 writes both results to OUT.npz. Run by test_mirrored.py in a subprocess
 (logical devices must be set before TensorFlow initializes).
 
-    mirrored_run.py N OPTIMIZER OUT.npz
+    mirrored_run.py N OPTIMIZER OUT.npz [group]
+
+With `group` the table is read through a GroupEmbedding (one feature, the
+same mean) instead of calling the EmbeddingVariable.
 """
 
 import os
@@ -23,6 +26,7 @@ import numpy as np  # noqa: E402
 import keras_rec_emb as kre  # noqa: E402
 
 DIM, BATCH, STEPS, IDS = 4, 8 * N, 4, 3
+GROUP = len(sys.argv) > 4 and sys.argv[4] == "group"
 
 
 def data():
@@ -34,10 +38,16 @@ def data():
 
 def build(optimizer):
     ids = keras.Input(shape=(IDS,), dtype="int64")
-    emb = kre.layers.EmbeddingVariable(
+    table = kre.layers.EmbeddingVariable(
         DIM, combiner="mean", name="emb",
         initializer=keras.initializers.RandomUniform(-1, 1, seed=7),
-        ev_option=kre.EmbeddingVariableOption(track_meta=True))(ids)
+        ev_option=kre.EmbeddingVariableOption(track_meta=True))
+    if GROUP:  # the same lookup and mean through a GroupEmbedding
+        emb = kre.layers.GroupEmbedding(
+            {"f": kre.layers.FeatureSpec(table, combiner="mean")}, output_mode="concat",
+            name="group")({"f": ids})
+    else:
+        emb = table(ids)
     out = keras.layers.Dense(1, name="dense")(emb)
     model = keras.Model(ids, out)
     opt = {"sgd": lambda: kre.optimizers.SGD(0.1),
@@ -46,11 +56,18 @@ def build(optimizer):
     return model
 
 
+def emb_table(model):
+    """The model's table (read directly or through the GroupEmbedding)."""
+    names = [layer.name for layer in model.layers]
+    layer = model.get_layer("emb") if "emb" in names else model.get_layer("group").tables[0]
+    return layer.table
+
+
 def train(model, dense_init):
     model.get_layer("dense").set_weights(dense_init)
     ids, y = data()
     model.fit(ids, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-    table = model.get_layer("emb").table
+    table = emb_table(model)
     exported = table.export()
     order = np.argsort(exported["keys"])
     out = {"keys": exported["keys"][order], "values": exported["values"][order],
@@ -73,6 +90,7 @@ def main():
     many, table = train(model, dense_init)
     result = {f"one_{k}": v for k, v in one.items()}
     result.update({f"many_{k}": v for k, v in many.items()})
+    result["predict_ids"] = data()[0][:BATCH]
     result["shard_sizes"] = np.array([s.size() for s in table.shards])
     result["shard_devices"] = np.array([s.device for s in table.shards])
     np.savez(path, **result)

@@ -16,20 +16,29 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
-def run_mirrored(tmp_path, replicas, optimizer):
+def emb_table(model):
+    names = [layer.name for layer in model.layers]
+    layer = model.get_layer("emb") if "emb" in names else model.get_layer("group").tables[0]
+    return layer.table
+
+
+def run_mirrored(tmp_path, replicas, optimizer, group=False):
     out = tmp_path / f"mirrored_{replicas}_{optimizer}.npz"
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
         [sys.executable, os.path.join(HERE, "mirrored_run.py"), str(replicas), optimizer,
-         str(out)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+         str(out)] + (["group"] if group else []), capture_output=True, text=True, env=env,
+        cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return np.load(out)
 
 
-@pytest.mark.parametrize("replicas, optimizer", [(2, "sgd"), (2, "adagrad"), (3, "adagrad")])
-def test_replicas_match_one_process(tmp_path, replicas, optimizer):
-    got = run_mirrored(tmp_path, replicas, optimizer)
+@pytest.mark.parametrize("replicas, optimizer, group",
+                         [(2, "sgd", False), (2, "adagrad", False), (3, "adagrad", True)])
+def test_replicas_match_one_process(tmp_path, replicas, optimizer, group):
+    """(With `group`, the table is read through a GroupEmbedding.)"""
+    got = run_mirrored(tmp_path, replicas, optimizer, group)
     keys = [k[len("one_"):] for k in got.files if k.startswith("one_")]
     assert {"keys", "values", "freqs", "kernel", "bias", "predict"} <= set(keys)
     if optimizer == "adagrad":
@@ -58,12 +67,14 @@ def test_replicas_match_one_process(tmp_path, replicas, optimizer):
         else:
             with kre.distribute.parameter_servers(devices):
                 model = keras.saving.load_model(path)
-            assert model.get_layer("emb").table.num_shards == replicas + 1
-        data = model.get_layer("emb").table.export()
+            assert emb_table(model).num_shards == replicas + 1
+        data = emb_table(model).export()
         order = np.argsort(data["keys"])
         np.testing.assert_array_equal(data["keys"][order], got["one_keys"])
         np.testing.assert_allclose(data["values"][order], got["many_values"], rtol=1e-6)
         ids = got["one_keys"][:6].reshape(2, 3)
+        np.testing.assert_allclose(model.predict(got["predict_ids"], verbose=0),
+                                   got["many_predict"], rtol=1e-5, atol=1e-5)
         rows = got["many_values"][:6].reshape(2, 3, -1).mean(axis=1)
         np.testing.assert_allclose(
             model.predict(ids, verbose=0), rows @ got["many_kernel"] + got["many_bias"],
@@ -118,49 +129,3 @@ def test_killed_synchronous_worker_resumes_from_its_checkpoint(tmp_path):
     for part in ("values", "accumulator", "kernel"):
         np.testing.assert_allclose(resumed[part], full[part], rtol=1e-6, atol=1e-6,
                                    err_msg=part)
-
-
-@pytest.mark.multiprocess
-def test_multi_worker_mirrored_collectives_work_and_tables_are_refused_clearly(tmp_path):
-    """2 MultiWorkerMirroredStrategy workers on 127.0.0.1 (TF_CONFIG, free
-    ports, bounded, killed by pid): TF 2.21's CPU collectives carry an
-    all-reduce and an all-gather of ids between the processes (so a
-    cross-worker id/row exchange is possible), but tables are not sharded
-    over workers yet: building an EmbeddingVariable under the strategy is
-    refused with an error that names the strategy and the alternatives."""
-    import json
-    import socket
-
-    socks = [socket.socket() for _ in range(2)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    workers = [f"127.0.0.1:{s.getsockname()[1]}" for s in socks]
-    for s in socks:
-        s.close()
-    procs = []
-    try:
-        for task in (0, 1):
-            env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow",
-                       TF_CONFIG=json.dumps({"cluster": {"worker": workers},
-                                             "task": {"type": "worker", "index": task}}))
-            env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-            log = open(tmp_path / f"w{task}.log", "w")
-            procs.append(subprocess.Popen(
-                [sys.executable, os.path.join(HERE, "mwms_probe.py"),
-                 str(tmp_path / f"w{task}.json")], stdout=log, stderr=subprocess.STDOUT,
-                env=env, cwd=ROOT))
-        for task, proc in enumerate(procs):
-            rc = proc.wait(timeout=240)
-            assert rc == 0, (tmp_path / f"w{task}.log").read_text()[-3000:]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()  # by its pid
-                proc.wait(timeout=30)
-    for task in (0, 1):
-        got = json.loads((tmp_path / f"w{task}.json").read_text())
-        assert got["replicas"] == 2
-        assert got["all_reduce"] == 3.0  # 1 + 2: both processes took part
-        assert got["all_gather"] == [10, 20, 110, 120]
-        assert "MultiWorkerMirroredStrategy" in got["build"]
-        assert "not supported" in got["build"]

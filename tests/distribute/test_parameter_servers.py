@@ -235,13 +235,52 @@ def test_sharded_table_in_one_process_matches_one_table():
                                   np.sort(plain.export()["freqs"]))
 
 
-def test_group_embedding_refuses_sharded_tables_clearly():
-    with kre.distribute.parameter_servers(["/cpu:0", "/cpu:0"]):
+def _group_model(devices):
+    import keras
+
+    def build():
+        ids = {"a": keras.Input(shape=(3,), dtype="int64", name="a"),
+               "b": keras.Input(shape=(2,), dtype="int64", name="b")}
+        table = kre.layers.EmbeddingVariable(
+            4, name="group_sharded",
+            initializer=keras.initializers.RandomUniform(-1, 1, seed=3))
         group = kre.layers.GroupEmbedding(
-            {"a": kre.layers.FeatureSpec({"embedding_dim": 4, "name": "group_sharded"})})
-        with pytest.raises(ValueError, match=r"'group_sharded/embeddings' is sharded over 2 "
-                                             r"devices.*GroupEmbedding"):
-            group({"a": tf.constant([[1, 2]], tf.int64)})
+            {"a": kre.layers.FeatureSpec(table, combiner="mean"),
+             "b": kre.layers.FeatureSpec(table, combiner="sum")}, output_mode="concat")
+        out = keras.layers.Dense(1, kernel_initializer="ones", name="dense")(group(ids))
+        model = keras.Model(ids, out)
+        model.compile(optimizer=kre.optimizers.Adagrad(0.1), loss="mse")
+        return model, table
+
+    if devices is None:
+        return build()
+    with kre.distribute.parameter_servers(devices):
+        return build()
+
+
+def test_group_embedding_over_sharded_tables_matches_one_table():
+    """GroupEmbedding over a table sharded over 2 devices (each table's rows
+    from its sharded lookup, combined with stock ops) trains to the same
+    rows, slots, counts and predictions as over one table (fused kernel)."""
+    rng = np.random.default_rng(4)
+    x = {"a": rng.integers(0, 30, (16, 3)), "b": rng.integers(20, 50, (16, 2))}
+    y = rng.uniform(size=(16, 1)).astype(np.float32)
+    got = []
+    for devices in (None, ["/cpu:0", "/cpu:0"]):
+        model, table = _group_model(devices)
+        model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        data = table.table.export()
+        order = np.argsort(data["keys"])
+        got.append((data, order, model.predict(x, verbose=0)))
+        assert getattr(table.table, "num_shards", 1) == (1 if devices is None else 2)
+    (one, o1, p1), (two, o2, p2) = got
+    np.testing.assert_array_equal(one["keys"][o1], two["keys"][o2])
+    np.testing.assert_array_equal(one["freqs"][o1], two["freqs"][o2])
+    np.testing.assert_allclose(one["values"][o1], two["values"][o2], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(one["slots"]["accumulator"][o1],
+                               two["slots"]["accumulator"][o2], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(p1, p2, rtol=1e-5, atol=1e-6)
+    assert np.abs(one["slots"]["accumulator"]).max() > 0.1  # it trained
 
 
 def test_checkpoint_reshards_on_restore(tmp_path):

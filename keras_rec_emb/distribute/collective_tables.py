@@ -1,0 +1,332 @@
+"""Synchronous tables sharded over MultiWorkerMirroredStrategy workers.
+
+Under `tf.distribute.MultiWorkerMirroredStrategy` every worker process runs
+one replica (one CPU device). An `EmbeddingVariable` built inside
+`strategy.scope()` gets a `CollectiveShardedTable`: shard `i` (the keys with
+`shard_of(key, N) == i`) lives in worker `i` (chief first, then the workers
+in task order) and only there. A lookup (inside the replica function that
+`model.fit` / `evaluate` / `predict` run) exchanges ids and rows with the
+runtime's collectives:
+
+1. `all_gather` of every replica's ids (TensorFlow pads uneven batches to
+   the longest and gathers the lengths first): each worker now holds the
+   global batch's ids, `T` of them.
+2. Each worker looks up, in its own shard, the gathered ids it owns, and
+   scatters those rows into a zero `[T, dim]` matrix.
+3. `all_reduce(SUM)` of that matrix: each position was filled by exactly
+   one owner, so every worker receives every row, and keeps its own slice.
+
+The gradient runs the same way back: the gradient of an all-reduce sum is
+an all-reduce sum, so each owner receives, for the ids it owns, the sum of
+every replica's gradient (what one process computes with the global batch)
+as a `tf.IndexedSlices` over its shard, which the optimizers of
+`keras_rec_emb.optimizers` apply in place with their fused kernel; the
+dense variables stay data-parallel as Keras makes them.
+
+Cost per lookup and worker: the ids of the global batch (`8 T` bytes for
+int64 keys) received by the all-gather, and a `[T, dim]` float32 all-reduce
+(a ring all-reduce moves about `2 (N-1)/N * 4 T dim` bytes per worker),
+against the ideal `(N-1)/N * (8 + 4 dim) * T / N` bytes of an all-to-all
+that sends each id to its owner and each row back: about `2 N` times the
+ideal rows. TensorFlow 2.21 registers a CPU kernel for
+`CollectiveAllToAllV2`, but the strategy's replica context exposes only
+all-reduce, all-gather and broadcast, which this module uses.
+
+Table-wide operations (`export`, `size`, `stats`, `evict`, saving with
+`model.save` or `tf.train.Checkpoint`) gather the shards with the same
+collectives: every worker must call them, in the same order, as every
+worker calls `model.fit` and `model.save` under this strategy. Saving
+writes the ordinary per-table format (every key of every shard), which
+restores into any number of workers, a MirroredStrategy or one process.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from keras_rec_emb import _compat, _ops
+from keras_rec_emb import variables as _variables
+from keras_rec_emb.distribute import ps_tables
+
+# One traced all-gather per (strategy, dtype, row shape): every worker
+# traces the same functions in the same order (their collectives then get
+# the same instance keys) and reuses them.
+_GATHERS = {}
+
+
+def _all_gather(strategy, tensor):
+    """`tensor` of every worker, concatenated along axis 0 in replica order
+    (rows may differ in number); eager or traced."""
+    tensor = tf.convert_to_tensor(tensor)
+    inner = tuple(tensor.shape[1:])
+    key = (id(strategy), tensor.dtype, inner)
+    cached = _GATHERS.get(key)
+    fn = cached[1] if cached is not None and cached[0] is strategy else None
+    if fn is None:
+        spec = tf.TensorSpec((None,) + inner, tensor.dtype)
+
+        @tf.function(input_signature=[spec])
+        def fn(x):
+            def gather():
+                # (a tensor made in the replica function, on its device)
+                return tf.distribute.get_replica_context().all_gather(tf.identity(x), axis=0)
+
+            return strategy.experimental_local_results(strategy.run(gather))[0]
+
+        _GATHERS[key] = (strategy, fn)  # (holding the strategy: its id stays its own)
+    return fn(tensor)
+
+
+def make_table(dim, key_dtype, default_values, name, **kwargs):
+    """A `CollectiveShardedTable` inside a MultiWorkerMirroredStrategy's
+    scope, otherwise `ps_tables.make_table`'s table (what
+    `EmbeddingVariable.build` creates)."""
+    if tf.distribute.has_strategy() and isinstance(
+            tf.distribute.get_strategy(), tf.distribute.MultiWorkerMirroredStrategy):
+        return CollectiveShardedTable(tf.distribute.get_strategy(), dim, key_dtype,
+                                      default_values, name=name, **kwargs)
+    return ps_tables.make_table(dim, key_dtype, default_values, name, **kwargs)
+
+
+def worker_index(strategy):
+    """This process's place among the strategy's workers (chief first,
+    then the workers in task order), as the strategy numbers replicas."""
+    resolver = strategy.cluster_resolver
+    task_type, task_id = resolver.task_type, resolver.task_id
+    if not task_type:
+        return 0
+    spec = resolver.cluster_spec()
+    order = [(job, i) for job in ("chief", "worker") if job in spec.jobs
+             for i in range(spec.num_tasks(job))]
+    return order.index((task_type, int(task_id)))
+
+
+class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
+    """One embedding table split by key hash over MultiWorkerMirroredStrategy
+    workers; lookups exchange ids and rows with collectives.
+
+    `EmbeddingVariable` builds one inside a MultiWorkerMirroredStrategy's
+    scope; this process holds shard `index` of `num_shards` (`shards` lists
+    only it). Lookups run inside the strategy's replica function (what
+    `model.fit`, `evaluate` and `predict` call); `export`, `size`, `stats`,
+    `evict` and saving gather every shard and must be called by every
+    worker. `local_stats()` is this process's shard alone.
+
+    Args:
+        strategy: the `tf.distribute.MultiWorkerMirroredStrategy`, one
+            replica per worker.
+        dim, key_dtype, default_values, name, **kwargs: as `EmbeddingTable`.
+
+    Example (one worker, so the only shard holds every key):
+
+    >>> from keras_rec_emb.distribute import CollectiveShardedTable
+    >>> issubclass(CollectiveShardedTable, keras_rec_emb.distribute.ShardedEmbeddingTable)
+    True
+    >>> strategy = tf.distribute.MultiWorkerMirroredStrategy()  # doctest: +SKIP
+    >>> with strategy.scope():  # doctest: +SKIP
+    ...     layer = keras_rec_emb.layers.EmbeddingVariable(4, name="mwms_doc")
+    ...     layer.build()
+    >>> type(layer.table).__name__, layer.table.num_shards  # doctest: +SKIP
+    ('CollectiveShardedTable', 1)
+
+    (Skipped in the doctests: creating a MultiWorkerMirroredStrategy
+    configures the process's collectives once for good;
+    tests/distribute/test_multi_worker.py runs 2 and 3 workers.)
+    """
+
+    def __init__(self, strategy, dim, key_dtype, default_values, name="embedding_table",
+                 **kwargs):
+        _compat.Trackable.__init__(self)
+        local = list(strategy.extended.worker_devices)
+        if len(local) != 1:
+            raise ValueError(
+                f"Embedding table '{name}': a MultiWorkerMirroredStrategy table is "
+                "sharded over worker processes with one replica each; this worker has "
+                f"{len(local)} local replicas {local}. Run one replica per worker.")
+        self._strategy = strategy
+        self._num = int(strategy.num_replicas_in_sync)
+        self._index = worker_index(strategy)
+        self._name = name
+        self._replicas = True
+        self._devices = local
+        shard_name = f"{name}/shard_{self._index}_of_{self._num}"
+        self._shards = [_variables.EmbeddingTable(
+            dim, key_dtype, default_values, name=shard_name, device=local[0],
+            replica_shard=self._index, exchanged=True, **kwargs)]
+
+    @property
+    def num_shards(self):
+        return self._num
+
+    @property
+    def index(self):
+        """The shard this process holds."""
+        return self._index
+
+    @property
+    def strategy(self):
+        return self._strategy
+
+    def __repr__(self):
+        return (f"<CollectiveShardedTable '{self._name}' dim={self.dim} "
+                f"shard {self._index} of {self._num}>")
+
+    # -- lookups -------------------------------------------------------------
+    def _replica_context(self):
+        ctx = tf.distribute.get_replica_context()
+        if (ctx is None or ctx.strategy is not self._strategy
+                or ctx.num_replicas_in_sync != self._num):
+            raise ValueError(
+                f"Embedding table '{self._name}' is sharded over the "
+                f"{self._num} workers of a MultiWorkerMirroredStrategy: look ids up "
+                "inside its replica function (strategy.run, inside a tf.function), where "
+                "every worker takes part; Keras 3.15's fit / train_on_batch cannot run "
+                "under a multi-worker strategy (keras-team/keras#20585). Read rows with "
+                "table.export() (every worker calls it).")
+        return ctx
+
+    def _shape_only_lookup(self, keys):
+        """Traced in the strategy's cross-replica context: Keras's symbolic
+        build (`compute_output_spec`), which only reads shapes. Running it
+        fails: outside the replica function the workers cannot exchange."""
+        shard = self._shards[0]
+        refuse = tf.debugging.Assert(tf.constant(False), [
+            f"Embedding table '{self._name}' is sharded over {self._num} workers: look "
+            "ids up inside the strategy's replica function (strategy.run), where every "
+            "worker takes part."])
+        with tf.control_dependencies([refuse]), tf.device(shard.device):
+            return tf.identity(shard.lookup(keys, insert=False))
+
+    def lookup(self, keys, insert=False):
+        """Rows of `keys` (any shape) as `keys.shape + (dim,)`, exchanged
+        with the other workers (all-gather of ids, all-reduce of rows)."""
+        keys = tf.convert_to_tensor(keys)
+        if tf.distribute.get_replica_context() is None and not tf.executing_eagerly():
+            return self._shape_only_lookup(keys)
+        ctx = self._replica_context()
+        shard = self._shards[0]
+        flat = tf.reshape(keys, [-1])
+        mine = tf.size(flat, out_type=tf.int64)
+        ids = ctx.all_gather(flat, axis=0)
+        # Each replica's id count and replica id, in the same (gather) order:
+        # where this replica's rows start in the gathered batch.
+        rid = tf.cast(ctx.replica_id_in_sync_group, tf.int64)
+        counts = ctx.all_gather(tf.stack([mine, rid])[tf.newaxis], axis=0)
+        rank = tf.argmax(tf.cast(tf.equal(counts[:, 1], rid), tf.int32))
+        start = tf.reduce_sum(counts[:rank, 0])
+        owned = tf.where(tf.equal(ps_tables.shard_of(ids, self._num), self._index))
+        with tf.device(shard.device):
+            rows = shard.lookup(tf.gather_nd(ids, owned), insert=insert)
+        full = tf.scatter_nd(owned, rows, tf.stack([tf.size(ids, out_type=tf.int64),
+                                                    tf.constant(self.dim, tf.int64)]))
+        full = ctx.all_reduce(tf.distribute.ReduceOp.SUM, full)
+        out = full[start:start + mine]
+        out = tf.reshape(out, tf.concat([tf.shape(keys, out_type=tf.int32), [self.dim]], 0))
+        out.set_shape(keys.shape.concatenate([self.dim]))
+        return out
+
+    # -- table-wide operations (collective: every worker calls them) -------
+    def _gather(self, tensor):
+        return _all_gather(self._strategy, tensor)
+
+    def _gather_rows(self, x, counts):
+        """Row part `x` of every worker; `counts` [workers] their row
+        counts. Each worker sends one extra zero row (TensorFlow 2.21's CPU
+        all-gather crashes on tensors with no elements), dropped here; a
+        part with no columns (SGD's slots) is not sent at all."""
+        inner = x.shape[1:]
+        total = tf.reduce_sum(counts)
+        if inner.num_elements() == 0:
+            return tf.zeros(tf.concat([[total], tf.constant(inner.as_list(), tf.int64)], 0),
+                            x.dtype)
+        padded = tf.concat([x, tf.zeros([1] + inner.as_list(), x.dtype)], 0)
+        gathered = self._gather(padded)
+        dummies = tf.cumsum(counts + 1) - 1
+        keep = tf.tensor_scatter_nd_update(
+            tf.ones([total + tf.size(counts, out_type=tf.int64)], tf.bool),
+            dummies[:, tf.newaxis], tf.zeros(tf.shape(dummies), tf.bool))
+        return tf.boolean_mask(gathered, keep)
+
+    def _gathered_parts(self, include_filtered):
+        shard = self._shards[0]
+        with tf.device(shard.device):
+            evict = [shard._evict_op()] if shard.evicts else []  # noqa: SLF001
+            with tf.control_dependencies(evict):
+                parts = _ops.export(shard.handle, shard.key_dtype, shard.dim,
+                                    include_filtered=include_filtered)
+        out = dict(parts)
+        local = tf.stack([tf.size(parts["keys"], out_type=tf.int64),
+                          tf.size(parts["keys_filtered"], out_type=tf.int64)])
+        counts = self._gather(local[tf.newaxis])
+        for k in self._ROW_PARTS:
+            out[k] = self._gather_rows(parts[k], counts[:, 0])
+        for k in self._FILTERED_PARTS:
+            out[k] = self._gather_rows(parts[k], counts[:, 1])
+        # Each shard's Bloom counters cover its own keys only; not merged.
+        out["bloom"] = tf.zeros([0], tf.uint8)
+        return out
+
+    def _serialize_to_tensors(self):
+        """Every worker's shard gathered into `EmbeddingTable`'s checkpoint
+        format (evicting first, as one table does)."""
+        return self._gathered_parts(self.save_filtered)
+
+    def _restore_from_tensors(self, restored_tensors):
+        """Keeps the restored keys that hash to this process's shard: a
+        checkpoint of any shard count (or of one table) restores."""
+        parts = dict(restored_tensors)
+        values = parts.get("values")
+        if values is not None:
+            _variables.check_saved_dim(self._name, values.shape, self.dim)
+        rows = tf.equal(ps_tables.shard_of(parts["keys"], self._num), self._index)
+        filtered = tf.equal(ps_tables.shard_of(parts["keys_filtered"], self._num),
+                            self._index)
+        for k in self._ROW_PARTS:
+            parts[k] = tf.boolean_mask(parts[k], rows)
+        for k in self._FILTERED_PARTS:
+            parts[k] = tf.boolean_mask(parts[k], filtered)
+        shard = self._shards[0]
+        with tf.device(shard.device):
+            return _ops.import_(shard.handle, shard.dim, parts)
+
+    def export(self, include_filtered=True):
+        """Every worker's rows in one dict shaped like `EmbeddingTable.export()`
+        (collective: every worker calls it and receives all rows)."""
+        parts = {k: v.numpy() for k, v in self._gathered_parts(include_filtered).items()}
+        out = {k: parts[k] for k in _variables.ARRAY_PARTS}
+        out["slots"] = _variables.unpack_slots(parts)
+        return out
+
+    def import_(self, data, clear=True):
+        """Keeps the rows of `data` (shaped like `export()`, from any shard
+        count) whose keys hash to this process's shard."""
+        if not isinstance(data, dict) or "keys" not in data or "values" not in data:
+            return self._shards[0].import_(data, clear)  # its error names the fix
+        rows = ps_tables._rows_of_shard(data, self._index, self._num)  # noqa: SLF001
+        self._shards[0].import_(rows, clear)
+
+    def local_stats(self):
+        """This process's shard's statistics (`EmbeddingTable.stats`)."""
+        return self._shards[0].stats()
+
+    def _summed(self, values):
+        gathered = self._gather(tf.constant([values], tf.int64)).numpy()
+        return gathered
+
+    def size(self):
+        """Admitted keys over every shard (collective)."""
+        return int(self._summed([self._shards[0].size()]).sum())
+
+    def stats(self):
+        """The shards' statistics added up over the workers (`latest_step`:
+        the largest; collective)."""
+        local = self.local_stats()
+        names = ("size", "filtered", "memory_bytes", "latest_step")
+        every = self._summed([local[k] for k in names])
+        out = {k: int(every[:, i].sum()) for i, k in enumerate(names[:3])}
+        out["latest_step"] = int(every[:, 3].max())
+        return out
+
+    def evict(self, step=None):
+        """Applies eviction on every shard; returns the keys evicted in all
+        (collective)."""
+        return int(self._summed([self._shards[0].evict(step)]).sum())

@@ -1,0 +1,183 @@
+"""One worker of a MultiWorkerMirroredStrategy cluster on 127.0.0.1
+(TF_CONFIG set by test_multi_worker.py): tables sharded over the worker
+processes. Writes OUT/w{task}_*.npz.
+
+    mwms_run.py OUT train      # SGD and Adagrad, global batch BATCH; saves
+                               # the Adagrad model (.keras + tf.train.Checkpoint)
+    mwms_run.py OUT restore SRC  # restores SRC's Adagrad model into this cluster
+
+The one-process reference imports `build`, `data` and `train` from here.
+"""
+
+import os
+import sys
+import time
+
+START = time.monotonic()
+
+
+def phase(name):
+    """Seconds since start, in the worker's log (where a slow run spends)."""
+    print(f"PHASE {name} {time.monotonic() - START:.1f}s", flush=True)
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import keras_rec_emb as kre  # noqa: E402
+
+DIM, BATCH, STEPS, IDS = 4, 12, 3, 3  # BATCH: global, a multiple of 2 and 3
+
+
+def data():
+    rng = np.random.default_rng(5)
+    ids = rng.integers(0, 40, size=(BATCH * STEPS, IDS)).astype(np.int64)
+    y = rng.uniform(size=(BATCH * STEPS, 1)).astype(np.float32)
+    return ids, y
+
+
+def dense_init():
+    rng = np.random.default_rng(1)
+    return [rng.normal(size=(DIM * (1 + IDS), 1)).astype(np.float32), np.zeros(1, np.float32)]
+
+
+def build(optimizer):
+    ids = keras.Input(shape=(IDS,), dtype="int64")
+    emb = kre.layers.EmbeddingVariable(
+        DIM, combiner="mean", name="emb",
+        initializer=keras.initializers.RandomUniform(-1, 1, seed=7),
+        ev_option=kre.EmbeddingVariableOption(
+            track_meta=True, filter_option=kre.CounterFilter(filter_freq=2)))(ids)
+    # A GroupEmbedding over a second table: one feature per id column.
+    group = kre.layers.GroupEmbedding(
+        {f"f{j}": kre.layers.FeatureSpec(0, combiner="sum") for j in range(IDS)},
+        tables=[kre.layers.EmbeddingVariable(
+            DIM, name="group_0", initializer=keras.initializers.RandomUniform(-1, 1, seed=11))],
+        output_mode="concat", name="group")(ids)
+    out = keras.layers.Dense(1, name="dense")(keras.layers.Concatenate()([emb, group]))
+    model = keras.Model(ids, out)
+    opt = {"sgd": lambda: kre.optimizers.SGD(0.1),
+           "adagrad": lambda: kre.optimizers.Adagrad(0.1)}[optimizer]()
+    model.compile(optimizer=opt, loss="mse")
+    return model
+
+
+def table_arrays(table):
+    """The table's rows sorted by key (`export` gathers every shard)."""
+    exported = table.export()
+    order = np.argsort(exported["keys"])
+    out = {"keys": exported["keys"][order], "values": exported["values"][order],
+           "freqs": exported["freqs"][order],
+           "keys_filtered": np.sort(exported["keys_filtered"])}
+    for name, rows in exported["slots"].items():
+        out["slot_" + name] = rows[order]
+    return out
+
+
+def train(model, worker=0, workers=1):
+    """The model trained on each worker's slice of every global batch by a
+    custom step under the strategy (`strategy.run`; the default strategy in
+    one process). Keras 3.15.1's own train step cannot run under a
+    multi-worker strategy for any model (keras-team/keras#20585: its
+    symbolic build and its step's result reduction call `strategy.reduce` on
+    nested values)."""
+    strategy = model.distribute_strategy
+    model.get_layer("dense").set_weights(dense_init())
+    with strategy.scope():
+        model.optimizer.build(model.trainable_variables)
+
+    @tf.function
+    def step(x, y):
+        def replica_step(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(model(x, training=True) - y))
+                loss = loss / strategy.num_replicas_in_sync
+            grads = tape.gradient(loss, model.trainable_variables)
+            model.optimizer.apply(grads, model.trainable_variables)
+
+        strategy.run(replica_step, args=(x, y))
+
+    ids, y = data()
+    per = BATCH // workers
+    for i in range(STEPS):
+        lo = i * BATCH + worker * per
+        step(tf.constant(ids[lo:lo + per]), tf.constant(y[lo:lo + per]))
+        phase(f"step {i}")
+    out = table_arrays(model.get_layer("emb").table)
+    for t, table in enumerate(model.get_layer("group").tables):
+        out.update({f"group{t}_{k}": v for k, v in table_arrays(table.table).items()})
+    out["kernel"], out["bias"] = [np.asarray(w) for w in model.get_layer("dense").get_weights()]
+    phase("exported")
+    out["predict"] = forward(model, ids[:BATCH])
+    phase("predicted")
+    return out
+
+
+def forward(model, ids):
+    """The model's output for `ids` on every worker (each worker passes all
+    of them), through the strategy's replica function."""
+    strategy = model.distribute_strategy
+    result = tf.function(lambda x: strategy.run(lambda x: model(x, training=False),
+                                                args=(x,)))(tf.constant(ids))
+    return strategy.experimental_local_results(result)[0].numpy()
+
+
+def main():
+    keras.config.disable_traceback_filtering()
+    folder, mode = sys.argv[1], sys.argv[2]
+    phase("imported")
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    task = strategy.cluster_resolver.task_id
+    n = strategy.num_replicas_in_sync
+    phase("strategy")
+    if mode == "train":
+        for optimizer in ("sgd", "adagrad"):
+            with strategy.scope():
+                model = build(optimizer)
+            phase(f"built {optimizer}")
+            out = train(model, task, n)
+            phase(f"trained {optimizer}")
+            table = model.get_layer("emb").table
+            local = table.local_stats()
+            out["local_stats"] = np.array([local["size"], local["filtered"]])
+            every = table.stats()
+            out["stats"] = np.array([every["size"], every["filtered"]])
+            out["num_shards"] = np.int64(table.num_shards)
+            out["index"] = np.int64(table.index)
+            np.savez(os.path.join(folder, f"w{task}_{optimizer}.npz"), **out)
+        # Every worker saves (the chief's copy is the one to keep).
+        model.save(os.path.join(folder, f"w{task}.keras"))
+        tf.train.Checkpoint(model=model).write(os.path.join(folder, f"ckpt_w{task}", "ckpt"))
+        phase("saved")
+        try:  # an eager call outside the replica function is refused by name
+            model(np.zeros((2, IDS), np.int64))
+            refused = "not refused"
+        except ValueError as e:
+            refused = str(e)
+        np.savez(os.path.join(folder, f"w{task}_refused.npz"), message=np.array(refused))
+    else:
+        source = sys.argv[3]
+        with strategy.scope():
+            model = build("adagrad")
+            status = tf.train.Checkpoint(model=model).read(
+                os.path.join(source, "ckpt_w0", "ckpt"))
+            status.assert_existing_objects_matched().expect_partial()
+        phase("restored")
+        out = {f"ckpt_{k}": v for k, v in table_arrays(model.get_layer("emb").table).items()}
+        out["ckpt_local_size"] = np.int64(model.get_layer("emb").table.local_stats()["size"])
+        with strategy.scope():
+            loaded = keras.saving.load_model(os.path.join(source, "w0.keras"))
+        out.update({f"keras_{k}": v
+                    for k, v in table_arrays(loaded.get_layer("emb").table).items()})
+        ids, _ = data()
+        phase("loaded")
+        out["keras_predict"] = forward(loaded, ids[:BATCH])
+        phase("predicted")
+        out["num_shards"] = np.int64(n)
+        np.savez(os.path.join(folder, f"w{task}_restore.npz"), **out)
+
+
+if __name__ == "__main__":
+    main()

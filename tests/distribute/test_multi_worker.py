@@ -1,0 +1,145 @@
+"""Tables sharded over MultiWorkerMirroredStrategy worker processes (2 and 3
+workers on 127.0.0.1, TF_CONFIG, free ports, bounded in time, stopped by
+pid): same numbers as one process with the global batch; the saved model
+restores into another worker count and into one process."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+pytestmark = pytest.mark.multiprocess
+
+
+def free_ports(n):
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def run_cluster(folder, workers, *args, timeout=240):
+    """Runs mwms_run.py on `workers` worker processes; every process is
+    stopped by its pid if it has not ended in `timeout` seconds."""
+    addresses = [f"127.0.0.1:{p}" for p in free_ports(workers)]
+    procs = []
+    try:
+        for task in range(workers):
+            config = {"cluster": {"worker": addresses},
+                      "task": {"type": "worker", "index": task}}
+            env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow",
+                       PYTHONFAULTHANDLER="1", TF_CONFIG=json.dumps(config))
+            env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+            log = open(folder / f"w{task}_{args[0]}.log", "w")
+            procs.append(subprocess.Popen(
+                [sys.executable, os.path.join(HERE, "mwms_run.py"), str(folder), *args],
+                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT))
+        for task, proc in enumerate(procs):
+            rc = proc.wait(timeout=timeout)
+            log = (folder / f"w{task}_{args[0]}.log").read_text()
+            assert rc == 0, f"worker {task} exited {rc}: " + log[-4000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()  # by its pid
+                proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("mwms2")
+    run_cluster(folder, 2, "train")
+    return folder
+
+
+def one_process(optimizer):
+    """The reference: the same model trained in this process, global batch."""
+    sys.path.insert(0, HERE)
+    try:
+        import mwms_run
+    finally:
+        sys.path.remove(HERE)
+    return mwms_run.train(mwms_run.build(optimizer))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_two_workers_match_one_process(two_workers, optimizer):
+    one = one_process(optimizer)
+    assert {"keys", "values", "freqs", "kernel", "bias", "predict"} <= set(one)
+    if optimizer == "adagrad":
+        assert "slot_accumulator" in one
+    for task in (0, 1):
+        got = np.load(two_workers / f"w{task}_{optimizer}.npz")
+        assert int(got["num_shards"]) == 2 and int(got["index"]) == task
+        for key, want in one.items():
+            np.testing.assert_allclose(got[key], want, rtol=1e-5, atol=1e-5,
+                                       err_msg=f"worker {task}: {key}")
+    # Training moved the dense weights and rows; the filter held some keys back.
+    sys.path.insert(0, HERE)
+    import mwms_run
+    sys.path.remove(HERE)
+    assert np.abs(one["kernel"] - mwms_run.dense_init()[0]).max() > 1e-3
+    assert len(one["group0_keys"]) > 10  # the GroupEmbedding's tables trained too
+    assert len(one["keys_filtered"]) > 0 and len(one["keys"]) > 10
+    # Per-shard statistics add up to the table's (and to one process's).
+    shards = [np.load(two_workers / f"w{task}_{optimizer}.npz")["local_stats"]
+              for task in (0, 1)]
+    assert all(s[0] > 0 for s in shards)  # both workers own keys
+    total = np.load(two_workers / f"w0_{optimizer}.npz")["stats"]
+    np.testing.assert_array_equal(shards[0] + shards[1], total)
+    np.testing.assert_array_equal(total, [len(one["keys"]), len(one["keys_filtered"])])
+
+
+def test_lookup_outside_the_replica_function_is_refused_by_name(two_workers):
+    message = str(np.load(two_workers / "w1_refused.npz")["message"])
+    assert "'emb/embeddings' is sharded over the 2 workers" in message
+    assert "strategy.run" in message
+
+
+def test_two_worker_checkpoint_restores_into_three_workers_and_one_process(two_workers,
+                                                                          tmp_path):
+    """Reshard on restore: a tf.train.Checkpoint and a .keras file written by
+    2 workers restore into 3 workers and into one process."""
+    import keras
+    import tensorflow as tf
+
+    trained = np.load(two_workers / "w0_adagrad.npz")
+    run_cluster(tmp_path, 3, "restore", str(two_workers))
+    sizes = []
+    for task in range(3):
+        got = np.load(tmp_path / f"w{task}_restore.npz")
+        assert int(got["num_shards"]) == 3
+        sizes.append(int(got["ckpt_local_size"]))
+        for source in ("ckpt", "keras"):
+            for key in ("keys", "values", "freqs", "slot_accumulator", "keys_filtered"):
+                np.testing.assert_array_equal(got[f"{source}_{key}"], trained[key],
+                                              err_msg=f"worker {task}: {source} {key}")
+        np.testing.assert_allclose(got["keras_predict"], trained["predict"], rtol=1e-5,
+                                   atol=1e-5)
+    assert sum(sizes) == len(trained["keys"]) and min(sizes) > 0
+
+    sys.path.insert(0, HERE)
+    try:
+        import mwms_run
+    finally:
+        sys.path.remove(HERE)
+    model = mwms_run.build("adagrad")
+    status = tf.train.Checkpoint(model=model).read(str(two_workers / "ckpt_w0" / "ckpt"))
+    status.assert_existing_objects_matched().expect_partial()
+    loaded = keras.saving.load_model(two_workers / "w0.keras")
+    for restored in (model, loaded):
+        got = mwms_run.table_arrays(restored.get_layer("emb").table)
+        for key in ("keys", "values", "freqs", "slot_accumulator", "keys_filtered"):
+            np.testing.assert_array_equal(got[key], trained[key], err_msg=key)
+    np.testing.assert_allclose(loaded.predict(mwms_run.data()[0][:mwms_run.BATCH], verbose=0),
+                               trained["predict"], rtol=1e-5, atol=1e-5)
