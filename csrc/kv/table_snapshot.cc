@@ -387,13 +387,11 @@ int64_t Table<K>::RestoreSnapshot(const std::string& path) {
       const K key = static_cast<K>(row.key);
       const uint64_t h = Hash(key);
       s.index.Reserve();
-      uint32_t meta_row = kNoRow;
+      const uint32_t aux = NewAux(s);
       if (options_.track_meta) {
-        meta_row = s.meta.Allocate();
-        int64_t* m = s.meta.Row(meta_row);
+        int64_t* m = s.meta.Row(aux);
         m[kFreq] = row.freq;
         m[kVersion] = row.version;
-        m[kEpoch] = epoch_.load(std::memory_order_relaxed);
       }
       uint32_t value_row = kNoRow;
       if (row.loc == kNoLocation) {
@@ -407,11 +405,7 @@ int64_t Table<K>::RestoreSnapshot(const std::string& path) {
         value_row = store->AdoptRow((static_cast<uint64_t>(new_id) << 40) |
                                     (row.loc & ((uint64_t{1} << 40) - 1)));
       }
-      s.index.Insert(key, h, Entry{key, value_row, meta_row});
-      if (!options_.track_meta && value_row != kNoRow) {
-        s.row_epochs.EnsureCapacity(uint64_t{value_row} + 1, 0);
-        *s.row_epochs.Row(value_row) = epoch_.load(std::memory_order_relaxed);
-      }
+      s.index.Insert(key, h, Entry{key, value_row, aux});
       ++keys;
     }
   }
