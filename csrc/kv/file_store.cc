@@ -137,7 +137,74 @@ FileRowStore::FileRowStore(std::shared_ptr<FileSpace> space, int shard, int64_t 
                            uint64_t cache_bytes, uint64_t map_bytes)
     : space_(std::move(space)), shard_(shard), dim_(dim), cache_bytes_(cache_bytes),
       width_(dim), use_map_(map_bytes > 0), map_budget_(map_bytes) {
+  free_ranges_[0] = kCached;  // record numbers [0, 2^31)
   Recompute();
+}
+
+uint32_t FileRowStore::TakeRange(uint32_t n) {
+  for (auto it = free_ranges_.begin(); it != free_ranges_.end(); ++it) {
+    if (it->second < n) continue;
+    const uint32_t start = it->first;
+    const uint32_t len = it->second;
+    free_ranges_.erase(it);
+    if (len > n) free_ranges_[start + n] = len - n;
+    return start;
+  }
+  throw std::runtime_error("the file tier's shard " + std::to_string(shard_) + " under '" +
+                           space_->root() +
+                           "' has no record numbers left (2^31 records on file per shard); "
+                           "use more shards");
+}
+
+void FileRowStore::GiveRange(uint32_t start, uint32_t n) {
+  auto next = free_ranges_.lower_bound(start);
+  if (next != free_ranges_.end() && start + n == next->first) {
+    n += next->second;
+    next = free_ranges_.erase(next);
+  }
+  if (next != free_ranges_.begin()) {
+    const auto prev = std::prev(next);
+    if (prev->first + prev->second == start) {
+      prev->second += n;
+      return;
+    }
+  }
+  free_ranges_[start] = n;
+}
+
+void FileRowStore::AddSegment(uint32_t id, Segment seg, uint64_t records) {
+  seg.cap = static_cast<uint32_t>(std::min<uint64_t>(std::max<uint64_t>(records, 1), kCached));
+  seg.base = TakeRange(seg.cap);
+  by_base_[seg.base] = id;
+  segments_[id] = seg;
+}
+
+void FileRowStore::RemoveSegment(uint32_t id) {
+  const auto it = segments_.find(id);
+  if (it == segments_.end()) return;
+  GiveRange(it->second.base, it->second.cap);
+  by_base_.erase(it->second.base);
+  segments_.erase(it);
+}
+
+uint64_t FileRowStore::WordToLoc(uint32_t w) const {
+  if (w == kNoWord) return kNoLocation;
+  auto it = by_base_.upper_bound(w);
+  if (it == by_base_.begin()) throw std::runtime_error("file-tier row in a missing segment");
+  --it;
+  const auto seg = segments_.find(it->second);
+  if (seg == segments_.end()) throw std::runtime_error("file-tier row in a missing segment");
+  return (static_cast<uint64_t>(it->second) << kOffsetBits) |
+         (kHeaderBytes + static_cast<uint64_t>(w - seg->second.base) * seg->second.width * 4);
+}
+
+uint32_t FileRowStore::LocToWord(uint64_t loc) const {
+  if (loc == kNoLocation) return kNoWord;
+  const auto seg = segments_.find(static_cast<uint32_t>(loc >> kOffsetBits));
+  if (seg == segments_.end()) throw std::runtime_error("file-tier row in a missing segment");
+  const uint64_t offset = loc & ((uint64_t{1} << kOffsetBits) - 1);
+  return seg->second.base +
+         static_cast<uint32_t>((offset - kHeaderBytes) / (seg->second.width * 4));
 }
 
 FileRowStore::~FileRowStore() {
@@ -185,11 +252,11 @@ void FileRowStore::Recompute() {
   width_ = off;
   capacity_ = std::max<uint64_t>(16, cache_bytes_ / (static_cast<uint64_t>(width_) * 4));
   // Bounded by the 31-bit cache slot numbers.
-  capacity_ = std::min<uint64_t>(capacity_, INT32_MAX);
+  capacity_ = std::min<uint64_t>(capacity_, INT32_MAX - 1);
 }
 
 void FileRowStore::EnsureRowCapacity(uint32_t rows) {
-  where_.EnsureCapacity(rows, kNoLocation);
+  where_.EnsureCapacity(rows, kNoWord);
 }
 
 void FileRowStore::OpenSegment() {
@@ -216,7 +283,17 @@ void FileRowStore::OpenSegment() {
   file_bytes_ += kHeaderBytes;
   CheckMapBudget();
   MapSegment(&seg, /*read_only=*/false);
-  segments_[id] = seg;
+  const uint64_t bytes = static_cast<uint64_t>(width_) * 4;
+  const uint64_t limit = std::max<uint64_t>(space_->segment_bytes(), kHeaderBytes + bytes);
+  try {
+    AddSegment(id, seg, (limit - kHeaderBytes) / bytes);
+  } catch (...) {
+    UnmapSegment(&seg);
+    ::close(seg.fd);
+    ::unlink(seg.path.c_str());
+    file_bytes_ -= kHeaderBytes;
+    throw;
+  }
   active_ = id;
 }
 
@@ -338,7 +415,7 @@ void FileRowStore::MaybeCompact() {
       UnmapSegment(&seg);
       ::close(seg.fd);
       ::unlink(seg.path.c_str());
-      segments_.erase(id);
+      RemoveSegment(id);
     }
     ++compactions_;
   } catch (...) {
@@ -396,7 +473,7 @@ float* FileRowStore::Fetch(uint32_t row, bool write) {
     ++misses_;
     const uint32_t s = TakeCacheSlot();
     // (after TakeCacheSlot: a write-back may compact, moving this row)
-    const uint64_t loc = *where_.Row(row);
+    const uint64_t loc = WordToLoc(*where_.Row(row));
     try {
       ReadRecord(loc, cache_.data() + static_cast<uint64_t>(s) * width_);
     } catch (...) {
@@ -448,8 +525,8 @@ void FileRowStore::Release(uint32_t row) {
     dirty_[slot] = 0;
     free_slots_.push_back(static_cast<uint32_t>(slot));
   }
-  Forget(*where_.Row(row));
-  *where_.Row(row) = kNoLocation;
+  Forget(WordToLoc(*where_.Row(row)));
+  *where_.Row(row) = kNoWord;
   free_rows_.push_back(row);
   --rows_;
 }
@@ -462,7 +539,7 @@ void FileRowStore::Read(uint32_t row, float* value, float* slots) const {
     rec = cache_.data() + static_cast<uint64_t>(slot) * width_;
   } else {
     local.resize(width_);
-    ReadRecord(*where_.Row(row), local.data());
+    ReadRecord(WordToLoc(*where_.Row(row)), local.data());
     rec = local.data();
   }
   std::copy(rec, rec + dim_, value);
@@ -526,11 +603,14 @@ void FileRowStore::Clear() {
     ::unlink(kv.second.path.c_str());
   }
   segments_.clear();
+  by_base_.clear();
+  free_ranges_.clear();
+  free_ranges_[0] = kCached;
   active_ = -1;
   buffer_.clear();
   file_bytes_ = 0;
   live_bytes_ = 0;
-  DropCache();
+  DropCache(/*keep_rows=*/false);
   where_.Clear();
   free_rows_.clear();
   next_row_ = 0;
@@ -538,8 +618,8 @@ void FileRowStore::Clear() {
   use_map_ = map_budget_ > 0;
 }
 
-void FileRowStore::DropCache() {
-  for (uint32_t slot = 0; slot < cache_row_.size(); ++slot) {
+void FileRowStore::DropCache(bool keep_rows) {
+  for (uint32_t slot = 0; keep_rows && slot < cache_row_.size(); ++slot) {
     if (cache_row_[slot] != kNoRow) Uncache(slot);
   }
   cache_.clear();
@@ -596,7 +676,16 @@ uint32_t FileRowStore::AdoptSegment(const std::string& path, uint64_t width, uin
   file_bytes_ += size;
   CheckMapBudget();
   MapSegment(&seg, /*read_only=*/true);
-  segments_[id] = seg;
+  const uint64_t records = size > kHeaderBytes ? (size - kHeaderBytes) / (width * 4) : 0;
+  try {
+    AddSegment(id, seg, records);
+  } catch (...) {
+    UnmapSegment(&seg);
+    ::close(seg.fd);
+    ::unlink(seg.path.c_str());
+    file_bytes_ -= size;
+    throw;
+  }
   return id;
 }
 
@@ -604,7 +693,7 @@ uint32_t FileRowStore::AdoptRow(uint64_t location) {
   bool fresh;
   const uint32_t row = TakeRow(&free_rows_, &next_row_, &fresh);
   EnsureRowCapacity(next_row_);
-  *where_.Row(row) = location;
+  *where_.Row(row) = LocToWord(location);
   const auto it = segments_.find(static_cast<uint32_t>(location >> kOffsetBits));
   if (it != segments_.end()) live_bytes_ += it->second.width * 4;
   ++rows_;
