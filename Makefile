@@ -15,7 +15,7 @@ KV_BIN := csrc/kv/tests/bin
 CXX ?= g++
 KV_FLAGS := -std=c++17 -Wall -Wextra -Werror -pthread -Icsrc
 
-.PHONY: all install build demo test test-kv test-kv-asan test-kv-tsan test-py test-fuzz-long bench bench-peers peer-venvs clean
+.PHONY: all install build demo test kv-bins test-kv test-kv-asan test-kv-tsan test-py test-fuzz-long bench bench-peers peer-venvs clean
 
 all: install
 
@@ -44,33 +44,56 @@ build: $(SO)
 demo: install
 	$(VENV)/bin/keras-rec-emb demo $(DEMO_ARGS)
 
-$(KV_BIN)/%: csrc/kv/tests/%.cc $(KV_SRC) $(wildcard csrc/kv/*.h) $(wildcard csrc/kv/tests/*.h)
-	@mkdir -p $(KV_BIN)
-	$(CXX) $(KV_FLAGS) -O2 -o $@ $< $(KV_SRC)
+# Each csrc/kv source is compiled once per variant (plain, ASan+UBSan, TSan)
+# into $(KV_BIN)/obj/<variant>/ and linked into every test binary; `make test`
+# builds all of them two at a time (kv-bins) before running any.
+KV_HDRS := $(wildcard csrc/kv/*.h) $(wildcard csrc/kv/tests/*.h)
+KV_VARIANTS := plain asan tsan
+KV_CFLAGS_plain := -O2
+KV_CFLAGS_asan := -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer
+KV_CFLAGS_tsan := -O1 -g -fsanitize=thread -fno-omit-frame-pointer
+KV_SUFFIX_plain :=
+KV_SUFFIX_asan := -asan
+KV_SUFFIX_tsan := -tsan
+kv_objs = $(patsubst csrc/kv/%.cc,$(KV_BIN)/obj/$(1)/%.o,$(KV_SRC))
+kv_tests = $(patsubst csrc/kv/tests/%.cc,$(KV_BIN)/%$(KV_SUFFIX_$(1)),$(KV_TESTS))
 
-$(KV_BIN)/%-asan: csrc/kv/tests/%.cc $(KV_SRC) $(wildcard csrc/kv/*.h) $(wildcard csrc/kv/tests/*.h)
-	@mkdir -p $(KV_BIN)
-	$(CXX) $(KV_FLAGS) -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -o $@ $< $(KV_SRC)
+define KV_VARIANT_RULES
+$(KV_BIN)/obj/$(1)/%.o: csrc/kv/%.cc $(KV_HDRS)
+	@mkdir -p $$(@D)
+	$(CXX) $(KV_FLAGS) $(KV_CFLAGS_$(1)) -c -o $$@ $$<
 
-$(KV_BIN)/%-tsan: csrc/kv/tests/%.cc $(KV_SRC) $(wildcard csrc/kv/*.h) $(wildcard csrc/kv/tests/*.h)
-	@mkdir -p $(KV_BIN)
-	$(CXX) $(KV_FLAGS) -O1 -g -fsanitize=thread -fno-omit-frame-pointer -o $@ $< $(KV_SRC)
+$(KV_BIN)/%$(KV_SUFFIX_$(1)): csrc/kv/tests/%.cc $(call kv_objs,$(1)) $(KV_HDRS)
+	@mkdir -p $$(@D)
+	$(CXX) $(KV_FLAGS) $(KV_CFLAGS_$(1)) -o $$@ $$< $(call kv_objs,$(1))
+endef
+$(foreach v,$(KV_VARIANTS),$(eval $(call KV_VARIANT_RULES,$(v))))
 
-test-kv: $(patsubst csrc/kv/tests/%.cc,$(KV_BIN)/%,$(KV_TESTS))
+kv-bins: $(foreach v,$(KV_VARIANTS),$(call kv_tests,$(v)))
+
+test-kv: $(call kv_tests,plain)
 	@for t in $^; do echo "== $$t"; $$t || exit 1; done
 
-test-kv-asan: $(patsubst csrc/kv/tests/%.cc,$(KV_BIN)/%-asan,$(KV_TESTS))
+test-kv-asan: $(call kv_tests,asan)
 	@for t in $^; do echo "== $$t"; ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=halt_on_error=1 $$t || exit 1; done
 
 # ThreadSanitizer over the same tests (stress_test runs lookups with insert,
 # fused applies, eviction and export on one table at once).
-test-kv-tsan: $(patsubst csrc/kv/tests/%.cc,$(KV_BIN)/%-tsan,$(KV_TESTS))
+test-kv-tsan: $(call kv_tests,tsan)
 	@for t in $^; do echo "== $$t"; TSAN_OPTIONS=halt_on_error=1 $$t || exit 1; done
 
+# Two pytest workers (pytest-xdist), each taking whole test files
+# (--dist loadfile keeps a file's module fixtures in one process): most tests
+# wait on subprocesses, brokers or files, so two overlap well on 2 cores.
+# PYTEST_WORKERS=0 runs everything in this process.
+PYTEST_WORKERS ?= 2
 test-py: install
-	$(VENV)/bin/python -m pytest -q --durations=25 $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
-test: install test-kv test-kv-asan test-kv-tsan test-py
+# The C++ test binaries compile two at a time (2 cores) before any test runs.
+test: install
+	$(MAKE) -j2 kv-bins
+	$(MAKE) test-kv test-kv-asan test-kv-tsan test-py
 
 # The fuzz test with thousands of cases (CI runs a small sample in test-py).
 test-fuzz-long: install
