@@ -37,6 +37,9 @@ STDERR_TAIL_LINES = 25
 SECTIONS = ("## Machine", "## Results", "## Plots", "## Commands", "## Notes")
 PLOTS = {"lookup": "lookup_vs_table_size.png", "training": "training_steps.png",
          "group": "group_fused_vs_unfused.png"}
+# The stored result of the last `storage.py --scale` run (100M ids; hours,
+# not run by `bench`): shown in the report, labelled with its date and command.
+STORED_SCALE_JSON = "results/storage_scale.json"
 PEERS_JSON = "peers.json"  # written by benchmarks/peers/run.py into the report folder
 PEERS_PLOT = "peers.png"
 
@@ -325,6 +328,28 @@ def _data_rows(data):
                          "messages/s, KafkaDataset(batch_size) / one message per element",
                          kafka["batched"] / kafka["per_message"]))
     return rows
+
+
+def _storage_scale_rows(data):
+    """Rows of a stored `storage.py --scale` result (see STORED_SCALE_JSON)."""
+    what = (f"`storage.py --scale` (stored result of {data['date']}: "
+            f"`{data['command']}`): {data['keys_filled']:,} ids x dim "
+            f"{data['config']['dim']} + Adagrad, cache {data['cache_bytes'] / 2**30:.0f} GiB, "
+            f"{data['steps_per_s']:.2f} steps/s, hit rate {data['cache_hit_rate']:.2f}, "
+            f"{data['table_memory_bytes_per_key']:.0f} B/key of table DRAM")
+    return [_row(what, "peak RSS / 6 GiB (lower is better)",
+                 data["peak_rss_bytes"] / data["target_peak_rss_bytes"], 1.0, lower=True),
+            _row(what, f"bytes on disk per key / `4*dim*(1+slots)` = "
+                 f"{data['row_bound_bytes_per_key']} (lower is better)",
+                 data["disk_over_bound"])]
+
+
+def stored_scale_result(bench_dir):
+    """The stored --scale result under bench_dir, or None."""
+    path = pathlib.Path(bench_dir) / STORED_SCALE_JSON
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())
 
 
 def table_rows(results):
@@ -637,6 +662,11 @@ def run(output_dir=DEFAULT_OUTPUT_DIR, quick=False, benchmarks_dir=None):
         f"report in {out_dir}")
     results, commands, notes = _run_all(bench_dir, out_dir, quick)
     rows = table_rows(results)
+    stored = stored_scale_result(bench_dir)
+    if stored is not None:
+        rows.extend(_storage_scale_rows(stored))
+        notes.append(f"The `storage.py --scale` rows are the stored result "
+                     f"`benchmarks/{STORED_SCALE_JSON}` of {stored['date']} (not rerun).")
     plots = make_plots(results, out_dir)
     path = write_report(out_dir, quick, _machine(bench_dir), rows, plots, commands,
                         notes, time.perf_counter() - start)

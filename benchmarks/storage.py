@@ -40,9 +40,11 @@ benchmarks/storage_scale.json).
 """
 
 import argparse
+import datetime
 import json
 import os
 import resource
+import shlex
 import shutil
 import statistics
 import sys
@@ -167,6 +169,8 @@ def scale_run(opts, folder):
     rss_end = rss_now()
     return {
         "benchmark": "storage_scale", "config": vars(opts), "machine": machine_info(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "command": shlex.join(["benchmarks/storage.py", *sys.argv[1:]]),
         "target_keys": total, "keys_filled": filled, "complete": filled >= total,
         "fill_s": fill_s, "fill_keys_per_s": filled / max(fill_s, 1e-9),
         "rows": int(after["rows"]), "cached_rows": int(after["cached_rows"]),

@@ -137,7 +137,74 @@ FileRowStore::FileRowStore(std::shared_ptr<FileSpace> space, int shard, int64_t 
                            uint64_t cache_bytes, uint64_t map_bytes)
     : space_(std::move(space)), shard_(shard), dim_(dim), cache_bytes_(cache_bytes),
       width_(dim), use_map_(map_bytes > 0), map_budget_(map_bytes) {
+  free_ranges_[0] = kCached;  // record numbers [0, 2^31)
   Recompute();
+}
+
+uint32_t FileRowStore::TakeRange(uint32_t n) {
+  for (auto it = free_ranges_.begin(); it != free_ranges_.end(); ++it) {
+    if (it->second < n) continue;
+    const uint32_t start = it->first;
+    const uint32_t len = it->second;
+    free_ranges_.erase(it);
+    if (len > n) free_ranges_[start + n] = len - n;
+    return start;
+  }
+  throw std::runtime_error("the file tier's shard " + std::to_string(shard_) + " under '" +
+                           space_->root() +
+                           "' has no record numbers left (2^31 records on file per shard); "
+                           "use more shards");
+}
+
+void FileRowStore::GiveRange(uint32_t start, uint32_t n) {
+  auto next = free_ranges_.lower_bound(start);
+  if (next != free_ranges_.end() && start + n == next->first) {
+    n += next->second;
+    next = free_ranges_.erase(next);
+  }
+  if (next != free_ranges_.begin()) {
+    const auto prev = std::prev(next);
+    if (prev->first + prev->second == start) {
+      prev->second += n;
+      return;
+    }
+  }
+  free_ranges_[start] = n;
+}
+
+void FileRowStore::AddSegment(uint32_t id, Segment seg, uint64_t records) {
+  seg.cap = static_cast<uint32_t>(std::min<uint64_t>(std::max<uint64_t>(records, 1), kCached));
+  seg.base = TakeRange(seg.cap);
+  by_base_[seg.base] = id;
+  segments_[id] = seg;
+}
+
+void FileRowStore::RemoveSegment(uint32_t id) {
+  const auto it = segments_.find(id);
+  if (it == segments_.end()) return;
+  GiveRange(it->second.base, it->second.cap);
+  by_base_.erase(it->second.base);
+  segments_.erase(it);
+}
+
+uint64_t FileRowStore::WordToLoc(uint32_t w) const {
+  if (w == kNoWord) return kNoLocation;
+  auto it = by_base_.upper_bound(w);
+  if (it == by_base_.begin()) throw std::runtime_error("file-tier row in a missing segment");
+  --it;
+  const auto seg = segments_.find(it->second);
+  if (seg == segments_.end()) throw std::runtime_error("file-tier row in a missing segment");
+  return (static_cast<uint64_t>(it->second) << kOffsetBits) |
+         (kHeaderBytes + static_cast<uint64_t>(w - seg->second.base) * seg->second.width * 4);
+}
+
+uint32_t FileRowStore::LocToWord(uint64_t loc) const {
+  if (loc == kNoLocation) return kNoWord;
+  const auto seg = segments_.find(static_cast<uint32_t>(loc >> kOffsetBits));
+  if (seg == segments_.end()) throw std::runtime_error("file-tier row in a missing segment");
+  const uint64_t offset = loc & ((uint64_t{1} << kOffsetBits) - 1);
+  return seg->second.base +
+         static_cast<uint32_t>((offset - kHeaderBytes) / (seg->second.width * 4));
 }
 
 FileRowStore::~FileRowStore() {
@@ -185,15 +252,11 @@ void FileRowStore::Recompute() {
   width_ = off;
   capacity_ = std::max<uint64_t>(16, cache_bytes_ / (static_cast<uint64_t>(width_) * 4));
   // Bounded by the 31-bit cache slot numbers.
-  capacity_ = std::min<uint64_t>(capacity_, INT32_MAX);
+  capacity_ = std::min<uint64_t>(capacity_, INT32_MAX - 1);
 }
 
 void FileRowStore::EnsureRowCapacity(uint32_t rows) {
-  if (slot_of_.size() < rows) {
-    const size_t n = std::max<size_t>(rows, slot_of_.size() * 2);
-    slot_of_.resize(n, -1);
-    loc_.resize(n, kNoLocation);
-  }
+  where_.EnsureCapacity(rows, kNoWord);
 }
 
 void FileRowStore::OpenSegment() {
@@ -220,7 +283,17 @@ void FileRowStore::OpenSegment() {
   file_bytes_ += kHeaderBytes;
   CheckMapBudget();
   MapSegment(&seg, /*read_only=*/false);
-  segments_[id] = seg;
+  const uint64_t bytes = static_cast<uint64_t>(width_) * 4;
+  const uint64_t limit = std::max<uint64_t>(space_->segment_bytes(), kHeaderBytes + bytes);
+  try {
+    AddSegment(id, seg, (limit - kHeaderBytes) / bytes);
+  } catch (...) {
+    UnmapSegment(&seg);
+    ::close(seg.fd);
+    ::unlink(seg.path.c_str());
+    file_bytes_ -= kHeaderBytes;
+    throw;
+  }
   active_ = id;
 }
 
@@ -280,8 +353,7 @@ void FileRowStore::Forget(uint64_t loc) {
   if (it != segments_.end()) live_bytes_ -= it->second.width * 4;
 }
 
-bool FileRowStore::RewriteInPlace(uint32_t row, const float* record) {
-  const uint64_t loc = loc_[row];
+bool FileRowStore::RewriteInPlace(uint64_t loc, const float* record) {
   if (loc == kNoLocation) return false;
   const auto it = segments_.find(static_cast<uint32_t>(loc >> kOffsetBits));
   if (it == segments_.end()) return false;
@@ -303,15 +375,14 @@ bool FileRowStore::RewriteInPlace(uint32_t row, const float* record) {
 }
 
 void FileRowStore::WriteBack(uint32_t slot) {
-  const uint32_t row = cache_row_[slot];
   const float* record = cache_.data() + static_cast<uint64_t>(slot) * width_;
-  if (RewriteInPlace(row, record)) {
+  if (RewriteInPlace(cache_loc_[slot], record)) {
     dirty_[slot] = 0;
     return;
   }
   const uint64_t loc = Append(record);
-  Forget(loc_[row]);
-  loc_[row] = loc;
+  Forget(cache_loc_[slot]);
+  cache_loc_[slot] = loc;
   dirty_[slot] = 0;
   MaybeCompact();
 }
@@ -330,12 +401,12 @@ void FileRowStore::MaybeCompact() {
     const uint32_t first_new = next_segment_;
     std::vector<float> rec(width_);
     for (uint32_t row = 0; row < next_row_; ++row) {
-      const uint64_t loc = loc_[row];
+      const uint64_t loc = Loc(row);
       if (loc == kNoLocation || (loc >> kOffsetBits) >= first_new) continue;
       ReadRecord(loc, rec.data());
       const uint64_t moved = Append(rec.data());
       Forget(loc);
-      loc_[row] = moved;
+      SetLoc(row, moved);
     }
     FlushBuffer();
     for (uint32_t id : old) {
@@ -344,7 +415,7 @@ void FileRowStore::MaybeCompact() {
       UnmapSegment(&seg);
       ::close(seg.fd);
       ::unlink(seg.path.c_str());
-      segments_.erase(id);
+      RemoveSegment(id);
     }
     ++compactions_;
   } catch (...) {
@@ -361,9 +432,19 @@ uint32_t FileRowStore::TakeCacheSlot() {
     return slot;
   }
   if (cache_row_.size() < capacity_) {
+    if (cache_row_.empty()) {
+      // Reserved once (pages are resident only when used): growing by
+      // reallocation would copy the cache and hold it twice meanwhile.
+      cache_.reserve(capacity_ * static_cast<uint64_t>(width_));
+      cache_row_.reserve(capacity_);
+      cache_loc_.reserve(capacity_);
+      ref_.reserve(capacity_);
+      dirty_.reserve(capacity_);
+    }
     const uint32_t slot = static_cast<uint32_t>(cache_row_.size());
     cache_.resize(cache_.size() + width_);
     cache_row_.push_back(kNoRow);
+    cache_loc_.push_back(kNoLocation);
     ref_.push_back(0);
     dirty_.push_back(0);
     return slot;
@@ -379,29 +460,29 @@ uint32_t FileRowStore::TakeCacheSlot() {
     }
     const uint32_t slot = static_cast<uint32_t>(h);
     if (dirty_[slot]) WriteBack(slot);  // may throw: nothing changed yet
-    slot_of_[cache_row_[slot]] = -1;
-    cache_row_[slot] = kNoRow;
+    Uncache(slot);
     return slot;
   }
 }
 
 float* FileRowStore::Fetch(uint32_t row, bool write) {
-  int32_t slot = slot_of_[row];
+  int32_t slot = SlotOf(row);
   if (slot >= 0) {
     ++hits_;
   } else {
     ++misses_;
     const uint32_t s = TakeCacheSlot();
+    // (after TakeCacheSlot: a write-back may compact, moving this row)
+    const uint64_t loc = WordToLoc(*where_.Row(row));
     try {
-      ReadRecord(loc_[row], cache_.data() + static_cast<uint64_t>(s) * width_);
+      ReadRecord(loc, cache_.data() + static_cast<uint64_t>(s) * width_);
     } catch (...) {
       free_slots_.push_back(s);
       throw;
     }
     ++reads_;
     slot = static_cast<int32_t>(s);
-    slot_of_[row] = slot;
-    cache_row_[s] = row;
+    Cache(row, s, loc);
     dirty_[s] = 0;
   }
   ref_[slot] = 1;
@@ -429,9 +510,7 @@ uint32_t FileRowStore::Allocate(const float* init) {
   for (size_t j = 0; j < widths_.size(); ++j) {
     std::fill(rec + slot_offsets_[j], rec + slot_offsets_[j] + widths_[j], inits_[j]);
   }
-  cache_row_[slot] = row;
-  slot_of_[row] = static_cast<int32_t>(slot);
-  loc_[row] = kNoLocation;
+  Cache(row, slot, kNoLocation);
   ref_[slot] = 1;
   dirty_[slot] = 1;
   ++rows_;
@@ -439,16 +518,15 @@ uint32_t FileRowStore::Allocate(const float* init) {
 }
 
 void FileRowStore::Release(uint32_t row) {
-  const int32_t slot = slot_of_[row];
+  const int32_t slot = SlotOf(row);
   if (slot >= 0) {
-    cache_row_[slot] = kNoRow;
+    Uncache(static_cast<uint32_t>(slot));
     ref_[slot] = 0;
     dirty_[slot] = 0;
     free_slots_.push_back(static_cast<uint32_t>(slot));
-    slot_of_[row] = -1;
   }
-  Forget(loc_[row]);
-  loc_[row] = kNoLocation;
+  Forget(WordToLoc(*where_.Row(row)));
+  *where_.Row(row) = kNoWord;
   free_rows_.push_back(row);
   --rows_;
 }
@@ -456,11 +534,12 @@ void FileRowStore::Release(uint32_t row) {
 void FileRowStore::Read(uint32_t row, float* value, float* slots) const {
   std::vector<float> local;
   const float* rec;
-  if (slot_of_[row] >= 0) {
-    rec = cache_.data() + static_cast<uint64_t>(slot_of_[row]) * width_;
+  const int32_t slot = SlotOf(row);
+  if (slot >= 0) {
+    rec = cache_.data() + static_cast<uint64_t>(slot) * width_;
   } else {
     local.resize(width_);
-    ReadRecord(loc_[row], local.data());
+    ReadRecord(WordToLoc(*where_.Row(row)), local.data());
     rec = local.data();
   }
   std::copy(rec, rec + dim_, value);
@@ -524,30 +603,35 @@ void FileRowStore::Clear() {
     ::unlink(kv.second.path.c_str());
   }
   segments_.clear();
+  by_base_.clear();
+  free_ranges_.clear();
+  free_ranges_[0] = kCached;
   active_ = -1;
   buffer_.clear();
   file_bytes_ = 0;
   live_bytes_ = 0;
-  DropCache();
-  slot_of_.clear();
-  slot_of_.shrink_to_fit();
-  loc_.clear();
-  loc_.shrink_to_fit();
+  DropCache(/*keep_rows=*/false);
+  where_.Clear();
   free_rows_.clear();
   next_row_ = 0;
   rows_ = 0;
   use_map_ = map_budget_ > 0;
 }
 
-void FileRowStore::DropCache() {
-  for (uint32_t r : cache_row_) {
-    if (r != kNoRow) slot_of_[r] = -1;
+void FileRowStore::DropCache(bool keep_rows) {
+  for (uint32_t slot = 0; keep_rows && slot < cache_row_.size(); ++slot) {
+    if (cache_row_[slot] != kNoRow) Uncache(slot);
   }
   cache_.clear();
   cache_.shrink_to_fit();
   cache_row_.clear();
+  cache_row_.shrink_to_fit();
+  cache_loc_.clear();
+  cache_loc_.shrink_to_fit();
   ref_.clear();
+  ref_.shrink_to_fit();
   dirty_.clear();
+  dirty_.shrink_to_fit();
   free_slots_.clear();
   hand_ = 0;
 }
@@ -556,9 +640,11 @@ RowStoreStats FileRowStore::Stats() const {
   RowStoreStats s;
   s.rows = rows_;
   s.cached_rows = cache_row_.size() - free_slots_.size();
-  s.memory_bytes = cache_.capacity() * 4 + slot_of_.capacity() * 4 + loc_.capacity() * 8 +
-                   free_rows_.capacity() * 4 + buffer_.capacity() +
-                   cache_row_.capacity() * 6;
+  // Reserved but unused cache capacity is not resident: counted as used.
+  const uint64_t used = cache_row_.size();
+  s.memory_bytes = used * (static_cast<uint64_t>(width_) * 4 + 4 + 8 + 2) +
+                   where_.BytesAllocated() + free_rows_.capacity() * 4 +
+                   free_slots_.capacity() * 4 + buffer_.capacity();
   s.disk_bytes = file_bytes_;
   s.hits = hits_;
   s.misses = misses_;
@@ -590,7 +676,16 @@ uint32_t FileRowStore::AdoptSegment(const std::string& path, uint64_t width, uin
   file_bytes_ += size;
   CheckMapBudget();
   MapSegment(&seg, /*read_only=*/true);
-  segments_[id] = seg;
+  const uint64_t records = size > kHeaderBytes ? (size - kHeaderBytes) / (width * 4) : 0;
+  try {
+    AddSegment(id, seg, records);
+  } catch (...) {
+    UnmapSegment(&seg);
+    ::close(seg.fd);
+    ::unlink(seg.path.c_str());
+    file_bytes_ -= size;
+    throw;
+  }
   return id;
 }
 
@@ -598,8 +693,7 @@ uint32_t FileRowStore::AdoptRow(uint64_t location) {
   bool fresh;
   const uint32_t row = TakeRow(&free_rows_, &next_row_, &fresh);
   EnsureRowCapacity(next_row_);
-  slot_of_[row] = -1;
-  loc_[row] = location;
+  *where_.Row(row) = LocToWord(location);
   const auto it = segments_.find(static_cast<uint32_t>(location >> kOffsetBits));
   if (it != segments_.end()) live_bytes_ += it->second.width * 4;
   ++rows_;

@@ -11,9 +11,12 @@
 //   at the time it was written) after a 32-byte header; a new segment is
 //   started when it reaches segment_bytes, when a slot is added, and after
 //   each snapshot, so that a segment is immutable once it is left.
-// * DRAM. Per row id: its cache slot (or none) and its file location
-//   (segment, offset) or none (12 bytes); the key index and the per-key
-//   metadata stay in DRAM (shard_index.h, MetaRows). The cache holds at
+// * DRAM. Per row id one 4-byte word (a chunked arena, no growth slack):
+//   its record number (each segment owns a range of record numbers, so a
+//   number names a segment and an offset), none, or, while the row is
+//   cached, its cache slot (the file location then sits with the cache
+//   slot, 8 bytes per cached row); the key index and the per-key metadata
+//   stay in DRAM (shard_index.h, MetaRows). The cache holds at
 //   most max(16, cache_bytes / num_shards / record bytes) rows per shard
 //   and replaces by CLOCK (second chance). A dirty row leaving the cache
 //   is written over its own record when that record is in a segment not
@@ -115,7 +118,7 @@ class FileRowStore final : public RowStore {
 
   // Snapshot support. Seal: Sync, then the next write starts a new segment.
   void Seal();
-  uint64_t Location(uint32_t row) const { return loc_[row]; }
+  uint64_t Location(uint32_t row) const { return Loc(row); }
   struct SegmentInfo {
     uint32_t id;
     std::string path;
@@ -145,8 +148,54 @@ class FileRowStore final : public RowStore {
     bool sealed = false;
     // Written in place since the last Sync (to be synced by it).
     bool written = false;
+    // Its record numbers: [base, base + cap).
+    uint32_t base = 0;
+    uint32_t cap = 0;
   };
   float* Fetch(uint32_t row, bool write);
+  // Per-row word (where_): kNoWord, kCached | cache slot while the row is
+  // cached (then its file location is cache_loc_[slot]), or else a record
+  // number (< 2^31): segments own disjoint ranges of record numbers
+  // (Segment::base, cap; by_base_), record base + i being the segment's
+  // i-th record. Locations outside (segment << 40 | offset) stay 64-bit.
+  static constexpr uint32_t kNoWord = UINT32_MAX;
+  static constexpr uint32_t kCached = uint32_t{1} << 31;
+  static bool IsCached(uint32_t w) { return w != kNoWord && (w & kCached) != 0; }
+  uint64_t WordToLoc(uint32_t w) const;
+  uint32_t LocToWord(uint64_t loc) const;
+  int32_t SlotOf(uint32_t row) const {
+    const uint32_t w = *where_.Row(row);
+    return IsCached(w) ? static_cast<int32_t>(w & ~kCached) : -1;
+  }
+  uint64_t Loc(uint32_t row) const {
+    const uint32_t w = *where_.Row(row);
+    return IsCached(w) ? cache_loc_[w & ~kCached] : WordToLoc(w);
+  }
+  void SetLoc(uint32_t row, uint64_t loc) {
+    uint32_t* w = where_.Row(row);
+    if (IsCached(*w)) {
+      cache_loc_[*w & ~kCached] = loc;
+    } else {
+      *w = LocToWord(loc);
+    }
+  }
+  // Puts `row` (file location `loc`) in cache slot `slot`, and takes it out.
+  void Cache(uint32_t row, uint32_t slot, uint64_t loc) {
+    cache_loc_[slot] = loc;
+    cache_row_[slot] = row;
+    *where_.Row(row) = kCached | slot;
+  }
+  void Uncache(uint32_t slot) {
+    *where_.Row(cache_row_[slot]) = LocToWord(cache_loc_[slot]);
+    cache_row_[slot] = kNoRow;
+  }
+  // Record-number ranges: a free range of n numbers (throws when none is
+  // left), and giving one back.
+  uint32_t TakeRange(uint32_t n);
+  void GiveRange(uint32_t start, uint32_t n);
+  // Registers a new segment (its range of record numbers) and removes one.
+  void AddSegment(uint32_t id, Segment seg, uint64_t records);
+  void RemoveSegment(uint32_t id);
   uint32_t TakeCacheSlot();
   void WriteBack(uint32_t slot);
   uint64_t Append(const float* record);
@@ -166,12 +215,13 @@ class FileRowStore final : public RowStore {
   static void UnmapSegment(Segment* seg);
   // Stops reading through mappings once the files outgrow map_budget_.
   void CheckMapBudget();
-  // Overwrites the record of `row` at its location in place when that is
+  // Overwrites the record at `loc` in place when that is
   // a segment not yet sealed, of the current width; returns whether it did.
-  bool RewriteInPlace(uint32_t row, const float* record);
+  bool RewriteInPlace(uint64_t loc, const float* record);
   // Empties the DRAM cache (its rows must be clean or be discarded): no row
-  // is cached any more and the cache's memory is freed.
-  void DropCache();
+  // is cached any more and the cache's memory is freed. keep_rows = false
+  // when every row goes (Clear): their words are not restored.
+  void DropCache(bool keep_rows = true);
 
   std::shared_ptr<FileSpace> space_;
   int shard_;
@@ -184,8 +234,9 @@ class FileRowStore final : public RowStore {
   int64_t pending_width_ = 0;
   float pending_init_ = 0;
   // Rows.
-  std::vector<int32_t> slot_of_;
-  std::vector<uint64_t> loc_;
+  ChunkedArena<uint32_t> where_{1};
+  std::map<uint32_t, uint32_t> by_base_;  // range start -> segment id
+  std::map<uint32_t, uint32_t> free_ranges_;  // start -> length
   std::vector<uint32_t> free_rows_;
   uint32_t next_row_ = 0;
   uint64_t rows_ = 0;
@@ -193,6 +244,7 @@ class FileRowStore final : public RowStore {
   uint64_t capacity_ = 16;
   std::vector<float> cache_;
   std::vector<uint32_t> cache_row_;
+  std::vector<uint64_t> cache_loc_;  // file location of each cached row
   std::vector<uint8_t> ref_, dirty_;
   std::vector<uint32_t> free_slots_;
   uint64_t hand_ = 0;

@@ -38,7 +38,10 @@ class ShardIndex {
   struct Entry {
     K key;
     uint32_t row;       // value (and slot) row; kNoRow while not admitted
-    uint32_t meta_row;  // metadata row; kNoRow when not tracked
+    // The metadata row when the table tracks metadata (kNoRow for none);
+    // otherwise the key's change epoch (table.h, "Change tracking"), kept
+    // here so that it costs no bytes beyond the entry's own padding.
+    uint32_t aux;
   };
 
   // The slot of `key` (hash h), or -1.

@@ -172,12 +172,7 @@ RowStoreStats Table<K>::StoreStats() const {
 template <typename K>
 uint64_t Table<K>::InsertNew(Shard& s, K key, uint64_t h, bool admit) {
   s.index.Reserve();
-  uint32_t meta_row = kNoRow;
-  if (options_.track_meta) {
-    meta_row = s.meta.Allocate();
-    s.meta.Row(meta_row)[kEpoch] = epoch_.load(std::memory_order_relaxed);
-  }
-  const uint64_t i = s.index.Insert(key, h, Entry{key, kNoRow, meta_row});
+  const uint64_t i = s.index.Insert(key, h, Entry{key, kNoRow, NewAux(s)});
   ++s.filtered;
   if (admit) {
     try {
@@ -194,14 +189,6 @@ template <typename K>
 uint32_t Table<K>::Admit(Shard& s, uint64_t i) {
   Entry& e = s.index.entry(i);
   const uint32_t row = s.store->Allocate(DefaultRow(e.key));
-  if (!options_.track_meta) {
-    try {
-      s.row_epochs.EnsureCapacity(uint64_t{row} + 1, 0);  // the row's change epoch
-    } catch (...) {
-      s.store->Release(row);  // out of memory: the row was not taken
-      throw;
-    }
-  }
   e.row = row;
   --s.filtered;
   ++s.admitted_total;
@@ -243,7 +230,7 @@ void Table<K>::EraseAt(Shard& s, uint64_t i) {
   } else {
     s.store->Release(e.row);
   }
-  if (e.meta_row != kNoRow) s.meta.Release(e.meta_row);
+  if (options_.track_meta && e.aux != kNoRow) s.meta.Release(e.aux);
   s.index.EraseAt(i);
 }
 
@@ -540,7 +527,7 @@ void Table<K>::Import(const K* keys, const float* values, const int64_t* freqs,
     const bool existed = idx >= 0;
     if (idx < 0) idx = static_cast<int64_t>(InsertNew(s, keys[i], h, /*admit=*/true));
     if (s.index.entry(idx).row == kNoRow) Admit(s, static_cast<uint64_t>(idx));
-    const Entry& e = s.index.entry(idx);
+    Entry& e = s.index.entry(idx);
     std::copy(values + i * dim_, values + (i + 1) * dim_, s.Value(e.row, /*write=*/true));
     if (int64_t* m = Meta(s, e)) {
       // A negative frequency keeps the count of a key already present.

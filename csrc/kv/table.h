@@ -6,7 +6,7 @@
 // * shard_index.h: the key space is split into shards by hash bits (hash.h
 //   documents which bits pick the shard, the slot and the tag); each shard
 //   has its own reader/writer lock and open-addressing index of {key,
-//   value_row, meta_row} entries.
+//   value_row, meta_row or change epoch} entries.
 // * row_store.h: the seam where rows live: values and parallel optimizer
 //   slots by row id, in DRAM arenas (DramRowStore) or in a bounded DRAM
 //   cache over segment files (file_store.h). Per-key metadata (frequency,
@@ -300,10 +300,9 @@ class Table {
     DramRowStore* dram = nullptr;  // store, when it is the DRAM one
     MetaRows meta;
     uint64_t filtered = 0;  // entries not admitted
-    // Change tracking: the epoch of each value row when metadata is not
-    // tracked (otherwise it is the metadata's kEpoch column), and the keys
-    // erased with the epoch of their erasure.
-    ChunkedArena<int64_t> row_epochs{1};
+    // Change tracking: the keys erased with the epoch of their erasure (a
+    // key's own epoch is the metadata's kEpoch column, or the index entry's
+    // aux field when metadata is not tracked).
     std::vector<std::pair<K, int64_t>> erased_log;
     // Counters (see TableCounters); lookups and hits are added once per
     // batch, also under a shared lock.
@@ -322,7 +321,6 @@ class Table {
       std::swap(dram, o.dram);
       std::swap(meta, o.meta);
       std::swap(filtered, o.filtered);
-      std::swap(row_epochs, o.row_epochs);
       std::swap(erased_log, o.erased_log);
     }
     // Empties the shard (index, rows, metadata, change log).
@@ -331,14 +329,27 @@ class Table {
       store->Clear();
       meta.Clear();
       filtered = 0;
-      row_epochs.Clear();
       erased_log.clear();
       erased_log.shrink_to_fit();
     }
   };
 
   int64_t* Meta(const Shard& s, const Entry& e) const {
-    return e.meta_row == kNoRow ? nullptr : s.meta.Row(e.meta_row);
+    return !options_.track_meta || e.aux == kNoRow ? nullptr : s.meta.Row(e.aux);
+  }
+  // The aux field of a new entry: a new metadata row (stamped with the
+  // current epoch) or the current epoch.
+  uint32_t NewAux(Shard& s) {
+    if (!options_.track_meta) return EpochWord();
+    const uint32_t meta_row = s.meta.Allocate();
+    s.meta.Row(meta_row)[kEpoch] = epoch_.load(std::memory_order_relaxed);
+    return meta_row;
+  }
+  // The current epoch as stored in an entry (saturating at 2^32 - 2: four
+  // billion MarkChanges calls).
+  uint32_t EpochWord() const {
+    return static_cast<uint32_t>(
+        std::min<int64_t>(epoch_.load(std::memory_order_relaxed), UINT32_MAX - 1));
   }
   // Inserts a missing key; with `admit` it gets value and slot rows. Returns
   // its index position.
@@ -348,18 +359,19 @@ class Table {
   // The frequency after `count` more occurrences (saturating, and at most
   // options_.freq_cap when that is > 0).
   int64_t CountFreq(int64_t freq, int64_t count) const;
-  // Change tracking: where entry e's change epoch lives, stamping it with
-  // the current epoch (caller holds the shard exclusively), and reading it.
-  int64_t* EpochSlot(const Shard& s, const Entry& e) const {
-    if (e.meta_row != kNoRow) return s.meta.Row(e.meta_row) + kEpoch;
-    return e.row == kNoRow ? nullptr : s.row_epochs.Row(e.row);
-  }
-  void Touch(Shard& s, const Entry& e) {
-    if (int64_t* ep = EpochSlot(s, e)) *ep = epoch_.load(std::memory_order_relaxed);
+  // Change tracking: stamps index entry e with the current epoch (caller
+  // holds the shard exclusively; e is the entry in the index, not a copy),
+  // and reads its epoch.
+  void Touch(Shard& s, Entry& e) {
+    if (!options_.track_meta) {
+      e.aux = EpochWord();
+    } else if (e.aux != kNoRow) {
+      s.meta.Row(e.aux)[kEpoch] = epoch_.load(std::memory_order_relaxed);
+    }
   }
   int64_t EpochOf(const Shard& s, const Entry& e) const {
-    const int64_t* ep = EpochSlot(s, e);
-    return ep ? *ep : 0;
+    if (!options_.track_meta) return e.aux;
+    return e.aux == kNoRow ? 0 : s.meta.Row(e.aux)[kEpoch];
   }
   // Adds one batch's lookup counts to the shard's counters.
   void CountLookups(Shard& s, uint64_t occurrences, uint64_t hits);
@@ -439,8 +451,9 @@ void Table<K>::Apply(int shard, const K* keys, const uint64_t* hashes,
       if (filter) continue;  // never admitted: the gradient is dropped
       idx = static_cast<int64_t>(InsertNew(s, keys[j], hashes[j], /*admit=*/true));
     }
-    const Entry& e = s.index.entry(idx);
+    Entry& e = s.index.entry(idx);
     if (e.row == kNoRow) continue;  // not admitted yet: dropped
+    Touch(s, e);  // (the entry in the index; `hits` holds copies)
     bool created;
     const int64_t g = groups.Group(
         HashKey(e.row), [&](int64_t other) { return hits[other].row == e.row; }, &created);
@@ -464,7 +477,6 @@ void Table<K>::Apply(int shard, const K* keys, const uint64_t* hashes,
     }
     fn(value, slot_rows.data(), sums.data() + r * dim_);
     if (int64_t* m = Meta(s, e)) m[kVersion] = step;
-    Touch(s, e);
   }
 }
 

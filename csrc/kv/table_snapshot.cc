@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstring>
 #include <stdexcept>
+#include <unordered_map>
 
 #include "kv/table.h"
 
@@ -19,7 +20,9 @@ namespace {
 
 constexpr char kIndexMagic[8] = {'K', 'R', 'E', 'S', 'N', 'P', '0', '1'};
 
-uint32_t Crc32(const uint8_t* p, size_t n) {
+// CRC-32 (IEEE), incremental: c starts at 0xFFFFFFFF, the CRC is the final
+// c ^ 0xFFFFFFFF.
+uint32_t Crc32Update(uint32_t c, const uint8_t* p, size_t n) {
   static uint32_t table[256];
   static const bool init = [] {
     for (uint32_t i = 0; i < 256; ++i) {
@@ -30,9 +33,8 @@ uint32_t Crc32(const uint8_t* p, size_t n) {
     return true;
   }();
   (void)init;
-  uint32_t c = 0xFFFFFFFFu;
   for (size_t i = 0; i < n; ++i) c = table[(c ^ p[i]) & 0xFF] ^ (c >> 8);
-  return c ^ 0xFFFFFFFFu;
+  return c;
 }
 
 std::runtime_error SnapError(const std::string& what, const std::string& path) {
@@ -40,58 +42,166 @@ std::runtime_error SnapError(const std::string& what, const std::string& path) {
                             (errno ? std::string(": ") + std::strerror(errno) : ""));
 }
 
+// Writes the snapshot index to a file through a bounded buffer (a table of
+// 100M keys has a 3.2 GB index: it is never held in memory whole), with a
+// running CRC-32 of every byte; Finish appends the CRC, fsyncs and closes.
 class Writer {
  public:
+  explicit Writer(const std::string& path) : path_(path) {
+    fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd_ < 0) throw SnapError("cannot create", path);
+    buf_.reserve(kBufferBytes);
+  }
+  ~Writer() {
+    if (fd_ >= 0) ::close(fd_);
+  }
   template <typename T>
   void Put(T v) {
-    const auto* p = reinterpret_cast<const uint8_t*>(&v);
-    buf.insert(buf.end(), p, p + sizeof(T));
+    PutBytes(&v, sizeof(T));
   }
   void PutBytes(const void* p, size_t n) {
-    if (n == 0) return;
     const auto* b = static_cast<const uint8_t*>(p);
-    buf.insert(buf.end(), b, b + n);
+    while (n > 0) {
+      const size_t k = std::min(n, kBufferBytes - buf_.size());
+      buf_.insert(buf_.end(), b, b + k);
+      b += k;
+      n -= k;
+      if (buf_.size() == kBufferBytes) Flush();
+    }
   }
   void PutString(const std::string& s) {
     Put<uint64_t>(s.size());
     PutBytes(s.data(), s.size());
   }
-  std::vector<uint8_t> buf;
+  void Finish() {
+    Flush();
+    const uint32_t crc = crc_ ^ 0xFFFFFFFFu;
+    buf_.insert(buf_.end(), reinterpret_cast<const uint8_t*>(&crc),
+                reinterpret_cast<const uint8_t*>(&crc) + 4);
+    Write();
+    const int rc = ::fsync(fd_);
+    const int fd = fd_;
+    fd_ = -1;
+    if (rc != 0) {
+      ::close(fd);
+      throw SnapError("cannot fsync", path_);
+    }
+    if (::close(fd) != 0) throw SnapError("cannot close", path_);
+  }
+
+ private:
+  static constexpr size_t kBufferBytes = 4 << 20;
+  void Flush() {
+    crc_ = Crc32Update(crc_, buf_.data(), buf_.size());
+    Write();
+  }
+  void Write() {
+    size_t done = 0;
+    while (done < buf_.size()) {
+      const ssize_t w = ::write(fd_, buf_.data() + done, buf_.size() - done);
+      if (w < 0 && errno == EINTR) continue;
+      if (w < 0) throw SnapError("cannot write", path_);
+      done += static_cast<size_t>(w);
+    }
+    buf_.clear();
+  }
+  std::string path_;
+  int fd_ = -1;
+  std::vector<uint8_t> buf_;
+  uint32_t crc_ = 0xFFFFFFFFu;
 };
 
+// Reads a snapshot index written by Writer through a bounded buffer: the
+// body (all but the last 4 bytes) with a running CRC-32; Finish reads the
+// rest of the body and checks the stored CRC. Reading past the body throws
+// ("truncated or corrupt").
 class Reader {
  public:
-  Reader(const std::vector<uint8_t>& b, const std::string& path) : buf(b), path(path) {}
+  explicit Reader(const std::string& path, bool crc = true) : path_(path), check_crc_(crc) {
+    fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd_ < 0) throw SnapError("cannot open", path);
+    struct stat st;
+    if (::fstat(fd_, &st) != 0) throw SnapError("cannot stat", path);
+    size_ = static_cast<uint64_t>(st.st_size);
+    body_ = size_ >= 4 ? size_ - 4 : 0;
+  }
+  ~Reader() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  uint64_t size() const { return size_; }
   template <typename T>
   T Get() {
     T v;
-    Need(sizeof(T));
-    std::memcpy(&v, buf.data() + pos, sizeof(T));
-    pos += sizeof(T);
+    GetBytes(&v, sizeof(T));
     return v;
   }
   void GetBytes(void* p, size_t n) {
-    Need(n);
-    if (n == 0) return;
-    std::memcpy(p, buf.data() + pos, n);
-    pos += n;
+    auto* out = static_cast<uint8_t*>(p);
+    while (n > 0) {
+      if (pos_ == buf_.size()) Fill();
+      const size_t k = std::min(n, buf_.size() - pos_);
+      std::memcpy(out, buf_.data() + pos_, k);
+      out += k;
+      pos_ += k;
+      n -= k;
+    }
   }
   std::string GetString() {
     const uint64_t n = Get<uint64_t>();
-    Need(n);
-    std::string s(reinterpret_cast<const char*>(buf.data() + pos), n);
-    pos += n;
+    if (n > body_) Corrupt();
+    std::string s(n, '\0');
+    GetBytes(s.data(), n);
     return s;
   }
-  void Need(uint64_t n) {
-    if (n > buf.size() - pos) {
+  // Bytes of the body left to read.
+  uint64_t Remaining() const { return body_ - read_ + (buf_.size() - pos_); }
+  void Finish() {
+    while (read_ < body_) {
+      pos_ = buf_.size();
+      Fill();
+    }
+    uint32_t stored;
+    if (!ReadAt(reinterpret_cast<uint8_t*>(&stored), 4, body_)) Corrupt();
+    if ((crc_ ^ 0xFFFFFFFFu) != stored) {
       errno = 0;
-      throw SnapError("the snapshot index is truncated or corrupt", path);
+      throw SnapError("the snapshot index is corrupt (CRC mismatch)", path_);
     }
   }
-  const std::vector<uint8_t>& buf;
-  std::string path;
-  size_t pos = 0;
+  [[noreturn]] void Corrupt() const {
+    errno = 0;
+    throw SnapError("the snapshot index is truncated or corrupt", path_);
+  }
+
+ private:
+  static constexpr size_t kBufferBytes = 4 << 20;
+  void Fill() {
+    if (read_ >= body_) Corrupt();
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(kBufferBytes, body_ - read_));
+    buf_.resize(n);
+    if (!ReadAt(buf_.data(), n, read_)) Corrupt();
+    if (check_crc_) crc_ = Crc32Update(crc_, buf_.data(), n);
+    read_ += n;
+    pos_ = 0;
+  }
+  bool ReadAt(uint8_t* p, size_t n, uint64_t offset) {
+    while (n > 0) {
+      const ssize_t r = ::pread(fd_, p, n, static_cast<off_t>(offset));
+      if (r < 0 && errno == EINTR) continue;
+      if (r < 0) throw SnapError("cannot read", path_);
+      if (r == 0) return false;
+      p += r;
+      n -= static_cast<size_t>(r);
+      offset += static_cast<uint64_t>(r);
+    }
+    return true;
+  }
+  std::string path_;
+  bool check_crc_;
+  int fd_ = -1;
+  uint64_t size_ = 0, body_ = 0, read_ = 0;
+  std::vector<uint8_t> buf_;
+  size_t pos_ = 0;
+  uint32_t crc_ = 0xFFFFFFFFu;
 };
 
 void SyncPath(const std::string& path, bool dir) {
@@ -215,7 +325,8 @@ int64_t Table<K>::Snapshot() {
   const int64_t seq = committed + 1;
   const std::string tmp = root + "/" + SnapName(seq) + ".tmp";
   if (::mkdir(tmp.c_str(), 0755) != 0) throw SnapError("cannot create", tmp);
-  Writer w;
+  // The index streams to its file while the shards are written out.
+  Writer w(tmp + "/index");
   w.PutBytes(kIndexMagic, 8);
   w.Put<uint64_t>(sizeof(K));
   w.Put<int64_t>(dim_);
@@ -258,8 +369,7 @@ int64_t Table<K>::Snapshot() {
       w.Put<int64_t>(m ? m[kVersion] : 0);
     }
   }
-  w.Put<uint32_t>(Crc32(w.buf.data(), w.buf.size()));
-  WriteFile(tmp + "/index", w.buf);
+  w.Finish();
   SyncPath(tmp, true);
   const std::string final_dir = root + "/" + SnapName(seq);
   if (::rename(tmp.c_str(), final_dir.c_str()) != 0) throw SnapError("cannot rename", tmp);
@@ -291,77 +401,110 @@ int64_t Table<K>::RestoreSnapshot(const std::string& path) {
   }
   const std::string dir = root + "/" + name;
   const std::string index_path = dir + "/index";
-  const std::vector<uint8_t> data = ReadFile(index_path);
-  errno = 0;
-  if (data.size() < 12 || std::memcmp(data.data(), kIndexMagic, 8) != 0) {
-    throw SnapError("not a snapshot index (bad magic or truncated)", index_path);
-  }
-  uint32_t crc;
-  std::memcpy(&crc, data.data() + data.size() - 4, 4);
-  if (Crc32(data.data(), data.size() - 4) != crc) {
-    throw SnapError("the snapshot index is corrupt (CRC mismatch)", index_path);
-  }
-  const std::vector<uint8_t> body(data.begin(), data.end() - 4);
-  Reader r(body, index_path);
-  char magic[8];
-  r.GetBytes(magic, 8);
-  if (r.Get<uint64_t>() != sizeof(K) || r.Get<int64_t>() != dim_ ||
-      r.Get<uint64_t>() != shards_.size()) {
-    throw SnapError("the snapshot has another key type, dim or shard count than this table",
-                    index_path);
-  }
-  const int64_t latest = r.Get<int64_t>();
-  std::vector<SlotSpec> specs(r.Get<uint64_t>());
-  for (auto& spec : specs) {
-    spec.name = r.GetString();
-    spec.width = r.Get<int64_t>();
-    spec.init = r.Get<float>();
-  }
-  std::vector<float> defaults(r.Get<uint64_t>());
-  r.GetBytes(defaults.data(), defaults.size() * sizeof(float));
-  std::vector<uint8_t> bloom(r.Get<uint64_t>());
-  r.GetBytes(bloom.data(), bloom.size());
-  if (defaults.empty() || defaults.size() % dim_ != 0 ||
-      (!bloom.empty() && bloom.size() != bloom_.StateBytes())) {
-    throw SnapError("the snapshot's initializer or Bloom filter does not fit this table",
-                    index_path);
-  }
+  // The index is read twice, streaming (never whole in memory): a first
+  // pass checks everything (structure, segments, locations, CRC) without
+  // changing the table, the second fills the table.
   struct SegRef { uint32_t id; uint64_t size, width; std::string path; };
-  struct Row { int64_t key; uint64_t loc; int64_t freq, version; };
+  int64_t latest = -1;
+  std::vector<SlotSpec> specs;
+  std::vector<float> defaults;
+  std::vector<uint8_t> bloom;
   std::vector<std::vector<SegRef>> segs(shards_.size());
-  std::vector<std::vector<Row>> rows(shards_.size());
+  std::vector<std::unordered_map<uint32_t, size_t>> seg_pos(shards_.size());
   int64_t width = dim_;
-  for (const auto& spec : specs) width += spec.width;
-  for (size_t si = 0; si < shards_.size(); ++si) {
-    segs[si].resize(r.Get<uint64_t>());
-    for (auto& seg : segs[si]) {
+  auto read_header = [&](Reader& r) {
+    errno = 0;
+    char magic[8];
+    if (r.size() < 12) throw SnapError("not a snapshot index (bad magic or truncated)", index_path);
+    r.GetBytes(magic, 8);
+    if (std::memcmp(magic, kIndexMagic, 8) != 0) {
+      throw SnapError("not a snapshot index (bad magic or truncated)", index_path);
+    }
+    if (r.Get<uint64_t>() != sizeof(K) || r.Get<int64_t>() != dim_ ||
+        r.Get<uint64_t>() != shards_.size()) {
+      throw SnapError("the snapshot has another key type, dim or shard count than this table",
+                      index_path);
+    }
+    latest = r.Get<int64_t>();
+    const uint64_t nspecs = r.Get<uint64_t>();
+    if (nspecs > r.Remaining()) r.Corrupt();
+    specs.assign(nspecs, SlotSpec{});
+    for (auto& spec : specs) {
+      spec.name = r.GetString();
+      spec.width = r.Get<int64_t>();
+      spec.init = r.Get<float>();
+    }
+    const uint64_t ndefaults = r.Get<uint64_t>();
+    if (ndefaults > r.Remaining() / sizeof(float)) r.Corrupt();
+    defaults.assign(ndefaults, 0.0f);
+    r.GetBytes(defaults.data(), defaults.size() * sizeof(float));
+    const uint64_t nbloom = r.Get<uint64_t>();
+    if (nbloom > r.Remaining()) r.Corrupt();
+    bloom.assign(nbloom, 0);
+    r.GetBytes(bloom.data(), bloom.size());
+    if (defaults.empty() || defaults.size() % dim_ != 0 ||
+        (!bloom.empty() && bloom.size() != bloom_.StateBytes())) {
+      throw SnapError("the snapshot's initializer or Bloom filter does not fit this table",
+                      index_path);
+    }
+    width = dim_;
+    for (const auto& spec : specs) width += spec.width;
+  };
+  auto read_segments = [&](Reader& r, size_t si) {
+    const uint64_t nsegs = r.Get<uint64_t>();
+    if (nsegs > r.Remaining() / 20) r.Corrupt();
+    segs[si].assign(nsegs, SegRef{});
+    seg_pos[si].clear();
+    for (size_t g = 0; g < segs[si].size(); ++g) {
+      SegRef& seg = segs[si][g];
       seg.id = r.Get<uint32_t>();
       seg.size = r.Get<uint64_t>();
       seg.width = r.Get<uint64_t>();
       seg.path = dir + "/s" + std::to_string(si) + "-" + std::to_string(seg.id) + ".seg";
-      struct stat st;
-      if (::stat(seg.path.c_str(), &st) != 0) throw SnapError("missing snapshot segment", seg.path);
-      errno = 0;
-      if (static_cast<uint64_t>(st.st_size) < seg.size || seg.width < static_cast<uint64_t>(dim_) ||
-          seg.width > static_cast<uint64_t>(width)) {
-        throw SnapError("the snapshot segment is truncated or does not fit", seg.path);
-      }
+      seg_pos[si][seg.id] = g;
     }
-    rows[si].resize(r.Get<uint64_t>());
-    for (auto& row : rows[si]) {
-      row.key = r.Get<int64_t>();
-      row.loc = r.Get<uint64_t>();
-      row.freq = r.Get<int64_t>();
-      row.version = r.Get<int64_t>();
-      if (row.loc == kNoLocation) continue;
-      const uint32_t id = static_cast<uint32_t>(row.loc >> 40);
-      const uint64_t off = row.loc & ((uint64_t{1} << 40) - 1);
-      const auto it = std::find_if(segs[si].begin(), segs[si].end(),
-                                   [&](const SegRef& g) { return g.id == id; });
-      if (it == segs[si].end() || off < 32 || off + it->width * 4 > it->size) {
-        throw SnapError("the snapshot index points outside its segments", index_path);
+  };
+  constexpr uint64_t kRowBytes = 32;  // key, location, frequency, version
+  {
+    Reader r(index_path);
+    try {
+      read_header(r);
+      for (size_t si = 0; si < shards_.size(); ++si) {
+        read_segments(r, si);
+        for (const auto& seg : segs[si]) {
+          struct stat st;
+          if (::stat(seg.path.c_str(), &st) != 0) {
+            throw SnapError("missing snapshot segment", seg.path);
+          }
+          errno = 0;
+          if (static_cast<uint64_t>(st.st_size) < seg.size ||
+              seg.width < static_cast<uint64_t>(dim_) || seg.width > static_cast<uint64_t>(width)) {
+            throw SnapError("the snapshot segment is truncated or does not fit", seg.path);
+          }
+        }
+        const uint64_t n = r.Get<uint64_t>();
+        if (n > r.Remaining() / kRowBytes) r.Corrupt();
+        for (uint64_t k = 0; k < n; ++k) {
+          r.Get<int64_t>();  // key
+          const uint64_t loc = r.Get<uint64_t>();
+          r.Get<int64_t>();  // frequency
+          r.Get<int64_t>();  // version
+          if (loc == kNoLocation) continue;
+          const uint32_t id = static_cast<uint32_t>(loc >> 40);
+          const uint64_t off = loc & ((uint64_t{1} << 40) - 1);
+          const auto it = seg_pos[si].find(id);
+          if (it == seg_pos[si].end() || off < 32 ||
+              off + segs[si][it->second].width * 4 > segs[si][it->second].size) {
+            errno = 0;
+            throw SnapError("the snapshot index points outside its segments", index_path);
+          }
+        }
       }
+    } catch (const std::runtime_error&) {
+      r.Finish();  // a CRC mismatch is the better explanation
+      throw;
     }
+    r.Finish();  // the CRC of the whole index
   }
   // Everything checked: replace the contents.
   std::vector<std::unique_lock<std::shared_mutex>> locks;
@@ -373,45 +516,41 @@ int64_t Table<K>::RestoreSnapshot(const std::string& path) {
     widths.push_back(spec.width);
     inits.push_back(spec.init);
   }
+  Reader r(index_path, /*crc=*/false);
+  read_header(r);
   int64_t keys = 0;
   for (size_t si = 0; si < shards_.size(); ++si) {
     Shard& s = *shards_[si];
     auto* store = static_cast<FileRowStore*>(s.store.get());
     s.Reset();
     store->SetLayout(widths, inits);
-    std::vector<std::pair<uint32_t, uint32_t>> ids;  // snapshot id -> new id
+    read_segments(r, si);
+    std::unordered_map<uint32_t, uint32_t> ids;  // snapshot id -> new id
     for (const auto& seg : segs[si]) {
-      ids.emplace_back(seg.id, store->AdoptSegment(seg.path, seg.width, seg.size));
+      ids[seg.id] = store->AdoptSegment(seg.path, seg.width, seg.size);
     }
-    for (const Row& row : rows[si]) {
-      const K key = static_cast<K>(row.key);
+    const uint64_t n = r.Get<uint64_t>();
+    for (uint64_t k = 0; k < n; ++k) {
+      const K key = static_cast<K>(r.Get<int64_t>());
+      const uint64_t loc = r.Get<uint64_t>();
+      const int64_t freq = r.Get<int64_t>();
+      const int64_t version = r.Get<int64_t>();
       const uint64_t h = Hash(key);
       s.index.Reserve();
-      uint32_t meta_row = kNoRow;
+      const uint32_t aux = NewAux(s);
       if (options_.track_meta) {
-        meta_row = s.meta.Allocate();
-        int64_t* m = s.meta.Row(meta_row);
-        m[kFreq] = row.freq;
-        m[kVersion] = row.version;
-        m[kEpoch] = epoch_.load(std::memory_order_relaxed);
+        int64_t* m = s.meta.Row(aux);
+        m[kFreq] = freq;
+        m[kVersion] = version;
       }
       uint32_t value_row = kNoRow;
-      if (row.loc == kNoLocation) {
+      if (loc == kNoLocation) {
         ++s.filtered;
       } else {
-        const uint32_t old_id = static_cast<uint32_t>(row.loc >> 40);
-        uint32_t new_id = 0;
-        for (const auto& p : ids) {
-          if (p.first == old_id) new_id = p.second;
-        }
-        value_row = store->AdoptRow((static_cast<uint64_t>(new_id) << 40) |
-                                    (row.loc & ((uint64_t{1} << 40) - 1)));
+        const uint64_t new_id = ids.at(static_cast<uint32_t>(loc >> 40));
+        value_row = store->AdoptRow((new_id << 40) | (loc & ((uint64_t{1} << 40) - 1)));
       }
-      s.index.Insert(key, h, Entry{key, value_row, meta_row});
-      if (!options_.track_meta && value_row != kNoRow) {
-        s.row_epochs.EnsureCapacity(uint64_t{value_row} + 1, 0);
-        *s.row_epochs.Row(value_row) = epoch_.load(std::memory_order_relaxed);
-      }
+      s.index.Insert(key, h, Entry{key, value_row, aux});
       ++keys;
     }
   }

@@ -108,3 +108,16 @@ def test_failing_benchmark_is_named_with_its_output(tmp_path, capsys):
     assert bench.command(args) == 1
     assert "keras-rec-emb bench: error: benchmarks directory not found" in \
         capsys.readouterr().err
+
+
+def test_stored_scale_result_rows(tmp_path):
+    # The stored `storage.py --scale` result (100M ids) becomes two labelled
+    # rows: peak RSS against the 6 GiB ceiling, and disk bytes per key.
+    stored = bench.stored_scale_result(REPORT_PY.parent)
+    assert stored is not None and stored["benchmark"] == "storage_scale"
+    rss, disk = bench._storage_scale_rows(stored)
+    assert stored["date"] in rss["benchmark"] and stored["command"] in rss["benchmark"]
+    assert rss["ratio"] == stored["peak_rss_bytes"] / (6 * 2**30) and rss["lower"]
+    assert rss["status"] == ("met" if round(rss["ratio"], 3) <= 1.0 else "not met")
+    assert disk["ratio"] == stored["disk_over_bound"]
+    assert bench.stored_scale_result(tmp_path) is None

@@ -33,5 +33,8 @@ def test_scale_mode_tiny(tmp_path):
     assert 0.0 <= report["cache_hit_rate"] <= 1.0 and report["steps_per_s"] > 0
     assert report["peak_rss_bytes"] >= report["rss_end"]["RssAnon"] > 0
     assert "peak RSS" in run.stdout and "ids filled" in run.stdout
+    # Self-labelled (a stored result names its date and command).
+    assert report["command"].startswith("benchmarks/storage.py --scale --scale-keys 20000")
+    assert len(report["date"]) == 10 and report["date"][4] == "-"
     # The folder that was asked for was used (a table's files go under it).
     assert any(path.name == "LOCK" for path in storage.rglob("*"))
