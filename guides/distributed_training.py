@@ -136,6 +136,7 @@ def run_worker():
     devices = kre.distribute.connect(ps, os.environ["KRE_GUIDE_WORKER"], task, timeout=120)
     with kre.distribute.parameter_servers(devices):
         model = build_dlrm()
+    print("READY", flush=True)  # its tables exist: the next worker may connect
     if task < 2:
         model.fit(dataset(os.environ["KRE_GUIDE_DATA"], 2, task), epochs=1, verbose=0)
     else:  # the last one only reads: the tables' sizes after both workers
@@ -310,16 +311,25 @@ try:
         return subprocess.Popen([sys.executable, os.path.abspath(__file__)], env=env,
                                 stdout=subprocess.PIPE, text=True)
 
-    workers = [worker(0), worker(1)]
-    procs += workers
+    def started(task):
+        # Workers connect one after another: TensorFlow 2.21's gRPC server can
+        # crash when two eager clients connect at the same moment (README,
+        # "Semantics worth knowing"). Once connected they train concurrently.
+        proc = worker(task)
+        procs.append(proc)
+        for line in proc.stdout:
+            if line.strip() == "READY":
+                break
+        return proc
+
+    workers = [started(0), started(1)]
     for w in workers:
         if w.wait(timeout=600) != 0:
             # Say which process failed: a parameter server that exited (its
             # code; a negative one is the signal) or the worker itself.
             raise RuntimeError(f"worker exited with {w.returncode}; parameter servers: "
                                f"{[p.poll() for p in procs[:2]]} (None: still running)")
-    reader = worker(2)
-    procs.append(reader)
+    reader = started(2)
     out, _ = reader.communicate(timeout=600)
     sizes = json.loads([x for x in out.splitlines() if x.startswith("TABLES ")][0][7:])
     print("cluster tables:", sizes)
