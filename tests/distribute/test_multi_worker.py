@@ -5,7 +5,6 @@ restores into another worker count and into one process."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -14,18 +13,10 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+from _net import free_ports  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
-
-
-def free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def run_cluster(folder, workers, *args, timeout=240):

@@ -3,7 +3,6 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -19,16 +18,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 import ps_worker  # noqa: E402
-
-
-def free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+from _net import free_ports  # noqa: E402
 
 
 def _env():
