@@ -268,3 +268,55 @@ def test_snapshot_survives_kill_9_of_the_writer(tmp_path):
         del layer, data  # releases the folder for the next writer
         gc.collect()
     assert checked >= 2
+
+
+_FULL_DISK_CHILD = r"""
+import resource, signal, sys
+import numpy as np
+import tensorflow as tf
+import keras_rec_emb as kre
+from keras_rec_emb.layers import EmbeddingVariable
+
+path, limit = sys.argv[1], int(sys.argv[2])
+option = kre.EmbeddingVariableOption(storage_option=kre.StorageOption(
+    "FILE", storage_path=path, storage_size=4096), num_shards=1)
+layer = EmbeddingVariable(16, ev_option=option, name="full")
+layer(np.array([0], np.int64), training=True)
+first = layer.table.export()["values"].copy()
+# From here on no file of this process may grow past `limit` bytes: a write
+# past it fails with EFBIG, as a write to a full disk fails with ENOSPC.
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+try:
+    for start in range(0, 400_000, 20_000):
+        layer(np.arange(start, start + 20_000, dtype=np.int64), training=True)
+    print("NO ERROR")
+except tf.errors.OpError as e:
+    print("ERROR", type(e).__name__, " ".join(str(e).split()))
+# Space again (the limit lifted): the table goes on, nothing was lost.
+resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
+np.testing.assert_array_equal(layer.table.lookup(np.array([0], np.int64)).numpy(), first)
+layer(np.arange(0, 1000, dtype=np.int64), training=True)
+print("ALIVE", layer.table.size())
+"""
+
+
+def test_full_storage_path_names_it_and_the_process_survives(tmp_path):
+    """A storage path that cannot take more bytes (here RLIMIT_FSIZE, which
+    fails writes as a full disk does): a clear error naming the path and the
+    reason, no crash; once there is room again the table goes on with every
+    row it held."""
+    store = tmp_path / "store"
+    result = subprocess.run(
+        [sys.executable, "-c", _FULL_DISK_CHILD, str(store), str(1 << 20)],
+        capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    out = result.stdout
+    assert result.returncode == 0, out[-2000:] + result.stderr[-3000:]
+    error = [line for line in out.splitlines() if line.startswith("ERROR")]
+    assert error, out
+    assert "ResourceExhausted" in error[0], error[0]
+    assert str(store) in error[0] and "File too large" in error[0], error[0]
+    alive = [line for line in out.splitlines() if line.startswith("ALIVE")]
+    assert alive and int(alive[0].split()[1]) >= 1000, out
