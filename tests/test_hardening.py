@@ -146,7 +146,8 @@ t = filled()
 @tf.function(input_signature=[tf.TensorSpec([None], tf.int64)] * 2)
 def f(ids, splits):
     return stock_group_lookup([_Param(table=t)], [ids], [splits], [tf.zeros([0])],
-                              ['mean'], [None], [None], [True], [False])
+                              ['mean'], [None], [None], [True], [False],
+                              stock_table=lambda table: table)
 f(tf.constant([1, 2, 3], tf.int64), tf.constant([0, 10**6, 3], tf.int64))
 """, "row_splits"),
     ("serving_stock_short_splits", """
@@ -155,7 +156,8 @@ t = filled()
 @tf.function(input_signature=[tf.TensorSpec([None], tf.int64)] * 2)
 def f(ids, splits):
     return stock_group_lookup([_Param(table=t)], [ids], [splits], [tf.zeros([0])],
-                              ['sum'], [None], [0], [True], [False])
+                              ['sum'], [None], [0], [True], [False],
+                              stock_table=lambda table: table)
 f(tf.constant([1, 2, 3], tf.int64), tf.constant([0, 1], tf.int64))
 """, "row_splits"),
     # 6. Arbitrary addresses to the Arrow op.
