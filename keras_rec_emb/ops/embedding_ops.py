@@ -118,14 +118,23 @@ def _fused_lookup(params, flat_ids, splits, weights, combiners, max_norms,
                   default_ids, prunes, sequences, training, name, concat=False):
     """Runs one KRE>GroupLookup over features (lists of equal length); with
     `concat`, returns `[outputs side by side]` (written in place by the op)."""
+    # Stock ops instead of the fused op: in a graph traced by `stock_lookups`
+    # (serving; rows from `stock_table`), and over tables sharded by
+    # `keras_rec_emb.distribute` (parameter servers, MirroredStrategy replicas,
+    # MultiWorkerMirroredStrategy workers), whose own `lookup` sends ids to
+    # their shards and rows back (with `training` it inserts and counts every
+    # occurrence, as the fused kernel does); the fused op needs every table in
+    # this process.
     stock_table = getattr(_STOCK, "table", None)
-    if stock_table is not None and not training:  # traced inside `stock_lookups`
+    if stock_table is not None and not training:
+        stock = {"stock_table": stock_table}
+    elif any(p.table is not None and not isinstance(p.table, EmbeddingTable) for p in params):
+        stock = {"insert": bool(training)}
+    else:
+        stock = None
+    if stock is not None:
         outs = stock_group_lookup(params, flat_ids, splits, weights, combiners, max_norms,
-                                  default_ids, prunes, sequences, stock_table)
-        return [tf.concat(outs, -1)] if concat else outs
-    if any(p.table is not None and not isinstance(p.table, EmbeddingTable) for p in params):
-        outs = _sharded_group_lookup(params, flat_ids, splits, weights, combiners, max_norms,
-                                     default_ids, prunes, sequences, training)
+                                  default_ids, prunes, sequences, **stock)
         return [tf.concat(outs, -1)] if concat else outs
     # Distinct parameters, tables first (the op's input order).
     tables, dense, index = [], [], {}
@@ -161,19 +170,6 @@ def _fused_lookup(params, flat_ids, splits, weights, combiners, max_norms,
         num_params=len(tables) + len(dense), name=name or "GroupLookup",
         concat=bool(concat), **attrs)
     return [outs[0]] if concat else list(outs)
-
-
-def _sharded_group_lookup(params, flat_ids, splits, weights, combiners, max_norms,
-                          default_ids, prunes, sequences, training):
-    """A group lookup over tables sharded by `keras_rec_emb.distribute`
-    (parameter servers, MirroredStrategy replicas, MultiWorkerMirroredStrategy
-    workers): feature by feature with stock ops (`stock_group_lookup`), each
-    table's rows from its own sharded `lookup` (which sends ids to their
-    shards and rows back; with `training` it inserts and counts every
-    occurrence, as the fused kernel does). The fused `KRE>GroupLookup`
-    needs every table in this process."""
-    return stock_group_lookup(params, flat_ids, splits, weights, combiners, max_norms,
-                              default_ids, prunes, sequences, insert=bool(training))
 
 
 # -- the same lookup with stock TensorFlow ops (export_for_serving) ------------
