@@ -280,21 +280,26 @@ void FileRowStore::OpenSegment() {
     throw;
   }
   seg.size = kHeaderBytes;
-  file_bytes_ += kHeaderBytes;
-  CheckMapBudget();
-  MapSegment(&seg, /*read_only=*/false);
   const uint64_t bytes = static_cast<uint64_t>(width_) * 4;
   const uint64_t limit = std::max<uint64_t>(space_->segment_bytes(), kHeaderBytes + bytes);
+  RegisterSegment(id, seg, /*read_only=*/false, (limit - kHeaderBytes) / bytes);
+  active_ = id;
+}
+
+void FileRowStore::RegisterSegment(uint32_t id, Segment seg, bool read_only,
+                                   uint64_t records) {
+  file_bytes_ += seg.size;
+  CheckMapBudget();
+  MapSegment(&seg, read_only);
   try {
-    AddSegment(id, seg, (limit - kHeaderBytes) / bytes);
+    AddSegment(id, seg, records);
   } catch (...) {
     UnmapSegment(&seg);
     ::close(seg.fd);
     ::unlink(seg.path.c_str());
-    file_bytes_ -= kHeaderBytes;
+    file_bytes_ -= seg.size;
     throw;
   }
-  active_ = id;
 }
 
 void FileRowStore::FlushBuffer() {
@@ -673,19 +678,8 @@ uint32_t FileRowStore::AdoptSegment(const std::string& path, uint64_t width, uin
   seg.width = width;
   seg.size = size;
   seg.sealed = true;  // the snapshot's own file (a hard link): read only
-  file_bytes_ += size;
-  CheckMapBudget();
-  MapSegment(&seg, /*read_only=*/true);
   const uint64_t records = size > kHeaderBytes ? (size - kHeaderBytes) / (width * 4) : 0;
-  try {
-    AddSegment(id, seg, records);
-  } catch (...) {
-    UnmapSegment(&seg);
-    ::close(seg.fd);
-    ::unlink(seg.path.c_str());
-    file_bytes_ -= size;
-    throw;
-  }
+  RegisterSegment(id, seg, /*read_only=*/true, records);
   return id;
 }
 

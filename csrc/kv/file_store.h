@@ -195,6 +195,10 @@ class FileRowStore final : public RowStore {
   void GiveRange(uint32_t start, uint32_t n);
   // Registers a new segment (its range of record numbers) and removes one.
   void AddSegment(uint32_t id, Segment seg, uint64_t records);
+  // Counts, maps and adds a segment file just opened (`records` record
+  // numbers for it); if that fails, removes the file and leaves the store as
+  // it was.
+  void RegisterSegment(uint32_t id, Segment seg, bool read_only, uint64_t records);
   void RemoveSegment(uint32_t id);
   uint32_t TakeCacheSlot();
   void WriteBack(uint32_t slot);
