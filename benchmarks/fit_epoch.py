@@ -1,22 +1,24 @@
-"""End-to-end `model.fit` epochs: one GroupEmbedding vs separate EmbeddingVariable layers.
+"""End-to-end `model.fit` epochs: GroupEmbedding vs separate EmbeddingVariable layers.
 
 The demo's model (`keras_rec_emb.cli.build_model`: 13 dense features,
 --features categorical ids with a CounterFilter(2) and GlobalStepEvict
-table each, MLP 64-32-1, AdagradDecay) is built two ways over the same
+table each, MLP 64-32-1, AdagradDecay) is built three ways over the same
 synthetic Criteo-like Parquet file (`keras_rec_emb.cli.synthetic_ctr`),
-read by `ParquetDataset`:
+read by `ParquetDataset`, each model with its own tables:
 
-* ``group``: one ``GroupEmbedding`` over the per-feature tables (the demo).
+* ``group``: one ``GroupEmbedding(output_mode="concat")`` (the demo);
+* ``group_dict``: one ``GroupEmbedding(output_mode="dict")``, its outputs
+  concatenated by Keras;
 * ``separate``: one ``EmbeddingVariable`` layer per feature.
 
 Each model trains --epochs epochs of --rows rows; the models alternate epoch
-by epoch (so both see the same machine state) and each epoch's wall time is
-measured by `model.fit` itself (a callback from epoch begin to end). Epoch 1
-includes tracing and every table's growth; later epochs are steady.
-Reported: per-epoch seconds per model and the ratio separate/group (> 1:
-the group is faster).
+by epoch (so all see the same machine state) and each epoch's wall and CPU
+time is measured by `model.fit` itself (a callback from epoch begin to end).
+Epoch 1 includes tracing and every table's growth and is left out of the
+medians. Reported: per-epoch seconds per model, and per steady epoch the
+ratio separate/group (> 1: the group is faster), as median, min and max.
 
-    .venv/bin/python benchmarks/fit_epoch.py                 # 300k rows, 3 epochs
+    .venv/bin/python benchmarks/fit_epoch.py --threads 1     # 300k rows, 4 epochs
     .venv/bin/python benchmarks/fit_epoch.py --rows 100000   # quicker
 
 Writes benchmarks/fit_epoch.json or --json.
@@ -40,7 +42,7 @@ from keras_rec_emb import cli  # noqa: E402
 
 from _machine import machine_info  # noqa: E402  (run as a script)
 
-MODES = ("group", "separate")
+MODES = ("group", "group_dict", "separate")
 
 
 def parse_args(argv=None):
@@ -49,33 +51,45 @@ def parse_args(argv=None):
     p.add_argument("--features", type=int, default=26)
     p.add_argument("--dim", type=int, default=16)
     p.add_argument("--batch-size", type=int, default=4096)
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--threads", type=int, default=0,
+                   help="TensorFlow intra-op threads, the same for every model (0: TF's default)")
+    p.add_argument("--modes", default=",".join(MODES),
+                   help=f"comma-separated subset of {MODES} (separate is needed for ratios)")
     p.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "fit_epoch.json"))
     return p.parse_args(argv)
 
 
 def build(mode, opts, steps):
+    """The demo's model; for ``group_dict`` and ``separate`` its layers are
+    reused around a dict-mode group or one table layer per feature (each
+    model builds its own tables)."""
     model = cli.build_model(opts.features, opts.dim, steps_to_live=max(1, steps // 2))
     if mode == "group":
         return model
-    # The same layers without the group: each table looks its feature up.
     group = model.get_layer("embeddings")
-    inputs = dict(zip(model.input_names if hasattr(model, "input_names") else [],
-                      model.inputs)) or {t.name: t for t in model.inputs}
-    dense_in = {k: v for k, v in inputs.items() if k.startswith("I")}
-    embedded = [group.tables[spec.table](inputs[name])
-                for name, spec in group.features.items()]
-    bottom = model.get_layer("bottom")(model.get_layer("dense")(
-        [keras.ops.expand_dims(x, -1) for x in dense_in.values()]))
+    inputs = {t.name: t for t in model.inputs}
+    cat_in = {name: inputs[name] for name in group.features}
+    if mode == "group_dict":
+        dict_group = kre.layers.GroupEmbedding(
+            {name: kre.layers.FeatureSpec(group.tables[spec.table])
+             for name, spec in group.features.items()}, output_mode="dict")
+        by_name = dict_group(cat_in)
+        embedded = [by_name[name] for name in group.features]
+    else:
+        embedded = [group.tables[spec.table](cat_in[name])
+                    for name, spec in group.features.items()]
+    dense_in = [keras.ops.expand_dims(v, -1) for k, v in inputs.items() if k.startswith("I")]
+    bottom = model.get_layer("bottom")(model.get_layer("dense")(dense_in))
     h = keras.layers.Concatenate(name="features")([bottom, *embedded])
     for i in range(2):
         h = model.get_layer(f"top_{i}")(h)
     out = model.get_layer("click")(h)
-    separate = keras.Model(inputs, out)
-    separate.compile(optimizer=kre.optimizers.AdagradDecay(
+    other = keras.Model(inputs, out)
+    other.compile(optimizer=kre.optimizers.AdagradDecay(
         0.05, accumulator_decay_step=1000, accumulator_decay_rate=0.9),
         loss="binary_crossentropy", metrics=[keras.metrics.AUC(name="auc")])
-    return separate
+    return other
 
 
 class EpochClock(keras.callbacks.Callback):
@@ -90,8 +104,32 @@ class EpochClock(keras.callbacks.Callback):
         self.cpu_seconds = time.process_time() - self.cpu_start
 
 
+def summarize(times, cpu):
+    """Per group mode, the per-epoch ratios separate/group over the steady
+    epochs (wall and CPU), as median, min and max."""
+    out = {}
+    for mode in times:
+        if mode == "separate" or "separate" not in times:
+            continue
+        entry = {}
+        for what, data in (("wall", times), ("cpu", cpu)):
+            ratios = [s / g for s, g in zip(data["separate"][1:], data[mode][1:])]
+            if ratios:
+                entry[what] = {"median": statistics.median(ratios), "min": min(ratios),
+                               "max": max(ratios)}
+        out[mode] = entry
+    return out
+
+
 def main(argv=None):
     opts = parse_args(argv)
+    modes = [m.strip() for m in opts.modes.split(",")]
+    if not modes or any(m not in MODES for m in modes):
+        raise SystemExit(f"--modes must be a subset of {MODES}; got {opts.modes!r}")
+    if opts.threads:
+        import tensorflow as tf
+
+        tf.config.threading.set_intra_op_parallelism_threads(opts.threads)
     keras.utils.set_random_seed(0)
     tmp = tempfile.mkdtemp()
     path = os.path.join(tmp, "train.parquet")
@@ -102,26 +140,35 @@ def main(argv=None):
         return kre.data.ParquetDataset(path, batch_size=opts.batch_size).map(
             lambda b: ({k: v for k, v in b.items() if k != "label"}, b["label"]))
 
-    models = {mode: build(mode, opts, steps) for mode in MODES}
-    times = {mode: [] for mode in MODES}
-    cpu = {mode: [] for mode in MODES}
+    models = {mode: build(mode, opts, steps) for mode in modes}
+    times = {mode: [] for mode in modes}
+    cpu = {mode: [] for mode in modes}
     for epoch in range(opts.epochs):
-        for mode in MODES:
+        for mode in modes:
             clock = EpochClock()
             models[mode].fit(dataset(), epochs=1, verbose=0, callbacks=[clock])
             times[mode].append(clock.seconds)
             cpu[mode].append(clock.cpu_seconds)
-            print(f"epoch {epoch + 1} {mode:9s} {clock.seconds:7.2f} s "
+            print(f"epoch {epoch + 1} {mode:10s} {clock.seconds:7.2f} s "
                   f"({clock.cpu_seconds:.2f} s CPU)", flush=True)
     steady = {m: statistics.median(t[1:]) if len(t) > 1 else t[0] for m, t in times.items()}
-    ratio = steady["separate"] / steady["group"]
-    print(f"epoch 1 (tracing + growth): group {times['group'][0]:.2f} s, "
-          f"separate {times['separate'][0]:.2f} s")
-    print(f"steady epoch: group {steady['group']:.2f} s, separate {steady['separate']:.2f} s, "
-          f"separate/group = {ratio:.2f}x")
+    steady_cpu = {m: statistics.median(t[1:]) if len(t) > 1 else t[0] for m, t in cpu.items()}
+    ratios = summarize(times, cpu)
+    print("epoch 1 (tracing + growth): " + ", ".join(
+        f"{m} {times[m][0]:.2f} s" for m in modes))
+    for mode, r in ratios.items():
+        if "wall" in r:
+            print(f"steady epoch {mode}: {steady[mode]:.2f} s ({steady_cpu[mode]:.2f} s CPU), "
+                  f"separate {steady['separate']:.2f} s ({steady_cpu['separate']:.2f} s CPU); "
+                  f"separate/{mode} wall {r['wall']['median']:.2f}x "
+                  f"[{r['wall']['min']:.2f}-{r['wall']['max']:.2f}], "
+                  f"CPU {r['cpu']['median']:.2f}x [{r['cpu']['min']:.2f}-{r['cpu']['max']:.2f}]")
+    print(json.dumps({f"separate_over_{m}": {k: round(v["median"], 3) for k, v in r.items()}
+                      for m, r in ratios.items()}))
     with open(opts.json, "w") as f:
         json.dump({"config": vars(opts), "machine": machine_info(), "seconds": times,
-                   "steady_seconds": steady, "cpu_seconds": cpu, "separate_over_group": ratio}, f, indent=2)
+                   "cpu_seconds": cpu, "steady_seconds": steady, "steady_cpu_seconds": steady_cpu,
+                   "separate_over_group": ratios}, f, indent=2)
     return 0
 
 
