@@ -10,13 +10,20 @@ ids, then, in one process and alternating call by call:
 * ``separate``: one `EmbeddingVariable` table lookup per feature,
   `insert=True` (one `KRE>TableLookup` op each),
 
-each wrapped in a `tf.function`, over --batch rows per feature. Before timing
+each wrapped in a `tf.function`, over --batch rows per feature. With
+--ids-per-row 1-5 every row holds 1 to 5 ids (a `tf.RaggedTensor`, drawn from
+the same columns) summed per row: the fused op combines them itself, the
+separate path calls each table's `EmbeddingVariable(combiner="sum")` layer.
+With --concat both paths return one `[batch, features * dim]` tensor (the
+fused op writes it in place; the separate rows go through `tf.concat`).
+Before timing
 both paths are checked to give the same rows. Reported: median ms per call
 per path and the ratio fused/separate (< 1: fused is faster), per round and
 overall (--rounds rounds of --reps calls each).
 
     .venv/bin/python benchmarks/group_lookup.py
     .venv/bin/python benchmarks/group_lookup.py --rows 100000 --reps 20
+    .venv/bin/python benchmarks/group_lookup.py --ids-per-row 1-5 --concat
 
 Writes benchmarks/group_lookup.json or --json.
 """
@@ -34,6 +41,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import keras_rec_emb as kre  # noqa: E402
+from keras_rec_emb.ops import embedding_ops  # noqa: E402
 
 from _machine import machine_info  # noqa: E402  (run as a script)
 
@@ -48,8 +56,13 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=4096)
     p.add_argument("--reps", type=int, default=30, help="timed calls per path per round")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--ids-per-row", default="1", help="ids per row: 1 or a range LO-HI")
+    p.add_argument("--concat", action="store_true", help="one concatenated output")
+    p.add_argument("--threads", type=int, default=0, help="intra-op threads (0: TF's default)")
     p.add_argument("--no-filter", action="store_true", help="tables without filter/evict")
-    p.add_argument("--only", choices=("fused", "separate"), help="time one path (profiling)")
+    p.add_argument("--no-general", action="store_true",
+                   help="leave out fused_general (the fused op without its single-id fast path)")
+    p.add_argument("--only", choices=("fused", "separate", "fused_general"), help="time one path (profiling)")
     p.add_argument("--json", default=DEFAULT_JSON)
     return p.parse_args(argv)
 
@@ -60,40 +73,92 @@ def build_tables(opts):
         option = kre.EmbeddingVariableOption(
             filter_option=kre.CounterFilter(2),
             evict_option=kre.GlobalStepEvict(steps_to_live=4000))
-    layers = [kre.layers.EmbeddingVariable(opts.dim, name=f"emb_{f}", ev_option=option)
+    layers = [kre.layers.EmbeddingVariable(opts.dim, name=f"emb_{f}", ev_option=option,
+                                           combiner=None if opts.lengths is None else "sum")
               for f in range(opts.features)]
     for layer in layers:
         layer.build()
     return layers
 
 
+def ids_per_row(text):
+    """None for one id per row, else the (lo, hi) range of ids per row."""
+    lo, _, hi = text.partition("-")
+    lo, hi = int(lo), int(hi or lo)
+    if not 1 <= lo <= hi:
+        raise SystemExit(f"--ids-per-row must be N or LO-HI with 1 <= LO <= HI; got {text!r}")
+    return None if hi == 1 else (lo, hi)
+
+
+def make_batches(opts, ids):
+    """Per batch, one id tensor per feature: [batch] ids, or ragged rows of
+    lo..hi consecutive ids of the column."""
+    if opts.lengths is None:
+        return [[tf.constant(c[b:b + opts.batch]) for c in ids]
+                for b in range(0, opts.rows - opts.batch + 1, opts.batch)]
+    rng = np.random.default_rng(1)
+    lo, hi = opts.lengths
+    per_batch = opts.batch * hi
+    batches = []
+    for b in range(0, opts.rows - per_batch + 1, per_batch):
+        lengths = rng.integers(lo, hi + 1, opts.batch)
+        batches.append([tf.RaggedTensor.from_row_lengths(
+            c[b:b + int(lengths.sum())], lengths) for c in ids])
+    return batches
+
+
 def main(argv=None):
     opts = parse_args(argv)
+    opts.lengths = ids_per_row(opts.ids_per_row)
+    if opts.threads:
+        tf.config.threading.set_intra_op_parallelism_threads(opts.threads)
     cols = kre.data.synthetic_ctr(opts.rows, num_categorical=opts.features, seed=0)
     ids = [cols[f"C{f + 1}"] for f in range(opts.features)]
     layers = build_tables(opts)
     tables = [layer.table for layer in layers]
+    n = len(layers)
 
     @tf.function
     def fused(batch):
-        return kre.ops.group_embedding_lookup(layers, batch, training=True)
+        if opts.lengths is None and not opts.concat:
+            return kre.ops.group_embedding_lookup(layers, batch, training=True)
+        out = kre.ops.group_embedding_lookup_sparse(
+            layers, [x if opts.lengths else x[:, None] for x in batch], ["sum"] * n,
+            training=True, concat=opts.concat)
+        return [out] if opts.concat else out
+
+    @tf.function
+    def fused_general(batch):  # the same op without the single-id fast path
+        with embedding_ops.single_id_fast_path(False):
+            return fused.python_function(batch)
 
     @tf.function
     def separate(batch):
-        return [t.lookup(x, insert=True) for t, x in zip(tables, batch)]
+        if opts.lengths is None:
+            out = [t.lookup(x, insert=True) for t, x in zip(tables, batch)]
+        else:
+            out = [layer(x, training=True) for layer, x in zip(layers, batch)]
+        return [tf.concat(out, -1)] if opts.concat else out
 
-    batches = [[tf.constant(c[b:b + opts.batch]) for c in ids]
-               for b in range(0, opts.rows - opts.batch + 1, opts.batch)]
+    @tf.function
+    def fill(batch):  # training lookups: every id counted
+        if opts.lengths is None:
+            return [t.lookup(x, insert=True) for t, x in zip(tables, batch)]
+        return [t.lookup(x.values, insert=True) for t, x in zip(tables, batch)]
+
+    batches = make_batches(opts, ids)
     t0 = time.perf_counter()
     for batch in batches:  # fill: every id counted (twice: past the filter)
-        separate(batch)
-        separate(batch)
+        fill(batch)
+        fill(batch)
     print(f"filled {opts.features} tables from {len(batches)} batches in "
           f"{time.perf_counter() - t0:.1f} s; sizes {[t.size() for t in tables[:4]]} ...",
           flush=True)
     for a, b in zip(fused(batches[0]), separate(batches[0])):
-        np.testing.assert_array_equal(a.numpy(), b.numpy())
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-6)
     paths = {"fused": fused, "separate": separate}
+    if not opts.no_general:
+        paths["fused_general"] = fused_general
     if opts.only:
         t0, c0 = time.perf_counter(), time.process_time()
         for i in range(opts.reps):
@@ -104,23 +169,37 @@ def main(argv=None):
     rounds = []
     for r in range(opts.rounds):
         times = {name: [] for name in paths}
+        cpu = {name: [] for name in paths}
         for i in range(opts.reps):
             batch = batches[(r * opts.reps + i) % len(batches)]
             for name, fn in paths.items():
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 fn(batch)
                 times[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
         med = {name: statistics.median(t) for name, t in times.items()}
-        rounds.append({"median_s": med, "ratio_fused_over_separate":
-                       med["fused"] / med["separate"]})
-        print(f"round {r}: fused {1e3 * med['fused']:.2f} ms, separate "
-              f"{1e3 * med['separate']:.2f} ms, fused/separate = "
-              f"{med['fused'] / med['separate']:.2f}", flush=True)
-    ratios = [x["ratio_fused_over_separate"] for x in rounds]
-    report = {"config": vars(opts) | {"json": None}, "machine": machine_info(),
-              "rounds": rounds, "ratio_fused_over_separate_median": statistics.median(ratios)}
-    print(json.dumps({"ratio_fused_over_separate": [round(x, 3) for x in ratios],
-                      "median": round(statistics.median(ratios), 3)}))
+        med_cpu = {name: statistics.median(t) for name, t in cpu.items()}
+        rounds.append({"median_s": med, "median_cpu_s": med_cpu,
+                       "ratio_fused_over_separate": med["fused"] / med["separate"],
+                       "cpu_ratio_fused_over_separate": med_cpu["fused"] / med_cpu["separate"]})
+        if "fused_general" in med:
+            rounds[-1]["ratio_fused_over_general"] = med["fused"] / med["fused_general"]
+        print(f"round {r}: " + ", ".join(
+            f"{name} {1e3 * med[name]:.2f} ms ({1e3 * med_cpu[name]:.2f} CPU)" for name in paths)
+            + f"; fused/separate = {med['fused'] / med['separate']:.2f}"
+            + (f", fused/fused_general = {rounds[-1]['ratio_fused_over_general']:.2f}"
+               if "fused_general" in med else ""), flush=True)
+    summary = {}
+    for key in ("ratio_fused_over_separate", "cpu_ratio_fused_over_separate",
+                "ratio_fused_over_general"):
+        values = [x[key] for x in rounds if key in x]
+        if values:
+            summary[key] = {"median": statistics.median(values), "min": min(values),
+                            "max": max(values)}
+    report = {"config": vars(opts) | {"json": None, "lengths": None}, "machine": machine_info(),
+              "rounds": rounds, "summary": summary,
+              "ratio_fused_over_separate_median": summary["ratio_fused_over_separate"]["median"]}
+    print(json.dumps({k: {m: round(x, 3) for m, x in v.items()} for k, v in summary.items()}))
     with open(opts.json, "w") as f:
         json.dump(report, f, indent=2)
 

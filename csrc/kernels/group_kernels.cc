@@ -10,6 +10,11 @@
 // distinct key once, counted as often as it occurs;  (4) per (feature,
 // block of rows), clip and combine rows into the outputs. The distinct ids
 // and `inverse` are outputs too, for the backward.
+// Single-id fast path (attr `single_id`): a table whose features all have
+// exactly one id per row skips (2)'s deduplication; every id is looked up
+// where it occurs, counted once per lookup, as a separate table lookup does
+// (`unique_ids` then lists every id and `inverse` is 0, 1, 2, ...; the
+// optimizer's fused apply sums the gradients of equal keys).
 // Backward: (1) as above;  (2) per (parameter, range of distinct ids), sum
 // the row gradients through `inverse` (no hashing, no table access unless a
 // max_norm clip must be differentiated).
@@ -50,6 +55,9 @@ struct GroupConfig {
   bool concat = false;
   int64_t width = 0;
   std::vector<int64_t> column_of;
+  // Forward only: tables whose features have one id per row skip the
+  // deduplication (see the top of this file).
+  bool single_id = false;
 
   int num_params() const { return num_tables + num_dense; }
   bool is_table(int p) const { return p < num_tables; }
@@ -269,6 +277,11 @@ struct ParamIds {
   std::vector<int64_t> offsets;
   std::vector<float> rows;
   std::vector<int32_t> skips;
+  // False on the single-id fast path: uniq holds every id, repeats too.
+  bool distinct = true;
+  // Set when the fast path writes its rows straight into the feature's
+  // output (order[] then holds output positions in units of dim).
+  float* direct_out = nullptr;
 };
 
 absl::Status ResolveTables(OpKernelContext* ctx, const GroupConfig& cfg,
@@ -382,10 +395,60 @@ void PartitionDistinct(const kv::Table<K>& table, ParamIds* ids, std::vector<K>*
   }
 }
 
-// Deduplicates parameter p's ids and, for a table, groups its distinct keys
-// by shard.
+// Whether table p takes the single-id fast path: every feature of it has
+// exactly one id per row (after pruning and default filling) and is not a
+// sequence feature.
+bool SingleIdParam(const GroupConfig& cfg, const std::vector<Feature>& features, int p) {
+  if (!cfg.single_id || !cfg.is_table(p)) return false;
+  for (int f : cfg.features_of[p]) {
+    const Feature& ft = features[f];
+    if (cfg.sequence[f] || static_cast<int64_t>(ft.ids.size()) != ft.batch ||
+        ft.max_len > 1) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// The fast path's "dedupe": every id of table p's features, in feature and
+// row order, each its own entry (inverse 0, 1, 2, ...).
+template <typename HashFn, typename KeyFn>
+void EveryId(const GroupConfig& cfg, int p, std::vector<Feature>* features, HashFn&& hash,
+             KeyFn&& key, ParamIds* out) {
+  out->distinct = false;
+  out->uniq.clear();
+  out->hashes.clear();
+  for (int f : cfg.features_of[p]) {
+    Feature& ft = (*features)[f];
+    const int32_t base = static_cast<int32_t>(out->uniq.size());
+    for (size_t j = 0; j < ft.ids.size(); ++j) {
+      const int64_t k = key(ft.ids[j]);
+      out->uniq.push_back(k);
+      out->hashes.push_back(hash(k));
+      ft.inverse[j] = base + static_cast<int32_t>(j);
+    }
+  }
+  out->counts.assign(out->uniq.size(), 1);
+}
+
+// Deduplicates parameter p's ids (or, on the single-id fast path, takes
+// every id) and, for a table, groups its keys by shard.
 void DedupeParam(const GroupConfig& cfg, const std::vector<TableSlot>& tables, int p,
                  std::vector<Feature>* features, ParamIds* ids) {
+  if (SingleIdParam(cfg, *features, p)) {
+    const TableSlot& t = tables[p];
+    if (t.t64) {
+      EveryId(cfg, p, features, [](int64_t k) { return kv::Table<int64_t>::Hash(k); },
+              [](int64_t id) { return id; }, ids);
+      PartitionDistinct(t.t64->table(), ids, &ids->keys64);
+    } else {
+      EveryId(cfg, p, features,
+              [](int64_t k) { return kv::Table<int32_t>::Hash(static_cast<int32_t>(k)); },
+              [](int64_t id) { return static_cast<int64_t>(static_cast<int32_t>(id)); }, ids);
+      PartitionDistinct(t.t32->table(), ids, &ids->keys32);
+    }
+    return;
+  }
   if (!cfg.is_table(p)) {
     Dedupe(cfg, p, features, false,
            [](int64_t k) { return kv::HashKey(static_cast<uint64_t>(k)); },
@@ -421,8 +484,32 @@ absl::Status DedupeParams(OpKernelContext* ctx, const GroupConfig& cfg,
   });
 }
 
+// On the single-id fast path, when table p serves one feature whose rows are
+// plain copies (no weights, no max_norm) and whose output rows start at
+// multiples of dim (always without concat; with concat when every width is
+// a multiple of dim), points the lookup straight at the output: order[j]
+// becomes the output position of key j, in units of dim. Returns whether
+// it did (the feature then needs no combine pass).
+bool DirectOutput(OpKernelContext* ctx, const GroupConfig& cfg, int p,
+                  const std::vector<float*>& outs, ParamIds* ids) {
+  if (ids->distinct || cfg.features_of[p].size() != 1) return false;
+  const int f = cfg.features_of[p][0];
+  const int64_t dim = cfg.dims[p];
+  const int64_t stride = cfg.row_stride(f);
+  const int64_t col = cfg.concat ? cfg.column_of[f] : 0;
+  if (cfg.max_norms[f] > 0 || ctx->input(cfg.weights_input(f)).dim_size(0) != 0 ||
+      stride % dim != 0 || col % dim != 0) {
+    return false;
+  }
+  const int64_t step = stride / dim;
+  for (int64_t& o : ids->order) o = o * step + col / dim;
+  ids->direct_out = cfg.concat ? outs[0] : outs[f];
+  return true;
+}
+
 // Sizes table t's row buffers for its distinct keys.
 void PrepareRows(const GroupConfig& cfg, int t, ParamIds* ids) {
+  if (ids->direct_out != nullptr) return;  // rows go straight to the output
   ids->rows.resize(ids->uniq.size() * cfg.dims[t]);
   ids->skips.assign(ids->uniq.size(), 0);
 }
@@ -433,6 +520,17 @@ void LookupShard(const std::vector<TableSlot>& tables, int t, int sh, bool inser
   const int64_t b = ids->offsets[sh];
   const int64_t n = ids->offsets[sh + 1] - b;
   if (n == 0) return;
+  if (!ids->distinct) {  // the single-id fast path: every occurrence looked up
+    float* out = ids->direct_out != nullptr ? ids->direct_out : ids->rows.data();
+    if (tables[t].t64) {
+      tables[t].t64->table().Lookup(sh, ids->keys64.data() + b, ids->part_hashes.data() + b,
+                                    ids->order.data() + b, n, insert, out);
+    } else {
+      tables[t].t32->table().Lookup(sh, ids->keys32.data() + b, ids->part_hashes.data() + b,
+                                    ids->order.data() + b, n, insert, out);
+    }
+    return;
+  }
   if (tables[t].t64) {
     tables[t].t64->table().LookupCounted(sh, ids->keys64.data() + b,
                                          ids->part_hashes.data() + b, ids->order.data() + b,
@@ -506,9 +604,13 @@ inline float CombinerScale(const Feature& ft, Combiner c, int64_t b) {
 
 constexpr int64_t kRowsPerUnit = 256;
 
-std::vector<std::pair<int, int64_t>> RowBlocks(const std::vector<Feature>& features) {
+// Units of the combine pass: (feature, first row) of each block of rows of
+// the features that need one.
+std::vector<std::pair<int, int64_t>> RowBlocks(const std::vector<Feature>& features,
+                                               const std::vector<bool>& combined) {
   std::vector<std::pair<int, int64_t>> units;
   for (size_t f = 0; f < features.size(); ++f) {
+    if (!combined[f]) continue;
     for (int64_t b = 0; b < features[f].batch; b += kRowsPerUnit) {
       units.emplace_back(static_cast<int>(f), b);
     }
@@ -570,6 +672,7 @@ class GroupLookupOp : public OpKernel {
   explicit GroupLookupOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, cfg_.Init(ctx));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("insert", &insert_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("single_id", &cfg_.single_id));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -629,21 +732,27 @@ class GroupLookupOp : public OpKernel {
         const int p = static_cast<int>(p64);
         ParamIds& ids = params[p];
         DedupeParam(cfg, tables, p, &features, &ids);
+        const bool direct = DirectOutput(ctx, cfg, p, outs, &ids);
         if (cfg.is_table(p)) {
           PrepareRows(cfg, p, &ids);
           for (int sh = 0; sh < tables[p].num_shards(); ++sh) {
             LookupShard(tables, p, sh, insert_, &ids);
           }
         }
+        if (direct) return;
         for (int f : cfg.features_of[p]) {
           CombineRows(ctx, cfg, tables, params, features, f, 0, features[f].batch, outs[f]);
         }
       }));
     } else {
       OP_REQUIRES_OK(ctx, DedupeParams(ctx, cfg, tables, &features, &params));
+      std::vector<bool> combined(F, true);
+      for (int p = 0; p < cfg.num_tables; ++p) {
+        if (DirectOutput(ctx, cfg, p, outs, &params[p])) combined[cfg.features_of[p][0]] = false;
+      }
       OP_REQUIRES_OK(ctx, LookupDistinct(ctx, cfg, tables, &params, insert_,
                                          std::vector<bool>(cfg.num_tables, true)));
-      const auto units = RowBlocks(features);
+      const auto units = RowBlocks(features, combined);
       OP_REQUIRES_OK(ctx, ParallelFor(ctx, static_cast<int64_t>(units.size()),
                                       kRowsPerUnit * 200, [&](int64_t u) {
         const int f = units[u].first;

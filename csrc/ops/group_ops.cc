@@ -123,6 +123,11 @@ absl::Status CheckGroupInputs(InferenceContext* c, const GroupAttrs& a,
 // by side in feature order (what a concatenation of the outputs gives,
 // written in place), and outputs[1:] are empty [0]; the gradient then takes
 // output_grads[0] of that shape (output_grads[1:] are ignored).
+//
+// With `single_id` a table whose features all have exactly one id per row
+// (after pruning and default filling) is looked up without deduplication:
+// unique_ids[p] then lists every id (repeats too) and inverse[f] counts
+// 0, 1, 2, ... The outputs and the table's state are the same either way.
 REGISTER_OP("KRE>GroupLookup")
     .Input("tables: num_tables * resource")
     .Input("dense_params: num_dense * float")
@@ -146,6 +151,7 @@ REGISTER_OP("KRE>GroupLookup")
     .Attr("is_sequence: list(bool)")
     .Attr("insert: bool = false")
     .Attr("concat: bool = false")
+    .Attr("single_id: bool = true")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       GroupAttrs a;

@@ -168,8 +168,25 @@ def _fused_lookup(params, flat_ids, splits, weights, combiners, max_norms,
         [t.table.handle for t in tables], [_dense_value(d.variable) for d in dense],
         list(flat_ids), list(splits), list(weights), insert=bool(training),
         num_params=len(tables) + len(dense), name=name or "GroupLookup",
-        concat=bool(concat), **attrs)
+        concat=bool(concat), single_id=getattr(_SINGLE_ID, "enabled", True), **attrs)
     return [outs[0]] if concat else list(outs)
+
+
+_SINGLE_ID = threading.local()
+
+
+@contextlib.contextmanager
+def single_id_fast_path(enabled):
+    """Inside (in this thread), group lookups traced take the kernel's
+    single-id fast path (tables whose features have one id per row are not
+    deduplicated) only if `enabled`; it is on by default. For tests and
+    benchmarks comparing both paths; results are the same either way."""
+    previous = getattr(_SINGLE_ID, "enabled", True)
+    _SINGLE_ID.enabled = bool(enabled)
+    try:
+        yield
+    finally:
+        _SINGLE_ID.enabled = previous
 
 
 # -- the same lookup with stock TensorFlow ops (export_for_serving) ------------

@@ -473,3 +473,131 @@ def test_docstring_examples_run():
     for t in tests:
         runner.run(t)
     assert runner.summarize(verbose=False).failed == 0
+
+
+# -- the single-id fast path ---------------------------------------------------
+def _single_id_features(rng, batch):
+    """Ids of five features, repeats within the batch: (ids, weights) per
+    feature, feature 4 multi-id (the general path), 0-3 one id per row."""
+    single = [tf.constant(rng.integers(0, 9, batch), tf.int64) for _ in range(4)]
+    multi = tf.ragged.constant([rng.integers(0, 9, int(rng.integers(1, 4))).tolist()
+                                for _ in range(batch)], dtype=tf.int64)
+    weights = tf.constant(rng.uniform(0.5, 2.0, batch).astype(np.float32))
+    return single + [multi], weights
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["few_params", "param_per_unit"])
+@pytest.mark.parametrize("concat", [False, True], ids=["dict", "concat"])
+def test_single_id_fast_path_matches_general_path_and_numpy(matrix_initializer, wide, concat):
+    """Features with one id per row skip the dedupe (rows written straight
+    into the output when they are plain copies): outputs equal the general
+    path's and NumPy's, with a table of its own, a table shared by two
+    single-id features, per-id weights, max_norm and an int32 table."""
+    results = []
+    for fast in (True, False):
+        t0, m0 = make_table(matrix_initializer, 4, 0)
+        t1, m1 = make_table(matrix_initializer, 4, 1, key_dtype="int32")
+        t2, m2 = make_table(matrix_initializer, 4, 2)
+        params = [t0, t1, t2, t2, t0]
+        ids, w = _single_id_features(np.random.default_rng(5), 7)
+        extra = []
+        if wide:
+            extra = [make_table(matrix_initializer, 4, 10 + i)[0] for i in range(_extra_tables())]
+        weights = [None, w, None, None, None] + [None] * len(extra)
+        with embedding_ops.single_id_fast_path(fast):
+            out = ops.group_embedding_lookup_sparse(
+                params + extra, [x if isinstance(x, tf.RaggedTensor) else x[:, None]
+                                 for x in ids] + [ids[0][:, None]] * len(extra),
+                ["sum", "mean", "sum", "sqrtn", "sum"] + ["sum"] * len(extra),
+                sp_weights=weights, max_norm=[None, None, 0.9, None, None] + [None] * len(extra),
+                training=True, concat=concat)
+        out = out.numpy() if concat else np.concatenate([o.numpy() for o in out], -1)
+        results.append(out)
+        a = [x.numpy() for x in ids]
+        clip = lambda r: r * np.minimum(1.0, 0.9 / np.linalg.norm(r, axis=1, keepdims=True))
+        want = [m0(a[0]), m1(a[1]) * np.sign(w.numpy())[:, None], clip(m2(a[2])), m2(a[3]),
+                np.stack([m0(r).sum(0) for r in ids[4].to_list()])]
+        np.testing.assert_allclose(out[:, :20], np.concatenate(want, -1), rtol=1e-5, atol=1e-6)
+        assert t0.table_size() == len(set(a[0]) | set(ids[4].flat_values.numpy()))
+    np.testing.assert_array_equal(results[0], results[1])
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["few_params", "param_per_unit"])
+def test_single_id_fast_path_trains_as_general_path_and_separate_layers(
+        matrix_initializer, wide):
+    """Four Adagrad steps with a CounterFilter(2): the fast path, the general
+    path (dedupe) and separate EmbeddingVariable layers end with the same
+    values, frequencies (one per occurrence), filtered keys and Adagrad
+    accumulators."""
+    matrix = np.random.default_rng(0).normal(size=(DVD, 3)).astype(np.float32)
+    n_tables = 2 + (_extra_tables() if wide else 0)
+
+    def build():
+        opt = kre.EmbeddingVariableOption(
+            init_option=kre.InitializerOption(default_value_dim=DVD),
+            filter_option=kre.CounterFilter(filter_freq=2))
+        layers = [EmbeddingVariable(3, ev_option=opt, initializer=matrix_initializer(matrix))
+                  for _ in range(n_tables)]
+        for layer in layers:
+            layer.build()
+        return layers
+
+    runs = {}
+    for mode in ("fast", "general", "separate"):
+        layers = build()
+        opt = kre.optimizers.Adagrad(0.3)
+        rng = np.random.default_rng(8)
+        outs = []
+        for _ in range(4):
+            ids = [tf.constant(rng.integers(0, 12, 9), tf.int64) for _ in layers]
+            target = tf.constant(rng.normal(size=(9, 3 * len(layers))).astype(np.float32))
+            with tf.GradientTape() as tape:
+                if mode == "separate":
+                    out = tf.concat([t.table.lookup(x, insert=True)
+                                     for t, x in zip(layers, ids)], -1)
+                else:
+                    with embedding_ops.single_id_fast_path(mode == "fast"):
+                        out = ops.group_embedding_lookup_sparse(
+                            layers, [x[:, None] for x in ids], ["sum"] * len(layers),
+                            training=True, concat=True)
+                loss = tf.reduce_sum(out * target)
+            variables = [t.table.variable for t in layers]
+            opt.apply(tape.gradient(loss, variables), variables)
+            outs.append(out.numpy())
+        runs[mode] = (outs, [t.table.export() for t in layers])
+    for mode in ("general", "separate"):
+        for a, b in zip(runs["fast"][0], runs[mode][0]):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+        for ea, eb in zip(runs["fast"][1], runs[mode][1]):
+            oa, ob = np.argsort(ea["keys"]), np.argsort(eb["keys"])
+            np.testing.assert_array_equal(ea["keys"][oa], eb["keys"][ob])
+            np.testing.assert_array_equal(ea["freqs"][oa], eb["freqs"][ob])
+            np.testing.assert_allclose(ea["values"][oa], eb["values"][ob], rtol=1e-6, atol=1e-7)
+            assert sorted(ea["slots"]) == sorted(eb["slots"]) != []
+            for name in ea["slots"]:
+                np.testing.assert_allclose(ea["slots"][name][oa], eb["slots"][name][ob],
+                                           rtol=1e-6, atol=1e-7)
+            fa, fb = np.argsort(ea["keys_filtered"]), np.argsort(eb["keys_filtered"])
+            np.testing.assert_array_equal(ea["keys_filtered"][fa], eb["keys_filtered"][fb])
+            np.testing.assert_array_equal(ea["freqs_filtered"][fa], eb["freqs_filtered"][fb])
+    assert all(len(e["keys"]) > 0 for e in runs["fast"][1])  # admitted and trained
+
+
+def test_single_id_fast_path_lists_every_id():
+    """On the fast path unique_ids holds every id (repeats too) and inverse
+    counts 0, 1, 2, ...; the general path deduplicates."""
+    t = EmbeddingVariable(2)
+    t.build()
+    ids = tf.constant([[4], [4], [7]], tf.int64)
+    for fast, want_unique, want_inverse in ((True, [4, 4, 7], [0, 1, 2]),
+                                            (False, [4, 7], [0, 0, 1])):
+        @tf.function
+        def lookup(fast=fast):
+            with embedding_ops.single_id_fast_path(fast):
+                out = ops.group_embedding_lookup_sparse([t], [ids], ["sum"], training=True)[0]
+            return out.op.outputs[0], out.op.outputs[1], out.op.outputs[2]
+
+        rows, unique, inverse = lookup()
+        np.testing.assert_array_equal(rows.numpy()[0], rows.numpy()[1])
+        assert unique.numpy().tolist() == want_unique
+        assert inverse.numpy().tolist() == want_inverse
