@@ -35,6 +35,17 @@ namespace {
 
 enum Combiner { kSum = 0, kMean = 1, kSqrtn = 2 };
 
+// How one feature is read and combined (the op's per-feature attributes).
+// All set by GroupConfig::Init.
+struct FeatureAttrs {
+  int param;  // index of its parameter: tables first, then dense params
+  Combiner combiner;
+  float max_norm;      // <= 0: no clipping
+  int64_t default_id;  // < 0: empty rows give zeros
+  bool prune, sequence;
+  int64_t column;  // with `concat`, its first column in the [batch, width] output
+};
+
 // Attributes shared by the forward and backward ops, validated once.
 struct GroupConfig {
   int num_tables = 0;
@@ -42,19 +53,13 @@ struct GroupConfig {
   int num_features = 0;
   std::vector<tf::DataType> key_dtypes;
   std::vector<int64_t> dims;
-  std::vector<int> feature_param;
-  std::vector<Combiner> combiners;
-  std::vector<float> max_norms;
-  std::vector<int64_t> default_ids;
-  std::vector<bool> prune;
-  std::vector<bool> sequence;
+  std::vector<FeatureAttrs> feature;
   // Features of each parameter, in feature order.
   std::vector<std::vector<int>> features_of;
   // `concat`: the features' outputs side by side in one [batch, width]
-  // tensor, feature f's columns from column_of[f].
+  // tensor, feature f's columns from feature[f].column.
   bool concat = false;
   int64_t width = 0;
-  std::vector<int64_t> column_of;
   // Forward only: tables whose features have one id per row skip the
   // deduplication (see the top of this file).
   bool single_id = false;
@@ -75,14 +80,17 @@ struct GroupConfig {
     }
     TF_RETURN_IF_ERROR(ctx->GetAttr("table_key_dtypes", &key_dtypes));
     TF_RETURN_IF_ERROR(ctx->GetAttr("param_dims", &dims));
-    std::vector<int64_t> fp;
-    TF_RETURN_IF_ERROR(ctx->GetAttr("feature_params", &fp));
+    std::vector<int64_t> fp, default_ids;
     std::vector<std::string> comb;
+    std::vector<float> max_norms;
+    std::vector<bool> prune, sequence;
+    TF_RETURN_IF_ERROR(ctx->GetAttr("feature_params", &fp));
     TF_RETURN_IF_ERROR(ctx->GetAttr("combiners", &comb));
     TF_RETURN_IF_ERROR(ctx->GetAttr("max_norms", &max_norms));
     TF_RETURN_IF_ERROR(ctx->GetAttr("default_ids", &default_ids));
     TF_RETURN_IF_ERROR(ctx->GetAttr("prune_invalid_ids", &prune));
     TF_RETURN_IF_ERROR(ctx->GetAttr("is_sequence", &sequence));
+    TF_RETURN_IF_ERROR(ctx->GetAttr("concat", &concat));
     const size_t F = static_cast<size_t>(num_features);
     if (static_cast<int>(key_dtypes.size()) != num_tables) {
       return errors::InvalidArgument("table_key_dtypes has ", key_dtypes.size(),
@@ -92,6 +100,9 @@ struct GroupConfig {
       return errors::InvalidArgument("param_dims has ", dims.size(), " entries for ",
                                      num_params(), " parameters");
     }
+    for (int64_t d : dims) {
+      if (d < 1) return errors::InvalidArgument("param_dims must be >= 1, got ", d);
+    }
     if (fp.size() != F || comb.size() != F || max_norms.size() != F ||
         default_ids.size() != F || prune.size() != F || sequence.size() != F) {
       return errors::InvalidArgument(
@@ -99,42 +110,42 @@ struct GroupConfig {
           "and is_sequence must each have num_features = ", num_features, " entries");
     }
     features_of.assign(num_params(), {});
+    feature.assign(F, FeatureAttrs());
     for (size_t f = 0; f < F; ++f) {
+      FeatureAttrs& a = feature[f];
       if (fp[f] < 0 || fp[f] >= num_params()) {
         return errors::InvalidArgument("feature_params[", f, "] = ", fp[f],
                                        " is not a parameter index in [0, ",
                                        num_params(), ")");
       }
-      feature_param.push_back(static_cast<int>(fp[f]));
-      features_of[fp[f]].push_back(static_cast<int>(f));
+      a.param = static_cast<int>(fp[f]);
+      features_of[a.param].push_back(static_cast<int>(f));
       if (comb[f] == "sum") {
-        combiners.push_back(kSum);
+        a.combiner = kSum;
       } else if (comb[f] == "mean") {
-        combiners.push_back(kMean);
+        a.combiner = kMean;
       } else if (comb[f] == "sqrtn") {
-        combiners.push_back(kSqrtn);
+        a.combiner = kSqrtn;
       } else {
         return errors::InvalidArgument("combiners[", f, "] must be sum, mean or sqrtn, got '",
                                        comb[f], "'");
       }
-    }
-    for (int64_t d : dims) {
-      if (d < 1) return errors::InvalidArgument("param_dims must be >= 1, got ", d);
-    }
-    TF_RETURN_IF_ERROR(ctx->GetAttr("concat", &concat));
-    for (size_t f = 0; f < F; ++f) {
-      if (concat && sequence[f]) {
+      a.max_norm = max_norms[f];
+      a.default_id = default_ids[f];
+      a.prune = prune[f];
+      a.sequence = sequence[f];
+      if (concat && a.sequence) {
         return errors::InvalidArgument("concat = true but feature ", f, " is a sequence feature");
       }
-      column_of.push_back(width);
-      width += dims[feature_param[f]];
+      a.column = width;
+      width += dims[a.param];
     }
     return absl::OkStatus();
   }
 
   // Where row b of feature f's output (or its gradient) starts, relative to
   // that feature's base pointer: rows are `width` apart when concatenated.
-  int64_t row_stride(int f) const { return concat ? width : dims[feature_param[f]]; }
+  int64_t row_stride(int f) const { return concat ? width : dims[feature[f].param]; }
 
   int ids_input(int f) const { return num_params() + f; }
   int splits_input(int f) const { return num_params() + num_features + f; }
@@ -180,14 +191,14 @@ absl::Status BuildFeature(OpKernelContext* ctx, const GroupConfig& cfg, int f,
   const int64_t* splits = splits_t.flat<int64_t>().data();
   const float* w = has_w && nnz > 0 ? weights_t.flat<float>().data() : nullptr;
   const int64_t batch = splits_t.dim_size(0) - 1;
-  const int p = cfg.feature_param[f];
-  const bool prune = cfg.prune[f];
+  const int p = cfg.feature[f].param;
+  const bool prune = cfg.feature[f].prune;
   // TF's safe_embedding_lookup_sparse (and DeepRec's fused lookup, whose
   // prune_sparse_weights is set for combiner != "sum"): with explicit
   // weights, a mean or sqrtn feature drops ids whose weight is <= 0.
   const bool prune_weights =
-      weights_t.dim_size(0) != 0 && cfg.combiners[f] != kSum;
-  const int64_t def = cfg.default_ids[f];
+      weights_t.dim_size(0) != 0 && cfg.feature[f].combiner != kSum;
+  const int64_t def = cfg.feature[f].default_id;
   const int64_t vocab = cfg.is_table(p)
                             ? -1
                             : ctx->input(p).dim_size(0);
@@ -275,7 +286,10 @@ struct ParamIds {
   std::vector<uint64_t> part_hashes;
   std::vector<int64_t> order;
   std::vector<int64_t> offsets;
-  std::vector<float> rows;
+  // From TensorFlow's allocator (a pool: a per-step buffer of this size
+  // from malloc took fresh pages, zeroed by the kernel, every step).
+  Tensor rows_buffer;
+  float* rows = nullptr;
   std::vector<int32_t> skips;
   // False on the single-id fast path: uniq holds every id, repeats too.
   bool distinct = true;
@@ -402,7 +416,7 @@ bool SingleIdParam(const GroupConfig& cfg, const std::vector<Feature>& features,
   if (!cfg.single_id || !cfg.is_table(p)) return false;
   for (int f : cfg.features_of[p]) {
     const Feature& ft = features[f];
-    if (cfg.sequence[f] || static_cast<int64_t>(ft.ids.size()) != ft.batch ||
+    if (cfg.feature[f].sequence || static_cast<int64_t>(ft.ids.size()) != ft.batch ||
         ft.max_len > 1) {
       return false;
     }
@@ -496,8 +510,8 @@ bool DirectOutput(OpKernelContext* ctx, const GroupConfig& cfg, int p,
   const int f = cfg.features_of[p][0];
   const int64_t dim = cfg.dims[p];
   const int64_t stride = cfg.row_stride(f);
-  const int64_t col = cfg.concat ? cfg.column_of[f] : 0;
-  if (cfg.max_norms[f] > 0 || ctx->input(cfg.weights_input(f)).dim_size(0) != 0 ||
+  const int64_t col = cfg.concat ? cfg.feature[f].column : 0;
+  if (cfg.feature[f].max_norm > 0 || ctx->input(cfg.weights_input(f)).dim_size(0) != 0 ||
       stride % dim != 0 || col % dim != 0) {
     return false;
   }
@@ -507,10 +521,18 @@ bool DirectOutput(OpKernelContext* ctx, const GroupConfig& cfg, int p,
   return true;
 }
 
-// Sizes table t's row buffers for its distinct keys.
-void PrepareRows(const GroupConfig& cfg, int t, ParamIds* ids) {
-  if (ids->direct_out != nullptr) return;  // rows go straight to the output
-  ids->rows.resize(ids->uniq.size() * cfg.dims[t]);
+// Sizes table t's row buffer for up to n distinct keys (called on the op's
+// own thread, before the parallel units).
+absl::Status PrepareRows(OpKernelContext* ctx, const GroupConfig& cfg, int t, int64_t n,
+                         ParamIds* ids) {
+  TF_RETURN_IF_ERROR(ctx->allocate_temp(tf::DT_FLOAT, TensorShape({n, cfg.dims[t]}),
+                                        &ids->rows_buffer));
+  ids->rows = ids->rows_buffer.flat<float>().data();
+  return absl::OkStatus();
+}
+
+// Sizes table t's per-key buffers for its distinct keys.
+void PrepareSkips(ParamIds* ids) {
   ids->skips.assign(ids->uniq.size(), 0);
 }
 
@@ -521,7 +543,7 @@ void LookupShard(const std::vector<TableSlot>& tables, int t, int sh, bool inser
   const int64_t n = ids->offsets[sh + 1] - b;
   if (n == 0) return;
   if (!ids->distinct) {  // the single-id fast path: every occurrence looked up
-    float* out = ids->direct_out != nullptr ? ids->direct_out : ids->rows.data();
+    float* out = ids->direct_out != nullptr ? ids->direct_out : ids->rows;
     if (tables[t].t64) {
       tables[t].t64->table().Lookup(sh, ids->keys64.data() + b, ids->part_hashes.data() + b,
                                     ids->order.data() + b, n, insert, out);
@@ -534,12 +556,12 @@ void LookupShard(const std::vector<TableSlot>& tables, int t, int sh, bool inser
   if (tables[t].t64) {
     tables[t].t64->table().LookupCounted(sh, ids->keys64.data() + b,
                                          ids->part_hashes.data() + b, ids->order.data() + b,
-                                         ids->counts.data(), n, insert, ids->rows.data(),
+                                         ids->counts.data(), n, insert, ids->rows,
                                          ids->skips.data());
   } else {
     tables[t].t32->table().LookupCounted(sh, ids->keys32.data() + b,
                                          ids->part_hashes.data() + b, ids->order.data() + b,
-                                         ids->counts.data(), n, insert, ids->rows.data(),
+                                         ids->counts.data(), n, insert, ids->rows,
                                          ids->skips.data());
   }
 }
@@ -556,7 +578,11 @@ absl::Status LookupDistinct(OpKernelContext* ctx, const GroupConfig& cfg,
   for (int t = 0; t < cfg.num_tables; ++t) {
     if (!wanted[t]) continue;
     ParamIds& ids = (*params)[t];
-    PrepareRows(cfg, t, &ids);
+    if (ids.rows == nullptr) {
+      TF_RETURN_IF_ERROR(
+          PrepareRows(ctx, cfg, t, static_cast<int64_t>(ids.uniq.size()), &ids));
+    }
+    PrepareSkips(&ids);
     total += static_cast<int64_t>(ids.uniq.size());
     for (int sh = 0; sh < tables[t].num_shards(); ++sh) units.emplace_back(t, sh);
   }
@@ -578,7 +604,7 @@ inline const float* RowOf(OpKernelContext* ctx, const GroupConfig& cfg,
   const ParamIds& ids = params[p];
   const int32_t u = ft.inverse[j];
   if (!ft.rank.empty() && ft.rank[j] < ids.skips[u]) return tables[p].NoPermissionRow();
-  return ids.rows.data() + static_cast<int64_t>(u) * dim;
+  return ids.rows + static_cast<int64_t>(u) * dim;
 }
 
 inline float ClipScale(const float* row, int64_t dim, float max_norm, float* norm_out) {
@@ -624,11 +650,11 @@ void CombineRows(OpKernelContext* ctx, const GroupConfig& cfg,
                  const std::vector<Feature>& features, int f, int64_t begin, int64_t end,
                  float* out) {
   const Feature& ft = features[f];
-  const int p = cfg.feature_param[f];
+  const int p = cfg.feature[f].param;
   const int64_t dim = cfg.dims[p];
-  const float max_norm = cfg.max_norms[f];
+  const float max_norm = cfg.feature[f].max_norm;
   for (int64_t b = begin; b < end; ++b) {
-    if (cfg.sequence[f]) {
+    if (cfg.feature[f].sequence) {
       float* o = out + b * ft.max_len * dim;
       std::fill(o, o + ft.max_len * dim, 0.0f);
       for (int64_t j = ft.splits[b]; j < ft.splits[b + 1]; ++j, o += dim) {
@@ -646,9 +672,9 @@ void CombineRows(OpKernelContext* ctx, const GroupConfig& cfg,
       // w / w and w / |w| (the sign of w), written without the division.
       const float w = ft.weights[j0];
       const float* row = RowOf(ctx, cfg, tables, params, ft, p, j0);
-      const float s = cfg.combiners[f] == kSum    ? w
+      const float s = cfg.feature[f].combiner == kSum    ? w
                       : w == 0                    ? 0.0f
-                      : cfg.combiners[f] == kMean ? 1.0f
+                      : cfg.feature[f].combiner == kMean ? 1.0f
                       : (w > 0 ? 1.0f : -1.0f);
       for (int64_t d = 0; d < dim; ++d) o[d] = s * row[d];
       continue;
@@ -660,7 +686,7 @@ void CombineRows(OpKernelContext* ctx, const GroupConfig& cfg,
       const float s = ft.weights[j] * ClipScale(row, dim, max_norm, &norm);
       for (int64_t d = 0; d < dim; ++d) o[d] += s * row[d];
     }
-    const float c = CombinerScale(ft, cfg.combiners[f], b);
+    const float c = CombinerScale(ft, cfg.feature[f].combiner, b);
     if (c != 1.0f) {
       for (int64_t d = 0; d < dim; ++d) o[d] *= c;
     }
@@ -707,8 +733,8 @@ class GroupLookupOp : public OpKernel {
         }
         continue;
       }
-      const int64_t dim = cfg.dims[cfg.feature_param[f]];
-      TensorShape shape = cfg.sequence[f]
+      const int64_t dim = cfg.dims[cfg.feature[f].param];
+      TensorShape shape = cfg.feature[f].sequence
                               ? TensorShape({features[f].batch, features[f].max_len, dim})
                               : TensorShape({features[f].batch, dim});
       Tensor* out;
@@ -716,7 +742,7 @@ class GroupLookupOp : public OpKernel {
       outs[f] = out->flat<float>().data();
     }
     if (cfg.concat) {
-      for (int f = F - 1; f >= 0; --f) outs[f] = outs[0] + cfg.column_of[f];
+      for (int f = F - 1; f >= 0; --f) outs[f] = outs[0] + cfg.feature[f].column;
     }
     std::vector<ParamIds> params;
     const int threads = ctx->device()->tensorflow_cpu_worker_threads()->num_threads;
@@ -727,6 +753,11 @@ class GroupLookupOp : public OpKernel {
       params.assign(P, ParamIds());
       int64_t total = 0;
       for (const Feature& ft : features) total += static_cast<int64_t>(ft.ids.size());
+      for (int p = 0; p < cfg.num_tables; ++p) {  // room for every id: none repeats
+        int64_t n = 0;
+        for (int f : cfg.features_of[p]) n += static_cast<int64_t>(features[f].ids.size());
+        OP_REQUIRES_OK(ctx, PrepareRows(ctx, cfg, p, n, &params[p]));
+      }
       const int64_t cost = 200 * (total / P + 1);
       OP_REQUIRES_OK(ctx, ParallelFor(ctx, P, cost, [&](int64_t p64) {
         const int p = static_cast<int>(p64);
@@ -734,7 +765,7 @@ class GroupLookupOp : public OpKernel {
         DedupeParam(cfg, tables, p, &features, &ids);
         const bool direct = DirectOutput(ctx, cfg, p, outs, &ids);
         if (cfg.is_table(p)) {
-          PrepareRows(cfg, p, &ids);
+          PrepareSkips(&ids);
           for (int sh = 0; sh < tables[p].num_shards(); ++sh) {
             LookupShard(tables, p, sh, insert_, &ids);
           }
@@ -803,7 +834,7 @@ class GroupLookupGradOp : public OpKernel {
     std::vector<const float*> grads(F);
     for (int f = 0; f < F; ++f) {
       Feature& ft = features[f];
-      const int p = cfg.feature_param[f];
+      const int p = cfg.feature[f].param;
       const Tensor& inv = ctx->input(inverse0 + f);
       const std::string inv_name = "inverse[" + std::to_string(f) + "]";
       // One entry per id kept after pruning and default filling.
@@ -818,12 +849,12 @@ class GroupLookupGradOp : public OpKernel {
                     errors::InvalidArgument("concat = true needs one batch size, but feature ", f,
                                             " has ", ft.batch, " rows and feature 0 ",
                                             features[0].batch));
-        grads[f] = grads[0] + cfg.column_of[f];
+        grads[f] = grads[0] + cfg.feature[f].column;
         continue;
       }
       const Tensor& g = ctx->input(grads0 + f);
       const int64_t dim = cfg.concat ? cfg.width : cfg.dims[p];
-      const TensorShape want = cfg.sequence[f] ? TensorShape({ft.batch, ft.max_len, dim})
+      const TensorShape want = cfg.feature[f].sequence ? TensorShape({ft.batch, ft.max_len, dim})
                                                : TensorShape({ft.batch, dim});
       OP_REQUIRES(ctx, g.shape() == want,
                   errors::InvalidArgument("output_grads[", f, "] must be ",
@@ -834,8 +865,8 @@ class GroupLookupGradOp : public OpKernel {
     // Rows are needed only to differentiate the max_norm clip.
     std::vector<bool> wanted(cfg.num_tables, false);
     for (int f = 0; f < F; ++f) {
-      const int p = cfg.feature_param[f];
-      if (cfg.is_table(p) && cfg.max_norms[f] > 0) wanted[p] = true;
+      const int p = cfg.feature[f].param;
+      if (cfg.is_table(p) && cfg.feature[f].max_norm > 0) wanted[p] = true;
     }
     for (int t = 0; t < cfg.num_tables; ++t) {
       if (!wanted[t]) continue;
@@ -895,7 +926,7 @@ class GroupLookupGradOp : public OpKernel {
     std::vector<float> g(dim);
     for (int f : cfg.features_of[p]) {
       const Feature& ft = features[f];
-      const float max_norm = cfg.max_norms[f];
+      const float max_norm = cfg.feature[f].max_norm;
       for (int64_t b = 0; b < ft.batch; ++b) {
         const int64_t begin = ft.splits[b], end = ft.splits[b + 1];
         if (begin == end) continue;
@@ -903,8 +934,8 @@ class GroupLookupGradOp : public OpKernel {
         for (int64_t j = begin; j < end; ++j) {
           const int64_t u = ft.inverse[j];
           if (u < lo || u >= hi) continue;
-          if (c < 0) c = cfg.sequence[f] ? 1.0f : CombinerScale(ft, cfg.combiners[f], b);
-          const float* dout = cfg.sequence[f] ? grads[f] + (b * ft.max_len + (j - begin)) * dim
+          if (c < 0) c = cfg.feature[f].sequence ? 1.0f : CombinerScale(ft, cfg.feature[f].combiner, b);
+          const float* dout = cfg.feature[f].sequence ? grads[f] + (b * ft.max_len + (j - begin)) * dim
                                               : grads[f] + b * cfg.row_stride(f);
           const float s = c * ft.weights[j];
           float* acc = out + u * dim;
@@ -915,7 +946,7 @@ class GroupLookupGradOp : public OpKernel {
           for (int64_t d = 0; d < dim; ++d) g[d] = s * dout[d];
           // d/dx of x * m / max(|x|, m): (m/|x|)(g - x (x.g) / |x|^2).
           const float* x = cfg.is_table(p)
-                               ? params[p].rows.data() + u * dim
+                               ? params[p].rows + u * dim
                                : ctx->input(p).flat<float>().data() + ft.ids[j] * dim;
           float norm = 0;
           if (ClipScale(x, dim, max_norm, &norm) < 1.0f) {

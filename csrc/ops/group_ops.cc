@@ -96,6 +96,28 @@ absl::Status CheckGroupInputs(InferenceContext* c, const GroupAttrs& a,
 
 }  // namespace
 
+// The inputs and attributes both ops start with, in this order (macros:
+// REGISTER_OP is one chain of calls).
+#define KRE_GROUP_INPUTS                              \
+  .Input("tables: num_tables * resource")             \
+      .Input("dense_params: num_dense * float")       \
+      .Input("ids: num_features * int64")             \
+      .Input("row_splits: num_features * int64")      \
+      .Input("weights: num_features * float")
+#define KRE_GROUP_ATTRS                                       \
+  .Attr("num_tables: int >= 0")                               \
+      .Attr("num_dense: int >= 0")                            \
+      .Attr("num_features: int >= 1")                         \
+      .Attr("num_params: int >= 1")                           \
+      .Attr("table_key_dtypes: list({int32, int64}) >= 0")    \
+      .Attr("param_dims: list(int)")                          \
+      .Attr("feature_params: list(int)")                      \
+      .Attr("combiners: list(string)")                        \
+      .Attr("max_norms: list(float)")                         \
+      .Attr("default_ids: list(int)")                         \
+      .Attr("prune_invalid_ids: list(bool)")                  \
+      .Attr("is_sequence: list(bool)")
+
 // Looks up and combines many features in one op. Parameters are the
 // `tables` (embedding-table handles; key dtypes in `table_key_dtypes`)
 // followed by the `dense_params` ([vocab, dim] float matrices); feature f
@@ -129,26 +151,11 @@ absl::Status CheckGroupInputs(InferenceContext* c, const GroupAttrs& a,
 // unique_ids[p] then lists every id (repeats too) and inverse[f] counts
 // 0, 1, 2, ... The outputs and the table's state are the same either way.
 REGISTER_OP("KRE>GroupLookup")
-    .Input("tables: num_tables * resource")
-    .Input("dense_params: num_dense * float")
-    .Input("ids: num_features * int64")
-    .Input("row_splits: num_features * int64")
-    .Input("weights: num_features * float")
+    KRE_GROUP_INPUTS
     .Output("outputs: num_features * float")
     .Output("unique_ids: num_params * int64")
     .Output("inverse: num_features * int32")
-    .Attr("num_tables: int >= 0")
-    .Attr("num_dense: int >= 0")
-    .Attr("num_features: int >= 1")
-    .Attr("num_params: int >= 1")
-    .Attr("table_key_dtypes: list({int32, int64}) >= 0")
-    .Attr("param_dims: list(int)")
-    .Attr("feature_params: list(int)")
-    .Attr("combiners: list(string)")
-    .Attr("max_norms: list(float)")
-    .Attr("default_ids: list(int)")
-    .Attr("prune_invalid_ids: list(bool)")
-    .Attr("is_sequence: list(bool)")
+    KRE_GROUP_ATTRS
     .Attr("insert: bool = false")
     .Attr("concat: bool = false")
     .Attr("single_id: bool = true")
@@ -184,27 +191,12 @@ REGISTER_OP("KRE>GroupLookup")
 // summed gradient of the rows of its distinct ids unique_ids[p],
 // unique_grads[p] [U, param_dims[p]].
 REGISTER_OP("KRE>GroupLookupGrad")
-    .Input("tables: num_tables * resource")
-    .Input("dense_params: num_dense * float")
-    .Input("ids: num_features * int64")
-    .Input("row_splits: num_features * int64")
-    .Input("weights: num_features * float")
+    KRE_GROUP_INPUTS
     .Input("unique_ids: num_params * int64")
     .Input("inverse: num_features * int32")
     .Input("output_grads: num_features * float")
     .Output("unique_grads: num_params * float")
-    .Attr("num_tables: int >= 0")
-    .Attr("num_dense: int >= 0")
-    .Attr("num_features: int >= 1")
-    .Attr("num_params: int >= 1")
-    .Attr("table_key_dtypes: list({int32, int64}) >= 0")
-    .Attr("param_dims: list(int)")
-    .Attr("feature_params: list(int)")
-    .Attr("combiners: list(string)")
-    .Attr("max_norms: list(float)")
-    .Attr("default_ids: list(int)")
-    .Attr("prune_invalid_ids: list(bool)")
-    .Attr("is_sequence: list(bool)")
+    KRE_GROUP_ATTRS
     .Attr("concat: bool = false")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
