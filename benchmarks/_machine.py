@@ -21,3 +21,12 @@ def machine_info():
             "cpus_available": len(os.sched_getaffinity(0)),
             "memory_gib": round(mem_kb / 2**20, 1), "platform": platform.platform(),
             "python": platform.python_version(), "versions": versions}
+
+
+def write_json_report(path, report):
+    """Writes a benchmark's JSON report to `path` and says so."""
+    import json
+
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote {path}")

@@ -19,8 +19,13 @@ time is measured by `model.fit` itself (a callback from epoch begin to end).
 Epoch 1 includes tracing and every table's growth and is left out of the
 medians. Reported: per-epoch seconds per model, and per steady epoch the
 ratio separate/group (> 1: the group is faster), as median, min and max.
+Then --step-rounds rounds time one training step per model (the compiled
+step `fit` runs, `model.train_function`, on an iterator over the same
+dataset repeated; the models in turn step by step, so a burst of load from
+other processes hits all alike): the median step's wall and CPU
+milliseconds and the median over blocks of 10 rounds of separate/group.
 
-    .venv/bin/python benchmarks/fit_epoch.py --threads 1     # 300k rows, 4 epochs
+    .venv/bin/python benchmarks/fit_epoch.py --threads 1     # 300k rows, 4 epochs, 200 step rounds
     .venv/bin/python benchmarks/fit_epoch.py --rows 100000   # quicker
 
 Writes benchmarks/fit_epoch.json or --json.
@@ -57,6 +62,8 @@ def parse_args(argv=None):
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--threads", type=int, default=0,
                    help="TensorFlow intra-op threads, the same for every model (0: TF's default)")
+    p.add_argument("--step-rounds", type=int, default=200,
+                   help="rounds of one timed train_on_batch step per model (0: none)")
     p.add_argument("--modes", default=",".join(MODES),
                    help=f"comma-separated subset of {MODES} (separate is needed for ratios)")
     p.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "fit_epoch.json"))
@@ -124,6 +131,44 @@ def summarize(times, cpu):
     return out
 
 
+def time_steps(models, dataset, rounds):
+    """Per model, the wall and CPU seconds of `rounds` single training steps
+    (fit's compiled step on an iterator), the models taking turns."""
+    wall = {m: [] for m in models}
+    cpu = {m: [] for m in models}
+    iterators = {m: iter(dataset().repeat()) for m in models}
+    for _ in range(rounds):
+        for mode, model in models.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            model.train_function(iterators[mode])
+            wall[mode].append(time.perf_counter() - t0)
+            cpu[mode].append(time.process_time() - c0)
+    return wall, cpu
+
+
+def step_summary(wall, cpu):
+    """Median step ms per model and, per group mode, the median, min and
+    max over rounds of separate/group (wall and CPU)."""
+    out = {"median_ms": {m: 1e3 * statistics.median(t) for m, t in wall.items()},
+           "median_cpu_ms": {m: 1e3 * statistics.median(t) for m, t in cpu.items()}}
+    if "separate" in wall:
+        for mode in wall:
+            if mode == "separate":
+                continue
+            entry = {}
+            for what, data in (("wall", wall), ("cpu", cpu)):
+                # Ratios of medians over blocks of 10 rounds: one round's
+                # ratio is too noisy on a shared machine.
+                n = len(data[mode])
+                blocks = [(statistics.median(data["separate"][i:i + 10]),
+                           statistics.median(data[mode][i:i + 10])) for i in range(0, n, 10)]
+                ratios = [a / b for a, b in blocks]
+                entry[what] = {"median": statistics.median(ratios), "min": min(ratios),
+                               "max": max(ratios)}
+            out[f"separate_over_{mode}"] = entry
+    return out
+
+
 def main(argv=None):
     opts = parse_args(argv)
     modes = [m.strip() for m in opts.modes.split(",")]
@@ -156,6 +201,19 @@ def main(argv=None):
             cpu[mode].append(clock.cpu_seconds)
             print(f"epoch {epoch + 1} {mode:10s} {clock.seconds:7.2f} s "
                   f"({clock.cpu_seconds:.2f} s CPU)", flush=True)
+    steps_report = None
+    if opts.step_rounds:
+        wall, step_cpu = time_steps(models, dataset, opts.step_rounds)
+        steps_report = step_summary(wall, step_cpu)
+        for mode in modes:
+            print(f"step {mode:13s}: median {steps_report['median_ms'][mode]:.1f} ms "
+                  f"({steps_report['median_cpu_ms'][mode]:.1f} ms CPU)")
+        for mode in modes:
+            r = steps_report.get(f"separate_over_{mode}")
+            if r:
+                print(f"step separate/{mode}: wall {r['wall']['median']:.2f}x "
+                      f"[{r['wall']['min']:.2f}-{r['wall']['max']:.2f}], CPU "
+                      f"{r['cpu']['median']:.2f}x [{r['cpu']['min']:.2f}-{r['cpu']['max']:.2f}]")
     steady = {m: statistics.median(t[1:]) if len(t) > 1 else t[0] for m, t in times.items()}
     steady_cpu = {m: statistics.median(t[1:]) if len(t) > 1 else t[0] for m, t in cpu.items()}
     ratios = summarize(times, cpu)
@@ -168,12 +226,15 @@ def main(argv=None):
                   f"separate/{mode} wall {r['wall']['median']:.2f}x "
                   f"[{r['wall']['min']:.2f}-{r['wall']['max']:.2f}], "
                   f"CPU {r['cpu']['median']:.2f}x [{r['cpu']['min']:.2f}-{r['cpu']['max']:.2f}]")
-    print(json.dumps({f"separate_over_{m}": {k: round(v["median"], 3) for k, v in r.items()}
-                      for m, r in ratios.items()}))
+    print(json.dumps({f"epoch_separate_over_{m}": {k: round(v["median"], 3)
+                                                   for k, v in r.items()}
+                      for m, r in ratios.items()} | {
+        f"step_{k}": {w: round(v["median"], 3) for w, v in r.items()}
+        for k, r in (steps_report or {}).items() if k.startswith("separate_over")}))
     with open(opts.json, "w") as f:
         json.dump({"config": vars(opts), "machine": machine_info(), "seconds": times,
                    "cpu_seconds": cpu, "steady_seconds": steady, "steady_cpu_seconds": steady_cpu,
-                   "separate_over_group": ratios}, f, indent=2)
+                   "separate_over_group": ratios, "steps": steps_report}, f, indent=2)
     return 0
 
 

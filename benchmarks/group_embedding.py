@@ -34,7 +34,6 @@ Writes benchmarks/group_embedding.json (config, machine, times, ratios).
 """
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -48,7 +47,7 @@ import tensorflow as tf  # noqa: E402
 
 import keras_rec_emb as kre  # noqa: E402
 
-from _machine import machine_info  # noqa: E402  (run as a script)
+from _machine import machine_info, write_json_report  # noqa: E402  (run as a script)
 
 DEFAULT_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "group_embedding.json")
 
@@ -164,16 +163,8 @@ def main(argv=None):
               f"{med[name] / med['group']:>10.2f}")
     print(f"\nseparate / group = {ratios['separate_over_group']:.2f}x (target >= 1.5x); "
           f"keras_hashing / group = {ratios['keras_hashing_over_group']:.2f}x")
-    report = {
-        "config": vars(opts) | {"json": None},
-        "machine": machine_info(),
-        "median_s": med,
-        "times_s": times,
-        "ratios": ratios,
-    }
-    with open(opts.json, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"wrote {opts.json}")
+    write_json_report(opts.json, dict(config=vars(opts) | {"json": None}, machine=machine_info(),
+                                      median_s=med, times_s=times, ratios=ratios))
 
 
 if __name__ == "__main__":

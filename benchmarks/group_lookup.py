@@ -14,7 +14,9 @@ each wrapped in a `tf.function`, over --batch rows per feature. With
 --ids-per-row 1-5 every row holds 1 to 5 ids (a `tf.RaggedTensor`, drawn from
 the same columns) summed per row: the fused op combines them itself, the
 separate path calls each table's `EmbeddingVariable(combiner="sum")` layer.
-With --concat both paths return one `[batch, features * dim]` tensor (the
+With --inference both paths are inference lookups (`training=False`,
+`insert=False`: the kernel's single-id fast path; ``fused_general`` is the
+same op with it off). With --concat both paths return one `[batch, features * dim]` tensor (the
 fused op writes it in place; the separate rows go through `tf.concat`).
 Before timing
 both paths are checked to give the same rows. Reported: median ms per call
@@ -58,6 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--ids-per-row", default="1", help="ids per row: 1 or a range LO-HI")
     p.add_argument("--concat", action="store_true", help="one concatenated output")
+    p.add_argument("--inference", action="store_true",
+                   help="inference lookups (no insert) instead of training lookups")
     p.add_argument("--threads", type=int, default=0, help="intra-op threads (0: TF's default)")
     p.add_argument("--no-filter", action="store_true", help="tables without filter/evict")
     p.add_argument("--no-general", action="store_true",
@@ -117,14 +121,15 @@ def main(argv=None):
     layers = build_tables(opts)
     tables = [layer.table for layer in layers]
     n = len(layers)
+    train = not opts.inference
 
     @tf.function
     def fused(batch):
         if opts.lengths is None and not opts.concat:
-            return kre.ops.group_embedding_lookup(layers, batch, training=True)
+            return kre.ops.group_embedding_lookup(layers, batch, training=train)
         out = kre.ops.group_embedding_lookup_sparse(
             layers, [x if opts.lengths else x[:, None] for x in batch], ["sum"] * n,
-            training=True, concat=opts.concat)
+            training=train, concat=opts.concat)
         return [out] if opts.concat else out
 
     @tf.function
@@ -135,9 +140,9 @@ def main(argv=None):
     @tf.function
     def separate(batch):
         if opts.lengths is None:
-            out = [t.lookup(x, insert=True) for t, x in zip(tables, batch)]
+            out = [t.lookup(x, insert=train) for t, x in zip(tables, batch)]
         else:
-            out = [layer(x, training=True) for layer, x in zip(layers, batch)]
+            out = [layer(x, training=train) for layer, x in zip(layers, batch)]
         return [tf.concat(out, -1)] if opts.concat else out
 
     @tf.function

@@ -146,10 +146,12 @@ absl::Status CheckGroupInputs(InferenceContext* c, const GroupAttrs& a,
 // written in place), and outputs[1:] are empty [0]; the gradient then takes
 // output_grads[0] of that shape (output_grads[1:] are ignored).
 //
-// With `single_id` a table whose features all have exactly one id per row
-// (after pruning and default filling) is looked up without deduplication:
-// unique_ids[p] then lists every id (repeats too) and inverse[f] counts
-// 0, 1, 2, ... The outputs and the table's state are the same either way.
+// With `single_id` and without `insert` (inference) a table whose features
+// all have exactly one id per row (after pruning and default filling) is
+// looked up without deduplication: unique_ids[p] then lists every id
+// (repeats too) and inverse[f] counts 0, 1, 2, ... The outputs are the
+// same either way. (Training lookups always deduplicate: the gradient and
+// the optimizer's update then handle each key once.)
 REGISTER_OP("KRE>GroupLookup")
     KRE_GROUP_INPUTS
     .Output("outputs: num_features * float")

@@ -489,10 +489,11 @@ def _single_id_features(rng, batch):
 @pytest.mark.parametrize("wide", [False, True], ids=["few_params", "param_per_unit"])
 @pytest.mark.parametrize("concat", [False, True], ids=["dict", "concat"])
 def test_single_id_fast_path_matches_general_path_and_numpy(matrix_initializer, wide, concat):
-    """Features with one id per row skip the dedupe (rows written straight
-    into the output when they are plain copies): outputs equal the general
-    path's and NumPy's, with a table of its own, a table shared by two
-    single-id features, per-id weights, max_norm and an int32 table."""
+    """In inference, features with one id per row skip the dedupe (rows
+    written straight into the output when they are plain copies): outputs
+    equal the general path's and NumPy's, with a table of its own, a table
+    shared by two single-id features, per-id weights, max_norm and an int32
+    table; nothing is inserted."""
     results = []
     for fast in (True, False):
         t0, m0 = make_table(matrix_initializer, 4, 0)
@@ -510,7 +511,7 @@ def test_single_id_fast_path_matches_general_path_and_numpy(matrix_initializer, 
                                  for x in ids] + [ids[0][:, None]] * len(extra),
                 ["sum", "mean", "sum", "sqrtn", "sum"] + ["sum"] * len(extra),
                 sp_weights=weights, max_norm=[None, None, 0.9, None, None] + [None] * len(extra),
-                training=True, concat=concat)
+                training=False, concat=concat)
         out = out.numpy() if concat else np.concatenate([o.numpy() for o in out], -1)
         results.append(out)
         a = [x.numpy() for x in ids]
@@ -518,17 +519,19 @@ def test_single_id_fast_path_matches_general_path_and_numpy(matrix_initializer, 
         want = [m0(a[0]), m1(a[1]) * np.sign(w.numpy())[:, None], clip(m2(a[2])), m2(a[3]),
                 np.stack([m0(r).sum(0) for r in ids[4].to_list()])]
         np.testing.assert_allclose(out[:, :20], np.concatenate(want, -1), rtol=1e-5, atol=1e-6)
-        assert t0.table_size() == len(set(a[0]) | set(ids[4].flat_values.numpy()))
+        assert t0.table_size() == 0
     np.testing.assert_array_equal(results[0], results[1])
 
 
 @pytest.mark.parametrize("wide", [False, True], ids=["few_params", "param_per_unit"])
-def test_single_id_fast_path_trains_as_general_path_and_separate_layers(
-        matrix_initializer, wide):
-    """Four Adagrad steps with a CounterFilter(2): the fast path, the general
-    path (dedupe) and separate EmbeddingVariable layers end with the same
-    values, frequencies (one per occurrence), filtered keys and Adagrad
-    accumulators."""
+def test_single_id_group_trains_as_separate_layers(matrix_initializer, wide):
+    """Four Adagrad steps with a CounterFilter(2) (training lookups keep the
+    dedupe, fast path attribute on or off): the group and separate
+    EmbeddingVariable layers end with the same values, frequencies (one per
+    occurrence), filtered keys and Adagrad accumulators; then an inference
+    lookup on the fast path reads what the general path and the tables'
+    own lookups read (admitted rows, no_permission_value for filtered keys,
+    default rows for unseen ones)."""
     matrix = np.random.default_rng(0).normal(size=(DVD, 3)).astype(np.float32)
     n_tables = 2 + (_extra_tables() if wide else 0)
 
@@ -564,6 +567,14 @@ def test_single_id_fast_path_trains_as_general_path_and_separate_layers(
             variables = [t.table.variable for t in layers]
             opt.apply(tape.gradient(loss, variables), variables)
             outs.append(out.numpy())
+        probe = [tf.constant(rng.integers(0, 14, 9), tf.int64) for _ in layers]
+        if mode == "separate":
+            served = tf.concat([t.table.lookup(x) for t, x in zip(layers, probe)], -1)
+        else:
+            with embedding_ops.single_id_fast_path(mode == "fast"):
+                served = ops.group_embedding_lookup_sparse(
+                    layers, [x[:, None] for x in probe], ["sum"] * len(layers), concat=True)
+        outs.append(served.numpy())
         runs[mode] = (outs, [t.table.export() for t in layers])
     for mode in ("general", "separate"):
         for a, b in zip(runs["fast"][0], runs[mode][0]):
@@ -583,21 +594,25 @@ def test_single_id_fast_path_trains_as_general_path_and_separate_layers(
     assert all(len(e["keys"]) > 0 for e in runs["fast"][1])  # admitted and trained
 
 
-def test_single_id_fast_path_lists_every_id():
-    """On the fast path unique_ids holds every id (repeats too) and inverse
-    counts 0, 1, 2, ...; the general path deduplicates."""
+@pytest.mark.parametrize("fast,training,want_unique,want_inverse", [
+    (True, False, [4, 4, 7], [0, 1, 2]),
+    (False, False, [4, 7], [0, 0, 1]),
+    (True, True, [4, 7], [0, 0, 1]),
+])
+def test_single_id_fast_path_lists_every_id(fast, training, want_unique, want_inverse):
+    """On the fast path (inference) unique_ids holds every id (repeats too)
+    and inverse counts 0, 1, 2, ...; the general path and training lookups
+    deduplicate."""
     t = EmbeddingVariable(2)
     t.build()
     ids = tf.constant([[4], [4], [7]], tf.int64)
-    for fast, want_unique, want_inverse in ((True, [4, 4, 7], [0, 1, 2]),
-                                            (False, [4, 7], [0, 0, 1])):
-        @tf.function
-        def lookup(fast=fast):
-            with embedding_ops.single_id_fast_path(fast):
-                out = ops.group_embedding_lookup_sparse([t], [ids], ["sum"], training=True)[0]
-            return out.op.outputs[0], out.op.outputs[1], out.op.outputs[2]
+    @tf.function
+    def lookup():
+        with embedding_ops.single_id_fast_path(fast):
+            out = ops.group_embedding_lookup_sparse([t], [ids], ["sum"], training=training)[0]
+        return out.op.outputs[0], out.op.outputs[1], out.op.outputs[2]
 
-        rows, unique, inverse = lookup()
-        np.testing.assert_array_equal(rows.numpy()[0], rows.numpy()[1])
-        assert unique.numpy().tolist() == want_unique
-        assert inverse.numpy().tolist() == want_inverse
+    rows, unique, inverse = lookup()
+    np.testing.assert_array_equal(rows.numpy()[0], rows.numpy()[1])
+    assert unique.numpy().tolist() == want_unique
+    assert inverse.numpy().tolist() == want_inverse
