@@ -162,13 +162,15 @@ def _fused_lookup(params, flat_ids, splits, weights, combiners, max_norms,
         prune_invalid_ids=[bool(b) for b in prunes],
         is_sequence=[bool(b) for b in sequences],
     )
+    if not getattr(_SINGLE_ID, "enabled", True):  # the op's default is on
+        attrs["single_id"] = False
     _ops.refuse_distribution("A group embedding lookup")
     _ops.refuse_xla("A group embedding lookup")
     outs, _, _ = _ops.gen().kre_group_lookup(
         [t.table.handle for t in tables], [_dense_value(d.variable) for d in dense],
         list(flat_ids), list(splits), list(weights), insert=bool(training),
         num_params=len(tables) + len(dense), name=name or "GroupLookup",
-        concat=bool(concat), single_id=getattr(_SINGLE_ID, "enabled", True), **attrs)
+        concat=bool(concat), **attrs)
     return [outs[0]] if concat else list(outs)
 
 
