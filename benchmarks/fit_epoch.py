@@ -9,9 +9,7 @@ read by `ParquetDataset`, each model with its own tables:
 * ``group``: one ``GroupEmbedding(output_mode="concat")`` (the demo);
 * ``group_dict``: one ``GroupEmbedding(output_mode="dict")``, its outputs
   concatenated by Keras;
-* ``separate``: one ``EmbeddingVariable`` layer per feature;
-* ``group_general``: as ``group``, with the group op's single-id fast path
-  off (every table's ids deduplicated first: the op before the fast path).
+* ``separate``: one ``EmbeddingVariable`` layer per feature.
 
 Each model trains --epochs epochs of --rows rows; the models alternate epoch
 by epoch (so all see the same machine state) and each epoch's wall and CPU
@@ -46,11 +44,10 @@ import keras  # noqa: E402
 
 import keras_rec_emb as kre  # noqa: E402
 from keras_rec_emb import cli  # noqa: E402
-from keras_rec_emb.ops import embedding_ops  # noqa: E402
 
 from _machine import machine_info  # noqa: E402  (run as a script)
 
-MODES = ("group", "group_dict", "separate", "group_general")
+MODES = ("group", "group_dict", "separate")
 
 
 def parse_args(argv=None):
@@ -75,7 +72,7 @@ def build(mode, opts, steps):
     reused around a dict-mode group or one table layer per feature (each
     model builds its own tables)."""
     model = cli.build_model(opts.features, opts.dim, steps_to_live=max(1, steps // 2))
-    if mode in ("group", "group_general"):
+    if mode == "group":
         return model
     group = model.get_layer("embeddings")
     inputs = {t.name: t for t in model.inputs}
@@ -194,9 +191,7 @@ def main(argv=None):
     for epoch in range(opts.epochs):
         for mode in modes:
             clock = EpochClock()
-            # Read when fit traces its step (epoch 1), in this thread.
-            with embedding_ops.single_id_fast_path(mode != "group_general"):
-                models[mode].fit(dataset(), epochs=1, verbose=0, callbacks=[clock])
+            models[mode].fit(dataset(), epochs=1, verbose=0, callbacks=[clock])
             times[mode].append(clock.seconds)
             cpu[mode].append(clock.cpu_seconds)
             print(f"epoch {epoch + 1} {mode:10s} {clock.seconds:7.2f} s "

@@ -15,8 +15,9 @@ each wrapped in a `tf.function`, over --batch rows per feature. With
 the same columns) summed per row: the fused op combines them itself, the
 separate path calls each table's `EmbeddingVariable(combiner="sum")` layer.
 With --inference both paths are inference lookups (`training=False`,
-`insert=False`: the kernel's single-id fast path; ``fused_general`` is the
-same op with it off). With --concat both paths return one `[batch, features * dim]` tensor (the
+`insert=False`); ``fused_single_id`` is then the fused op with its
+single-id fast path on (no dedupe; `keras_rec_emb.ops.embedding_ops.
+single_id_fast_path`). With --concat both paths return one `[batch, features * dim]` tensor (the
 fused op writes it in place; the separate rows go through `tf.concat`).
 Before timing
 both paths are checked to give the same rows. Reported: median ms per call
@@ -64,9 +65,7 @@ def parse_args(argv=None):
                    help="inference lookups (no insert) instead of training lookups")
     p.add_argument("--threads", type=int, default=0, help="intra-op threads (0: TF's default)")
     p.add_argument("--no-filter", action="store_true", help="tables without filter/evict")
-    p.add_argument("--no-general", action="store_true",
-                   help="leave out fused_general (the fused op without its single-id fast path)")
-    p.add_argument("--only", choices=("fused", "separate", "fused_general"), help="time one path (profiling)")
+    p.add_argument("--only", choices=("fused", "separate", "fused_single_id"), help="time one path (profiling)")
     p.add_argument("--json", default=DEFAULT_JSON)
     return p.parse_args(argv)
 
@@ -133,8 +132,8 @@ def main(argv=None):
         return [out] if opts.concat else out
 
     @tf.function
-    def fused_general(batch):  # the same op without the single-id fast path
-        with embedding_ops.single_id_fast_path(False):
+    def fused_single_id(batch):  # the same op with the single-id fast path on
+        with embedding_ops.single_id_fast_path(True):
             return fused.python_function(batch)
 
     @tf.function
@@ -162,8 +161,8 @@ def main(argv=None):
     for a, b in zip(fused(batches[0]), separate(batches[0])):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-6)
     paths = {"fused": fused, "separate": separate}
-    if not opts.no_general:
-        paths["fused_general"] = fused_general
+    if opts.inference:
+        paths["fused_single_id"] = fused_single_id
     if opts.only:
         t0, c0 = time.perf_counter(), time.process_time()
         for i in range(opts.reps):
@@ -187,16 +186,16 @@ def main(argv=None):
         rounds.append({"median_s": med, "median_cpu_s": med_cpu,
                        "ratio_fused_over_separate": med["fused"] / med["separate"],
                        "cpu_ratio_fused_over_separate": med_cpu["fused"] / med_cpu["separate"]})
-        if "fused_general" in med:
-            rounds[-1]["ratio_fused_over_general"] = med["fused"] / med["fused_general"]
+        if "fused_single_id" in med:
+            rounds[-1]["ratio_single_id_over_fused"] = med["fused_single_id"] / med["fused"]
         print(f"round {r}: " + ", ".join(
             f"{name} {1e3 * med[name]:.2f} ms ({1e3 * med_cpu[name]:.2f} CPU)" for name in paths)
             + f"; fused/separate = {med['fused'] / med['separate']:.2f}"
-            + (f", fused/fused_general = {rounds[-1]['ratio_fused_over_general']:.2f}"
-               if "fused_general" in med else ""), flush=True)
+            + (f", fused_single_id/fused = {rounds[-1]['ratio_single_id_over_fused']:.2f}"
+               if "fused_single_id" in med else ""), flush=True)
     summary = {}
     for key in ("ratio_fused_over_separate", "cpu_ratio_fused_over_separate",
-                "ratio_fused_over_general"):
+                "ratio_single_id_over_fused"):
         values = [x[key] for x in rounds if key in x]
         if values:
             summary[key] = {"median": statistics.median(values), "min": min(values),

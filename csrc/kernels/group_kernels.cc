@@ -10,7 +10,8 @@
 // distinct key once, counted as often as it occurs;  (4) per (feature,
 // block of rows), clip and combine rows into the outputs. The distinct ids
 // and `inverse` are outputs too, for the backward.
-// Single-id fast path (attr `single_id`, inference lookups only): a table
+// Single-id fast path (attr `single_id`, off by default, inference lookups
+// only; with repeated ids the dedupe measured as fast or faster): a table
 // whose features all have exactly one id per row skips (2)'s
 // deduplication; every id is looked up where it occurs, as a separate
 // table lookup does, straight into the output when the rows are plain

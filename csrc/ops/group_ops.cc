@@ -160,7 +160,7 @@ REGISTER_OP("KRE>GroupLookup")
     KRE_GROUP_ATTRS
     .Attr("insert: bool = false")
     .Attr("concat: bool = false")
-    .Attr("single_id: bool = true")
+    .Attr("single_id: bool = false")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       GroupAttrs a;

@@ -162,8 +162,8 @@ def _fused_lookup(params, flat_ids, splits, weights, combiners, max_norms,
         prune_invalid_ids=[bool(b) for b in prunes],
         is_sequence=[bool(b) for b in sequences],
     )
-    if not getattr(_SINGLE_ID, "enabled", True):  # the op's default is on
-        attrs["single_id"] = False
+    if getattr(_SINGLE_ID, "enabled", False):  # the op's default is off
+        attrs["single_id"] = True
     _ops.refuse_distribution("A group embedding lookup")
     _ops.refuse_xla("A group embedding lookup")
     outs, _, _ = _ops.gen().kre_group_lookup(
@@ -179,11 +179,13 @@ _SINGLE_ID = threading.local()
 
 @contextlib.contextmanager
 def single_id_fast_path(enabled):
-    """Inside (in this thread), group lookups traced take the kernel's
-    single-id fast path (tables whose features have one id per row are not
-    deduplicated) only if `enabled`; it is on by default. For tests and
-    benchmarks comparing both paths; results are the same either way."""
-    previous = getattr(_SINGLE_ID, "enabled", True)
+    """Inside (in this thread), inference group lookups traced take the
+    kernel's single-id fast path (tables whose features have one id per row
+    are looked up without deduplication) if `enabled`; it is off by default:
+    with repeated ids (Zipf-like) the dedupe paid for itself or tied in
+    `benchmarks/group_lookup.py --inference`. For tests and benchmarks
+    comparing both paths; results are the same either way."""
+    previous = getattr(_SINGLE_ID, "enabled", False)
     _SINGLE_ID.enabled = bool(enabled)
     try:
         yield
