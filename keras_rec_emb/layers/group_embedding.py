@@ -138,9 +138,12 @@ class GroupEmbedding(keras.layers.Layer):
     multi-id (ragged or sparse) ones, one fused op per step replaces a
     chain of ops per feature; with at least two tables per intra-op
     thread each table is one unit of work (dedupe, lookup and combine), so
-    the op waits on the thread pool once. For a few scalar features on a
-    machine with many threads, separate `EmbeddingVariable` layers overlap
-    their lookups as well and cost about the same.
+    the op waits on the thread pool once. Measured (26 features, batch
+    4096, README "Semantics worth knowing"): with 1-5 ids per row the
+    forward takes about 0.57x the time of separate layers; with one id per
+    row a training step in `fit` costs the same as with separate
+    `EmbeddingVariable` layers, whose lookups can overlap on spare cores
+    and so may finish a forward pass sooner.
 
     Args:
         features: dict from feature (input) name to `FeatureSpec` (or its
