@@ -178,10 +178,9 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
             raise ValueError(
                 f"Embedding table '{self._name}' is sharded over the "
                 f"{self._num} workers of a MultiWorkerMirroredStrategy: look ids up "
-                "inside its replica function (strategy.run, inside a tf.function), where "
-                "every worker takes part; Keras 3.15's fit / train_on_batch cannot run "
-                "under a multi-worker strategy (keras-team/keras#20585). Read rows with "
-                "table.export() (every worker calls it).")
+                "inside its replica function, where every worker takes part: call "
+                "model.fit / evaluate / predict on every worker, or strategy.run inside "
+                "a tf.function. Read rows with table.export() (every worker calls it).")
         return ctx
 
     def _shape_only_lookup(self, keys):

@@ -2,11 +2,15 @@
 (TF_CONFIG set by test_multi_worker.py): tables sharded over the worker
 processes. Writes OUT/w{task}_*.npz.
 
-    mwms_run.py OUT train      # SGD and Adagrad, global batch BATCH; saves
-                               # the Adagrad model (.keras + tf.train.Checkpoint)
-    mwms_run.py OUT restore SRC  # restores SRC's Adagrad model into this cluster
+    mwms_run.py OUT train      # model.fit / evaluate / predict with SGD and
+                               # Adagrad, global batch BATCH, eviction during
+                               # fit; a custom strategy.run step (SGD); saves
+                               # the Adagrad model (.keras, tf.train.Checkpoint,
+                               # export_for_serving)
+    mwms_run.py OUT restore SRC  # restores SRC's Adagrad model into this
+                                 # cluster, then fits it on more data
 
-The one-process reference imports `build`, `data` and `train` from here.
+The one-process reference imports `build`, `data`, `fit` and `train` from here.
 """
 
 import os
@@ -28,11 +32,15 @@ import tensorflow as tf  # noqa: E402
 
 import keras_rec_emb as kre  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _models import compile_mse, table_arrays  # noqa: E402
+
 DIM, BATCH, STEPS, IDS = 4, 12, 3, 3  # BATCH: global, a multiple of 2 and 3
+STEPS_TO_LIVE = 1  # the GroupEmbedding's table evicts during fit
 
 
-def data():
-    rng = np.random.default_rng(5)
+def data(seed=5):
+    rng = np.random.default_rng(seed)
     ids = rng.integers(0, 40, size=(BATCH * STEPS, IDS)).astype(np.int64)
     y = rng.uniform(size=(BATCH * STEPS, 1)).astype(np.float32)
     return ids, y
@@ -43,46 +51,61 @@ def dense_init():
     return [rng.normal(size=(DIM * (1 + IDS), 1)).astype(np.float32), np.zeros(1, np.float32)]
 
 
-def build(optimizer):
+def build(optimizer, evict=True):
     ids = keras.Input(shape=(IDS,), dtype="int64")
     emb = kre.layers.EmbeddingVariable(
         DIM, combiner="mean", name="emb",
         initializer=keras.initializers.RandomUniform(-1, 1, seed=7),
         ev_option=kre.EmbeddingVariableOption(
             track_meta=True, filter_option=kre.CounterFilter(filter_freq=2)))(ids)
-    # A GroupEmbedding over a second table: one feature per id column.
+    # A GroupEmbedding over a second table (one feature per id column) whose
+    # keys not updated for STEPS_TO_LIVE steps are evicted (if `evict`).
     group = kre.layers.GroupEmbedding(
         {f"f{j}": kre.layers.FeatureSpec(0, combiner="sum") for j in range(IDS)},
         tables=[kre.layers.EmbeddingVariable(
-            DIM, name="group_0", initializer=keras.initializers.RandomUniform(-1, 1, seed=11))],
+            DIM, name="group_0", initializer=keras.initializers.RandomUniform(-1, 1, seed=11),
+            ev_option=kre.EmbeddingVariableOption(
+                evict_option=kre.GlobalStepEvict(steps_to_live=STEPS_TO_LIVE) if evict
+                else None))],
         output_mode="concat", name="group")(ids)
     out = keras.layers.Dense(1, name="dense")(keras.layers.Concatenate()([emb, group]))
-    model = keras.Model(ids, out)
-    opt = {"sgd": lambda: kre.optimizers.SGD(0.1),
-           "adagrad": lambda: kre.optimizers.Adagrad(0.1)}[optimizer]()
-    model.compile(optimizer=opt, loss="mse")
-    return model
+    return compile_mse(ids, out, optimizer)
 
 
-def table_arrays(table):
-    """The table's rows sorted by key (`export` gathers every shard)."""
-    exported = table.export()
-    order = np.argsort(exported["keys"])
-    out = {"keys": exported["keys"][order], "values": exported["values"][order],
-           "freqs": exported["freqs"][order],
-           "keys_filtered": np.sort(exported["keys_filtered"])}
-    for name, rows in exported["slots"].items():
-        out["slot_" + name] = rows[order]
+def model_arrays(model):
+    """Every table's rows (gathered from every shard) and the dense weights."""
+    out = table_arrays(model.get_layer("emb").table)
+    for t, table in enumerate(model.get_layer("group").tables):
+        out.update({f"group{t}_{k}": v for k, v in table_arrays(table.table).items()})
+    out["kernel"], out["bias"] = [np.asarray(w) for w in model.get_layer("dense").get_weights()]
+    return out
+
+
+def fit(model, seed=5, reset_dense=True):
+    """`model.fit` (one epoch of `data(seed)`, global batch BATCH, evicting
+    after every step), then `evaluate` and `predict` on the same data, as
+    written for one process: under the strategy each worker passes the whole
+    data and Keras gives each its part of every batch."""
+    if reset_dense:
+        model.get_layer("dense").set_weights(dense_init())
+    ids, y = data(seed)
+    eviction = kre.callbacks.EvictionCallback(every_n_steps=1)
+    history = model.fit(ids, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+                        callbacks=[eviction])
+    phase("fit")
+    out = model_arrays(model)
+    out["evicted"] = np.int64(eviction.evicted)
+    out["loss"] = np.float32(history.history["loss"][-1])
+    out["evaluate"] = np.float32(model.evaluate(ids, y, batch_size=BATCH, verbose=0))
+    out["predict"] = model.predict(ids, batch_size=BATCH, verbose=0)
+    phase("evaluated, predicted")
     return out
 
 
 def train(model, worker=0, workers=1):
     """The model trained on each worker's slice of every global batch by a
     custom step under the strategy (`strategy.run`; the default strategy in
-    one process). Keras 3.15.1's own train step cannot run under a
-    multi-worker strategy for any model (keras-team/keras#20585: its
-    symbolic build and its step's result reduction call `strategy.reduce` on
-    nested values)."""
+    one process): the low level that `fit` runs too."""
     strategy = model.distribute_strategy
     model.get_layer("dense").set_weights(dense_init())
     with strategy.scope():
@@ -105,10 +128,7 @@ def train(model, worker=0, workers=1):
         lo = i * BATCH + worker * per
         step(tf.constant(ids[lo:lo + per]), tf.constant(y[lo:lo + per]))
         phase(f"step {i}")
-    out = table_arrays(model.get_layer("emb").table)
-    for t, table in enumerate(model.get_layer("group").tables):
-        out.update({f"group{t}_{k}": v for k, v in table_arrays(table.table).items()})
-    out["kernel"], out["bias"] = [np.asarray(w) for w in model.get_layer("dense").get_weights()]
+    out = model_arrays(model)
     phase("exported")
     out["predict"] = forward(model, ids[:BATCH])
     phase("predicted")
@@ -124,6 +144,11 @@ def forward(model, ids):
     return strategy.experimental_local_results(result)[0].numpy()
 
 
+def shard_keys(table):
+    """The keys this process's shard holds (no collective)."""
+    return np.sort(table.shards[0].export(include_filtered=False)["keys"])
+
+
 def main():
     keras.config.disable_traceback_filtering()
     folder, mode = sys.argv[1], sys.argv[2]
@@ -133,12 +158,15 @@ def main():
     n = strategy.num_replicas_in_sync
     phase("strategy")
     if mode == "train":
+        with strategy.scope():
+            model = build("sgd", evict=False)
+        np.savez(os.path.join(folder, f"w{task}_run_sgd.npz"), **train(model, task, n))
+        phase("custom step sgd")
         for optimizer in ("sgd", "adagrad"):
             with strategy.scope():
                 model = build(optimizer)
             phase(f"built {optimizer}")
-            out = train(model, task, n)
-            phase(f"trained {optimizer}")
+            out = fit(model)
             table = model.get_layer("emb").table
             local = table.local_stats()
             out["local_stats"] = np.array([local["size"], local["filtered"]])
@@ -146,10 +174,14 @@ def main():
             out["stats"] = np.array([every["size"], every["filtered"]])
             out["num_shards"] = np.int64(table.num_shards)
             out["index"] = np.int64(table.index)
+            out["group0_shard_keys"] = shard_keys(model.get_layer("group").tables[0].table)
             np.savez(os.path.join(folder, f"w{task}_{optimizer}.npz"), **out)
-        # Every worker saves (the chief's copy is the one to keep).
+        # Every worker saves and exports, each to its own path (as Keras and
+        # TensorFlow leave it to the program; the chief's copy is the one to
+        # keep): these gather every shard, so every worker takes part.
         model.save(os.path.join(folder, f"w{task}.keras"))
         tf.train.Checkpoint(model=model).write(os.path.join(folder, f"ckpt_w{task}", "ckpt"))
+        kre.export_for_serving(model, os.path.join(folder, f"serving_w{task}"))
         phase("saved")
         try:  # an eager call outside the replica function is refused by name
             model(np.zeros((2, IDS), np.int64))
@@ -175,6 +207,9 @@ def main():
         phase("loaded")
         out["keras_predict"] = forward(loaded, ids[:BATCH])
         phase("predicted")
+        # Training goes on in this cluster (any worker count) from the
+        # restored model, on new data.
+        out.update({f"fit_{k}": v for k, v in fit(loaded, seed=6, reset_dense=False).items()})
         out["num_shards"] = np.int64(n)
         np.savez(os.path.join(folder, f"w{task}_restore.npz"), **out)
 
