@@ -4,13 +4,13 @@ processes. Writes OUT/w{task}_*.npz.
 
     mwms_run.py OUT train      # model.fit / evaluate / predict with SGD and
                                # Adagrad, global batch BATCH, eviction during
-                               # fit; a custom strategy.run step (SGD); saves
-                               # the Adagrad model (.keras, tf.train.Checkpoint,
-                               # export_for_serving)
+                               # fit; saves the Adagrad model (.keras,
+                               # tf.train.Checkpoint, export_for_serving)
     mwms_run.py OUT restore SRC  # restores SRC's Adagrad model into this
-                                 # cluster, then fits it on more data
+                                 # cluster, predicts through a strategy.run
+                                 # call, then fits it on more data
 
-The one-process reference imports `build`, `data`, `fit` and `train` from here.
+The one-process reference imports `build`, `data` and `fit` from here.
 """
 
 import os
@@ -51,7 +51,7 @@ def dense_init():
     return [rng.normal(size=(DIM * (1 + IDS), 1)).astype(np.float32), np.zeros(1, np.float32)]
 
 
-def build(optimizer, evict=True):
+def build(optimizer):
     ids = keras.Input(shape=(IDS,), dtype="int64")
     emb = kre.layers.EmbeddingVariable(
         DIM, combiner="mean", name="emb",
@@ -59,14 +59,13 @@ def build(optimizer, evict=True):
         ev_option=kre.EmbeddingVariableOption(
             track_meta=True, filter_option=kre.CounterFilter(filter_freq=2)))(ids)
     # A GroupEmbedding over a second table (one feature per id column) whose
-    # keys not updated for STEPS_TO_LIVE steps are evicted (if `evict`).
+    # keys not updated for STEPS_TO_LIVE steps are evicted.
     group = kre.layers.GroupEmbedding(
         {f"f{j}": kre.layers.FeatureSpec(0, combiner="sum") for j in range(IDS)},
         tables=[kre.layers.EmbeddingVariable(
             DIM, name="group_0", initializer=keras.initializers.RandomUniform(-1, 1, seed=11),
             ev_option=kre.EmbeddingVariableOption(
-                evict_option=kre.GlobalStepEvict(steps_to_live=STEPS_TO_LIVE) if evict
-                else None))],
+                evict_option=kre.GlobalStepEvict(steps_to_live=STEPS_TO_LIVE)))],
         output_mode="concat", name="group")(ids)
     out = keras.layers.Dense(1, name="dense")(keras.layers.Concatenate()([emb, group]))
     return compile_mse(ids, out, optimizer)
@@ -81,11 +80,11 @@ def model_arrays(model):
     return out
 
 
-def fit(model, seed=5, reset_dense=True):
+def fit(model, seed=5, reset_dense=True, infer=True):
     """`model.fit` (one epoch of `data(seed)`, global batch BATCH, evicting
-    after every step), then `evaluate` and `predict` on the same data, as
-    written for one process: under the strategy each worker passes the whole
-    data and Keras gives each its part of every batch."""
+    after every step), then (if `infer`) `evaluate` and `predict` on the same
+    data, as written for one process: under the strategy each worker passes
+    the whole data and Keras gives each its part of every batch."""
     if reset_dense:
         model.get_layer("dense").set_weights(dense_init())
     ids, y = data(seed)
@@ -96,48 +95,18 @@ def fit(model, seed=5, reset_dense=True):
     out = model_arrays(model)
     out["evicted"] = np.int64(eviction.evicted)
     out["loss"] = np.float32(history.history["loss"][-1])
+    if not infer:  # (each costs seconds under the strategy: traced anew)
+        return out
     out["evaluate"] = np.float32(model.evaluate(ids, y, batch_size=BATCH, verbose=0))
     out["predict"] = model.predict(ids, batch_size=BATCH, verbose=0)
     phase("evaluated, predicted")
     return out
 
 
-def train(model, worker=0, workers=1):
-    """The model trained on each worker's slice of every global batch by a
-    custom step under the strategy (`strategy.run`; the default strategy in
-    one process): the low level that `fit` runs too."""
-    strategy = model.distribute_strategy
-    model.get_layer("dense").set_weights(dense_init())
-    with strategy.scope():
-        model.optimizer.build(model.trainable_variables)
-
-    @tf.function
-    def step(x, y):
-        def replica_step(x, y):
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_mean(tf.square(model(x, training=True) - y))
-                loss = loss / strategy.num_replicas_in_sync
-            grads = tape.gradient(loss, model.trainable_variables)
-            model.optimizer.apply(grads, model.trainable_variables)
-
-        strategy.run(replica_step, args=(x, y))
-
-    ids, y = data()
-    per = BATCH // workers
-    for i in range(STEPS):
-        lo = i * BATCH + worker * per
-        step(tf.constant(ids[lo:lo + per]), tf.constant(y[lo:lo + per]))
-        phase(f"step {i}")
-    out = model_arrays(model)
-    phase("exported")
-    out["predict"] = forward(model, ids[:BATCH])
-    phase("predicted")
-    return out
-
-
 def forward(model, ids):
     """The model's output for `ids` on every worker (each worker passes all
-    of them), through the strategy's replica function."""
+    of them), through the strategy's replica function: the low level under
+    `predict`, as a hand-written loop would call it."""
     strategy = model.distribute_strategy
     result = tf.function(lambda x: strategy.run(lambda x: model(x, training=False),
                                                 args=(x,)))(tf.constant(ids))
@@ -158,15 +127,11 @@ def main():
     n = strategy.num_replicas_in_sync
     phase("strategy")
     if mode == "train":
-        with strategy.scope():
-            model = build("sgd", evict=False)
-        np.savez(os.path.join(folder, f"w{task}_run_sgd.npz"), **train(model, task, n))
-        phase("custom step sgd")
         for optimizer in ("sgd", "adagrad"):
             with strategy.scope():
                 model = build(optimizer)
             phase(f"built {optimizer}")
-            out = fit(model)
+            out = fit(model, infer=optimizer == "adagrad")
             table = model.get_layer("emb").table
             local = table.local_stats()
             out["local_stats"] = np.array([local["size"], local["filtered"]])
@@ -209,7 +174,8 @@ def main():
         phase("predicted")
         # Training goes on in this cluster (any worker count) from the
         # restored model, on new data.
-        out.update({f"fit_{k}": v for k, v in fit(loaded, seed=6, reset_dense=False).items()})
+        out.update({f"fit_{k}": v
+                    for k, v in fit(loaded, seed=6, reset_dense=False, infer=False).items()})
         out["num_shards"] = np.int64(n)
         np.savez(os.path.join(folder, f"w{task}_restore.npz"), **out)
 

@@ -76,13 +76,16 @@ def test_two_workers_fit_evaluate_predict_match_one_process(two_workers, optimiz
     dense weights, loss, evaluation loss and predictions (in input order)
     as one process with batch B; eviction during fit removes the same keys."""
     mwms_run = runner()
-    one = mwms_run.fit(mwms_run.build(optimizer))
-    assert {"keys", "values", "freqs", "kernel", "bias", "predict", "evaluate", "loss",
-            "evicted", "group0_keys"} <= set(one)
-    if optimizer == "adagrad":
-        assert "slot_accumulator" in one and "group0_slot_accumulator" in one
+    infer = optimizer == "adagrad"  # evaluate / predict with one optimizer: seconds each
+    one = mwms_run.fit(mwms_run.build(optimizer), infer=infer)
+    assert {"keys", "values", "freqs", "kernel", "bias", "loss", "evicted",
+            "group0_keys"} <= set(one)
     ids, y = mwms_run.data()
-    assert one["predict"].shape == (len(ids), 1)
+    if infer:
+        assert "slot_accumulator" in one and "group0_slot_accumulator" in one
+        assert one["predict"].shape == (len(ids), 1)
+        np.testing.assert_allclose(one["evaluate"], np.mean((one["predict"] - y) ** 2),
+                                   rtol=1e-5)
     for task in (0, 1):
         got = np.load(two_workers / f"w{task}_{optimizer}.npz")
         assert int(got["num_shards"]) == 2 and int(got["index"]) == task
@@ -92,7 +95,6 @@ def test_two_workers_fit_evaluate_predict_match_one_process(two_workers, optimiz
     assert np.abs(one["kernel"] - mwms_run.dense_init()[0]).max() > 1e-3
     assert len(one["group0_keys"]) > 5  # the GroupEmbedding's tables trained too
     assert len(one["keys_filtered"]) > 0 and len(one["keys"]) > 10
-    np.testing.assert_allclose(one["evaluate"], np.mean((one["predict"] - y) ** 2), rtol=1e-5)
     # Eviction (steps_to_live=1, after every step): keys went, and those
     # left were all looked up in the last two steps.
     assert one["evicted"] > 0
@@ -109,14 +111,6 @@ def test_two_workers_fit_evaluate_predict_match_one_process(two_workers, optimiz
     total = np.load(two_workers / f"w0_{optimizer}.npz")["stats"]
     np.testing.assert_array_equal(stats[0] + stats[1], total)
     np.testing.assert_array_equal(total, [len(one["keys"]), len(one["keys_filtered"])])
-
-
-def test_two_workers_custom_step_matches_one_process(two_workers):
-    """The low level under fit: a hand-written strategy.run step."""
-    mwms_run = runner()
-    one = mwms_run.train(mwms_run.build("sgd", evict=False))
-    for task in (0, 1):
-        assert_same(np.load(two_workers / f"w{task}_run_sgd.npz"), one, f"worker {task}")
 
 
 def test_two_worker_export_for_serving_serves_the_one_process_predictions(two_workers):
@@ -176,7 +170,7 @@ def test_two_worker_checkpoint_restores_into_three_workers_and_one_process(two_w
     np.testing.assert_allclose(loaded.predict(mwms_run.data()[0], verbose=0),
                                trained["predict"], rtol=1e-5, atol=1e-5)
     # 3 workers fit the restored model on new data as one process does.
-    one = mwms_run.fit(loaded, seed=6, reset_dense=False)
+    one = mwms_run.fit(loaded, seed=6, reset_dense=False, infer=False)
     assert np.abs(one["kernel"] - trained["kernel"]).max() > 1e-4
     for task in range(3):
         got = np.load(tmp_path / f"w{task}_restore.npz")
