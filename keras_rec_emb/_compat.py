@@ -162,7 +162,7 @@ def built_variables(optimizer):
 # own code unchanged. Installed once by `fix_keras_multi_worker()` (called
 # when `keras_rec_emb.distribute` is imported), only for the Keras
 # versions in `KERAS_MULTI_WORKER_FIX_VERSIONS` (read the upstream code
-# again before adding one). Used by `distribute/collective_tables.py`.
+# again before adding one). Used by `distribute/__init__.py`.
 KERAS_MULTI_WORKER_FIX_VERSIONS = ("3.15.1",)
 # Keras's own functions that the correction wraps (filled when installed).
 KERAS_MULTI_WORKER_ORIGINALS = {}

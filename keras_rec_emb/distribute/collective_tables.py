@@ -245,10 +245,10 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
             dummies[:, tf.newaxis], tf.zeros(tf.shape(dummies), tf.bool))
         return tf.boolean_mask(gathered, keep)
 
-    def _gathered_parts(self, include_filtered):
+    def _gathered_parts(self, include_filtered, evict=False):
         shard = self._shards[0]
         with tf.device(shard.device):
-            evict = [shard._evict_op()] if shard.evicts else []  # noqa: SLF001
+            evict = [shard._evict_op()] if evict and shard.evicts else []  # noqa: SLF001
             with tf.control_dependencies(evict):
                 parts = _ops.export(shard.handle, shard.key_dtype, shard.dim,
                                     include_filtered=include_filtered)
@@ -267,7 +267,7 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
     def _serialize_to_tensors(self):
         """Every worker's shard gathered into `EmbeddingTable`'s checkpoint
         format (evicting first, as one table does)."""
-        return self._gathered_parts(self.save_filtered)
+        return self._gathered_parts(self.save_filtered, evict=True)
 
     def _restore_from_tensors(self, restored_tensors):
         """Keeps the restored keys that hash to this process's shard: a
@@ -289,7 +289,8 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
 
     def export(self, include_filtered=True):
         """Every worker's rows in one dict shaped like `EmbeddingTable.export()`
-        (collective: every worker calls it and receives all rows)."""
+        (collective: every worker calls it and receives all rows). Like
+        `EmbeddingTable.export`, it does not evict (saving does)."""
         parts = {k: v.numpy() for k, v in self._gathered_parts(include_filtered).items()}
         out = {k: parts[k] for k in _variables.ARRAY_PARTS}
         out["slots"] = _variables.unpack_slots(parts)

@@ -80,20 +80,27 @@ def model_arrays(model):
     return out
 
 
-def fit(model, seed=5, reset_dense=True, infer=True):
+def fit(model, seed=5, reset_dense=True, infer=True, evict_during_fit=True):
     """`model.fit` (one epoch of `data(seed)`, global batch BATCH, evicting
     after every step), then (if `infer`) `evaluate` and `predict` on the same
     data, as written for one process: under the strategy each worker passes
-    the whole data and Keras gives each its part of every batch."""
+    the whole data and Keras gives each its part of every batch. Without
+    `evict_during_fit` the GroupEmbedding's table evicts once after the
+    export, at its own last update step."""
     if reset_dense:
         model.get_layer("dense").set_weights(dense_init())
     ids, y = data(seed)
     eviction = kre.callbacks.EvictionCallback(every_n_steps=1)
     history = model.fit(ids, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
-                        callbacks=[eviction])
+                        callbacks=[eviction] if evict_during_fit else [])
     phase("fit")
     out = model_arrays(model)
-    out["evicted"] = np.int64(eviction.evicted)
+    if evict_during_fit:
+        out["evicted"] = np.int64(eviction.evicted)
+    else:  # collective: every worker evicts its shard
+        group_table = model.get_layer("group").tables[0]
+        out["evicted"] = np.int64(group_table.evict())
+        out["group0_keys_after_evict"] = table_arrays(group_table.table)["keys"]
     out["loss"] = np.float32(history.history["loss"][-1])
     if not infer:  # (each costs seconds under the strategy: traced anew)
         return out
@@ -175,7 +182,8 @@ def main():
         # Training goes on in this cluster (any worker count) from the
         # restored model, on new data.
         out.update({f"fit_{k}": v
-                    for k, v in fit(loaded, seed=6, reset_dense=False, infer=False).items()})
+                    for k, v in fit(loaded, seed=6, reset_dense=False, infer=False,
+                                        evict_during_fit=False).items()})
         out["num_shards"] = np.int64(n)
         np.savez(os.path.join(folder, f"w{task}_restore.npz"), **out)
 

@@ -19,7 +19,7 @@ from _net import free_ports  # noqa: E402
 pytestmark = pytest.mark.multiprocess
 
 
-def run_cluster(folder, workers, *args, timeout=240):
+def run_cluster(folder, workers, *args, timeout=480):
     """Runs mwms_run.py on `workers` worker processes; every process is
     stopped by its pid if it has not ended in `timeout` seconds."""
     addresses = [f"127.0.0.1:{p}" for p in free_ports(workers)]
@@ -170,8 +170,12 @@ def test_two_worker_checkpoint_restores_into_three_workers_and_one_process(two_w
     np.testing.assert_allclose(loaded.predict(mwms_run.data()[0], verbose=0),
                                trained["predict"], rtol=1e-5, atol=1e-5)
     # 3 workers fit the restored model on new data as one process does.
-    one = mwms_run.fit(loaded, seed=6, reset_dense=False, infer=False)
+    one = mwms_run.fit(loaded, seed=6, reset_dense=False, infer=False, evict_during_fit=False)
     assert np.abs(one["kernel"] - trained["kernel"]).max() > 1e-4
+    # export() did not evict (as one table's does not); evict() then did,
+    # at the table's last update step, the same keys on 3 workers.
+    assert one["evicted"] > 0
+    assert len(one["group0_keys"]) == len(one["group0_keys_after_evict"]) + one["evicted"]
     for task in range(3):
         got = np.load(tmp_path / f"w{task}_restore.npz")
         assert_same({k[len("fit_"):]: got[k] for k in got.files if k.startswith("fit_")},
