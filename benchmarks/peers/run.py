@@ -40,7 +40,7 @@ worker is also bound to cores 0..T-1 (`sched_setaffinity`).
 
 Run from the repository root (`make bench-peers` makes the venvs first):
 
-    .venv/bin/python benchmarks/peers/run.py            # 5 rounds, 1 and 2 threads
+    .venv/bin/python benchmarks/peers/run.py            # 7 rounds, 1 and 2 threads
     .venv/bin/python benchmarks/peers/run.py --quick    # tiny sizes, 2 rounds
     .venv/bin/python benchmarks/peers/run.py --frameworks ours_group,keras
 
@@ -79,7 +79,10 @@ FRAMEWORKS = {
     "keras": ("stock Keras Hashing + Embedding", "worker_keras.py", None, "keras", {}),
 }
 QUICK = {"rounds": 2, "steps": 5, "lookups": 5}
-FULL = {"rounds": 5, "steps": 10, "lookups": 5}
+FULL = {"rounds": 7, "steps": 10, "lookups": 5}
+# Frameworks too slow for --steps steps a round (stock Keras trains its dense
+# 26 x 10^6-row tables at ~0.2 steps/s): they run steps // N (at least 2).
+SLOW = {"keras": 5}
 DEFAULT_OUT = ROOT / "bench-report"
 
 
@@ -204,11 +207,16 @@ def run_config(names, data_dir, meta, variant, threads, opts, log_dir):
         for r in range(opts.rounds):
             order = names if r % 2 == 0 else names[::-1]
             for name in order:
-                rounds[name].append(workers[name].ask(op="round", steps=opts.steps,
-                                                      lookups=opts.lookups))
-            log(f"  round {r + 1}/{opts.rounds}: " + ", ".join(
-                f"{n} {rounds[n][-1]['steps_per_s']:.1f}/s {rounds[n][-1]['lookup_ms']:.1f}ms"
-                for n in names))
+                steps = max(2, opts.steps // SLOW.get(name, 1))
+                reply = workers[name].ask(op="round", steps=steps, lookups=opts.lookups)
+                # The machine's 1-minute load average as the round ends: the
+                # other jobs that shared the cores with it.
+                reply.update(steps=steps, load_avg=os.getloadavg()[0])
+                rounds[name].append(reply)
+            log(f"  round {r + 1}/{opts.rounds} (load {os.getloadavg()[0]:.1f}): " + ", ".join(
+                f"{n} {rounds[n][-1]['steps_per_s']:.1f}/s "
+                f"({rounds[n][-1]['cpu_ms_per_step']:.0f} cpu-ms) "
+                f"{rounds[n][-1]['lookup_ms']:.1f}ms" for n in names))
         stats = {name: w.ask(op="stats") for name, w in workers.items()}
     finally:
         for w in workers.values():
@@ -221,6 +229,10 @@ def run_config(names, data_dir, meta, variant, threads, opts, log_dir):
         out[name] = {
             "label": FRAMEWORKS[name][0],
             "steps_per_s": _summary([x["steps_per_s"] for x in rs]),
+            "cpu_ms_per_step": _summary([x["cpu_ms_per_step"] for x in rs]),
+            "load_avg": _summary([x["load_avg"] for x in rs]),
+            "loss_initial": rd["loss_initial"],
+            "loss_after_warmup": rd["loss_after_warmup"],
             "lookup_ms": _summary([x["lookup_ms"] for x in rs]),
             "loss": [x["loss"] for x in rs],
             "table_rows": st["table_rows"],
