@@ -35,8 +35,15 @@ Threads, so that no framework is starved or oversubscribed: only one
 worker runs at a time, and each gets T threads (--threads, 1 and 2):
 `OMP_NUM_THREADS`/`MKL_NUM_THREADS`=T for all; TensorFlow intra-op pool T,
 inter-op pool 1 (ops run in sequence, each one using up to T threads);
-torch `set_num_threads(T)`, `set_num_interop_threads(1)`. With --pin, each
-worker is also bound to cores 0..T-1 (`sched_setaffinity`).
+torch `set_num_threads(T)`, `set_num_interop_threads(1)`; and
+`OMP_WAIT_POLICY=PASSIVE` (--omp-wait-policy): torch's OpenMP (libgomp)
+otherwise spins ~300k iterations at every barrier before sleeping, and on
+a machine whose cores are shared with other jobs the spinning thread eats
+the time slice its preempted partner needs: TorchRec at 2 threads then
+burns 100-770 CPU-ms a step instead of 35-70 and runs 2-20x slower (0.6-4
+steps/s against 7-19 with PASSIVE, measured side by side at load 8).
+TensorFlow's Eigen pools do not read it. With --pin, each worker is also
+bound to cores 0..T-1 (`sched_setaffinity`).
 
 Run from the repository root (`make bench-peers` makes the venvs first):
 
@@ -104,6 +111,10 @@ def parse_args(argv=None):
     p.add_argument("--batches", type=int, default=None,
                    help="distinct batches in the ids (default: workload's)")
     p.add_argument("--pin", action="store_true", help="bind each worker to cores 0..T-1")
+    p.add_argument("--omp-wait-policy", default="PASSIVE", choices=("PASSIVE", "ACTIVE", "unset"),
+                   help="OMP_WAIT_POLICY of the workers (default PASSIVE: idle OpenMP "
+                        "threads sleep instead of spinning; `unset` keeps libgomp's "
+                        "spin-then-sleep default)")
     p.add_argument("--data-dir", default=None,
                    help="where the ids are generated (default: OUT/peers-data[-quick])")
     p.add_argument("--output-dir", default=str(DEFAULT_OUT))
@@ -135,12 +146,16 @@ def parse_args(argv=None):
 class Worker:
     """One framework's long-lived worker process, driven over its pipes."""
 
-    def __init__(self, name, data_dir, variant, threads, pin, timeout, log_dir):
+    def __init__(self, name, data_dir, variant, threads, pin, timeout, log_dir,
+                 omp_wait_policy="PASSIVE"):
         label, script, venv, impl, env = FRAMEWORKS[name]
         python = sys.executable if venv is None else str(ROOT / venv / "bin" / "python")
         self.name, self.timeout = name, timeout
         full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1",
                     "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+        full_env.pop("OMP_WAIT_POLICY", None)
+        if omp_wait_policy != "unset":
+            full_env["OMP_WAIT_POLICY"] = omp_wait_policy
         self.log_path = log_dir / f"{name}-{variant}-{threads}t.log"
         self.stderr = open(self.log_path, "w")
         cmd = [python, str(HERE / script), "--data", str(data_dir), "--variant", variant,
@@ -198,7 +213,7 @@ def run_config(names, data_dir, meta, variant, threads, opts, log_dir):
     try:
         for name in names:  # started together: warm-ups overlap, nothing is timed yet
             workers[name] = Worker(name, data_dir, variant, threads, opts.pin, opts.timeout,
-                                   log_dir)
+                                   log_dir, opts.omp_wait_policy)
         ready = {}
         for name, w in workers.items():
             ready[name] = w.ready()
@@ -281,7 +296,9 @@ def main(argv=None):
 
     report = {"benchmark": "peers", "date": datetime.date.today().isoformat(),
               "quick": opts.quick, "workload": config, "data": metas,
-              "method": {k: getattr(opts, k) for k in ("rounds", "steps", "lookups", "pin")},
+              "method": {k: getattr(opts, k) for k in ("rounds", "steps", "lookups", "pin",
+                                                       "omp_wait_policy")},
+              "load_avg_start": os.getloadavg(),
               "reference": REFERENCE, "skipped": skipped, "machine": machine_info(),
               "results": {}}
     json_path = out_dir / "peers.json"
