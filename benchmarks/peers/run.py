@@ -295,6 +295,8 @@ def main(argv=None):
     import report as bench_report
 
     report = {"benchmark": "peers", "date": datetime.date.today().isoformat(),
+              "command": " ".join(["python benchmarks/peers/run.py",
+                                   *(sys.argv[1:] if argv is None else argv)]),
               "quick": opts.quick, "workload": config, "data": metas,
               "method": {k: getattr(opts, k) for k in ("rounds", "steps", "lookups", "pin",
                                                        "omp_wait_policy")},
