@@ -745,7 +745,7 @@ def write_report(out_dir, quick, machine, rows, plots, commands, notes, elapsed,
             source = (f"Stored result `benchmarks/{STORED_PEERS_JSON}` of {data['date']} "
                       "(not rerun: `make bench-peers` needs the TorchRec and TFRA "
                       "virtualenvs; its fresh `peers.json` in this folder replaces it).")
-        lines += ["", "### Peers (TorchRec, TFRA, stock Keras)", "", source,
+        lines += ["", "## Peers (TorchRec, TFRA, stock Keras)", "", source,
                   ""] + peers_markdown(data)
         if not (out_dir / PEERS_PLOT).is_file():
             peers_plot(data, out_dir / PEERS_PLOT)

@@ -118,6 +118,9 @@ def parse_args(argv=None):
     p.add_argument("--data-dir", default=None,
                    help="where the ids are generated (default: OUT/peers-data[-quick])")
     p.add_argument("--output-dir", default=str(DEFAULT_OUT))
+    p.add_argument("--store", action="store_true",
+                   help="also write the result to benchmarks/results/peers.json, the stored "
+                        "result `keras-rec-emb bench` shows without the peer virtualenvs")
     p.add_argument("--skip-missing", action="store_true",
                    help="leave out frameworks whose virtualenv is missing (default: error)")
     p.add_argument("--timeout", type=float, default=1800,
@@ -316,6 +319,10 @@ def main(argv=None):
             json_path.write_text(json.dumps(report, indent=1))
             md = bench_report.peers_markdown(report)
             (out_dir / "peers.md").write_text("\n".join(md) + "\n")
+    if opts.store:
+        stored = HERE.parent / bench_report.STORED_PEERS_JSON
+        stored.write_text(json.dumps(report, indent=1) + "\n")
+        log(f"stored as {stored}")
     try:
         bench_report.peers_plot(report, out_dir / bench_report.PEERS_PLOT)
     except bench_report.BenchError as e:

@@ -110,7 +110,7 @@ def test_markdown_plot_and_report_section(quick, tmp_path):
     # report.py picks the peers up from its output folder.
     path = report.write_report(out, True, report._machine(PEERS.parent), [], {}, [], [], 1.0)
     text = path.read_text()
-    assert "### Peers (TorchRec, TFRA, stock Keras)" in text
+    assert "\n## Peers (TorchRec, TFRA, stock Keras)\n" in text
     assert "](peers.png)" in text
 
 
