@@ -641,6 +641,7 @@ def peers_markdown(data):
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     if data.get("skipped"):
         lines += ["", "Not run: " + "; ".join(f"{k}: {v}" for k, v in data["skipped"].items())]
+    lines += [""] + data["notes"] if data.get("notes") else []
     m = data["machine"]
     lines += ["", f"Machine: {m['cpu_model']}, {m['cpu_count']} cores, {m['memory_gib']} GiB."]
     return lines
