@@ -655,7 +655,7 @@ def peers_plot(data, path):
     res = data["results"]
     keys = list(res)
     names = list(dict.fromkeys(n for k in keys for n in res[k]["frameworks"]))
-    fig, axes = plt.subplots(2, 1, figsize=(9, 7.5), sharex=True)
+    fig, axes = plt.subplots(2, 1, figsize=(9, 8), sharex=True)
     width = 0.8 / max(len(names), 1)
     cmap = plt.get_cmap("tab10")
     for ax, metric, ylabel in ((axes[0], "steps_per_s", "training steps/s (higher is better)"),
@@ -679,8 +679,9 @@ def peers_plot(data, path):
                        [f"{res[k]['variant']}, {res[k]['threads']} thr" for k in keys])
     axes[0].set_title(f"Peers ({data['date']}): batch {data['workload']['batch']}, "
                       f"{data['workload']['features']} features, dim {data['workload']['dim']}")
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=7)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
