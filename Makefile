@@ -104,7 +104,9 @@ bench: install
 
 # Side-by-side peer benchmark (issue 19): TorchRec and TFRA each in their own
 # virtualenv (large: torch pulls ~5 GB of CUDA wheels), never part of `make test`.
-# PEERS_ARGS is passed to benchmarks/peers/run.py (e.g. PEERS_ARGS=--quick).
+# PEERS_ARGS is passed to benchmarks/peers/run.py (e.g. PEERS_ARGS=--quick;
+# PEERS_ARGS=--store also writes the stored result benchmarks/results/peers.json).
+# Checked 2026-11-24: `make peer-venvs` from a clean state takes ~5 minutes here.
 TR_VENV := .venv-torchrec
 TFRA_VENV := .venv-tfra
 PEERS_REQ := benchmarks/peers

@@ -42,6 +42,9 @@ PLOTS = {"lookup": "lookup_vs_table_size.png", "training": "training_steps.png",
 STORED_SCALE_JSON = "results/storage_scale.json"
 PEERS_JSON = "peers.json"  # written by benchmarks/peers/run.py into the report folder
 PEERS_PLOT = "peers.png"
+# The stored result of the last full `make bench-peers` run (TorchRec and TFRA
+# need their own virtualenvs): shown when the report folder has no fresher one.
+STORED_PEERS_JSON = "results/peers.json"
 
 # Table sizes (rows) for the lookup runs, and every script's arguments.
 LOOKUP_ROWS = {"quick": (100_000, 400_000), "full": (100_000, 1_000_000, 10_000_000)}
@@ -463,27 +466,97 @@ def make_plots(results, out_dir):
 
 # -- Peers (benchmarks/peers/run.py) -------------------------------------------------
 
-def _peer_cell(r, key, unit):
+def stored_peers_result(bench_dir):
+    """The stored peers result under bench_dir (STORED_PEERS_JSON), or None."""
+    path = pathlib.Path(bench_dir) / STORED_PEERS_JSON
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def paired_ratios(a, b, key):
+    """Per-round ratios of two frameworks' results measured in the same
+    interleaved rounds: a / b for steps/s, b / a for forward ms (above 1:
+    `a` faster). Returns {"median", "min", "max"} or None."""
+    ra, rb = a.get("rounds"), b.get("rounds")
+    if not ra or not rb or len(ra) != len(rb):
+        return None
+    if key == "steps_per_s":
+        values = sorted(x[key] / y[key] for x, y in zip(ra, rb))
+    else:
+        values = sorted(y[key] / x[key] for x, y in zip(ra, rb))
+    n = len(values)
+    median = values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
+    return {"median": median, "min": values[0], "max": values[-1]}
+
+
+def _peer_cell(r, key, unit, ref=None):
+    """Median value; ratio to ours (framework / ours, above 1 faster than
+    ours): the median of the per-round ratios, with their range."""
     s = r[key]
-    ratio = r.get("train_vs_ours" if key == "steps_per_s" else "lookup_vs_ours")
     cell = f"{s['median']:.3g} {unit}"
+    ratio = None if ref is None else paired_ratios(r, ref, key)
     if ratio is not None:
-        cell += f", {ratio:.2f}x"
-    return cell + f" (±{50 * s['spread']:.0f}%)"
+        cell += f", {ratio['median']:.2f}x ({ratio['min']:.2f}-{ratio['max']:.2f})"
+    else:
+        old = r.get("train_vs_ours" if key == "steps_per_s" else "lookup_vs_ours")
+        if old is not None:
+            cell += f", {old:.2f}x"
+        cell += f" (±{50 * s['spread']:.0f}%)"
+    return cell
+
+
+# Issue 19's targets: ours (GroupEmbedding) against the faster TorchRec path
+# and against 26 separate layers, per (variant, threads).
+PEER_TARGETS = (("training steps/s, ours / TorchRec", "steps_per_s", "torchrec", 1.2),
+                ("forward lookup, TorchRec ms / ours", "lookup_ms", "torchrec", 1.0),
+                ("training steps/s, group / separate", "steps_per_s", "ours_separate", 1.0),
+                ("forward lookup, separate ms / group", "lookup_ms", "ours_separate", 1.0))
+
+
+def peer_target_rows(data):
+    """Rows (config, comparison, paired ratio, target, met) of PEER_TARGETS;
+    "torchrec" is whichever TorchRec path has the better median."""
+    rows = []
+    for key, res in data["results"].items():
+        fw = res["frameworks"]
+        ours = fw.get("ours_group")
+        if ours is None:
+            continue
+        for what, metric, peer, target in PEER_TARGETS:
+            cands = [n for n in ("torchrec_tbe", "torchrec_dmp") if n in fw] \
+                if peer == "torchrec" else [peer] * (peer in fw)
+            if not cands:
+                continue
+            sign = 1 if metric == "steps_per_s" else -1
+            best = max(cands, key=lambda n: sign * fw[n][metric]["median"])
+            ratio = paired_ratios(ours, fw[best], metric)
+            if ratio is None:
+                continue
+            rows.append({"config": key, "comparison": what.replace("TorchRec", fw[best][
+                "label"].split(" (")[0] if peer == "torchrec" else "TorchRec"),
+                "ratio": ratio, "target": target, "met": ratio["median"] >= target})
+    return rows
 
 
 def peers_markdown(data):
     """Markdown lines for the peers JSON: per thread count a table of
     steps/s and forward ms (ratio framework / ours GroupEmbedding, above 1
-    faster than ours; ± half the min-max spread over rounds), then bytes
-    per key."""
+    faster than ours: median and range of the per-round ratios), then
+    issue 19's targets, CPU time per step, the loss check and bytes per key."""
     res = data["results"]
     w, m = data["workload"], data["method"]
+    load = [x["load_avg"] for r in res.values() for f in r["frameworks"].values()
+            for x in f.get("rounds", []) if "load_avg" in x]
     lines = [f"Peers measured {data['date']}{' (quick mode: not for quoting)' if data['quick'] else ''}: "
              f"{w['features']} features, dim {w['dim']}, batch {w['batch']:,}, ids Zipf({w['zipf_a']}) "
              f"over {w['vocab']:,} values, Adagrad lr {w['learning_rate']}; median of "
-             f"{m['rounds']} interleaved rounds of {m['steps']} steps and {m['lookups']} lookups. "
-             "Ratios are framework / ours (GroupEmbedding): above 1 is faster than ours.", ""]
+             f"{m['rounds']} interleaved rounds of {m['steps']} steps and {m['lookups']} lookups"
+             + (f", OMP_WAIT_POLICY={m['omp_wait_policy']}" if "omp_wait_policy" in m else "")
+             + (f"; machine load (1-min average) {min(load):.1f}-{max(load):.1f} during the rounds"
+                if load else "") + ". "
+             "Ratios are framework / ours (GroupEmbedding), median (min-max) of the "
+             "per-round ratios: above 1 is faster than ours.", ""]
+    if data.get("command"):
+        lines += [f"Command: `{data['command']}`", ""]
     threads = sorted({r["threads"] for r in res.values()})
     variants = [v for v in ("single", "multi") if any(r["variant"] == v for r in res.values())]
     vname = {"single": "1 id", "multi": "1-5 ids"}
@@ -497,10 +570,53 @@ def peers_markdown(data):
         for n in names:
             cells = []
             for _, k in cols:
-                r = res[k]["frameworks"].get(n)
-                cells += ["-", "-"] if r is None else [_peer_cell(r, "steps_per_s", "steps/s"),
-                                                       _peer_cell(r, "lookup_ms", "ms")]
+                fw = res[k]["frameworks"]
+                r, ref = fw.get(n), fw.get(data.get("reference", "ours_group"))
+                cells += ["-", "-"] if r is None else [
+                    _peer_cell(r, "steps_per_s", "steps/s", ref),
+                    _peer_cell(r, "lookup_ms", "ms", ref)]
             label = next(res[k]["frameworks"][n]["label"] for _, k in cols
+                         if n in res[k]["frameworks"])
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        lines.append("")
+    targets = peer_target_rows(data)
+    if targets:
+        lines += ["Issue 19's targets (ours = GroupEmbedding; paired per-round ratios, "
+                  "median (min-max); met when the median reaches the target):", "",
+                  "| configuration | comparison | ratio | target | met |", "|---|---|---|---|---|"]
+        for r in targets:
+            q = r["ratio"]
+            lines.append(f"| {r['config']} | {r['comparison']} | {q['median']:.2f} "
+                         f"({q['min']:.2f}-{q['max']:.2f}) | >= {r['target']:g} | "
+                         f"{'yes' if r['met'] else 'no'} |")
+        lines.append("")
+    keys = [k for k in res if any("cpu_ms_per_step" in f for f in res[k]["frameworks"].values())]
+    if keys:
+        names = list(dict.fromkeys(n for k in keys for n in res[k]["frameworks"]))
+        lines += ["CPU time per training step (ms, all threads of the process, median of "
+                  "rounds): less sensitive to the other jobs than wall time.", "",
+                  "| framework | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+        for n in names:
+            cells = [f"{res[k]['frameworks'][n]['cpu_ms_per_step']['median']:.0f}"
+                     if n in res[k]["frameworks"] else "-" for k in keys]
+            label = next(res[k]["frameworks"][n]["label"] for k in keys
+                         if n in res[k]["frameworks"])
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        lines.append("")
+    keys = [k for k in res if any("loss_initial" in f for f in res[k]["frameworks"].values())]
+    if keys:
+        lines += ["Loss check (binary cross-entropy on the first batch before any step -> "
+                  "after the warm-up pass of one step per batch): the same model "
+                  "trained at the same pace in every framework.", "",
+                  "| framework | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+        names = list(dict.fromkeys(n for k in keys for n in res[k]["frameworks"]))
+        for n in names:
+            cells = []
+            for k in keys:
+                f = res[k]["frameworks"].get(n)
+                cells.append("-" if f is None else
+                             f"{f['loss_initial']:.3f} -> {f['loss_after_warmup']:.3f}")
+            label = next(res[k]["frameworks"][n]["label"] for k in keys
                          if n in res[k]["frameworks"])
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
         lines.append("")
@@ -525,34 +641,47 @@ def peers_markdown(data):
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     if data.get("skipped"):
         lines += ["", "Not run: " + "; ".join(f"{k}: {v}" for k, v in data["skipped"].items())]
+    lines += [""] + data["notes"] if data.get("notes") else []
     m = data["machine"]
     lines += ["", f"Machine: {m['cpu_model']}, {m['cpu_count']} cores, {m['memory_gib']} GiB."]
     return lines
 
 
 def peers_plot(data, path):
-    """Grouped bars: training steps/s per framework for every (variant,
-    threads), ours in blue."""
+    """Grouped bars per (variant, threads), one bar per framework (median,
+    min-max whiskers over the rounds): training steps/s above, forward
+    lookup ms below (log scales: stock Keras is 100x slower)."""
     plt = _pyplot()
     res = data["results"]
     keys = list(res)
     names = list(dict.fromkeys(n for k in keys for n in res[k]["frameworks"]))
-    fig, ax = plt.subplots(figsize=(8.5, 4.5))
+    fig, axes = plt.subplots(2, 1, figsize=(9, 8), sharex=True)
     width = 0.8 / max(len(names), 1)
     cmap = plt.get_cmap("tab10")
-    for i, n in enumerate(names):
-        vals = [res[k]["frameworks"].get(n, {}).get("steps_per_s", {}).get("median", 0)
-                for k in keys]
-        ax.bar([j + i * width for j in range(len(keys))], vals, width,
-               label=res[next(k for k in keys if n in res[k]["frameworks"])]["frameworks"][n]
-               ["label"], color=cmap(i))
-    ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(keys))],
-                  [f"{res[k]['variant']}, {res[k]['threads']} thr" for k in keys])
-    ax.set_ylabel("training steps/s (median of rounds)")
-    ax.set_title(f"Peers: batch {data['workload']['batch']}, {data['workload']['features']} "
-                 f"features, dim {data['workload']['dim']}")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
+    for ax, metric, ylabel in ((axes[0], "steps_per_s", "training steps/s (higher is better)"),
+                               (axes[1], "lookup_ms", "forward lookup ms (lower is better)")):
+        for i, n in enumerate(names):
+            xs, med, lo, hi = [], [], [], []
+            for j, k in enumerate(keys):
+                r = res[k]["frameworks"].get(n)
+                if r is None:
+                    continue
+                xs.append(j + i * width)
+                med.append(r[metric]["median"])
+                lo.append(r[metric]["median"] - r[metric]["min"])
+                hi.append(r[metric]["max"] - r[metric]["median"])
+            label = res[next(k for k in keys if n in res[k]["frameworks"])]["frameworks"][n][
+                "label"]
+            ax.bar(xs, med, width, yerr=[lo, hi], capsize=2, label=label, color=cmap(i))
+        ax.set_yscale("log")
+        ax.set_ylabel(ylabel, fontsize=8)
+    axes[1].set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(keys))],
+                       [f"{res[k]['variant']}, {res[k]['threads']} thr" for k in keys])
+    axes[0].set_title(f"Peers ({data['date']}): batch {data['workload']['batch']}, "
+                      f"{data['workload']['features']} features, dim {data['workload']['dim']}")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=7)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
@@ -577,7 +706,8 @@ def _fmt_target(t, lower=False):
     return "-" if t is None else f"{'<=' if lower else '>='} {t:g}x"
 
 
-def write_report(out_dir, quick, machine, rows, plots, commands, notes, elapsed):
+def write_report(out_dir, quick, machine, rows, plots, commands, notes, elapsed,
+                 stored_peers=None):
     mode = "quick (small sizes: for checking the pipeline, not for quoting)" if quick \
         else "full"
     lines = [
@@ -607,10 +737,17 @@ def write_report(out_dir, quick, machine, rows, plots, commands, notes, elapsed)
         lines.append(f"| {r['benchmark']} | {r['comparison']} | {r['ratio']:.3f} | "
                      f"{_fmt_target(r['target'], r.get('lower', False))} | {r['status']} |")
     peers = out_dir / PEERS_JSON
-    if peers.is_file():
-        data = json.loads(peers.read_text())
-        lines += ["", "### Peers (TorchRec, TFRA, stock Keras)", "",
-                  f"From `{PEERS_JSON}` (`make bench-peers` / `python benchmarks/peers/run.py`).",
+    if peers.is_file() or stored_peers is not None:
+        if peers.is_file():
+            data = json.loads(peers.read_text())
+            source = (f"From `{PEERS_JSON}` (`make bench-peers` / "
+                      "`python benchmarks/peers/run.py`).")
+        else:
+            data = stored_peers
+            source = (f"Stored result `benchmarks/{STORED_PEERS_JSON}` of {data['date']} "
+                      "(not rerun: `make bench-peers` needs the TorchRec and TFRA "
+                      "virtualenvs; its fresh `peers.json` in this folder replaces it).")
+        lines += ["", "## Peers (TorchRec, TFRA, stock Keras)", "", source,
                   ""] + peers_markdown(data)
         if not (out_dir / PEERS_PLOT).is_file():
             peers_plot(data, out_dir / PEERS_PLOT)
@@ -619,7 +756,7 @@ def write_report(out_dir, quick, machine, rows, plots, commands, notes, elapsed)
     titles = {"lookup": "Lookup throughput vs table size",
               "training": "Training steps/s: EmbeddingVariable vs Hashing+Embedding",
               "group": "Fused vs unfused group lookup",
-              "peers": "Training steps/s against the peers"}
+              "peers": "Training steps/s and forward ms against the peers"}
     for key, name in plots.items():
         lines += [f"### {titles[key]}", "", f"![{titles[key]}]({name})", ""]
     lines += ["## Commands", "",
@@ -669,7 +806,8 @@ def run(output_dir=DEFAULT_OUTPUT_DIR, quick=False, benchmarks_dir=None):
                      f"`benchmarks/{STORED_SCALE_JSON}` of {stored['date']} (not rerun).")
     plots = make_plots(results, out_dir)
     path = write_report(out_dir, quick, _machine(bench_dir), rows, plots, commands,
-                        notes, time.perf_counter() - start)
+                        notes, time.perf_counter() - start,
+                        stored_peers=stored_peers_result(bench_dir))
     log(f"wrote {path} ({time.perf_counter() - start:.0f} s in all)")
     return path
 

@@ -153,12 +153,15 @@ row groups: worker `i` of 2 reads row groups `g` with `g % 2 == i`, so a step
 of the two workers covers row groups `2k` and `2k + 1`, the batch of one
 process reading with twice the batch size.
 
-Keras 3.15's `model.fit` cannot run under a multi-worker strategy, for any
-model (its symbolic build and its step's result reduction are not written
-for one: keras-team/keras#20585), so the step is a few lines of
-`strategy.run`; everything under it (the model call, the tables' exchange,
-the optimizer's `apply`) is the ordinary path. Every worker saves (the
-chief's copy is the one to keep).
+`model.fit` runs as written for one process. The only thing to say is how
+the input splits: `strategy.distribute_datasets_from_function` hands Keras
+each worker's own dataset as it is (each of its batches is that worker's
+part of a global step), where a plain dataset would be split element by
+element. (Keras 3.15's own `fit` / `evaluate` fail under any multi-worker
+strategy, keras-team/keras#20585; importing keras_rec_emb corrects that,
+see the README's "Semantics worth knowing".) Every worker saves (the
+chief's copy is the one to keep): saving gathers every table's shards, so
+every worker must take part.
 """
 
 
@@ -167,25 +170,12 @@ def run_multi_worker():
     task = strategy.cluster_resolver.task_id
     with strategy.scope():
         model = build_dlrm()
-        model.optimizer.build(model.trainable_variables)
     same_dense_init(model)
-    loss_fn = keras.losses.BinaryCrossentropy()
-
-    @tf.function
-    def step(x, y):
-        def replica_step(x, y):
-            with tf.GradientTape() as tape:
-                # A Keras loss divides by the number of replicas by itself
-                # under a strategy: the replicas' gradients then sum to the
-                # global batch's.
-                loss = loss_fn(y[:, None], model(x, training=True))
-            grads = tape.gradient(loss, model.trainable_variables)
-            model.optimizer.apply(grads, model.trainable_variables)
-
-        strategy.run(replica_step, args=(x, y))
-
-    for x, y in dataset(os.environ["KRE_GUIDE_DATA"], 2, task):
-        step(x, y)
+    # Worker i of n reads row groups g with g % n == i.
+    train = strategy.distribute_datasets_from_function(
+        lambda context: dataset(os.environ["KRE_GUIDE_DATA"], context.num_input_pipelines,
+                                context.input_pipeline_id))
+    model.fit(train, epochs=1, verbose=0)
     # Every worker takes part in a table's export, size() and saving.
     sizes = {f: model.get_layer(f"{f}_emb").table.size() for f in FEATURES}
     model.save(os.path.join(os.environ["KRE_GUIDE_OUT"], f"worker{task}.keras"))

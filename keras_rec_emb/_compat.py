@@ -144,6 +144,89 @@ def built_variables(optimizer):
     `build`. Used by `optimizers/base.TableOptimizer.apply`."""
     return getattr(optimizer, "_trainable_variables", [])
 
+
+# Keras 3.15.1's TensorFlow trainer under a multi-worker strategy
+# (keras-team/keras#20585): `model.fit` / `evaluate` fail for any model.
+# (1) `_maybe_symbolic_build` calls `strategy.reduce("MEAN", batch,
+# axis=None)` on the first (per-replica) input batch, which the collective
+# strategy cannot convert; the symbolic build reads only shapes and dtypes.
+# (2) `reduce_per_replica(..., "mean")` (the "auto" reduction of the train
+# and test steps' logs) calls `strategy.reduce("MEAN", v, axis=0)`, which
+# fails on scalar logs (and would average a vector log's entries too),
+# while its one-worker branch takes the element-wise mean over replicas.
+# The correction below does, under a multi-worker
+# MultiWorkerMirroredStrategy only, what the one-worker branches do: the
+# symbolic build gets this worker's part of the batch (same shapes as the
+# mean), the logs the element-wise mean over every replica
+# (`strategy.reduce("MEAN", v, axis=None)`). Every other case runs Keras's
+# own code unchanged. Installed once by `fix_keras_multi_worker()` (called
+# when `keras_rec_emb.distribute` is imported), only for the Keras
+# versions in `KERAS_MULTI_WORKER_FIX_VERSIONS` (read the upstream code
+# again before adding one). Used by `distribute/__init__.py`.
+KERAS_MULTI_WORKER_FIX_VERSIONS = ("3.15.1",)
+# Keras's own functions that the correction wraps (filled when installed).
+KERAS_MULTI_WORKER_ORIGINALS = {}
+
+
+def _keras_tf_trainer():
+    from keras.src.backend.tensorflow import trainer
+
+    return trainer
+
+
+def in_multi_worker_mode(strategy):
+    """Whether `strategy` is a MultiWorkerMirroredStrategy spanning several
+    worker processes (the test Keras's trainer itself makes,
+    `_collective_all_reduce_multi_worker`)."""
+    return bool(strategy is not None and _keras_tf_trainer()._collective_all_reduce_multi_worker(  # pylint: disable=protected-access
+        strategy))
+
+
+def _local_part(strategy, value):
+    if value is None:
+        return None
+    return strategy.experimental_local_results(value)[0]
+
+
+def fix_keras_multi_worker():
+    """Installs the correction described above (idempotent). Returns
+    whether it is installed (False for a Keras version not listed)."""
+    trainer = _keras_tf_trainer()
+    cls = trainer.TensorFlowTrainer
+    if getattr(cls._maybe_symbolic_build, "_kre_fix", False):  # pylint: disable=protected-access
+        return True
+    if keras.__version__ not in KERAS_MULTI_WORKER_FIX_VERSIONS:
+        return False
+    keras_build = cls._maybe_symbolic_build  # pylint: disable=protected-access
+    keras_reduce = trainer.reduce_per_replica
+    KERAS_MULTI_WORKER_ORIGINALS.update(_maybe_symbolic_build=keras_build,
+                                        reduce_per_replica=keras_reduce)
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        strategy = self._distribute_strategy  # pylint: disable=protected-access
+        if iterator is None or not in_multi_worker_mode(strategy):
+            return keras_build(self, iterator=iterator, data_batch=data_batch)
+        for _, _, it in iterator:
+            batch = next(it)
+            data_batch = keras.tree.map_structure(lambda v: _local_part(strategy, v), batch)
+            return keras_build(self, iterator=None, data_batch=data_batch)
+        return keras_build(self, iterator=iterator, data_batch=data_batch)
+
+    def reduce_per_replica(values, strategy, reduction):
+        resolved = reduction
+        if reduction == "auto" and not isinstance(strategy, tf.distribute.TPUStrategy):
+            resolved = "mean"
+        if resolved != "mean" or not in_multi_worker_mode(strategy):
+            return keras_reduce(values, strategy, reduction)
+        return keras.tree.map_structure(
+            lambda v: strategy.reduce(tf.distribute.ReduceOp.MEAN, v, axis=None), values)
+
+    _maybe_symbolic_build._kre_fix = True  # pylint: disable=protected-access
+    reduce_per_replica._kre_fix = True  # pylint: disable=protected-access
+    cls._maybe_symbolic_build = _maybe_symbolic_build  # pylint: disable=protected-access
+    trainer.reduce_per_replica = reduce_per_replica
+    return True
+
 # -- pyarrow ----------------------------------------------------------------------
 
 

@@ -6,6 +6,7 @@ import time
 import keras
 
 from keras_rec_emb import _compat
+from keras_rec_emb import _checks
 from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
 
 
@@ -40,16 +41,8 @@ class EvictionCallback(keras.callbacks.Callback):
 
     def __init__(self, every_n_steps=None, on_epoch_end=True):
         super().__init__()
-        if every_n_steps is not None and (
-                isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int)
-                or every_n_steps <= 0):
-            raise ValueError("`every_n_steps` must be a positive integer or None. "
-                             f"Received: every_n_steps={every_n_steps!r}")
-        if not isinstance(on_epoch_end, bool):
-            raise TypeError(f"`on_epoch_end` must be a bool. Received: "
-                            f"on_epoch_end={on_epoch_end!r}")
-        self.every_n_steps = every_n_steps
-        self.evict_on_epoch_end = on_epoch_end
+        self.every_n_steps = _check_interval("every_n_steps", every_n_steps)
+        self.evict_on_epoch_end = _checks.check_bool("on_epoch_end", on_epoch_end)
         self.evicted = 0  # total ids evicted so far
 
     def _step(self):
@@ -145,11 +138,8 @@ class CheckpointCallback(keras.callbacks.Callback):
             "incremental_every_secs", incremental_every_secs, float)
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"`keep` must be an integer >= 1. Received: keep={keep!r}")
-        if not isinstance(save_on_train_end, bool):
-            raise TypeError("`save_on_train_end` must be a bool. Received: "
-                            f"save_on_train_end={save_on_train_end!r}")
         self.keep = keep
-        self.save_on_train_end = save_on_train_end
+        self.save_on_train_end = _checks.check_bool("save_on_train_end", save_on_train_end)
         self.kafka_position = kafka_position
         self.checkpointer = None
         self.saves = []  # paths written, in order
@@ -261,10 +251,8 @@ class TableStats(keras.callbacks.Callback):
         if log_dir is not None and (not isinstance(log_dir, (str, os.PathLike))
                                     or not os.fspath(log_dir)):
             raise TypeError(f"`log_dir` must be a path or None. Received: log_dir={log_dir!r}")
-        if not isinstance(in_logs, bool):
-            raise TypeError(f"`in_logs` must be a bool. Received: in_logs={in_logs!r}")
         self.log_dir = None if log_dir is None else os.fspath(log_dir)
-        self.in_logs = in_logs
+        self.in_logs = _checks.check_bool("in_logs", in_logs)
         self.latest = {}   # the last numbers reported
         self._previous = {}
         self._writer = None

@@ -10,7 +10,7 @@ import math
 
 import keras
 
-from keras_rec_emb._checks import check_float, check_int
+from keras_rec_emb._checks import check_bool, check_float, check_int
 
 _PACKAGE = "keras_rec_emb"
 
@@ -383,15 +383,9 @@ class EmbeddingVariableOption(_Option):
                 "`track_meta=False` conflicts with the counter filter or "
                 "global-step eviction, which count in the metadata. Received: "
                 f"filter_option={filter_option!r}, evict_option={evict_option!r}")
-        if not isinstance(save_filtered, bool):
-            raise TypeError(f"`save_filtered` must be a bool. Received: "
-                            f"save_filtered={save_filtered!r}")
-        if not isinstance(record_freq, bool):
-            raise TypeError(f"`record_freq` must be a bool. Received: "
-                            f"record_freq={record_freq!r}")
         self.track_meta = track_meta
-        self.save_filtered = save_filtered
-        self.record_freq = record_freq
+        self.save_filtered = check_bool("save_filtered", save_filtered)
+        self.record_freq = check_bool("record_freq", record_freq)
         self.init_option = init_option or InitializerOption()
         self.filter_option = filter_option
         self.evict_option = evict_option

@@ -97,11 +97,19 @@ class _StockTables(tf.Module):
 
 
 def model_tables(model):
-    """The embedding tables among `model`'s weights, each once."""
+    """The embedding tables among `model`'s weights, each once; a table
+    sharded over devices or workers (whose weights are its shards') as the
+    one table its layer looks up in."""
+    owners = {}
+    for layer in _compat.flatten_layers(model):
+        table = getattr(layer, "table", None)
+        for shard in getattr(table, "shards", None) or ():
+            owners[id(shard)] = table
     tables = {}
     for w in model.weights:
         if is_table(w):
-            tables.setdefault(id(w.table), w.table)
+            table = owners.get(id(w.table), w.table)
+            tables.setdefault(id(table), table)
     return list(tables.values())
 
 

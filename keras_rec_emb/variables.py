@@ -22,6 +22,7 @@ import os
 import re
 from typing import NamedTuple
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -804,7 +805,12 @@ class TableParamCount(int):
 def count_params(layer):
     """`layer.count_params()` for layers holding tables: rows x dim of
     each table (its current size) plus the dense weights, as a
-    `TableParamCount` that shows the tables in `model.summary()`."""
+    `TableParamCount` that shows the tables in `model.summary()`.
+
+    The table layers take it as their method (`count_params =
+    variables.count_params`); an unbuilt layer raises Keras's error."""
+    if not layer.built:
+        return keras.layers.Layer.count_params(layer)
     weights = {id(w): w for w in layer.weights}.values()
     tables = [w.table for w in weights if is_table(w)]
     count = sum(int(np.prod(w.shape)) for w in weights)

@@ -64,3 +64,23 @@ def saving_round_trip(tmp_path):
         return loaded
 
     return round_trip
+
+
+@pytest.fixture
+def config_round_trip():
+    """Checks that `layer.get_config()` holds every name in `args` (its
+    `__init__` arguments) and that `from_config` and Keras serialization
+    each rebuild a layer of the same class with an equal config; returns
+    the `from_config` clone."""
+
+    def round_trip(layer, args):
+        config = layer.get_config()
+        assert [a for a in args if a not in config] == []
+        clone = type(layer).from_config(config)
+        assert type(clone) is type(layer) and clone.get_config() == config
+        restored = keras.saving.deserialize_keras_object(
+            keras.saving.serialize_keras_object(layer))
+        assert type(restored) is type(layer) and restored.get_config() == config
+        return clone
+
+    return round_trip

@@ -24,6 +24,7 @@ PRIVATE_PATTERNS = [
     r"_import_from_c", r"_flatten_layers", r"_track_variable", r"_get_variable_index",
     r"_use_weight_decay", r"[\"']_trainable_variables[\"']", r"\._variant_tensor",
     r"_GeneratorDataset", r"KafkaError\._", r"\._inputs\(",
+    r"_maybe_symbolic_build", r"reduce_per_replica", r"_collective_all_reduce_multi_worker",
 ]
 
 
@@ -227,3 +228,38 @@ def test_child_layers_in_tracking_order():
             self.second = inner
 
     assert [layer.name for layer in _compat.child_layers(Holder())] == ["z_dense", "b_dense"]
+
+
+def test_keras_multi_worker_fix_is_installed_for_the_pinned_keras_only_where_needed():
+    """keras-team/keras#20585: the correction is installed for the pinned
+    Keras (listed), wraps exactly the two faulty spots, which are still in
+    Keras's code (an upgrade that mends them fails here: drop the entry), and
+    leaves one process and MirroredStrategy to Keras's own code."""
+    import inspect
+
+    from keras.src.backend.tensorflow import trainer
+
+    assert keras.__version__ in _compat.KERAS_MULTI_WORKER_FIX_VERSIONS
+    assert _compat.fix_keras_multi_worker()  # idempotent: already installed on import
+    originals = _compat.KERAS_MULTI_WORKER_ORIGINALS
+    assert trainer.reduce_per_replica is not originals["reduce_per_replica"]
+    assert trainer.TensorFlowTrainer._maybe_symbolic_build is not originals[
+        "_maybe_symbolic_build"]
+    reduce_source = inspect.getsource(originals["reduce_per_replica"])
+    assert 'strategy.reduce("MEAN", v, axis=0)' in reduce_source
+    build_source = " ".join(inspect.getsource(originals["_maybe_symbolic_build"]).split())
+    assert 'self.distribute_strategy.reduce( "MEAN", maybe_distributed_data_batch' in build_source
+
+    logs = {"loss": tf.constant(2.0), "mae": tf.constant([1.0, 3.0])}
+    for strategy in (tf.distribute.get_strategy(), tf.distribute.MirroredStrategy(["/cpu:0"])):
+        assert not _compat.in_multi_worker_mode(strategy)
+        for reduction in ("auto", "mean", "sum", "first", "concat"):
+            got = trainer.reduce_per_replica(logs, strategy, reduction)
+            want = originals["reduce_per_replica"](logs, strategy, reduction)
+            for key in logs:
+                np.testing.assert_array_equal(got[key], want[key])
+    assert not _compat.in_multi_worker_mode(None)
+    # And fit / evaluate / predict in one process and under MirroredStrategy
+    # go through Keras's own symbolic build (tests/distribute/test_mirrored.py,
+    # tests/test_keras_citizen.py); tests/distribute/test_multi_worker.py
+    # runs them on 2 and 3 worker processes.

@@ -6,9 +6,19 @@ every key is in the tables, and a few lookups), then answers one JSON
 line per command line on stdin:
 
 * `{"op": "round", "steps": S, "lookups": L}` -> `{"steps_per_s",
-  "lookup_ms", "loss", "rss_bytes"}`: S timed training steps (after one
-  untimed step), then L timed forward lookups of a batch (inference).
+  "cpu_ms_per_step", "lookup_ms", "loss", "rss_bytes"}`: S timed training
+  steps (after one untimed step), then L timed forward lookups of a batch
+  (inference). `cpu_ms_per_step` is the process's CPU time (all threads,
+  `time.process_time`) over the timed steps: on a loaded machine it moves
+  less than wall time (time spent waiting for a core is not counted), and a
+  2-thread figure far above the 1-thread one shows threads spinning.
 * `{"op": "stats"}` -> `{"table_rows", "table_bytes", "rss_bytes"}`.
+
+The ready message carries `loss_initial` and `loss_after_warmup`: the
+binary cross-entropy on the first batch before any step and after the
+warm-up pass (one step per batch), computed the same way (`bce`) by every
+worker, so the driver can check that the frameworks train the same model
+at the same pace (a sanity check of the matched workload).
 * `{"op": "quit"}`.
 
 Before the first command it writes `{"event": "ready", ...}`; an error is
@@ -31,6 +41,15 @@ def rss_bytes():
     return 0
 
 
+def bce(p, y):
+    """Mean binary cross-entropy of probabilities `p` (NumPy arrays), with
+    Keras's clipping to [1e-7, 1 - 1e-7]."""
+    import numpy as np
+
+    p = np.clip(p, 1e-7, 1 - 1e-7)
+    return float(-np.mean(y * np.log(p) + (1 - y) * np.log(1 - p)))
+
+
 def lookup_batches(tf, ids, meta):
     """The workload's ids as `meta["batches"]` tensors of `meta["batch"]` rows."""
     b = meta["batch"]
@@ -51,20 +70,29 @@ class FitRounds:
 
         class Clock(keras.callbacks.Callback):
             def on_train_batch_end(cb, batch, logs=None):
-                now = time.perf_counter()
+                now, cpu = time.perf_counter(), time.process_time()
                 if batch == 0:
-                    cb.start = now
-                cb.end = now
+                    cb.start, cb.cpu_start = now, cpu
+                cb.end, cb.cpu_end = now, cpu
 
         self.Clock = Clock
+        self.first_labels = labels[:b].astype("float64")
+        loss_initial = self.eval_loss()
         # Warm-up: trace, build the optimizer, insert every key once.
         self.train(meta["batches"])
         self.lookup(3)
+        self.loss_check = {"loss_initial": loss_initial, "loss_after_warmup": self.eval_loss()}
+
+    def eval_loss(self):
+        """Binary cross-entropy of the model on the first batch (no update)."""
+        p = self.model(self.lookup_batches[0], training=False).numpy()[:, 0]
+        return bce(p.astype("float64"), self.first_labels)
 
     def train(self, steps):
         clock = self.Clock()
         hist = self.model.fit(self.dataset, steps_per_epoch=steps + 1, epochs=1, verbose=0,
                               callbacks=[clock])
+        self.cpu_s = clock.cpu_end - clock.cpu_start
         return clock.end - clock.start, hist.history["loss"][-1]
 
     def lookup(self, n):
@@ -120,6 +148,7 @@ def serve(make_worker, argv=None):
                 seconds, loss = worker.train(cmd["steps"])
                 lookup_s = worker.lookup(cmd["lookups"])
                 reply({"steps_per_s": cmd["steps"] / seconds,
+                       "cpu_ms_per_step": 1e3 * worker.cpu_s / cmd["steps"],
                        "lookup_ms": 1e3 * lookup_s / cmd["lookups"], "loss": float(loss),
                        "rss_bytes": rss_bytes()})
             elif cmd["op"] == "stats":

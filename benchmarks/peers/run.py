@@ -35,12 +35,19 @@ Threads, so that no framework is starved or oversubscribed: only one
 worker runs at a time, and each gets T threads (--threads, 1 and 2):
 `OMP_NUM_THREADS`/`MKL_NUM_THREADS`=T for all; TensorFlow intra-op pool T,
 inter-op pool 1 (ops run in sequence, each one using up to T threads);
-torch `set_num_threads(T)`, `set_num_interop_threads(1)`. With --pin, each
-worker is also bound to cores 0..T-1 (`sched_setaffinity`).
+torch `set_num_threads(T)`, `set_num_interop_threads(1)`; and
+`OMP_WAIT_POLICY=PASSIVE` (--omp-wait-policy): torch's OpenMP (libgomp)
+otherwise spins ~300k iterations at every barrier before sleeping, and on
+a machine whose cores are shared with other jobs the spinning thread eats
+the time slice its preempted partner needs: TorchRec at 2 threads then
+burns 100-770 CPU-ms a step instead of 35-70 and runs 2-20x slower (0.6-4
+steps/s against 7-19 with PASSIVE, measured side by side at load 8).
+TensorFlow's Eigen pools do not read it. With --pin, each worker is also
+bound to cores 0..T-1 (`sched_setaffinity`).
 
 Run from the repository root (`make bench-peers` makes the venvs first):
 
-    .venv/bin/python benchmarks/peers/run.py            # 5 rounds, 1 and 2 threads
+    .venv/bin/python benchmarks/peers/run.py            # 7 rounds, 1 and 2 threads
     .venv/bin/python benchmarks/peers/run.py --quick    # tiny sizes, 2 rounds
     .venv/bin/python benchmarks/peers/run.py --frameworks ours_group,keras
 
@@ -79,7 +86,10 @@ FRAMEWORKS = {
     "keras": ("stock Keras Hashing + Embedding", "worker_keras.py", None, "keras", {}),
 }
 QUICK = {"rounds": 2, "steps": 5, "lookups": 5}
-FULL = {"rounds": 5, "steps": 10, "lookups": 5}
+FULL = {"rounds": 7, "steps": 10, "lookups": 5}
+# Frameworks too slow for --steps steps a round (stock Keras trains its dense
+# 26 x 10^6-row tables at ~0.2 steps/s): they run steps // N (at least 2).
+SLOW = {"keras": 5}
 DEFAULT_OUT = ROOT / "bench-report"
 
 
@@ -101,9 +111,16 @@ def parse_args(argv=None):
     p.add_argument("--batches", type=int, default=None,
                    help="distinct batches in the ids (default: workload's)")
     p.add_argument("--pin", action="store_true", help="bind each worker to cores 0..T-1")
+    p.add_argument("--omp-wait-policy", default="PASSIVE", choices=("PASSIVE", "ACTIVE", "unset"),
+                   help="OMP_WAIT_POLICY of the workers (default PASSIVE: idle OpenMP "
+                        "threads sleep instead of spinning; `unset` keeps libgomp's "
+                        "spin-then-sleep default)")
     p.add_argument("--data-dir", default=None,
                    help="where the ids are generated (default: OUT/peers-data[-quick])")
     p.add_argument("--output-dir", default=str(DEFAULT_OUT))
+    p.add_argument("--store", action="store_true",
+                   help="also write the result to benchmarks/results/peers.json, the stored "
+                        "result `keras-rec-emb bench` shows without the peer virtualenvs")
     p.add_argument("--skip-missing", action="store_true",
                    help="leave out frameworks whose virtualenv is missing (default: error)")
     p.add_argument("--timeout", type=float, default=1800,
@@ -132,12 +149,16 @@ def parse_args(argv=None):
 class Worker:
     """One framework's long-lived worker process, driven over its pipes."""
 
-    def __init__(self, name, data_dir, variant, threads, pin, timeout, log_dir):
+    def __init__(self, name, data_dir, variant, threads, pin, timeout, log_dir,
+                 omp_wait_policy="PASSIVE"):
         label, script, venv, impl, env = FRAMEWORKS[name]
         python = sys.executable if venv is None else str(ROOT / venv / "bin" / "python")
         self.name, self.timeout = name, timeout
         full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1",
                     "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+        full_env.pop("OMP_WAIT_POLICY", None)
+        if omp_wait_policy != "unset":
+            full_env["OMP_WAIT_POLICY"] = omp_wait_policy
         self.log_path = log_dir / f"{name}-{variant}-{threads}t.log"
         self.stderr = open(self.log_path, "w")
         cmd = [python, str(HERE / script), "--data", str(data_dir), "--variant", variant,
@@ -195,7 +216,7 @@ def run_config(names, data_dir, meta, variant, threads, opts, log_dir):
     try:
         for name in names:  # started together: warm-ups overlap, nothing is timed yet
             workers[name] = Worker(name, data_dir, variant, threads, opts.pin, opts.timeout,
-                                   log_dir)
+                                   log_dir, opts.omp_wait_policy)
         ready = {}
         for name, w in workers.items():
             ready[name] = w.ready()
@@ -204,11 +225,16 @@ def run_config(names, data_dir, meta, variant, threads, opts, log_dir):
         for r in range(opts.rounds):
             order = names if r % 2 == 0 else names[::-1]
             for name in order:
-                rounds[name].append(workers[name].ask(op="round", steps=opts.steps,
-                                                      lookups=opts.lookups))
-            log(f"  round {r + 1}/{opts.rounds}: " + ", ".join(
-                f"{n} {rounds[n][-1]['steps_per_s']:.1f}/s {rounds[n][-1]['lookup_ms']:.1f}ms"
-                for n in names))
+                steps = max(2, opts.steps // SLOW.get(name, 1))
+                reply = workers[name].ask(op="round", steps=steps, lookups=opts.lookups)
+                # The machine's 1-minute load average as the round ends: the
+                # other jobs that shared the cores with it.
+                reply.update(steps=steps, load_avg=os.getloadavg()[0])
+                rounds[name].append(reply)
+            log(f"  round {r + 1}/{opts.rounds} (load {os.getloadavg()[0]:.1f}): " + ", ".join(
+                f"{n} {rounds[n][-1]['steps_per_s']:.1f}/s "
+                f"({rounds[n][-1]['cpu_ms_per_step']:.0f} cpu-ms) "
+                f"{rounds[n][-1]['lookup_ms']:.1f}ms" for n in names))
         stats = {name: w.ask(op="stats") for name, w in workers.items()}
     finally:
         for w in workers.values():
@@ -221,6 +247,10 @@ def run_config(names, data_dir, meta, variant, threads, opts, log_dir):
         out[name] = {
             "label": FRAMEWORKS[name][0],
             "steps_per_s": _summary([x["steps_per_s"] for x in rs]),
+            "cpu_ms_per_step": _summary([x["cpu_ms_per_step"] for x in rs]),
+            "load_avg": _summary([x["load_avg"] for x in rs]),
+            "loss_initial": rd["loss_initial"],
+            "loss_after_warmup": rd["loss_after_warmup"],
             "lookup_ms": _summary([x["lookup_ms"] for x in rs]),
             "loss": [x["loss"] for x in rs],
             "table_rows": st["table_rows"],
@@ -268,8 +298,12 @@ def main(argv=None):
     import report as bench_report
 
     report = {"benchmark": "peers", "date": datetime.date.today().isoformat(),
+              "command": " ".join(["python benchmarks/peers/run.py",
+                                   *(sys.argv[1:] if argv is None else argv)]),
               "quick": opts.quick, "workload": config, "data": metas,
-              "method": {k: getattr(opts, k) for k in ("rounds", "steps", "lookups", "pin")},
+              "method": {k: getattr(opts, k) for k in ("rounds", "steps", "lookups", "pin",
+                                                       "omp_wait_policy")},
+              "load_avg_start": os.getloadavg(),
               "reference": REFERENCE, "skipped": skipped, "machine": machine_info(),
               "results": {}}
     json_path = out_dir / "peers.json"
@@ -285,6 +319,10 @@ def main(argv=None):
             json_path.write_text(json.dumps(report, indent=1))
             md = bench_report.peers_markdown(report)
             (out_dir / "peers.md").write_text("\n".join(md) + "\n")
+    if opts.store:
+        stored = HERE.parent / bench_report.STORED_PEERS_JSON
+        stored.write_text(json.dumps(report, indent=1) + "\n")
+        log(f"stored as {stored}")
     try:
         bench_report.peers_plot(report, out_dir / bench_report.PEERS_PLOT)
     except bench_report.BenchError as e:

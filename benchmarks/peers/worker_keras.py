@@ -11,8 +11,9 @@
   `Embedding(vocab, dim)`, the -1 padding masked out of the sum.
 
 Then concat -> `Dense(1, sigmoid)`, binary cross-entropy; ours with
-`keras_rec_emb.optimizers.Adagrad(lr)` (tables and dense), stock with
-`keras.optimizers.Adagrad(lr)`. Training runs `model.fit` over a cached
+`keras_rec_emb.optimizers.Adagrad` (tables and dense), stock with
+`keras.optimizers.Adagrad`, both with the workload's `OPTIMIZER` settings
+(accumulators from 0, epsilon squared: Keras puts it inside the sqrt). Training runs `model.fit` over a cached
 `tf.data` pipeline of the pre-built batches; a callback times the steps
 after the fit's first. The forward lookup is the embedding part alone
 (`training=False`) in a `tf.function`, on pre-built batch tensors.
@@ -53,7 +54,8 @@ class KerasWorker(protocol.FitRounds):
         lr = meta["learning_rate"]
         if impl != "keras":
             import keras_rec_emb as kre
-        init = keras.initializers.TruncatedNormal(stddev=0.05, seed=0)
+        r = meta["init_range"]
+        init = keras.initializers.RandomUniform(-r, r, seed=0)
 
         class Model(keras.Model):
             def __init__(self):
@@ -98,11 +100,16 @@ class KerasWorker(protocol.FitRounds):
         self.model = Model()
         self.lookup_batches = protocol.lookup_batches(tf, ids, meta)
         self.model(self.lookup_batches[0])  # build eagerly (EV tables draw their init rows)
-        opt = keras.optimizers.Adagrad(lr) if impl == "keras" else kre.optimizers.Adagrad(lr)
+        # fbgemm's `g / (sqrt(acc) + eps)` is Keras's `g / sqrt(acc + eps**2)`.
+        adagrad = dict(learning_rate=lr,
+                       initial_accumulator_value=meta["adagrad_initial_accumulator"],
+                       epsilon=meta["adagrad_epsilon"] ** 2)
+        opt = (keras.optimizers.Adagrad(**adagrad) if impl == "keras"
+               else kre.optimizers.Adagrad(**adagrad))
         self.model.compile(optimizer=opt, loss="binary_crossentropy")
         self.start_rounds(tf, keras, ids, labels, meta,
                           tf.function(lambda x: self.model.embed(x, training=False)))
-        self.info = {"impl": impl, "framework_versions": {
+        self.info = {"impl": impl, **self.loss_check, "framework_versions": {
             "tensorflow": tf.__version__, "keras": keras.__version__}}
 
     def stats(self):

@@ -5,7 +5,8 @@ the driver). Per feature one `tfra.dynamic_embedding.keras.layers.Embedding
 (dim)` (a dynamic hash table); multi-id ids are looked up as the `[batch, 5]`
 tensor padded with -1 and the padding masked out of the sum (key -1 gets a
 row that is never trained). Then concat -> `Dense(1, sigmoid)`, BCE,
-`de.DynamicEmbeddingOptimizer(tf.keras.optimizers.legacy.Adagrad(lr))`.
+`de.DynamicEmbeddingOptimizer(tf.keras.optimizers.legacy.Adagrad)` with the
+workload's `OPTIMIZER` settings.
 Training by `model.fit` over a cached `tf.data` pipeline, timed by a
 callback after the first step; forward lookup = the embedding part in a
 `tf.function`. Threads: intra-op T, inter-op 1, as in `worker_keras.py`.
@@ -37,7 +38,7 @@ class TfraWorker(protocol.FitRounds):
 
         self.tf, self.meta = tf, meta
         self.rss_before_model = protocol.rss_bytes()
-        F, dim, lr = meta["features"], meta["dim"], meta["learning_rate"]
+        F, dim, lr, r = meta["features"], meta["dim"], meta["learning_rate"], meta["init_range"]
         multi = meta["max_ids"] > 1
         keras = tf.keras
 
@@ -45,7 +46,7 @@ class TfraWorker(protocol.FitRounds):
             def __init__(self):
                 super().__init__()
                 self.tables = [de.keras.layers.Embedding(
-                    dim, initializer=keras.initializers.TruncatedNormal(stddev=0.05, seed=j),
+                    dim, initializer=keras.initializers.RandomUniform(-r, r, seed=j),
                     name=f"t{j}") for j in range(F)]
                 self.head = keras.layers.Dense(1, activation="sigmoid")
 
@@ -65,11 +66,13 @@ class TfraWorker(protocol.FitRounds):
                 return self.head(self.embed(x))
 
         self.model = Model()
-        opt = de.DynamicEmbeddingOptimizer(keras.optimizers.legacy.Adagrad(lr))
+        opt = de.DynamicEmbeddingOptimizer(keras.optimizers.legacy.Adagrad(
+            lr, initial_accumulator_value=meta["adagrad_initial_accumulator"],
+            epsilon=meta["adagrad_epsilon"]))
         self.model.compile(optimizer=opt, loss="binary_crossentropy")
         self.lookup_batches = protocol.lookup_batches(tf, ids, meta)
         self.start_rounds(tf, keras, ids, labels, meta, tf.function(self.model.embed))
-        self.info = {"impl": "tfra", "framework_versions": {
+        self.info = {"impl": "tfra", **self.loss_check, "framework_versions": {
             "tensorflow": tf.__version__, "tfra": tfra.__version__}}
 
     def stats(self):

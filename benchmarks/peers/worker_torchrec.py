@@ -12,7 +12,8 @@
   `KeyedJaggedTensor`s.
 
 Then `Linear(26*16, 1)` -> sigmoid BCE (`binary_cross_entropy_with_logits`),
-`torch.optim.Adagrad(lr)` for the dense layer. Inputs (indices/offsets or
+`torch.optim.Adagrad` for the dense layer (Glorot-uniform kernel, zero bias,
+as Keras's Dense); every Adagrad with the workload's `OPTIMIZER` settings. Inputs (indices/offsets or
 KeyedJaggedTensors) are built once per batch before timing, as the other
 workers' `tf.data` caches do. Training: a Python loop of forward, backward,
 dense step. Forward lookup: the embedding module alone under
@@ -58,6 +59,8 @@ class TorchWorker:
         self.torch, self.meta, self.impl = torch, meta, impl
         self.rss_before_model = protocol.rss_bytes()
         F, dim, vocab, lr = meta["features"], meta["dim"], meta["vocab"], meta["learning_rate"]
+        eps, r = meta["adagrad_epsilon"], meta["init_range"]
+        acc0 = meta["adagrad_initial_accumulator"]
         B = meta["batch"]
         raw = workload.batches(ids, labels, B)
         self.batches = []
@@ -70,9 +73,13 @@ class TorchWorker:
 
             self.emb = SplitTableBatchedEmbeddingBagsCodegen(
                 [(vocab, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)] * F,
-                optimizer=EmbOptimType.EXACT_ADAGRAD, learning_rate=lr, eps=1e-8,
+                optimizer=EmbOptimType.EXACT_ADAGRAD, learning_rate=lr, eps=eps,
                 pooling_mode=PoolingMode.SUM)
-            self.emb.init_embedding_weights_uniform(-0.05, 0.05)
+            self.emb.init_embedding_weights_uniform(-r, r)
+            with torch.no_grad():  # EXACT_ADAGRAD's accumulators start at 0
+                for state in self.emb.split_optimizer_states():
+                    for t in state:
+                        t.fill_(acc0)
             for x, y in raw:
                 values, lengths = jagged(x)
                 offsets = np.concatenate([[0], np.cumsum(lengths)])
@@ -89,10 +96,14 @@ class TorchWorker:
             os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
             dist.init_process_group("gloo", rank=0, world_size=1)
             ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(
-                name=f"t{j}", embedding_dim=dim, num_embeddings=vocab, feature_names=[f"f{j}"])
+                name=f"t{j}", embedding_dim=dim, num_embeddings=vocab, feature_names=[f"f{j}"],
+                init_fn=lambda t: torch.nn.init.uniform_(t, -r, r))
                 for j in range(F)], device=torch.device("meta"))
+            if acc0 != 0:  # TorchRec passes no initial value on to fbgemm
+                raise ValueError("TorchRec's fused Adagrad starts its accumulators at 0; "
+                                 f"got adagrad_initial_accumulator={acc0}")
             apply_optimizer_in_backward(torch.optim.Adagrad, ebc.parameters(),
-                                        {"lr": lr, "eps": 1e-8})
+                                        {"lr": lr, "eps": eps})
             self.emb = DistributedModelParallel(ebc, device=torch.device("cpu"))
             keys = [f"f{j}" for j in range(F)]
             for x, y in raw:
@@ -103,14 +114,20 @@ class TorchWorker:
                 self.batches.append((kjt, torch.from_numpy(y)[:, None]))
             self.forward_emb = lambda kjt: self.emb(kjt).values()
         self.dense = torch.nn.Linear(F * dim, 1)
-        self.opt = torch.optim.Adagrad(self.dense.parameters(), lr=lr)
+        with torch.no_grad():  # Keras's Dense defaults: Glorot uniform, zero bias
+            torch.nn.init.xavier_uniform_(self.dense.weight)
+            self.dense.bias.zero_()
+        self.opt = torch.optim.Adagrad(self.dense.parameters(), lr=lr, eps=eps,
+                                       initial_accumulator_value=acc0)
         self.i = 0
-        self.train(len(self.batches))
+        loss_initial = self.eval_loss()
+        self.train(len(self.batches))  # as FitRounds: batches + 1 steps
         self.lookup(3)
+        self.loss_check = {"loss_initial": loss_initial, "loss_after_warmup": self.eval_loss()}
         import fbgemm_gpu
         import torchrec
 
-        self.info = {"impl": impl, "framework_versions": {
+        self.info = {"impl": impl, **self.loss_check, "framework_versions": {
             "torch": torch.__version__, "torchrec": torchrec.__version__,
             "fbgemm_gpu": fbgemm_gpu.__version__}}
 
@@ -126,11 +143,24 @@ class TorchWorker:
         return loss
 
     def train(self, steps):
-        self.step()
-        t0 = time.perf_counter()
+        """Times `steps` steps after one untimed one; the loss is their mean,
+        as Keras's `fit` reports it."""
+        losses = [self.step().detach()]
+        t0, cpu0 = time.perf_counter(), time.process_time()
         for _ in range(steps):
-            loss = self.step()
-        return time.perf_counter() - t0, float(loss.detach())
+            losses.append(self.step().detach())
+        seconds = time.perf_counter() - t0
+        self.cpu_s = time.process_time() - cpu0
+        return seconds, float(sum(float(x) for x in losses) / len(losses))
+
+    def eval_loss(self):
+        """Binary cross-entropy on the first batch (no update), as `protocol.bce`."""
+        import numpy as np
+
+        inp, y = self.batches[0]
+        with self.torch.no_grad():
+            p = self.torch.sigmoid(self.dense(self.forward_emb(inp)))[:, 0].double().numpy()
+        return protocol.bce(p, y[:, 0].double().numpy())
 
     def lookup(self, n):
         with self.torch.no_grad():

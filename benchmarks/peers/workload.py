@@ -23,10 +23,18 @@ import os
 
 import numpy as np
 
+# The optimizer every framework uses on tables and the dense layer: Adagrad,
+# lr `learning_rate`, accumulators starting at `adagrad_initial_accumulator`,
+# update `lr * g / (sqrt(acc) + adagrad_epsilon)` (fbgemm's EXACT_ADAGRAD,
+# torch, TF's ApplyAdagradV2); Keras's form `lr * g / sqrt(acc + eps)` gets
+# `eps = adagrad_epsilon**2`, the same update to float32 precision. Rows and
+# the dense kernel start Uniform(-init_range, init_range) / Glorot uniform.
+OPTIMIZER = {"learning_rate": 0.05, "adagrad_initial_accumulator": 0.0,
+             "adagrad_epsilon": 1e-8, "init_range": 0.05}
 FULL = {"features": 26, "dim": 16, "batch": 4096, "vocab": 1_000_000, "zipf_a": 1.1,
-        "batches": 8, "learning_rate": 0.05}
+        "batches": 8, **OPTIMIZER}
 QUICK = {"features": 4, "dim": 8, "batch": 256, "vocab": 10_000, "zipf_a": 1.1,
-         "batches": 3, "learning_rate": 0.05}
+         "batches": 3, **OPTIMIZER}
 MAX_IDS = {"single": 1, "multi": 5}
 VARIANTS = tuple(MAX_IDS)
 

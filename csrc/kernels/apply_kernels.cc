@@ -28,15 +28,19 @@
 namespace kre {
 namespace {
 
-struct Sgd {
-  static constexpr const char* kSlotsDoc = "(no slots)";
+// What most rules share: no slot beyond kSlotNames (Adam overrides both).
+struct RuleDefaults {
   static bool NeedsExtraSlot(const float*) { return false; }
+  static constexpr const char* kExtraSlot = nullptr;
+};
+
+struct Sgd : RuleDefaults {
+  static constexpr const char* kSlotsDoc = "(no slots)";
   static constexpr int kHyper = 2;
   static constexpr int kSlots = 0;
   static constexpr int kSlotWidths[1] = {0};
   static constexpr const char* kHyperNames[kHyper] = {"learning_rate", "decay"};
   static constexpr const char* kSlotNames[1] = {nullptr};
-  static constexpr const char* kExtraSlot = nullptr;
   float lr;
   explicit Sgd(const float* h) : lr(h[0]) {}
   void operator()(float* var, float**, const float* g, int64_t dim) const {
@@ -44,16 +48,14 @@ struct Sgd {
   }
 };
 
-struct Momentum {
+struct Momentum : RuleDefaults {
   static constexpr const char* kSlotsDoc = "(momentum)";
-  static bool NeedsExtraSlot(const float*) { return false; }
   static constexpr int kHyper = 4;
   static constexpr int kSlots = 1;  // momentum
   static constexpr int kSlotWidths[1] = {0};
   static constexpr const char* kHyperNames[kHyper] = {"learning_rate", "decay", "momentum",
                                                       "nesterov"};
   static constexpr const char* kSlotNames[1] = {"momentum"};
-  static constexpr const char* kExtraSlot = nullptr;
   float lr, momentum;
   bool nesterov;
   explicit Momentum(const float* h) : lr(h[0]), momentum(h[2]), nesterov(h[3] != 0.0f) {}
@@ -66,15 +68,13 @@ struct Momentum {
   }
 };
 
-struct Adagrad {
+struct Adagrad : RuleDefaults {
   static constexpr const char* kSlotsDoc = "(accumulator)";
-  static bool NeedsExtraSlot(const float*) { return false; }
   static constexpr int kHyper = 3;
   static constexpr int kSlots = 1;  // accumulator
   static constexpr int kSlotWidths[1] = {0};
   static constexpr const char* kHyperNames[kHyper] = {"learning_rate", "decay", "epsilon"};
   static constexpr const char* kSlotNames[1] = {"accumulator"};
-  static constexpr const char* kExtraSlot = nullptr;
   float lr, epsilon;
   explicit Adagrad(const float* h) : lr(h[0]), epsilon(h[2]) {}
   void operator()(float* var, float** slots, const float* g, int64_t dim) const {
@@ -86,7 +86,7 @@ struct Adagrad {
   }
 };
 
-struct Adam {
+struct Adam : RuleDefaults {
   static constexpr const char* kSlotsDoc = "(momentum, velocity, and with amsgrad velocity_hat)";
   // With amsgrad (hyper[6] != 0) a third slot, velocity_hat.
   static bool NeedsExtraSlot(const float* h) { return h[6] != 0.0f; }
@@ -117,9 +117,8 @@ struct Adam {
   }
 };
 
-struct Ftrl {
+struct Ftrl : RuleDefaults {
   static constexpr const char* kSlotsDoc = "(accumulator, linear)";
-  static bool NeedsExtraSlot(const float*) { return false; }
   static constexpr int kHyper = 6;
   static constexpr int kSlots = 2;  // accumulator, linear
   static constexpr int kSlotWidths[2] = {0, 0};
@@ -127,7 +126,6 @@ struct Ftrl {
                                                       "learning_rate_power", "l1",
                                                       "l2_plus_beta", "l2_shrinkage"};
   static constexpr const char* kSlotNames[2] = {"accumulator", "linear"};
-  static constexpr const char* kExtraSlot = nullptr;
   float lr, lr_power, l1, l2, l2_shrinkage;
   // hyper: lr, decay, lr_power, l1, l2 + beta / (2 lr), l2_shrinkage
   explicit Ftrl(const float* h)
@@ -186,9 +184,8 @@ struct FtrlGroup : Ftrl {
 // DeepRec's AdamAsync with bias-correction powers per row, so that a row's
 // correction follows its own number of updates. hyper: lr, decay, beta1,
 // beta2, epsilon, use_nesterov, apply_sparse_rmsprop.
-struct AdamAsync {
+struct AdamAsync : RuleDefaults {
   static constexpr const char* kSlotsDoc = "(momentum, velocity, beta1_power, beta2_power)";
-  static bool NeedsExtraSlot(const float*) { return false; }
   static constexpr int kHyper = 7;
   static constexpr int kSlots = 4;  // momentum, velocity, beta1_power, beta2_power
   static constexpr int kSlotWidths[4] = {0, 0, 1, 1};
@@ -197,7 +194,6 @@ struct AdamAsync {
                                                       "apply_sparse_rmsprop"};
   static constexpr const char* kSlotNames[4] = {"momentum", "velocity", "beta1_power",
                                                 "beta2_power"};
-  static constexpr const char* kExtraSlot = nullptr;
   float lr, beta1, beta2, epsilon;
   bool nesterov, rmsprop;
   explicit AdamAsync(const float* h)
@@ -235,16 +231,14 @@ struct AdamAsync {
 // count raised by one: at most one decay per update of the row, however
 // many periods it missed. hyper: lr, decay, epsilon, rate, baseline, period
 // (as a float).
-struct AdagradDecay {
+struct AdagradDecay : RuleDefaults {
   static constexpr const char* kSlotsDoc = "(accumulator, decay_period)";
-  static bool NeedsExtraSlot(const float*) { return false; }
   static constexpr int kHyper = 6;
   static constexpr int kSlots = 2;  // accumulator, decay_period
   static constexpr int kSlotWidths[2] = {0, 1};
   static constexpr const char* kHyperNames[kHyper] = {"learning_rate", "decay", "epsilon",
                                                       "decay_rate", "baseline", "period"};
   static constexpr const char* kSlotNames[2] = {"accumulator", "decay_period"};
-  static constexpr const char* kExtraSlot = nullptr;
   float lr, epsilon, rate, baseline, period;
   explicit AdagradDecay(const float* h)
       : lr(h[0]), epsilon(h[2]), rate(h[3]), baseline(h[4]), period(h[5]) {}
@@ -282,9 +276,9 @@ bool WithRule(const std::string& rule, Visit&& visit) {
 }
 
 template <typename K>
-class TableSparseApplyOp : public OpKernel {
+class TableSparseApplyOp : public TableOpKernel<K> {
  public:
-  explicit TableSparseApplyOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+  explicit TableSparseApplyOp(OpKernelConstruction* ctx) : TableOpKernel<K>(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("rule", &rule_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("slots", &slot_names_));
     std::vector<std::string> hparam_names;
@@ -292,8 +286,9 @@ class TableSparseApplyOp : public OpKernel {
     OP_REQUIRES_OK(ctx, CheckRuleNames(hparam_names));
   }
 
-  void Compute(OpKernelContext* ctx) override {
-    const bool known = WithRule(rule_, [&](auto tag) { Run<typename decltype(tag)::type>(ctx); });
+  void ComputeOnTable(OpKernelContext* ctx, kv::Table<K>& table) override {
+    const bool known =
+        WithRule(rule_, [&](auto tag) { Run<typename decltype(tag)::type>(ctx, table); });
     if (!known) ctx->SetStatus(errors::InvalidArgument("unknown rule ", rule_));
   }
 
@@ -336,24 +331,19 @@ class TableSparseApplyOp : public OpKernel {
   }
 
   template <typename Rule>
-  void Run(OpKernelContext* ctx) {
-    tf::core::RefCountPtr<TableResource<K>> res;
-    OP_REQUIRES_OK(ctx, GetTable<K>(ctx, &res));
-    kv::Table<K>& table = res->table();
+  void Run(OpKernelContext* ctx, kv::Table<K>& table) {
     const int64_t dim = table.dim();
     const Tensor& keys = ctx->input(1);
     const Tensor& grads = ctx->input(2);
     const Tensor& hyper = ctx->input(3);
-    const Tensor& step = ctx->input(4);
-    OP_REQUIRES_OK(ctx, validate::Vector(keys, "keys"));
-    const int64_t n = keys.dim_size(0);
-    OP_REQUIRES_OK(ctx, validate::Matrix(grads, "grads", n, dim));
+    int64_t n;
+    OP_REQUIRES_OK(ctx, validate::KeysAndRows(keys, grads, "grads", dim, &n));
     OP_REQUIRES(ctx, hyper.dims() == 1 && hyper.dim_size(0) == Rule::kHyper,
                 errors::InvalidArgument("rule '", rule_, "' takes ", Rule::kHyper,
                                         " hyper-parameters, got shape ",
                                         hyper.shape().DebugString()));
     int64_t version;
-    OP_REQUIRES_OK(ctx, validate::Scalar(step, "step", &version));
+    OP_REQUIRES_OK(ctx, validate::Scalar(ctx->input(4), "step", &version));
     const float* h = hyper.flat<float>().data();
     OP_REQUIRES_OK(ctx, validate::Finite(h, Rule::kHyper, "hyper"));
     const size_t needed = Rule::kSlots + (Rule::NeedsExtraSlot(h) ? 1 : 0);
@@ -401,12 +391,7 @@ class TableSparseApplyOp : public OpKernel {
   std::vector<std::string> slot_names_;
 };
 
-REGISTER_KERNEL_BUILDER(
-    Name("KRE>TableSparseApply").Device(tf::DEVICE_CPU).TypeConstraint<int64_t>("Tkeys"),
-    TableSparseApplyOp<int64_t>);
-REGISTER_KERNEL_BUILDER(
-    Name("KRE>TableSparseApply").Device(tf::DEVICE_CPU).TypeConstraint<int32_t>("Tkeys"),
-    TableSparseApplyOp<int32_t>);
+KRE_REGISTER_TABLE_KERNEL("KRE>TableSparseApply", TableSparseApplyOp);
 
 }  // namespace
 }  // namespace kre

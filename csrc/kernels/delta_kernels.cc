@@ -12,87 +12,59 @@ namespace kre {
 namespace {
 
 template <typename K>
-class TableMarkChangesOp : public TableOpKernel<K> {
- public:
-  using TableOpKernel<K>::TableOpKernel;
-  void ComputeOnTable(OpKernelContext* ctx, kv::Table<K>& table) override {
-    OP_REQUIRES_OK(ctx, SetScalarOutput<int64_t>(ctx, 0, table.MarkChanges()));
-  }
-};
+void TableMarkChanges(OpKernelContext* ctx, kv::Table<K>& table) {
+  OP_REQUIRES_OK(ctx, SetScalarOutput<int64_t>(ctx, 0, table.MarkChanges()));
+}
 
 template <typename K>
-class TableExportChangedSinceOp : public TableOpKernel<K> {
- public:
-  using TableOpKernel<K>::TableOpKernel;
-  void ComputeOnTable(OpKernelContext* ctx, kv::Table<K>& table) override {
-    int64_t since;
-    OP_REQUIRES_OK(ctx, validate::Scalar(ctx->input(1), "since", &since));
-    absl::Status status;
-    std::vector<K> erased;
-    const bool complete = table.ExportChangedSince(
-        since,
-        [&](int64_t n, int64_t nf) {
-          return AllocateExportOutputs(ctx, table, n, nf, &status);
-        },
-        &erased);
-    OP_REQUIRES_OK(ctx, status);
-    OP_REQUIRES_OK(ctx, SetVectorOutput(ctx, 11, table.BloomState()));
-    OP_REQUIRES_OK(ctx, SetVectorOutput(ctx, 12, erased));
-    OP_REQUIRES_OK(ctx, SetScalarOutput(ctx, 13, complete));
-  }
-};
+void TableExportChangedSince(OpKernelContext* ctx, kv::Table<K>& table) {
+  int64_t since;
+  OP_REQUIRES_OK(ctx, validate::Scalar(ctx->input(1), "since", &since));
+  absl::Status status;
+  std::vector<K> erased;
+  const bool complete = table.ExportChangedSince(
+      since,
+      [&](int64_t n, int64_t nf) { return AllocateExportOutputs(ctx, table, n, nf, &status); },
+      &erased);
+  OP_REQUIRES_OK(ctx, status);
+  OP_REQUIRES_OK(ctx, SetVectorOutput(ctx, 11, table.BloomState()));
+  OP_REQUIRES_OK(ctx, SetVectorOutput(ctx, 12, erased));
+  OP_REQUIRES_OK(ctx, SetScalarOutput(ctx, 13, complete));
+}
 
 template <typename K>
-class TableTrimErasedOp : public TableOpKernel<K> {
- public:
-  using TableOpKernel<K>::TableOpKernel;
-  void ComputeOnTable(OpKernelContext* ctx, kv::Table<K>& table) override {
-    int64_t upto;
-    OP_REQUIRES_OK(ctx, validate::Scalar(ctx->input(1), "upto", &upto));
-    table.TrimErasedLog(upto);
-    OP_REQUIRES_OK(ctx, SetScalarOutput<int64_t>(ctx, 0, table.ErasedLogSize()));
-  }
-};
+void TableTrimErased(OpKernelContext* ctx, kv::Table<K>& table) {
+  int64_t upto;
+  OP_REQUIRES_OK(ctx, validate::Scalar(ctx->input(1), "upto", &upto));
+  table.TrimErasedLog(upto);
+  OP_REQUIRES_OK(ctx, SetScalarOutput<int64_t>(ctx, 0, table.ErasedLogSize()));
+}
 
 template <typename K>
-class TableEraseOp : public TableOpKernel<K> {
- public:
-  using TableOpKernel<K>::TableOpKernel;
-  void ComputeOnTable(OpKernelContext* ctx, kv::Table<K>& table) override {
-    const Tensor& keys = ctx->input(1);
-    OP_REQUIRES_OK(ctx, validate::Vector(keys, "keys"));
-    int64_t erased = 0;
-    const K* k = keys.flat<K>().data();
-    for (int64_t i = 0; i < keys.NumElements(); ++i) erased += table.Erase(k[i]);
-    OP_REQUIRES_OK(ctx, SetScalarOutput(ctx, 0, erased));
-  }
-};
+void TableErase(OpKernelContext* ctx, kv::Table<K>& table) {
+  const Tensor& keys = ctx->input(1);
+  OP_REQUIRES_OK(ctx, validate::Vector(keys, "keys"));
+  int64_t erased = 0;
+  const K* k = keys.flat<K>().data();
+  for (int64_t i = 0; i < keys.NumElements(); ++i) erased += table.Erase(k[i]);
+  OP_REQUIRES_OK(ctx, SetScalarOutput(ctx, 0, erased));
+}
 
 template <typename K>
-class TableCountersOp : public TableOpKernel<K> {
- public:
-  using TableOpKernel<K>::TableOpKernel;
-  void ComputeOnTable(OpKernelContext* ctx, kv::Table<K>& t) override {
-    const kv::TableCounters c = t.Counters();
-    const std::vector<int64_t> v = {t.Size(),
-                                    t.FilteredSize(),
-                                    static_cast<int64_t>(t.MemoryBytes()),
-                                    t.LatestStep(),
-                                    static_cast<int64_t>(c.lookups),
-                                    static_cast<int64_t>(c.hits),
-                                    static_cast<int64_t>(c.admitted),
-                                    static_cast<int64_t>(c.erased),
-                                    t.ChangeEpoch(),
-                                    t.ErasedLogSize()};
-    OP_REQUIRES_OK(ctx, SetVectorOutput(ctx, 0, v));
-  }
-};
+void TableCounters(OpKernelContext* ctx, kv::Table<K>& t) {
+  const kv::TableCounters c = t.Counters();
+  std::vector<int64_t> v = TableSizeStats(t);
+  v.insert(v.end(), {static_cast<int64_t>(c.lookups), static_cast<int64_t>(c.hits),
+                     static_cast<int64_t>(c.admitted), static_cast<int64_t>(c.erased),
+                     t.ChangeEpoch(), t.ErasedLogSize()});
+  OP_REQUIRES_OK(ctx, SetVectorOutput(ctx, 0, v));
+}
 
-KRE_REGISTER_TABLE_KERNEL("KRE>TableMarkChanges", TableMarkChangesOp);
-KRE_REGISTER_TABLE_KERNEL("KRE>TableExportChangedSince", TableExportChangedSinceOp);
-KRE_REGISTER_TABLE_KERNEL("KRE>TableTrimErased", TableTrimErasedOp);
-KRE_REGISTER_TABLE_KERNEL("KRE>TableErase", TableEraseOp);
-KRE_REGISTER_TABLE_KERNEL("KRE>TableCounters", TableCountersOp);
+KRE_REGISTER_TABLE_FN("KRE>TableMarkChanges", TableMarkChanges);
+KRE_REGISTER_TABLE_FN("KRE>TableExportChangedSince", TableExportChangedSince);
+KRE_REGISTER_TABLE_FN("KRE>TableTrimErased", TableTrimErased);
+KRE_REGISTER_TABLE_FN("KRE>TableErase", TableErase);
+KRE_REGISTER_TABLE_FN("KRE>TableCounters", TableCounters);
 
 }  // namespace
 }  // namespace kre

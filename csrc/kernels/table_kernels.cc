@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "kernels/table_resource.h"
 #include "kernels/validate.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -162,132 +163,92 @@ class TableLookupOp : public TableOpKernel<K> {
 };
 
 template <typename K>
-class TableSizeOp : public TableOpKernel<K> {
- public:
-  using TableOpKernel<K>::TableOpKernel;
-  void ComputeOnTable(OpKernelContext* ctx, kv::Table<K>& table) override {
-    OP_REQUIRES_OK(ctx, SetScalarOutput(ctx, 0, table.Size()));
-  }
-};
-
-template <typename K>
-class TableStatsOp : public TableOpKernel<K> {
- public:
-  using TableOpKernel<K>::TableOpKernel;
-  void ComputeOnTable(OpKernelContext* ctx, kv::Table<K>& t) override {
-    const std::vector<int64_t> v = {t.Size(), t.FilteredSize(),
-                                    static_cast<int64_t>(t.MemoryBytes()), t.LatestStep()};
-    OP_REQUIRES_OK(ctx, SetVectorOutput(ctx, 0, v));
-  }
-};
-
-template <typename K>
-class TableStorageStatsOp : public TableOpKernel<K> {
- public:
-  using TableOpKernel<K>::TableOpKernel;
-  void ComputeOnTable(OpKernelContext* ctx, kv::Table<K>& table) override {
-    const kv::RowStoreStats s = table.StoreStats();
-    const uint64_t fields[8] = {s.rows, s.cached_rows, s.memory_bytes, s.disk_bytes,
-                                s.hits, s.misses, s.file_reads, s.file_writes};
-    OP_REQUIRES_OK(ctx, SetVectorOutput(ctx, 0, std::vector<int64_t>(fields, fields + 8)));
-  }
-};
-
-// The snapshot ops need a file-tier table.
-template <typename K>
-absl::Status NeedFileTier(const kv::Table<K>& t) {
-  if (t.file_tier()) return absl::OkStatus();
-  return errors::InvalidArgument(
-      "snapshots need a file-tier table (StorageOption(\"FILE\", storage_path=...))");
+void TableSize(OpKernelContext* ctx, kv::Table<K>& table) {
+  OP_REQUIRES_OK(ctx, SetScalarOutput(ctx, 0, table.Size()));
 }
 
 template <typename K>
-class TableSnapshotOp : public TableOpKernel<K> {
- public:
-  using TableOpKernel<K>::TableOpKernel;
-  void ComputeOnTable(OpKernelContext* ctx, kv::Table<K>& t) override {
-    OP_REQUIRES_OK(ctx, NeedFileTier(t));
-    int64_t seq = 0;
-    try {
-      seq = t.Snapshot();
-    } catch (const std::exception& e) {
-      ctx->SetStatus(errors::Internal("snapshot failed: ", e.what()));
-      return;
-    }
-    OP_REQUIRES_OK(ctx, SetScalarOutput(ctx, 0, seq));
-  }
-};
+void TableStats(OpKernelContext* ctx, kv::Table<K>& table) {
+  OP_REQUIRES_OK(ctx, SetVectorOutput(ctx, 0, TableSizeStats(table)));
+}
 
 template <typename K>
-class TableReleaseStorageOp : public TableOpKernel<K> {
- public:
-  using TableOpKernel<K>::TableOpKernel;
-  void ComputeOnTable(OpKernelContext* ctx, kv::Table<K>& t) override {
-    if (t.file_tier()) t.ReleaseStorageLock();
-    OP_REQUIRES_OK(ctx, SetScalarOutput(ctx, 0, t.file_tier()));
+void TableStorageStats(OpKernelContext* ctx, kv::Table<K>& table) {
+  const kv::RowStoreStats s = table.StoreStats();
+  const uint64_t fields[8] = {s.rows, s.cached_rows, s.memory_bytes, s.disk_bytes,
+                              s.hits, s.misses, s.file_reads, s.file_writes};
+  OP_REQUIRES_OK(ctx, SetVectorOutput(ctx, 0, std::vector<int64_t>(fields, fields + 8)));
+}
+
+// The snapshot ops: on a file-tier table, runs `call` (a snapshot or a
+// restore, which throws on failure) and outputs its result as scalar 0; an
+// exception becomes a status of `code`, "<what> failed: <reason>".
+template <typename K, typename Call>
+void FileTierCall(OpKernelContext* ctx, const kv::Table<K>& t, absl::StatusCode code,
+                  const char* what, Call&& call) {
+  OP_REQUIRES(ctx, t.file_tier(),
+              errors::InvalidArgument(
+                  "snapshots need a file-tier table (StorageOption(\"FILE\", storage_path=...))"));
+  int64_t result = 0;
+  try {
+    result = call();
+  } catch (const std::exception& e) {
+    ctx->SetStatus(absl::Status(code, absl::StrCat(what, " failed: ", e.what())));
+    return;
   }
-};
+  OP_REQUIRES_OK(ctx, SetScalarOutput(ctx, 0, result));
+}
 
 template <typename K>
-class TableRestoreSnapshotOp : public TableOpKernel<K> {
- public:
-  using TableOpKernel<K>::TableOpKernel;
-  void ComputeOnTable(OpKernelContext* ctx, kv::Table<K>& t) override {
-    OP_REQUIRES_OK(ctx, NeedFileTier(t));
-    const std::string path(ctx->input(1).scalar<tf::tstring>()());
-    int64_t keys = 0;
-    try {
-      keys = t.RestoreSnapshot(path);
-    } catch (const std::exception& e) {
-      ctx->SetStatus(errors::InvalidArgument("snapshot restore failed: ", e.what()));
-      return;
-    }
-    OP_REQUIRES_OK(ctx, SetScalarOutput(ctx, 0, keys));
-  }
-};
+void TableSnapshot(OpKernelContext* ctx, kv::Table<K>& t) {
+  FileTierCall(ctx, t, absl::StatusCode::kInternal, "snapshot", [&] { return t.Snapshot(); });
+}
 
 template <typename K>
-class TableEvictOp : public TableOpKernel<K> {
- public:
-  using TableOpKernel<K>::TableOpKernel;
-  void ComputeOnTable(OpKernelContext* ctx, kv::Table<K>& table) override {
-    int64_t step, steps_to_live;
-    float l2;
-    OP_REQUIRES_OK(ctx, validate::Scalar(ctx->input(1), "step", &step));
-    OP_REQUIRES_OK(ctx, validate::Scalar(ctx->input(2), "steps_to_live", &steps_to_live));
-    OP_REQUIRES_OK(ctx, validate::Scalar(ctx->input(3), "l2_threshold", &l2));
-    OP_REQUIRES(ctx, !std::isnan(l2),
-                errors::InvalidArgument("`l2_threshold` must not be NaN"));
-    OP_REQUIRES_OK(ctx, SetScalarOutput(ctx, 0, table.Evict(step, steps_to_live, l2)));
-  }
-};
+void TableRestoreSnapshot(OpKernelContext* ctx, kv::Table<K>& t) {
+  FileTierCall(ctx, t, absl::StatusCode::kInvalidArgument, "snapshot restore", [&] {
+    return t.RestoreSnapshot(std::string(ctx->input(1).scalar<tf::tstring>()()));
+  });
+}
 
 template <typename K>
-class TableAddSlotOp : public TableOpKernel<K> {
- public:
-  using TableOpKernel<K>::TableOpKernel;
-  void ComputeOnTable(OpKernelContext* ctx, kv::Table<K>& table) override {
-    tf::tstring tname;
-    int64_t width;
-    float init;
-    OP_REQUIRES_OK(ctx, validate::Scalar(ctx->input(1), "slot_name", &tname));
-    OP_REQUIRES_OK(ctx, validate::Scalar(ctx->input(2), "width", &width));
-    OP_REQUIRES_OK(ctx, validate::Scalar(ctx->input(3), "init", &init));
-    const std::string name(tname);
-    OP_REQUIRES(ctx, !name.empty(), errors::InvalidArgument("`slot_name` must not be empty"));
-    OP_REQUIRES_OK(ctx, validate::SlotWidth(width, "width"));
-    OP_REQUIRES_OK(ctx, validate::Finite(&init, 1, "init"));
-    try {
-      table.AddSlot(name, width, init);
-    } catch (const std::bad_alloc&) {
-      ctx->SetStatus(errors::ResourceExhausted("could not allocate optimizer slot '", name,
-                                               "' of width ", width,
-                                               "; the table is unchanged"));
-    } catch (const std::exception& e) {
-      ctx->SetStatus(errors::InvalidArgument(e.what()));
-    }
+void TableReleaseStorage(OpKernelContext* ctx, kv::Table<K>& t) {
+  if (t.file_tier()) t.ReleaseStorageLock();
+  OP_REQUIRES_OK(ctx, SetScalarOutput(ctx, 0, t.file_tier()));
+}
+
+template <typename K>
+void TableEvict(OpKernelContext* ctx, kv::Table<K>& table) {
+  int64_t step, steps_to_live;
+  float l2;
+  OP_REQUIRES_OK(ctx, validate::Scalar(ctx->input(1), "step", &step));
+  OP_REQUIRES_OK(ctx, validate::Scalar(ctx->input(2), "steps_to_live", &steps_to_live));
+  OP_REQUIRES_OK(ctx, validate::Scalar(ctx->input(3), "l2_threshold", &l2));
+  OP_REQUIRES(ctx, !std::isnan(l2), errors::InvalidArgument("`l2_threshold` must not be NaN"));
+  OP_REQUIRES_OK(ctx, SetScalarOutput(ctx, 0, table.Evict(step, steps_to_live, l2)));
+}
+
+template <typename K>
+void TableAddSlot(OpKernelContext* ctx, kv::Table<K>& table) {
+  tf::tstring tname;
+  int64_t width;
+  float init;
+  OP_REQUIRES_OK(ctx, validate::Scalar(ctx->input(1), "slot_name", &tname));
+  OP_REQUIRES_OK(ctx, validate::Scalar(ctx->input(2), "width", &width));
+  OP_REQUIRES_OK(ctx, validate::Scalar(ctx->input(3), "init", &init));
+  const std::string name(tname);
+  OP_REQUIRES(ctx, !name.empty(), errors::InvalidArgument("`slot_name` must not be empty"));
+  OP_REQUIRES_OK(ctx, validate::SlotWidth(width, "width"));
+  OP_REQUIRES_OK(ctx, validate::Finite(&init, 1, "init"));
+  try {
+    table.AddSlot(name, width, init);
+  } catch (const std::bad_alloc&) {
+    ctx->SetStatus(errors::ResourceExhausted("could not allocate optimizer slot '", name,
+                                             "' of width ", width, "; the table is unchanged"));
+  } catch (const std::exception& e) {
+    ctx->SetStatus(errors::InvalidArgument(e.what()));
   }
-};
+}
 
 template <typename K>
 class TableExportOp : public TableOpKernel<K> {
@@ -345,9 +306,8 @@ class TableImportOp : public TableOpKernel<K> {
     // Every part is checked before the table is touched: a checkpoint or an
     // export is untrusted input, and a failed import leaves the table as it
     // was.
-    OP_REQUIRES_OK(ctx, validate::Vector(keys, "keys"));
-    const int64_t n = keys.dim_size(0);
-    OP_REQUIRES_OK(ctx, validate::Matrix(values, "values", n, dim));
+    int64_t n;
+    OP_REQUIRES_OK(ctx, validate::KeysAndRows(keys, values, "values", dim, &n));
     OP_REQUIRES_OK(ctx, validate::Vector(freqs, "freqs", n));
     OP_REQUIRES_OK(ctx, validate::Vector(versions, "versions", n));
     OP_REQUIRES_OK(ctx, validate::UniqueNames(names, "slot_names"));
@@ -453,14 +413,14 @@ class TableImportOp : public TableOpKernel<K> {
 };
 
 KRE_REGISTER_TABLE_KERNEL("KRE>TableLookup", TableLookupOp);
-KRE_REGISTER_TABLE_KERNEL("KRE>TableSize", TableSizeOp);
-KRE_REGISTER_TABLE_KERNEL("KRE>TableStats", TableStatsOp);
-KRE_REGISTER_TABLE_KERNEL("KRE>TableStorageStats", TableStorageStatsOp);
-KRE_REGISTER_TABLE_KERNEL("KRE>TableSnapshot", TableSnapshotOp);
-KRE_REGISTER_TABLE_KERNEL("KRE>TableReleaseStorage", TableReleaseStorageOp);
-KRE_REGISTER_TABLE_KERNEL("KRE>TableRestoreSnapshot", TableRestoreSnapshotOp);
-KRE_REGISTER_TABLE_KERNEL("KRE>TableEvict", TableEvictOp);
-KRE_REGISTER_TABLE_KERNEL("KRE>TableAddSlot", TableAddSlotOp);
+KRE_REGISTER_TABLE_FN("KRE>TableSize", TableSize);
+KRE_REGISTER_TABLE_FN("KRE>TableStats", TableStats);
+KRE_REGISTER_TABLE_FN("KRE>TableStorageStats", TableStorageStats);
+KRE_REGISTER_TABLE_FN("KRE>TableSnapshot", TableSnapshot);
+KRE_REGISTER_TABLE_FN("KRE>TableReleaseStorage", TableReleaseStorage);
+KRE_REGISTER_TABLE_FN("KRE>TableRestoreSnapshot", TableRestoreSnapshot);
+KRE_REGISTER_TABLE_FN("KRE>TableEvict", TableEvict);
+KRE_REGISTER_TABLE_FN("KRE>TableAddSlot", TableAddSlot);
 KRE_REGISTER_TABLE_KERNEL("KRE>TableExport", TableExportOp);
 KRE_REGISTER_TABLE_KERNEL("KRE>TableImport", TableImportOp);
 

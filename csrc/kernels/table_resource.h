@@ -105,6 +105,18 @@ class TableOpKernel : public OpKernel {
   int64_t dim_ = -1;  // the op's `dim` attribute; -1 without one
 };
 
+// A kernel whose whole work is the function Fn(ctx, table): the small ops
+// on one table (sizes, counters, snapshots, eviction, ...) are written as
+// plain functions and registered with KRE_REGISTER_TABLE_FN.
+template <typename K, void (*Fn)(OpKernelContext*, kv::Table<K>&)>
+class TableFnKernel : public TableOpKernel<K> {
+ public:
+  using TableOpKernel<K>::TableOpKernel;
+
+ protected:
+  void ComputeOnTable(OpKernelContext* ctx, kv::Table<K>& table) override { Fn(ctx, table); }
+};
+
 // Allocates output i as a scalar of type T holding `value`.
 template <typename T>
 absl::Status SetScalarOutput(OpKernelContext* ctx, int i, T value) {
@@ -171,6 +183,23 @@ std::optional<typename kv::Table<K>::ExportBuffers> AllocateExportOutputs(
   REGISTER_KERNEL_BUILDER(                                                        \
       Name(name).Device(::tensorflow::DEVICE_CPU).TypeConstraint<int32_t>("Tkeys"), \
       Op<int32_t>)
+
+// Registers the function template `fn` (void fn<K>(OpKernelContext*,
+// kv::Table<K>&)) as the CPU kernel of op `name` for both key types.
+#define KRE_REGISTER_TABLE_FN(name, fn)                                            \
+  REGISTER_KERNEL_BUILDER(                                                        \
+      Name(name).Device(::tensorflow::DEVICE_CPU).TypeConstraint<int64_t>("Tkeys"), \
+      ::kre::TableFnKernel<int64_t, fn<int64_t>>);                                \
+  REGISTER_KERNEL_BUILDER(                                                        \
+      Name(name).Device(::tensorflow::DEVICE_CPU).TypeConstraint<int32_t>("Tkeys"), \
+      ::kre::TableFnKernel<int32_t, fn<int32_t>>)
+
+// [admitted keys, keys counted but not admitted, memory bytes, latest step]:
+// the output of KRE>TableStats and the first four of KRE>TableCounters.
+template <typename K>
+std::vector<int64_t> TableSizeStats(const kv::Table<K>& t) {
+  return {t.Size(), t.FilteredSize(), static_cast<int64_t>(t.MemoryBytes()), t.LatestStep()};
+}
 
 // Runs fn(i) for i in [0, n) over the intra-op thread pool. Exceptions
 // (allocation failure, a full shard) become a ResourceExhausted status.

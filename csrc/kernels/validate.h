@@ -67,6 +67,15 @@ inline absl::Status Matrix(const tf::Tensor& t, const char* name, int64_t rows, 
   return absl::OkStatus();
 }
 
+// `keys` a vector of n keys and `rows` (named `rows_name`) their rows, an
+// [n, cols] matrix; sets *n.
+inline absl::Status KeysAndRows(const tf::Tensor& keys, const tf::Tensor& rows,
+                                const char* rows_name, int64_t cols, int64_t* n) {
+  TF_RETURN_IF_ERROR(Vector(keys, "keys"));
+  *n = keys.dim_size(0);
+  return Matrix(rows, rows_name, *n, cols);
+}
+
 // Row splits of a ragged batch over nnz values: a vector of at least one
 // entry that starts at 0, never decreases and ends at nnz. Checked in full
 // before any row is read, so no split can point outside the values.

@@ -58,6 +58,18 @@ struct RowStoreStats {
   uint64_t misses = 0;         // row accesses that read the file
   uint64_t file_reads = 0;     // rows read from file
   uint64_t file_writes = 0;    // rows written to file
+
+  RowStoreStats& operator+=(const RowStoreStats& o) {
+    rows += o.rows;
+    cached_rows += o.cached_rows;
+    memory_bytes += o.memory_bytes;
+    disk_bytes += o.disk_bytes;
+    hits += o.hits;
+    misses += o.misses;
+    file_reads += o.file_reads;
+    file_writes += o.file_writes;
+    return *this;
+  }
 };
 
 class RowStore {

@@ -123,49 +123,31 @@ void Table<K>::SetDefaultValues(std::vector<float> default_values) {
 template <typename K>
 int64_t Table<K>::Size() const {
   int64_t n = 0;
-  for (const auto& s : shards_) {
-    std::shared_lock<std::shared_mutex> lock(s->mu);
-    n += static_cast<int64_t>(s->index.live() - s->filtered);
-  }
+  ForEachShardShared(
+      [&](const Shard& s) { n += static_cast<int64_t>(s.index.live() - s.filtered); });
   return n;
 }
 
 template <typename K>
 int64_t Table<K>::FilteredSize() const {
   int64_t n = 0;
-  for (const auto& s : shards_) {
-    std::shared_lock<std::shared_mutex> lock(s->mu);
-    n += static_cast<int64_t>(s->filtered);
-  }
+  ForEachShardShared([&](const Shard& s) { n += static_cast<int64_t>(s.filtered); });
   return n;
 }
 
 template <typename K>
 uint64_t Table<K>::MemoryBytes() const {
   uint64_t bytes = default_values_.size() * sizeof(float) + bloom_.MemoryBytes();
-  for (const auto& sp : shards_) {
-    const Shard& s = *sp;
-    std::shared_lock<std::shared_mutex> lock(s.mu);
+  ForEachShardShared([&](const Shard& s) {
     bytes += s.index.MemoryBytes() + s.store->Stats().memory_bytes + s.meta.MemoryBytes();
-  }
+  });
   return bytes;
 }
 
 template <typename K>
 RowStoreStats Table<K>::StoreStats() const {
   RowStoreStats total;
-  for (const auto& sp : shards_) {
-    std::shared_lock<std::shared_mutex> lock(sp->mu);
-    const RowStoreStats s = sp->store->Stats();
-    total.rows += s.rows;
-    total.cached_rows += s.cached_rows;
-    total.memory_bytes += s.memory_bytes;
-    total.disk_bytes += s.disk_bytes;
-    total.hits += s.hits;
-    total.misses += s.misses;
-    total.file_reads += s.file_reads;
-    total.file_writes += s.file_writes;
-  }
+  ForEachShardShared([&](const Shard& s) { total += s.store->Stats(); });
   return total;
 }
 
@@ -518,12 +500,7 @@ void Table<K>::Import(const K* keys, const float* values, const int64_t* freqs,
   if (n == 0) return;  // e.g. a promotion step with nothing to copy
   int64_t total_width = 0;
   for (int64_t w : slot_widths) total_width += w;
-  std::vector<std::unique_lock<std::shared_mutex>> locks;
-  LockAll(&locks);
-  for (int64_t i = 0; i < n; ++i) {
-    const uint64_t h = Hash(keys[i]);
-    Shard& s = *shards_[ShardOf(h)];
-    int64_t idx = s.index.Find(keys[i], h);
+  ForEachKeyLocked(keys, n, [&](int64_t i, Shard& s, uint64_t h, int64_t idx) {
     const bool existed = idx >= 0;
     if (idx < 0) idx = static_cast<int64_t>(InsertNew(s, keys[i], h, /*admit=*/true));
     if (s.index.entry(idx).row == kNoRow) Admit(s, static_cast<uint64_t>(idx));
@@ -545,26 +522,21 @@ void Table<K>::Import(const K* keys, const float* values, const int64_t* freqs,
       src += slot_widths[j];
     }
     Touch(s, e);
-  }
+  });
 }
 
 template <typename K>
 void Table<K>::ImportFiltered(const K* keys, const int64_t* freqs, const int64_t* versions,
                               int64_t n) {
   if (n == 0 || !filtering() || bloom()) return;  // only the counter filter keeps such keys
-  std::vector<std::unique_lock<std::shared_mutex>> locks;
-  LockAll(&locks);
-  for (int64_t i = 0; i < n; ++i) {
-    const uint64_t h = Hash(keys[i]);
-    Shard& s = *shards_[ShardOf(h)];
-    int64_t idx = s.index.Find(keys[i], h);
-    if (idx >= 0 && s.index.entry(idx).row != kNoRow) continue;  // stays admitted
+  ForEachKeyLocked(keys, n, [&](int64_t i, Shard& s, uint64_t h, int64_t idx) {
+    if (idx >= 0 && s.index.entry(idx).row != kNoRow) return;  // stays admitted
     if (idx < 0) idx = static_cast<int64_t>(InsertNew(s, keys[i], h, /*admit=*/false));
     int64_t* m = Meta(s, s.index.entry(idx));
     m[kFreq] = freqs[i];
     m[kVersion] = versions[i];
     m[kEpoch] = epoch_.load(std::memory_order_relaxed);
-  }
+  });
 }
 
 template <typename K>
@@ -695,23 +667,19 @@ void Table<K>::TrimErasedLog(int64_t upto) {
 template <typename K>
 int64_t Table<K>::ErasedLogSize() const {
   int64_t n = 0;
-  for (const auto& s : shards_) {
-    std::shared_lock<std::shared_mutex> lock(s->mu);
-    n += static_cast<int64_t>(s->erased_log.size());
-  }
+  ForEachShardShared([&](const Shard& s) { n += static_cast<int64_t>(s.erased_log.size()); });
   return n;
 }
 
 template <typename K>
 TableCounters Table<K>::Counters() const {
   TableCounters c;
-  for (const auto& s : shards_) {
-    std::shared_lock<std::shared_mutex> lock(s->mu);
-    c.lookups += s->lookups.load(std::memory_order_relaxed);
-    c.hits += s->hits.load(std::memory_order_relaxed);
-    c.admitted += s->admitted_total;
-    c.erased += s->erased_total;
-  }
+  ForEachShardShared([&](const Shard& s) {
+    c.lookups += s.lookups.load(std::memory_order_relaxed);
+    c.hits += s.hits.load(std::memory_order_relaxed);
+    c.admitted += s.admitted_total;
+    c.erased += s.erased_total;
+  });
   return c;
 }
 

@@ -397,6 +397,38 @@ class Table {
   // and slot order; `b` has room for exactly those entries.
   template <typename Keep>
   void WriteEntries(const ExportBuffers& b, Keep&& keep) const;
+  // Calls fn(shard, entry) for every key of every shard, in shard and slot
+  // order (the caller holds every shard lock).
+  template <typename Fn>
+  void ForEachEntry(Fn&& fn) const {
+    for (const auto& sp : shards_) {
+      for (uint64_t i = 0; i < sp->index.capacity(); ++i) {
+        if (sp->index.Occupied(i)) fn(*sp, sp->index.entry(i));
+      }
+    }
+  }
+  // The walk of Import and ImportFiltered: with every shard locked
+  // exclusively, calls fn(i, shard, hash, idx) for each of keys[0 .. n),
+  // idx being the key's index position in its shard (-1 when absent).
+  template <typename Fn>
+  void ForEachKeyLocked(const K* keys, int64_t n, Fn&& fn) {
+    std::vector<std::unique_lock<std::shared_mutex>> locks;
+    LockAll(&locks);
+    for (int64_t i = 0; i < n; ++i) {
+      const uint64_t h = Hash(keys[i]);
+      Shard& s = *shards_[ShardOf(h)];
+      fn(i, s, h, s.index.Find(keys[i], h));
+    }
+  }
+  // Calls fn(shard) for every shard under its shared lock, one shard at a
+  // time (the totals of Size, Counters, ... are not one instant's).
+  template <typename Fn>
+  void ForEachShardShared(Fn&& fn) const {
+    for (const auto& sp : shards_) {
+      std::shared_lock<std::shared_mutex> lock(sp->mu);
+      fn(static_cast<const Shard&>(*sp));
+    }
+  }
   void RaiseLatestStep(int64_t step);
   std::unique_ptr<RowStore> NewStore(int shard) const;
   void LockAll(std::vector<std::unique_lock<std::shared_mutex>>* locks) const;
@@ -505,15 +537,11 @@ bool Table<K>::ExportChangedSince(int64_t since, Alloc&& alloc,
   for (const auto& s : shards_) locks.emplace_back(s->mu);
   const bool complete = since >= reset_epoch_;
   int64_t n = 0, nf = 0;
-  for (const auto& sp : shards_) {
-    const Shard& s = *sp;
-    for (uint64_t i = 0; i < s.index.capacity(); ++i) {
-      if (!s.index.Occupied(i)) continue;
-      const Entry& e = s.index.entry(i);
-      if (EpochOf(s, e) <= since) continue;
-      ++(e.row == kNoRow ? nf : n);
-    }
-    for (const auto& ke : s.erased_log) {
+  ForEachEntry([&](const Shard& s, const Entry& e) {
+    if (EpochOf(s, e) > since) ++(e.row == kNoRow ? nf : n);
+  });
+  for (const auto& s : shards_) {
+    for (const auto& ke : s->erased_log) {
       if (ke.second > since) erased->push_back(ke.first);
     }
   }
@@ -531,27 +559,22 @@ void Table<K>::WriteEntries(const ExportBuffers& b, Keep&& keep) const {
   int64_t total_width = 0;
   for (const auto& spec : slot_specs_) total_width += spec.width;
   int64_t out = 0, out_f = 0;
-  for (const auto& sp : shards_) {
-    const Shard& s = *sp;
-    for (uint64_t i = 0; i < s.index.capacity(); ++i) {
-      if (!s.index.Occupied(i)) continue;
-      const Entry& e = s.index.entry(i);
-      if (!keep(s, e)) continue;
-      const int64_t* m = Meta(s, e);
-      if (e.row == kNoRow) {
-        b.keys_filtered[out_f] = e.key;
-        b.freqs_filtered[out_f] = m ? m[kFreq] : 0;
-        b.versions_filtered[out_f] = m ? m[kVersion] : 0;
-        ++out_f;
-        continue;
-      }
-      b.keys[out] = e.key;
-      s.store->Read(e.row, b.values + out * dim_, b.slots + out * total_width);
-      b.freqs[out] = m ? m[kFreq] : 0;
-      b.versions[out] = m ? m[kVersion] : 0;
-      ++out;
+  ForEachEntry([&](const Shard& s, const Entry& e) {
+    if (!keep(s, e)) return;
+    const int64_t* m = Meta(s, e);
+    if (e.row == kNoRow) {
+      b.keys_filtered[out_f] = e.key;
+      b.freqs_filtered[out_f] = m ? m[kFreq] : 0;
+      b.versions_filtered[out_f] = m ? m[kVersion] : 0;
+      ++out_f;
+      return;
     }
-  }
+    b.keys[out] = e.key;
+    s.store->Read(e.row, b.values + out * dim_, b.slots + out * total_width);
+    b.freqs[out] = m ? m[kFreq] : 0;
+    b.versions[out] = m ? m[kVersion] : 0;
+    ++out;
+  });
 }
 
 }  // namespace kv

@@ -10,53 +10,38 @@ namespace kre {
 
 // Closes the table's current change epoch and returns it as a mark: changes
 // from now on are "after" it. Turns on the log of erased keys.
-REGISTER_OP("KRE>TableMarkChanges")
-    .Input("handle: resource")
+KRE_REGISTER_TABLE_OP("KRE>TableMarkChanges")
     .Output("mark: int64")
-    .Attr("Tkeys: {int32, int64}")
-    .SetIsStateful()
     .SetShapeFn(ScalarOfHandle<1>);
 
 // Exports, like KRE>TableExport, only the keys changed after mark `since`,
 // plus `erased` (keys erased after it) and `complete` (false when the
 // contents were replaced wholesale after `since`: take a full export).
 // default_values and bloom are always whole.
-REGISTER_OP("KRE>TableExportChangedSince")
-    .Input("handle: resource")
+KRE_REGISTER_TABLE_OP("KRE>TableExportChangedSince")
     .Input("since: int64")
     .KRE_TABLE_EXPORT_OUTPUTS
     .Output("erased: Tkeys")
     .Output("complete: bool")
-    .Attr("Tkeys: {int32, int64}")
     .Attr("dim: int >= 1")
-    .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
-      TF_RETURN_IF_ERROR(HandleAndScalars(c, 2));
-      int64_t dim;
-      TF_RETURN_IF_ERROR(GetDim(c, &dim));
-      SetExportShapes(c, dim);
+      TF_RETURN_IF_ERROR(ExportOfHandle<2>(c));
       c->set_output(12, c->Vector(c->UnknownDim()));
       c->set_output(13, c->Scalar());
       return absl::OkStatus();
     });
 
 // Forgets logged erasures at or before mark `upto`; returns the log's size.
-REGISTER_OP("KRE>TableTrimErased")
-    .Input("handle: resource")
+KRE_REGISTER_TABLE_OP("KRE>TableTrimErased")
     .Input("upto: int64")
     .Output("remaining: int64")
-    .Attr("Tkeys: {int32, int64}")
-    .SetIsStateful()
     .SetShapeFn(ScalarOfHandle<2>);
 
 // Erases `keys` (a vector; absent keys are skipped); returns how many were
 // present.
-REGISTER_OP("KRE>TableErase")
-    .Input("handle: resource")
+KRE_REGISTER_TABLE_OP("KRE>TableErase")
     .Input("keys: Tkeys")
     .Output("erased: int64")
-    .Attr("Tkeys: {int32, int64}")
-    .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       TF_RETURN_IF_ERROR(ScalarHandle(c));
       ShapeHandle unused;
@@ -68,11 +53,8 @@ REGISTER_OP("KRE>TableErase")
 // [admitted keys, keys counted but not admitted, memory bytes, latest step,
 //  key occurrences looked up, of them found admitted, keys admitted, keys
 //  erased (the last four cumulative), open change epoch, erased-log size]
-REGISTER_OP("KRE>TableCounters")
-    .Input("handle: resource")
+KRE_REGISTER_TABLE_OP("KRE>TableCounters")
     .Output("counters: int64")
-    .Attr("Tkeys: {int32, int64}")
-    .SetIsStateful()
     .SetShapeFn(VectorOfHandle<10>);
 
 }  // namespace kre

@@ -58,75 +58,53 @@ REGISTER_OP("KRE>TableCreate")
 // `insert`, missing keys are inserted with their default row and every
 // occurrence counts towards the key's frequency (training); without, missing
 // keys read their default row and the table is unchanged (inference).
-REGISTER_OP("KRE>TableLookup")
-    .Input("handle: resource")
+KRE_REGISTER_TABLE_OP("KRE>TableLookup")
     .Input("keys: Tkeys")
     .Output("values: float")
-    .Attr("Tkeys: {int32, int64}")
     .Attr("dim: int >= 1")
     .Attr("insert: bool = false")
-    .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
-      TF_RETURN_IF_ERROR(ScalarHandle(c));
       int64_t dim;
-      TF_RETURN_IF_ERROR(GetDim(c, &dim));
+      TF_RETURN_IF_ERROR(HandleAndDim(c, &dim));
       ShapeHandle out;
       TF_RETURN_IF_ERROR(c->Concatenate(c->input(1), c->Vector(dim), &out));
       c->set_output(0, out);
       return absl::OkStatus();
     });
 
-REGISTER_OP("KRE>TableSize")
-    .Input("handle: resource")
+KRE_REGISTER_TABLE_OP("KRE>TableSize")
     .Output("size: int64")
-    .Attr("Tkeys: {int32, int64}")
-    .SetIsStateful()
     .SetShapeFn(ScalarOfHandle<1>);
 
 // [admitted keys, keys counted but not admitted, memory bytes, latest step]
-REGISTER_OP("KRE>TableStats")
-    .Input("handle: resource")
+KRE_REGISTER_TABLE_OP("KRE>TableStats")
     .Output("stats: int64")
-    .Attr("Tkeys: {int32, int64}")
-    .SetIsStateful()
     .SetShapeFn(VectorOfHandle<4>);
 
 // The row store's counters: [rows, rows in DRAM, row bytes in DRAM, bytes
 // on file, cache hits, cache misses, rows read from file, rows written to
 // file] (a DRAM table: every row in DRAM, no file counters).
-REGISTER_OP("KRE>TableStorageStats")
-    .Input("handle: resource")
+KRE_REGISTER_TABLE_OP("KRE>TableStorageStats")
     .Output("stats: int64")
-    .Attr("Tkeys: {int32, int64}")
-    .SetIsStateful()
     .SetShapeFn(VectorOfHandle<8>);
 
 // File tier: writes a snapshot under the table's storage_path; returns its
 // sequence number.
-REGISTER_OP("KRE>TableSnapshot")
-    .Input("handle: resource")
+KRE_REGISTER_TABLE_OP("KRE>TableSnapshot")
     .Output("seq: int64")
-    .Attr("Tkeys: {int32, int64}")
-    .SetIsStateful()
     .SetShapeFn(ScalarOfHandle<1>);
 
 // File tier: releases the lock on the table's storage_path (its Python
 // owner is gone); returns whether the table is a file-tier one.
-REGISTER_OP("KRE>TableReleaseStorage")
-    .Input("handle: resource")
+KRE_REGISTER_TABLE_OP("KRE>TableReleaseStorage")
     .Output("released: bool")
-    .Attr("Tkeys: {int32, int64}")
-    .SetIsStateful()
     .SetShapeFn(ScalarOfHandle<1>);
 
 // File tier: replaces the contents with the latest snapshot under `path`
 // (the table's storage_path when empty); returns the number of keys.
-REGISTER_OP("KRE>TableRestoreSnapshot")
-    .Input("handle: resource")
+KRE_REGISTER_TABLE_OP("KRE>TableRestoreSnapshot")
     .Input("path: string")
     .Output("keys: int64")
-    .Attr("Tkeys: {int32, int64}")
-    .SetIsStateful()
     .SetShapeFn(ScalarOfHandle<2>);
 
 // Erases admitted keys not updated for more than `steps_to_live` steps
@@ -134,25 +112,19 @@ REGISTER_OP("KRE>TableRestoreSnapshot")
 // step), admitted keys whose row L2 norm is below `l2_threshold` (when >= 0),
 // and keys not admitted last seen more than `steps_to_live` steps ago.
 // Returns how many.
-REGISTER_OP("KRE>TableEvict")
-    .Input("handle: resource")
+KRE_REGISTER_TABLE_OP("KRE>TableEvict")
     .Input("step: int64")
     .Input("steps_to_live: int64")
     .Input("l2_threshold: float")
     .Output("evicted: int64")
-    .Attr("Tkeys: {int32, int64}")
-    .SetIsStateful()
     .SetShapeFn(ScalarOfHandle<4>);
 
 // Adds an optimizer slot (per-row state of `width` floats, `init` for new rows)
 // or, if it exists with that width, sets its init value for rows made from now.
-REGISTER_OP("KRE>TableAddSlot")
-    .Input("handle: resource")
+KRE_REGISTER_TABLE_OP("KRE>TableAddSlot")
     .Input("slot_name: string")
     .Input("width: int64")
     .Input("init: float")
-    .Attr("Tkeys: {int32, int64}")
-    .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) { return HandleAndScalars(c, 4); });
 
 // Exports every row: keys [N], values [N, dim], freqs [N], versions [N], the
@@ -160,20 +132,11 @@ REGISTER_OP("KRE>TableAddSlot")
 // EV-initializer matrix default_values [default_value_dim, dim], the keys
 // counted but not admitted with their counts and versions (empty unless
 // include_filtered), and the Bloom filter's counters as bytes.
-REGISTER_OP("KRE>TableExport")
-    .Input("handle: resource")
+KRE_REGISTER_TABLE_OP("KRE>TableExport")
     .KRE_TABLE_EXPORT_OUTPUTS
-    .Attr("Tkeys: {int32, int64}")
     .Attr("dim: int >= 1")
     .Attr("include_filtered: bool = true")
-    .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      TF_RETURN_IF_ERROR(ScalarHandle(c));
-      int64_t dim;
-      TF_RETURN_IF_ERROR(GetDim(c, &dim));
-      SetExportShapes(c, dim);
-      return absl::OkStatus();
-    });
+    .SetShapeFn(ExportOfHandle<1>);
 
 // Inserts or overwrites rows (after clearing the table when `clear`). Slots
 // named in slot_names that the table lacks are created with init 0. A
@@ -181,8 +144,7 @@ REGISTER_OP("KRE>TableExport")
 // EV-initializer matrix. Keys counted but not admitted come back with their
 // counts (under a counter filter; otherwise they are dropped), and Bloom
 // counters are restored when their size matches the table's filter.
-REGISTER_OP("KRE>TableImport")
-    .Input("handle: resource")
+KRE_REGISTER_TABLE_OP("KRE>TableImport")
     .Input("keys: Tkeys")
     .Input("values: float")
     .Input("freqs: int64")
@@ -195,14 +157,11 @@ REGISTER_OP("KRE>TableImport")
     .Input("freqs_filtered: int64")
     .Input("versions_filtered: int64")
     .Input("bloom: uint8")
-    .Attr("Tkeys: {int32, int64}")
     .Attr("dim: int >= 1")
     .Attr("clear: bool = true")
-    .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
-      TF_RETURN_IF_ERROR(ScalarHandle(c));
       int64_t dim;
-      TF_RETURN_IF_ERROR(GetDim(c, &dim));
+      TF_RETURN_IF_ERROR(HandleAndDim(c, &dim));
       ShapeHandle keys, values, freqs, versions, slots, names, widths;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &keys));
       TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 2, &values));
@@ -239,18 +198,15 @@ REGISTER_OP("KRE>TableImport")
 // then gradients of keys not admitted are dropped. `hparam_names` names the
 // entries of `hyper` and `slots` the table slots the rule reads, as declared in
 // keras_rec_emb/optimizers/rules.py; the kernel checks both against its own.
-REGISTER_OP("KRE>TableSparseApply")
-    .Input("handle: resource")
+KRE_REGISTER_TABLE_OP("KRE>TableSparseApply")
     .Input("keys: Tkeys")
     .Input("grads: float")
     .Input("hyper: float")
     .Input("step: int64")
-    .Attr("Tkeys: {int32, int64}")
     .Attr("rule: {'sgd', 'momentum', 'adagrad', 'adam', 'ftrl', 'adam_async', "
           "'adagrad_decay', 'ftrl_group'}")
     .Attr("slots: list(string) >= 0")
     .Attr("hparam_names: list(string) >= 2")
-    .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       TF_RETURN_IF_ERROR(ScalarHandle(c));
       ShapeHandle keys, grads, hyper, step;

@@ -1,7 +1,7 @@
 // Copyright keras_rec_emb authors. Apache-2.0.
 // What the table's op registrations share (table_ops.cc, delta_ops.cc): the
-// shape functions of ops that take a table handle, and the outputs of an
-// export, declared once.
+// start of the registration of an op on one table, the shape functions of
+// ops that take a table handle, and the outputs of an export, declared once.
 #ifndef KRE_OPS_TABLE_SHAPE_FNS_H_
 #define KRE_OPS_TABLE_SHAPE_FNS_H_
 
@@ -51,6 +51,21 @@ inline absl::Status GetDim(InferenceContext* c, int64_t* dim) {
   return c->GetAttr("dim", dim);
 }
 
+// Input 0 is a table handle; *dim is the op's `dim` attribute.
+inline absl::Status HandleAndDim(InferenceContext* c, int64_t* dim) {
+  TF_RETURN_IF_ERROR(ScalarHandle(c));
+  return GetDim(c, dim);
+}
+
+// REGISTER_OP of an op on one table: input 0 is the table's `handle`, attr
+// `Tkeys` its key dtype, and the op is stateful. The chain goes on with the
+// op's own inputs, outputs, attributes and shape function.
+#define KRE_REGISTER_TABLE_OP(name)  \
+  REGISTER_OP(name)                  \
+      .Input("handle: resource")     \
+      .Attr("Tkeys: {int32, int64}") \
+      .SetIsStateful()
+
 // The outputs of a table export, in kv::Table::ExportBuffers' order with the
 // slot layout, the EV-initializer matrix and the Bloom counters: keys [N],
 // values [N, dim], freqs [N], versions [N], slot_values [N, sum(widths)],
@@ -71,9 +86,14 @@ inline absl::Status GetDim(InferenceContext* c, int64_t* dim) {
       .Output("versions_filtered: int64") \
       .Output("bloom: uint8")
 
-// Sets the shapes of the KRE_TABLE_EXPORT_OUTPUTS (outputs 0 .. 11) for
-// rows of width `dim`.
-inline void SetExportShapes(InferenceContext* c, int64_t dim) {
+// The shape function of an export: input 0 a table handle, inputs
+// 1 .. n-1 scalars; sets the shapes of the KRE_TABLE_EXPORT_OUTPUTS
+// (outputs 0 .. 11) for rows of the op's `dim`.
+template <int n_inputs>
+absl::Status ExportOfHandle(InferenceContext* c) {
+  TF_RETURN_IF_ERROR(HandleAndScalars(c, n_inputs));
+  int64_t dim;
+  TF_RETURN_IF_ERROR(GetDim(c, &dim));
   DimensionHandle n = c->UnknownDim();
   c->set_output(0, c->Vector(n));
   c->set_output(1, c->Matrix(n, dim));
@@ -86,6 +106,7 @@ inline void SetExportShapes(InferenceContext* c, int64_t dim) {
   DimensionHandle nf = c->UnknownDim();
   for (int i = 8; i < 11; ++i) c->set_output(i, c->Vector(nf));
   c->set_output(11, c->Vector(c->UnknownDim()));
+  return absl::OkStatus();
 }
 
 }  // namespace kre

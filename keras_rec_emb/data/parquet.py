@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from keras_rec_emb import _compat
 from keras_rec_emb import _ops
+from keras_rec_emb._checks import check_bool
 from keras_rec_emb.data._source import WrappedDataset
 from keras_rec_emb.data._source import python_dataset
 from keras_rec_emb.data.dataframe import DataFrame
@@ -323,9 +324,7 @@ def _integer(name, value, low, high=None, context=""):
 
 def _read_options(batch_size, drop_remainder, partition_count,
                   partition_index, num_parallel_reads, num_sequential_reads):
-    if not isinstance(drop_remainder, bool):
-        raise TypeError("`drop_remainder` must be a bool. "
-                        f"Received: drop_remainder={drop_remainder!r}")
+    drop_remainder = check_bool("drop_remainder", drop_remainder)
     partition_count = _integer("partition_count", partition_count, 1)
     return _ReadOptions(
         batch_size=_integer("batch_size", batch_size, 1),

@@ -1,6 +1,7 @@
 """Tables beyond one process: asynchronous parameter-server tables and
 synchronous tables sharded over MultiWorkerMirroredStrategy workers."""
 
+from keras_rec_emb import _compat as _compat
 from keras_rec_emb.distribute.collective_tables import CollectiveShardedTable  # noqa: F401
 
 from keras_rec_emb.distribute.ps_tables import (  # noqa: F401
@@ -9,3 +10,7 @@ from keras_rec_emb.distribute.ps_tables import (  # noqa: F401
     parameter_servers,
     shard_of,
 )
+
+# model.fit / evaluate under a multi-worker strategy (keras-team/keras#20585):
+# see _compat.fix_keras_multi_worker; nothing changes elsewhere.
+_compat.fix_keras_multi_worker()

@@ -178,10 +178,9 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
             raise ValueError(
                 f"Embedding table '{self._name}' is sharded over the "
                 f"{self._num} workers of a MultiWorkerMirroredStrategy: look ids up "
-                "inside its replica function (strategy.run, inside a tf.function), where "
-                "every worker takes part; Keras 3.15's fit / train_on_batch cannot run "
-                "under a multi-worker strategy (keras-team/keras#20585). Read rows with "
-                "table.export() (every worker calls it).")
+                "inside its replica function, where every worker takes part: call "
+                "model.fit / evaluate / predict on every worker, or strategy.run inside "
+                "a tf.function. Read rows with table.export() (every worker calls it).")
         return ctx
 
     def _shape_only_lookup(self, keys):
@@ -246,10 +245,10 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
             dummies[:, tf.newaxis], tf.zeros(tf.shape(dummies), tf.bool))
         return tf.boolean_mask(gathered, keep)
 
-    def _gathered_parts(self, include_filtered):
+    def _gathered_parts(self, include_filtered, evict=False):
         shard = self._shards[0]
         with tf.device(shard.device):
-            evict = [shard._evict_op()] if shard.evicts else []  # noqa: SLF001
+            evict = [shard._evict_op()] if evict and shard.evicts else []  # noqa: SLF001
             with tf.control_dependencies(evict):
                 parts = _ops.export(shard.handle, shard.key_dtype, shard.dim,
                                     include_filtered=include_filtered)
@@ -268,7 +267,7 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
     def _serialize_to_tensors(self):
         """Every worker's shard gathered into `EmbeddingTable`'s checkpoint
         format (evicting first, as one table does)."""
-        return self._gathered_parts(self.save_filtered)
+        return self._gathered_parts(self.save_filtered, evict=True)
 
     def _restore_from_tensors(self, restored_tensors):
         """Keeps the restored keys that hash to this process's shard: a
@@ -290,7 +289,8 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
 
     def export(self, include_filtered=True):
         """Every worker's rows in one dict shaped like `EmbeddingTable.export()`
-        (collective: every worker calls it and receives all rows)."""
+        (collective: every worker calls it and receives all rows). Like
+        `EmbeddingTable.export`, it does not evict (saving does)."""
         parts = {k: v.numpy() for k, v in self._gathered_parts(include_filtered).items()}
         out = {k: parts[k] for k in _variables.ARRAY_PARTS}
         out["slots"] = _variables.unpack_slots(parts)

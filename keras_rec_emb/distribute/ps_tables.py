@@ -243,6 +243,15 @@ class ShardedEmbeddingTable(_compat.Trackable):
     def save_filtered(self):
         return self._shards[0].save_filtered
 
+    @property
+    def filters(self):
+        """Whether the table has an admission filter (as every shard)."""
+        return self._shards[0].filters
+
+    @property
+    def no_permission_value(self):
+        return self._shards[0].no_permission_value
+
     def __repr__(self):
         return (f"<ShardedEmbeddingTable '{self._name}' dim={self.dim} "
                 f"shards={self._devices}>")

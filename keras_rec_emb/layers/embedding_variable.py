@@ -158,12 +158,7 @@ class EmbeddingVariable(keras.layers.Layer):
     def compute_output_spec(self, inputs, training=None):
         return output_spec(self, inputs, self.embedding_dim, self.combiner)
 
-    def count_params(self):
-        """Scalars in the weights, a table counting (ids admitted) x dim;
-        `model.summary()` shows the tables' ids and dims next to it."""
-        if not self.built:
-            return super().count_params()  # Keras's error for unbuilt layers
-        return variables.count_params(self)
+    count_params = variables.count_params  # tables count (ids admitted) x dim
 
     # -- table access ---------------------------------------------------------
     def _require_built(self, what):

@@ -267,12 +267,7 @@ class GroupEmbedding(keras.layers.Layer):
                 t.build(None)
         self.built = True
 
-    def count_params(self):
-        """Scalars in the weights, a table counting (ids admitted) x dim;
-        `model.summary()` shows the tables' ids and dims next to it."""
-        if not self.built:
-            return super().count_params()  # Keras's error for unbuilt layers
-        return variables.count_params(self)
+    count_params = variables.count_params  # tables count (ids admitted) x dim
 
     # -- forward ---------------------------------------------------------------
     def _feature_inputs(self, inputs):

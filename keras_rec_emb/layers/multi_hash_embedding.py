@@ -13,7 +13,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_rec_emb._checks import check_combiner
+from keras_rec_emb._checks import check_bool, check_combiner
 from keras_rec_emb._hashing import fingerprint64, hash_to_range  # noqa: F401 (old path)
 from keras_rec_emb._ids import embed_ids, output_spec
 
@@ -152,12 +152,10 @@ class MultiHashEmbedding(keras.layers.Layer):
                 f"`operation` must be one of {_OPERATIONS}. Received: operation={operation!r}"
             )
         check_combiner(combiner)
-        if not isinstance(hash_input, bool):
-            raise TypeError(f"`hash_input` must be a bool. Received: hash_input={hash_input!r}")
         self.complementary_strategy = complementary_strategy
         self.operation = operation
         self.combiner = combiner
-        self.hash_input = hash_input
+        self.hash_input = check_bool("hash_input", hash_input)
         self.initializer = keras.initializers.get(initializer)
         self.m = None if m is None else _positive_int("m", m)
         self.num_partitions = num_partitions

@@ -10,7 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_rec_emb import _compat
-from keras_rec_emb._checks import check_float
+from keras_rec_emb._checks import check_bool, check_float
 from keras_rec_emb.optimizers.base import (
     TableOptimizer,
     TableSlot,
@@ -374,11 +374,8 @@ class AdamW(TableOptimizer, keras.optimizers.AdamW):
                  name="adamw", **kwargs):
         check_learning_rate(learning_rate)
         _check_non_negative("weight_decay", weight_decay)
-        if not isinstance(scale_weight_decay_by_learning_rate, bool):
-            raise TypeError(
-                "`scale_weight_decay_by_learning_rate` must be a bool. Received: "
-                "scale_weight_decay_by_learning_rate="
-                f"{scale_weight_decay_by_learning_rate!r}")
+        scale_weight_decay_by_learning_rate = check_bool(
+            "scale_weight_decay_by_learning_rate", scale_weight_decay_by_learning_rate)
         super().__init__(learning_rate=learning_rate, weight_decay=weight_decay,
                          beta_1=beta_1, beta_2=beta_2, epsilon=epsilon, amsgrad=amsgrad,
                          name=name, **kwargs)

@@ -110,7 +110,7 @@ def test_markdown_plot_and_report_section(quick, tmp_path):
     # report.py picks the peers up from its output folder.
     path = report.write_report(out, True, report._machine(PEERS.parent), [], {}, [], [], 1.0)
     text = path.read_text()
-    assert "### Peers (TorchRec, TFRA, stock Keras)" in text
+    assert "\n## Peers (TorchRec, TFRA, stock Keras)\n" in text
     assert "](peers.png)" in text
 
 
@@ -121,3 +121,42 @@ def test_bad_arguments():
         run.parse_args(["--threads", "0"])
     with pytest.raises(SystemExit):
         run.parse_args(["--rounds", "0"])
+
+
+def test_stored_result_is_rendered_and_consistent(tmp_path):
+    """The stored full run (benchmarks/results/peers.json, `run.py --store`):
+    every configuration and framework, ratios recomputed here with NumPy from
+    the rounds, targets marked met exactly when reached, and `bench`'s
+    report shows it when its folder has no fresh peers.json."""
+    stored = report.stored_peers_result(PEERS.parent)
+    assert stored is not None and stored["benchmark"] == "peers" and not stored["quick"]
+    assert set(stored["results"]) == {"single-1t", "single-2t", "multi-1t", "multi-2t"}
+    md = "\n".join(report.peers_markdown(stored))
+    for key, res in stored["results"].items():
+        fw = res["frameworks"]
+        # Stock Keras (0.1 steps/s, 10 minutes of warm-up) only in single-1t.
+        expected = set(run.FRAMEWORKS) - (set() if key == "single-1t" else {"keras"})
+        assert set(fw) == expected, key
+        ours = fw["ours_group"]
+        for name, r in fw.items():
+            assert len(r["rounds"]) == stored["method"]["rounds"]
+            train = np.median([x["steps_per_s"] / y["steps_per_s"]
+                               for x, y in zip(r["rounds"], ours["rounds"])])
+            fwd = np.median([y["lookup_ms"] / x["lookup_ms"]
+                             for x, y in zip(r["rounds"], ours["rounds"])])
+            assert f"{train:.2f}x" in md and f"{fwd:.2f}x" in md, (key, name)
+            # The matched workload: every framework starts at ~ln 2 and its
+            # warm-up pass lowers the loss about as much as ours does.
+            assert abs(r["loss_initial"] - math.log(2)) < 0.01, (key, name)
+            assert abs(r["loss_after_warmup"] - ours["loss_after_warmup"]) < 0.05, (key, name)
+    targets = report.peer_target_rows(stored)
+    assert len(targets) == 4 * len(report.PEER_TARGETS)
+    for t in targets:
+        assert t["met"] == (t["ratio"]["median"] >= t["target"])
+        assert t["ratio"]["min"] <= t["ratio"]["median"] <= t["ratio"]["max"]
+    path = report.write_report(tmp_path, False, report._machine(PEERS.parent), [], {}, [], [],
+                               1.0, stored_peers=stored)
+    text = path.read_text()
+    assert f"Stored result `benchmarks/{report.STORED_PEERS_JSON}` of {stored['date']}" in text
+    assert "| TorchRec DistributedModelParallel, 1 rank |" in text
+    assert (tmp_path / "peers.png").read_bytes()[:8] == PNG_SIGNATURE

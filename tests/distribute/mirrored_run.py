@@ -25,6 +25,9 @@ import numpy as np  # noqa: E402
 
 import keras_rec_emb as kre  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _models import compile_mse, table_arrays  # noqa: E402
+
 DIM, BATCH, STEPS, IDS = 4, 8 * N, 4, 3
 GROUP = len(sys.argv) > 4 and sys.argv[4] == "group"
 
@@ -48,12 +51,7 @@ def build(optimizer):
             name="group")({"f": ids})
     else:
         emb = table(ids)
-    out = keras.layers.Dense(1, name="dense")(emb)
-    model = keras.Model(ids, out)
-    opt = {"sgd": lambda: kre.optimizers.SGD(0.1),
-           "adagrad": lambda: kre.optimizers.Adagrad(0.1)}[optimizer]()
-    model.compile(optimizer=opt, loss="mse")
-    return model
+    return compile_mse(ids, keras.layers.Dense(1, name="dense")(emb), optimizer)
 
 
 def emb_table(model):
@@ -68,12 +66,7 @@ def train(model, dense_init):
     ids, y = data()
     model.fit(ids, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     table = emb_table(model)
-    exported = table.export()
-    order = np.argsort(exported["keys"])
-    out = {"keys": exported["keys"][order], "values": exported["values"][order],
-           "freqs": exported["freqs"][order]}
-    for name, rows in exported["slots"].items():
-        out["slot_" + name] = rows[order]
+    out = table_arrays(table)
     out["kernel"], out["bias"] = [np.asarray(w) for w in model.get_layer("dense").get_weights()]
     out["predict"] = model.predict(ids[:BATCH], verbose=0)
     return out, table

@@ -2,11 +2,15 @@
 (TF_CONFIG set by test_multi_worker.py): tables sharded over the worker
 processes. Writes OUT/w{task}_*.npz.
 
-    mwms_run.py OUT train      # SGD and Adagrad, global batch BATCH; saves
-                               # the Adagrad model (.keras + tf.train.Checkpoint)
-    mwms_run.py OUT restore SRC  # restores SRC's Adagrad model into this cluster
+    mwms_run.py OUT train      # model.fit / evaluate / predict with SGD and
+                               # Adagrad, global batch BATCH, eviction during
+                               # fit; saves the Adagrad model (.keras,
+                               # tf.train.Checkpoint, export_for_serving)
+    mwms_run.py OUT restore SRC  # restores SRC's Adagrad model into this
+                                 # cluster, predicts through a strategy.run
+                                 # call, then fits it on more data
 
-The one-process reference imports `build`, `data` and `train` from here.
+The one-process reference imports `build`, `data` and `fit` from here.
 """
 
 import os
@@ -28,11 +32,15 @@ import tensorflow as tf  # noqa: E402
 
 import keras_rec_emb as kre  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _models import compile_mse, table_arrays  # noqa: E402
+
 DIM, BATCH, STEPS, IDS = 4, 12, 3, 3  # BATCH: global, a multiple of 2 and 3
+STEPS_TO_LIVE = 1  # the GroupEmbedding's table evicts during fit
 
 
-def data():
-    rng = np.random.default_rng(5)
+def data(seed=5):
+    rng = np.random.default_rng(seed)
     ids = rng.integers(0, 40, size=(BATCH * STEPS, IDS)).astype(np.int64)
     y = rng.uniform(size=(BATCH * STEPS, 1)).astype(np.float32)
     return ids, y
@@ -50,78 +58,71 @@ def build(optimizer):
         initializer=keras.initializers.RandomUniform(-1, 1, seed=7),
         ev_option=kre.EmbeddingVariableOption(
             track_meta=True, filter_option=kre.CounterFilter(filter_freq=2)))(ids)
-    # A GroupEmbedding over a second table: one feature per id column.
+    # A GroupEmbedding over a second table (one feature per id column) whose
+    # keys not updated for STEPS_TO_LIVE steps are evicted.
     group = kre.layers.GroupEmbedding(
         {f"f{j}": kre.layers.FeatureSpec(0, combiner="sum") for j in range(IDS)},
         tables=[kre.layers.EmbeddingVariable(
-            DIM, name="group_0", initializer=keras.initializers.RandomUniform(-1, 1, seed=11))],
+            DIM, name="group_0", initializer=keras.initializers.RandomUniform(-1, 1, seed=11),
+            ev_option=kre.EmbeddingVariableOption(
+                evict_option=kre.GlobalStepEvict(steps_to_live=STEPS_TO_LIVE)))],
         output_mode="concat", name="group")(ids)
     out = keras.layers.Dense(1, name="dense")(keras.layers.Concatenate()([emb, group]))
-    model = keras.Model(ids, out)
-    opt = {"sgd": lambda: kre.optimizers.SGD(0.1),
-           "adagrad": lambda: kre.optimizers.Adagrad(0.1)}[optimizer]()
-    model.compile(optimizer=opt, loss="mse")
-    return model
+    return compile_mse(ids, out, optimizer)
 
 
-def table_arrays(table):
-    """The table's rows sorted by key (`export` gathers every shard)."""
-    exported = table.export()
-    order = np.argsort(exported["keys"])
-    out = {"keys": exported["keys"][order], "values": exported["values"][order],
-           "freqs": exported["freqs"][order],
-           "keys_filtered": np.sort(exported["keys_filtered"])}
-    for name, rows in exported["slots"].items():
-        out["slot_" + name] = rows[order]
-    return out
-
-
-def train(model, worker=0, workers=1):
-    """The model trained on each worker's slice of every global batch by a
-    custom step under the strategy (`strategy.run`; the default strategy in
-    one process). Keras 3.15.1's own train step cannot run under a
-    multi-worker strategy for any model (keras-team/keras#20585: its
-    symbolic build and its step's result reduction call `strategy.reduce` on
-    nested values)."""
-    strategy = model.distribute_strategy
-    model.get_layer("dense").set_weights(dense_init())
-    with strategy.scope():
-        model.optimizer.build(model.trainable_variables)
-
-    @tf.function
-    def step(x, y):
-        def replica_step(x, y):
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_mean(tf.square(model(x, training=True) - y))
-                loss = loss / strategy.num_replicas_in_sync
-            grads = tape.gradient(loss, model.trainable_variables)
-            model.optimizer.apply(grads, model.trainable_variables)
-
-        strategy.run(replica_step, args=(x, y))
-
-    ids, y = data()
-    per = BATCH // workers
-    for i in range(STEPS):
-        lo = i * BATCH + worker * per
-        step(tf.constant(ids[lo:lo + per]), tf.constant(y[lo:lo + per]))
-        phase(f"step {i}")
+def model_arrays(model):
+    """Every table's rows (gathered from every shard) and the dense weights."""
     out = table_arrays(model.get_layer("emb").table)
     for t, table in enumerate(model.get_layer("group").tables):
         out.update({f"group{t}_{k}": v for k, v in table_arrays(table.table).items()})
     out["kernel"], out["bias"] = [np.asarray(w) for w in model.get_layer("dense").get_weights()]
-    phase("exported")
-    out["predict"] = forward(model, ids[:BATCH])
-    phase("predicted")
+    return out
+
+
+def fit(model, seed=5, reset_dense=True, infer=True, evict_during_fit=True):
+    """`model.fit` (one epoch of `data(seed)`, global batch BATCH, evicting
+    after every step), then (if `infer`) `evaluate` and `predict` on the same
+    data, as written for one process: under the strategy each worker passes
+    the whole data and Keras gives each its part of every batch. Without
+    `evict_during_fit` the GroupEmbedding's table evicts once after the
+    export, at its own last update step."""
+    if reset_dense:
+        model.get_layer("dense").set_weights(dense_init())
+    ids, y = data(seed)
+    eviction = kre.callbacks.EvictionCallback(every_n_steps=1)
+    history = model.fit(ids, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+                        callbacks=[eviction] if evict_during_fit else [])
+    phase("fit")
+    out = model_arrays(model)
+    if evict_during_fit:
+        out["evicted"] = np.int64(eviction.evicted)
+    else:  # collective: every worker evicts its shard
+        group_table = model.get_layer("group").tables[0]
+        out["evicted"] = np.int64(group_table.evict())
+        out["group0_keys_after_evict"] = table_arrays(group_table.table)["keys"]
+    out["loss"] = np.float32(history.history["loss"][-1])
+    if not infer:  # (each costs seconds under the strategy: traced anew)
+        return out
+    out["evaluate"] = np.float32(model.evaluate(ids, y, batch_size=BATCH, verbose=0))
+    out["predict"] = model.predict(ids, batch_size=BATCH, verbose=0)
+    phase("evaluated, predicted")
     return out
 
 
 def forward(model, ids):
     """The model's output for `ids` on every worker (each worker passes all
-    of them), through the strategy's replica function."""
+    of them), through the strategy's replica function: the low level under
+    `predict`, as a hand-written loop would call it."""
     strategy = model.distribute_strategy
     result = tf.function(lambda x: strategy.run(lambda x: model(x, training=False),
                                                 args=(x,)))(tf.constant(ids))
     return strategy.experimental_local_results(result)[0].numpy()
+
+
+def shard_keys(table):
+    """The keys this process's shard holds (no collective)."""
+    return np.sort(table.shards[0].export(include_filtered=False)["keys"])
 
 
 def main():
@@ -137,8 +138,7 @@ def main():
             with strategy.scope():
                 model = build(optimizer)
             phase(f"built {optimizer}")
-            out = train(model, task, n)
-            phase(f"trained {optimizer}")
+            out = fit(model, infer=optimizer == "adagrad")
             table = model.get_layer("emb").table
             local = table.local_stats()
             out["local_stats"] = np.array([local["size"], local["filtered"]])
@@ -146,10 +146,14 @@ def main():
             out["stats"] = np.array([every["size"], every["filtered"]])
             out["num_shards"] = np.int64(table.num_shards)
             out["index"] = np.int64(table.index)
+            out["group0_shard_keys"] = shard_keys(model.get_layer("group").tables[0].table)
             np.savez(os.path.join(folder, f"w{task}_{optimizer}.npz"), **out)
-        # Every worker saves (the chief's copy is the one to keep).
+        # Every worker saves and exports, each to its own path (as Keras and
+        # TensorFlow leave it to the program; the chief's copy is the one to
+        # keep): these gather every shard, so every worker takes part.
         model.save(os.path.join(folder, f"w{task}.keras"))
         tf.train.Checkpoint(model=model).write(os.path.join(folder, f"ckpt_w{task}", "ckpt"))
+        kre.export_for_serving(model, os.path.join(folder, f"serving_w{task}"))
         phase("saved")
         try:  # an eager call outside the replica function is refused by name
             model(np.zeros((2, IDS), np.int64))
@@ -175,6 +179,11 @@ def main():
         phase("loaded")
         out["keras_predict"] = forward(loaded, ids[:BATCH])
         phase("predicted")
+        # Training goes on in this cluster (any worker count) from the
+        # restored model, on new data.
+        out.update({f"fit_{k}": v
+                    for k, v in fit(loaded, seed=6, reset_dense=False, infer=False,
+                                        evict_during_fit=False).items()})
         out["num_shards"] = np.int64(n)
         np.savez(os.path.join(folder, f"w{task}_restore.npz"), **out)
 

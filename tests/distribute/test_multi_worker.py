@@ -19,7 +19,7 @@ from _net import free_ports  # noqa: E402
 pytestmark = pytest.mark.multiprocess
 
 
-def run_cluster(folder, workers, *args, timeout=240):
+def run_cluster(folder, workers, *args, timeout=480):
     """Runs mwms_run.py on `workers` worker processes; every process is
     stopped by its pid if it has not ended in `timeout` seconds."""
     addresses = [f"127.0.0.1:{p}" for p in free_ports(workers)]
@@ -53,42 +53,80 @@ def two_workers(tmp_path_factory):
     return folder
 
 
-def one_process(optimizer):
-    """The reference: the same model trained in this process, global batch."""
+def runner():
+    """mwms_run (the workers' script), for the one-process references."""
     sys.path.insert(0, HERE)
     try:
         import mwms_run
     finally:
         sys.path.remove(HERE)
-    return mwms_run.train(mwms_run.build(optimizer))
+    return mwms_run
+
+
+def assert_same(got, want, what, keys=None):
+    for key in (want if keys is None else keys):
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-5,
+                                   err_msg=f"{what}: {key}")
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
-def test_two_workers_match_one_process(two_workers, optimizer):
-    one = one_process(optimizer)
-    assert {"keys", "values", "freqs", "kernel", "bias", "predict"} <= set(one)
-    if optimizer == "adagrad":
-        assert "slot_accumulator" in one
+def test_two_workers_fit_evaluate_predict_match_one_process(two_workers, optimizer):
+    """`model.fit` / `evaluate` / `predict` as written for one process, on 2
+    workers with global batch B: the same rows, slots, filtered keys,
+    dense weights, loss, evaluation loss and predictions (in input order)
+    as one process with batch B; eviction during fit removes the same keys."""
+    mwms_run = runner()
+    infer = optimizer == "adagrad"  # evaluate / predict with one optimizer: seconds each
+    one = mwms_run.fit(mwms_run.build(optimizer), infer=infer)
+    assert {"keys", "values", "freqs", "kernel", "bias", "loss", "evicted",
+            "group0_keys"} <= set(one)
+    ids, y = mwms_run.data()
+    if infer:
+        assert "slot_accumulator" in one and "group0_slot_accumulator" in one
+        assert one["predict"].shape == (len(ids), 1)
+        np.testing.assert_allclose(one["evaluate"], np.mean((one["predict"] - y) ** 2),
+                                   rtol=1e-5)
     for task in (0, 1):
         got = np.load(two_workers / f"w{task}_{optimizer}.npz")
         assert int(got["num_shards"]) == 2 and int(got["index"]) == task
-        for key, want in one.items():
-            np.testing.assert_allclose(got[key], want, rtol=1e-5, atol=1e-5,
-                                       err_msg=f"worker {task}: {key}")
-    # Training moved the dense weights and rows; the filter held some keys back.
-    sys.path.insert(0, HERE)
-    import mwms_run
-    sys.path.remove(HERE)
+        assert_same(got, one, f"worker {task}")
+    # Training moved the dense weights and rows; the filter held some keys
+    # back; the evaluation is the loss of the trained model on the data.
     assert np.abs(one["kernel"] - mwms_run.dense_init()[0]).max() > 1e-3
-    assert len(one["group0_keys"]) > 10  # the GroupEmbedding's tables trained too
+    assert len(one["group0_keys"]) > 5  # the GroupEmbedding's tables trained too
     assert len(one["keys_filtered"]) > 0 and len(one["keys"]) > 10
-    # Per-shard statistics add up to the table's (and to one process's).
-    shards = [np.load(two_workers / f"w{task}_{optimizer}.npz")["local_stats"]
+    # Eviction (steps_to_live=1, after every step): keys went, and those
+    # left were all looked up in the last two steps.
+    assert one["evicted"] > 0
+    recent = ids[-(mwms_run.STEPS_TO_LIVE + 1) * mwms_run.BATCH:]
+    assert set(one["group0_keys"]) <= set(recent.ravel()) < set(ids.ravel())
+    shards = [np.load(two_workers / f"w{task}_{optimizer}.npz")["group0_shard_keys"]
               for task in (0, 1)]
-    assert all(s[0] > 0 for s in shards)  # both workers own keys
+    assert len(shards[0]) > 0 and len(shards[1]) > 0
+    np.testing.assert_array_equal(np.sort(np.concatenate(shards)), one["group0_keys"])
+    # Per-shard statistics add up to the table's (and to one process's).
+    stats = [np.load(two_workers / f"w{task}_{optimizer}.npz")["local_stats"]
+             for task in (0, 1)]
+    assert all(s[0] > 0 for s in stats)  # both workers own keys
     total = np.load(two_workers / f"w0_{optimizer}.npz")["stats"]
-    np.testing.assert_array_equal(shards[0] + shards[1], total)
+    np.testing.assert_array_equal(stats[0] + stats[1], total)
     np.testing.assert_array_equal(total, [len(one["keys"]), len(one["keys_filtered"])])
+
+
+def test_two_worker_export_for_serving_serves_the_one_process_predictions(two_workers):
+    """Every worker exported (collective); each SavedModel, loaded with stock
+    TensorFlow, predicts what the one-process model does."""
+    import tensorflow as tf
+
+    mwms_run = runner()
+    one = mwms_run.build("adagrad")
+    mwms_run.fit(one)
+    ids = mwms_run.data(seed=9)[0]  # unseen ids too: served from the initializer
+    want = one.predict(ids, verbose=0)
+    for task in (0, 1):
+        served = tf.saved_model.load(str(two_workers / f"serving_w{task}"))
+        np.testing.assert_allclose(served.serve(tf.constant(ids)).numpy(), want, rtol=1e-5,
+                                   atol=1e-5, err_msg=f"worker {task}")
 
 
 def test_lookup_outside_the_replica_function_is_refused_by_name(two_workers):
@@ -100,7 +138,8 @@ def test_lookup_outside_the_replica_function_is_refused_by_name(two_workers):
 def test_two_worker_checkpoint_restores_into_three_workers_and_one_process(two_workers,
                                                                           tmp_path):
     """Reshard on restore: a tf.train.Checkpoint and a .keras file written by
-    2 workers restore into 3 workers and into one process."""
+    2 workers restore into 3 workers and into one process; `fit` on the 3
+    workers then goes on as in one process."""
     import keras
     import tensorflow as tf
 
@@ -115,15 +154,11 @@ def test_two_worker_checkpoint_restores_into_three_workers_and_one_process(two_w
             for key in ("keys", "values", "freqs", "slot_accumulator", "keys_filtered"):
                 np.testing.assert_array_equal(got[f"{source}_{key}"], trained[key],
                                               err_msg=f"worker {task}: {source} {key}")
-        np.testing.assert_allclose(got["keras_predict"], trained["predict"], rtol=1e-5,
-                                   atol=1e-5)
+        np.testing.assert_allclose(got["keras_predict"], trained["predict"][:len(
+            got["keras_predict"])], rtol=1e-5, atol=1e-5)
     assert sum(sizes) == len(trained["keys"]) and min(sizes) > 0
 
-    sys.path.insert(0, HERE)
-    try:
-        import mwms_run
-    finally:
-        sys.path.remove(HERE)
+    mwms_run = runner()
     model = mwms_run.build("adagrad")
     status = tf.train.Checkpoint(model=model).read(str(two_workers / "ckpt_w0" / "ckpt"))
     status.assert_existing_objects_matched().expect_partial()
@@ -132,5 +167,16 @@ def test_two_worker_checkpoint_restores_into_three_workers_and_one_process(two_w
         got = mwms_run.table_arrays(restored.get_layer("emb").table)
         for key in ("keys", "values", "freqs", "slot_accumulator", "keys_filtered"):
             np.testing.assert_array_equal(got[key], trained[key], err_msg=key)
-    np.testing.assert_allclose(loaded.predict(mwms_run.data()[0][:mwms_run.BATCH], verbose=0),
+    np.testing.assert_allclose(loaded.predict(mwms_run.data()[0], verbose=0),
                                trained["predict"], rtol=1e-5, atol=1e-5)
+    # 3 workers fit the restored model on new data as one process does.
+    one = mwms_run.fit(loaded, seed=6, reset_dense=False, infer=False, evict_during_fit=False)
+    assert np.abs(one["kernel"] - trained["kernel"]).max() > 1e-4
+    # export() did not evict (as one table's does not); evict() then did,
+    # at the table's last update step, the same keys on 3 workers.
+    assert one["evicted"] > 0
+    assert len(one["group0_keys"]) == len(one["group0_keys_after_evict"]) + one["evicted"]
+    for task in range(3):
+        got = np.load(tmp_path / f"w{task}_restore.npz")
+        assert_same({k[len("fit_"):]: got[k] for k in got.files if k.startswith("fit_")},
+                    one, f"worker {task} of 3", keys=one)

@@ -32,6 +32,7 @@ using Exported = kre::kv::test::Exported<int64_t>;
 namespace {
 
 constexpr int64_t kDim = 4;
+constexpr uint64_t kSegmentBytes = 4096;  // small: many segments
 
 std::string g_root;
 // TableOptions::map_bytes of the tables made by Options(): the tests run
@@ -60,9 +61,17 @@ TableOptions Options(const std::string& path, int filter) {
   }
   o.storage_path = path;
   o.cache_bytes = 1;  // the smallest cache: 16 rows per shard
-  o.segment_bytes = 4096;  // many segments
+  o.segment_bytes = kSegmentBytes;
   o.map_bytes = g_map_bytes;
   return o;
+}
+
+// The positions of `keys` in ascending key order.
+std::vector<size_t> KeyOrder(const std::vector<int64_t>& keys) {
+  std::vector<size_t> order(keys.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return keys[a] < keys[b]; });
+  return order;
 }
 
 // Every key, sorted by key.
@@ -70,20 +79,14 @@ Exported ExportSorted(const Table<int64_t>& t) {
   const Exported x = ExportAll(t);
   const size_t width = x.keys.empty() ? 0 : x.slots.size() / x.keys.size();
   Exported s;
-  std::vector<size_t> idx(x.keys.size());
-  std::iota(idx.begin(), idx.end(), 0);
-  std::sort(idx.begin(), idx.end(), [&](size_t a, size_t b) { return x.keys[a] < x.keys[b]; });
-  for (size_t i : idx) {
+  for (size_t i : KeyOrder(x.keys)) {
     s.keys.push_back(x.keys[i]);
     s.freqs.push_back(x.freqs[i]);
     s.versions.push_back(x.versions[i]);
     s.values.insert(s.values.end(), x.values.begin() + i * kDim, x.values.begin() + (i + 1) * kDim);
     s.slots.insert(s.slots.end(), x.slots.begin() + i * width, x.slots.begin() + (i + 1) * width);
   }
-  std::vector<size_t> f(x.keys_f.size());
-  std::iota(f.begin(), f.end(), 0);
-  std::sort(f.begin(), f.end(), [&](size_t a, size_t b) { return x.keys_f[a] < x.keys_f[b]; });
-  for (size_t i : f) {
+  for (size_t i : KeyOrder(x.keys_f)) {
     s.keys_f.push_back(x.keys_f[i]);
     s.freqs_f.push_back(x.freqs_f[i]);
     s.versions_f.push_back(x.versions_f[i]);
@@ -155,43 +158,43 @@ void TestSideBySide(int filter) {
   CHECK(file.Find(1000, &v, &f, &ver) && v == std::vector<float>(kDim, 1.5f));
 }
 
-void TestCompaction() {
-  // Rows rewritten over and over: without compaction the files would grow
-  // with every write-back; with it they stay within a few times the rows.
-  const std::string path = TempDir("compact");
-  TableOptions o = Options(path, 0);
+// The bytes of one row's record on file (value and one slot of kDim floats).
+constexpr uint64_t kRowBytes = 2 * kDim * 4;
+
+// 300 steps over `key_range` keys, rewriting rows, on a file-tier table
+// under TempDir(name) and a DRAM one side by side (and a snapshot of the
+// file tier every `snapshot_every` steps when > 0); checks they export the
+// same and returns the file tier's store counters.
+kre::kv::RowStoreStats RewriteSideBySide(const std::string& name, int64_t key_range,
+                                         int snapshot_every) {
+  TableOptions o = Options(TempDir(name), 0);
   Table<int64_t> file(o);
   o.storage_path.clear();
   Table<int64_t> dram(o);
   for (int64_t step = 0; step < 300; ++step) {
-    CHECK(Step(dram, step, 200) == Step(file, step, 200));
-    // A snapshot seals every segment: rows written back after it are
-    // appended, leaving garbage that compaction has to reclaim.
-    if (step % 20 == 19) file.Snapshot();
+    CHECK(Step(dram, step, key_range) == Step(file, step, key_range));
+    if (snapshot_every > 0 && step % snapshot_every == snapshot_every - 1) file.Snapshot();
   }
   CHECK(ExportSorted(dram) == ExportSorted(file));
-  const auto stats = file.StoreStats();
-  const uint64_t row_bytes = 2 * kDim * 4;
+  return file.StoreStats();
+}
+
+void TestCompaction() {
+  // Rows rewritten over and over: without compaction the files would grow
+  // with every write-back; with it they stay within a few times the rows.
+  // A snapshot every 20 steps seals every segment: rows written back after
+  // it are appended, leaving garbage that compaction has to reclaim.
+  const auto stats = RewriteSideBySide("compact", 200, 20);
   CHECK(stats.file_writes > 10 * stats.rows);  // rows were rewritten many times
-  CHECK(stats.disk_bytes <= 2 * stats.rows * row_bytes + 3 * o.segment_bytes + 4096);
+  CHECK(stats.disk_bytes <= 2 * stats.rows * kRowBytes + 3 * kSegmentBytes + 4096);
 }
 
 void TestInPlace() {
   // Without snapshots a row written back goes over its own record: the
   // files hold about one record per row however often rows are rewritten.
-  const std::string path = TempDir("inplace");
-  TableOptions o = Options(path, 0);
-  Table<int64_t> file(o);
-  o.storage_path.clear();
-  Table<int64_t> dram(o);
-  for (int64_t step = 0; step < 300; ++step) {
-    CHECK(Step(dram, step, 2000) == Step(file, step, 2000));
-  }
-  CHECK(ExportSorted(dram) == ExportSorted(file));
-  const auto stats = file.StoreStats();
-  const uint64_t row_bytes = 2 * kDim * 4;
+  const auto stats = RewriteSideBySide("inplace", 2000, 0);
   CHECK(stats.file_writes > 5 * stats.rows);
-  CHECK(stats.disk_bytes <= stats.rows * row_bytes * 11 / 10 + 3 * o.segment_bytes);
+  CHECK(stats.disk_bytes <= stats.rows * kRowBytes * 11 / 10 + 3 * kSegmentBytes);
 }
 
 void TestSnapshotRestore() {
@@ -424,10 +427,5 @@ int main() {
     TestSnapshotRestore();
   }
   std::system(("rm -rf '" + g_root + "'").c_str());
-  if (g_failures) {
-    std::fprintf(stderr, "%d failed\n", g_failures);
-    return 1;
-  }
-  std::printf("file_store_test: all passed\n");
-  return 0;
+  return kre::kv::test::Report("file_store_test");
 }

@@ -189,10 +189,5 @@ int main() {
 #endif
   TestSwapContents();
   TestConcurrentStress();
-  if (g_failures) {
-    std::fprintf(stderr, "stress_test: %d failures\n", g_failures);
-    return 1;
-  }
-  std::printf("stress_test: all passed\n");
-  return 0;
+  return kre::kv::test::Report("stress_test");
 }

@@ -789,10 +789,5 @@ int main() {
   TestAnyShardCount();
   TestBadConstruction();
   TestIncrementalExport();
-  if (g_failures) {
-    std::fprintf(stderr, "%d failed\n", g_failures);
-    return 1;
-  }
-  std::printf("table_test: all passed\n");
-  return 0;
+  return kre::kv::test::Report("table_test");
 }

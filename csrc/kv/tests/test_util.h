@@ -29,6 +29,17 @@ namespace kre {
 namespace kv {
 namespace test {
 
+// The end of a test program's main(): says how many CHECKs failed (exit
+// status 1) or that all passed (0).
+inline int Report(const char* program) {
+  if (g_failures) {
+    std::fprintf(stderr, "%s: %d CHECKs failed\n", program, g_failures);
+    return 1;
+  }
+  std::printf("%s: all passed\n", program);
+  return 0;
+}
+
 // Runs Partition's blocks one after another on the calling thread.
 inline constexpr auto Serial = [](int blocks, auto&& fn) {
   for (int b = 0; b < blocks; ++b) fn(b);

@@ -1,0 +1,33 @@
+"""Model bits shared by the distributed runners (mirrored_run.py,
+mwms_run.py). No import-time side effects beyond importing the package:
+a runner that configures logical devices does so before importing this."""
+
+import keras
+import numpy as np
+
+import keras_rec_emb as kre
+
+# The optimizers the distributed tests compare, by name (fresh each call).
+OPTIMIZERS = {"sgd": lambda: kre.optimizers.SGD(0.1),
+              "adagrad": lambda: kre.optimizers.Adagrad(0.1)}
+
+
+def compile_mse(inputs, outputs, optimizer):
+    """`keras.Model(inputs, outputs)` compiled with `OPTIMIZERS[optimizer]`
+    and the mean squared error."""
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer=OPTIMIZERS[optimizer](), loss="mse")
+    return model
+
+
+def table_arrays(table):
+    """The table's rows sorted by key (`export` gathers every shard): keys,
+    values, freqs, the filtered keys (sorted) and each slot as `slot_NAME`."""
+    exported = table.export()
+    order = np.argsort(exported["keys"])
+    out = {"keys": exported["keys"][order], "values": exported["values"][order],
+           "freqs": exported["freqs"][order],
+           "keys_filtered": np.sort(exported["keys_filtered"])}
+    for name, rows in exported["slots"].items():
+        out["slot_" + name] = rows[order]
+    return out
