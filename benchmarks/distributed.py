@@ -21,8 +21,8 @@ devices per step, measured from the step's ids against the ideal:
 
 `--workers 2` (a list) also runs MultiWorkerMirroredStrategy clusters of
 that many worker processes on 127.0.0.1 (TF_CONFIG, free ports, stopped by
-pid), one replica each, trained with a `strategy.run` step (Keras 3.15's
-`model.fit` cannot run under a multi-worker strategy). Their bytes per step
+pid), one replica each, trained with `model.fit` (every worker passes the
+whole data; Keras splits each global batch). Their bytes per step
 and worker: the all-gather of the global batch's ids ((N-1)/N * 8 T), and
 two ring all-reduces of [T, dim] float32 rows (forward rows, backward
 gradients: 2 * 2 (N-1)/N * 4 T dim), against the same ideal as above.
@@ -40,6 +40,7 @@ Writes --json (default benchmarks/distributed.json).
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -82,29 +83,20 @@ def multi_worker_child(args):
     ids, y = make_data(args)
     with strategy.scope():
         model = build_model(args)
-        model.optimizer.build(model.trainable_variables)
-
-    @tf.function
-    def step(x, y):
-        def replica_step(x, y):
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_mean(tf.square(model(x, training=True) - y)) / n
-            grads = tape.gradient(loss, model.trainable_variables)
-            model.optimizer.apply(grads, model.trainable_variables)
-
-        strategy.run(replica_step, args=(x, y))
 
     local = args.batch // n
+    x = {f"f{i}": ids[:, i] for i in range(args.features)}
 
-    def run(first, count):
-        for s in range(first, first + count):
-            lo = s * args.batch + task * local
-            x = {f"f{i}": tf.constant(ids[lo:lo + local, i]) for i in range(args.features)}
-            step(x, tf.constant(y[lo:lo + local]))
+    def fit(first, count):
+        # Every worker passes the whole data: Keras splits each global batch
+        # of args.batch rows over the replicas.
+        rows = slice(first * args.batch, (first + count) * args.batch)
+        model.fit({k: v[rows] for k, v in x.items()}, y[rows], batch_size=args.batch,
+                  shuffle=False, verbose=0)
 
-    run(0, args.warmup)
+    fit(0, args.warmup)
     start = time.perf_counter()
-    run(args.warmup, args.steps)
+    fit(args.warmup, args.steps)
     steps_per_s = args.steps / (time.perf_counter() - start)
     from keras_rec_emb.distribute import ps_tables
 
@@ -267,7 +259,10 @@ def main(argv=None):
     if results[0].get("plain_steps_per_s"):
         print(f"plain (no strategy): {results[0]['plain_steps_per_s']:.2f} steps/s")
     with open(args.json, "w") as f:
-        json.dump({"args": vars(args), "results": results}, f, indent=1)
+        json.dump({"benchmark": "distributed", "date": time.strftime("%Y-%m-%d"),
+                   "command": shlex.join(["benchmarks/distributed.py", *(argv or sys.argv[1:])]),
+                   "load_average": os.getloadavg(), "args": vars(args),
+                   "results": results}, f, indent=1)
     return 0
 
 

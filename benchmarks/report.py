@@ -40,6 +40,10 @@ PLOTS = {"lookup": "lookup_vs_table_size.png", "training": "training_steps.png",
 # The stored result of the last `storage.py --scale` run (100M ids; hours,
 # not run by `bench`): shown in the report, labelled with its date and command.
 STORED_SCALE_JSON = "results/storage_scale.json"
+# The stored result of the last `distributed.py` run (1, 2, 4 replicas and a
+# 2-process cluster; minutes of cluster start-up, so not in `--quick`): shown
+# when the run has no fresher one.
+STORED_DISTRIBUTED_JSON = "results/distributed.json"
 PEERS_JSON = "peers.json"  # written by benchmarks/peers/run.py into the report folder
 PEERS_PLOT = "peers.png"
 # The stored result of the last full `make bench-peers` run (TorchRec and TFRA
@@ -70,6 +74,7 @@ ARGS = {
         "storage": [],
         "checkpoint": ["--rows", "10000000"],
         "data": [],
+        "distributed": ["--replicas", "1,2,4", "--workers", "2"],
     },
 }
 QUICK_SKIPPED = {
@@ -140,7 +145,7 @@ def _plan(bench_dir, out_dir, quick):
         runs.append((f"lookup_{rows}", f"lookup ({rows:,} rows)", "lookup.py",
                      ["--rows", str(rows), *ARGS[mode]["lookup"]]))
     for name in ("filters", "group_embedding", "training", "memory_per_key", "storage",
-                 "checkpoint", "data"):
+                 "checkpoint", "data", "distributed"):
         if name in ARGS[mode]:
             runs.append((name, name, f"{name}.py", list(ARGS[mode][name])))
     for _, label, script, _ in runs:
@@ -355,12 +360,43 @@ def stored_scale_result(bench_dir):
     return json.loads(path.read_text())
 
 
+def _distributed_rows(data, stored=False):
+    """Rows of a `distributed.py` result: for each sharded run, steps/s
+    against one process without a strategy, and the bytes that cross
+    between replicas per step against the ideal (ids and rows that must)."""
+    a = data["args"]
+    source = (f" (stored result of {data['date']}: `{data['command']}`)" if stored else "")
+    results = data["results"]
+    plain = results[0].get("plain_steps_per_s") or results[0]["steps_per_s"]
+    rows = []
+    for r in results:
+        if r["replicas"] == 1:
+            continue
+        how = (f"MultiWorkerMirroredStrategy, {r['workers']} worker processes"
+               if "workers" in r else f"MirroredStrategy, {r['replicas']} logical CPU devices")
+        what = (f"`distributed.py`{source}: {how}, {a['features']} tables x dim {a['dim']}, "
+                f"global batch {a['batch']:,} x {a['ids']} ids")
+        rows.append(_row(what, "steps/s / one process without a strategy",
+                         r["steps_per_s"] / plain))
+        if r["ideal_bytes_per_step"]:
+            rows.append(_row(what, "bytes crossing replicas per step / ideal "
+                             "(lower is better)",
+                             r["bytes_per_step"] / r["ideal_bytes_per_step"], lower=True))
+    return rows
+
+
+def stored_distributed_result(bench_dir):
+    """The stored `distributed.py` result under bench_dir, or None."""
+    path = pathlib.Path(bench_dir) / STORED_DISTRIBUTED_JSON
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def table_rows(results):
     rows = _lookup_rows(results)
     for key, fn in (("filters", _filters_rows), ("group_embedding", _group_rows),
                     ("training", _training_rows), ("memory_per_key", _memory_rows),
                     ("storage", _storage_rows), ("checkpoint", _checkpoint_rows),
-                    ("data", _data_rows)):
+                    ("data", _data_rows), ("distributed", _distributed_rows)):
         if key in results:
             rows.extend(fn(results[key]))
     for r in rows:
@@ -804,6 +840,12 @@ def run(output_dir=DEFAULT_OUTPUT_DIR, quick=False, benchmarks_dir=None):
         rows.extend(_storage_scale_rows(stored))
         notes.append(f"The `storage.py --scale` rows are the stored result "
                      f"`benchmarks/{STORED_SCALE_JSON}` of {stored['date']} (not rerun).")
+    distributed = stored_distributed_result(bench_dir)
+    if "distributed" not in results and distributed is not None:
+        rows.extend(_distributed_rows(distributed, stored=True))
+        notes.append(f"The `distributed.py` rows are the stored result "
+                     f"`benchmarks/{STORED_DISTRIBUTED_JSON}` of {distributed['date']} "
+                     f"(not rerun: `--quick` leaves out the cluster start-ups).")
     plots = make_plots(results, out_dir)
     path = write_report(out_dir, quick, _machine(bench_dir), rows, plots, commands,
                         notes, time.perf_counter() - start,

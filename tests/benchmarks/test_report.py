@@ -53,7 +53,9 @@ def test_every_ratio_is_a_number(quick_report):
     assert benchmarks == {"`lookup.py`", "`filters.py`", "`group_embedding.py`",
                           "`training.py`", "`memory_per_key.py`", "`storage.py`",
                           "`checkpoint.py`"}
-    assert stored and all(row[0].startswith("`storage.py --scale`") for row in stored)
+    assert stored and all(row[0].startswith(("`storage.py --scale`", "`distributed.py`"))
+                          for row in stored)
+    assert any(row[0].startswith("`distributed.py`") for row in stored)
     for row in rows:
         assert len(row) == 5, row
         ratio = float(row[2])
@@ -125,3 +127,21 @@ def test_stored_scale_result_rows(tmp_path):
     assert rss["status"] == ("met" if round(rss["ratio"], 3) <= 1.0 else "not met")
     assert disk["ratio"] == stored["disk_over_bound"]
     assert bench.stored_scale_result(tmp_path) is None
+
+
+def test_stored_distributed_result_rows(tmp_path):
+    # The stored `distributed.py` result: for every sharded run (MirroredStrategy
+    # replicas, MultiWorkerMirroredStrategy processes), steps/s against one
+    # process without a strategy and bytes per step against the ideal.
+    stored = bench.stored_distributed_result(REPORT_PY.parent)
+    assert stored is not None and stored["benchmark"] == "distributed"
+    rows = bench._distributed_rows(stored, stored=True)
+    runs = [r for r in stored["results"] if r["replicas"] != 1]
+    assert len(rows) == 2 * len(runs) and any("workers" in r for r in runs)
+    plain = stored["results"][0]["plain_steps_per_s"]
+    for run, (speed, traffic) in zip(runs, zip(rows[::2], rows[1::2])):
+        assert stored["date"] in speed["benchmark"] and stored["command"] in speed["benchmark"]
+        assert speed["ratio"] == run["steps_per_s"] / plain and not speed["lower"]
+        assert traffic["ratio"] == run["bytes_per_step"] / run["ideal_bytes_per_step"]
+        assert traffic["lower"] and traffic["ratio"] >= 1.0  # nothing beats the ideal
+    assert bench.stored_distributed_result(tmp_path) is None
