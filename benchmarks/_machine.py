@@ -30,3 +30,10 @@ def write_json_report(path, report):
     with open(path, "w") as f:
         json.dump(report, f, indent=2)
     print(f"wrote {path}")
+
+
+def median_range(values):
+    """{"median", "min", "max"} of a list of per-round figures (ratios)."""
+    import statistics
+
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}

@@ -45,7 +45,7 @@ import keras  # noqa: E402
 import keras_rec_emb as kre  # noqa: E402
 from keras_rec_emb import cli  # noqa: E402
 
-from _machine import machine_info  # noqa: E402  (run as a script)
+from _machine import machine_info, median_range, write_json_report  # noqa: E402  (run as a script)
 
 MODES = ("group", "group_dict", "separate")
 
@@ -122,8 +122,7 @@ def summarize(times, cpu):
         for what, data in (("wall", times), ("cpu", cpu)):
             ratios = [s / g for s, g in zip(data["separate"][1:], data[mode][1:])]
             if ratios:
-                entry[what] = {"median": statistics.median(ratios), "min": min(ratios),
-                               "max": max(ratios)}
+                entry[what] = median_range(ratios)
         out[mode] = entry
     return out
 
@@ -160,8 +159,7 @@ def step_summary(wall, cpu):
                 blocks = [(statistics.median(data["separate"][i:i + 10]),
                            statistics.median(data[mode][i:i + 10])) for i in range(0, n, 10)]
                 ratios = [a / b for a, b in blocks]
-                entry[what] = {"median": statistics.median(ratios), "min": min(ratios),
-                               "max": max(ratios)}
+                entry[what] = median_range(ratios)
             out[f"separate_over_{mode}"] = entry
     return out
 
@@ -226,10 +224,10 @@ def main(argv=None):
                       for m, r in ratios.items()} | {
         f"step_{k}": {w: round(v["median"], 3) for w, v in r.items()}
         for k, r in (steps_report or {}).items() if k.startswith("separate_over")}))
-    with open(opts.json, "w") as f:
-        json.dump({"config": vars(opts), "machine": machine_info(), "seconds": times,
-                   "cpu_seconds": cpu, "steady_seconds": steady, "steady_cpu_seconds": steady_cpu,
-                   "separate_over_group": ratios, "steps": steps_report}, f, indent=2)
+    write_json_report(opts.json, {
+        "config": vars(opts), "machine": machine_info(), "seconds": times, "cpu_seconds": cpu,
+        "steady_seconds": steady, "steady_cpu_seconds": steady_cpu,
+        "separate_over_group": ratios, "steps": steps_report})
     return 0
 
 

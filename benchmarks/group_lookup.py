@@ -46,7 +46,7 @@ import tensorflow as tf  # noqa: E402
 import keras_rec_emb as kre  # noqa: E402
 from keras_rec_emb.ops import embedding_ops  # noqa: E402
 
-from _machine import machine_info  # noqa: E402  (run as a script)
+from _machine import machine_info, median_range, write_json_report  # noqa: E402  (run as a script)
 
 DEFAULT_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "group_lookup.json")
 
@@ -198,14 +198,12 @@ def main(argv=None):
                 "ratio_single_id_over_fused"):
         values = [x[key] for x in rounds if key in x]
         if values:
-            summary[key] = {"median": statistics.median(values), "min": min(values),
-                            "max": max(values)}
+            summary[key] = median_range(values)
     report = {"config": vars(opts) | {"json": None, "lengths": None}, "machine": machine_info(),
               "rounds": rounds, "summary": summary,
               "ratio_fused_over_separate_median": summary["ratio_fused_over_separate"]["median"]}
     print(json.dumps({k: {m: round(x, 3) for m, x in v.items()} for k, v in summary.items()}))
-    with open(opts.json, "w") as f:
-        json.dump(report, f, indent=2)
+    write_json_report(opts.json, report)
 
 
 if __name__ == "__main__":
