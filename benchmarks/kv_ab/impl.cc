@@ -82,11 +82,13 @@ void Setup() {
 }
 // What TableLookupOp does: LookupOrdered where the table has it, else
 // Partition + Lookup.
+#ifndef KV_AB_PARTITIONED  // (-DKV_AB_PARTITIONED: Partition + Lookup always)
 template <typename T>
 auto EvLookup(T& t, const std::vector<int64_t>& b, bool insert, float* out, int)
     -> decltype(t.LookupOrdered(b.data(), 0, insert, out, 0), void()) {
   t.LookupOrdered(b.data(), b.size(), insert, out, dim);
 }
+#endif
 template <typename T>
 void EvLookup(T& t, const std::vector<int64_t>& b, bool insert, float* out, long) {
   auto p = Partition(t, b.data(), b.size(), 1, Serial());
