@@ -161,6 +161,20 @@ class Table {
   int64_t LookupCounted(int shard, const K* keys, const uint64_t* hashes,
                         const int64_t* order, const int32_t* counts, int64_t n,
                         bool insert, float* out, int32_t* skips);
+  // Whether LookupOrdered serves this table: rows in DRAM, no admission
+  // filter.
+  bool OrderedLookups() const { return !file_tier() && !filtering() && !bloom(); }
+  // Looks up keys[0..n) in batch order, no partition by shard needed: the
+  // row of keys[i] goes to out + i * stride (stride >= dim floats). The
+  // table ends as after Partition + Lookup of every shard, and every key
+  // reads what Lookup gives it, but a training lookup is not one step per
+  // shard: keys present are read (and their frequencies counted, atomically)
+  // with every shard locked shared, so concurrent lookups of a table do not
+  // wait on each other, and missing keys are then inserted shard by shard
+  // under the exclusive lock. Requires OrderedLookups(). Returns the number
+  // of keys inserted. Locks every shard: for batches of at least a few keys
+  // per shard.
+  int64_t LookupOrdered(const K* keys, int64_t n, bool insert, float* out, int64_t stride);
   // What keys not yet admitted read: dim() copies of no_permission_value.
   const float* NoPermissionRow() const { return no_permission_row_.data(); }
 
@@ -174,6 +188,17 @@ class Table {
   void Apply(int shard, const K* keys, const uint64_t* hashes,
              const int64_t* order, int64_t n, const float* grads,
              const std::vector<int>& slot_ids, int64_t step, Fn&& fn);
+
+  // Apply for keys[0..n) known to be distinct (the group lookup's backward
+  // yields one summed gradient row per distinct key): the same updates,
+  // versions and insertions as Apply, without its dedupe and gradient copy,
+  // and pipelined (index slots, then value, slot and metadata rows are
+  // prefetched some keys ahead) when the rows live in DRAM. Equal keys among
+  // keys[] would each be applied once, in order: callers must not pass them.
+  template <typename Fn>
+  void ApplyDistinct(int shard, const K* keys, const uint64_t* hashes,
+                     const int64_t* order, int64_t n, const float* grads,
+                     const std::vector<int>& slot_ids, int64_t step, Fn&& fn);
 
   // Slots: parallel per-row state of the optimizer. AddSlot returns the slot
   // index; if the slot exists its width must match and its init value (for
@@ -312,7 +337,7 @@ class Table {
     uint64_t erased_total = 0;    // under the exclusive lock
 
     // The row of an admitted entry (DramRowStore is final: inlined).
-    float* Value(uint32_t row, bool write) {
+    __attribute__((always_inline)) float* Value(uint32_t row, bool write) {
       return dram ? dram->Value(row, write) : store->Value(row, write);
     }
     void SwapContents(Shard& o) {
@@ -371,7 +396,7 @@ class Table {
   }
   int64_t EpochOf(const Shard& s, const Entry& e) const {
     if (!options_.track_meta) return e.aux;
-    return e.aux == kNoRow ? 0 : s.meta.Row(e.aux)[kEpoch];
+    return e.aux == kNoRow ? 0 : LoadRelaxed(s.meta.Row(e.aux) + kEpoch);
   }
   // Adds one batch's lookup counts to the shard's counters.
   void CountLookups(Shard& s, uint64_t occurrences, uint64_t hits);
@@ -513,6 +538,85 @@ void Table<K>::Apply(int shard, const K* keys, const uint64_t* hashes,
 }
 
 template <typename K>
+template <typename Fn>
+void Table<K>::ApplyDistinct(int shard, const K* keys, const uint64_t* hashes,
+                             const int64_t* order, int64_t n, const float* grads,
+                             const std::vector<int>& slot_ids, int64_t step, Fn&& fn) {
+  Shard& s = *shards_[shard];
+  if (s.dram == nullptr) {  // a file store: rows move as they load; the plain path
+    Apply(shard, keys, hashes, order, n, grads, slot_ids, step, std::forward<Fn>(fn));
+    return;
+  }
+  RaiseLatestStep(step);
+  std::unique_lock<std::shared_mutex> lock(s.mu);
+  // Stage 1 prefetches key j + kSlotAhead's index slot; stage 2 finds key j
+  // (inserting it when no filter is on), stamps its epoch when metadata is
+  // not tracked (the entry is in cache) and prefetches its rows; stage 3
+  // updates key j - kRowAhead. Only row and metadata pointers cross stages
+  // (an insert may rehash the index; DRAM rows and metadata rows stay put).
+  constexpr int64_t kSlotAhead = 24;
+  constexpr int64_t kRowAhead = 16;  // a power of two
+  constexpr int kMaxSlots = 8;
+  const size_t num_slots = slot_ids.size();
+  if (num_slots > static_cast<size_t>(kMaxSlots)) {
+    Apply(shard, keys, hashes, order, n, grads, slot_ids, step, std::forward<Fn>(fn));
+    return;
+  }
+  struct Pending {
+    float* value;
+    float* slots[kMaxSlots];
+    int64_t* meta;
+    const float* grad;
+  };
+  Pending ring[kRowAhead];
+  bool live[kRowAhead] = {};
+  const bool filter = filtering() || bloom();
+  const int64_t epoch = epoch_.load(std::memory_order_relaxed);
+  const bool indexed = !s.index.empty_storage();
+  auto prefetch_slot = [&](int64_t j) {
+    __builtin_prefetch(s.index.CtrlAddress(hashes[j]));
+    __builtin_prefetch(s.index.EntryAddress(hashes[j]));
+  };
+  if (indexed) {
+    for (int64_t j = 0; j < std::min(n, kSlotAhead); ++j) prefetch_slot(j);
+  }
+  for (int64_t j = 0; j < n + kRowAhead; ++j) {
+    const int64_t r = j & (kRowAhead - 1);
+    if (j >= kRowAhead && live[r]) {  // stage 3 for key j - kRowAhead
+      Pending& q = ring[r];
+      fn(q.value, q.slots, q.grad);
+      if (q.meta != nullptr) {
+        q.meta[kEpoch] = epoch;
+        q.meta[kVersion] = step;
+      }
+    }
+    live[r] = false;
+    if (j >= n) continue;
+    if (indexed && j + kSlotAhead < n) prefetch_slot(j + kSlotAhead);
+    int64_t idx = s.index.Find(keys[j], hashes[j]);
+    if (idx < 0) {
+      if (filter) continue;  // never admitted: the gradient is dropped
+      idx = static_cast<int64_t>(InsertNew(s, keys[j], hashes[j], /*admit=*/true));
+    }
+    Entry& e = s.index.entry(idx);
+    if (e.row == kNoRow) continue;  // not admitted yet: dropped
+    Pending& q = ring[r];
+    q.meta = Meta(s, e);
+    if (!options_.track_meta) Touch(s, e);  // writes the entry itself
+    q.value = s.dram->Value(e.row, /*write=*/true);
+    for (int64_t d = 0; d < dim_; d += 16) __builtin_prefetch(q.value + d, 1);
+    for (size_t k = 0; k < num_slots; ++k) {
+      q.slots[k] = s.dram->Slot(slot_ids[k], e.row, /*write=*/true);
+      __builtin_prefetch(q.slots[k], 1);
+    }
+    if (q.meta != nullptr) __builtin_prefetch(q.meta, 1);
+    q.grad = grads + order[j] * dim_;
+    for (int64_t d = 0; d < dim_; d += 16) __builtin_prefetch(q.grad + d);
+    live[r] = true;
+  }
+}
+
+template <typename K>
 template <typename Alloc>
 void Table<K>::Export(Alloc&& alloc) const {
   std::vector<std::shared_lock<std::shared_mutex>> locks;
@@ -564,14 +668,14 @@ void Table<K>::WriteEntries(const ExportBuffers& b, Keep&& keep) const {
     const int64_t* m = Meta(s, e);
     if (e.row == kNoRow) {
       b.keys_filtered[out_f] = e.key;
-      b.freqs_filtered[out_f] = m ? m[kFreq] : 0;
+      b.freqs_filtered[out_f] = m ? LoadRelaxed(m + kFreq) : 0;
       b.versions_filtered[out_f] = m ? m[kVersion] : 0;
       ++out_f;
       return;
     }
     b.keys[out] = e.key;
     s.store->Read(e.row, b.values + out * dim_, b.slots + out * total_width);
-    b.freqs[out] = m ? m[kFreq] : 0;
+    b.freqs[out] = m ? LoadRelaxed(m + kFreq) : 0;
     b.versions[out] = m ? m[kVersion] : 0;
     ++out;
   });
