@@ -15,6 +15,11 @@
 // row without weights or max_norm, is looked up straight from its ids
 // input into the output, skipping (1), (2) and (4); measured about half the
 // CPU of the general path (26 features, batch 4096, Zipf ids).
+// Lean pooled path (attr `lean_pooled`, on by default, inference lookups
+// only; see LeanPooledParam): a table's only feature with 0..L ids per row
+// and no weights, max_norm or sequence output skips (2): its kept ids are
+// looked up in batch order (kv::Table::LookupOrdered, or a partition by
+// shard) into a scratch buffer, and (4) combines them as for any feature.
 // Single-id fast path (attr `single_id`, off by default, inference lookups
 // only; with repeated ids the dedupe measured as fast or faster): a table
 // whose features all have exactly one id per row skips (2)'s
@@ -71,6 +76,8 @@ struct GroupConfig {
   bool single_id = false;
   // Forward only: the lean single-id path alone (see LeanFeature).
   bool lean_single_id = false;
+  // Forward only: the lean pooled path (see LeanPooledParam).
+  bool lean_pooled = false;
 
   int num_params() const { return num_tables + num_dense; }
   bool is_table(int p) const { return p < num_tables; }
@@ -820,6 +827,67 @@ void LeanPartitionParam(OpKernelContext* ctx, const GroupConfig& cfg,
   }
 }
 
+// The lean pooled path (inference with `lean_pooled`, the op's default, or
+// `single_id`): table p serves one feature, not a sequence feature, without
+// weights or max_norm, and is not on the lean single-id path. Its ids (after
+// BuildFeature's pruning and default filling) are not deduplicated: every
+// kept id is its own entry (unique_ids lists them, repeats too; inverse is
+// 0, 1, ...), looked up in batch order into the parameter's row buffer, and
+// CombineRows sums each row's ids in their order as on the general path, so
+// the outputs are bit-identical (an id's row is the same whether it is read
+// once or once per occurrence without `insert`).
+bool LeanPooledParam(OpKernelContext* ctx, const GroupConfig& cfg, bool insert, int p) {
+  if (!(cfg.single_id || cfg.lean_pooled) || insert || !cfg.is_table(p) ||
+      cfg.features_of[p].size() != 1) {
+    return false;
+  }
+  const int f = cfg.features_of[p][0];
+  const FeatureAttrs& a = cfg.feature[f];
+  return !a.sequence && a.max_norm <= 0 && ctx->input(cfg.weights_input(f)).dim_size(0) == 0;
+}
+
+// The lean pooled path's ids of table p (its rows buffer prepared): every
+// kept id of its feature in batch order, set up for LeanOrderedLookup into
+// the rows buffer when the table allows it, else partitioned by shard for
+// LookupShard.
+void LeanPooledIds(const GroupConfig& cfg, const std::vector<TableSlot>& tables, int p,
+                   std::vector<Feature>* features, ParamIds* pid) {
+  const int f = cfg.features_of[p][0];
+  Feature& ft = (*features)[f];
+  const int64_t n = static_cast<int64_t>(ft.ids.size());
+  pid->distinct = false;
+  pid->uniq.assign(ft.ids.begin(), ft.ids.end());
+  for (int64_t j = 0; j < n; ++j) ft.inverse[j] = static_cast<int32_t>(j);
+  const TableSlot& t = tables[p];
+  if (t.t32) {
+    pid->keys32.resize(n);
+    for (int64_t j = 0; j < n; ++j) {
+      pid->keys32[j] = static_cast<int32_t>(pid->uniq[j]);
+      pid->uniq[j] = pid->keys32[j];
+    }
+  }
+  const bool ordered = t.t64 ? LeanOrderedTable(t.t64->table(), n)
+                             : LeanOrderedTable(t.t32->table(), n);
+  if (ordered) {
+    pid->ordered = true;
+    pid->num_ordered = n;
+    pid->ordered_stride = cfg.dims[p];
+    pid->direct_out = pid->rows;
+    pid->ordered_keys64 = pid->uniq.data();
+    return;
+  }
+  pid->hashes.resize(n);
+  if (t.t64) {
+    for (int64_t j = 0; j < n; ++j) pid->hashes[j] = kv::Table<int64_t>::Hash(pid->uniq[j]);
+    PartitionDistinct(t.t64->table(), pid, &pid->keys64);
+  } else {
+    for (int64_t j = 0; j < n; ++j) {
+      pid->hashes[j] = kv::Table<int32_t>::Hash(pid->keys32[j]);
+    }
+    PartitionDistinct(t.t32->table(), pid, &pid->keys32);
+  }
+}
+
 // The combine pass of the forward (features not written by their lookups):
 // units of kCombineRows rows of one feature, feature by feature (each
 // parameter's rows stay in cache while its features read them; measured
@@ -854,6 +922,7 @@ class GroupLookupOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("insert", &insert_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("single_id", &cfg_.single_id));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("lean_single_id", &cfg_.lean_single_id));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("lean_pooled", &cfg_.lean_pooled));
     // Training keeps the dedupe: without it the backward and the
     // optimizer's apply get every occurrence instead of each key once, and
     // with a filter the table's Lookup groups equal keys itself; measured
@@ -935,6 +1004,11 @@ class GroupLookupOp : public OpKernel {
       OP_REQUIRES_OK(ctx, ctx->allocate_output(F + p, TensorShape({features[f].batch}), &u));
       lean_unique[p] = u->flat<int64_t>().data();
     }
+    // Tables on the lean pooled path (see LeanPooledParam).
+    std::vector<char> pooled(P, 0);
+    for (int p = 0; p < cfg.num_tables; ++p) {
+      pooled[p] = !lean_param[p] && LeanPooledParam(ctx, cfg, insert_, p);
+    }
     auto lean_partition = [&](int p) {
       const int f = cfg.features_of[p][0];
       LeanPartitionParam(ctx, cfg, tables, p, outs, lean_unique[p], features[f].inverse,
@@ -960,10 +1034,13 @@ class GroupLookupOp : public OpKernel {
         ParamIds& ids = params[p];
         if (lean_param[p]) {
           lean_partition(p);
+        } else if (pooled[p]) {
+          LeanPooledIds(cfg, tables, p, &features, &ids);
         } else {
           DedupeParam(cfg, tables, p, &features, &ids);
         }
-        const bool direct = lean_param[p] || DirectOutput(ctx, cfg, p, outs, &ids);
+        const bool direct =
+            lean_param[p] || (!pooled[p] && DirectOutput(ctx, cfg, p, outs, &ids));
         if (ids.ordered) {
           LeanOrderedLookup(tables, p, &ids, 0, ids.num_ordered);
         } else if (cfg.is_table(p)) {
@@ -980,16 +1057,23 @@ class GroupLookupOp : public OpKernel {
     } else {
       int64_t total = 0;
       for (const Feature& ft : features) total += ft.batch;
+      for (int p = 0; p < cfg.num_tables; ++p) {
+        if (!pooled[p]) continue;
+        const int64_t n = static_cast<int64_t>(features[cfg.features_of[p][0]].ids.size());
+        OP_REQUIRES_OK(ctx, PrepareRows(ctx, cfg, p, n, &params[p]));
+      }
       OP_REQUIRES_OK(ctx, ParallelFor(ctx, P, 30 * (total / P + 1), [&](int64_t p64) {
         const int p = static_cast<int>(p64);
         if (lean_param[p]) {
           lean_partition(p);
+        } else if (pooled[p]) {
+          LeanPooledIds(cfg, tables, p, &features, &params[p]);
         } else {
           DedupeParam(cfg, tables, p, &features, &params[p]);
         }
       }));
       for (int p = 0; p < cfg.num_tables; ++p) {
-        if (!lean_param[p] && DirectOutput(ctx, cfg, p, outs, &params[p])) {
+        if (!lean_param[p] && !pooled[p] && DirectOutput(ctx, cfg, p, outs, &params[p])) {
           combined[cfg.features_of[p][0]] = false;
         }
       }

@@ -163,9 +163,10 @@ def _fused_lookup(params, flat_ids, splits, weights, combiners, max_norms,
         is_sequence=[bool(b) for b in sequences],
     )
     single_id = getattr(_SINGLE_ID, "enabled", None)
-    if single_id is not None:  # the op's defaults: single_id off, lean_single_id on
+    if single_id is not None:  # the op's defaults: single_id off, the lean paths on
         attrs["single_id"] = single_id
         attrs["lean_single_id"] = single_id
+        attrs["lean_pooled"] = single_id
     _ops.refuse_distribution("A group embedding lookup")
     _ops.refuse_xla("A group embedding lookup")
     outs, _, _ = _ops.gen().kre_group_lookup(
@@ -188,7 +189,10 @@ def single_id_fast_path(enabled):
     single-id path (a table's only feature, one id per row as given, no
     weights, no max_norm: its ids go from the input straight to the output;
     measured about half the CPU of the deduplicating path with 26 features
-    in `benchmarks/group_lookup.py --inference`); other tables deduplicate.
+    in `benchmarks/group_lookup.py --inference`) and the lean pooled path (a
+    table's only feature with any number of ids per row, no weights, no
+    max_norm, not a sequence: every kept id looked up in batch order, then
+    combined as the general path does); other tables deduplicate.
     For tests and benchmarks comparing the paths; results are the same
     either way (`unique_ids` of a single-id table then lists every id)."""
     previous = getattr(_SINGLE_ID, "enabled", None)

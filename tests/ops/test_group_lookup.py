@@ -709,7 +709,8 @@ def test_lean_single_id_default_matches_general_separate_and_numpy(matrix_initia
 def test_lean_single_id_outputs_every_id_and_falls_back(wide):
     """The lean path's unique_ids lists every id (int64 and int32 tables)
     and inverse counts 0, 1, ...; a feature whose row_splits are
-    not one id per row, or with an id pruned, deduplicates; training lookups
+    not one id per row, or with an id pruned, takes the lean pooled path
+    (every kept id too), or without it deduplicates; training lookups
     always deduplicate."""
     layers = [EmbeddingVariable(2, key_dtype=k) for k in ("int64", "int32")]
     extra = [EmbeddingVariable(2) for _ in range(_extra_tables() if wide else 0)]
@@ -730,7 +731,11 @@ def test_lean_single_id_outputs_every_id_and_falls_back(wide):
     assert [i.numpy().tolist() for i in inverse] == [[0, 1, 2], [0, 1, 2]]
     ragged = [tf.ragged.constant([[4], [4, 7], []], tf.int64),
               tf.ragged.constant([[-1], [4], [4]], tf.int64)]
-    unique, inverse = lookup(ragged, False)
+    unique, inverse = lookup(ragged, False)  # the lean pooled path: every kept id
+    assert [u.numpy().tolist() for u in unique] == [[4, 4, 7], [4, 4]]
+    assert [i.numpy().tolist() for i in inverse] == [[0, 1, 2], [0, 1]]
+    with embedding_ops.single_id_fast_path(False):
+        unique, inverse = tf.function(lookup.python_function)(ragged, False)
     assert [u.numpy().tolist() for u in unique] == [[4, 7], [4]]
     assert [i.numpy().tolist() for i in inverse] == [[0, 0, 1], [0, 0]]
     many = [tf.constant(np.arange(300)[:, None] % 97, tf.int64)] * 2  # LookupOrdered
@@ -769,3 +774,134 @@ def test_lean_single_id_bad_input():
     with pytest.raises(ValueError, match="sp_ids"):
         ops.group_embedding_lookup_sparse([t], [tf.zeros([2, 1, 1, 1], tf.int64)], "sum",
                                           is_sequence=True)
+
+
+# -- the lean pooled path (the op's default for multi-id features) -------------
+def _pooled_case(matrix_initializer, wide, batch):
+    """(params, ids, combiners, default_ids, rows per feature after the input's
+    own form, the filtered layer): features 0-3 can take the lean pooled path
+    (int64 ragged with -1 ids and empty rows; int32 dense [batch, 4] padded
+    with -1 and default_id; int64 sqrtn with default_id; a CounterFilter(2)
+    table partly admitted), the others cannot (a dense matrix; a table shared
+    by two features)."""
+    rng = np.random.default_rng(11)
+    t0, m0 = make_table(matrix_initializer, 4, 20)
+    t1, m1 = make_table(matrix_initializer, 4, 21, key_dtype="int32")
+    t2, m2 = make_table(matrix_initializer, 4, 22)
+    filt = EmbeddingVariable(4, ev_option=kre.EmbeddingVariableOption(
+        filter_option=kre.CounterFilter(filter_freq=2)))
+    filt.build()
+    filt.table.lookup(tf.constant([1, 1, 2, 3, 3], tf.int64), insert=True)  # 1, 3 admitted
+    t5, m5 = make_table(matrix_initializer, 4, 25)
+    dense, md = make_dense(13, 4, 26)
+    rows = [random_ids(rng, batch, 30) for _ in range(7)]
+    rows[4] = [[i for i in r if i >= 0] for r in random_ids(rng, batch, 13)]
+    padded = np.full((batch, 4), -1, np.int64)
+    for b, r in enumerate(rows[1]):
+        padded[b, :len(r)] = r
+    rows[1] = [[i for i in r] for r in padded.tolist()]
+    params = [t0, t1, t2, filt, dense, t5, t5]
+    ids = [tf.ragged.constant(r, dtype=tf.int64, ragged_rank=1) for r in rows]
+    ids[1] = tf.constant(padded.astype(np.int32))
+    combiners = ["sum", "mean", "sqrtn", "sum", "mean", "sum", "mean"]
+    defaults = [None, 3, 5, None, None, None, 2]
+    fns = [m0, m1, m2, None, md, m5, m5]
+    if wide:
+        for e in range(_extra_tables()):
+            t, m = make_table(matrix_initializer, 4, 40 + e)
+            r = random_ids(rng, batch, 50)
+            params.append(t)
+            ids.append(tf.ragged.constant(r, dtype=tf.int64, ragged_rank=1))
+            combiners.append(("sum", "mean", "sqrtn")[e % 3])
+            defaults.append(None if e % 2 else 1)
+            fns.append(m)
+            rows.append(r)
+    return params, ids, combiners, defaults, fns, rows, filt
+
+
+@pytest.mark.parametrize("batch", [9, 300], ids=["partitioned", "ordered"])
+@pytest.mark.parametrize("wide", [False, True], ids=["few_params", "param_per_unit"])
+@pytest.mark.parametrize("concat", [False, True], ids=["dict", "concat"])
+def test_lean_pooled_default_matches_general_separate_and_numpy(matrix_initializer, wide,
+                                                                concat, batch):
+    """Multi-id inference lookups take the lean pooled path by default where
+    they can (a table's only feature, no weights, no max_norm): outputs are
+    bit-identical to the deduplicating general path's (sum, mean, sqrtn;
+    pruned -1 ids, dense padding, empty rows, default_id; int32 and int64
+    tables), equal the separate tables' own lookups combined and NumPy's
+    (the filtered table: admitted keys their rows, others
+    no_permission_value); nothing is inserted. With 300 rows the unfiltered
+    tables take kv::Table::LookupOrdered, with 9 the partition by shard."""
+    params, ids, combiners, defaults, fns, rows, filt = _pooled_case(matrix_initializer, wide,
+                                                                      batch)
+    sizes = [p.table_size() for p in params if isinstance(p, EmbeddingVariable)]
+    results = {}
+    for mode in ("default", "general", "fast"):
+        ctx = (embedding_ops.single_id_fast_path(mode == "fast") if mode != "default"
+               else contextlib.nullcontext())
+        with ctx:
+            out = ops.group_embedding_lookup_sparse(params, ids, combiners, default_id=defaults,
+                                                    training=False, concat=concat)
+        results[mode] = out.numpy() if concat else np.concatenate([o.numpy() for o in out], -1)
+    np.testing.assert_array_equal(results["default"], results["general"])
+    np.testing.assert_array_equal(results["default"], results["fast"])
+    ones = [[1.0] * len(r) for r in rows[3]]
+    kept, _ = clean(rows[3], ones, None)
+    flat = tf.constant(sum(kept, []), tf.int64)
+    fil_rows = filt.table.lookup(flat, insert=False).numpy()
+    assert np.any(fil_rows != 0) and np.any(fil_rows == 0)  # admitted rows and filtered keys
+    lookup = dict(zip(flat.numpy().tolist(), fil_rows))
+    fns[3] = lambda x: np.stack([lookup[i] for i in np.asarray(x).tolist()])
+    want, separate = [], []
+    for f, p in enumerate(params):
+        r = rows[f]
+        w = [[1.0] * len(x) for x in r]
+        want.append(numpy_feature(fns[f], 4, r, w, combiners[f], None, defaults[f], False))
+        if isinstance(p, EmbeddingVariable):
+            k, _ = clean(r, w, defaults[f])
+            rag = tf.ragged.constant(k, dtype=tf.int64, ragged_rank=1)
+            x = p.table.lookup(tf.cast(rag.values, p.table.key_dtype), insert=False)
+            separate.append(combine_rows(x, rag.value_rowids(), rag.nrows(), combiners[f]).numpy())
+        else:
+            separate.append(want[-1])
+    np.testing.assert_allclose(results["default"], np.concatenate(want, -1), rtol=1e-5,
+                               atol=1e-6)
+    np.testing.assert_allclose(results["default"], np.concatenate(separate, -1), rtol=1e-6,
+                               atol=1e-6)
+    assert [p.table_size() for p in params if isinstance(p, EmbeddingVariable)] == sizes
+
+
+@pytest.mark.parametrize("key_dtype", ["int64", "int32"])
+def test_lean_pooled_lists_every_kept_id(key_dtype):
+    """On the lean pooled path unique_ids lists every kept id in batch order
+    (pruned -1 dropped, default_id filled in) and inverse counts 0, 1, ...;
+    with per-id weights, the general path or training the ids are
+    deduplicated."""
+    t = EmbeddingVariable(2, key_dtype=key_dtype)
+    t.build()
+    ids = tf.ragged.constant([[4, -1, 4], [], [7, 4]], tf.int64)
+
+    @tf.function
+    def lookup(training, fast=None, weights=None):
+        ctx = (embedding_ops.single_id_fast_path(fast) if fast is not None
+               else contextlib.nullcontext())
+        with ctx:
+            out = ops.group_embedding_lookup_sparse([t], [ids], ["mean"], default_id=[9],
+                                                    sp_weights=[weights], training=training)[0]
+        return out, out.op.outputs[1], out.op.outputs[2]
+
+    rows, unique, inverse = lookup(False)
+    assert unique.numpy().tolist() == [4, 4, 9, 7, 4]
+    assert inverse.numpy().tolist() == [0, 1, 2, 3, 4]
+    rows_g, unique, inverse = lookup(False, fast=False)
+    assert unique.numpy().tolist() == [4, 9, 7]
+    assert inverse.numpy().tolist() == [0, 0, 1, 2, 0]
+    np.testing.assert_array_equal(rows.numpy(), rows_g.numpy())
+    w = tf.ragged.constant([[1.0, 1.0, 1.0], [], [1.0, 1.0]])
+    rows_w, unique, _ = lookup(False, weights=w)
+    assert unique.numpy().tolist() == [4, 9, 7]
+    np.testing.assert_array_equal(rows.numpy(), rows_w.numpy())
+    assert t.table_size() == 0
+    _, unique, inverse = lookup(True)
+    assert unique.numpy().tolist() == [4, 9, 7]
+    assert inverse.numpy().tolist() == [0, 0, 1, 2, 0]
