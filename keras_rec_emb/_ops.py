@@ -221,20 +221,28 @@ def import_(handle, dim, parts, clear=True):
     return gen().kre_table_import(handle, **parts, dim=dim, clear=clear)
 
 
-def sparse_apply(handle, keys, grads, rule, hyper, step, slots, replica_shard=False):
+def sparse_apply(handle, keys, grads, rule, hyper, step, slots, replica_shard=False,
+                 distinct=False):
     """One fused optimizer step on a table: `hyper` is a dict from name to
     value in the kernel's order and `slots` the slot names the rule reads
     (`keras_rec_emb.optimizers.rules` declares both; the kernel checks the
     names). `replica_shard`: the table is one MirroredStrategy replica's
-    shard (keras_rec_emb.distribute), updated inside the replica context."""
+    shard (keras_rec_emb.distribute), updated inside the replica context.
+    `distinct`: `keys` are known to hold no key twice
+    (`KRE>TableSparseApplyDistinct` skips the dedupe)."""
     if not replica_shard:
         refuse_distribution("An embedding table update")
     refuse_xla("An embedding table update")
-    values = tf.stack([tf.cast(h, tf.float32) for h in hyper.values()])
-    return gen().kre_table_sparse_apply(
-        handle, keys, grads, values, tf.cast(step, tf.int64), rule=rule,
-        slots=list(slots), hparam_names=list(hyper),
-    )
+    names = list(hyper)
+    values = hyper_vector(hyper)
+    op = gen().kre_table_sparse_apply_distinct if distinct else gen().kre_table_sparse_apply
+    return op(handle, keys, grads, values, tf.cast(step, tf.int64), rule=rule,
+              slots=list(slots), hparam_names=names)
+
+
+def hyper_vector(hyper):
+    """The float32 vector of dict `hyper`'s values, in order."""
+    return tf.stack([tf.cast(h, tf.float32) for h in hyper.values()])
 
 
 # -- Change tracking (incremental checkpoints) and counters -----------------

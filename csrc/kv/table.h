@@ -189,6 +189,17 @@ class Table {
              const int64_t* order, int64_t n, const float* grads,
              const std::vector<int>& slot_ids, int64_t step, Fn&& fn);
 
+  // Apply for keys[0..n) known to be distinct (the group lookup's backward
+  // yields one summed gradient row per distinct key): the same updates,
+  // versions and insertions as Apply, without its dedupe and gradient copy,
+  // and pipelined (index slots, then value, slot and metadata rows are
+  // prefetched some keys ahead) when the rows live in DRAM. Equal keys among
+  // keys[] would each be applied once, in order: callers must not pass them.
+  template <typename Fn>
+  void ApplyDistinct(int shard, const K* keys, const uint64_t* hashes,
+                     const int64_t* order, int64_t n, const float* grads,
+                     const std::vector<int>& slot_ids, int64_t step, Fn&& fn);
+
   // Slots: parallel per-row state of the optimizer. AddSlot returns the slot
   // index; if the slot exists its width must match and its init value (for
   // rows created from now on) is replaced.
@@ -523,6 +534,85 @@ void Table<K>::Apply(int shard, const K* keys, const uint64_t* hashes,
     }
     fn(value, slot_rows.data(), sums.data() + r * dim_);
     if (int64_t* m = Meta(s, e)) m[kVersion] = step;
+  }
+}
+
+template <typename K>
+template <typename Fn>
+void Table<K>::ApplyDistinct(int shard, const K* keys, const uint64_t* hashes,
+                             const int64_t* order, int64_t n, const float* grads,
+                             const std::vector<int>& slot_ids, int64_t step, Fn&& fn) {
+  Shard& s = *shards_[shard];
+  if (s.dram == nullptr) {  // a file store: rows move as they load; the plain path
+    Apply(shard, keys, hashes, order, n, grads, slot_ids, step, std::forward<Fn>(fn));
+    return;
+  }
+  RaiseLatestStep(step);
+  std::unique_lock<std::shared_mutex> lock(s.mu);
+  // Stage 1 prefetches key j + kSlotAhead's index slot; stage 2 finds key j
+  // (inserting it when no filter is on), stamps its epoch when metadata is
+  // not tracked (the entry is in cache) and prefetches its rows; stage 3
+  // updates key j - kRowAhead. Only row and metadata pointers cross stages
+  // (an insert may rehash the index; DRAM rows and metadata rows stay put).
+  constexpr int64_t kSlotAhead = 24;
+  constexpr int64_t kRowAhead = 16;  // a power of two
+  constexpr int kMaxSlots = 8;
+  const size_t num_slots = slot_ids.size();
+  if (num_slots > static_cast<size_t>(kMaxSlots)) {
+    Apply(shard, keys, hashes, order, n, grads, slot_ids, step, std::forward<Fn>(fn));
+    return;
+  }
+  struct Pending {
+    float* value;
+    float* slots[kMaxSlots];
+    int64_t* meta;
+    const float* grad;
+  };
+  Pending ring[kRowAhead];
+  bool live[kRowAhead] = {};
+  const bool filter = filtering() || bloom();
+  const int64_t epoch = epoch_.load(std::memory_order_relaxed);
+  const bool indexed = !s.index.empty_storage();
+  auto prefetch_slot = [&](int64_t j) {
+    __builtin_prefetch(s.index.CtrlAddress(hashes[j]));
+    __builtin_prefetch(s.index.EntryAddress(hashes[j]));
+  };
+  if (indexed) {
+    for (int64_t j = 0; j < std::min(n, kSlotAhead); ++j) prefetch_slot(j);
+  }
+  for (int64_t j = 0; j < n + kRowAhead; ++j) {
+    const int64_t r = j & (kRowAhead - 1);
+    if (j >= kRowAhead && live[r]) {  // stage 3 for key j - kRowAhead
+      Pending& q = ring[r];
+      fn(q.value, q.slots, q.grad);
+      if (q.meta != nullptr) {
+        q.meta[kEpoch] = epoch;
+        q.meta[kVersion] = step;
+      }
+    }
+    live[r] = false;
+    if (j >= n) continue;
+    if (indexed && j + kSlotAhead < n) prefetch_slot(j + kSlotAhead);
+    int64_t idx = s.index.Find(keys[j], hashes[j]);
+    if (idx < 0) {
+      if (filter) continue;  // never admitted: the gradient is dropped
+      idx = static_cast<int64_t>(InsertNew(s, keys[j], hashes[j], /*admit=*/true));
+    }
+    Entry& e = s.index.entry(idx);
+    if (e.row == kNoRow) continue;  // not admitted yet: dropped
+    Pending& q = ring[r];
+    q.meta = Meta(s, e);
+    if (!options_.track_meta) Touch(s, e);  // writes the entry itself
+    q.value = s.dram->Value(e.row, /*write=*/true);
+    for (int64_t d = 0; d < dim_; d += 16) __builtin_prefetch(q.value + d, 1);
+    for (size_t k = 0; k < num_slots; ++k) {
+      q.slots[k] = s.dram->Slot(slot_ids[k], e.row, /*write=*/true);
+      __builtin_prefetch(q.slots[k], 1);
+    }
+    if (q.meta != nullptr) __builtin_prefetch(q.meta, 1);
+    q.grad = grads + order[j] * dim_;
+    for (int64_t d = 0; d < dim_; d += 16) __builtin_prefetch(q.grad + d);
+    live[r] = true;
   }
 }
 

@@ -91,6 +91,33 @@ _HYPER_CHECKS = {
 }
 
 
+# Ops whose output (at these positions) never holds a key twice: the
+# distinct ids of KRE>GroupLookup (after its `num_features` row outputs, one
+# per parameter) and tf.unique's values.
+def _group_unique_outputs(op):
+    nf = op.get_attr("num_features")
+    return range(nf, nf + op.get_attr("num_params"))
+
+
+_DISTINCT_OUTPUTS = {
+    "KRE>GroupLookup": _group_unique_outputs,
+    "Unique": lambda op: (0,),
+    "UniqueV2": lambda op: (0,),
+}
+
+
+def has_distinct_keys(grad):
+    """Whether a table gradient's keys are known to hold no key twice: in a
+    traced graph, its indices are the group lookup's distinct ids (its
+    registered gradient) or a `tf.unique`'s output, as produced, so the fused
+    apply may skip its dedupe. False when unknown (eager tensors, any other
+    op): the general apply dedupes."""
+    indices = grad.indices
+    op = getattr(indices, "op", None) if not tf.executing_eagerly() else None
+    outputs = _DISTINCT_OUTPUTS.get(getattr(op, "type", None))
+    return outputs is not None and indices.value_index in outputs(op)
+
+
 def _is_table_grad(grad):
     # The lookup's gradient is the only IndexedSlices without a dense shape.
     return isinstance(grad, tf.IndexedSlices) and grad.dense_shape is None
@@ -223,6 +250,7 @@ class TableOptimizer:
         rule = rules.RULES[name]
         hyper = dict(hyper, learning_rate=lr, decay=decay)
         ordered = dict(zip(rule.hparam_names, rule.ordered(hyper)))
+        distinct = has_distinct_keys(grad)
         keys = tf.cast(grad.indices, table.key_dtype)
         values = tf.reshape(tf.cast(grad.values, tf.float32), [-1, table.dim])
         owner = table.replica_shard
@@ -234,13 +262,15 @@ class TableOptimizer:
             ctx = tf.distribute.get_replica_context()
             keys = ctx.all_gather(keys, axis=0)
             values = ctx.all_gather(values, axis=0)
+            distinct = False  # every replica's keys: repeats across them
             if tf.get_static_value(ctx.replica_id_in_sync_group) != owner:
                 return
         # A shard of a table sharded over MultiWorkerMirroredStrategy workers
         # (`table.exchanged`): the collectives of its lookup already summed
         # every replica's gradient for its keys; the process owning it applies.
         _ops.sparse_apply(table.handle, keys, values, name, ordered, self.iterations,
-                          rule.slot_names(hyper), replica_shard=owner is not None)
+                          rule.slot_names(hyper), replica_shard=owner is not None,
+                          distinct=distinct)
 
     def _decay_factor(self, learning_rate):
         """The fraction of a row that decoupled weight decay removes."""
