@@ -574,7 +574,6 @@ void Table<K>::ApplyDistinct(int shard, const K* keys, const uint64_t* hashes,
   const int64_t epoch = epoch_.load(std::memory_order_relaxed);
   const bool indexed = !s.index.empty_storage();
   auto prefetch_slot = [&](int64_t j) {
-    __builtin_prefetch(s.index.CtrlAddress(hashes[j]));
     __builtin_prefetch(s.index.EntryAddress(hashes[j]));
   };
   if (indexed) {
