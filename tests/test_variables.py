@@ -59,6 +59,39 @@ def test_table_grows_by_exactly_the_new_unique_keys():
     assert set(table.export()["keys"].tolist()) == seen
 
 
+@pytest.mark.parametrize("key_dtype", ["int64", "int32"])
+def test_batch_order_and_partitioned_lookups_match_a_dict(key_dtype):
+    """Batches of >= 4 ids per shard take the batch-order lookup
+    (kv::Table::LookupOrdered), smaller ones the partitioned one; both must
+    read and count exactly as a dict from key to row and frequency."""
+    table, defaults = make_table(key_dtype, num_shards=4)
+    rng = np.random.default_rng(7)
+    rows, freqs = {}, {}
+    lookups = hits = 0
+    for step, size in enumerate([500, 3, 4000, 15, 16, 700, 1]):
+        batch = rng.integers(-300, 1500, size=size).astype(key_dtype)
+        insert = step % 3 != 2
+        got = table.lookup(tf.constant(batch), insert=insert).numpy()
+        want = np.stack([rows.get(k, default_rows([k], defaults)[0]) for k in batch.tolist()])
+        np.testing.assert_array_equal(got, want)
+        for k in batch.tolist():
+            lookups += 1
+            hits += k in rows
+            if insert:
+                rows.setdefault(k, default_rows([k], defaults)[0])
+                freqs[k] = freqs.get(k, 0) + 1
+        if step == 2:  # new values, so rows differ from the defaults
+            data = table.export()
+            data["values"] = rng.normal(size=data["values"].shape).astype(np.float32)
+            data["freqs"] = np.full_like(data["freqs"], -1)  # keep the counts
+            table.import_(data, clear=False)
+            rows = dict(zip(data["keys"].tolist(), data["values"]))
+    exported = table.export()
+    assert dict(zip(exported["keys"].tolist(), exported["freqs"].tolist())) == freqs
+    counters = table.counters()
+    assert (counters["lookups"], counters["hits"]) == (lookups, hits)
+
+
 def test_empty_and_scalar_keys():
     table, defaults = make_table()
     empty = table.lookup(tf.zeros([0, 3], tf.int64), insert=True)

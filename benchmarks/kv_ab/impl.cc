@@ -32,7 +32,13 @@ struct Group {
   std::vector<std::unique_ptr<Table<int64_t>>> ts; std::vector<Partitioned<int64_t>> ps;
   std::vector<std::vector<int32_t>> counts; std::vector<float> out; std::vector<int32_t> skips;
 };
-static Big* big; static Group* grp;
+// 26 EmbeddingVariable-sized tables (Zipf(1.1) ids over 10^6 values until
+// ~15.5k distinct keys), each looked up with its own batch of 4096 Zipf ids
+// (Partition + Lookup, as TableLookupOp does).
+struct Ev {
+  std::vector<std::unique_ptr<Table<int64_t>>> ts; std::vector<std::vector<int64_t>> batches; std::vector<float> out;
+};
+static Big* big; static Group* grp; static Ev* ev;
 void Setup() {
   std::mt19937_64 rng(1);
   big = new Big;
@@ -58,7 +64,46 @@ void Setup() {
     grp->counts.emplace_back(U, 2);
   }
   grp->out.resize(U * dim); grp->skips.resize(U);
+  ev = new Ev;
+  std::vector<int64_t> id_perm(1000000); for (int64_t i = 0; i < 1000000; ++i) id_perm[i] = i;
+  for (int t = 0; t < T; ++t) {
+    std::shuffle(id_perm.begin(), id_perm.end(), rng);
+    std::vector<int64_t> seen = Zipf(rng, 1000000, 40000, 1.1);
+    for (auto& k : seen) k = id_perm[k];
+    std::sort(seen.begin(), seen.end()); seen.erase(std::unique(seen.begin(), seen.end()), seen.end());
+    ev->ts.emplace_back(new Table<int64_t>(dim, Defaults(), 32));
+    auto p = Partition(*ev->ts[t], seen.data(), seen.size(), 1, Serial()); std::vector<float> out(seen.size() * dim);
+    LookupAll(*ev->ts[t], p, true, out.data());
+    std::vector<int64_t> b = Zipf(rng, 1000000, 4096, 1.1);
+    for (auto& k : b) k = id_perm[k];
+    ev->batches.push_back(b);
+  }
+  ev->out.resize(T * 4096 * dim);
 }
+// What TableLookupOp does: LookupOrdered where the table has it, else
+// Partition + Lookup.
+#ifndef KV_AB_PARTITIONED  // (-DKV_AB_PARTITIONED: Partition + Lookup always)
+template <typename T>
+auto EvLookup(T& t, const std::vector<int64_t>& b, bool insert, float* out, int)
+    -> decltype(t.LookupOrdered(b.data(), 0, insert, out, 0), void()) {
+  t.LookupOrdered(b.data(), b.size(), insert, out, dim);
+}
+#endif
+template <typename T>
+void EvLookup(T& t, const std::vector<int64_t>& b, bool insert, float* out, long) {
+  auto p = Partition(t, b.data(), b.size(), 1, Serial());
+  LookupAll(t, p, insert, out);
+}
+// ns per id of 26 table lookups.
+double EvRound(bool insert) {
+  double t0 = now(); int64_t n = 0;
+  for (size_t t = 0; t < ev->ts.size(); ++t) {
+    const auto& b = ev->batches[t]; n += b.size();
+    EvLookup(*ev->ts[t], b, insert, ev->out.data() + t * 4096 * dim, 0);
+  }
+  return (now() - t0) / n * 1e9;
+}
+int64_t EvKeys() { int64_t n = 0; for (auto& t : ev->ts) n += t->Size(); return n / int64_t(ev->ts.size()); }
 // ns per id: partition+lookup, lookup only
 void BigRound(bool insert, double* total, double* lookup) {
   const int64_t B = big->batch.size();
@@ -75,5 +120,5 @@ double GroupRound(bool insert) {
     for (int s = 0; s < 32; ++s) grp->ts[t]->LookupCounted(s, p.keys.data() + p.offsets[s], p.hashes.data() + p.offsets[s], p.order.data() + p.offsets[s], grp->counts[t].data(), p.offsets[s+1]-p.offsets[s], insert, grp->out.data(), grp->skips.data()); }
   return (now() - t0) / n * 1e9;
 }
-float Checksum() { double s = 0; int64_t i = 0; for (float f : big->out) s += f * double(++i % 1013); for (float f : grp->out) s += f * double(++i % 1013); return s; }
+float Checksum() { double s = 0; int64_t i = 0; for (float f : big->out) s += f * double(++i % 1013); for (float f : grp->out) s += f * double(++i % 1013); for (float f : ev->out) s += f * double(++i % 1013); return s; }
 }

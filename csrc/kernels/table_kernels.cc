@@ -1,5 +1,6 @@
 // Copyright keras_rec_emb authors. Apache-2.0.
 // Kernels that create, read and (de)serialize embedding tables.
+#include <algorithm>
 #include <cmath>
 #include <new>
 #include <stdexcept>
@@ -147,6 +148,17 @@ class TableLookupOp : public TableOpKernel<K> {
     if (n == 0) return;
     const K* k = keys.flat<K>().data();
     float* o = out->flat<float>().data();
+    if (table.OrderedLookups() && n >= kMinIdsPerShard * table.num_shards()) {
+      // In batch order, no partition: blocks of ids over the pool, each
+      // block with every shard locked shared (kv::Table::LookupOrdered).
+      const int64_t blocks = (n + kOrderedBlock - 1) / kOrderedBlock;
+      OP_REQUIRES_OK(ctx, ParallelFor(ctx, blocks, kOrderedBlock * (40 + dim), [&](int64_t b) {
+                       const int64_t begin = b * kOrderedBlock;
+                       const int64_t end = std::min(n, begin + kOrderedBlock);
+                       table.LookupOrdered(k + begin, end - begin, insert_, o + begin * dim, dim);
+                     }));
+      return;
+    }
     kv::Partitioned<K> p = PartitionKeys(ctx, table, k, n);
     const int64_t per_shard = n / table.num_shards() + 1;
     OP_REQUIRES_OK(ctx, ParallelFor(ctx, table.num_shards(), per_shard * (40 + dim),
@@ -159,6 +171,9 @@ class TableLookupOp : public TableOpKernel<K> {
   }
 
  private:
+  // LookupOrdered locks every shard: worth it from a few ids per shard on.
+  static constexpr int64_t kMinIdsPerShard = 4;
+  static constexpr int64_t kOrderedBlock = 2048;  // ids per parallel block
   bool insert_;
 };
 

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <new>
 #include <vector>
 
 namespace kre {
@@ -36,7 +37,7 @@ class ChunkedArena {
   // Rows [0, capacity()) are addressable.
   uint64_t capacity() const { return capacity_; }
 
-  T* Row(uint64_t id) const {
+  __attribute__((always_inline)) T* Row(uint64_t id) const {
     if (id >= kGrowingRows) {
       const uint64_t rel = id - kGrowingRows;
       return chunks_[kGrowingChunks + (rel >> kMaxChunkLog2)].get() +
@@ -55,7 +56,7 @@ class ChunkedArena {
       const int c = static_cast<int>(chunks_.size());
       const uint64_t rows = uint64_t{1} << std::min(c + kFirstChunkLog2, kMaxChunkLog2);
       const uint64_t elems = rows * static_cast<uint64_t>(width_);
-      std::unique_ptr<T[]> chunk(new T[elems]);
+      Chunk chunk(static_cast<T*>(::operator new(elems * sizeof(T), std::align_val_t(kAlign))));
       std::fill(chunk.get(), chunk.get() + elems, fill);
       chunks_.push_back(std::move(chunk));
       capacity_ += rows;
@@ -72,9 +73,17 @@ class ChunkedArena {
   }
 
  private:
+  // Chunks start on a cache line, so a row of 64 bytes (dim 16 floats) is
+  // one line, not two (malloc's 16-byte alignment would split most rows).
+  static constexpr size_t kAlign = 64;
+  struct AlignedDelete {
+    void operator()(T* p) const { ::operator delete(p, std::align_val_t(kAlign)); }
+  };
+  using Chunk = std::unique_ptr<T[], AlignedDelete>;
+
   int64_t width_;
   uint64_t capacity_ = 0;
-  std::vector<std::unique_ptr<T[]>> chunks_;
+  std::vector<Chunk> chunks_;
 };
 
 }  // namespace kv

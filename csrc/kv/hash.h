@@ -17,6 +17,10 @@
 
 #include <cstdint>
 
+// Forces inlining of the per-key helpers of the lookup loops (GCC keeps
+// some of them out of line otherwise, a call per key).
+#define KRE_KV_INLINE inline __attribute__((always_inline))
+
 namespace kre {
 namespace kv {
 

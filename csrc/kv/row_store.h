@@ -132,7 +132,9 @@ class DramRowStore final : public RowStore {
     free_.push_back(row);
     --rows_;
   }
-  float* Value(uint32_t row, bool) override { return values_.Row(row); }
+  __attribute__((always_inline)) float* Value(uint32_t row, bool) override {
+    return values_.Row(row);
+  }
   float* Slot(size_t j, uint32_t row, bool) override { return slots_[j].Row(row); }
   void Read(uint32_t row, float* value, float* slots) const override {
     const float* v = values_.Row(row);

@@ -16,13 +16,15 @@ namespace kre {
 namespace kv {
 
 template <int D>
-inline void CopyFixed(float* dst, const float* src) {
-  for (int d = 0; d < D; ++d) dst[d] = src[d];
+KRE_KV_INLINE void CopyFixed(float* dst, const float* src) {
+  // One constant-size memcpy: whole-vector moves (a loop of float copies
+  // stays scalar, as dst and src might overlap).
+  __builtin_memcpy(dst, src, D * sizeof(float));
 }
 
 // Copies one row; common widths get an inlined fixed-size copy instead of a
 // library call per row.
-inline void CopyRow(float* dst, const float* src, int64_t dim) {
+KRE_KV_INLINE void CopyRow(float* dst, const float* src, int64_t dim) {
   switch (dim) {
     case 4: return CopyFixed<4>(dst, src);
     case 8: return CopyFixed<8>(dst, src);
@@ -34,12 +36,22 @@ inline void CopyRow(float* dst, const float* src, int64_t dim) {
   }
 }
 
-inline void PrefetchRow(const float* row, int64_t dim) {
+// Prefetches every cache line of a row (also the last one of a row that
+// does not start on a line).
+KRE_KV_INLINE void PrefetchRow(const float* row, int64_t dim) {
   const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t off = 0; off < dim * static_cast<int64_t>(sizeof(float)); off += 64) {
-    __builtin_prefetch(p + off);
-  }
+  const int64_t bytes = dim * static_cast<int64_t>(sizeof(float));
+  __builtin_prefetch(p);
+  __builtin_prefetch(p + bytes - 1);
+  for (int64_t off = 64; off < bytes - 1; off += 64) __builtin_prefetch(p + off);
 }
+
+// Metadata words that training lookups update under a shared shard lock
+// (frequency and change epoch, see Table::LookupOrdered): read and written
+// atomically (relaxed) by whoever may hold the lock shared; holders of the
+// exclusive lock may use plain accesses.
+KRE_KV_INLINE int64_t LoadRelaxed(const int64_t* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+KRE_KV_INLINE void StoreRelaxed(int64_t* p, int64_t v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
 
 // Saturating int64 arithmetic for frequencies and versions: they may come
 // from a checkpoint (any int64, INT64_MIN included), and a wrapped difference

@@ -438,6 +438,110 @@ void Table<K>::LookupPipelined(Shard& s, const K* keys, const uint64_t* hashes,
 }
 
 template <typename K>
+int64_t Table<K>::LookupOrdered(const K* keys, int64_t n, bool insert, float* out,
+                                int64_t stride) {
+  if (n <= 0) return 0;
+  const int shards = num_shards();
+  std::vector<std::shared_lock<std::shared_mutex>> locks;
+  locks.reserve(shards);
+  for (auto& sp : shards_) locks.emplace_back(sp->mu);  // in shard order, as LockAll
+  const int64_t now = SatAdd(LatestStep(), 1);
+  const int64_t epoch = epoch_.load(std::memory_order_relaxed);
+  // Per shard: occurrences and hits (added to its counters at the end).
+  std::vector<uint64_t> counts(2 * static_cast<size_t>(shards), 0);
+  std::vector<int64_t> missing;  // batch positions of keys to insert
+  // Three stages kSlotAhead and kRowAhead keys apart, as LookupPipelined:
+  // hash key j and prefetch its index slot; find key j - kSlotAhead and
+  // prefetch its row, output and (training) metadata; copy the row of key
+  // j - kSlotAhead - kRowAhead and count its frequency.
+  constexpr int64_t kSlotAhead = 16;  // powers of two
+  constexpr int64_t kRowAhead = 8;
+  uint64_t hashes[kSlotAhead];
+  const float* rows[kRowAhead];
+  int64_t* metas[kRowAhead];
+  const bool track = options_.track_meta;
+  for (int64_t j = 0; j < n + kSlotAhead + kRowAhead; ++j) {
+    const int64_t c = j - kSlotAhead - kRowAhead;
+    if (c >= 0) {
+      const int64_t r = c & (kRowAhead - 1);
+      if (rows[r] != nullptr) CopyRow(out + c * stride, rows[r], dim_);
+      if (int64_t* m = metas[r]) {
+        int64_t f = LoadRelaxed(m + kFreq);
+        while (!__atomic_compare_exchange_n(m + kFreq, &f, CountFreq(f, 1), /*weak=*/true,
+                                            __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+        }
+        if (LoadRelaxed(m + kEpoch) != epoch) StoreRelaxed(m + kEpoch, epoch);
+      }
+    }
+    const int64_t f = j - kSlotAhead;
+    if (f >= 0 && f < n) {
+      const uint64_t h = hashes[f & (kSlotAhead - 1)];
+      const int sh = ShardOf(h);
+      Shard& s = *shards_[sh];
+      const int64_t idx = s.index.Find(keys[f], h);
+      const float* row = nullptr;
+      int64_t* m = nullptr;
+      ++counts[2 * sh];
+      if (idx >= 0 && s.index.entry(idx).row != kNoRow) {
+        const Entry& e = s.index.entry(idx);
+        row = s.dram->Value(e.row, /*write=*/false);
+        ++counts[2 * sh + 1];
+        if (insert && track && e.aux != kNoRow) {
+          m = s.meta.Row(e.aux);
+          __builtin_prefetch(m, 1);
+        }
+      } else if (!insert) {
+        row = DefaultRow(keys[f]);
+      } else {
+        missing.push_back(f);
+      }
+      if (row != nullptr) {
+        PrefetchRow(row, dim_);
+        __builtin_prefetch(out + f * stride, 1);
+      }
+      rows[f & (kRowAhead - 1)] = row;
+      metas[f & (kRowAhead - 1)] = m;
+    }
+    if (j < n) {
+      const uint64_t h = Hash(keys[j]);
+      hashes[j & (kSlotAhead - 1)] = h;
+      const Index& index = shards_[ShardOf(h)]->index;
+      if (!index.empty_storage()) {
+        __builtin_prefetch(index.CtrlAddress(h));
+        __builtin_prefetch(index.EntryAddress(h));
+      }
+    }
+  }
+  locks.clear();
+  for (int sh = 0; sh < shards; ++sh) {
+    if (counts[2 * sh] > 0) CountLookups(*shards_[sh], counts[2 * sh], counts[2 * sh + 1]);
+  }
+  if (missing.empty()) return 0;
+  // Missing keys (training): shard by shard, in batch order within a shard,
+  // under the exclusive lock; Resolve inserts a key or finds it inserted by
+  // an earlier occurrence (or by another thread meanwhile).
+  std::vector<std::pair<int, int64_t>> by_shard;
+  by_shard.reserve(missing.size());
+  for (int64_t i : missing) by_shard.emplace_back(ShardOf(Hash(keys[i])), i);
+  std::sort(by_shard.begin(), by_shard.end());
+  int64_t inserted = 0;
+  for (size_t b = 0; b < by_shard.size();) {
+    const int sh = by_shard[b].first;
+    Shard& s = *shards_[sh];
+    std::unique_lock<std::shared_mutex> lock(s.mu);
+    uint64_t hits = 0;
+    for (; b < by_shard.size() && by_shard[b].first == sh; ++b) {
+      const int64_t i = by_shard[b].second;
+      CopyRow(out + i * stride,
+              Resolve(s, keys[i], Hash(keys[i]), /*insert=*/true, now, 1, &inserted, &hits),
+              dim_);
+    }
+    CountLookups(s, 0, hits);
+  }
+  return inserted;
+}
+
+template <typename K>
 int64_t Table<K>::Lookup(int shard, const K* keys, const uint64_t* hashes,
                          const int64_t* order, int64_t n, bool insert,
                          float* out) {
@@ -630,7 +734,7 @@ bool Table<K>::Find(K key, std::vector<float>* value, int64_t* freq,
     s.store->Read(e.row, value->data(), slots.data());
   }
   const int64_t* m = Meta(s, e);
-  *freq = m ? m[kFreq] : 0;
+  *freq = m ? LoadRelaxed(m + kFreq) : 0;
   *version = m ? m[kVersion] : 0;
   return true;
 }

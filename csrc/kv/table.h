@@ -161,6 +161,20 @@ class Table {
   int64_t LookupCounted(int shard, const K* keys, const uint64_t* hashes,
                         const int64_t* order, const int32_t* counts, int64_t n,
                         bool insert, float* out, int32_t* skips);
+  // Whether LookupOrdered serves this table: rows in DRAM, no admission
+  // filter.
+  bool OrderedLookups() const { return !file_tier() && !filtering() && !bloom(); }
+  // Looks up keys[0..n) in batch order, no partition by shard needed: the
+  // row of keys[i] goes to out + i * stride (stride >= dim floats). The
+  // table ends as after Partition + Lookup of every shard, and every key
+  // reads what Lookup gives it, but a training lookup is not one step per
+  // shard: keys present are read (and their frequencies counted, atomically)
+  // with every shard locked shared, so concurrent lookups of a table do not
+  // wait on each other, and missing keys are then inserted shard by shard
+  // under the exclusive lock. Requires OrderedLookups(). Returns the number
+  // of keys inserted. Locks every shard: for batches of at least a few keys
+  // per shard.
+  int64_t LookupOrdered(const K* keys, int64_t n, bool insert, float* out, int64_t stride);
   // What keys not yet admitted read: dim() copies of no_permission_value.
   const float* NoPermissionRow() const { return no_permission_row_.data(); }
 
@@ -323,7 +337,7 @@ class Table {
     uint64_t erased_total = 0;    // under the exclusive lock
 
     // The row of an admitted entry (DramRowStore is final: inlined).
-    float* Value(uint32_t row, bool write) {
+    __attribute__((always_inline)) float* Value(uint32_t row, bool write) {
       return dram ? dram->Value(row, write) : store->Value(row, write);
     }
     void SwapContents(Shard& o) {
@@ -382,7 +396,7 @@ class Table {
   }
   int64_t EpochOf(const Shard& s, const Entry& e) const {
     if (!options_.track_meta) return e.aux;
-    return e.aux == kNoRow ? 0 : s.meta.Row(e.aux)[kEpoch];
+    return e.aux == kNoRow ? 0 : LoadRelaxed(s.meta.Row(e.aux) + kEpoch);
   }
   // Adds one batch's lookup counts to the shard's counters.
   void CountLookups(Shard& s, uint64_t occurrences, uint64_t hits);
@@ -654,14 +668,14 @@ void Table<K>::WriteEntries(const ExportBuffers& b, Keep&& keep) const {
     const int64_t* m = Meta(s, e);
     if (e.row == kNoRow) {
       b.keys_filtered[out_f] = e.key;
-      b.freqs_filtered[out_f] = m ? m[kFreq] : 0;
+      b.freqs_filtered[out_f] = m ? LoadRelaxed(m + kFreq) : 0;
       b.versions_filtered[out_f] = m ? m[kVersion] : 0;
       ++out_f;
       return;
     }
     b.keys[out] = e.key;
     s.store->Read(e.row, b.values + out * dim_, b.slots + out * total_width);
-    b.freqs[out] = m ? m[kFreq] : 0;
+    b.freqs[out] = m ? LoadRelaxed(m + kFreq) : 0;
     b.versions[out] = m ? m[kVersion] : 0;
     ++out;
   });

@@ -152,6 +152,12 @@ absl::Status CheckGroupInputs(InferenceContext* c, const GroupAttrs& a,
 // (repeats too) and inverse[f] counts 0, 1, 2, ... The outputs are the
 // same either way. (Training lookups always deduplicate: the gradient and
 // the optimizer's update then handle each key once.)
+// `lean_single_id` (on by default; `single_id` implies it) does the same
+// without `single_id` for the common case only: an inference lookup of a
+// table's only feature whose ids are one per row (row_splits 0, 1, ..., B),
+// without weights or max_norm, reads its ids straight from the input and
+// writes its rows straight into the output (measured: 26 such features,
+// batch 4096, about half the CPU of the deduplicating path).
 REGISTER_OP("KRE>GroupLookup")
     KRE_GROUP_INPUTS
     .Output("outputs: num_features * float")
@@ -161,6 +167,7 @@ REGISTER_OP("KRE>GroupLookup")
     .Attr("insert: bool = false")
     .Attr("concat: bool = false")
     .Attr("single_id: bool = false")
+    .Attr("lean_single_id: bool = true")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       GroupAttrs a;

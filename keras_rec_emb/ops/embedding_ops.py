@@ -162,8 +162,10 @@ def _fused_lookup(params, flat_ids, splits, weights, combiners, max_norms,
         prune_invalid_ids=[bool(b) for b in prunes],
         is_sequence=[bool(b) for b in sequences],
     )
-    if getattr(_SINGLE_ID, "enabled", False):  # the op's default is off
-        attrs["single_id"] = True
+    single_id = getattr(_SINGLE_ID, "enabled", None)
+    if single_id is not None:  # the op's defaults: single_id off, lean_single_id on
+        attrs["single_id"] = single_id
+        attrs["lean_single_id"] = single_id
     _ops.refuse_distribution("A group embedding lookup")
     _ops.refuse_xla("A group embedding lookup")
     outs, _, _ = _ops.gen().kre_group_lookup(
@@ -180,12 +182,16 @@ _SINGLE_ID = threading.local()
 @contextlib.contextmanager
 def single_id_fast_path(enabled):
     """Inside (in this thread), inference group lookups traced take the
-    kernel's single-id fast path (tables whose features have one id per row
-    are looked up without deduplication) if `enabled`; it is off by default:
-    with repeated ids (Zipf-like) the dedupe paid for itself or tied in
-    `benchmarks/group_lookup.py --inference`. For tests and benchmarks
-    comparing both paths; results are the same either way."""
-    previous = getattr(_SINGLE_ID, "enabled", False)
+    kernel's single-id fast path for every table whose features have one id
+    per row (looked up without deduplication) if `enabled`, and no
+    single-id path at all if not. Outside, the default: only the lean
+    single-id path (a table's only feature, one id per row as given, no
+    weights, no max_norm: its ids go from the input straight to the output;
+    measured about half the CPU of the deduplicating path with 26 features
+    in `benchmarks/group_lookup.py --inference`); other tables deduplicate.
+    For tests and benchmarks comparing the paths; results are the same
+    either way (`unique_ids` of a single-id table then lists every id)."""
+    previous = getattr(_SINGLE_ID, "enabled", None)
     _SINGLE_ID.enabled = bool(enabled)
     try:
         yield

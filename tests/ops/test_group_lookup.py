@@ -1,6 +1,7 @@
 """Fused group lookups: outputs and gradients vs NumPy and vs separate
 per-feature lookups, kernel count, training/inference, errors."""
 
+import contextlib
 import doctest
 import os
 
@@ -546,7 +547,12 @@ def test_single_id_group_trains_as_separate_layers(matrix_initializer, wide):
         return layers
 
     runs = {}
-    for mode in ("fast", "general", "separate"):
+    def path(mode):  # "default": no context, the op's lean single-id path
+        if mode == "default":
+            return contextlib.nullcontext()
+        return embedding_ops.single_id_fast_path(mode == "fast")
+
+    for mode in ("fast", "general", "default", "separate"):
         layers = build()
         opt = kre.optimizers.Adagrad(0.3)
         rng = np.random.default_rng(8)
@@ -559,7 +565,7 @@ def test_single_id_group_trains_as_separate_layers(matrix_initializer, wide):
                     out = tf.concat([t.table.lookup(x, insert=True)
                                      for t, x in zip(layers, ids)], -1)
                 else:
-                    with embedding_ops.single_id_fast_path(mode == "fast"):
+                    with path(mode):
                         out = ops.group_embedding_lookup_sparse(
                             layers, [x[:, None] for x in ids], ["sum"] * len(layers),
                             training=True, concat=True)
@@ -571,12 +577,12 @@ def test_single_id_group_trains_as_separate_layers(matrix_initializer, wide):
         if mode == "separate":
             served = tf.concat([t.table.lookup(x) for t, x in zip(layers, probe)], -1)
         else:
-            with embedding_ops.single_id_fast_path(mode == "fast"):
+            with path(mode):
                 served = ops.group_embedding_lookup_sparse(
                     layers, [x[:, None] for x in probe], ["sum"] * len(layers), concat=True)
         outs.append(served.numpy())
         runs[mode] = (outs, [t.table.export() for t in layers])
-    for mode in ("general", "separate"):
+    for mode in ("general", "default", "separate"):
         for a, b in zip(runs["fast"][0], runs[mode][0]):
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
         for ea, eb in zip(runs["fast"][1], runs[mode][1]):
@@ -616,3 +622,144 @@ def test_single_id_fast_path_lists_every_id(fast, training, want_unique, want_in
     np.testing.assert_array_equal(rows.numpy()[0], rows.numpy()[1])
     assert unique.numpy().tolist() == want_unique
     assert inverse.numpy().tolist() == want_inverse
+
+
+# -- the lean single-id path (the op's default) ---------------------------------
+def _lean_case(matrix_initializer, wide):
+    """(params, ids, combiners, weights, default_ids, numpy reference or None
+    per feature, the filtered layer): features 0-2 can take the lean path
+    (int64 table with [batch] ids, int32 table with [batch, 1] ids, a
+    CounterFilter(2) table partly admitted), the others cannot (a table
+    shared by two features, per-id weights, a pruned -1 id filled with
+    default_id, a multi-id feature, a dense matrix)."""
+    rng = np.random.default_rng(3)
+    batch = 9
+    t0, m0 = make_table(matrix_initializer, 4, 0)
+    t1, m1 = make_table(matrix_initializer, 4, 1, key_dtype="int32")
+    filt = EmbeddingVariable(4, ev_option=kre.EmbeddingVariableOption(
+        filter_option=kre.CounterFilter(filter_freq=2)))
+    filt.build()
+    filt.table.lookup(tf.constant([1, 1, 2, 3, 3], tf.int64), insert=True)  # 1, 3 admitted
+    filt.table.lookup(tf.constant([1, 2, 3, 3], tf.int64), insert=True)  # 2 admitted
+    t3, m3 = make_table(matrix_initializer, 4, 3)
+    t4, m4 = make_table(matrix_initializer, 4, 4)
+    t5, m5 = make_table(matrix_initializer, 4, 5)
+    dense, md = make_dense(13, 4, 6)
+    a = [rng.integers(0, 12, batch) for _ in range(7)]
+    a[4][2] = -1
+    multi = tf.ragged.constant([rng.integers(0, 9, int(rng.integers(1, 4))).tolist()
+                                for _ in range(batch)], dtype=tf.int64)
+    w = rng.uniform(0.5, 2.0, batch).astype(np.float32)
+    params = [t0, t1, filt, t3, t3, t4, t5, dense]
+    ids = [tf.constant(a[0]), tf.constant(a[1][:, None]), tf.constant(a[2][:, None]),
+           tf.constant(a[3][:, None]), tf.constant(a[5][:, None]),
+           tf.constant(a[4][:, None]), multi, tf.constant(a[6][:, None])]
+    weights = [None, None, None, None, tf.constant(w[:, None]), None, None, None]
+    defaults = [None, None, None, None, None, 7, None, None]
+    cleaned = np.where(a[4] < 0, 7, a[4])
+    want = [m0(a[0]), m1(a[1]), None, m3(a[3]), m3(a[5]) * w[:, None], m4(cleaned),
+            np.stack([m5(r).sum(0) for r in multi.to_list()]), md(a[6])]
+    if wide:
+        for e in range(_extra_tables()):
+            t, m = make_table(matrix_initializer, 4, 10 + e)
+            x = rng.integers(0, 50, batch)
+            params.append(t)
+            ids.append(tf.constant(x[:, None]))
+            weights.append(None)
+            defaults.append(None)
+            want.append(m(x))
+    return params, ids, weights, defaults, want, filt
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["few_params", "param_per_unit"])
+@pytest.mark.parametrize("concat", [False, True], ids=["dict", "concat"])
+def test_lean_single_id_default_matches_general_separate_and_numpy(matrix_initializer, wide,
+                                                                   concat):
+    """Inference lookups take the lean single-id path by default where they
+    can, the general path in the same op elsewhere: outputs equal the
+    deduplicating path's, the separate tables' own lookups and NumPy's
+    (the filtered table: admitted keys their rows, others
+    no_permission_value); nothing is inserted."""
+    params, ids, weights, defaults, want, filt = _lean_case(matrix_initializer, wide)
+    n = len(params)
+    sizes = [p.table_size() for p in params if isinstance(p, EmbeddingVariable)]
+    results = {}
+    for mode in ("default", "general", "fast"):
+        ctx = (embedding_ops.single_id_fast_path(mode == "fast") if mode != "default"
+               else contextlib.nullcontext())
+        with ctx:
+            out = ops.group_embedding_lookup_sparse(
+                params, ids, ["sum", "mean", "sum", "sqrtn", "sum", "mean", "sum", "sum"]
+                + ["sum"] * (n - 8), sp_weights=weights, default_id=defaults,
+                training=False, concat=concat)
+        results[mode] = out.numpy() if concat else np.concatenate([o.numpy() for o in out], -1)
+    np.testing.assert_array_equal(results["default"], results["general"])
+    np.testing.assert_array_equal(results["default"], results["fast"])
+    separate = filt.table.lookup(tf.reshape(ids[2], [-1])).numpy()
+    assert np.any(separate != 0) and np.any(separate == 0)  # admitted rows and filtered keys
+    want[2] = separate
+    np.testing.assert_allclose(results["default"], np.concatenate(want, -1), rtol=1e-5,
+                               atol=1e-6)
+    assert [p.table_size() for p in params if isinstance(p, EmbeddingVariable)] == sizes
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["few_params", "param_per_unit"])
+def test_lean_single_id_outputs_every_id_and_falls_back(wide):
+    """The lean path's unique_ids lists every id (int64 and int32 tables)
+    and inverse counts 0, 1, ...; a feature whose row_splits are
+    not one id per row, or with an id pruned, deduplicates; training lookups
+    always deduplicate."""
+    layers = [EmbeddingVariable(2, key_dtype=k) for k in ("int64", "int32")]
+    extra = [EmbeddingVariable(2) for _ in range(_extra_tables() if wide else 0)]
+    for t in layers + extra:
+        t.build()
+
+    @tf.function
+    def lookup(ids, training):
+        out = ops.group_embedding_lookup_sparse(layers + extra, ids + [ids[0]] * len(extra),
+                                                "sum", training=training)[0]
+        n = len(layers + extra)
+        return [out.op.outputs[n + p] for p in range(2)], [out.op.outputs[2 * n + f]
+                                                           for f in range(2)]
+
+    dense = [tf.constant([[4], [4], [7]], tf.int64), tf.constant([[6], [4], [5]], tf.int64)]
+    unique, inverse = lookup(dense, False)
+    assert [u.numpy().tolist() for u in unique] == [[4, 4, 7], [6, 4, 5]]
+    assert [i.numpy().tolist() for i in inverse] == [[0, 1, 2], [0, 1, 2]]
+    ragged = [tf.ragged.constant([[4], [4, 7], []], tf.int64),
+              tf.ragged.constant([[-1], [4], [4]], tf.int64)]
+    unique, inverse = lookup(ragged, False)
+    assert [u.numpy().tolist() for u in unique] == [[4, 7], [4]]
+    assert [i.numpy().tolist() for i in inverse] == [[0, 0, 1], [0, 0]]
+    unique, inverse = lookup(dense, True)
+    assert [u.numpy().tolist() for u in unique] == [[4, 7], [6, 4, 5]]
+    assert [i.numpy().tolist() for i in inverse] == [[0, 0, 1], [0, 1, 2]]
+
+
+def test_lean_single_id_bad_input():
+    """Bad input on the lean path's conditions: a 2-D ids input to the raw op
+    is InvalidArgument (it falls back to the general checks), not a crash;
+    a float ids tensor or rank-3 dense ids at the API are ValueError/TypeError
+    naming the argument."""
+    t = EmbeddingVariable(2)
+    t.build()
+    gen = __import__("keras_rec_emb._ops", fromlist=["gen"]).gen()
+    with pytest.raises(tf.errors.InvalidArgumentError, match="must be 1-D"):
+        gen.kre_group_lookup([t.table.handle], [], [tf.constant([[1], [2]], tf.int64)],
+                             [tf.constant([0, 1, 2], tf.int64)], [tf.zeros([0])],
+                             num_params=1,
+                             table_key_dtypes=["int64"], param_dims=[2], feature_params=[0],
+                             combiners=["sum"], max_norms=[0.0], default_ids=[-1],
+                             prune_invalid_ids=[True], is_sequence=[False])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="row_splits"):
+        gen.kre_group_lookup([t.table.handle], [], [tf.constant([1, 2], tf.int64)],
+                             [tf.constant([0, 1, 3], tf.int64)], [tf.zeros([0])],
+                             num_params=1,
+                             table_key_dtypes=["int64"], param_dims=[2], feature_params=[0],
+                             combiners=["sum"], max_norms=[0.0], default_ids=[-1],
+                             prune_invalid_ids=[True], is_sequence=[False])
+    with pytest.raises((ValueError, TypeError), match="sp_ids"):
+        ops.group_embedding_lookup_sparse([t], [tf.constant([[1.5]])], "sum")
+    with pytest.raises(ValueError, match="sp_ids"):
+        ops.group_embedding_lookup_sparse([t], [tf.zeros([2, 1, 1, 1], tf.int64)], "sum",
+                                          is_sequence=True)

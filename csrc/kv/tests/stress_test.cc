@@ -14,6 +14,7 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <new>
 #include <optional>
 #include <random>
@@ -179,6 +180,79 @@ void TestConcurrentStress() {
   }
 }
 
+// Table::LookupOrdered from several threads on one table (2 shards, so the
+// threads meet on each): trainers count frequencies under the shared lock
+// (keys present) and insert new keys under the exclusive one, readers read
+// rows, an exporter reads frequencies meanwhile. Every row read is the
+// key's initializer row (nothing is applied), and the final frequencies are
+// exactly the trainers' occurrences.
+void TestConcurrentOrderedLookups() {
+  TableOptions o;
+  o.dim = kDim;
+  o.default_values.resize(5 * kDim);
+  for (size_t i = 0; i < o.default_values.size(); ++i) o.default_values[i] = float(i / kDim);
+  o.num_shards = 2;
+  Table<int64_t> t(o);
+  constexpr int64_t kKeys = 3000;
+  constexpr int kRounds = 60;
+  constexpr int64_t kBatch = 256;
+  {
+    std::vector<int64_t> first(kKeys / 2);  // half the keys exist before
+    for (int64_t i = 0; i < kKeys / 2; ++i) first[i] = 2 * i;
+    std::vector<float> out(first.size() * kDim);
+    t.LookupOrdered(first.data(), static_cast<int64_t>(first.size()), true, out.data(), kDim);
+  }
+  auto batch = [](int w, int r) {
+    std::mt19937_64 rng(1000 * w + r);
+    std::vector<int64_t> keys(kBatch);
+    for (auto& k : keys) k = static_cast<int64_t>(rng() % (rng() % 2 ? 40 : kKeys));  // hot keys
+    return keys;
+  };
+  std::atomic<int> problems{0};
+  std::atomic<bool> done{false};
+  std::vector<std::thread> threads;
+  for (int w = 0; w < 4; ++w) {
+    threads.emplace_back([&, w] {
+      const bool insert = w < 2;
+      std::vector<float> out(kBatch * kDim);
+      for (int r = 0; r < kRounds; ++r) {
+        const std::vector<int64_t> keys = batch(w, r);
+        t.LookupOrdered(keys.data(), kBatch, insert, out.data(), kDim);
+        for (int64_t i = 0; i < kBatch; ++i) {
+          if (out[i * kDim] != float(keys[i] % 5)) ++problems;
+        }
+      }
+    });
+  }
+  std::thread exporter([&] {
+    while (!done.load()) {
+      const Exported x = ExportAll(t);
+      for (int64_t f : x.freqs) {
+        if (f < 1) ++problems;
+      }
+    }
+  });
+  for (auto& th : threads) th.join();
+  done.store(true);
+  exporter.join();
+  CHECK(problems.load() == 0);
+  std::map<int64_t, int64_t> want;
+  for (int64_t i = 0; i < kKeys / 2; ++i) want[2 * i] = 1;
+  for (int w = 0; w < 2; ++w) {
+    for (int r = 0; r < kRounds; ++r) {
+      for (int64_t k : batch(w, r)) ++want[k];
+    }
+  }
+  CHECK(t.Size() == static_cast<int64_t>(want.size()));
+  std::vector<float> v;
+  int64_t f, ver;
+  bool exact = true;
+  for (const auto& kv : want) exact &= t.Find(kv.first, &v, &f, &ver) && f == kv.second;
+  CHECK(exact);
+  const auto c = t.Counters();
+  CHECK(c.lookups == static_cast<uint64_t>(kKeys / 2 + 4 * kRounds * kBatch));
+}
+
 }  // namespace
 
 int main() {
@@ -189,5 +263,6 @@ int main() {
 #endif
   TestSwapContents();
   TestConcurrentStress();
+  TestConcurrentOrderedLookups();
   return kre::kv::test::Report("stress_test");
 }

@@ -604,6 +604,79 @@ void TestLookupCounted() {
   CHECK(zero.BloomCount(0) == 1);
 }
 
+// LookupOrdered (batch order, strided output) against Partition + Lookup
+// on a twin table: same rows, return values, frequencies, versions,
+// counters, with duplicates, new keys, inference and training, any shard
+// count, metadata tracked or not, a frequency cap.
+template <typename K>
+void CheckOrderedMatchesLookup(kre::kv::TableOptions o, uint64_t seed) {
+  Table<K> a(o), b(o);
+  CHECK(a.OrderedLookups());
+  std::mt19937_64 rng(seed);
+  const int64_t stride = kDim + 3;  // padding columns stay untouched
+  for (int round = 0; round < 12; ++round) {
+    const int64_t n = static_cast<int64_t>(rng() % 300);
+    std::vector<K> keys(n);
+    for (auto& k : keys) k = static_cast<K>(static_cast<int64_t>(rng() % 500) - 100);
+    const bool insert = round % 3 != 2;
+    int64_t inserted_b = 0;
+    const std::vector<float> want = Lookup(b, keys, insert, &inserted_b);
+    std::vector<float> got(n * stride + 1, -7.0f);
+    const int64_t inserted_a = a.LookupOrdered(keys.data(), n, insert, got.data(), stride);
+    CHECK(inserted_a == inserted_b);
+    bool same = true;
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t d = 0; d < stride; ++d) {
+        const float g = got[i * stride + d];
+        same &= d < kDim ? g == want[i * kDim + d] : g == -7.0f;
+      }
+    }
+    CHECK(same && got[n * stride] == -7.0f);
+    if (round % 4 == 3) {  // an apply moves the rows away from the defaults
+      std::vector<float> grads(keys.size() * kDim, 0.25f);
+      for (Table<K>* t : {&a, &b}) {
+        auto p = Partition(*t, keys.data(), n, 1, kre::kv::test::Serial);
+        for (int s = 0; s < t->num_shards(); ++s) {
+          const int64_t off = p.offsets[s];
+          t->Apply(s, p.keys.data() + off, p.hashes.data() + off, p.order.data() + off,
+                   p.offsets[s + 1] - off, grads.data(), {}, round,
+                   [](float* v, float**, const float* g) {
+                     for (int64_t d = 0; d < kDim; ++d) v[d] -= g[d];
+                   });
+        }
+      }
+    }
+  }
+  CHECK(ExportAll(a) == ExportAll(b));
+  const auto ca = a.Counters(), cb = b.Counters();
+  CHECK(ca.lookups == cb.lookups && ca.hits == cb.hits && ca.admitted == cb.admitted);
+}
+
+void TestLookupOrdered() {
+  kre::kv::TableOptions o = FilterOptions(0);
+  CheckOrderedMatchesLookup<int64_t>(o, 1);
+  CheckOrderedMatchesLookup<int32_t>(o, 2);
+  o.num_shards = 1;
+  CheckOrderedMatchesLookup<int64_t>(o, 3);
+  o.num_shards = 7;
+  o.freq_cap = 3;
+  CheckOrderedMatchesLookup<int64_t>(o, 4);
+  o.track_meta = false;
+  CheckOrderedMatchesLookup<int64_t>(o, 5);
+  CHECK(!Table<int64_t>(FilterOptions(3)).OrderedLookups());
+  // An empty table and an empty batch.
+  Table<int64_t> t(FilterOptions(0));
+  std::vector<int64_t> k = {5, 5};
+  std::vector<float> out(2 * kDim, -1.0f);
+  CHECK(t.LookupOrdered(k.data(), 0, true, out.data(), kDim) == 0 && t.Size() == 0);
+  CHECK(t.LookupOrdered(k.data(), 2, false, out.data(), kDim) == 0 && t.Size() == 0);
+  CHECK(out[0] == Defaults()[5 * kDim]);
+  CHECK(t.LookupOrdered(k.data(), 2, true, out.data(), kDim) == 1 && t.Size() == 1);
+  std::vector<float> v;
+  int64_t f, ver;
+  CHECK(t.Find(5, &v, &f, &ver) && f == 2);
+}
+
 void TestBadConstruction() {
   int threw = 0;
   try { Table<int64_t> t(0, Defaults(), 4); } catch (const std::invalid_argument&) { ++threw; }
@@ -786,6 +859,7 @@ int main() {
   TestEviction();
   TestSaturatingMetadata();
   TestLookupCounted();
+  TestLookupOrdered();
   TestAnyShardCount();
   TestBadConstruction();
   TestIncrementalExport();
