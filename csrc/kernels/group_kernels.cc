@@ -304,6 +304,14 @@ struct ParamIds {
   // Set when the fast path writes its rows straight into the feature's
   // output (order[] then holds output positions in units of dim).
   float* direct_out = nullptr;
+  // The lean path with kv::Table::LookupOrdered (no partition by shard):
+  // the feature's keys in batch order (the ids input itself for an int64
+  // table, keys32 for an int32 one), whose rows go to direct_out + j *
+  // ordered_stride.
+  bool ordered = false;
+  const int64_t* ordered_keys64 = nullptr;
+  int64_t num_ordered = 0;
+  int64_t ordered_stride = 0;
 };
 
 absl::Status ResolveTables(OpKernelContext* ctx, const GroupConfig& cfg,
@@ -747,6 +755,31 @@ void LeanPartition(const kv::Table<K>& table, const GroupConfig& cfg, int f, con
   }
 }
 
+// kv::Table::LookupOrdered locks every shard: the lean path takes it from
+// this many ids per shard on (as the single table lookup does), in blocks
+// of kLeanOrderedBlock ids when a parameter's ids are split over units.
+constexpr int64_t kLeanOrderedPerShard = 4;
+constexpr int64_t kLeanOrderedBlock = 2048;
+
+template <typename K>
+bool LeanOrderedTable(const kv::Table<K>& table, int64_t n) {
+  return table.OrderedLookups() && n >= kLeanOrderedPerShard * table.num_shards();
+}
+
+// The lean path's ordered lookup of ids [begin, end) of parameter p.
+void LeanOrderedLookup(const std::vector<TableSlot>& tables, int p, ParamIds* pid,
+                       int64_t begin, int64_t end) {
+  if (begin >= end) return;
+  float* out = pid->direct_out + begin * pid->ordered_stride;
+  if (tables[p].t64) {
+    tables[p].t64->table().LookupOrdered(pid->ordered_keys64 + begin, end - begin,
+                                         /*insert=*/false, out, pid->ordered_stride);
+  } else {
+    tables[p].t32->table().LookupOrdered(pid->keys32.data() + begin, end - begin,
+                                         /*insert=*/false, out, pid->ordered_stride);
+  }
+}
+
 void LeanPartitionParam(OpKernelContext* ctx, const GroupConfig& cfg,
                         const std::vector<TableSlot>& tables, int p,
                         const std::vector<float*>& outs, int64_t* unique, int32_t* inverse,
@@ -756,6 +789,28 @@ void LeanPartitionParam(OpKernelContext* ctx, const GroupConfig& cfg,
   const int64_t* ids = ids_t.flat<int64_t>().data();
   const int64_t n = ids_t.dim_size(0);
   float* out = cfg.concat ? outs[0] : outs[f];
+  const bool ordered = tables[p].t64 ? LeanOrderedTable(tables[p].t64->table(), n)
+                                     : LeanOrderedTable(tables[p].t32->table(), n);
+  if (ordered) {
+    // No partition: unique_ids and inverse, then LeanOrderedLookup.
+    pid->distinct = false;
+    pid->ordered = true;
+    pid->num_ordered = n;
+    pid->ordered_stride = cfg.row_stride(f);
+    pid->direct_out = out + (cfg.concat ? cfg.feature[f].column : 0);
+    if (tables[p].t64) {
+      pid->ordered_keys64 = ids;
+      std::copy(ids, ids + n, unique);
+    } else {
+      pid->keys32.resize(n);
+      for (int64_t j = 0; j < n; ++j) {
+        pid->keys32[j] = static_cast<int32_t>(ids[j]);
+        unique[j] = pid->keys32[j];
+      }
+    }
+    for (int64_t j = 0; j < n; ++j) inverse[j] = static_cast<int32_t>(j);
+    return;
+  }
   if (tables[p].t64) {
     LeanPartition(tables[p].t64->table(), cfg, f, ids, n, out, unique, inverse, &pid->keys64,
                   pid);
@@ -765,36 +820,31 @@ void LeanPartitionParam(OpKernelContext* ctx, const GroupConfig& cfg,
   }
 }
 
-// The combine pass of the forward, row-block-major: each unit writes rows
-// [b, b + kCombineRows) of every combined feature, so that with `concat` a
-// unit fills whole output rows while they are in cache (feature-major
-// units wrote one 4 * dim-byte stripe of every row per feature: each
-// output line went through the cache once per feature).
-constexpr int64_t kCombineRows = 64;
+// The combine pass of the forward (features not written by their lookups):
+// units of kCombineRows rows of one feature, feature by feature (each
+// parameter's rows stay in cache while its features read them; measured
+// no faster row-block-major over all features).
+constexpr int64_t kCombineRows = 256;
 
 absl::Status CombineBlocks(OpKernelContext* ctx, const GroupConfig& cfg,
                            const std::vector<TableSlot>& tables,
                            const std::vector<ParamIds>& params,
                            const std::vector<Feature>& features,
                            const std::vector<bool>& combined, const std::vector<float*>& outs) {
-  int64_t batch = 0, ids_per_block = 0;
+  std::vector<std::pair<int, int64_t>> units;
   for (size_t f = 0; f < features.size(); ++f) {
     if (!combined[f]) continue;
-    batch = std::max(batch, features[f].batch);
-    const int64_t per_row = features[f].ids.size() / std::max<int64_t>(1, features[f].batch);
-    ids_per_block += kCombineRows * (per_row + 1);
-  }
-  if (batch == 0) return absl::OkStatus();
-  const int64_t blocks = (batch + kCombineRows - 1) / kCombineRows;
-  return ParallelFor(ctx, blocks, 20 * ids_per_block + 1, [&](int64_t blk) {
-    const int64_t begin = blk * kCombineRows;
-    for (size_t f = 0; f < features.size(); ++f) {
-      if (!combined[f]) continue;
-      const int64_t end = std::min(features[f].batch, begin + kCombineRows);
-      if (begin >= end) continue;
-      CombineRows(ctx, cfg, tables, params, features, static_cast<int>(f), begin, end, outs[f]);
+    for (int64_t b = 0; b < features[f].batch; b += kCombineRows) {
+      units.emplace_back(static_cast<int>(f), b);
     }
-  });
+  }
+  return ParallelFor(ctx, static_cast<int64_t>(units.size()), kCombineRows * 200,
+                     [&](int64_t u) {
+                       const int f = units[u].first;
+                       const int64_t begin = units[u].second;
+                       CombineRows(ctx, cfg, tables, params, features, f, begin,
+                                   std::min(features[f].batch, begin + kCombineRows), outs[f]);
+                     });
 }
 
 class GroupLookupOp : public OpKernel {
@@ -893,8 +943,9 @@ class GroupLookupOp : public OpKernel {
     const int threads = ctx->device()->tensorflow_cpu_worker_threads()->num_threads;
     if (P >= 2 * threads) {
       // Enough parameters to keep every thread busy: one unit per parameter
-      // deduplicates and looks up its ids, so the op waits on the pool once
-      // for both phases.
+      // deduplicates (or lean-partitions), looks up and combines its
+      // features, so the op waits on the pool once rather than once per
+      // phase, and a parameter's rows are combined while in cache.
       int64_t total = 0;
       for (const Feature& ft : features) total += ft.batch;
       for (int p = 0; p < cfg.num_tables; ++p) {  // room for every id: none repeats
@@ -903,8 +954,7 @@ class GroupLookupOp : public OpKernel {
         for (int f : cfg.features_of[p]) n += static_cast<int64_t>(features[f].ids.size());
         OP_REQUIRES_OK(ctx, PrepareRows(ctx, cfg, p, n, &params[p]));
       }
-      std::vector<char> direct(P, 0);
-      const int64_t cost = 120 * (total / P + 1);
+      const int64_t cost = 200 * (total / P + 1);
       OP_REQUIRES_OK(ctx, ParallelFor(ctx, P, cost, [&](int64_t p64) {
         const int p = static_cast<int>(p64);
         ParamIds& ids = params[p];
@@ -912,18 +962,21 @@ class GroupLookupOp : public OpKernel {
           lean_partition(p);
         } else {
           DedupeParam(cfg, tables, p, &features, &ids);
-          direct[p] = DirectOutput(ctx, cfg, p, outs, &ids);
         }
-        if (cfg.is_table(p)) {
+        const bool direct = lean_param[p] || DirectOutput(ctx, cfg, p, outs, &ids);
+        if (ids.ordered) {
+          LeanOrderedLookup(tables, p, &ids, 0, ids.num_ordered);
+        } else if (cfg.is_table(p)) {
           PrepareSkips(&ids);
           for (int sh = 0; sh < tables[p].num_shards(); ++sh) {
             LookupShard(tables, p, sh, insert_, &ids);
           }
         }
+        if (direct) return;
+        for (int f : cfg.features_of[p]) {
+          CombineRows(ctx, cfg, tables, params, features, f, 0, features[f].batch, outs[f]);
+        }
       }));
-      for (int p = 0; p < P; ++p) {
-        if (direct[p]) combined[cfg.features_of[p][0]] = false;
-      }
     } else {
       int64_t total = 0;
       for (const Feature& ft : features) total += ft.batch;
@@ -940,10 +993,25 @@ class GroupLookupOp : public OpKernel {
           combined[cfg.features_of[p][0]] = false;
         }
       }
-      OP_REQUIRES_OK(ctx, LookupDistinct(ctx, cfg, tables, &params, insert_,
-                                         std::vector<bool>(cfg.num_tables, true)));
+      std::vector<bool> wanted(cfg.num_tables, true);
+      std::vector<std::pair<int, int64_t>> ordered_units;  // (parameter, first id)
+      for (int p = 0; p < cfg.num_tables; ++p) {
+        if (!params[p].ordered) continue;
+        wanted[p] = false;
+        for (int64_t b = 0; b < params[p].num_ordered; b += kLeanOrderedBlock) {
+          ordered_units.emplace_back(p, b);
+        }
+      }
+      OP_REQUIRES_OK(ctx, ParallelFor(ctx, static_cast<int64_t>(ordered_units.size()),
+                                      kLeanOrderedBlock * 60, [&](int64_t u) {
+        const int p = ordered_units[u].first;
+        const int64_t b = ordered_units[u].second;
+        LeanOrderedLookup(tables, p, &params[p], b,
+                          std::min(params[p].num_ordered, b + kLeanOrderedBlock));
+      }));
+      OP_REQUIRES_OK(ctx, LookupDistinct(ctx, cfg, tables, &params, insert_, wanted));
+      OP_REQUIRES_OK(ctx, CombineBlocks(ctx, cfg, tables, params, features, combined, outs));
     }
-    OP_REQUIRES_OK(ctx, CombineBlocks(ctx, cfg, tables, params, features, combined, outs));
     for (int p = 0; p < P; ++p) {
       if (lean_param[p]) continue;
       Tensor* u;

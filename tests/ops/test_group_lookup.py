@@ -625,7 +625,7 @@ def test_single_id_fast_path_lists_every_id(fast, training, want_unique, want_in
 
 
 # -- the lean single-id path (the op's default) ---------------------------------
-def _lean_case(matrix_initializer, wide):
+def _lean_case(matrix_initializer, wide, batch):
     """(params, ids, combiners, weights, default_ids, numpy reference or None
     per feature, the filtered layer): features 0-2 can take the lean path
     (int64 table with [batch] ids, int32 table with [batch, 1] ids, a
@@ -633,7 +633,6 @@ def _lean_case(matrix_initializer, wide):
     shared by two features, per-id weights, a pruned -1 id filled with
     default_id, a multi-id feature, a dense matrix)."""
     rng = np.random.default_rng(3)
-    batch = 9
     t0, m0 = make_table(matrix_initializer, 4, 0)
     t1, m1 = make_table(matrix_initializer, 4, 1, key_dtype="int32")
     filt = EmbeddingVariable(4, ev_option=kre.EmbeddingVariableOption(
@@ -671,16 +670,19 @@ def _lean_case(matrix_initializer, wide):
     return params, ids, weights, defaults, want, filt
 
 
+@pytest.mark.parametrize("batch", [9, 300], ids=["partitioned", "ordered"])
 @pytest.mark.parametrize("wide", [False, True], ids=["few_params", "param_per_unit"])
 @pytest.mark.parametrize("concat", [False, True], ids=["dict", "concat"])
 def test_lean_single_id_default_matches_general_separate_and_numpy(matrix_initializer, wide,
-                                                                   concat):
+                                                                   concat, batch):
     """Inference lookups take the lean single-id path by default where they
     can, the general path in the same op elsewhere: outputs equal the
     deduplicating path's, the separate tables' own lookups and NumPy's
     (the filtered table: admitted keys their rows, others
-    no_permission_value); nothing is inserted."""
-    params, ids, weights, defaults, want, filt = _lean_case(matrix_initializer, wide)
+    no_permission_value); nothing is inserted. With 300 ids (>= 4 per
+    shard) the unfiltered lean tables take kv::Table::LookupOrdered, with 9
+    the partition by shard."""
+    params, ids, weights, defaults, want, filt = _lean_case(matrix_initializer, wide, batch)
     n = len(params)
     sizes = [p.table_size() for p in params if isinstance(p, EmbeddingVariable)]
     results = {}
@@ -731,6 +733,10 @@ def test_lean_single_id_outputs_every_id_and_falls_back(wide):
     unique, inverse = lookup(ragged, False)
     assert [u.numpy().tolist() for u in unique] == [[4, 7], [4]]
     assert [i.numpy().tolist() for i in inverse] == [[0, 0, 1], [0, 0]]
+    many = [tf.constant(np.arange(300)[:, None] % 97, tf.int64)] * 2  # LookupOrdered
+    unique, inverse = lookup(many, False)
+    assert [u.numpy().tolist() for u in unique] == [(np.arange(300) % 97).tolist()] * 2
+    assert [i.numpy().tolist() for i in inverse] == [list(range(300))] * 2
     unique, inverse = lookup(dense, True)
     assert [u.numpy().tolist() for u in unique] == [[4, 7], [6, 4, 5]]
     assert [i.numpy().tolist() for i in inverse] == [[0, 0, 1], [0, 1, 2]]
