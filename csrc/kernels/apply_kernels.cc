@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "kernels/table_resource.h"
+#include "kv/shard_ops.h"
 #include "kernels/validate.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
@@ -269,6 +270,39 @@ struct AdagradDecay : RuleDefaults {
   }
 };
 
+// The distinct keys of a shard's part of a batch, in first-seen order, with
+// their gradient rows summed (row order[i] of `sums` is key i's).
+template <typename K>
+struct DistinctRows {
+  DistinctRows(int64_t n, int64_t dim) : dim(dim), groups(n) {
+    keys.reserve(n);
+    hashes.reserve(n);
+    sums.reserve(n * dim);
+  }
+  void Add(K key, uint64_t hash, const float* grad) {
+    bool created;
+    const int64_t i = groups.Group(
+        hash, [&](int64_t other) { return keys[other] == key; }, &created);
+    if (created) {
+      keys.push_back(key);
+      hashes.push_back(hash);
+      order.push_back(i);
+      sums.insert(sums.end(), grad, grad + dim);
+    } else {
+      float* acc = sums.data() + i * dim;
+      for (int64_t d = 0; d < dim; ++d) acc[d] += grad[d];
+    }
+  }
+  int64_t size() const { return static_cast<int64_t>(keys.size()); }
+
+  const int64_t dim;
+  kv::BatchGroups groups;
+  std::vector<K> keys;
+  std::vector<uint64_t> hashes;
+  std::vector<int64_t> order;
+  std::vector<float> sums;
+};
+
 template <typename Rule>
 struct RuleTag {
   using type = Rule;
@@ -397,15 +431,21 @@ class SparseApplyOp : public TableOpKernel<K> {
             }
             rule(var, slots, grad, dim);
           };
+          const int64_t m = p.offsets[s + 1] - b;
           if (kDistinct) {
             table.ApplyDistinct(static_cast<int>(s), p.keys.data() + b, p.hashes.data() + b,
-                                p.order.data() + b, p.offsets[s + 1] - b, g, slot_ids,
-                                version, update);
-          } else {
-            table.Apply(static_cast<int>(s), p.keys.data() + b, p.hashes.data() + b,
-                        p.order.data() + b, p.offsets[s + 1] - b, g, slot_ids, version,
-                        update);
+                                p.order.data() + b, m, g, slot_ids, version, update);
+            return;
           }
+          // Equal keys summed here (in batch order, as kv::Table::Apply
+          // sums them), then the distinct keys applied with prefetching.
+          DistinctRows<K> d(m, dim);
+          for (int64_t j = b; j < b + m; ++j) {
+            d.Add(p.keys[j], p.hashes[j], g + p.order[j] * dim);
+          }
+          table.ApplyDistinct(static_cast<int>(s), d.keys.data(), d.hashes.data(),
+                              d.order.data(), d.size(), d.sums.data(), slot_ids, version,
+                              update);
         }));
   }
 

@@ -7,8 +7,8 @@
 //                 (mask = capacity - 1; low bits, as many as the capacity
 //                 needs)
 //   bits 24..55   shard: ((h >> 24) & 0xFFFFFFFF) * num_shards >> 32, any
-//                 shard count, apart from the tag
-//   bits 57..63   tag: the 7-bit control byte compared before the key
+//                 shard count
+//   bits 56..63   not used by the index (it compares keys in the entries)
 //
 // The counting Bloom filter re-mixes h (bloom_filter.cc) and does not use
 // these bits directly.
@@ -37,8 +37,6 @@ inline uint64_t HashKey(uint64_t x) {
 inline int ShardOfHash(uint64_t h, uint64_t num_shards) {
   return static_cast<int>((((h >> 24) & 0xFFFFFFFFULL) * num_shards) >> 32);
 }
-
-inline uint8_t TagOfHash(uint64_t h) { return static_cast<uint8_t>(h >> 57); }
 
 // Maps a well-mixed 64-bit value to [0, n) with a multiply instead of a
 // division (Lemire's fast range reduction).

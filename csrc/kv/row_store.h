@@ -48,6 +48,9 @@ namespace kv {
 
 // "No row": a key not admitted yet, or a cache slot without a row.
 constexpr uint32_t kNoRow = UINT32_MAX;
+// Row ids are below this: the two values under kNoRow mark a shard index's
+// free slots (shard_index.h).
+constexpr uint32_t kMaxRows = UINT32_MAX - 2;
 
 struct RowStoreStats {
   uint64_t rows = 0;           // rows held
@@ -98,7 +101,7 @@ inline uint32_t TakeRow(std::vector<uint32_t>* free, uint32_t* next, bool* fresh
     free->pop_back();
     return row;
   }
-  if (*next == UINT32_MAX) throw std::length_error("shard is full");
+  if (*next >= kMaxRows) throw std::length_error("shard is full");
   return (*next)++;
 }
 

@@ -1,10 +1,13 @@
 // Copyright keras_rec_emb authors. Apache-2.0.
 //
 // One shard's open-addressing index: keys -> {value row, metadata row}.
-// One control byte per slot (kEmpty, kDeleted or the key's 7-bit tag) kept
-// apart from the entries, linear probing, power-of-two capacity, load factor
-// <= 0.75 with tombstones counted. Every probe goes through Probe(), the one
-// probe loop. Not thread-safe: the table's shard lock guards it.
+// Linear probing over 16-byte entries, power-of-two capacity, load factor
+// <= 0.75 with tombstones counted. A slot's state is its entry's row field
+// (kEmptySlot, kDeletedSlot, or an occupied entry's row id or kNoRow), so a
+// probe reads only the entries, four to a cache line: a lookup touches one
+// line of the index where a separate array of control bytes made it two.
+// Every probe goes through Probe(), the one probe loop. Not thread-safe: the
+// table's shard lock guards it.
 #ifndef KRE_KV_SHARD_INDEX_H_
 #define KRE_KV_SHARD_INDEX_H_
 
@@ -31,31 +34,35 @@ inline uint64_t Probe(uint64_t h, uint64_t mask, Visit&& visit) {
 template <typename K>
 class ShardIndex {
  public:
-  static constexpr uint8_t kEmpty = 0x80;
-  static constexpr uint8_t kDeleted = 0xFE;
+  static constexpr uint32_t kEmptySlot = kNoRow - 1;
+  static constexpr uint32_t kDeletedSlot = kNoRow - 2;
   static constexpr uint64_t kMinCapacity = 16;
 
   struct Entry {
     K key;
-    uint32_t row;       // value (and slot) row; kNoRow while not admitted
+    // Value (and slot) row; kNoRow while not admitted; kEmptySlot or
+    // kDeletedSlot in a free slot (row ids stay below kMaxRows).
+    uint32_t row;
     // The metadata row when the table tracks metadata (kNoRow for none);
     // otherwise the key's change epoch (table.h, "Change tracking"), kept
     // here so that it costs no bytes beyond the entry's own padding.
     uint32_t aux;
   };
 
+  static bool Free(uint32_t row) { return row == kEmptySlot || row == kDeletedSlot; }
+
   // The slot of `key` (hash h), or -1.
   int64_t Find(K key, uint64_t h) const {
-    if (ctrl_.empty()) return -1;
-    const uint8_t tag = TagOfHash(h);
+    if (entries_.empty()) return -1;
     int64_t found = -1;
     Probe(h, mask_, [&](uint64_t i) {
-      const uint8_t c = ctrl_[i];
-      if (c == tag && entries_[i].key == key) {
+      const Entry& e = entries_[i];
+      if (e.row == kEmptySlot) return true;
+      if (e.key == key && e.row != kDeletedSlot) {
         found = static_cast<int64_t>(i);
         return true;
       }
-      return c == kEmpty;
+      return false;
     });
     return found;
   }
@@ -64,7 +71,7 @@ class ShardIndex {
   // is mostly tombstones). Call before Insert; may throw bad_alloc, leaving
   // the index as it was.
   void Reserve() {
-    const uint64_t cap = ctrl_.size();
+    const uint64_t cap = entries_.size();
     if ((live_ + tombstones_ + 1) * 4 > cap * 3) {
       uint64_t new_cap = cap == 0 ? kMinCapacity : cap;
       if ((live_ + 1) * 8 > cap * 3) new_cap = std::max(kMinCapacity, cap * 2);
@@ -72,11 +79,11 @@ class ShardIndex {
     }
   }
 
-  // Inserts an absent key (after Reserve); returns its slot.
+  // Inserts an absent key (after Reserve); returns its slot. e.row is a row
+  // id or kNoRow.
   uint64_t Insert(K key, uint64_t h, Entry e) {
-    const uint64_t i = Probe(h, mask_, [&](uint64_t j) { return (ctrl_[j] & 0x80) != 0; });
-    if (ctrl_[i] == kDeleted) --tombstones_;
-    ctrl_[i] = TagOfHash(h);
+    const uint64_t i = Probe(h, mask_, [&](uint64_t j) { return Free(entries_[j].row); });
+    if (entries_[i].row == kDeletedSlot) --tombstones_;
     e.key = key;
     entries_[i] = e;
     ++live_;
@@ -87,33 +94,30 @@ class ShardIndex {
   void EraseAt(uint64_t i) {
     // With linear probing a slot followed by an empty one ends every probe
     // chain through it, so it can become empty instead of a tombstone.
-    if (ctrl_[(i + 1) & mask_] == kEmpty) {
-      ctrl_[i] = kEmpty;
+    if (entries_[(i + 1) & mask_].row == kEmptySlot) {
+      entries_[i].row = kEmptySlot;
     } else {
-      ctrl_[i] = kDeleted;
+      entries_[i].row = kDeletedSlot;
       ++tombstones_;
     }
     --live_;
   }
 
-  bool Occupied(uint64_t i) const { return !(ctrl_[i] & 0x80); }
-  uint64_t capacity() const { return ctrl_.size(); }
+  bool Occupied(uint64_t i) const { return !Free(entries_[i].row); }
+  uint64_t capacity() const { return entries_.size(); }
   uint64_t live() const { return live_; }
   uint64_t mask() const { return mask_; }
   Entry& entry(uint64_t i) { return entries_[i]; }
   const Entry& entry(uint64_t i) const { return entries_[i]; }
-  // For prefetching the home slot of hash h.
-  const void* CtrlAddress(uint64_t h) const { return &ctrl_[h & mask_]; }
+  // For prefetching the home slot of hash h (the entry: there are no
+  // separate control bytes any more; both name the same line).
+  const void* CtrlAddress(uint64_t h) const { return &entries_[h & mask_]; }
   const void* EntryAddress(uint64_t h) const { return &entries_[h & mask_]; }
-  bool empty_storage() const { return ctrl_.empty(); }
+  bool empty_storage() const { return entries_.empty(); }
 
-  uint64_t MemoryBytes() const {
-    return ctrl_.capacity() + entries_.capacity() * sizeof(Entry);
-  }
+  uint64_t MemoryBytes() const { return entries_.capacity() * sizeof(Entry); }
 
   void Clear() {
-    ctrl_.clear();
-    ctrl_.shrink_to_fit();
     entries_.clear();
     entries_.shrink_to_fit();
     mask_ = 0;
@@ -122,7 +126,6 @@ class ShardIndex {
   }
 
   void Swap(ShardIndex& o) {
-    std::swap(ctrl_, o.ctrl_);
     std::swap(entries_, o.entries_);
     std::swap(mask_, o.mask_);
     std::swap(live_, o.live_);
@@ -131,23 +134,19 @@ class ShardIndex {
 
  private:
   void Rehash(uint64_t new_capacity) {
-    std::vector<uint8_t> ctrl(new_capacity, kEmpty);
-    std::vector<Entry> entries(new_capacity);
+    std::vector<Entry> entries(new_capacity, Entry{K(), kEmptySlot, 0});
     const uint64_t mask = new_capacity - 1;
-    for (uint64_t i = 0; i < ctrl_.size(); ++i) {
-      if (ctrl_[i] & 0x80) continue;
-      const uint64_t h = HashKey(static_cast<uint64_t>(static_cast<int64_t>(entries_[i].key)));
-      const uint64_t j = Probe(h, mask, [&](uint64_t k) { return ctrl[k] == kEmpty; });
-      ctrl[j] = TagOfHash(h);
-      entries[j] = entries_[i];
+    for (const Entry& e : entries_) {
+      if (Free(e.row)) continue;
+      const uint64_t h = HashKey(static_cast<uint64_t>(static_cast<int64_t>(e.key)));
+      const uint64_t j = Probe(h, mask, [&](uint64_t k) { return entries[k].row == kEmptySlot; });
+      entries[j] = e;
     }
-    ctrl_.swap(ctrl);
     entries_.swap(entries);
     mask_ = mask;
     tombstones_ = 0;
   }
 
-  std::vector<uint8_t> ctrl_;  // kEmpty, kDeleted, or a 7-bit hash tag.
   std::vector<Entry> entries_;
   uint64_t mask_ = 0;
   uint64_t live_ = 0;

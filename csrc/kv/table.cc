@@ -349,7 +349,6 @@ int64_t Table<K>::LookupImpl(int shard, const K* keys, const uint64_t* hashes,
   auto prefetch_slots = [&](int64_t begin, int64_t end) {
     if (s.index.empty_storage()) return;
     for (int64_t j = begin; j < end; ++j) {
-      __builtin_prefetch(s.index.CtrlAddress(hashes[j]));
       __builtin_prefetch(s.index.EntryAddress(hashes[j]));
     }
   };
@@ -395,7 +394,6 @@ void Table<K>::LookupPipelined(Shard& s, const K* keys, const uint64_t* hashes,
   int64_t meta_counts[kRowAhead];
   const int64_t epoch = epoch_.load(std::memory_order_relaxed);
   auto prefetch_slot = [&](int64_t j) {
-    __builtin_prefetch(s.index.CtrlAddress(hashes[j]));
     __builtin_prefetch(s.index.EntryAddress(hashes[j]));
   };
   if (!s.index.empty_storage()) {
@@ -507,7 +505,6 @@ int64_t Table<K>::LookupOrdered(const K* keys, int64_t n, bool insert, float* ou
       hashes[j & (kSlotAhead - 1)] = h;
       const Index& index = shards_[ShardOf(h)]->index;
       if (!index.empty_storage()) {
-        __builtin_prefetch(index.CtrlAddress(h));
         __builtin_prefetch(index.EntryAddress(h));
       }
     }

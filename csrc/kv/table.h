@@ -4,7 +4,7 @@
 // rows of fixed width `dim`, free of TensorFlow. An engine with policies:
 //
 // * shard_index.h: the key space is split into shards by hash bits (hash.h
-//   documents which bits pick the shard, the slot and the tag); each shard
+//   documents which bits pick the shard and the slot); each shard
 //   has its own reader/writer lock and open-addressing index of {key,
 //   value_row, meta_row or change epoch} entries.
 // * row_store.h: the seam where rows live: values and parallel optimizer
@@ -112,7 +112,7 @@ class Table {
     return HashKey(static_cast<uint64_t>(static_cast<int64_t>(key)));
   }
   // Bits 24..55 of the hash scaled to [0, num_shards) by a multiply (any
-  // shard count; apart from the slot bits (low) and the tag bits (57..63)).
+  // shard count; apart from the slot bits (low)).
   int ShardOf(uint64_t h) const { return ShardOfHash(h, num_shards_); }
   int num_shards() const { return static_cast<int>(shards_.size()); }
   int64_t dim() const { return dim_; }
@@ -574,7 +574,6 @@ void Table<K>::ApplyDistinct(int shard, const K* keys, const uint64_t* hashes,
   const int64_t epoch = epoch_.load(std::memory_order_relaxed);
   const bool indexed = !s.index.empty_storage();
   auto prefetch_slot = [&](int64_t j) {
-    __builtin_prefetch(s.index.CtrlAddress(hashes[j]));
     __builtin_prefetch(s.index.EntryAddress(hashes[j]));
   };
   if (indexed) {
