@@ -18,8 +18,11 @@
 // Lean pooled path (attr `lean_pooled`, on by default, inference lookups
 // only; see LeanPooledParam): a table's only feature with 0..L ids per row
 // and no weights, max_norm or sequence output skips (2): its kept ids are
-// looked up in batch order (kv::Table::LookupOrdered, or a partition by
-// shard) into a scratch buffer, and (4) combines them as for any feature.
+// looked up in batch order and combined as (4) does: with
+// kv::Table::LookupOrdered in blocks of ~1k ids into a small per-thread
+// scratch buffer, each combined into the output while in cache
+// (LeanPooledRows), or (filtered or large tables, small batches) by a
+// partition by shard into a row buffer and CombineRows.
 // Single-id fast path (attr `single_id`, off by default, inference lookups
 // only; with repeated ids the dedupe measured as fast or faster): a table
 // whose features all have exactly one id per row skips (2)'s
@@ -768,9 +771,14 @@ void LeanPartition(const kv::Table<K>& table, const GroupConfig& cfg, int f, con
 constexpr int64_t kLeanOrderedPerShard = 4;
 constexpr int64_t kLeanOrderedBlock = 2048;
 
+// As TableLookupOp (table_kernels.cc): a larger table is faster shard by
+// shard (its random walk over every shard's memory misses the TLB).
+constexpr int64_t kLeanOrderedMaxKeys = 1 << 16;
+
 template <typename K>
 bool LeanOrderedTable(const kv::Table<K>& table, int64_t n) {
-  return table.OrderedLookups() && n >= kLeanOrderedPerShard * table.num_shards();
+  return table.OrderedLookups() && n >= kLeanOrderedPerShard * table.num_shards() &&
+         table.Size() <= kLeanOrderedMaxKeys;
 }
 
 // The lean path's ordered lookup of ids [begin, end) of parameter p.
@@ -851,12 +859,12 @@ bool LeanPooledParam(OpKernelContext* ctx, const GroupConfig& cfg, bool insert, 
 // the rows buffer when the table allows it, else partitioned by shard for
 // LookupShard.
 void LeanPooledIds(const GroupConfig& cfg, const std::vector<TableSlot>& tables, int p,
-                   std::vector<Feature>* features, ParamIds* pid) {
+                   bool ordered, std::vector<Feature>* features, ParamIds* pid) {
   const int f = cfg.features_of[p][0];
   Feature& ft = (*features)[f];
   const int64_t n = static_cast<int64_t>(ft.ids.size());
   pid->distinct = false;
-  pid->uniq.assign(ft.ids.begin(), ft.ids.end());
+  pid->uniq.swap(ft.ids);  // not read again: the table's rows come through inverse
   for (int64_t j = 0; j < n; ++j) ft.inverse[j] = static_cast<int32_t>(j);
   const TableSlot& t = tables[p];
   if (t.t32) {
@@ -866,13 +874,9 @@ void LeanPooledIds(const GroupConfig& cfg, const std::vector<TableSlot>& tables,
       pid->uniq[j] = pid->keys32[j];
     }
   }
-  const bool ordered = t.t64 ? LeanOrderedTable(t.t64->table(), n)
-                             : LeanOrderedTable(t.t32->table(), n);
-  if (ordered) {
+  if (ordered) {  // LeanPooledRows looks up and combines
     pid->ordered = true;
     pid->num_ordered = n;
-    pid->ordered_stride = cfg.dims[p];
-    pid->direct_out = pid->rows;
     pid->ordered_keys64 = pid->uniq.data();
     return;
   }
@@ -885,6 +889,67 @@ void LeanPooledIds(const GroupConfig& cfg, const std::vector<TableSlot>& tables,
       pid->hashes[j] = kv::Table<int32_t>::Hash(pid->keys32[j]);
     }
     PartitionDistinct(t.t32->table(), pid, &pid->keys32);
+  }
+}
+
+// The lean pooled path with kv::Table::LookupOrdered: rows [begin, end) of
+// table p's feature, in blocks of about kLeanPooledBlock ids, each looked up
+// into a small per-thread scratch buffer (no per-step buffer of every id's
+// row) and combined from it while in cache, as CombineRows does (ids of a
+// row in order; one id of weight 1 gives its row under every combiner;
+// several are summed from 0 and scaled by 1 / n (mean) or 1 / sqrt(n)
+// (sqrtn), n the float sum of their weights 1; an empty row gives zeros).
+constexpr int64_t kLeanPooledBlock = 1024;
+
+void LeanPooledRows(const GroupConfig& cfg, const std::vector<TableSlot>& tables,
+                    const std::vector<Feature>& features, int p, ParamIds* pid, int64_t begin,
+                    int64_t end, float* out) {
+  const int f = cfg.features_of[p][0];
+  const Feature& ft = features[f];
+  const int64_t dim = cfg.dims[p];
+  const int64_t stride = cfg.row_stride(f);
+  const Combiner comb = cfg.feature[f].combiner;
+  thread_local std::vector<float> scratch;
+  int64_t b0 = begin;
+  while (b0 < end) {
+    const int64_t j0 = ft.splits[b0];
+    int64_t b1 = b0 + 1;
+    while (b1 < end && ft.splits[b1 + 1] - j0 <= kLeanPooledBlock) ++b1;
+    const int64_t j1 = ft.splits[b1];
+    if (static_cast<int64_t>(scratch.size()) < (j1 - j0) * dim) {
+      scratch.resize((j1 - j0) * dim);
+    }
+    if (j1 > j0) {
+      if (tables[p].t64) {
+        tables[p].t64->table().LookupOrdered(pid->ordered_keys64 + j0, j1 - j0,
+                                             /*insert=*/false, scratch.data(), dim);
+      } else {
+        tables[p].t32->table().LookupOrdered(pid->keys32.data() + j0, j1 - j0,
+                                             /*insert=*/false, scratch.data(), dim);
+      }
+    }
+    for (int64_t b = b0; b < b1; ++b) {
+      float* o = out + b * stride;
+      const int64_t k0 = ft.splits[b], k1 = ft.splits[b + 1];
+      const float* row = scratch.data() + (k0 - j0) * dim;
+      if (k1 == k0 + 1) {
+        for (int64_t d = 0; d < dim; ++d) o[d] = 1.0f * row[d];
+        continue;
+      }
+      std::fill(o, o + dim, 0.0f);
+      for (int64_t k = k0; k < k1; ++k, row += dim) {
+        for (int64_t d = 0; d < dim; ++d) o[d] += 1.0f * row[d];
+      }
+      if (comb == kSum) continue;
+      float denom = 0;
+      for (int64_t k = k0; k < k1; ++k) denom += 1.0f;
+      if (comb == kSqrtn) denom = std::sqrt(denom);
+      const float c = denom == 0 ? 0.0f : 1.0f / denom;
+      if (c != 1.0f) {
+        for (int64_t d = 0; d < dim; ++d) o[d] *= c;
+      }
+    }
+    b0 = b1;
   }
 }
 
@@ -1009,6 +1074,15 @@ class GroupLookupOp : public OpKernel {
     for (int p = 0; p < cfg.num_tables; ++p) {
       pooled[p] = !lean_param[p] && LeanPooledParam(ctx, cfg, insert_, p);
     }
+    // Decided once here (the table's size may change under a concurrent
+    // training lookup): the ordered ones need no row buffer.
+    std::vector<char> pooled_ordered(P, 0);
+    for (int p = 0; p < cfg.num_tables; ++p) {
+      if (!pooled[p]) continue;
+      const int64_t n = static_cast<int64_t>(features[cfg.features_of[p][0]].ids.size());
+      pooled_ordered[p] = tables[p].t64 ? LeanOrderedTable(tables[p].t64->table(), n)
+                                        : LeanOrderedTable(tables[p].t32->table(), n);
+    }
     auto lean_partition = [&](int p) {
       const int f = cfg.features_of[p][0];
       LeanPartitionParam(ctx, cfg, tables, p, outs, lean_unique[p], features[f].inverse,
@@ -1023,7 +1097,7 @@ class GroupLookupOp : public OpKernel {
       int64_t total = 0;
       for (const Feature& ft : features) total += ft.batch;
       for (int p = 0; p < cfg.num_tables; ++p) {  // room for every id: none repeats
-        if (lean_param[p]) continue;
+        if (lean_param[p] || pooled_ordered[p]) continue;
         int64_t n = 0;
         for (int f : cfg.features_of[p]) n += static_cast<int64_t>(features[f].ids.size());
         OP_REQUIRES_OK(ctx, PrepareRows(ctx, cfg, p, n, &params[p]));
@@ -1035,9 +1109,14 @@ class GroupLookupOp : public OpKernel {
         if (lean_param[p]) {
           lean_partition(p);
         } else if (pooled[p]) {
-          LeanPooledIds(cfg, tables, p, &features, &ids);
+          LeanPooledIds(cfg, tables, p, pooled_ordered[p], &features, &ids);
         } else {
           DedupeParam(cfg, tables, p, &features, &ids);
+        }
+        if (pooled[p] && ids.ordered) {
+          const int f = cfg.features_of[p][0];
+          LeanPooledRows(cfg, tables, features, p, &ids, 0, features[f].batch, outs[f]);
+          return;
         }
         const bool direct =
             lean_param[p] || (!pooled[p] && DirectOutput(ctx, cfg, p, outs, &ids));
@@ -1058,7 +1137,7 @@ class GroupLookupOp : public OpKernel {
       int64_t total = 0;
       for (const Feature& ft : features) total += ft.batch;
       for (int p = 0; p < cfg.num_tables; ++p) {
-        if (!pooled[p]) continue;
+        if (!pooled[p] || pooled_ordered[p]) continue;
         const int64_t n = static_cast<int64_t>(features[cfg.features_of[p][0]].ids.size());
         OP_REQUIRES_OK(ctx, PrepareRows(ctx, cfg, p, n, &params[p]));
       }
@@ -1067,7 +1146,7 @@ class GroupLookupOp : public OpKernel {
         if (lean_param[p]) {
           lean_partition(p);
         } else if (pooled[p]) {
-          LeanPooledIds(cfg, tables, p, &features, &params[p]);
+          LeanPooledIds(cfg, tables, p, pooled_ordered[p], &features, &params[p]);
         } else {
           DedupeParam(cfg, tables, p, &features, &params[p]);
         }
@@ -1082,6 +1161,17 @@ class GroupLookupOp : public OpKernel {
       for (int p = 0; p < cfg.num_tables; ++p) {
         if (!params[p].ordered) continue;
         wanted[p] = false;
+        if (pooled[p]) {  // units of rows: LeanPooledRows looks up and combines
+          const int f = cfg.features_of[p][0];
+          combined[f] = false;
+          const int64_t rows_per_unit =
+              std::max<int64_t>(64, kLeanOrderedBlock * features[f].batch /
+                                        std::max<int64_t>(1, params[p].num_ordered));
+          for (int64_t b = 0; b < features[f].batch; b += rows_per_unit) {
+            ordered_units.emplace_back(p, -1 - b);
+          }
+          continue;
+        }
         for (int64_t b = 0; b < params[p].num_ordered; b += kLeanOrderedBlock) {
           ordered_units.emplace_back(p, b);
         }
@@ -1090,6 +1180,16 @@ class GroupLookupOp : public OpKernel {
                                       kLeanOrderedBlock * 60, [&](int64_t u) {
         const int p = ordered_units[u].first;
         const int64_t b = ordered_units[u].second;
+        if (b < 0) {  // a pooled feature's rows from -1 - b
+          const int f = cfg.features_of[p][0];
+          const int64_t rows_per_unit =
+              std::max<int64_t>(64, kLeanOrderedBlock * features[f].batch /
+                                        std::max<int64_t>(1, params[p].num_ordered));
+          const int64_t r = -1 - b;
+          LeanPooledRows(cfg, tables, features, p, &params[p], r,
+                         std::min(features[f].batch, r + rows_per_unit), outs[f]);
+          return;
+        }
         LeanOrderedLookup(tables, p, &params[p], b,
                           std::min(params[p].num_ordered, b + kLeanOrderedBlock));
       }));

@@ -819,7 +819,7 @@ def _pooled_case(matrix_initializer, wide, batch):
     return params, ids, combiners, defaults, fns, rows, filt
 
 
-@pytest.mark.parametrize("batch", [9, 300], ids=["partitioned", "ordered"])
+@pytest.mark.parametrize("batch", [9, 300, 1500], ids=["partitioned", "ordered", "blocks"])
 @pytest.mark.parametrize("wide", [False, True], ids=["few_params", "param_per_unit"])
 @pytest.mark.parametrize("concat", [False, True], ids=["dict", "concat"])
 def test_lean_pooled_default_matches_general_separate_and_numpy(matrix_initializer, wide,
@@ -831,7 +831,8 @@ def test_lean_pooled_default_matches_general_separate_and_numpy(matrix_initializ
     tables), equal the separate tables' own lookups combined and NumPy's
     (the filtered table: admitted keys their rows, others
     no_permission_value); nothing is inserted. With 300 rows the unfiltered
-    tables take kv::Table::LookupOrdered, with 9 the partition by shard."""
+    tables take kv::Table::LookupOrdered, with 9 the partition by shard; with
+    1500 rows their ids span several lookup blocks and units of rows."""
     params, ids, combiners, defaults, fns, rows, filt = _pooled_case(matrix_initializer, wide,
                                                                       batch)
     sizes = [p.table_size() for p in params if isinstance(p, EmbeddingVariable)]
@@ -905,3 +906,26 @@ def test_lean_pooled_lists_every_kept_id(key_dtype):
     _, unique, inverse = lookup(True)
     assert unique.numpy().tolist() == [4, 9, 7]
     assert inverse.numpy().tolist() == [0, 0, 1, 2, 0]
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_lean_pooled_long_rows(matrix_initializer, combiner):
+    """Rows longer than the lean pooled path's lookup block (1024 ids) and
+    empty rows between them: bit-identical to the general path, equal to
+    NumPy's reference."""
+    rng = np.random.default_rng(7)
+    t, m = make_table(matrix_initializer, 3, 30)
+    lengths = [0, 1500, 3, 0, 2000, 1, 700, 0]
+    rows = [rng.integers(0, 5000, n).tolist() for n in lengths]
+    ids = tf.ragged.constant(rows, dtype=tf.int64, ragged_rank=1)
+    out = {}
+    for fast in (None, False):
+        ctx = (embedding_ops.single_id_fast_path(fast) if fast is not None
+               else contextlib.nullcontext())
+        with ctx:
+            out[fast] = ops.group_embedding_lookup_sparse([t], [ids], combiner)[0].numpy()
+    np.testing.assert_array_equal(out[None], out[False])
+    want = numpy_feature(m, 3, rows,
+                         [[1.0] * len(r) for r in rows], combiner, None, None, False)
+    np.testing.assert_allclose(out[None], want, rtol=1e-5, atol=1e-5)
+    assert np.all(out[None][[0, 3, 7]] == 0) and np.all(out[None][[1, 2, 4]] != 0)
