@@ -415,11 +415,14 @@ void Dedupe(const GroupConfig& cfg, int p, std::vector<Feature>* features, bool 
   }
 }
 
-// Groups a table's distinct keys by shard (a counting sort on their hashes).
-template <typename K>
-void PartitionDistinct(const kv::Table<K>& table, ParamIds* ids, std::vector<K>* keys) {
+// Groups the n keys whose hashes are ids->hashes[0..n) by shard (a counting
+// sort): ids->offsets bound each shard's range, and the key u that lands at
+// position i gets (*keys)[i] = key_of(u), part_hashes[i] = its hash and
+// order[i] = order_of(u).
+template <typename K, typename KeyOf, typename OrderOf>
+void SortByShard(const kv::Table<K>& table, int64_t n, KeyOf&& key_of, OrderOf&& order_of,
+                 ParamIds* ids, std::vector<K>* keys) {
   const int shards = table.num_shards();
-  const int64_t n = static_cast<int64_t>(ids->uniq.size());
   ids->offsets.assign(shards + 1, 0);
   for (int64_t u = 0; u < n; ++u) ++ids->offsets[table.ShardOf(ids->hashes[u]) + 1];
   for (int s = 0; s < shards; ++s) ids->offsets[s + 1] += ids->offsets[s];
@@ -428,11 +431,21 @@ void PartitionDistinct(const kv::Table<K>& table, ParamIds* ids, std::vector<K>*
   ids->part_hashes.resize(n);
   ids->order.resize(n);
   for (int64_t u = 0; u < n; ++u) {
-    const int64_t j = next[table.ShardOf(ids->hashes[u])]++;
-    (*keys)[j] = static_cast<K>(ids->uniq[u]);
-    ids->part_hashes[j] = ids->hashes[u];
-    ids->order[j] = u;
+    const uint64_t h = ids->hashes[u];
+    const int64_t j = next[table.ShardOf(h)]++;
+    (*keys)[j] = key_of(u);
+    ids->part_hashes[j] = h;
+    ids->order[j] = order_of(u);
   }
+}
+
+// Groups a table's distinct keys by shard.
+template <typename K>
+void PartitionDistinct(const kv::Table<K>& table, ParamIds* ids, std::vector<K>* keys) {
+  SortByShard(
+      table, static_cast<int64_t>(ids->uniq.size()),
+      [&](int64_t u) { return static_cast<K>(ids->uniq[u]); }, [](int64_t u) { return u; },
+      ids, keys);
 }
 
 // Whether table p takes the single-id fast path: every feature of it has
@@ -738,31 +751,18 @@ void LeanPartition(const kv::Table<K>& table, const GroupConfig& cfg, int f, con
   const int64_t dim = cfg.dims[cfg.feature[f].param];
   const int64_t step = cfg.row_stride(f) / dim;
   const int64_t col = cfg.concat ? cfg.feature[f].column / dim : 0;
-  const int shards = table.num_shards();
   pid->distinct = false;
   pid->direct_out = out;
   pid->hashes.resize(n);
-  pid->offsets.assign(shards + 1, 0);
   for (int64_t j = 0; j < n; ++j) {
     const K k = static_cast<K>(ids[j]);
     unique[j] = static_cast<int64_t>(k);
     inverse[j] = static_cast<int32_t>(j);
-    const uint64_t h = kv::Table<K>::Hash(k);
-    pid->hashes[j] = h;
-    ++pid->offsets[table.ShardOf(h) + 1];
+    pid->hashes[j] = kv::Table<K>::Hash(k);
   }
-  for (int sh = 0; sh < shards; ++sh) pid->offsets[sh + 1] += pid->offsets[sh];
-  std::vector<int64_t> next(pid->offsets.begin(), pid->offsets.end() - 1);
-  keys->resize(n);
-  pid->part_hashes.resize(n);
-  pid->order.resize(n);
-  for (int64_t j = 0; j < n; ++j) {
-    const uint64_t h = pid->hashes[j];
-    const int64_t i = next[table.ShardOf(h)]++;
-    (*keys)[i] = static_cast<K>(ids[j]);
-    pid->part_hashes[i] = h;
-    pid->order[i] = j * step + col;
-  }
+  SortByShard(
+      table, n, [&](int64_t j) { return static_cast<K>(ids[j]); },
+      [&](int64_t j) { return j * step + col; }, pid, keys);
 }
 
 // kv::Table::LookupOrdered locks every shard: the lean path takes it from

@@ -379,6 +379,10 @@ class Table {
   // Inserts a missing key; with `admit` it gets value and slot rows. Returns
   // its index position.
   uint64_t InsertNew(Shard& s, K key, uint64_t h, bool admit);
+  // The entry a gradient of `key` (hash h) updates, inserting the key when no
+  // filter is on; nullptr when the gradient is dropped (the key is not
+  // admitted). The pointer is valid until the next insert into the shard.
+  Entry* AppliedEntry(Shard& s, K key, uint64_t h, bool filter);
   // Gives entry i its value and slot rows, initialized for its key.
   uint32_t Admit(Shard& s, uint64_t i);
   // The frequency after `count` more occurrences (saturating, and at most
@@ -487,6 +491,17 @@ class Table {
 // Template members used by kernels with their own functors.
 
 template <typename K>
+typename Table<K>::Entry* Table<K>::AppliedEntry(Shard& s, K key, uint64_t h, bool filter) {
+  int64_t idx = s.index.Find(key, h);
+  if (idx < 0) {
+    if (filter) return nullptr;  // never admitted
+    idx = static_cast<int64_t>(InsertNew(s, key, h, /*admit=*/true));
+  }
+  Entry& e = s.index.entry(idx);
+  return e.row == kNoRow ? nullptr : &e;  // kNoRow: not admitted yet
+}
+
+template <typename K>
 template <typename Fn>
 void Table<K>::Apply(int shard, const K* keys, const uint64_t* hashes,
                      const int64_t* order, int64_t n, const float* grads,
@@ -503,13 +518,9 @@ void Table<K>::Apply(int shard, const K* keys, const uint64_t* hashes,
   BatchGroups groups(n);
   const bool filter = filtering() || bloom();
   for (int64_t j = 0; j < n; ++j) {
-    int64_t idx = s.index.Find(keys[j], hashes[j]);
-    if (idx < 0) {
-      if (filter) continue;  // never admitted: the gradient is dropped
-      idx = static_cast<int64_t>(InsertNew(s, keys[j], hashes[j], /*admit=*/true));
-    }
-    Entry& e = s.index.entry(idx);
-    if (e.row == kNoRow) continue;  // not admitted yet: dropped
+    Entry* found = AppliedEntry(s, keys[j], hashes[j], filter);
+    if (found == nullptr) continue;  // not admitted: the gradient is dropped
+    Entry& e = *found;
     Touch(s, e);  // (the entry in the index; `hits` holds copies)
     bool created;
     const int64_t g = groups.Group(
@@ -592,13 +603,9 @@ void Table<K>::ApplyDistinct(int shard, const K* keys, const uint64_t* hashes,
     live[r] = false;
     if (j >= n) continue;
     if (indexed && j + kSlotAhead < n) prefetch_slot(j + kSlotAhead);
-    int64_t idx = s.index.Find(keys[j], hashes[j]);
-    if (idx < 0) {
-      if (filter) continue;  // never admitted: the gradient is dropped
-      idx = static_cast<int64_t>(InsertNew(s, keys[j], hashes[j], /*admit=*/true));
-    }
-    Entry& e = s.index.entry(idx);
-    if (e.row == kNoRow) continue;  // not admitted yet: dropped
+    Entry* found = AppliedEntry(s, keys[j], hashes[j], filter);
+    if (found == nullptr) continue;  // not admitted: the gradient is dropped
+    Entry& e = *found;
     Pending& q = ring[r];
     q.meta = Meta(s, e);
     if (!options_.track_meta) Touch(s, e);  // writes the entry itself

@@ -191,6 +191,32 @@ KRE_REGISTER_TABLE_OP("KRE>TableImport")
       return absl::OkStatus();
     });
 
+// The inputs, attributes and shape function of a fused optimizer step on the
+// rows of `keys` (KRE>TableSparseApply and KRE>TableSparseApplyDistinct).
+#define KRE_REGISTER_SPARSE_APPLY_OP(name)                                        \
+  KRE_REGISTER_TABLE_OP(name)                                                     \
+      .Input("keys: Tkeys")                                                       \
+      .Input("grads: float")                                                      \
+      .Input("hyper: float")                                                      \
+      .Input("step: int64")                                                       \
+      .Attr("rule: {'sgd', 'momentum', 'adagrad', 'adam', 'ftrl', 'adam_async', " \
+            "'adagrad_decay', 'ftrl_group'}")                                     \
+      .Attr("slots: list(string) >= 0")                                           \
+      .Attr("hparam_names: list(string) >= 2")                                    \
+      .SetShapeFn(SparseApplyShape)
+
+absl::Status SparseApplyShape(InferenceContext* c) {
+  TF_RETURN_IF_ERROR(ScalarHandle(c));
+  ShapeHandle keys, grads, hyper, step;
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &keys));
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 2, &grads));
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(3), 1, &hyper));
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(4), 0, &step));
+  DimensionHandle unused;
+  TF_RETURN_IF_ERROR(c->Merge(c->Dim(keys, 0), c->Dim(grads, 0), &unused));
+  return absl::OkStatus();
+}
+
 // One fused optimizer step on the rows of `keys`: equal keys are deduplicated
 // and their gradient rows summed, each distinct row (value and slots) is updated
 // in place by `rule` with hyper-parameters `hyper`, and its version is set to
@@ -198,25 +224,13 @@ KRE_REGISTER_TABLE_OP("KRE>TableImport")
 // then gradients of keys not admitted are dropped. `hparam_names` names the
 // entries of `hyper` and `slots` the table slots the rule reads, as declared in
 // keras_rec_emb/optimizers/rules.py; the kernel checks both against its own.
-KRE_REGISTER_TABLE_OP("KRE>TableSparseApply")
-    .Input("keys: Tkeys")
-    .Input("grads: float")
-    .Input("hyper: float")
-    .Input("step: int64")
-    .Attr("rule: {'sgd', 'momentum', 'adagrad', 'adam', 'ftrl', 'adam_async', "
-          "'adagrad_decay', 'ftrl_group'}")
-    .Attr("slots: list(string) >= 0")
-    .Attr("hparam_names: list(string) >= 2")
-    .SetShapeFn([](InferenceContext* c) {
-      TF_RETURN_IF_ERROR(ScalarHandle(c));
-      ShapeHandle keys, grads, hyper, step;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &keys));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 2, &grads));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(3), 1, &hyper));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(4), 0, &step));
-      DimensionHandle unused;
-      TF_RETURN_IF_ERROR(c->Merge(c->Dim(keys, 0), c->Dim(grads, 0), &unused));
-      return absl::OkStatus();
-    });
+KRE_REGISTER_SPARSE_APPLY_OP("KRE>TableSparseApply");
+
+// KRE>TableSparseApply for `keys` that are distinct (the caller promises it:
+// the table gradient of KRE>GroupLookup, or the output of a unique): the same
+// update, version stamps, insertions and filtering, without the dedupe and
+// the copy of the gradient rows, with the rows prefetched ahead. Equal keys
+// would be applied once each, in order, instead of once with their sum.
+KRE_REGISTER_SPARSE_APPLY_OP("KRE>TableSparseApplyDistinct");
 
 }  // namespace kre

@@ -670,6 +670,21 @@ def _lean_case(matrix_initializer, wide, batch):
     return params, ids, weights, defaults, want, filt
 
 
+def _inference_by_path(params, ids, combiners, concat, **kwargs):
+    """An inference group lookup's output ([batch, sum(dims)]) per path:
+    "default" (the lean paths where they apply), "general" (every single-id
+    path off: deduplicating) and "fast" (the all-tables single-id path)."""
+    results = {}
+    for mode in ("default", "general", "fast"):
+        ctx = (embedding_ops.single_id_fast_path(mode == "fast") if mode != "default"
+               else contextlib.nullcontext())
+        with ctx:
+            out = ops.group_embedding_lookup_sparse(params, ids, combiners, training=False,
+                                                    concat=concat, **kwargs)
+        results[mode] = out.numpy() if concat else np.concatenate([o.numpy() for o in out], -1)
+    return results
+
+
 @pytest.mark.parametrize("batch", [9, 300], ids=["partitioned", "ordered"])
 @pytest.mark.parametrize("wide", [False, True], ids=["few_params", "param_per_unit"])
 @pytest.mark.parametrize("concat", [False, True], ids=["dict", "concat"])
@@ -685,16 +700,9 @@ def test_lean_single_id_default_matches_general_separate_and_numpy(matrix_initia
     params, ids, weights, defaults, want, filt = _lean_case(matrix_initializer, wide, batch)
     n = len(params)
     sizes = [p.table_size() for p in params if isinstance(p, EmbeddingVariable)]
-    results = {}
-    for mode in ("default", "general", "fast"):
-        ctx = (embedding_ops.single_id_fast_path(mode == "fast") if mode != "default"
-               else contextlib.nullcontext())
-        with ctx:
-            out = ops.group_embedding_lookup_sparse(
-                params, ids, ["sum", "mean", "sum", "sqrtn", "sum", "mean", "sum", "sum"]
-                + ["sum"] * (n - 8), sp_weights=weights, default_id=defaults,
-                training=False, concat=concat)
-        results[mode] = out.numpy() if concat else np.concatenate([o.numpy() for o in out], -1)
+    results = _inference_by_path(
+        params, ids, ["sum", "mean", "sum", "sqrtn", "sum", "mean", "sum", "sum"]
+        + ["sum"] * (n - 8), concat, sp_weights=weights, default_id=defaults)
     np.testing.assert_array_equal(results["default"], results["general"])
     np.testing.assert_array_equal(results["default"], results["fast"])
     separate = filt.table.lookup(tf.reshape(ids[2], [-1])).numpy()
@@ -836,14 +844,7 @@ def test_lean_pooled_default_matches_general_separate_and_numpy(matrix_initializ
     params, ids, combiners, defaults, fns, rows, filt = _pooled_case(matrix_initializer, wide,
                                                                       batch)
     sizes = [p.table_size() for p in params if isinstance(p, EmbeddingVariable)]
-    results = {}
-    for mode in ("default", "general", "fast"):
-        ctx = (embedding_ops.single_id_fast_path(mode == "fast") if mode != "default"
-               else contextlib.nullcontext())
-        with ctx:
-            out = ops.group_embedding_lookup_sparse(params, ids, combiners, default_id=defaults,
-                                                    training=False, concat=concat)
-        results[mode] = out.numpy() if concat else np.concatenate([o.numpy() for o in out], -1)
+    results = _inference_by_path(params, ids, combiners, concat, default_id=defaults)
     np.testing.assert_array_equal(results["default"], results["general"])
     np.testing.assert_array_equal(results["default"], results["fast"])
     ones = [[1.0] * len(r) for r in rows[3]]
