@@ -765,21 +765,10 @@ void LeanPartition(const kv::Table<K>& table, const GroupConfig& cfg, int f, con
       [&](int64_t j) { return j * step + col; }, pid, keys);
 }
 
-// kv::Table::LookupOrdered locks every shard: the lean path takes it from
-// this many ids per shard on (as the single table lookup does), in blocks
-// of kLeanOrderedBlock ids when a parameter's ids are split over units.
-constexpr int64_t kLeanOrderedPerShard = 4;
-constexpr int64_t kLeanOrderedBlock = 2048;
-
-// As TableLookupOp (table_kernels.cc): a larger table is faster shard by
-// shard (its random walk over every shard's memory misses the TLB).
-constexpr int64_t kLeanOrderedMaxKeys = 1 << 16;
-
-template <typename K>
-bool LeanOrderedTable(const kv::Table<K>& table, int64_t n) {
-  return table.OrderedLookups() && n >= kLeanOrderedPerShard * table.num_shards() &&
-         table.Size() <= kLeanOrderedMaxKeys;
-}
+// The lean path looks up through kv::Table::LookupOrdered where the table
+// prefers it (as the single table lookup does), in blocks of this many ids
+// when a parameter's ids are split over units.
+constexpr int64_t kLeanOrderedBlock = kv::Table<int64_t>::kOrderedBlock;
 
 // The lean path's ordered lookup of ids [begin, end) of parameter p.
 void LeanOrderedLookup(const std::vector<TableSlot>& tables, int p, ParamIds* pid,
@@ -804,8 +793,8 @@ void LeanPartitionParam(OpKernelContext* ctx, const GroupConfig& cfg,
   const int64_t* ids = ids_t.flat<int64_t>().data();
   const int64_t n = ids_t.dim_size(0);
   float* out = cfg.concat ? outs[0] : outs[f];
-  const bool ordered = tables[p].t64 ? LeanOrderedTable(tables[p].t64->table(), n)
-                                     : LeanOrderedTable(tables[p].t32->table(), n);
+  const bool ordered = tables[p].t64 ? tables[p].t64->table().PrefersOrderedLookup(n)
+                                     : tables[p].t32->table().PrefersOrderedLookup(n);
   if (ordered) {
     // No partition: unique_ids and inverse, then LeanOrderedLookup.
     pid->distinct = false;
@@ -1080,8 +1069,8 @@ class GroupLookupOp : public OpKernel {
     for (int p = 0; p < cfg.num_tables; ++p) {
       if (!pooled[p]) continue;
       const int64_t n = static_cast<int64_t>(features[cfg.features_of[p][0]].ids.size());
-      pooled_ordered[p] = tables[p].t64 ? LeanOrderedTable(tables[p].t64->table(), n)
-                                        : LeanOrderedTable(tables[p].t32->table(), n);
+      pooled_ordered[p] = tables[p].t64 ? tables[p].t64->table().PrefersOrderedLookup(n)
+                                        : tables[p].t32->table().PrefersOrderedLookup(n);
     }
     auto lean_partition = [&](int p) {
       const int f = cfg.features_of[p][0];

@@ -148,8 +148,7 @@ class TableLookupOp : public TableOpKernel<K> {
     if (n == 0) return;
     const K* k = keys.flat<K>().data();
     float* o = out->flat<float>().data();
-    if (table.OrderedLookups() && n >= kMinIdsPerShard * table.num_shards() &&
-        table.Size() <= kOrderedMaxKeys) {
+    if (table.PrefersOrderedLookup(n)) {
       // In batch order, no partition: blocks of ids over the pool, each
       // block with every shard locked shared (kv::Table::LookupOrdered).
       const int64_t blocks = (n + kOrderedBlock - 1) / kOrderedBlock;
@@ -172,13 +171,7 @@ class TableLookupOp : public TableOpKernel<K> {
   }
 
  private:
-  // LookupOrdered locks every shard: worth it from a few ids per shard on.
-  static constexpr int64_t kMinIdsPerShard = 4;
-  static constexpr int64_t kOrderedBlock = 2048;  // ids per parallel block
-  // A larger table is faster shard by shard (benchmarks/kv_ab, 2026-11-24:
-  // 12.5k keys: batch order 1.19x faster; 2M keys: 0.63x as fast, its
-  // random walk over every shard's memory missing the TLB).
-  static constexpr int64_t kOrderedMaxKeys = 1 << 16;
+  static constexpr int64_t kOrderedBlock = kv::Table<K>::kOrderedBlock;
   bool insert_;
 };
 

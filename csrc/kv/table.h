@@ -164,6 +164,20 @@ class Table {
   // Whether LookupOrdered serves this table: rows in DRAM, no admission
   // filter.
   bool OrderedLookups() const { return !file_tier() && !filtering() && !bloom(); }
+  // Whether a lookup of n keys is faster through LookupOrdered than shard by
+  // shard: it locks every shard, so it pays from kMinOrderedIdsPerShard ids
+  // per shard on, and a larger table than kMaxOrderedKeys is faster shard by
+  // shard (benchmarks/kv_ab, 2026-11-24: 12.5k keys: batch order 1.19x
+  // faster; 2M keys: 0.63x as fast, its random walk over every shard's
+  // memory missing the TLB). Callers split such a lookup into blocks of
+  // kOrderedBlock keys over their threads.
+  static constexpr int64_t kMinOrderedIdsPerShard = 4;
+  static constexpr int64_t kMaxOrderedKeys = 1 << 16;
+  static constexpr int64_t kOrderedBlock = 2048;
+  bool PrefersOrderedLookup(int64_t n) const {
+    return OrderedLookups() && n >= kMinOrderedIdsPerShard * num_shards() &&
+           Size() <= kMaxOrderedKeys;
+  }
   // Looks up keys[0..n) in batch order, no partition by shard needed: the
   // row of keys[i] goes to out + i * stride (stride >= dim floats). The
   // table ends as after Partition + Lookup of every shard, and every key
