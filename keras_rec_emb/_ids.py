@@ -4,6 +4,8 @@ masks): the one normalizer of the layers (`embed_ids`) and of the fused
 group lookup (`flat_ids_and_splits`, `collapse_outer`, `weights_values`)
 (private)."""
 
+from typing import NamedTuple
+
 import keras
 import tensorflow as tf
 
@@ -93,6 +95,19 @@ def output_spec(layer, inputs, dim, combiner):
 
 
 # -- the fused group lookup: flat ids and row splits ---------------------------
+class FlatIds(NamedTuple):
+    """One feature's ids already in the fused lookup's form: `values` flat
+    int64 ids (< 0 is padding), `splits` int64 row splits `[batch + 1]`.
+    `in_range`: the ids are known to fit every table's key dtype (checked
+    once for all features, or int32 to begin with), so no per-feature range
+    check is added. What `GroupEmbedding` passes for its stacked
+    `[batch, F(, L)]` input (`KRE>UnstackFeatureIds`)."""
+
+    values: tf.Tensor
+    splits: tf.Tensor
+    in_range: bool = False
+
+
 def int_ids(values, what):
     return integer_ids(values, f"`{what}`")
 
@@ -104,6 +119,8 @@ def collapse_outer(ids, what):
     rank <= 2 ids, else (the dynamic and the static shape [d0, ..., dn-1]) to
     give the combined output back that shape plus the embedding dim.
     """
+    if isinstance(ids, FlatIds):
+        return ids, None
     if isinstance(ids, tf.SparseTensor):
         rank = ids.shape.rank
         if rank is None or rank <= 2:
@@ -123,6 +140,8 @@ def collapse_outer(ids, what):
 
 def flat_ids_and_splits(ids, what):
     """Returns (flat int64 ids, int64 row splits) of [B, None] ids."""
+    if isinstance(ids, FlatIds):
+        return ids.values, ids.splits
     if isinstance(ids, tf.RaggedTensor):
         if ids.ragged_rank != 1:
             raise ValueError(

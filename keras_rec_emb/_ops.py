@@ -92,6 +92,20 @@ def _table_lookup_grad(op, grad):
     return [tf.IndexedSlices(values, keys), None]
 
 
+tf.no_gradient("KRE>UnstackFeatureIds")  # integer ids in, integer ids out
+
+
+def unstack_feature_ids(ids):
+    """Splits `ids` `[batch, F, L]` (int32 or int64, F static) into what the
+    fused group lookup takes per feature: `(values, row_splits)`, `values`
+    a list of F int64 `[batch * L]` tensors (feature j's ids `ids[:, j, :]`
+    row by row, padding kept) and `row_splits` `range(batch + 1) * L`, one
+    int64 tensor shared by all features. One op (`KRE>UnstackFeatureIds`)
+    instead of F strided slices."""
+    values, splits = gen().kre_unstack_feature_ids(ids, num_features=int(ids.shape[1]))
+    return list(values), splits
+
+
 def create_table(default_values, key_dtype, dim, num_shards, track_meta=True,
                  filter_freq=0, bloom=None, no_permission_value=0.0, freq_cap=0,
                  storage_path="", cache_bytes=64 << 20, shared_name="", replica_shard=False):

@@ -4,8 +4,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_rec_emb import variables
-from keras_rec_emb._checks import check_float, check_int
+from keras_rec_emb import _ops, variables
+from keras_rec_emb._checks import assert_ids_in_range, check_float, check_int, integer_ids
+from keras_rec_emb._ids import FlatIds
 from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
 from keras_rec_emb.ops import embedding_ops
 
@@ -308,14 +309,51 @@ class GroupEmbedding(keras.layers.Layer):
                                                 len(names))
             return [tf.ragged.boolean_mask(ids, tf.equal(table_ids, j))
                     for j in range(len(names))], [None] * len(names)
-        ids = tf.convert_to_tensor(inputs)
-        if ids.shape.rank != 2 or ids.shape[-1] != len(names):
+        return self._stacked_inputs(tf.convert_to_tensor(inputs)), [None] * len(names)
+
+    def _check_stacked(self, shape, dtype):
+        """The one-tensor form's shape ([batch, F] or [batch, F, L]) and dtype
+        (integers)."""
+        f = len(self._features)
+        if shape.rank not in (2, 3) or shape[1] != f:
             raise ValueError(
-                f"GroupEmbedding '{self.name}' called on one tensor expects "
-                f"[batch, {len(names)}] ids (column j feeds feature j). "
-                f"Received shape {ids.shape}"
+                f"GroupEmbedding '{self.name}' called on one tensor expects ids "
+                f"[batch, {f}] (column j feeds feature j) or [batch, {f}, length] "
+                f"(ids[:, j, :] feed feature j, padded with -1), features in the "
+                f"order of `features`. Received: ids of shape {shape}"
             )
-        return [ids[:, j] for j in range(len(names))], [None] * len(names)
+        dtype = tf.as_dtype(dtype)
+        if not dtype.is_integer:
+            raise TypeError(
+                f"GroupEmbedding '{self.name}' expects integer ids (int32 or int64). "
+                f"Received: ids of dtype {dtype.name}. Hash strings or floats to "
+                "integers first, e.g. with keras.layers.Hashing."
+            )
+
+    def _stacked_inputs(self, ids):
+        """Per feature `FlatIds` of stacked ids `[batch, F(, L)]`, from one
+        `KRE>UnstackFeatureIds` op (no per-feature slicing), checked once
+        for int32-key tables."""
+        self._check_stacked(ids.shape, ids.dtype)
+        f = len(self._features)
+        if embedding_ops.tracing_stock_lookups():  # a served graph: stock ops only
+            return [ids[:, j] for j in range(f)]
+        if ids.dtype not in (tf.int32, tf.int64):
+            ids = integer_ids(ids, f"GroupEmbedding '{self.name}'", tf.int64)
+        if ids.shape.rank == 2:
+            ids = tf.expand_dims(ids, -1)
+        in_range = ids.dtype == tf.int32
+        if not in_range:
+            key_dtypes = {tf.as_dtype(self.tables[s.table].key_dtype)
+                          for s in self._features.values()
+                          if isinstance(self.tables[s.table], EmbeddingVariable)}
+            if key_dtypes == {tf.int32}:  # one check of all ids (-1 is padding)
+                ids = assert_ids_in_range(ids, tf.int32, f"GroupEmbedding '{self.name}' ids",
+                                          lower=False)
+                in_range = True
+            # int64 tables with int32 ones: each int32 table's ids are checked apart
+        values, splits = _ops.unstack_feature_ids(ids)
+        return [FlatIds(v, splits, in_range) for v in values]
 
     def _checked_table_ids(self, table_ids, ids, n):
         """`table_ids` with a check that every one paired with a real
@@ -358,6 +396,7 @@ class GroupEmbedding(keras.layers.Layer):
         elif isinstance(inputs, (list, tuple)):
             batch = inputs[0].shape[0]
         else:
+            self._check_stacked(tf.TensorShape(inputs.shape), inputs.dtype)
             batch = inputs.shape[0]
         dims = [self._dim(self.tables[s.table]) for s in self._features.values()]
         if self.output_mode == "concat":

@@ -26,7 +26,8 @@ from keras_rec_emb import _ops
 from keras_rec_emb._checks import (COMBINERS, assert_ids_in_range, check_bool, check_float,
                                    check_int)
 from keras_rec_emb._embed_reduce import combine_rows
-from keras_rec_emb._ids import collapse_outer, flat_ids_and_splits, int_ids, weights_values
+from keras_rec_emb._ids import (FlatIds, collapse_outer, flat_ids_and_splits, int_ids,
+                                weights_values)
 from keras_rec_emb.variables import EmbeddingTable, TableVariable
 
 
@@ -221,6 +222,13 @@ def stock_lookups(stock_table):
         _STOCK.table = previous
 
 
+def tracing_stock_lookups():
+    """Whether group lookups traced now run on stock TensorFlow ops (inside
+    `stock_lookups`, for `export_for_serving`): a served graph must not hold
+    any of this package's ops."""
+    return getattr(_STOCK, "table", None) is not None
+
+
 def _checked_splits(splits, nnz):
     """`splits` once checked (with stock ops, in the served graph) to be the
     row splits of `nnz` values: a serving request with malformed ragged
@@ -382,6 +390,7 @@ def _group(params, ids_list, combiners, weights_list, sequences, max_norms,
         )
     ps = [_as_param(p, i) for i, p in enumerate(params)]
     flat, splits, weights, outers = [], [], [], []
+    no_weights = None  # one empty weights tensor shared by unweighted features
     for i, ids in enumerate(ids_list):
         ids, outer = collapse_outer(ids, f"{what_ids}[{i}]")
         if outer is not None and sequences[i]:
@@ -396,8 +405,16 @@ def _group(params, ids_list, combiners, weights_list, sequences, max_norms,
         w = None if weights_list is None else weights_list[i]
         if w is not None and outer is not None:  # the ids' [d0 * ... * dn-1, dn]
             w, _ = collapse_outer(w, f"{what_weights}[{i}]")
-        weights.append(weights_values(w, ids, s, f"{what_weights}[{i}]", f"{what_ids}[{i}]"))
-        if ps[i].table is not None:  # int64 ids must fit an int32 table's keys
+        if w is None:
+            if no_weights is None:
+                no_weights = weights_values(None, ids, s, f"{what_weights}[{i}]",
+                                            f"{what_ids}[{i}]")
+            weights.append(no_weights)
+        else:
+            weights.append(weights_values(w, ids, s, f"{what_weights}[{i}]",
+                                          f"{what_ids}[{i}]"))
+        if ps[i].table is not None and not (isinstance(ids, FlatIds) and ids.in_range):
+            # int64 ids must fit an int32 table's keys
             flat[i] = assert_ids_in_range(v, ps[i].table.key_dtype, f"`{what_ids}[{i}]`",
                                           lower=not prunes[i])
     # Split into ops of at most params_num_per_group distinct parameters.

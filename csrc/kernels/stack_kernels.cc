@@ -1,0 +1,96 @@
+// Copyright keras_rec_emb authors. Apache-2.0.
+// Kernel of KRE>UnstackFeatureIds (see csrc/ops/stack_ops.cc): one pass over
+// the stacked [batch, F, L] ids, row by row, each row's F runs of L ids
+// copied (int32 widened) to the F outputs. Rows are split over the intra-op
+// pool when the input is large.
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/util/work_sharder.h"
+
+namespace kre {
+namespace {
+
+namespace tf = ::tensorflow;
+
+// Copies rows [begin, end) of ids [batch, F, L] to out[j] (feature j's
+// [batch * L] ids).
+template <typename T>
+void CopyRows(const T* ids, int64_t f, int64_t l, int64_t begin, int64_t end,
+              int64_t* const* out) {
+  if (l == 1) {  // one id per feature and row: a transpose
+    for (int64_t b = begin; b < end; ++b) {
+      const T* row = ids + b * f;
+      for (int64_t j = 0; j < f; ++j) out[j][b] = static_cast<int64_t>(row[j]);
+    }
+    return;
+  }
+  for (int64_t b = begin; b < end; ++b) {
+    const T* row = ids + b * f * l;
+    for (int64_t j = 0; j < f; ++j) {
+      int64_t* dst = out[j] + b * l;
+      const T* src = row + j * l;
+      if constexpr (sizeof(T) == sizeof(int64_t)) {
+        std::memcpy(dst, src, l * sizeof(int64_t));
+      } else {
+        for (int64_t k = 0; k < l; ++k) dst[k] = static_cast<int64_t>(src[k]);
+      }
+    }
+  }
+}
+
+template <typename T>
+class UnstackFeatureIdsOp : public tf::OpKernel {
+ public:
+  explicit UnstackFeatureIdsOp(tf::OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_features", &num_features_));
+    OP_REQUIRES(ctx, num_features_ >= 1,
+                tf::errors::InvalidArgument("`num_features` must be >= 1, got ",
+                                            num_features_));
+  }
+
+  void Compute(tf::OpKernelContext* ctx) override {
+    const tf::Tensor& ids = ctx->input(0);
+    OP_REQUIRES(ctx, ids.dims() == 3,
+                tf::errors::InvalidArgument(
+                    "`ids` must be [batch, num_features, length] (rank 3), got shape ",
+                    ids.shape().DebugString()));
+    const int64_t batch = ids.dim_size(0), f = ids.dim_size(1), l = ids.dim_size(2);
+    OP_REQUIRES(ctx, f == num_features_,
+                tf::errors::InvalidArgument("`ids` must have num_features = ", num_features_,
+                                            " features in dimension 1, got shape ",
+                                            ids.shape().DebugString()));
+    std::vector<int64_t*> out(f);
+    for (int64_t j = 0; j < f; ++j) {
+      tf::Tensor* t = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(j, tf::TensorShape({batch * l}), &t));
+      out[j] = t->flat<int64_t>().data();
+    }
+    tf::Tensor* splits_t = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(f, tf::TensorShape({batch + 1}), &splits_t));
+    int64_t* splits = splits_t->flat<int64_t>().data();
+    for (int64_t b = 0; b <= batch; ++b) splits[b] = b * l;
+    if (batch == 0 || l == 0) return;
+    const T* src = ids.flat<T>().data();
+    auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
+    // ~1 cycle per id copied; Shard keeps small inputs on this thread.
+    tf::Shard(workers->num_threads, workers->workers, batch, f * l,
+              [&](int64_t begin, int64_t end) { CopyRows(src, f, l, begin, end, out.data()); });
+  }
+
+ private:
+  int num_features_ = 0;
+};
+
+REGISTER_KERNEL_BUILDER(
+    Name("KRE>UnstackFeatureIds").Device(tf::DEVICE_CPU).TypeConstraint<int32_t>("T"),
+    UnstackFeatureIdsOp<int32_t>);
+REGISTER_KERNEL_BUILDER(
+    Name("KRE>UnstackFeatureIds").Device(tf::DEVICE_CPU).TypeConstraint<int64_t>("T"),
+    UnstackFeatureIdsOp<int64_t>);
+
+}  // namespace
+}  // namespace kre

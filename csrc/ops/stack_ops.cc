@@ -1,0 +1,47 @@
+// Copyright keras_rec_emb authors. Apache-2.0.
+// Op registration and shape function of KRE>UnstackFeatureIds: the ids of F
+// dense features stacked in one [batch, F, L] tensor, split into what the
+// fused group lookup takes per feature (flat int64 ids and row splits) in
+// one op, instead of F strided slices. Kernel: csrc/kernels/stack_kernels.cc.
+#include "tensorflow/core/framework/common_shape_fns.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+namespace kre {
+namespace {
+
+using ::tensorflow::shape_inference::DimensionHandle;
+using ::tensorflow::shape_inference::InferenceContext;
+using ::tensorflow::shape_inference::ShapeHandle;
+
+absl::Status UnstackFeatureIdsShape(InferenceContext* c) {
+  ShapeHandle ids;
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 3, &ids));
+  int num_features;
+  TF_RETURN_IF_ERROR(c->GetAttr("num_features", &num_features));
+  DimensionHandle f;
+  TF_RETURN_IF_ERROR(c->WithValue(c->Dim(ids, 1), num_features, &f));
+  DimensionHandle batch = c->Dim(ids, 0);
+  DimensionHandle n;
+  TF_RETURN_IF_ERROR(c->Multiply(batch, c->Dim(ids, 2), &n));
+  for (int j = 0; j < num_features; ++j) c->set_output(j, c->Vector(n));
+  DimensionHandle splits;
+  TF_RETURN_IF_ERROR(c->Add(batch, 1, &splits));
+  c->set_output(num_features, c->Vector(splits));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+// ids [batch, F, L] -> values_j = ids[:, j, :] flattened row by row (int64,
+// ids < 0 kept: they are padding the group lookup prunes) for j < F, and
+// row_splits = [0, L, 2L, ..., batch * L], shared by every feature.
+REGISTER_OP("KRE>UnstackFeatureIds")
+    .Input("ids: T")
+    .Output("values: num_features * int64")
+    .Output("row_splits: int64")
+    .Attr("T: {int32, int64}")
+    .Attr("num_features: int >= 1")
+    .SetShapeFn(UnstackFeatureIdsShape);
+
+}  // namespace kre
