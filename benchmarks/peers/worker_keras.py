@@ -3,8 +3,10 @@
 `--impl`:
 
 * `group`: ours, one `keras_rec_emb.layers.GroupEmbedding` over one
-  `EmbeddingVariable` per feature (combiner "sum"; multi-id ids as the
-  `[batch, 5]` tensor padded with -1 that GroupEmbedding takes).
+  `EmbeddingVariable` per feature (combiner "sum"), called on the
+  workload's stacked `[batch, F, L]` ids tensor as it is (feature j's ids
+  `ids[:, j, :]`, padded with -1; L = 1 for the single-id variant): one op
+  splits it per feature, no per-feature slicing.
 * `separate`: ours, one `EmbeddingVariable` layer per feature (multi-id ids
   as `tf.RaggedTensor.from_tensor(ids, padding=-1)`, combiner "sum").
 * `keras`: stock Keras, per feature `Hashing(vocab)` then
@@ -76,10 +78,9 @@ class KerasWorker(protocol.FitRounds):
                 self.head = keras.layers.Dense(1, activation="sigmoid")
 
             def embed(self, x, training=None):
+                if impl == "group":  # the stacked [batch, F, L] ids as they are
+                    return self.group(x, training=training)
                 cols = [x[:, j, :] if multi else x[:, j, 0] for j in range(F)]
-                if impl == "group":
-                    return self.group({f"f{j}": c for j, c in enumerate(cols)},
-                                      training=training)
                 if impl == "separate":
                     if multi:
                         cols = [tf.RaggedTensor.from_tensor(c, padding=-1) for c in cols]
