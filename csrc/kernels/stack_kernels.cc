@@ -3,6 +3,7 @@
 // the stacked [batch, F, L] ids, row by row, each row's F runs of L ids
 // copied (int32 widened) to the F outputs. Rows are split over the intra-op
 // pool when the input is large.
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -16,29 +17,55 @@ namespace {
 
 namespace tf = ::tensorflow;
 
+// Rows per block of the one-id copy: a block of the input (kBlock * F ids)
+// stays in L1 while it is read once per feature.
+constexpr int64_t kBlock = 128;
+
 // Copies rows [begin, end) of ids [batch, F, L] to out[j] (feature j's
-// [batch * L] ids).
-template <typename T>
-void CopyRows(const T* ids, int64_t f, int64_t l, int64_t begin, int64_t end,
+// [batch * L] ids). L is a compile-time constant (kL > 0) for the common
+// short rows, so each run of L ids is a few moves, not a memcpy call.
+template <typename T, int kL>
+void CopyRows(const T* __restrict ids, int64_t f, int64_t l, int64_t begin, int64_t end,
               int64_t* const* out) {
-  if (l == 1) {  // one id per feature and row: a transpose
-    for (int64_t b = begin; b < end; ++b) {
-      const T* row = ids + b * f;
-      for (int64_t j = 0; j < f; ++j) out[j][b] = static_cast<int64_t>(row[j]);
-    }
-    return;
-  }
-  for (int64_t b = begin; b < end; ++b) {
-    const T* row = ids + b * f * l;
-    for (int64_t j = 0; j < f; ++j) {
-      int64_t* dst = out[j] + b * l;
-      const T* src = row + j * l;
-      if constexpr (sizeof(T) == sizeof(int64_t)) {
-        std::memcpy(dst, src, l * sizeof(int64_t));
-      } else {
-        for (int64_t k = 0; k < l; ++k) dst[k] = static_cast<int64_t>(src[k]);
+  if constexpr (kL == 1) {  // one id per feature and row: a blocked transpose
+    for (int64_t b0 = begin; b0 < end; b0 += kBlock) {
+      const int64_t b1 = std::min(end, b0 + kBlock);
+      for (int64_t j = 0; j < f; ++j) {
+        int64_t* __restrict dst = out[j];
+        const T* __restrict src = ids + j;
+        for (int64_t b = b0; b < b1; ++b) dst[b] = static_cast<int64_t>(src[b * f]);
       }
     }
+  } else {
+    const int64_t n = kL > 0 ? kL : l;
+    for (int64_t b = begin; b < end; ++b) {
+      const T* __restrict row = ids + b * f * n;
+      for (int64_t j = 0; j < f; ++j) {
+        int64_t* __restrict dst = out[j] + b * n;
+        const T* __restrict src = row + j * n;
+        if constexpr (kL == 0 && sizeof(T) == sizeof(int64_t)) {
+          std::memcpy(dst, src, n * sizeof(int64_t));
+        } else {
+          for (int64_t k = 0; k < n; ++k) dst[k] = static_cast<int64_t>(src[k]);
+        }
+      }
+    }
+  }
+}
+
+template <typename T>
+void CopyRowsAnyLength(const T* ids, int64_t f, int64_t l, int64_t begin, int64_t end,
+                       int64_t* const* out) {
+  switch (l) {
+    case 1: return CopyRows<T, 1>(ids, f, l, begin, end, out);
+    case 2: return CopyRows<T, 2>(ids, f, l, begin, end, out);
+    case 3: return CopyRows<T, 3>(ids, f, l, begin, end, out);
+    case 4: return CopyRows<T, 4>(ids, f, l, begin, end, out);
+    case 5: return CopyRows<T, 5>(ids, f, l, begin, end, out);
+    case 6: return CopyRows<T, 6>(ids, f, l, begin, end, out);
+    case 7: return CopyRows<T, 7>(ids, f, l, begin, end, out);
+    case 8: return CopyRows<T, 8>(ids, f, l, begin, end, out);
+    default: return CopyRows<T, 0>(ids, f, l, begin, end, out);
   }
 }
 
@@ -78,7 +105,9 @@ class UnstackFeatureIdsOp : public tf::OpKernel {
     auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
     // ~1 cycle per id copied; Shard keeps small inputs on this thread.
     tf::Shard(workers->num_threads, workers->workers, batch, f * l,
-              [&](int64_t begin, int64_t end) { CopyRows(src, f, l, begin, end, out.data()); });
+              [&](int64_t begin, int64_t end) {
+                CopyRowsAnyLength(src, f, l, begin, end, out.data());
+              });
   }
 
  private:

@@ -161,10 +161,14 @@ class GroupEmbedding(keras.layers.Layer):
     Input shape:
         A dict from feature name (and weight feature name) to ids `[batch]`,
         `[batch, L]` (pad with -1), `tf.RaggedTensor` or `tf.SparseTensor`
-        `[batch, None]`. Or OneEmbedding's forms: one `[batch, num_features]`
-        tensor whose column j feeds feature j, or a tuple `(ids, table_ids)`
-        of equal shape `[batch, L]` where `table_ids` picks each id's
-        feature (index in `features`).
+        `[batch, None]`. Or one tensor of stacked integer ids, features in
+        the order of `features` (no weight features): `[batch, F]` whose
+        column j feeds feature j (OneEmbedding's form), or `[batch, F, L]`
+        where feature j's ids are `ids[:, j, :]` (pad with -1). One op
+        splits it per feature (no per-feature slicing: with many features
+        the cheapest form to feed). Or a tuple `(ids, table_ids)` of equal
+        shape `[batch, L]` where `table_ids` picks each id's feature (index
+        in `features`).
 
     Output shape:
         dict of `[batch, dim]` (or `[batch, T, dim]` for sequence features),
@@ -188,6 +192,16 @@ class GroupEmbedding(keras.layers.Layer):
     >>> history = model.fit(x, np.ones((32, 1)), epochs=1, verbose=0)
     >>> model.output_shape
     (None, 1)
+
+    Many features fed as one stacked `[batch, F, L]` tensor:
+
+    >>> stacked = keras_rec_emb.layers.GroupEmbedding({
+    ...     f"f{j}": keras_rec_emb.layers.FeatureSpec({"embedding_dim": 4})
+    ...     for j in range(3)}, output_mode="concat")
+    >>> ids = np.array([[[1, 2], [3, -1], [-1, -1]],
+    ...                 [[4, -1], [5, 6], [7, 8]]])  # ids[:, j, :] feed f{j}
+    >>> stacked(ids).shape
+    TensorShape([2, 12])
     """
 
     def __init__(self, features, output_mode="dict", tables=None, name=None, **kwargs):
