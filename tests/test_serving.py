@@ -103,6 +103,26 @@ def test_group_embedding_model_serves_without_the_package(tmp_path):
     np.testing.assert_allclose(serve_elsewhere(path, query), want, rtol=1e-5, atol=1e-6)
 
 
+def test_stacked_group_embedding_model_serves_without_the_package(tmp_path):
+    """GroupEmbedding fed one stacked [batch, F, L] tensor: the served graph
+    slices it with stock ops (no KRE>UnstackFeatureIds)."""
+    group = GroupEmbedding({f"f{j}": FeatureSpec(EmbeddingVariable(3, name=f"t{j}"),
+                                                 combiner=c)
+                            for j, c in enumerate(("sum", "mean", "sqrtn"))},
+                           output_mode="concat")
+    ids = keras.Input((3, 2), dtype="int64")
+    model = keras.Model(ids, keras.layers.Dense(1)(group(ids)))
+    rng = np.random.default_rng(2)
+    model.compile(optimizer=kre.optimizers.Adagrad(0.1), loss="mse")
+    model.fit(rng.integers(-1, 30, (16, 3, 2)), np.ones((16, 1)), verbose=0)
+    query = rng.integers(-1, 40, (4, 3, 2))
+    query[0] = -1
+    want = model.predict(query, verbose=0)
+    path = kre.export_for_serving(model, str(tmp_path / "serving"))
+    np.testing.assert_allclose(serve_elsewhere(path, query.tolist()), want,
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_adaptive_embedding_model_serves_without_the_package(tmp_path):
     keras.utils.set_random_seed(2)
     layer = kre.layers.AdaptiveEmbedding(3, hash_bucket_size=7, promote_threshold=2,
