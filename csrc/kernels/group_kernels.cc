@@ -181,10 +181,19 @@ struct Feature {
   // rank[j]-th occurrence in the batch (ranks only for filtered tables).
   int32_t* inverse = nullptr;
   std::vector<int32_t> rank;
+  // A lean pooled feature built in place (see BuildFeature's `in_place`):
+  // its num_raw kept ids in `raw` (not zeroed first), no weights; `ids`
+  // and `weights` stay empty.
+  std::shared_ptr<int64_t[]> raw;  // (Features are copied by assign)
+  int64_t num_raw = 0;
+  int64_t kept() const { return raw ? num_raw : static_cast<int64_t>(ids.size()); }
 };
 
+// With `in_place` (a lean pooled feature of a table read with
+// LookupOrdered: no weights), the kept ids go to Feature::raw, no weights
+// are written.
 absl::Status BuildFeature(OpKernelContext* ctx, const GroupConfig& cfg, int f,
-                          Feature* out) {
+                          Feature* out, bool in_place = false) {
   const Tensor& ids_t = ctx->input(cfg.ids_input(f));
   const Tensor& splits_t = ctx->input(cfg.splits_input(f));
   const Tensor& weights_t = ctx->input(cfg.weights_input(f));
@@ -221,6 +230,29 @@ absl::Status BuildFeature(OpKernelContext* ctx, const GroupConfig& cfg, int f,
                             ? -1
                             : ctx->input(p).dim_size(0);
   out->batch = batch;
+  if (in_place && w == nullptr && !prune_weights && vocab < 0) {
+    // One branchless pass (a pruned id is written, then overwritten: one
+    // slot of slack) into a buffer that is not zeroed first.
+    out->raw.reset(new int64_t[nnz + (def >= 0 ? batch : 0) + 1]);
+    int64_t* u = out->raw.get();
+    out->splits.resize(batch + 1);
+    int64_t n = 0, max_len = 0;
+    out->splits[0] = 0;
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t row_begin = n;
+      for (int64_t j = splits[b]; j < splits[b + 1]; ++j) {
+        const int64_t id = ids[j];
+        u[n] = id;
+        n += !(prune && id < 0);
+      }
+      if (n == row_begin && def >= 0) u[n++] = def;
+      out->splits[b + 1] = n;
+      max_len = std::max(max_len, n - row_begin);
+    }
+    out->max_len = max_len;
+    out->num_raw = n;
+    return absl::OkStatus();
+  }
   out->splits.resize(batch + 1);
   out->ids.resize(nnz + (def >= 0 ? batch : 0));
   out->weights.resize(out->ids.size());
@@ -322,6 +354,9 @@ struct ParamIds {
   const int64_t* ordered_keys64 = nullptr;
   int64_t num_ordered = 0;
   int64_t ordered_stride = 0;
+  // The lean pooled path of a feature read in place: uniq stays empty; its
+  // unique_ids output, allocated before the lookups, is `raw_out`.
+  int64_t* raw_out = nullptr;
 };
 
 absl::Status ResolveTables(OpKernelContext* ctx, const GroupConfig& cfg,
@@ -851,11 +886,27 @@ void LeanPooledIds(const GroupConfig& cfg, const std::vector<TableSlot>& tables,
                    bool ordered, std::vector<Feature>* features, ParamIds* pid) {
   const int f = cfg.features_of[p][0];
   Feature& ft = (*features)[f];
-  const int64_t n = static_cast<int64_t>(ft.ids.size());
+  const int64_t n = ft.kept();
   pid->distinct = false;
+  const TableSlot& t = tables[p];
+  if (ft.raw) {  // ordered (BuildFeature's in_place)
+    for (int64_t j = 0; j < n; ++j) ft.inverse[j] = static_cast<int32_t>(j);
+    int64_t* u = pid->raw_out;
+    std::copy(ft.raw.get(), ft.raw.get() + n, u);
+    if (t.t32) {
+      pid->keys32.resize(n);
+      for (int64_t j = 0; j < n; ++j) {
+        pid->keys32[j] = static_cast<int32_t>(u[j]);
+        u[j] = pid->keys32[j];
+      }
+    }
+    pid->ordered = true;
+    pid->num_ordered = n;
+    pid->ordered_keys64 = u;
+    return;
+  }
   pid->uniq.swap(ft.ids);  // not read again: the table's rows come through inverse
   for (int64_t j = 0; j < n; ++j) ft.inverse[j] = static_cast<int32_t>(j);
-  const TableSlot& t = tables[p];
   if (t.t32) {
     pid->keys32.resize(n);
     for (int64_t j = 0; j < n; ++j) {
@@ -999,6 +1050,17 @@ class GroupLookupOp : public OpKernel {
       lean[f] = LeanFeature(ctx, cfg, insert_, f);
       if (lean[f]) lean_param[cfg.feature[f].param] = 1;
     }
+    // Tables on the lean pooled path (see LeanPooledParam); those whose
+    // whole ids input would go through LookupOrdered may read it in place.
+    std::vector<char> pooled(P, 0), in_place(F, 0);
+    for (int p = 0; p < cfg.num_tables; ++p) {
+      pooled[p] = !lean_param[p] && LeanPooledParam(ctx, cfg, insert_, p);
+      if (!pooled[p]) continue;
+      const int f = cfg.features_of[p][0];
+      const int64_t nnz = ctx->input(cfg.ids_input(f)).dim_size(0);
+      in_place[f] = tables[p].t64 ? tables[p].t64->table().PrefersOrderedLookup(nnz)
+                                  : tables[p].t32->table().PrefersOrderedLookup(nnz);
+    }
     std::vector<Feature> features(F);
     {
       std::vector<absl::Status> status(F);
@@ -1007,7 +1069,7 @@ class GroupLookupOp : public OpKernel {
           features[f].batch = ctx->input(cfg.ids_input(static_cast<int>(f))).dim_size(0);
           features[f].max_len = 1;
         } else {
-          status[f] = BuildFeature(ctx, cfg, static_cast<int>(f), &features[f]);
+          status[f] = BuildFeature(ctx, cfg, static_cast<int>(f), &features[f], in_place[f]);
         }
       }));
       for (const auto& st : status) OP_REQUIRES_OK(ctx, st);
@@ -1015,8 +1077,7 @@ class GroupLookupOp : public OpKernel {
     std::vector<float*> outs(F);
     for (int f = 0; f < F; ++f) {
       Tensor* inv;
-      const int64_t kept = lean[f] ? features[f].batch
-                                   : static_cast<int64_t>(features[f].ids.size());
+      const int64_t kept = lean[f] ? features[f].batch : features[f].kept();
       OP_REQUIRES_OK(ctx, ctx->allocate_output(F + P + f, TensorShape({kept}), &inv));
       features[f].inverse = inv->flat<int32_t>().data();
       if (cfg.concat) {
@@ -1058,19 +1119,23 @@ class GroupLookupOp : public OpKernel {
       OP_REQUIRES_OK(ctx, ctx->allocate_output(F + p, TensorShape({features[f].batch}), &u));
       lean_unique[p] = u->flat<int64_t>().data();
     }
-    // Tables on the lean pooled path (see LeanPooledParam).
-    std::vector<char> pooled(P, 0);
-    for (int p = 0; p < cfg.num_tables; ++p) {
-      pooled[p] = !lean_param[p] && LeanPooledParam(ctx, cfg, insert_, p);
+    for (int p = 0; p < cfg.num_tables; ++p) {  // pooled features read in place
+      if (!pooled[p] || !features[cfg.features_of[p][0]].raw) continue;
+      Tensor* u;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                              F + p, TensorShape({features[cfg.features_of[p][0]].num_raw}), &u));
+      params[p].raw_out = u->flat<int64_t>().data();
     }
     // Decided once here (the table's size may change under a concurrent
     // training lookup): the ordered ones need no row buffer.
     std::vector<char> pooled_ordered(P, 0);
     for (int p = 0; p < cfg.num_tables; ++p) {
       if (!pooled[p]) continue;
-      const int64_t n = static_cast<int64_t>(features[cfg.features_of[p][0]].ids.size());
-      pooled_ordered[p] = tables[p].t64 ? tables[p].t64->table().PrefersOrderedLookup(n)
-                                        : tables[p].t32->table().PrefersOrderedLookup(n);
+      const Feature& ft = features[cfg.features_of[p][0]];
+      const int64_t n = ft.kept();
+      pooled_ordered[p] = ft.raw != nullptr ||
+                          (tables[p].t64 ? tables[p].t64->table().PrefersOrderedLookup(n)
+                                         : tables[p].t32->table().PrefersOrderedLookup(n));
     }
     auto lean_partition = [&](int p) {
       const int f = cfg.features_of[p][0];
@@ -1188,6 +1253,7 @@ class GroupLookupOp : public OpKernel {
     for (int p = 0; p < P; ++p) {
       if (lean_param[p]) continue;
       Tensor* u;
+      if (params[p].raw_out != nullptr) continue;
       OP_REQUIRES_OK(ctx, ctx->allocate_output(
                               F + p, TensorShape({static_cast<int64_t>(params[p].uniq.size())}),
                               &u));
