@@ -33,6 +33,7 @@
 // the row gradients through `inverse` (no hashing, no table access unless a
 // max_norm clip must be differentiated).
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -941,6 +942,54 @@ void LeanPooledIds(const GroupConfig& cfg, const std::vector<TableSlot>& tables,
 // (sqrtn), n the float sum of their weights 1; an empty row gives zeros).
 constexpr int64_t kLeanPooledBlock = 1024;
 
+// LeanPooledRows' combine of rows [b0, b1) for a width D known at compile
+// time: row b's ids' rows are rows + splits[b] * D, ...; each output row is
+// summed in registers and stored once (no read of the output line), with
+// CombineRows' operations in its order (1 * x for one id; 0 + x_0 + x_1 +
+// ... then * 1 / n or 1 / sqrt(n) for several; zeros for none), so the
+// results are bit-identical.
+template <int D>
+void CombinePooled(const int64_t* splits, int64_t b0, int64_t b1, const float* rows,
+                   Combiner comb, float* out, int64_t stride) {
+  for (int64_t b = b0; b < b1; ++b) {
+    float* o = out + b * stride;
+    const int64_t k0 = splits[b], k1 = splits[b + 1];
+    const float* row = rows + k0 * D;
+    float acc[D];
+    if (k1 == k0 + 1) {
+      for (int d = 0; d < D; ++d) acc[d] = 1.0f * row[d];
+    } else {
+      for (int d = 0; d < D; ++d) acc[d] = 0.0f;
+      for (int64_t k = k0; k < k1; ++k, row += D) {
+        for (int d = 0; d < D; ++d) acc[d] += 1.0f * row[d];
+      }
+      if (comb != kSum) {
+        float denom = 0;
+        for (int64_t k = k0; k < k1; ++k) denom += 1.0f;
+        if (comb == kSqrtn) denom = std::sqrt(denom);
+        const float c = denom == 0 ? 0.0f : 1.0f / denom;
+        if (c != 1.0f) {
+          for (int d = 0; d < D; ++d) acc[d] *= c;
+        }
+      }
+    }
+    std::memcpy(o, acc, sizeof(acc));
+  }
+}
+
+// CombinePooled for the common widths; false for others.
+bool CombinePooledFixed(int64_t dim, const int64_t* splits, int64_t b0, int64_t b1,
+                        const float* rows, Combiner comb, float* out, int64_t stride) {
+  switch (dim) {
+    case 4: CombinePooled<4>(splits, b0, b1, rows, comb, out, stride); return true;
+    case 8: CombinePooled<8>(splits, b0, b1, rows, comb, out, stride); return true;
+    case 16: CombinePooled<16>(splits, b0, b1, rows, comb, out, stride); return true;
+    case 32: CombinePooled<32>(splits, b0, b1, rows, comb, out, stride); return true;
+    case 64: CombinePooled<64>(splits, b0, b1, rows, comb, out, stride); return true;
+    default: return false;
+  }
+}
+
 void LeanPooledRows(const GroupConfig& cfg, const std::vector<TableSlot>& tables,
                     const std::vector<Feature>& features, int p, ParamIds* pid, int64_t begin,
                     int64_t end, float* out) {
@@ -967,6 +1016,11 @@ void LeanPooledRows(const GroupConfig& cfg, const std::vector<TableSlot>& tables
         tables[p].t32->table().LookupOrdered(pid->keys32.data() + j0, j1 - j0,
                                              /*insert=*/false, scratch.data(), dim);
       }
+    }
+    if (CombinePooledFixed(dim, ft.splits.data(), b0, b1, scratch.data() - j0 * dim,
+                                        comb, out, stride)) {
+      b0 = b1;
+      continue;
     }
     for (int64_t b = b0; b < b1; ++b) {
       float* o = out + b * stride;
@@ -1157,8 +1211,16 @@ class GroupLookupOp : public OpKernel {
         OP_REQUIRES_OK(ctx, PrepareRows(ctx, cfg, p, n, &params[p]));
       }
       const int64_t cost = 200 * (total / P + 1);
+      // Every other call goes through the parameters in reverse order: the
+      // tables read last by one call are read first by the next, while still
+      // in the last-level cache (all of a group's tables often exceed it:
+      // 26 tables of 15.5k keys, dim 16, ~40 MB; a cyclic walk over more than
+      // the cache misses on almost every line). Measured (multi, 1 thread,
+      // op alone, interleaved A/B): 0.96x CPU alone, 0.90x with
+      // CombinePooled.
+      const bool reverse = calls_.fetch_add(1, std::memory_order_relaxed) & 1;
       OP_REQUIRES_OK(ctx, ParallelFor(ctx, P, cost, [&](int64_t p64) {
-        const int p = static_cast<int>(p64);
+        const int p = static_cast<int>(reverse ? P - 1 - p64 : p64);
         ParamIds& ids = params[p];
         if (lean_param[p]) {
           lean_partition(p);
@@ -1264,6 +1326,7 @@ class GroupLookupOp : public OpKernel {
  private:
   GroupConfig cfg_;
   bool insert_;
+  std::atomic<uint64_t> calls_{0};  // Compute calls (see `reverse`)
 };
 
 REGISTER_KERNEL_BUILDER(Name("KRE>GroupLookup").Device(tf::DEVICE_CPU), GroupLookupOp);
