@@ -33,6 +33,7 @@
 // the row gradients through `inverse` (no hashing, no table access unless a
 // max_norm clip must be differentiated).
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -181,10 +182,19 @@ struct Feature {
   // rank[j]-th occurrence in the batch (ranks only for filtered tables).
   int32_t* inverse = nullptr;
   std::vector<int32_t> rank;
+  // A lean pooled feature built in place (see BuildFeature's `in_place`):
+  // its num_raw kept ids in `raw` (not zeroed first), no weights; `ids`
+  // and `weights` stay empty.
+  std::shared_ptr<int64_t[]> raw;  // (Features are copied by assign)
+  int64_t num_raw = 0;
+  int64_t kept() const { return raw ? num_raw : static_cast<int64_t>(ids.size()); }
 };
 
+// With `in_place` (a lean pooled feature of a table read with
+// LookupOrdered: no weights), the kept ids go to Feature::raw, no weights
+// are written.
 absl::Status BuildFeature(OpKernelContext* ctx, const GroupConfig& cfg, int f,
-                          Feature* out) {
+                          Feature* out, bool in_place = false) {
   const Tensor& ids_t = ctx->input(cfg.ids_input(f));
   const Tensor& splits_t = ctx->input(cfg.splits_input(f));
   const Tensor& weights_t = ctx->input(cfg.weights_input(f));
@@ -221,6 +231,29 @@ absl::Status BuildFeature(OpKernelContext* ctx, const GroupConfig& cfg, int f,
                             ? -1
                             : ctx->input(p).dim_size(0);
   out->batch = batch;
+  if (in_place && w == nullptr && !prune_weights && vocab < 0) {
+    // One branchless pass (a pruned id is written, then overwritten: one
+    // slot of slack) into a buffer that is not zeroed first.
+    out->raw.reset(new int64_t[nnz + (def >= 0 ? batch : 0) + 1]);
+    int64_t* u = out->raw.get();
+    out->splits.resize(batch + 1);
+    int64_t n = 0, max_len = 0;
+    out->splits[0] = 0;
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t row_begin = n;
+      for (int64_t j = splits[b]; j < splits[b + 1]; ++j) {
+        const int64_t id = ids[j];
+        u[n] = id;
+        n += !(prune && id < 0);
+      }
+      if (n == row_begin && def >= 0) u[n++] = def;
+      out->splits[b + 1] = n;
+      max_len = std::max(max_len, n - row_begin);
+    }
+    out->max_len = max_len;
+    out->num_raw = n;
+    return absl::OkStatus();
+  }
   out->splits.resize(batch + 1);
   out->ids.resize(nnz + (def >= 0 ? batch : 0));
   out->weights.resize(out->ids.size());
@@ -322,6 +355,9 @@ struct ParamIds {
   const int64_t* ordered_keys64 = nullptr;
   int64_t num_ordered = 0;
   int64_t ordered_stride = 0;
+  // The lean pooled path of a feature read in place: uniq stays empty; its
+  // unique_ids output, allocated before the lookups, is `raw_out`.
+  int64_t* raw_out = nullptr;
 };
 
 absl::Status ResolveTables(OpKernelContext* ctx, const GroupConfig& cfg,
@@ -851,11 +887,27 @@ void LeanPooledIds(const GroupConfig& cfg, const std::vector<TableSlot>& tables,
                    bool ordered, std::vector<Feature>* features, ParamIds* pid) {
   const int f = cfg.features_of[p][0];
   Feature& ft = (*features)[f];
-  const int64_t n = static_cast<int64_t>(ft.ids.size());
+  const int64_t n = ft.kept();
   pid->distinct = false;
+  const TableSlot& t = tables[p];
+  if (ft.raw) {  // ordered (BuildFeature's in_place)
+    for (int64_t j = 0; j < n; ++j) ft.inverse[j] = static_cast<int32_t>(j);
+    int64_t* u = pid->raw_out;
+    std::copy(ft.raw.get(), ft.raw.get() + n, u);
+    if (t.t32) {
+      pid->keys32.resize(n);
+      for (int64_t j = 0; j < n; ++j) {
+        pid->keys32[j] = static_cast<int32_t>(u[j]);
+        u[j] = pid->keys32[j];
+      }
+    }
+    pid->ordered = true;
+    pid->num_ordered = n;
+    pid->ordered_keys64 = u;
+    return;
+  }
   pid->uniq.swap(ft.ids);  // not read again: the table's rows come through inverse
   for (int64_t j = 0; j < n; ++j) ft.inverse[j] = static_cast<int32_t>(j);
-  const TableSlot& t = tables[p];
   if (t.t32) {
     pid->keys32.resize(n);
     for (int64_t j = 0; j < n; ++j) {
@@ -890,6 +942,54 @@ void LeanPooledIds(const GroupConfig& cfg, const std::vector<TableSlot>& tables,
 // (sqrtn), n the float sum of their weights 1; an empty row gives zeros).
 constexpr int64_t kLeanPooledBlock = 1024;
 
+// LeanPooledRows' combine of rows [b0, b1) for a width D known at compile
+// time: row b's ids' rows are rows + splits[b] * D, ...; each output row is
+// summed in registers and stored once (no read of the output line), with
+// CombineRows' operations in its order (1 * x for one id; 0 + x_0 + x_1 +
+// ... then * 1 / n or 1 / sqrt(n) for several; zeros for none), so the
+// results are bit-identical.
+template <int D>
+void CombinePooled(const int64_t* splits, int64_t b0, int64_t b1, const float* rows,
+                   Combiner comb, float* out, int64_t stride) {
+  for (int64_t b = b0; b < b1; ++b) {
+    float* o = out + b * stride;
+    const int64_t k0 = splits[b], k1 = splits[b + 1];
+    const float* row = rows + k0 * D;
+    float acc[D];
+    if (k1 == k0 + 1) {
+      for (int d = 0; d < D; ++d) acc[d] = 1.0f * row[d];
+    } else {
+      for (int d = 0; d < D; ++d) acc[d] = 0.0f;
+      for (int64_t k = k0; k < k1; ++k, row += D) {
+        for (int d = 0; d < D; ++d) acc[d] += 1.0f * row[d];
+      }
+      if (comb != kSum) {
+        float denom = 0;
+        for (int64_t k = k0; k < k1; ++k) denom += 1.0f;
+        if (comb == kSqrtn) denom = std::sqrt(denom);
+        const float c = denom == 0 ? 0.0f : 1.0f / denom;
+        if (c != 1.0f) {
+          for (int d = 0; d < D; ++d) acc[d] *= c;
+        }
+      }
+    }
+    std::memcpy(o, acc, sizeof(acc));
+  }
+}
+
+// CombinePooled for the common widths; false for others.
+bool CombinePooledFixed(int64_t dim, const int64_t* splits, int64_t b0, int64_t b1,
+                        const float* rows, Combiner comb, float* out, int64_t stride) {
+  switch (dim) {
+    case 4: CombinePooled<4>(splits, b0, b1, rows, comb, out, stride); return true;
+    case 8: CombinePooled<8>(splits, b0, b1, rows, comb, out, stride); return true;
+    case 16: CombinePooled<16>(splits, b0, b1, rows, comb, out, stride); return true;
+    case 32: CombinePooled<32>(splits, b0, b1, rows, comb, out, stride); return true;
+    case 64: CombinePooled<64>(splits, b0, b1, rows, comb, out, stride); return true;
+    default: return false;
+  }
+}
+
 void LeanPooledRows(const GroupConfig& cfg, const std::vector<TableSlot>& tables,
                     const std::vector<Feature>& features, int p, ParamIds* pid, int64_t begin,
                     int64_t end, float* out) {
@@ -916,6 +1016,11 @@ void LeanPooledRows(const GroupConfig& cfg, const std::vector<TableSlot>& tables
         tables[p].t32->table().LookupOrdered(pid->keys32.data() + j0, j1 - j0,
                                              /*insert=*/false, scratch.data(), dim);
       }
+    }
+    if (CombinePooledFixed(dim, ft.splits.data(), b0, b1, scratch.data() - j0 * dim,
+                                        comb, out, stride)) {
+      b0 = b1;
+      continue;
     }
     for (int64_t b = b0; b < b1; ++b) {
       float* o = out + b * stride;
@@ -999,6 +1104,17 @@ class GroupLookupOp : public OpKernel {
       lean[f] = LeanFeature(ctx, cfg, insert_, f);
       if (lean[f]) lean_param[cfg.feature[f].param] = 1;
     }
+    // Tables on the lean pooled path (see LeanPooledParam); those whose
+    // whole ids input would go through LookupOrdered may read it in place.
+    std::vector<char> pooled(P, 0), in_place(F, 0);
+    for (int p = 0; p < cfg.num_tables; ++p) {
+      pooled[p] = !lean_param[p] && LeanPooledParam(ctx, cfg, insert_, p);
+      if (!pooled[p]) continue;
+      const int f = cfg.features_of[p][0];
+      const int64_t nnz = ctx->input(cfg.ids_input(f)).dim_size(0);
+      in_place[f] = tables[p].t64 ? tables[p].t64->table().PrefersOrderedLookup(nnz)
+                                  : tables[p].t32->table().PrefersOrderedLookup(nnz);
+    }
     std::vector<Feature> features(F);
     {
       std::vector<absl::Status> status(F);
@@ -1007,7 +1123,7 @@ class GroupLookupOp : public OpKernel {
           features[f].batch = ctx->input(cfg.ids_input(static_cast<int>(f))).dim_size(0);
           features[f].max_len = 1;
         } else {
-          status[f] = BuildFeature(ctx, cfg, static_cast<int>(f), &features[f]);
+          status[f] = BuildFeature(ctx, cfg, static_cast<int>(f), &features[f], in_place[f]);
         }
       }));
       for (const auto& st : status) OP_REQUIRES_OK(ctx, st);
@@ -1015,8 +1131,7 @@ class GroupLookupOp : public OpKernel {
     std::vector<float*> outs(F);
     for (int f = 0; f < F; ++f) {
       Tensor* inv;
-      const int64_t kept = lean[f] ? features[f].batch
-                                   : static_cast<int64_t>(features[f].ids.size());
+      const int64_t kept = lean[f] ? features[f].batch : features[f].kept();
       OP_REQUIRES_OK(ctx, ctx->allocate_output(F + P + f, TensorShape({kept}), &inv));
       features[f].inverse = inv->flat<int32_t>().data();
       if (cfg.concat) {
@@ -1058,19 +1173,23 @@ class GroupLookupOp : public OpKernel {
       OP_REQUIRES_OK(ctx, ctx->allocate_output(F + p, TensorShape({features[f].batch}), &u));
       lean_unique[p] = u->flat<int64_t>().data();
     }
-    // Tables on the lean pooled path (see LeanPooledParam).
-    std::vector<char> pooled(P, 0);
-    for (int p = 0; p < cfg.num_tables; ++p) {
-      pooled[p] = !lean_param[p] && LeanPooledParam(ctx, cfg, insert_, p);
+    for (int p = 0; p < cfg.num_tables; ++p) {  // pooled features read in place
+      if (!pooled[p] || !features[cfg.features_of[p][0]].raw) continue;
+      Tensor* u;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                              F + p, TensorShape({features[cfg.features_of[p][0]].num_raw}), &u));
+      params[p].raw_out = u->flat<int64_t>().data();
     }
     // Decided once here (the table's size may change under a concurrent
     // training lookup): the ordered ones need no row buffer.
     std::vector<char> pooled_ordered(P, 0);
     for (int p = 0; p < cfg.num_tables; ++p) {
       if (!pooled[p]) continue;
-      const int64_t n = static_cast<int64_t>(features[cfg.features_of[p][0]].ids.size());
-      pooled_ordered[p] = tables[p].t64 ? tables[p].t64->table().PrefersOrderedLookup(n)
-                                        : tables[p].t32->table().PrefersOrderedLookup(n);
+      const Feature& ft = features[cfg.features_of[p][0]];
+      const int64_t n = ft.kept();
+      pooled_ordered[p] = ft.raw != nullptr ||
+                          (tables[p].t64 ? tables[p].t64->table().PrefersOrderedLookup(n)
+                                         : tables[p].t32->table().PrefersOrderedLookup(n));
     }
     auto lean_partition = [&](int p) {
       const int f = cfg.features_of[p][0];
@@ -1092,8 +1211,16 @@ class GroupLookupOp : public OpKernel {
         OP_REQUIRES_OK(ctx, PrepareRows(ctx, cfg, p, n, &params[p]));
       }
       const int64_t cost = 200 * (total / P + 1);
+      // Every other call goes through the parameters in reverse order: the
+      // tables read last by one call are read first by the next, while still
+      // in the last-level cache (all of a group's tables often exceed it:
+      // 26 tables of 15.5k keys, dim 16, ~40 MB; a cyclic walk over more than
+      // the cache misses on almost every line). Measured (multi, 1 thread,
+      // op alone, interleaved A/B): 0.96x CPU alone, 0.90x with
+      // CombinePooled.
+      const bool reverse = calls_.fetch_add(1, std::memory_order_relaxed) & 1;
       OP_REQUIRES_OK(ctx, ParallelFor(ctx, P, cost, [&](int64_t p64) {
-        const int p = static_cast<int>(p64);
+        const int p = static_cast<int>(reverse ? P - 1 - p64 : p64);
         ParamIds& ids = params[p];
         if (lean_param[p]) {
           lean_partition(p);
@@ -1188,6 +1315,7 @@ class GroupLookupOp : public OpKernel {
     for (int p = 0; p < P; ++p) {
       if (lean_param[p]) continue;
       Tensor* u;
+      if (params[p].raw_out != nullptr) continue;
       OP_REQUIRES_OK(ctx, ctx->allocate_output(
                               F + p, TensorShape({static_cast<int64_t>(params[p].uniq.size())}),
                               &u));
@@ -1198,6 +1326,7 @@ class GroupLookupOp : public OpKernel {
  private:
   GroupConfig cfg_;
   bool insert_;
+  std::atomic<uint64_t> calls_{0};  // Compute calls (see `reverse`)
 };
 
 REGISTER_KERNEL_BUILDER(Name("KRE>GroupLookup").Device(tf::DEVICE_CPU), GroupLookupOp);

@@ -930,3 +930,43 @@ def test_lean_pooled_long_rows(matrix_initializer, combiner):
                          [[1.0] * len(r) for r in rows], combiner, None, None, False)
     np.testing.assert_allclose(out[None], want, rtol=1e-5, atol=1e-5)
     assert np.all(out[None][[0, 3, 7]] == 0) and np.all(out[None][[1, 2, 4]] != 0)
+
+
+@pytest.mark.parametrize("key_dtype", ["int64", "int32"])
+@pytest.mark.parametrize("kept_share", [0.6, 0.01], ids=["most_kept", "few_kept"])
+def test_lean_pooled_in_place_lists_kept_ids(matrix_initializer, key_dtype, kept_share):
+    """A lean pooled feature with enough ids for kv::Table::LookupOrdered has
+    its kept ids built in place (no weights, written once into unique_ids):
+    unique_ids lists every kept id in batch order (-1 pruned, default_id for
+    empty rows, int32 keys as the table reads them), inverse is 0, 1, ...,
+    the rows are bit-identical to the general path's and equal NumPy's, also
+    when so few ids are kept that the table would not pick LookupOrdered
+    for them (the decision is taken on the ids given)."""
+    rng = np.random.default_rng(5)
+    t, m = make_table(matrix_initializer, 4, 50, key_dtype=key_dtype)
+    batch = 400
+    dense = rng.integers(0, 40, (batch, 5))
+    dense[rng.random((batch, 5)) > kept_share] = -1
+    dense[3] = -1  # an empty row
+    ids = tf.constant(dense)
+    rows = [[i for i in r if i >= 0] for r in dense.tolist()]
+    want_unique = sum([r if r else [6] for r in rows], [])
+
+    @tf.function
+    def lookup(fast=None):
+        ctx = (embedding_ops.single_id_fast_path(fast) if fast is not None
+               else contextlib.nullcontext())
+        with ctx:
+            out = ops.group_embedding_lookup_sparse([t], [ids], ["mean"], default_id=[6],
+                                                    training=False)[0]
+        return out, out.op.outputs[1], out.op.outputs[2]
+
+    out, unique, inverse = lookup()
+    assert unique.dtype == tf.int64 and unique.numpy().tolist() == want_unique
+    assert inverse.numpy().tolist() == list(range(len(want_unique)))
+    out_general, unique_general, _ = lookup(fast=False)
+    assert sorted(set(want_unique)) == sorted(unique_general.numpy().tolist())
+    np.testing.assert_array_equal(out.numpy(), out_general.numpy())
+    want = numpy_feature(m, 4, rows, [[1.0] * len(r) for r in rows], "mean", None, 6, False)
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-6)
+    assert t.table_size() == 0
