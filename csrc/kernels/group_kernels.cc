@@ -677,6 +677,15 @@ inline float ClipScale(const float* row, int64_t dim, float max_norm, float* nor
   return norm > max_norm ? max_norm / norm : 1.0f;
 }
 
+// 1 / the combiner's denominator of a row of n unweighted ids (0 when n is
+// 0), summed as CombinerScale sums weights of 1.
+inline float UnweightedScale(Combiner c, int64_t n) {
+  float denom = 0;
+  for (int64_t k = 0; k < n; ++k) denom += 1.0f;
+  if (c == kSqrtn) denom = std::sqrt(denom);
+  return denom == 0 ? 0.0f : 1.0f / denom;
+}
+
 // 1 / the combiner's denominator of row b (0 when it is 0).
 inline float CombinerScale(const Feature& ft, Combiner c, int64_t b) {
   if (c == kSum) return 1.0f;
@@ -964,10 +973,7 @@ void CombinePooled(const int64_t* splits, int64_t b0, int64_t b1, const float* r
         for (int d = 0; d < D; ++d) acc[d] += 1.0f * row[d];
       }
       if (comb != kSum) {
-        float denom = 0;
-        for (int64_t k = k0; k < k1; ++k) denom += 1.0f;
-        if (comb == kSqrtn) denom = std::sqrt(denom);
-        const float c = denom == 0 ? 0.0f : 1.0f / denom;
+        const float c = UnweightedScale(comb, k1 - k0);
         if (c != 1.0f) {
           for (int d = 0; d < D; ++d) acc[d] *= c;
         }
@@ -1035,10 +1041,7 @@ void LeanPooledRows(const GroupConfig& cfg, const std::vector<TableSlot>& tables
         for (int64_t d = 0; d < dim; ++d) o[d] += 1.0f * row[d];
       }
       if (comb == kSum) continue;
-      float denom = 0;
-      for (int64_t k = k0; k < k1; ++k) denom += 1.0f;
-      if (comb == kSqrtn) denom = std::sqrt(denom);
-      const float c = denom == 0 ? 0.0f : 1.0f / denom;
+      const float c = UnweightedScale(comb, k1 - k0);
       if (c != 1.0f) {
         for (int64_t d = 0; d < dim; ++d) o[d] *= c;
       }
