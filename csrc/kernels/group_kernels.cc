@@ -323,6 +323,9 @@ struct TableSlot {
     return t64 ? kv::Table<int64_t>::Hash(id)
                : kv::Table<int32_t>::Hash(static_cast<int32_t>(id));
   }
+  bool PrefersOrderedLookup(int64_t n) const {
+    return t64 ? t64->table().PrefersOrderedLookup(n) : t32->table().PrefersOrderedLookup(n);
+  }
 };
 
 // The distinct ids one parameter is read with, and for a table their rows.
@@ -838,8 +841,7 @@ void LeanPartitionParam(OpKernelContext* ctx, const GroupConfig& cfg,
   const int64_t* ids = ids_t.flat<int64_t>().data();
   const int64_t n = ids_t.dim_size(0);
   float* out = cfg.concat ? outs[0] : outs[f];
-  const bool ordered = tables[p].t64 ? tables[p].t64->table().PrefersOrderedLookup(n)
-                                     : tables[p].t32->table().PrefersOrderedLookup(n);
+  const bool ordered = tables[p].PrefersOrderedLookup(n);
   if (ordered) {
     // No partition: unique_ids and inverse, then LeanOrderedLookup.
     pid->distinct = false;
@@ -899,35 +901,29 @@ void LeanPooledIds(const GroupConfig& cfg, const std::vector<TableSlot>& tables,
   const int64_t n = ft.kept();
   pid->distinct = false;
   const TableSlot& t = tables[p];
-  if (ft.raw) {  // ordered (BuildFeature's in_place)
-    for (int64_t j = 0; j < n; ++j) ft.inverse[j] = static_cast<int32_t>(j);
-    int64_t* u = pid->raw_out;
-    std::copy(ft.raw.get(), ft.raw.get() + n, u);
-    if (t.t32) {
-      pid->keys32.resize(n);
-      for (int64_t j = 0; j < n; ++j) {
-        pid->keys32[j] = static_cast<int32_t>(u[j]);
-        u[j] = pid->keys32[j];
-      }
-    }
-    pid->ordered = true;
-    pid->num_ordered = n;
-    pid->ordered_keys64 = u;
-    return;
+  // Every kept id in batch order: a feature built in place (BuildFeature's
+  // `in_place`, always ordered) straight into its unique_ids output, else
+  // in uniq (its ids are not read again: rows come through inverse).
+  int64_t* keys;
+  if (ft.raw) {
+    keys = pid->raw_out;
+    std::copy(ft.raw.get(), ft.raw.get() + n, keys);
+  } else {
+    pid->uniq.swap(ft.ids);
+    keys = pid->uniq.data();
   }
-  pid->uniq.swap(ft.ids);  // not read again: the table's rows come through inverse
   for (int64_t j = 0; j < n; ++j) ft.inverse[j] = static_cast<int32_t>(j);
   if (t.t32) {
     pid->keys32.resize(n);
     for (int64_t j = 0; j < n; ++j) {
-      pid->keys32[j] = static_cast<int32_t>(pid->uniq[j]);
-      pid->uniq[j] = pid->keys32[j];
+      pid->keys32[j] = static_cast<int32_t>(keys[j]);
+      keys[j] = pid->keys32[j];
     }
   }
   if (ordered) {  // LeanPooledRows looks up and combines
     pid->ordered = true;
     pid->num_ordered = n;
-    pid->ordered_keys64 = pid->uniq.data();
+    pid->ordered_keys64 = keys;
     return;
   }
   pid->hashes.resize(n);
@@ -1115,8 +1111,7 @@ class GroupLookupOp : public OpKernel {
       if (!pooled[p]) continue;
       const int f = cfg.features_of[p][0];
       const int64_t nnz = ctx->input(cfg.ids_input(f)).dim_size(0);
-      in_place[f] = tables[p].t64 ? tables[p].t64->table().PrefersOrderedLookup(nnz)
-                                  : tables[p].t32->table().PrefersOrderedLookup(nnz);
+      in_place[f] = tables[p].PrefersOrderedLookup(nnz);
     }
     std::vector<Feature> features(F);
     {
@@ -1190,9 +1185,7 @@ class GroupLookupOp : public OpKernel {
       if (!pooled[p]) continue;
       const Feature& ft = features[cfg.features_of[p][0]];
       const int64_t n = ft.kept();
-      pooled_ordered[p] = ft.raw != nullptr ||
-                          (tables[p].t64 ? tables[p].t64->table().PrefersOrderedLookup(n)
-                                         : tables[p].t32->table().PrefersOrderedLookup(n));
+      pooled_ordered[p] = ft.raw != nullptr || tables[p].PrefersOrderedLookup(n);
     }
     auto lean_partition = [&](int p) {
       const int f = cfg.features_of[p][0];
@@ -1316,9 +1309,8 @@ class GroupLookupOp : public OpKernel {
       OP_REQUIRES_OK(ctx, CombineBlocks(ctx, cfg, tables, params, features, combined, outs));
     }
     for (int p = 0; p < P; ++p) {
-      if (lean_param[p]) continue;
+      if (lean_param[p] || params[p].raw_out != nullptr) continue;
       Tensor* u;
-      if (params[p].raw_out != nullptr) continue;
       OP_REQUIRES_OK(ctx, ctx->allocate_output(
                               F + p, TensorShape({static_cast<int64_t>(params[p].uniq.size())}),
                               &u));
