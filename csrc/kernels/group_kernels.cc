@@ -19,8 +19,8 @@
 // only; see LeanPooledParam): a table's only feature with 0..L ids per row
 // and no weights, max_norm or sequence output skips (2): its kept ids are
 // looked up in batch order and combined as (4) does: with
-// kv::Table::LookupOrdered in blocks of ~1k ids into a small per-thread
-// scratch buffer, each combined into the output while in cache
+// kv::Table::OrderedReader in blocks of ~1k ids, each block's rows found
+// (pointers, prefetched) and then combined straight from the table
 // (LeanPooledRows), or (filtered or large tables, small batches) by a
 // partition by shard into a row buffer and CombineRows.
 // Single-id fast path (attr `single_id`, off by default, inference lookups
@@ -938,34 +938,35 @@ void LeanPooledIds(const GroupConfig& cfg, const std::vector<TableSlot>& tables,
   }
 }
 
-// The lean pooled path with kv::Table::LookupOrdered: rows [begin, end) of
-// table p's feature, in blocks of about kLeanPooledBlock ids, each looked up
-// into a small per-thread scratch buffer (no per-step buffer of every id's
-// row) and combined from it while in cache, as CombineRows does (ids of a
-// row in order; one id of weight 1 gives its row under every combiner;
-// several are summed from 0 and scaled by 1 / n (mean) or 1 / sqrt(n)
-// (sqrtn), n the float sum of their weights 1; an empty row gives zeros).
+// The lean pooled path with kv::Table::OrderedReader: rows [begin, end) of
+// table p's feature, in blocks of about kLeanPooledBlock ids, each block's
+// rows found (pointers into the table, prefetched) and then combined
+// straight from the table, as CombineRows does (ids of a row in order; one
+// id of weight 1 gives its row under every combiner; several are summed
+// from 0 and scaled by 1 / n (mean) or 1 / sqrt(n) (sqrtn), n the float sum
+// of their weights 1; an empty row gives zeros).
 constexpr int64_t kLeanPooledBlock = 1024;
 
 // LeanPooledRows' combine of rows [b0, b1) for a width D known at compile
-// time: row b's ids' rows are rows + splits[b] * D, ...; each output row is
+// time: row b's ids' rows are rows[splits[b]], ...; each output row is
 // summed in registers and stored once (no read of the output line), with
 // CombineRows' operations in its order (1 * x for one id; 0 + x_0 + x_1 +
 // ... then * 1 / n or 1 / sqrt(n) for several; zeros for none), so the
 // results are bit-identical.
 template <int D>
-void CombinePooled(const int64_t* splits, int64_t b0, int64_t b1, const float* rows,
+void CombinePooled(const int64_t* splits, int64_t b0, int64_t b1, const float* const* rows,
                    Combiner comb, float* out, int64_t stride) {
   for (int64_t b = b0; b < b1; ++b) {
     float* o = out + b * stride;
     const int64_t k0 = splits[b], k1 = splits[b + 1];
-    const float* row = rows + k0 * D;
     float acc[D];
     if (k1 == k0 + 1) {
+      const float* row = rows[k0];
       for (int d = 0; d < D; ++d) acc[d] = 1.0f * row[d];
     } else {
       for (int d = 0; d < D; ++d) acc[d] = 0.0f;
-      for (int64_t k = k0; k < k1; ++k, row += D) {
+      for (int64_t k = k0; k < k1; ++k) {
+        const float* row = rows[k];
         for (int d = 0; d < D; ++d) acc[d] += 1.0f * row[d];
       }
       if (comb != kSum) {
@@ -979,16 +980,53 @@ void CombinePooled(const int64_t* splits, int64_t b0, int64_t b1, const float* r
   }
 }
 
-// CombinePooled for the common widths; false for others.
-bool CombinePooledFixed(int64_t dim, const int64_t* splits, int64_t b0, int64_t b1,
-                        const float* rows, Combiner comb, float* out, int64_t stride) {
+// CombinePooled for any width (the common ones with D fixed at compile time).
+void CombinePooledRows(int64_t dim, const int64_t* splits, int64_t b0, int64_t b1,
+                       const float* const* rows, Combiner comb, float* out, int64_t stride) {
   switch (dim) {
-    case 4: CombinePooled<4>(splits, b0, b1, rows, comb, out, stride); return true;
-    case 8: CombinePooled<8>(splits, b0, b1, rows, comb, out, stride); return true;
-    case 16: CombinePooled<16>(splits, b0, b1, rows, comb, out, stride); return true;
-    case 32: CombinePooled<32>(splits, b0, b1, rows, comb, out, stride); return true;
-    case 64: CombinePooled<64>(splits, b0, b1, rows, comb, out, stride); return true;
-    default: return false;
+    case 4: return CombinePooled<4>(splits, b0, b1, rows, comb, out, stride);
+    case 8: return CombinePooled<8>(splits, b0, b1, rows, comb, out, stride);
+    case 16: return CombinePooled<16>(splits, b0, b1, rows, comb, out, stride);
+    case 32: return CombinePooled<32>(splits, b0, b1, rows, comb, out, stride);
+    case 64: return CombinePooled<64>(splits, b0, b1, rows, comb, out, stride);
+    default: break;
+  }
+  for (int64_t b = b0; b < b1; ++b) {
+    float* o = out + b * stride;
+    const int64_t k0 = splits[b], k1 = splits[b + 1];
+    if (k1 == k0 + 1) {
+      const float* row = rows[k0];
+      for (int64_t d = 0; d < dim; ++d) o[d] = 1.0f * row[d];
+      continue;
+    }
+    std::fill(o, o + dim, 0.0f);
+    for (int64_t k = k0; k < k1; ++k) {
+      const float* row = rows[k];
+      for (int64_t d = 0; d < dim; ++d) o[d] += 1.0f * row[d];
+    }
+    if (comb == kSum) continue;
+    const float c = UnweightedScale(comb, k1 - k0);
+    if (c != 1.0f) {
+      for (int64_t d = 0; d < dim; ++d) o[d] *= c;
+    }
+  }
+}
+
+template <typename K>
+void LeanPooledRowsOf(kv::Table<K>& table, const Feature& ft, const K* keys, int64_t dim,
+                      Combiner comb, int64_t begin, int64_t end, float* out, int64_t stride) {
+  thread_local std::vector<const float*> rows;
+  typename kv::Table<K>::OrderedReader reader(table);
+  int64_t b0 = begin;
+  while (b0 < end) {
+    const int64_t j0 = ft.splits[b0];
+    int64_t b1 = b0 + 1;
+    while (b1 < end && ft.splits[b1 + 1] - j0 <= kLeanPooledBlock) ++b1;
+    const int64_t j1 = ft.splits[b1];
+    if (static_cast<int64_t>(rows.size()) < j1 - j0) rows.resize(j1 - j0);
+    reader.Find(keys + j0, j1 - j0, rows.data());
+    CombinePooledRows(dim, ft.splits.data(), b0, b1, rows.data() - j0, comb, out, stride);
+    b0 = b1;
   }
 }
 
@@ -1000,49 +1038,12 @@ void LeanPooledRows(const GroupConfig& cfg, const std::vector<TableSlot>& tables
   const int64_t dim = cfg.dims[p];
   const int64_t stride = cfg.row_stride(f);
   const Combiner comb = cfg.feature[f].combiner;
-  thread_local std::vector<float> scratch;
-  int64_t b0 = begin;
-  while (b0 < end) {
-    const int64_t j0 = ft.splits[b0];
-    int64_t b1 = b0 + 1;
-    while (b1 < end && ft.splits[b1 + 1] - j0 <= kLeanPooledBlock) ++b1;
-    const int64_t j1 = ft.splits[b1];
-    if (static_cast<int64_t>(scratch.size()) < (j1 - j0) * dim) {
-      scratch.resize((j1 - j0) * dim);
-    }
-    if (j1 > j0) {
-      if (tables[p].t64) {
-        tables[p].t64->table().LookupOrdered(pid->ordered_keys64 + j0, j1 - j0,
-                                             /*insert=*/false, scratch.data(), dim);
-      } else {
-        tables[p].t32->table().LookupOrdered(pid->keys32.data() + j0, j1 - j0,
-                                             /*insert=*/false, scratch.data(), dim);
-      }
-    }
-    if (CombinePooledFixed(dim, ft.splits.data(), b0, b1, scratch.data() - j0 * dim,
-                                        comb, out, stride)) {
-      b0 = b1;
-      continue;
-    }
-    for (int64_t b = b0; b < b1; ++b) {
-      float* o = out + b * stride;
-      const int64_t k0 = ft.splits[b], k1 = ft.splits[b + 1];
-      const float* row = scratch.data() + (k0 - j0) * dim;
-      if (k1 == k0 + 1) {
-        for (int64_t d = 0; d < dim; ++d) o[d] = 1.0f * row[d];
-        continue;
-      }
-      std::fill(o, o + dim, 0.0f);
-      for (int64_t k = k0; k < k1; ++k, row += dim) {
-        for (int64_t d = 0; d < dim; ++d) o[d] += 1.0f * row[d];
-      }
-      if (comb == kSum) continue;
-      const float c = UnweightedScale(comb, k1 - k0);
-      if (c != 1.0f) {
-        for (int64_t d = 0; d < dim; ++d) o[d] *= c;
-      }
-    }
-    b0 = b1;
+  if (tables[p].t64) {
+    LeanPooledRowsOf(tables[p].t64->table(), ft, pid->ordered_keys64, dim, comb, begin, end, out,
+                     stride);
+  } else {
+    LeanPooledRowsOf(tables[p].t32->table(), ft, pid->keys32.data(), dim, comb, begin, end, out,
+                     stride);
   }
 }
 

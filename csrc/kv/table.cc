@@ -439,6 +439,18 @@ template <typename K>
 int64_t Table<K>::LookupOrdered(const K* keys, int64_t n, bool insert, float* out,
                                 int64_t stride) {
   if (n <= 0) return 0;
+  if (!insert) {
+    // Rows found a block at a time, then copied (see OrderedReader).
+    constexpr int64_t kBlock = 256;
+    const float* rows[kBlock];
+    OrderedReader reader(*this);
+    for (int64_t b = 0; b < n; b += kBlock) {
+      const int64_t m = std::min(kBlock, n - b);
+      reader.Find(keys + b, m, rows);
+      for (int64_t j = 0; j < m; ++j) CopyRow(out + (b + j) * stride, rows[j], dim_);
+    }
+    return 0;
+  }
   const int shards = num_shards();
   std::vector<std::shared_lock<std::shared_mutex>> locks;
   locks.reserve(shards);
@@ -484,12 +496,10 @@ int64_t Table<K>::LookupOrdered(const K* keys, int64_t n, bool insert, float* ou
         const Entry& e = s.index.entry(idx);
         row = s.dram->Value(e.row, /*write=*/false);
         ++counts[2 * sh + 1];
-        if (insert && track && e.aux != kNoRow) {
+        if (track && e.aux != kNoRow) {
           m = s.meta.Row(e.aux);
           __builtin_prefetch(m, 1);
         }
-      } else if (!insert) {
-        row = DefaultRow(keys[f]);
       } else {
         missing.push_back(f);
       }
@@ -536,6 +546,58 @@ int64_t Table<K>::LookupOrdered(const K* keys, int64_t n, bool insert, float* ou
     CountLookups(s, 0, hits);
   }
   return inserted;
+}
+
+template <typename K>
+Table<K>::OrderedReader::OrderedReader(Table& table)
+    : table_(table), counts_(2 * table.shards_.size(), 0) {
+  locks_.reserve(table.shards_.size());
+  for (auto& sp : table.shards_) locks_.emplace_back(sp->mu);  // in shard order, as LockAll
+}
+
+template <typename K>
+Table<K>::OrderedReader::~OrderedReader() {
+  for (size_t sh = 0; sh < table_.shards_.size(); ++sh) {
+    if (counts_[2 * sh] > 0) {
+      table_.CountLookups(*table_.shards_[sh], counts_[2 * sh], counts_[2 * sh + 1]);
+    }
+  }
+}
+
+template <typename K>
+void Table<K>::OrderedReader::Find(const K* keys, int64_t n, const float** rows) {
+  // Two stages kSlotAhead keys apart: hash key j and prefetch its index
+  // slot; find key j - kSlotAhead and prefetch its row.
+  constexpr int64_t kSlotAhead = 16;  // a power of two
+  uint64_t hashes[kSlotAhead];
+  Shard* shards[kSlotAhead];
+  Table& t = table_;
+  for (int64_t j = 0; j < n + kSlotAhead; ++j) {
+    const int64_t f = j - kSlotAhead;
+    if (f >= 0) {
+      const uint64_t h = hashes[f & (kSlotAhead - 1)];
+      Shard& s = *shards[f & (kSlotAhead - 1)];
+      const int64_t idx = s.index.Find(keys[f], h);
+      const int sh = t.ShardOf(h);
+      ++counts_[2 * sh];
+      const float* row;
+      if (idx >= 0 && s.index.entry(idx).row != kNoRow) {
+        row = s.dram->Value(s.index.entry(idx).row, /*write=*/false);
+        ++counts_[2 * sh + 1];
+      } else {
+        row = t.DefaultRow(keys[f]);
+      }
+      PrefetchRow(row, t.dim_);
+      rows[f] = row;
+    }
+    if (j < n) {
+      const uint64_t h = Hash(keys[j]);
+      hashes[j & (kSlotAhead - 1)] = h;
+      Shard* s = t.shards_[t.ShardOf(h)].get();
+      shards[j & (kSlotAhead - 1)] = s;
+      if (!s->index.empty_storage()) __builtin_prefetch(s->index.EntryAddress(h));
+    }
+  }
 }
 
 template <typename K>

@@ -183,7 +183,7 @@ void TestConcurrentStress() {
 // Table::LookupOrdered from several threads on one table (2 shards, so the
 // threads meet on each): trainers count frequencies under the shared lock
 // (keys present) and insert new keys under the exclusive one, readers read
-// rows, an exporter reads frequencies meanwhile. Every row read is the
+// rows (one through OrderedReader's pointers), an exporter reads frequencies meanwhile. Every row read is the
 // key's initializer row (nothing is applied), and the final frequencies are
 // exactly the trainers' occurrences.
 void TestConcurrentOrderedLookups() {
@@ -217,6 +217,17 @@ void TestConcurrentOrderedLookups() {
       std::vector<float> out(kBatch * kDim);
       for (int r = 0; r < kRounds; ++r) {
         const std::vector<int64_t> keys = batch(w, r);
+        if (w == 3) {  // rows read in place, through pointers, under a reader
+          std::vector<const float*> rows(kBatch);
+          Table<int64_t>::OrderedReader reader(t);
+          reader.Find(keys.data(), kBatch, rows.data());
+          for (int64_t i = 0; i < kBatch; ++i) {
+            for (int64_t d = 0; d < kDim; ++d) {
+              if (rows[i][d] != float(keys[i] % 5)) ++problems;
+            }
+          }
+          continue;
+        }
         t.LookupOrdered(keys.data(), kBatch, insert, out.data(), kDim);
         for (int64_t i = 0; i < kBatch; ++i) {
           if (out[i * kDim] != float(keys[i] % 5)) ++problems;
