@@ -462,7 +462,7 @@ int64_t Table<K>::LookupOrdered(const K* keys, int64_t n, bool insert, float* ou
   std::vector<int64_t> missing;  // batch positions of keys to insert
   // Three stages kSlotAhead and kRowAhead keys apart, as LookupPipelined:
   // hash key j and prefetch its index slot; find key j - kSlotAhead and
-  // prefetch its row, output and (training) metadata; copy the row of key
+  // prefetch its row, output and metadata; copy the row of key
   // j - kSlotAhead - kRowAhead and count its frequency.
   constexpr int64_t kSlotAhead = 16;  // powers of two
   constexpr int64_t kRowAhead = 8;
@@ -570,15 +570,15 @@ void Table<K>::OrderedReader::Find(const K* keys, int64_t n, const float** rows)
   // slot; find key j - kSlotAhead and prefetch its row.
   constexpr int64_t kSlotAhead = 16;  // a power of two
   uint64_t hashes[kSlotAhead];
-  Shard* shards[kSlotAhead];
+  int shard_of[kSlotAhead];
   Table& t = table_;
   for (int64_t j = 0; j < n + kSlotAhead; ++j) {
     const int64_t f = j - kSlotAhead;
     if (f >= 0) {
       const uint64_t h = hashes[f & (kSlotAhead - 1)];
-      Shard& s = *shards[f & (kSlotAhead - 1)];
+      const int sh = shard_of[f & (kSlotAhead - 1)];
+      Shard& s = *t.shards_[sh];
       const int64_t idx = s.index.Find(keys[f], h);
-      const int sh = t.ShardOf(h);
       ++counts_[2 * sh];
       const float* row;
       if (idx >= 0 && s.index.entry(idx).row != kNoRow) {
@@ -593,9 +593,10 @@ void Table<K>::OrderedReader::Find(const K* keys, int64_t n, const float** rows)
     if (j < n) {
       const uint64_t h = Hash(keys[j]);
       hashes[j & (kSlotAhead - 1)] = h;
-      Shard* s = t.shards_[t.ShardOf(h)].get();
-      shards[j & (kSlotAhead - 1)] = s;
-      if (!s->index.empty_storage()) __builtin_prefetch(s->index.EntryAddress(h));
+      const int sh = t.ShardOf(h);
+      shard_of[j & (kSlotAhead - 1)] = sh;
+      const Index& index = t.shards_[sh]->index;
+      if (!index.empty_storage()) __builtin_prefetch(index.EntryAddress(h));
     }
   }
 }

@@ -183,9 +183,10 @@ void TestConcurrentStress() {
 // Table::LookupOrdered from several threads on one table (2 shards, so the
 // threads meet on each): trainers count frequencies under the shared lock
 // (keys present) and insert new keys under the exclusive one, readers read
-// rows (one through OrderedReader's pointers), an exporter reads frequencies meanwhile. Every row read is the
-// key's initializer row (nothing is applied), and the final frequencies are
-// exactly the trainers' occurrences.
+// rows (one through OrderedReader's pointers), an exporter reads
+// frequencies meanwhile. Every row read is the key's initializer row
+// (nothing is applied), and the final frequencies are exactly the trainers'
+// occurrences.
 void TestConcurrentOrderedLookups() {
   TableOptions o;
   o.dim = kDim;
