@@ -38,17 +38,27 @@ class ChunkedArena {
   uint64_t capacity() const { return capacity_; }
 
   __attribute__((always_inline)) T* Row(uint64_t id) const {
+    return RowIn(bases_.data(), id, width_);
+  }
+
+  // The row `id` of an arena whose chunk base pointers are bases[] (see
+  // bases()) and rows `width` wide: what Row does, for a caller that keeps
+  // the bases at hand (no load of the arena itself on the way).
+  __attribute__((always_inline)) static T* RowIn(T* const* bases, uint64_t id, int64_t width) {
     if (id >= kGrowingRows) {
       const uint64_t rel = id - kGrowingRows;
-      return chunks_[kGrowingChunks + (rel >> kMaxChunkLog2)].get() +
-             (rel & ((uint64_t{1} << kMaxChunkLog2) - 1)) * width_;
+      return bases[kGrowingChunks + (rel >> kMaxChunkLog2)] +
+             (rel & ((uint64_t{1} << kMaxChunkLog2) - 1)) * width;
     }
     // Growing chunk c holds ids [B * (2^c - 1), B * (2^(c+1) - 1)), B = 16.
     const uint64_t q = (id >> kFirstChunkLog2) + 1;
     const int c = 63 - __builtin_clzll(q);
     const uint64_t start = ((uint64_t{1} << c) - 1) << kFirstChunkLog2;
-    return chunks_[c].get() + (id - start) * width_;
+    return bases[c] + (id - start) * width;
   }
+  // The chunks' base pointers, for RowIn: valid until the arena grows or
+  // is cleared.
+  T* const* bases() const { return bases_.data(); }
 
   // Makes ids < n addressable. New memory is filled with `fill`.
   void EnsureCapacity(uint64_t n, T fill) {
@@ -58,13 +68,16 @@ class ChunkedArena {
       const uint64_t elems = rows * static_cast<uint64_t>(width_);
       Chunk chunk(static_cast<T*>(::operator new(elems * sizeof(T), std::align_val_t(kAlign))));
       std::fill(chunk.get(), chunk.get() + elems, fill);
+      bases_.reserve(chunks_.size() + 1);
       chunks_.push_back(std::move(chunk));
+      bases_.push_back(chunks_.back().get());
       capacity_ += rows;
     }
   }
 
   void Clear() {
     chunks_.clear();
+    bases_.clear();
     capacity_ = 0;
   }
 
@@ -84,6 +97,7 @@ class ChunkedArena {
   int64_t width_;
   uint64_t capacity_ = 0;
   std::vector<Chunk> chunks_;
+  std::vector<T*> bases_;  // chunks_[c].get(), for RowIn
 };
 
 }  // namespace kv

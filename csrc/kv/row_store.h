@@ -171,6 +171,9 @@ class DramRowStore final : public RowStore {
     rows_ = 0;
   }
   bool stable_pointers() const override { return true; }
+  // The value arena's chunk bases (ChunkedArena::RowIn with width dim):
+  // valid until the next Allocate or Clear.
+  float* const* value_bases() const { return values_.bases(); }
   RowStoreStats Stats() const override {
     RowStoreStats s;
     s.rows = s.cached_rows = rows_;

@@ -54,15 +54,24 @@ class ShardIndex {
   // The slot of `key` (hash h), or -1.
   int64_t Find(K key, uint64_t h) const {
     if (entries_.empty()) return -1;
-    int64_t found = -1;
-    Probe(h, mask_, [&](uint64_t i) {
-      const Entry& e = entries_[i];
-      if (e.row == kEmptySlot) return true;
-      if (e.key == key && e.row != kDeletedSlot) {
-        found = static_cast<int64_t>(i);
+    const Entry* e = FindIn(entries_.data(), mask_, key, h);
+    return e ? e - entries_.data() : -1;
+  }
+
+  // Find over the entries `entries` of a non-empty index with mask `mask`
+  // (see data()): the entry of `key`, or nullptr. The key is compared
+  // before the slot's state: a hit, the common case, is not first tested
+  // for an empty slot.
+  __attribute__((always_inline)) static const Entry* FindIn(const Entry* entries, uint64_t mask,
+                                                            K key, uint64_t h) {
+    const Entry* found = nullptr;
+    Probe(h, mask, [&](uint64_t i) {
+      const Entry& e = entries[i];
+      if (e.key == key && !Free(e.row)) {
+        found = &e;
         return true;
       }
-      return false;
+      return e.row == kEmptySlot;
     });
     return found;
   }
@@ -114,6 +123,9 @@ class ShardIndex {
   const void* CtrlAddress(uint64_t h) const { return &entries_[h & mask_]; }
   const void* EntryAddress(uint64_t h) const { return &entries_[h & mask_]; }
   bool empty_storage() const { return entries_.empty(); }
+  // The entries, for FindIn (with mask()): valid until the index changes.
+  // An index without storage gives one empty slot (mask() is 0).
+  const Entry* data() const { return entries_.empty() ? kNoEntries : entries_.data(); }
 
   uint64_t MemoryBytes() const { return entries_.capacity() * sizeof(Entry); }
 
@@ -146,6 +158,8 @@ class ShardIndex {
     mask_ = mask;
     tombstones_ = 0;
   }
+
+  static constexpr Entry kNoEntries[1] = {{K(), kEmptySlot, 0}};
 
   std::vector<Entry> entries_;
   uint64_t mask_ = 0;

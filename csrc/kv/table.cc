@@ -552,7 +552,11 @@ template <typename K>
 Table<K>::OrderedReader::OrderedReader(Table& table)
     : table_(table), counts_(2 * table.shards_.size(), 0) {
   locks_.reserve(table.shards_.size());
-  for (auto& sp : table.shards_) locks_.emplace_back(sp->mu);  // in shard order, as LockAll
+  views_.reserve(table.shards_.size());
+  for (auto& sp : table.shards_) {
+    locks_.emplace_back(sp->mu);  // in shard order, as LockAll
+    views_.push_back(ShardView{sp->index.data(), sp->index.mask(), sp->dram->value_bases()});
+  }
 }
 
 template <typename K>
@@ -571,32 +575,35 @@ void Table<K>::OrderedReader::Find(const K* keys, int64_t n, const float** rows)
   constexpr int64_t kSlotAhead = 16;  // a power of two
   uint64_t hashes[kSlotAhead];
   int shard_of[kSlotAhead];
-  Table& t = table_;
+  const Table& t = table_;
+  // Locals, not members: the count stores could alias the members.
+  const int64_t dim = t.dim_;
+  const uint64_t num_shards = t.num_shards_;
+  const ShardView* views = views_.data();
+  uint64_t* counts = counts_.data();
   for (int64_t j = 0; j < n + kSlotAhead; ++j) {
     const int64_t f = j - kSlotAhead;
     if (f >= 0) {
-      const uint64_t h = hashes[f & (kSlotAhead - 1)];
       const int sh = shard_of[f & (kSlotAhead - 1)];
-      Shard& s = *t.shards_[sh];
-      const int64_t idx = s.index.Find(keys[f], h);
-      ++counts_[2 * sh];
+      const ShardView& v = views[sh];
+      const auto* e = Index::FindIn(v.entries, v.mask, keys[f], hashes[f & (kSlotAhead - 1)]);
+      ++counts[2 * sh];
       const float* row;
-      if (idx >= 0 && s.index.entry(idx).row != kNoRow) {
-        row = s.dram->Value(s.index.entry(idx).row, /*write=*/false);
-        ++counts_[2 * sh + 1];
+      if (e && e->row != kNoRow) {
+        row = ChunkedArena<float>::RowIn(v.bases, e->row, dim);
+        ++counts[2 * sh + 1];
       } else {
         row = t.DefaultRow(keys[f]);
       }
-      PrefetchRow(row, t.dim_);
+      PrefetchRow(row, dim);
       rows[f] = row;
     }
     if (j < n) {
       const uint64_t h = Hash(keys[j]);
       hashes[j & (kSlotAhead - 1)] = h;
-      const int sh = t.ShardOf(h);
+      const int sh = ShardOfHash(h, num_shards);
       shard_of[j & (kSlotAhead - 1)] = sh;
-      const Index& index = t.shards_[sh]->index;
-      if (!index.empty_storage()) __builtin_prefetch(index.EntryAddress(h));
+      __builtin_prefetch(&views[sh].entries[h & views[sh].mask]);
     }
   }
 }

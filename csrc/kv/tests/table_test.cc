@@ -688,6 +688,44 @@ void TestLookupOrdered() {
   CHECK(t.Find(5, &v, &f, &ver) && f == 2);
 }
 
+// OrderedReader where its probe's shortcuts could go wrong: shards with no
+// index storage yet, key 0 (the key field of a never-used slot), and erased
+// keys (a tombstone keeps its key): each gives its default row and no hit;
+// the keys still there give their own rows.
+void TestOrderedReaderEdges() {
+  using Reader = Table<int64_t>::OrderedReader;
+  Table<int64_t> t(FilterOptions(0));  // 4 shards
+  std::vector<int64_t> probe = {0, 5, -3};
+  std::vector<const float*> rows(probe.size());
+  { Reader(t).Find(probe.data(), 3, rows.data()); }
+  for (size_t i = 0; i < probe.size(); ++i) CHECK(rows[i] == t.DefaultRow(probe[i]));
+  CHECK(t.Counters().lookups == 3 && t.Counters().hits == 0);
+
+  std::vector<int64_t> keys;
+  for (int64_t k = 1; k <= 400; ++k) keys.push_back(k);
+  Lookup(t, keys, true);
+  for (int64_t k = 2; k <= 400; k += 2) CHECK(t.Erase(k));
+  keys.push_back(0);
+  rows.assign(keys.size(), nullptr);
+  const auto before = t.Counters();
+  { Reader(t).Find(keys.data(), static_cast<int64_t>(keys.size()), rows.data()); }
+  const auto after = t.Counters();
+  CHECK(after.lookups - before.lookups == keys.size() && after.hits - before.hits == 200);
+  bool ok = true;
+  std::vector<float> v;
+  int64_t f, ver;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const int64_t k = keys[i];
+    if (k % 2 == 1) {
+      ok &= t.Find(k, &v, &f, &ver) && std::equal(v.begin(), v.end(), rows[i]) &&
+            rows[i] != t.DefaultRow(k);
+    } else {
+      ok &= rows[i] == t.DefaultRow(k);
+    }
+  }
+  CHECK(ok);
+}
+
 void TestBadConstruction() {
   int threw = 0;
   try { Table<int64_t> t(0, Defaults(), 4); } catch (const std::invalid_argument&) { ++threw; }
@@ -871,6 +909,7 @@ int main() {
   TestSaturatingMetadata();
   TestLookupCounted();
   TestLookupOrdered();
+  TestOrderedReaderEdges();
   TestAnyShardCount();
   TestBadConstruction();
   TestIncrementalExport();
