@@ -53,8 +53,7 @@ class ShardIndex {
 
   // The slot of `key` (hash h), or -1.
   int64_t Find(K key, uint64_t h) const {
-    if (entries_.empty()) return -1;
-    const Entry* e = FindIn(entries_.data(), mask_, key, h);
+    const Entry* e = FindIn(data(), mask_, key, h);  // data(): also without storage
     return e ? e - entries_.data() : -1;
   }
 
@@ -118,9 +117,7 @@ class ShardIndex {
   uint64_t mask() const { return mask_; }
   Entry& entry(uint64_t i) { return entries_[i]; }
   const Entry& entry(uint64_t i) const { return entries_[i]; }
-  // For prefetching the home slot of hash h (the entry: there are no
-  // separate control bytes any more; both name the same line).
-  const void* CtrlAddress(uint64_t h) const { return &entries_[h & mask_]; }
+  // For prefetching the home slot of hash h (an index with storage).
   const void* EntryAddress(uint64_t h) const { return &entries_[h & mask_]; }
   bool empty_storage() const { return entries_.empty(); }
   // The entries, for FindIn (with mask()): valid until the index changes.
