@@ -6,7 +6,9 @@ an embedding model allocates many tensors of a few hundred kB to a few MB
 returns each from fresh pages, so every step pays about 8,000-9,000 page
 faults (26 features, batch 4096, dim 16; ~30% of the step's CPU in
 `perf`). TensorFlow's own BFC allocator (`TF_CPU_ALLOCATOR_USE_BFC=true`)
-keeps the pages and reuses them: ~360 faults per step.
+keeps the pages and reuses them: ~360 faults per step. (Where TensorFlow
+turns oneDNN on by default, on x86 CPUs with AVX512-VNNI, BF16 or AMX, its
+oneDNN CPU allocator replaces malloc and pools too; BFC changes little there.)
 
 `use_bfc_allocator()` sets that default, with a memory limit of the
 machine's physical memory (TensorFlow's default limit is 64 GB), unless the

@@ -22,7 +22,10 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0) / 50)
 
 
 def _faults_per_call(env_update):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **env_update)
+    # TF_ENABLE_ONEDNN_OPTS=0: where TensorFlow turns oneDNN on by default
+    # (CPUs with AVX512-VNNI, BF16 or AMX), its oneDNN allocator, which pools
+    # too, replaces malloc as the CPU default; the baseline here is malloc.
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_ENABLE_ONEDNN_OPTS="0")
     env.pop("TF_CPU_ALLOCATOR_USE_BFC", None)
     env.update(env_update)
     out = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True,
