@@ -33,12 +33,16 @@
 // the row gradients through `inverse` (no hashing, no table access unless a
 // max_norm clip must be differentiated).
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
+
+#include <immintrin.h>
 
 #include "kernels/table_resource.h"
 #include "kernels/validate.h"
@@ -947,53 +951,111 @@ void LeanPooledIds(const GroupConfig& cfg, const std::vector<TableSlot>& tables,
 // of their weights 1; an empty row gives zeros).
 constexpr int64_t kLeanPooledBlock = 1024;
 
+// CombinePooled's padded form: for rows of at most this many ids, and its
+// pad row (-0.0f, as wide as the widest D it is compiled for).
+constexpr int64_t kPaddedCombineLen = 8;
+alignas(64) constexpr std::array<float, 64> kNegativeZeros = [] {
+  std::array<float, 64> z{};
+  for (float& x : z) x = -0.0f;
+  return z;
+}();
+
 // LeanPooledRows' combine of rows [b0, b1) for a width D known at compile
-// time: row b's ids' rows are rows[splits[b]], ...; each output row is
-// summed in registers and stored once (no read of the output line), with
+// time: row b's ids' rows are rows[splits[b] - j0], ...; each output row is
+// summed in registers and stored once, with
 // CombineRows' operations in its order (1 * x for one id; 0 + x_0 + x_1 +
 // ... then * 1 / n or 1 / sqrt(n) for several; zeros for none), so the
 // results are bit-identical.
+//
+// With `padded` (rows[pad] is a row of -0.0f and no row has more than
+// max_len ids), every row adds max_len rows, its own then the pad row, so
+// no branch depends on a row's length (one that does mispredicts about once
+// a row when lengths vary, as 1-5 ids do). It is the same sum: x + -0.0 ==
+// x for every float x, and the sum starts at -0.0 for one id (-0.0 + x ==
+// 1 * x) and at +0.0 otherwise.
 template <int D>
-void CombinePooled(const int64_t* splits, int64_t b0, int64_t b1, const float* const* rows,
+void CombinePooled(const int64_t* splits, int64_t j0, int64_t b0, int64_t b1,
+                   const float* const* rows, bool padded, int64_t pad, int64_t max_len,
                    Combiner comb, float* out, int64_t stride) {
-  for (int64_t b = b0; b < b1; ++b) {
-    float* o = out + b * stride;
-    const int64_t k0 = splits[b], k1 = splits[b + 1];
-    float acc[D];
-    if (k1 == k0 + 1) {
-      const float* row = rows[k0];
-      for (int d = 0; d < D; ++d) acc[d] = 1.0f * row[d];
+  static_assert(D % 4 == 0, "rows are summed 4 floats at a time");
+  constexpr int V = D / 4;
+  // Output rows that are whole aligned cache lines are streamed: a store
+  // that misses would read its line first (its write is all that line
+  // gets), and the F features' columns of a concatenated output leave every
+  // line cold (measured most of this loop's time).
+  const bool stream = D % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 64 == 0 &&
+                      (stride * sizeof(float)) % 64 == 0;
+  auto store = [stream](float* o, const __m128* acc) {
+    if (stream) {
+      for (int v = 0; v < V; ++v) _mm_stream_ps(o + 4 * v, acc[v]);
     } else {
-      for (int d = 0; d < D; ++d) acc[d] = 0.0f;
+      for (int v = 0; v < V; ++v) _mm_storeu_ps(o + 4 * v, acc[v]);
+    }
+  };
+  __m128 acc[V];
+  if (padded) {
+    float scale[kPaddedCombineLen + 1];  // by ids in the row; 1 for 0 and 1 id
+    for (int64_t n = 0; n <= max_len; ++n) {
+      scale[n] = n >= 2 && comb != kSum ? UnweightedScale(comb, n) : 1.0f;
+    }
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t k0 = splits[b] - j0, n = splits[b + 1] - splits[b];
+      const __m128 start = _mm_set1_ps(n == 1 ? -0.0f : 0.0f);
+      for (int v = 0; v < V; ++v) acc[v] = start;
+      for (int64_t k = 0; k < max_len; ++k) {
+        const float* row = rows[k < n ? k0 + k : pad];
+        for (int v = 0; v < V; ++v) acc[v] = _mm_add_ps(acc[v], _mm_loadu_ps(row + 4 * v));
+      }
+      if (comb != kSum) {
+        const __m128 c = _mm_set1_ps(scale[n]);
+        for (int v = 0; v < V; ++v) acc[v] = _mm_mul_ps(acc[v], c);
+      }
+      store(out + b * stride, acc);
+    }
+    return;
+  }
+  const __m128 one = _mm_set1_ps(1.0f);
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t k0 = splits[b] - j0, k1 = splits[b + 1] - j0;
+    if (k1 == k0 + 1) {
+      for (int v = 0; v < V; ++v) acc[v] = _mm_mul_ps(one, _mm_loadu_ps(rows[k0] + 4 * v));
+    } else {
+      for (int v = 0; v < V; ++v) acc[v] = _mm_setzero_ps();
       for (int64_t k = k0; k < k1; ++k) {
-        const float* row = rows[k];
-        for (int d = 0; d < D; ++d) acc[d] += 1.0f * row[d];
+        for (int v = 0; v < V; ++v) acc[v] = _mm_add_ps(acc[v], _mm_loadu_ps(rows[k] + 4 * v));
       }
       if (comb != kSum) {
         const float c = UnweightedScale(comb, k1 - k0);
         if (c != 1.0f) {
-          for (int d = 0; d < D; ++d) acc[d] *= c;
+          for (int v = 0; v < V; ++v) acc[v] = _mm_mul_ps(acc[v], _mm_set1_ps(c));
         }
       }
     }
-    std::memcpy(o, acc, sizeof(acc));
+    store(out + b * stride, acc);
   }
 }
 
-// CombinePooled for any width (the common ones with D fixed at compile time).
-void CombinePooledRows(int64_t dim, const int64_t* splits, int64_t b0, int64_t b1,
-                       const float* const* rows, Combiner comb, float* out, int64_t stride) {
+// CombinePooled for any width (the common ones with D fixed at compile
+// time; the others never padded).
+void CombinePooledRows(int64_t dim, const int64_t* splits, int64_t j0, int64_t b0, int64_t b1,
+                       const float* const* rows, bool padded, int64_t pad, int64_t max_len,
+                       Combiner comb, float* out, int64_t stride) {
   switch (dim) {
-    case 4: return CombinePooled<4>(splits, b0, b1, rows, comb, out, stride);
-    case 8: return CombinePooled<8>(splits, b0, b1, rows, comb, out, stride);
-    case 16: return CombinePooled<16>(splits, b0, b1, rows, comb, out, stride);
-    case 32: return CombinePooled<32>(splits, b0, b1, rows, comb, out, stride);
-    case 64: return CombinePooled<64>(splits, b0, b1, rows, comb, out, stride);
+#define KRE_COMBINE_CASE(D)                                                                \
+  case D:                                                                                  \
+    return CombinePooled<D>(splits, j0, b0, b1, rows, padded, pad, max_len, comb, out, \
+                            stride);
+    KRE_COMBINE_CASE(4)
+    KRE_COMBINE_CASE(8)
+    KRE_COMBINE_CASE(16)
+    KRE_COMBINE_CASE(32)
+    KRE_COMBINE_CASE(64)
+#undef KRE_COMBINE_CASE
     default: break;
   }
   for (int64_t b = b0; b < b1; ++b) {
     float* o = out + b * stride;
-    const int64_t k0 = splits[b], k1 = splits[b + 1];
+    const int64_t k0 = splits[b] - j0, k1 = splits[b + 1] - j0;
     if (k1 == k0 + 1) {
       const float* row = rows[k0];
       for (int64_t d = 0; d < dim; ++d) o[d] = 1.0f * row[d];
@@ -1017,17 +1079,27 @@ void LeanPooledRowsOf(kv::Table<K>& table, const Feature& ft, const K* keys, int
                       Combiner comb, int64_t begin, int64_t end, float* out, int64_t stride) {
   thread_local std::vector<const float*> rows;
   typename kv::Table<K>::OrderedReader reader(table);
+  // Padded (see CombinePooled) when rows are short and the padding at most
+  // doubles the rows added.
+  const bool padded = dim >= 4 && dim <= static_cast<int64_t>(kNegativeZeros.size()) &&
+                      (dim & (dim - 1)) == 0 &&
+                      ft.max_len <= kPaddedCombineLen &&
+                      ft.max_len * ft.batch <= 2 * ft.kept();
   int64_t b0 = begin;
   while (b0 < end) {
     const int64_t j0 = ft.splits[b0];
     int64_t b1 = b0 + 1;
     while (b1 < end && ft.splits[b1 + 1] - j0 <= kLeanPooledBlock) ++b1;
     const int64_t j1 = ft.splits[b1];
-    if (static_cast<int64_t>(rows.size()) < j1 - j0) rows.resize(j1 - j0);
+    // One slot more: the pad row.
+    if (static_cast<int64_t>(rows.size()) < j1 - j0 + 1) rows.resize(j1 - j0 + 1);
     reader.Find(keys + j0, j1 - j0, rows.data());
-    CombinePooledRows(dim, ft.splits.data(), b0, b1, rows.data() - j0, comb, out, stride);
+    rows[j1 - j0] = kNegativeZeros.data();
+    CombinePooledRows(dim, ft.splits.data(), j0, b0, b1, rows.data(), padded, j1 - j0,
+                      ft.max_len, comb, out, stride);
     b0 = b1;
   }
+  _mm_sfence();  // the streamed stores are ordered before the op completes
 }
 
 void LeanPooledRows(const GroupConfig& cfg, const std::vector<TableSlot>& tables,

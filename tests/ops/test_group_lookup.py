@@ -970,3 +970,64 @@ def test_lean_pooled_in_place_lists_kept_ids(matrix_initializer, key_dtype, kept
     want = numpy_feature(m, 4, rows, [[1.0] * len(r) for r in rows], "mean", None, 6, False)
     np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-6)
     assert t.table_size() == 0
+
+
+def _float32_combine(rows, combiner):
+    """CombineRows' float32 operations in its order: one id gives 1 * x; several
+    are summed from +0.0 and scaled by 1 / n (mean) or 1 / sqrt(n) (sqrtn);
+    none give +0.0."""
+    dim = rows.shape[1]
+    if len(rows) == 1:
+        return np.float32(1.0) * rows[0]
+    acc = np.zeros(dim, np.float32)
+    for r in rows:
+        acc = acc + r
+    if combiner != "sum" and len(rows):
+        n = np.float32(len(rows))
+        denom = np.sqrt(n, dtype=np.float32) if combiner == "sqrtn" else n
+        acc = acc * (np.float32(1.0) / denom)
+    return acc
+
+
+@pytest.mark.parametrize("dims,concat", [([16, 16, 4], True), ([16, 16], True),
+                                         ([16, 32, 4], False)],
+                         ids=["concat_unaligned", "concat_lines", "dict"])
+@pytest.mark.parametrize("long_row", [False, True], ids=["padded", "unpadded"])
+def test_lean_pooled_combine_is_bit_exact(matrix_initializer, dims, concat, long_row):
+    """The lean pooled path's combine (rows of at most 8 ids summed to a fixed
+    length with -0.0 rows, rows streamed to whole-cache-line outputs) gives
+    the general path's bits and NumPy's float32 sum in CombineRows' order,
+    -0.0 included: rows of -0.0 alone give -0.0, several give +0.0."""
+    rng = np.random.default_rng(3)
+    batch, combiners = 1500, ["sum", "mean", "sqrtn"]
+    params, fns, ids, rows_by_f = [], [], [], []
+    for f, dim in enumerate(dims):
+        matrix = rng.normal(size=(DVD, dim)).astype(np.float32)
+        matrix[0] = -0.0
+        matrix[1, ::2] = -0.0
+        matrix[2, 1::2] = 0.0
+        opt = kre.EmbeddingVariableOption(init_option=kre.InitializerOption(default_value_dim=DVD))
+        t = EmbeddingVariable(dim, initializer=matrix_initializer(matrix), ev_option=opt)
+        t.build()
+        t.table.lookup(tf.range(0, 40, 2, dtype=tf.int64), insert=True)  # some keys stored
+        rows = [rng.integers(0, 40, int(rng.integers(1, 6))).tolist() for _ in range(batch)]
+        for b in rng.choice(batch, 40, replace=False):
+            rows[b] = [int(x) for x in rng.choice([0, 11, 22, 33], int(rng.integers(1, 4)))]
+        rows[7] = []
+        if long_row:
+            rows[5] = rng.integers(0, 40, 12).tolist()
+        params.append(t)
+        fns.append(lambda x, m=matrix: m[np.mod(np.asarray(x, np.int64), DVD)])
+        ids.append(tf.ragged.constant(rows, dtype=tf.int64, ragged_rank=1))
+        rows_by_f.append(rows)
+    cs = [combiners[f % 3] for f in range(len(dims))]
+    results = _inference_by_path(params, ids, cs, concat)
+    bits = {k: v.view(np.uint32) for k, v in results.items()}
+    np.testing.assert_array_equal(bits["default"], bits["general"])
+    want = np.concatenate([
+        np.stack([_float32_combine(fns[f](r).reshape(-1, dims[f]), cs[f]) if r else
+                  np.zeros(dims[f], np.float32) for r in rows_by_f[f]])
+        for f in range(len(dims))], -1)
+    np.testing.assert_array_equal(bits["default"], want.view(np.uint32))
+    neg = np.signbit(results["default"]) & (results["default"] == 0)
+    assert neg.any() and ((results["default"] == 0) & ~neg).any()
