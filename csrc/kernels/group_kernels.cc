@@ -46,6 +46,7 @@
 
 #include "kernels/table_resource.h"
 #include "kernels/validate.h"
+#include "kv/shard_ops.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
 
@@ -983,8 +984,7 @@ void CombinePooled(const int64_t* splits, int64_t j0, int64_t b0, int64_t b1,
   // that misses would read its line first (its write is all that line
   // gets), and the F features' columns of a concatenated output leave every
   // line cold (measured most of this loop's time).
-  const bool stream = D % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 64 == 0 &&
-                      (stride * sizeof(float)) % 64 == 0;
+  const bool stream = kv::StreamableRows(out, D, stride);
   auto store = [stream](float* o, const __m128* acc) {
     if (stream) {
       for (int v = 0; v < V; ++v) _mm_stream_ps(o + 4 * v, acc[v]);
@@ -1099,7 +1099,7 @@ void LeanPooledRowsOf(kv::Table<K>& table, const Feature& ft, const K* keys, int
                       ft.max_len, comb, out, stride);
     b0 = b1;
   }
-  _mm_sfence();  // the streamed stores are ordered before the op completes
+  kv::StreamFence();  // the streamed stores are ordered before the op completes
 }
 
 void LeanPooledRows(const GroupConfig& cfg, const std::vector<TableSlot>& tables,

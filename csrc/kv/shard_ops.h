@@ -10,6 +10,10 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
 #include "kv/shard_index.h"
 
 namespace kre {
@@ -34,6 +38,34 @@ KRE_KV_INLINE void CopyRow(float* dst, const float* src, int64_t dim) {
     case 128: return CopyFixed<128>(dst, src);
     default: std::memcpy(dst, src, static_cast<size_t>(dim) * sizeof(float));
   }
+}
+
+// Whether rows of `dim` floats written `stride` floats apart from `out` are
+// each whole, aligned cache lines, which StreamRow may write.
+inline bool StreamableRows(const float* out, int64_t dim, int64_t stride) {
+#if defined(__SSE2__)
+  return dim % 16 == 0 && stride % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 64 == 0;
+#else
+  return false;
+#endif
+}
+
+// Copies a row of whole cache lines (see StreamableRows) with non-temporal
+// stores: a store that misses does not read its line first (an output's
+// lines are cold, and the row is all that is written to them). Writers
+// call StreamFence() before their output is read by another thread.
+KRE_KV_INLINE void StreamRow(float* dst, const float* src, int64_t dim) {
+#if defined(__SSE2__)
+  for (int64_t d = 0; d < dim; d += 4) _mm_stream_ps(dst + d, _mm_loadu_ps(src + d));
+#else
+  CopyRow(dst, src, dim);
+#endif
+}
+
+inline void StreamFence() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
 }
 
 // Prefetches every cache line of a row (also the last one of a row that

@@ -444,11 +444,17 @@ int64_t Table<K>::LookupOrdered(const K* keys, int64_t n, bool insert, float* ou
     constexpr int64_t kBlock = 256;
     const float* rows[kBlock];
     OrderedReader reader(*this);
+    const bool stream = StreamableRows(out, dim_, stride);
     for (int64_t b = 0; b < n; b += kBlock) {
       const int64_t m = std::min(kBlock, n - b);
       reader.Find(keys + b, m, rows);
-      for (int64_t j = 0; j < m; ++j) CopyRow(out + (b + j) * stride, rows[j], dim_);
+      if (stream) {
+        for (int64_t j = 0; j < m; ++j) StreamRow(out + (b + j) * stride, rows[j], dim_);
+      } else {
+        for (int64_t j = 0; j < m; ++j) CopyRow(out + (b + j) * stride, rows[j], dim_);
+      }
     }
+    if (stream) StreamFence();
     return 0;
   }
   const int shards = num_shards();

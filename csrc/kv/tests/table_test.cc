@@ -688,6 +688,45 @@ void TestLookupOrdered() {
   CHECK(t.Find(5, &v, &f, &ver) && f == 2);
 }
 
+// LookupOrdered without insert into rows of whole, aligned cache lines
+// (streamed, see StreamRow) and into rows that are not (copied): the same
+// rows as Lookup, every other column untouched, whatever the width (16 and
+// 32 floats stream; 12 never does), stride and alignment.
+void TestLookupOrderedStreamed() {
+  for (const int64_t dim : {16, 32, 12}) {
+    std::vector<float> defaults(kDefaultDim * dim);
+    for (size_t i = 0; i < defaults.size(); ++i) defaults[i] = static_cast<float>(i) - 20.5f;
+    Table<int64_t> t(dim, defaults, 4);
+    std::vector<int64_t> keys;
+    for (int64_t k = 0; k < 700; ++k) keys.push_back((k * 7919) % 1000 - 300);
+    std::vector<int64_t> stored(keys.begin(), keys.begin() + 400);
+    Lookup(t, stored, /*insert=*/true);
+    const std::vector<float> want = Lookup(t, keys, /*insert=*/false);
+    const int64_t n = static_cast<int64_t>(keys.size());
+    for (const int64_t stride : {dim, 3 * dim, dim + 4}) {
+      for (const int64_t offset : {0, 4}) {  // floats past a 64-byte boundary
+        const size_t floats = static_cast<size_t>(n * stride + offset + 16);
+        float* buf = static_cast<float*>(std::aligned_alloc(64, (floats * 4 + 63) / 64 * 64));
+        std::fill(buf, buf + floats, -7.0f);
+        float* out = buf + offset;
+        CHECK(kre::kv::StreamableRows(out, dim, stride) ==
+              (dim % 16 == 0 && stride % 16 == 0 && offset == 0));
+        CHECK(t.LookupOrdered(keys.data(), n, /*insert=*/false, out, stride) == 0);
+        bool same = true;
+        for (size_t i = 0; i < floats; ++i) {
+          const int64_t j = static_cast<int64_t>(i) - offset;
+          const int64_t row = j / stride, col = j % stride;
+          const bool in_row = j >= 0 && row < n && col < dim;
+          same &= buf[i] == (in_row ? want[row * dim + col] : -7.0f);
+        }
+        CHECK(same);
+        std::free(buf);
+      }
+    }
+    CHECK(t.Size() == 400);
+  }
+}
+
 // OrderedReader where its probe's shortcuts could go wrong: shards with no
 // index storage yet, key 0 (the key field of a never-used slot), and erased
 // keys (a tombstone keeps its key): each gives its default row and no hit;
@@ -909,6 +948,7 @@ int main() {
   TestSaturatingMetadata();
   TestLookupCounted();
   TestLookupOrdered();
+  TestLookupOrderedStreamed();
   TestOrderedReaderEdges();
   TestAnyShardCount();
   TestBadConstruction();
