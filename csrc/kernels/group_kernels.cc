@@ -979,6 +979,7 @@ void CombinePooled(const int64_t* splits, int64_t j0, int64_t b0, int64_t b1,
                    const float* const* rows, bool padded, int64_t pad, int64_t max_len,
                    Combiner comb, float* out, int64_t stride) {
   static_assert(D % 4 == 0, "rows are summed 4 floats at a time");
+  static_assert(D <= kNegativeZeros.size(), "the pad row is as wide as every row");
   constexpr int V = D / 4;
   // Output rows that are whole aligned cache lines are streamed: a store
   // that misses would read its line first (its write is all that line
@@ -1036,7 +1037,7 @@ void CombinePooled(const int64_t* splits, int64_t j0, int64_t b0, int64_t b1,
 }
 
 // CombinePooled for any width (the common ones with D fixed at compile
-// time; the others never padded).
+// time; the others never padded: their loop ignores `padded`).
 void CombinePooledRows(int64_t dim, const int64_t* splits, int64_t j0, int64_t b0, int64_t b1,
                        const float* const* rows, bool padded, int64_t pad, int64_t max_len,
                        Combiner comb, float* out, int64_t stride) {
@@ -1080,11 +1081,9 @@ void LeanPooledRowsOf(kv::Table<K>& table, const Feature& ft, const K* keys, int
   thread_local std::vector<const float*> rows;
   typename kv::Table<K>::OrderedReader reader(table);
   // Padded (see CombinePooled) when rows are short and the padding at most
-  // doubles the rows added.
-  const bool padded = dim >= 4 && dim <= static_cast<int64_t>(kNegativeZeros.size()) &&
-                      (dim & (dim - 1)) == 0 &&
-                      ft.max_len <= kPaddedCombineLen &&
-                      ft.max_len * ft.batch <= 2 * ft.kept();
+  // doubles the rows added (widths without a CombinePooled<D> ignore it).
+  const bool padded =
+      ft.max_len <= kPaddedCombineLen && ft.max_len * ft.batch <= 2 * ft.kept();
   int64_t b0 = begin;
   while (b0 < end) {
     const int64_t j0 = ft.splits[b0];
