@@ -101,7 +101,7 @@ class FlatIds(NamedTuple):
     `in_range`: the ids are known to fit every table's key dtype (checked
     once for all features, or int32 to begin with), so no per-feature range
     check is added. What `GroupEmbedding` passes for its stacked
-    `[batch, F(, L)]` input (`KRE>UnstackFeatureIds`)."""
+    `[batch, F(, L)]` input (`KRE>UnstackFeatureIds`, `KRE>UnstackKeptIds`)."""
 
     values: tf.Tensor
     splits: tf.Tensor

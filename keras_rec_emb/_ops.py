@@ -106,6 +106,19 @@ def unstack_feature_ids(ids):
     return list(values), splits
 
 
+tf.no_gradient("KRE>UnstackKeptIds")
+
+
+def unstack_kept_ids(ids):
+    """`unstack_feature_ids` with the padding (ids < 0) dropped: `(values,
+    row_splits)`, both lists of F int64 tensors, `values[j]` the ids >= 0 of
+    `ids[:, j, :]` row by row and `row_splits[j]` their row splits
+    `[batch + 1]`. One op (`KRE>UnstackKeptIds`); the group lookup, which
+    would prune the same ids, then reads each feature's ids where they are."""
+    values, splits = gen().kre_unstack_kept_ids(ids, num_features=int(ids.shape[1]))
+    return list(values), list(splits)
+
+
 def create_table(default_values, key_dtype, dim, num_shards, track_meta=True,
                  filter_freq=0, bloom=None, no_permission_value=0.0, freq_cap=0,
                  storage_path="", cache_bytes=64 << 20, shared_name="", replica_shard=False):

@@ -188,16 +188,21 @@ struct Feature {
   int32_t* inverse = nullptr;
   std::vector<int32_t> rank;
   // A lean pooled feature built in place (see BuildFeature's `in_place`):
-  // its num_raw kept ids in `raw` (not zeroed first), no weights; `ids`
-  // and `weights` stay empty.
+  // its num_raw kept ids in `raw` (not zeroed first), or, when its ids
+  // input needed no pruning or filling, that input itself (`given`); no
+  // weights; `ids` and `weights` stay empty.
   std::shared_ptr<int64_t[]> raw;  // (Features are copied by assign)
+  const int64_t* given = nullptr;
   int64_t num_raw = 0;
-  int64_t kept() const { return raw ? num_raw : static_cast<int64_t>(ids.size()); }
+  bool in_place() const { return raw || given; }
+  int64_t kept() const { return in_place() ? num_raw : static_cast<int64_t>(ids.size()); }
 };
 
 // With `in_place` (a lean pooled feature of a table read with
 // LookupOrdered: no weights), the kept ids go to Feature::raw, no weights
-// are written.
+// are written; when the ids need no pruning and no row filling (as
+// KRE>UnstackKeptIds gives them) and the table's keys are int64, they are
+// read from the input where they are (Feature::given).
 absl::Status BuildFeature(OpKernelContext* ctx, const GroupConfig& cfg, int f,
                           Feature* out, bool in_place = false) {
   const Tensor& ids_t = ctx->input(cfg.ids_input(f));
@@ -237,6 +242,24 @@ absl::Status BuildFeature(OpKernelContext* ctx, const GroupConfig& cfg, int f,
                             : ctx->input(p).dim_size(0);
   out->batch = batch;
   if (in_place && w == nullptr && !prune_weights && vocab < 0) {
+    if (cfg.key_dtypes[p] == tf::DT_INT64) {
+      // Read only: is any id < 0 (the OR of all ids is negative), any row
+      // empty, and the longest row.
+      int64_t any = 0, max_len = 0, min_len = nnz;
+      for (int64_t j = 0; j < nnz; ++j) any |= ids[j];
+      for (int64_t b = 0; b < batch; ++b) {
+        const int64_t len = splits[b + 1] - splits[b];
+        max_len = std::max(max_len, len);
+        min_len = std::min(min_len, len);
+      }
+      if (!(prune && any < 0) && !(def >= 0 && min_len == 0)) {
+        out->given = ids;
+        out->num_raw = nnz;
+        out->splits.assign(splits, splits + batch + 1);
+        out->max_len = max_len;
+        return absl::OkStatus();
+      }
+    }
     // One branchless pass (a pruned id is written, then overwritten: one
     // slot of slack) into a buffer that is not zeroed first.
     out->raw.reset(new int64_t[nnz + (def >= 0 ? batch : 0) + 1]);
@@ -366,6 +389,8 @@ struct ParamIds {
   // The lean pooled path of a feature read in place: uniq stays empty; its
   // unique_ids output, allocated before the lookups, is `raw_out`.
   int64_t* raw_out = nullptr;
+  // A lean pooled feature's ids input is the unique_ids output (Feature::given).
+  bool unique_given = false;
 };
 
 absl::Status ResolveTables(OpKernelContext* ctx, const GroupConfig& cfg,
@@ -906,6 +931,13 @@ void LeanPooledIds(const GroupConfig& cfg, const std::vector<TableSlot>& tables,
   const int64_t n = ft.kept();
   pid->distinct = false;
   const TableSlot& t = tables[p];
+  for (int64_t j = 0; j < n; ++j) ft.inverse[j] = static_cast<int32_t>(j);
+  if (ft.given) {  // the ids input, also the unique_ids output (int64 keys, ordered)
+    pid->ordered = true;
+    pid->num_ordered = n;
+    pid->ordered_keys64 = ft.given;
+    return;
+  }
   // Every kept id in batch order: a feature built in place (BuildFeature's
   // `in_place`, always ordered) straight into its unique_ids output, else
   // in uniq (its ids are not read again: rows come through inverse).
@@ -917,7 +949,6 @@ void LeanPooledIds(const GroupConfig& cfg, const std::vector<TableSlot>& tables,
     pid->uniq.swap(ft.ids);
     keys = pid->uniq.data();
   }
-  for (int64_t j = 0; j < n; ++j) ft.inverse[j] = static_cast<int32_t>(j);
   if (t.t32) {
     pid->keys32.resize(n);
     for (int64_t j = 0; j < n; ++j) {
@@ -1244,7 +1275,13 @@ class GroupLookupOp : public OpKernel {
       lean_unique[p] = u->flat<int64_t>().data();
     }
     for (int p = 0; p < cfg.num_tables; ++p) {  // pooled features read in place
-      if (!pooled[p] || !features[cfg.features_of[p][0]].raw) continue;
+      const int f = cfg.features_of[p][0];
+      if (!pooled[p] || !features[f].in_place()) continue;
+      if (features[f].given) {  // unique_ids: the ids input as it is
+        ctx->set_output(F + p, ctx->input(cfg.ids_input(f)));
+        params[p].unique_given = true;
+        continue;
+      }
       Tensor* u;
       OP_REQUIRES_OK(ctx, ctx->allocate_output(
                               F + p, TensorShape({features[cfg.features_of[p][0]].num_raw}), &u));
@@ -1257,7 +1294,7 @@ class GroupLookupOp : public OpKernel {
       if (!pooled[p]) continue;
       const Feature& ft = features[cfg.features_of[p][0]];
       const int64_t n = ft.kept();
-      pooled_ordered[p] = ft.raw != nullptr || tables[p].PrefersOrderedLookup(n);
+      pooled_ordered[p] = ft.in_place() || tables[p].PrefersOrderedLookup(n);
     }
     auto lean_partition = [&](int p) {
       const int f = cfg.features_of[p][0];
@@ -1381,7 +1418,7 @@ class GroupLookupOp : public OpKernel {
       OP_REQUIRES_OK(ctx, CombineBlocks(ctx, cfg, tables, params, features, combined, outs));
     }
     for (int p = 0; p < P; ++p) {
-      if (lean_param[p] || params[p].raw_out != nullptr) continue;
+      if (lean_param[p] || params[p].raw_out != nullptr || params[p].unique_given) continue;
       Tensor* u;
       OP_REQUIRES_OK(ctx, ctx->allocate_output(
                               F + p, TensorShape({static_cast<int64_t>(params[p].uniq.size())}),

@@ -346,8 +346,8 @@ class GroupEmbedding(keras.layers.Layer):
 
     def _stacked_inputs(self, ids):
         """Per feature `FlatIds` of stacked ids `[batch, F(, L)]`, from one
-        `KRE>UnstackFeatureIds` op (no per-feature slicing), checked once
-        for int32-key tables."""
+        `KRE>UnstackFeatureIds` (L = 1) or `KRE>UnstackKeptIds` op (no
+        per-feature slicing), checked once for int32-key tables."""
         self._check_stacked(ids.shape, ids.dtype)
         f = len(self._features)
         if embedding_ops.tracing_stock_lookups():  # a served graph: stock ops only
@@ -366,8 +366,15 @@ class GroupEmbedding(keras.layers.Layer):
                                           lower=False)
                 in_range = True
             # int64 tables with int32 ones: each int32 table's ids are checked apart
-        values, splits = _ops.unstack_feature_ids(ids)
-        return [FlatIds(v, splits, in_range) for v in values]
+        if ids.shape[2] == 1:
+            # One id per row: the plain split (its row splits shared); the
+            # lookup's lean single-id path reads each feature's ids as given.
+            values, splits = _ops.unstack_feature_ids(ids)
+            return [FlatIds(v, splits, in_range) for v in values]
+        # Several: padding dropped in the split (every feature of the layer
+        # prunes ids < 0), so the lookup reads the kept ids where they are.
+        values, splits = _ops.unstack_kept_ids(ids)
+        return [FlatIds(v, s, in_range) for v, s in zip(values, splits)]
 
     def _checked_table_ids(self, table_ids, ids, n):
         """`table_ids` with a check that every one paired with a real

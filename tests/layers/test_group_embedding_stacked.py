@@ -1,5 +1,6 @@
 """GroupEmbedding's one-tensor form: ids `[batch, F]` or `[batch, F, L]`
-split per feature by one `KRE>UnstackFeatureIds` op. The op against NumPy;
+split per feature by one `KRE>UnstackFeatureIds` (L = 1) or
+`KRE>UnstackKeptIds` op (padding dropped). The ops against NumPy;
 the layer against the dict of per-feature inputs (bit-equal outputs, equal
 tables after training); saving; errors."""
 
@@ -62,6 +63,57 @@ def test_unstack_op_bad_input():
     assert tf_ops.gradient_registry.lookup("KRE>UnstackFeatureIds") is None
 
 
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("shape", [(6, 4, 3), (5, 3, 1), (0, 2, 4), (3, 2, 0), (2000, 7, 5),
+                                   (300, 3, 11), (40, 2, 300)])
+def test_unstack_kept_op_matches_numpy(dtype, shape):
+    """KRE>UnstackKeptIds: per feature the ids >= 0 row by row and their row
+    splits; padding (-1) and other negative ids dropped, rows left empty;
+    lengths 1-8 (compiled), longer (11, and 300: counts past one byte)."""
+    rng = np.random.default_rng(sum(shape))
+    x = rng.integers(0, np.iinfo(dtype).max, shape, dtype=dtype)
+    x[rng.random(shape) < 0.4] = -1
+    x[rng.random(shape) < 0.05] = np.iinfo(dtype).min
+    if shape[0] > 2:
+        x[1] = -1  # an empty row in every feature
+    values, splits = _ops.unstack_kept_ids(tf.constant(x))
+    assert len(values) == len(splits) == shape[1]
+    for j in range(shape[1]):
+        col = x[:, j, :]
+        want_splits = np.concatenate([[0], np.cumsum((col >= 0).sum(1))]).astype(np.int64)
+        assert values[j].dtype == tf.int64 and splits[j].dtype == tf.int64
+        np.testing.assert_array_equal(values[j].numpy(), col[col >= 0].astype(np.int64))
+        np.testing.assert_array_equal(splits[j].numpy(), want_splits)
+
+
+def test_unstack_kept_op_threads_and_graph_shapes():
+    """Features split over two intra-op threads give the one-thread result;
+    in a graph the values have an unknown length, the splits [batch + 1]."""
+    x = np.random.default_rng(3).integers(-1, 9, (3000, 9, 5))
+    want = _ops.unstack_kept_ids(tf.constant(x))
+    fn = tf.function(lambda t: _ops.unstack_kept_ids(t))
+    static = fn.get_concrete_function(tf.TensorSpec([8, 3, 5], tf.int64)).structured_outputs
+    assert [v.shape.as_list() for v in static[0]] == [[None]] * 3
+    assert [s.shape.as_list() for s in static[1]] == [[9]] * 3
+    got = fn(tf.constant(x))  # the default pool: 2 threads on these machines
+    for a, b in zip(want[0] + want[1], got[0] + got[1]):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_unstack_kept_op_bad_input():
+    gen = _ops.gen()
+    with pytest.raises(tf.errors.InvalidArgumentError, match="rank 3"):
+        gen.kre_unstack_kept_ids(tf.zeros([4, 3], tf.int64), num_features=3)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="num_features = 2"):
+        gen.kre_unstack_kept_ids(tf.zeros([4, 3, 1], tf.int64), num_features=2)
+    with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match="num_features"):
+        gen.kre_unstack_kept_ids(tf.zeros([4, 0, 1], tf.int64), num_features=0)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="attr 'T' of float"):
+        gen.kre_unstack_kept_ids(tf.zeros([4, 3, 1], tf.float32), num_features=3)
+    from tensorflow.python.framework import ops as tf_ops
+    assert tf_ops.gradient_registry.lookup("KRE>UnstackKeptIds") is None
+
+
 # -- the layer: stacked vs per-feature inputs ---------------------------------
 def _group(matrix_initializer, key_dtype="int64", output_mode="concat", dense=False):
     specs = {}
@@ -119,11 +171,16 @@ def test_stacked_dict_output(matrix_initializer):
 def test_stacked_graph_has_no_per_feature_ops(matrix_initializer):
     group = _group(matrix_initializer)
     group(_stacked_ids())
-    for dtype in (tf.int32, tf.int64):
+    # One id per row: the plain split; several (or unknown): the pruning one.
+    for dtype, length, split in [(tf.int32, 4, "KRE>UnstackKeptIds"),
+                                 (tf.int64, 4, "KRE>UnstackKeptIds"),
+                                 (tf.int64, None, "KRE>UnstackKeptIds"),
+                                 (tf.int64, 1, "KRE>UnstackFeatureIds")]:
         graph = tf.function(lambda t: group(t)).get_concrete_function(
-            tf.TensorSpec([None, 5, 4], dtype)).graph
+            tf.TensorSpec([None, 5, length], dtype)).graph
         ops = [op.type for op in graph.get_operations()]
-        assert ops.count("KRE>UnstackFeatureIds") == 1
+        assert ops.count(split) == 1, ops
+        assert ops.count("KRE>UnstackFeatureIds") + ops.count("KRE>UnstackKeptIds") == 1
         assert ops.count("KRE>GroupLookup") == 1
         assert not {"StridedSlice", "Reshape", "Cast", "Range"} & set(ops), ops
 

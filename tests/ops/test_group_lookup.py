@@ -972,6 +972,53 @@ def test_lean_pooled_in_place_lists_kept_ids(matrix_initializer, key_dtype, kept
     assert t.table_size() == 0
 
 
+@pytest.mark.parametrize("key_dtype", ["int64", "int32"])
+@pytest.mark.parametrize("case", ["kept", "negative", "empty_with_default", "empty"])
+def test_lean_pooled_reads_kept_ids_where_they_are(matrix_initializer, key_dtype, case):
+    """A lean pooled feature whose ids need no pruning and no filling (as
+    `KRE>UnstackKeptIds` gives them) is read from its input where it is: for
+    int64 keys, unique_ids is that input tensor itself (same buffer), inverse
+    0, 1, ...; rows bit-identical to the general path's and equal to NumPy's.
+    A negative id, or an empty row with a default_id, takes the copying
+    path; an empty row without one does not."""
+    rng = np.random.default_rng(11)
+    t, m = make_table(matrix_initializer, 4, 50, key_dtype=key_dtype)
+    lengths = rng.integers(1, 6, 500)
+    default = None
+    if case.startswith("empty"):
+        lengths[[3, 77]] = 0
+        default = 6 if case == "empty_with_default" else None
+    values = rng.integers(0, 40, int(lengths.sum()))
+    if case == "negative":
+        values[10] = -3
+    vals = tf.constant(values, tf.int64)
+    ids = tf.RaggedTensor.from_row_lengths(vals, lengths)
+    rows = [[i for i in r if i >= 0] for r in ids.to_list()]
+    want_unique = sum([r if r or default is None else [default] for r in rows], [])
+
+    @tf.function
+    def lookup(fast=None):
+        ctx = (embedding_ops.single_id_fast_path(fast) if fast is not None
+               else contextlib.nullcontext())
+        with ctx:
+            out = ops.group_embedding_lookup_sparse([t], [ids], ["sqrtn"], default_id=[default],
+                                                    training=False)[0]
+        return out, out.op.outputs[1], out.op.outputs[2]
+
+    out, unique, inverse = lookup()
+    assert unique.numpy().tolist() == want_unique
+    assert inverse.numpy().tolist() == list(range(len(want_unique)))
+    same_buffer = (np.asarray(unique).__array_interface__["data"][0]
+                   == np.asarray(vals).__array_interface__["data"][0])
+    assert same_buffer == (key_dtype == "int64" and case in ("kept", "empty"))
+    out_general, _, _ = lookup(fast=False)
+    np.testing.assert_array_equal(out.numpy(), out_general.numpy())
+    want = numpy_feature(m, 4, rows, [[1.0] * len(r) for r in rows], "sqrtn", None, default,
+                         False)
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-6)
+    assert t.table_size() == 0
+
+
 def _float32_combine(rows, combiner):
     """CombineRows' float32 operations in its order: one id gives 1 * x; several
     are summed from +0.0 and scaled by 1 / n (mean) or 1 / sqrt(n) (sqrtn);
