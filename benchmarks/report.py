@@ -679,7 +679,9 @@ def peers_markdown(data):
         lines += ["", "Not run: " + "; ".join(f"{k}: {v}" for k, v in data["skipped"].items())]
     lines += [""] + data["notes"] if data.get("notes") else []
     m = data["machine"]
-    lines += ["", f"Machine: {m['cpu_model']}, {m['cpu_count']} cores, {m['memory_gib']} GiB."]
+    thp = m.get("transparent_hugepages")
+    thp = f", transparent huge pages `{thp}`" if thp else ""
+    lines += ["", f"Machine: {m['cpu_model']}, {m['cpu_count']} cores, {m['memory_gib']} GiB{thp}."]
     return lines
 
 
@@ -757,7 +759,8 @@ def write_report(out_dir, quick, machine, rows, plots, commands, notes, elapsed,
         "",
         f"- CPU: {machine['cpu_model']}, {machine['cpu_count']} cores "
         f"({machine['cpus_available']} available to this process)",
-        f"- Memory: {machine['memory_gib']} GiB",
+        f"- Memory: {machine['memory_gib']} GiB, transparent huge pages "
+        f"`{machine.get('transparent_hugepages')}`",
         f"- Platform: {machine['platform']}, Python {machine['python']}",
         "- Versions: " + ", ".join(f"{k} {v}" for k, v in machine["versions"].items()),
         "",

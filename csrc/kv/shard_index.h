@@ -117,8 +117,18 @@ class ShardIndex {
   uint64_t mask() const { return mask_; }
   Entry& entry(uint64_t i) { return entries_[i]; }
   const Entry& entry(uint64_t i) const { return entries_[i]; }
-  // For prefetching the home slot of hash h (an index with storage).
-  const void* EntryAddress(uint64_t h) const { return &entries_[h & mask_]; }
+  // Prefetches the lines of the first four slots of hash h's probe (its
+  // home slot's line and, when the home slot is not first in its line, the
+  // next): at load ~0.63 about 15% of the keys found sit past their home
+  // slot's line, and a probe that crosses into an unfetched line waits on a
+  // second miss. Measured ~7% off a find-and-sum over 26 tables of 41k keys
+  // (the home line alone: 0%; the next slot's: ~4%). For an index with
+  // storage; the static form for FindIn's (entries, mask).
+  KRE_KV_INLINE static void PrefetchProbe(const Entry* entries, uint64_t mask, uint64_t h) {
+    __builtin_prefetch(&entries[h & mask]);
+    __builtin_prefetch(&entries[(h + 3) & mask]);
+  }
+  void PrefetchProbe(uint64_t h) const { PrefetchProbe(entries_.data(), mask_, h); }
   bool empty_storage() const { return entries_.empty(); }
   // The entries, for FindIn (with mask()): valid until the index changes.
   // An index without storage gives one empty slot (mask() is 0).

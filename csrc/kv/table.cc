@@ -349,7 +349,7 @@ int64_t Table<K>::LookupImpl(int shard, const K* keys, const uint64_t* hashes,
   auto prefetch_slots = [&](int64_t begin, int64_t end) {
     if (s.index.empty_storage()) return;
     for (int64_t j = begin; j < end; ++j) {
-      __builtin_prefetch(s.index.EntryAddress(hashes[j]));
+      s.index.PrefetchProbe(hashes[j]);
     }
   };
   prefetch_slots(0, std::min(n, block));
@@ -394,7 +394,7 @@ void Table<K>::LookupPipelined(Shard& s, const K* keys, const uint64_t* hashes,
   int64_t meta_counts[kRowAhead];
   const int64_t epoch = epoch_.load(std::memory_order_relaxed);
   auto prefetch_slot = [&](int64_t j) {
-    __builtin_prefetch(s.index.EntryAddress(hashes[j]));
+    s.index.PrefetchProbe(hashes[j]);
   };
   if (!s.index.empty_storage()) {
     for (int64_t j = 0; j < std::min(n, kSlotAhead); ++j) prefetch_slot(j);
@@ -521,7 +521,7 @@ int64_t Table<K>::LookupOrdered(const K* keys, int64_t n, bool insert, float* ou
       hashes[j & (kSlotAhead - 1)] = h;
       const Index& index = shards_[ShardOf(h)]->index;
       if (!index.empty_storage()) {
-        __builtin_prefetch(index.EntryAddress(h));
+        index.PrefetchProbe(h);
       }
     }
   }
@@ -609,7 +609,7 @@ void Table<K>::OrderedReader::Find(const K* keys, int64_t n, const float** rows)
       hashes[j & (kSlotAhead - 1)] = h;
       const int sh = ShardOfHash(h, num_shards);
       shard_of[j & (kSlotAhead - 1)] = sh;
-      __builtin_prefetch(&views[sh].entries[h & views[sh].mask]);
+      Index::PrefetchProbe(views[sh].entries, views[sh].mask, h);
     }
   }
 }

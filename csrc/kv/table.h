@@ -635,7 +635,7 @@ void Table<K>::ApplyDistinct(int shard, const K* keys, const uint64_t* hashes,
   const int64_t epoch = epoch_.load(std::memory_order_relaxed);
   const bool indexed = !s.index.empty_storage();
   auto prefetch_slot = [&](int64_t j) {
-    __builtin_prefetch(s.index.EntryAddress(hashes[j]));
+    s.index.PrefetchProbe(hashes[j]);
   };
   if (indexed) {
     for (int64_t j = 0; j < std::min(n, kSlotAhead); ++j) prefetch_slot(j);

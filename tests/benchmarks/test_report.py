@@ -36,6 +36,11 @@ def test_report_sections(quick_report):
     for section in bench.SECTIONS:
         assert section + "\n" in text, section
     assert "cores" in text and "tensorflow-cpu" in text and "keras " in text
+    # The huge page mode moves gather-bound results; the report says which it ran with.
+    thp = bench._machine(REPORT_PY.parent)["transparent_hugepages"]
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        assert f"[{thp}]" in f.read()
+    assert f"transparent huge pages `{thp}`" in text
     assert "Skipped in quick mode" in text  # says the data benchmark was skipped
     commands = text.split("## Commands", 1)[1].split("```sh\n", 1)[1].split("```")[0]
     for script in ("lookup.py", "filters.py", "group_embedding.py", "training.py",
