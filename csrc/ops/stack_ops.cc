@@ -15,13 +15,18 @@ using ::tensorflow::shape_inference::DimensionHandle;
 using ::tensorflow::shape_inference::InferenceContext;
 using ::tensorflow::shape_inference::ShapeHandle;
 
+// Both ops' input: ids [batch, num_features, L]; sets *num_features.
+absl::Status StackedIds(InferenceContext* c, ShapeHandle* ids, int* num_features) {
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 3, ids));
+  TF_RETURN_IF_ERROR(c->GetAttr("num_features", num_features));
+  DimensionHandle f;
+  return c->WithValue(c->Dim(*ids, 1), *num_features, &f);
+}
+
 absl::Status UnstackFeatureIdsShape(InferenceContext* c) {
   ShapeHandle ids;
-  TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 3, &ids));
   int num_features;
-  TF_RETURN_IF_ERROR(c->GetAttr("num_features", &num_features));
-  DimensionHandle f;
-  TF_RETURN_IF_ERROR(c->WithValue(c->Dim(ids, 1), num_features, &f));
+  TF_RETURN_IF_ERROR(StackedIds(c, &ids, &num_features));
   DimensionHandle batch = c->Dim(ids, 0);
   DimensionHandle n;
   TF_RETURN_IF_ERROR(c->Multiply(batch, c->Dim(ids, 2), &n));
@@ -34,11 +39,8 @@ absl::Status UnstackFeatureIdsShape(InferenceContext* c) {
 
 absl::Status UnstackKeptIdsShape(InferenceContext* c) {
   ShapeHandle ids;
-  TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 3, &ids));
   int num_features;
-  TF_RETURN_IF_ERROR(c->GetAttr("num_features", &num_features));
-  DimensionHandle f;
-  TF_RETURN_IF_ERROR(c->WithValue(c->Dim(ids, 1), num_features, &f));
+  TF_RETURN_IF_ERROR(StackedIds(c, &ids, &num_features));
   DimensionHandle splits;
   TF_RETURN_IF_ERROR(c->Add(c->Dim(ids, 0), 1, &splits));
   for (int j = 0; j < num_features; ++j) {

@@ -44,23 +44,28 @@ def test_unstack_op_shapes_in_a_graph():
     np.testing.assert_array_equal(splits.numpy(), [0, 4, 8])
 
 
-def test_unstack_op_bad_input():
-    gen = _ops.gen()
+@pytest.mark.parametrize("op", ["kre_unstack_feature_ids", "kre_unstack_kept_ids"])
+def test_unstack_ops_bad_input(op):
+    split = getattr(_ops.gen(), op)
     with pytest.raises(tf.errors.InvalidArgumentError, match="rank 3"):
-        gen.kre_unstack_feature_ids(tf.zeros([4, 3], tf.int64), num_features=3)
+        split(tf.zeros([4, 3], tf.int64), num_features=3)
     with pytest.raises(tf.errors.InvalidArgumentError, match="num_features = 2"):
-        gen.kre_unstack_feature_ids(tf.zeros([4, 3, 1], tf.int64), num_features=2)
+        split(tf.zeros([4, 3, 1], tf.int64), num_features=2)
     with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match="num_features"):
-        gen.kre_unstack_feature_ids(tf.zeros([4, 0, 1], tf.int64), num_features=0)
+        split(tf.zeros([4, 0, 1], tf.int64), num_features=0)
     with pytest.raises(tf.errors.InvalidArgumentError, match="attr 'T' of float"):
-        gen.kre_unstack_feature_ids(tf.zeros([4, 3, 1], tf.float32), num_features=3)
+        split(tf.zeros([4, 3, 1], tf.float32), num_features=3)
     with pytest.raises(ValueError, match="rank 3|must be rank 3|Shape must be rank"):
-        tf.function(lambda x: gen.kre_unstack_feature_ids(x, num_features=3)
+        tf.function(lambda x: split(x, num_features=3)
                     ).get_concrete_function(tf.TensorSpec([4, 3], tf.int64))
+    with pytest.raises(ValueError, match="num_features|must be 3|Dimension"):
+        tf.function(lambda x: split(x, num_features=3)
+                    ).get_concrete_function(tf.TensorSpec([4, 2, 5], tf.int64))
     # Integer ids in, integer ids out: no gradient (the lookup's gradient
     # goes to the tables).
     from tensorflow.python.framework import ops as tf_ops
-    assert tf_ops.gradient_registry.lookup("KRE>UnstackFeatureIds") is None
+    name = "KRE>UnstackFeatureIds" if op == "kre_unstack_feature_ids" else "KRE>UnstackKeptIds"
+    assert tf_ops.gradient_registry.lookup(name) is None
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.int64])
@@ -98,20 +103,6 @@ def test_unstack_kept_op_threads_and_graph_shapes():
     got = fn(tf.constant(x))  # the default pool: 2 threads on these machines
     for a, b in zip(want[0] + want[1], got[0] + got[1]):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
-
-
-def test_unstack_kept_op_bad_input():
-    gen = _ops.gen()
-    with pytest.raises(tf.errors.InvalidArgumentError, match="rank 3"):
-        gen.kre_unstack_kept_ids(tf.zeros([4, 3], tf.int64), num_features=3)
-    with pytest.raises(tf.errors.InvalidArgumentError, match="num_features = 2"):
-        gen.kre_unstack_kept_ids(tf.zeros([4, 3, 1], tf.int64), num_features=2)
-    with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match="num_features"):
-        gen.kre_unstack_kept_ids(tf.zeros([4, 0, 1], tf.int64), num_features=0)
-    with pytest.raises(tf.errors.InvalidArgumentError, match="attr 'T' of float"):
-        gen.kre_unstack_kept_ids(tf.zeros([4, 3, 1], tf.float32), num_features=3)
-    from tensorflow.python.framework import ops as tf_ops
-    assert tf_ops.gradient_registry.lookup("KRE>UnstackKeptIds") is None
 
 
 # -- the layer: stacked vs per-feature inputs ---------------------------------
