@@ -242,7 +242,7 @@ absl::Status BuildFeature(OpKernelContext* ctx, const GroupConfig& cfg, int f,
                             : ctx->input(p).dim_size(0);
   out->batch = batch;
   if (in_place && w == nullptr && !prune_weights && vocab < 0) {
-    if (cfg.key_dtypes[p] == tf::DT_INT64) {
+    if (cfg.key_dtypes[p] == tf::DT_INT64 && nnz > 0) {  // (no ids: the pass below)
       // Read only: is any id < 0 (the OR of all ids is negative), any row
       // empty, and the longest row.
       int64_t any = 0, max_len = 0, min_len = nnz;
@@ -389,8 +389,10 @@ struct ParamIds {
   // The lean pooled path of a feature read in place: uniq stays empty; its
   // unique_ids output, allocated before the lookups, is `raw_out`.
   int64_t* raw_out = nullptr;
-  // A lean pooled feature's ids input is the unique_ids output (Feature::given).
-  bool unique_given = false;
+  // The unique_ids output is set already: `raw_out` allocated (which is
+  // null when no id is kept, so it cannot say so itself) or a lean pooled
+  // feature's ids input forwarded (Feature::given).
+  bool unique_set = false;
 };
 
 absl::Status ResolveTables(OpKernelContext* ctx, const GroupConfig& cfg,
@@ -1279,13 +1281,14 @@ class GroupLookupOp : public OpKernel {
       if (!pooled[p] || !features[f].in_place()) continue;
       if (features[f].given) {  // unique_ids: the ids input as it is
         ctx->set_output(F + p, ctx->input(cfg.ids_input(f)));
-        params[p].unique_given = true;
+        params[p].unique_set = true;
         continue;
       }
       Tensor* u;
       OP_REQUIRES_OK(ctx, ctx->allocate_output(
                               F + p, TensorShape({features[cfg.features_of[p][0]].num_raw}), &u));
       params[p].raw_out = u->flat<int64_t>().data();
+      params[p].unique_set = true;
     }
     // Decided once here (the table's size may change under a concurrent
     // training lookup): the ordered ones need no row buffer.
@@ -1418,7 +1421,7 @@ class GroupLookupOp : public OpKernel {
       OP_REQUIRES_OK(ctx, CombineBlocks(ctx, cfg, tables, params, features, combined, outs));
     }
     for (int p = 0; p < P; ++p) {
-      if (lean_param[p] || params[p].raw_out != nullptr || params[p].unique_given) continue;
+      if (lean_param[p] || params[p].unique_set) continue;
       Tensor* u;
       OP_REQUIRES_OK(ctx, ctx->allocate_output(
                               F + p, TensorShape({static_cast<int64_t>(params[p].uniq.size())}),

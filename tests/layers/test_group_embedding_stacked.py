@@ -150,6 +150,19 @@ def test_stacked_equals_per_feature_inputs(matrix_initializer, dtype, length):
     np.testing.assert_array_equal(expect[2, 9:12], group.tables[3](np.array([5])).numpy()[0])
 
 
+@pytest.mark.parametrize("batch", [3, 3000], ids=["small", "ordered_lookup"])
+def test_stacked_all_padding(matrix_initializer, batch):
+    """A batch whose ids are all padding: no id is kept (an empty ids input
+    on every path of the lookup); rows are zeros, or feature 3's default_id
+    row, as the per-feature form gives them."""
+    group = _group(matrix_initializer)
+    x = np.full((batch, len(COMBINERS), 4), -1, np.int64)
+    got = group(x).numpy()
+    np.testing.assert_array_equal(got, group(_as_dict(x)).numpy())
+    assert np.all(got[:, :9] == 0) and np.all(got[:, 12:] == 0)
+    assert np.all(got[:, 9:12] != 0)  # feature 3 (dim 3) reads default_id 5
+
+
 def test_stacked_dict_output(matrix_initializer):
     group = _group(matrix_initializer, output_mode="dict")
     x = _stacked_ids()
