@@ -1286,7 +1286,7 @@ class GroupLookupOp : public OpKernel {
       }
       Tensor* u;
       OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                              F + p, TensorShape({features[cfg.features_of[p][0]].num_raw}), &u));
+                              F + p, TensorShape({features[f].num_raw}), &u));
       params[p].raw_out = u->flat<int64_t>().data();
       params[p].unique_set = true;
     }

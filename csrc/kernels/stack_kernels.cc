@@ -94,7 +94,7 @@ void KeepRows(const T* __restrict ids, int64_t f, int64_t l, int64_t batch, int6
   for (int64_t j = j0; j < j1; ++j) kept[j] = 0;
   for (int64_t b = 0; b < batch; ++b) {
     const T* row = ids + b * f * n;
-    Count* c = counts.data() + b * w - j0;
+    Count* c = counts.data() + b * w;  // c[j - j0]: feature j's count in row b
     for (int64_t j = j0; j < j1; ++j) {
       int64_t* __restrict dst = out[j];
       const T* src = row + j * n;
@@ -106,7 +106,7 @@ void KeepRows(const T* __restrict ids, int64_t f, int64_t l, int64_t batch, int6
         m += id >= 0;
       }
       kept[j] = m;
-      c[j] = static_cast<Count>(m - m0);
+      c[j - j0] = static_cast<Count>(m - m0);
     }
   }
   for (int64_t j = j0; j < j1; ++j) {
@@ -141,39 +141,45 @@ void KeepRowsAnyLength(const T* ids, int64_t f, int64_t l, int64_t batch, int64_
   }
 }
 
-// Both ops' input check: ids [batch, num_features, L].
-absl::Status CheckStacked(const tf::Tensor& ids, int num_features) {
-  if (ids.dims() != 3) {
-    return tf::errors::InvalidArgument(
-        "`ids` must be [batch, num_features, length] (rank 3), got shape ",
-        ids.shape().DebugString());
+// What both kernels share: the `num_features` attribute, checked once, and
+// the check of their input against it.
+class StackedIdsOp : public tf::OpKernel {
+ public:
+  explicit StackedIdsOp(tf::OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_features", &num_features_));
+    OP_REQUIRES(ctx, num_features_ >= 1,
+                tf::errors::InvalidArgument("`num_features` must be >= 1, got ",
+                                            num_features_));
   }
-  if (ids.dim_size(1) != num_features) {
-    return tf::errors::InvalidArgument("`ids` must have num_features = ", num_features,
-                                       " features in dimension 1, got shape ",
-                                       ids.shape().DebugString());
-  }
-  return absl::OkStatus();
-}
 
-absl::Status GetNumFeatures(tf::OpKernelConstruction* ctx, int* num_features) {
-  TF_RETURN_IF_ERROR(ctx->GetAttr("num_features", num_features));
-  if (*num_features < 1) {
-    return tf::errors::InvalidArgument("`num_features` must be >= 1, got ", *num_features);
+ protected:
+  // The op's input must be ids [batch, num_features, L].
+  absl::Status CheckIds(const tf::Tensor& ids) const {
+    if (ids.dims() != 3) {
+      return tf::errors::InvalidArgument(
+          "`ids` must be [batch, num_features, length] (rank 3), got shape ",
+          ids.shape().DebugString());
+    }
+    if (ids.dim_size(1) != num_features_) {
+      return tf::errors::InvalidArgument("`ids` must have num_features = ", num_features_,
+                                         " features in dimension 1, got shape ",
+                                         ids.shape().DebugString());
+    }
+    return absl::OkStatus();
   }
-  return absl::OkStatus();
-}
+
+ private:
+  int num_features_ = 0;
+};
 
 template <typename T>
-class UnstackKeptIdsOp : public tf::OpKernel {
+class UnstackKeptIdsOp : public StackedIdsOp {
  public:
-  explicit UnstackKeptIdsOp(tf::OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, GetNumFeatures(ctx, &num_features_));
-  }
+  using StackedIdsOp::StackedIdsOp;
 
   void Compute(tf::OpKernelContext* ctx) override {
     const tf::Tensor& ids = ctx->input(0);
-    OP_REQUIRES_OK(ctx, CheckStacked(ids, num_features_));
+    OP_REQUIRES_OK(ctx, CheckIds(ids));
     const int64_t batch = ids.dim_size(0), f = ids.dim_size(1), l = ids.dim_size(2);
     // Each feature's kept ids go to a buffer with room for all its ids;
     // its output is the kept prefix (a slice: no copy).
@@ -198,21 +204,16 @@ class UnstackKeptIdsOp : public tf::OpKernel {
               });
     for (int64_t j = 0; j < f; ++j) ctx->set_output(j, values[j].Slice(0, kept[j]));
   }
-
- private:
-  int num_features_ = 0;
 };
 
 template <typename T>
-class UnstackFeatureIdsOp : public tf::OpKernel {
+class UnstackFeatureIdsOp : public StackedIdsOp {
  public:
-  explicit UnstackFeatureIdsOp(tf::OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, GetNumFeatures(ctx, &num_features_));
-  }
+  using StackedIdsOp::StackedIdsOp;
 
   void Compute(tf::OpKernelContext* ctx) override {
     const tf::Tensor& ids = ctx->input(0);
-    OP_REQUIRES_OK(ctx, CheckStacked(ids, num_features_));
+    OP_REQUIRES_OK(ctx, CheckIds(ids));
     const int64_t batch = ids.dim_size(0), f = ids.dim_size(1), l = ids.dim_size(2);
     std::vector<int64_t*> out(f);
     for (int64_t j = 0; j < f; ++j) {
@@ -233,9 +234,6 @@ class UnstackFeatureIdsOp : public tf::OpKernel {
                 CopyRowsAnyLength(src, f, l, begin, end, out.data());
               });
   }
-
- private:
-  int num_features_ = 0;
 };
 
 REGISTER_KERNEL_BUILDER(
