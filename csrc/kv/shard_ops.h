@@ -69,13 +69,16 @@ inline void StreamFence() {
 }
 
 // Prefetches every cache line of a row (also the last one of a row that
-// does not start on a line).
+// does not start on a line). kLocality is __builtin_prefetch's: 3 (into
+// L1, the default) for a row read a few keys later; 2 (into L2) for one
+// read after a whole block of lookups, when L1 would have dropped it.
+template <int kLocality = 3>
 KRE_KV_INLINE void PrefetchRow(const float* row, int64_t dim) {
   const char* p = reinterpret_cast<const char*>(row);
   const int64_t bytes = dim * static_cast<int64_t>(sizeof(float));
-  __builtin_prefetch(p);
-  __builtin_prefetch(p + bytes - 1);
-  for (int64_t off = 64; off < bytes - 1; off += 64) __builtin_prefetch(p + off);
+  __builtin_prefetch(p, 0, kLocality);
+  __builtin_prefetch(p + bytes - 1, 0, kLocality);
+  for (int64_t off = 64; off < bytes - 1; off += 64) __builtin_prefetch(p + off, 0, kLocality);
 }
 
 // Metadata words that training lookups update under a shared shard lock
