@@ -86,7 +86,10 @@ FRAMEWORKS = {
     "keras": ("stock Keras Hashing + Embedding", "worker_keras.py", None, "keras", {}),
 }
 QUICK = {"rounds": 2, "steps": 5, "lookups": 5}
-FULL = {"rounds": 7, "steps": 10, "lookups": 5}
+# Rounds of 20 steps and 20 lookups: with 10 and 5 (0.1-0.2 s of our work a
+# round at 1-5 ids) the per-round spread of a framework was up to 15% on
+# this 2-core machine, as large as the differences the rounds are to show.
+FULL = {"rounds": 7, "steps": 20, "lookups": 20}
 # Frameworks too slow for --steps steps a round (stock Keras trains its dense
 # 26 x 10^6-row tables at ~0.2 steps/s): they run steps // N (at least 2).
 SLOW = {"keras": 5}

