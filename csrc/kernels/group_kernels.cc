@@ -1140,7 +1140,7 @@ void LeanPooledRowsOf(kv::Table<K>& table, const Feature& ft, const K* keys, int
     const int64_t j1 = ft.splits[b1];
     // One slot more: the pad row.
     if (static_cast<int64_t>(rows.size()) < j1 - j0 + 1) rows.resize(j1 - j0 + 1);
-    reader.Find(keys + j0, j1 - j0, rows.data());
+    reader.Find(keys + j0, j1 - j0, rows.data(), /*read_later=*/true);
     rows[j1 - j0] = kNegativeZeros.data();
     CombinePooledRows(dim, ft.splits.data(), j0, b0, b1, rows.data(), padded, j1 - j0,
                       ft.max_len, comb, out, stride);

@@ -207,9 +207,14 @@ class Table {
     OrderedReader& operator=(const OrderedReader&) = delete;
     // rows[i] = the row of keys[i] (dim() floats): its value row when
     // admitted, else its default row (as LookupOrdered without insert).
-    void Find(const K* keys, int64_t n, const float** rows);
+    // Each row found is prefetched: into L2 when `read_later` (the caller
+    // reads the rows after a block too large for L1 to keep them), else
+    // into L1.
+    void Find(const K* keys, int64_t n, const float** rows, bool read_later = false);
 
    private:
+    template <bool kReadLater>
+    void FindImpl(const K* keys, int64_t n, const float** rows);
     // What Find reads of a shard, gathered in one small array when the
     // reader is made (valid while it holds the locks): the index's entries
     // and mask and the value arena's chunk bases, so that a key's row is
