@@ -82,7 +82,14 @@ void CopyRowsAnyLength(const T* ids, int64_t f, int64_t l, int64_t begin, int64_
 // row; each row's counts go to a small matrix and the splits are summed
 // from it feature by feature afterwards: writing the splits in the row loop
 // too made twice as many output streams, which measured 1.5x the time when
-// the outputs are not in cache (as they are not after a lookup).
+// the outputs are not in cache (as they are not after a lookup). For the
+// same reason each feature's output is prefetched for writing kKeepAhead
+// ids ahead: F streams of stores that miss otherwise fill the store buffer,
+// each waiting on its line (measured on the peer workload's 26 features of
+// 1-5 ids, outputs and input evicted first: 0.77 -> 0.45 ms a batch; 16 to
+// 128 ids ahead alike). A prefetch never faults, also past an output's end.
+constexpr int64_t kKeepAhead = 32;
+
 template <typename T, int kL>
 void KeepRows(const T* __restrict ids, int64_t f, int64_t l, int64_t batch, int64_t j0,
               int64_t j1, int64_t* const* out, int64_t* const* splits, int64_t* kept) {
@@ -99,6 +106,7 @@ void KeepRows(const T* __restrict ids, int64_t f, int64_t l, int64_t batch, int6
       int64_t* __restrict dst = out[j];
       const T* src = row + j * n;
       const int64_t m0 = kept[j];
+      __builtin_prefetch(dst + m0 + kKeepAhead, 1);
       int64_t m = m0;
       for (int64_t k = 0; k < n; ++k) {
         const int64_t id = static_cast<int64_t>(src[k]);
