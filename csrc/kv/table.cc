@@ -463,8 +463,6 @@ int64_t Table<K>::LookupOrdered(const K* keys, int64_t n, bool insert, float* ou
   for (auto& sp : shards_) locks.emplace_back(sp->mu);  // in shard order, as LockAll
   const int64_t now = SatAdd(LatestStep(), 1);
   const int64_t epoch = epoch_.load(std::memory_order_relaxed);
-  // Per shard: occurrences and hits (added to its counters at the end).
-  std::vector<uint64_t> counts(2 * static_cast<size_t>(shards), 0);
   std::vector<int64_t> missing;  // batch positions of keys to insert
   // Three stages kSlotAhead and kRowAhead keys apart, as LookupPipelined:
   // hash key j and prefetch its index slot; find key j - kSlotAhead and
@@ -497,11 +495,9 @@ int64_t Table<K>::LookupOrdered(const K* keys, int64_t n, bool insert, float* ou
       const int64_t idx = s.index.Find(keys[f], h);
       const float* row = nullptr;
       int64_t* m = nullptr;
-      ++counts[2 * sh];
       if (idx >= 0 && s.index.entry(idx).row != kNoRow) {
         const Entry& e = s.index.entry(idx);
         row = s.dram->Value(e.row, /*write=*/false);
-        ++counts[2 * sh + 1];
         if (track && e.aux != kNoRow) {
           m = s.meta.Row(e.aux);
           __builtin_prefetch(m, 1);
@@ -526,9 +522,8 @@ int64_t Table<K>::LookupOrdered(const K* keys, int64_t n, bool insert, float* ou
     }
   }
   locks.clear();
-  for (int sh = 0; sh < shards; ++sh) {
-    if (counts[2 * sh] > 0) CountLookups(*shards_[sh], counts[2 * sh], counts[2 * sh + 1]);
-  }
+  // Every occurrence is a lookup; those not missing found their row.
+  CountLookups(*shards_[0], n, n - missing.size());
   if (missing.empty()) return 0;
   // Missing keys (training): shard by shard, in batch order within a shard,
   // under the exclusive lock; Resolve inserts a key or finds it inserted by
@@ -556,7 +551,7 @@ int64_t Table<K>::LookupOrdered(const K* keys, int64_t n, bool insert, float* ou
 
 template <typename K>
 Table<K>::OrderedReader::OrderedReader(Table& table)
-    : table_(table), counts_(2 * table.shards_.size(), 0) {
+    : table_(table) {
   locks_.reserve(table.shards_.size());
   views_.reserve(table.shards_.size());
   for (auto& sp : table.shards_) {
@@ -567,11 +562,7 @@ Table<K>::OrderedReader::OrderedReader(Table& table)
 
 template <typename K>
 Table<K>::OrderedReader::~OrderedReader() {
-  for (size_t sh = 0; sh < table_.shards_.size(); ++sh) {
-    if (counts_[2 * sh] > 0) {
-      table_.CountLookups(*table_.shards_[sh], counts_[2 * sh], counts_[2 * sh + 1]);
-    }
-  }
+  if (lookups_ > 0) table_.CountLookups(*table_.shards_[0], lookups_, lookups_ - defaults_);
 }
 
 template <typename K>
@@ -603,20 +594,19 @@ void Table<K>::OrderedReader::FindImpl(const K* keys, int64_t n, const float** r
   const int64_t dim = t.dim_;
   const uint64_t num_shards = t.num_shards_;
   const ShardView* views = views_.data();
-  uint64_t* counts = counts_.data();
+  uint64_t defaults = 0;
   for (int64_t j = 0; j < n + kSlotAhead; ++j) {
     const int64_t f = j - kSlotAhead;
     if (f >= 0) {
       const int sh = shard_of[f & (kSlotAhead - 1)];
       const ShardView& v = views[sh];
       const auto* e = Index::FindIn(v.entries, v.mask, keys[f], hashes[f & (kSlotAhead - 1)]);
-      ++counts[2 * sh];
       const float* row;
       if (e && e->row != kNoRow) {
         row = ChunkedArena<float>::RowIn(v.bases, e->row, dim);
-        ++counts[2 * sh + 1];
       } else {
         row = t.DefaultRow(keys[f]);
+        ++defaults;
       }
       PrefetchRow<kReadLater ? 2 : 3>(row, dim);
       rows[f] = row;
@@ -629,6 +619,8 @@ void Table<K>::OrderedReader::FindImpl(const K* keys, int64_t n, const float** r
       Index::PrefetchProbe(views[sh].entries, views[sh].mask, h);
     }
   }
+  lookups_ += static_cast<uint64_t>(n);
+  defaults_ += defaults;
 }
 
 template <typename K>
