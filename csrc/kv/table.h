@@ -228,8 +228,9 @@ class Table {
     Table& table_;
     std::vector<std::shared_lock<std::shared_mutex>> locks_;
     std::vector<ShardView> views_;
-    // Occurrences found and those that read a default row, added to the
-    // table's counters when the reader is destroyed (see CountLookups).
+    // Occurrences looked up, and those of them that read a default row
+    // (not admitted), added to the table's counters when the reader is
+    // destroyed (see CountLookups).
     uint64_t lookups_ = 0;
     uint64_t defaults_ = 0;
   };
