@@ -13,10 +13,10 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 
-def _sources():
+def _sources(pattern="*.cc"):
     files = []
     for sub in ("kv", "ops", "kernels"):
-        files += sorted(glob.glob(os.path.join("csrc", sub, "*.cc")))
+        files += sorted(glob.glob(os.path.join("csrc", sub, pattern)))
     return files
 
 
@@ -66,7 +66,9 @@ class TFBuildExt(build_ext):
 # then registers the package with an editable install that need not build it
 # again (KRE_SKIP_EXT_BUILD=1). A plain `pip install .` builds it.
 _ext = [] if os.environ.get("KRE_SKIP_EXT_BUILD") else [
-    Extension("keras_rec_emb._kre_ops", sources=_sources())]
+    # depends: the headers, so that a change to one alone rebuilds the
+    # library (build_ext compares only sources and depends with it).
+    Extension("keras_rec_emb._kre_ops", sources=_sources(), depends=_sources("*.h"))]
 
 setup(
     ext_modules=_ext,
