@@ -931,10 +931,59 @@ void TestIncrementalExport() {
 
 }  // namespace
 
+// The index's load bound (ShardIndex::Reserve with kMaxLoad or
+// kCompactMaxLoad): after each insertion the capacity is the smallest power
+// of two (at least kMinCapacity) that the live keys fill to at most num /
+// den, every key is found, and erasing does not grow the index (a tombstone
+// rehash reuses the capacity).
+void TestIndexMaxLoad() {
+  using Index = kre::kv::ShardIndex<int64_t>;
+  using kre::kv::HashKey;
+  for (const Index::MaxLoad limit : {Index::kMaxLoad, Index::kCompactMaxLoad}) {
+    Index index;
+    bool minimal = true, bounded = true;
+    for (uint64_t n = 1; n <= 20000; ++n) {
+      const int64_t key = static_cast<int64_t>(n) * 7919;
+      index.Reserve(limit);
+      index.Insert(key, HashKey(static_cast<uint64_t>(key)), Index::Entry{key, 0, 0});
+      const uint64_t cap = index.capacity();
+      bounded = bounded && n * limit.den <= cap * limit.num;
+      minimal = minimal && (cap == Index::kMinCapacity || n * limit.den > cap / 2 * limit.num);
+    }
+    CHECK(bounded);
+    CHECK(minimal);
+    bool found = true;
+    for (uint64_t n = 1; n <= 20000; ++n) {
+      const int64_t key = static_cast<int64_t>(n) * 7919;
+      found = found && index.Find(key, HashKey(static_cast<uint64_t>(key))) >= 0;
+    }
+    CHECK(found);
+    CHECK(index.Find(3, HashKey(3)) < 0);
+    // Erase all but 100 keys, then insert 10000 new ones (fewer than half
+    // of what the capacity allows): tombstones are rehashed away in place,
+    // the capacity stays.
+    const uint64_t cap = index.capacity();
+    for (uint64_t n = 101; n <= 20000; ++n) {
+      const int64_t key = static_cast<int64_t>(n) * 7919;
+      index.EraseAt(static_cast<uint64_t>(index.Find(key, HashKey(static_cast<uint64_t>(key)))));
+    }
+    for (uint64_t n = 1; n <= 10000; ++n) {
+      const int64_t key = -static_cast<int64_t>(n);
+      index.Reserve(limit);
+      index.Insert(key, HashKey(static_cast<uint64_t>(key)), Index::Entry{key, 0, 0});
+    }
+    CHECK(index.capacity() == cap);
+    CHECK(index.live() == 10100);
+  }
+  CHECK(Index::kMaxLoad.num * Index::kCompactMaxLoad.den <
+        Index::kCompactMaxLoad.num * Index::kMaxLoad.den);  // DRAM tables run sparser
+}
+
 int main() {
   TestInsertFindDefaultRows<int64_t>();
   TestInsertFindDefaultRows<int32_t>();
   TestGrowManyKeys();
+  TestIndexMaxLoad();
   TestEraseReusesRows();
   TestSlotsApplyDedupe();
   TestExportImportRoundTrip();
