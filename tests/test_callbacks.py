@@ -40,16 +40,21 @@ def test_eviction_callback_keeps_memory_flat_on_a_stream_of_new_ids():
     model.compile(optimizer=kre.optimizers.Adam(0.01), loss="mse")
     callback = kre.callbacks.EvictionCallback(every_n_steps=1, on_epoch_end=False)
     memory = []
-    for epoch in range(12):
+    for epoch in range(20):
         x = (np.arange(40 * 4) + epoch * 160).reshape(40, 4)  # only new ids
         model.fit(x, np.ones((40, 1)), batch_size=8, verbose=0, callbacks=[callback])
         memory.append(layer.table.memory_bytes())
         assert layer.table_size() <= 4 * 8 * 4  # at most 4 steps of 32 ids live
-    assert memory[-1] == memory[4]  # rows and slots come back from the free lists
-    assert kept.table_size() == 12 * 160
+    # Rows and slots come back from the free lists, so the arenas stop
+    # growing after the first epochs; the index settles once it has doubled
+    # to where a step's peak of live keys (its new ids before eviction) is
+    # at most half its load limit. From then on new ids add nothing.
+    assert len(set(memory[4:])) <= 2
+    assert memory[-1] == memory[-8]  # the last 8 epochs: 1280 new ids, no growth
+    assert kept.table_size() == 20 * 160
     initializer_bytes = 4096 * DIM * 4  # the EV-initializer matrix both hold
     assert 4 * (memory[-1] - initializer_bytes) < kept.table.memory_bytes() - initializer_bytes
-    assert callback.evicted >= 12 * 160 - 4 * 32
+    assert callback.evicted >= 20 * 160 - 4 * 32
 
 
 def test_eviction_callback_arguments():

@@ -83,7 +83,7 @@ class ShardIndex {
   // (26 tables of 41k keys, 32 shards, 1-5 ids a row, find-and-sum
   // harness), batches of keys inserted later were up to 1.6x slower at
   // load 0.63, 1.15x at 0.32. kMaxLoad (0.6) is for tables whose rows live
-  // in DRAM, where the index is a sixth of the bytes per key; it doubled
+  // in DRAM, where the index is about a sixth of the bytes per key; it doubled
   // that table's index to load 0.32 and took ~12% off its find-and-sum,
   // ~7% off the group forward in the peer benchmark. kCompactMaxLoad (0.75)
   // is for a file tier, where the index is most of the DRAM per key.
@@ -93,15 +93,18 @@ class ShardIndex {
   static constexpr MaxLoad kMaxLoad{3, 5};
   static constexpr MaxLoad kCompactMaxLoad{3, 4};
 
-  // Makes room for one more key: when the slots in use would pass `max`,
+  // Makes room for one more key: when the slots in use would pass `limit`,
   // doubles the capacity if live keys alone fill more than half of what
-  // `max` allows, else rehashes in place (the load is mostly tombstones).
-  // Call before Insert; may throw bad_alloc, leaving the index as it was.
-  void Reserve(MaxLoad max = kMaxLoad) {
+  // `limit` allows, else rehashes in place (the load is mostly tombstones).
+  // No default: the caller knows its tier. Call before Insert; may throw
+  // bad_alloc, leaving the index as it was.
+  void Reserve(MaxLoad limit) {
     const uint64_t cap = entries_.size();
-    if ((live_ + tombstones_ + 1) * max.den > cap * max.num) {
+    if ((live_ + tombstones_ + 1) * limit.den > cap * limit.num) {
       uint64_t new_cap = cap == 0 ? kMinCapacity : cap;
-      if ((live_ + 1) * 2 * max.den > cap * max.num) new_cap = std::max(kMinCapacity, cap * 2);
+      if ((live_ + 1) * 2 * limit.den > cap * limit.num) {
+        new_cap = std::max(kMinCapacity, cap * 2);
+      }
       Rehash(new_cap);
     }
   }

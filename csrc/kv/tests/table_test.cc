@@ -929,8 +929,6 @@ void TestIncrementalExport() {
   CHECK(c.admitted == 4 && c.erased == 1 && c.lookups == 5 && c.hits == 1);
 }
 
-}  // namespace
-
 // The index's load bound (ShardIndex::Reserve with kMaxLoad or
 // kCompactMaxLoad): after each insertion the capacity is the smallest power
 // of two (at least kMinCapacity) that the live keys fill to at most num /
@@ -978,6 +976,8 @@ void TestIndexMaxLoad() {
   CHECK(Index::kMaxLoad.num * Index::kCompactMaxLoad.den <
         Index::kCompactMaxLoad.num * Index::kMaxLoad.den);  // DRAM tables run sparser
 }
+
+}  // namespace
 
 int main() {
   TestInsertFindDefaultRows<int64_t>();
