@@ -153,7 +153,7 @@ RowStoreStats Table<K>::StoreStats() const {
 
 template <typename K>
 uint64_t Table<K>::InsertNew(Shard& s, K key, uint64_t h, bool admit) {
-  s.index.Reserve(file_tier() ? Index::kCompactMaxLoad : Index::kMaxLoad);
+  s.index.Reserve(IndexMaxLoad());
   const uint64_t i = s.index.Insert(key, h, Entry{key, kNoRow, NewAux(s)});
   ++s.filtered;
   if (admit) {

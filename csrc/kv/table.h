@@ -376,6 +376,11 @@ class Table {
  private:
   using Index = ShardIndex<K>;
   using Entry = typename Index::Entry;
+  // The load limit of this table's shard indexes: a file tier's index is
+  // most of its DRAM per key, so it runs fuller (see ShardIndex::MaxLoad).
+  typename Index::MaxLoad IndexMaxLoad() const {
+    return file_tier() ? Index::kCompactMaxLoad : Index::kMaxLoad;
+  }
 
   struct Shard {
     mutable std::shared_mutex mu;

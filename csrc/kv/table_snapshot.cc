@@ -536,7 +536,7 @@ int64_t Table<K>::RestoreSnapshot(const std::string& path) {
       const int64_t freq = r.Get<int64_t>();
       const int64_t version = r.Get<int64_t>();
       const uint64_t h = Hash(key);
-      s.index.Reserve(Index::kCompactMaxLoad);  // a file tier's
+      s.index.Reserve(IndexMaxLoad());
       const uint32_t aux = NewAux(s);
       if (options_.track_meta) {
         int64_t* m = s.meta.Row(aux);

@@ -936,14 +936,17 @@ void TestIncrementalExport() {
 // rehash reuses the capacity).
 void TestIndexMaxLoad() {
   using Index = kre::kv::ShardIndex<int64_t>;
-  using kre::kv::HashKey;
+  using Table64 = kre::kv::Table<int64_t>;
+  auto key_of = [](uint64_t n) { return static_cast<int64_t>(n) * 7919; };
   for (const Index::MaxLoad limit : {Index::kMaxLoad, Index::kCompactMaxLoad}) {
     Index index;
+    auto insert = [&](int64_t key) {
+      index.Reserve(limit);
+      index.Insert(key, Table64::Hash(key), Index::Entry{key, 0, 0});
+    };
     bool minimal = true, bounded = true;
     for (uint64_t n = 1; n <= 20000; ++n) {
-      const int64_t key = static_cast<int64_t>(n) * 7919;
-      index.Reserve(limit);
-      index.Insert(key, HashKey(static_cast<uint64_t>(key)), Index::Entry{key, 0, 0});
+      insert(key_of(n));
       const uint64_t cap = index.capacity();
       bounded = bounded && n * limit.den <= cap * limit.num;
       minimal = minimal && (cap == Index::kMinCapacity || n * limit.den > cap / 2 * limit.num);
@@ -952,24 +955,18 @@ void TestIndexMaxLoad() {
     CHECK(minimal);
     bool found = true;
     for (uint64_t n = 1; n <= 20000; ++n) {
-      const int64_t key = static_cast<int64_t>(n) * 7919;
-      found = found && index.Find(key, HashKey(static_cast<uint64_t>(key))) >= 0;
+      found = found && index.Find(key_of(n), Table64::Hash(key_of(n))) >= 0;
     }
     CHECK(found);
-    CHECK(index.Find(3, HashKey(3)) < 0);
+    CHECK(index.Find(3, Table64::Hash(3)) < 0);
     // Erase all but 100 keys, then insert 10000 new ones (fewer than half
     // of what the capacity allows): tombstones are rehashed away in place,
     // the capacity stays.
     const uint64_t cap = index.capacity();
     for (uint64_t n = 101; n <= 20000; ++n) {
-      const int64_t key = static_cast<int64_t>(n) * 7919;
-      index.EraseAt(static_cast<uint64_t>(index.Find(key, HashKey(static_cast<uint64_t>(key)))));
+      index.EraseAt(static_cast<uint64_t>(index.Find(key_of(n), Table64::Hash(key_of(n)))));
     }
-    for (uint64_t n = 1; n <= 10000; ++n) {
-      const int64_t key = -static_cast<int64_t>(n);
-      index.Reserve(limit);
-      index.Insert(key, HashKey(static_cast<uint64_t>(key)), Index::Entry{key, 0, 0});
-    }
+    for (uint64_t n = 1; n <= 10000; ++n) insert(-static_cast<int64_t>(n));
     CHECK(index.capacity() == cap);
     CHECK(index.live() == 10100);
   }
