@@ -44,6 +44,7 @@
 
 #include <immintrin.h>
 
+#include "kernels/pooled_combine.h"
 #include "kernels/table_resource.h"
 #include "kernels/validate.h"
 #include "kv/shard_ops.h"
@@ -52,8 +53,6 @@
 
 namespace kre {
 namespace {
-
-enum Combiner { kSum = 0, kMean = 1, kSqrtn = 2 };
 
 // How one feature is read and combined (the op's per-feature attributes).
 // All set by GroupConfig::Init.
@@ -144,13 +143,7 @@ struct GroupConfig {
       }
       a.param = static_cast<int>(fp[f]);
       features_of[a.param].push_back(static_cast<int>(f));
-      if (comb[f] == "sum") {
-        a.combiner = kSum;
-      } else if (comb[f] == "mean") {
-        a.combiner = kMean;
-      } else if (comb[f] == "sqrtn") {
-        a.combiner = kSqrtn;
-      } else {
+      if (!ParseCombiner(comb[f], &a.combiner)) {
         return errors::InvalidArgument("combiners[", f, "] must be sum, mean or sqrtn, got '",
                                        comb[f], "'");
       }
@@ -333,29 +326,6 @@ absl::Status BuildFeatures(OpKernelContext* ctx, const GroupConfig& cfg,
   return absl::OkStatus();
 }
 
-// A table of either key dtype.
-struct TableSlot {
-  tf::core::RefCountPtr<TableResource<int64_t>> t64;
-  tf::core::RefCountPtr<TableResource<int32_t>> t32;
-  int num_shards() const {
-    return t64 ? t64->table().num_shards() : t32->table().num_shards();
-  }
-  bool filtered() const {
-    return t64 ? t64->table().filtering() || t64->table().bloom()
-               : t32->table().filtering() || t32->table().bloom();
-  }
-  const float* NoPermissionRow() const {
-    return t64 ? t64->table().NoPermissionRow() : t32->table().NoPermissionRow();
-  }
-  uint64_t Hash(int64_t id) const {
-    return t64 ? kv::Table<int64_t>::Hash(id)
-               : kv::Table<int32_t>::Hash(static_cast<int32_t>(id));
-  }
-  bool PrefersOrderedLookup(int64_t n) const {
-    return t64 ? t64->table().PrefersOrderedLookup(n) : t32->table().PrefersOrderedLookup(n);
-  }
-};
-
 // The distinct ids one parameter is read with, and for a table their rows.
 struct ParamIds {
   std::vector<int64_t> uniq;     // distinct ids (table keys in the key dtype)
@@ -399,30 +369,7 @@ absl::Status ResolveTables(OpKernelContext* ctx, const GroupConfig& cfg,
                            std::vector<TableSlot>* tables) {
   tables->resize(cfg.num_tables);
   for (int t = 0; t < cfg.num_tables; ++t) {
-    tf::core::RefCountPtr<TableResourceBase> base;
-    TF_RETURN_IF_ERROR(tf::LookupResource(ctx, tf::HandleFromInput(ctx, t), &base));
-    if (base->key_dtype() != cfg.key_dtypes[t]) {
-      return errors::InvalidArgument("table ", t, " has key dtype ",
-                                     tf::DataTypeString(base->key_dtype()),
-                                     " but the op was told ",
-                                     tf::DataTypeString(cfg.key_dtypes[t]));
-    }
-    if (base->dim() != cfg.dims[t]) {
-      return errors::InvalidArgument("table ", t, " has dim ", base->dim(),
-                                     " but the op expects dim ", cfg.dims[t]);
-    }
-    TableSlot& s = (*tables)[t];
-    if (cfg.key_dtypes[t] == tf::DT_INT64) {
-      auto* typed = dynamic_cast<TableResource<int64_t>*>(base.get());
-      if (typed == nullptr) return errors::Internal("table ", t, " is not int64-keyed");
-      typed->Ref();
-      s.t64.reset(typed);
-    } else {
-      auto* typed = dynamic_cast<TableResource<int32_t>*>(base.get());
-      if (typed == nullptr) return errors::Internal("table ", t, " is not int32-keyed");
-      typed->Ref();
-      s.t32.reset(typed);
-    }
+    TF_RETURN_IF_ERROR(ResolveTable(ctx, t, t, cfg.key_dtypes[t], cfg.dims[t], &(*tables)[t]));
   }
   return absl::OkStatus();
 }
@@ -712,15 +659,6 @@ inline float ClipScale(const float* row, int64_t dim, float max_norm, float* nor
   return norm > max_norm ? max_norm / norm : 1.0f;
 }
 
-// 1 / the combiner's denominator of a row of n unweighted ids (0 when n is
-// 0), summed as CombinerScale sums weights of 1.
-inline float UnweightedScale(Combiner c, int64_t n) {
-  float denom = 0;
-  for (int64_t k = 0; k < n; ++k) denom += 1.0f;
-  if (c == kSqrtn) denom = std::sqrt(denom);
-  return denom == 0 ? 0.0f : 1.0f / denom;
-}
-
 // 1 / the combiner's denominator of row b (0 when it is 0).
 inline float CombinerScale(const Feature& ft, Combiner c, int64_t b) {
   if (c == kSum) return 1.0f;
@@ -999,129 +937,6 @@ void LeanPooledIds(const GroupConfig& cfg, const std::vector<TableSlot>& tables,
 // from 0 and scaled by 1 / n (mean) or 1 / sqrt(n) (sqrtn), n the float sum
 // of their weights 1; an empty row gives zeros).
 constexpr int64_t kLeanPooledBlock = 1024;
-
-// CombinePooled's padded form: for rows of at most this many ids, and its
-// pad row (-0.0f, as wide as the widest D it is compiled for).
-constexpr int64_t kPaddedCombineLen = 8;
-alignas(64) constexpr std::array<float, 64> kNegativeZeros = [] {
-  std::array<float, 64> z{};
-  for (float& x : z) x = -0.0f;
-  return z;
-}();
-
-// LeanPooledRows' combine of rows [b0, b1) for a width D known at compile
-// time: row b's ids' rows are rows[splits[b] - j0], ...; each output row is
-// summed in registers and stored once, with
-// CombineRows' operations in its order (1 * x for one id; 0 + x_0 + x_1 +
-// ... then * 1 / n or 1 / sqrt(n) for several; zeros for none), so the
-// results are bit-identical.
-//
-// With `padded` (rows[pad] is a row of -0.0f and no row has more than
-// max_len ids), every row adds max_len rows, its own then the pad row, so
-// no branch depends on a row's length (one that does mispredicts about once
-// a row when lengths vary, as 1-5 ids do). It is the same sum: x + -0.0 ==
-// x for every float x, and the sum starts at -0.0 for one id (-0.0 + x ==
-// 1 * x) and at +0.0 otherwise.
-template <int D>
-void CombinePooled(const int64_t* splits, int64_t j0, int64_t b0, int64_t b1,
-                   const float* const* rows, bool padded, int64_t pad, int64_t max_len,
-                   Combiner comb, float* out, int64_t stride) {
-  static_assert(D % 4 == 0, "rows are summed 4 floats at a time");
-  static_assert(D <= kNegativeZeros.size(), "the pad row is as wide as every row");
-  constexpr int V = D / 4;
-  // Output rows that are whole aligned cache lines are streamed: a store
-  // that misses would read its line first (its write is all that line
-  // gets), and the F features' columns of a concatenated output leave every
-  // line cold (measured most of this loop's time).
-  const bool stream = kv::StreamableRows(out, D, stride);
-  auto store = [stream](float* o, const __m128* acc) {
-    if (stream) {
-      for (int v = 0; v < V; ++v) _mm_stream_ps(o + 4 * v, acc[v]);
-    } else {
-      for (int v = 0; v < V; ++v) _mm_storeu_ps(o + 4 * v, acc[v]);
-    }
-  };
-  __m128 acc[V];
-  if (padded) {
-    float scale[kPaddedCombineLen + 1];  // by ids in the row; 1 for 0 and 1 id
-    for (int64_t n = 0; n <= max_len; ++n) {
-      scale[n] = n >= 2 && comb != kSum ? UnweightedScale(comb, n) : 1.0f;
-    }
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t k0 = splits[b] - j0, n = splits[b + 1] - splits[b];
-      const __m128 start = _mm_set1_ps(n == 1 ? -0.0f : 0.0f);
-      for (int v = 0; v < V; ++v) acc[v] = start;
-      for (int64_t k = 0; k < max_len; ++k) {
-        const float* row = rows[k < n ? k0 + k : pad];
-        for (int v = 0; v < V; ++v) acc[v] = _mm_add_ps(acc[v], _mm_loadu_ps(row + 4 * v));
-      }
-      if (comb != kSum) {
-        const __m128 c = _mm_set1_ps(scale[n]);
-        for (int v = 0; v < V; ++v) acc[v] = _mm_mul_ps(acc[v], c);
-      }
-      store(out + b * stride, acc);
-    }
-    return;
-  }
-  const __m128 one = _mm_set1_ps(1.0f);
-  for (int64_t b = b0; b < b1; ++b) {
-    const int64_t k0 = splits[b] - j0, k1 = splits[b + 1] - j0;
-    if (k1 == k0 + 1) {
-      for (int v = 0; v < V; ++v) acc[v] = _mm_mul_ps(one, _mm_loadu_ps(rows[k0] + 4 * v));
-    } else {
-      for (int v = 0; v < V; ++v) acc[v] = _mm_setzero_ps();
-      for (int64_t k = k0; k < k1; ++k) {
-        for (int v = 0; v < V; ++v) acc[v] = _mm_add_ps(acc[v], _mm_loadu_ps(rows[k] + 4 * v));
-      }
-      if (comb != kSum) {
-        const float c = UnweightedScale(comb, k1 - k0);
-        if (c != 1.0f) {
-          for (int v = 0; v < V; ++v) acc[v] = _mm_mul_ps(acc[v], _mm_set1_ps(c));
-        }
-      }
-    }
-    store(out + b * stride, acc);
-  }
-}
-
-// CombinePooled for any width (the common ones with D fixed at compile
-// time; the others never padded: their loop ignores `padded`).
-void CombinePooledRows(int64_t dim, const int64_t* splits, int64_t j0, int64_t b0, int64_t b1,
-                       const float* const* rows, bool padded, int64_t pad, int64_t max_len,
-                       Combiner comb, float* out, int64_t stride) {
-  switch (dim) {
-#define KRE_COMBINE_CASE(D)                                                                \
-  case D:                                                                                  \
-    return CombinePooled<D>(splits, j0, b0, b1, rows, padded, pad, max_len, comb, out, \
-                            stride);
-    KRE_COMBINE_CASE(4)
-    KRE_COMBINE_CASE(8)
-    KRE_COMBINE_CASE(16)
-    KRE_COMBINE_CASE(32)
-    KRE_COMBINE_CASE(64)
-#undef KRE_COMBINE_CASE
-    default: break;
-  }
-  for (int64_t b = b0; b < b1; ++b) {
-    float* o = out + b * stride;
-    const int64_t k0 = splits[b] - j0, k1 = splits[b + 1] - j0;
-    if (k1 == k0 + 1) {
-      const float* row = rows[k0];
-      for (int64_t d = 0; d < dim; ++d) o[d] = 1.0f * row[d];
-      continue;
-    }
-    std::fill(o, o + dim, 0.0f);
-    for (int64_t k = k0; k < k1; ++k) {
-      const float* row = rows[k];
-      for (int64_t d = 0; d < dim; ++d) o[d] += 1.0f * row[d];
-    }
-    if (comb == kSum) continue;
-    const float c = UnweightedScale(comb, k1 - k0);
-    if (c != 1.0f) {
-      for (int64_t d = 0; d < dim; ++d) o[d] *= c;
-    }
-  }
-}
 
 template <typename K>
 void LeanPooledRowsOf(kv::Table<K>& table, const Feature& ft, const K* keys, int64_t dim,

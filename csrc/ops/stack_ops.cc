@@ -1,9 +1,11 @@
 // Copyright keras_rec_emb authors. Apache-2.0.
-// Op registration and shape functions of KRE>UnstackFeatureIds and
-// KRE>UnstackKeptIds: the ids of F dense features stacked in one
-// [batch, F, L] tensor, split into what the fused group lookup takes per
+// Op registration and shape functions of the ops on the ids of F dense
+// features stacked in one [batch, F, L] tensor: KRE>UnstackFeatureIds and
+// KRE>UnstackKeptIds split them into what the fused group lookup takes per
 // feature (flat int64 ids and row splits) in one op, instead of F strided
-// slices. Kernels: csrc/kernels/stack_kernels.cc.
+// slices (kernels: csrc/kernels/stack_kernels.cc); KRE>StackedPooledLookup
+// looks them up and combines them where they are, for inference (kernel:
+// csrc/kernels/stacked_lookup_kernels.cc).
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -50,6 +52,34 @@ absl::Status UnstackKeptIdsShape(InferenceContext* c) {
   return absl::OkStatus();
 }
 
+absl::Status StackedPooledLookupShape(InferenceContext* c) {
+  int num_tables;
+  TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &num_tables));
+  ShapeHandle ids;
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(num_tables), 3, &ids));
+  int num_features;
+  TF_RETURN_IF_ERROR(c->GetAttr("num_features", &num_features));
+  DimensionHandle f;
+  TF_RETURN_IF_ERROR(c->WithValue(c->Dim(ids, 1), num_features, &f));
+  std::vector<int64_t> dims, feature_tables;
+  TF_RETURN_IF_ERROR(c->GetAttr("table_dims", &dims));
+  TF_RETURN_IF_ERROR(c->GetAttr("feature_tables", &feature_tables));
+  if (static_cast<int>(dims.size()) != num_tables ||
+      static_cast<int>(feature_tables.size()) != num_features) {
+    return absl::InvalidArgumentError(
+        "table_dims must have num_tables entries and feature_tables num_features");
+  }
+  int64_t width = 0;
+  for (int64_t t : feature_tables) {
+    if (t < 0 || t >= num_tables) {
+      return absl::InvalidArgumentError("feature_tables entries must be in [0, num_tables)");
+    }
+    width += dims[t];
+  }
+  c->set_output(0, c->MakeShape({c->Dim(ids, 0), c->MakeDim(width)}));
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 // ids [batch, F, L] -> for j < F, values_j = the ids >= 0 of ids[:, j, :]
@@ -75,5 +105,31 @@ REGISTER_OP("KRE>UnstackFeatureIds")
     .Attr("T: {int32, int64}")
     .Attr("num_features: int >= 1")
     .SetShapeFn(UnstackFeatureIdsShape);
+
+// The inference lookup of stacked ids [batch, F, L] (int32 or int64): row b
+// of feature j's ids is ids[b, j, :], ids < 0 are padding (dropped), a row
+// left empty reads id default_ids[j] when it is >= 0 (else gives zeros), and
+// the rows are combined by combiners[j] ("sum", "mean": / n, "sqrtn":
+// / sqrt(n)) into output[b, columns of j], features side by side in order
+// ([batch, sum of their tables' dims]). Feature j reads table
+// feature_tables[j] (key dtype table_key_dtypes[t], dim table_dims[t]);
+// tables may serve several features. Missing keys read their default row
+// and nothing is inserted. The same outputs as KRE>GroupLookup with concat
+// over KRE>UnstackKeptIds' split of the same ids, without the split: each
+// block of rows' ids is gathered, looked up and combined while in cache.
+REGISTER_OP("KRE>StackedPooledLookup")
+    .Input("tables: num_tables * resource")
+    .Input("ids: T")
+    .Output("output: float")
+    .Attr("T: {int32, int64}")
+    .Attr("num_tables: int >= 1")
+    .Attr("num_features: int >= 1")
+    .Attr("table_key_dtypes: list({int32, int64}) >= 1")
+    .Attr("table_dims: list(int)")
+    .Attr("feature_tables: list(int)")
+    .Attr("combiners: list(string)")
+    .Attr("default_ids: list(int)")
+    .SetIsStateful()
+    .SetShapeFn(StackedPooledLookupShape);
 
 }  // namespace kre

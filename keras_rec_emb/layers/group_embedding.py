@@ -393,7 +393,42 @@ class GroupEmbedding(keras.layers.Layer):
         with tf.control_dependencies([check]):
             return tf.identity(table_ids)
 
+    def _stacked_lookup(self, inputs):
+        """The concatenated output of an inference call on stacked ids
+        `[batch, F, L]` with L > 1, from one `KRE>StackedPooledLookup` op
+        (no split of the ids per feature), or `None` where that op does not
+        serve: other inputs, a sequence or max_norm feature, a dense or
+        distributed table, a graph traced for serving."""
+        if isinstance(inputs, (dict, list, tuple)) or self.output_mode != "concat":
+            return None
+        specs = list(self._features.values())
+        if any(s.sequence or s.max_norm for s in specs):
+            return None
+        ids = tf.convert_to_tensor(inputs)
+        self._check_stacked(ids.shape, ids.dtype)
+        if ids.shape.rank != 3 or ids.shape[2] == 1:  # one id a row: the lean single-id path
+            return None
+        if embedding_ops.tracing_stock_lookups():
+            return None
+        tables = [self.tables[s.table] for s in specs]
+        if ids.dtype not in (tf.int32, tf.int64):
+            ids = integer_ids(ids, f"GroupEmbedding '{self.name}'", tf.int64)
+        if ids.dtype == tf.int64:
+            key_dtypes = {tf.as_dtype(t.key_dtype) for t in tables
+                          if isinstance(t, EmbeddingVariable)}
+            if key_dtypes == {tf.int32}:  # one check of all ids, as _stacked_inputs does
+                ids = assert_ids_in_range(ids, tf.int32, f"GroupEmbedding '{self.name}' ids",
+                                          lower=False)
+            elif tf.int32 in key_dtypes:  # each int32 table's ids checked apart there
+                return None
+        return embedding_ops.stacked_pooled_lookup(
+            tables, ids, [s.combiner for s in specs], [s.default_id for s in specs],
+            name=self.name)
+
     def call(self, inputs, training=None):
+        out = None if training else self._stacked_lookup(inputs)
+        if out is not None:
+            return out if self.compute_dtype == "float32" else tf.cast(out, self.compute_dtype)
         ids, weights = self._feature_inputs(inputs)
         specs = list(self._features.values())
         has_w = any(w is not None for w in weights)

@@ -363,6 +363,71 @@ def _group_lookup_grad(op, *grads):
     return result + [None] * (3 * nf)
 
 
+_STACKED_ATTRS = ("table_key_dtypes", "table_dims", "feature_tables", "combiners",
+                  "default_ids")
+
+
+def stacked_pooled_lookup(params, ids, combiners, default_ids, name=None):
+    """The inference lookup of stacked ids `[batch, F, L]` (int32 or int64;
+    ids < 0 are padding) in one `KRE>StackedPooledLookup` op: feature j reads
+    `params[j]` with ids `ids[:, j, :]`, fills an empty row with
+    `default_ids[j]` (or zeros for `None`) and combines by `combiners[j]`;
+    returns `[batch, sum of dims]`, the features side by side. The same
+    values as `group_embedding_lookup_sparse(..., concat=True)` over the
+    features' ragged ids, without splitting the ids per feature first.
+    Returns `None` where the op does not serve: a parameter that is not a
+    table of this process (dense matrices, distributed tables), a graph
+    traced for serving (`stock_lookups`), or inside `single_id_fast_path`
+    (which pins the group lookup's paths)."""
+    if tracing_stock_lookups() or getattr(_SINGLE_ID, "enabled", None) is not None:
+        return None
+    ps = [_as_param(p, i) for i, p in enumerate(params)]
+    if any(not isinstance(p.table, EmbeddingTable) for p in ps):
+        return None
+    tables, index = [], {}
+    for p in ps:
+        if p.key not in index:
+            index[p.key] = len(tables)
+            tables.append(p)
+    for t in tables:
+        if t.table.trainable:
+            _compat.variable_accessed(t.table.variable)
+    _ops.refuse_distribution("A group embedding lookup")
+    _ops.refuse_xla("A group embedding lookup")
+    return _ops.gen().kre_stacked_pooled_lookup(
+        [t.table.handle for t in tables], ids, num_features=len(ps),
+        table_key_dtypes=[t.table.key_dtype for t in tables],
+        table_dims=[t.dim for t in tables],
+        feature_tables=[index[p.key] for p in ps],
+        combiners=list(combiners),
+        default_ids=[-1 if d is None else int(d) for d in default_ids],
+        name=name or "StackedPooledLookup")
+
+
+@tf.RegisterGradient("KRE>StackedPooledLookup")
+def _stacked_pooled_lookup_grad(op, grad):
+    """The gradient of an inference lookup that is differentiated anyway
+    (e.g. under a GradientTape with `training=False`): the group lookup's,
+    over the ids split per feature and looked up again (deduplicated) for
+    its distinct keys. Per table an IndexedSlices over distinct keys."""
+    nt, nf = op.get_attr("num_tables"), op.get_attr("num_features")
+    tables, ids = list(op.inputs[:nt]), op.inputs[nt]
+    a = _attrs_of(op, _STACKED_ATTRS)
+    attrs = dict(table_key_dtypes=a["table_key_dtypes"], param_dims=a["table_dims"],
+                 feature_params=a["feature_tables"], combiners=a["combiners"],
+                 max_norms=[0.0] * nf, default_ids=a["default_ids"],
+                 prune_invalid_ids=[True] * nf, is_sequence=[False] * nf, concat=True)
+    values, splits = _ops.unstack_kept_ids(ids)
+    weights = [tf.zeros([0], tf.float32)] * nf
+    _, unique_ids, inverse = _ops.gen().kre_group_lookup(
+        tables, [], values, splits, weights, num_params=nt, insert=False,
+        single_id=False, lean_single_id=False, lean_pooled=False, **attrs)
+    grads = [tf.convert_to_tensor(grad)] + [tf.zeros([0], tf.float32)] * (nf - 1)
+    unique_grads = _ops.gen().kre_group_lookup_grad(
+        tables, [], values, splits, weights, unique_ids, inverse, grads, **attrs)
+    return [tf.IndexedSlices(unique_grads[p], unique_ids[p]) for p in range(nt)] + [None]
+
+
 # -- public API ----------------------------------------------------------------
 @tf.autograph.experimental.do_not_convert
 def _group(params, ids_list, combiners, weights_list, sequences, max_norms,

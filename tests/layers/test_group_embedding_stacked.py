@@ -175,17 +175,21 @@ def test_stacked_dict_output(matrix_initializer):
 def test_stacked_graph_has_no_per_feature_ops(matrix_initializer):
     group = _group(matrix_initializer)
     group(_stacked_ids())
-    # One id per row: the plain split; several (or unknown): the pruning one.
-    for dtype, length, split in [(tf.int32, 4, "KRE>UnstackKeptIds"),
-                                 (tf.int64, 4, "KRE>UnstackKeptIds"),
-                                 (tf.int64, None, "KRE>UnstackKeptIds"),
-                                 (tf.int64, 1, "KRE>UnstackFeatureIds")]:
-        graph = tf.function(lambda t: group(t)).get_concrete_function(
-            tf.TensorSpec([None, 5, length], dtype)).graph
+    # Training, one id per row: a split (plain for one id, pruning for several
+    # or unknown) and the group lookup. Inference with several: one op.
+    for dtype, length, training, lookup in [
+            (tf.int32, 4, True, ["KRE>UnstackKeptIds", "KRE>GroupLookup"]),
+            (tf.int64, 4, True, ["KRE>UnstackKeptIds", "KRE>GroupLookup"]),
+            (tf.int64, None, True, ["KRE>UnstackKeptIds", "KRE>GroupLookup"]),
+            (tf.int64, 1, True, ["KRE>UnstackFeatureIds", "KRE>GroupLookup"]),
+            (tf.int64, 1, False, ["KRE>UnstackFeatureIds", "KRE>GroupLookup"]),
+            (tf.int32, 4, False, ["KRE>StackedPooledLookup"]),
+            (tf.int64, 4, False, ["KRE>StackedPooledLookup"]),
+            (tf.int64, None, False, ["KRE>StackedPooledLookup"])]:
+        graph = tf.function(lambda t, training=training: group(t, training=training)
+                            ).get_concrete_function(tf.TensorSpec([None, 5, length], dtype)).graph
         ops = [op.type for op in graph.get_operations()]
-        assert ops.count(split) == 1, ops
-        assert ops.count("KRE>UnstackFeatureIds") + ops.count("KRE>UnstackKeptIds") == 1
-        assert ops.count("KRE>GroupLookup") == 1
+        assert [op for op in ops if op.startswith("KRE>")] == lookup, ops
         assert not {"StridedSlice", "Reshape", "Cast", "Range"} & set(ops), ops
 
 
