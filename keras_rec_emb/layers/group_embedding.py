@@ -166,7 +166,10 @@ class GroupEmbedding(keras.layers.Layer):
         column j feeds feature j (OneEmbedding's form), or `[batch, F, L]`
         where feature j's ids are `ids[:, j, :]` (pad with -1). One op
         splits it per feature (no per-feature slicing: with many features
-        the cheapest form to feed). Or a tuple `(ids, table_ids)` of equal
+        the cheapest form to feed); an inference call (`training=False`)
+        with L > 1 and `output_mode="concat"` looks it up in one op
+        (`KRE>StackedPooledLookup`) unless a feature has `max_norm` or a
+        table is a dense matrix or distributed. Or a tuple `(ids, table_ids)` of equal
         shape `[batch, L]` where `table_ids` picks each id's feature (index
         in `features`).
 

@@ -1,0 +1,90 @@
+"""A/B in one process: GroupEmbedding's inference lookup of the peer
+workload's stacked `[batch, F, L]` ids through `KRE>StackedPooledLookup`
+(the layer's default for L > 1) vs the group lookup's lean pooled path
+(`KRE>UnstackKeptIds` + `KRE>GroupLookup`, what it ran before; pinned with
+`single_id_fast_path(True)`). The tables are filled by one training lookup
+of each of the workload's batches, then both `tf.function`s are checked to
+give bit-identical outputs on every batch and timed in interleaved rounds
+(the order flips every round) of REPS calls over the batches. Prints wall
+and CPU ms per call per path, the per-round ratio old / new (> 1: the new
+op is faster) as median (min-max), and JSON.
+
+    .venv/bin/python benchmarks/peers/stacked_lookup_ab.py [VARIANT [THREADS \
+        [REPS [ROUNDS [DATA_DIR]]]]]
+
+VARIANT `multi` (1-5 ids a row, the default) or `single`; DATA_DIR holds the
+workload written by run.py (`--data-dir`; default /tmp/h19b/peers/peers-data).
+"""
+
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+variant = sys.argv[1] if len(sys.argv) > 1 else "multi"
+threads = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+reps = int(sys.argv[3]) if len(sys.argv) > 3 else 64
+rounds = int(sys.argv[4]) if len(sys.argv) > 4 else 10
+data_dir = sys.argv[5] if len(sys.argv) > 5 else "/tmp/h19b/peers/peers-data"
+
+import tensorflow as tf  # noqa: E402
+
+tf.config.threading.set_intra_op_parallelism_threads(threads)
+tf.config.threading.set_inter_op_parallelism_threads(1)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import keras_rec_emb as kre  # noqa: E402
+from keras_rec_emb.ops import embedding_ops  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import workload  # noqa: E402
+
+ids, _, meta = workload.load(data_dir, variant)
+F, dim, B = meta["features"], meta["dim"], meta["batch"]
+init = keras.initializers.RandomUniform(-0.05, 0.05, seed=0)
+group = kre.layers.GroupEmbedding({f"f{j}": kre.layers.FeatureSpec(
+    kre.layers.EmbeddingVariable(dim, initializer=init, name=f"t{j}"), combiner="sum")
+    for j in range(F)}, output_mode="concat")
+batches = [tf.constant(ids[i * B:(i + 1) * B]) for i in range(meta["batches"])]
+for b in batches:
+    group(b, training=True)
+
+paths = {"new": tf.function(lambda x: group(x, training=False))}
+with embedding_ops.single_id_fast_path(True):  # traced inside: the old path
+    paths["old"] = tf.function(lambda x: group(x, training=False))
+    paths["old"].get_concrete_function(batches[0])
+for name, fn in paths.items():
+    ops = {op.type for op in fn.get_concrete_function(batches[0]).graph.get_operations()}
+    print(name, sorted(o for o in ops if o.startswith("KRE>")))
+for b in batches:
+    if not np.array_equal(paths["new"](b).numpy(), paths["old"](b).numpy()):
+        sys.exit("the two paths differ")
+
+wall = {n: [] for n in paths}
+cpu = {n: [] for n in paths}
+for r in range(rounds):
+    for name in (("new", "old") if r % 2 == 0 else ("old", "new")):
+        fn = paths[name]
+        w0, c0 = time.perf_counter(), time.process_time()
+        for i in range(reps):
+            fn(batches[i % len(batches)])
+        wall[name].append(1e3 * (time.perf_counter() - w0) / reps)
+        cpu[name].append(1e3 * (time.process_time() - c0) / reps)
+ratios = [o / n for o, n in zip(wall["old"], wall["new"])]
+cpu_ratios = [o / n for o, n in zip(cpu["old"], cpu["new"])]
+result = {
+    "variant": variant, "threads": threads, "reps": reps, "rounds": rounds,
+    "wall_ms": {n: statistics.median(v) for n, v in wall.items()},
+    "cpu_ms": {n: statistics.median(v) for n, v in cpu.items()},
+    "old_over_new_wall": [statistics.median(ratios), min(ratios), max(ratios)],
+    "old_over_new_cpu": [statistics.median(cpu_ratios), min(cpu_ratios), max(cpu_ratios)],
+}
+for n in paths:
+    print(f"{n}: {result['wall_ms'][n]:.3f} wall-ms, {result['cpu_ms'][n]:.3f} CPU-ms a call")
+print("old / new, wall: %.3f (%.3f-%.3f); CPU: %.3f (%.3f-%.3f)"
+      % (*result["old_over_new_wall"], *result["old_over_new_cpu"]))
+print(json.dumps(result))
