@@ -943,10 +943,7 @@ void LeanPooledRowsOf(kv::Table<K>& table, const Feature& ft, const K* keys, int
                       Combiner comb, int64_t begin, int64_t end, float* out, int64_t stride) {
   thread_local std::vector<const float*> rows;
   typename kv::Table<K>::OrderedReader reader(table);
-  // Padded (see CombinePooled) when rows are short and the padding at most
-  // doubles the rows added (widths without a CombinePooled<D> ignore it).
-  const bool padded =
-      ft.max_len <= kPaddedCombineLen && ft.max_len * ft.batch <= 2 * ft.kept();
+  const bool padded = PadPooledRows(ft.max_len, ft.batch, ft.kept());
   int64_t b0 = begin;
   while (b0 < end) {
     const int64_t j0 = ft.splits[b0];

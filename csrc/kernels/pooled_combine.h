@@ -60,7 +60,6 @@ struct TableSlot {
   }
 };
 
-
 // Resolves input `input` of ctx, the handle of table `t` (for messages),
 // into *slot, checking its key dtype and dim against what the op was told.
 inline absl::Status ResolveTable(OpKernelContext* ctx, int input, int t, tf::DataType key_dtype,
@@ -107,6 +106,13 @@ alignas(64) constexpr std::array<float, 64> kNegativeZeros = [] {
   for (float& x : z) x = -0.0f;
   return z;
 }();
+
+// Whether CombinePooledRows pads `rows` rows of `ids` ids in all, none
+// longer than max_len: when rows are short and the padding at most doubles
+// the rows added (widths without a CombinePooled<D> ignore it).
+inline bool PadPooledRows(int64_t max_len, int64_t rows, int64_t ids) {
+  return max_len <= kPaddedCombineLen && max_len * rows <= 2 * ids;
+}
 
 // LeanPooledRows' combine of rows [b0, b1) for a width D known at compile
 // time: row b's ids' rows are rows[splits[b] - j0], ...; each output row is
@@ -185,9 +191,9 @@ void CombinePooled(const int64_t* splits, int64_t j0, int64_t b0, int64_t b1,
 
 // CombinePooled for any width (the common ones with D fixed at compile
 // time; the others never padded: their loop ignores `padded`).
-inline void CombinePooledRows(int64_t dim, const int64_t* splits, int64_t j0, int64_t b0, int64_t b1,
-                       const float* const* rows, bool padded, int64_t pad, int64_t max_len,
-                       Combiner comb, float* out, int64_t stride) {
+inline void CombinePooledRows(int64_t dim, const int64_t* splits, int64_t j0, int64_t b0,
+                              int64_t b1, const float* const* rows, bool padded, int64_t pad,
+                              int64_t max_len, Combiner comb, float* out, int64_t stride) {
   switch (dim) {
 #define KRE_COMBINE_CASE(D)                                                                \
   case D:                                                                                  \

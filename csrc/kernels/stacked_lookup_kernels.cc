@@ -31,6 +31,7 @@
 #include "kernels/keep_rows.h"
 #include "kernels/pooled_combine.h"
 #include "kernels/table_resource.h"
+#include "kv/partition.h"
 #include "kv/shard_ops.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
@@ -61,31 +62,14 @@ struct Block {
 template <typename K>
 void FindByShard(kv::Table<K>& table, const K* in, int64_t n, int64_t dim, float* buffer,
                  const float** rows) {
-  const int shards = table.num_shards();
-  thread_local std::vector<uint64_t> hashes, part_hashes;
-  thread_local std::vector<int64_t> offsets, next, order;
-  thread_local std::vector<K> keys;
-  hashes.resize(n);
-  part_hashes.resize(n);
-  order.resize(n);
-  keys.resize(n);
-  offsets.assign(shards + 1, 0);
-  for (int64_t u = 0; u < n; ++u) {
-    hashes[u] = kv::Table<K>::Hash(in[u]);
-    ++offsets[table.ShardOf(hashes[u]) + 1];
-  }
-  for (int s = 0; s < shards; ++s) offsets[s + 1] += offsets[s];
-  next.assign(offsets.begin(), offsets.end() - 1);
-  for (int64_t u = 0; u < n; ++u) {
-    const int64_t i = next[table.ShardOf(hashes[u])]++;
-    keys[i] = in[u];
-    part_hashes[i] = hashes[u];
-    order[i] = u;
-  }
-  for (int s = 0; s < shards; ++s) {
-    const int64_t b = offsets[s], m = offsets[s + 1] - b;
+  // One block: this runs on one of the op's units already.
+  const kv::Partitioned<K> p = kv::Partition(table, in, n, 1, [](int num_blocks, auto&& fn) {
+    for (int b = 0; b < num_blocks; ++b) fn(b);
+  });
+  for (int s = 0; s < table.num_shards(); ++s) {
+    const int64_t b = p.offsets[s], m = p.offsets[s + 1] - b;
     if (m > 0) {
-      table.Lookup(s, keys.data() + b, part_hashes.data() + b, order.data() + b, m,
+      table.Lookup(s, p.keys.data() + b, p.hashes.data() + b, p.order.data() + b, m,
                    /*insert=*/false, buffer);
     }
   }
@@ -307,11 +291,9 @@ class StackedPooledLookupOp : public OpKernel {
         FindByShard(table, keys, n, dim, buffer, blk.rows.data());
       }
       blk.rows[n] = kNegativeZeros.data();
-      // Padded (see CombinePooled) when rows are short and the padding at
-      // most doubles the rows added.
-      const bool padded = max_len <= kPaddedCombineLen && max_len * rows <= 2 * n;
-      CombinePooledRows(dim, sp, base, first, first + rows, blk.rows.data(), padded, n, max_len,
-                        comb, out + (b0 - first) * width_, width_);
+      CombinePooledRows(dim, sp, base, first, first + rows, blk.rows.data(),
+                        PadPooledRows(max_len, rows, n), n, max_len, comb,
+                        out + (b0 - first) * width_, width_);
       b0 = b1;
     }
     kv::StreamFence();  // the streamed stores are ordered before the op completes

@@ -6,6 +6,8 @@
 // slices (kernels: csrc/kernels/stack_kernels.cc); KRE>StackedPooledLookup
 // looks them up and combines them where they are, for inference (kernel:
 // csrc/kernels/stacked_lookup_kernels.cc).
+#include <vector>
+
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -17,9 +19,9 @@ using ::tensorflow::shape_inference::DimensionHandle;
 using ::tensorflow::shape_inference::InferenceContext;
 using ::tensorflow::shape_inference::ShapeHandle;
 
-// Both ops' input: ids [batch, num_features, L]; sets *num_features.
-absl::Status StackedIds(InferenceContext* c, ShapeHandle* ids, int* num_features) {
-  TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 3, ids));
+// The ops' input `input`: ids [batch, num_features, L]; sets *num_features.
+absl::Status StackedIds(InferenceContext* c, int input, ShapeHandle* ids, int* num_features) {
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(input), 3, ids));
   TF_RETURN_IF_ERROR(c->GetAttr("num_features", num_features));
   DimensionHandle f;
   return c->WithValue(c->Dim(*ids, 1), *num_features, &f);
@@ -28,7 +30,7 @@ absl::Status StackedIds(InferenceContext* c, ShapeHandle* ids, int* num_features
 absl::Status UnstackFeatureIdsShape(InferenceContext* c) {
   ShapeHandle ids;
   int num_features;
-  TF_RETURN_IF_ERROR(StackedIds(c, &ids, &num_features));
+  TF_RETURN_IF_ERROR(StackedIds(c, 0, &ids, &num_features));
   DimensionHandle batch = c->Dim(ids, 0);
   DimensionHandle n;
   TF_RETURN_IF_ERROR(c->Multiply(batch, c->Dim(ids, 2), &n));
@@ -42,7 +44,7 @@ absl::Status UnstackFeatureIdsShape(InferenceContext* c) {
 absl::Status UnstackKeptIdsShape(InferenceContext* c) {
   ShapeHandle ids;
   int num_features;
-  TF_RETURN_IF_ERROR(StackedIds(c, &ids, &num_features));
+  TF_RETURN_IF_ERROR(StackedIds(c, 0, &ids, &num_features));
   DimensionHandle splits;
   TF_RETURN_IF_ERROR(c->Add(c->Dim(ids, 0), 1, &splits));
   for (int j = 0; j < num_features; ++j) {
@@ -56,11 +58,8 @@ absl::Status StackedPooledLookupShape(InferenceContext* c) {
   int num_tables;
   TF_RETURN_IF_ERROR(c->GetAttr("num_tables", &num_tables));
   ShapeHandle ids;
-  TF_RETURN_IF_ERROR(c->WithRank(c->input(num_tables), 3, &ids));
   int num_features;
-  TF_RETURN_IF_ERROR(c->GetAttr("num_features", &num_features));
-  DimensionHandle f;
-  TF_RETURN_IF_ERROR(c->WithValue(c->Dim(ids, 1), num_features, &f));
+  TF_RETURN_IF_ERROR(StackedIds(c, num_tables, &ids, &num_features));
   std::vector<int64_t> dims, feature_tables;
   TF_RETURN_IF_ERROR(c->GetAttr("table_dims", &dims));
   TF_RETURN_IF_ERROR(c->GetAttr("feature_tables", &feature_tables));
@@ -115,8 +114,8 @@ REGISTER_OP("KRE>UnstackFeatureIds")
 // feature_tables[j] (key dtype table_key_dtypes[t], dim table_dims[t]);
 // tables may serve several features. Missing keys read their default row
 // and nothing is inserted. The same outputs as KRE>GroupLookup with concat
-// over KRE>UnstackKeptIds' split of the same ids, without the split: each
-// block of rows' ids is gathered, looked up and combined while in cache.
+// over KRE>UnstackKeptIds' split of the same ids, in one op: the split, then
+// each feature's blocks of ids looked up and combined into the output.
 REGISTER_OP("KRE>StackedPooledLookup")
     .Input("tables: num_tables * resource")
     .Input("ids: T")

@@ -411,22 +411,12 @@ class GroupEmbedding(keras.layers.Layer):
         self._check_stacked(ids.shape, ids.dtype)
         if ids.shape.rank != 3 or ids.shape[2] == 1:  # one id a row: the lean single-id path
             return None
-        if embedding_ops.tracing_stock_lookups():
-            return None
-        tables = [self.tables[s.table] for s in specs]
         if ids.dtype not in (tf.int32, tf.int64):
             ids = integer_ids(ids, f"GroupEmbedding '{self.name}'", tf.int64)
-        if ids.dtype == tf.int64:
-            key_dtypes = {tf.as_dtype(t.key_dtype) for t in tables
-                          if isinstance(t, EmbeddingVariable)}
-            if key_dtypes == {tf.int32}:  # one check of all ids, as _stacked_inputs does
-                ids = assert_ids_in_range(ids, tf.int32, f"GroupEmbedding '{self.name}' ids",
-                                          lower=False)
-            elif tf.int32 in key_dtypes:  # each int32 table's ids checked apart there
-                return None
         return embedding_ops.stacked_pooled_lookup(
-            tables, ids, [s.combiner for s in specs], [s.default_id for s in specs],
-            name=self.name)
+            [self.tables[s.table] for s in specs], ids, [s.combiner for s in specs],
+            [s.default_id for s in specs], name=self.name,
+            what=f"GroupEmbedding '{self.name}' ids")
 
     def call(self, inputs, training=None):
         out = None if training else self._stacked_lookup(inputs)

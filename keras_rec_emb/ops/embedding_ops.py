@@ -367,7 +367,7 @@ _STACKED_ATTRS = ("table_key_dtypes", "table_dims", "feature_tables", "combiners
                   "default_ids")
 
 
-def stacked_pooled_lookup(params, ids, combiners, default_ids, name=None):
+def stacked_pooled_lookup(params, ids, combiners, default_ids, name=None, what="`ids`"):
     """The inference lookup of stacked ids `[batch, F, L]` (int32 or int64;
     ids < 0 are padding) in one `KRE>StackedPooledLookup` op: feature j reads
     `params[j]` with ids `ids[:, j, :]`, fills an empty row with
@@ -376,14 +376,23 @@ def stacked_pooled_lookup(params, ids, combiners, default_ids, name=None):
     values as `group_embedding_lookup_sparse(..., concat=True)` over the
     features' ragged ids, without splitting the ids per feature first.
     Returns `None` where the op does not serve: a parameter that is not a
-    table of this process (dense matrices, distributed tables), a graph
-    traced for serving (`stock_lookups`), or inside `single_id_fast_path`
-    (which pins the group lookup's paths)."""
+    table of this process (dense matrices, distributed tables), int64 ids
+    over int32 and int64 tables together (the group lookup checks each
+    int32 table's ids apart), a graph traced for serving (`stock_lookups`),
+    or inside `single_id_fast_path` (which pins the group lookup's paths).
+    Over int32 tables alone, int64 ids are checked once to fit (`what`
+    names them in the error)."""
     if tracing_stock_lookups() or getattr(_SINGLE_ID, "enabled", None) is not None:
         return None
     ps = [_as_param(p, i) for i, p in enumerate(params)]
     if any(not isinstance(p.table, EmbeddingTable) for p in ps):
         return None
+    if ids.dtype == tf.int64:
+        key_dtypes = {tf.as_dtype(p.table.key_dtype) for p in ps}
+        if key_dtypes == {tf.int32}:
+            ids = assert_ids_in_range(ids, tf.int32, what, lower=False)
+        elif tf.int32 in key_dtypes:
+            return None
     tables, index = [], {}
     for p in ps:
         if p.key not in index:
