@@ -4,16 +4,17 @@
 // pointer to a row stays valid while the arena grows. Chunk sizes double from
 // 16 rows up to 16384 rows and stay there: a small table costs little, and a
 // large one over-allocates at most one chunk. Locating a row is a few integer
-// ops.
+// ops. Chunks come from PagePool::Global() (huge pages; see page_pool.h).
 #ifndef KRE_KV_ARENA_H_
 #define KRE_KV_ARENA_H_
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <new>
+#include <utility>
 #include <vector>
+
+#include "kv/page_pool.h"
 
 namespace kre {
 namespace kv {
@@ -29,8 +30,25 @@ class ChunkedArena {
       ((uint64_t{1} << kGrowingChunks) - 1) << kFirstChunkLog2;
 
   explicit ChunkedArena(int64_t width = 1) : width_(width) {}
-  ChunkedArena(ChunkedArena&&) = default;
-  ChunkedArena& operator=(ChunkedArena&&) = default;
+  ChunkedArena(ChunkedArena&& o) noexcept
+      : width_(o.width_), capacity_(o.capacity_), bases_(std::move(o.bases_)) {
+    o.capacity_ = 0;
+    o.bases_.clear();
+  }
+  ChunkedArena& operator=(ChunkedArena&& o) noexcept {
+    if (this != &o) {
+      Clear();
+      width_ = o.width_;
+      capacity_ = o.capacity_;
+      bases_ = std::move(o.bases_);
+      o.capacity_ = 0;
+      o.bases_.clear();
+    }
+    return *this;
+  }
+  ChunkedArena(const ChunkedArena&) = delete;
+  ChunkedArena& operator=(const ChunkedArena&) = delete;
+  ~ChunkedArena() { Clear(); }
 
   int64_t width() const { return width_; }
 
@@ -63,20 +81,20 @@ class ChunkedArena {
   // Makes ids < n addressable. New memory is filled with `fill`.
   void EnsureCapacity(uint64_t n, T fill) {
     while (capacity_ < n) {
-      const int c = static_cast<int>(chunks_.size());
-      const uint64_t rows = uint64_t{1} << std::min(c + kFirstChunkLog2, kMaxChunkLog2);
-      const uint64_t elems = rows * static_cast<uint64_t>(width_);
-      Chunk chunk(static_cast<T*>(::operator new(elems * sizeof(T), std::align_val_t(kAlign))));
-      std::fill(chunk.get(), chunk.get() + elems, fill);
-      bases_.reserve(chunks_.size() + 1);
-      chunks_.push_back(std::move(chunk));
-      bases_.push_back(chunks_.back().get());
+      const int c = static_cast<int>(bases_.size());
+      const uint64_t rows = ChunkRows(c);
+      bases_.reserve(bases_.size() + 1);
+      T* chunk = static_cast<T*>(PagePool::Global().Allocate(ChunkBytes(c)));
+      std::fill(chunk, chunk + rows * static_cast<uint64_t>(width_), fill);
+      bases_.push_back(chunk);
       capacity_ += rows;
     }
   }
 
   void Clear() {
-    chunks_.clear();
+    for (size_t c = 0; c < bases_.size(); ++c) {
+      PagePool::Global().Free(bases_[c], ChunkBytes(static_cast<int>(c)));
+    }
     bases_.clear();
     capacity_ = 0;
   }
@@ -86,18 +104,18 @@ class ChunkedArena {
   }
 
  private:
-  // Chunks start on a cache line, so a row of 64 bytes (dim 16 floats) is
-  // one line, not two (malloc's 16-byte alignment would split most rows).
-  static constexpr size_t kAlign = 64;
-  struct AlignedDelete {
-    void operator()(T* p) const { ::operator delete(p, std::align_val_t(kAlign)); }
-  };
-  using Chunk = std::unique_ptr<T[], AlignedDelete>;
+  static uint64_t ChunkRows(int c) {
+    return uint64_t{1} << std::min(c + kFirstChunkLog2, kMaxChunkLog2);
+  }
+  // Chunks start on a cache line (PagePool's blocks are 64-byte aligned), so
+  // a row of 64 bytes (dim 16 floats) is one line, not two.
+  size_t ChunkBytes(int c) const {
+    return ChunkRows(c) * static_cast<uint64_t>(width_) * sizeof(T);
+  }
 
   int64_t width_;
   uint64_t capacity_ = 0;
-  std::vector<Chunk> chunks_;
-  std::vector<T*> bases_;  // chunks_[c].get(), for RowIn
+  std::vector<T*> bases_;  // the chunks, owned (freed by Clear)
 };
 
 }  // namespace kv

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "kv/hash.h"
+#include "kv/page_pool.h"
 #include "kv/row_store.h"  // kNoRow
 
 namespace kre {
@@ -176,7 +177,7 @@ class ShardIndex {
 
  private:
   void Rehash(uint64_t new_capacity) {
-    std::vector<Entry> entries(new_capacity, Entry{K(), kEmptySlot, 0});
+    Entries entries(new_capacity, Entry{K(), kEmptySlot, 0});
     const uint64_t mask = new_capacity - 1;
     for (const Entry& e : entries_) {
       if (Free(e.row)) continue;
@@ -191,7 +192,9 @@ class ShardIndex {
 
   static constexpr Entry kNoEntries[1] = {{K(), kEmptySlot, 0}};
 
-  std::vector<Entry> entries_;
+  // On PagePool's huge pages: a probe misses the TLB far less often.
+  using Entries = std::vector<Entry, PoolAllocator<Entry>>;
+  Entries entries_;
   uint64_t mask_ = 0;
   uint64_t live_ = 0;
   uint64_t tombstones_ = 0;
