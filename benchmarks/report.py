@@ -587,6 +587,7 @@ def peers_markdown(data):
              f"over {w['vocab']:,} values, Adagrad lr {w['learning_rate']}; median of "
              f"{m['rounds']} interleaved rounds of {m['steps']} steps and {m['lookups']} lookups"
              + (f", OMP_WAIT_POLICY={m['omp_wait_policy']}" if "omp_wait_policy" in m else "")
+             + (", TorchRec with THP_MEM_ALLOC_ENABLE=1" if m.get("torch_huge_pages") else "")
              + (f"; machine load (1-min average) {min(load):.1f}-{max(load):.1f} during the rounds"
                 if load else "") + ". "
              "Ratios are framework / ours (GroupEmbedding), median (min-max) of the "

@@ -45,6 +45,12 @@ steps/s against 7-19 with PASSIVE, measured side by side at load 8).
 TensorFlow's Eigen pools do not read it. With --pin, each worker is also
 bound to cores 0..T-1 (`sched_setaffinity`).
 
+Huge pages: our tables keep their indexes and rows on transparent huge
+pages by default (`KRE_HUGE_PAGES`, README). torch's CPU allocator does so
+for its blocks of 2 MiB and more (TorchRec's tables) only when
+`THP_MEM_ALLOC_ENABLE=1` is set, which --torch-huge-pages sets in the
+TorchRec workers; the default run leaves torch at its default (off).
+
 Run from the repository root (`make bench-peers` makes the venvs first):
 
     .venv/bin/python benchmarks/peers/run.py            # 7 rounds, 1 and 2 threads
@@ -89,7 +95,10 @@ QUICK = {"rounds": 2, "steps": 5, "lookups": 5}
 # Rounds of 20 steps and 20 lookups: with 10 and 5 (0.1-0.2 s of our work a
 # round at 1-5 ids) the per-round spread of a framework was up to 15% on
 # this 2-core machine, as large as the differences the rounds are to show.
-FULL = {"rounds": 7, "steps": 20, "lookups": 20}
+# 100 lookups (~0.8 s of ours at 1-5 ids): with 20, five 5-round runs of
+# ours against TorchRec's TBE on a noisier day gave forward medians from
+# 0.89x to 1.33x; with 100 and 7 rounds three runs gave 1.07-1.23x.
+FULL = {"rounds": 7, "steps": 20, "lookups": 100}
 # Frameworks too slow for --steps steps a round (stock Keras trains its dense
 # 26 x 10^6-row tables at ~0.2 steps/s): they run steps // N (at least 2).
 SLOW = {"keras": 5}
@@ -118,6 +127,9 @@ def parse_args(argv=None):
                    help="OMP_WAIT_POLICY of the workers (default PASSIVE: idle OpenMP "
                         "threads sleep instead of spinning; `unset` keeps libgomp's "
                         "spin-then-sleep default)")
+    p.add_argument("--torch-huge-pages", action="store_true",
+                   help="THP_MEM_ALLOC_ENABLE=1 for the TorchRec workers: torch's tables on "
+                        "transparent huge pages, as ours are by default")
     p.add_argument("--data-dir", default=None,
                    help="where the ids are generated (default: OUT/peers-data[-quick])")
     p.add_argument("--output-dir", default=str(DEFAULT_OUT))
@@ -149,19 +161,29 @@ def parse_args(argv=None):
     return a
 
 
+def worker_env(name, omp_wait_policy="PASSIVE", torch_huge_pages=False):
+    """The environment of framework `name`'s worker process (see the module
+    docstring for the thread and huge-page settings)."""
+    full_env = {**os.environ, **FRAMEWORKS[name][4], "PYTHONUNBUFFERED": "1",
+                "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    full_env.pop("OMP_WAIT_POLICY", None)
+    full_env.pop("THP_MEM_ALLOC_ENABLE", None)
+    if omp_wait_policy != "unset":
+        full_env["OMP_WAIT_POLICY"] = omp_wait_policy
+    if torch_huge_pages and name.startswith("torchrec"):
+        full_env["THP_MEM_ALLOC_ENABLE"] = "1"
+    return full_env
+
+
 class Worker:
     """One framework's long-lived worker process, driven over its pipes."""
 
     def __init__(self, name, data_dir, variant, threads, pin, timeout, log_dir,
-                 omp_wait_policy="PASSIVE"):
+                 omp_wait_policy="PASSIVE", torch_huge_pages=False):
         label, script, venv, impl, env = FRAMEWORKS[name]
         python = sys.executable if venv is None else str(ROOT / venv / "bin" / "python")
         self.name, self.timeout = name, timeout
-        full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1",
-                    "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
-        full_env.pop("OMP_WAIT_POLICY", None)
-        if omp_wait_policy != "unset":
-            full_env["OMP_WAIT_POLICY"] = omp_wait_policy
+        full_env = worker_env(name, omp_wait_policy, torch_huge_pages)
         self.log_path = log_dir / f"{name}-{variant}-{threads}t.log"
         self.stderr = open(self.log_path, "w")
         cmd = [python, str(HERE / script), "--data", str(data_dir), "--variant", variant,
@@ -219,7 +241,7 @@ def run_config(names, data_dir, meta, variant, threads, opts, log_dir):
     try:
         for name in names:  # started together: warm-ups overlap, nothing is timed yet
             workers[name] = Worker(name, data_dir, variant, threads, opts.pin, opts.timeout,
-                                   log_dir, opts.omp_wait_policy)
+                                   log_dir, opts.omp_wait_policy, opts.torch_huge_pages)
         ready = {}
         for name, w in workers.items():
             ready[name] = w.ready()
@@ -305,7 +327,8 @@ def main(argv=None):
                                    *(sys.argv[1:] if argv is None else argv)]),
               "quick": opts.quick, "workload": config, "data": metas,
               "method": {k: getattr(opts, k) for k in ("rounds", "steps", "lookups", "pin",
-                                                       "omp_wait_policy")},
+                                                       "omp_wait_policy",
+                                                       "torch_huge_pages")},
               "load_avg_start": os.getloadavg(),
               "reference": REFERENCE, "skipped": skipped, "machine": machine_info(),
               "results": {}}

@@ -106,6 +106,10 @@ def test_markdown_plot_and_report_section(quick, tmp_path):
         assert f"| {run.FRAMEWORKS[name][0]} |" in md
     assert "| framework | train, 1 id | forward lookup, 1 id | train, 1-5 ids |" in md
     assert "quick mode: not for quoting" in md
+    assert data["method"]["torch_huge_pages"] is False
+    assert "THP_MEM_ALLOC_ENABLE" not in md
+    flagged = dict(data, method=dict(data["method"], torch_huge_pages=True))
+    assert "TorchRec with THP_MEM_ALLOC_ENABLE=1" in report.peers_markdown(flagged)[0]
     assert (out / "peers.png").read_bytes()[:8] == PNG_SIGNATURE
     # report.py picks the peers up from its output folder.
     path = report.write_report(out, True, report._machine(PEERS.parent), [], {}, [], [], 1.0)
@@ -163,3 +167,19 @@ def test_stored_result_is_rendered_and_consistent(tmp_path):
     assert f"Stored result `benchmarks/{report.STORED_PEERS_JSON}` of {stored['date']}" in text
     assert "| TorchRec DistributedModelParallel, 1 rank |" in text
     assert (tmp_path / "peers.png").read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_worker_env_threads_and_huge_pages(monkeypatch):
+    """Each worker's environment: the OMP wait policy for all, and torch's
+    huge-page switch only for TorchRec's workers and only when asked (an
+    inherited THP_MEM_ALLOC_ENABLE does not leak into a default run)."""
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "1")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    for name in run.FRAMEWORKS:
+        default = run.worker_env(name)
+        assert default["OMP_WAIT_POLICY"] == "PASSIVE"
+        assert "THP_MEM_ALLOC_ENABLE" not in default, name
+        assert "OMP_WAIT_POLICY" not in run.worker_env(name, "unset")
+        huge = run.worker_env(name, torch_huge_pages=True)
+        assert ("THP_MEM_ALLOC_ENABLE" in huge) == name.startswith("torchrec"), name
+    assert run.worker_env("tfra")["TF_USE_LEGACY_KERAS"] == "1"
