@@ -556,7 +556,8 @@ Table<K>::OrderedReader::OrderedReader(Table& table)
   views_.reserve(table.shards_.size());
   for (auto& sp : table.shards_) {
     locks_.emplace_back(sp->mu);  // in shard order, as LockAll
-    views_.push_back(ShardView{sp->index.data(), sp->index.mask(), sp->dram->value_bases()});
+    views_.push_back(ShardView{sp->index.data(), sp->index.mask(), sp->dram->value_bases(),
+                               sp->index.reach()});
   }
 }
 
@@ -616,7 +617,7 @@ void Table<K>::OrderedReader::FindImpl(const K* keys, int64_t n, const float** r
       hashes[j & (kSlotAhead - 1)] = h;
       const int sh = ShardOfHash(h, num_shards);
       shard_of[j & (kSlotAhead - 1)] = sh;
-      Index::PrefetchProbe(views[sh].entries, views[sh].mask, h);
+      Index::PrefetchProbe(views[sh].entries, views[sh].mask, h, views[sh].reach);
     }
   }
   lookups_ += static_cast<uint64_t>(n);

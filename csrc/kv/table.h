@@ -224,6 +224,7 @@ class Table {
       const typename ShardIndex<K>::Entry* entries;
       uint64_t mask;
       float* const* bases;
+      uint64_t reach;  // ShardIndex::reach()
     };
     Table& table_;
     std::vector<std::shared_lock<std::shared_mutex>> locks_;
