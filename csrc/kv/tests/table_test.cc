@@ -944,15 +944,21 @@ void TestIndexMaxLoad() {
       index.Reserve(limit);
       index.Insert(key, Table64::Hash(key), Index::Entry{key, 0, 0});
     };
-    bool minimal = true, bounded = true;
+    bool minimal = true, bounded = true, reach = true;
+    int reach_ones = 0, reach_threes = 0;
     for (uint64_t n = 1; n <= 20000; ++n) {
       insert(key_of(n));
       const uint64_t cap = index.capacity();
       bounded = bounded && n * limit.den <= cap * limit.num;
       minimal = minimal && (cap == Index::kMinCapacity || n * limit.den > cap / 2 * limit.num);
+      // PrefetchProbe's second slot: h+1 up to load 0.4, h+3 above.
+      reach = reach && index.reach() == (n * 5 <= cap * 2 ? 1u : 3u);
+      (index.reach() == 1 ? reach_ones : reach_threes) += 1;
     }
     CHECK(bounded);
     CHECK(minimal);
+    CHECK(reach);
+    CHECK(reach_ones > 1000 && reach_threes > 1000);
     bool found = true;
     for (uint64_t n = 1; n <= 20000; ++n) {
       found = found && index.Find(key_of(n), Table64::Hash(key_of(n))) >= 0;
@@ -966,6 +972,11 @@ void TestIndexMaxLoad() {
     for (uint64_t n = 101; n <= 20000; ++n) {
       index.EraseAt(static_cast<uint64_t>(index.Find(key_of(n), Table64::Hash(key_of(n)))));
     }
+    // Tombstones count as load.
+    uint64_t in_use = 0;
+    for (uint64_t i = 0; i < index.capacity(); ++i) in_use += index.entry(i).row != Index::kEmptySlot;
+    CHECK(index.live() == 100 && in_use > 100);
+    CHECK(index.reach() == (in_use * 5 <= index.capacity() * 2 ? 1u : 3u));
     for (uint64_t n = 1; n <= 10000; ++n) insert(-static_cast<int64_t>(n));
     CHECK(index.capacity() == cap);
     CHECK(index.live() == 10100);
