@@ -34,17 +34,18 @@ def main():
     import keras
     import keras_rec_emb as kre
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import protocol
     import workload
 
     ids, _, meta = workload.load(args.data_dir, args.variant)
-    features, dim, batch = meta["features"], meta["dim"], meta["batch"]
+    features, dim = meta["features"], meta["dim"]
     init = keras.initializers.RandomUniform(-0.05, 0.05, seed=0)
     group = kre.layers.GroupEmbedding(
         {f"f{j}": kre.layers.FeatureSpec(
             kre.layers.EmbeddingVariable(dim, initializer=init, name=f"t{j}"), combiner="sum")
          for j in range(features)},
         output_mode="concat")
-    batches = [tf.constant(ids[i * batch:(i + 1) * batch]) for i in range(meta["batches"])]
+    batches = protocol.lookup_batches(tf, ids, meta)
     for b in batches:
         group(b, training=True)  # inserts every key
     fn = tf.function(lambda x: group(x, training=False))

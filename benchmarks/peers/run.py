@@ -180,7 +180,7 @@ class Worker:
 
     def __init__(self, name, data_dir, variant, threads, pin, timeout, log_dir,
                  omp_wait_policy="PASSIVE", torch_huge_pages=False):
-        label, script, venv, impl, env = FRAMEWORKS[name]
+        _, script, venv, impl, _ = FRAMEWORKS[name]  # the env: worker_env
         python = sys.executable if venv is None else str(ROOT / venv / "bin" / "python")
         self.name, self.timeout = name, timeout
         full_env = worker_env(name, omp_wait_policy, torch_huge_pages)

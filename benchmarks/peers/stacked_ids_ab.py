@@ -34,13 +34,14 @@ import numpy as np  # noqa: E402
 import keras_rec_emb as kre  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import protocol  # noqa: E402
 import workload  # noqa: E402
 
 ids, labels, meta = workload.load(data_dir, variant)
 F, dim, B = meta["features"], meta["dim"], meta["batch"]
 multi = meta["max_ids"] > 1
 nb = meta["batches"]
-xs = [tf.constant(ids[i * B:(i + 1) * B]) for i in range(nb)]
+xs = protocol.lookup_batches(tf, ids, meta)
 ys = [tf.constant(labels[i * B:(i + 1) * B].reshape(-1, 1)) for i in range(nb)]
 
 

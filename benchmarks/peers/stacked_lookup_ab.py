@@ -41,15 +41,16 @@ import keras_rec_emb as kre  # noqa: E402
 from keras_rec_emb.ops import embedding_ops  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import protocol  # noqa: E402
 import workload  # noqa: E402
 
 ids, _, meta = workload.load(data_dir, variant)
-F, dim, B = meta["features"], meta["dim"], meta["batch"]
+F, dim = meta["features"], meta["dim"]
 init = keras.initializers.RandomUniform(-0.05, 0.05, seed=0)
 group = kre.layers.GroupEmbedding({f"f{j}": kre.layers.FeatureSpec(
     kre.layers.EmbeddingVariable(dim, initializer=init, name=f"t{j}"), combiner="sum")
     for j in range(F)}, output_mode="concat")
-batches = [tf.constant(ids[i * B:(i + 1) * B]) for i in range(meta["batches"])]
+batches = protocol.lookup_batches(tf, ids, meta)
 for b in batches:
     group(b, training=True)
 
