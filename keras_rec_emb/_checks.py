@@ -2,6 +2,8 @@
 
 import tensorflow as tf
 
+from keras_rec_emb import _compat
+
 COMBINERS = ("sum", "mean", "sqrtn")
 
 
@@ -10,6 +12,8 @@ def integer_ids(ids, what, dtype=tf.int64):
     (a ValueError, or a failing assertion when traced, if an id does not fit
     `dtype`: int64 ids would wrap onto other int32 keys)."""
     if not ids.dtype.is_integer:
+        if _compat.in_symbolic_build():  # shapes only: see _compat.in_symbolic_build
+            return tf.zeros(tf.shape(ids), dtype)
         raise TypeError(
             f"{what} expects integer ids (int32 or int64). Received ids of dtype "
             f"{ids.dtype.name}. Hash strings or floats to integers first, e.g. "

@@ -263,3 +263,40 @@ def test_keras_multi_worker_fix_is_installed_for_the_pinned_keras_only_where_nee
     # go through Keras's own symbolic build (tests/distribute/test_mirrored.py,
     # tests/test_keras_citizen.py); tests/distribute/test_multi_worker.py
     # runs them on 2 and 3 worker processes.
+
+
+def test_keras_sequential_fix_gives_id_layers_an_int_input_and_others_keras_own():
+    """Keras's `Sequential.build` still types its automatic InputLayer from
+    the first layer's compute_dtype (an upgrade that changes the rule fails
+    here: read it again); our id layers get their `ids_input_dtype`,
+    every other first layer Keras's float32."""
+    import inspect
+
+    from keras.src.models.sequential import Sequential
+
+    assert keras.__version__ in _compat.KERAS_SEQUENTIAL_FIX_VERSIONS
+    assert _compat.fix_sequential_ids_input()  # idempotent: installed on import
+    assert Sequential.build._kre_fix
+    original = _compat.KERAS_SEQUENTIAL_ORIGINALS["build"]
+    assert Sequential.build is not original
+    source = " ".join(inspect.getsource(original).split())
+    assert "dtype = self._layers[0].compute_dtype" in source
+    plain = keras.Sequential([keras.layers.Dense(2)])
+    plain.build((None, 3))
+    assert plain.inputs[0].dtype == "float32"
+    ids = keras.Sequential([keras_rec_emb.layers.EmbeddingVariable(2, key_dtype="int32")])
+    ids.build((None, 3))
+    assert ids.inputs[0].dtype == "int32"
+
+
+def test_in_symbolic_build_only_inside_keras_shape_inference():
+    seen = []
+
+    def fn(x):
+        seen.append(_compat.in_symbolic_build())
+        return x
+
+    keras.src.backend.compute_output_spec(fn, keras.KerasTensor((2, 3)))
+    fn(tf.constant([1.0]))
+    tf.function(fn)(tf.constant([1.0]))
+    assert seen == [True, False, False]

@@ -1,9 +1,15 @@
 """Embedding layers backed by dynamic hash tables."""
 
+from keras_rec_emb import _compat
+
 from keras_rec_emb.layers.adaptive_embedding import AdaptiveEmbedding
 from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
 from keras_rec_emb.layers.group_embedding import FeatureSpec, GroupEmbedding
 from keras_rec_emb.layers.multi_hash_embedding import MultiHashEmbedding
+
+# A Sequential without keras.Input gives our id layers int ids, not float32
+# (see _compat.fix_sequential_ids_input).
+_compat.fix_sequential_ids_input()
 
 __all__ = ["AdaptiveEmbedding", "EmbeddingVariable", "FeatureSpec", "GroupEmbedding",
            "MultiHashEmbedding"]

@@ -171,6 +171,12 @@ class AdaptiveEmbedding(keras.layers.Layer):
                                          name=f"{self.name}_dynamic")
         self.static_embeddings = None
 
+    @property
+    def ids_input_dtype(self):
+        """`"int64"`: the dtype of the `keras.Input` a `keras.Sequential`
+        without one makes for this layer (Keras would make it float32)."""
+        return "int64"
+
     def build(self, input_shape=None):
         if self.built:
             return

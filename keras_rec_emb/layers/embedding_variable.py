@@ -111,8 +111,13 @@ class EmbeddingVariable(keras.layers.Layer):
             return
         init_option = self.ev_option.init_option
         initializer = init_option.initializer or self.initializer
-        default_values = keras.ops.convert_to_numpy(initializer(
-            shape=(init_option.default_value_dim, self.embedding_dim), dtype="float32"))
+        # Keras builds a layer lazily inside the traced first step of `fit`
+        # (and `model.build(shape)` / a Sequential without `keras.Input`
+        # build it symbolically): the matrix is drawn eagerly, once, outside
+        # any graph, as the table it initializes is created (`init_scope`).
+        with tf.init_scope():
+            default_values = keras.ops.convert_to_numpy(initializer(
+                shape=(init_option.default_value_dim, self.embedding_dim), dtype="float32"))
         from keras_rec_emb.distribute import collective_tables
 
         # Under `keras_rec_emb.distribute.parameter_servers(...)` the table is
@@ -127,6 +132,12 @@ class EmbeddingVariable(keras.layers.Layer):
         for variable in self.table.variables:
             _compat.track_variable(self, variable)
         self.built = True
+
+    @property
+    def ids_input_dtype(self):
+        """`key_dtype`: the dtype of the `keras.Input` a `keras.Sequential`
+        without one makes for this layer (Keras would make it float32)."""
+        return self.key_dtype
 
     @property
     def trainable(self):

@@ -4,7 +4,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_rec_emb import _ops, variables
+from keras_rec_emb import _compat, _ops, variables
 from keras_rec_emb._checks import assert_ids_in_range, check_float, check_int, integer_ids
 from keras_rec_emb._ids import FlatIds
 from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
@@ -272,6 +272,12 @@ class GroupEmbedding(keras.layers.Layer):
     def features(self):
         return dict(self._features)
 
+    @property
+    def ids_input_dtype(self):
+        """`"int64"`: the dtype of the `keras.Input` a `keras.Sequential`
+        without one makes for this layer (the stacked form's ids)."""
+        return "int64"
+
     def _dim(self, table):
         if isinstance(table, EmbeddingVariable):
             return table.embedding_dim
@@ -340,7 +346,7 @@ class GroupEmbedding(keras.layers.Layer):
                 f"order of `features`. Received: ids of shape {shape}"
             )
         dtype = tf.as_dtype(dtype)
-        if not dtype.is_integer:
+        if not dtype.is_integer and not _compat.in_symbolic_build():
             raise TypeError(
                 f"GroupEmbedding '{self.name}' expects integer ids (int32 or int64). "
                 f"Received: ids of dtype {dtype.name}. Hash strings or floats to "

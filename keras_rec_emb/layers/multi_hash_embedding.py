@@ -327,6 +327,12 @@ class MultiHashEmbedding(keras.layers.Layer):
         return [tf.math.floormod(tf.math.floordiv(ids, d) if d > 1 else ids, mod)
                 for d, mod in self._partitions]
 
+    @property
+    def ids_input_dtype(self):
+        """`"int64"`: the dtype of the `keras.Input` a `keras.Sequential`
+        without one makes for this layer (Keras would make it float32)."""
+        return "int64"
+
     def build(self, input_shape=None):
         if self.built:
             return

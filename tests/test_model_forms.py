@@ -1,0 +1,206 @@
+"""Every Keras model form: functional, subclassed, `Sequential` with and
+without `keras.Input`, for every id layer. Tables built lazily inside the
+traced first step of `fit`, `model.build(shape)`, and an exact `.keras`
+round trip (tables with slots, frequencies and versions, dense weights,
+optimizer slots and iterations, compared value by value) in each form."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_rec_emb as kre
+from keras_rec_emb import _compat
+from keras_rec_emb.layers import (AdaptiveEmbedding, EmbeddingVariable, FeatureSpec,
+                                  GroupEmbedding, MultiHashEmbedding)
+
+FORMS = ["functional", "subclassed", "sequential", "sequential_input"]
+
+
+@keras.saving.register_keras_serializable(package="kre_tests")
+class ChainModel(keras.Model):
+    """A subclassed model as users write them: layers made in `__init__`
+    from its arguments, applied in `call`, nothing built before `fit`."""
+
+    def __init__(self, chain, **kwargs):
+        super().__init__(**kwargs)
+        self.chain = [keras.saving.deserialize_keras_object(c) if isinstance(c, dict) else c
+                      for c in chain]
+
+    def call(self, x, training=None):
+        for layer in self.chain:
+            x = layer(x, training=training)
+        return x
+
+    def get_config(self):
+        config = super().get_config()
+        config["chain"] = [keras.saving.serialize_keras_object(c) for c in self.chain]
+        return config
+
+
+def _ev_mean():
+    return [EmbeddingVariable(8, combiner="mean", name="ev",
+                              ev_option=kre.EmbeddingVariableOption(track_meta=True)),
+            keras.layers.Dense(4, activation="relu"), keras.layers.Dense(1)]
+
+
+def _ev_seq():
+    return [EmbeddingVariable(4, name="ev"), keras.layers.Flatten(), keras.layers.Dense(1)]
+
+
+def _group_stacked():
+    features = {f"f{j}": FeatureSpec({"embedding_dim": 4, "name": f"t{j}"},
+                                     combiner="sum") for j in range(3)}
+    return [GroupEmbedding(features, output_mode="concat", name="group"),
+            keras.layers.Dense(1)]
+
+
+def _multi_hash():
+    return [MultiHashEmbedding(1000, 4, combiner="sum", name="mh"), keras.layers.Dense(1)]
+
+
+def _adaptive():
+    return [AdaptiveEmbedding(4, 100, promote_threshold=2, combiner="mean", name="ad"),
+            keras.layers.Dense(1)]
+
+
+rng = np.random.default_rng(5)
+# Ids beyond 2**24 (float32 would merge neighbours) and beyond 2**53.
+BIG = 2**60 + rng.integers(0, 50, size=(96, 3))
+LAYERS = {
+    "ev_mean": (_ev_mean, BIG),
+    "ev_seq": (_ev_seq, BIG),
+    "group_stacked": (_group_stacked, np.where(rng.random((96, 3, 2)) < 0.3, -1,
+                                               2**40 + rng.integers(0, 30, (96, 3, 2)))),
+    "multi_hash": (_multi_hash, rng.integers(0, 1000, size=(96, 2))),
+    "adaptive": (_adaptive, rng.integers(0, 20, size=(96, 2))),
+}
+Y = rng.random((96, 1)).astype(np.float32)
+
+
+def make(form, layers_fn, x, optimizer=None):
+    layers = layers_fn()
+    if form == "functional":
+        inp = keras.Input(x.shape[1:], dtype="int64")
+        out = inp
+        for layer in layers:
+            out = layer(out)
+        model = keras.Model(inp, out)
+    elif form == "subclassed":
+        model = ChainModel(layers)
+    elif form == "sequential":
+        model = keras.Sequential(layers)
+    else:
+        model = keras.Sequential([keras.Input(x.shape[1:], dtype="int64")] + layers)
+    model.compile(optimizer=optimizer or kre.optimizers.Adagrad(0.1), loss="mse")
+    return model
+
+
+def id_layers(model):
+    return [layer for layer in _compat.flatten_layers(model)
+            if isinstance(layer, EmbeddingVariable)]
+
+
+def state(model):
+    """Every table part, dense weight and optimizer variable, by name."""
+    out = {}
+    for layer in id_layers(model):
+        data = layer.export()
+        order = np.argsort(data["keys"])
+        for part in ("keys", "values", "freqs", "versions"):
+            out[f"{layer.name}/{part}"] = data[part][order]
+        for slot, values in data["slots"].items():
+            out[f"{layer.name}/slot:{slot}"] = values[order]
+    # Dense weights and optimizer variables in model order (a reloaded
+    # subclassed model's variable paths get other unique-name suffixes).
+    tables = {id(v) for layer in id_layers(model) for v in layer.weights}
+    dense = [v for v in model.weights if id(v) not in tables]
+    for i, v in enumerate(dense):
+        out[f"weight:{i}:{v.name}"] = keras.ops.convert_to_numpy(v)
+    for i, v in enumerate(model.optimizer.variables):
+        out[f"opt:{i}:{tuple(v.shape)}"] = keras.ops.convert_to_numpy(v)
+    return out
+
+
+def assert_state_equal(a, b):
+    assert sorted(a) == sorted(b)
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+@pytest.mark.parametrize("layer", list(LAYERS))
+@pytest.mark.parametrize("form", FORMS)
+def test_fit_builds_lazily_and_keras_round_trip_is_exact(tmp_path, form, layer):
+    layers_fn, x = LAYERS[layer]
+    model = make(form, layers_fn, x)
+    assert not id_layers(model) or not any(t.built for t in id_layers(model)) or \
+        form in ("functional", "sequential_input")
+    model.fit(x, Y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    before = state(model)
+    assert any(k.startswith("weight:") for k in before)
+    assert len([k for k in before if k.startswith("opt:")]) > 2
+    assert int(model.optimizer.iterations) == 6
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert type(loaded) is type(model)
+    assert_state_equal(before, state(loaded))
+    np.testing.assert_array_equal(model.predict(x, verbose=0), loaded.predict(x, verbose=0))
+    # Both keep training alike (the optimizer state came back too).
+    for m in (model, loaded):
+        m.fit(x[::-1], Y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    assert_state_equal(state(model), state(loaded))
+
+
+@pytest.mark.parametrize("form", ["subclassed", "sequential"])
+def test_model_build_with_a_shape_then_fit(form):
+    layers_fn, x = LAYERS["ev_mean"]
+    model = make(form, layers_fn, x)
+    model.build((None, 3))
+    ev = id_layers(model)[0]
+    if form == "sequential":  # (Keras's `Model.build` of a subclassed model
+        # builds nothing, whatever its layers: they build in `fit`.)
+        assert ev.built and ev.table_size() == 0
+    model.fit(x, Y, batch_size=32, epochs=1, verbose=0)
+    assert ev.table_size() == len(np.unique(x))
+
+
+def test_sequential_without_input_keeps_every_bit_of_int64_ids():
+    """Keras's own Sequential would make a float32 Input: ids 2**60 + k for
+    k < 50 would all become the same float. Each id must get its own row."""
+    x = (2**60 + np.arange(64)).reshape(64, 1)
+    model = keras.Sequential([EmbeddingVariable(4, combiner="sum", name="ev"),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer=kre.optimizers.SGD(0.1), loss="mse")
+    model.fit(x, Y[:64], batch_size=64, epochs=1, verbose=0)
+    assert model.layers[0].ids_input_dtype == "int64"
+    assert model.inputs[0].dtype == "int64"
+    np.testing.assert_array_equal(np.sort(model.layers[0].export()["keys"]), x[:, 0])
+
+
+def test_group_embedding_dict_inputs_in_a_subclassed_model(tmp_path):
+    features = {"a": FeatureSpec({"embedding_dim": 4, "name": "ta"}),
+                "b": FeatureSpec({"embedding_dim": 4, "name": "tb"}, combiner="mean")}
+    model = ChainModel([GroupEmbedding(features, output_mode="concat", name="group"),
+                        keras.layers.Dense(1)])
+    model.compile(optimizer=kre.optimizers.Adam(0.01), loss="mse")
+    x = {"a": rng.integers(0, 10**12, (64, 1)), "b": rng.integers(0, 10**12, (64, 3))}
+    model.fit(x, Y[:64], batch_size=16, epochs=1, verbose=0)
+    path = str(tmp_path / "g.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert_state_equal(state(model), state(loaded))
+    np.testing.assert_array_equal(model.predict(x, verbose=0), loaded.predict(x, verbose=0))
+
+
+def test_float_ids_are_still_refused_outside_a_symbolic_build():
+    ev = EmbeddingVariable(4)
+    with pytest.raises(TypeError, match="expects integer ids"):
+        ev(np.array([[1.0, 2.0]], np.float32))
+
+    @tf.function
+    def traced(x):
+        return ev(x)
+
+    with pytest.raises(TypeError, match="expects integer ids"):
+        traced(tf.constant([[1.0, 2.0]]))
