@@ -3,6 +3,7 @@
 from keras_rec_emb import _compat
 
 from keras_rec_emb.layers.adaptive_embedding import AdaptiveEmbedding
+from keras_rec_emb.layers.configs import FeatureConfig, TableConfig
 from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
 from keras_rec_emb.layers.group_embedding import FeatureSpec, GroupEmbedding
 from keras_rec_emb.layers.multi_hash_embedding import MultiHashEmbedding
@@ -11,5 +12,5 @@ from keras_rec_emb.layers.multi_hash_embedding import MultiHashEmbedding
 # (see _compat.fix_sequential_ids_input).
 _compat.fix_sequential_ids_input()
 
-__all__ = ["AdaptiveEmbedding", "EmbeddingVariable", "FeatureSpec", "GroupEmbedding",
-           "MultiHashEmbedding"]
+__all__ = ["AdaptiveEmbedding", "EmbeddingVariable", "FeatureConfig", "FeatureSpec",
+           "GroupEmbedding", "MultiHashEmbedding", "TableConfig"]

@@ -8,6 +8,7 @@ from keras_rec_emb import _compat
 from keras_rec_emb import variables
 from keras_rec_emb._checks import check_combiner
 from keras_rec_emb._ids import embed_ids, output_spec
+from keras_rec_emb.optimizers.base import table_optimizer
 from keras_rec_emb.options import deserialize_ev_option, ev_option_or_default
 from keras_rec_emb.variables import check_restore_dim_mode, check_saved_dim
 
@@ -52,6 +53,15 @@ class EmbeddingVariable(keras.layers.Layer):
             `k mod default_value_dim` (optimizer slots of width
             `embedding_dim` with the slot's init value). Defaults to
             `"error"`.
+        optimizer: `None`, or an optimizer of `keras_rec_emb.optimizers`
+            (instance, name such as `"adagrad"`, or serialized config) that
+            updates this table instead of the model's optimizer (keras-rs's
+            `TableConfig(optimizer=...)`). Its learning rate (or schedule,
+            read at the model optimizer's `iterations`) and hyper-parameters
+            apply; its slots live in the table and are saved with it. The
+            layer keeps its own copy. Gradient clipping, loss scaling and
+            EMA belong to the model's optimizer: a table optimizer that sets
+            them is refused. Defaults to `None` (the model's optimizer).
         **kwargs: other `keras.layers.Layer` arguments (e.g. `dtype`).
 
     Input shape:
@@ -79,7 +89,8 @@ class EmbeddingVariable(keras.layers.Layer):
 
     def __init__(self, embedding_dim, initializer="truncated_normal",
                  key_dtype="int64", combiner=None, ev_option=None,
-                 trainable=True, name=None, restore_dim_mismatch="error", **kwargs):
+                 trainable=True, name=None, restore_dim_mismatch="error", optimizer=None,
+                 **kwargs):
         super().__init__(trainable=trainable, name=name, **kwargs)
         # Our C++ ops have no XLA kernels: Keras's jit_compile="auto" then
         # chooses False, and True falls back to False with a warning.
@@ -104,6 +115,7 @@ class EmbeddingVariable(keras.layers.Layer):
         self.combiner = combiner
         self.ev_option = ev_option
         self.restore_dim_mismatch = check_restore_dim_mode(restore_dim_mismatch)
+        self.table_optimizer = table_optimizer(optimizer)
         self.table = None
 
     def build(self, input_shape=None):
@@ -129,6 +141,7 @@ class EmbeddingVariable(keras.layers.Layer):
             name=f"{self.name}/embeddings", restore_dim_mismatch=self.restore_dim_mismatch,
             **self.ev_option.table_kwargs(),
         )
+        self.table.optimizer = self.table_optimizer
         for variable in self.table.variables:
             _compat.track_variable(self, variable)
         self.built = True
@@ -277,6 +290,8 @@ class EmbeddingVariable(keras.layers.Layer):
             "combiner": self.combiner,
             "ev_option": keras.saving.serialize_keras_object(self.ev_option),
             "restore_dim_mismatch": self.restore_dim_mismatch,
+            "optimizer": (None if self.table_optimizer is None
+                          else keras.saving.serialize_keras_object(self.table_optimizer)),
         })
         return config
 

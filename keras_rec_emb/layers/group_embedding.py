@@ -7,6 +7,7 @@ import tensorflow as tf
 from keras_rec_emb import _compat, _ops, variables
 from keras_rec_emb._checks import assert_ids_in_range, check_float, check_int, integer_ids
 from keras_rec_emb._ids import FlatIds
+from keras_rec_emb.layers.configs import FeatureConfig
 from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
 from keras_rec_emb.ops import embedding_ops
 
@@ -123,6 +124,32 @@ class FeatureSpec:
                 f"weight_feature={self.weight_feature!r}, sequence={self.sequence})")
 
 
+def _feature_specs(features):
+    """`features` with each `FeatureConfig` turned into a `FeatureSpec`
+    over one `EmbeddingVariable` per `TableConfig` (shared by every feature
+    naming it); other values as they are."""
+    layers, by_name, out = {}, {}, {}
+    for fname, spec in features.items():
+        if not isinstance(spec, FeatureConfig):
+            out[fname] = spec
+            continue
+        table = spec.table
+        if id(table) not in layers:
+            other = by_name.get(table.name)
+            if other is not None and other.get_config() != table.get_config():
+                raise ValueError(
+                    f"Two different TableConfigs are named {table.name!r}; a table "
+                    "shared by several features must be one TableConfig (or equal ones)")
+            if other is not None:
+                layers[id(table)] = layers[id(other)]
+            else:
+                layers[id(table)] = table.make_layer()
+                by_name[table.name] = table
+        out[fname] = FeatureSpec(layers[id(table)], combiner=table.combiner,
+                                 weight_feature=spec.weight_feature)
+    return out
+
+
 @keras.saving.register_keras_serializable(package="keras_rec_emb")
 class GroupEmbedding(keras.layers.Layer):
     """Embeds many features with one fused lookup op (DeepRec's Group Embedding).
@@ -148,7 +175,9 @@ class GroupEmbedding(keras.layers.Layer):
 
     Args:
         features: dict from feature (input) name to `FeatureSpec` (or its
-            config dict). Several features may share one table.
+            config dict), or to a keras-rs style `FeatureConfig` (one
+            `EmbeddingVariable` per `TableConfig`, the table's combiner).
+            Several features may share one table.
         output_mode: `"dict"` (a dict of per-feature outputs) or
             `"concat"` (one `[batch, sum(dims)]` tensor, features in order).
             Defaults to `"dict"`.
@@ -217,6 +246,7 @@ class GroupEmbedding(keras.layers.Layer):
                 "`features` must be a non-empty dict from feature name to "
                 f"FeatureSpec. Received: features={features!r}"
             )
+        features = _feature_specs(features)  # keras-rs FeatureConfigs
         if output_mode not in _OUTPUT_MODES:
             raise ValueError(
                 f"`output_mode` must be one of {_OUTPUT_MODES}. Received: "

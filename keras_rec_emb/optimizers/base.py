@@ -118,6 +118,63 @@ def has_distinct_keys(grad):
     return outputs is not None and indices.value_index in outputs(op)
 
 
+def _table_optimizer_classes():
+    """Our optimizers by lower-case class name (`"adagrad"`, `"adamasync"`)."""
+    out, todo = {}, [TableOptimizer]
+    while todo:
+        cls = todo.pop()
+        for sub in cls.__subclasses__():
+            if sub.__module__.startswith("keras_rec_emb.optimizers"):
+                out[sub.__name__.lower()] = sub
+            todo.append(sub)
+    return out
+
+
+def table_optimizer(identifier):
+    """A fresh optimizer of this package for one table (`EmbeddingVariable(
+    optimizer=...)`), from an instance (copied: each table keeps its own
+    state), a name (`"adagrad"`, `"AdamAsync"`) or a serialized config; or
+    None. Refuses what only the model's optimizer can do (clipping, loss
+    scaling, EMA, gradient accumulation) and stock Keras optimizers."""
+    if identifier is None:
+        return None
+    classes = _table_optimizer_classes()
+    if isinstance(identifier, str):
+        cls = classes.get(identifier.lower())
+        if cls is None:
+            raise ValueError(
+                "`optimizer` must be None, an optimizer of keras_rec_emb.optimizers, "
+                f"or the name of one of {sorted(classes)}. Received: optimizer={identifier!r}")
+        optimizer = cls()
+    elif isinstance(identifier, dict):
+        optimizer = keras.saving.deserialize_keras_object(identifier)
+    else:
+        optimizer = identifier
+    if not isinstance(optimizer, TableOptimizer) or type(optimizer).__name__ == "LossScaleOptimizer":
+        raise TypeError(
+            "`optimizer` of a table must be None, an optimizer of keras_rec_emb.optimizers "
+            f"(SGD, Adagrad, Adam, Ftrl, ...) or its name. Received: optimizer={identifier!r}")
+    model_only = {name: getattr(optimizer, name, None)
+                  for name in ("clipnorm", "clipvalue", "global_clipnorm",
+                               "gradient_accumulation_steps")}
+    model_only["use_ema"] = optimizer.use_ema or None
+    model_only = {k: v for k, v in model_only.items() if v}
+    if model_only:
+        raise ValueError(
+            f"A table's optimizer cannot set {sorted(model_only)} (the model's optimizer "
+            "clips, accumulates and averages every gradient, tables' included): set "
+            f"them on the model's optimizer. Received: optimizer={identifier!r}")
+    return type(optimizer).from_config(optimizer.get_config())
+
+
+def own_optimizer(table, model_optimizer):
+    """The optimizer that updates `table` when `model_optimizer` applies the
+    model's gradients: the table's own (`EmbeddingVariable(optimizer=...)`)
+    or None for the model's."""
+    own = getattr(table, "optimizer", None)
+    return None if own is None or own is model_optimizer else own
+
+
 def _is_table_grad(grad):
     # The lookup's gradient is the only IndexedSlices without a dense shape.
     return isinstance(grad, tf.IndexedSlices) and grad.dense_shape is None
@@ -174,10 +231,20 @@ class TableOptimizer:
             # LossScaleOptimizer) then gets a precise error from the table.
             table.table._table_optimizer = type(self).__name__
         super().build(variables)
+        for table in tables:
+            own = own_optimizer(table.table, self)
+            if own is not None:
+                # Its slots, in the table (a table's own optimizer updates
+                # only that table: built for it alone).
+                with tf.init_scope():
+                    own.build([table])
 
     def add_variable_from_reference(self, reference_variable, name=None,
                                     initializer="zeros"):
         if is_table(reference_variable):
+            if own_optimizer(reference_variable.table, self) is not None:
+                # Updated by its own optimizer, which makes its own slots.
+                return TableSlot(reference_variable.table, name)
             # Built inside the first traced train step: like Keras variable
             # creation, slot creation is lifted out to run once, eagerly.
             with tf.init_scope():
@@ -196,8 +263,9 @@ class TableOptimizer:
         slots = []
         for variable in variables:
             if is_table(variable):
-                with tf.init_scope():
-                    variable.table.add_slot(name, init, width=1)
+                if own_optimizer(variable.table, self) is None:
+                    with tf.init_scope():
+                        variable.table.add_slot(name, init, width=1)
                 slots.append(TableSlot(variable.table, name))
             else:
                 slots.append(self.add_variable(
@@ -243,10 +311,19 @@ class TableOptimizer:
                 f"tf.IndexedSlices over keys; received {type(grad).__name__}"
             )
         lr = tf.cast(learning_rate, tf.float32)
+        optimizer = own_optimizer(table, self)
+        if optimizer is None:
+            optimizer = self
+        else:
+            # The table's own optimizer counts the model's steps (its
+            # schedule and bias corrections follow them) and brings its own
+            # learning rate.
+            optimizer.iterations.assign(self.iterations)
+            lr = tf.cast(optimizer.learning_rate, tf.float32)
         decay = 0.0
-        if self.weight_decay is not None and _compat.uses_weight_decay(self, variable):
-            decay = self._decay_factor(lr)
-        name, hyper = self._table_update(lr)
+        if optimizer.weight_decay is not None and _compat.uses_weight_decay(optimizer, variable):
+            decay = optimizer._decay_factor(lr)  # pylint: disable=protected-access
+        name, hyper = optimizer._table_update(lr)  # pylint: disable=protected-access
         rule = rules.RULES[name]
         hyper = dict(hyper, learning_rate=lr, decay=decay)
         ordered = dict(zip(rule.hparam_names, rule.ordered(hyper)))

@@ -1,0 +1,166 @@
+"""keras-rs style `TableConfig` / `FeatureConfig` and per-table optimizers
+(`EmbeddingVariable(optimizer=...)`), checked against NumPy."""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_rec_emb as kre
+from keras_rec_emb.layers import (EmbeddingVariable, FeatureConfig, GroupEmbedding,
+                                  TableConfig)
+from tests._model_forms import ChainModel, assert_state_equal, state
+
+rng = np.random.default_rng(3)
+
+
+def _rows(layer, ids):
+    """The rows `ids` read now, without inserting (inference lookup)."""
+    return np.asarray(layer.table.lookup(np.asarray(ids), insert=False))
+
+
+def test_per_table_optimizer_and_shared_table_match_numpy():
+    """Table `a` (shared by features `a1`, `a2`) has its own SGD with a
+    schedule, table `b` follows the model's Adagrad. Output = sum of every
+    embedding entry (a frozen all-ones Dense), MSE loss: the gradient of each
+    entry of a row is the sum over its occurrences of 2 (pred - y) / B."""
+    schedule = keras.optimizers.schedules.PiecewiseConstantDecay([0], [0.5, 0.25])
+    a = TableConfig("a", 3, optimizer=kre.optimizers.SGD(schedule), combiner="sum")
+    b = TableConfig("b", 3, combiner="sum")
+    feats = {"a1": FeatureConfig("a1", a), "a2": FeatureConfig("a2", a),
+             "b": FeatureConfig("b", b)}
+    group = GroupEmbedding(feats, output_mode="concat")
+    assert [t.name for t in group.tables] == ["a", "b"]
+    inputs = {n: keras.Input((2,), dtype="int64", name=n) for n in feats}
+    head = keras.layers.Dense(1, use_bias=False, kernel_initializer="ones", trainable=False)
+    model = keras.Model(inputs, head(group(inputs)))
+    model.compile(optimizer=kre.optimizers.Adagrad(0.1, initial_accumulator_value=0.1,
+                                                   epsilon=1e-7), loss="mse")
+    B = 16
+    x = {n: rng.integers(0, 12, (B, 2)) for n in feats}
+    y = rng.random((B, 1)).astype(np.float32)
+    ta, tb = group.tables
+    ka, kb = np.unique(np.concatenate([x["a1"], x["a2"]])), np.unique(x["b"])
+    ref_a, ref_b = {k: r for k, r in zip(ka, _rows(ta, ka))}, {k: r for k, r in zip(kb, _rows(tb, kb))}
+    acc_b = {k: np.full(3, 0.1, np.float32) for k in kb}
+    for step, lr_a in enumerate([0.5, 0.25]):
+        pred = np.array([sum(ref_a[k].sum() for k in np.concatenate([x["a1"][i], x["a2"][i]]))
+                         + sum(ref_b[k].sum() for k in x["b"][i]) for i in range(B)])
+        g = 2 * (pred - y[:, 0]) / B
+        grad_a, grad_b = {k: 0.0 for k in ka}, {k: 0.0 for k in kb}
+        for i in range(B):
+            for k in np.concatenate([x["a1"][i], x["a2"][i]]):
+                grad_a[k] += g[i]
+            for k in x["b"][i]:
+                grad_b[k] += g[i]
+        for k in ka:
+            ref_a[k] = ref_a[k] - lr_a * grad_a[k]
+        for k in kb:
+            acc_b[k] = acc_b[k] + grad_b[k] ** 2
+            ref_b[k] = ref_b[k] - 0.1 * grad_b[k] / np.sqrt(acc_b[k] + 1e-7)
+        model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
+        np.testing.assert_allclose(_rows(ta, ka), np.stack([ref_a[k] for k in ka]),
+                                   rtol=1e-5, atol=1e-6, err_msg=f"table a, step {step}")
+        np.testing.assert_allclose(_rows(tb, kb), np.stack([ref_b[k] for k in kb]),
+                                   rtol=1e-5, atol=1e-6, err_msg=f"table b, step {step}")
+    assert ta.export()["slots"] == {}  # SGD keeps no slot, and no Adagrad slot either
+    assert sorted(tb.export()["slots"]) == ["accumulator"]
+    np.testing.assert_allclose(
+        tb.export()["slots"]["accumulator"][np.argsort(tb.export()["keys"])],
+        np.stack([acc_b[k] for k in kb]), rtol=1e-5)
+
+
+@pytest.mark.parametrize("form", ["functional", "subclassed", "sequential"])
+def test_configs_round_trip_in_every_model_form(tmp_path, form):
+    t1 = TableConfig("t1", 4, optimizer="adagrad", combiner="mean")
+    t2 = TableConfig("t2", 4, combiner="sum")
+    feats = {"f0": FeatureConfig("f0", t1), "f1": FeatureConfig("f1", t1, output_shape=(None, 4)),
+             "f2": FeatureConfig("f2", t2)}
+    group = GroupEmbedding(feats, output_mode="concat", name="group")
+    layers = [group, keras.layers.Dense(1)]
+    if form == "sequential":  # the stacked [batch, F, L] form
+        x = np.where(rng.random((64, 3, 2)) < 0.3, -1, rng.integers(0, 10**12, (64, 3, 2)))
+        model = keras.Sequential(layers)
+    else:
+        x = {f"f{j}": rng.integers(0, 10**12, (64, 2)) for j in range(3)}
+        if form == "subclassed":
+            model = ChainModel(layers)
+        else:
+            inputs = {n: keras.Input((2,), dtype="int64", name=n) for n in x}
+            out = inputs
+            for layer in layers:
+                out = layer(out)
+            model = keras.Model(inputs, out)
+    model.compile(optimizer=kre.optimizers.Adam(0.01), loss="mse")
+    y = rng.random((64, 1)).astype(np.float32)
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert sorted(group.tables[0].export()["slots"]) == ["accumulator"]
+    assert sorted(group.tables[1].export()["slots"]) == ["momentum", "velocity"]
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert_state_equal(state(model), state(loaded))
+    for m in (model, loaded):
+        m.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert_state_equal(state(model), state(loaded))
+    np.testing.assert_array_equal(model.predict(x, verbose=0), loaded.predict(x, verbose=0))
+
+
+def test_config_classes_serialize(config_round_trip):
+    t = TableConfig("t", 8, vocabulary_size=1000, optimizer=kre.optimizers.Ftrl(0.2),
+                    combiner="sqrtn", key_dtype="int32",
+                    ev_option=kre.EmbeddingVariableOption(filter_option=kre.CounterFilter(2)))
+    f = FeatureConfig("f", t, input_shape=(None, 5), output_shape=(None, 8), weight_feature="w")
+    for obj, args in ((t, ["name", "embedding_dim", "vocabulary_size", "initializer",
+                           "optimizer", "combiner", "key_dtype", "ev_option"]),
+                      (f, ["name", "table", "input_shape", "output_shape", "weight_feature"])):
+        config = obj.get_config()
+        assert [a for a in args if a not in config] == []
+        clone = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(obj))
+        assert type(clone) is type(obj) and clone.get_config() == config
+    layer = t.make_layer()
+    assert type(layer.table_optimizer).__name__ == "Ftrl"
+    assert layer.table_optimizer.get_config()["learning_rate"] == pytest.approx(0.2)
+    config_round_trip(EmbeddingVariable(4, optimizer="adam"), ["optimizer"])
+
+
+def test_table_optimizer_is_a_copy_per_table():
+    opt = kre.optimizers.SGD(0.3)
+    a, b = EmbeddingVariable(2, optimizer=opt), EmbeddingVariable(2, optimizer=opt)
+    assert a.table_optimizer is not opt and a.table_optimizer is not b.table_optimizer
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"embedding_dim": 0}, ValueError, "embedding_dim"),
+    ({"embedding_dim": 4, "vocabulary_size": -3}, ValueError, "vocabulary_size"),
+    ({"embedding_dim": 4, "combiner": "max"}, ValueError, "combiner"),
+    ({"embedding_dim": 4, "combiner": None}, ValueError, "combiner"),
+    ({"embedding_dim": 4, "optimizer": "rmsprop"}, ValueError, "optimizer.*rmsprop"),
+    ({"embedding_dim": 4, "optimizer": keras.optimizers.Adam()}, TypeError, "optimizer"),
+    ({"embedding_dim": 4, "optimizer": kre.optimizers.SGD(0.1, clipnorm=1.0)}, ValueError,
+     "clipnorm"),
+    ({"embedding_dim": 4, "optimizer": kre.optimizers.LossScaleOptimizer(
+        kre.optimizers.SGD(0.1))}, TypeError, "optimizer"),
+    ({"embedding_dim": 4, "key_dtype": "float32"}, ValueError, "key_dtype"),
+])
+def test_table_config_bad_input(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        TableConfig("t", **kwargs)
+
+
+def test_feature_config_bad_input():
+    t = TableConfig("t", 4)
+    with pytest.raises(TypeError, match="`table` must be a TableConfig"):
+        FeatureConfig("f", {"embedding_dim": 4, "bad": 1} and 3)
+    with pytest.raises(ValueError, match="output_shape.*embedding_dim 4"):
+        FeatureConfig("f", t, output_shape=(None, 8))
+    with pytest.raises(TypeError, match="input_shape"):
+        FeatureConfig("f", t, input_shape=(None, -1))
+    with pytest.raises(TypeError, match="`name`"):
+        FeatureConfig("", t)
+    other = TableConfig("t", 8)
+    with pytest.raises(ValueError, match="Two different TableConfigs are named 't'"):
+        GroupEmbedding({"a": FeatureConfig("a", t), "b": FeatureConfig("b", other)})
+    # Equal configs under one name are one table.
+    group = GroupEmbedding({"a": FeatureConfig("a", t),
+                            "b": FeatureConfig("b", TableConfig("t", 4))})
+    assert len(group.tables) == 1
