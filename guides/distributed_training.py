@@ -123,8 +123,9 @@ def same_dense_init(model):
 """
 ## Parameter-server workers
 
-A worker connects (the error names an address that does not answer within
-`timeout`), builds the model inside `parameter_servers(devices)` and trains
+A worker connects (within `timeout` each PS task must answer as the
+TensorFlow server of its task; if not, the error names the task and its
+address, so a wrong or silent port fails at once instead of hanging), builds the model inside `parameter_servers(devices)` and trains
 on its own partition. This function runs in the worker processes that the
 last part starts.
 """

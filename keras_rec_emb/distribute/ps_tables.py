@@ -3,8 +3,8 @@
 A parameter-server (PS) task is a `tf.distribute.Server` in a process that
 has loaded this package's ops (`keras-rec-emb ps ...` or `python -m
 keras_rec_emb.distribute.ps ...`). A worker calls `connect(...)`, which
-checks that every PS address answers (bounded time, the error names the
-address) and then `tf.config.experimental_connect_to_cluster`; layers built
+checks that every PS address answers as the TensorFlow server of its task
+(bounded time, the error names the task and address) and then `tf.config.experimental_connect_to_cluster`; layers built
 inside `parameter_servers(devices)` shard each table over the PS tasks by
 key hash. A lookup partitions the ids by shard (`tf.dynamic_partition`),
 runs each shard's lookup on its PS task (TensorFlow's gRPC runtime carries
@@ -449,17 +449,22 @@ def saved_shard_counts(root, shard_folder):
     return {int(m.group(1)) for m in map(pattern.match, names) if m}
 
 
-def wait_for(address, timeout):
-    """Returns once `address` ("host:port") accepts a TCP connection;
-    raises `ConnectionError` naming it after `timeout` seconds."""
+def _split_address(address):
     host, _, port = str(address).rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(
             f"A cluster address must be 'host:port'. Received: address={address!r}")
+    return host, int(port)
+
+
+def wait_for(address, timeout):
+    """Returns once `address` ("host:port") accepts a TCP connection;
+    raises `ConnectionError` naming it after `timeout` seconds."""
+    host, port = _split_address(address)
     deadline = time.monotonic() + timeout
     while True:
         try:
-            with socket.create_connection((host, int(port)), timeout=1.0):
+            with socket.create_connection((host, port), timeout=1.0):
                 return
         except OSError as e:
             if time.monotonic() >= deadline:
@@ -471,6 +476,100 @@ def wait_for(address, timeout):
             time.sleep(0.2)
 
 
+# TensorFlow's master asks each task for its devices with this RPC; its empty
+# request serializes to no bytes and its answer is `repeated DeviceAttributes
+# device_attributes = 1` (tensorflow/core/protobuf/worker.proto).
+_GET_STATUS = "/tensorflow.WorkerService/GetStatus"
+
+
+def _device_names(response):
+    """The device names in a serialized GetStatusResponse."""
+    from tensorflow.core.framework import device_attributes_pb2
+
+    names, i = [], 0
+    while i < len(response):
+        tag, i = _varint(response, i)
+        if tag >> 3 != 1 or tag & 7 != 2:
+            raise ValueError(f"unexpected field {tag >> 3} (wire type {tag & 7})")
+        size, i = _varint(response, i)
+        if i + size > len(response):
+            raise ValueError("truncated DeviceAttributes")
+        names.append(device_attributes_pb2.DeviceAttributes.FromString(
+            response[i:i + size]).name)
+        i += size
+    return names
+
+
+def _varint(data, i):
+    value, shift = 0, 0
+    while True:
+        if i >= len(data) or shift > 63:
+            raise ValueError("truncated varint")
+        byte = data[i]
+        value |= (byte & 0x7F) << shift
+        i, shift = i + 1, shift + 7
+        if not byte & 0x80:
+            return value, i
+
+
+def probe(address, job, task, timeout):
+    """Returns once the TensorFlow server at `address` answers, as task
+    `task` of job `job`, the RPC TensorFlow's runtime asks each task first
+    (`WorkerService.GetStatus`), under a deadline of `timeout` seconds.
+
+    An open port is not enough: a process that accepts connections and never
+    answers (another service, a half-started server) would otherwise make
+    TensorFlow's runtime wait forever at the first op placed on the task,
+    since its RPCs carry no deadline. Raises `ConnectionError` naming the
+    task and the address: nothing answered in time, the answer is not
+    TensorFlow's, or the server is another task of the cluster."""
+    import grpc
+
+    _split_address(address)
+    name = f"{job} task {task} ({address})"
+    deadline = time.monotonic() + timeout
+    channel = grpc.insecure_channel(address)
+    try:
+        get_status = channel.unary_unary(_GET_STATUS)
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                response = get_status(b"", timeout=max(left, 0.05))
+                break
+            except grpc.RpcError as e:
+                code = e.code()
+                if code == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline - 0.2:
+                    time.sleep(0.2)  # not listening yet, or refused: a server starting
+                    continue
+                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise ConnectionError(
+                        f"The TensorFlow server of {name} did not answer within "
+                        f"{timeout:.3g} s ({code.name}: {e.details()}). Something that is "
+                        "not a TensorFlow server may hold that port, or the server is "
+                        "not started: start it with `keras-rec-emb ps ...` and check "
+                        "the cluster addresses.") from None
+                raise ConnectionError(
+                    f"The server at {address}, given as {job} task {task}, is not a "
+                    f"TensorFlow server: it answered TensorFlow's GetStatus RPC with "
+                    f"{code.name} ({e.details()}). Check the cluster addresses."
+                ) from None
+    finally:
+        channel.close()
+    try:
+        names = _device_names(response)
+    except ValueError as e:
+        raise ConnectionError(
+            f"The server at {address}, given as {job} task {task}, is not a "
+            f"TensorFlow server: its answer to GetStatus does not parse ({e}). "
+            "Check the cluster addresses.") from None
+    prefix = f"/job:{job}/replica:0/task:{task}/"
+    if not any(n.startswith(prefix) for n in names):
+        raise ConnectionError(
+            f"The TensorFlow server at {address} is not {job} task {task}: its "
+            f"devices are {names}. Give the addresses in task order (the order "
+            "of `keras-rec-emb ps --ps ...`).")
+
+
 def connect(ps, worker, task_index=0, timeout=60.0):
     """Connects this process, worker `task_index`, to parameter servers.
 
@@ -480,13 +579,16 @@ def connect(ps, worker, task_index=0, timeout=60.0):
             on (it must be free).
         task_index: int. This worker's index (a name in the cluster; workers
             do not talk to each other).
-        timeout: float. Seconds to wait for every PS address to answer.
+        timeout: float. Seconds to wait for each PS task to answer, as a
+            TensorFlow server and as the task its position names.
 
     Returns:
         The PS devices, `["/job:ps/task:0", ...]`, for `parameter_servers`.
 
     Raises:
-        ConnectionError: a PS address did not answer in time (it is named).
+        ConnectionError: a PS task did not answer in time, answered as
+            something other than a TensorFlow server, or is another task
+            (the task and its address are named).
 
     Example:
 
@@ -502,8 +604,12 @@ def connect(ps, worker, task_index=0, timeout=60.0):
     if not isinstance(task_index, int) or task_index < 0:
         raise ValueError(
             f"`task_index` must be an integer >= 0. Received: task_index={task_index!r}")
-    for address in ps:
+    for task, address in enumerate(ps):
+        deadline = time.monotonic() + timeout
         wait_for(address, timeout)
+        # One `timeout` per task for both steps; the probe gets at least a
+        # moment even when the port opened at the last instant.
+        probe(address, "ps", task, max(deadline - time.monotonic(), 0.5))
     cluster = tf.train.ClusterSpec({"ps": list(ps), "worker": {task_index: worker}})
     tf.config.experimental_connect_to_cluster(cluster, job_name="worker",
                                               task_index=task_index)

@@ -1,0 +1,149 @@
+"""`connect` ends in bounded time with an error naming the task and address
+when a PS address is an open port that is not the TensorFlow server of that
+task: a silent socket, a socket that answers something else, another task.
+
+Each worker runs in a subprocess under a hard timeout: before the probe,
+`connect` returned and building the model waited forever on the silent
+socket (TensorFlow's RPCs carry no deadline)."""
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+from _net import free_ports  # noqa: E402
+
+# A worker that connects and builds and runs the parameter-server test model.
+WORKER = """
+import sys
+sys.path.insert(0, {here!r})
+import numpy as np
+import keras_rec_emb as kre
+import ps_worker
+devices = kre.distribute.connect({ps!r}, {worker!r}, 0, timeout={timeout!r})
+with kre.distribute.parameter_servers(devices):
+    model = ps_worker.build_model()
+print("PREDICTED", model.predict(np.zeros((2, ps_worker.IDS_PER_ROW), np.int64), verbose=0))
+"""
+
+HARD_TIMEOUT = 90
+
+
+def _env():
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _run_worker(ps, timeout=3.0):
+    """Runs the worker against `ps`; returns (exit code, output, seconds)."""
+    (port,) = free_ports(1)
+    code = WORKER.format(here=HERE, ps=list(ps), worker=f"127.0.0.1:{port}", timeout=timeout)
+    start = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env=_env(), cwd=ROOT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=HARD_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # by its pid
+        out, _ = proc.communicate(timeout=30)
+        pytest.fail(f"the worker still waited after {HARD_TIMEOUT} s (a hang):\n{out[-3000:]}")
+    return proc.returncode, out, time.monotonic() - start
+
+
+@contextlib.contextmanager
+def _listener(answer):
+    """A real socket on 127.0.0.1 that accepts every connection and then
+    sends `answer` (bytes; None: nothing, ever) and keeps it open."""
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    server.settimeout(0.2)
+    conns, stop = [], threading.Event()
+
+    def accept():
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                continue
+            conns.append(conn)
+            if answer is not None:
+                with contextlib.suppress(OSError):
+                    conn.sendall(answer)
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.getsockname()[1]}", conns
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        for conn in conns:
+            conn.close()
+        server.close()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("answer, says", [
+    (None, "did not answer within"),
+    (b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n", "ps task 0"),
+], ids=["silent", "http"])
+def test_open_port_that_is_not_a_tensorflow_server(answer, says):
+    with _listener(answer) as (address, conns):
+        rc, out, seconds = _run_worker([address], timeout=3.0)
+        assert conns, "the worker never connected to the socket:\n" + out[-3000:]
+    assert rc != 0, out[-3000:]
+    assert "PREDICTED" not in out
+    assert "ConnectionError" in out, out[-3000:]
+    assert address in out and says in out, out[-3000:]
+    # The error comes from the 3 s probe, not from the hard timeout.
+    assert seconds < HARD_TIMEOUT / 2, seconds
+
+
+@pytest.mark.multiprocess
+def test_second_task_of_a_silent_cluster_is_named():
+    """The first task is a real TensorFlow server; the second is silent:
+    the error names task 1 and its address, not task 0."""
+    (ps_port,) = free_ports(1)
+    with _listener(None) as (silent, _):
+        ps = [f"127.0.0.1:{ps_port}", silent]
+        server = subprocess.Popen(
+            [sys.executable, "-m", "keras_rec_emb.distribute.ps", "--ps", ",".join(ps),
+             "--task", "0"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env=_env(), cwd=ROOT)
+        try:
+            rc, out, _ = _run_worker(ps, timeout=20.0)
+        finally:
+            server.kill()  # by its pid
+            server.wait(timeout=30)
+    assert rc != 0, out[-3000:]
+    assert f"The TensorFlow server of ps task 1 ({silent}) did not answer" in out, out[-3000:]
+
+
+@pytest.mark.multiprocess
+def test_addresses_out_of_task_order_name_the_task():
+    """A real PS task 1 given at position 0: the error says which task it is."""
+    ports = free_ports(2)
+    ps = [f"127.0.0.1:{p}" for p in ports]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "keras_rec_emb.distribute.ps", "--ps", ",".join(ps),
+         "--task", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env=_env(), cwd=ROOT)
+    try:
+        rc, out, _ = _run_worker([ps[1]], timeout=20.0)
+    finally:
+        server.kill()  # by its pid
+        server.wait(timeout=30)
+    assert rc != 0, out[-3000:]
+    assert f"The TensorFlow server at {ps[1]} is not ps task 0" in out, out[-3000:]
+    assert "/job:ps/replica:0/task:1/device:CPU:0" in out, out[-3000:]
