@@ -157,11 +157,12 @@ _STOCK_OPTIMIZER_ERROR = (
 
 _STOCK_WRAPPER_ERROR = (
     "Embedding table '{name}' is updated by keras_rec_emb.optimizers.{ours}, "
-    "but a stock Keras optimizer wrapper around it cannot handle a table's "
-    "gradient. Under the 'mixed_float16' policy `compile` wraps the optimizer "
-    "in keras.optimizers.LossScaleOptimizer by itself: compile with "
+    "but a stock Keras optimizer wrapper around it (such as "
+    "keras.optimizers.LossScaleOptimizer) cannot handle a table's gradient: "
+    "compile with "
     "`optimizer=keras_rec_emb.optimizers.LossScaleOptimizer({ours}(...))` "
-    "instead, which Keras then uses as is."
+    "instead (under 'mixed_float16', `compile(optimizer={ours}(...))` wraps "
+    "it so by itself)."
 )
 
 _SAVE_FILTERED_ENV = "KRE_EV_SAVE_FILTERED_FEATURES"

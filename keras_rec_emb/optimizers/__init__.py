@@ -3,7 +3,13 @@ embedding tables (with a fused sparse kernel per table)."""
 
 from keras_rec_emb.optimizers.deeprec_optimizers import AdagradDecay, AdamAsync, AdamW
 from keras_rec_emb.optimizers.keras_optimizers import SGD, Adagrad, Adam, Ftrl
+from keras_rec_emb import _compat as _compat
 from keras_rec_emb.optimizers.loss_scale import LossScaleOptimizer
+from keras_rec_emb.optimizers.loss_scale import rewrap_keras_auto_wrapper as _rewrap
 
 __all__ = ["SGD", "Adagrad", "Adam", "Ftrl", "AdamAsync", "AdagradDecay", "AdamW",
            "LossScaleOptimizer"]
+
+# Under "mixed_float16", `compile` wraps an optimizer of ours in our
+# LossScaleOptimizer, not Keras's (see _compat.fix_compile_loss_scale).
+_compat.fix_compile_loss_scale(_rewrap)

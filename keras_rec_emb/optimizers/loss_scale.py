@@ -15,9 +15,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     loss, unscales every gradient (a table's `tf.IndexedSlices` rows
     included), skips the step and halves the scale when a gradient is not
     finite, and doubles it after `dynamic_growth_steps` finite steps, exactly
-    as Keras's. Keras's own wrapper, which `compile` adds by itself under
-    `"mixed_float16"`, cannot read a table's gradient (its rows are keyed by
-    ids, not positions): pass this one to `compile` and Keras uses it as is.
+    as Keras's. Keras's own wrapper cannot read a table's gradient (its rows
+    are keyed by ids, not positions), so where `compile` wraps an optimizer
+    by itself under `"mixed_float16"`, an optimizer of
+    `keras_rec_emb.optimizers` is wrapped in this one instead (named
+    `"loss_scale_optimizer"`, Keras's defaults): `compile(optimizer=
+    keras_rec_emb.optimizers.Adagrad(...))` just works. Pass this one to
+    `compile` yourself to choose `initial_scale` or `dynamic_growth_steps`;
+    Keras uses it as is.
 
     Tables stay float32 (their rows are cast to the layer's compute dtype,
     float16, after the lookup; the float16 gradient is applied to the
@@ -38,8 +43,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     >>> x = keras_rec_emb.layers.EmbeddingVariable(4, combiner="sum")(ids)
     >>> out = keras.layers.Dense(1, dtype="float32")(x)
     >>> model = keras.Model(ids, out)
-    >>> model.compile(loss="mse", optimizer=keras_rec_emb.optimizers.LossScaleOptimizer(
-    ...     keras_rec_emb.optimizers.Adagrad(0.1)))
+    >>> model.compile(loss="mse", optimizer=keras_rec_emb.optimizers.Adagrad(0.1))
+    >>> type(model.optimizer).__name__, model.optimizer.inner_optimizer.name
+    ('LossScaleOptimizer', 'adagrad')
     >>> history = model.fit(np.array([[1, 10**12], [7, 1]]), np.ones((2, 1)),
     ...                     verbose=0)
     >>> keras.mixed_precision.set_global_policy("float32")
@@ -64,3 +70,19 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def check_finite(self, grads):
         return super().check_finite(
             [g.values if _is_table_grad(g) else g for g in grads])
+
+
+def rewrap_keras_auto_wrapper(optimizer):
+    """Our `LossScaleOptimizer` in place of the `keras.optimizers.
+    LossScaleOptimizer` that `compile` has just put around an optimizer of
+    ours (same inner optimizer, name and settings); `None` for any other
+    optimizer (Keras's wrapper is right for it). Installed by
+    `_compat.fix_compile_loss_scale`."""
+    if (type(optimizer) is not keras.optimizers.LossScaleOptimizer
+            or not isinstance(optimizer.inner_optimizer, TableOptimizer)
+            or optimizer.built):
+        return None
+    return LossScaleOptimizer(optimizer.inner_optimizer,
+                              initial_scale=optimizer.initial_scale,
+                              dynamic_growth_steps=optimizer.dynamic_growth_steps,
+                              name=optimizer.name)
