@@ -17,7 +17,9 @@ def integer_ids(ids, what, dtype=tf.int64):
         raise TypeError(
             f"{what} expects integer ids (int32 or int64). Received ids of dtype "
             f"{ids.dtype.name}. Hash strings or floats to integers first, e.g. "
-            "with keras.layers.Hashing or tf.strings.to_hash_bucket_fast."
+            "with keras.layers.Hashing or tf.strings.to_hash_bucket_fast. (Exporting "
+            "a subclassed model? Keras records only its input shapes: pass "
+            "`input_signature` with integer tf.TensorSpecs for the ids.)"
         )
     if ids.dtype == dtype:
         return ids

@@ -349,6 +349,57 @@ def fix_compile_loss_scale(rewrap):
     trainer.compile = compile
     return True
 
+# Keras 3.15.1's TensorFlow layer gives a subclassed model (no symbolic
+# inputs) a default SavedModel signature (`TFLayer._default_save_signature`)
+# of float32 specs of the recorded input shapes, whatever the inputs' real
+# dtypes. Tracing it, as `model.export` and `tf.saved_model.save` do while
+# they walk the model for its lookup tables, feeds float ids to our id
+# layers, which refuse them: the walk then skips the whole model and the
+# export fails ("references an 'untracked' resource"). The correction gives
+# such a model no default signature when it holds our id layers (those with
+# `ids_input_dtype`); `model.export` adds its own endpoint from the
+# `input_signature` given to it. Every other layer keeps Keras's. Installed
+# once by `fix_subclassed_save_signature()` (called when
+# `keras_rec_emb.layers` is imported), only for the versions in
+# `KERAS_SAVE_SIGNATURE_FIX_VERSIONS`.
+KERAS_SAVE_SIGNATURE_FIX_VERSIONS = ("3.15.1",)
+# Keras's property getter that the correction wraps (filled when installed).
+KERAS_SAVE_SIGNATURE_ORIGINALS = {}
+
+
+def _tf_layer_classes():
+    from keras.src.backend.tensorflow.layer import TFLayer
+    from keras.src.models.functional import Functional
+    from keras.src.models.sequential import Sequential
+
+    return TFLayer, Functional, Sequential
+
+
+def fix_subclassed_save_signature():
+    """Installs the correction described above (idempotent). Returns whether
+    it is installed (False for a Keras version not listed)."""
+    tf_layer, functional, sequential = _tf_layer_classes()
+    prop = tf_layer.__dict__["_default_save_signature"]
+    if getattr(prop.fget, "_kre_fix", False):
+        return True
+    if keras.__version__ not in KERAS_SAVE_SIGNATURE_FIX_VERSIONS:
+        return False
+    keras_get = prop.fget
+    KERAS_SAVE_SIGNATURE_ORIGINALS["_default_save_signature"] = keras_get
+
+    def _default_save_signature(self):
+        symbolic = isinstance(self, functional) or (
+            isinstance(self, sequential) and getattr(self, "_functional", None) is not None)
+        if not symbolic and isinstance(self, keras.Model) and any(
+                getattr(layer, "ids_input_dtype", None)
+                for layer in self._flatten_layers(include_self=False)):  # pylint: disable=protected-access
+            return None
+        return keras_get(self)
+
+    _default_save_signature._kre_fix = True  # pylint: disable=protected-access
+    tf_layer._default_save_signature = property(_default_save_signature)  # pylint: disable=protected-access
+    return True
+
 # -- pyarrow ----------------------------------------------------------------------
 
 

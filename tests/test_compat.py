@@ -300,3 +300,29 @@ def test_in_symbolic_build_only_inside_keras_shape_inference():
     fn(tf.constant([1.0]))
     tf.function(fn)(tf.constant([1.0]))
     assert seen == [True, False, False]
+
+
+def test_keras_save_signature_fix_for_subclassed_models_with_id_layers():
+    """Keras still builds a subclassed model's default save signature from
+    `self.input_dtype` (float32); ours then has none, others keep Keras's."""
+    import inspect
+
+    from keras.src.backend.tensorflow.layer import TFLayer
+
+    from tests._model_forms import ChainModel
+
+    assert keras.__version__ in _compat.KERAS_SAVE_SIGNATURE_FIX_VERSIONS
+    assert _compat.fix_subclassed_save_signature()  # idempotent: installed on import
+    original = _compat.KERAS_SAVE_SIGNATURE_ORIGINALS["_default_save_signature"]
+    assert TFLayer.__dict__["_default_save_signature"].fget is not original
+    assert "tf.TensorSpec(s, self.input_dtype)" in " ".join(inspect.getsource(original).split())
+    ours = ChainModel([keras_rec_emb.layers.EmbeddingVariable(2, combiner="sum")])
+    plain = ChainModel([keras.layers.Dense(2)])
+    for model in (ours, plain):
+        model(np.ones((2, 3), np.int64 if model is ours else np.float32))
+    assert ours._default_save_signature is None
+    assert plain._default_save_signature is not None
+    functional_in = keras.Input((3,), dtype="int64")
+    functional = keras.Model(functional_in, keras_rec_emb.layers.EmbeddingVariable(
+        2, combiner="sum")(functional_in))
+    assert functional._default_save_signature is not None

@@ -7,10 +7,13 @@ from keras_rec_emb.layers.configs import FeatureConfig, TableConfig
 from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
 from keras_rec_emb.layers.group_embedding import FeatureSpec, GroupEmbedding
 from keras_rec_emb.layers.multi_hash_embedding import MultiHashEmbedding
+from keras_rec_emb.layers.string_ids import HashStrings
 
 # A Sequential without keras.Input gives our id layers int ids, not float32
 # (see _compat.fix_sequential_ids_input).
 _compat.fix_sequential_ids_input()
+# A subclassed model holding them exports (see _compat.fix_subclassed_save_signature).
+_compat.fix_subclassed_save_signature()
 
 __all__ = ["AdaptiveEmbedding", "EmbeddingVariable", "FeatureConfig", "FeatureSpec",
-           "GroupEmbedding", "MultiHashEmbedding", "TableConfig"]
+           "GroupEmbedding", "HashStrings", "MultiHashEmbedding", "TableConfig"]

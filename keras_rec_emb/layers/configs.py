@@ -95,6 +95,27 @@ class TableConfig:
                                  key_dtype=self.key_dtype, ev_option=self.ev_option,
                                  optimizer=self.optimizer, name=self.name)
 
+    def same_table(self, other):
+        """Whether `other` describes the same table (equal configs, the
+        optimizers' auto-generated names aside): how features that name
+        one table after a `.keras` reload (one copy each) find it shared."""
+        def key(config):
+            # (Keras's serialization also tags objects it saw twice with
+            # `shared_object_id`s.)
+            if isinstance(config, dict):
+                return {k: key(v) for k, v in config.items() if k != "shared_object_id"}
+            return config
+
+        def table_key(table):
+            config = key(table.get_config())
+            opt = config.get("optimizer")
+            if isinstance(opt, dict) and isinstance(opt.get("config"), dict):
+                config["optimizer"] = dict(opt, config={k: v for k, v in opt["config"].items()
+                                                        if k != "name"})
+            return config
+
+        return isinstance(other, TableConfig) and table_key(self) == table_key(other)
+
     def get_config(self):
         def ser(obj):
             if obj is None or isinstance(obj, (str, dict)):

@@ -136,10 +136,11 @@ def _feature_specs(features):
         table = spec.table
         if id(table) not in layers:
             other = by_name.get(table.name)
-            if other is not None and other.get_config() != table.get_config():
+            if other is not None and not other.same_table(table):
                 raise ValueError(
                     f"Two different TableConfigs are named {table.name!r}; a table "
-                    "shared by several features must be one TableConfig (or equal ones)")
+                    "shared by several features must be one TableConfig (or equal ones). "
+                    f"Received: {other!r} and {table!r}")
             if other is not None:
                 layers[id(table)] = layers[id(other)]
             else:
