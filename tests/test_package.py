@@ -25,7 +25,8 @@ def test_public_api():
                  "export_for_serving"):
         assert hasattr(kre, name), name
     assert set(kre.layers.__all__) == {"EmbeddingVariable", "GroupEmbedding", "FeatureSpec",
-                                       "MultiHashEmbedding", "AdaptiveEmbedding"}
+                                       "MultiHashEmbedding", "AdaptiveEmbedding",
+                                       "FeatureConfig", "TableConfig", "HashStrings"}
     assert callable(kre.callbacks.EvictionCallback)
     assert set(kre.optimizers.__all__) == {"SGD", "Adagrad", "Adam", "Ftrl", "AdamAsync",
                                            "AdagradDecay", "AdamW", "LossScaleOptimizer"}

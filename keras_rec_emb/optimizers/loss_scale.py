@@ -44,8 +44,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     >>> out = keras.layers.Dense(1, dtype="float32")(x)
     >>> model = keras.Model(ids, out)
     >>> model.compile(loss="mse", optimizer=keras_rec_emb.optimizers.Adagrad(0.1))
-    >>> type(model.optimizer).__name__, model.optimizer.inner_optimizer.name
-    ('LossScaleOptimizer', 'adagrad')
+    >>> type(model.optimizer).__name__, type(model.optimizer.inner_optimizer).__name__
+    ('LossScaleOptimizer', 'Adagrad')
     >>> history = model.fit(np.array([[1, 10**12], [7, 1]]), np.ones((2, 1)),
     ...                     verbose=0)
     >>> keras.mixed_precision.set_global_policy("float32")
