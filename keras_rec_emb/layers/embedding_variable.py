@@ -143,6 +143,8 @@ class EmbeddingVariable(keras.layers.Layer):
         )
         self.table.optimizer = self.table_optimizer
         for variable in self.table.variables:
+            # (A distributed table's variables are its shards' tables.)
+            variable.table.optimizer = self.table_optimizer
             _compat.track_variable(self, variable)
         self.built = True
 

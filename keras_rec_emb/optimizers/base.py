@@ -231,13 +231,14 @@ class TableOptimizer:
             # LossScaleOptimizer) then gets a precise error from the table.
             table.table._table_optimizer = type(self).__name__
         super().build(variables)
-        for table in tables:
+        owned = {}  # a table's own optimizer: built once, for its table's variables
+        for table in tables:  # (a distributed table's shards share one)
             own = own_optimizer(table.table, self)
             if own is not None:
-                # Its slots, in the table (a table's own optimizer updates
-                # only that table: built for it alone).
-                with tf.init_scope():
-                    own.build([table])
+                owned.setdefault(id(own), (own, []))[1].append(table)
+        for own, own_tables in owned.values():
+            with tf.init_scope():  # its slots, in its tables
+                own.build(own_tables)
 
     def add_variable_from_reference(self, reference_variable, name=None,
                                     initializer="zeros"):
