@@ -43,6 +43,11 @@ class _StockTable(tf.Module):
         if len(keys):
             self.index.insert(keys, np.arange(len(keys), dtype=np.int64))
         values = np.asarray(data["values"], np.float32).reshape(len(keys), self._dim)
+        # The served table is frozen: with no rows (untrained, nothing
+        # admitted by a filter yet, or all evicted) every key reads its
+        # "other" row, and the served graph must not gather from an empty
+        # matrix (stock TF refuses index 0 of [0, dim]).
+        self._empty = len(keys) == 0
         self.values = tf.Variable(values, trainable=False, name="values")
         defaults = np.asarray(data["default_values"], np.float32).reshape(-1, self._dim)
         self.default_values = tf.Variable(defaults, trainable=False, name="default_values")
@@ -51,15 +56,19 @@ class _StockTable(tf.Module):
         keys = tf.convert_to_tensor(keys)
         shape = tf.shape(keys)
         flat = tf.cast(tf.cast(tf.reshape(keys, [-1]), self._key_dtype), tf.int64)
-        index = self.index.lookup(flat)
-        found = index >= 0
-        rows = tf.gather(self.values, tf.maximum(index, 0))
         if self._filtered:
-            other = tf.fill(tf.shape(rows), tf.constant(self._no_permission_value, tf.float32))
+            other = tf.fill(tf.stack([tf.size(flat), self._dim]),
+                            tf.constant(self._no_permission_value, tf.float32))
         else:
             dvd = tf.shape(self.default_values, out_type=tf.int64)[0]
             other = tf.gather(self.default_values, tf.math.floormod(flat, dvd))
-        rows = tf.where(found[:, None], rows, other)
+        if self._empty:
+            rows = other
+        else:
+            index = self.index.lookup(flat)
+            found = index >= 0
+            rows = tf.where(found[:, None], tf.gather(self.values, tf.maximum(index, 0)),
+                            other)
         return tf.reshape(rows, tf.concat([shape, [self._dim]], 0))
 
 

@@ -199,3 +199,33 @@ def test_bad_arguments(tmp_path):
     a_file.write_text("x")
     with pytest.raises(ValueError, match="`filepath` must be a directory"):
         kre.export_for_serving(model, str(a_file))
+
+
+def test_empty_tables_serve_what_they_give_in_process(tmp_path):
+    """Tables with no rows (never trained; a filter that admitted nothing
+    yet; every key evicted) serve their initializer rows or
+    `no_permission_value` in stock TensorFlow, as `predict` gives them."""
+    keras.utils.set_random_seed(5)
+    ids = keras.Input((3,), dtype="int64")
+    untrained = EmbeddingVariable(4, combiner="sum", name="untrained")
+    filtered = EmbeddingVariable(3, combiner="mean", name="filtered", ev_option=(
+        kre.EmbeddingVariableOption(filter_option=kre.CounterFilter(filter_freq=5),
+                                    init_option=kre.InitializerOption(
+                                        default_value_no_permission=0.25))))
+    evicted = EmbeddingVariable(2, combiner="sum", name="evicted", ev_option=(
+        kre.EmbeddingVariableOption(evict_option=kre.GlobalStepEvict(steps_to_live=1))))
+    group = GroupEmbedding({"g": FeatureSpec(EmbeddingVariable(3, name="grouped"),
+                                             combiner="sqrtn")})
+    x = keras.layers.Concatenate()([untrained(ids), filtered(ids), evicted(ids),
+                                    group({"g": ids})["g"]])
+    model = keras.Model(ids, keras.layers.Dense(2)(x))
+    filtered(np.array([[1, 2, 3]]), training=True)  # counted once: not admitted
+    evicted(np.array([[1, 2, 3]]), training=True)
+    assert evicted.evict(step=100) == 3
+    for layer in (untrained, filtered, evicted):
+        assert layer.table.size() == 0
+    query = [[1, 2, 3], [7, -4, 10**12], [0, 0, 0]]
+    want = model.predict(np.array(query), verbose=0)
+    assert np.all(np.isfinite(want)) and np.any(want != 0.0)
+    path = kre.export_for_serving(model, str(tmp_path / "serving"))
+    np.testing.assert_allclose(serve_elsewhere(path, query), want, rtol=1e-5, atol=1e-6)
