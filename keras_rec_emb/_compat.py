@@ -16,7 +16,6 @@ it. Two kinds of entries:
   override no private method not declared here.
 """
 
-import confluent_kafka
 import keras
 import pyarrow as pa
 import tensorflow as tf
@@ -81,6 +80,32 @@ def in_xla_context():
     from tensorflow.python.ops import control_flow_util
 
     return control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph())
+
+
+def strategy_all_to_all(strategy, tensor):
+    """TensorFlow's collective all-to-all among the replicas of `strategy`
+    (a MultiWorkerMirroredStrategy, one replica per worker), called in its
+    replica function: `tensor` `[group_size, ...]`, row `r` goes to rank
+    `r`; the result's row `r` comes from rank `r` (ranks in the order of
+    the strategy's `all_gather`).
+
+    The replica context offers all-reduce, all-gather and broadcast only.
+    This launches `CollectiveAllToAllV2` the way the strategy's own
+    collectives are launched (`CollectiveReplicaLauncher`: its group, its
+    next instance key, its ordering token, its timeout), so that it orders
+    with them on every worker. Used by `distribute/collective_tables.py`.
+    """
+    from tensorflow.python.ops import collective_ops
+
+    launcher = strategy.extended._cross_device_ops._launchers[0]  # pylint: disable=protected-access
+    instance_key = launcher._next_instance_key()  # pylint: disable=protected-access
+    options = launcher._options  # pylint: disable=protected-access
+    with tf.device(launcher._device):  # pylint: disable=protected-access
+        return collective_ops.all_to_all_v2(
+            tensor, launcher._group_size, launcher._group_key, instance_key,  # pylint: disable=protected-access
+            communication_hint=options.implementation.value,
+            timeout=options.timeout_seconds or 0,
+            ordering_token=launcher._get_ordering_token())  # pylint: disable=protected-access
 
 
 # -- Keras ------------------------------------------------------------------------
@@ -421,12 +446,42 @@ def import_record_batch(array_address, schema_address):
 
 # -- confluent-kafka --------------------------------------------------------------
 
-# librdkafka's internal error codes (negative numbers) for a broker
-# connection lost (retried by librdkafka) and for reaching the end of a
-# partition (`enable.partition.eof`). confluent-kafka exposes them only with
-# librdkafka's leading underscore. Used by `data/kafka.py`.
-KAFKA_TRANSPORT = confluent_kafka.KafkaError._TRANSPORT  # pylint: disable=protected-access
-KAFKA_PARTITION_EOF = confluent_kafka.KafkaError._PARTITION_EOF  # pylint: disable=protected-access
+KAFKA_EXTRA_HINT = (
+    "Kafka datasets need confluent-kafka, an optional dependency of keras-rec-emb: "
+    "install it with `pip install \"keras-rec-emb[kafka]\"`.")
+
+
+def kafka():
+    """The `confluent_kafka` module, imported on first use: it is the optional
+    `kafka` extra, so `import keras_rec_emb` must not need it. Raises an
+    ImportError naming the extra when it is missing. Used by `data/kafka.py`."""
+    try:
+        import confluent_kafka  # pylint: disable=import-outside-toplevel
+    except ImportError as e:
+        raise ImportError(f"{KAFKA_EXTRA_HINT} ({e})") from e
+    return confluent_kafka
+
+
+class LazyKafka:
+    """Stands for the `confluent_kafka` module in `data/kafka.py`: the first
+    attribute read imports it (see `kafka()`), so that module imports without
+    the `kafka` extra and its Kafka classes raise the clear ImportError."""
+
+    def __getattr__(self, name):
+        return getattr(kafka(), name)
+
+
+def __getattr__(name):
+    # librdkafka's internal error codes (negative numbers) for a broker
+    # connection lost (retried by librdkafka) and for reaching the end of a
+    # partition (`enable.partition.eof`). confluent-kafka exposes them only
+    # with librdkafka's leading underscore. Read on first use, as the module
+    # is optional. Used by `data/kafka.py`.
+    if name == "KAFKA_TRANSPORT":
+        return kafka().KafkaError._TRANSPORT  # pylint: disable=protected-access
+    if name == "KAFKA_PARTITION_EOF":
+        return kafka().KafkaError._PARTITION_EOF  # pylint: disable=protected-access
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 # -- Private hooks our classes override ---------------------------------------------
 

@@ -25,6 +25,7 @@ PRIVATE_PATTERNS = [
     r"_use_weight_decay", r"[\"']_trainable_variables[\"']", r"\._variant_tensor",
     r"_GeneratorDataset", r"KafkaError\._", r"\._inputs\(",
     r"_maybe_symbolic_build", r"reduce_per_replica", r"_collective_all_reduce_multi_worker",
+    r"_cross_device_ops", r"_launchers", r"_next_instance_key",
 ]
 
 

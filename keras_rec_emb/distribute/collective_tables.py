@@ -5,32 +5,32 @@ one replica (one CPU device). An `EmbeddingVariable` built inside
 `strategy.scope()` gets a `CollectiveShardedTable`: shard `i` (the keys with
 `shard_of(key, N) == i`) lives in worker `i` (chief first, then the workers
 in task order) and only there. A lookup (inside the replica function that
-`model.fit` / `evaluate` / `predict` run) exchanges ids and rows with the
-runtime's collectives:
+`model.fit` / `evaluate` / `predict` run) sends each id to its owner only,
+with TensorFlow's collectives:
 
-1. `all_gather` of every replica's ids (TensorFlow pads uneven batches to
-   the longest and gathers the lengths first): each worker now holds the
-   global batch's ids, `T` of them.
-2. Each worker looks up, in its own shard, the gathered ids it owns, and
-   scatters those rows into a zero `[T, dim]` matrix.
-3. `all_reduce(SUM)` of that matrix: each position was filled by exactly
-   one owner, so every worker receives every row, and keeps its own slice.
+1. Each replica de-duplicates its ids (`tf.unique`) and counts each id's
+   occurrences; the distinct ids are grouped by owner shard.
+2. One small `all_gather` tells every worker each rank's shard and how many
+   ids it sends to every shard; the largest count is the padded width `W`.
+3. One `CollectiveAllToAllV2` carries `[N, W, 2]` int64 (id, occurrences):
+   row `r` to rank `r`. Each owner looks its received ids up in its shard
+   (a training lookup sees each id as often as it occurs in the askers'
+   batches, so frequencies and admission filters count what one process
+   counts) and answers with an all-to-all of `[N, W, dim]` rows in the same
+   layout; the asker scatters them back to its ids.
 
-The gradient runs the same way back: the gradient of an all-reduce sum is
-an all-reduce sum, so each owner receives, for the ids it owns, the sum of
-every replica's gradient (what one process computes with the global batch)
-as a `tf.IndexedSlices` over its shard, which the optimizers of
+The gradient runs the same way back: the all-to-all of the rows has the
+all-to-all back as its gradient, so each owner receives, for its ids, every
+replica's summed gradient row (what one process computes with the global
+batch) as a `tf.IndexedSlices` over its shard, which the optimizers of
 `keras_rec_emb.optimizers` apply in place with their fused kernel; the
 dense variables stay data-parallel as Keras makes them.
 
-Cost per lookup and worker: the ids of the global batch (`8 T` bytes for
-int64 keys) received by the all-gather, and a `[T, dim]` float32 all-reduce
-(a ring all-reduce moves about `2 (N-1)/N * 4 T dim` bytes per worker),
-against the ideal `(N-1)/N * (8 + 4 dim) * T / N` bytes of an all-to-all
-that sends each id to its owner and each row back: about `2 N` times the
-ideal rows. TensorFlow 2.21 registers a CPU kernel for
-`CollectiveAllToAllV2`, but the strategy's replica context exposes only
-all-reduce, all-gather and broadcast, which this module uses.
+Cost per lookup and worker: `16 W N` bytes of ids and `4 W N dim` of rows
+forward, the same rows back, where `W` is at most the replica's distinct ids
+for one owner: about `(N-1)/N` of its distinct ids and rows, independent of
+`N` (`benchmarks/distributed.py` measures the bytes each process's sockets
+send). Each table is one exchange.
 
 Table-wide operations (`export`, `size`, `stats`, `evict`, saving with
 `model.save` or `tf.train.Checkpoint`) gather the shards with the same
@@ -98,6 +98,20 @@ def worker_index(strategy):
     order = [(job, i) for job in ("chief", "worker") if job in spec.jobs
              for i in range(spec.num_tasks(job))]
     return order.index((task_type, int(task_id)))
+
+
+def _exchange_rows(strategy, rows):
+    """All-to-all of `rows` `[workers, width, dim]` whose gradient is the
+    all-to-all back (row r came from rank r, its gradient returns there)."""
+
+    @tf.custom_gradient
+    def exchange(x):
+        def grad(dy):
+            return _compat.strategy_all_to_all(strategy, dy)
+
+        return _compat.strategy_all_to_all(strategy, x), grad
+
+    return exchange(rows)
 
 
 class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
@@ -197,31 +211,66 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
 
     def lookup(self, keys, insert=False):
         """Rows of `keys` (any shape) as `keys.shape + (dim,)`, exchanged
-        with the other workers (all-gather of ids, all-reduce of rows)."""
+        with the other workers: this replica's distinct ids go to their
+        owners only, which answer with their rows (see the module
+        docstring)."""
         keys = tf.convert_to_tensor(keys)
         if tf.distribute.get_replica_context() is None and not tf.executing_eagerly():
             return self._shape_only_lookup(keys)
         ctx = self._replica_context()
-        shard = self._shards[0]
-        flat = tf.reshape(keys, [-1])
-        mine = tf.size(flat, out_type=tf.int64)
-        ids = ctx.all_gather(flat, axis=0)
-        # Each replica's id count and replica id, in the same (gather) order:
-        # where this replica's rows start in the gathered batch.
-        rid = tf.cast(ctx.replica_id_in_sync_group, tf.int64)
-        counts = ctx.all_gather(tf.stack([mine, rid])[tf.newaxis], axis=0)
-        rank = tf.argmax(tf.cast(tf.equal(counts[:, 1], rid), tf.int32))
-        start = tf.reduce_sum(counts[:rank, 0])
-        owned = tf.where(tf.equal(ps_tables.shard_of(ids, self._num), self._index))
-        with tf.device(shard.device):
-            rows = shard.lookup(tf.gather_nd(ids, owned), insert=insert)
-        full = tf.scatter_nd(owned, rows, tf.stack([tf.size(ids, out_type=tf.int64),
-                                                    tf.constant(self.dim, tf.int64)]))
-        full = ctx.all_reduce(tf.distribute.ReduceOp.SUM, full)
-        out = full[start:start + mine]
-        out = tf.reshape(out, tf.concat([tf.shape(keys, out_type=tf.int32), [self.dim]], 0))
-        out.set_shape(keys.shape.concatenate([self.dim]))
+        n, dim = self._num, self.dim
+        flat = tf.cast(tf.reshape(keys, [-1]), tf.int64)
+        unique, idx = tf.unique(flat)
+        m = tf.size(unique, out_type=tf.int64)
+        # Occurrences travel with each distinct id: the owner counts them
+        # (frequencies, admission filters) as one process counts the batch.
+        occurrences = tf.math.unsorted_segment_sum(tf.ones_like(idx, tf.int64), idx, m)
+        owner = ps_tables.shard_of(unique, n)
+        order = tf.argsort(owner, stable=True)
+        owner_sorted = tf.gather(owner, order)
+        counts = tf.math.bincount(owner, minlength=n, maxlength=n, dtype=tf.int64)
+        starts = tf.cumsum(counts, exclusive=True)
+        # One small all-gather: each rank's shard and its id count for every
+        # shard. Then the ids, padded to the largest count, go to their
+        # owners in one all-to-all; the rows come back in the same layout.
+        meta = ctx.all_gather(
+            tf.concat([[tf.constant(self._index, tf.int64)], counts], 0)[tf.newaxis], axis=0)
+        rank_shard = tf.cast(meta[:, 0], tf.int32)
+        width = tf.maximum(tf.reduce_max(meta[:, 1:]), 1)
+        slot = tf.range(width, dtype=tf.int64)
+        send_counts = tf.gather(counts, rank_shard)
+        send_valid = slot[tf.newaxis] < send_counts[:, tf.newaxis]
+        src = tf.where(send_valid, tf.gather(starts, rank_shard)[:, tf.newaxis] + slot, m)
+        payload = tf.concat([tf.stack([tf.gather(unique, order), tf.gather(occurrences, order)],
+                                      axis=1), tf.zeros([1, 2], tf.int64)], 0)
+        received = _compat.strategy_all_to_all(self._strategy, tf.gather(payload, src))
+        recv_valid = slot[tf.newaxis] < meta[:, 1 + self._index][:, tf.newaxis]
+        at = tf.where(recv_valid)
+        asked = tf.gather_nd(received, at)
+        rows = self._owner_rows(asked[:, 0], asked[:, 1], insert)
+        reply = tf.scatter_nd(at, rows, tf.stack([tf.cast(n, tf.int64), width, dim]))
+        answered = _exchange_rows(self._strategy, reply)
+        # This replica's rows, from (rank of the owner, place in its part).
+        shard_rank = tf.math.invert_permutation(rank_shard)
+        place = tf.range(m) - tf.gather(starts, owner_sorted)
+        rows_sorted = tf.gather_nd(answered, tf.stack(
+            [tf.cast(tf.gather(shard_rank, owner_sorted), tf.int64), place], axis=1))
+        rows_unique = tf.gather(rows_sorted, tf.math.invert_permutation(order))
+        out = tf.gather(rows_unique, idx)
+        out = tf.reshape(out, tf.concat([tf.shape(keys, out_type=tf.int32), [dim]], 0))
+        out.set_shape(keys.shape.concatenate([dim]))
         return out
+
+    def _owner_rows(self, ids, occurrences, insert):
+        """This shard's rows of the ids asked for; a training lookup sees
+        each id as often as it occurs in the asking replicas' batches."""
+        shard = self._shards[0]
+        ids = tf.cast(ids, shard.key_dtype)
+        with tf.device(shard.device):
+            if not insert:
+                return shard.lookup(ids, insert=False)
+            every = shard.lookup(tf.repeat(ids, occurrences), insert=True)
+            return tf.gather(every, tf.cumsum(occurrences, exclusive=True))
 
     # -- table-wide operations (collective: every worker calls them) -------
     def _gather(self, tensor):
