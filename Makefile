@@ -6,8 +6,9 @@ VENV := .venv
 PYTHON := $(VENV)/bin/python
 DEPS_STAMP := $(VENV)/.deps-stamp
 INSTALL_STAMP := $(VENV)/.install-stamp
-EXT_SUFFIX := $(shell $(PY) -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
-SO := keras_rec_emb/_kre_ops$(EXT_SUFFIX)
+# The op library has no Python tag in its name: it serves every Python version
+# (see setup.py).
+SO := keras_rec_emb/_kre_ops.so
 CSRC := $(shell find csrc -name '*.cc' -o -name '*.h' | grep -v '/tests/')
 KV_SRC := $(wildcard csrc/kv/*.cc)
 KV_TESTS := $(wildcard csrc/kv/tests/*_test.cc)
@@ -33,7 +34,7 @@ $(SO): $(CSRC) setup.py $(DEPS_STAMP)
 	$(PYTHON) setup.py --quiet build_ext --inplace
 	@touch $(SO)
 
-$(INSTALL_STAMP): pyproject.toml $(DEPS_STAMP) | $(SO)
+$(INSTALL_STAMP): pyproject.toml keras_rec_emb/_version.py $(DEPS_STAMP) | $(SO)
 	KRE_SKIP_EXT_BUILD=1 $(PYTHON) -m pip install --quiet --no-build-isolation --no-deps -e .
 	touch $@
 

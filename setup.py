@@ -12,6 +12,16 @@ import os
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
+try:
+    from setuptools.command.bdist_wheel import bdist_wheel
+except ImportError:  # setuptools < 70.1
+    from wheel.bdist_wheel import bdist_wheel
+
+# The op library's file name, without a Python tag: it is loaded with
+# tf.load_op_library and uses TensorFlow's C++ ABI only, so one build serves
+# every Python version (keras_rec_emb/_ops.py loads this name).
+LIBRARY = "_kre_ops.so"
+
 
 def _sources(pattern="*.cc"):
     files = []
@@ -37,16 +47,24 @@ class TFBuildExt(build_ext):
                  "-Wno-deprecated-declarations", "-Wno-interference-size", "-Wno-sign-compare",
                  "-Wno-ignored-qualifiers", "-Wno-missing-field-initializers",
                  "-march=x86-64-v2"]
-        if os.environ.get("KRE_DEBUG_BUILD"):
+        debug = bool(os.environ.get("KRE_DEBUG_BUILD"))
+        if debug:
             extra = [f for f in extra if f != "-O3"] + ["-O0", "-g"]
         # setuptools passes python's own CFLAGS first (-O2 -g ...); drop -g to
-        # keep the library small.
-        for flag in ("-g", "-Wstrict-prototypes"):
-            while flag in self.compiler.compiler_so:
-                self.compiler.compiler_so.remove(flag)
+        # keep the library small. C++ sources compile with compiler_so_cxx in
+        # current setuptools, with compiler_so in older ones.
+        for attr in ("compiler_so", "compiler_so_cxx"):
+            command = getattr(self.compiler, attr, None) or []
+            for flag in ("-g", "-Wstrict-prototypes"):
+                while flag in command:
+                    command.remove(flag)
+        # Linked without its symbol table (-s; ~1.7 MB instead of ~30 MB with
+        # debug info) unless built for debugging or KRE_KEEP_SYMBOLS=1 (for a
+        # profiler that names the library's internal functions).
+        strip = [] if debug or os.environ.get("KRE_KEEP_SYMBOLS") else ["-s"]
         for ext in self.extensions:
             ext.extra_compile_args = cflags + extra
-            ext.extra_link_args = lflags + ["-shared"]
+            ext.extra_link_args = lflags + ["-shared"] + strip
             ext.include_dirs = ["csrc"]
             ext.language = "c++"
         super().build_extensions()
@@ -61,6 +79,30 @@ class TFBuildExt(build_ext):
         # A TensorFlow op library, not a Python module: no PyInit_ symbol.
         return []
 
+    def get_ext_filename(self, fullname):
+        if fullname == "keras_rec_emb._kre_ops":
+            return os.path.join("keras_rec_emb", LIBRARY)
+        return super().get_ext_filename(fullname)
+
+    def copy_extensions_to_source(self):
+        # `--inplace` builds under build/ and copies the library into the
+        # package: the record of its TensorFlow goes with it.
+        super().copy_extensions_to_source()
+        built = os.path.join(self.build_lib, "keras_rec_emb", "_kre_ops_build.json")
+        if os.path.exists(built):
+            self.copy_file(built, os.path.join("keras_rec_emb", "_kre_ops_build.json"))
+
+
+class PlatformWheel(bdist_wheel):
+    """The wheel's tag is py3-none-<platform>: the library holds no Python
+    extension module, so one wheel installs on every supported Python (the
+    TensorFlow minor release it needs is checked when it is loaded).
+    `make wheel` then retags the platform as manylinux with auditwheel."""
+
+    def get_tag(self):
+        _, _, platform = super().get_tag()
+        return "py3", "none", platform
+
 
 # `make` builds the library in place with `setup.py build_ext --inplace` and
 # then registers the package with an editable install that need not build it
@@ -72,5 +114,5 @@ _ext = [] if os.environ.get("KRE_SKIP_EXT_BUILD") else [
 
 setup(
     ext_modules=_ext,
-    cmdclass={"build_ext": TFBuildExt},
+    cmdclass={"build_ext": TFBuildExt, "bdist_wheel": PlatformWheel},
 )

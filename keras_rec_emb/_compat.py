@@ -483,6 +483,7 @@ def __getattr__(name):
         return kafka().KafkaError._PARTITION_EOF  # pylint: disable=protected-access
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
 # -- Private hooks our classes override ---------------------------------------------
 
 # {library base class: {hook: why we override it, and where}}.

@@ -1,22 +1,30 @@
 """The one place that loads the compiled ops library and wraps its raw ops.
 
-The library (`_kre_ops*.so`, built from csrc/) is loaded once, on first use or
+The library (`_kre_ops.so`, built from csrc/) is loaded once, on first use or
 when `keras_rec_emb` is imported (so that a SavedModel that uses the ops can
 be loaded in a fresh process after `import keras_rec_emb`).
+
+It is a TensorFlow op library, not a Python extension module: it uses
+TensorFlow's C++ ABI only, so one build serves every Python version that
+TensorFlow supports, and its name carries no Python tag. TensorFlow keeps
+that ABI within a minor release, which must match the one it was built
+against.
 """
 
 import functools
-import glob
 import json
 import os
 
 import tensorflow as tf
 
 _DIR = os.path.dirname(os.path.abspath(__file__))
+LIBRARY_NAME = "_kre_ops.so"
 _REBUILD = (
-    "Rebuild it against the installed TensorFlow: in a source checkout run "
-    "`make build` (or `make install`), otherwise reinstall with "
-    "`pip install --no-build-isolation --force-reinstall keras-rec-emb`."
+    "Install the TensorFlow it was built against (`pip install "
+    "\"keras-rec-emb[cpu]\"` or `[gpu]` for a released wheel), or rebuild it "
+    "against the installed TensorFlow: in a source checkout run `make build` "
+    "(or `make install`), otherwise `pip install --no-build-isolation "
+    "--no-binary keras-rec-emb --force-reinstall keras-rec-emb`."
 )
 
 def _built_against():
@@ -27,29 +35,36 @@ def _built_against():
         return None
 
 
+def minor_version(version):
+    """`"2.21.0"` -> `"2.21"`: the part of a TensorFlow version that fixes
+    its C++ ABI."""
+    return ".".join(version.split(".")[:2])
+
+
 @functools.cache
 def gen():
     """Returns the loaded op module (generated wrappers `kre_table_*`)."""
-    paths = sorted(glob.glob(os.path.join(_DIR, "_kre_ops*.so")))
-    if not paths:
+    library = os.path.join(_DIR, LIBRARY_NAME)
+    if not os.path.exists(library):
         raise ImportError(
-            "keras_rec_emb's compiled ops library (_kre_ops*.so) is missing "
+            "keras_rec_emb's compiled ops library (_kre_ops.so) is missing "
             f"from {_DIR}. {_REBUILD}"
         )
     built = _built_against()
-    if built is not None and built != tf.__version__:
+    if built is not None and minor_version(built) != minor_version(tf.__version__):
         raise ImportError(
-            f"keras_rec_emb's compiled ops ({paths[0]}) were built against "
+            f"keras_rec_emb's compiled ops ({library}) were built against "
             f"TensorFlow {built}, but TensorFlow {tf.__version__} is "
-            f"installed. {_REBUILD}"
+            f"installed: they load only in TensorFlow {minor_version(built)}.x. "
+            f"{_REBUILD}"
         )
     try:
-        return tf.load_op_library(paths[0])
+        return tf.load_op_library(library)
     except (tf.errors.NotFoundError, OSError) as e:
         raise ImportError(
-            f"keras_rec_emb's compiled ops ({paths[0]}) failed to load: {e}. "
-            "The library must be built against exactly the installed "
-            f"TensorFlow {tf.__version__}. {_REBUILD}"
+            f"keras_rec_emb's compiled ops ({library}) failed to load: {e}. "
+            "The library must be built against the installed TensorFlow's "
+            f"minor release ({minor_version(tf.__version__)}). {_REBUILD}"
         ) from e
 
 
@@ -61,7 +76,7 @@ def _c_library():
     import ctypes
 
     gen()
-    lib = ctypes.CDLL(sorted(glob.glob(os.path.join(_DIR, "_kre_ops*.so")))[0])
+    lib = ctypes.CDLL(os.path.join(_DIR, LIBRARY_NAME))
     lib.kre_arrow_register.argtypes = [ctypes.c_int64, ctypes.c_int64]
     lib.kre_arrow_register.restype = ctypes.c_int
     lib.kre_arrow_unregister.argtypes = [ctypes.c_int64]

@@ -3,6 +3,11 @@
 import os
 import subprocess
 import sys
+import textwrap
+import warnings
+from importlib import metadata
+
+import pytest
 
 import keras_rec_emb as kre
 
@@ -30,3 +35,129 @@ def test_public_api():
     assert callable(kre.callbacks.EvictionCallback)
     assert set(kre.optimizers.__all__) == {"SGD", "Adagrad", "Adam", "Ftrl", "AdamAsync",
                                            "AdagradDecay", "AdamW", "LossScaleOptimizer"}
+
+
+def test_import_needs_no_confluent_kafka_and_kafka_classes_name_the_extra():
+    """confluent-kafka is the `kafka` extra: the package imports without it
+    (KafkaPosition, plain state, still works) and building a Kafka dataset
+    raises an ImportError that names the extra."""
+    script = textwrap.dedent('''
+        import sys
+        sys.modules["confluent_kafka"] = None  # `import confluent_kafka` now fails
+        import tensorflow as tf
+        import keras_rec_emb as kre
+        from keras_rec_emb.data import KafkaPosition
+        position = KafkaPosition({("clicks", 0): 42})
+        assert position.offsets() == {("clicks", 0): 42}
+        for make in (lambda: kre.data.KafkaDataset(["clicks:0"], servers="127.0.0.1:9"),
+                     lambda: kre.data.KafkaGroupIODataset(["clicks"], "g", "127.0.0.1:9")):
+            try:
+                make()
+            except ImportError as e:
+                print("ERROR:", e)
+            else:
+                print("NO ERROR")
+    ''')
+    result = run(["-c", script])
+    assert result.returncode == 0, result.stderr[-3000:]
+    errors = [line for line in result.stdout.splitlines() if line.startswith(("ERROR", "NO"))]
+    assert len(errors) == 2
+    for line in errors:
+        assert line.startswith("ERROR:") and 'pip install "keras-rec-emb[kafka]"' in line, line
+
+
+def test_import_does_not_load_confluent_kafka():
+    result = run(["-c", "import sys, keras_rec_emb; print('confluent_kafka' in sys.modules)"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_missing_tensorflow_names_the_extras():
+    """No TensorFlow distribution is a dependency (one would replace the
+    other): without TensorFlow the import says how to get one."""
+    result = run(["-c", "import sys; sys.modules['tensorflow'] = None; import keras_rec_emb"])
+    assert result.returncode != 0
+    assert "needs TensorFlow, which is not installed" in result.stderr
+    assert 'pip install "keras-rec-emb[cpu]"' in result.stderr
+    assert 'pip install "keras-rec-emb[gpu]"' in result.stderr
+
+
+def test_two_tensorflow_distributions_are_reported(tmp_path):
+    """`tensorflow` installed beside `tensorflow-cpu` (as a dependency on the
+    other one would do) is named at import, with the fix."""
+    info = tmp_path / "tensorflow-2.21.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: tensorflow\nVersion: 2.21.0\n")
+    result = run(["-c", "import keras_rec_emb"], PYTHONPATH=str(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Several TensorFlow distributions are installed" in result.stderr
+    assert "tensorflow==2.21.0" in result.stderr
+    installed = [d for d in ("tensorflow-cpu", "tensorflow") if _installed(d)]
+    for name in installed:
+        assert f"{name}==" in result.stderr
+    plain = run(["-c", "import keras_rec_emb"])
+    assert "Several TensorFlow distributions" not in plain.stderr
+
+
+def _installed(name):
+    try:
+        metadata.version(name)
+        return True
+    except metadata.PackageNotFoundError:
+        return False
+
+
+def test_package_declares_no_tensorflow_distribution():
+    """The installed distribution's requirements: TensorFlow only in the
+    `cpu`/`gpu` extras, Kafka only in `kafka`, ranges rather than pins."""
+    requires = metadata.requires("keras-rec-emb")
+    unconditional = [r for r in requires if "extra ==" not in r]
+    names = {r.split(";")[0].split("<")[0].split(">")[0].split("=")[0].strip()
+             for r in unconditional}
+    assert names == {"keras", "numpy", "pyarrow"}, unconditional
+    assert not any("==" in r for r in unconditional), unconditional
+    by_extra = {}
+    for r in requires:
+        if "extra ==" in r:
+            extra = r.split("extra ==")[1].strip().strip('"')
+            by_extra.setdefault(extra, []).append(r.split(";")[0].strip())
+    assert [r.split("<")[0].split(">")[0] for r in by_extra["cpu"]] == ["tensorflow-cpu"]
+    assert [r.split("<")[0].split(">")[0] for r in by_extra["gpu"]] == ["tensorflow"]
+    assert any(r.startswith("confluent-kafka") for r in by_extra["kafka"])
+    assert any(r.startswith("matplotlib") for r in by_extra["bench"])
+    assert {"docs", "cpu", "gpu", "kafka", "bench"} <= set(by_extra)
+
+
+def test_keras_version_outside_the_checked_ones_warns():
+    import keras
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kre._check_keras_version(keras.__version__)  # the pinned one: silent
+    with pytest.warns(RuntimeWarning, match=r"Keras 3\.16\.0 is installed.*keras==3\.15\.1"):
+        kre._check_keras_version("3.16.0")
+
+
+def test_ops_library_loads_within_its_tensorflow_minor_release(monkeypatch):
+    """The library is refused for another TensorFlow minor release only: a
+    patch release keeps TensorFlow's C++ ABI."""
+    import tensorflow as tf
+
+    from keras_rec_emb import _ops
+
+    major, minor, _ = tf.__version__.split(".", 2)
+    load = _ops.gen.__wrapped__
+    monkeypatch.setattr(_ops, "_built_against", lambda: f"{major}.{minor}.99")
+    assert hasattr(load(), "kre_table_lookup")
+    other = f"{major}.{int(minor) - 1}.0"
+    monkeypatch.setattr(_ops, "_built_against", lambda: other)
+    with pytest.raises(ImportError, match=rf"built against TensorFlow {other}, .*"
+                                          rf"load only in TensorFlow {major}\.{int(minor) - 1}\.x"):
+        load()
+
+
+def test_version_has_one_source():
+    from keras_rec_emb import _version
+
+    assert kre.__version__ == _version.__version__ == metadata.version("keras-rec-emb")
+    assert kre.__version__ == "0.2.0"

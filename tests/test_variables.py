@@ -269,7 +269,7 @@ def test_missing_library_and_version_mismatch_messages(tmp_path, monkeypatch):
     monkeypatch.setattr(_ops, "_DIR", str(tmp_path))
     with pytest.raises(ImportError, match="missing.*make build"):
         load()
-    real = next(p for p in os.listdir(os.path.dirname(_ops.__file__)) if p.startswith("_kre_ops"))
+    real = _ops.LIBRARY_NAME
     os.symlink(os.path.join(os.path.dirname(_ops.__file__), real), tmp_path / real)
     (tmp_path / "_kre_ops_build.json").write_text(json.dumps({"tensorflow": "2.0.0"}))
     with pytest.raises(ImportError, match=rf"built against TensorFlow 2.0.0, but TensorFlow {tf.__version__}"):

@@ -17,13 +17,17 @@ import re
 import threading
 import time
 
-import confluent_kafka
 import numpy as np
 import tensorflow as tf
 
 from keras_rec_emb import _compat
 from keras_rec_emb.data._source import WrappedDataset
 from keras_rec_emb.data._source import python_dataset
+
+# confluent-kafka is the optional `kafka` extra: imported on first use (the
+# broker check of a dataset's construction), which raises an ImportError
+# naming the extra when it is missing.
+confluent_kafka = _compat.LazyKafka()
 
 _LOGGER = logging.getLogger(__name__)
 _TOPIC = re.compile(r"[A-Za-z0-9._-]+")
