@@ -104,6 +104,18 @@ class _StockTables(tf.Module):
         self.tables.append(stock)
         return stock
 
+    def release(self):
+        """Frees the indexes made in this process, once written out.
+
+        Made eagerly, a stock `MutableHashTable` lives in TensorFlow's
+        resource manager under a name of its own until deleted by name (it
+        has no deleter): each export kept its whole index (tens of bytes per
+        key) until the process ended. The SavedModel re-creates its tables
+        when loaded, so the exporter's are no longer needed."""
+        for stock in self.tables:
+            tf.raw_ops.DestroyResourceOp(resource=stock.index.resource_handle,
+                                         ignore_lookup_error=True)
+
 
 def model_tables(model):
     """The embedding tables among `model`'s weights, each once; a table
@@ -266,4 +278,6 @@ def export_for_serving(model, filepath, input_signature=None, verbose=False):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        stock.release()
     return filepath
