@@ -10,29 +10,51 @@ which rows changed (a per-row change epoch kept in C++), so a save costs
 what changed, not the table's size.
 
 Each link is one `.npz` file (NumPy's zip of arrays, no pickles) written to a
-temporary name and renamed: a crash mid-save leaves the previous chain. A
-restore reads the newest full checkpoint that is intact and replays its
-chain, stopping with a warning at the first link that is missing or corrupt.
+temporary name and renamed: a crash mid-save leaves the previous chain.
+Each link proves where it belongs: its chain's id (made by the full
+checkpoint), its parent's file name and the parent's checksum (a SHA-256 of
+the parent's members and their CRC-32s, which reading a member checks). A
+file of another run copied into the folder, or a link that replaced one of
+ours, is therefore never applied as ours.
+
+A restore reads everything it will apply (every member CRC-checked) and
+checks it against the model before it changes anything, then applies it
+with the tables' previous contents kept aside, so that a failure at any
+stage leaves the model as it was.
 """
 
-import glob
+import hashlib
 import json
 import os
 import re
 import tempfile
 import time
+import uuid
 import warnings
+import weakref
 import zipfile
 
 import keras
 import numpy as np
 
+from keras_rec_emb import _checks
 from keras_rec_emb import saving as _saving
 from keras_rec_emb import variables as _variables
 
-_FORMAT = "keras_rec_emb.checkpoint/1"
+_FORMAT = "keras_rec_emb.checkpoint/2"
+# /1 links (no chain id, no parent checksum) still restore, checked by name.
+_FORMATS = ("keras_rec_emb.checkpoint/1", _FORMAT)
 _NAME = re.compile(r"^ckpt-(\d{8,})-(full|incremental)\.npz$")
 _TABLE_PARTS = _variables.ARRAY_PARTS
+_META = "__meta__"
+# `export_changes` after this mark returns no rows: a cheap probe of a
+# table's slots and filter (and, by the op's `dim`, of its width).
+_NO_CHANGES = 2**62
+
+
+class _Mismatch(ValueError):
+    """A readable link that does not fit the model (not a reason to fall
+    back to an older checkpoint: every one would fit as badly)."""
 
 
 def _tables(model):
@@ -71,22 +93,277 @@ def _export_order(model):
     return order
 
 
+# -- Reading and checking links ------------------------------------------------
+def _digest(archive):
+    """The checksum of a link: SHA-256 of its members' names, CRC-32s and
+    sizes (reading a member checks its CRC, so this stands for the bytes)."""
+    h = hashlib.sha256()
+    for info in sorted(archive.infolist(), key=lambda i: i.filename):
+        h.update(f"{info.filename}\0{info.CRC:08x}\0{info.file_size}\n".encode())
+    return h.hexdigest()
+
+
+def _unreadable(path, error):
+    return ValueError(f"{path} is not a readable checkpoint link: "
+                      f"{type(error).__name__}: {error}")
+
+
+_READ_ERRORS = (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile,
+                UnicodeDecodeError)
+
+
+def _parse_meta(raw, path, kind=None):
+    try:
+        meta = json.loads(np.asarray(raw).tobytes().decode())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise _unreadable(path, e) from None
+    if not isinstance(meta, dict) or meta.get("format") not in _FORMATS:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise ValueError(f"{path} is not a keras_rec_emb checkpoint link (format "
+                         f"{found!r}; this version reads {list(_FORMATS)})")
+    if meta.get("kind") not in ("full", "incremental") or (kind and meta["kind"] != kind):
+        raise ValueError(f"{path} is named a {kind} checkpoint but holds a "
+                         f"{meta.get('kind')!r} one")
+    tables = meta.get("tables")
+    if not isinstance(tables, list) or not all(isinstance(t, str) for t in tables):
+        raise ValueError(f"{path} has no valid table list in its metadata")
+    return meta
+
+
+def _read_meta(path, kind=None):
+    """(meta, digest) of a link, reading only its metadata member."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            with archive.open(_META + ".npy") as f:
+                raw = np.lib.format.read_array(f, allow_pickle=False)
+            digest = _digest(archive)
+    except _READ_ERRORS as e:
+        raise _unreadable(path, e) from None
+    return _parse_meta(raw, path, kind), digest
+
+
+def _read(path, kind=None):
+    """(arrays, meta, digest) of a link, every member read and CRC-checked;
+    a ValueError naming the file when it is unreadable or not a link."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}  # reads (and CRC-checks) every member
+            digest = _digest(z.zip)
+        raw = arrays.pop(_META)
+    except _READ_ERRORS as e:
+        raise _unreadable(path, e) from None
+    return arrays, _parse_meta(raw, path, kind), digest
+
+
+def _chain_id(meta, name):
+    """The id of the chain a link belongs to (a /1 link: its base's name)."""
+    if meta.get("chain"):
+        return str(meta["chain"])
+    return "name:" + (name if meta["kind"] == "full" else str(meta.get("base")))
+
+
+def _follows(meta, parent_name, parent_digest):
+    """Whether an incremental link was saved right after `parent_name`
+    with checksum `parent_digest` (a /1 link records only the name)."""
+    if meta.get("parent") != parent_name:
+        return False
+    recorded = meta.get("parent_digest")
+    return recorded is None and meta["format"] != _FORMAT or recorded == parent_digest
+
+
+def _int_array(arrays, key, path, what, n=None):
+    a = arrays.get(key)
+    if a is None:
+        raise ValueError(f"{path}: {what} lacks its '{key}' array")
+    if a.ndim != 1 or (a.size and not np.issubdtype(a.dtype, np.integer)) or (
+            n is not None and a.shape[0] != n):
+        need = f"[{n}]" if n is not None else "a vector"
+        raise ValueError(f"{path}: '{key}' of {what} must be integers shaped {need}; "
+                         f"found {a.dtype} {list(a.shape)}")
+    return a
+
+
+def _float_matrix(arrays, key, path, what, rows=None, cols=None):
+    a = arrays.get(key)
+    if a is None:
+        raise ValueError(f"{path}: {what} lacks its '{key}' array")
+    if (a.ndim != 2 or not np.issubdtype(a.dtype, np.floating)
+            or rows is not None and a.shape[0] != rows or cols is not None and a.shape[1] != cols):
+        raise ValueError(f"{path}: '{key}' of {what} must be floats shaped "
+                         f"[{'N' if rows is None else rows}, "
+                         f"{'dim' if cols is None else cols}]; found {a.dtype} {list(a.shape)}")
+    return a
+
+
+def _link_table(arrays, meta, j, path):
+    """The parts of table `j` of a link (as `export()` gives them, with
+    `erased` in an incremental link), checked for shape, type, unique keys
+    and finite values: what the import kernel would refuse is refused here,
+    before any table is touched."""
+    name = meta["tables"][j]
+    what, prefix = f"table '{name}'", f"t{j}/"
+    arrays = {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
+    keys = _int_array(arrays, "keys", path, what)
+    n = keys.shape[0]
+    values = _float_matrix(arrays, "values", path, what, rows=n)
+    dim = values.shape[1]
+    parts = {"keys": keys, "values": values,
+             "freqs": _int_array(arrays, "freqs", path, what, n),
+             "versions": _int_array(arrays, "versions", path, what, n),
+             "default_values": _float_matrix(arrays, "default_values", path, what, cols=dim),
+             "keys_filtered": _int_array(arrays, "keys_filtered", path, what)}
+    nf = parts["keys_filtered"].shape[0]
+    for k in ("freqs_filtered", "versions_filtered"):
+        parts[k] = _int_array(arrays, k, path, what, nf)
+    bloom = arrays.get("bloom")
+    if bloom is None or bloom.ndim != 1 or (bloom.size and bloom.dtype != np.uint8):
+        raise ValueError(f"{path}: 'bloom' of {what} must be a uint8 vector")
+    parts["bloom"] = bloom
+    parts["slots"] = {k[len("slot/"):]: _float_matrix(arrays, k, path, what, rows=n)
+                      for k in sorted(arrays) if k.startswith("slot/")}
+    if meta["kind"] == "incremental":
+        parts["erased"] = _int_array(arrays, "erased", path, what)
+    for k, a in [("keys", keys), ("keys_filtered", parts["keys_filtered"])]:
+        if np.unique(a).size != a.size:
+            raise ValueError(f"{path}: '{k}' of {what} holds a key twice")
+    for k in ("freqs", "freqs_filtered"):
+        if parts[k].size and parts[k].min() < 0:
+            raise ValueError(f"{path}: '{k}' of {what} holds negative counts")
+    for k, a in [("values", values)] + [(f"slot '{s}'", b) for s, b in parts["slots"].items()]:
+        if not np.isfinite(a).all():
+            raise ValueError(f"{path}: {k} of {what} holds NaN or infinite numbers")
+    return parts
+
+
+def _check_table_fits(parts, table, name, path, probe):
+    """Raises a _Mismatch naming what differs when the parts of a link do
+    not fit `table` (its width, key type, slot widths, filter)."""
+    dim = parts["values"].shape[1]
+    if dim != table.dim:
+        raise _Mismatch(
+            f"{path} holds rows of dim {dim} for table '{name}', which has dim "
+            f"{table.dim}. Restore into a model whose layer has embedding_dim={dim}.")
+    for k in ("keys", "keys_filtered", "erased"):
+        if k in parts:
+            try:
+                _checks.keys_in_range(parts[k], table.key_dtype, f"'{k}' of table '{name}' "
+                                      f"in {path}")
+            except ValueError as e:
+                raise _Mismatch(str(e)) from None
+    for slot, block in parts["slots"].items():
+        have = probe["slots"].get(slot)
+        if have is not None and have.shape[1] != block.shape[1]:
+            raise _Mismatch(
+                f"{path} holds slot '{slot}' of table '{name}' with width "
+                f"{block.shape[1]}, but the table's is {have.shape[1]} (another optimizer?)")
+    bloom = parts["bloom"].size
+    if bloom and bloom != probe["bloom"].size:
+        raise _Mismatch(
+            f"{path} holds a counting Bloom filter of {bloom} bytes for table '{name}', "
+            f"but the table's has {probe['bloom'].size}: it was saved with other "
+            "CBFFilter settings")
+
+
+def _kafka_offsets(meta, path):
+    kafka = meta.get("kafka")
+    if kafka is None:
+        return None
+    ok = isinstance(kafka, list) and all(
+        isinstance(e, list) and len(e) == 3 and isinstance(e[0], str)
+        and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in e[1:])
+        for e in kafka)
+    if not ok:
+        raise ValueError(f"{path}: its Kafka position is not a list of "
+                         f"[topic, partition, offset]: {kafka!r}")
+    return {(t, p): o for t, p, o in kafka}
+
+
+# -- Serving: links applied to a loaded SavedModel ------------------------------
+# The last link each loaded SavedModel took: (chain id, file name, checksum).
+_SERVED = weakref.WeakKeyDictionary()
+
+
+def _served_tables(loaded):
+    """The table handles of a `tf.saved_model.load` result, in export order."""
+    if loaded is None or isinstance(loaded, (str, bytes, os.PathLike)):
+        raise TypeError(
+            "`loaded` must be the object `tf.saved_model.load(path)` returned (after "
+            "`import keras_rec_emb`), not a path: load the SavedModel first and keep "
+            f"it, then apply links to it. Received: loaded={loaded!r}")
+    if isinstance(loaded, keras.Model):
+        raise TypeError(
+            "`loaded` must be a SavedModel loaded with `tf.saved_model.load`; to bring "
+            "a keras.Model to the state of a chain use "
+            "`IncrementalCheckpointer(model, directory).restore()`. Received: "
+            f"loaded={loaded!r}")
+    handles, seen = [], set()
+    for asset in getattr(loaded, "_misc_assets", None) or []:
+        handle = getattr(asset, "resource_handle", None)
+        if handle is None or id(asset) in seen:
+            continue
+        seen.add(id(asset))
+        handles.append(handle)
+    if not handles:
+        raise ValueError(
+            f"`loaded` ({type(loaded).__name__}) holds no keras_rec_emb tables: pass "
+            "what `tf.saved_model.load` returned for a `model.export` of a model with "
+            "EmbeddingVariable tables, loaded after `import keras_rec_emb`")
+    return handles
+
+
+def _probe_served(handle, name, parts, path):
+    """Checks that a served table takes `parts` (key type, width, slots,
+    filter) without changing it; a ValueError naming what differs."""
+    import tensorflow as tf
+
+    from keras_rec_emb import _ops
+
+    dim = parts["values"].shape[1]
+    key_dtype = tf.as_dtype(parts["keys"].dtype if parts["keys"].size else np.int64)
+    try:
+        probe = _ops.export_changed_since(handle, key_dtype, dim, _NO_CHANGES)
+    except tf.errors.InvalidArgumentError as e:
+        raise ValueError(f"Table '{name}' of the loaded model does not take the rows "
+                         f"of {path} ({key_dtype.name} keys, dim {dim}): "
+                         f"{e.message}") from None
+    slots = {n.decode(): int(w) for n, w in zip(probe["slot_names"].numpy(),
+                                                 probe["slot_widths"].numpy())}
+    for slot, block in parts["slots"].items():
+        if slot in slots and slots[slot] != block.shape[1]:
+            raise ValueError(f"{path} holds slot '{slot}' of table '{name}' with width "
+                             f"{block.shape[1]}, but the served table's is {slots[slot]}")
+    bloom = int(probe["bloom"].shape[0])
+    if parts["bloom"].size and parts["bloom"].size != bloom:
+        raise ValueError(f"{path} holds a counting Bloom filter of {parts['bloom'].size} "
+                         f"bytes for table '{name}', but the served table's has {bloom}")
+    return key_dtype
+
+
 def apply_to_saved_model(loaded, path):
-    """Applies a checkpoint link (full or incremental) to a SavedModel
+    """Applies checkpoint links (full or incremental) to a SavedModel
     written by `model.export` and loaded with `tf.saved_model.load` (after
     `import keras_rec_emb`), in place: its tables take the changed rows and
     drop the erased keys, its dense variables the saved values. The model
     serves the new state from its next call, without a reload (DeepRec's
-    incremental model update). Apply the links of a chain in order, from
-    the full checkpoint the model was exported at or after.
+    incremental model update).
+
+    Links apply in chain order, from the full checkpoint the model was
+    exported at or after. A list of links is put in order (by their
+    numbers) and must form one chain. The loaded model remembers the last
+    link it took: a later call refuses a link that does not follow it (an
+    older one, one after a gap, one of another chain) with an error naming
+    both; a full checkpoint starts over. Every link is read and checked
+    (CRC, chain, table widths and slots) before the first one is applied.
 
     Args:
         loaded: the object `tf.saved_model.load` returned.
-        path: str. A `ckpt-*.npz` link of an `IncrementalCheckpointer`.
+        path: str or path-like, a `ckpt-*.npz` link of an
+            `IncrementalCheckpointer`; or a list of them.
 
     Returns:
-        dict: `tables` (rows imported per table), `erased`, `dense`
-        (variables assigned).
+        dict: `tables` (rows imported per table, summed over the links),
+        `erased`, `dense` (variables assigned), `links` (the paths applied,
+        in order).
 
     Example:
 
@@ -111,45 +388,78 @@ def apply_to_saved_model(loaded, path):
 
     from keras_rec_emb import _ops
 
-    arrays, meta = IncrementalCheckpointer._read(os.fspath(path))  # pylint: disable=protected-access
-    order = meta.get("export_order")
-    if not order:
-        raise ValueError(f"{path} does not record the export order of its tables")
-    handles, seen = [], set()
-    for asset in getattr(loaded, "_misc_assets", []):
-        handle = getattr(asset, "resource_handle", None)
-        if handle is None or id(asset) in seen:
-            continue
-        seen.add(id(asset))
-        handles.append(handle)
-    if len(handles) != len(order):
-        raise ValueError(f"The loaded model has {len(handles)} tables but {path} holds "
-                         f"{len(order)} ({order}); was it exported from this model?")
-    index = {name: j for j, name in enumerate(meta["tables"])}
-    stats = {"tables": {}, "erased": 0, "dense": 0}
-    for handle, name in zip(handles, order):
-        prefix = f"t{index[name]}/"
-        keys = arrays[prefix + "keys"]
-        dim = arrays[prefix + "values"].shape[1]
-        slots = sorted(k[len(prefix) + 5:] for k in arrays if k.startswith(prefix + "slot/"))
-        blocks = [arrays[f"{prefix}slot/{s}"] for s in slots]
-        parts = {k: arrays[prefix + k] for k in _TABLE_PARTS}
-        parts["slot_values"] = (np.concatenate(blocks, 1) if blocks
-                                else np.zeros((len(keys), 0), np.float32))
-        parts["slot_names"] = tf.constant(slots, tf.string, shape=[len(slots)])
-        parts["slot_widths"] = np.array([b.shape[1] for b in blocks], np.int64)
-        if meta["kind"] == "incremental" and arrays[prefix + "erased"].size:
-            stats["erased"] += int(_ops.erase(handle, tf.constant(arrays[prefix + "erased"])))
-        _ops.import_(handle, dim, parts, clear=meta["kind"] == "full")
-        stats["tables"][name] = len(keys)
-    variables = [v for v in getattr(loaded, "variables", []) or [] if v is not None]
-    for i, (vname, shape) in enumerate(meta.get("dense_names", [])):
-        for j, v in enumerate(variables):
-            if v.name.split(":")[0].endswith(vname) and list(v.shape) == shape:
-                v.assign(arrays[f"dense/{i}"])
-                variables.pop(j)
-                stats["dense"] += 1
-                break
+    handles = _served_tables(loaded)
+    paths = [path] if isinstance(path, (str, os.PathLike)) else path
+    if (not isinstance(paths, (list, tuple)) or not paths
+            or not all(isinstance(p, (str, os.PathLike)) for p in paths)):
+        raise TypeError("`path` must be the path of a ckpt-*.npz checkpoint link or a "
+                        f"non-empty list of them. Received: path={path!r}")
+    # Stage: read and check every link before the first is applied.
+    staged = []
+    for p in paths:
+        p = os.fspath(p)
+        arrays, meta, digest = _read(p)
+        m = _NAME.match(os.path.basename(p))
+        seq = int(meta.get("seq", m.group(1) if m else 0))
+        staged.append((seq, p, arrays, meta, digest))
+    staged.sort(key=lambda s: s[0])
+    position = _SERVED.get(loaded)
+    positions = []
+    for _, p, arrays, meta, digest in staged:
+        name = os.path.basename(p)
+        chain = _chain_id(meta, name)
+        if meta["kind"] == "incremental" and position is not None and not (
+                position[0] == chain and _follows(meta, position[1], position[2])):
+            same = position[0] == chain
+            raise ValueError(
+                f"{p} does not follow the last link this model took, {position[1]}: "
+                + (f"it was saved after {meta.get('parent')}. Apply the links of a chain "
+                   "in order, each once (a full checkpoint starts over)." if same else
+                   "it belongs to another chain. Apply that chain's full checkpoint "
+                   "first."))
+        position = (chain, name, digest)
+        positions.append(position)
+    stages = []
+    for _, p, arrays, meta, _ in staged:
+        order = meta.get("export_order")
+        if not order or sorted(order) != sorted(meta["tables"]):
+            raise ValueError(f"{p} does not record the export order of its tables")
+        if len(handles) != len(order):
+            raise ValueError(f"The loaded model has {len(handles)} tables but {p} holds "
+                             f"{len(order)} ({order}); was it exported from this model?")
+        index = {n: j for j, n in enumerate(meta["tables"])}
+        tables = []
+        for handle, name in zip(handles, order):
+            parts = _link_table(arrays, meta, index[name], p)
+            tables.append((handle, name, parts, _probe_served(handle, name, parts, p)))
+        stages.append((p, arrays, meta, tables))
+    stats = {"tables": {}, "erased": 0, "dense": 0, "links": []}
+    for (p, arrays, meta, tables), position in zip(stages, positions):
+        for handle, name, parts, key_dtype in tables:
+            n = len(parts["keys"])
+            key_np = key_dtype.as_numpy_dtype
+            given = {k: parts[k] for k in _TABLE_PARTS}
+            given["keys"] = parts["keys"].astype(key_np)
+            given["keys_filtered"] = parts["keys_filtered"].astype(key_np)
+            given["values"] = parts["values"].astype(np.float32)
+            given.update(_variables.pack_slots(
+                {s: b.astype(np.float32) for s, b in parts["slots"].items()}, n))
+            if meta["kind"] == "incremental" and parts["erased"].size:
+                stats["erased"] += int(_ops.erase(handle, tf.constant(
+                    parts["erased"].astype(key_np))))
+            _ops.import_(handle, parts["values"].shape[1], given,
+                         clear=meta["kind"] == "full")
+            stats["tables"][name] = stats["tables"].get(name, 0) + n
+        variables = [v for v in getattr(loaded, "variables", []) or [] if v is not None]
+        for i, (vname, shape) in enumerate(meta.get("dense_names", [])):
+            for j, v in enumerate(variables):
+                if v.name.split(":")[0].endswith(vname) and list(v.shape) == shape:
+                    v.assign(arrays[f"dense/{i}"])
+                    variables.pop(j)
+                    stats["dense"] += 1
+                    break
+        stats["links"].append(p)
+        _SERVED[loaded] = position
     return stats
 
 
@@ -171,11 +481,39 @@ def _position(source):
     if source is None:
         return None
     position = getattr(source, "position", source)
-    if not callable(getattr(position, "offsets", None)):
+    if not callable(getattr(position, "offsets", None)) or not callable(
+            getattr(position, "_advance", None)):
         raise TypeError(
-            "`kafka_position` must be a KafkaPosition or a Kafka dataset (with "
-            f"`.position`). Received: kafka_position={source!r}")
+            "`kafka_position` must be a keras_rec_emb.data.KafkaPosition, a Kafka "
+            "dataset (KafkaDataset / KafkaGroupIODataset, whose `.position` it takes; "
+            "not a dataset mapped from one) or None. Received: "
+            f"kafka_position={source!r}")
     return position
+
+
+class _Link:
+    """One `ckpt-*.npz` file of the directory and its metadata (or why it
+    cannot be read)."""
+
+    def __init__(self, seq, kind, path):
+        self.seq, self.kind, self.path = seq, kind, path
+        self.name = os.path.basename(path)
+        try:
+            self.meta, self.digest = _read_meta(path, kind)
+            self.error = None
+            self.chain = _chain_id(self.meta, self.name)
+        except ValueError as e:
+            self.meta = self.digest = self.chain = None
+            self.error = e
+
+    def base(self):
+        if self.meta is None:
+            return None
+        return self.name if self.kind == "full" else self.meta.get("base")
+
+
+def _names(links):
+    return [link.name for link in links]
 
 
 class IncrementalCheckpointer:
@@ -184,11 +522,26 @@ class IncrementalCheckpointer:
     `save_full()` writes every row of every table; `save_incremental()`
     writes only rows changed (trained, admitted, counted) since the previous
     save of this checkpointer plus the keys erased since (eviction), and all
-    dense and optimizer variables. `restore()` loads the newest intact full
-    checkpoint and replays its incremental chain: the model then equals, row
-    for row, the state at the last good link. A missing or corrupt link stops
-    the replay there with a warning that names it (and the next save is then
-    a full one). `keep` full checkpoints (with their chains) are kept.
+    dense and optimizer variables. `restore()` loads the newest chain (the
+    intact full checkpoint whose chain reaches furthest) and replays it: the
+    model then equals, row for row, the state at its last link. Later saves
+    continue that chain. `keep` full checkpoints (with their chains) are
+    kept.
+
+    Every link records its chain's id, its parent's name and checksum. A
+    restore applies only links that prove they follow one another: a file of
+    another run copied into the folder is skipped with a warning naming it;
+    a chain broken in the middle (a link missing, corrupt or replaced while
+    later links of the chain exist) raises an error naming the break and the
+    links it would drop (`restore(partial=True)` restores up to the last good
+    link instead). An unreadable newest link (nothing after it) or a corrupt
+    full checkpoint (then the older chain) is skipped with a warning; the
+    next save after a shortened chain is a full one.
+
+    A restore is all-or-nothing: every link is read and checked against the
+    model (table names, widths, key types, slots, dense shapes) before
+    anything changes, and the tables' previous contents are kept aside (a
+    copy in memory: free for a fresh model) and put back if applying fails.
 
     Dense variables and the optimizer's variables are saved whole in every
     link (they are small next to the tables). With a Kafka source, pass its
@@ -236,9 +589,12 @@ class IncrementalCheckpointer:
         self.directory = os.fspath(directory)
         self.keep = keep
         self.kafka_position = _position(kafka_position)
+        self._run = uuid.uuid4().hex  # names this checkpointer's saves in their links
         self._marks = None  # {table name: mark of the last successful save}
         self._base = None   # file name of the chain's full checkpoint
         self._last = None   # file name of the chain's last link
+        self._last_digest = None  # its checksum
+        self._chain = None  # the chain's id
         self.last_save_bytes = 0
         self._order = None  # (table identities, export order): walking the
         # SavedModel view traces the model's functions (~0.3 s), so it runs
@@ -284,17 +640,20 @@ class IncrementalCheckpointer:
             arrays[f"t{j}/erased"] = np.asarray(parts["erased"])
 
     def _write(self, kind, arrays, meta):
+        """Writes a link atomically; returns (name, path, checksum)."""
         os.makedirs(self.directory, exist_ok=True)
         seq = self._next_seq()
         name = f"ckpt-{seq:08d}-{kind}.npz"
-        meta.update(format=_FORMAT, kind=kind, seq=seq, time=time.time())
-        arrays["__meta__"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
+        meta.update(format=_FORMAT, kind=kind, seq=seq, time=time.time(), run=self._run)
+        arrays[_META] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
         fd, tmp = tempfile.mkstemp(prefix=".tmp-kre-ckpt-", suffix=".npz", dir=self.directory)
         try:
             with os.fdopen(fd, "wb") as f:
                 np.savez(f, **arrays)
                 f.flush()
                 os.fsync(f.fileno())
+            with zipfile.ZipFile(tmp) as archive:
+                digest = _digest(archive)
             os.chmod(tmp, _saving.default_mode())
             os.replace(tmp, os.path.join(self.directory, name))
         except BaseException:
@@ -303,19 +662,20 @@ class IncrementalCheckpointer:
             raise
         path = os.path.join(self.directory, name)
         self.last_save_bytes = os.path.getsize(path)
-        return name, path
+        return name, path, digest
 
     def save_full(self):
         """Writes a full checkpoint and starts a new chain; returns its path."""
         tables = _tables(self.model)
         marks = {name: t.mark_changes() for name, t in tables}
-        arrays, meta = {}, {"tables": [name for name, _ in tables], "base": None,
-                            "parent": None}
+        chain = uuid.uuid4().hex
+        arrays, meta = {}, {"tables": [name for name, _ in tables], "chain": chain,
+                            "base": None, "parent": None, "parent_digest": None}
         for j, (_, t) in enumerate(tables):
             self._table_arrays(arrays, j, t.export())
         self._common(arrays, meta)
-        name, path = self._write("full", arrays, meta)
-        self._committed(tables, marks, name, name)
+        name, path, digest = self._write("full", arrays, meta)
+        self._committed(tables, marks, name, name, digest, chain)
         self._prune()
         return path
 
@@ -323,7 +683,7 @@ class IncrementalCheckpointer:
         """Writes the rows changed since the previous save; returns its path.
 
         Falls back to `save_full()` when there is no chain yet (first save,
-        or after a restore that stopped at a bad link) or when a table's
+        or after a restore that shortened its chain) or when a table's
         contents were replaced wholesale since (e.g. `load_model` into it).
         """
         tables = _tables(self.model)
@@ -331,22 +691,28 @@ class IncrementalCheckpointer:
             return self.save_full()
         marks = {name: t.mark_changes() for name, t in tables}
         arrays = {}
-        meta = {"tables": [name for name, _ in tables], "base": self._base,
-                "parent": self._last}
+        meta = {"tables": [name for name, _ in tables], "chain": self._chain,
+                "base": self._base, "parent": self._last,
+                "parent_digest": self._last_digest}
         for j, (name, t) in enumerate(tables):
             delta = t.export_changes(self._marks[name])
             if not delta["complete"]:
                 return self.save_full()
             self._table_arrays(arrays, j, delta)
         self._common(arrays, meta)
-        name, path = self._write("incremental", arrays, meta)
-        self._committed(tables, marks, self._base, name)
+        name, path, digest = self._write("incremental", arrays, meta)
+        self._committed(tables, marks, self._base, name, digest, self._chain)
         return path
 
-    def _committed(self, tables, marks, base, last):
+    def _committed(self, tables, marks, base, last, digest, chain):
         for name, t in tables:
             t.trim_erased(marks[name])
         self._marks, self._base, self._last = marks, base, last
+        self._last_digest, self._chain = digest, chain
+
+    def _forget_chain(self):
+        """The next save is a full one (a new chain)."""
+        self._marks = self._base = self._last = self._last_digest = self._chain = None
 
     def _prune(self):
         links = self._links()
@@ -366,10 +732,10 @@ class IncrementalCheckpointer:
         out = {}
         if not os.path.isdir(self.directory):
             return out
-        for path in glob.glob(os.path.join(self.directory, "ckpt-*.npz")):
-            m = _NAME.match(os.path.basename(path))
+        for name in os.listdir(self.directory):
+            m = _NAME.match(name)
             if m:
-                out[int(m.group(1))] = (m.group(2), path)
+                out[int(m.group(1))] = (m.group(2), os.path.join(self.directory, name))
         return out
 
     # -- Restoring -------------------------------------------------------------
@@ -377,113 +743,290 @@ class IncrementalCheckpointer:
     def _read(path):
         """All arrays of a link and its meta; raises ValueError naming the
         file when it is unreadable (truncated, CRC mismatch, foreign)."""
-        try:
-            with np.load(path, allow_pickle=False) as z:
-                arrays = {k: z[k] for k in z.files}  # reads (and CRC-checks) every member
-            meta = json.loads(arrays.pop("__meta__").tobytes().decode())
-        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
-            raise ValueError(f"{path} is not a readable checkpoint link: "
-                             f"{type(e).__name__}: {e}") from None
-        if meta.get("format") != _FORMAT:
-            raise ValueError(f"{path} is not a keras_rec_emb checkpoint link "
-                             f"(format {meta.get('format')!r})")
+        arrays, meta, _ = _read(path)
         return arrays, meta
 
-    def restore(self):
-        """Loads the newest intact full checkpoint and replays its chain.
+    def restore(self, partial=False):
+        """Loads the newest chain: its full checkpoint and its links.
+
+        Args:
+            partial: bool. When the chain is broken in the middle (a link
+                missing, unreadable or replaced while later links of the
+                chain exist), `False` raises and changes nothing; `True`
+                restores up to the last good link, with a warning naming
+                the links it drops. Defaults to `False`.
 
         Returns:
             dict with `links` (paths applied, in order), `step` (the
-            optimizer step of the last link), `skipped` (paths not applied:
-            a bad full checkpoint, or the link where the chain broke and
-            those after it), `kafka` (offsets restored or None); or `None`
-            when the directory holds no checkpoint.
+            optimizer step of the last link), `skipped` (paths in the folder
+            newer than the restored full checkpoint and not applied, each
+            named in a warning: a bad full checkpoint and its links, foreign
+            links, links after a break), `kafka` (offsets restored or None);
+            or `None` when the directory holds no checkpoint.
+
+        Raises:
+            ValueError: no intact full checkpoint; the chain is broken in
+                the middle (without `partial`); the checkpoint does not fit
+                the model (it says what differs). The model is unchanged.
         """
-        links = self._links()
-        if not links:
+        partial = _checks.check_bool("partial", partial)
+        found = self._links()
+        if not found:
             return None
+        links = [_Link(seq, kind, path) for seq, (kind, path) in sorted(found.items())]
         tables = dict(_tables(self.model))
-        fulls = sorted((s for s, (k, _) in links.items() if k == "full"), reverse=True)
-        skipped = []
-        for full_seq in fulls:
-            path = links[full_seq][1]
-            try:
-                arrays, meta = self._read(path)
-                self._check(meta, tables, path)
-            except ValueError as e:
-                warnings.warn(f"Skipping full checkpoint {path}: {e}", stacklevel=2)
-                skipped.append(path)
-                continue
-            break
+        full, arrays, meta, digest, skipped, reported = self._pick_full(links, tables)
+        staged = [(full.path, arrays, meta)]
+        applied, broken = self._walk(links, full, digest, tables, staged, skipped,
+                                     reported, partial)
+        stage = self._validate(staged, tables)
+        self._apply(stage, tables)
+        last = applied[-1]
+        last_meta = staged[-1][2]
+        if broken:
+            self._forget_chain()
         else:
-            raise ValueError(f"No intact full checkpoint in {self.directory}: "
-                             f"{[os.path.basename(p) for p in skipped]} are unreadable")
-        full_name = os.path.basename(path)
-        self._apply(arrays, meta, tables, full=True)
-        applied, last_meta = [path], meta
-        broken = False
-        for seq in sorted(s for s in links if s > full_seq):
-            kind, lpath = links[seq]
-            if kind == "full":
-                break  # a newer full that failed to load: its chain is not ours
+            self._marks = {name: t.mark_changes() for name, t in _tables(self.model)}
+            self._base, self._last, self._chain = full.name, last[0], _chain_id(meta, full.name)
+            self._last_digest = last[1]
+        return {"links": [p for p, _, _ in staged], "step": last_meta.get("step", 0),
+                "skipped": skipped, "kafka": last_meta.get("kafka")}
+
+    def _pick_full(self, links, tables):
+        """The full checkpoint to restore: of those that read intact, the one
+        whose chain reaches furthest (a chain continued after a fallback
+        restore is newer than the corrupt full checkpoint it fell back
+        from). Warns about each one skipped, with its links."""
+        def reach(full):
+            if full.meta is None:
+                return full.seq
+            return max([full.seq] + [link.seq for link in links if link.kind == "incremental"
+                                     and link.base() == full.name and link.chain == full.chain])
+
+        fulls = sorted((link for link in links if link.kind == "full"),
+                       key=lambda f: (reach(f), f.seq), reverse=True)
+        skipped, reported = [], set()
+        for full in fulls:
             try:
-                arrays, meta = self._read(lpath)
-                self._check(meta, tables, lpath)
+                if full.error is not None:
+                    raise full.error
+                arrays, meta, digest = _read(full.path, "full")
             except ValueError as e:
-                warnings.warn(f"Incremental checkpoint {lpath} is corrupt ({e}); restored up "
-                              f"to the last good link {applied[-1]}", stacklevel=2)
-                broken = True
-                break
-            if meta.get("base") != full_name:
-                break
-            if meta.get("parent") != os.path.basename(applied[-1]):
+                theirs = [link for link in links if link.kind == "incremental"
+                          and link.base() == full.name]
                 warnings.warn(
-                    f"The incremental chain of {full_name} misses link "
-                    f"{meta.get('parent')!r} (the parent of {lpath}); restored up to the "
-                    f"last good link {applied[-1]}", stacklevel=2)
-                broken = True
-                break
-            self._apply(arrays, meta, tables, full=False)
-            applied.append(lpath)
-            last_meta = meta
-        if broken:
-            skipped += [p for s, (_, p) in sorted(links.items())
-                        if s > full_seq and p not in applied]
-        named = _tables(self.model)
-        if broken:
-            self._marks, self._base, self._last = None, None, None  # next save: full
-        else:
-            self._marks = {name: t.mark_changes() for name, t in named}
-            self._base, self._last = full_name, os.path.basename(applied[-1])
-        return {"links": applied, "step": last_meta.get("step", 0), "skipped": skipped,
-                "kafka": last_meta.get("kafka")}
+                    f"Skipping full checkpoint {full.path}: {e}"
+                    + (f"; its incremental links {_names(theirs)} are not applied either"
+                       if theirs else ""), stacklevel=3)
+                skipped += [full.path] + [link.path for link in theirs]
+                reported.update([full.name] + _names(theirs))
+                continue
+            self._check_model(meta, tables, full.path)
+            return full, arrays, meta, digest, skipped, reported
+        raise ValueError(f"No intact full checkpoint in {self.directory}: "
+                         f"{_names(fulls)} are unreadable (see the warnings); nothing "
+                         "was restored")
 
-    def _check(self, meta, tables, path):
-        if sorted(meta.get("tables", [])) != sorted(tables):
-            raise ValueError(f"{path} holds tables {meta.get('tables')} but the model has "
-                             f"{sorted(tables)}")
-        dense = _dense(self.model)
-        if len(meta.get("dense", [])) != len(dense):
-            raise ValueError(f"{path} holds {len(meta.get('dense', []))} dense variables but "
-                             f"the model has {len(dense)}")
-
-    def _apply(self, arrays, meta, tables, full):
-        for j, name in enumerate(meta["tables"]):
-            prefix = f"t{j}/"
-            parts = {k: arrays[prefix + k] for k in _TABLE_PARTS}
-            parts["slots"] = {k[len(prefix) + 5:]: v for k, v in arrays.items()
-                              if k.startswith(prefix + "slot/")}
-            if full:
-                tables[name].import_(parts, clear=True)
+    def _walk(self, links, full, digest, tables, staged, skipped, reported, partial):
+        """Reads the links of `full`'s chain that follow one another into
+        `staged`; returns [(name, checksum)] of the chain read and whether it
+        ended early. Warns about every newer file not applied, or raises
+        when the chain breaks in the middle (later links of it would be
+        dropped) unless `partial`."""
+        chain = _chain_id(staged[0][2], full.name)
+        by_name = {link.name: link for link in links}
+        applied = [(full.name, digest)]
+        foreign, others, unknown, dropped = [], [], [], []
+        bad = None  # (file name where the chain breaks, why)
+        for link in links:
+            if link.seq <= full.seq or link.name in reported:
+                continue
+            if link.meta is None:
+                unknown.append(link)
+            elif link.kind == "full" or link.base() != full.name:
+                others.append(link)
+            elif link.chain != chain:
+                foreign.append(link)
+            elif bad is not None:
+                dropped.append(link)
+            elif not _follows(link.meta, *applied[-1]):
+                bad = self._why_not_next(link, applied[-1][0], by_name, chain)
+                dropped.append(link)
             else:
-                parts["erased"] = arrays[prefix + "erased"]
-                tables[name].apply_changes(parts)
-        for i, v in enumerate(_dense(self.model)):
-            v.assign(arrays[f"dense/{i}"])
+                try:
+                    arrays, meta, link_digest = _read(link.path, "incremental")
+                    self._check_model(meta, tables, link.path)
+                    if _chain_id(meta, link.name) != chain:
+                        raise ValueError("its contents changed while it was read")
+                except ValueError as e:
+                    bad = (link.name, f"it cannot be applied: {e}")
+                    skipped.append(link.path)
+                    continue
+                staged.append((link.path, arrays, meta))
+                applied.append((link.name, link_digest))
+        if bad is not None:
+            where = (f"The incremental chain of {full.name} is broken at {bad[0]}: "
+                     f"{bad[1]}.")
+            if dropped and not partial:
+                raise ValueError(
+                    f"{where} {len(dropped)} later links of the chain ({_names(dropped)}) "
+                    "cannot be applied after the break. Nothing was restored. Put the "
+                    "link back, or call restore(partial=True) to restore up to the last "
+                    f"good link {applied[-1][0]} and drop them.")
+            warnings.warn(
+                f"{where} Restored up to the last good link {applied[-1][0]}"
+                + (f"; dropped the later links {_names(dropped)}" if dropped else "")
+                + ". The next save starts a new full checkpoint.", stacklevel=3)
+        for link in foreign:
+            warnings.warn(
+                f"Skipping {link.path}: it names {full.name} as its full checkpoint but "
+                f"belongs to another chain (chain {link.chain[:12]}, written by run "
+                f"{str(link.meta.get('run'))[:12]}; the restored chain is {chain[:12]}): a "
+                "link of another run copied into this folder? It is not applied.",
+                stacklevel=3)
+        for link in others:
+            what = "a newer full checkpoint" if link.kind == "full" else (
+                f"a link of the chain of {link.base()}")
+            warnings.warn(
+                f"Not applying {link.path}: it is {what}, not part of the restored chain "
+                f"of {full.name}, which reaches {applied[-1][0]}.", stacklevel=3)
+        last_seq = int(_NAME.match(applied[-1][0]).group(1))
+        tail = False
+        for link in unknown:
+            if bad is not None and link.name == bad[0]:
+                continue
+            if link.seq > last_seq and link.kind == "incremental":
+                tail = True  # perhaps the newest link of this chain
+                warnings.warn(
+                    f"Not applying {link.path}: {link.error}. If it was the newest link "
+                    f"of the chain, the chain is restored up to {applied[-1][0]} and the "
+                    "next save starts a new full checkpoint.", stacklevel=3)
+            else:
+                warnings.warn(f"Not applying {link.path}: {link.error}", stacklevel=3)
+        skipped += [link.path for link in foreign + others + unknown + dropped]
+        return applied, bad is not None or tail
+
+    @staticmethod
+    def _why_not_next(link, last, by_name, chain):
+        """(where, why) the chain breaks before `link`, which does not follow
+        `last`, the last link read."""
+        parent = link.meta.get("parent")
+        found = by_name.get(parent)
+        if found is None:
+            return parent, f"it is missing ({link.name} follows it)"
+        if found.meta is None:
+            return parent, f"it is unreadable ({found.error}) and {link.name} follows it"
+        if found.chain != chain:
+            return parent, (f"{link.name} follows it, but the file of that name is a link "
+                            "of another chain (replaced by another run's file?)")
+        if parent == last:
+            return parent, (f"{link.name} follows it, but its checksum is not the one "
+                            f"{link.name} recorded (rewritten or replaced since)")
+        return link.name, (f"it was saved after {parent}, not after {last}, the last link "
+                           "of the chain before it (two writers in one folder?)")
+
+    def _check_model(self, meta, tables, path):
+        """Raises a _Mismatch saying what differs when a link's tables or
+        dense variables do not fit the model."""
+        have, want = sorted(tables), sorted(meta["tables"])
+        if have != want:
+            raise _Mismatch(
+                f"{path} does not fit this model: it holds the tables {want} but the "
+                f"model has {have} (not in the model: {sorted(set(want) - set(have))}; "
+                f"not in the checkpoint: {sorted(set(have) - set(want))}). Restore into "
+                "a model built as the one that saved the chain (same layers and names).")
+        dense = _dense(self.model)
+        saved = meta.get("dense_names")
+        if not isinstance(saved, list) or len(saved) != len(dense):
+            n = len(saved) if isinstance(saved, list) else 0
+            raise _Mismatch(
+                f"{path} does not fit this model: it holds {n} dense variables but the "
+                f"model has {len(dense)} ({[v.path for v in dense]})")
+        for v, entry in zip(dense, saved):
+            shape = entry[1] if isinstance(entry, list) and len(entry) == 2 else None
+            if shape != list(v.shape):
+                raise _Mismatch(
+                    f"{path} does not fit this model: dense variable {v.path} has shape "
+                    f"{list(v.shape)} in the model but {shape} in the checkpoint")
+
+    def _validate(self, staged, tables):
+        """Everything `_apply` needs, checked against the model; raises
+        before anything changes."""
+        dense = _dense(self.model)
+        opt_vars = _optimizer_vars(self.model)  # (builds the tables' slots)
+        probes = {name: t.export_changes(_NO_CHANGES) for name, t in tables.items()}
+        stage = {"tables": {name: [] for name in tables}, "dense": None, "opt": None,
+                 "kafka": None}
+        opt_note = None
+        for path, arrays, meta in staged:
+            for j, name in enumerate(meta["tables"]):
+                parts = _link_table(arrays, meta, j, path)
+                _check_table_fits(parts, tables[name], name, path, probes[name])
+                stage["tables"][name].append((meta["kind"], parts))
+        path, arrays, meta = staged[-1]
+        values = []
+        for i, v in enumerate(dense):
+            a = arrays.get(f"dense/{i}")
+            if a is None or list(a.shape) != list(v.shape):
+                raise ValueError(f"{path}: dense variable {i} ({v.path}) is "
+                                 f"{'missing' if a is None else list(a.shape)}, the model's "
+                                 f"is {list(v.shape)}")
+            values.append(a)
+        stage["dense"] = values
+        saved = [arrays.get(f"opt/{i}") for i in range(len(meta.get("optimizer", [])))]
+        if len(saved) != len(opt_vars) or any(
+                a is None or list(a.shape) != list(v.shape) for a, v in zip(saved, opt_vars)):
+            opt_note = (f"{path} holds {len(saved)} optimizer variables "
+                        f"{[list(a.shape) if a is not None else None for a in saved]} but "
+                        f"the model's optimizer has {len(opt_vars)} "
+                        f"{[list(v.shape) for v in opt_vars]}")
+        else:
+            stage["opt"] = saved
+        stage["kafka"] = _kafka_offsets(meta, path)
+        if opt_note is not None:
+            warnings.warn(f"The optimizer's state is not restored (compiled with another "
+                          f"optimizer?): {opt_note}. Tables and dense variables are.",
+                          stacklevel=3)
+        return stage
+
+    def _apply(self, stage, tables):
+        """Applies a checked stage; on any failure puts back what it
+        changed and re-raises."""
+        dense = _dense(self.model)
         opt_vars = _optimizer_vars(self.model)
-        if len(opt_vars) == len(meta.get("optimizer", [])):
-            for i, v in enumerate(opt_vars):
-                v.assign(arrays[f"opt/{i}"])
-        if self.kafka_position is not None and meta.get("kafka") is not None:
-            self.kafka_position._advance(  # pylint: disable=protected-access
-                {(t, int(p)): int(o) for t, p, o in meta["kafka"]})
+        backup = {"dense": [np.array(keras.ops.convert_to_numpy(v)) for v in dense],
+                  "opt": [np.array(keras.ops.convert_to_numpy(v)) for v in opt_vars],
+                  "tables": {}}
+        try:
+            for name, links in stage["tables"].items():
+                table = tables[name]
+                backup["tables"][name] = table.export()
+                for kind, parts in links:
+                    if kind == "full":
+                        table.import_(parts, clear=True)
+                    else:
+                        table.apply_changes(parts)
+            for v, a in zip(dense, stage["dense"]):
+                v.assign(a)
+            if stage["opt"] is not None:
+                for v, a in zip(opt_vars, stage["opt"]):
+                    v.assign(a)
+        except BaseException as error:
+            try:
+                for name, data in backup["tables"].items():
+                    tables[name].import_(data, clear=True)
+                for v, a in zip(dense, backup["dense"]):
+                    v.assign(a)
+                for v, a in zip(opt_vars, backup["opt"]):
+                    v.assign(a)
+            except BaseException as again:
+                raise RuntimeError(
+                    f"Restoring from {self.directory} failed ({type(error).__name__}: "
+                    f"{error}) and putting the model back failed too ({type(again).__name__}: "
+                    f"{again}): the model is in an unknown state; rebuild it and restore "
+                    "again.") from error
+            error.add_note(f"(Restoring from {self.directory} failed; the model was put "
+                           "back as it was before the restore.)")
+            raise
+        if self.kafka_position is not None and stage["kafka"] is not None:
+            self.kafka_position._advance(stage["kafka"])  # pylint: disable=protected-access

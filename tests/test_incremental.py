@@ -100,7 +100,7 @@ def test_delta_holds_only_changed_rows(tmp_path):
             k.startswith("t0/slot/") for k in z.files)
 
 
-def test_corrupt_or_missing_link_restores_up_to_last_good_one(tmp_path):
+def test_corrupt_or_missing_link_refuses_or_restores_up_to_last_good_one(tmp_path):
     rng = np.random.default_rng(2)
     model, ev = make_model(filter_freq=0)
     train(model, [(0, 30)], rng)
@@ -111,36 +111,60 @@ def test_corrupt_or_missing_link_restores_up_to_last_good_one(tmp_path):
         train(model, [(30 * (i + 1), 30 * (i + 2))], rng)
         links.append(ckpt.save_incremental())
         states.append(table_state(ev))
-    # Corrupt link 2 (flip bytes in the middle of the zip).
+
+    def check(got_ev, i):
+        got = table_state(got_ev)
+        for k in got:
+            np.testing.assert_array_equal(got[k], states[i][k])
+
+    # The newest link corrupt: nothing after it is lost, so the restore stops
+    # before it with a warning.
+    saved_last = open(links[3], "rb").read()
+    with open(links[3], "r+b") as f:
+        f.seek(os.path.getsize(links[3]) // 2)
+        f.write(b"\x00" * 64)
+    restored, rev = make_model(filter_freq=0, seed=3)
+    restored.build((None, 3))
+    with pytest.warns(UserWarning, match=os.path.basename(links[3])):
+        info = kre.IncrementalCheckpointer(restored, tmp_path).restore()
+    assert info["links"] == links[:3] and info["skipped"] == [links[3]]
+    check(rev, 2)
+    with open(links[3], "wb") as f:
+        f.write(saved_last)
+    # Link 2 corrupt while link 3 follows it: the chain is broken in the
+    # middle; the restore refuses (naming both) and changes nothing ...
     with open(links[2], "r+b") as f:
         f.seek(os.path.getsize(links[2]) // 2)
         f.write(b"\x00" * 64)
     restored, rev = make_model(filter_freq=0, seed=3)
     restored.build((None, 3))
     r = kre.IncrementalCheckpointer(restored, tmp_path)
+    with pytest.raises(ValueError, match=os.path.basename(links[2])) as error:
+        r.restore()
+    assert os.path.basename(links[3]) in str(error.value)
+    assert rev.table_size() == 0
+    # ... unless asked to stop at the last good link (warned).
     with pytest.warns(UserWarning, match=os.path.basename(links[2])):
-        info = r.restore()
+        info = r.restore(partial=True)
     assert info["links"] == links[:2]
-    got = table_state(rev)
-    for k in got:
-        np.testing.assert_array_equal(got[k], states[1][k])
-    # After a broken chain the next save starts a new full checkpoint.
+    assert sorted(info["skipped"]) == sorted(links[2:])
+    check(rev, 1)
+    # After a shortened chain the next save starts a new full checkpoint.
     assert r.save_incremental().endswith("-full.npz")
-    # A missing link: delete link 1 of the original chain from a copy.
+    # A missing link in the middle: refused, naming it.
     os.remove(links[2])
     os.remove(links[1])
-    os.remove(r.save_full()) if False else None
     for p in os.listdir(tmp_path):
         if p.endswith("-full.npz") and os.path.join(tmp_path, p) != links[0]:
             os.remove(os.path.join(tmp_path, p))
     again, aev = make_model(filter_freq=0, seed=4)
     again.build((None, 3))
-    with pytest.warns(UserWarning, match="misses link"):
-        info = kre.IncrementalCheckpointer(again, tmp_path).restore()
+    with pytest.raises(ValueError, match=rf"{os.path.basename(links[2])}: it is missing"):
+        kre.IncrementalCheckpointer(again, tmp_path).restore()
+    with pytest.warns(UserWarning, match="it is missing"):
+        info = kre.IncrementalCheckpointer(again, tmp_path).restore(partial=True)
     assert info["links"] == links[:1]
-    got = table_state(aev)
-    for k in got:
-        np.testing.assert_array_equal(got[k], states[0][k])
+    check(aev, 0)
 
 
 def test_atomic_save_leaves_no_partial_file(tmp_path, monkeypatch):
