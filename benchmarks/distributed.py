@@ -1,40 +1,33 @@
-"""Synchronous sharded tables: steps/s and rows/s with 1, 2 and 4 replicas.
+"""Synchronous sharded tables: CPU of every process and bytes sent per step.
 
-Issue 15, item 5. One process per replica count (logical CPU devices must be
-configured before TensorFlow starts): a model of --features EmbeddingVariable
-tables (dim --dim, --ids ids per feature and example) + a small MLP is
-trained with `model.fit` for --steps steps of global batch --batch, first
-without a strategy (1 process, "plain"), then under
-`tf.distribute.MirroredStrategy` over N logical CPU devices, whose tables are
-sharded by key hash over the replicas. Reported: steps/s, looked-up
-rows/s, the scaling ratio against plain, and the bytes that cross between
-devices per step, measured from the step's ids against the ideal:
+By default: a model of --features EmbeddingVariable tables (dim --dim,
+--ids ids per feature and example) + Dense(--hidden) trained with
+`model.fit` (Adagrad) on global batches of --batch rows, first in one plain
+process (no strategy), then under `tf.distribute.MultiWorkerMirroredStrategy`
+with N worker processes on 127.0.0.1 (--workers; TF_CONFIG, free ports,
+stopped by pid), one replica and --threads intra/inter-op threads each,
+every worker passing the whole data (Keras splits each global batch).
+Reported per training step, over --steps timed steps after --warmup:
 
-* ideal: each id not owned by its replica goes to its owner (8 bytes) and
-  its row comes back (4 * dim), and the gradient row goes to the owner
-  again (4 * dim + 8);
-* ours: the same ids and rows (the lookup reads the owner's shard directly:
-  in one process the executor copies tensors between devices), but each
-  shard's gradient is all-gathered: every replica's gradient rows for a
-  shard reach all N replicas (N - 1 copies each), and only the owner applies
-  them.
+* CPU seconds of every process together (each reads its own
+  `getrusage(RUSAGE_SELF)`, every thread included), and that against the
+  plain process;
+* bytes sent: what each process's TCP sockets sent (the kernel's
+  `bytes_sent` of `ss -tinp`, gRPC's channels between the workers), summed;
+* the all-to-all ideal: for each replica's part of the batch and each
+  table, its distinct ids owned by another worker x (8 bytes of id + 4 dim
+  of row back + 4 dim of gradient row), computed from the data.
 
-`--workers 2` (a list) also runs MultiWorkerMirroredStrategy clusters of
-that many worker processes on 127.0.0.1 (TF_CONFIG, free ports, stopped by
-pid), one replica each, trained with `model.fit` (every worker passes the
-whole data; Keras splits each global batch). Their bytes per step
-and worker: the all-gather of the global batch's ids ((N-1)/N * 8 T), and
-two ring all-reduces of [T, dim] float32 rows (forward rows, backward
-gradients: 2 * 2 (N-1)/N * 4 T dim), against the same ideal as above.
+`--replicas 1,2,4` also runs MirroredStrategy over that many logical CPU
+devices in one process (steps/s only). The machine has 2 cores: N processes
+share them, so steps/s do not scale here; CPU seconds and bytes do not
+depend on that.
 
-The machine has few cores: N logical devices share them, so steps/s do not
-scale here; the numbers show the overhead of sharding, not a speed-up.
+    .venv/bin/python benchmarks/distributed.py                # plain, 1, 2, 4 workers
+    .venv/bin/python benchmarks/distributed.py --quick --workers 1,2
 
-    .venv/bin/python benchmarks/distributed.py                 # 1, 2, 4 replicas
-    .venv/bin/python benchmarks/distributed.py --quick
-    .venv/bin/python benchmarks/distributed.py --replicas 1,2 --workers 2
-
-Writes --json (default benchmarks/distributed.json).
+Writes --json (default benchmarks/distributed.json; the stored run is
+benchmarks/results/distributed.json).
 """
 
 import argparse
@@ -44,6 +37,8 @@ import shlex
 import subprocess
 import sys
 import time
+
+import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -67,24 +62,55 @@ def build_model(args):
               for i in range(args.features)}
     embs = [kre.layers.EmbeddingVariable(args.dim, combiner="sum", name=f"emb{i}")(
         inputs[f"f{i}"]) for i in range(args.features)]
-    h = keras.layers.Dense(64, activation="relu")(keras.layers.Concatenate()(embs))
+    h = keras.layers.Dense(args.hidden, activation="relu")(keras.layers.Concatenate()(embs))
     model = keras.Model(inputs, keras.layers.Dense(1)(h))
     model.compile(optimizer=kre.optimizers.Adagrad(0.05), loss="mse")
     return model
 
 
+def _cpu_seconds():
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this process
+    return usage.ru_utime + usage.ru_stime
+
+
+def _socket_bytes_sent(pid):
+    """Bytes this process's TCP sockets have sent (the kernel's own counter,
+    `ss -tinp`'s bytes_sent): gRPC's channels between the workers."""
+    import re
+
+    out = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, timeout=30).stdout
+    total, mine = 0, False
+    for line in out.splitlines():
+        if not line[:1].isspace():
+            mine = f"pid={pid}," in line
+        elif mine:
+            m = re.search(r"bytes_sent:(\d+)", line)
+            total += int(m.group(1)) if m else 0
+    return total
+
+
 def multi_worker_child(args):
-    """One MultiWorkerMirroredStrategy worker (TF_CONFIG set by main)."""
+    """One MultiWorkerMirroredStrategy worker (TF_CONFIG set by main), or
+    the plain one-process reference (no TF_CONFIG, no strategy)."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf
 
-    strategy = tf.distribute.MultiWorkerMirroredStrategy()
-    n, task = strategy.num_replicas_in_sync, strategy.cluster_resolver.task_id
-    ids, y = make_data(args)
-    with strategy.scope():
-        model = build_model(args)
+    tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+    tf.config.threading.set_inter_op_parallelism_threads(args.threads)
+    from keras_rec_emb.distribute import ps_tables
 
-    local = args.batch // n
+    plain = "TF_CONFIG" not in os.environ
+    if plain:
+        n, task = 1, 0
+        model = build_model(args)
+    else:
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+        n, task = strategy.num_replicas_in_sync, strategy.cluster_resolver.task_id
+        with strategy.scope():
+            model = build_model(args)
+    ids, y = make_data(args)
     x = {f"f{i}": ids[:, i] for i in range(args.features)}
 
     def fit(first, count):
@@ -95,34 +121,33 @@ def multi_worker_child(args):
                   shuffle=False, verbose=0)
 
     fit(0, args.warmup)
-    start = time.perf_counter()
+    pid = os.getpid()
+    cpu, sent, start = _cpu_seconds(), _socket_bytes_sent(pid), time.perf_counter()
     fit(args.warmup, args.steps)
-    steps_per_s = args.steps / (time.perf_counter() - start)
-    from keras_rec_emb.distribute import ps_tables
-
-    t = args.batch * args.ids  # ids per feature and global step
-    ideal = 0.0
-    for s in range(args.warmup, args.warmup + args.steps):
-        batch = ids[s * args.batch:(s + 1) * args.batch]
-        for r in range(n):
-            mine = batch[r * local:(r + 1) * local].transpose(1, 0, 2).reshape(
-                args.features, -1)
-            remote = int((ps_tables.shard_of_numpy(mine, n) != r).sum())
-            ideal += remote * (8 + 4 * args.dim) + remote * (4 * args.dim + 8)
-    # Per worker and feature: ids received by the all-gather, two ring
-    # all-reduces of [t, dim] float32; summed over the workers.
-    ours = n * args.features * ((n - 1) / n * 8 * t + 2 * 2 * (n - 1) / n * 4 * t * args.dim)
-    if task == 0:
-        result = {"workers": n, "steps_per_s": steps_per_s,
-                  "rows_per_s": steps_per_s * args.batch * args.features * args.ids,
-                  "ideal_bytes_per_step": ideal / args.steps, "bytes_per_step": ours}
-        print("RESULT " + json.dumps(result), flush=True)
+    wall = time.perf_counter() - start
+    cpu, sent = _cpu_seconds() - cpu, _socket_bytes_sent(pid) - sent
+    # The all-to-all ideal for this replica's part of each global batch: its
+    # distinct ids of each table that another worker owns go there (8
+    # bytes), their rows come back (4 dim) and their gradient rows go to the
+    # owner again (4 dim).
+    local = args.batch // n
+    ideal = 0
+    for step in range(args.warmup, args.warmup + args.steps):
+        part = ids[step * args.batch + task * local:step * args.batch + (task + 1) * local]
+        for f in range(args.features):
+            distinct = np.unique(part[:, f])
+            remote = int((ps_tables.shard_of_numpy(distinct, n) != task).sum())
+            ideal += remote * (8 + 8 * args.dim)
+    print("RESULT " + json.dumps({"task": task, "cpu_s": cpu, "bytes_sent": sent,
+                                  "wall_s": wall, "ideal_bytes": ideal}), flush=True)
 
 
-def run_multi_worker(args, n):
+def run_cluster(args, n):
+    """n MultiWorkerMirroredStrategy workers on 127.0.0.1 (n = 0: the plain
+    one-process reference); their summed CPU seconds and bytes per step."""
     import socket
 
-    socks = [socket.socket() for _ in range(n)]
+    socks = [socket.socket() for _ in range(max(n, 1))]
     for sock in socks:
         sock.bind(("127.0.0.1", 0))
     addresses = [f"127.0.0.1:{sock.getsockname()[1]}" for sock in socks]
@@ -130,26 +155,36 @@ def run_multi_worker(args, n):
         sock.close()
     cmd = [sys.executable, os.path.abspath(__file__), "--mw-child"] + [
         f"--{k}={getattr(args, k)}" for k in ("features", "ids", "dim", "batch", "steps",
-                                               "warmup")]
+                                               "warmup", "hidden", "threads")]
     procs = []
     try:
-        for task in range(n):
-            env = dict(os.environ, TF_CONFIG=json.dumps({
-                "cluster": {"worker": addresses}, "task": {"type": "worker", "index": task}}))
+        for task in range(max(n, 1)):
+            env = dict(os.environ)
+            env.pop("TF_CONFIG", None)
+            if n:
+                env["TF_CONFIG"] = json.dumps({"cluster": {"worker": addresses},
+                                               "task": {"type": "worker", "index": task}})
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE, text=True))
-        out, err = procs[0].communicate(timeout=1800)
-        codes = [p.wait(timeout=600) for p in procs]
+        outs = [p.communicate(timeout=1800) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()  # by its pid
                 p.wait(timeout=30)
-    line = [x for x in out.splitlines() if x.startswith("RESULT ")]
-    if any(codes) or not line:
-        sys.stderr.write(err[-3000:])
-        return None
-    return json.loads(line[0][len("RESULT "):])
+    results = []
+    for p, (out, err) in zip(procs, outs):
+        line = [x for x in out.splitlines() if x.startswith("RESULT ")]
+        if p.returncode or not line:
+            sys.stderr.write(err[-3000:])
+            return None
+        results.append(json.loads(line[0][len("RESULT "):]))
+    steps = args.steps
+    return {"workers": n, "cpu_s_per_step": sum(r["cpu_s"] for r in results) / steps,
+            "bytes_per_step": sum(r["bytes_sent"] for r in results) / steps,
+            "ideal_bytes_per_step": sum(r["ideal_bytes"] for r in results) / steps,
+            "steps_per_s": steps / max(r["wall_s"] for r in results),
+            "per_worker": results}
 
 
 def child(args):
@@ -208,22 +243,26 @@ def child(args):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--replicas", default="1,2,4")
+    p.add_argument("--replicas", default="",
+                   help="MirroredStrategy logical-device counts, e.g. 1,2,4")
     p.add_argument("--features", type=int, default=8)
-    p.add_argument("--ids", type=int, default=4)
+    p.add_argument("--ids", type=int, default=2)
     p.add_argument("--dim", type=int, default=16)
-    p.add_argument("--batch", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=4096)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="few small steps")
     p.add_argument("--json", default=os.path.join(HERE, "distributed.json"))
-    p.add_argument("--workers", default="",
-                   help="MultiWorkerMirroredStrategy worker counts, e.g. 2 or 2,3")
+    p.add_argument("--workers", default="1,2,4",
+                   help="MultiWorkerMirroredStrategy worker process counts (after the "
+                        "plain one-process reference)")
+    p.add_argument("--hidden", type=int, default=32, help="units of the Dense layer")
+    p.add_argument("--threads", type=int, default=1, help="intra/inter-op threads a process")
     p.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--mw-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
-        args.batch, args.steps, args.features = 256, 5, 4
+        args.batch, args.steps, args.features = 512, 5, 4
     if args.child:
         child(args)
         return 0
@@ -231,33 +270,43 @@ def main(argv=None):
         multi_worker_child(args)
         return 0
     results = []
-    for n in [int(r) for r in args.replicas.split(",")]:
+    for n in [int(r) for r in args.replicas.split(",") if r]:
         cmd = [sys.executable, os.path.abspath(__file__), "--child", str(n)] + [
             f"--{k}={getattr(args, k)}" for k in ("features", "ids", "dim", "batch",
-                                                   "steps", "warmup")]
+                                                   "steps", "warmup", "hidden")]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
         line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
         if out.returncode != 0 or not line:
             sys.stderr.write(out.stderr[-3000:])
             return 1
         results.append(json.loads(line[0][len("RESULT "):]))
-    for n in [int(w) for w in args.workers.split(",") if w]:
-        result = run_multi_worker(args, n)
+    if results:
+        base = results[0].get("plain_steps_per_s") or results[0]["steps_per_s"]
+        print("MirroredStrategy over logical CPU devices (one process):")
+        print(f"{'replicas':>8} {'steps/s':>9} {'rows/s':>11} {'vs plain':>9}")
+        for r in results:
+            print(f"{r['replicas']:>8} {r['steps_per_s']:>9.2f} {r['rows_per_s']:>11.0f} "
+                  f"{r['steps_per_s'] / base:>9.2f}")
+    cluster = []
+    workers = [int(w) for w in args.workers.split(",") if w]
+    for n in [0] + workers if workers else []:
+        result = run_cluster(args, n)
         if result is None:
             return 1
-        result["replicas"] = f"{n} proc"
-        results.append(result)
-    base = results[0].get("plain_steps_per_s") or results[0]["steps_per_s"]
-    print(f"{'replicas':>8} {'steps/s':>9} {'rows/s':>11} {'vs plain':>9} "
-          f"{'bytes/step':>11} {'ideal':>11} {'ratio':>6}")
-    for r in results:
-        ratio = r["bytes_per_step"] / r["ideal_bytes_per_step"] if r["ideal_bytes_per_step"] \
-            else float("nan")
-        print(f"{r['replicas']:>8} {r['steps_per_s']:>9.2f} {r['rows_per_s']:>11.0f} "
-              f"{r['steps_per_s'] / base:>9.2f} {r['bytes_per_step']:>11.0f} "
-              f"{r['ideal_bytes_per_step']:>11.0f} {ratio:>6.2f}")
-    if results[0].get("plain_steps_per_s"):
-        print(f"plain (no strategy): {results[0]['plain_steps_per_s']:.2f} steps/s")
+        cluster.append(result)
+    if cluster:
+        plain = cluster[0]["cpu_s_per_step"]
+        print(f"MultiWorkerMirroredStrategy, global batch {args.batch}, {args.threads} "
+              "thread(s) a process; CPU of every process and bytes its sockets sent:")
+        print(f"{'workers':>8} {'CPU s/step':>11} {'vs plain':>9} {'bytes/step':>12} "
+              f"{'ideal':>12} {'vs ideal':>9} {'steps/s':>8}")
+        for r in cluster:
+            ratio = (r["bytes_per_step"] / r["ideal_bytes_per_step"]
+                     if r["ideal_bytes_per_step"] else float("nan"))
+            print(f"{r['workers'] or 'plain':>8} {r['cpu_s_per_step']:>11.4f} "
+                  f"{r['cpu_s_per_step'] / plain:>9.2f} {r['bytes_per_step']:>12.0f} "
+                  f"{r['ideal_bytes_per_step']:>12.0f} {ratio:>9.2f} {r['steps_per_s']:>8.2f}")
+    results = {"mirrored": results, "cluster": cluster}
     with open(args.json, "w") as f:
         json.dump({"benchmark": "distributed", "date": time.strftime("%Y-%m-%d"),
                    "command": shlex.join(["benchmarks/distributed.py", *(argv or sys.argv[1:])]),

@@ -128,7 +128,11 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
     Args:
         strategy: the `tf.distribute.MultiWorkerMirroredStrategy`, one
             replica per worker.
-        dim, key_dtype, default_values, name, **kwargs: as `EmbeddingTable`.
+        dim: int. As `EmbeddingTable`.
+        key_dtype: As `EmbeddingTable`.
+        default_values: As `EmbeddingTable`.
+        name: str. As `EmbeddingTable`.
+        **kwargs: The other arguments of `EmbeddingTable`.
 
     Example (one worker, so the only shard holds every key):
 
@@ -219,6 +223,10 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
             return self._shape_only_lookup(keys)
         ctx = self._replica_context()
         n, dim = self._num, self.dim
+        if n == 1:  # the only shard holds every key: nothing to exchange
+            shard = self._shards[0]
+            with tf.device(shard.device):
+                return shard.lookup(tf.cast(keys, shard.key_dtype), insert=insert)
         flat = tf.cast(tf.reshape(keys, [-1]), tf.int64)
         unique, idx = tf.unique(flat)
         m = tf.size(unique, out_type=tf.int64)

@@ -135,18 +135,26 @@ def test_stored_scale_result_rows(tmp_path):
 
 
 def test_stored_distributed_result_rows(tmp_path):
-    # The stored `distributed.py` result: for every sharded run (MirroredStrategy
-    # replicas, MultiWorkerMirroredStrategy processes), steps/s against one
-    # process without a strategy and bytes per step against the ideal.
+    # The stored `distributed.py` result: for every MultiWorkerMirroredStrategy
+    # run after the plain process, CPU of every process per step against the
+    # plain one (issue 39's targets at 2 and 4 workers) and the bytes the
+    # sockets sent against the all-to-all ideal.
     stored = bench.stored_distributed_result(REPORT_PY.parent)
     assert stored is not None and stored["benchmark"] == "distributed"
     rows = bench._distributed_rows(stored, stored=True)
-    runs = [r for r in stored["results"] if r["replicas"] != 1]
-    assert len(rows) == 2 * len(runs) and any("workers" in r for r in runs)
-    plain = stored["results"][0]["plain_steps_per_s"]
-    for run, (speed, traffic) in zip(runs, zip(rows[::2], rows[1::2])):
-        assert stored["date"] in speed["benchmark"] and stored["command"] in speed["benchmark"]
-        assert speed["ratio"] == run["steps_per_s"] / plain and not speed["lower"]
-        assert traffic["ratio"] == run["bytes_per_step"] / run["ideal_bytes_per_step"]
-        assert traffic["lower"] and traffic["ratio"] >= 1.0  # nothing beats the ideal
+    cluster = stored["results"]["cluster"]
+    assert cluster[0]["workers"] == 0 and [r["workers"] for r in cluster[1:]] == [1, 2, 4]
+    runs = [r for r in cluster[1:]]
+    with_bytes = [r for r in runs if r["ideal_bytes_per_step"]]
+    assert len(rows) == len(runs) + len(with_bytes)
+    plain = cluster[0]["cpu_s_per_step"]
+    cpu_rows = [r for r in rows if r["comparison"].startswith("CPU s")]
+    for run, row in zip(runs, cpu_rows):
+        assert stored["date"] in row["benchmark"] and stored["command"] in row["benchmark"]
+        assert row["ratio"] == run["cpu_s_per_step"] / plain and row["lower"]
+        assert row["target"] == bench.DISTRIBUTED_CPU_TARGETS.get(run["workers"])
+    byte_rows = [r for r in rows if r["comparison"].startswith("bytes sent")]
+    for run, row in zip(with_bytes, byte_rows):
+        assert row["ratio"] == run["bytes_per_step"] / run["ideal_bytes_per_step"]
+        assert row["target"] == bench.DISTRIBUTED_BYTES_TARGET and row["status"] == "met"
     assert bench.stored_distributed_result(tmp_path) is None
