@@ -21,11 +21,13 @@ reading its own part of the Parquet data.
   one process with batch B.
 * **Synchronous over processes (MultiWorkerMirroredStrategy).** One
   replica per worker process; each table is split by key hash into one shard
-  per worker, which only that process holds. A lookup all-gathers the ids of
-  every worker, each worker looks up the ids it owns, and an all-reduce (sum)
-  of the rows hands every worker its rows; the gradient returns the same way
-  (the gradient of an all-reduce is an all-reduce), so each owner applies the
-  global batch's gradient to its shard with the fused kernel.
+  per worker, which only that process holds. A lookup de-duplicates the
+  replica's ids and sends each to its owner only, in one collective
+  all-to-all; the owners answer with their rows in a second one. The
+  gradient returns the same way (the gradient of an all-to-all is the
+  all-to-all back), so each owner applies the global batch's gradient to
+  its shard with the fused kernel. Each worker sends about its own distinct
+  remote ids and their rows, whatever the number of workers.
 * **Asynchronous (parameter servers).** Tables live on parameter-server
   tasks: `tf.distribute.Server` processes started with `keras-rec-emb ps`.
   Workers connect with `keras_rec_emb.distribute.connect` and build their
