@@ -20,6 +20,7 @@ Two objects with two roles:
 import itertools
 import os
 import re
+import uuid
 from typing import NamedTuple
 
 import keras
@@ -271,13 +272,28 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
 
     # -- TrackableResource ------------------------------------------------
     def _create_resource(self):
+        storage_path, shared_name = self._storage_dir or "", self._shared_name
+        if not tf.executing_eagerly():
+            # Traced into a SavedModel (`model.export`): its `_create_resource`
+            # function (what tf.saved_model.load runs) and its graph (what a
+            # TF1 Session runs, as C++ model servers do).
+            # The loaded copy keeps its rows in DRAM: a folder path fixed at
+            # export would be the trainer's, whose lock a server cannot take
+            # while the trainer lives, nor two versions loaded in one process.
+            storage_path = ""
+            if not shared_name and not tf.inside_function():
+                # A Session runs the graph's create op at every `run`; a
+                # private table (owned by its handle) would be a new, empty
+                # one each time, after the restore filled another. A name
+                # makes it one table per Session (each has its own devices).
+                shared_name = f"kre_saved_model/{uuid.uuid4().hex}"
         return _ops.create_table(
             tf.constant(self._initial_default_values), self._key_dtype, self._dim,
             self._num_shards, track_meta=self._track_meta, filter_freq=self._filter_freq,
             bloom=self._bloom, no_permission_value=self._no_permission_value,
             freq_cap=self._freq_cap(),
-            storage_path=self._storage_dir or "", cache_bytes=self._cache_bytes,
-            shared_name=self._shared_name, replica_shard=self._replica_shard is not None,
+            storage_path=storage_path, cache_bytes=self._cache_bytes,
+            shared_name=shared_name, replica_shard=self._replica_shard is not None,
         )
 
     def _destroy_resource(self):
