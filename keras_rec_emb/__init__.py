@@ -133,3 +133,21 @@ from keras_rec_emb.incremental import (  # noqa: E402,F401
 )
 from keras_rec_emb.saving import load_model, save_model  # noqa: E402,F401
 from keras_rec_emb.serving import export_for_serving  # noqa: E402,F401
+
+__all__ = [
+    "__version__",
+    # Subpackages.
+    "callbacks", "data", "distribute", "layers", "ops", "optimizers",
+    # Table options.
+    "CBFFilter", "CounterFilter", "EmbeddingVariableOption", "GlobalStepEvict",
+    "InitializerOption", "L2WeightEvict", "StorageOption",
+    # Saving, serving, incremental checkpoints.
+    "save_model", "load_model", "export_for_serving", "IncrementalCheckpointer",
+    "apply_to_saved_model",
+]
+
+
+def __dir__():
+    # dir() and completion list the public API only, not the modules that
+    # implement it (`_ops`, `variables`, ...) nor this file's helpers.
+    return list(__all__)

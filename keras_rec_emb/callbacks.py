@@ -9,6 +9,12 @@ from keras_rec_emb import _compat
 from keras_rec_emb import _checks
 from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
 
+__all__ = ["EvictionCallback", "CheckpointCallback", "TableStats"]
+
+
+def __dir__():
+    return list(__all__)  # the public names only (not `os`, `time`, `keras`)
+
 
 @keras.saving.register_keras_serializable(package="keras_rec_emb")
 class EvictionCallback(keras.callbacks.Callback):
@@ -140,6 +146,9 @@ class CheckpointCallback(keras.callbacks.Callback):
             raise ValueError(f"`keep` must be an integer >= 1. Received: keep={keep!r}")
         self.keep = keep
         self.save_on_train_end = _checks.check_bool("save_on_train_end", save_on_train_end)
+        from keras_rec_emb.incremental import _position
+
+        _position(kafka_position)  # a bad one fails here, not at the first save in `fit`
         self.kafka_position = kafka_position
         self.checkpointer = None
         self.saves = []  # paths written, in order

@@ -161,3 +161,23 @@ def test_version_has_one_source():
 
     assert kre.__version__ == _version.__version__ == metadata.version("keras-rec-emb")
     assert kre.__version__ == "0.2.0"
+
+
+PUBLIC_MODULES = ["keras_rec_emb", "keras_rec_emb.callbacks", "keras_rec_emb.data",
+                  "keras_rec_emb.distribute", "keras_rec_emb.layers", "keras_rec_emb.ops",
+                  "keras_rec_emb.optimizers"]
+
+
+@pytest.mark.parametrize("name", PUBLIC_MODULES)
+def test_public_modules_declare_their_api(name):
+    """Each public namespace declares `__all__`, every name in it exists, and
+    dir() (completion) lists exactly those: no `os`, `time`, `keras` or
+    implementing modules."""
+    import importlib
+
+    module = importlib.import_module(name)
+    assert module.__all__ and len(set(module.__all__)) == len(module.__all__)
+    for public in module.__all__:
+        assert hasattr(module, public), f"{name}.{public}"
+    assert sorted(dir(module)) == sorted(module.__all__)
+    assert "os" not in dir(module) and "time" not in dir(module)

@@ -23,3 +23,7 @@ __all__ = [
     "read_parquet",
     "synthetic_ctr",
 ]
+
+
+def __dir__():
+    return list(__all__)  # the public names only, not the implementing modules

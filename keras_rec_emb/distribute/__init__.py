@@ -11,6 +11,13 @@ from keras_rec_emb.distribute.ps_tables import (  # noqa: F401
     shard_of,
 )
 
+__all__ = ["CollectiveShardedTable", "ShardedEmbeddingTable", "connect", "parameter_servers",
+           "shard_of"]
+
 # model.fit / evaluate under a multi-worker strategy (keras-team/keras#20585):
 # see _compat.fix_keras_multi_worker; nothing changes elsewhere.
 _compat.fix_keras_multi_worker()
+
+
+def __dir__():
+    return list(__all__)  # the public names only, not the implementing modules

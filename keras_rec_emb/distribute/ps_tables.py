@@ -145,7 +145,11 @@ class ShardedEmbeddingTable(_compat.Trackable):
 
     Args:
         devices: list of str. One device per shard.
-        dim, key_dtype, default_values, name, **kwargs: as `EmbeddingTable`.
+        dim: int. As `EmbeddingTable`.
+        key_dtype: As `EmbeddingTable`.
+        default_values: As `EmbeddingTable`.
+        name: str. As `EmbeddingTable`.
+        **kwargs: The other arguments of `EmbeddingTable`.
         replicas: bool. The devices are a MirroredStrategy's replicas: shard
             `i` is owned by replica `i`, which alone applies its updates
             (the optimizers gather every replica's gradient for it).

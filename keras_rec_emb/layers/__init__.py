@@ -17,3 +17,7 @@ _compat.fix_subclassed_save_signature()
 
 __all__ = ["AdaptiveEmbedding", "EmbeddingVariable", "FeatureConfig", "FeatureSpec",
            "GroupEmbedding", "HashStrings", "MultiHashEmbedding", "TableConfig"]
+
+
+def __dir__():
+    return list(__all__)  # the public names only, not the implementing modules

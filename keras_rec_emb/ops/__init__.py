@@ -13,3 +13,7 @@ __all__ = [
     "group_embedding_lookup",
     "group_embedding_lookup_sparse",
 ]
+
+
+def __dir__():
+    return list(__all__)  # the public names only, not the implementing modules

@@ -13,3 +13,7 @@ __all__ = ["SGD", "Adagrad", "Adam", "Ftrl", "AdamAsync", "AdagradDecay", "AdamW
 # Under "mixed_float16", `compile` wraps an optimizer of ours in our
 # LossScaleOptimizer, not Keras's (see _compat.fix_compile_loss_scale).
 _compat.fix_compile_loss_scale(_rewrap)
+
+
+def __dir__():
+    return list(__all__)  # the public names only, not the implementing modules

@@ -34,7 +34,7 @@ def _doc(name, keras_name, rule, args=""):
         f"    Dense variables follow Keras's {keras_name} exactly. A table's rows\n"
         f"    are updated in place by one fused kernel per step: {rule}\n"
         "    Slots live inside the table and are saved with it.\n\n"
-        f"    Args:\n        Same as `keras.optimizers.{keras_name}`.\n"
+        f"    Its arguments are those of `keras.optimizers.{keras_name}`.\n"
         + _EXAMPLE.format(name=name, args=args)
     )
 
