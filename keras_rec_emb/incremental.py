@@ -821,7 +821,7 @@ class IncrementalCheckpointer:
                 skipped += [full.path] + [link.path for link in theirs]
                 reported.update([full.name] + _names(theirs))
                 continue
-            self._check_model(meta, tables, full.path)
+            self._check_model(meta, arrays, tables, full.path)
             return full, arrays, meta, digest, skipped, reported
         raise ValueError(f"No intact full checkpoint in {self.directory}: "
                          f"{_names(fulls)} are unreadable (see the warnings); nothing "
@@ -855,7 +855,7 @@ class IncrementalCheckpointer:
             else:
                 try:
                     arrays, meta, link_digest = _read(link.path, "incremental")
-                    self._check_model(meta, tables, link.path)
+                    self._check_model(meta, arrays, tables, link.path)
                     if _chain_id(meta, link.name) != chain:
                         raise ValueError("its contents changed while it was read")
                 except ValueError as e:
@@ -925,7 +925,7 @@ class IncrementalCheckpointer:
         return link.name, (f"it was saved after {parent}, not after {last}, the last link "
                            "of the chain before it (two writers in one folder?)")
 
-    def _check_model(self, meta, tables, path):
+    def _check_model(self, meta, arrays, tables, path):
         """Raises a _Mismatch saying what differs when a link's tables or
         dense variables do not fit the model."""
         have, want = sorted(tables), sorted(meta["tables"])
@@ -935,6 +935,13 @@ class IncrementalCheckpointer:
                 f"model has {have} (not in the model: {sorted(set(want) - set(have))}; "
                 f"not in the checkpoint: {sorted(set(have) - set(want))}). Restore into "
                 "a model built as the one that saved the chain (same layers and names).")
+        for j, name in enumerate(meta["tables"]):
+            values = arrays.get(f"t{j}/values")
+            if values is not None and values.ndim == 2 and values.shape[1] != tables[name].dim:
+                raise _Mismatch(
+                    f"{path} holds rows of dim {values.shape[1]} for table '{name}', which "
+                    f"has dim {tables[name].dim}. Restore into a model whose layer has "
+                    f"embedding_dim={values.shape[1]}.")
         dense = _dense(self.model)
         saved = meta.get("dense_names")
         if not isinstance(saved, list) or len(saved) != len(dense):

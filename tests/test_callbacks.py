@@ -113,3 +113,29 @@ def test_no_eviction_when_neither_is_asked():
     callback = kre.callbacks.EvictionCallback(on_epoch_end=False)
     sizes, final = _one_epoch_of_new_ids(callback, nested=False)
     assert sizes == [4, 8, 12, 16, 20] and final == 20 and callback.evicted == 0
+
+
+def test_checkpoint_callback_refuses_a_bad_kafka_position_when_given(tmp_path):
+    """Not at the first save inside `fit`: where the argument is given."""
+    from keras_rec_emb.data import KafkaPosition
+
+    for bad in (3, "clicks:0:0", {("clicks", 0): 5}):
+        with pytest.raises(TypeError, match=r"`kafka_position` must be .*kafka_position="):
+            kre.callbacks.CheckpointCallback(str(tmp_path), full_every_steps=1,
+                                             kafka_position=bad)
+    position = KafkaPosition({("clicks", 0): 5})
+    cb = kre.callbacks.CheckpointCallback(str(tmp_path), kafka_position=position)
+    assert cb.kafka_position is position
+
+
+@pytest.mark.parametrize("offsets", [
+    {"clicks": 5}, {("clicks", -1): 5}, {("clicks", 0): -2}, {("bad topic", 0): 1},
+    {("clicks", 0): 1.5}, {("clicks", True): 1}])
+def test_kafka_position_refuses_bad_offsets(offsets):
+    from keras_rec_emb.data import KafkaPosition
+
+    with pytest.raises(ValueError, match=r"`offsets` must be .*Received the entry"):
+        KafkaPosition(offsets)
+    with pytest.raises(TypeError, match="offsets="):
+        KafkaPosition([("clicks", 0, 1)])
+    assert KafkaPosition({("clicks", np.int64(2)): np.int64(7)}).offsets() == {("clicks", 2): 7}

@@ -163,3 +163,162 @@ def test_a_link_replaced_in_the_middle_of_the_chain_refuses_the_restore(tmp_path
         info = kre.IncrementalCheckpointer(model, tmp_path / "ours").restore(partial=True)
     assert info["links"] == ours[:1]
     assert_same(state(model), states[0])
+
+
+# -- restores are all-or-nothing -------------------------------------------------
+
+def _chain(directory, **kwargs):
+    """A full checkpoint and one incremental link of a trained model."""
+    rng = np.random.default_rng(3)
+    model = make_model(**kwargs)
+    ckpt = kre.IncrementalCheckpointer(model, directory)
+    train(model, rng, 0, 40)
+    ckpt.save_full()
+    train(model, rng, 30, 80)
+    ckpt.save_incremental()
+    return state(model)
+
+
+def _live(seed=9, **kwargs):
+    """A trained model (rows in every table) to restore over."""
+    model = make_model(seed=seed, **kwargs)
+    train(model, np.random.default_rng(seed), 200, 260, steps=2)
+    return model, state(model)
+
+
+def test_a_restore_that_cannot_read_its_checkpoint_changes_nothing(tmp_path):
+    _chain(tmp_path)
+    corrupt(os.path.join(tmp_path, "ckpt-00000000-full.npz"))
+    model, before = _live()
+    with pytest.warns(UserWarning, match="Skipping full checkpoint"):
+        with pytest.raises(ValueError, match="No intact full checkpoint"):
+            kre.IncrementalCheckpointer(model, tmp_path).restore()
+    assert_same(state(model), before)
+
+
+def test_a_restore_into_other_dense_shapes_raises_before_touching_the_tables(tmp_path):
+    _chain(tmp_path)
+    model, before = _live(dense_units=2)
+    with pytest.raises(ValueError, match=r"out/kernel has shape \[4, 2\] in the model but "
+                                         r"\[4, 1\] in the checkpoint"):
+        kre.IncrementalCheckpointer(model, tmp_path).restore()
+    assert_same(state(model), before)
+
+
+def test_a_restore_into_other_tables_says_which_tables_differ(tmp_path):
+    _chain(tmp_path)
+    model, before = _live(second_table=True)
+    with pytest.raises(ValueError, match="does not fit this model") as info:
+        kre.IncrementalCheckpointer(model, tmp_path).restore()
+    message = str(info.value)
+    assert "unreadable" not in message
+    assert "not in the checkpoint: ['ev2/embeddings']" in message, message
+    assert_same(state(model), before)
+
+
+def test_a_restore_into_another_width_names_the_table_and_both_widths(tmp_path):
+    _chain(tmp_path)
+    model, before = _live(dim=8)
+    with pytest.raises(ValueError, match=r"rows of dim 4 for table 'ev/embeddings', which "
+                                         r"has dim 8"):
+        kre.IncrementalCheckpointer(model, tmp_path).restore()
+    assert_same(state(model), before)
+
+
+@pytest.mark.parametrize("stage", ["full import", "second table's link", "dense", "optimizer"])
+def test_a_restore_failing_while_applying_puts_the_model_back(tmp_path, monkeypatch, stage):
+    """Out of memory (or disk) at each step of applying: the tables, dense
+    and optimizer variables are as before the restore."""
+    saved = _chain(tmp_path, second_table=True)
+    model, before = _live(second_table=True)
+    calls = []
+
+    def fail_once(original):
+        def wrapper(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 1:
+                raise MemoryError(f"injected at {stage}")
+            return original(*args, **kwargs)
+        return wrapper
+
+    table_cls = type(model.get_layer("ev").table)
+    if stage == "full import":
+        monkeypatch.setattr(table_cls, "import_", fail_once(table_cls.import_))
+    elif stage == "second table's link":
+        original = table_cls.apply_changes
+        seen = []
+
+        def apply_changes(self, delta):
+            seen.append(self.name)
+            if len(seen) == 2:
+                raise MemoryError("injected in the second table's link")
+            return original(self, delta)
+        monkeypatch.setattr(table_cls, "apply_changes", apply_changes)
+    else:
+        v = (model.get_layer("out").bias if stage == "dense"
+             else model.optimizer.iterations)
+        monkeypatch.setattr(v, "assign", fail_once(v.assign))
+    with pytest.raises(MemoryError, match="injected") as info:
+        kre.IncrementalCheckpointer(model, tmp_path).restore()
+    assert any("put back as it was" in note for note in info.value.__notes__)
+    monkeypatch.undo()
+    assert_same(state(model), before)
+    # And the same restore, without the fault, gives the saved state.
+    kre.IncrementalCheckpointer(model, tmp_path).restore()
+    assert_same(state(model), saved)
+
+
+# -- apply_to_saved_model -----------------------------------------------------------
+
+def _served_chain(tmp_path, links=3):
+    import tensorflow as tf
+
+    rng = np.random.default_rng(4)
+    model = make_model()
+    train(model, rng, 0, 40)
+    ckpt = kre.IncrementalCheckpointer(model, tmp_path / "chain")
+    ckpt.save_full()
+    model.export(str(tmp_path / "served"), verbose=False)
+    paths = []
+    for i in range(links):
+        train(model, rng, 30 + 20 * i, 60 + 20 * i)
+        paths.append(ckpt.save_incremental())
+    return model, paths, lambda: tf.saved_model.load(str(tmp_path / "served"))
+
+
+def _serves_like(served, model):
+    import tensorflow as tf
+
+    x = np.random.default_rng(5).integers(0, 120, (32, 3))
+    np.testing.assert_allclose(served.serve(tf.constant(x)).numpy(),
+                               model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+
+
+def test_apply_to_saved_model_names_a_path_or_none_given_as_the_model(tmp_path):
+    _, paths, _ = _served_chain(tmp_path, links=1)
+    for bad in (str(tmp_path / "served"), None):
+        with pytest.raises(TypeError, match=r"`loaded` must be .*tf.saved_model.load"):
+            kre.apply_to_saved_model(bad, paths[0])
+    with pytest.raises(TypeError, match=r"IncrementalCheckpointer\(model, directory\)"):
+        kre.apply_to_saved_model(make_model(), paths[0])
+
+
+def test_apply_to_saved_model_refuses_links_out_of_order_and_orders_a_list(tmp_path):
+    model, paths, load = _served_chain(tmp_path, links=3)
+    served = load()
+    kre.apply_to_saved_model(served, paths[0])
+    before = served.serve(np.zeros((1, 3), np.int64)).numpy()
+    with pytest.raises(ValueError, match=rf"{os.path.basename(paths[2])} does not follow "
+                                         rf"the last link this model took, "
+                                         rf"{os.path.basename(paths[0])}"):
+        kre.apply_to_saved_model(served, paths[2])      # skips paths[1]
+    with pytest.raises(ValueError, match="does not follow"):
+        kre.apply_to_saved_model(served, paths[0])      # again
+    np.testing.assert_array_equal(served.serve(np.zeros((1, 3), np.int64)).numpy(), before)
+    stats = kre.apply_to_saved_model(served, paths[1:])
+    assert stats["links"] == paths[1:]
+    _serves_like(served, model)
+    # A list in any order is applied in chain order.
+    fresh_server = load()
+    assert kre.apply_to_saved_model(fresh_server, paths[::-1])["links"] == paths
+    _serves_like(fresh_server, model)

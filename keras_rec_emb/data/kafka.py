@@ -40,6 +40,29 @@ DEFAULT_BROKER_TIMEOUT_MS = 60000
 _PROBE_LIMIT_MS = 10000
 
 
+def _check_offsets(offsets):
+    """`offsets` as a dict {(topic, partition): offset}, or a TypeError /
+    ValueError naming the entry that is not one (a bad position would
+    otherwise surface only when a dataset starts reading from it)."""
+    if offsets is None:
+        return {}
+    allowed = ("a dict {(topic: str, partition: int >= 0): next offset: int >= 0}, or "
+               "None")
+    if not isinstance(offsets, dict):
+        raise TypeError(f"`offsets` must be {allowed}. Received: offsets={offsets!r}")
+
+    def count(x):
+        return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) \
+            and x >= 0
+
+    for key, offset in offsets.items():
+        if not (isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str)
+                and _TOPIC.fullmatch(key[0]) and count(key[1]) and count(offset)):
+            raise ValueError(f"`offsets` must be {allowed}. Received the entry "
+                             f"{key!r}: {offset!r} in offsets={offsets!r}")
+    return {(t, int(p)): int(o) for (t, p), o in offsets.items()}
+
+
 class KafkaPosition(_compat.Trackable):
     """The consumed position of a Kafka dataset, as checkpointable state.
 
@@ -64,7 +87,7 @@ class KafkaPosition(_compat.Trackable):
     """
 
     def __init__(self, offsets=None):
-        self._offsets = dict(offsets or {})
+        self._offsets = _check_offsets(offsets)
         self._lock = threading.Lock()
 
     def offsets(self):
