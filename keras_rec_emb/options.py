@@ -260,8 +260,9 @@ class StorageOption(_Option):
     DRAM (about 40 bytes per key). Lookups, optimizer updates, filters,
     eviction, export/import, `model.save`, `tf.train.Checkpoint` and
     `export_for_serving` give the same results as on DRAM. A live table locks
-    its folder: two live tables (for instance a model and its reloaded copy
-    in one process) cannot share one `storage_path` and table name.
+    its folder: a second table made on it (for instance a model reloaded
+    beside the one that saved it) works in a folder of its own next to it,
+    removed when it is freed (see the README's file-tier notes).
     `layer.snapshot()` writes a crash-safe snapshot of the table's files
     (no rows go through Python); `layer.restore_snapshot()` reads it back.
 

@@ -17,10 +17,16 @@ Two objects with two roles:
   objects that act as resource variables as variables, which a table is not.
 """
 
+import fcntl
 import itertools
 import os
 import re
+import shutil
+import tempfile
+import time
 import uuid
+import warnings
+import weakref
 from typing import NamedTuple
 
 import keras
@@ -178,6 +184,49 @@ def save_filtered_from_env(default=True):
     return value.strip().lower() not in ("0", "false", "no", "off")
 
 
+_COPY_PATH_ENV = "KRE_STORAGE_COPY_PATH"
+_COPY_MARK = ".copy-"
+
+
+def _storage_held(folder):
+    """Whether a live table (of this process or another) holds the file
+    tier's lock on `folder` (an exclusive flock on `folder/LOCK`)."""
+    try:
+        fd = os.open(os.path.join(folder, "LOCK"), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # releases the lock if the probe took it
+    return False
+
+
+def _remove_stale_copies(root, base):
+    """Removes the copy folders of `base` under `root` that no live table
+    holds (left by a killed process). A folder changed in the last minute is
+    left alone: a copy being made has not taken its lock yet."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        if not name.startswith(base + _COPY_MARK):
+            continue
+        path = os.path.join(root, name)
+        try:
+            if time.time() - os.stat(path).st_mtime < 60:
+                continue
+        except OSError:
+            continue
+        if not _storage_held(path):
+            shutil.rmtree(path, ignore_errors=True)
+
+
 class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
     """A dynamic hash table from integer keys to float32 rows of width `dim`.
 
@@ -221,7 +270,12 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
             the slot's init value; the table keeps its own initializer matrix.
         storage_path: str or None. A folder: the table's rows live in files
             under `storage_path/<name>` with a DRAM cache (the file tier;
-            see `StorageOption`); None keeps every row in DRAM.
+            see `StorageOption`); None keeps every row in DRAM. When another
+            live table holds that folder (the model a `.keras` file is
+            reloaded beside, or a trainer in another process), this one
+            works in a folder of its own, `storage_path/<name>.copy-XXXXXXXX`
+            (under `$KRE_STORAGE_COPY_PATH` when set), removed when it is
+            freed; it warns, and refuses `snapshot()`.
         cache_bytes: int. DRAM cache bytes of the file tier.
     """
 
@@ -238,6 +292,7 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         # already summed over every replica (keras_rec_emb.distribute).
         self._exchanged = bool(exchanged)
         self._storage_dir = None
+        self._copy_dir = None  # the folder of a copy beside a live table
         if storage_path is not None:
             # One folder per table: its name, made a safe file name.
             safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("._") or "table"
@@ -268,11 +323,50 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         # matrix, which imports may have replaced).
         self._initial_default_values = np.asarray(default_values, np.float32)
         with tf.init_scope(), tf.device(device):
-            self._resource_handle = self._create_resource()
+            try:
+                self._resource_handle = self._create_resource()
+            except tf.errors.InvalidArgumentError:
+                if not self._takes_copy_folder():
+                    raise
+                self._resource_handle = self._create_resource()
+
+    def _takes_copy_folder(self):
+        """After the table could not be made: when its file-tier folder is
+        held by another live table, gives it a folder of its own next to it
+        (`<folder>.copy-XXXXXXXX`) and returns True; else returns False."""
+        if (self._storage_dir is None or self._copy_dir is not None or self._shared_name
+                or not _storage_held(self._storage_dir)):
+            return False
+        root = os.environ.get(_COPY_PATH_ENV) or os.path.dirname(self._storage_dir)
+        base = os.path.basename(self._storage_dir)
+        _remove_stale_copies(root, base)
+        try:
+            os.makedirs(root, exist_ok=True)
+            self._copy_dir = tempfile.mkdtemp(prefix=base + _COPY_MARK, dir=root)
+        except OSError as e:
+            raise OSError(
+                e.errno,
+                f"File-tier table '{self._name}': its folder '{self._storage_dir}' is "
+                "held by another live table (the model it was reloaded beside, or a "
+                "trainer in another process), and no folder of its own could be made "
+                f"under '{root}' ({e.strerror}). Set the environment variable "
+                f"{_COPY_PATH_ENV} to a writable folder for such copies, or load it once "
+                "no live table holds that folder (the model holding it freed: `del "
+                "model`, or its process ended).") from e
+        os.chmod(self._copy_dir, 0o755)  # as the folders the file tier makes
+        weakref.finalize(self, shutil.rmtree, self._copy_dir, True)
+        warnings.warn(
+            f"File-tier table '{self._name}': its folder '{self._storage_dir}' is held "
+            "by another live table (the model it was reloaded beside, or a trainer in "
+            f"another process); this one works in a folder of its own, '{self._copy_dir}', "
+            "removed when it is freed. It cannot snapshot(): give it a storage_path of "
+            "its own for that.", stacklevel=2)
+        return True
 
     # -- TrackableResource ------------------------------------------------
     def _create_resource(self):
-        storage_path, shared_name = self._storage_dir or "", self._shared_name
+        storage_path = self._copy_dir or self._storage_dir or ""
+        shared_name = self._shared_name
         if not tf.executing_eagerly():
             # Traced into a SavedModel (`model.export`): its `_create_resource`
             # function (what tf.saved_model.load runs) and its graph (what a
@@ -488,8 +582,10 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
 
     @property
     def storage_dir(self):
-        """The file tier's folder of this table, or None (DRAM)."""
-        return self._storage_dir
+        """The file tier's folder of this table, or None (DRAM): its own
+        folder under its `storage_path`, or the folder of a copy made beside a
+        live table holding that one (see `storage_path` above)."""
+        return self._copy_dir or self._storage_dir
 
     def _check_file_tier(self, what):
         if self._storage_dir is None:
@@ -503,17 +599,27 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         C++: segments are flushed, fsynced and hard-linked, an index written,
         a manifest renamed) under `storage_dir`; returns its number."""
         self._check_file_tier("snapshot()")
+        if self._copy_dir is not None:
+            raise ValueError(
+                f"Table '{self._name}' cannot snapshot(): it is a copy working in the "
+                f"temporary folder '{self._copy_dir}' (its folder '{self._storage_dir}' "
+                "is held by another live table), which is removed when it is freed, "
+                "snapshots included. Give this layer a storage_path of its own "
+                "(EmbeddingVariableOption(storage_option=StorageOption('FILE', "
+                "storage_path=...))), or snapshot the live table.")
         return int(_ops.snapshot(self.handle, self._key_dtype))
 
     def restore_snapshot(self, path=None):
         """File tier: replaces the contents with the latest snapshot under
-        `path` (default `storage_dir`); returns the number of keys. A corrupt
-        or truncated snapshot raises an error naming the file and leaves the
-        table unchanged."""
+        `path` (default: the table's folder under its `storage_path`, also
+        for a copy working in a folder of its own); returns the number of
+        keys. A corrupt or truncated snapshot raises an error naming the
+        file and leaves the table unchanged."""
         self._check_file_tier("restore_snapshot()")
         if path is not None and not isinstance(path, str):
             raise TypeError(f"`path` must be a str or None. Received: path={path!r}")
-        return int(_ops.restore_snapshot(self.handle, self._key_dtype, path or ""))
+        return int(_ops.restore_snapshot(self.handle, self._key_dtype,
+                                         path or (self._storage_dir if self._copy_dir else "")))
 
     def memory_bytes(self):
         """Bytes held by the table (index, rows, slots, metadata, filter)."""
