@@ -221,18 +221,41 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
         keys = tf.convert_to_tensor(keys)
         if tf.distribute.get_replica_context() is None and not tf.executing_eagerly():
             return self._shape_only_lookup(keys)
-        ctx = self._replica_context()
-        n, dim = self._num, self.dim
+        return self.lookup_many([self], [keys], insert)[0]
+
+    @property
+    def exchange_group(self):
+        """Tables with the same `exchange_group` can be looked up in one
+        exchange (`lookup_many`): those of one strategy."""
+        return ("collective", id(self._strategy))
+
+    @staticmethod
+    def lookup_many(tables, keys_list, insert=False):
+        """The rows of each `keys_list[t]` in `tables[t]` (tables of one
+        strategy), all tables' ids and rows in one exchange: the collectives
+        of a step do not grow with the number of tables."""
+        first = tables[0]
+        keys_list = [tf.convert_to_tensor(k) for k in keys_list]
+        if tf.distribute.get_replica_context() is None and not tf.executing_eagerly():
+            return [t._shape_only_lookup(k) for t, k in zip(tables, keys_list)]  # noqa: SLF001
+        ctx = first._replica_context()  # noqa: SLF001
+        n, index = first._num, first._index  # noqa: SLF001
         if n == 1:  # the only shard holds every key: nothing to exchange
-            shard = self._shards[0]
-            with tf.device(shard.device):
-                return shard.lookup(tf.cast(keys, shard.key_dtype), insert=insert)
-        flat = tf.cast(tf.reshape(keys, [-1]), tf.int64)
-        unique, idx = tf.unique(flat)
+            return [t._owner_rows(k, None, insert) for t, k in zip(tables, keys_list)]  # noqa: SLF001
+        width_rows = max(t.dim for t in tables)
+        uniques, idxs, occs, tags = [], [], [], []
+        for j, keys in enumerate(keys_list):
+            unique, idx = tf.unique(tf.cast(tf.reshape(keys, [-1]), tf.int64))
+            uniques.append(unique)
+            idxs.append(idx)
+            # Occurrences travel with each distinct id: the owner counts
+            # them (frequencies, admission filters) as one process counts.
+            occs.append(tf.math.unsorted_segment_sum(tf.ones_like(idx, tf.int64), idx,
+                                                     tf.size(unique)))
+            tags.append(tf.fill(tf.shape(unique), tf.constant(j, tf.int64)))
+        sizes = [tf.size(u, out_type=tf.int64) for u in uniques]
+        unique = tf.concat(uniques, 0)
         m = tf.size(unique, out_type=tf.int64)
-        # Occurrences travel with each distinct id: the owner counts them
-        # (frequencies, admission filters) as one process counts the batch.
-        occurrences = tf.math.unsorted_segment_sum(tf.ones_like(idx, tf.int64), idx, m)
         owner = ps_tables.shard_of(unique, n)
         order = tf.argsort(owner, stable=True)
         owner_sorted = tf.gather(owner, order)
@@ -242,41 +265,52 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
         # shard. Then the ids, padded to the largest count, go to their
         # owners in one all-to-all; the rows come back in the same layout.
         meta = ctx.all_gather(
-            tf.concat([[tf.constant(self._index, tf.int64)], counts], 0)[tf.newaxis], axis=0)
+            tf.concat([[tf.constant(index, tf.int64)], counts], 0)[tf.newaxis], axis=0)
         rank_shard = tf.cast(meta[:, 0], tf.int32)
         width = tf.maximum(tf.reduce_max(meta[:, 1:]), 1)
         slot = tf.range(width, dtype=tf.int64)
-        send_counts = tf.gather(counts, rank_shard)
-        send_valid = slot[tf.newaxis] < send_counts[:, tf.newaxis]
+        send_valid = slot[tf.newaxis] < tf.gather(counts, rank_shard)[:, tf.newaxis]
         src = tf.where(send_valid, tf.gather(starts, rank_shard)[:, tf.newaxis] + slot, m)
-        payload = tf.concat([tf.stack([tf.gather(unique, order), tf.gather(occurrences, order)],
-                                      axis=1), tf.zeros([1, 2], tf.int64)], 0)
-        received = _compat.strategy_all_to_all(self._strategy, tf.gather(payload, src))
-        recv_valid = slot[tf.newaxis] < meta[:, 1 + self._index][:, tf.newaxis]
+        payload = tf.stack([unique, tf.concat(occs, 0), tf.concat(tags, 0)], axis=1)
+        payload = tf.concat([tf.gather(payload, order), tf.zeros([1, 3], tf.int64)], 0)
+        received = _compat.strategy_all_to_all(first.strategy, tf.gather(payload, src))
+        recv_valid = slot[tf.newaxis] < meta[:, 1 + index][:, tf.newaxis]
         at = tf.where(recv_valid)
         asked = tf.gather_nd(received, at)
-        rows = self._owner_rows(asked[:, 0], asked[:, 1], insert)
-        reply = tf.scatter_nd(at, rows, tf.stack([tf.cast(n, tf.int64), width, dim]))
-        answered = _exchange_rows(self._strategy, reply)
+        rows = 0.0
+        for j, table in enumerate(tables):
+            mine = tf.where(tf.equal(asked[:, 2], j))
+            got = table._owner_rows(tf.gather_nd(asked[:, 0], mine),  # noqa: SLF001
+                                    tf.gather_nd(asked[:, 1], mine), insert)
+            got = tf.pad(got, [[0, 0], [0, width_rows - table.dim]])
+            rows += tf.scatter_nd(mine, got, tf.stack([tf.shape(asked, out_type=tf.int64)[0],
+                                                       width_rows]))
+        reply = tf.scatter_nd(at, rows, tf.stack([tf.cast(n, tf.int64), width, width_rows]))
+        answered = _exchange_rows(first.strategy, reply)
         # This replica's rows, from (rank of the owner, place in its part).
         shard_rank = tf.math.invert_permutation(rank_shard)
         place = tf.range(m) - tf.gather(starts, owner_sorted)
         rows_sorted = tf.gather_nd(answered, tf.stack(
             [tf.cast(tf.gather(shard_rank, owner_sorted), tf.int64), place], axis=1))
-        rows_unique = tf.gather(rows_sorted, tf.math.invert_permutation(order))
-        out = tf.gather(rows_unique, idx)
-        out = tf.reshape(out, tf.concat([tf.shape(keys, out_type=tf.int32), [dim]], 0))
-        out.set_shape(keys.shape.concatenate([dim]))
-        return out
+        rows_unique = tf.split(tf.gather(rows_sorted, tf.math.invert_permutation(order)),
+                               tf.stack(sizes), 0)
+        outs = []
+        for table, keys, idx, part in zip(tables, keys_list, idxs, rows_unique):
+            out = tf.gather(part[:, :table.dim], idx)
+            out = tf.reshape(out, tf.concat([tf.shape(keys, out_type=tf.int32), [table.dim]], 0))
+            out.set_shape(keys.shape.concatenate([table.dim]))
+            outs.append(out)
+        return outs
 
     def _owner_rows(self, ids, occurrences, insert):
-        """This shard's rows of the ids asked for; a training lookup sees
-        each id as often as it occurs in the asking replicas' batches."""
+        """This shard's rows of the ids asked for (any shape); a training
+        lookup sees each id as often as it occurs in the asking replicas'
+        batches (`occurrences`; None: each once)."""
         shard = self._shards[0]
         ids = tf.cast(ids, shard.key_dtype)
         with tf.device(shard.device):
-            if not insert:
-                return shard.lookup(ids, insert=False)
+            if not insert or occurrences is None:
+                return shard.lookup(ids, insert=insert)
             every = shard.lookup(tf.repeat(ids, occurrences), insert=True)
             return tf.gather(every, tf.cumsum(occurrences, exclusive=True))
 

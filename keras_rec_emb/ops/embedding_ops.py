@@ -313,15 +313,31 @@ def _feature_rows(params, ids_list, stock_table, insert):
             rows[i] = stock_table(p.table).lookup(tf.cast(ids_list[i], p.table.key_dtype))
         else:
             shared.setdefault(p.key, []).append(i)
+    # Tables that exchange ids and rows between workers (`exchange_group`)
+    # are looked up together: one exchange for all of them.
+    together = {}
     for features in shared.values():
         table = params[features[0]].table
         ids = [tf.cast(ids_list[i], table.key_dtype) for i in features]
-        looked = table.lookup(tf.concat(ids, 0) if len(ids) > 1 else ids[0], insert=insert)
-        parts = (tf.split(looked, [tf.size(x) for x in ids], 0) if len(ids) > 1
-                 else [looked])
-        for i, r in zip(features, parts):
-            rows[i] = r
+        flat = tf.concat(ids, 0) if len(ids) > 1 else ids[0]
+        group = getattr(table, "exchange_group", None)
+        if group is not None:
+            together.setdefault(group, []).append((features, table, ids, flat))
+            continue
+        _split_rows(rows, features, ids, table.lookup(flat, insert=insert))
+    for members in together.values():
+        tables = [table for _, table, _, _ in members]
+        looked = type(tables[0]).lookup_many(tables, [flat for _, _, _, flat in members], insert)
+        for (features, _, ids, _), rows_of_table in zip(members, looked):
+            _split_rows(rows, features, ids, rows_of_table)
     return rows
+
+
+def _split_rows(rows, features, ids, looked):
+    """`looked` (the rows of the features' ids, concatenated) into `rows`."""
+    parts = tf.split(looked, [tf.size(x) for x in ids], 0) if len(ids) > 1 else [looked]
+    for i, r in zip(features, parts):
+        rows[i] = r
 
 
 def _attrs_of(op, names):
