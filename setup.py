@@ -80,8 +80,10 @@ class TFBuildExt(build_ext):
         return []
 
     def get_ext_filename(self, fullname):
-        if fullname == "keras_rec_emb._kre_ops":
-            return os.path.join("keras_rec_emb", LIBRARY)
+        # Called with the dotted name and with its last part alone.
+        package, _, name = fullname.rpartition(".")
+        if name == "_kre_ops":
+            return os.path.join(*package.split("."), LIBRARY) if package else LIBRARY
         return super().get_ext_filename(fullname)
 
     def copy_extensions_to_source(self):

@@ -18,7 +18,9 @@ _SCRIPT = textwrap.dedent(r'''
     import keras_rec_emb as kre
 
     kind, cycles = sys.argv[1], int(sys.argv[2])
-    tmp = tempfile.mkdtemp()
+    # The saved models of every cycle go here and are removed at the end.
+    work = tempfile.TemporaryDirectory(prefix="kre-leaks-")
+    tmp = work.name
 
     def rss_mb():
         with open("/proc/self/statm") as f:
@@ -57,7 +59,8 @@ _SCRIPT = textwrap.dedent(r'''
     for _ in range(cycles):
         cycle()
     r1, h1 = rss_mb(), handles()
-    print(json.dumps({"mb_per_cycle": (r1 - r0) / cycles, "handles": h1 - h0}))
+    work.cleanup()
+    print(json.dumps({"mb_per_cycle": (r1 - r0) / cycles, "handles": h1 - h0, "tmp": tmp}))
 ''')
 
 
@@ -73,7 +76,10 @@ def _measure(kind, cycles=CYCLES):
     out = subprocess.run([sys.executable, "-c", _SCRIPT, kind, str(cycles)], env=env,
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    # The run leaves no saved models behind (its .keras files and SavedModels).
+    assert not os.path.exists(result["tmp"]), result["tmp"]
+    return result
 
 
 def test_fit_save_load_cycles_release_tables_like_plain_keras():
