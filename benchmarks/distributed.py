@@ -60,9 +60,17 @@ def build_model(args):
 
     inputs = {f"f{i}": keras.Input((args.ids,), dtype="int64", name=f"f{i}")
               for i in range(args.features)}
-    embs = [kre.layers.EmbeddingVariable(args.dim, combiner="sum", name=f"emb{i}")(
-        inputs[f"f{i}"]) for i in range(args.features)]
-    h = keras.layers.Dense(args.hidden, activation="relu")(keras.layers.Concatenate()(embs))
+    if getattr(args, "group", False):  # one GroupEmbedding: one exchange for every table
+        tables = [kre.layers.EmbeddingVariable(args.dim, name=f"emb{i}")
+                  for i in range(args.features)]
+        joined = kre.layers.GroupEmbedding(
+            {f"f{i}": kre.layers.FeatureSpec(t, combiner="sum") for i, t in enumerate(tables)},
+            output_mode="concat")(inputs)
+    else:
+        embs = [kre.layers.EmbeddingVariable(args.dim, combiner="sum", name=f"emb{i}")(
+            inputs[f"f{i}"]) for i in range(args.features)]
+        joined = keras.layers.Concatenate()(embs)
+    h = keras.layers.Dense(args.hidden, activation="relu")(joined)
     model = keras.Model(inputs, keras.layers.Dense(1)(h))
     model.compile(optimizer=kre.optimizers.Adagrad(0.05), loss="mse")
     return model
@@ -89,6 +97,17 @@ def _socket_bytes_sent(pid):
             m = re.search(r"bytes_sent:(\d+)", line)
             total += int(m.group(1)) if m else 0
     return total
+
+
+def _loopback_bytes():
+    """Bytes the loopback interface has carried (machine-wide: a cross-check
+    of the per-socket counts on a quiet machine)."""
+    with open("/proc/net/dev") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name.strip() == "lo":
+                return int(rest.split()[8])  # transmitted bytes
+    return 0
 
 
 def multi_worker_child(args):
@@ -122,10 +141,12 @@ def multi_worker_child(args):
 
     fit(0, args.warmup)
     pid = os.getpid()
+    lo = _loopback_bytes()
     cpu, sent, start = _cpu_seconds(), _socket_bytes_sent(pid), time.perf_counter()
     fit(args.warmup, args.steps)
     wall = time.perf_counter() - start
     cpu, sent = _cpu_seconds() - cpu, _socket_bytes_sent(pid) - sent
+    lo = _loopback_bytes() - lo
     # The all-to-all ideal for this replica's part of each global batch: its
     # distinct ids of each table that another worker owns go there (8
     # bytes), their rows come back (4 dim) and their gradient rows go to the
@@ -139,7 +160,8 @@ def multi_worker_child(args):
             remote = int((ps_tables.shard_of_numpy(distinct, n) != task).sum())
             ideal += remote * (8 + 8 * args.dim)
     print("RESULT " + json.dumps({"task": task, "cpu_s": cpu, "bytes_sent": sent,
-                                  "wall_s": wall, "ideal_bytes": ideal}), flush=True)
+                                  "loopback_bytes": lo, "wall_s": wall,
+                                  "ideal_bytes": ideal}), flush=True)
 
 
 def run_cluster(args, n):
@@ -155,7 +177,8 @@ def run_cluster(args, n):
         sock.close()
     cmd = [sys.executable, os.path.abspath(__file__), "--mw-child"] + [
         f"--{k}={getattr(args, k)}" for k in ("features", "ids", "dim", "batch", "steps",
-                                               "warmup", "hidden", "threads")]
+                                               "warmup", "hidden", "threads")] + (
+        ["--group"] if args.group else [])
     procs = []
     try:
         for task in range(max(n, 1)):
@@ -257,6 +280,8 @@ def main(argv=None):
                    help="MultiWorkerMirroredStrategy worker process counts (after the "
                         "plain one-process reference)")
     p.add_argument("--hidden", type=int, default=32, help="units of the Dense layer")
+    p.add_argument("--group", action="store_true",
+                   help="the tables in one GroupEmbedding (one exchange a step for all)")
     p.add_argument("--threads", type=int, default=1, help="intra/inter-op threads a process")
     p.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--mw-child", action="store_true", help=argparse.SUPPRESS)
