@@ -165,6 +165,19 @@ def _serving(stock_tables, tables=()):
             del table.lookup
 
 
+def _shape_checked(args):
+    """The endpoint's input tensors, each checked against its traced shape
+    when the graph runs (stock `EnsureShape`): a signature's callers (TF
+    Serving, a TF1 Session, `loaded.signatures[...]`) skip tf.function's
+    input check, and ids of another width or rank would be read as ids."""
+    def check(x):
+        if isinstance(x, tf.Tensor) and x.shape.rank is not None:
+            return tf.ensure_shape(x, x.shape)
+        return x
+
+    return tf.nest.map_structure(check, args)
+
+
 def _custom_ops(graph_def):
     """Op types of this package (prefix KRE>) in a GraphDef and its library."""
     found = {n.op for n in graph_def.node if n.op.startswith("KRE>")}
@@ -173,7 +186,9 @@ def _custom_ops(graph_def):
     return found
 
 
-def export_for_serving(model, filepath, input_signature=None, verbose=False):
+def export_for_serving(model: keras.Model, filepath: str | os.PathLike,
+                       input_signature: list | tuple | dict | None = None,
+                       verbose: bool = False) -> None:
     """Exports `model` for inference as a SavedModel that needs only TensorFlow.
 
     `model.export` writes a SavedModel whose tables use this package's ops
@@ -254,7 +269,8 @@ def export_for_serving(model, filepath, input_signature=None, verbose=False):
         # Every trace (also any the save makes) reads the stock tables.
         with _serving(stock, model_tables(model)):
             endpoint = archive.add_endpoint(
-                "serve", lambda *args: model(*args, training=False), input_signature)
+                "serve", lambda *args: model(*_shape_checked(args), training=False),
+                input_signature)
             concrete = endpoint.get_concrete_function()
             left = _custom_ops(concrete.graph.as_graph_def())
             if left:

@@ -133,3 +133,80 @@ def test_file_tier_exports_load_beside_the_live_trainer(tmp_path):
     model.fit(batch, np.zeros((16, 1)), verbose=0)
     assert ev.snapshot() >= 0
     del loaded
+
+
+# Feeds the SavedModel's serving signature directly, as TF Serving does
+# (tf.function's own input check is skipped): argv[3] "tf1" in a Session,
+# else `loaded.signatures`; argv[4] "stock" without importing this package.
+_SIGNATURE_SERVE = r"""
+import json, sys
+import numpy as np
+import tensorflow as tf
+path, shapes, loader, package = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], sys.argv[4]
+if package != "stock":
+    import keras_rec_emb  # registers the ops a model.export SavedModel runs
+results = []
+if loader == "tf1":
+    tf.compat.v1.disable_eager_execution()
+    sess = tf.compat.v1.Session(graph=tf.Graph())
+    meta = tf.compat.v1.saved_model.loader.load(sess, ["serve"], path)
+    sig = meta.signature_def["serving_default"]
+    (inp,), (out,) = sig.inputs.values(), sig.outputs.values()
+    # Session::RunCallable of the C API, as a C++ server calls it: no Python
+    # check of the feed's shape (`Session.run` has one).
+    from tensorflow.core.protobuf import config_pb2
+    callable_ = sess._make_callable_from_options(
+        config_pb2.CallableOptions(feed=[inp.name], fetch=[out.name]))
+    run = lambda x: callable_(x)[0]
+else:
+    fn = tf.saved_model.load(path).signatures["serving_default"]
+    run = lambda x: list(fn(tf.constant(x)).values())[0].numpy()
+for shape in shapes:
+    x = (np.arange(int(np.prod(shape))).reshape(shape) % 23).astype(np.int64)
+    try:
+        results.append({"out": run(x).tolist()})
+    except tf.errors.InvalidArgumentError as e:
+        results.append({"error": e.message})
+print(json.dumps({"results": results,
+                  "kre_imported": any(m.startswith("keras_rec_emb") for m in sys.modules)}))
+"""
+
+
+def test_served_stacked_ids_refuse_another_length_or_rank(tmp_path):
+    """The signatures of a served stacked-id GroupEmbedding model read ids
+    of another length, another feature count or an extra rank as if valid
+    (tf.function's shape check runs only for Python callers of `serve`)."""
+    keras.utils.set_random_seed(6)
+    group = GroupEmbedding({f"f{j}": FeatureSpec(EmbeddingVariable(3, name=f"t{j}"),
+                                                 combiner="sum") for j in range(3)},
+                           output_mode="concat")
+    ids = keras.Input((3, 2), dtype="int64")
+    model = keras.Model(ids, keras.layers.Dense(1)(group(ids)))
+    model.compile(optimizer=kre.optimizers.Adagrad(0.3), loss="mse")
+    model.fit(np.random.default_rng(6).integers(-1, 23, (32, 3, 2)), np.ones((32, 1)),
+              verbose=0)
+    good = (4, 3, 2)
+    bad = [(4, 3, 3), (4, 3, 1), (4, 3, 2, 1), (4, 4, 2), (4, 2, 2), (4, 6)]
+    want = model.predict((np.arange(24).reshape(good) % 23).astype(np.int64), verbose=0)
+    exported = str(tmp_path / "export")
+    model.export(exported, verbose=False)
+    stock = kre.export_for_serving(model, str(tmp_path / "stock"))
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH="")
+    for path, loader, package in ((exported, "tf1", "kre"), (exported, "tf2", "kre"),
+                                  (stock, "tf2", "stock"), (stock, "tf1", "stock")):
+        r = subprocess.run([sys.executable, "-c", _SIGNATURE_SERVE, path,
+                            json.dumps([good] + bad), loader, package],
+                           capture_output=True, text=True, timeout=300,
+                           env=env if package == "stock" else dict(env, PYTHONPATH=os.getcwd()),
+                           cwd="/" if package == "stock" else None)
+        assert r.returncode == 0, r.stderr[-3000:]
+        result = json.loads(r.stdout.strip().splitlines()[-1])
+        assert result["kre_imported"] is (package != "stock")
+        first, *others = result["results"]
+        np.testing.assert_allclose(np.asarray(first["out"], np.float32), want,
+                                   rtol=1e-5, atol=1e-6, err_msg=f"{path} {loader}")
+        for shape, got in zip(bad, others):
+            assert "error" in got, (path, loader, shape, got)
+            dims = ",".join(str(d) for d in shape)
+            assert f"[{dims}] is not compatible with expected shape [?,3,2]" in got["error"], (
+                path, loader, got["error"][:500])

@@ -78,8 +78,9 @@ class FeatureSpec:
     'mean'
     """
 
-    def __init__(self, table, combiner="sum", weight_feature=None, sequence=False,
-                 max_norm=None, default_id=None):
+    def __init__(self, table: keras.layers.Layer | dict | str, combiner: str = "sum",
+                 weight_feature: str | None = None, sequence: bool = False,
+                 max_norm: float | None = None, default_id: int | None = None):
         if combiner not in embedding_ops.COMBINERS:
             raise ValueError(
                 f"`combiner` must be one of {embedding_ops.COMBINERS}. "
@@ -237,7 +238,8 @@ class GroupEmbedding(keras.layers.Layer):
     TensorShape([2, 12])
     """
 
-    def __init__(self, features, output_mode="dict", tables=None, name=None, **kwargs):
+    def __init__(self, features: dict | list, output_mode: str = "dict",
+                 tables: list | None = None, name: str | None = None, **kwargs):
         super().__init__(name=name, **kwargs)
         # Our C++ ops have no XLA kernels: Keras's jit_compile="auto" then
         # chooses False, and True falls back to False with a warning.
@@ -456,6 +458,14 @@ class GroupEmbedding(keras.layers.Layer):
             what=f"GroupEmbedding '{self.name}' ids")
 
     def call(self, inputs, training=None):
+        if isinstance(inputs, tf.Tensor) and inputs.shape.rank is not None \
+                and not tf.executing_eagerly():
+            # The traced shape is checked when the graph runs: the signatures
+            # of a SavedModel (model.export, export_for_serving) are fed by
+            # callers that skip tf.function's input check (TF Serving, a TF1
+            # Session, `loaded.signatures[...]`), and stacked ids of another
+            # length or rank would be read as valid ids.
+            inputs = tf.ensure_shape(inputs, inputs.shape, name=f"{self.name}_ids_shape")
         out = None if training else self._stacked_lookup(inputs)
         if out is not None:
             return out if self.compute_dtype == "float32" else tf.cast(out, self.compute_dtype)
