@@ -339,7 +339,7 @@ def _probe_served(handle, name, parts, path):
     return key_dtype
 
 
-def apply_to_saved_model(loaded, path):
+def apply_to_saved_model(loaded: object, path: str | os.PathLike) -> None:
     """Applies checkpoint links (full or incremental) to a SavedModel
     written by `model.export` and loaded with `tf.saved_model.load` (after
     `import keras_rec_emb`), in place: its tables take the changed rows and
@@ -577,7 +577,8 @@ class IncrementalCheckpointer:
     True
     """
 
-    def __init__(self, model, directory, keep=2, kafka_position=None):
+    def __init__(self, model: keras.Model, directory: str | os.PathLike, keep: int | None = 2,
+                 kafka_position: object | None = None):
         if not isinstance(model, keras.Model):
             raise TypeError(f"`model` must be a keras.Model. Received: model={model!r}")
         if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):

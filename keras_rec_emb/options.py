@@ -69,8 +69,8 @@ class InitializerOption(_Option):
     ...     8, ev_option=keras_rec_emb.EmbeddingVariableOption(init_option=opt))
     """
 
-    def __init__(self, initializer=None, default_value_dim=4096,
-                 default_value_no_permission=0.0):
+    def __init__(self, initializer: str | dict | keras.initializers.Initializer | None = None,
+                 default_value_dim: int = 4096, default_value_no_permission: float = 0.0):
         self.initializer = (None if initializer is None
                             else keras.initializers.get(initializer))
         _check_int("default_value_dim", default_value_dim, 1)
@@ -110,7 +110,7 @@ class CounterFilter(_Option):
     ...     8, ev_option=keras_rec_emb.EmbeddingVariableOption(filter_option=f))
     """
 
-    def __init__(self, filter_freq):
+    def __init__(self, filter_freq: int):
         _check_int("filter_freq", filter_freq, 0)
         self.filter_freq = filter_freq
 
@@ -146,8 +146,8 @@ class CBFFilter(_Option):
     ...                             false_positive_probability=0.01)
     """
 
-    def __init__(self, filter_freq, max_element_size, false_positive_probability,
-                 counter_type="uint64"):
+    def __init__(self, filter_freq: int, max_element_size: int,
+                 false_positive_probability: float, counter_type: str = "uint64"):
         if counter_type not in _COUNTER_TYPES:
             raise ValueError(
                 f"`counter_type` must be one of {_COUNTER_TYPES}. Received: "
@@ -207,7 +207,7 @@ class GlobalStepEvict(_Option):
     >>> e = keras_rec_emb.GlobalStepEvict(steps_to_live=10000)
     """
 
-    def __init__(self, steps_to_live):
+    def __init__(self, steps_to_live: int):
         _check_int("steps_to_live", steps_to_live, 0)
         self.steps_to_live = steps_to_live
 
@@ -233,7 +233,7 @@ class L2WeightEvict(_Option):
     >>> e = keras_rec_emb.L2WeightEvict(l2_weight_threshold=1e-4)
     """
 
-    def __init__(self, l2_weight_threshold):
+    def __init__(self, l2_weight_threshold: float):
         # NaN would disable eviction and inf evict every row: both refused.
         self.l2_weight_threshold = check_float("l2_weight_threshold", l2_weight_threshold, 0)
 
@@ -283,7 +283,8 @@ class StorageOption(_Option):
     1048576
     """
 
-    def __init__(self, storage_type="DRAM", storage_path=None, storage_size=None):
+    def __init__(self, storage_type: str = "DRAM", storage_path: str | None = None,
+                 storage_size: int | None = None):
         if storage_type not in _STORAGE_TYPES:
             raise ValueError(
                 f"`storage_type` must be one of {_STORAGE_TYPES}. Received: "
@@ -361,9 +362,12 @@ class EmbeddingVariableOption(_Option):
     >>> layer = keras_rec_emb.layers.EmbeddingVariable(16, ev_option=opt)
     """
 
-    def __init__(self, init_option=None, filter_option=None, evict_option=None,
-                 storage_option=None, num_shards=32, track_meta=None, save_filtered=True,
-                 record_freq=False):
+    def __init__(self, init_option: InitializerOption | None = None,
+                 filter_option: CounterFilter | CBFFilter | None = None,
+                 evict_option: GlobalStepEvict | L2WeightEvict | None = None,
+                 storage_option: StorageOption | None = None, num_shards: int = 32,
+                 track_meta: bool | None = None, save_filtered: bool = True,
+                 record_freq: bool = False):
         _check_instance("init_option", init_option, InitializerOption)
         _check_instance("filter_option", filter_option, (CounterFilter, CBFFilter))
         _check_instance("evict_option", evict_option, (GlobalStepEvict, L2WeightEvict))

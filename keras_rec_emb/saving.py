@@ -58,7 +58,7 @@ def default_mode(directory=False):
     return (0o777 if directory else 0o666) & ~current_umask()
 
 
-def save_model(model, filepath, **kwargs):
+def save_model(model: "keras.Model", filepath: str | os.PathLike, **kwargs) -> None:
     """`model.save(filepath)`, atomically: the previous file survives a failure.
 
     Keras's `model.save` opens `filepath` for writing (truncating it) before
@@ -132,7 +132,7 @@ def check_keras_file(filepath):
             f"(members: {names}). {fix}")
 
 
-def load_model(filepath, **kwargs):
+def load_model(filepath: str | os.PathLike, **kwargs) -> "keras.Model":
     """`keras.saving.load_model(filepath)` with errors that say what is wrong.
 
     Keras reports a missing file, a file that is not a zip archive and a

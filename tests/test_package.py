@@ -1,5 +1,6 @@
 """Package-level behaviour: backend check, public API."""
 
+import inspect
 import os
 import subprocess
 import sys
@@ -181,3 +182,59 @@ def test_public_modules_declare_their_api(name):
         assert hasattr(module, public), f"{name}.{public}"
     assert sorted(dir(module)) == sorted(module.__all__)
     assert "os" not in dir(module) and "time" not in dir(module)
+
+
+def _unannotated(func):
+    sig = inspect.signature(func)
+    return [p.name for p in sig.parameters.values()
+            if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+            and p.annotation is p.empty]
+
+
+def test_optimizers_show_their_real_signature():
+    """Not `(*args, **kwargs)`: the Keras namesake's arguments (and ours)."""
+    import keras
+
+    for name in ("SGD", "Adagrad", "Adam", "Ftrl"):
+        ours = inspect.signature(getattr(kre.optimizers, name))
+        theirs = inspect.signature(getattr(keras.optimizers, name))
+        assert not any(p.kind is p.VAR_POSITIONAL for p in ours.parameters.values()), ours
+        for param in theirs.parameters.values():
+            assert ours.parameters[param.name] == param, (name, param)
+    assert "table_rule" in inspect.signature(kre.optimizers.Ftrl).parameters
+    # The signature is the one that binds: a positional learning rate still works.
+    assert float(kre.optimizers.SGD(0.25, momentum=0.5).learning_rate) == 0.25
+    assert kre.optimizers.Ftrl(0.1, table_rule="deeprec").get_config()["table_rule"] == "deeprec"
+
+
+@pytest.mark.parametrize("space", ["keras_rec_emb", "keras_rec_emb.layers",
+                                   "keras_rec_emb.optimizers"])
+def test_public_signatures_are_annotated(space):
+    import importlib
+
+    module = importlib.import_module(space)
+    missing = {}
+    for name in module.__all__:
+        obj = getattr(module, name)
+        if inspect.isclass(obj):
+            func = obj.__init__
+        elif inspect.isfunction(obj):
+            func = obj
+        else:
+            continue
+        # Arguments passed through to a Keras base class keep its signature,
+        # which Keras does not annotate.
+        keras_bases = [c for c in getattr(obj, "__mro__", ())
+                       if c.__module__.startswith("keras.") and "__init__" in vars(c)]
+        passed = set(inspect.signature(keras_bases[0].__init__).parameters) if (
+            keras_bases and not _unannotated_own(obj)) else set()
+        unannotated = [p for p in _unannotated(func) if p not in passed]
+        if unannotated:
+            missing[name] = unannotated
+    assert not missing, f"parameters without annotations in {space}: {missing}"
+
+
+def _unannotated_own(cls):
+    """Whether `cls` defines its own __init__ in source (not a copied signature)."""
+    init = vars(cls).get("__init__")
+    return init is not None and getattr(init, "__signature__", None) is None

@@ -113,9 +113,11 @@ class AdaptiveEmbedding(keras.layers.Layer):
     True
     """
 
-    def __init__(self, embedding_dim, hash_bucket_size, promote_threshold=None,
-                 initializer="truncated_normal", ev_option=None, combiner=None, name=None,
-                 **kwargs):
+    def __init__(self, embedding_dim: int, hash_bucket_size: int,
+                 promote_threshold: int | None = None,
+                 initializer: str | dict | keras.initializers.Initializer = "truncated_normal",
+                 ev_option: options_lib.EmbeddingVariableOption | None = None,
+                 combiner: str | None = None, name: str | None = None, **kwargs):
         super().__init__(name=name, **kwargs)
         # Our C++ ops have no XLA kernels: Keras's jit_compile="auto" then
         # chooses False, and True falls back to False with a warning.

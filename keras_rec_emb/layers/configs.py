@@ -11,6 +11,7 @@ import numpy as np
 
 from keras_rec_emb._checks import check_combiner
 from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
+from keras_rec_emb.options import EmbeddingVariableOption
 
 
 def _check_name(name, what):
@@ -63,9 +64,11 @@ class TableConfig:
     8
     """
 
-    def __init__(self, name, embedding_dim, vocabulary_size=None,
-                 initializer="truncated_normal", optimizer=None, combiner="mean",
-                 key_dtype="int64", ev_option=None):
+    def __init__(self, name: str, embedding_dim: int, vocabulary_size: int | None = None,
+                 initializer: str | dict | keras.initializers.Initializer = "truncated_normal",
+                 optimizer: keras.optimizers.Optimizer | None = None, combiner: str = "mean",
+                 key_dtype: str = "int64",
+                 ev_option: EmbeddingVariableOption | None = None):
         self.name = _check_name(name, "name")
         if (isinstance(embedding_dim, bool) or not isinstance(embedding_dim, (int, np.integer))
                 or embedding_dim <= 0):
@@ -171,7 +174,8 @@ class FeatureConfig:
     (['history', 'item'], (2, 4), 1)
     """
 
-    def __init__(self, name, table, input_shape=None, output_shape=None, weight_feature=None):
+    def __init__(self, name: str, table: TableConfig, input_shape: tuple | None = None,
+                 output_shape: tuple | None = None, weight_feature: str | None = None):
         self.name = _check_name(name, "name")
         if isinstance(table, dict):
             table = TableConfig.from_config(table)

@@ -9,7 +9,8 @@ from keras_rec_emb import variables
 from keras_rec_emb._checks import check_combiner
 from keras_rec_emb._ids import embed_ids, output_spec
 from keras_rec_emb.optimizers.base import table_optimizer
-from keras_rec_emb.options import deserialize_ev_option, ev_option_or_default
+from keras_rec_emb.options import (EmbeddingVariableOption, deserialize_ev_option,
+                                   ev_option_or_default)
 from keras_rec_emb.variables import check_restore_dim_mode, check_saved_dim
 
 _KEY_DTYPES = ("int32", "int64")
@@ -87,10 +88,12 @@ class EmbeddingVariable(keras.layers.Layer):
     192
     """
 
-    def __init__(self, embedding_dim, initializer="truncated_normal",
-                 key_dtype="int64", combiner=None, ev_option=None,
-                 trainable=True, name=None, restore_dim_mismatch="error", optimizer=None,
-                 **kwargs):
+    def __init__(self, embedding_dim: int,
+                 initializer: str | dict | keras.initializers.Initializer = "truncated_normal",
+                 key_dtype: str | tf.dtypes.DType = "int64", combiner: str | None = None,
+                 ev_option: EmbeddingVariableOption | None = None, trainable: bool = True,
+                 name: str | None = None, restore_dim_mismatch: str = "error",
+                 optimizer: keras.optimizers.Optimizer | None = None, **kwargs):
         super().__init__(trainable=trainable, name=name, **kwargs)
         # Our C++ ops have no XLA kernels: Keras's jit_compile="auto" then
         # chooses False, and True falls back to False with a warning.

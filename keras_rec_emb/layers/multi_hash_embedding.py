@@ -136,10 +136,13 @@ class MultiHashEmbedding(keras.layers.Layer):
     ...                     np.zeros((32, 1)), verbose=0)
     """
 
-    def __init__(self, num_buckets, embedding_dim, complementary_strategy="Q-R",
-                 operation="add", initializer="truncated_normal", combiner=None, m=None,
-                 num_partitions=None, moduli=None, hash_input=True, output_dim=None,
-                 qr_sizes=None, name=None, **kwargs):
+    def __init__(self, num_buckets: int, embedding_dim: int | None,
+                 complementary_strategy: str = "Q-R", operation: str = "add",
+                 initializer: str | dict | keras.initializers.Initializer = "truncated_normal",
+                 combiner: str | None = None, m: int | None = None,
+                 num_partitions: int | None = None, moduli: list[int] | None = None,
+                 hash_input: bool = True, output_dim: int | None = None,
+                 qr_sizes: tuple[int, int] | None = None, name: str | None = None, **kwargs):
         super().__init__(name=name, **kwargs)
         self.num_buckets = _positive_int("num_buckets", num_buckets)
         if complementary_strategy not in _STRATEGIES:

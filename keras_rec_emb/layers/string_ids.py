@@ -77,7 +77,7 @@ class HashStrings(keras.layers.Layer):
     2
     """
 
-    def __init__(self, missing="drop", name=None, **kwargs):
+    def __init__(self, missing: str = "drop", name: str | None = None, **kwargs):
         super().__init__(name=name, **kwargs)
         if missing not in _MISSING_MODES:
             raise ValueError(

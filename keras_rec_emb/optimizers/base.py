@@ -206,6 +206,38 @@ class TableOptimizer:
                     check(value)
         base_init(*args, **kwargs)
 
+    def __init_subclass__(cls, **kwargs):
+        # A subclass that takes its Keras base's arguments through
+        # `*args, **kwargs` gets that base's signature (inspect.signature,
+        # help(), docs), with its own keyword arguments before `**kwargs`.
+        super().__init_subclass__(**kwargs)
+        own_init = vars(cls).get("__init__")
+        if own_init is None and cls.__init__ is not TableOptimizer.__init__:
+            return  # inherits a signature (a class of ours, or its own)
+        own = inspect.signature(own_init) if own_init is not None else None
+        if own is not None and not any(p.kind is p.VAR_POSITIONAL
+                                       for p in own.parameters.values()):
+            return  # a signature of its own
+        keras_base = next((c for c in cls.__mro__
+                           if not issubclass(c, TableOptimizer) and "__init__" in vars(c)),
+                          None)
+        if keras_base is None:
+            return
+        params = list(inspect.signature(keras_base.__init__).parameters.values())
+        extra = [p for p in (own.parameters.values() if own else ())
+                 if p.kind is p.KEYWORD_ONLY]
+        var_kw = [p for p in params if p.kind is p.VAR_KEYWORD]
+        params = [p for p in params if p.kind is not p.VAR_KEYWORD] + extra + var_kw
+        call = own_init or TableOptimizer.__init__
+
+        def __init__(self, *args, **kwargs):
+            call(self, *args, **kwargs)
+
+        __init__.__signature__ = inspect.Signature(params)
+        __init__.__qualname__ = f"{cls.__qualname__}.__init__"
+        __init__.__doc__ = call.__doc__
+        cls.__init__ = __init__
+
     def _table_update(self, learning_rate):
         raise NotImplementedError
 

@@ -86,9 +86,9 @@ class AdamAsync(TableOptimizer, keras.optimizers.Optimizer):
     ...                     verbose=0)
     """
 
-    def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-8,
-                 use_nesterov=False, apply_sparse_rmsprop=False, name="adam_async",
-                 **kwargs):
+    def __init__(self, learning_rate: float | keras.optimizers.schedules.LearningRateSchedule = 0.001, beta_1: float = 0.9,
+                 beta_2: float = 0.999, epsilon: float = 1e-8, use_nesterov: bool = False,
+                 apply_sparse_rmsprop: bool = False, name: str = "adam_async", **kwargs):
         check_learning_rate(learning_rate)
         _check_beta("beta_1", beta_1)
         _check_beta("beta_2", beta_2)
@@ -214,9 +214,10 @@ class AdagradDecay(TableOptimizer, keras.optimizers.Optimizer):
     ...                     verbose=0)
     """
 
-    def __init__(self, learning_rate=0.001, initial_accumulator_value=0.1,
-                 accumulator_decay_step=100000, accumulator_decay_rate=0.9, epsilon=1e-7,
-                 name="adagrad_decay", **kwargs):
+    def __init__(self, learning_rate: float | keras.optimizers.schedules.LearningRateSchedule = 0.001,
+                 initial_accumulator_value: float = 0.1, accumulator_decay_step: int = 100000,
+                 accumulator_decay_rate: float = 0.9, epsilon: float = 1e-7,
+                 name: str = "adagrad_decay", **kwargs):
         check_learning_rate(learning_rate)
         v = initial_accumulator_value
         if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
@@ -369,9 +370,10 @@ class AdamW(TableOptimizer, keras.optimizers.AdamW):
     ...                     verbose=0)
     """
 
-    def __init__(self, weight_decay, learning_rate=0.001, beta_1=0.9, beta_2=0.999,
-                 epsilon=1e-8, amsgrad=False, scale_weight_decay_by_learning_rate=True,
-                 name="adamw", **kwargs):
+    def __init__(self, weight_decay: float, learning_rate: float | keras.optimizers.schedules.LearningRateSchedule = 0.001,
+                 beta_1: float = 0.9, beta_2: float = 0.999, epsilon: float = 1e-8,
+                 amsgrad: bool = False, scale_weight_decay_by_learning_rate: bool = True,
+                 name: str = "adamw", **kwargs):
         check_learning_rate(learning_rate)
         _check_non_negative("weight_decay", weight_decay)
         scale_weight_decay_by_learning_rate = check_bool(

@@ -120,7 +120,7 @@ class Ftrl(TableOptimizer, keras.optimizers.Ftrl):
     ...                     verbose=0)
     """
 
-    def __init__(self, *args, table_rule="keras", **kwargs):
+    def __init__(self, *args, table_rule: str = "keras", **kwargs):
         if table_rule not in _TABLE_RULES:
             raise ValueError(f"`table_rule` must be one of {_TABLE_RULES}. Received: "
                              f"table_rule={table_rule!r}")

@@ -51,8 +51,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     >>> keras.mixed_precision.set_global_policy("float32")
     """
 
-    def __init__(self, inner_optimizer, initial_scale=2.0**15, dynamic_growth_steps=2000,
-                 name=None, **kwargs):
+    def __init__(self, inner_optimizer: keras.optimizers.Optimizer,
+                 initial_scale: float = 2.0**15, dynamic_growth_steps: int = 2000,
+                 name: str | None = None, **kwargs):
         if not isinstance(inner_optimizer, TableOptimizer):
             raise TypeError(
                 "`inner_optimizer` must be an optimizer of `keras_rec_emb.optimizers` "
