@@ -152,7 +152,7 @@ $(WHEEL_TOOLS_STAMP): requirements-wheel.txt $(DEPS_STAMP)
 wheel: $(SO) $(WHEEL_TOOLS_STAMP)
 	rm -rf $(DIST) && mkdir -p $(DIST)/raw
 	$(PYTHON) -m pip wheel --quiet --no-build-isolation --no-deps -w $(DIST)/raw .
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH auditwheel repair --exclude 'libtensorflow_framework.so.*' \
+	PATH=$(abspath $(VENV))/bin:$$PATH auditwheel repair --exclude 'libtensorflow_framework.so.*' \
 	  --exclude 'libtensorflow_cc.so.*' -w $(DIST) $(DIST)/raw/*.whl
 	rm -rf $(DIST)/raw
 	@ls -l $(DIST)/*.whl
