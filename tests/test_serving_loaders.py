@@ -15,6 +15,8 @@ import tensorflow as tf
 import keras_rec_emb as kre
 from keras_rec_emb.layers import EmbeddingVariable, FeatureSpec, GroupEmbedding
 
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
+
 # Loads each SavedModel of argv[1] (a JSON list) with the TF1 loader in a
 # Session of its own, serves the batch in argv[2] twice (a table must live
 # across `Session.run` calls), and prints the outputs.
@@ -197,7 +199,7 @@ def test_served_stacked_ids_refuse_another_length_or_rank(tmp_path):
         r = subprocess.run([sys.executable, "-c", _SIGNATURE_SERVE, path,
                             json.dumps([good] + bad), loader, package],
                            capture_output=True, text=True, timeout=300,
-                           env=env if package == "stock" else dict(env, PYTHONPATH=os.getcwd()),
+                           env=env if package == "stock" else dict(env, PYTHONPATH=_ROOT),
                            cwd="/" if package == "stock" else None)
         assert r.returncode == 0, r.stderr[-3000:]
         result = json.loads(r.stdout.strip().splitlines()[-1])
