@@ -2,7 +2,7 @@
 
     keras-rec-emb demo [--rows N] [--epochs E] [--output DIR]
     keras-rec-emb bench [--quick] [--output-dir DIR]
-    keras-rec-emb inspect MODEL.keras|SAVEDMODEL_DIR [--rows K] [--json]
+    keras-rec-emb inspect MODEL.keras|SAVEDMODEL_DIR|ckpt-*.npz [--rows K] [--json]
     keras-rec-emb strip-filtered IN.keras OUT.keras
     keras-rec-emb ps --ps HOST:PORT,HOST:PORT --task I
 
@@ -13,7 +13,6 @@ Arguments are parsed by `keras_rec_emb_cli` (which answers `--help` and
 import io
 import json
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -22,6 +21,7 @@ import zipfile
 import numpy as np
 
 import keras_rec_emb_cli
+from keras_rec_emb.saving import default_mode
 from keras_rec_emb.data.synthetic import NUM_DENSE, synthetic_ctr
 
 
@@ -179,10 +179,67 @@ class _InspectError(Exception):
     pass
 
 
-def _load_for_inspect(path):
-    import keras
+def _layer_configs(config):
+    """{layer name: its config} of every EmbeddingVariable in a `.keras`
+    file's config.json, in model order (depth first, as `_ev_layers`)."""
+    found = {}
 
-    import keras_rec_emb  # noqa: F401  (registers the layers)
+    def visit(node):
+        if isinstance(node, dict):
+            inner = node.get("config")
+            if (isinstance(inner, dict) and isinstance(inner.get("name"), str)
+                    and str(node.get("class_name", "")).endswith("EmbeddingVariable")):
+                found.setdefault(inner["name"], inner)
+            for value in node.values():
+                visit(value)
+        elif isinstance(node, list):
+            for value in node:
+                visit(value)
+
+    visit(config)
+    return found
+
+
+def _storage_option(config):
+    """The `StorageOption` config inside a layer config, or None."""
+    if isinstance(config, dict):
+        if "storage_type" in config:
+            return config
+        values = config.values()
+    elif isinstance(config, list):
+        values = config
+    else:
+        return None
+    for value in values:
+        found = _storage_option(value)
+        if found is not None:
+            return found
+    return None
+
+
+def _table_groups(h5):
+    """(h5 group, layer name) of every table in a `.keras` weights file: the
+    `vars` groups holding an EmbeddingVariable's `keys` and `values`."""
+    import h5py
+
+    out = []
+
+    def visit(name, obj):
+        if (isinstance(obj, h5py.Group) and name.rsplit("/", 1)[-1] == "vars"
+                and isinstance(obj.get("keys"), h5py.Dataset)
+                and isinstance(obj.get("values"), h5py.Dataset)):
+            owner = obj.attrs.get("name", name)
+            out.append((obj, owner.decode() if isinstance(owner, bytes) else str(owner)))
+
+    h5.visititems(visit)
+    return out
+
+
+def _keras_tables(path, rows):
+    """The tables of a `.keras` file, read from its arrays: no table is
+    built, so this needs no memory for them and works while the model that
+    saved them lives (a file-tier table's folder stays with its trainer)."""
+    import h5py
 
     from keras_rec_emb.saving import check_keras_file
 
@@ -191,35 +248,94 @@ def _load_for_inspect(path):
     except (OSError, ValueError) as e:  # names the file and the fix
         raise _InspectError(str(e)) from None
     try:
-        return keras.saving.load_model(path, compile=False)
-    except Exception as e:  # any reason: one line, no traceback
-        reason = " ".join(str(e).split())
-        raise _InspectError(f"{path} could not be loaded as a Keras model: "
-                            f"{type(e).__name__}: {reason[:300]}") from e
+        with zipfile.ZipFile(path) as archive:
+            configs = _layer_configs(json.loads(archive.read("config.json")))
+            with archive.open("model.weights.h5") as f, h5py.File(f, "r") as h5:
+                tables = [_keras_table(group, name, configs.get(name), rows)
+                          for group, name in _table_groups(h5)]
+    except (OSError, ValueError, KeyError) as e:
+        raise _InspectError(f"{path} could not be read as a .keras model: "
+                            f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
+    order = {name: i for i, name in enumerate(configs)}
+    return sorted(tables, key=lambda t: order.get(t["name"], len(order)))
 
 
-def _keras_tables(model, rows):
+def _keras_table(group, name, config, rows):
+    def part(key, n=None):
+        data = group.get(key)
+        if data is None:
+            return np.zeros(0, np.int64)
+        return data[()] if n is None else data[:n]
+
+    keys, values = group["keys"], group["values"]
+    n = int(keys.shape[0])
+    versions = np.concatenate([part("versions"), part("versions_filtered")])
+    storage = _storage_option(config) or {}
+    return {
+        "name": name, "dim": int(values.shape[1]) if values.ndim == 2 else None,
+        "key_dtype": np.dtype(keys.dtype).name, "keys": n,
+        "filtered": int(group["keys_filtered"].shape[0]) if "keys_filtered" in group else 0,
+        "saved_bytes": int(sum(d.size * d.dtype.itemsize for d in group.values()
+                               if hasattr(d, "dtype"))),
+        "slots": sorted(k[len("slot:"):] for k in group if k.startswith("slot:")),
+        "latest_step": int(versions.max()) if versions.size else None,
+        "total_freq": int(part("freqs").sum()),
+        "storage": {"storage": storage.get("storage_type") or "DRAM",
+                    "storage_path": storage.get("storage_path")},
+        "rows": [{"key": int(k), "freq": int(f), "version": int(v),
+                  "values": [float(x) for x in row[:6]]}
+                 for k, f, v, row in zip(part("keys", rows), part("freqs", rows),
+                                         part("versions", rows), values[:rows])],
+    }
+
+
+def is_checkpoint_link(path):
+    """Whether `path` is a zip holding an IncrementalCheckpointer link's
+    metadata (a `ckpt-*.npz`, whatever its name now)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return "__meta__.npy" in archive.namelist()
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
+_LINK_USE = ("Restore its chain into a model with "
+             "keras_rec_emb.IncrementalCheckpointer(model, directory).restore(), or "
+             "apply it to a served SavedModel with "
+             "keras_rec_emb.apply_to_saved_model(loaded, path).")
+
+
+def _link_tables(path, rows):
+    """(what the link is, its tables) of an IncrementalCheckpointer link."""
+    from keras_rec_emb import incremental
+
+    try:
+        arrays, meta, digest = incremental._read(path)  # pylint: disable=protected-access
+    except ValueError as e:
+        raise _InspectError(f"{e}. {_LINK_USE}") from None
+    link = {k: meta.get(k) for k in ("kind", "seq", "chain", "run", "base", "parent",
+                                      "step", "kafka", "time")}
+    link["checksum"] = digest
     tables = []
-    for layer in _ev_layers(model):
-        data = layer.export()
-        stats = layer.table.counters()  # the numbers of callbacks.TableStats
-        storage = layer.table.stats()  # with the row store's (file tier) numbers
+    for j, name in enumerate(meta["tables"]):
+        t = {k[len(f"t{j}/"):]: v for k, v in arrays.items() if k.startswith(f"t{j}/")}
+        keys = t.get("keys", np.zeros(0, np.int64))
+        n = min(rows, len(keys))
+        versions = np.concatenate([t.get("versions", np.zeros(0, np.int64)),
+                                   t.get("versions_filtered", np.zeros(0, np.int64))])
+        values = t.get("values", np.zeros((0, 0), np.float32))
         tables.append({
-            "name": layer.name, "dim": layer.embedding_dim, "key_dtype": layer.key_dtype,
-            "keys": stats["size"], "filtered": stats["filtered"],
-            "memory_bytes": stats["memory_bytes"], "slots": sorted(data["slots"]),
-            "latest_step": stats["latest_step"],
-            "max_version": int(data["versions"].max()) if len(data["versions"]) else None,
-            "total_freq": int(data["freqs"].sum()),
-            "storage": {k: storage[k] for k in (
-                "storage", "rows", "cached_rows", "cache_memory_bytes", "disk_bytes",
-                "cache_hits", "cache_misses", "cache_hit_rate", "file_reads", "file_writes")},
-            "rows": [{"key": int(data["keys"][i]), "freq": int(data["freqs"][i]),
-                      "version": int(data["versions"][i]),
-                      "values": [float(v) for v in data["values"][i][:6]]}
-                     for i in range(min(rows, len(data["keys"])))],
+            "name": name, "dim": int(values.shape[1]) if values.ndim == 2 else None,
+            "key_dtype": keys.dtype.name, "keys": int(len(keys)),
+            "filtered": int(len(t.get("keys_filtered", ()))),
+            "erased": int(len(t.get("erased", ()))),
+            "slots": sorted(k[len("slot/"):] for k in t if k.startswith("slot/")),
+            "latest_step": int(versions.max()) if versions.size else None,
+            "rows": [{"key": int(keys[i]), "freq": int(t["freqs"][i]),
+                      "version": int(t["versions"][i]),
+                      "values": [float(x) for x in values[i][:6]]} for i in range(n)],
         })
-    return tables
+    return link, tables
 
 
 def _saved_model_tables(path):
@@ -256,52 +372,73 @@ def _natural(name):
     return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split("/")]
 
 
+def _print_rows(rows):
+    for row in rows:
+        values = np.array2string(np.array(row["values"], np.float32), precision=4,
+                                 separator=", ")
+        print(f"  key={row['key']} freq={row['freq']} "
+              f"version={row['version']} values[:6]={values}")
+
+
 def inspect(args):
+    link = None
     try:
         if os.path.isdir(args.model):
             tables, source = _saved_model_tables(args.model), "SavedModel"
+        elif is_checkpoint_link(args.model):
+            (link, tables), source = _link_tables(args.model, args.rows), "checkpoint link"
         else:
-            tables, source = _keras_tables(_load_for_inspect(args.model), args.rows), "keras"
+            tables, source = _keras_tables(args.model, args.rows), "keras"
     except _InspectError as e:
         print(f"keras-rec-emb inspect: error: {e}", file=sys.stderr)
         return 2
     totals = {"tables": len(tables), "keys": sum(t["keys"] for t in tables),
               "filtered": sum(t["filtered"] for t in tables)}
     if source == "keras":
-        totals["memory_bytes"] = sum(t["memory_bytes"] for t in tables)
+        totals["saved_bytes"] = sum(t["saved_bytes"] for t in tables)
+    if link is not None:
+        totals["erased"] = sum(t["erased"] for t in tables)
     if args.json:
-        print(json.dumps({"model": args.model, "format": source, "tables": tables,
-                          "totals": totals}, indent=2))
+        report = {"model": args.model, "format": source, "tables": tables, "totals": totals}
+        if link is not None:
+            report["link"] = link
+        print(json.dumps(report, indent=2))
         return 0
-    if not tables:
+    if link is not None:
+        after = (f", after {link['parent']}" if link["kind"] == "incremental" else "")
+        print(f"{args.model}: an IncrementalCheckpointer {link['kind']} checkpoint link "
+              f"(#{link['seq']} of chain {str(link['chain'])[:12]}, full checkpoint "
+              f"{link['base'] or os.path.basename(args.model)}{after}), optimizer step "
+              f"{link['step']}, Kafka position {link['kafka']}. {_LINK_USE}")
+    elif not tables:
         print(f"{args.model}: no EmbeddingVariable tables")
         return 0
     for t in tables:
         if source == "keras":
             print(f"{t['name']}: dim={t['dim']} key_dtype={t['key_dtype']} "
                   f"keys={t['keys']:,} filtered={t['filtered']:,} "
-                  f"memory={t['memory_bytes']:,} bytes slots={t['slots'] or '-'} "
+                  f"saved={t['saved_bytes']:,} bytes slots={t['slots'] or '-'} "
                   f"latest_step={t['latest_step']} total_freq={t['total_freq']:,}")
             st = t["storage"]
             if st["storage"] == "FILE":
-                print(f"  file tier: rows={st['rows']:,} in_cache={st['cached_rows']:,} "
-                      f"cache={st['cache_memory_bytes']:,} bytes "
-                      f"on_disk={st['disk_bytes']:,} bytes "
-                      f"hit_rate={st['cache_hit_rate']:.3f} "
-                      f"file_reads={st['file_reads']:,} file_writes={st['file_writes']:,}")
-            for row in t["rows"]:
-                values = np.array2string(np.array(row["values"], np.float32), precision=4,
-                                         separator=", ")
-                print(f"  key={row['key']} freq={row['freq']} "
-                      f"version={row['version']} values[:6]={values}")
+                print(f"  file tier: storage_path={st['storage_path']} (a live table's "
+                      "folder; the rows above are those saved in this file)")
+            _print_rows(t["rows"])
+        elif source == "checkpoint link":
+            print(f"{t['name']}: dim={t['dim']} key_dtype={t['key_dtype']} "
+                  f"keys={t['keys']:,} filtered={t['filtered']:,} erased={t['erased']:,} "
+                  f"slots={t['slots'] or '-'} latest_step={t['latest_step']}")
+            _print_rows(t["rows"])
         else:
             dim = "-" if t["dim"] is None else t["dim"]
             print(f"{t['name']}: {t['kind']} dim={dim} keys={t['keys']:,} "
                   f"filtered={t['filtered']:,}")
     line = f"total: {totals['tables']} tables, {totals['keys']:,} keys, " \
            f"{totals['filtered']:,} filtered"
-    if "memory_bytes" in totals:
-        line += f", {totals['memory_bytes']:,} bytes"
+    if "erased" in totals:
+        line += f", {totals['erased']:,} erased"
+    if "saved_bytes" in totals:
+        line += f", {totals['saved_bytes']:,} bytes saved"
     print(line)
     return 0
 
@@ -320,19 +457,19 @@ def strip_filtered(args):
 
     from keras_rec_emb.saving import check_keras_file
 
-    try:
-        check_keras_file(args.input)
-    except (OSError, ValueError) as e:  # names the file and the fix
-        print(f"keras-rec-emb strip-filtered: error: {e}", file=sys.stderr)
-        return 2
+    check_keras_file(args.input)  # names the file and the fix (run() prints it)
+    folder = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(folder):
+        raise ValueError(f"cannot write {args.output}: the folder {folder} does not exist "
+                         "(create it first)")
     removed = []
-    with zipfile.ZipFile(args.input) as src, tempfile.TemporaryDirectory() as tmp:
-        if "model.weights.h5" not in src.namelist():
-            print(f"keras-rec-emb strip-filtered: error: {args.input} has no "
-                  "model.weights.h5: not a .keras model", file=sys.stderr)
-            return 2
-        out_path = os.path.join(tmp, "out.keras")
-        with zipfile.ZipFile(out_path, "w", zipfile.ZIP_DEFLATED) as dst:
+    # Written beside the output and renamed over it: a failure leaves no
+    # partial file and an existing output as it was.
+    fd, out_path = tempfile.mkstemp(prefix=".tmp-kre-strip-", suffix=".keras", dir=folder)
+    os.close(fd)
+    try:
+        with zipfile.ZipFile(args.input) as src, \
+                zipfile.ZipFile(out_path, "w", zipfile.ZIP_DEFLATED) as dst:
             for info in src.infolist():
                 data = src.read(info)
                 if info.filename == "model.weights.h5":
@@ -344,7 +481,11 @@ def strip_filtered(args):
                             "Restore the file from a copy or save the model "
                             "again.") from None
                 dst.writestr(info, data)
-        shutil.move(out_path, args.output)
+        os.chmod(out_path, default_mode())
+        os.replace(out_path, args.output)
+    finally:
+        if os.path.exists(out_path):
+            os.remove(out_path)
     print(f"wrote {args.output}: removed {len(removed)} filtered parts"
           + "".join(f"\n  {name}" for name in removed))
     return 0
@@ -384,10 +525,11 @@ def run(args, forwarded=()):
     commands = {"demo": demo, "inspect": inspect, "strip-filtered": strip_filtered}
     try:
         return commands[args.command](args)
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # bad files, folders, disks: one line each
         if args.command not in ("inspect", "strip-filtered"):
             raise
-        print(f"keras-rec-emb {args.command}: error: {e}", file=sys.stderr)
+        reason = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+        print(f"keras-rec-emb {args.command}: error: {reason}", file=sys.stderr)
         return 2
 
 

@@ -126,6 +126,13 @@ def check_keras_file(filepath):
             f"{filepath} is a corrupt .keras file: member {bad!r} fails its CRC "
             f"check. {fix}")
     missing = [n for n in _KERAS_MEMBERS if n not in names]
+    if missing and "__meta__.npy" in names:
+        raise ValueError(
+            f"{filepath} is not a .keras model but a checkpoint link of "
+            "keras_rec_emb.IncrementalCheckpointer (a ckpt-*.npz file). Restore its chain "
+            "into a model with IncrementalCheckpointer(model, directory).restore(), apply "
+            "it to a served SavedModel with apply_to_saved_model(loaded, path), or look "
+            "into it with `keras-rec-emb inspect`.")
     if missing:
         raise ValueError(
             f"{filepath} is not a complete .keras file: it lacks {missing} "

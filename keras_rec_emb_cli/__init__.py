@@ -9,7 +9,7 @@ C++ logging has been quieted (`TF_CPP_MIN_LOG_LEVEL=2` unless set).
 
     keras-rec-emb demo [--rows N] [--epochs E] [--output DIR]
     keras-rec-emb bench [--quick] [--output-dir DIR]
-    keras-rec-emb inspect MODEL.keras|SAVEDMODEL_DIR [--rows K] [--json]
+    keras-rec-emb inspect MODEL.keras|SAVEDMODEL_DIR|ckpt-*.npz [--rows K] [--json]
     keras-rec-emb strip-filtered IN.keras OUT.keras
     keras-rec-emb ps --ps HOST:PORT,HOST:PORT --task I
 """
@@ -63,8 +63,11 @@ def parser():
                    help="the checkout's benchmarks/ folder (default: next to the "
                         "keras_rec_emb package, then ./benchmarks)")
     c = sub.add_parser("inspect", help="print the embedding tables of a saved .keras model "
-                                       "or of a SavedModel folder")
-    c.add_argument("model", help="path of a .keras file or of a SavedModel folder")
+                                       "(read from the file: no table is built), of a "
+                                       "SavedModel folder or of an incremental checkpoint "
+                                       "link")
+    c.add_argument("model", help="path of a .keras file, a SavedModel folder or a "
+                                 "ckpt-*.npz checkpoint link")
     c.add_argument("--rows", type=int, default=3, help="rows to print per table")
     c.add_argument("--json", action="store_true",
                    help="print the tables and totals as JSON instead")
@@ -94,6 +97,10 @@ def main(argv=None):
             p.error(f"no such model file: {args.input}")
         if not args.output.endswith(".keras"):
             p.error(f"the output must end in .keras, got {args.output}")
+        folder = os.path.dirname(os.path.abspath(args.output))
+        if not os.path.isdir(folder):
+            p.error(f"cannot write {args.output}: the folder {folder} does not exist "
+                    "(create it first)")
     elif args.command == "ps":
         n = len([a for a in args.ps.split(",") if a])
         if not 0 <= args.task < n:

@@ -235,3 +235,87 @@ def test_cli_inspect_saved_models_json_order_totals_and_bad_files(tmp_path):
         result = run(["-m", "keras_rec_emb.cli", "inspect", str(bad)])
         assert result.returncode == 2
         assert message in result.stderr and "Traceback" not in result.stderr
+
+
+# -- checkpoint links, file-tier models, output folders -------------------------
+
+def test_inspect_describes_a_checkpoint_link_and_strip_filtered_names_it(tmp_path):
+    import json
+
+    model, layer = trained_with_filter()
+    ckpt = kre.IncrementalCheckpointer(model, str(tmp_path / "chain"))
+    full = ckpt.save_full()
+    model.fit(np.array([[1, 7], [1, 7]]), np.ones((2, 1)), verbose=0)
+    assert layer.table.erase([3]) == 1  # a counted (filtered) key erased
+    link = ckpt.save_incremental()
+    text = run(["-m", "keras_rec_emb.cli", "inspect", link])
+    assert text.returncode == 0, text.stderr
+    assert "an IncrementalCheckpointer incremental checkpoint link" in text.stdout
+    assert f"after {os.path.basename(full)}" in text.stdout
+    assert "IncrementalCheckpointer(model, directory).restore()" in text.stdout
+    report = json.loads(run(["-m", "keras_rec_emb.cli", "inspect", link, "--json"]).stdout)
+    with np.load(link) as z:
+        changed, erased = len(z["t0/keys"]), len(z["t0/erased"])
+    assert report["format"] == "checkpoint link" and report["link"]["kind"] == "incremental"
+    assert report["link"]["parent"] == os.path.basename(full)
+    assert [(t["name"], t["keys"], t["erased"]) for t in report["tables"]] == [
+        ("ev/embeddings", changed, erased)] and erased == 1
+    full_report = json.loads(run(["-m", "keras_rec_emb.cli", "inspect", full,
+                                  "--json"]).stdout)
+    assert full_report["tables"][0]["keys"] == 1 and full_report["tables"][0]["filtered"] == 2
+    strip = run(["-m", "keras_rec_emb.cli", "strip-filtered", link, str(tmp_path / "o.keras")])
+    assert strip.returncode == 2 and "Traceback" not in strip.stderr
+    assert "not a .keras model but a checkpoint link" in strip.stderr
+    assert len(strip.stderr.strip().splitlines()) == 1
+    with pytest.raises(ValueError, match="checkpoint link"):
+        kre.load_model(link)
+
+
+def test_strip_filtered_into_a_missing_folder_is_one_line(tmp_path):
+    import argparse
+
+    model, _ = trained_with_filter()
+    src = str(tmp_path / "m.keras")
+    model.save(src)
+    out = str(tmp_path / "no" / "such" / "out.keras")
+    result = run(["-m", "keras_rec_emb.cli", "strip-filtered", src, out])
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "does not exist" in result.stderr and str(tmp_path / "no" / "such") in result.stderr
+    # The command itself (past the parser) says so too, and writes nothing.
+    args = argparse.Namespace(command="strip-filtered", input=src, output=out)
+    assert cli.run(args) == 2
+    assert not (tmp_path / "no").exists()
+    assert os.listdir(tmp_path) == ["m.keras"]
+
+
+def test_inspect_reads_a_file_tier_model_while_its_trainer_lives(tmp_path):
+    """No table is built: the live trainer keeps its storage folder."""
+    import json
+
+    storage = tmp_path / "store"
+    layer = kre.layers.EmbeddingVariable(4, combiner="sum", name="ev",
+                                         ev_option=kre.EmbeddingVariableOption(
+                                             storage_option=kre.StorageOption(
+                                                 "FILE", storage_path=str(storage),
+                                                 storage_size=4096)))
+    ids = keras.Input((2,), dtype="int64")
+    model = keras.Model(ids, keras.layers.Dense(1)(layer(ids)))
+    model.compile(optimizer=kre.optimizers.Adagrad(0.1), loss="mse")
+    model.fit(np.arange(400).reshape(200, 2), np.ones((200, 1)), verbose=0)
+    path = str(tmp_path / "m.keras")
+    kre.save_model(model, path)
+    files = sorted(p.relative_to(storage) for p in storage.rglob("*"))
+    text = run(["-m", "keras_rec_emb.cli", "inspect", path, "--rows", "2"])
+    assert text.returncode == 0, text.stderr
+    assert "ev: dim=4 key_dtype=int64 keys=400 " in text.stdout
+    assert f"file tier: storage_path={storage}" in text.stdout
+    report = json.loads(run(["-m", "keras_rec_emb.cli", "inspect", path, "--json"]).stdout)
+    data = layer.export()
+    (table,) = report["tables"]
+    assert table["keys"] == 400 and table["total_freq"] == int(data["freqs"].sum())
+    assert table["latest_step"] == int(data["versions"].max())
+    first = table["rows"][0]
+    i = int(np.flatnonzero(data["keys"] == first["key"])[0])
+    np.testing.assert_allclose(first["values"], data["values"][i], rtol=1e-6)
+    assert sorted(p.relative_to(storage) for p in storage.rglob("*")) == files
+    model.fit(np.arange(4).reshape(2, 2), np.ones((2, 1)), verbose=0)  # the trainer goes on
