@@ -171,4 +171,27 @@ def load_model(filepath: str | os.PathLike, **kwargs) -> "keras.Model":
     import keras  # pylint: disable=import-outside-toplevel
 
     check_keras_file(filepath)
-    return keras.saving.load_model(os.fspath(filepath), **kwargs)
+    try:
+        return keras.saving.load_model(os.fspath(filepath), **kwargs)
+    except Exception as error:
+        _free_partial_model(error)
+        error.add_note(f"(Loading {filepath} failed: no model was returned, and the "
+                       "tables it had begun to load were freed.)")
+        raise
+
+
+def _free_partial_model(error):
+    """Frees the model a failed load had begun to build. The traceback's
+    frames hold it, and with it its tables: a file-tier table would keep its
+    storage folder locked, so that loading the model again (fixed) in this
+    process would find the folder taken. Clearing the finished frames' locals
+    and collecting frees them (their folders are released)."""
+    import gc  # pylint: disable=import-outside-toplevel
+    import traceback  # pylint: disable=import-outside-toplevel
+
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
+    gc.collect()
