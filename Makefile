@@ -149,20 +149,26 @@ $(WHEEL_TOOLS_STAMP): requirements-wheel.txt $(DEPS_STAMP)
 # checks the library's symbol versions and retags the wheel manylinux_2_X
 # (glibc 2.X of the build machine's toolchain), excluding TensorFlow's own
 # libraries, which the installed TensorFlow provides (as TensorFlow add-ons do).
-wheel: $(SO) $(WHEEL_TOOLS_STAMP)
+WHEEL_STAMP := $(DIST)/.stamp
+WHEEL_INPUTS := $(shell find keras_rec_emb keras_rec_emb_cli -name '*.py') pyproject.toml \
+	setup.py README.md
+wheel: $(WHEEL_STAMP)
+
+$(WHEEL_STAMP): $(SO) $(WHEEL_INPUTS) | $(WHEEL_TOOLS_STAMP)
 	rm -rf $(DIST) && mkdir -p $(DIST)/raw
 	$(PYTHON) -m pip wheel --quiet --no-build-isolation --no-deps -w $(DIST)/raw .
 	PATH=$(abspath $(VENV))/bin:$$PATH auditwheel repair --exclude 'libtensorflow_framework.so.*' \
 	  --exclude 'libtensorflow_cc.so.*' -w $(DIST) $(DIST)/raw/*.whl
 	rm -rf $(DIST)/raw
 	@ls -l $(DIST)/*.whl
+	touch $@
 
 # A fresh virtualenv with the GPU `tensorflow` build of requirements.txt's
 # TensorFlow version, then our wheel without extras: TensorFlow must stay the
 # CUDA build (no tensorflow-cpu added) and the README example must run.
 WHEEL_VENV := build/wheel-venv
 TF_PIN := $(shell sed -n 's/^tensorflow-cpu==//p' requirements.txt)
-check-wheel: wheel
+check-wheel: $(WHEEL_STAMP)
 	rm -rf $(WHEEL_VENV)
 	$(PY) -m venv $(WHEEL_VENV)
 	@echo "check-wheel: installing tensorflow==$(TF_PIN) (the CUDA build), then the wheel"
@@ -177,8 +183,8 @@ check-wheel: wheel
 # `kafka` extra). Says so and stops when no such interpreter is found.
 SMOKE_VENV := build/smoke-venv
 SMOKE_TESTS := tests/test_package.py tests/layers/test_embedding_variable.py \
-	tests/optimizers/test_table_optimizers.py tests/data/test_parquet.py
-smoke-py: wheel
+	tests/optimizers/test_rules.py tests/data/test_parquet.py
+smoke-py: $(WHEEL_STAMP)
 	@py=$$(.ci/find_python 3.13 3.12) || { echo "smoke-py: NO SECOND INTERPRETER: no Python 3.13 or 3.12 from pyenv or PATH; the second-interpreter smoke run did not run"; exit 0; }; \
 	echo "smoke-py: $$py ($$($$py --version))"; \
 	rm -rf $(SMOKE_VENV) && $$py -m venv $(SMOKE_VENV) && \
