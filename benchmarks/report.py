@@ -432,7 +432,7 @@ def _pyplot():
         import matplotlib
     except ImportError as e:
         raise BenchError("`keras-rec-emb bench` draws its plots with matplotlib, which "
-                         "is not installed: pip install matplotlib") from e
+                         "is not installed: pip install \"keras-rec-emb[bench]\"") from e
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
