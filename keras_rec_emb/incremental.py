@@ -41,6 +41,8 @@ from keras_rec_emb import _checks
 from keras_rec_emb import saving as _saving
 from keras_rec_emb import variables as _variables
 
+__all__ = ["IncrementalCheckpointer", "apply_to_saved_model"]
+
 _FORMAT = "keras_rec_emb.checkpoint/2"
 # /1 links (no chain id, no parent checksum) still restore, checked by name.
 _FORMATS = ("keras_rec_emb.checkpoint/1", _FORMAT)

@@ -12,6 +12,16 @@ import keras
 
 from keras_rec_emb._checks import check_bool, check_float, check_int
 
+__all__ = [
+    "InitializerOption",
+    "CounterFilter",
+    "CBFFilter",
+    "GlobalStepEvict",
+    "L2WeightEvict",
+    "StorageOption",
+    "EmbeddingVariableOption",
+]
+
 _PACKAGE = "keras_rec_emb"
 
 

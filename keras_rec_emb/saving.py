@@ -4,6 +4,8 @@ import os
 import tempfile
 import zipfile
 
+__all__ = ["save_model", "load_model"]
+
 # Temporary files are named .tmp-kre-<target name>-<pid>-<random>.keras.
 _TMP_PREFIX = ".tmp-kre-"
 

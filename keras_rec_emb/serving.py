@@ -23,6 +23,8 @@ from keras_rec_emb import _compat, saving
 from keras_rec_emb.ops import embedding_ops
 from keras_rec_emb.variables import is_table
 
+__all__ = ["export_for_serving"]
+
 
 class _StockTable(tf.Module):
     """One embedding table as stock TensorFlow state, with the inference

@@ -238,3 +238,16 @@ def _unannotated_own(cls):
     """Whether `cls` defines its own __init__ in source (not a copied signature)."""
     init = vars(cls).get("__init__")
     return init is not None and getattr(init, "__signature__", None) is None
+
+
+@pytest.mark.parametrize("name", ["keras_rec_emb.options", "keras_rec_emb.saving",
+                                  "keras_rec_emb.serving", "keras_rec_emb.incremental"])
+def test_modules_behind_the_top_level_declare_their_api(name):
+    """The modules whose names the top level re-exports declare them in
+    `__all__` (star-imports and the docs take only those)."""
+    import importlib
+
+    module = importlib.import_module(name)
+    assert module.__all__
+    for public in module.__all__:
+        assert getattr(module, public) is getattr(kre, public), f"{name}.{public}"
