@@ -235,6 +235,7 @@ class TableOptimizer:
 
         __init__.__signature__ = inspect.Signature(params)
         __init__.__qualname__ = f"{cls.__qualname__}.__init__"
+        __init__.__module__ = cls.__module__
         __init__.__doc__ = call.__doc__
         cls.__init__ = __init__
 
