@@ -115,7 +115,8 @@ PEERS_REQ := benchmarks/peers
 $(TR_VENV)/.stamp: $(PEERS_REQ)/requirements-torchrec.txt
 	$(PY) -m venv $(TR_VENV)
 	$(TR_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(TR_VENV)/bin/python -m pip install --quiet -r $<
+	@echo "peer-venvs: installing TorchRec (torch and its CUDA wheels: several GB) into $(TR_VENV); pip prints each download"
+	$(TR_VENV)/bin/python -m pip install --progress-bar off -r $<
 	# torchrec's dependency fbgemm-gpu (CUDA) overwrites fbgemm-gpu-cpu's files:
 	$(TR_VENV)/bin/python -m pip uninstall --quiet -y fbgemm-gpu fbgemm-gpu-cpu
 	$(TR_VENV)/bin/python -m pip install --quiet --no-deps fbgemm-gpu-cpu==1.9.0
@@ -125,7 +126,8 @@ $(TR_VENV)/.stamp: $(PEERS_REQ)/requirements-torchrec.txt
 $(TFRA_VENV)/.stamp: $(PEERS_REQ)/requirements-tfra.txt
 	$(PY) -m venv $(TFRA_VENV)
 	$(TFRA_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(TFRA_VENV)/bin/python -m pip install --quiet -r $<
+	@echo "peer-venvs: installing TFRA (TensorFlow 2.15 and its add-ons: ~1 GB) into $(TFRA_VENV); pip prints each download"
+	$(TFRA_VENV)/bin/python -m pip install --progress-bar off -r $<
 	TF_USE_LEGACY_KERAS=1 $(TFRA_VENV)/bin/python -c "import tensorflow_recommenders_addons.dynamic_embedding"
 	touch $@
 
