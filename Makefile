@@ -126,7 +126,7 @@ $(TR_VENV)/.stamp: $(PEERS_REQ)/requirements-torchrec.txt
 $(TFRA_VENV)/.stamp: $(PEERS_REQ)/requirements-tfra.txt
 	$(PY) -m venv $(TFRA_VENV)
 	$(TFRA_VENV)/bin/python -m pip install --quiet --upgrade pip
-	@echo "peer-venvs: installing TFRA (TensorFlow 2.15 and its add-ons: ~1 GB) into $(TFRA_VENV); pip prints each download"
+	@echo "peer-venvs: installing TFRA (tensorflow-cpu 2.16, tf-keras, TFRA: about 1 GB) into $(TFRA_VENV); pip prints each download"
 	$(TFRA_VENV)/bin/python -m pip install --progress-bar off -r $<
 	TF_USE_LEGACY_KERAS=1 $(TFRA_VENV)/bin/python -c "import tensorflow_recommenders_addons.dynamic_embedding"
 	touch $@
