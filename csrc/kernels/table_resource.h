@@ -83,9 +83,21 @@ absl::Status GetTable(tf::OpKernelContext* ctx,
   return absl::OkStatus();
 }
 
+// The status of table work that threw: DataLoss when a file-tier table's
+// files no longer hold its rows (kv::DataLossError), else ResourceExhausted
+// (allocation failure, a full shard or disk, an I/O error).
+inline absl::Status TableWorkError(const std::exception& e) {
+  if (dynamic_cast<const kv::DataLossError*>(&e) != nullptr) {
+    return tf::errors::DataLoss("embedding table operation failed: ", e.what());
+  }
+  return tf::errors::ResourceExhausted("embedding table operation failed: ", e.what());
+}
+
 // Base of the kernels whose input 0 is the handle of a table with key type
 // K: Compute resolves it (checking the key dtype, and the row width when
-// the op has a `dim` attribute) and hands the table to ComputeOnTable.
+// the op has a `dim` attribute) and hands the table to ComputeOnTable; an
+// exception that escapes it (a file tier's read or write failing) becomes
+// the kernel's status (TableWorkError) instead of ending the process.
 template <typename K>
 class TableOpKernel : public OpKernel {
  public:
@@ -96,7 +108,11 @@ class TableOpKernel : public OpKernel {
   void Compute(OpKernelContext* ctx) final {
     tf::core::RefCountPtr<TableResource<K>> res;
     OP_REQUIRES_OK(ctx, GetTable<K>(ctx, &res, dim_));
-    ComputeOnTable(ctx, res->table());
+    try {
+      ComputeOnTable(ctx, res->table());
+    } catch (const std::exception& e) {
+      ctx->SetStatus(TableWorkError(e));
+    }
   }
 
  protected:
@@ -202,7 +218,8 @@ std::vector<int64_t> TableSizeStats(const kv::Table<K>& t) {
 }
 
 // Runs fn(i) for i in [0, n) over the intra-op thread pool. Exceptions
-// (allocation failure, a full shard) become a ResourceExhausted status.
+// become a status (TableWorkError: DataLoss for a file tier's lost rows,
+// else ResourceExhausted: allocation failure, a full shard or disk).
 template <typename Fn>
 absl::Status ParallelFor(tf::OpKernelContext* ctx, int64_t n,
                          int64_t cost_per_unit, Fn&& fn) {
@@ -215,8 +232,7 @@ absl::Status ParallelFor(tf::OpKernelContext* ctx, int64_t n,
                 for (int64_t i = begin; i < end; ++i) fn(i);
               } catch (const std::exception& e) {
                 std::lock_guard<std::mutex> lock(mu);
-                status = tf::errors::ResourceExhausted(
-                    "embedding table operation failed: ", e.what());
+                status = TableWorkError(e);
               }
             });
   return status;

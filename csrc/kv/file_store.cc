@@ -4,7 +4,6 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/file.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -23,6 +22,15 @@ constexpr char kSegmentMagic[8] = {'K', 'R', 'E', 'S', 'E', 'G', '0', '1'};
 constexpr uint64_t kHeaderBytes = 32;
 constexpr size_t kBufferBytes = 1 << 20;
 constexpr uint64_t kOffsetBits = 40;
+constexpr uint64_t kOffsetMask = (uint64_t{1} << kOffsetBits) - 1;
+// Compaction reads old segments this much at a time.
+constexpr uint64_t kChunkBytes = 4 << 20;
+// Garbage a shard may hold beyond its live bytes before it compacts (at
+// most segment_bytes): a small table is not compacted at every write-back.
+constexpr uint64_t kCompactFloorBytes = 1 << 20;
+
+// Bytes of one record of `width` floats on file.
+uint64_t RecordBytes(uint64_t width) { return width * 4; }
 
 std::runtime_error IoError(const std::string& what, const std::string& path) {
   return std::runtime_error(what + " '" + path + "': " + std::strerror(errno));
@@ -41,13 +49,24 @@ void WriteAll(int fd, const char* p, size_t n, uint64_t offset, const std::strin
   }
 }
 
-void ReadAll(int fd, char* p, size_t n, uint64_t offset, const std::string& path) {
+// Reads n bytes at `offset` of a segment. Bytes the file does not hold (it
+// was truncated under the table) throw DataLossError naming the file, the
+// offset and the file's size; a failed read throws std::runtime_error.
+void ReadRecordBytes(int fd, char* p, size_t n, uint64_t offset, const std::string& path) {
+  const uint64_t start = offset;
+  const size_t total = n;
   while (n > 0) {
     const ssize_t r = ::pread(fd, p, n, static_cast<off_t>(offset));
     if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) {
-      if (r == 0) errno = EIO;
-      throw IoError("cannot read the file-tier segment (truncated or unreadable)", path);
+    if (r < 0) throw IoError("cannot read the file-tier segment", path);
+    if (r == 0) {
+      struct stat st;
+      const std::string size =
+          ::fstat(fd, &st) == 0 ? std::to_string(st.st_size) + " bytes" : "unknown";
+      throw DataLossError("the file-tier segment '" + path + "' was truncated under the table: " +
+                          std::to_string(total) + " bytes at offset " + std::to_string(start) +
+                          " are past its end (file size " + size +
+                          "); rows on file are lost (restore a snapshot or a checkpoint)");
     }
     p += r;
     n -= static_cast<size_t>(r);
@@ -134,9 +153,9 @@ FileSpace::FileSpace(const std::string& root, uint64_t segment_bytes)
 FileSpace::~FileSpace() { RemoveTree(dir_); }
 
 FileRowStore::FileRowStore(std::shared_ptr<FileSpace> space, int shard, int64_t dim,
-                           uint64_t cache_bytes, uint64_t map_bytes)
+                           uint64_t cache_bytes)
     : space_(std::move(space)), shard_(shard), dim_(dim), cache_bytes_(cache_bytes),
-      width_(dim), use_map_(map_bytes > 0), map_budget_(map_bytes) {
+      width_(dim) {
   free_ranges_[0] = kCached;  // record numbers [0, 2^31)
   Recompute();
 }
@@ -195,51 +214,22 @@ uint64_t FileRowStore::WordToLoc(uint32_t w) const {
   const auto seg = segments_.find(it->second);
   if (seg == segments_.end()) throw std::runtime_error("file-tier row in a missing segment");
   return (static_cast<uint64_t>(it->second) << kOffsetBits) |
-         (kHeaderBytes + static_cast<uint64_t>(w - seg->second.base) * seg->second.width * 4);
+         (kHeaderBytes + static_cast<uint64_t>(w - seg->second.base) * seg->second.rec_bytes);
 }
 
 uint32_t FileRowStore::LocToWord(uint64_t loc) const {
   if (loc == kNoLocation) return kNoWord;
   const auto seg = segments_.find(static_cast<uint32_t>(loc >> kOffsetBits));
   if (seg == segments_.end()) throw std::runtime_error("file-tier row in a missing segment");
-  const uint64_t offset = loc & ((uint64_t{1} << kOffsetBits) - 1);
+  const uint64_t offset = loc & kOffsetMask;
   return seg->second.base +
-         static_cast<uint32_t>((offset - kHeaderBytes) / (seg->second.width * 4));
+         static_cast<uint32_t>((offset - kHeaderBytes) / seg->second.rec_bytes);
 }
 
 FileRowStore::~FileRowStore() {
   for (auto& kv : segments_) {
-    UnmapSegment(&kv.second);
     if (kv.second.fd >= 0) ::close(kv.second.fd);
   }
-}
-
-bool FileRowStore::MapSegment(Segment* seg, bool read_only) {
-  if (!use_map_) return false;
-  // A writable segment is mapped to its full length up front (pages past
-  // the end of the file are never touched: records are read below `size`).
-  const uint64_t len = read_only ? seg->size
-                                 : std::max(seg->size, std::max<uint64_t>(
-                                       space_->segment_bytes(),
-                                       kHeaderBytes + static_cast<uint64_t>(width_) * 4));
-  void* p = ::mmap(nullptr, len, read_only ? PROT_READ : PROT_READ | PROT_WRITE, MAP_SHARED,
-                   seg->fd, 0);
-  if (p == MAP_FAILED) return false;  // pread/pwrite still work
-  seg->map = static_cast<char*>(p);
-  seg->map_len = len;
-  return true;
-}
-
-void FileRowStore::UnmapSegment(Segment* seg) {
-  if (seg->map != nullptr) ::munmap(seg->map, seg->map_len);
-  seg->map = nullptr;
-  seg->map_len = 0;
-}
-
-void FileRowStore::CheckMapBudget() {
-  if (!use_map_ || file_bytes_ <= map_budget_) return;
-  use_map_ = false;
-  for (auto& kv : segments_) UnmapSegment(&kv.second);
 }
 
 void FileRowStore::Recompute() {
@@ -260,13 +250,14 @@ void FileRowStore::EnsureRowCapacity(uint32_t rows) {
 }
 
 void FileRowStore::OpenSegment() {
-  FlushBuffer();
+  LeaveActive();
   const uint32_t id = next_segment_++;
   Segment seg;
   seg.path = space_->dir() + "/s" + std::to_string(shard_) + "-" + std::to_string(id) + ".seg";
   seg.fd = ::open(seg.path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (seg.fd < 0) throw IoError("cannot create the file-tier segment", seg.path);
   seg.width = static_cast<uint64_t>(width_);
+  seg.rec_bytes = RecordBytes(seg.width);
   char header[kHeaderBytes] = {};
   std::memcpy(header, kSegmentMagic, 8);
   std::memcpy(header + 8, &seg.width, 8);
@@ -280,26 +271,27 @@ void FileRowStore::OpenSegment() {
     throw;
   }
   seg.size = kHeaderBytes;
-  const uint64_t bytes = static_cast<uint64_t>(width_) * 4;
-  const uint64_t limit = std::max<uint64_t>(space_->segment_bytes(), kHeaderBytes + bytes);
-  RegisterSegment(id, seg, /*read_only=*/false, (limit - kHeaderBytes) / bytes);
+  seg.unsynced = true;
+  const uint64_t limit = std::max<uint64_t>(space_->segment_bytes(), kHeaderBytes + seg.rec_bytes);
+  RegisterSegment(id, seg, (limit - kHeaderBytes) / seg.rec_bytes);
   active_ = id;
 }
 
-void FileRowStore::RegisterSegment(uint32_t id, Segment seg, bool read_only,
-                                   uint64_t records) {
-  file_bytes_ += seg.size;
-  CheckMapBudget();
-  MapSegment(&seg, read_only);
+void FileRowStore::LeaveActive() {
+  if (active_ < 0) return;
+  FlushBuffer();
+  active_ = -1;
+}
+
+void FileRowStore::RegisterSegment(uint32_t id, Segment seg, uint64_t records) {
   try {
     AddSegment(id, seg, records);
   } catch (...) {
-    UnmapSegment(&seg);
     ::close(seg.fd);
     ::unlink(seg.path.c_str());
-    file_bytes_ -= seg.size;
     throw;
   }
+  file_bytes_ += seg.size;
 }
 
 void FileRowStore::FlushBuffer() {
@@ -309,11 +301,12 @@ void FileRowStore::FlushBuffer() {
   // and the error names the file.
   WriteAll(seg.fd, buffer_.data(), buffer_.size(), seg.size, seg.path);
   seg.size += buffer_.size();
+  seg.unsynced = true;
   buffer_.clear();
 }
 
 uint64_t FileRowStore::Append(const float* record) {
-  const uint64_t bytes = static_cast<uint64_t>(width_) * 4;
+  const uint64_t bytes = RecordBytes(static_cast<uint64_t>(width_));
   if (active_ < 0 || segments_[static_cast<uint32_t>(active_)].width != static_cast<uint64_t>(width_) ||
       segments_[static_cast<uint32_t>(active_)].size + buffer_.size() + bytes >
           std::max<uint64_t>(space_->segment_bytes(), kHeaderBytes + bytes)) {
@@ -325,25 +318,14 @@ uint64_t FileRowStore::Append(const float* record) {
   buffer_.insert(buffer_.end(), p, p + bytes);
   file_bytes_ += bytes;
   live_bytes_ += bytes;
-  if (buffer_.size() >= kBufferBytes) FlushBuffer();
   ++writes_;
   return (static_cast<uint64_t>(active_) << kOffsetBits) | offset;
 }
 
-void FileRowStore::ReadRecord(uint64_t loc, float* dst) const {
-  const uint32_t id = static_cast<uint32_t>(loc >> kOffsetBits);
-  const uint64_t offset = loc & ((uint64_t{1} << kOffsetBits) - 1);
-  const auto it = segments_.find(id);
-  if (it == segments_.end()) throw std::runtime_error("file-tier row in a missing segment");
-  const Segment& seg = it->second;
-  const uint64_t bytes = seg.width * 4;
-  if (static_cast<int64_t>(id) == active_ && offset >= seg.size) {
-    std::memcpy(dst, buffer_.data() + (offset - seg.size), bytes);
-  } else if (seg.map != nullptr && offset + bytes <= seg.size) {
-    std::memcpy(dst, seg.map + offset, bytes);
-  } else {
-    ReadAll(seg.fd, reinterpret_cast<char*>(dst), bytes, offset, seg.path);
-  }
+void FileRowStore::UnpackRecord(const Segment& seg, uint64_t offset, const char* src,
+                                float* dst) const {
+  (void)offset;
+  std::memcpy(dst, src, seg.width * 4);
   // Slots added after the record was written start at their init values.
   for (size_t j = 0; j < widths_.size(); ++j) {
     if (static_cast<uint64_t>(slot_offsets_[j]) >= seg.width) {
@@ -352,72 +334,109 @@ void FileRowStore::ReadRecord(uint64_t loc, float* dst) const {
   }
 }
 
+void FileRowStore::ReadRecord(uint64_t loc, float* dst) const {
+  const uint32_t id = static_cast<uint32_t>(loc >> kOffsetBits);
+  const uint64_t offset = loc & kOffsetMask;
+  const auto it = segments_.find(id);
+  if (it == segments_.end()) throw std::runtime_error("file-tier row in a missing segment");
+  const Segment& seg = it->second;
+  if (static_cast<int64_t>(id) == active_ && offset >= seg.size) {
+    UnpackRecord(seg, offset, buffer_.data() + (offset - seg.size), dst);
+    return;
+  }
+  // Straight into dst when the record is as wide as a row (the common
+  // case); a narrower one (written before a slot was added) goes through a
+  // local copy.
+  if (seg.rec_bytes == static_cast<uint64_t>(width_) * 4) {
+    ReadRecordBytes(seg.fd, reinterpret_cast<char*>(dst), seg.rec_bytes, offset, seg.path);
+    UnpackRecord(seg, offset, reinterpret_cast<const char*>(dst), dst);
+  } else {
+    std::vector<char> local(seg.rec_bytes);
+    ReadRecordBytes(seg.fd, local.data(), seg.rec_bytes, offset, seg.path);
+    UnpackRecord(seg, offset, local.data(), dst);
+  }
+}
+
 void FileRowStore::Forget(uint64_t loc) {
   if (loc == kNoLocation) return;
   const auto it = segments_.find(static_cast<uint32_t>(loc >> kOffsetBits));
-  if (it != segments_.end()) live_bytes_ -= it->second.width * 4;
-}
-
-bool FileRowStore::RewriteInPlace(uint64_t loc, const float* record) {
-  if (loc == kNoLocation) return false;
-  const auto it = segments_.find(static_cast<uint32_t>(loc >> kOffsetBits));
-  if (it == segments_.end()) return false;
-  Segment& seg = it->second;
-  if (seg.sealed || seg.width != static_cast<uint64_t>(width_)) return false;
-  const uint64_t offset = loc & ((uint64_t{1} << kOffsetBits) - 1);
-  const uint64_t bytes = seg.width * 4;
-  const char* p = reinterpret_cast<const char*>(record);
-  if (static_cast<int64_t>(it->first) == active_ && offset >= seg.size) {
-    std::memcpy(buffer_.data() + (offset - seg.size), p, bytes);
-  } else if (seg.map != nullptr && offset + bytes <= seg.size) {
-    std::memcpy(seg.map + offset, p, bytes);
-  } else {
-    WriteAll(seg.fd, p, bytes, offset, seg.path);
-  }
-  seg.written = true;
-  ++writes_;
-  return true;
+  if (it != segments_.end()) live_bytes_ -= it->second.rec_bytes;
 }
 
 void FileRowStore::WriteBack(uint32_t slot) {
   const float* record = cache_.data() + static_cast<uint64_t>(slot) * width_;
-  if (RewriteInPlace(cache_loc_[slot], record)) {
-    dirty_[slot] = 0;
-    return;
-  }
   const uint64_t loc = Append(record);
   Forget(cache_loc_[slot]);
   cache_loc_[slot] = loc;
   dirty_[slot] = 0;
+  // The row points at its record in the buffer: a failed flush (disk
+  // full) keeps both, and the next append retries it.
+  if (buffer_.size() >= kBufferBytes) FlushBuffer();
   MaybeCompact();
 }
 
 void FileRowStore::MaybeCompact() {
-  if (compacting_ || file_bytes_ <= 2 * live_bytes_ ||
-      file_bytes_ < 2 * space_->segment_bytes()) {
-    return;
-  }
+  const uint64_t floor = std::min<uint64_t>(space_->segment_bytes(), kCompactFloorBytes);
+  if (compacting_ || file_bytes_ <= 2 * live_bytes_ + floor) return;
+  Compact();
+}
+
+void FileRowStore::Compact() {
   compacting_ = true;
   try {
-    FlushBuffer();
-    active_ = -1;  // rows go to new segments
-    std::vector<uint32_t> old;
-    for (const auto& kv : segments_) old.push_back(kv.first);
+    LeaveActive();  // rows go to new segments
     const uint32_t first_new = next_segment_;
-    std::vector<float> rec(width_);
+    // Every row with a record on file, by location: the old segments are
+    // read in order, a chunk at a time. A dirty cached row's record is
+    // stale (the row is appended when written back): dropped, not copied.
+    std::vector<std::pair<uint64_t, uint32_t>> moves;
     for (uint32_t row = 0; row < next_row_; ++row) {
       const uint64_t loc = Loc(row);
       if (loc == kNoLocation || (loc >> kOffsetBits) >= first_new) continue;
-      ReadRecord(loc, rec.data());
+      const int32_t slot = SlotOf(row);
+      if (slot >= 0 && dirty_[slot]) {
+        Forget(loc);
+        cache_loc_[slot] = kNoLocation;
+        continue;
+      }
+      moves.emplace_back(loc, row);
+    }
+    std::sort(moves.begin(), moves.end());
+    std::vector<char> chunk;
+    uint64_t chunk_id = kNoLocation, chunk_start = 0;
+    std::vector<float> rec(width_);
+    for (const auto& [loc, row] : moves) {
+      const uint64_t id = loc >> kOffsetBits;
+      const uint64_t offset = loc & kOffsetMask;
+      const Segment& seg = segments_.at(static_cast<uint32_t>(id));
+      if (id != chunk_id || offset < chunk_start ||
+          offset + seg.rec_bytes > chunk_start + chunk.size()) {
+        // A whole number of records from this one on, at most 4 MiB (and
+        // at least the record), never past the segment's end.
+        const uint64_t want = std::max<uint64_t>(
+            seg.rec_bytes, kChunkBytes / seg.rec_bytes * seg.rec_bytes);
+        chunk.resize(std::min<uint64_t>(want, seg.size - offset));
+        if (chunk.size() < seg.rec_bytes) {
+          throw std::runtime_error("file-tier row past the end of its segment");
+        }
+        ReadRecordBytes(seg.fd, chunk.data(), chunk.size(), offset, seg.path);
+        chunk_id = id;
+        chunk_start = offset;
+      }
+      UnpackRecord(seg, offset, chunk.data() + (offset - chunk_start), rec.data());
       const uint64_t moved = Append(rec.data());
+      if (buffer_.size() >= kBufferBytes) FlushBuffer();
       Forget(loc);
       SetLoc(row, moved);
     }
     FlushBuffer();
+    std::vector<uint32_t> old;
+    for (const auto& kv : segments_) {
+      if (kv.first < first_new) old.push_back(kv.first);
+    }
     for (uint32_t id : old) {
       Segment& seg = segments_[id];
       file_bytes_ -= seg.size;
-      UnmapSegment(&seg);
       ::close(seg.fd);
       ::unlink(seg.path.c_str());
       RemoveSegment(id);
@@ -558,10 +577,9 @@ void FileRowStore::Sync() {
   FlushBuffer();
   for (auto& kv : segments_) {
     Segment& seg = kv.second;
-    if (!seg.written && static_cast<int64_t>(kv.first) != active_) continue;
-    // fdatasync also writes back pages dirtied through the mapping.
+    if (!seg.unsynced) continue;
     if (::fdatasync(seg.fd) != 0) throw IoError("cannot sync the file-tier segment", seg.path);
-    seg.written = false;
+    seg.unsynced = false;
   }
 }
 
@@ -569,14 +587,14 @@ void FileRowStore::Seal() {
   Sync();
   // Every segment is linked into the snapshot: none is written again (a
   // row written back later is appended to a new segment).
-  for (auto& kv : segments_) kv.second.sealed = true;
-  active_ = -1;
+  LeaveActive();
 }
 
 void FileRowStore::ReserveSlot(int64_t width, float init) {
   // Every row is written out first (may fail: nothing changes); records of
   // the new width go to a new segment.
   Sync();
+  LeaveActive();
   pending_width_ = width;
   pending_init_ = init;
   widths_.reserve(widths_.size() + 1);
@@ -603,7 +621,6 @@ void FileRowStore::SetLayout(const std::vector<int64_t>& widths,
 
 void FileRowStore::Clear() {
   for (auto& kv : segments_) {
-    UnmapSegment(&kv.second);
     if (kv.second.fd >= 0) ::close(kv.second.fd);
     ::unlink(kv.second.path.c_str());
   }
@@ -620,7 +637,6 @@ void FileRowStore::Clear() {
   free_rows_.clear();
   next_row_ = 0;
   rows_ = 0;
-  use_map_ = map_budget_ > 0;
 }
 
 void FileRowStore::DropCache(bool keep_rows) {
@@ -674,12 +690,17 @@ uint32_t FileRowStore::AdoptSegment(const std::string& path, uint64_t width, uin
     throw IoError("cannot link the snapshot segment into the table's directory", path);
   }
   seg.fd = ::open(seg.path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (seg.fd < 0) throw IoError("cannot open the snapshot segment", path);
+  if (seg.fd < 0) {
+    const int err = errno;
+    ::unlink(seg.path.c_str());
+    errno = err;
+    throw IoError("cannot open the snapshot segment", path);
+  }
   seg.width = width;
+  seg.rec_bytes = RecordBytes(width);
   seg.size = size;
-  seg.sealed = true;  // the snapshot's own file (a hard link): read only
-  const uint64_t records = size > kHeaderBytes ? (size - kHeaderBytes) / (width * 4) : 0;
-  RegisterSegment(id, seg, /*read_only=*/true, records);
+  const uint64_t records = size > kHeaderBytes ? (size - kHeaderBytes) / seg.rec_bytes : 0;
+  RegisterSegment(id, seg, records);
   return id;
 }
 
@@ -689,7 +710,7 @@ uint32_t FileRowStore::AdoptRow(uint64_t location) {
   EnsureRowCapacity(next_row_);
   *where_.Row(row) = LocToWord(location);
   const auto it = segments_.find(static_cast<uint32_t>(location >> kOffsetBits));
-  if (it != segments_.end()) live_bytes_ += it->second.width * 4;
+  if (it != segments_.end()) live_bytes_ += it->second.rec_bytes;
   ++rows_;
   return row;
 }

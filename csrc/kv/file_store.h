@@ -10,7 +10,8 @@
 //   takes the lock). A segment holds records of one width (value + slots
 //   at the time it was written) after a 32-byte header; a new segment is
 //   started when it reaches segment_bytes, when a slot is added, and after
-//   each snapshot, so that a segment is immutable once it is left.
+//   each snapshot. Only the segment being appended to is ever written: a
+//   segment is immutable once it is left.
 // * DRAM. Per row id one 4-byte word (a chunked arena, no growth slack):
 //   its record number (each segment owns a range of record numbers, so a
 //   number names a segment and an offset), none, or, while the row is
@@ -18,30 +19,29 @@
 //   slot, 8 bytes per cached row); the key index and the per-key metadata
 //   stay in DRAM (shard_index.h, MetaRows). The cache holds at
 //   most max(16, cache_bytes / num_shards / record bytes) rows per shard
-//   and replaces by CLOCK (second chance). A dirty row leaving the cache
-//   is written over its own record when that record is in a segment not
-//   sealed by a snapshot yet (and of the current width); otherwise (a new
-//   row, or its record is in a snapshot) it is appended to the current
-//   segment (appends are buffered, 1 MiB). So a row leaves garbage behind
-//   at most once per snapshot (counted in Stats().disk_bytes); when the
-//   files hold more than twice the live rows' bytes (and more than two
-//   segments' worth), every row on file is copied to new segments and the
-//   old ones are unlinked (a snapshot keeps its own links).
-// * Reads. While a shard's segments fit in TableOptions::map_bytes /
-//   num_shards (default 1 GiB per table) they are memory-mapped (shared):
-//   a miss is a copy from the page cache, no system call, and in-place
-//   writes are copies into the mapping; the mapped file pages count in the
-//   process's RSS, bounded by that budget. Beyond it the store unmaps them
-//   and reads and writes records with pread/pwrite.
+//   and replaces by CLOCK (second chance). A dirty row leaving the cache is
+//   appended to the current segment (appends are buffered, 1 MiB); its old
+//   record becomes garbage (counted in Stats().disk_bytes). When the files
+//   hold more than twice the live rows' bytes plus min(segment_bytes,
+//   1 MiB), every row on file is copied to new segments (the old ones read
+//   in order, 4 MiB at a time) and the old ones are unlinked (a snapshot
+//   keeps its own links).
+// * Reads. A record is read with pread, never through a memory map: a
+//   mapped file that shrinks under the process (a tool truncating it, a
+//   full disk) would kill it with SIGBUS at the next read. A record that is
+//   not on file whole throws DataLossError naming the file, the offset and
+//   the file's size. Rows are only appended, never written over their old
+//   record: a pwrite of one record costs a file-system metadata update
+//   (about 10x a pread here), a buffered append a share of one 1 MiB write.
 // * Snapshot (Table::Snapshot): every shard locked, dirty rows written,
-//   segments flushed, fsynced and sealed; the segments are hard-linked into
+//   segments flushed, fsynced and left; the segments are hard-linked into
 //   P/snap-<seq>.tmp/ with an index file (keys, locations, frequencies,
 //   versions, slot specs, initializer matrix, Bloom state; CRC-32 at the
 //   end), fsynced, renamed to P/snap-<seq>, and P/CURRENT (the name of the
 //   latest snapshot) replaced by an atomic rename. Segments are never
-//   written after being sealed and a snapshot holds its own links, so a
-//   kill -9 at any point leaves the previous snapshot intact; the snapshot
-//   before the latest is kept as well, older ones removed.
+//   written once left and a snapshot holds its own links, so a kill -9 at
+//   any point leaves the previous snapshot intact; the snapshot before the
+//   latest is kept as well, older ones removed.
 #ifndef KRE_KV_FILE_STORE_H_
 #define KRE_KV_FILE_STORE_H_
 
@@ -95,10 +95,8 @@ constexpr uint64_t kNoLocation = ~uint64_t{0};
 
 class FileRowStore final : public RowStore {
  public:
-  // map_bytes: segments are read (and rewritten) through memory maps while
-  // they hold at most this many bytes, by pread/pwrite beyond (and with 0).
   FileRowStore(std::shared_ptr<FileSpace> space, int shard, int64_t dim,
-               uint64_t cache_bytes, uint64_t map_bytes);
+               uint64_t cache_bytes);
   ~FileRowStore() override;
 
   uint32_t Allocate(const float* init) override;
@@ -138,16 +136,11 @@ class FileRowStore final : public RowStore {
   struct Segment {
     int fd = -1;
     std::string path;
-    uint64_t width = 0;  // floats per record
-    uint64_t size = 0;   // bytes on file
-    // Read (and, while not sealed, write) mapping of the file, or null:
-    // `map_len` bytes, beyond the end of the file until it fills.
-    char* map = nullptr;
-    uint64_t map_len = 0;
-    // Linked into a snapshot (or adopted from one): never written again.
-    bool sealed = false;
-    // Written in place since the last Sync (to be synced by it).
-    bool written = false;
+    uint64_t width = 0;      // floats per record
+    uint64_t rec_bytes = 0;  // bytes per record on file
+    uint64_t size = 0;       // bytes on file
+    // Written since the last Sync (to be fsynced by it).
+    bool unsynced = false;
     // Its record numbers: [base, base + cap).
     uint32_t base = 0;
     uint32_t cap = 0;
@@ -195,33 +188,36 @@ class FileRowStore final : public RowStore {
   void GiveRange(uint32_t start, uint32_t n);
   // Registers a new segment (its range of record numbers) and removes one.
   void AddSegment(uint32_t id, Segment seg, uint64_t records);
-  // Counts, maps and adds a segment file just opened (`records` record
-  // numbers for it); if that fails, removes the file and leaves the store as
-  // it was.
-  void RegisterSegment(uint32_t id, Segment seg, bool read_only, uint64_t records);
+  // Counts and adds a segment file just opened (`records` record numbers
+  // for it); if that fails, closes and removes the file and leaves the
+  // store as it was.
+  void RegisterSegment(uint32_t id, Segment seg, uint64_t records);
   void RemoveSegment(uint32_t id);
   uint32_t TakeCacheSlot();
   void WriteBack(uint32_t slot);
+  // Appends a record to the buffer of the current segment (starting a new
+  // segment first when it is full or of another width) and returns its
+  // location; the buffer is written out by FlushBuffer.
   uint64_t Append(const float* record);
   void FlushBuffer();
   void OpenSegment();
+  // Flushes the current segment and leaves it: the next append starts a
+  // new one.
+  void LeaveActive();
   // Reads the record at `loc` into dst (width_ floats; slots added after it
-  // was written get their init values).
+  // was written get their init values). Throws DataLossError when the file
+  // does not hold it whole.
   void ReadRecord(uint64_t loc, float* dst) const;
+  // Gives a record read from file (`seg`'s at `offset`, in `src`) to dst as
+  // ReadRecord does.
+  void UnpackRecord(const Segment& seg, uint64_t offset, const char* src, float* dst) const;
   void EnsureRowCapacity(uint32_t rows);
   // Drops the file bytes of `loc` from the live count.
   void Forget(uint64_t loc);
   void MaybeCompact();
+  // Copies every row on file to new segments and unlinks the old ones.
+  void Compact();
   void Recompute();
-  // Maps a segment for reading (and writing unless read_only) when this
-  // store reads through mappings; returns whether it did.
-  bool MapSegment(Segment* seg, bool read_only);
-  static void UnmapSegment(Segment* seg);
-  // Stops reading through mappings once the files outgrow map_budget_.
-  void CheckMapBudget();
-  // Overwrites the record at `loc` in place when that is
-  // a segment not yet sealed, of the current width; returns whether it did.
-  bool RewriteInPlace(uint64_t loc, const float* record);
   // Empties the DRAM cache (its rows must be clean or be discarded): no row
   // is cached any more and the cache's memory is freed. keep_rows = false
   // when every row goes (Clear): their words are not restored.
@@ -257,15 +253,9 @@ class FileRowStore final : public RowStore {
   uint32_t next_segment_ = 0;
   int64_t active_ = -1;  // segment being appended to
   std::vector<char> buffer_;  // its unflushed tail
-  mutable std::vector<float> scratch_;
   uint64_t file_bytes_ = 0;  // all segment bytes, the buffer included
   uint64_t live_bytes_ = 0;  // bytes of the records rows point at
   bool compacting_ = false;
-  // Reads (and in-place writes) go through mmap while every segment of
-  // this store fits in map_budget_ bytes (so mapped file pages add at most
-  // that much to the process's RSS); beyond it, pread and pwrite.
-  bool use_map_ = true;
-  uint64_t map_budget_ = 0;
   // Counters.
   uint64_t compactions_ = 0;
   uint64_t hits_ = 0, misses_ = 0, reads_ = 0, writes_ = 0;

@@ -22,9 +22,12 @@
 //                when !stable_pointers(), else until Release/Clear. `write`
 //                marks the row dirty: a file store writes it back before
 //                dropping it from the cache. Value and Slot of one row are
-//                valid together.
+//                valid together. A file store throws DataLossError when the
+//                row's record is no longer on file as written (and I/O
+//                errors as std::runtime_error); nothing changes then.
 //   Read         a shared lock suffices (no state changes): copies the value
 //                and the slots (concatenated) out. Does not fill a cache.
+//                Throws as Value does.
 //   ReserveSlot  exclusive lock; allocates what a new slot needs (may
 //   CommitSlot   throw, changing nothing); CommitSlot then adds it and
 //                cannot fail.
@@ -51,6 +54,15 @@ constexpr uint32_t kNoRow = UINT32_MAX;
 // Row ids are below this: the two values under kNoRow mark a shard index's
 // free slots (shard_index.h).
 constexpr uint32_t kMaxRows = UINT32_MAX - 2;
+
+// A store's files no longer hold what it wrote (a segment truncated or
+// overwritten under the process, a record that fails its checksum): the
+// rows on file are lost or suspect. The kernels report it as DataLoss,
+// apart from exhausted resources and plain I/O errors.
+class DataLossError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
 
 struct RowStoreStats {
   uint64_t rows = 0;           // rows held

@@ -75,8 +75,7 @@ template <typename K>
 std::unique_ptr<RowStore> Table<K>::NewStore(int shard) const {
   if (file_tier()) {
     return std::make_unique<FileRowStore>(space_, shard, dim_,
-                                          options_.cache_bytes / num_shards_,
-                                          options_.map_bytes / num_shards_);
+                                          options_.cache_bytes / num_shards_);
   }
   return std::make_unique<DramRowStore>(dim_);
 }

@@ -72,10 +72,6 @@ struct TableOptions {
   std::string storage_path;
   uint64_t cache_bytes = 64ull << 20;
   uint64_t segment_bytes = 64ull << 20;
-  // The file tier reads a shard's segments through memory maps while they
-  // fit in map_bytes / num_shards (mapped file pages count in the RSS);
-  // beyond that, and with 0, by pread/pwrite.
-  uint64_t map_bytes = 1ull << 30;
   bool storage_lock = true;
   // > 0: a key's frequency stops growing at this count (DeepRec's default
   // with a filter: an admitted key reports `filter_freq` unless
