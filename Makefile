@@ -72,6 +72,10 @@ $(foreach v,$(KV_VARIANTS),$(eval $(call KV_VARIANT_RULES,$(v))))
 
 kv-bins: $(foreach v,$(KV_VARIANTS),$(call kv_tests,$(v)))
 
+# The objects are intermediate files to make, which would delete them after
+# each link and compile every source again at the next change of one.
+.SECONDARY: $(foreach v,$(KV_VARIANTS),$(call kv_objs,$(v)))
+
 test-kv: $(call kv_tests,plain)
 	@for t in $^; do echo "== $$t"; $$t || exit 1; done
 
