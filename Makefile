@@ -111,7 +111,6 @@ bench: install
 # virtualenv (large: torch pulls ~5 GB of CUDA wheels), never part of `make test`.
 # PEERS_ARGS is passed to benchmarks/peers/run.py (e.g. PEERS_ARGS=--quick;
 # PEERS_ARGS=--store also writes the stored result benchmarks/results/peers.json).
-# Checked 2026-11-24: `make peer-venvs` from a clean state takes ~5 minutes here.
 TR_VENV := .venv-torchrec
 TFRA_VENV := .venv-tfra
 PEERS_REQ := benchmarks/peers

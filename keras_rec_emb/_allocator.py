@@ -3,10 +3,10 @@
 By default TensorFlow allocates CPU tensors with `malloc`. A training step of
 an embedding model allocates many tensors of a few hundred kB to a few MB
 (rows per feature, their gradients, concatenations); glibc serves and
-returns each from fresh pages, so every step pays about 8,000-9,000 page
-faults (26 features, batch 4096, dim 16; ~30% of the step's CPU in
-`perf`). TensorFlow's own BFC allocator (`TF_CPU_ALLOCATOR_USE_BFC=true`)
-keeps the pages and reuses them: ~360 faults per step. (Where TensorFlow
+returns each from fresh pages, so every step pays thousands of page
+faults, a large share of its CPU (the README gives a measured step).
+TensorFlow's own BFC allocator (`TF_CPU_ALLOCATOR_USE_BFC=true`) keeps the
+pages and reuses them, and the faults all but stop. (Where TensorFlow
 turns oneDNN on by default, on x86 CPUs with AVX512-VNNI, BF16 or AMX, its
 oneDNN CPU allocator replaces malloc and pools too; BFC changes little there.)
 

@@ -40,7 +40,7 @@ def variable_accessed(variable):
 
 # A dataset built from three graph functions (init / next / finalize) over a
 # Python iterator. Public `tf.data.Dataset.from_generator` wraps the same
-# class but adds per-component Python checks that cost ~3x on wide batches.
+# class but adds per-component Python checks, costly on wide batches.
 # Used by `data/_source.python_dataset`.
 GeneratorDataset = from_generator_op._GeneratorDataset  # pylint: disable=protected-access
 

@@ -20,13 +20,12 @@ namespace kre {
 // (the count never passes the ids read). The input is read once, row by
 // row; each row's counts go to a small matrix and the splits are summed
 // from it feature by feature afterwards: writing the splits in the row loop
-// too made twice as many output streams, which measured 1.5x the time when
-// the outputs are not in cache (as they are not after a lookup). For the
-// same reason each feature's output is prefetched for writing kKeepAhead
-// ids ahead: F streams of stores that miss otherwise fill the store buffer,
-// each waiting on its line (measured on the peer workload's 26 features of
-// 1-5 ids, outputs and input evicted first: 0.77 -> 0.45 ms a batch; 16 to
-// 128 ids ahead alike). A prefetch never faults, also past an output's end.
+// too made twice as many output streams, which is slower when the outputs
+// are not in cache (as they are not after a lookup). For the same reason
+// each feature's output is prefetched for writing kKeepAhead ids ahead: F
+// streams of stores that miss otherwise fill the store buffer, each waiting
+// on its line (16 to 128 ids ahead did alike; measurements: docs/history.md,
+// sessions 13 and 15). A prefetch never faults, also past an output's end.
 constexpr int64_t kKeepAhead = 32;
 
 template <typename T, int kL>

@@ -137,7 +137,7 @@ void CombinePooled(const int64_t* splits, int64_t j0, int64_t b0, int64_t b1,
   // Output rows that are whole aligned cache lines are streamed: a store
   // that misses would read its line first (its write is all that line
   // gets), and the F features' columns of a concatenated output leave every
-  // line cold (measured most of this loop's time).
+  // line cold (in profiles, those reads were most of this loop's time).
   const bool stream = kv::StreamableRows(out, D, stride);
   auto store = [stream](float* o, const __m128* acc) {
     if (stream) {

@@ -5,13 +5,10 @@
 // A lookup touches an index line and a row line at random over all of a
 // table's memory. On 4 KiB pages a table past the TLB's reach (~8 MiB)
 // makes nearly every such touch miss the TLB too and wait for a page walk,
-// and a core runs few walks at once: measured on the peer benchmark's
-// tables (26 tables of ~41k keys, 32 shards each), a find-and-sum of 1-5
-// ids a row took 8-10% less time with this pool than on 4 KiB pages (7-16%
-// with every allocation of the tables on huge pages; the index alone ~13%,
-// the rows alone ~8%). A shard's index
-// and chunks are mostly far smaller than 2 MiB, so they are carved out of
-// shared 2 MiB slabs:
+// and a core runs few walks at once; on 2 MiB pages both the index and
+// the rows miss far less (measurements: docs/history.md, session 18).
+// A shard's index and chunks are mostly far smaller than 2 MiB, so they
+// are carved out of shared 2 MiB slabs:
 //
 // * blocks of 4 KiB to 2 MiB: a buddy allocator over 2 MiB slabs (each
 //   mapped 2 MiB-aligned and madvise(MADV_HUGEPAGE)); a block of a size

@@ -80,14 +80,12 @@ class ShardIndex {
   // The most of an index's slots that live keys and tombstones may fill,
   // num / den. Linear probing leaves the keys inserted last the furthest
   // from their home slots, and every probe of theirs that passes a slot
-  // costs a branch, often a mispredicted one, sometimes a line: measured
-  // (26 tables of 41k keys, 32 shards, 1-5 ids a row, find-and-sum
-  // harness), batches of keys inserted later were up to 1.6x slower at
-  // load 0.63, 1.15x at 0.32. kMaxLoad (0.6) is for tables whose rows live
-  // in DRAM, where the index is about a sixth of the bytes per key; it doubled
-  // that table's index to load 0.32 and took ~12% off its find-and-sum,
-  // ~7% off the group forward in the peer benchmark. kCompactMaxLoad (0.75)
-  // is for a file tier, where the index is most of the DRAM per key.
+  // costs a branch, often a mispredicted one, sometimes a line, so lookups
+  // of late keys slow down as the load grows. kMaxLoad (0.6) is for tables
+  // whose rows live in DRAM, where the index is about a sixth of the bytes
+  // per key, so a sparser index costs little memory and buys shorter
+  // probes; kCompactMaxLoad (0.75) is for a file tier, where the index is
+  // most of the DRAM per key (measurements: docs/history.md, session 16).
   struct MaxLoad {
     uint64_t num, den;
   };
@@ -145,15 +143,12 @@ class ShardIndex {
   // Prefetches the line of hash h's home slot and that of slot h + reach
   // (the next line when the probe may cross into it): a probe that crosses
   // into an unfetched line waits on a second miss. reach() is 3 (the first
-  // four slots of the probe) above load 0.4: at load ~0.63 about 15% of the
-  // keys found sit past their home slot's line; measured ~7% off a
-  // find-and-sum over 26 tables of 41k keys against prefetching the home
-  // slot alone (slot h+1's line instead of h+3's: ~4%; at load ~0.56 h+1's
-  // was 2-13% slower than h+3's). At load <= 0.4 few keys sit past their
-  // home slot, and reach() is 1: the second line is fetched only for a home
-  // slot last in its line, 1.25 lines a key instead of 1.75; measured on
-  // the same tables at load 0.32 (2 MiB pages), 5-14% off. For an index
-  // with storage; the static form for FindIn's (entries, mask).
+  // four slots of the probe) above load 0.4, where many keys found sit past
+  // their home slot's line and h+3 covers more of them than h+1. At load
+  // <= 0.4 few keys sit past their home slot, and reach() is 1: the second
+  // line is fetched only for a home slot last in its line, 1.25 lines a key
+  // instead of 1.75 (measurements: docs/history.md, sessions 13 and 18).
+  // For an index with storage; the static form for FindIn's (entries, mask).
   KRE_KV_INLINE static void PrefetchProbe(const Entry* entries, uint64_t mask, uint64_t h,
                                           uint64_t reach) {
     __builtin_prefetch(&entries[h & mask]);

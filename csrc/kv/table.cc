@@ -580,12 +580,11 @@ template <bool kReadLater>
 void Table<K>::OrderedReader::FindImpl(const K* keys, int64_t n, const float** rows) {
   // Two stages kSlotAhead keys apart: hash key j and prefetch its index
   // slot; find key j - kSlotAhead and prefetch its row. Rows read after a
-  // block of ~1k finds (kReadLater) go into L2 with slots 32 keys ahead:
-  // measured on a find-and-sum of 26 tables of 41k keys, variants
-  // interleaved in one process, rows into L2 ~9% faster than into L1, and
-  // then 32 ahead ~5% faster than 16 (64: no faster; 32 with rows into L1:
-  // no faster than 16). Rows copied after a block of 256 (LookupOrdered)
-  // fit L1 and go there, 16 ahead.
+  // block of ~1k finds (kReadLater) would leave L1 before they are read,
+  // so they go into L2, and slots are fetched 32 keys ahead (a find-and-sum
+  // over 26 tables ran fastest so, against rows into L1 and 16 or 64 ahead:
+  // docs/history.md, session 14). Rows copied after a block of 256
+  // (LookupOrdered) fit L1 and go there, 16 ahead.
   constexpr int64_t kSlotAhead = kReadLater ? 32 : 16;  // a power of two
   uint64_t hashes[kSlotAhead];
   int shard_of[kSlotAhead];

@@ -163,10 +163,9 @@ class Table {
   // Whether a lookup of n keys is faster through LookupOrdered than shard by
   // shard: it locks every shard, so it pays from kMinOrderedIdsPerShard ids
   // per shard on, and a larger table than kMaxOrderedKeys is faster shard by
-  // shard (benchmarks/kv_ab, 2026-11-24: 12.5k keys: batch order 1.19x
-  // faster; 2M keys: 0.63x as fast, its random walk over every shard's
-  // memory missing the TLB). Callers split such a lookup into blocks of
-  // kOrderedBlock keys over their threads.
+  // shard (its random walk over every shard's memory misses the TLB;
+  // benchmarks/kv_ab compares the two). Callers split such a lookup into
+  // blocks of kOrderedBlock keys over their threads.
   static constexpr int64_t kMinOrderedIdsPerShard = 4;
   static constexpr int64_t kMaxOrderedKeys = 1 << 16;
   static constexpr int64_t kOrderedBlock = 2048;
@@ -190,9 +189,9 @@ class Table {
   // of copies: it locks every shard shared for its lifetime, Find()s rows
   // while it lives, and adds its lookup counts to the table's when it is
   // destroyed. The rows stay valid and unchanged while it lives (writers
-  // wait for it), so a caller can combine them straight from the table:
-  // measured faster than copying them into a buffer first (the row loads
-  // come after a whole block of index probes, not a few keys behind them).
+  // wait for it), so a caller can combine them straight from the table
+  // instead of copying them into a buffer first (the row loads come after
+  // a whole block of index probes, not a few keys behind them).
   // Requires OrderedLookups(). Readers of one table do not wait on each
   // other; a thread must not hold one while it writes to the same table.
   class OrderedReader {
@@ -214,8 +213,7 @@ class Table {
     // What Find reads of a shard, gathered in one small array when the
     // reader is made (valid while it holds the locks): the index's entries
     // and mask and the value arena's chunk bases, so that a key's row is
-    // found with no loads of the shard, its store or its arena on the way
-    // (measured ~20% less time in a find-and-sum of 26 tables).
+    // found with no loads of the shard, its store or its arena on the way.
     struct ShardView {
       const typename ShardIndex<K>::Entry* entries;
       uint64_t mask;
@@ -465,8 +463,8 @@ class Table {
   }
   // Adds one batch's lookup counts to the shard's counters. The shards'
   // counters are only read summed (Counters()), so a batched lookup may add
-  // all its counts to one shard: counting per shard cost two increments per
-  // key in the lookup loops (~3% of a find-and-sum over 26 tables).
+  // all its counts to one shard instead of two increments per key in the
+  // lookup loops.
   void CountLookups(Shard& s, uint64_t occurrences, uint64_t hits);
   // One key's row for Lookup (see there); counts admissions in *admitted
   // and occurrences that found an admitted row in *hits.

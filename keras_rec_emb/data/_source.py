@@ -2,7 +2,7 @@
 
 `python_dataset` turns a Python iterator of NumPy batches into a
 `tf.data.Dataset` with one `tf.numpy_function` call per element (TensorFlow's
-`from_generator` adds per-component Python checks that cost ~3x more on wide
+`from_generator` adds per-component Python checks, costly on wide
 batches). `WrappedDataset` lets a public class be a real `tf.data.Dataset`
 whose pipeline is built in its constructor, as `tf.data.TFRecordDataset` is.
 """
