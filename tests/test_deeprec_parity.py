@@ -1,5 +1,5 @@
 """DeepRec's own unit tests, translated to this package's API with their
-inputs, hyper-parameters and expected values kept (issue 12). Each test
+inputs, hyper-parameters and expected values kept. Each test
 names the DeepRec test it reproduces (DeepRec-AI/DeepRec,
 tensorflow/python/...)."""
 

@@ -1,4 +1,4 @@
-"""Reloading a file-tier model beside the live one (issue 37.5): the copy
+"""Reloading a file-tier model beside the live one: the copy
 works in a folder of its own next to the live table's, removed when it is
 freed; it cannot snapshot (its folder goes with it); when no such folder can
 be made, the error names the fixes."""

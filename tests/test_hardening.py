@@ -1,4 +1,4 @@
-"""Regression tests of the crashes of issue 18: each bad input, through the
+"""Bad inputs that used to crash the process: each one, through the
 public API or the raw ops, gets a clear error instead of killing the process.
 Every case runs in a child process (tests/_isolated.py), so a crash fails
 its case rather than pytest."""

@@ -1,4 +1,4 @@
-"""Issue 20 item 11: build/fit/save/load cycles (and export_for_serving
+"""Build/fit/save/load cycles (and export_for_serving
 cycles) of models with our layers must not keep memory or table handles
 alive. Each measurement runs in a fresh process, ours and plain Keras side
 by side."""

@@ -1,5 +1,5 @@
-"""Regression tests of issue 20: inputs and states that used to give a wrong
-answer (or an unloadable file) with no error."""
+"""Inputs and states that used to give a wrong answer (or an unloadable
+file) with no error now give the right one or a clear error."""
 
 import keras
 import numpy as np

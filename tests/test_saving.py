@@ -158,7 +158,7 @@ def test_weights_round_trip_and_get_weights(tmp_path):
 
 
 def test_load_model_names_the_file_and_what_is_wrong(tmp_path):
-    # Issue 20 item 12: Keras says "File not found" for all three cases.
+    # Keras says "File not found" for all three cases.
     missing = tmp_path / "missing.keras"
     with pytest.raises(FileNotFoundError, match=re.escape(str(missing))):
         kre.load_model(missing)

@@ -1,4 +1,4 @@
-"""benchmarks/peers (issue 19): the driver, on our and stock Keras workers only.
+"""benchmarks/peers: the driver, on our and stock Keras workers only.
 
 TorchRec and TFRA live in their own virtualenvs (`make bench-peers`) and are
 not needed here: this runs `run.py --quick` with ours (GroupEmbedding and

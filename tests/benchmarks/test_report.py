@@ -72,11 +72,11 @@ def test_every_ratio_is_a_number(quick_report):
             assert row[4] == ("met" if met else "not met"), row
     assert any("EmbeddingVariable + our Adagrad / Hashing+Embedding" in row[1]
                for row in rows)
-    # Issue 19 items 3-4: memory per key against its bound, lookups against tf.gather.
+    # Memory per key against its bound, lookups against tf.gather.
     assert any(row[0].startswith("`memory_per_key.py`") and row[3] == "<= 1.3x"
                for row in rows)
     assert any("`tf.gather` on a dense variable" in row[1] for row in rows)
-    # Issue 16 item 5: incremental vs full save, target <= 0.1x at 1% changed.
+    # Incremental vs full save, target <= 0.1x at 1% changed.
     assert any(row[0].startswith("`checkpoint.py`") and "(1% of rows changed)" in row[1]
                and row[3] == "<= 0.1x" for row in rows)
 
@@ -137,7 +137,7 @@ def test_stored_scale_result_rows(tmp_path):
 def test_stored_distributed_result_rows(tmp_path):
     # The stored `distributed.py` result: for every MultiWorkerMirroredStrategy
     # run after the plain process, CPU of every process per step against the
-    # plain one (issue 39's targets at 2 and 4 workers) and the bytes the
+    # plain one (with its targets at 2 and 4 workers) and the bytes the
     # sockets sent against the all-to-all ideal.
     stored = bench.stored_distributed_result(REPORT_PY.parent)
     assert stored is not None and stored["benchmark"] == "distributed"

@@ -1,4 +1,4 @@
-"""benchmarks/storage.py --scale (issue 14's 100M-id run), run tiny: the
+"""benchmarks/storage.py --scale (the 100M-id run), run tiny: the
 table is filled by chunks and trained, and the report's figures add up."""
 
 import json

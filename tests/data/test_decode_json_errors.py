@@ -1,5 +1,5 @@
-"""decode_json parses with pyarrow.json and refuses what it cannot represent
-(issue 20 item 6): malformed records, wrong types, ints that do not fit."""
+"""decode_json parses with pyarrow.json and refuses what it cannot represent:
+malformed records, wrong types, ints that do not fit."""
 
 import json
 

@@ -1,5 +1,5 @@
-"""Kafka iterations that used to hang or leak consumers (issue 20, items 9-10),
-against real tansu brokers; every wait is bounded."""
+"""Kafka iterations that used to hang or leak consumers, against real tansu
+brokers; every wait is bounded."""
 
 import gc
 import os
@@ -169,7 +169,7 @@ def test_abandoned_iterations_close_their_consumers(tmp_path):
 @pytest.mark.parametrize("batch_size, message_key", [(None, False), (2, True)])
 def test_deleting_an_iterator_whose_prefetch_waits_for_messages_returns(
         broker, batch_size, message_key):
-    """Issue 20 item 10: a prefetch thread waiting in the consume loop (the
+    """A prefetch thread waiting in the consume loop (the
     broker is up, no new message comes, no eof) used to keep `del iterator`
     blocked until a message or an error arrived; now it ends within one poll."""
     topic = broker.create_topic()
