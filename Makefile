@@ -1,6 +1,6 @@
 # Two commands set everything up on a fresh machine:
 #   make demo   create .venv, install the package with its compiled ops, run the demo
-#   make test   same set-up, then the C++ table tests (plain, ASan+UBSan, TSan) and pytest
+#   make test   same set-up, then ruff, the C++ table tests (plain, ASan+UBSan, TSan) and pytest
 PY ?= python3.11
 VENV := .venv
 PYTHON := $(VENV)/bin/python
@@ -16,7 +16,7 @@ KV_BIN := csrc/kv/tests/bin
 CXX ?= g++
 KV_FLAGS := -std=c++17 -Wall -Wextra -Werror -pthread -Icsrc
 
-.PHONY: all install build demo test kv-bins test-kv test-kv-asan test-kv-tsan test-py test-fuzz-long bench bench-peers peer-venvs clean wheel check-wheel smoke-py docs test-bounds ci-packaging
+.PHONY: all install build demo test lint kv-bins test-kv test-kv-asan test-kv-tsan test-py test-fuzz-long bench bench-peers peer-venvs clean wheel check-wheel smoke-py docs test-bounds ci-packaging
 
 all: install
 
@@ -95,8 +95,13 @@ PYTEST_WORKERS ?= 2
 test-py: install
 	$(VENV)/bin/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
+# Python lint (pyproject.toml's [tool.ruff]; lint only, it formats nothing): seconds.
+lint: $(DEPS_STAMP)
+	$(VENV)/bin/ruff check .
+
 # The C++ test binaries compile two at a time (2 cores) before any test runs.
 test: install
+	$(MAKE) lint
 	$(MAKE) -j2 kv-bins
 	$(MAKE) test-kv test-kv-asan test-kv-tsan test-py
 

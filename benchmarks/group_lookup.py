@@ -19,7 +19,8 @@ With --inference both paths are inference lookups (`training=False`,
 path (a table's only feature with one id per row: no dedupe, rows written
 straight into the output), ``fused_general`` the deduplicating path for every
 table and ``fused_single_id`` the single-id fast path for every single-id table
-(`keras_rec_emb.ops.embedding_ops.single_id_fast_path(False / True)`). With --concat both paths return one `[batch, features * dim]` tensor (the
+(`keras_rec_emb.ops.embedding_ops.single_id_fast_path(False / True)`). With
+--concat both paths return one `[batch, features * dim]` tensor (the
 fused op writes it in place; the separate rows go through `tf.concat`).
 Before timing
 both paths are checked to give the same rows. Reported: median ms per call
@@ -67,7 +68,8 @@ def parse_args(argv=None):
                    help="inference lookups (no insert) instead of training lookups")
     p.add_argument("--threads", type=int, default=0, help="intra-op threads (0: TF's default)")
     p.add_argument("--no-filter", action="store_true", help="tables without filter/evict")
-    p.add_argument("--only", choices=("fused", "separate", "fused_single_id", "fused_general"), help="time one path (profiling)")
+    p.add_argument("--only", choices=("fused", "separate", "fused_single_id", "fused_general"),
+                   help="time one path (profiling)")
     p.add_argument("--json", default=DEFAULT_JSON)
     return p.parse_args(argv)
 

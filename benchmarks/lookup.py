@@ -25,8 +25,8 @@ returns the [B, dim] rows (everything is on the CPU and eager calls are
 synchronous, so the call returns once the rows are written; no device-to-host
 copy for any path). After --warmup calls, the paths are called round-robin
 --reps times and each path's median wall time is reported as lookups/s = B /
-median (the JSON also keeps every time and the minimum). Outside the timing, every path's rows are checked to equal the dense
-gather's.
+median (the JSON also keeps every time and the minimum). Outside the timing,
+every path's rows are checked to equal the dense gather's.
 
 Threads: TensorFlow's intra-op pool (which our op splits its work over) can
 only be sized before the runtime starts, so each --threads setting runs in a

@@ -477,7 +477,7 @@ def make_plots(results, out_dir):
         labels = {"dense_gather": "tf.gather, dense (bound)",
                   "mutable_hash_table": "MutableHashTable + gather",
                   "ours": "ours (inference)", "ours_insert": "ours (training, insert)"}
-        worker = lambda d: d["workers"][-1]["results"][-1]  # noqa: E731
+        worker = lambda d: d["workers"][-1]["results"][-1]
         for path, label in labels.items():
             ax.plot(sizes, [worker(d)["paths"][path]["lookups_per_s"] / 1e6 for d in lookups],
                     marker="o", label=label)

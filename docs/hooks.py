@@ -22,7 +22,7 @@ def _guide_files():
 
 
 def _header(text):
-    fields, description, key = {}, [], None
+    fields, key = {}, None
     for line in textwrap.dedent(text).strip().splitlines():
         name, sep, value = line.partition(":")
         if sep and name in ("Title", "Author", "Description", "Date created", "Last modified"):

@@ -54,7 +54,7 @@ import tempfile
 ROLE = os.environ.get("KRE_GUIDE_ROLE", "main")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import tensorflow as tf  # noqa: E402
+import tensorflow as tf
 
 if ROLE == "main":
     # Logical devices must be configured before TensorFlow starts.
@@ -62,12 +62,12 @@ if ROLE == "main":
     tf.config.set_logical_device_configuration(
         cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import pyarrow as pa  # noqa: E402
-import pyarrow.parquet as pq  # noqa: E402
+import keras
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 
-import keras_rec_emb as kre  # noqa: E402
+import keras_rec_emb as kre
 
 SMALL = os.environ.get("KRE_GUIDE_SMALL") == "1"
 ROWS = 2_048 if SMALL else 65_536
@@ -127,9 +127,9 @@ def same_dense_init(model):
 
 A worker connects (within `timeout` each PS task must answer as the
 TensorFlow server of its task; if not, the error names the task and its
-address, so a wrong or silent port fails at once instead of hanging), builds the model inside `parameter_servers(devices)` and trains
-on its own partition. This function runs in the worker processes that the
-last part starts.
+address, so a wrong or silent port fails at once instead of hanging), builds
+the model inside `parameter_servers(devices)` and trains on its own partition.
+This function runs in the worker processes that the last part starts.
 """
 
 

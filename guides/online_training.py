@@ -3,7 +3,8 @@ Title: Online training from Kafka: incremental checkpoints, crash recovery, serv
 Author: keras_rec_emb contributors
 Date created: 2026/11/22
 Last modified: 2026/11/22
-Description: Train from a Kafka topic for weeks: save small increments often, survive a killed trainer, push fresh rows to a live server.
+Description: Train from a Kafka topic for weeks: save small increments often,
+survive a killed trainer, push fresh rows to a live server.
 Accelerator: None
 """
 
@@ -329,7 +330,7 @@ filtered ids, ids admitted and evicted per step, its bytes and the lookup
 hit rate. (With `log_dir=...` they also go to TensorBoard.)
 """
 
-import csv  # noqa: E402
+import csv
 
 csv_path = os.path.join(workdir, "table_stats.csv")
 with open(csv_path, "w", newline="") as f:
@@ -341,10 +342,10 @@ last = rows[-1]
 assert last["ids_table_size"] == len(got["keys"])
 assert last["ids_table_filtered"] == len(got["keys_filtered"])
 
-import matplotlib  # noqa: E402
+import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 steps_axis = [r["step"] for r in rows]
 fig, axes = plt.subplots(1, 3, figsize=(13, 3.5))

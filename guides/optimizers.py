@@ -37,10 +37,10 @@ import keras
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
-import keras_rec_emb as kre  # noqa: E402
+import keras_rec_emb as kre
 
 SMALL = os.environ.get("KRE_GUIDE_SMALL") == "1"
 ROWS = 20_000 if SMALL else 200_000

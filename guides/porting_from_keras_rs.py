@@ -20,7 +20,7 @@ thing, and `GroupEmbedding` takes the same dict of `FeatureConfig`s:
 
 | keras-rs | keras_rec_emb |
 |---|---|
-| `TableConfig(name, vocabulary_size, embedding_dim, initializer, optimizer, combiner)` | `TableConfig(name, embedding_dim, vocabulary_size=..., initializer=..., optimizer=..., combiner=...)` |
+| `TableConfig(name, vocabulary_size, embedding_dim, ...)` | `TableConfig(name, embedding_dim)`, the rest by keyword |
 | `FeatureConfig(name, table, input_shape, output_shape)` | the same |
 | `DistributedEmbedding(feature_configs)` | `GroupEmbedding(feature_configs)` |
 | ids must lie in `[0, vocabulary_size)` | any int64 id; the table grows (`vocabulary_size` bounds nothing) |

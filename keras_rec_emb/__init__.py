@@ -45,7 +45,7 @@ def _require_tensorflow():
     """Imports TensorFlow, or raises an ImportError that says how to install
     it (a TensorFlow that is installed but fails to import raises as is)."""
     try:
-        import tensorflow  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+        import tensorflow  # noqa: F401  (imported to find out whether it imports)
     except ModuleNotFoundError as e:
         if e.name != "tensorflow":
             raise
@@ -55,7 +55,7 @@ def _require_tensorflow():
 
 
 def _installed_tensorflow_distributions():
-    from importlib import metadata  # pylint: disable=import-outside-toplevel
+    from importlib import metadata
 
     found = []
     for name in _TENSORFLOW_DISTRIBUTIONS:
@@ -93,7 +93,7 @@ def _check_keras_version(version):
     """Warns when Keras `version` is not one whose internals `_compat`'s
     corrections were checked against: those are then not installed, and the
     behaviours they fix are Keras's own."""
-    from keras_rec_emb import _compat  # pylint: disable=import-outside-toplevel
+    from keras_rec_emb import _compat
 
     # Every `_compat.KERAS_*_FIX_VERSIONS`: the versions each correction is
     # installed for.
@@ -117,8 +117,8 @@ from keras_rec_emb import _ops  # noqa: E402
 # Register the ops now, so that SavedModels using them load after import.
 _ops.gen()
 
-from keras_rec_emb import callbacks, data, distribute, layers, ops, optimizers  # noqa: E402,F401
-from keras_rec_emb.options import (  # noqa: E402,F401
+from keras_rec_emb import callbacks, data, distribute, layers, ops, optimizers  # noqa: E402
+from keras_rec_emb.options import (  # noqa: E402
     CBFFilter,
     CounterFilter,
     EmbeddingVariableOption,
@@ -127,12 +127,12 @@ from keras_rec_emb.options import (  # noqa: E402,F401
     L2WeightEvict,
     StorageOption,
 )
-from keras_rec_emb.incremental import (  # noqa: E402,F401
+from keras_rec_emb.incremental import (  # noqa: E402
     IncrementalCheckpointer,
     apply_to_saved_model,
 )
-from keras_rec_emb.saving import load_model, save_model  # noqa: E402,F401
-from keras_rec_emb.serving import export_for_serving  # noqa: E402,F401
+from keras_rec_emb.saving import load_model, save_model  # noqa: E402
+from keras_rec_emb.serving import export_for_serving  # noqa: E402
 
 __all__ = [
     "__version__",

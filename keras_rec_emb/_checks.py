@@ -1,5 +1,9 @@
 """Argument and input checks shared by the layers and ops (private)."""
 
+import math
+import numbers
+
+import numpy as np
 import tensorflow as tf
 
 from keras_rec_emb import _compat
@@ -39,10 +43,6 @@ def check_combiner(combiner, allow_none=True):
 # Each raises `TypeError` for a value of the wrong kind and `ValueError` for
 # one out of range; the message names the argument, what is allowed and the
 # value received ("`x` must be ... Received: x=...").
-import math  # noqa: E402
-import numbers  # noqa: E402
-
-import numpy as np  # noqa: E402
 
 
 def _fail(name, allowed, value, error=ValueError):

@@ -185,7 +185,7 @@ class CheckpointCallback(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         step, now = self._step(), time.monotonic()
         ckpt = self._checkpointer(self.model)
-        if ckpt._marks is None or self._due(  # pylint: disable=protected-access
+        if ckpt._marks is None or self._due(
                 self._last_full, self.full_every_steps, self.full_every_secs, step, now):
             if (self.full_every_steps or self.full_every_secs or self.incremental_every_steps
                     or self.incremental_every_secs):

@@ -310,7 +310,7 @@ def _link_tables(path, rows):
     from keras_rec_emb import incremental
 
     try:
-        arrays, meta, digest = incremental._read(path)  # pylint: disable=protected-access
+        arrays, meta, digest = incremental._read(path)
     except ValueError as e:
         raise _InspectError(f"{e}. {_LINK_USE}") from None
     link = {k: meta.get(k) for k in ("kind", "seq", "chain", "run", "base", "parent",

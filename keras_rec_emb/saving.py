@@ -1,8 +1,14 @@
 """Saving that never destroys the previous file."""
 
+import gc
 import os
 import tempfile
+import traceback
 import zipfile
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported where used: see load_model
+    import keras
 
 __all__ = ["save_model", "load_model"]
 
@@ -170,7 +176,7 @@ def load_model(filepath: str | os.PathLike, **kwargs) -> "keras.Model":
     >>> keras_rec_emb.load_model("/tmp/kre_doc_load.keras").output_shape
     (None, 1)
     """
-    import keras  # pylint: disable=import-outside-toplevel
+    import keras
 
     check_keras_file(filepath)
     try:
@@ -188,9 +194,6 @@ def _free_partial_model(error):
     storage folder locked, so that loading the model again (fixed) in this
     process would find the folder taken. Clearing the finished frames' locals
     and collecting frees them (their folders are released)."""
-    import gc  # pylint: disable=import-outside-toplevel
-    import traceback  # pylint: disable=import-outside-toplevel
-
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))

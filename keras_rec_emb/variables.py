@@ -44,10 +44,11 @@ _ids = itertools.count()
 # What a checkpoint, `export()` and `import_()` hold, declared once, named
 # and ordered as the kernels' I/O (the outputs of KRE>TableExport, the
 # inputs of KRE>TableImport; they are passed by name, and
-# tests/test_variables.py checks the op definitions against this list). `rows`: "N" one entry per admitted key, "F" one per key
-# counted but not admitted, None a length of its own. `dtype` "key" is the
-# table's key dtype. `slot` parts are packed slot columns (`export()` returns
-# them unpacked as `slots`); `filtered` parts are those of an admission
+# tests/test_variables.py checks the op definitions against this list).
+# `rows`: "N" one entry per admitted key, "F" one per key counted but not
+# admitted, None a length of its own. `dtype` "key" is the table's key dtype.
+# `slot` parts are packed slot columns (`export()` returns them unpacked as
+# `slots`); `filtered` parts are those of an admission
 # filter (`save_filtered=False` and `keras-rec-emb strip-filtered` drop them).
 class Part(NamedTuple):
     name: str

@@ -3,7 +3,6 @@ links, mismatched models; restores are all-or-nothing (keras_rec_emb/incremental
 
 import os
 import shutil
-import warnings
 
 import keras
 import numpy as np

@@ -18,7 +18,6 @@ KRE_FUZZ_SEED choosing the sample.
 import os
 
 import numpy as np
-import pytest
 
 from tests._isolated import run_cases
 

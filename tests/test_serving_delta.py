@@ -1,7 +1,5 @@
 """A live `model.export` SavedModel takes incremental checkpoints in place."""
 
-import os
-
 import keras
 import numpy as np
 import pytest

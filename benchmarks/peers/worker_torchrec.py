@@ -155,8 +155,6 @@ class TorchWorker:
 
     def eval_loss(self):
         """Binary cross-entropy on the first batch (no update), as `protocol.bce`."""
-        import numpy as np
-
         inp, y = self.batches[0]
         with self.torch.no_grad():
             p = self.torch.sigmoid(self.dense(self.forward_emb(inp)))[:, 0].double().numpy()

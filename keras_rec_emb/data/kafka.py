@@ -287,7 +287,7 @@ class _Pass:
 
     def _hand_out(self, batch):
         offsets = {(m.topic(), m.partition()): m.offset() + 1 for m in batch}
-        self._position._advance(offsets)  # pylint: disable=protected-access
+        self._position._advance(offsets)
         if self._store:
             self._consumer.store_offsets(offsets=[
                 confluent_kafka.TopicPartition(t, p, o)

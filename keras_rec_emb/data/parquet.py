@@ -697,7 +697,6 @@ class ParquetDataset(WrappedDataset):
         columns = _columns(fields, schema, paths[0] if paths else None)
         batch_dim = options.batch_size if options.drop_remainder else None
         out_types = [d for c in columns for d in c.component_dtypes()]
-        spec = {c.name: c.spec(batch_dim) for c in columns}
 
         @tf.autograph.experimental.do_not_convert
         def to_element(addresses):

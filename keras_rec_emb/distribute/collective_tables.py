@@ -40,7 +40,6 @@ writes the ordinary per-table format (every key of every shard), which
 restores into any number of workers, a MirroredStrategy or one process.
 """
 
-import numpy as np
 import tensorflow as tf
 
 from keras_rec_emb import _compat, _ops

@@ -7,11 +7,12 @@ features: ids are pruned, empty rows filled, rows clipped and combined inside
 the kernel. The forward op deduplicates each parameter's ids first, so a key
 repeated across rows and features is looked up once (and counted as often
 as it occurs, for admission filters); the backward op sums gradients through
-the forward's id-to-distinct-id map without hashing again. The gradient of an embedding table is a `tf.IndexedSlices` over
-distinct keys (no dense shape), as the single lookup's; that of a dense
-`[vocab, dim]` variable a `tf.IndexedSlices` over distinct row indices, as
-`tf.gather`'s. The optimizers of `keras_rec_emb.optimizers` (and, for dense
-variables, any Keras optimizer) apply them unchanged.
+the forward's id-to-distinct-id map without hashing again. The gradient of an
+embedding table is a `tf.IndexedSlices` over distinct keys (no dense shape),
+as the single lookup's; that of a dense `[vocab, dim]` variable a
+`tf.IndexedSlices` over distinct row indices, as `tf.gather`'s. The optimizers
+of `keras_rec_emb.optimizers` (and, for dense variables, any Keras optimizer)
+apply them unchanged.
 """
 
 import contextlib

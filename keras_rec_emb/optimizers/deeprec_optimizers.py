@@ -86,9 +86,11 @@ class AdamAsync(TableOptimizer, keras.optimizers.Optimizer):
     ...                     verbose=0)
     """
 
-    def __init__(self, learning_rate: float | keras.optimizers.schedules.LearningRateSchedule = 0.001, beta_1: float = 0.9,
-                 beta_2: float = 0.999, epsilon: float = 1e-8, use_nesterov: bool = False,
-                 apply_sparse_rmsprop: bool = False, name: str = "adam_async", **kwargs):
+    def __init__(self,
+                 learning_rate: float | keras.optimizers.schedules.LearningRateSchedule = 0.001,
+                 beta_1: float = 0.9, beta_2: float = 0.999, epsilon: float = 1e-8,
+                 use_nesterov: bool = False, apply_sparse_rmsprop: bool = False,
+                 name: str = "adam_async", **kwargs):
         check_learning_rate(learning_rate)
         _check_beta("beta_1", beta_1)
         _check_beta("beta_2", beta_2)
@@ -370,7 +372,8 @@ class AdamW(TableOptimizer, keras.optimizers.AdamW):
     ...                     verbose=0)
     """
 
-    def __init__(self, weight_decay: float, learning_rate: float | keras.optimizers.schedules.LearningRateSchedule = 0.001,
+    def __init__(self, weight_decay: float,
+                 learning_rate: float | keras.optimizers.schedules.LearningRateSchedule = 0.001,
                  beta_1: float = 0.9, beta_2: float = 0.999, epsilon: float = 1e-8,
                  amsgrad: bool = False, scale_weight_decay_by_learning_rate: bool = True,
                  name: str = "adamw", **kwargs):

@@ -8,7 +8,6 @@ import time
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from keras_rec_emb.data import KafkaDataset
 from keras_rec_emb.data import KafkaGroupIODataset
@@ -53,7 +52,7 @@ def test_eof_on_a_partition_that_does_not_exist_raises(broker):
                       timeout=500, batch_size=10)
     _, error = drain(ds)
     assert error is not None
-    assert f"partition(s) [7]" in str(error) and broker.address in str(error)
+    assert "partition(s) [7]" in str(error) and broker.address in str(error)
 
 
 @pytest.mark.parametrize("eof", [True, False])
@@ -150,7 +149,7 @@ def test_abandoned_iterations_close_their_consumers(tmp_path):
         assert _settle(baseline) <= baseline
         # A reader blocked in next() on an exhausted stream, then abandoned.
         iterator = iter(ds)
-        blocked = threading.Thread(target=lambda: list(iterator), daemon=True)
+        blocked = threading.Thread(target=list, args=(iterator,), daemon=True)
         blocked.start()
         time.sleep(1.0)
         assert blocked.is_alive()  # waiting for messages that never come
