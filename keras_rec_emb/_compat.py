@@ -213,6 +213,35 @@ def _local_part(strategy, value):
     return strategy.experimental_local_results(value)[0]
 
 
+def configure_lost_worker_timeout(cluster_spec, seconds):
+    """Sets the heartbeat timeout of TensorFlow's coordination service, the
+    time after which the survivors of a lost worker fail their collectives
+    with an error naming it (TensorFlow's default: 10 s), before the
+    MultiWorkerMirroredStrategy configures that service with defaults: it
+    only does when none is configured (`collective_all_reduce_strategy`,
+    `_initialize_multi_worker`), with the same jobs as here."""
+    from tensorflow.python.eager import context
+    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+
+    jobs = [coordination_config_pb2.CoordinatedJob(name=job, num_tasks=cluster_spec.num_tasks(job))
+            for job in ("chief", "worker") if job in cluster_spec.jobs]
+    from tensorflow.python.distribute import multi_worker_util
+
+    leader = multi_worker_util.coordination_leader(cluster_spec)
+    context.context().configure_coordination_service(
+        service_type="standalone", service_leader=leader, coordinated_jobs=jobs,
+        heartbeat_timeout_in_ms=int(seconds * 1000))
+
+
+def coordination_heartbeat_timeout_ms():
+    """The heartbeat timeout configured for the coordination service, or
+    None when none is configured yet."""
+    from tensorflow.python.eager import context
+
+    config = context.context().coordination_service
+    return None if config is None else config.heartbeat_timeout_in_ms
+
+
 def fix_keras_multi_worker():
     """Installs the correction described above (idempotent). Returns
     whether it is installed (False for a Keras version not listed)."""

@@ -1,0 +1,76 @@
+"""`multi_worker_strategy`: a MultiWorkerMirroredStrategy whose workers end
+in bounded time when one of them is lost."""
+
+import math
+
+import tensorflow as tf
+
+from keras_rec_emb import _compat
+
+DEFAULT_LOST_WORKER_TIMEOUT = 10.0
+
+
+def multi_worker_strategy(lost_worker_timeout=DEFAULT_LOST_WORKER_TIMEOUT,
+                          cluster_resolver=None, communication_options=None):
+    """A `tf.distribute.MultiWorkerMirroredStrategy` whose workers end with
+    an error naming a lost worker within `lost_worker_timeout` seconds.
+
+    A synchronous cluster cannot go on without one of its workers: when a
+    worker process dies (`kill -9`, a lost machine), the others fail their
+    next collective with `tf.errors.UnavailableError` naming the lost task
+    ("The following tasks are unhealthy (stopped sending heartbeats):
+    /job:worker/replica:0/task:1") once it has missed its heartbeats for
+    `lost_worker_timeout` seconds (TensorFlow's coordination service; a
+    process that exits cleanly is noticed at once). Restart every worker
+    then: with `keras.callbacks.BackupAndRestore(backup_dir)` (one folder
+    per worker, on its own disk) `fit` continues from the last completed
+    epoch with the tables, slots, filter counts and dense weights saved
+    there, as an uninterrupted run would have them.
+
+    Call it before anything else starts TensorFlow's runtime, as the
+    strategy's own constructor must be. A plain
+    `tf.distribute.MultiWorkerMirroredStrategy()` works the same with
+    TensorFlow's default heartbeat timeout.
+
+    Args:
+        lost_worker_timeout: seconds (a positive number, at most one day)
+            a worker may miss heartbeats before its peers fail (10 s by
+            default).
+        cluster_resolver: passed to the strategy (default: `TF_CONFIG`'s).
+        communication_options: passed to the strategy.
+
+    Returns:
+        The `tf.distribute.MultiWorkerMirroredStrategy`.
+
+    Example:
+
+    ```python
+    # On every worker, with TF_CONFIG set:
+    strategy = keras_rec_emb.distribute.multi_worker_strategy(lost_worker_timeout=30)
+    with strategy.scope():
+        model = build_model()
+    model.fit(dataset, epochs=10,
+              callbacks=[keras.callbacks.BackupAndRestore("/local/backup")])
+    ```
+    """
+    if isinstance(lost_worker_timeout, bool) or not isinstance(lost_worker_timeout, (int, float)):
+        raise TypeError("`lost_worker_timeout` must be a number of seconds. Received: "
+                        f"lost_worker_timeout={lost_worker_timeout!r} of type "
+                        f"{type(lost_worker_timeout).__name__}")
+    if not math.isfinite(lost_worker_timeout) or not 0 < lost_worker_timeout <= 86400:
+        raise ValueError("`lost_worker_timeout` must be more than 0 and at most 86400 "
+                         f"seconds. Received: lost_worker_timeout={lost_worker_timeout!r}")
+    resolver = cluster_resolver or tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    spec = resolver.cluster_spec()
+    if spec.jobs:
+        configured = _compat.coordination_heartbeat_timeout_ms()
+        if configured is not None and configured != int(lost_worker_timeout * 1000):
+            raise ValueError(
+                "TensorFlow's coordination service is already configured in this process "
+                f"(heartbeat timeout {configured / 1000:g} s): call multi_worker_strategy "
+                "before any other strategy is created. Received: "
+                f"lost_worker_timeout={lost_worker_timeout!r}")
+        if configured is None:
+            _compat.configure_lost_worker_timeout(spec, lost_worker_timeout)
+    return tf.distribute.MultiWorkerMirroredStrategy(
+        cluster_resolver=cluster_resolver, communication_options=communication_options)
