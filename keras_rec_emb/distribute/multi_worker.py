@@ -44,6 +44,11 @@ def multi_worker_strategy(lost_worker_timeout=DEFAULT_LOST_WORKER_TIMEOUT,
 
     Example:
 
+    >>> import keras_rec_emb as kre
+    >>> strategy = kre.distribute.multi_worker_strategy(lost_worker_timeout=30)
+    >>> strategy.num_replicas_in_sync  # without TF_CONFIG: this process alone
+    1
+
     ```python
     # On every worker, with TF_CONFIG set:
     strategy = keras_rec_emb.distribute.multi_worker_strategy(lost_worker_timeout=30)
