@@ -216,17 +216,16 @@ def _local_part(strategy, value):
 def configure_lost_worker_timeout(cluster_spec, seconds):
     """Sets the heartbeat timeout of TensorFlow's coordination service, the
     time after which the survivors of a lost worker fail their collectives
-    with an error naming it (TensorFlow's default: 10 s), before the
-    MultiWorkerMirroredStrategy configures that service with defaults: it
-    only does when none is configured (`collective_all_reduce_strategy`,
-    `_initialize_multi_worker`), with the same jobs as here."""
-    from tensorflow.python.eager import context
+    with an error naming it, before the MultiWorkerMirroredStrategy
+    configures that service with TensorFlow's defaults: it only does when
+    none is configured (`collective_all_reduce_strategy`,
+    `_initialize_multi_worker`), with the same jobs and leader as here."""
     from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+    from tensorflow.python.distribute import multi_worker_util
+    from tensorflow.python.eager import context
 
     jobs = [coordination_config_pb2.CoordinatedJob(name=job, num_tasks=cluster_spec.num_tasks(job))
             for job in ("chief", "worker") if job in cluster_spec.jobs]
-    from tensorflow.python.distribute import multi_worker_util
-
     leader = multi_worker_util.coordination_leader(cluster_spec)
     context.context().configure_coordination_service(
         service_type="standalone", service_leader=leader, coordinated_jobs=jobs,
