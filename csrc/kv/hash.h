@@ -38,6 +38,9 @@ inline int ShardOfHash(uint64_t h, uint64_t num_shards) {
   return static_cast<int>((((h >> 24) & 0xFFFFFFFFULL) * num_shards) >> 32);
 }
 
+// For static_asserts on sizes that index with `& (n - 1)`.
+constexpr bool IsPowerOfTwo(uint64_t n) { return n != 0 && (n & (n - 1)) == 0; }
+
 // Maps a well-mixed 64-bit value to [0, n) with a multiply instead of a
 // division (Lemire's fast range reduction).
 inline uint64_t Reduce(uint64_t x, uint64_t n) {

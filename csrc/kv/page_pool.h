@@ -54,6 +54,9 @@ class PagePool {
   static constexpr size_t kMinBlock = size_t{1} << kMinOrder;
   static constexpr size_t kSlab = size_t{1} << kSlabOrder;
   static constexpr size_t kAlign = 64;
+  static_assert(kSlab == size_t{2} << 20, "a slab is one x86-64 huge page");
+  static_assert(kMinOrder < kSlabOrder && kAlign <= kMinBlock,
+                "a buddy block of any order is kAlign-aligned inside its slab");
 
   // A pool that pools (`enabled`) or hands every block to operator new.
   explicit PagePool(bool enabled);

@@ -39,6 +39,9 @@ class ShardIndex {
   static constexpr uint32_t kEmptySlot = kNoRow - 1;
   static constexpr uint32_t kDeletedSlot = kNoRow - 2;
   static constexpr uint64_t kMinCapacity = 16;
+  static_assert(kDeletedSlot >= kMaxRows && kDeletedSlot < kEmptySlot && kEmptySlot < kNoRow,
+                "the free-slot marks lie between every row id and kNoRow");
+  static_assert(IsPowerOfTwo(kMinCapacity), "a probe wraps with & mask");
 
   struct Entry {
     K key;
@@ -50,6 +53,8 @@ class ShardIndex {
     // here so that it costs no bytes beyond the entry's own padding.
     uint32_t aux;
   };
+  static_assert(sizeof(K) != 8 || sizeof(Entry) == 16,
+                "an int64 key's entry is 16 bytes, four to a cache line");
 
   static bool Free(uint32_t row) { return row == kEmptySlot || row == kDeletedSlot; }
 
@@ -91,6 +96,8 @@ class ShardIndex {
   };
   static constexpr MaxLoad kMaxLoad{3, 5};
   static constexpr MaxLoad kCompactMaxLoad{3, 4};
+  static_assert(kMaxLoad.num < kMaxLoad.den && kCompactMaxLoad.num < kCompactMaxLoad.den,
+                "an index is never full: Probe() stops at a free slot");
 
   // Makes room for one more key: when the slots in use would pass `limit`,
   // doubles the capacity if live keys alone fill more than half of what

@@ -387,7 +387,8 @@ void Table<K>::LookupPipelined(Shard& s, const K* keys, const uint64_t* hashes,
   // go through Resolve at once (an insert may rehash the index: stage 3
   // keeps only row and metadata pointers, which stay valid).
   constexpr int64_t kSlotAhead = 32;
-  constexpr int64_t kRowAhead = 16;  // a power of two
+  constexpr int64_t kRowAhead = 16;
+  static_assert(IsPowerOfTwo(kRowAhead), "ring slots are j & (kRowAhead - 1)");
   const float* rows[kRowAhead];
   int64_t* metas[kRowAhead];
   int64_t meta_counts[kRowAhead];
@@ -467,8 +468,9 @@ int64_t Table<K>::LookupOrdered(const K* keys, int64_t n, bool insert, float* ou
   // hash key j and prefetch its index slot; find key j - kSlotAhead and
   // prefetch its row, output and metadata; copy the row of key
   // j - kSlotAhead - kRowAhead and count its frequency.
-  constexpr int64_t kSlotAhead = 16;  // powers of two
+  constexpr int64_t kSlotAhead = 16;
   constexpr int64_t kRowAhead = 8;
+  static_assert(IsPowerOfTwo(kSlotAhead) && IsPowerOfTwo(kRowAhead), "rings indexed by & (n - 1)");
   uint64_t hashes[kSlotAhead];
   const float* rows[kRowAhead];
   int64_t* metas[kRowAhead];
@@ -585,7 +587,8 @@ void Table<K>::OrderedReader::FindImpl(const K* keys, int64_t n, const float** r
   // over 26 tables ran fastest so, against rows into L1 and 16 or 64 ahead:
   // docs/history.md, session 14). Rows copied after a block of 256
   // (LookupOrdered) fit L1 and go there, 16 ahead.
-  constexpr int64_t kSlotAhead = kReadLater ? 32 : 16;  // a power of two
+  constexpr int64_t kSlotAhead = kReadLater ? 32 : 16;
+  static_assert(IsPowerOfTwo(kSlotAhead), "ring slots are j & (kSlotAhead - 1)");
   uint64_t hashes[kSlotAhead];
   int shard_of[kSlotAhead];
   const Table& t = table_;

@@ -628,7 +628,8 @@ void Table<K>::ApplyDistinct(int shard, const K* keys, const uint64_t* hashes,
   // updates key j - kRowAhead. Only row and metadata pointers cross stages
   // (an insert may rehash the index; DRAM rows and metadata rows stay put).
   constexpr int64_t kSlotAhead = 24;
-  constexpr int64_t kRowAhead = 16;  // a power of two
+  constexpr int64_t kRowAhead = 16;
+  static_assert(IsPowerOfTwo(kRowAhead), "ring slots are j & (kRowAhead - 1)");
   constexpr int kMaxSlots = 8;
   const size_t num_slots = slot_ids.size();
   if (num_slots > static_cast<size_t>(kMaxSlots)) {
