@@ -7,6 +7,7 @@ import glob
 import os
 import subprocess
 import sys
+import zlib
 
 import numpy as np
 import pytest
@@ -74,3 +75,118 @@ def test_segments_truncated_under_a_live_table_raise_not_kill(tmp_path):
         assert "was truncated under the table" in error and "offset" in error, error
         assert str(tmp_path) in error and ".seg" in error and "/live-" in error, error
     assert lines(out, "ALIVE") is not None and "ALIVE" in out
+
+
+def file_layer(folder, name, shards=2, dim=8):
+    option = kre.EmbeddingVariableOption(num_shards=shards, storage_option=kre.StorageOption(
+        "FILE", storage_path=str(folder), storage_size=4096))
+    return EmbeddingVariable(dim, ev_option=option, name=name)
+
+
+def assert_same_export(a, b):
+    order_a, order_b = np.argsort(a["keys"]), np.argsort(b["keys"])
+    for key in ("keys", "values", "freqs", "versions"):
+        np.testing.assert_array_equal(a[key][order_a], b[key][order_b], err_msg=key)
+    assert sorted(a["slots"]) == sorted(b["slots"])
+    for name in a["slots"]:
+        np.testing.assert_array_equal(a["slots"][name][order_a], b["slots"][name][order_b])
+
+
+def record_bytes(path):
+    """Bytes per record of a segment file (its header holds the floats per
+    record at bytes 8..16; each record is followed by a 4-byte checksum)."""
+    with open(path, "rb") as f:
+        header = f.read(32)
+    return int.from_bytes(header[8:16], "little") * 4 + 4
+
+
+def rewrite_with_flipped_byte(path, offset):
+    """Writes a new file in place of `path` (parting the hard link the live
+    table shares) with the byte at `offset` changed."""
+    data = bytearray(open(path, "rb").read())
+    data[offset] ^= 0x20
+    with open(path + ".new", "wb") as f:
+        f.write(data)
+    os.replace(path + ".new", path)
+
+
+def test_corrupt_snapshot_record_fails_the_restore_and_changes_nothing(tmp_path):
+    """Issue 43.2: a byte changed in a snapshot's segment records (only the
+    index had a CRC) restored other rows without a word. Records carry
+    CRC-32C checksums now: the restore fails naming the file and the offset
+    of the record, and the table keeps exactly what it held."""
+    layer = file_layer(tmp_path, "c")
+    layer(np.arange(20_000, dtype=np.int64), training=True)
+    assert layer.snapshot() == 1
+    at_snapshot = layer.export()
+    layer(np.arange(20_000, 30_000, dtype=np.int64), training=True)
+    before = layer.export()
+    segments = glob.glob(os.path.join(layer.table.storage_dir, "snap-1", "*.seg"))
+    segment = max(segments, key=os.path.getsize)
+    rec = record_bytes(segment)
+    size = os.path.getsize(segment)
+    assert size > 32 + 10 * rec and (size - 32) % rec == 0
+    original = open(segment, "rb").read()
+    middle = 32 + ((size - 32) // rec // 2) * rec
+    rewrite_with_flipped_byte(segment, middle + 3)
+    with pytest.raises(tf.errors.InvalidArgumentError) as info:
+        layer.restore_snapshot()
+    message = " ".join(str(info.value).split())
+    assert f"corrupt record at offset {middle}" in message and segment in message, message
+    assert_same_export(before, layer.export())
+    # The segment as it was written restores exactly.
+    with open(segment + ".new", "wb") as f:
+        f.write(original)
+    os.replace(segment + ".new", segment)
+    assert layer.restore_snapshot() == len(at_snapshot["keys"])
+    assert_same_export(at_snapshot, layer.export())
+
+
+def test_snapshot_of_the_older_format_is_refused_with_the_reason(tmp_path):
+    """A snapshot written before records carried checksums (format 01) is
+    refused with an error that says so, not read as a corrupt index; the
+    table keeps what it held."""
+    layer = file_layer(tmp_path, "o")
+    layer(np.arange(1000, dtype=np.int64), training=True)
+    assert layer.snapshot() == 1
+    before = layer.export()
+    index = os.path.join(layer.table.storage_dir, "snap-1", "index")
+    data = bytearray(open(index, "rb").read())
+    assert data[:8] == b"KRESNP02"
+    data[:8] = b"KRESNP01"
+    data[-4:] = zlib.crc32(bytes(data[:-4])).to_bytes(4, "little")  # a valid older index
+    with open(index + ".new", "wb") as f:
+        f.write(data)
+    os.replace(index + ".new", index)
+    with pytest.raises(tf.errors.InvalidArgumentError) as info:
+        layer.restore_snapshot()
+    message = " ".join(str(info.value).split())
+    assert "older keras_rec_emb (format 01" in message and index in message, message
+    assert_same_export(before, layer.export())
+
+
+def test_corrupt_live_record_fails_the_read(tmp_path):
+    """A byte changed in the table's own segment files while it lives: the
+    read of such a row is a DataLossError naming the file and the offset,
+    not another row's values."""
+    layer = file_layer(tmp_path, "r")
+    keys = np.arange(20_000, dtype=np.int64)
+    layer(keys, training=True)
+    layer.snapshot()  # every row written out (appends are buffered until then)
+    segments = glob.glob(os.path.join(layer.table.storage_dir, "live-*", "*.seg"))
+    assert sum(os.path.getsize(path) - 32 for path in segments) >= 19_000 * record_bytes(
+        segments[0])
+    for path in segments:
+        rec = record_bytes(path)
+        with open(path, "r+b") as f:
+            size = os.path.getsize(path)
+            for offset in range(32 + 1, size, rec):
+                f.seek(offset)
+                byte = f.read(1)
+                f.seek(offset)
+                f.write(bytes([byte[0] ^ 0x01]))
+    with pytest.raises(tf.errors.DataLossError) as info:
+        layer(keys)
+    message = " ".join(str(info.value).split())
+    assert "corrupt record at offset" in message and "/live-" in message, message
+    assert any(path in message for path in segments), message

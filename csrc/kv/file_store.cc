@@ -10,27 +10,55 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <stdexcept>
+
+#include "kv/crc32c.h"
 
 namespace kre {
 namespace kv {
 
 namespace {
 
-constexpr char kSegmentMagic[8] = {'K', 'R', 'E', 'S', 'E', 'G', '0', '1'};
-constexpr uint64_t kHeaderBytes = 32;
+// Format 02: every record carries a CRC-32C (format 01, without, is refused).
+constexpr char kSegmentMagic[8] = {'K', 'R', 'E', 'S', 'E', 'G', '0', '2'};
+constexpr char kSegmentMagicV1[8] = {'K', 'R', 'E', 'S', 'E', 'G', '0', '1'};
+constexpr uint64_t kHeaderBytes = kSegmentHeaderBytes;
 constexpr size_t kBufferBytes = 1 << 20;
 constexpr uint64_t kOffsetBits = 40;
 constexpr uint64_t kOffsetMask = (uint64_t{1} << kOffsetBits) - 1;
-// Compaction reads old segments this much at a time.
+// Compaction and restores read segments this much at a time.
 constexpr uint64_t kChunkBytes = 4 << 20;
 // Garbage a shard may hold beyond its live bytes before it compacts (at
 // most segment_bytes): a small table is not compacted at every write-back.
 constexpr uint64_t kCompactFloorBytes = 1 << 20;
+// Records up to this size are read through a buffer on the stack.
+constexpr uint64_t kStackRecordBytes = 2048;
 
-// Bytes of one record of `width` floats on file.
-uint64_t RecordBytes(uint64_t width) { return width * 4; }
+uint64_t RecordBytes(uint64_t width) { return SegmentRecordBytes(width); }
+
+// A record's checksum: CRC-32C of its offset in the segment (so a record
+// copied to another place does not pass) and its floats.
+uint32_t RecordCrc(uint64_t offset, const char* values, uint64_t n) {
+  return Crc32c(Crc32c(0, &offset, sizeof(offset)), values, n);
+}
+
+// The checksum stored after a record's floats.
+uint32_t StoredCrc(const char* record, uint64_t width) {
+  uint32_t crc;
+  std::memcpy(&crc, record + width * 4, 4);
+  return crc;
+}
+
+DataLossError CorruptRecord(const std::string& path, uint64_t offset, uint32_t stored,
+                            uint32_t computed) {
+  char hex[64];
+  std::snprintf(hex, sizeof(hex), "stored 0x%08x, computed 0x%08x", stored, computed);
+  return DataLossError("the file-tier segment '" + path + "' holds a corrupt record at offset " +
+                       std::to_string(offset) + " (checksum mismatch: " + hex +
+                       "): the file was changed after it was written");
+}
 
 std::runtime_error IoError(const std::string& what, const std::string& path) {
   return std::runtime_error(what + " '" + path + "': " + std::strerror(errno));
@@ -263,6 +291,8 @@ void FileRowStore::OpenSegment() {
   std::memcpy(header + 8, &seg.width, 8);
   const uint64_t dim = static_cast<uint64_t>(dim_);
   std::memcpy(header + 16, &dim, 8);
+  const uint32_t header_crc = Crc32c(0, header, 24);
+  std::memcpy(header + 24, &header_crc, 4);
   try {
     WriteAll(seg.fd, header, kHeaderBytes, 0, seg.path);
   } catch (...) {
@@ -315,7 +345,11 @@ uint64_t FileRowStore::Append(const float* record) {
   const Segment& seg = segments_[static_cast<uint32_t>(active_)];
   const uint64_t offset = seg.size + buffer_.size();
   const char* p = reinterpret_cast<const char*>(record);
-  buffer_.insert(buffer_.end(), p, p + bytes);
+  const uint64_t value_bytes = static_cast<uint64_t>(width_) * 4;
+  const uint32_t crc = RecordCrc(offset, p, value_bytes);
+  buffer_.insert(buffer_.end(), p, p + value_bytes);
+  buffer_.insert(buffer_.end(), reinterpret_cast<const char*>(&crc),
+                 reinterpret_cast<const char*>(&crc) + 4);
   file_bytes_ += bytes;
   live_bytes_ += bytes;
   ++writes_;
@@ -324,7 +358,9 @@ uint64_t FileRowStore::Append(const float* record) {
 
 void FileRowStore::UnpackRecord(const Segment& seg, uint64_t offset, const char* src,
                                 float* dst) const {
-  (void)offset;
+  const uint32_t stored = StoredCrc(src, seg.width);
+  const uint32_t computed = RecordCrc(offset, src, seg.width * 4);
+  if (stored != computed) throw CorruptRecord(seg.path, offset, stored, computed);
   std::memcpy(dst, src, seg.width * 4);
   // Slots added after the record was written start at their init values.
   for (size_t j = 0; j < widths_.size(); ++j) {
@@ -344,12 +380,10 @@ void FileRowStore::ReadRecord(uint64_t loc, float* dst) const {
     UnpackRecord(seg, offset, buffer_.data() + (offset - seg.size), dst);
     return;
   }
-  // Straight into dst when the record is as wide as a row (the common
-  // case); a narrower one (written before a slot was added) goes through a
-  // local copy.
-  if (seg.rec_bytes == static_cast<uint64_t>(width_) * 4) {
-    ReadRecordBytes(seg.fd, reinterpret_cast<char*>(dst), seg.rec_bytes, offset, seg.path);
-    UnpackRecord(seg, offset, reinterpret_cast<const char*>(dst), dst);
+  if (seg.rec_bytes <= kStackRecordBytes) {
+    char local[kStackRecordBytes];
+    ReadRecordBytes(seg.fd, local, seg.rec_bytes, offset, seg.path);
+    UnpackRecord(seg, offset, local, dst);
   } else {
     std::vector<char> local(seg.rec_bytes);
     ReadRecordBytes(seg.fd, local.data(), seg.rec_bytes, offset, seg.path);
@@ -713,6 +747,64 @@ uint32_t FileRowStore::AdoptRow(uint64_t location) {
   if (it != segments_.end()) live_bytes_ += it->second.rec_bytes;
   ++rows_;
   return row;
+}
+
+void VerifySegment(const std::string& path, uint64_t width, uint64_t size, int64_t dim) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw IoError("cannot open the snapshot segment", path);
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  struct stat st;
+  if (::fstat(fd, &st) != 0) throw IoError("cannot stat the snapshot segment", path);
+  const uint64_t rec = SegmentRecordBytes(width);
+  if (size < kHeaderBytes || (size - kHeaderBytes) % rec != 0) {
+    throw DataLossError("the snapshot segment '" + path + "' is listed with " +
+                        std::to_string(size) + " bytes, not a whole number of " +
+                        std::to_string(rec) + "-byte records after its header");
+  }
+  if (static_cast<uint64_t>(st.st_size) < size) {
+    throw DataLossError("the snapshot segment '" + path + "' is truncated: " +
+                        std::to_string(st.st_size) + " bytes on file, " + std::to_string(size) +
+                        " written");
+  }
+  char header[kHeaderBytes];
+  ReadRecordBytes(fd, header, kHeaderBytes, 0, path);
+  if (std::memcmp(header, kSegmentMagicV1, 8) == 0) {
+    throw std::runtime_error("the snapshot segment '" + path +
+                             "' was written by an older keras_rec_emb (segment format 01, "
+                             "without record checksums); restore it with that version and "
+                             "save the model or a checkpoint to carry the rows over");
+  }
+  uint64_t header_width, header_dim;
+  uint32_t header_crc;
+  std::memcpy(&header_width, header + 8, 8);
+  std::memcpy(&header_dim, header + 16, 8);
+  std::memcpy(&header_crc, header + 24, 4);
+  if (std::memcmp(header, kSegmentMagic, 8) != 0 || header_crc != Crc32c(0, header, 24)) {
+    throw DataLossError("the snapshot segment '" + path +
+                        "' has a corrupt header (bad magic or checksum at offset 0)");
+  }
+  if (header_width != width || header_dim != static_cast<uint64_t>(dim)) {
+    throw DataLossError("the snapshot segment '" + path + "' holds records of " +
+                        std::to_string(header_width) + " floats (dim " +
+                        std::to_string(header_dim) + ") but its index says " +
+                        std::to_string(width) + " (dim " + std::to_string(dim) + ")");
+  }
+  // Every record, in chunks of whole records.
+  std::vector<char> chunk;
+  const uint64_t per_chunk = std::max<uint64_t>(1, kChunkBytes / rec) * rec;
+  for (uint64_t offset = kHeaderBytes; offset < size;) {
+    chunk.resize(std::min<uint64_t>(per_chunk, size - offset));
+    ReadRecordBytes(fd, chunk.data(), chunk.size(), offset, path);
+    for (uint64_t at = 0; at < chunk.size(); at += rec) {
+      const uint32_t stored = StoredCrc(chunk.data() + at, width);
+      const uint32_t computed = RecordCrc(offset + at, chunk.data() + at, width * 4);
+      if (stored != computed) throw CorruptRecord(path, offset + at, stored, computed);
+    }
+    offset += chunk.size();
+  }
 }
 
 }  // namespace kv

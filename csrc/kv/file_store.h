@@ -30,9 +30,13 @@
 //   mapped file that shrinks under the process (a tool truncating it, a
 //   full disk) would kill it with SIGBUS at the next read. A record that is
 //   not on file whole throws DataLossError naming the file, the offset and
-//   the file's size. Rows are only appended, never written over their old
-//   record: a pwrite of one record costs a file-system metadata update
-//   (about 10x a pread here), a buffered append a share of one 1 MiB write.
+//   the file's size; each record carries a CRC-32C (of its offset and
+//   floats), checked at every read from file, so bytes changed on file
+//   throw DataLossError naming the file and offset instead of serving
+//   other rows (a restore checks every record of the snapshot first).
+//   Rows are only appended, never written over their old record: a pwrite
+//   of one record costs a file-system metadata update (about 10x a pread
+//   here), a buffered append a share of one 1 MiB write.
 // * Snapshot (Table::Snapshot): every shard locked, dirty rows written,
 //   segments flushed, fsynced and left; the segments are hard-linked into
 //   P/snap-<seq>.tmp/ with an index file (keys, locations, frequencies,
@@ -92,6 +96,20 @@ void MakeDirs(const std::string& path);
 void RemoveStaleLiveDirs(const std::string& root);
 
 constexpr uint64_t kNoLocation = ~uint64_t{0};
+
+// Segment files: a 32-byte header (magic, floats per record, dim, CRC-32C
+// of those 24 bytes), then records of `width` floats each followed by the
+// CRC-32C of the record's offset and floats (checked at every read from
+// file, in compaction and by VerifySegment).
+constexpr uint64_t kSegmentHeaderBytes = 32;
+inline uint64_t SegmentRecordBytes(uint64_t width) { return width * 4 + 4; }
+
+// Checks a segment file of a snapshot before it is restored: its header
+// (format, width, dim), that it holds `size` bytes of whole records, and
+// every record's checksum. Throws DataLossError naming the file (and the
+// offset of a corrupt record), std::runtime_error when it cannot be read or
+// is of an older format.
+void VerifySegment(const std::string& path, uint64_t width, uint64_t size, int64_t dim);
 
 class FileRowStore final : public RowStore {
  public:

@@ -18,7 +18,10 @@ namespace kv {
 
 namespace {
 
-constexpr char kIndexMagic[8] = {'K', 'R', 'E', 'S', 'N', 'P', '0', '1'};
+// Format 02: its segments carry record checksums (file_store.h). Format 01
+// snapshots are refused with a message that says so.
+constexpr char kIndexMagic[8] = {'K', 'R', 'E', 'S', 'N', 'P', '0', '2'};
+constexpr char kIndexMagicV1[8] = {'K', 'R', 'E', 'S', 'N', 'P', '0', '1'};
 
 // CRC-32 (IEEE), incremental: c starts at 0xFFFFFFFF, the CRC is the final
 // c ^ 0xFFFFFFFF.
@@ -417,6 +420,13 @@ int64_t Table<K>::RestoreSnapshot(const std::string& path) {
     char magic[8];
     if (r.size() < 12) throw SnapError("not a snapshot index (bad magic or truncated)", index_path);
     r.GetBytes(magic, 8);
+    if (std::memcmp(magic, kIndexMagicV1, 8) == 0) {
+      throw SnapError(
+          "the snapshot was written by an older keras_rec_emb (format 01, without record "
+          "checksums); restore it with that version and save the model or a checkpoint to "
+          "carry the rows over",
+          index_path);
+    }
     if (std::memcmp(magic, kIndexMagic, 8) != 0) {
       throw SnapError("not a snapshot index (bad magic or truncated)", index_path);
     }
@@ -481,6 +491,8 @@ int64_t Table<K>::RestoreSnapshot(const std::string& path) {
               seg.width < static_cast<uint64_t>(dim_) || seg.width > static_cast<uint64_t>(width)) {
             throw SnapError("the snapshot segment is truncated or does not fit", seg.path);
           }
+          // Header and every record's checksum (names the file and offset).
+          VerifySegment(seg.path, seg.width, seg.size, dim_);
         }
         const uint64_t n = r.Get<uint64_t>();
         if (n > r.Remaining() / kRowBytes) r.Corrupt();
@@ -493,8 +505,10 @@ int64_t Table<K>::RestoreSnapshot(const std::string& path) {
           const uint32_t id = static_cast<uint32_t>(loc >> 40);
           const uint64_t off = loc & ((uint64_t{1} << 40) - 1);
           const auto it = seg_pos[si].find(id);
-          if (it == seg_pos[si].end() || off < 32 ||
-              off + segs[si][it->second].width * 4 > segs[si][it->second].size) {
+          const uint64_t rec =
+              it == seg_pos[si].end() ? 1 : SegmentRecordBytes(segs[si][it->second].width);
+          if (it == seg_pos[si].end() || off < kSegmentHeaderBytes ||
+              (off - kSegmentHeaderBytes) % rec != 0 || off + rec > segs[si][it->second].size) {
             errno = 0;
             throw SnapError("the snapshot index points outside its segments", index_path);
           }

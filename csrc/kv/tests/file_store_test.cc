@@ -24,6 +24,8 @@
 #include <thread>
 #include <vector>
 
+#include "kv/crc32c.h"
+#include "kv/file_store.h"
 #include "kv/partition.h"
 #include "kv/table.h"
 #include "kv/tests/test_util.h"
@@ -418,6 +420,107 @@ void TestTruncatedUnderTheTable() {
   for (int64_t step = 12; step < 20; ++step) Step(t, step, 3000);
 }
 
+// Flips one byte of a file at `offset`.
+void FlipByte(const std::string& path, uint64_t offset) {
+  const int fd = ::open(path.c_str(), O_RDWR);
+  char c = 0;
+  CHECK(::pread(fd, &c, 1, static_cast<off_t>(offset)) == 1);
+  c ^= 0x10;
+  CHECK(::pwrite(fd, &c, 1, static_cast<off_t>(offset)) == 1);
+  ::close(fd);
+}
+
+// Segment records carry CRC-32C checksums: a byte changed in a snapshot's
+// segment fails the restore (naming the file and the offset; the table is
+// unchanged) where it restored other rows silently; a byte changed in a
+// live segment fails the read of that row instead of serving it.
+void TestCorruptRecords() {
+  static const char kCheck[] = "123456789";
+  CHECK(kre::kv::Crc32c(0, kCheck, 9) == 0xE3069283u);  // the standard check value
+  CHECK(kre::kv::Crc32c(kre::kv::Crc32c(0, kCheck, 4), kCheck + 4, 5) == 0xE3069283u);
+  const std::string path = TempDir("corrupt");
+  Exported at_snapshot, other;
+  {
+    Table<int64_t> t(Options(path, 0));
+    for (int64_t step = 0; step < 10; ++step) Step(t, step, 3000);
+    CHECK(t.Snapshot() == 1);
+    at_snapshot = ExportSorted(t);
+  }
+  // The snapshot restores into a new table (nothing corrupt yet).
+  const std::string other_path = TempDir("corrupt-other");
+  Table<int64_t> t(Options(other_path, 0));
+  for (int64_t step = 0; step < 3; ++step) Step(t, step, 50);
+  other = ExportSorted(t);
+  std::vector<std::string> segs;
+  for (const std::string& f : ListDir(path + "/snap-1")) {
+    if (f.size() > 4 && f.substr(f.size() - 4) == ".seg") segs.push_back(path + "/snap-1/" + f);
+  }
+  CHECK(!segs.empty());
+  // One byte of the last record of the largest segment.
+  std::string seg = segs[0];
+  struct stat st, big;
+  CHECK(::stat(seg.c_str(), &big) == 0);
+  for (const std::string& p : segs) {
+    if (::stat(p.c_str(), &st) == 0 && st.st_size > big.st_size) {
+      seg = p;
+      big = st;
+    }
+  }
+  const uint64_t rec = kre::kv::SegmentRecordBytes(2 * kDim);
+  CHECK((big.st_size - 32) % rec == 0 && big.st_size > 64);
+  const uint64_t last = big.st_size - rec;
+  FlipByte(seg, last + 5);
+  std::string err = ErrorOf([&] { t.RestoreSnapshot(path); });
+  CHECK(Contains(err, "corrupt record at offset " + std::to_string(last)) && Contains(err, seg));
+  CHECK(ExportSorted(t) == other);  // unchanged
+  // The record's checksum itself.
+  FlipByte(seg, last + 5);
+  FlipByte(seg, last + rec - 1);
+  err = ErrorOf([&] { t.RestoreSnapshot(path); });
+  CHECK(Contains(err, "checksum mismatch") && Contains(err, seg));
+  CHECK(ExportSorted(t) == other);
+  // The header.
+  FlipByte(seg, last + rec - 1);
+  FlipByte(seg, 9);
+  err = ErrorOf([&] { t.RestoreSnapshot(path); });
+  CHECK(Contains(err, "corrupt header") && Contains(err, seg));
+  CHECK(ExportSorted(t) == other);
+  FlipByte(seg, 9);
+  CHECK(t.RestoreSnapshot(path) == static_cast<int64_t>(at_snapshot.keys.size()));
+  CHECK(ExportSorted(t) == at_snapshot);
+
+  // A byte changed in the live table's files: the read of a row on file
+  // throws DataLossError naming the file; rows cached still read.
+  for (int64_t step = 10; step < 14; ++step) Step(t, step, 3000);
+  const std::vector<std::string> live = LiveSegments(other_path);
+  CHECK(!live.empty());
+  // Every record of every live segment gets one float changed.
+  for (const std::string& p : live) {
+    const int fd = ::open(p.c_str(), O_RDWR);
+    struct stat fst;
+    CHECK(::fstat(fd, &fst) == 0);
+    uint64_t width = 0;
+    CHECK(::pread(fd, &width, 8, 8) == 8);
+    const uint64_t r = kre::kv::SegmentRecordBytes(width);
+    for (uint64_t off = 32; off + r <= static_cast<uint64_t>(fst.st_size); off += r) {
+      char c;
+      CHECK(::pread(fd, &c, 1, static_cast<off_t>(off + 2)) == 1);
+      c ^= 0x40;
+      CHECK(::pwrite(fd, &c, 1, static_cast<off_t>(off + 2)) == 1);
+    }
+    ::close(fd);
+  }
+  std::vector<int64_t> keys(3000);
+  std::iota(keys.begin(), keys.end(), -7);
+  bool data_loss = false;
+  try {
+    Lookup(t, keys, /*insert=*/false);
+  } catch (const DataLossError& e) {
+    data_loss = Contains(e.what(), "corrupt record at offset") && Contains(e.what(), other_path);
+  }
+  CHECK(data_loss);
+}
+
 // The writer: restores the latest snapshot if any, then trains step after
 // step, snapshotting every 3 steps, until killed.
 [[noreturn]] void Writer(const std::string& path) {
@@ -474,6 +577,7 @@ int main() {
   TestSnapshotRestore();
   TestFaults();
   TestTruncatedUnderTheTable();
+  TestCorruptRecords();
   TestKillWriter();
   TestBigSnapshot();
   std::system(("rm -rf '" + g_root + "'").c_str());
