@@ -10,7 +10,8 @@ every worker passing the whole data (Keras splits each global batch).
 Reported per training step, over --steps timed steps after --warmup:
 
 * CPU seconds of every process together (each reads its own
-  `getrusage(RUSAGE_SELF)`, every thread included), and that against the
+  `getrusage(RUSAGE_SELF)`, every thread included; also by thread name from
+  /proc, to show where it goes), and that against the
   plain process;
 * bytes sent: what each process's TCP sockets sent (the kernel's
   `bytes_sent` of `ss -tinp`, gRPC's channels between the workers), summed;
@@ -83,6 +84,26 @@ def _cpu_seconds():
     return usage.ru_utime + usage.ru_stime
 
 
+def _thread_cpu_seconds():
+    """CPU seconds of this process's threads by thread name (digits
+    dropped: one entry per pool), from /proc/self/task/*/stat."""
+    import re
+
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        key = re.sub(r"\d+", "#", name)
+        out[key] = out.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def _socket_bytes_sent(pid):
     """Bytes this process's TCP sockets have sent (the kernel's own counter,
     `ss -tinp`'s bytes_sent): gRPC's channels between the workers."""
@@ -142,10 +163,14 @@ def multi_worker_child(args):
     fit(0, args.warmup)
     pid = os.getpid()
     lo = _loopback_bytes()
+    threads = _thread_cpu_seconds()
     cpu, sent, start = _cpu_seconds(), _socket_bytes_sent(pid), time.perf_counter()
     fit(args.warmup, args.steps)
     wall = time.perf_counter() - start
     cpu, sent = _cpu_seconds() - cpu, _socket_bytes_sent(pid) - sent
+    after = _thread_cpu_seconds()
+    threads = {k: round(v - threads.get(k, 0.0), 3) for k, v in after.items()
+               if v - threads.get(k, 0.0) > 0.005}
     lo = _loopback_bytes() - lo
     # The all-to-all ideal for this replica's part of each global batch: its
     # distinct ids of each table that another worker owns go there (8
@@ -161,7 +186,7 @@ def multi_worker_child(args):
             ideal += remote * (8 + 8 * args.dim)
     print("RESULT " + json.dumps({"task": task, "cpu_s": cpu, "bytes_sent": sent,
                                   "loopback_bytes": lo, "wall_s": wall,
-                                  "ideal_bytes": ideal}), flush=True)
+                                  "ideal_bytes": ideal, "threads": threads}), flush=True)
 
 
 def run_cluster(args, n):
@@ -331,6 +356,14 @@ def main(argv=None):
             print(f"{r['workers'] or 'plain':>8} {r['cpu_s_per_step']:>11.4f} "
                   f"{r['cpu_s_per_step'] / plain:>9.2f} {r['bytes_per_step']:>12.0f} "
                   f"{r['ideal_bytes_per_step']:>12.0f} {ratio:>9.2f} {r['steps_per_s']:>8.2f}")
+        print("CPU s/step of all processes by thread (where the time goes):")
+        for r in cluster:
+            by_thread = {}
+            for w in r["per_worker"]:
+                for name, seconds in w.get("threads", {}).items():
+                    by_thread[name] = by_thread.get(name, 0.0) + seconds / args.steps
+            top = sorted(by_thread.items(), key=lambda kv: -kv[1])[:5]
+            print(f"{r['workers'] or 'plain':>8}  " + ", ".join(f"{k} {v:.4f}" for k, v in top))
     results = {"mirrored": results, "cluster": cluster}
     with open(args.json, "w") as f:
         json.dump({"benchmark": "distributed", "date": time.strftime("%Y-%m-%d"),
