@@ -204,18 +204,35 @@ def size(handle, key_dtype):
     return gen().kre_table_size(handle, Tkeys=key_dtype)
 
 
-def stats(handle, key_dtype):
-    """[admitted keys, keys counted but not admitted, memory bytes, latest step]."""
-    return gen().kre_table_stats(handle, Tkeys=key_dtype)
-
-
+# -- Statistics: int64 vectors of named parts ---------------------------------
+# Each op returns a vector whose parts these tuples name, in order; the op
+# takes the tuple as its `parts` attr and its kernel checks it against the
+# library's own list (csrc/ops/stat_parts.h), so that no number is read by a
+# position the library does not agree on. Read them through `named_parts`.
+TABLE_STATS = ("size", "filtered", "memory_bytes", "latest_step")
 STORAGE_STATS = ("rows", "cached_rows", "cache_memory_bytes", "disk_bytes", "cache_hits",
                  "cache_misses", "file_reads", "file_writes")
+COUNTER_PARTS = TABLE_STATS + ("lookups", "hits", "admitted_total", "erased_total",
+                               "change_epoch", "erased_log")
+
+
+def named_parts(vector, parts):
+    """A dict from each name of `parts` to its scalar of `vector` (works
+    eagerly and traced)."""
+    return dict(zip(parts, tf.unstack(vector, num=len(parts))))
+
+
+def stats(handle, key_dtype):
+    """The table's sizes, a dict of int64 scalars by TABLE_STATS: admitted
+    keys, keys counted but not admitted, memory bytes, latest step."""
+    return named_parts(gen().kre_table_stats(handle, Tkeys=key_dtype, parts=TABLE_STATS),
+                       TABLE_STATS)
 
 
 def storage_stats(handle, key_dtype):
-    """The row store's counters, named by STORAGE_STATS."""
-    return gen().kre_table_storage_stats(handle, Tkeys=key_dtype)
+    """The row store's counters, a dict of int64 scalars by STORAGE_STATS."""
+    return named_parts(gen().kre_table_storage_stats(handle, Tkeys=key_dtype,
+                                                     parts=STORAGE_STATS), STORAGE_STATS)
 
 
 def snapshot(handle, key_dtype):
@@ -288,9 +305,6 @@ def hyper_vector(hyper):
 
 
 # -- Change tracking (incremental checkpoints) and counters -----------------
-COUNTER_PARTS = ("size", "filtered", "memory_bytes", "latest_step", "lookups", "hits",
-                 "admitted_total", "erased_total", "change_epoch", "erased_log")
-
 
 def mark_changes(handle, key_dtype):
     """Closes the table's change epoch; returns it as a mark (int64 scalar)."""
@@ -316,5 +330,6 @@ def erase(handle, keys):
 
 
 def counters(handle, key_dtype):
-    """The COUNTER_PARTS of a table as an int64 vector."""
-    return gen().kre_table_counters(handle, Tkeys=key_dtype)
+    """The table's counters, a dict of int64 scalars by COUNTER_PARTS."""
+    return named_parts(gen().kre_table_counters(handle, Tkeys=key_dtype,
+                                                parts=COUNTER_PARTS), COUNTER_PARTS)

@@ -571,11 +571,9 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         in DRAM), `cache_memory_bytes`, `disk_bytes` (files, garbage
         included), `cache_hits`, `cache_misses`, `cache_hit_rate` (hits /
         accesses, 1.0 before any), `file_reads`, `file_writes` (rows)."""
-        values = _ops.stats(self.handle, self._key_dtype).numpy()
-        out = dict(zip(("size", "filtered", "memory_bytes", "latest_step"),
-                       (int(v) for v in values)))
-        store = _ops.storage_stats(self.handle, self._key_dtype).numpy()
-        out.update(zip(_ops.STORAGE_STATS, (int(v) for v in store)))
+        out = {k: int(v) for k, v in _ops.stats(self.handle, self._key_dtype).items()}
+        out.update((k, int(v)) for k, v in
+                   _ops.storage_stats(self.handle, self._key_dtype).items())
         out["storage"] = "FILE" if self._storage_dir else "DRAM"
         accesses = out["cache_hits"] + out["cache_misses"]
         out["cache_hit_rate"] = out["cache_hits"] / accesses if accesses else 1.0
@@ -724,7 +722,7 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         """Writes rows of `keys` into the live table (traced or eager), as
         of the table's latest step; `freqs` -1 keeps a key's current count.
         Other keys, slots and filter state are unchanged."""
-        latest = _ops.stats(self.handle, self._key_dtype)[3]
+        latest = _ops.stats(self.handle, self._key_dtype)["latest_step"]
         given = {_KEYS: tf.cast(keys, self._key_dtype), _VALUES: tf.cast(values, tf.float32),
                  "freqs": freqs, "versions": tf.fill([tf.size(keys)], tf.maximum(latest, 0))}
         return self._import_parts(complete_parts(given, self._dim, self._key_dtype),
@@ -785,8 +783,7 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         `latest_step`, `lookups` (key occurrences looked up), `hits` (of them
         found admitted), `admitted_total`, `erased_total`, `change_epoch`,
         `erased_log`."""
-        values = _ops.counters(self.handle, self._key_dtype).numpy()
-        return dict(zip(_ops.COUNTER_PARTS, (int(v) for v in values)))
+        return {k: int(v) for k, v in _ops.counters(self.handle, self._key_dtype).items()}
 
     def _slot_block(self, name, rows, n):
         """Slot `name`'s rows as a float32 [n, width] array (an empty table's

@@ -178,3 +178,80 @@ def test_first_interval_starts_at_fit_not_at_the_restore(tmp_path):
     assert h.history["ids_evicted"] == [0]
     assert h.history["ids_size"] == [3]
     assert h.history["ids_hit_rate"] == [0.5]
+
+
+STATS_OPS = {"KRE>TableStats": "TABLE_STATS", "KRE>TableStorageStats": "STORAGE_STATS",
+             "KRE>TableCounters": "COUNTER_PARTS"}
+
+
+@pytest.mark.parametrize("op", sorted(STATS_OPS))
+def test_stats_ops_declare_the_parts_python_reads_them_by(op):
+    """Each statistics op names its vector's parts (its `parts` attr, whose
+    default is the library's own list) as `_ops` declares them, and its
+    kernel refuses any other names or order."""
+    from tensorflow.python.framework import op_def_registry
+
+    from keras_rec_emb import _ops
+
+    names = getattr(_ops, STATS_OPS[op])
+    (attr,) = [a for a in op_def_registry.get(op).attr if a.name == "parts"]
+    assert [p.decode() for p in attr.default_value.list.s] == list(names)
+    from keras_rec_emb.variables import EmbeddingTable
+
+    table = EmbeddingTable(4, tf.int64, np.zeros((1, 4), np.float32), name="t")
+    raw = getattr(_ops.gen(), {"KRE>TableStats": "kre_table_stats",
+                               "KRE>TableStorageStats": "kre_table_storage_stats",
+                               "KRE>TableCounters": "kre_table_counters"}[op])
+    assert raw(table.handle, Tkeys=tf.int64, parts=names).shape == (len(names),)
+    for wrong in (names[::-1], names[:-1], names + ("extra",)):
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match=rf"{op} returns the parts \[{', '.join(names)}\] in this "
+                                 rf"order, but was given parts=\[{', '.join(wrong)}\]"):
+            raw(table.handle, Tkeys=tf.int64, parts=wrong)
+
+
+def test_stats_and_counters_are_read_by_name():
+    """Each named part holds what its name says, against an independent
+    count of the lookups and the table's own export."""
+    from keras_rec_emb.variables import EmbeddingTable
+
+    table = EmbeddingTable(4, tf.int64, np.zeros((1, 4), np.float32), name="named",
+                           filter_freq=2)
+    ids = np.array([1, 1, 2, 3, 3, 3, 4], np.int64)
+    table.lookup(tf.constant(ids), insert=True)  # 1 and 3 are admitted, 2 and 4 counted
+    first = table.counters()
+    table.lookup(tf.constant([1, 5], tf.int64), insert=True)  # 1 is a hit, 5 is counted
+    exported = table.export()
+    stats, counters = table.stats(), table.counters()
+    assert stats["size"] == counters["size"] == len(exported["keys"]) == 2
+    assert stats["filtered"] == counters["filtered"] == len(exported["keys_filtered"]) == 3
+    assert (first["lookups"], counters["lookups"]) == (len(ids), len(ids) + 2)
+    assert counters["hits"] - first["hits"] == 1
+    assert counters["admitted_total"] == 2 and counters["erased_total"] == 0
+    assert stats["rows"] == stats["cached_rows"] == 2 and stats["file_writes"] == 0
+    assert stats["memory_bytes"] > stats["cache_memory_bytes"] > 0
+    assert table.erase([3]) == 1
+    assert table.counters()["erased_total"] == 1 and table.stats()["size"] == 1
+
+
+def test_a_graph_saved_without_the_parts_attr_still_runs():
+    """Graphs written before the stats ops took `parts` (no such attr on
+    their nodes) load and run: the attr defaults to the library's list."""
+    from keras_rec_emb import _ops
+
+    graph = tf.Graph()
+    with graph.as_default():
+        handle = _ops.gen().kre_table_create(tf.zeros([1, 4]), key_dtype=tf.int64, dim=4,
+                                             num_shards=1)
+        with tf.control_dependencies([_ops.gen().kre_table_lookup(
+                handle, tf.constant([7, 8], tf.int64), dim=4, insert=True)]):
+            _ops.gen().kre_table_stats(handle, Tkeys=tf.int64, parts=_ops.TABLE_STATS,
+                                       name="stats")
+    graph_def = graph.as_graph_def()
+    (node,) = [n for n in graph_def.node if n.op == "KRE>TableStats"]
+    del node.attr["parts"]
+    old = tf.Graph()
+    with old.as_default():
+        tf.graph_util.import_graph_def(graph_def, name="")
+        with tf.compat.v1.Session(graph=old) as session:
+            assert session.run("stats:0").tolist()[:2] == [2, 0]

@@ -1,5 +1,6 @@
 // Copyright keras_rec_emb authors. Apache-2.0.
-// Kernels of the table's change tracking and counters (see csrc/ops/delta_ops.cc).
+// Kernels of the table's change tracking (see csrc/ops/delta_ops.cc; its
+// counters: stats_kernels.cc).
 #include <string>
 #include <vector>
 
@@ -50,21 +51,10 @@ void TableErase(OpKernelContext* ctx, kv::Table<K>& table) {
   OP_REQUIRES_OK(ctx, SetScalarOutput(ctx, 0, erased));
 }
 
-template <typename K>
-void TableCounters(OpKernelContext* ctx, kv::Table<K>& t) {
-  const kv::TableCounters c = t.Counters();
-  std::vector<int64_t> v = TableSizeStats(t);
-  v.insert(v.end(), {static_cast<int64_t>(c.lookups), static_cast<int64_t>(c.hits),
-                     static_cast<int64_t>(c.admitted), static_cast<int64_t>(c.erased),
-                     t.ChangeEpoch(), t.ErasedLogSize()});
-  OP_REQUIRES_OK(ctx, SetVectorOutput(ctx, 0, v));
-}
-
 KRE_REGISTER_TABLE_FN("KRE>TableMarkChanges", TableMarkChanges);
 KRE_REGISTER_TABLE_FN("KRE>TableExportChangedSince", TableExportChangedSince);
 KRE_REGISTER_TABLE_FN("KRE>TableTrimErased", TableTrimErased);
 KRE_REGISTER_TABLE_FN("KRE>TableErase", TableErase);
-KRE_REGISTER_TABLE_FN("KRE>TableCounters", TableCounters);
 
 }  // namespace
 }  // namespace kre

@@ -180,19 +180,6 @@ void TableSize(OpKernelContext* ctx, kv::Table<K>& table) {
   OP_REQUIRES_OK(ctx, SetScalarOutput(ctx, 0, table.Size()));
 }
 
-template <typename K>
-void TableStats(OpKernelContext* ctx, kv::Table<K>& table) {
-  OP_REQUIRES_OK(ctx, SetVectorOutput(ctx, 0, TableSizeStats(table)));
-}
-
-template <typename K>
-void TableStorageStats(OpKernelContext* ctx, kv::Table<K>& table) {
-  const kv::RowStoreStats s = table.StoreStats();
-  const uint64_t fields[8] = {s.rows, s.cached_rows, s.memory_bytes, s.disk_bytes,
-                              s.hits, s.misses, s.file_reads, s.file_writes};
-  OP_REQUIRES_OK(ctx, SetVectorOutput(ctx, 0, std::vector<int64_t>(fields, fields + 8)));
-}
-
 // The snapshot ops: on a file-tier table, runs `call` (a snapshot or a
 // restore, which throws on failure) and outputs its result as scalar 0; an
 // exception becomes a status of `code`, "<what> failed: <reason>".
@@ -427,8 +414,6 @@ class TableImportOp : public TableOpKernel<K> {
 
 KRE_REGISTER_TABLE_KERNEL("KRE>TableLookup", TableLookupOp);
 KRE_REGISTER_TABLE_FN("KRE>TableSize", TableSize);
-KRE_REGISTER_TABLE_FN("KRE>TableStats", TableStats);
-KRE_REGISTER_TABLE_FN("KRE>TableStorageStats", TableStorageStats);
 KRE_REGISTER_TABLE_FN("KRE>TableSnapshot", TableSnapshot);
 KRE_REGISTER_TABLE_FN("KRE>TableReleaseStorage", TableReleaseStorage);
 KRE_REGISTER_TABLE_FN("KRE>TableRestoreSnapshot", TableRestoreSnapshot);

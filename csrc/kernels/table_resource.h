@@ -210,13 +210,6 @@ std::optional<typename kv::Table<K>::ExportBuffers> AllocateExportOutputs(
       Name(name).Device(::tensorflow::DEVICE_CPU).TypeConstraint<int32_t>("Tkeys"), \
       ::kre::TableFnKernel<int32_t, fn<int32_t>>)
 
-// [admitted keys, keys counted but not admitted, memory bytes, latest step]:
-// the output of KRE>TableStats and the first four of KRE>TableCounters.
-template <typename K>
-std::vector<int64_t> TableSizeStats(const kv::Table<K>& t) {
-  return {t.Size(), t.FilteredSize(), static_cast<int64_t>(t.MemoryBytes()), t.LatestStep()};
-}
-
 // Runs fn(i) for i in [0, n) over the intra-op thread pool. Exceptions
 // become a status (TableWorkError: DataLoss for a file tier's lost rows,
 // else ResourceExhausted: allocation failure, a full shard or disk).

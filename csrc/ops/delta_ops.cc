@@ -1,9 +1,11 @@
 // Copyright keras_rec_emb authors. Apache-2.0.
 // Op registrations of the table's change tracking (incremental checkpoints,
-// serving deltas) and counters (statistics). Kernels: csrc/kernels/delta_kernels.cc.
+// serving deltas) and counters (statistics). Kernels:
+// csrc/kernels/delta_kernels.cc, the counters' csrc/kernels/stats_kernels.cc.
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
+#include "ops/stat_parts.h"
 #include "ops/table_shape_fns.h"
 
 namespace kre {
@@ -50,11 +52,11 @@ KRE_REGISTER_TABLE_OP("KRE>TableErase")
       return absl::OkStatus();
     });
 
-// [admitted keys, keys counted but not admitted, memory bytes, latest step,
-//  key occurrences looked up, of them found admitted, keys admitted, keys
-//  erased (the last four cumulative), open change epoch, erased-log size]
+// The table's counters: a vector of the parts kCounterParts names
+// (ops/stat_parts.h; checked as KRE>TableStats' are).
 KRE_REGISTER_TABLE_OP("KRE>TableCounters")
     .Output("counters: int64")
-    .SetShapeFn(VectorOfHandle<10>);
+    .Attr(PartsAttr(kCounterParts))
+    .SetShapeFn(VectorOfHandle<kCounterParts.size()>);
 
 }  // namespace kre

@@ -4,6 +4,7 @@
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
+#include "ops/stat_parts.h"
 #include "ops/table_shape_fns.h"
 
 namespace kre {
@@ -76,17 +77,20 @@ KRE_REGISTER_TABLE_OP("KRE>TableSize")
     .Output("size: int64")
     .SetShapeFn(ScalarOfHandle<1>);
 
-// [admitted keys, keys counted but not admitted, memory bytes, latest step]
+// The table's sizes: a vector of the parts kTableStatsParts names
+// (ops/stat_parts.h; the caller passes the names it reads them by as
+// `parts`, checked by the kernel).
 KRE_REGISTER_TABLE_OP("KRE>TableStats")
     .Output("stats: int64")
-    .SetShapeFn(VectorOfHandle<4>);
+    .Attr(PartsAttr(kTableStatsParts))
+    .SetShapeFn(VectorOfHandle<kTableStatsParts.size()>);
 
-// The row store's counters: [rows, rows in DRAM, row bytes in DRAM, bytes
-// on file, cache hits, cache misses, rows read from file, rows written to
-// file] (a DRAM table: every row in DRAM, no file counters).
+// The row store's counters: a vector of the parts kStorageStatsParts names
+// (checked as KRE>TableStats' are).
 KRE_REGISTER_TABLE_OP("KRE>TableStorageStats")
     .Output("stats: int64")
-    .SetShapeFn(VectorOfHandle<8>);
+    .Attr(PartsAttr(kStorageStatsParts))
+    .SetShapeFn(VectorOfHandle<kStorageStatsParts.size()>);
 
 // File tier: writes a snapshot under the table's storage_path; returns its
 // sequence number.
