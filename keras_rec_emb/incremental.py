@@ -478,6 +478,54 @@ def _optimizer_vars(model):
     return [v for v in opt.variables if not _variables.is_table(v)]
 
 
+def _optimizer_keys(paths):
+    """The keys by which links store an optimizer's variables, from their
+    paths in `optimizer.variables` order: each path without its first part,
+    the optimizer's name, which Keras makes unique per instance (a model
+    compiled again, or a second model in the process, has `adagrad_1`), and
+    with `inner/` before it per level of wrapping (a LossScaleOptimizer
+    lists its own variables, then its inner optimizer's)."""
+    owners, keys = [], []
+    for path in paths:
+        owner, _, rest = path.partition("/")
+        if owner not in owners:
+            owners.append(owner)
+        keys.append("inner/" * owners.index(owner) + (rest or owner))
+    return keys
+
+
+def _refuse_duplicates(names, what):
+    """Links key variables by path: two variables of one path could not be
+    told apart on restore."""
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(
+            f"Cannot checkpoint this model: {what} {twice} name more than one variable. "
+            "Incremental checkpoints key variables by path: give the layers (or "
+            "variables) that hold them distinct names.")
+
+
+def _saved_paths(meta, key, path):
+    """The variable paths a link lists under `key` (its members
+    `<dense|opt>/<i>` hold them in this order)."""
+    paths = meta.get(key, [])
+    if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+        raise ValueError(f"{path} has no valid list of {key} variables in its metadata")
+    if len(set(paths)) != len(paths):
+        raise ValueError(f"{path} lists a {key} variable twice: {paths}")
+    return paths
+
+
+def _differ(what, path, saved, have):
+    """The _Mismatch of a link whose variables (by key) are not the model's."""
+    return _Mismatch(
+        f"{path} does not fit this model: its {what} are not the model's (in the "
+        f"checkpoint only: {sorted(set(saved) - set(have))}; in the model only: "
+        f"{sorted(set(have) - set(saved))}). Nothing was restored. Restore into a model "
+        "built as the one that saved the chain, with the same layer names (Keras numbers "
+        "the names of unnamed layers per process: name them).")
+
+
 def _position(source):
     """The KafkaPosition of `source` (a KafkaPosition or a dataset with one)."""
     if source is None:
@@ -546,7 +594,12 @@ class IncrementalCheckpointer:
     copy in memory: free for a fresh model) and put back if applying fails.
 
     Dense variables and the optimizer's variables are saved whole in every
-    link (they are small next to the tables). With a Kafka source, pass its
+    link (they are small next to the tables), keyed by path (an optimizer's
+    past its own name, which Keras numbers per instance): a restore assigns
+    each to the model's variable of that path and refuses a model whose
+    dense or optimizer variables are not those of the checkpoint, naming
+    the paths that differ. A model without an optimizer (not compiled)
+    restores the tables and dense variables only. With a Kafka source, pass its
     `position` (or the dataset): the offsets are saved in every link and
     restored, so a resumed stream re-reads at most what was read after the
     last link (at-least-once; `prefetch` after the dataset holds elements
@@ -618,13 +671,21 @@ class IncrementalCheckpointer:
         return max(seqs, default=-1) + 1
 
     def _common(self, arrays, meta):
-        for i, v in enumerate(_dense(self.model)):
-            arrays[f"dense/{i}"] = keras.ops.convert_to_numpy(v)
+        """The dense and optimizer variables, keyed by path: member
+        `dense/<i>` holds the variable `meta["dense"][i]` names, `opt/<i>`
+        the one `meta["optimizer"][i]` does (a restore reads them by these
+        paths, never by position)."""
+        dense = _dense(self.model)
         opt_vars = _optimizer_vars(self.model)
+        _refuse_duplicates([v.path for v in dense], "the dense variable paths")
+        _refuse_duplicates(_optimizer_keys([v.path for v in opt_vars]),
+                           "the optimizer variable paths")
+        for i, v in enumerate(dense):
+            arrays[f"dense/{i}"] = keras.ops.convert_to_numpy(v)
         for i, v in enumerate(opt_vars):
             arrays[f"opt/{i}"] = keras.ops.convert_to_numpy(v)
-        meta["dense"] = [v.path for v in _dense(self.model)]
-        meta["dense_names"] = [[v.name, list(v.shape)] for v in _dense(self.model)]
+        meta["dense"] = [v.path for v in dense]
+        meta["dense_names"] = [[v.name, list(v.shape)] for v in dense]
         meta["export_order"] = self._export_order()
         meta["optimizer"] = [v.path for v in opt_vars]
         opt = getattr(self.model, "optimizer", None)
@@ -770,7 +831,8 @@ class IncrementalCheckpointer:
         Raises:
             ValueError: no intact full checkpoint; the chain is broken in
                 the middle (without `partial`); the checkpoint does not fit
-                the model (it says what differs). The model is unchanged.
+                the model (it names what differs: tables, dense or optimizer
+                variable paths, shapes). The model is unchanged.
         """
         partial = _checks.check_bool("partial", partial)
         found = self._links()
@@ -945,19 +1007,39 @@ class IncrementalCheckpointer:
                     f"{path} holds rows of dim {values.shape[1]} for table '{name}', which "
                     f"has dim {tables[name].dim}. Restore into a model whose layer has "
                     f"embedding_dim={values.shape[1]}.")
-        dense = _dense(self.model)
-        saved = meta.get("dense_names")
-        if not isinstance(saved, list) or len(saved) != len(dense):
-            n = len(saved) if isinstance(saved, list) else 0
-            raise _Mismatch(
-                f"{path} does not fit this model: it holds {n} dense variables but the "
-                f"model has {len(dense)} ({[v.path for v in dense]})")
-        for v, entry in zip(dense, saved):
-            shape = entry[1] if isinstance(entry, list) and len(entry) == 2 else None
-            if shape != list(v.shape):
+        dense = {v.path: v for v in _dense(self.model)}
+        saved = _saved_paths(meta, "dense", path)
+        if sorted(saved) != sorted(dense):
+            raise _differ("dense variables", path, saved, dense)
+        for i, name in enumerate(saved):
+            a = arrays.get(f"dense/{i}")
+            if a is None:
+                raise ValueError(f"{path}: dense variable {name} lacks its array dense/{i}")
+            if list(a.shape) != list(dense[name].shape):
                 raise _Mismatch(
-                    f"{path} does not fit this model: dense variable {v.path} has shape "
-                    f"{list(v.shape)} in the model but {shape} in the checkpoint")
+                    f"{path} does not fit this model: dense variable {name} has shape "
+                    f"{list(dense[name].shape)} in the model but {list(a.shape)} in the "
+                    "checkpoint")
+
+    @staticmethod
+    def _check_optimizer(meta, arrays, opt_vars, path):
+        """Raises a _Mismatch naming the paths that differ when a link's
+        optimizer variables are not those of the model's (built) optimizer."""
+        have = dict(zip(_optimizer_keys([v.path for v in opt_vars]), opt_vars))
+        saved = _saved_paths(meta, "optimizer", path)
+        keys = _optimizer_keys(saved)
+        if sorted(keys) != sorted(have):
+            raise _differ("optimizer variables (paths past the optimizer's name; "
+                          "compiled with another optimizer?)", path, keys, have)
+        for i, (key, name) in enumerate(zip(keys, saved)):
+            a = arrays.get(f"opt/{i}")
+            if a is None:
+                raise ValueError(f"{path}: optimizer variable {name} lacks its array opt/{i}")
+            if list(a.shape) != list(have[key].shape):
+                raise _Mismatch(
+                    f"{path} does not fit this model: optimizer variable {name} has shape "
+                    f"{list(a.shape)} in the checkpoint but {have[key].path} has "
+                    f"{list(have[key].shape)} in the model")
 
     def _validate(self, staged, tables):
         """Everything `_apply` needs, checked against the model; raises
@@ -967,36 +1049,23 @@ class IncrementalCheckpointer:
         probes = {name: t.export_changes(_NO_CHANGES) for name, t in tables.items()}
         stage = {"tables": {name: [] for name in tables}, "dense": None, "opt": None,
                  "kafka": None}
-        opt_note = None
         for path, arrays, meta in staged:
             for j, name in enumerate(meta["tables"]):
                 parts = _link_table(arrays, meta, j, path)
                 _check_table_fits(parts, tables[name], name, path, probes[name])
                 stage["tables"][name].append((meta["kind"], parts))
+        # The last link's variables, by path (_check_model checked that the
+        # dense ones are the model's, shapes included). Only its optimizer
+        # state is applied: checked here, once the optimizer is built.
         path, arrays, meta = staged[-1]
-        values = []
-        for i, v in enumerate(dense):
-            a = arrays.get(f"dense/{i}")
-            if a is None or list(a.shape) != list(v.shape):
-                raise ValueError(f"{path}: dense variable {i} ({v.path}) is "
-                                 f"{'missing' if a is None else list(a.shape)}, the model's "
-                                 f"is {list(v.shape)}")
-            values.append(a)
-        stage["dense"] = values
-        saved = [arrays.get(f"opt/{i}") for i in range(len(meta.get("optimizer", [])))]
-        if len(saved) != len(opt_vars) or any(
-                a is None or list(a.shape) != list(v.shape) for a, v in zip(saved, opt_vars)):
-            opt_note = (f"{path} holds {len(saved)} optimizer variables "
-                        f"{[list(a.shape) if a is not None else None for a in saved]} but "
-                        f"the model's optimizer has {len(opt_vars)} "
-                        f"{[list(v.shape) for v in opt_vars]}")
-        else:
-            stage["opt"] = saved
+        by_path = {p: arrays[f"dense/{i}"] for i, p in enumerate(meta["dense"])}
+        stage["dense"] = [by_path[v.path] for v in dense]
+        if getattr(self.model, "optimizer", None) is not None:
+            self._check_optimizer(meta, arrays, opt_vars, path)
+            by_key = {k: arrays[f"opt/{i}"]
+                      for i, k in enumerate(_optimizer_keys(meta["optimizer"]))}
+            stage["opt"] = [by_key[k] for k in _optimizer_keys([v.path for v in opt_vars])]
         stage["kafka"] = _kafka_offsets(meta, path)
-        if opt_note is not None:
-            warnings.warn(f"The optimizer's state is not restored (compiled with another "
-                          f"optimizer?): {opt_note}. Tables and dense variables are.",
-                          stacklevel=3)
         return stage
 
     def _apply(self, stage, tables):

@@ -20,7 +20,7 @@ def make_model(name="ids", filter_freq=2, steps_to_live=None):
     ev = EmbeddingVariable(4, combiner="sum", name=name, ev_option=kre.EmbeddingVariableOption(
         filter_option=kre.CounterFilter(filter_freq) if filter_freq else None,
         evict_option=kre.GlobalStepEvict(steps_to_live) if steps_to_live else None))
-    model = keras.Model(ids, keras.layers.Dense(1)(ev(ids)))
+    model = keras.Model(ids, keras.layers.Dense(1, name="out")(ev(ids)))
     model.compile(optimizer=kre.optimizers.Adagrad(0.1), loss="mse")
     return model, ev
 

@@ -21,7 +21,7 @@ def _model():
     keras.utils.set_random_seed(0)
     ids = keras.Input((1,), dtype="int64")
     ev = kre.layers.EmbeddingVariable(4, combiner="sum", name="ids")
-    model = keras.Model(ids, keras.layers.Dense(1)(ev(ids)))
+    model = keras.Model(ids, keras.layers.Dense(1, name="out")(ev(ids)))
     model.compile(optimizer=kre.optimizers.Adagrad(0.1), loss="mse")
     return model, ev
 
