@@ -108,6 +108,30 @@ def strategy_all_to_all(strategy, tensor):
             ordering_token=launcher._get_ordering_token())  # pylint: disable=protected-access
 
 
+class ActsAsResourceVariable:
+    """Base of an object that is not a `tf.Variable` but that
+    `tf.GradientTape` differentiates with respect to through its `handle`,
+    as it does a resource variable: TensorFlow treats as one any object with
+    `_should_act_as_resource_variable` (no public protocol).
+
+    Stock optimizers key the variables they are built on by `_unique_id`
+    (Keras's and TensorFlow's `_var_key`); here it returns what the
+    subclass's `_stock_optimizer_key()` does. Used by
+    `variables.TableVariable`, whose `_stock_optimizer_key` refuses a stock
+    optimizer with an error naming the fix (the first point where one meets
+    a table).
+    """
+
+    _should_act_as_resource_variable = True
+
+    @property
+    def _unique_id(self):
+        return self._stock_optimizer_key()
+
+    def _stock_optimizer_key(self):
+        raise NotImplementedError
+
+
 # -- Keras ------------------------------------------------------------------------
 
 
@@ -161,6 +185,16 @@ def uses_weight_decay(optimizer, variable):
     `exclude_from_weight_decay` (`Optimizer._use_weight_decay`; no public
     accessor). Used by `optimizers/base.py` and `AdamW`."""
     return optimizer._use_weight_decay(variable)  # pylint: disable=protected-access
+
+
+def exported_resources(loaded):
+    """The resources (our tables among them) of a SavedModel that
+    `model.export` wrote, as `tf.saved_model.load` returns it, in the order
+    the export lists them: Keras's `ExportArchive` tracks them in the list
+    `_misc_assets` of the exported object; TensorFlow lists a loaded
+    object's resources nowhere public. Used by
+    `incremental.apply_to_saved_model`."""
+    return list(getattr(loaded, "_misc_assets", None) or [])
 
 
 def built_variables(optimizer):

@@ -38,6 +38,7 @@ import keras
 import numpy as np
 
 from keras_rec_emb import _checks
+from keras_rec_emb import _compat
 from keras_rec_emb import saving as _saving
 from keras_rec_emb import variables as _variables
 
@@ -70,7 +71,8 @@ def _tables(model):
 
 
 def _export_order(model):
-    """Table names in the order `model.export` lists them (`_misc_assets`)."""
+    """Table names in the order `model.export` lists them
+    (`_compat.exported_resources` of the loaded export)."""
     import tensorflow as tf
     from tensorflow.saved_model.experimental import TrackableResource
 
@@ -299,7 +301,7 @@ def _served_tables(loaded):
             "`IncrementalCheckpointer(model, directory).restore()`. Received: "
             f"loaded={loaded!r}")
     handles, seen = [], set()
-    for asset in getattr(loaded, "_misc_assets", None) or []:
+    for asset in _compat.exported_resources(loaded):
         handle = getattr(asset, "resource_handle", None)
         if handle is None or id(asset) in seen:
             continue

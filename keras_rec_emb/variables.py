@@ -9,7 +9,7 @@ Two objects with two roles:
   is.
 * `TableVariable` (`table.variable`) is its face as a trainable variable, the
   object in a layer's `trainable_weights`: `tf.GradientTape` watches it
-  through `handle` (it has `_should_act_as_resource_variable`) and receives
+  through `handle` (`_compat.ActsAsResourceVariable`) and receives
   the lookup's gradient, a `tf.IndexedSlices` over keys, as `ResourceGather`
   gives one for a `tf.Variable`. The optimizers of `keras_rec_emb.optimizers`
   update it with one fused kernel; a stock Keras optimizer is refused with an
@@ -800,18 +800,15 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
             f"key). Received shape {rows.shape}")
 
 
-class TableVariable:
+class TableVariable(_compat.ActsAsResourceVariable):
     """An `EmbeddingTable` seen as a trainable variable.
 
     It is what Keras lists in `trainable_weights`, what `tf.GradientTape`
-    differentiates with respect to (through `handle`), and what optimizers
+    differentiates with respect to (through `handle`, as for a resource
+    variable: `_compat.ActsAsResourceVariable`), and what optimizers
     receive with the table's `tf.IndexedSlices` gradient. Reach the table
     with `.table`.
     """
-
-    # tf.GradientTape treats objects with this attribute as resource
-    # variables and differentiates with respect to their `handle`.
-    _should_act_as_resource_variable = True
 
     constraint = None
     overwrite_with_gradient = False
@@ -855,13 +852,12 @@ class TableVariable:
             return tf.TensorShape([self._table.size(), self._table.dim])
         return tf.TensorShape([None, self._table.dim])
 
-    @property
-    def _unique_id(self):
-        # Read by stock Keras/TF optimizers (`_var_key`) when they are built
-        # on a model's variables: the first point where they meet a table.
-        # Ours key tables by `_kre_id`; a stock wrapper around one of ours
-        # (Keras adds LossScaleOptimizer by itself under mixed_float16) is
-        # built after the optimizer it wraps.
+    def _stock_optimizer_key(self):
+        # What stock Keras/TF optimizers key a variable by, asked when they
+        # are built on a model's variables: the first point where they meet
+        # a table. Ours key tables by `_kre_id`; a stock wrapper around one
+        # of ours (Keras adds LossScaleOptimizer by itself under
+        # mixed_float16) is built after the optimizer it wraps.
         ours = getattr(self._table, "_table_optimizer", None)
         if ours is not None:
             raise TypeError(_STOCK_WRAPPER_ERROR.format(name=self.name, ours=ours))

@@ -1,6 +1,8 @@
 """`_compat.py`: every private API entry works on the pinned stack, and no
 other module of the package reaches past it."""
 
+import ast
+import functools
 import importlib
 import inspect
 import pathlib
@@ -29,6 +31,115 @@ PRIVATE_PATTERNS = [
 ]
 
 
+# Underscore names that are documented public API (namedtuple's methods).
+PUBLIC_UNDERSCORE_NAMES = {"_asdict", "_replace", "_fields", "_make", "_field_defaults"}
+_ATTR_FUNCTIONS = {"getattr", "hasattr", "setattr", "delattr"}
+
+
+def _private(name):
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _attr_string(node):
+    """The private name `getattr(x, "_name")` and its kin reach, or None."""
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id in _ATTR_FUNCTIONS and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
+            and _private(node.args[1].value)):
+        return node.args[1].value
+    return None
+
+
+def _defined_names(tree):
+    """Private names a module defines: functions, classes, assigned names
+    and attributes, arguments, imports."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            out.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            out.add(node.id)
+        elif isinstance(node, ast.arg):
+            out.add(node.arg)
+        elif isinstance(node, ast.alias):
+            out.update((node.asname or node.name).split("."))
+        elif isinstance(node, ast.Call) and _attr_string(node) and node.func.id == "setattr":
+            out.add(_attr_string(node))
+    return {n for n in out if _private(n)}
+
+
+def _private_reads(tree):
+    """(line, name) of every private attribute a module reads: `x._name`,
+    `getattr(x, "_name")` and its kin."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) \
+                and _private(node.attr):
+            yield node.lineno, node.attr
+        elif _attr_string(node) is not None:
+            yield node.lineno, _attr_string(node)
+
+
+def _class_body_names(tree):
+    """(line, class, name) of every private name a class body defines."""
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ClassDef):
+            continue
+        for item in node.body:
+            names = []
+            if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                names = [item.name]
+            elif isinstance(item, ast.Assign):
+                names = [t.id for t in item.targets if isinstance(t, ast.Name)]
+            elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                names = [item.target.id]
+            for name in names:
+                if _private(name):
+                    yield item.lineno, node.name, name
+
+
+@functools.cache
+def library_private_names():
+    """Private names TensorFlow's and Keras's own sources read or write as
+    attributes (`x._name`, `"_name"`)."""
+    pattern = re.compile(r"\.(_[A-Za-z]\w*)\b|[\"'](_[A-Za-z]\w*)[\"']")
+    names = set()
+    for root in (pathlib.Path(tf.__file__).parent / "python",
+                 pathlib.Path(keras.__file__).parent / "src"):
+        for path in root.rglob("*.py"):
+            for a, b in pattern.findall(path.read_text(errors="replace")):
+                names.add(a or b)
+    return names
+
+
+def private_api_uses(sources, library_names, declared=frozenset()):
+    """Uses of private library API in `sources` ({file name: Python
+    source}) that no pattern spelling a known name would catch:
+
+    * a private attribute read (`x._name`, `getattr(x, "_name")`) that no
+      module of `sources` defines: it belongs to another library's object;
+    * a private name a class defines that the library reads (in
+      `library_names`) and that `sources` never use otherwise (nor declare
+      in `declared`): a hook the library calls on our object by duck
+      typing, as `tf.GradientTape` reads `_should_act_as_resource_variable`.
+    """
+    trees = {name: ast.parse(text) for name, text in sources.items()}
+    defined = set().union(*map(_defined_names, trees.values())) | {
+        pathlib.Path(name).stem for name in sources}
+    reads = {name: list(_private_reads(tree)) for name, tree in trees.items()}
+    used = {attr for found in reads.values() for _, attr in found}
+    out = []
+    for name, found in reads.items():
+        out += [f"{name}:{line}: reads {attr}" for line, attr in found
+                if attr not in defined and attr not in PUBLIC_UNDERSCORE_NAMES]
+    for name, tree in trees.items():
+        out += [f"{name}:{line}: {cls}.{attr} is a hook the library reads"
+                for line, cls, attr in _class_body_names(tree)
+                if attr in library_names and attr not in used and attr not in declared]
+    return out
+
+
 def _package_modules():
     """Every Python module of the package (not the compiled library)."""
     names = [".".join(("keras_rec_emb", *p.relative_to(PACKAGE_DIR).with_suffix("").parts))
@@ -46,6 +157,39 @@ def test_no_module_but_compat_uses_private_library_api():
                 if re.search(pattern, line):
                     offenders.append(f"{path.relative_to(PACKAGE_DIR)}:{number}: {line.strip()}")
     assert not offenders, "private API outside _compat.py:\n" + "\n".join(offenders)
+
+
+def test_no_module_but_compat_reads_private_attributes_or_defines_library_hooks():
+    """Beyond the known spellings: a private attribute the package never
+    defines is another library's; a private name a class of ours defines
+    only for the library to read is a hook. Both go through _compat.py
+    (hooks of library subclasses are declared in OVERRIDDEN_HOOKS)."""
+    sources = {str(p.relative_to(PACKAGE_DIR)): p.read_text()
+               for p in sorted(PACKAGE_DIR.rglob("*.py")) if p.name != "_compat.py"}
+    declared = {name for hooks in _compat.OVERRIDDEN_HOOKS.values() for name in hooks}
+    offenders = private_api_uses(sources, library_private_names(), declared)
+    assert not offenders, "private API outside _compat.py:\n" + "\n".join(offenders)
+
+
+def test_the_private_api_scan_finds_reads_and_duck_typed_hooks():
+    """The uses the spelling patterns once missed are found: a loaded
+    SavedModel's `_misc_assets`, and a variable-like class's
+    `_should_act_as_resource_variable` and `_unique_id`; our own private
+    names are not."""
+    sources = {
+        "served.py": 'def tables(loaded):\n    return getattr(loaded, "_misc_assets", [])\n',
+        "face.py": ("class Face:\n    _should_act_as_resource_variable = True\n\n"
+                    "    @property\n    def _unique_id(self):\n        raise TypeError\n"),
+        "own.py": ("class Own:\n    def _step(self):\n        return self._n\n\n"
+                   "    def run(self):\n        self._n = 1\n        return self._step()\n"),
+    }
+    found = private_api_uses(sources, library_private_names())
+    assert found == ["served.py:2: reads _misc_assets",
+                     "face.py:2: Face._should_act_as_resource_variable is a hook the library "
+                     "reads",
+                     "face.py:5: Face._unique_id is a hook the library reads"], found
+    # `_step` and `_name` are names the library uses too, but here the module's own.
+    assert {"_step", "_name"} <= library_private_names()
 
 
 def test_declared_hooks_exist_on_the_pinned_bases():
