@@ -7,7 +7,8 @@ process (no strategy), then under `tf.distribute.MultiWorkerMirroredStrategy`
 with N worker processes on 127.0.0.1 (--workers; TF_CONFIG, free ports,
 stopped by pid), one replica and --threads intra/inter-op threads each,
 every worker passing the whole data (Keras splits each global batch).
-Reported per training step, over --steps timed steps after --warmup:
+Reported per training step, over --steps timed steps after --warmup in the
+same `fit` call (`fit`'s own set-up, once per epoch, is not counted):
 
 * CPU seconds of every process together (each reads its own
   `getrusage(RUSAGE_SELF)`, every thread included; also by thread name from
@@ -24,11 +25,25 @@ devices in one process (steps/s only). The machine has 2 cores: N processes
 share them, so steps/s do not scale here; CPU seconds and bytes do not
 depend on that.
 
+`--ps P` measures asynchronous parameter-server training instead: the same
+model built inside `keras_rec_emb.distribute.parameter_servers` (tables
+sharded by key hash and dense weights on the P PS tasks,
+`python -m keras_rec_emb.distribute.ps`), N workers (--workers) that
+connect at once, each training --steps steps of its own --batch rows after
+--warmup, started together at a barrier. Reported: examples/s of all
+workers together; CPU seconds of every process (workers and PS tasks, from
+/proc/PID/stat) per example against the plain process; bytes every
+socket sent per worker step against the ideal exchange (each table's
+distinct ids of the batch to the PS (8 bytes), their rows back and their
+gradient rows (4 dim each), the dense weights read and their gradients
+sent).
+
     .venv/bin/python benchmarks/distributed.py                # plain, 1, 2, 4 workers
     .venv/bin/python benchmarks/distributed.py --quick --workers 1,2
+    .venv/bin/python benchmarks/distributed.py --ps 2 --workers 1,2,4
 
-Writes --json (default benchmarks/distributed.json; the stored run is
-benchmarks/results/distributed.json).
+Writes --json (default benchmarks/distributed.json; the stored runs are
+benchmarks/results/distributed.json and, for --ps, distributed_ps.json).
 """
 
 import argparse
@@ -44,10 +59,10 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def make_data(args):
+def make_data(args, seed=0):
     import numpy as np
 
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     rows = args.batch * (args.steps + args.warmup)
     ids = rng.zipf(1.2, size=(rows, args.features, args.ids)).astype(np.int64) % 1_000_000
     y = rng.uniform(size=(rows, 1)).astype(np.float32)
@@ -153,25 +168,34 @@ def multi_worker_child(args):
     ids, y = make_data(args)
     x = {f"f{i}": ids[:, i] for i in range(args.features)}
 
-    def fit(first, count):
-        # Every worker passes the whole data: Keras splits each global batch
-        # of args.batch rows over the replicas.
-        rows = slice(first * args.batch, (first + count) * args.batch)
-        model.fit({k: v[rows] for k, v in x.items()}, y[rows], batch_size=args.batch,
-                  shuffle=False, verbose=0)
-
-    fit(0, args.warmup)
     pid = os.getpid()
-    lo = _loopback_bytes()
-    threads = _thread_cpu_seconds()
-    cpu, sent, start = _cpu_seconds(), _socket_bytes_sent(pid), time.perf_counter()
-    fit(args.warmup, args.steps)
-    wall = time.perf_counter() - start
-    cpu, sent = _cpu_seconds() - cpu, _socket_bytes_sent(pid) - sent
-    after = _thread_cpu_seconds()
+    keras = sys.modules["keras"]
+
+    class Meter(keras.callbacks.Callback):
+        """Counters after the warm-up steps and at the end of the same `fit`
+        call: the timed steps alone, without `fit`'s set-up (distributing
+        the dataset, building the step function), a cost per epoch, not per
+        step."""
+
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == args.warmup - 1:
+                self.start = (_loopback_bytes(), _thread_cpu_seconds(), _cpu_seconds(),
+                              _socket_bytes_sent(pid), time.perf_counter())
+
+        def on_train_end(self, logs=None):
+            self.end = (_loopback_bytes(), _thread_cpu_seconds(), _cpu_seconds(),
+                        _socket_bytes_sent(pid), time.perf_counter())
+
+    meter = Meter()
+    # Every worker passes the whole data: Keras splits each global batch of
+    # args.batch rows over the replicas.
+    rows = slice(0, (args.warmup + args.steps) * args.batch)
+    model.fit({k: v[rows] for k, v in x.items()}, y[rows], batch_size=args.batch,
+              shuffle=False, verbose=0, callbacks=[meter])
+    (lo, threads, cpu, sent, start), (lo2, after, cpu2, sent2, end) = meter.start, meter.end
+    wall, cpu, sent, lo = end - start, cpu2 - cpu, sent2 - sent, lo2 - lo
     threads = {k: round(v - threads.get(k, 0.0), 3) for k, v in after.items()
                if v - threads.get(k, 0.0) > 0.005}
-    lo = _loopback_bytes() - lo
     # The all-to-all ideal for this replica's part of each global batch: its
     # distinct ids of each table that another worker owns go there (8
     # bytes), their rows come back (4 dim) and their gradient rows go to the
@@ -289,6 +313,203 @@ def child(args):
     print("RESULT " + json.dumps(result), flush=True)
 
 
+# -- Parameter servers (--ps N) ----------------------------------------------------
+
+
+def _proc_cpu_seconds(pid):
+    """CPU seconds of process `pid`, every thread (utime + stime of
+    /proc/PID/stat): the PS tasks are measured from outside."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _touch(folder, name):
+    with open(os.path.join(folder, name), "w"):
+        pass
+
+
+def _wait_file(folder, name, timeout=1800, procs=(), poll=0.005):
+    path = os.path.join(folder, name)
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            return False
+        time.sleep(poll)
+    return True
+
+
+def ps_worker_child(args):
+    """One asynchronous parameter-server worker (`--ps-child`): connects,
+    builds the model inside `parameter_servers` (tables and dense weights
+    on the PS tasks), trains --warmup steps, waits for every worker at the
+    barrier, then trains --steps steps of its own --batch rows."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+    tf.config.threading.set_inter_op_parallelism_threads(args.threads)
+    import keras
+
+    import keras_rec_emb as kre
+    from keras_rec_emb.variables import is_table
+
+    task, sync = args.ps_task, args.ps_sync
+    devices = kre.distribute.connect(args.ps_cluster.split(","), args.ps_worker, task,
+                                     timeout=1800)
+    with kre.distribute.parameter_servers(devices):
+        model = build_model(args)
+    ids, y = make_data(args, seed=1 + task)  # each worker its own data
+    x = {f"f{i}": ids[:, i] for i in range(args.features)}
+
+    class Barrier(keras.callbacks.Callback):
+        """Every worker's timed steps start together, after its warm-up,
+        inside one `fit` call (its set-up is not timed)."""
+
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == args.warmup - 1:
+                _touch(sync, f"ready.{task}")
+                _wait_file(sync, "go")
+                self.start = (_cpu_seconds(), time.perf_counter())
+
+        def on_train_end(self, logs=None):
+            self.end = (_cpu_seconds(), time.perf_counter())
+            _touch(sync, f"done.{task}")
+
+    barrier = Barrier()
+    rows = slice(0, (args.warmup + args.steps) * args.batch)
+    model.fit({k: v[rows] for k, v in x.items()}, y[rows], batch_size=args.batch,
+              shuffle=False, verbose=0, callbacks=[barrier])
+    # The ideal exchange of a step: each table's distinct ids of the batch to
+    # their PS task (8 bytes), their rows back and their gradient rows to
+    # the task (4 dim each); the dense weights read and their gradients
+    # sent (4 bytes a float each way).
+    dense = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables
+                if not is_table(v))
+    ideal = 0
+    for step in range(args.warmup, args.warmup + args.steps):
+        part = ids[step * args.batch:(step + 1) * args.batch]
+        for f in range(args.features):
+            ideal += np.unique(part[:, f]).size * (8 + 8 * args.dim)
+        ideal += 2 * dense
+    (cpu, start), (cpu2, end) = barrier.start, barrier.end
+    print("RESULT " + json.dumps({"task": task, "cpu_s": cpu2 - cpu, "wall_s": end - start,
+                                  "ideal_bytes": ideal, "dense_bytes": dense}), flush=True)
+    _wait_file(sync, "exit", poll=0.2)  # (polls rarely: the others' timed steps run)
+
+
+def run_ps_cluster(args, n):
+    """--ps PS tasks (`python -m keras_rec_emb.distribute.ps`) and n workers
+    on 127.0.0.1, connecting at once; CPU seconds of every process (read
+    from /proc) and bytes their sockets sent (ss) over the timed steps."""
+    import socket
+    import tempfile
+
+    socks = [socket.socket() for _ in range(args.ps + n)]
+    for sock in socks:
+        sock.bind(("127.0.0.1", 0))
+    addresses = [f"127.0.0.1:{sock.getsockname()[1]}" for sock in socks]
+    for sock in socks:
+        sock.close()
+    ps, workers = addresses[:args.ps], addresses[args.ps:]
+    sync = tempfile.mkdtemp(prefix="kre_bench_ps_")
+    cmd = [sys.executable, os.path.abspath(__file__), "--ps-child"] + [
+        f"--{k}={getattr(args, k)}" for k in ("features", "ids", "dim", "batch", "steps",
+                                               "warmup", "hidden", "threads")] + (
+        ["--group"] if args.group else [])
+    servers, procs = [], []
+    try:
+        for task in range(args.ps):
+            servers.append(subprocess.Popen(
+                [sys.executable, "-m", "keras_rec_emb.distribute.ps", "--ps", ",".join(ps),
+                 "--task", str(task)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                text=True))
+        for task in range(n):
+            procs.append(subprocess.Popen(
+                cmd + [f"--ps-cluster={','.join(ps)}", f"--ps-worker={workers[task]}",
+                       f"--ps-task={task}", f"--ps-sync={sync}"],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        everyone = servers + procs
+        if not all(_wait_file(sync, f"ready.{t}", procs=everyone) for t in range(n)):
+            raise RuntimeError("a process ended before the barrier")
+        pids = [p.pid for p in everyone]
+        lo = _loopback_bytes()
+        before = [(_proc_cpu_seconds(pid), _socket_bytes_sent(pid)) for pid in pids]
+        start = time.perf_counter()
+        _touch(sync, "go")
+        if not all(_wait_file(sync, f"done.{t}", procs=everyone) for t in range(n)):
+            raise RuntimeError("a process ended before its timed steps")
+        wall = time.perf_counter() - start
+        after = [(_proc_cpu_seconds(pid), _socket_bytes_sent(pid)) for pid in pids]
+        lo = _loopback_bytes() - lo
+        _touch(sync, "exit")
+        outs = [p.communicate(timeout=600) for p in procs]
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        for p in servers + procs:
+            if p.poll() is not None and p.stderr:
+                sys.stderr.write(p.stderr.read()[-3000:])
+        sys.stderr.write(f"{e}\n")
+        return None
+    finally:
+        for p in servers + procs:
+            if p.poll() is None:
+                p.kill()  # by its pid
+            p.wait(timeout=30)
+    results = []
+    for p, (out, err) in zip(procs, outs):
+        line = [x for x in out.splitlines() if x.startswith("RESULT ")]
+        if p.returncode or not line:
+            sys.stderr.write(err[-3000:])
+            return None
+        results.append(json.loads(line[0][len("RESULT "):]))
+    cpu = [b[0] - a[0] for a, b in zip(before, after)]
+    sent = [b[1] - a[1] for a, b in zip(before, after)]
+    steps = n * args.steps  # worker steps, each of --batch examples
+    return {"workers": n, "ps_tasks": args.ps,
+            "examples_per_s": steps * args.batch / wall,
+            "cpu_s_per_example": sum(cpu) / (steps * args.batch),
+            "cpu_s_ps": sum(cpu[:args.ps]), "cpu_s_workers": sum(cpu[args.ps:]),
+            "bytes_per_step": sum(sent) / steps,
+            "bytes_per_step_ps": sum(sent[:args.ps]) / steps,
+            "ideal_bytes_per_step": sum(r["ideal_bytes"] for r in results) / steps,
+            "loopback_bytes_per_step": lo / steps, "wall_s": wall, "per_worker": results}
+
+
+def ps_main(args, argv):
+    """--ps: the plain process, then each --workers count against --ps tasks."""
+    plain = run_cluster(args, 0)
+    if plain is None:
+        return 1
+    plain_cpu = plain["cpu_s_per_step"] / args.batch
+    plain_rate = args.batch * plain["steps_per_s"]
+    runs = []
+    for n in [int(w) for w in args.workers.split(",") if w]:
+        result = run_ps_cluster(args, n)
+        if result is None:
+            return 1
+        runs.append(result)
+    print(f"Parameter servers: {args.ps} PS tasks, asynchronous workers of --batch "
+          f"{args.batch} rows, {args.threads} thread(s) a worker; CPU of every process "
+          "(PS tasks included) and bytes every socket sent:")
+    print(f"{'workers':>8} {'examples/s':>11} {'CPU us/ex':>10} {'vs plain':>9} "
+          f"{'PS CPU':>7} {'bytes/step':>12} {'ideal':>12} {'vs ideal':>9}")
+    print(f"{'plain':>8} {plain_rate:>11.0f} {plain_cpu * 1e6:>10.2f} {1:>9.2f}")
+    for r in runs:
+        share = r["cpu_s_ps"] / max(r["cpu_s_ps"] + r["cpu_s_workers"], 1e-9)
+        print(f"{r['workers']:>8} {r['examples_per_s']:>11.0f} "
+              f"{r['cpu_s_per_example'] * 1e6:>10.2f} {r['cpu_s_per_example'] / plain_cpu:>9.2f} "
+              f"{share:>7.0%} {r['bytes_per_step']:>12.0f} {r['ideal_bytes_per_step']:>12.0f} "
+              f"{r['bytes_per_step'] / r['ideal_bytes_per_step']:>9.2f}")
+    with open(args.json, "w") as f:
+        json.dump({"benchmark": "distributed_ps", "date": time.strftime("%Y-%m-%d"),
+                   "command": shlex.join(["benchmarks/distributed.py", *(argv or sys.argv[1:])]),
+                   "load_average": os.getloadavg(), "args": vars(args),
+                   "results": {"plain": plain, "plain_examples_per_s": plain_rate,
+                               "plain_cpu_s_per_example": plain_cpu, "ps": runs}},
+                  f, indent=1)
+    return 0
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--replicas", default="",
@@ -310,6 +531,15 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=1, help="intra/inter-op threads a process")
     p.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--mw-child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--ps", type=int, default=0,
+                   help="parameter-server tasks: instead of MultiWorkerMirroredStrategy, "
+                        "asynchronous workers (--workers counts, --batch rows a step each) "
+                        "training one model on this many PS tasks, after the plain "
+                        "one-process reference")
+    for name in ("ps-cluster", "ps-worker", "ps-sync"):
+        p.add_argument(f"--{name}", default="", help=argparse.SUPPRESS)
+    p.add_argument("--ps-task", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--ps-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
         args.batch, args.steps, args.features = 512, 5, 4
@@ -319,6 +549,11 @@ def main(argv=None):
     if args.mw_child:
         multi_worker_child(args)
         return 0
+    if args.ps_child:
+        ps_worker_child(args)
+        return 0
+    if args.ps:
+        return ps_main(args, argv)
     results = []
     for n in [int(r) for r in args.replicas.split(",") if r]:
         cmd = [sys.executable, os.path.abspath(__file__), "--child", str(n)] + [
