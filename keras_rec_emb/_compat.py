@@ -487,6 +487,48 @@ def fix_subclassed_save_signature():
     tf_layer._default_save_signature = property(_default_save_signature)  # pylint: disable=protected-access
     return True
 
+# -- Parameter-server variables (TensorFlow and Keras) -----------------------------
+
+
+def keras_current_path():
+    """Keras's current name-scope path (`"dense"`, `"adam"`), the prefix of
+    the `path` of a variable created now. A `tf.variable_creator_scope`
+    receives only the short `name`; the path is what names a variable the
+    same way in every worker process. Used by `distribute/ps_variables`."""
+    from keras.src.backend.common.name_scope import current_path
+
+    return current_path()
+
+
+def current_device_name():
+    """The device of the innermost `tf.device` scope, fully specified, or ''
+    (eager). No public API reads it. Used by `distribute/ps_variables` (a
+    slot created beside its variable on a parameter server)."""
+    from tensorflow.python.eager import context
+
+    return context.context().device_name
+
+
+def variable_from_handle(handle, name, shape, dtype, trainable, synchronization,
+                         aggregation, unique_id):
+    """A `tf.Variable` over an existing resource handle (a `VarHandleOp` with
+    a `shared_name`, found by name by every client of its device) that
+    never destroys the resource: the public `tf.Variable` always makes an
+    anonymous resource, owned by the Python object and destroyed with it.
+    Used by `distribute/ps_variables`."""
+    from tensorflow.python.ops import handle_data_util, resource_variable_ops
+
+    # The shape and dtype the handle carries into traced functions (what
+    # `tf.Variable` sets on its own handles): without them a read inside
+    # `tf.function` has an unknown shape.
+    handle._handle_data = handle_data_util.create_handle_data(  # pylint: disable=protected-access
+        tf.TensorShape(shape), tf.as_dtype(dtype))
+    return resource_variable_ops.BaseResourceVariable(
+        trainable=trainable, shape=shape, dtype=dtype, handle=handle, name=name,
+        unique_id=unique_id, handle_name=name, synchronization=synchronization,
+        aggregation=aggregation, in_graph_mode=False)
+
+
 # -- pyarrow ----------------------------------------------------------------------
 
 

@@ -34,6 +34,7 @@ import tensorflow as tf
 
 from keras_rec_emb import _compat, _ops
 from keras_rec_emb import variables as _variables
+from keras_rec_emb.distribute import ps_variables
 
 # Fibonacci hashing (the golden-ratio multiplier, high 32 bits). The kv
 # index picks its own lock shards and slots with splitmix64 bits, a different
@@ -103,10 +104,15 @@ def parameter_servers(devices):
     devices = _check_devices(devices)
     previous = getattr(_state, "devices", None)
     _state.devices = devices
+    shares = previous is None and ps_variables.cluster() is not None
+    if shares:
+        ps_variables.install()  # this thread creates shared variables too
     try:
         yield devices
     finally:
         _state.devices = previous
+    if shares and ps_variables.scope_tasks_of(devices) is not None:
+        ps_variables.scope_ended()
 
 
 def current_devices():
@@ -617,13 +623,15 @@ def connect(ps, worker, task_index=0, timeout=60.0):
     cluster = tf.train.ClusterSpec({"ps": list(ps), "worker": {task_index: worker}})
     tf.config.experimental_connect_to_cluster(cluster, job_name="worker",
                                               task_index=task_index)
+    ps_variables.register(len(ps), task_index, timeout)
     return [f"/job:ps/task:{i}" for i in range(len(ps))]
 
 
 def serve(ps, task_index, worker=None):
     """Runs parameter-server task `task_index` of the cluster `ps` (list of
     "host:port") in this process until it is killed: a
-    `tf.distribute.Server` with this package's ops loaded."""
+    `tf.distribute.Server` with this package's ops loaded, holding one eager
+    context of its own (see `_hold_own_context`)."""
     from keras_rec_emb import _ops
 
     _ops.gen()
@@ -632,4 +640,33 @@ def serve(ps, task_index, worker=None):
         spec["worker"] = list(worker)
     server = tf.distribute.Server(tf.train.ClusterSpec(spec), job_name="ps",
                                   task_index=task_index, protocol="grpc", start=True)
+    _hold_own_context(ps[task_index], task_index)
     return server
+
+
+# The job of the client each PS task runs against its own server.
+KEEPER_JOB = "kre_ps_keeper"
+
+
+def _hold_own_context(address, task_index):
+    """Makes this process an eager client of its own server, before any
+    worker can connect, and keeps that context alive (TensorFlow's client
+    keep-alive thread) for the life of the process.
+
+    Why: TensorFlow 2.21's `EagerServiceImpl::CreateContext` replaces the
+    server's collective-executor manager (`env_->collective_executor_mgr`, a
+    unique_ptr) whenever it finds no context, checked under its lock but
+    replaced after releasing it. Two workers whose CreateContext reach an
+    idle server together both replace it; the first one's new context keeps
+    a pointer to the manager the second one freed, and the server crashes
+    (SIGSEGV) at its next use. With a context of its own held from the
+    start, a server never has zero contexts again, so no worker's
+    CreateContext replaces the manager and any number of workers may
+    connect at the same moment."""
+    with socket.socket() as s:  # a free port for this client's own server
+        s.bind(("127.0.0.1", 0))
+        keeper = f"127.0.0.1:{s.getsockname()[1]}"
+    cluster = tf.train.ClusterSpec({"ps": {task_index: address}, KEEPER_JOB: [keeper]})
+    tf.config.experimental_connect_to_cluster(cluster, job_name=KEEPER_JOB, task_index=0)
+    with tf.device(f"/job:ps/task:{task_index}"):
+        tf.constant(0).numpy()  # the context exists on the server now

@@ -284,8 +284,14 @@ class TableOptimizer:
             with tf.init_scope():
                 reference_variable.table.add_slot(name, _initial_value(initializer))
             return TableSlot(reference_variable.table, name)
-        return super().add_variable_from_reference(
-            reference_variable, name=name, initializer=initializer)
+        # Eagerly, as a table's slot: Keras then places the slot beside its
+        # variable (`colocate_vars_with` is a device scope when eager; inside
+        # the traced step it only colocates the graph's ops, and the slot
+        # lands on the default device: a dense variable on a parameter
+        # server would get its slots on the worker).
+        with tf.init_scope():
+            return super().add_variable_from_reference(
+                reference_variable, name=name, initializer=initializer)
 
     def add_scalar_slots(self, variables, name, init):
         """One float of state per variable, or per row for a table.
@@ -302,9 +308,10 @@ class TableOptimizer:
                         variable.table.add_slot(name, init, width=1)
                 slots.append(TableSlot(variable.table, name))
             else:
-                slots.append(self.add_variable(
-                    shape=(), initializer=keras.initializers.Constant(init),
-                    name=f"{variable.path.replace('/', '_')}_{name}"))
+                with tf.init_scope(), tf.device(variable.value.device):  # beside it
+                    slots.append(self.add_variable(
+                        shape=(), initializer=keras.initializers.Constant(init),
+                        name=f"{variable.path.replace('/', '_')}_{name}"))
         return slots
 
     def _var_key(self, variable):

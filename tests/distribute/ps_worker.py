@@ -79,17 +79,6 @@ def build_model():
     return model
 
 
-def wait_for_file(path, timeout=300):
-    """Waits until `path` exists (another worker's readiness mark)."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} did not appear within {timeout} s")
-        time.sleep(0.05)
-
-
 def main(argv):
     p = argparse.ArgumentParser()
     p.add_argument("role", choices=["train", "check"])
@@ -97,17 +86,11 @@ def main(argv):
     p.add_argument("--worker", required=True)
     p.add_argument("--task", type=int, required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--after", help="connect only once this file exists")
-    p.add_argument("--ready", help="create this file once the tables exist")
     args = p.parse_args(argv)
-    if args.after:
-        wait_for_file(args.after)
     devices = kre.distribute.connect(args.ps.split(","), args.worker, args.task,
                                      timeout=120)
     with kre.distribute.parameter_servers(devices):
         model = build_model()
-    if args.ready:
-        open(args.ready, "w").close()
     if args.role == "train":
         model.fit(worker_dataset(os.path.join(args.out, "train.parquet"), args.task),
                   epochs=1, verbose=0)

@@ -98,17 +98,13 @@ def test_two_ps_two_workers_sum_of_pushes(tmp_path):
                                "--ps", ps, "--task", str(task)],
                               tmp_path / f"ps{task}.log", 60))
         workers = []
-        # Worker 1 connects once worker 0 has made its tables: TensorFlow
-        # 2.21's gRPC server can crash (SIGSEGV in its eager service) when
-        # two eager clients connect to it at the same moment (README,
-        # "Semantics worth knowing"); after that they train concurrently.
-        ready = tmp_path / "worker0.ready"
+        # Both workers start together, in no order (the PS tasks hold an
+        # eager context of their own: see ps_tables._hold_own_context).
         for task in (0, 1):
-            order = ["--ready", str(ready)] if task == 0 else ["--after", str(ready)]
             workers.append(_run(
                 [sys.executable, os.path.join(HERE, "ps_worker.py"), "train", "--ps", ps,
                  "--worker", f"127.0.0.1:{worker_ports[task]}", "--task", str(task),
-                 "--out", str(tmp_path), *order], tmp_path / f"worker{task}.log", 300))
+                 "--out", str(tmp_path)], tmp_path / f"worker{task}.log", 300))
         procs += workers
         for task, proc in enumerate(workers):
             _wait_ok(proc, tmp_path / f"worker{task}.log", 300, servers=procs[:2],

@@ -1,0 +1,247 @@
+"""Dense variables on the parameter servers: one model for every worker.
+
+In a worker connected with `connect(...)`, a variable that is created
+
+* inside `parameter_servers(devices)` (the layers' weights, the optimizer's
+  step counter and learning rate when the model is compiled there), or
+* on a parameter-server device (an optimizer slot, which our optimizers
+  create beside its variable),
+
+is a resource variable on a PS task found by name, `kre_ps/<Keras path>`
+(`dense/kernel`, `adam/dense_kernel_momentum`): every worker that builds
+the same layers reaches the same variables. The chief places each one
+inside the scope on the task holding the fewest bytes so far (TensorFlow's
+`GreedyLoadBalancingStrategy` for `replica_device_setter`); a slot stays
+with its variable; the other workers find each variable where the chief
+put it, whatever models or order they build in. Variables synchronized on
+read (Keras's metrics) stay on the worker: each worker counts its own loss.
+
+Initialization, as TensorFlow 1's chief / `SessionManager`: the chief
+(worker 0) assigns each variable's initial value if the variable does not
+hold one yet, and marks the cluster ready when its `parameter_servers`
+scope ends; anything it does inside the scope (build, compile, restore a
+checkpoint) happens before the others start. Another worker waits, up to
+`connect`'s timeout, for each variable to be initialized and for that
+mark, and never assigns an initial value. A worker (the chief too) that
+joins a cluster whose variables hold values leaves them as they are.
+
+Updates are asynchronous, as DeepRec's and TensorFlow 1's parameter
+servers: each worker reads the variables when its step needs them and
+pushes its update (run on the PS task) without waiting for the others, so
+a step's gradient may be computed from values other workers have changed
+since (stale reads). An `assign_sub` (SGD's update) is atomic on the PS
+task: no worker's update is lost. An update that reads a slot and writes
+it back (momentum, Adam's moments) may interleave with another worker's,
+as TensorFlow 1's `use_locking=False` does. Tables apply each row's update
+under its lock (the fused kernel on the PS task).
+"""
+
+import threading
+import time
+
+import tensorflow as tf
+
+from keras_rec_emb import _compat
+
+PREFIX = "kre_ps/"
+READY = PREFIX + "__chief_ready__"
+
+_cluster = None  # the connected cluster (`register`), one per process
+_local = threading.local()  # this thread's creator scope
+_loads = {}  # bytes of the variables this process (the chief) placed, by PS task
+
+
+class Cluster:
+    """What `connect` registers: the PS job, this worker and the timeout."""
+
+    def __init__(self, num_ps, task_index, timeout, job="ps"):
+        self.num_ps = int(num_ps)
+        self.task_index = int(task_index)
+        self.timeout = float(timeout)
+        self.job = job
+
+    @property
+    def chief(self):
+        return self.task_index == 0
+
+    def device(self, task):
+        return f"/job:{self.job}/replica:0/task:{task}/device:CPU:0"
+
+    def task_of(self, device):
+        """The PS task of a device name, or None for any other device."""
+        if not device:
+            return None
+        spec = tf.DeviceSpec.from_string(device)
+        if spec.job != self.job or spec.task is None or not 0 <= spec.task < self.num_ps:
+            return None
+        return spec.task
+
+
+def register(num_ps, task_index, timeout, job="ps"):
+    """Records the cluster this process is a worker of (from `connect`) and
+    starts sharing variables in this thread."""
+    global _cluster
+    _cluster = Cluster(num_ps, task_index, timeout, job)
+    install()
+
+
+def unregister():
+    """Variables are this process's own again (tests)."""
+    global _cluster
+    _cluster = None
+
+
+def cluster():
+    """The connected cluster, or None."""
+    return _cluster
+
+
+def install():
+    """Puts the sharing creator at the bottom of this thread's variable
+    creator stack, once: variables made on a PS device anywhere later in this
+    thread (an optimizer's slots, built in `fit`) are shared too."""
+    if getattr(_local, "scope", None) is None:
+        _local.scope = tf.variable_creator_scope(_creator)
+        _local.scope.__enter__()  # held for the thread's life (the reference keeps it)
+
+
+def _scope_tasks():
+    """The PS tasks of the innermost `parameter_servers` scope, or None when
+    outside one or when its devices are not this cluster's PS tasks."""
+    from keras_rec_emb.distribute import ps_tables
+
+    return scope_tasks_of(ps_tables.current_devices())
+
+
+def scope_tasks_of(devices):
+    if devices is None or _cluster is None:
+        return None
+    tasks = [_cluster.task_of(d) for d in devices]
+    return None if None in tasks else tasks
+
+
+def _creator(next_creator, **kwargs):
+    if _cluster is None or kwargs.get("synchronization") == tf.VariableSynchronization.ON_READ:
+        return next_creator(**kwargs)
+    task = _cluster.task_of(_compat.current_device_name())
+    tasks = [task] if task is not None else _scope_tasks()
+    if tasks is None:
+        return next_creator(**kwargs)
+    with tf.init_scope():
+        value = kwargs.get("initial_value")
+        value = value() if callable(value) else value
+        value = tf.convert_to_tensor(value, dtype=kwargs.get("dtype"))
+        return shared_variable(kwargs, value, list(dict.fromkeys(tasks)))
+
+
+def _path(name):
+    parent = _compat.keras_current_path()
+    return f"{parent}/{name}" if parent else name
+
+
+def shared_variable(kwargs, value, tasks):
+    """The variable `kre_ps/<path>` on one of the PS tasks `tasks`.
+
+    The task that already holds it (the chief placed it), else, on the
+    chief, the least loaded of `tasks` (bytes this process placed there,
+    first on ties), initialized from `value`; another worker waits until one
+    of `tasks` holds it. Placement is thus decided once, by the chief, and
+    found by the others whatever models or order they build in."""
+    name = kwargs.get("name") or "Variable"
+    shared = PREFIX + _path(name)
+    handles = {}
+    for task in tasks:
+        with tf.device(_cluster.device(task)):
+            handles[task] = tf.raw_ops.VarHandleOp(
+                dtype=value.dtype, shape=value.shape, container="", shared_name=shared,
+                debug_name=shared)
+
+    def holder():
+        return next((t for t in tasks if _initialized(handles[t], _cluster.device(t))), None)
+
+    task = holder()
+    if task is None and _cluster.chief:
+        task = min(tasks, key=lambda t: _loads.get(t, 0))
+        _loads[task] = _loads.get(task, 0) + value.shape.num_elements() * value.dtype.size
+        initial = value
+    else:
+        if task is None:
+            where = f"ps task {tasks[0]}" if len(tasks) == 1 else f"one of ps tasks {tasks}"
+            _wait(lambda: holder() is not None,
+                  f"variable '{shared}' to be initialized on {where}")
+            task = holder()
+        _check_shape(handles[task], _cluster.device(task), shared, task, value.shape)
+        initial = None
+    variable = _compat.variable_from_handle(
+        handles[task], name=name, shape=value.shape, dtype=value.dtype,
+        trainable=kwargs.get("trainable"), synchronization=kwargs.get("synchronization"),
+        aggregation=kwargs.get("aggregation"), unique_id=f"{shared}@{id(handles[task])}")
+    if initial is not None:
+        variable.assign(initial)
+    return variable
+
+
+def _initialized(handle, device):
+    with tf.device(device):
+        return bool(tf.raw_ops.VarIsInitializedOp(resource=handle).numpy())
+
+
+def _check_shape(handle, device, shared, task, shape):
+    with tf.device(device):
+        held = tf.TensorShape(tf.raw_ops.VariableShape(input=handle).numpy().tolist())
+    if held != shape:
+        raise ValueError(
+            f"The variable '{shared}' on ps task {task} has shape {held}, and this worker "
+            f"builds it with shape {shape}: every worker must build the same model (same "
+            "layer names and sizes).")
+
+
+def _wait(done, what):
+    deadline = time.monotonic() + _cluster.timeout
+    while not done():
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"Worker {_cluster.task_index} waited {_cluster.timeout:g} s (connect's "
+                f"timeout) for the {what} by the chief, worker 0. Start the chief (task_index "
+                "0) with the same model; it initializes the variables the parameter servers "
+                "do not hold yet and marks the cluster ready when its "
+                "`parameter_servers(...)` scope ends.")
+        time.sleep(0.1)
+
+
+def _ready_handle():
+    with tf.device(_cluster.device(0)):
+        return tf.raw_ops.VarHandleOp(dtype=tf.int64, shape=[], container="",
+                                      shared_name=READY, debug_name=READY)
+
+
+def mark_ready():
+    """The chief's `parameter_servers` scope ended: other workers may train."""
+    handle = _ready_handle()
+    with tf.device(_cluster.device(0)):
+        tf.raw_ops.AssignVariableOp(resource=handle, value=tf.constant(1, tf.int64))
+
+
+def wait_ready():
+    """A worker's `parameter_servers` scope ends once the chief's has."""
+    handle = _ready_handle()
+    device = _cluster.device(0)
+
+    def ready():
+        if not _initialized(handle, device):
+            return False
+        with tf.device(device):
+            return int(tf.raw_ops.ReadVariableOp(resource=handle, dtype=tf.int64)) == 1
+
+    _wait(ready, "cluster's ready mark (the end of its `parameter_servers(...)` scope)")
+
+
+def scope_ended():
+    """Called when a `parameter_servers` scope over this cluster's PS tasks
+    ends (outermost scope only)."""
+    if _cluster is None:
+        return
+    if _cluster.chief:
+        mark_ready()
+    else:
+        wait_ready()
