@@ -28,14 +28,18 @@ reading its own part of the Parquet data.
   all-to-all back), so each owner applies the global batch's gradient to
   its shard with the fused kernel. Each worker sends about its own distinct
   remote ids and their rows, whatever the number of workers.
-* **Asynchronous (parameter servers).** Tables live on parameter-server
-  tasks: `tf.distribute.Server` processes started with `keras-rec-emb ps`.
-  Workers connect with `keras_rec_emb.distribute.connect` and build their
-  model inside `keras_rec_emb.distribute.parameter_servers(devices)`; each
-  table is sharded by key hash over the PS tasks, TensorFlow's gRPC runtime
-  carries ids and rows, and workers push sparse updates without waiting for
-  each other (DeepRec's default mode for CPU clusters). Dense weights stay
-  on each worker in this version.
+* **Asynchronous (parameter servers).** The whole model lives on
+  parameter-server tasks: `tf.distribute.Server` processes started with
+  `keras-rec-emb ps`. Workers connect with `keras_rec_emb.distribute.connect`
+  and build their model inside `keras_rec_emb.distribute.parameter_servers(devices)`:
+  each table is sharded by key hash over the PS tasks, and the dense
+  weights and the optimizer's slots and step counter are variables on the
+  PS tasks (spread over them by size), found by name, so every worker
+  trains the same model. Workers read and push updates without waiting for
+  each other (DeepRec's default mode for CPU clusters, as TensorFlow 1's
+  `replica_device_setter`): a step may read weights other workers changed
+  since its previous read (stale reads), no update waits. Worker 0, the
+  chief, initializes the variables and saves.
 
 Either way a saved model or checkpoint holds each table in the ordinary
 format, so it restores into any number of shards, or into one process.
@@ -49,6 +53,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 
 # The guide starts copies of itself as cluster workers (see the last part).
 ROLE = os.environ.get("KRE_GUIDE_ROLE", "main")
@@ -113,6 +118,11 @@ def build_dlrm():
     return model
 
 
+# Every trained model predicts these examples.
+ids = {f: np.arange(1, 9, dtype=np.int64) for f in FEATURES}
+ids["dense"] = np.linspace(-1, 1, 8).astype(np.float32)
+
+
 def same_dense_init(model):
     """Every run starts from the same dense weights."""
     rng = np.random.default_rng(7)
@@ -127,24 +137,53 @@ def same_dense_init(model):
 
 A worker connects (within `timeout` each PS task must answer as the
 TensorFlow server of its task; if not, the error names the task and its
-address, so a wrong or silent port fails at once instead of hanging), builds
-the model inside `parameter_servers(devices)` and trains on its own partition.
-This function runs in the worker processes that the last part starts.
+address, so a wrong or silent port fails at once instead of hanging) and
+builds the model inside `parameter_servers(devices)`. Worker 0 is the
+chief: it gives every variable the PS tasks do not hold yet its initial
+value and, when its scope ends, lets the others start (they wait for that
+inside their own scope), so whatever the chief does inside its scope, such
+as restoring a checkpoint, comes first. Workers may start in any order,
+together too. This function runs in the worker processes that the last part
+starts.
+
+The chief saves the shared model like any model: `model.save`,
+`export_for_serving`, `keras.callbacks.ModelCheckpoint`,
+`BackupAndRestore` or our `CheckpointCallback` read the variables and
+tables from the PS tasks. Each table shard and each variable is read in one
+piece (a shard's export holds all its locks), but while other workers
+train, the shards and variables are read one after another, so a save
+taken mid-training mixes values from a few steps apart, as TensorFlow 1's
+`Saver` in asynchronous training does. Save once the others are done (as
+here) for a model that equals the servers' state.
 """
 
 
 def run_worker():
     ps = os.environ["KRE_GUIDE_PS"].split(",")
     task = int(os.environ["KRE_GUIDE_TASK"])
-    devices = kre.distribute.connect(ps, os.environ["KRE_GUIDE_WORKER"], task, timeout=120)
+    out = os.environ["KRE_GUIDE_OUT"]
+    devices = kre.distribute.connect(ps, os.environ["KRE_GUIDE_WORKER"], task, timeout=300)
+    checkpoints = kre.callbacks.CheckpointCallback(os.path.join(out, "ps_chain"),
+                                                   full_every_steps=4, incremental_every_steps=1)
     with kre.distribute.parameter_servers(devices):
         model = build_dlrm()
-    print("READY", flush=True)  # its tables exist: the next worker may connect
-    if task < 2:
-        model.fit(dataset(os.environ["KRE_GUIDE_DATA"], 2, task), epochs=1, verbose=0)
-    else:  # the last one only reads: the tables' sizes after both workers
+        if os.environ.get("KRE_GUIDE_RESTORE"):  # the chief, after a PS restart
+            checkpoints.restore(model)
+    if os.environ.get("KRE_GUIDE_RESTORE"):
+        print("PREDICTED " + json.dumps(model.predict(ids, verbose=0).ravel().tolist()))
+        return
+    callbacks = [checkpoints] if task == 0 else []
+    model.fit(dataset(os.environ["KRE_GUIDE_DATA"], 2, task), epochs=1, verbose=0,
+              callbacks=callbacks)
+    if task == 0:  # the chief saves once the other worker is done
+        while not os.path.exists(os.path.join(out, "worker1.done")):
+            time.sleep(0.1)
+        model.save(os.path.join(out, "ps_model.keras"))
+        kre.export_for_serving(model, os.path.join(out, "ps_served"))
+        checkpoints.checkpointer.save_full()
         sizes = {f: model.get_layer(f"{f}_emb").table_size() for f in FEATURES}
         print("TABLES " + json.dumps(sizes), flush=True)
+        print("PREDICTED " + json.dumps(model.predict(ids, verbose=0).ravel().tolist()))
 
 
 """
@@ -204,8 +243,6 @@ write_data(data_path)
 plain = build_dlrm()
 same_dense_init(plain)
 plain.fit(dataset(data_path), epochs=1, verbose=0)
-ids = {f: np.arange(1, 9, dtype=np.int64) for f in FEATURES}
-ids["dense"] = np.linspace(-1, 1, 8).astype(np.float32)
 plain_pred = plain.predict(ids, verbose=0)
 print("one process: user table has", plain.get_layer("user_emb").table_size(), "ids")
 
@@ -280,54 +317,95 @@ np.testing.assert_allclose(gathered.predict(ids, verbose=0),
 print("2 workers match one process with their global batch")
 
 """
-## 4. A localhost cluster: 2 parameter servers, 2 workers
+## 4. A localhost cluster: 2 parameter servers, 2 workers, a chief that saves
 
 `keras-rec-emb ps --ps HOST:PORT,HOST:PORT --task I` runs parameter-server
 task I (here `python -m keras_rec_emb.distribute.ps`, the same entry point).
-Every process started here is stopped by its pid at the end.
+Both workers start at once; the chief (worker 0) trains with a
+`CheckpointCallback`, waits for worker 1, then saves a `.keras` file and a
+SavedModel for serving. Every process started here is stopped by its pid at
+the end.
 """
 
 
 ps_addresses = [f"127.0.0.1:{free_port()}" for _ in range(2)]
 procs = []
-try:
+
+
+def start_ps():
     for task in range(2):
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "keras_rec_emb.distribute.ps",
              "--ps", ",".join(ps_addresses), "--task", str(task)],
             stdout=subprocess.DEVNULL))
+    return procs[-2:]
 
-    def worker(task):
-        env = dict(os.environ, KRE_GUIDE_ROLE="worker", KRE_GUIDE_PS=",".join(ps_addresses),
-                   KRE_GUIDE_TASK=str(task), KRE_GUIDE_WORKER=f"127.0.0.1:{free_port()}",
-                   KRE_GUIDE_DATA=data_path)
-        return subprocess.Popen([sys.executable, os.path.abspath(__file__)], env=env,
-                                stdout=subprocess.PIPE, text=True)
 
-    def started(task):
-        # Workers connect one after another: TensorFlow 2.21's gRPC server can
-        # crash when two eager clients connect at the same moment (README,
-        # "Semantics worth knowing"). Once connected they train concurrently.
-        proc = worker(task)
-        procs.append(proc)
-        for line in proc.stdout:
-            if line.strip() == "READY":
-                break
-        return proc
+def worker(task, **extra):
+    env = dict(os.environ, KRE_GUIDE_ROLE="worker", KRE_GUIDE_PS=",".join(ps_addresses),
+               KRE_GUIDE_TASK=str(task), KRE_GUIDE_WORKER=f"127.0.0.1:{free_port()}",
+               KRE_GUIDE_DATA=data_path, KRE_GUIDE_OUT=workdir, **extra)
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__)], env=env,
+                            stdout=subprocess.PIPE, text=True)
+    procs.append(proc)
+    return proc
 
-    workers = [started(0), started(1)]
-    for w in workers:
-        if w.wait(timeout=600) != 0:
-            # Say which process failed: a parameter server that exited (its
-            # code; a negative one is the signal) or the worker itself.
-            raise RuntimeError(f"worker exited with {w.returncode}; parameter servers: "
-                               f"{[p.poll() for p in procs[:2]]} (None: still running)")
-    reader = started(2)
-    out, _ = reader.communicate(timeout=600)
+
+def finished(proc, servers):
+    out, _ = proc.communicate(timeout=600)
+    if proc.returncode != 0:
+        # Say which process failed: a parameter server that exited (its
+        # code; a negative one is the signal) or the worker itself.
+        raise RuntimeError(f"worker exited with {proc.returncode}; parameter servers: "
+                           f"{[p.poll() for p in servers]} (None: still running)")
+    return out
+
+
+try:
+    servers = start_ps()
+    chief, other = worker(0), worker(1)
+    finished(other, servers)
+    open(os.path.join(workdir, "worker1.done"), "w").close()
+    out = finished(chief, servers)
     sizes = json.loads([x for x in out.splitlines() if x.startswith("TABLES ")][0][7:])
+    cluster_pred = np.array(json.loads(
+        [x for x in out.splitlines() if x.startswith("PREDICTED ")][0][10:]))
     print("cluster tables:", sizes)
     # Both workers' ids reached the shared tables: as many as one process saw.
     assert sizes["user"] == plain.get_layer("user_emb").table_size()
+
+    """
+    The chief's `.keras` file loads into one process (the shards gathered,
+    the dense weights read from the PS tasks) and predicts what the cluster
+    predicted; so does the SavedModel, served with stock TensorFlow ops.
+    """
+
+    saved = keras.saving.load_model(os.path.join(workdir, "ps_model.keras"))
+    np.testing.assert_allclose(saved.predict(ids, verbose=0).ravel(), cluster_pred,
+                               rtol=1e-5, atol=1e-6)
+    served = tf.saved_model.load(os.path.join(workdir, "ps_served"))
+    np.testing.assert_allclose(
+        served.serve({k: tf.constant(v) for k, v in ids.items()}).numpy().ravel(),
+        cluster_pred, rtol=1e-5, atol=1e-6)
+    print("the chief's saved and served models match the cluster")
+
+    """
+    A PS task lost fails every worker with TensorFlow's `UnavailableError`
+    naming the task, in seconds. Recovery is a restart: the PS tasks come
+    back empty, the chief restores its last checkpoint inside its
+    `parameter_servers` scope (before any other worker may start) and the
+    cluster holds the saved tables and dense weights again.
+    """
+
+    for proc in servers:
+        proc.kill()  # by its pid
+        proc.wait(timeout=30)
+    servers = start_ps()
+    out = finished(worker(0, KRE_GUIDE_RESTORE="1"), servers)
+    restored = np.array(json.loads(
+        [x for x in out.splitlines() if x.startswith("PREDICTED ")][0][10:]))
+    np.testing.assert_allclose(restored, cluster_pred, rtol=1e-5, atol=1e-6)
+    print("restarted PS tasks hold the chief's checkpoint again")
 finally:
     for proc in procs:
         if proc.poll() is None:
