@@ -10,9 +10,11 @@ Arguments are parsed by `keras_rec_emb_cli` (which answers `--help` and
 `--version` without importing TensorFlow); the commands run here.
 """
 
+import contextlib
 import io
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -235,6 +237,61 @@ def _table_groups(h5):
     return out
 
 
+class _Window(io.RawIOBase):
+    """Bytes [start, start + size) of an open file, as a seekable file: a
+    zip member stored without compression read in place (Python's own
+    member file seeks backwards by reading again from the member's start,
+    16 MiB at a time)."""
+
+    def __init__(self, f, start, size):
+        super().__init__()
+        self._f, self._start, self._size, self._pos = f, start, size, 0
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def tell(self):
+        return self._pos
+
+    def seek(self, offset, whence=io.SEEK_SET):
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer):
+        n = max(0, min(len(buffer), self._size - self._pos))
+        self._f.seek(self._start + self._pos)
+        got = self._f.readinto(memoryview(buffer)[:n])
+        self._pos += got
+        return got
+
+
+@contextlib.contextmanager
+def _zip_member(path, name):
+    """Member `name` of the zip at `path` as a seekable binary file, in
+    constant memory: read in place when stored (as Keras writes), else
+    streamed to a temporary file first."""
+    with zipfile.ZipFile(path) as archive:
+        info = archive.getinfo(name)
+        if info.compress_type == zipfile.ZIP_STORED:
+            with open(path, "rb") as f:
+                f.seek(info.header_offset)
+                header = f.read(30)  # the local file header; its name and extra follow
+                if header[:4] != b"PK\x03\x04":
+                    raise ValueError(f"bad local header of {name}")
+                start = (info.header_offset + 30 + int.from_bytes(header[26:28], "little")
+                         + int.from_bytes(header[28:30], "little"))
+                yield io.BufferedReader(_Window(f, start, info.file_size), 1 << 16)
+            return
+        with tempfile.TemporaryFile() as tmp, archive.open(info) as member:
+            shutil.copyfileobj(member, tmp, 1 << 20)
+            tmp.seek(0)
+            yield tmp
+
+
 def _keras_tables(path, rows):
     """The tables of a `.keras` file, read from its arrays: no table is
     built, so this needs no memory for them and works while the model that
@@ -250,9 +307,9 @@ def _keras_tables(path, rows):
     try:
         with zipfile.ZipFile(path) as archive:
             configs = _layer_configs(json.loads(archive.read("config.json")))
-            with archive.open("model.weights.h5") as f, h5py.File(f, "r") as h5:
-                tables = [_keras_table(group, name, configs.get(name), rows)
-                          for group, name in _table_groups(h5)]
+        with _zip_member(path, "model.weights.h5") as f, h5py.File(f, "r") as h5:
+            tables = [_keras_table(group, name, configs.get(name), rows)
+                      for group, name in _table_groups(h5)]
     except (OSError, ValueError, KeyError) as e:
         raise _InspectError(f"{path} could not be read as a .keras model: "
                             f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
@@ -260,16 +317,46 @@ def _keras_tables(path, rows):
     return sorted(tables, key=lambda t: order.get(t["name"], len(order)))
 
 
+# `inspect` reads a table's per-key arrays this many entries at a time: its
+# memory does not grow with the table.
+INSPECT_CHUNK = 1 << 20
+# Tables of more keys than this say how far the reading has come (stderr).
+PROGRESS_KEYS = 4 << 20
+
+
+def _reduce_chunks(dataset, reduce, name, total, done):
+    """`reduce` (max or sum) of an HDF5 `dataset`'s entries, read
+    INSPECT_CHUNK at a time; progress of table `name` (`done[0]` of the
+    `total` entries to read, counted here) on stderr when it is large."""
+    result = None
+    for start in range(0, int(dataset.shape[0]), INSPECT_CHUNK):
+        chunk = dataset[start:start + INSPECT_CHUNK]
+        if chunk.size:
+            value = reduce(chunk)
+            result = value if result is None else reduce(np.array([result, value]))
+        done[0] += len(chunk)
+        if total > PROGRESS_KEYS:
+            print(f"keras-rec-emb inspect: {name}: {done[0] * 100 // total}% of "
+                  f"{total:,} entries read", file=sys.stderr, flush=True)
+    return result
+
+
 def _keras_table(group, name, config, rows):
-    def part(key, n=None):
+    def part(key, n):
         data = group.get(key)
-        if data is None:
-            return np.zeros(0, np.int64)
-        return data[()] if n is None else data[:n]
+        return np.zeros(0, np.int64) if data is None else data[:n]
 
     keys, values = group["keys"], group["values"]
     n = int(keys.shape[0])
-    versions = np.concatenate([part("versions"), part("versions_filtered")])
+    # The latest version and the total frequency, chunk by chunk.
+    progress = sum(int(group[k].shape[0]) for k in ("versions", "versions_filtered", "freqs")
+                   if k in group)
+    done = [0]
+    latest = [_reduce_chunks(group[k], np.max, name, progress, done)
+              for k in ("versions", "versions_filtered") if k in group]
+    latest = [v for v in latest if v is not None]
+    total_freq = (_reduce_chunks(group["freqs"], np.sum, name, progress, done)
+                  if "freqs" in group else None)
     storage = _storage_option(config) or {}
     return {
         "name": name, "dim": int(values.shape[1]) if values.ndim == 2 else None,
@@ -278,8 +365,8 @@ def _keras_table(group, name, config, rows):
         "saved_bytes": int(sum(d.size * d.dtype.itemsize for d in group.values()
                                if hasattr(d, "dtype"))),
         "slots": sorted(k[len("slot:"):] for k in group if k.startswith("slot:")),
-        "latest_step": int(versions.max()) if versions.size else None,
-        "total_freq": int(part("freqs").sum()),
+        "latest_step": int(max(latest)) if latest else None,
+        "total_freq": int(total_freq or 0),
         "storage": {"storage": storage.get("storage_type") or "DRAM",
                     "storage_path": storage.get("storage_path")},
         "rows": [{"key": int(k), "freq": int(f), "version": int(v),

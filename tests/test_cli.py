@@ -105,6 +105,56 @@ def test_inspect_prints_rows_up_to_rows(tmp_path, capsys):
     assert out[2].startswith("total: 1 tables, 1 keys, 2 filtered, ")
 
 
+def test_inspect_reads_a_large_table_in_chunks_with_progress(tmp_path, capsys, monkeypatch):
+    """`inspect` reads a table's per-key arrays a chunk at a time (its
+    memory does not grow with the table: tracemalloc sees NumPy's buffers)
+    and says how far it is on stderr; its figures equal NumPy's over the
+    whole arrays."""
+    import tracemalloc
+
+    n = 600_000
+    layer = kre.layers.EmbeddingVariable(2, name="big", ev_option=kre.EmbeddingVariableOption(
+        track_meta=True))
+    ids = keras.Input((1,), dtype="int64")
+    model = keras.Model(ids, layer(ids))
+    rng = np.random.default_rng(0)
+    freqs, versions = rng.integers(1, 1000, n), rng.integers(0, 10**9, n)
+    layer.table.import_({"keys": np.arange(n, dtype=np.int64) * 7,
+                         "values": rng.normal(size=(n, 2)).astype(np.float32),
+                         "freqs": freqs, "versions": versions})
+    path = str(tmp_path / "big.keras")
+    model.save(path)
+    monkeypatch.setattr(cli, "INSPECT_CHUNK", 1 << 14)
+    monkeypatch.setattr(cli, "PROGRESS_KEYS", 100_000)
+    tracemalloc.start()
+    try:
+        assert cli.main(["inspect", path, "--json"]) == 0
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    captured = capsys.readouterr()
+    import json
+
+    table = json.loads(captured.out)["tables"][0]
+    assert (table["keys"], table["latest_step"], table["total_freq"]) == (
+        n, int(versions.max()), int(freqs.sum()))
+    # One int64 array of the table is 4.8 MB; chunks of 16k entries are 128 kB.
+    assert peak < 2_000_000, peak
+    progress = [line for line in captured.err.splitlines() if "big:" in line]
+    assert progress[-1] == f"keras-rec-emb inspect: big: 100% of {2 * n:,} entries read"
+    percents = [int(line.split(": ")[2].split("%")[0]) for line in progress]
+    assert percents == sorted(percents) and len(progress) > 10
+    # The same file with its members compressed (another zip tool) reads
+    # the same.
+    deflated = str(tmp_path / "deflated.keras")
+    with zipfile.ZipFile(path) as src, zipfile.ZipFile(deflated, "w",
+                                                       zipfile.ZIP_DEFLATED) as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, src.read(info), zipfile.ZIP_DEFLATED)
+    assert cli.main(["inspect", deflated, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tables"][0] == table
+
+
 # -- bench ---------------------------------------------------------------------
 
 def _fake_checkout(root):
