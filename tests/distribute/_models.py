@@ -9,7 +9,8 @@ import keras_rec_emb as kre
 
 # The optimizers the distributed tests compare, by name (fresh each call).
 OPTIMIZERS = {"sgd": lambda: kre.optimizers.SGD(0.1),
-              "adagrad": lambda: kre.optimizers.Adagrad(0.1)}
+              "adagrad": lambda: kre.optimizers.Adagrad(0.1),
+              "adam": lambda: kre.optimizers.Adam(0.05)}
 
 
 def compile_mse(inputs, outputs, optimizer):

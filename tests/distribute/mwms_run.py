@@ -2,8 +2,8 @@
 (TF_CONFIG set by test_multi_worker.py): tables sharded over the worker
 processes. Writes OUT/w{task}_*.npz.
 
-    mwms_run.py OUT train      # model.fit / evaluate / predict with SGD and
-                               # Adagrad, global batch BATCH, eviction during
+    mwms_run.py OUT train      # model.fit / evaluate / predict with SGD, Adam
+                               # and Adagrad, global batch BATCH, eviction during
                                # fit; saves the Adagrad model (.keras,
                                # tf.train.Checkpoint, export_for_serving)
     mwms_run.py OUT restore SRC  # restores SRC's Adagrad model into this
@@ -134,7 +134,7 @@ def main():
     n = strategy.num_replicas_in_sync
     phase("strategy")
     if mode == "train":
-        for optimizer in ("sgd", "adagrad"):
+        for optimizer in ("sgd", "adam", "adagrad"):  # the last one is saved
             with strategy.scope():
                 model = build(optimizer)
             phase(f"built {optimizer}")

@@ -69,7 +69,7 @@ def assert_same(got, want, what, keys=None):
                                    err_msg=f"{what}: {key}")
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
 def test_two_workers_fit_evaluate_predict_match_one_process(two_workers, optimizer):
     """`model.fit` / `evaluate` / `predict` as written for one process, on 2
     workers with global batch B: the same rows, slots, filtered keys,
@@ -81,6 +81,8 @@ def test_two_workers_fit_evaluate_predict_match_one_process(two_workers, optimiz
     assert {"keys", "values", "freqs", "kernel", "bias", "loss", "evicted",
             "group0_keys"} <= set(one)
     ids, y = mwms_run.data()
+    # Adagrad's and Adam's slots are compared too (SGD has none).
+    assert any(k.startswith("slot_") for k in one) == (optimizer != "sgd"), sorted(one)
     if infer:
         assert "slot_accumulator" in one and "group0_slot_accumulator" in one
         assert one["predict"].shape == (len(ids), 1)
