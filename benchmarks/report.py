@@ -44,6 +44,9 @@ STORED_SCALE_JSON = "results/storage_scale.json"
 # 2-process cluster; minutes of cluster start-up, so not in `--quick`): shown
 # when the run has no fresher one.
 STORED_DISTRIBUTED_JSON = "results/distributed.json"
+# The stored result of the last `distributed.py --ps` run (asynchronous
+# parameter servers; minutes of cluster start-ups): always shown, not rerun.
+STORED_DISTRIBUTED_PS_JSON = "results/distributed_ps.json"
 PEERS_JSON = "peers.json"  # written by benchmarks/peers/run.py into the report folder
 PEERS_PLOT = "peers.png"
 # The stored result of the last full `make bench-peers` run (TorchRec and TFRA
@@ -402,6 +405,36 @@ def _distributed_rows(data, stored=False):
                                  r["bytes_per_step"] / r["ideal_bytes_per_step"],
                                  DISTRIBUTED_BYTES_TARGET, lower=True))
     return rows
+
+
+def _distributed_ps_rows(data):
+    """Rows of a stored `distributed.py --ps` result: for each worker count,
+    examples/s of all workers, CPU seconds of every process (PS tasks
+    included) per example, both against one plain process, and the bytes
+    every socket sent per worker step against the ideal exchange."""
+    a, results = data["args"], data["results"]
+    source = f" (stored result of {data['date']}: `{data['command']}`)"
+    rows = []
+    for r in results["ps"]:
+        what = (f"`distributed.py`{source}: {r['workers']} asynchronous workers, "
+                f"{r['ps_tasks']} parameter servers (tables and dense weights), "
+                f"{a['features']} tables x dim {a['dim']}, batch {a['batch']:,} x "
+                f"{a['ids']} ids a worker")
+        rows.append(_row(what, "examples/s of all workers / one plain process",
+                         r["examples_per_s"] / results["plain_examples_per_s"]))
+        rows.append(_row(what, "CPU s of every process per example / one plain process "
+                         "(lower is better)",
+                         r["cpu_s_per_example"] / results["plain_cpu_s_per_example"],
+                         lower=True))
+        rows.append(_row(what, "bytes sent per worker step / ideal (lower is better)",
+                         r["bytes_per_step"] / r["ideal_bytes_per_step"], lower=True))
+    return rows
+
+
+def stored_distributed_ps_result(bench_dir):
+    """The stored `distributed.py --ps` result under bench_dir, or None."""
+    path = pathlib.Path(bench_dir) / STORED_DISTRIBUTED_PS_JSON
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def stored_distributed_result(bench_dir):
@@ -869,6 +902,12 @@ def run(output_dir=DEFAULT_OUTPUT_DIR, quick=False, benchmarks_dir=None):
         notes.append(f"The `distributed.py` rows are the stored result "
                      f"`benchmarks/{STORED_DISTRIBUTED_JSON}` of {distributed['date']} "
                      f"(not rerun: `--quick` leaves out the cluster start-ups).")
+    distributed_ps = stored_distributed_ps_result(bench_dir)
+    if distributed_ps is not None:
+        rows.extend(_distributed_ps_rows(distributed_ps))
+        notes.append(f"The `distributed.py --ps` rows are the stored result "
+                     f"`benchmarks/{STORED_DISTRIBUTED_PS_JSON}` of {distributed_ps['date']} "
+                     "(not rerun: cluster start-ups take minutes).")
     plots = make_plots(results, out_dir)
     path = write_report(out_dir, quick, _machine(bench_dir), rows, plots, commands,
                         notes, time.perf_counter() - start,

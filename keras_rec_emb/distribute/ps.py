@@ -10,7 +10,10 @@ def main(argv=None):
     p = argparse.ArgumentParser(
         prog="keras-rec-emb ps",
         description="Run a parameter-server task (a tf.distribute.Server with "
-                    "keras_rec_emb's ops loaded) until killed.")
+                    "keras_rec_emb's ops loaded) until killed: it holds its shard of "
+                    "every table and its part of the dense and optimizer variables of "
+                    "the model the workers train. Workers may connect in any order, "
+                    "several at once.")
     p.add_argument("--ps", required=True,
                    help="comma-separated host:port of every PS task, in task order")
     p.add_argument("--task", type=int, required=True, help="this task's index in --ps")

@@ -1,4 +1,4 @@
-"""Asynchronous parameter-server tables over TensorFlow's own runtime.
+"""Asynchronous parameter-server training over TensorFlow's own runtime.
 
 A parameter-server (PS) task is a `tf.distribute.Server` in a process that
 has loaded this package's ops (`keras-rec-emb ps ...` or `python -m
@@ -6,7 +6,9 @@ keras_rec_emb.distribute.ps ...`). A worker calls `connect(...)`, which
 checks that every PS address answers as the TensorFlow server of its task
 (bounded time, the error names the task and address) and then `tf.config.experimental_connect_to_cluster`; layers built
 inside `parameter_servers(devices)` shard each table over the PS tasks by
-key hash. A lookup partitions the ids by shard (`tf.dynamic_partition`),
+key hash, and their dense variables and the optimizer's live on the PS
+tasks too (`ps_variables`): every worker trains one model. Worker 0 is the
+chief: it initializes the variables and saves. A lookup partitions the ids by shard (`tf.dynamic_partition`),
 runs each shard's lookup on its PS task (TensorFlow's gRPC runtime carries
 the ids and rows) and stitches the rows back (`tf.dynamic_stitch`); the
 gradient of each shard's lookup is a `tf.IndexedSlices` over that shard's
@@ -26,7 +28,6 @@ import contextlib
 import os
 import re
 import socket
-import threading
 import time
 
 import numpy as np
@@ -41,7 +42,6 @@ from keras_rec_emb.distribute import ps_variables
 # function, so every parameter-server shard still spreads over all of them.
 _GOLDEN = 0x9E3779B97F4A7C15
 
-_state = threading.local()
 
 
 def shard_of(keys, num_shards):
@@ -87,6 +87,23 @@ def _check_devices(devices):
 def parameter_servers(devices):
     """Layers built inside shard their tables over `devices` by key hash.
 
+    In a worker connected with `connect(...)` (`devices` its result), the
+    model built inside is the cluster's one model: its dense variables, and
+    the optimizer's step counter and learning rate when the model is
+    compiled inside, are variables on the PS tasks found by name
+    (`kre_ps/<path>`), as are the optimizer's slots, beside their
+    variables. The chief (worker 0) gives every variable the PS tasks do
+    not hold yet its initial value; when its scope ends, the other
+    workers' scopes end too (they wait for it, up to `connect`'s timeout):
+    restore a checkpoint inside the chief's scope and every worker starts
+    from it. Workers then update asynchronously: a step reads the values
+    the PS tasks hold then, possibly changed by other workers since its
+    previous read (stale reads, as DeepRec and TensorFlow 1's parameter
+    servers). Saving on the chief (`model.save`, `export_for_serving`,
+    checkpoint callbacks) reads each variable and each table shard in one
+    piece, one after another: taken while others train, a save mixes
+    values from a few steps apart.
+
     Args:
         devices: list of str. One device per shard, normally
             `connect(...)`'s result (`["/job:ps/task:0", ...]`); a device
@@ -102,22 +119,22 @@ def parameter_servers(devices):
     1
     """
     devices = _check_devices(devices)
-    previous = getattr(_state, "devices", None)
-    _state.devices = devices
+    previous = ps_variables.scope_devices()
+    ps_variables.set_scope_devices(devices)
     shares = previous is None and ps_variables.cluster() is not None
     if shares:
         ps_variables.install()  # this thread creates shared variables too
     try:
         yield devices
     finally:
-        _state.devices = previous
+        ps_variables.set_scope_devices(previous)
     if shares and ps_variables.scope_tasks_of(devices) is not None:
         ps_variables.scope_ended()
 
 
 def current_devices():
     """The devices of the innermost `parameter_servers` scope, or None."""
-    return getattr(_state, "devices", None)
+    return ps_variables.scope_devices()
 
 
 def make_table(dim, key_dtype, default_values, name, **kwargs):
@@ -583,14 +600,19 @@ def probe(address, job, task, timeout):
 def connect(ps, worker, task_index=0, timeout=60.0):
     """Connects this process, worker `task_index`, to parameter servers.
 
+    Workers may connect in any order, several at the same moment.
+
     Args:
         ps: list of str. The PS tasks' "host:port" addresses, in task order.
         worker: str. "host:port" this worker's own TensorFlow server listens
             on (it must be free).
         task_index: int. This worker's index (a name in the cluster; workers
-            do not talk to each other).
+            do not talk to each other). Worker 0 is the chief: it
+            initializes the model's variables (see `parameter_servers`).
         timeout: float. Seconds to wait for each PS task to answer, as a
-            TensorFlow server and as the task its position names.
+            TensorFlow server and as the task its position names; and, on
+            a worker other than the chief, for the chief to initialize each
+            variable and to end its `parameter_servers` scope.
 
     Returns:
         The PS devices, `["/job:ps/task:0", ...]`, for `parameter_servers`.

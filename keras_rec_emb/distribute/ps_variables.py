@@ -47,7 +47,7 @@ PREFIX = "kre_ps/"
 READY = PREFIX + "__chief_ready__"
 
 _cluster = None  # the connected cluster (`register`), one per process
-_local = threading.local()  # this thread's creator scope
+_local = threading.local()  # this thread's creator scope and parameter_servers devices
 _loads = {}  # bytes of the variables this process (the chief) placed, by PS task
 
 
@@ -105,12 +105,20 @@ def install():
         _local.scope.__enter__()  # held for the thread's life (the reference keeps it)
 
 
+def scope_devices():
+    """The devices of this thread's innermost `parameter_servers` scope, or
+    None outside one."""
+    return getattr(_local, "devices", None)
+
+
+def set_scope_devices(devices):
+    _local.devices = devices
+
+
 def _scope_tasks():
     """The PS tasks of the innermost `parameter_servers` scope, or None when
     outside one or when its devices are not this cluster's PS tasks."""
-    from keras_rec_emb.distribute import ps_tables
-
-    return scope_tasks_of(ps_tables.current_devices())
+    return scope_tasks_of(scope_devices())
 
 
 def scope_tasks_of(devices):

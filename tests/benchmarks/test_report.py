@@ -158,3 +158,25 @@ def test_stored_distributed_result_rows(tmp_path):
         assert row["ratio"] == run["bytes_per_step"] / run["ideal_bytes_per_step"]
         assert row["target"] == bench.DISTRIBUTED_BYTES_TARGET and row["status"] == "met"
     assert bench.stored_distributed_result(tmp_path) is None
+
+
+def test_stored_distributed_ps_result_rows(tmp_path):
+    # The stored `distributed.py --ps` result: for each worker count,
+    # examples/s and CPU of every process per example against one plain
+    # process, and bytes per worker step against the ideal exchange.
+    stored = bench.stored_distributed_ps_result(REPORT_PY.parent)
+    assert stored is not None and stored["benchmark"] == "distributed_ps"
+    results = stored["results"]
+    runs = results["ps"]
+    assert [r["workers"] for r in runs] == [1, 2, 4] and {r["ps_tasks"] for r in runs} == {2}
+    rows = bench._distributed_ps_rows(stored)
+    assert len(rows) == 3 * len(runs)
+    for run, (rate, cpu, sent) in zip(runs, zip(rows[0::3], rows[1::3], rows[2::3])):
+        for row in (rate, cpu, sent):
+            assert row["benchmark"].startswith("`distributed.py`")
+            assert stored["date"] in row["benchmark"] and "--ps" in row["benchmark"]
+        assert rate["ratio"] == run["examples_per_s"] / results["plain_examples_per_s"]
+        assert cpu["ratio"] == run["cpu_s_per_example"] / results["plain_cpu_s_per_example"]
+        assert cpu["lower"] and sent["lower"]
+        assert sent["ratio"] == run["bytes_per_step"] / run["ideal_bytes_per_step"]
+    assert bench.stored_distributed_ps_result(tmp_path) is None
