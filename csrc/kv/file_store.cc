@@ -102,6 +102,40 @@ void ReadRecordBytes(int fd, char* p, size_t n, uint64_t offset, const std::stri
   }
 }
 
+// Copies the first `size` bytes of segment file `src` to a new file `dst`
+// (removed again if the copy fails); the error names both.
+void CopySegmentFile(const std::string& src, const std::string& dst, uint64_t size) {
+  const int in = ::open(src.c_str(), O_RDONLY | O_CLOEXEC);
+  if (in < 0) throw IoError("cannot open the snapshot segment", src);
+  int out = ::open(dst.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (out < 0) {
+    const int err = errno;
+    ::close(in);
+    errno = err;
+    throw IoError("cannot create the file-tier segment", dst);
+  }
+  try {
+    std::vector<char> chunk(static_cast<size_t>(std::min<uint64_t>(size, kChunkBytes)));
+    for (uint64_t offset = 0; offset < size;) {
+      const size_t n = static_cast<size_t>(std::min<uint64_t>(chunk.size(), size - offset));
+      ReadRecordBytes(in, chunk.data(), n, offset, src);
+      WriteAll(out, chunk.data(), n, offset, dst);
+      offset += n;
+    }
+    const int rc = ::close(out);
+    out = -1;
+    if (rc != 0) throw IoError("cannot write the file-tier segment", dst);
+  } catch (const std::exception& e) {
+    ::close(in);
+    if (out >= 0) ::close(out);
+    ::unlink(dst.c_str());
+    throw std::runtime_error("cannot copy the snapshot segment '" + src +
+                             "' into the table's directory (it could not be hard-linked: "
+                             "another file system): " + e.what());
+  }
+  ::close(in);
+}
+
 std::atomic<uint64_t> g_space_counter{0};
 
 void RemoveTree(const std::string& path) {
@@ -181,11 +215,71 @@ FileSpace::FileSpace(const std::string& root, uint64_t segment_bytes)
 FileSpace::~FileSpace() { RemoveTree(dir_); }
 
 FileRowStore::FileRowStore(std::shared_ptr<FileSpace> space, int shard, int64_t dim,
-                           uint64_t cache_bytes)
+                           uint64_t cache_bytes, int open_files)
     : space_(std::move(space)), shard_(shard), dim_(dim), cache_bytes_(cache_bytes),
-      width_(dim) {
+      width_(dim), open_files_(static_cast<size_t>(std::max(1, open_files))) {
   free_ranges_[0] = kCached;  // record numbers [0, 2^31)
   Recompute();
+}
+
+FileRowStore::SegmentFile::SegmentFile(const FileRowStore& store, uint32_t id,
+                                       const Segment& seg)
+    : store_(store) {
+  if (seg.fd >= 0) {
+    fd_ = seg.fd;
+    return;
+  }
+  std::lock_guard<std::mutex> lock(store.files_mu_);
+  int victim = -1;
+  for (size_t i = 0; i < store.open_files_.size(); ++i) {
+    OpenFile& f = store.open_files_[i];
+    if (f.id == id) {
+      ++f.pins;
+      f.used = ++store.files_clock_;
+      fd_ = f.fd;
+      entry_ = static_cast<int>(i);
+      return;
+    }
+    if (f.pins == 0 && (victim < 0 || f.used < store.open_files_[victim].used)) {
+      victim = static_cast<int>(i);
+    }
+  }
+  fd_ = ::open(seg.path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd_ < 0) throw IoError("cannot open the file-tier segment", seg.path);
+  if (victim < 0) {
+    own_ = true;
+    return;
+  }
+  OpenFile& f = store.open_files_[victim];
+  if (f.fd >= 0) ::close(f.fd);
+  f = OpenFile{id, fd_, 1, ++store.files_clock_};
+  entry_ = victim;
+}
+
+FileRowStore::SegmentFile::~SegmentFile() {
+  if (own_) {
+    ::close(fd_);
+  } else if (entry_ >= 0) {
+    std::lock_guard<std::mutex> lock(store_.files_mu_);
+    --store_.open_files_[entry_].pins;
+  }
+}
+
+void FileRowStore::CloseFile(uint32_t id) {
+  std::lock_guard<std::mutex> lock(files_mu_);
+  for (OpenFile& f : open_files_) {
+    if (f.id != id) continue;
+    ::close(f.fd);
+    f = OpenFile{};
+  }
+}
+
+void FileRowStore::CloseFiles() {
+  std::lock_guard<std::mutex> lock(files_mu_);
+  for (OpenFile& f : open_files_) {
+    if (f.fd >= 0) ::close(f.fd);
+    f = OpenFile{};
+  }
 }
 
 uint32_t FileRowStore::TakeRange(uint32_t n) {
@@ -229,6 +323,8 @@ void FileRowStore::AddSegment(uint32_t id, Segment seg, uint64_t records) {
 void FileRowStore::RemoveSegment(uint32_t id) {
   const auto it = segments_.find(id);
   if (it == segments_.end()) return;
+  if (it->second.fd >= 0) ::close(it->second.fd);
+  CloseFile(id);
   GiveRange(it->second.base, it->second.cap);
   by_base_.erase(it->second.base);
   segments_.erase(it);
@@ -258,6 +354,7 @@ FileRowStore::~FileRowStore() {
   for (auto& kv : segments_) {
     if (kv.second.fd >= 0) ::close(kv.second.fd);
   }
+  CloseFiles();
 }
 
 void FileRowStore::Recompute() {
@@ -310,6 +407,11 @@ void FileRowStore::OpenSegment() {
 void FileRowStore::LeaveActive() {
   if (active_ < 0) return;
   FlushBuffer();
+  // Read through SegmentFile from now on (synced, if still needed, by
+  // Sync through a new descriptor).
+  Segment& seg = segments_[static_cast<uint32_t>(active_)];
+  ::close(seg.fd);
+  seg.fd = -1;
   active_ = -1;
 }
 
@@ -317,7 +419,7 @@ void FileRowStore::RegisterSegment(uint32_t id, Segment seg, uint64_t records) {
   try {
     AddSegment(id, seg, records);
   } catch (...) {
-    ::close(seg.fd);
+    if (seg.fd >= 0) ::close(seg.fd);
     ::unlink(seg.path.c_str());
     throw;
   }
@@ -380,13 +482,14 @@ void FileRowStore::ReadRecord(uint64_t loc, float* dst) const {
     UnpackRecord(seg, offset, buffer_.data() + (offset - seg.size), dst);
     return;
   }
+  const SegmentFile file(*this, id, seg);
   if (seg.rec_bytes <= kStackRecordBytes) {
     char local[kStackRecordBytes];
-    ReadRecordBytes(seg.fd, local, seg.rec_bytes, offset, seg.path);
+    ReadRecordBytes(file.fd(), local, seg.rec_bytes, offset, seg.path);
     UnpackRecord(seg, offset, local, dst);
   } else {
     std::vector<char> local(seg.rec_bytes);
-    ReadRecordBytes(seg.fd, local.data(), seg.rec_bytes, offset, seg.path);
+    ReadRecordBytes(file.fd(), local.data(), seg.rec_bytes, offset, seg.path);
     UnpackRecord(seg, offset, local.data(), dst);
   }
 }
@@ -453,7 +556,8 @@ void FileRowStore::Compact() {
         if (chunk.size() < seg.rec_bytes) {
           throw std::runtime_error("file-tier row past the end of its segment");
         }
-        ReadRecordBytes(seg.fd, chunk.data(), chunk.size(), offset, seg.path);
+        const SegmentFile file(*this, static_cast<uint32_t>(id), seg);
+        ReadRecordBytes(file.fd(), chunk.data(), chunk.size(), offset, seg.path);
         chunk_id = id;
         chunk_start = offset;
       }
@@ -471,9 +575,8 @@ void FileRowStore::Compact() {
     for (uint32_t id : old) {
       Segment& seg = segments_[id];
       file_bytes_ -= seg.size;
-      ::close(seg.fd);
       ::unlink(seg.path.c_str());
-      RemoveSegment(id);
+      RemoveSegment(id);  // closes its file
     }
     ++compactions_;
   } catch (...) {
@@ -612,7 +715,18 @@ void FileRowStore::Sync() {
   for (auto& kv : segments_) {
     Segment& seg = kv.second;
     if (!seg.unsynced) continue;
-    if (::fdatasync(seg.fd) != 0) throw IoError("cannot sync the file-tier segment", seg.path);
+    if (seg.fd >= 0) {
+      if (::fdatasync(seg.fd) != 0) throw IoError("cannot sync the file-tier segment", seg.path);
+    } else {
+      // A segment left since the last sync (or copied in by a restore).
+      const int fd = ::open(seg.path.c_str(), O_RDONLY | O_CLOEXEC);
+      if (fd < 0) throw IoError("cannot open the file-tier segment to sync it", seg.path);
+      const int rc = ::fdatasync(fd);
+      const int err = errno;
+      ::close(fd);
+      errno = err;
+      if (rc != 0) throw IoError("cannot sync the file-tier segment", seg.path);
+    }
     seg.unsynced = false;
   }
 }
@@ -658,6 +772,7 @@ void FileRowStore::Clear() {
     if (kv.second.fd >= 0) ::close(kv.second.fd);
     ::unlink(kv.second.path.c_str());
   }
+  CloseFiles();
   segments_.clear();
   by_base_.clear();
   free_ranges_.clear();
@@ -721,14 +836,11 @@ uint32_t FileRowStore::AdoptSegment(const std::string& path, uint64_t width, uin
   Segment seg;
   seg.path = space_->dir() + "/s" + std::to_string(shard_) + "-" + std::to_string(id) + ".seg";
   if (::link(path.c_str(), seg.path.c_str()) != 0) {
-    throw IoError("cannot link the snapshot segment into the table's directory", path);
-  }
-  seg.fd = ::open(seg.path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (seg.fd < 0) {
-    const int err = errno;
-    ::unlink(seg.path.c_str());
-    errno = err;
-    throw IoError("cannot open the snapshot segment", path);
+    // On another file system (a snapshot copied to tmpfs or another disk),
+    // or one without hard links: a copy of its own, synced by the next
+    // snapshot.
+    CopySegmentFile(path, seg.path, size);
+    seg.unsynced = true;
   }
   seg.width = width;
   seg.rec_bytes = RecordBytes(width);

@@ -37,6 +37,12 @@
 //   Rows are only appended, never written over their old record: a pwrite
 //   of one record costs a file-system metadata update (about 10x a pread
 //   here), a buffered append a share of one 1 MiB write.
+// * Descriptors. Only the segment being appended to keeps its file open.
+//   Reads of the other segments go through a few open files per shard
+//   (open_files, 2 to 16: kTableOpenFiles split over the shards; the least
+//   recently used is closed first), so a table holds a bounded number of
+//   descriptors however many segments and snapshots there are, and maps
+//   none.
 // * Snapshot (Table::Snapshot): every shard locked, dirty rows written,
 //   segments flushed, fsynced and left; the segments are hard-linked into
 //   P/snap-<seq>.tmp/ with an index file (keys, locations, frequencies,
@@ -49,9 +55,11 @@
 #ifndef KRE_KV_FILE_STORE_H_
 #define KRE_KV_FILE_STORE_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -97,6 +105,10 @@ void RemoveStaleLiveDirs(const std::string& root);
 
 constexpr uint64_t kNoLocation = ~uint64_t{0};
 
+// Segment files a table keeps open for reading, split over its shards
+// (each keeps 2 to 16; see FileRowStore's open_files).
+constexpr int kTableOpenFiles = 64;
+
 // Segment files: a 32-byte header (magic, floats per record, dim, CRC-32C
 // of those 24 bytes), then records of `width` floats each followed by the
 // CRC-32C of the record's offset and floats (checked at every read from
@@ -113,8 +125,9 @@ void VerifySegment(const std::string& path, uint64_t width, uint64_t size, int64
 
 class FileRowStore final : public RowStore {
  public:
+  // open_files: segment files kept open for reading (at least 1).
   FileRowStore(std::shared_ptr<FileSpace> space, int shard, int64_t dim,
-               uint64_t cache_bytes);
+               uint64_t cache_bytes, int open_files);
   ~FileRowStore() override;
 
   uint32_t Allocate(const float* init) override;
@@ -143,8 +156,15 @@ class FileRowStore final : public RowStore {
   };
   std::vector<SegmentInfo> Segments() const;
   // Restore support: links `path` (a segment of `width` floats per record,
-  // `size` bytes) into this store's directory; returns its new id.
+  // `size` bytes) into this store's directory, or copies it when it cannot
+  // be linked (another file system); returns its new id. Throws naming the
+  // file (nothing added then).
   uint32_t AdoptSegment(const std::string& path, uint64_t width, uint64_t size);
+  // Numbers this store's new segments after those of `other`, a store in
+  // the same directory, so that their file names differ.
+  void NumberAfter(const FileRowStore& other) {
+    next_segment_ = std::max(next_segment_, other.next_segment_);
+  }
   // A new row whose record is at `location` (of an adopted segment).
   uint32_t AdoptRow(uint64_t location);
   // Sets the slot layout of an empty store.
@@ -152,6 +172,8 @@ class FileRowStore final : public RowStore {
 
  private:
   struct Segment {
+    // Open while the segment is appended to (read and written through it);
+    // -1 once left: reads then go through SegmentFile.
     int fd = -1;
     std::string path;
     uint64_t width = 0;      // floats per record
@@ -163,6 +185,35 @@ class FileRowStore final : public RowStore {
     uint32_t base = 0;
     uint32_t cap = 0;
   };
+  // A segment's file, open for reading while this lives: the segment's
+  // own descriptor while it is appended to, else one of the store's open
+  // files (opened on a miss in place of the least recently used one, and
+  // pinned meanwhile), or, when concurrent readers pin them all, a
+  // descriptor of its own. Throws naming the file when it cannot be opened.
+  class SegmentFile {
+   public:
+    SegmentFile(const FileRowStore& store, uint32_t id, const Segment& seg);
+    ~SegmentFile();
+    SegmentFile(const SegmentFile&) = delete;
+    SegmentFile& operator=(const SegmentFile&) = delete;
+    int fd() const { return fd_; }
+
+   private:
+    const FileRowStore& store_;
+    int fd_ = -1;
+    int entry_ = -1;  // in open_files_, or -1
+    bool own_ = false;
+  };
+  struct OpenFile {
+    uint32_t id = UINT32_MAX;  // segment, UINT32_MAX when unused
+    int fd = -1;
+    uint32_t pins = 0;  // SegmentFiles using it
+    uint64_t used = 0;  // files_clock_ at its last use
+  };
+  // Closes the open file of segment `id`, or every one (exclusive lock: no
+  // SegmentFile uses them).
+  void CloseFile(uint32_t id);
+  void CloseFiles();
   float* Fetch(uint32_t row, bool write);
   // Per-row word (where_): kNoWord, kCached | cache slot while the row is
   // cached (then its file location is cache_loc_[slot]), or else a record
@@ -274,6 +325,11 @@ class FileRowStore final : public RowStore {
   uint64_t file_bytes_ = 0;  // all segment bytes, the buffer included
   uint64_t live_bytes_ = 0;  // bytes of the records rows point at
   bool compacting_ = false;
+  // Open files of segments not appended to (SegmentFile). Read() runs under
+  // a shared lock, so concurrent readers share them under files_mu_.
+  mutable std::mutex files_mu_;
+  mutable std::vector<OpenFile> open_files_;  // sized once: entries stay put
+  mutable uint64_t files_clock_ = 0;
   // Counters.
   uint64_t compactions_ = 0;
   uint64_t hits_ = 0, misses_ = 0, reads_ = 0, writes_ = 0;

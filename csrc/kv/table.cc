@@ -74,8 +74,10 @@ Table<K>::Table(TableOptions options)
 template <typename K>
 std::unique_ptr<RowStore> Table<K>::NewStore(int shard) const {
   if (file_tier()) {
+    const int open_files = static_cast<int>(
+        std::clamp<uint64_t>(kTableOpenFiles / num_shards_, 2, 16));
     return std::make_unique<FileRowStore>(space_, shard, dim_,
-                                          options_.cache_bytes / num_shards_);
+                                          options_.cache_bytes / num_shards_, open_files);
   }
   return std::make_unique<DramRowStore>(dim_);
 }
