@@ -7,6 +7,7 @@ whose rows live in files with a bounded DRAM cache.
 """
 
 import math
+import os
 
 import keras
 
@@ -257,6 +258,14 @@ _STORAGE_TYPES = ("DRAM", "FILE")
 _DEFAULT_CACHE_BYTES = 64 << 20
 
 
+def _machine_memory():
+    """This machine's physical memory in bytes (None when unknown)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
 @keras.saving.register_keras_serializable(package=_PACKAGE)
 class StorageOption(_Option):
     """Where an EmbeddingVariable keeps its rows.
@@ -282,7 +291,7 @@ class StorageOption(_Option):
             required for `"FILE"`, must be `None` for `"DRAM"`.
         storage_size: int or `None`. Bytes of DRAM cache for the file tier's
             rows, split over the table's shards (each keeps at least 16
-            rows). Defaults to 64 MiB.
+            rows); at most this machine's memory. Defaults to 64 MiB.
 
     Example:
 
@@ -302,6 +311,14 @@ class StorageOption(_Option):
             )
         if storage_size is not None:
             _check_int("storage_size", storage_size, 1)
+            # A larger cache cannot be held: reserving it fails at the first
+            # lookup, or the OOM killer ends the process as it fills.
+            memory = _machine_memory()
+            if memory is not None and storage_size > memory:
+                raise ValueError(
+                    "`storage_size` (bytes of the file tier's DRAM cache) must be at most "
+                    f"this machine's memory, {memory} bytes. Received: "
+                    f"storage_size={storage_size}")
         if storage_path is not None and (not isinstance(storage_path, str) or not storage_path):
             raise TypeError(
                 "`storage_path` must be a non-empty str or None. Received: "

@@ -232,3 +232,21 @@ def test_descriptors_and_mappings_stay_bounded_over_many_snapshots(tmp_path):
     bound = shards * 3 + 1  # per shard: the segment written, 2 for reading; the lock file
     assert len(segments) > 3 * bound
     assert most <= bound and maps == 0, (most, bound)
+
+
+def test_storage_size_beyond_the_machine_memory_is_refused_naming_it(tmp_path):
+    """Issue 43.12: a huge `storage_size` passed the option's check and
+    failed at the first lookup with a bare std::bad_alloc. A cache larger
+    than the machine's memory is refused where it is given, naming the
+    argument, the value and the limit; a large one within it works."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for size in (2**62, memory + 1):
+        with pytest.raises(ValueError) as info:
+            kre.StorageOption("FILE", storage_path=str(tmp_path), storage_size=size)
+        message = str(info.value)
+        assert "`storage_size`" in message and f"Received: storage_size={size}" in message
+        assert f"at most this machine's memory, {memory} bytes" in message, message
+    option = kre.EmbeddingVariableOption(num_shards=2, storage_option=kre.StorageOption(
+        "FILE", storage_path=str(tmp_path), storage_size=memory // 16))
+    layer = EmbeddingVariable(4, ev_option=option, name="m")
+    assert layer(np.arange(100, dtype=np.int64), training=True).shape == (100, 4)
