@@ -9,14 +9,17 @@ INSTALL_STAMP := $(VENV)/.install-stamp
 # The op library has no Python tag in its name: it serves every Python version
 # (see setup.py).
 SO := keras_rec_emb/_kre_ops.so
-CSRC := $(shell find csrc -name '*.cc' -o -name '*.h' | grep -v '/tests/')
+# The JAX binding's library (jax-ops, below).
+JAX_SO := keras_rec_emb/_kre_jax.so
+# The TF op library's sources (csrc/jax/ is the JAX binding's, built by jax-ops).
+CSRC := $(shell find csrc -name '*.cc' -o -name '*.h' | grep -v -e '/tests/' -e '^csrc/jax/')
 KV_SRC := $(wildcard csrc/kv/*.cc)
 KV_TESTS := $(wildcard csrc/kv/tests/*_test.cc)
 KV_BIN := csrc/kv/tests/bin
 CXX ?= g++
 KV_FLAGS := -std=c++17 -Wall -Wextra -Werror -pthread -Icsrc
 
-.PHONY: all install build demo test lint format-check kv-bins test-kv test-kv-asan test-kv-tsan test-py test-fuzz-long bench bench-peers peer-venvs clean wheel check-wheel smoke-py docs test-bounds ci-packaging
+.PHONY: all install build jax-ops demo test lint format-check kv-bins test-kv test-kv-asan test-kv-tsan test-py test-fuzz-long bench bench-peers peer-venvs clean wheel check-wheel smoke-py docs test-bounds ci-packaging
 
 all: install
 
@@ -38,9 +41,30 @@ $(INSTALL_STAMP): pyproject.toml keras_rec_emb/_version.py $(DEPS_STAMP) | $(SO)
 	KRE_SKIP_EXT_BUILD=1 $(PYTHON) -m pip install --quiet --no-build-isolation --no-deps -e .
 	touch $@
 
-install: $(INSTALL_STAMP) $(SO)
+install: $(INSTALL_STAMP) $(SO) $(JAX_SO)
 
 build: $(SO)
+
+# The JAX binding (KERAS_BACKEND=jax): csrc/jax's XLA FFI handlers and the
+# csrc/kv engine in one library that links neither TensorFlow nor Python
+# (keras_rec_emb/_jax/ffi.py loads it with ctypes and registers its handlers).
+# XLA's FFI headers ship in jaxlib. Objects compile two at a time (-j2).
+JAX_OBJ := build/jax/obj
+JAX_SRC := $(wildcard csrc/jax/*.cc)
+JAX_HDRS := $(wildcard csrc/jax/*.h) $(wildcard csrc/kv/*.h) csrc/kernels/update_rules.h
+JAX_OBJS := $(patsubst csrc/%.cc,$(JAX_OBJ)/%.o,$(JAX_SRC) $(KV_SRC))
+# Evaluated once, when a recipe first needs it.
+JAX_INC = $(eval JAX_INC := $(shell $(PYTHON) -c 'import jax.ffi; print(jax.ffi.include_dir())'))$(JAX_INC)
+JAX_FLAGS := -std=c++17 -O3 -fPIC -fvisibility=hidden -march=x86-64-v2 -Wall -Wextra -Werror -pthread -Icsrc
+
+$(JAX_OBJ)/%.o: csrc/%.cc $(JAX_HDRS) | $(DEPS_STAMP)
+	@mkdir -p $(@D)
+	$(CXX) $(JAX_FLAGS) -isystem $(JAX_INC) -c -o $@ $<
+
+$(JAX_SO): $(JAX_OBJS)
+	$(CXX) -shared -s -pthread -o $@ $^
+
+jax-ops: $(JAX_SO)
 
 demo: install
 	$(VENV)/bin/keras-rec-emb demo $(DEMO_ARGS)

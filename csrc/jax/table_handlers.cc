@@ -1,0 +1,549 @@
+// Copyright keras_rec_emb authors. Apache-2.0.
+//
+// XLA FFI handlers over the kv::Table engine: the JAX binding's counterpart
+// of the TensorFlow kernels (csrc/kernels), linked without TensorFlow.
+//
+// Every handler takes an XLA token first and returns one first:
+// keras_rec_emb/_jax/ffi.py threads JAX's ordered-effect token through
+// them, so that table calls run exactly once each, in program order, under
+// jit as eagerly (table_registry.h says how tables are found).
+//
+// Errors come back as ffi::Error (InvalidArgument for bad input, naming the
+// argument and what is allowed); exceptions of the engine (allocation, a
+// file tier's I/O) become ResourceExhausted or DataLoss, never a crash.
+#include <algorithm>
+#include <cmath>
+#include <exception>
+#include <limits>
+#include <new>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "jax/table_registry.h"
+#include "kernels/update_rules.h"
+#include "kv/partition.h"
+#include "kv/table.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace kre {
+namespace jaxbind {
+namespace {
+
+using std::string;
+
+ffi::Error Invalid(const string& message) { return ffi::Error::InvalidArgument(message); }
+
+ffi::Error Precondition(const string& message) {
+  return ffi::Error(ffi::ErrorCode::kFailedPrecondition, message);
+}
+
+string Shape(ffi::Span<const int64_t> dims) {
+  string out = "[";
+  for (size_t i = 0; i < dims.size(); ++i) out += (i ? ", " : "") + std::to_string(dims[i]);
+  return out + "]";
+}
+
+string DtypeName(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::S32:
+      return "int32";
+    case ffi::DataType::S64:
+      return "int64";
+    case ffi::DataType::F32:
+      return "float32";
+    default:
+      return "dtype #" + std::to_string(static_cast<int>(t));
+  }
+}
+
+// Runs a handler body; an exception that escapes it (the engine's) becomes
+// the call's error instead of ending the process.
+template <typename Body>
+ffi::Error Guarded(Body&& body) {
+  try {
+    return body();
+  } catch (const kv::DataLossError& e) {
+    return ffi::Error(ffi::ErrorCode::kDataLoss,
+                      string("embedding table operation failed: ") + e.what());
+  } catch (const std::exception& e) {
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      string("embedding table operation failed: ") + e.what());
+  }
+}
+
+// The table of `handle`, or an error naming it.
+ffi::ErrorOr<std::shared_ptr<AnyTable>> Find(int64_t handle) {
+  std::shared_ptr<AnyTable> t = Tables().Get(handle);
+  if (t == nullptr) {
+    return ffi::Unexpected(Invalid("no embedding table has handle " + std::to_string(handle) +
+                                   " (it was destroyed, or made in another process)"));
+  }
+  return t;
+}
+
+// Checks that `keys` has the key dtype of `table` (int32 or int64).
+ffi::Error CheckKeys(const AnyTable& table, const ffi::AnyBuffer& keys) {
+  const ffi::DataType want = table.key_bits() == 64 ? ffi::DataType::S64 : ffi::DataType::S32;
+  if (keys.element_type() != want) {
+    return Invalid("the embedding table has " + DtypeName(want) + " keys but `keys` is " +
+                   DtypeName(keys.element_type()) + "; cast the keys to the table's key dtype");
+  }
+  return ffi::Error::Success();
+}
+
+// Checks that `rows` has shape keys.shape + [dim].
+ffi::Error CheckRows(ffi::Span<const int64_t> keys, ffi::Span<const int64_t> rows, int64_t dim,
+                     const char* name) {
+  bool ok = rows.size() == keys.size() + 1 && rows[keys.size()] == dim;
+  for (size_t i = 0; ok && i < keys.size(); ++i) ok = rows[i] == keys[i];
+  if (!ok) {
+    return Invalid(string("`") + name + "` must have shape keys.shape + [dim] = " + Shape(keys) +
+                   " + [" + std::to_string(dim) + "], got " + Shape(rows));
+  }
+  return ffi::Error::Success();
+}
+
+// A scalar int32 or int64 operand as int64.
+ffi::ErrorOr<int64_t> IntScalar(const ffi::AnyBuffer& b, const char* name) {
+  if (b.dimensions().size() != 0) {
+    return ffi::Unexpected(
+        Invalid(string("`") + name + "` must be a scalar, got shape " + Shape(b.dimensions())));
+  }
+  if (b.element_type() == ffi::DataType::S64) return *b.reinterpret_data<int64_t>();
+  if (b.element_type() == ffi::DataType::S32) return *b.reinterpret_data<int32_t>();
+  return ffi::Unexpected(
+      Invalid(string("`") + name + "` must be int32 or int64, got " + DtypeName(b.element_type())));
+}
+
+// Writes `value` into integer output `b` (int32 or int64; an int32 output
+// saturates).
+void SetInt(ffi::AnyBuffer b, int64_t i, int64_t value) {
+  if (b.element_type() == ffi::DataType::S64) {
+    b.reinterpret_data<int64_t>()[i] = value;
+  } else {
+    const int64_t lo = std::numeric_limits<int32_t>::min();
+    const int64_t hi = std::numeric_limits<int32_t>::max();
+    b.reinterpret_data<int32_t>()[i] = static_cast<int32_t>(std::clamp(value, lo, hi));
+  }
+}
+
+bool IsInt(const ffi::AnyBuffer& b) {
+  return b.element_type() == ffi::DataType::S32 || b.element_type() == ffi::DataType::S64;
+}
+
+std::vector<string> SplitNames(std::string_view joined) {
+  std::vector<string> out;
+  if (joined.empty()) return out;
+  size_t start = 0;
+  while (true) {
+    const size_t comma = joined.find(',', start);
+    out.emplace_back(
+        joined.substr(start, comma == std::string_view::npos ? joined.npos : comma - start));
+    if (comma == std::string_view::npos) return out;
+    start = comma + 1;
+  }
+}
+
+// Runs fn(s) for every shard of a batch partitioned by kv::Partition.
+template <typename K>
+kv::Partitioned<K> PartitionSerial(const kv::Table<K>& table, const K* keys, int64_t n) {
+  return kv::Partition(table, keys, n, 1, [](int num_blocks, auto&& fn) {
+    for (int b = 0; b < num_blocks; ++b) fn(b);
+  });
+}
+
+// --- create / destroy / add slot --------------------------------------------
+
+ffi::Error Create(ffi::Token, ffi::Buffer<ffi::F32> defaults, ffi::Result<ffi::Token>,
+                  ffi::ResultBufferR0<ffi::S32> handle, int32_t key_bits, int32_t num_shards,
+                  bool track_meta, int64_t filter_freq, float no_permission_value,
+                  int64_t freq_cap) {
+  return Guarded([&]() -> ffi::Error {
+    const auto dims = defaults.dimensions();
+    if (dims.size() != 2 || dims[0] < 1 || dims[1] < 1) {
+      return Invalid("`default_values` must be [default_value_dim >= 1, dim >= 1], got " +
+                     Shape(dims));
+    }
+    if (key_bits != 32 && key_bits != 64) {
+      return Invalid("`key_bits` must be 32 or 64, got " + std::to_string(key_bits));
+    }
+    if (num_shards < 1 || num_shards > 65536) {
+      return Invalid("`num_shards` must be in [1, 65536], got " + std::to_string(num_shards));
+    }
+    if (freq_cap < 0) return Invalid("`freq_cap` must be >= 0, got " + std::to_string(freq_cap));
+    if (!std::isfinite(no_permission_value)) {
+      return Invalid("`no_permission_value` must be finite");
+    }
+    const float* d = defaults.typed_data();
+    const int64_t count = dims[0] * dims[1];
+    if (!std::all_of(d, d + count, [](float v) { return !std::isnan(v); })) {
+      return Invalid("`default_values` must not hold NaN");
+    }
+    kv::TableOptions options;
+    options.dim = dims[1];
+    options.default_values.assign(d, d + count);
+    options.num_shards = num_shards;
+    options.track_meta = track_meta;
+    options.filter_freq = filter_freq;
+    options.no_permission_value = no_permission_value;
+    options.freq_cap = freq_cap;
+    std::shared_ptr<AnyTable> table;
+    try {
+      table = std::make_shared<AnyTable>(key_bits, std::move(options));
+    } catch (const std::bad_alloc&) {
+      throw;
+    } catch (const std::exception& e) {
+      return Invalid(e.what());
+    }
+    const int64_t h = Tables().Add(std::move(table));
+    if (h < 0) return Precondition("no embedding table handle is left in this process");
+    *handle->typed_data() = static_cast<int32_t>(h);
+    return ffi::Error::Success();
+  });
+}
+
+ffi::Error Destroy(ffi::Token, ffi::Result<ffi::Token>, int64_t table) {
+  if (!Tables().Remove(table)) {
+    return Invalid("no embedding table has handle " + std::to_string(table) +
+                   " (destroyed twice?)");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error AddSlot(ffi::Token, ffi::Result<ffi::Token>, int64_t table, std::string_view name,
+                   int64_t width, float init) {
+  return Guarded([&]() -> ffi::Error {
+    auto t = Find(table);
+    if (t.has_error()) return t.error();
+    if (name.empty()) return Invalid("`slot_name` must not be empty");
+    if (name.find(',') != std::string_view::npos) {
+      return Invalid("`slot_name` must not contain ',', got '" + string(name) + "'");
+    }
+    if (width < 1 || width > (int64_t{1} << 20)) {
+      return Invalid("`width` must be in [1, 2**20], got " + std::to_string(width));
+    }
+    if (!std::isfinite(init)) return Invalid("`init` must be finite");
+    return (*t)->Visit([&](auto& tab) -> ffi::Error {
+      try {
+        tab.AddSlot(string(name), width, init);
+      } catch (const std::bad_alloc&) {
+        throw;
+      } catch (const std::exception& e) {
+        return Invalid(e.what());
+      }
+      return ffi::Error::Success();
+    });
+  });
+}
+
+// --- lookup -----------------------------------------------------------------
+
+template <typename K>
+void LookupRows(kv::Table<K>& table, const K* keys, int64_t n, bool insert, float* out) {
+  if (n == 0) return;
+  const int64_t dim = table.dim();
+  if (table.PrefersOrderedLookup(n)) {
+    // In batch order, no partition (see kv::Table::PrefersOrderedLookup).
+    constexpr int64_t kBlock = kv::Table<K>::kOrderedBlock;
+    for (int64_t b = 0; b < n; b += kBlock) {
+      table.LookupOrdered(keys + b, std::min(kBlock, n - b), insert, out + b * dim, dim);
+    }
+    return;
+  }
+  kv::Partitioned<K> p = PartitionSerial(table, keys, n);
+  for (int s = 0; s < table.num_shards(); ++s) {
+    const int64_t b = p.offsets[s];
+    table.Lookup(s, p.keys.data() + b, p.hashes.data() + b, p.order.data() + b,
+                 p.offsets[s + 1] - b, insert, out);
+  }
+}
+
+ffi::Error Lookup(ffi::Token, ffi::AnyBuffer keys, ffi::Result<ffi::Token>,
+                  ffi::ResultBuffer<ffi::F32> out, int64_t table, bool insert) {
+  return Guarded([&]() -> ffi::Error {
+    auto t = Find(table);
+    if (t.has_error()) return t.error();
+    AnyTable& at = **t;
+    if (ffi::Error e = CheckKeys(at, keys); e.failure()) return e;
+    if (ffi::Error e = CheckRows(keys.dimensions(), out->dimensions(), at.dim(), "out");
+        e.failure()) {
+      return e;
+    }
+    const int64_t n = static_cast<int64_t>(keys.element_count());
+    at.Visit([&](auto& tab) {
+      using K = KeyOfT<decltype(tab)>;
+      LookupRows(tab, keys.reinterpret_data<K>(), n, insert, out->typed_data());
+    });
+    return ffi::Error::Success();
+  });
+}
+
+// --- sparse apply -------------------------------------------------------------
+
+template <typename Rule, typename K>
+ffi::Error ApplyRule(kv::Table<K>& table, const string& rule, const std::vector<string>& slot_names,
+                     const K* keys, int64_t n, const float* grads,
+                     ffi::Span<const int64_t> hyper_dims, const float* h, int64_t step) {
+  const int64_t dim = table.dim();
+  if (hyper_dims.size() != 1 || hyper_dims[0] != Rule::kHyper) {
+    return Invalid("rule '" + rule + "' takes " + std::to_string(Rule::kHyper) +
+                   " hyper-parameters, got shape " + Shape(hyper_dims));
+  }
+  for (int i = 0; i < Rule::kHyper; ++i) {
+    if (!std::isfinite(h[i])) {
+      return Invalid("`hyper` must be finite; " + string(Rule::kHyperNames[i]) + " is " +
+                     std::to_string(h[i]));
+    }
+  }
+  const size_t needed = Rule::kSlots + (Rule::NeedsExtraSlot(h) ? 1 : 0);
+  if (slot_names.size() != needed) {
+    return Invalid("rule '" + rule + "' " + Rule::kSlotsDoc + " needs " + std::to_string(needed) +
+                   " slots, got " + std::to_string(slot_names.size()));
+  }
+  std::vector<int> slot_ids;
+  const std::vector<kv::SlotSpec> specs = table.Slots();
+  for (size_t j = 0; j < slot_names.size(); ++j) {
+    const int id = table.SlotIndex(slot_names[j]);
+    if (id < 0) {
+      return Precondition("the embedding table has no optimizer slot '" + slot_names[j] +
+                          "'; add it (add_slot) before applying rule '" + rule + "'");
+    }
+    const int64_t width = rules::SlotWidth<Rule>(j, dim);
+    if (specs[id].width != width) {
+      return Invalid("slot '" + slot_names[j] + "' has width " + std::to_string(specs[id].width) +
+                     ", rule '" + rule + "' needs " + std::to_string(width));
+    }
+    slot_ids.push_back(id);
+  }
+  if (n == 0) return ffi::Error::Success();
+  const rules::ApplyRow<Rule> update(h, dim);
+  kv::Partitioned<K> p = PartitionSerial(table, keys, n);
+  for (int s = 0; s < table.num_shards(); ++s) {
+    const int64_t b = p.offsets[s];
+    const int64_t m = p.offsets[s + 1] - b;
+    // Equal keys summed in batch order (as the TF kernel does), then the
+    // distinct keys applied with prefetching.
+    rules::DistinctRows<K> d(m, dim);
+    for (int64_t j = b; j < b + m; ++j) d.Add(p.keys[j], p.hashes[j], grads + p.order[j] * dim);
+    table.ApplyDistinct(s, d.keys.data(), d.hashes.data(), d.order.data(), d.size(), d.sums.data(),
+                        slot_ids, step, update);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error Apply(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> grads,
+                 ffi::Buffer<ffi::F32> hyper, ffi::AnyBuffer step, ffi::Result<ffi::Token>,
+                 int64_t table, std::string_view rule_name, std::string_view hparam_names,
+                 std::string_view slot_names) {
+  return Guarded([&]() -> ffi::Error {
+    auto t = Find(table);
+    if (t.has_error()) return t.error();
+    AnyTable& at = **t;
+    if (ffi::Error e = CheckKeys(at, keys); e.failure()) return e;
+    if (ffi::Error e = CheckRows(keys.dimensions(), grads.dimensions(), at.dim(), "grads");
+        e.failure()) {
+      return e;
+    }
+    auto version = IntScalar(step, "step");
+    if (version.has_error()) return version.error();
+    const string rule(rule_name);
+    const std::vector<string> hparams = SplitNames(hparam_names);
+    const std::vector<string> slots = SplitNames(slot_names);
+    const int64_t n = static_cast<int64_t>(keys.element_count());
+    ffi::Error result = Invalid("unknown rule '" + rule + "'");
+    rules::WithRule(rule, [&](auto tag) {
+      using Rule = typename decltype(tag)::type;
+      const string names_error = rules::CheckNames<Rule>(rule, hparams, slots);
+      if (!names_error.empty()) {
+        result = Invalid(names_error);
+        return;
+      }
+      result = at.Visit([&](auto& tab) {
+        using K = KeyOfT<decltype(tab)>;
+        return ApplyRule<Rule>(tab, rule, slots, keys.reinterpret_data<K>(), n, grads.typed_data(),
+                               hyper.dimensions(), hyper.typed_data(), *version);
+      });
+    });
+    return result;
+  });
+}
+
+// --- size / export ------------------------------------------------------------
+
+// out: [size, filtered size, total slot width, number of slots].
+ffi::Error Size(ffi::Token, ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> out,
+                int64_t table) {
+  return Guarded([&]() -> ffi::Error {
+    auto t = Find(table);
+    if (t.has_error()) return t.error();
+    if (!IsInt(*out) || out->element_count() != 4) {
+      return Invalid("the size output must be 4 int32 or int64 values");
+    }
+    (*t)->Visit([&](auto& tab) {
+      int64_t width = 0;
+      const std::vector<kv::SlotSpec> specs = tab.Slots();
+      for (const auto& s : specs) width += s.width;
+      SetInt(*out, 0, tab.Size());
+      SetInt(*out, 1, tab.FilteredSize());
+      SetInt(*out, 2, width);
+      SetInt(*out, 3, static_cast<int64_t>(specs.size()));
+    });
+    return ffi::Error::Success();
+  });
+}
+
+// Exports the admitted keys into outputs of `capacity` rows (their first
+// dimension): keys, values [capacity, dim], freqs, versions, slots
+// [capacity, total slot width] (slot columns in slot order), and `count`,
+// the number of admitted keys. When count > capacity nothing is written
+// (the caller asks again with a larger capacity); rows past count are
+// left as they are.
+ffi::Error Export(ffi::Token, ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> keys,
+                  ffi::ResultBuffer<ffi::F32, 2> values, ffi::Result<ffi::AnyBuffer> freqs,
+                  ffi::Result<ffi::AnyBuffer> versions, ffi::ResultBuffer<ffi::F32, 2> slots,
+                  ffi::Result<ffi::AnyBuffer> count, int64_t table) {
+  return Guarded([&]() -> ffi::Error {
+    auto t = Find(table);
+    if (t.has_error()) return t.error();
+    AnyTable& at = **t;
+    const ffi::DataType key_type = at.key_bits() == 64 ? ffi::DataType::S64 : ffi::DataType::S32;
+    const auto kd = keys->dimensions();
+    if (kd.size() != 1 || keys->element_type() != key_type) {
+      return Invalid("the keys output must be a vector of " + DtypeName(key_type));
+    }
+    const int64_t capacity = kd[0];
+    const int64_t dim = at.dim();
+    if (values->dimensions()[0] != capacity || values->dimensions()[1] != dim) {
+      return Invalid("the values output must be [capacity, dim] = [" + std::to_string(capacity) +
+                     ", " + std::to_string(dim) + "], got " + Shape(values->dimensions()));
+    }
+    for (const ffi::AnyBuffer& b : {*freqs, *versions}) {
+      if (!IsInt(b) || b.dimensions().size() != 1 || b.dimensions()[0] != capacity) {
+        return Invalid("the freqs and versions outputs must be int vectors of " +
+                       std::to_string(capacity));
+      }
+    }
+    if (!IsInt(*count) || count->element_count() != 1) {
+      return Invalid("the count output must be an int scalar");
+    }
+    return at.Visit([&](auto& tab) -> ffi::Error {
+      using K = KeyOfT<decltype(tab)>;
+      int64_t width = 0;
+      for (const auto& s : tab.Slots()) width += s.width;
+      if (slots->dimensions()[0] != capacity || slots->dimensions()[1] != width) {
+        return Invalid("the slots output must be [capacity, total slot width] = [" +
+                       std::to_string(capacity) + ", " + std::to_string(width) + "], got " +
+                       Shape(slots->dimensions()));
+      }
+      std::vector<int64_t> f, v;
+      std::vector<K> skip_keys;
+      std::vector<int64_t> skip_freqs, skip_versions;
+      int64_t exported = -1;
+      tab.Export([&](int64_t n, int64_t nf) -> std::optional<typename kv::Table<K>::ExportBuffers> {
+        SetInt(*count, 0, n);
+        if (n > capacity) return std::nullopt;
+        exported = n;
+        f.resize(n);
+        v.resize(n);
+        skip_keys.resize(nf);
+        skip_freqs.resize(nf);
+        skip_versions.resize(nf);
+        return typename kv::Table<K>::ExportBuffers{keys->reinterpret_data<K>(),
+                                                    values->typed_data(),
+                                                    f.data(),
+                                                    v.data(),
+                                                    slots->typed_data(),
+                                                    skip_keys.data(),
+                                                    skip_freqs.data(),
+                                                    skip_versions.data()};
+      });
+      for (int64_t i = 0; i < exported; ++i) {
+        SetInt(*freqs, i, f[i]);
+        SetInt(*versions, i, v[i]);
+      }
+      return ffi::Error::Success();
+    });
+  });
+}
+
+}  // namespace
+}  // namespace jaxbind
+}  // namespace kre
+
+// The handlers' C symbols, which keras_rec_emb/_jax/ffi.py registers with
+// jax.ffi.register_ffi_target (the only symbols the library exports).
+#pragma GCC visibility push(default)
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTableCreate, kre::jaxbind::Create,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Token>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Token>()
+                                  .Ret<ffi::BufferR0<ffi::S32>>()
+                                  .Attr<int32_t>("key_bits")
+                                  .Attr<int32_t>("num_shards")
+                                  .Attr<bool>("track_meta")
+                                  .Attr<int64_t>("filter_freq")
+                                  .Attr<float>("no_permission_value")
+                                  .Attr<int64_t>("freq_cap"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    KreTableDestroy, kre::jaxbind::Destroy,
+    ffi::Ffi::Bind().Arg<ffi::Token>().Ret<ffi::Token>().Attr<int64_t>("table"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTableAddSlot, kre::jaxbind::AddSlot,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Token>()
+                                  .Ret<ffi::Token>()
+                                  .Attr<int64_t>("table")
+                                  .Attr<std::string_view>("slot_name")
+                                  .Attr<int64_t>("width")
+                                  .Attr<float>("init"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTableLookup, kre::jaxbind::Lookup,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Token>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Token>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("table")
+                                  .Attr<bool>("insert"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTableApply, kre::jaxbind::Apply,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Token>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Token>()
+                                  .Attr<int64_t>("table")
+                                  .Attr<std::string_view>("rule")
+                                  .Attr<std::string_view>("hparam_names")
+                                  .Attr<std::string_view>("slots"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    KreTableSize, kre::jaxbind::Size,
+    ffi::Ffi::Bind().Arg<ffi::Token>().Ret<ffi::Token>().Ret<ffi::AnyBuffer>().Attr<int64_t>(
+        "table"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTableExport, kre::jaxbind::Export,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Token>()
+                                  .Ret<ffi::Token>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::BufferR2<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::BufferR2<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("table"));
+
+// The number of live tables (for tests: a destroyed table is gone).
+extern "C" int64_t KreLiveTables() { return kre::jaxbind::Tables().Count(); }
+
+#pragma GCC visibility pop

@@ -1,0 +1,1 @@
+"""The JAX backend's binding of the table engine (see `ffi`)."""

@@ -1,0 +1,259 @@
+"""The table engine (csrc/kv) under JAX, through XLA's FFI.
+
+`keras_rec_emb/_kre_jax.so` (`make jax-ops`, csrc/jax/) holds the handlers;
+it links neither TensorFlow nor Python. Each function here binds one
+primitive, `kre_table_call`, whose lowering is an XLA custom call to a
+handler.
+
+Ordering. A lookup that inserts and an update are side effects on a table
+that XLA cannot see. The primitive carries an *ordered* effect (as
+`jax.experimental.io_callback(..., ordered=True)` does): JAX threads a token
+through every table call, in program order, within a jitted function and
+across dispatches (eager calls and successive jitted calls alike). So:
+
+* each call runs exactly once per execution: the token makes it live (a
+  lookup whose rows are unused still inserts) and distinct (two identical
+  lookups in one function are two calls, not merged by CSE);
+* calls run in the order the program makes them: a lookup then an apply
+  in one step, then the next step's lookup;
+* results (`size`, `export`) see every earlier call's effect.
+
+Tables are named by an integer handle (csrc/jax/table_registry.h), a static
+attribute of each call: a jitted function is compiled for the tables it
+uses. `create` and `export` run at once (they return a handle and
+data-dependent shapes); the rest also run inside `jit`, `lax.scan`,
+`custom_vjp` and `grad`.
+"""
+
+import ctypes
+import functools
+import os
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Effect, Primitive
+from jax.interpreters import mlir
+
+from keras_rec_emb._jax import _jax_private
+
+LIBRARY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                       "_kre_jax.so")
+
+# FFI target name -> C symbol of its handler.
+TARGETS = {
+    "kre_table_create": "KreTableCreate",
+    "kre_table_destroy": "KreTableDestroy",
+    "kre_table_add_slot": "KreTableAddSlot",
+    "kre_table_lookup": "KreTableLookup",
+    "kre_table_apply": "KreTableApply",
+    "kre_table_size": "KreTableSize",
+    "kre_table_export": "KreTableExport",
+}
+
+KEY_DTYPES = ("int32", "int64")
+
+_lock = threading.Lock()
+_lib = None
+
+
+def library():
+    """The loaded library, its handlers registered with XLA (once)."""
+    global _lib
+    with _lock:
+        if _lib is None:
+            if not os.path.exists(LIBRARY):
+                raise ImportError(
+                    f"the JAX binding's library {LIBRARY} is missing; build it with "
+                    "`make jax-ops` in the source checkout")
+            lib = ctypes.CDLL(LIBRARY)
+            for target, symbol in TARGETS.items():
+                jax.ffi.register_ffi_target(
+                    target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+            lib.KreLiveTables.restype = ctypes.c_int64
+            _lib = lib
+        return _lib
+
+
+def live_tables():
+    """The number of tables alive in this process (created, not destroyed)."""
+    return int(library().KreLiveTables())
+
+
+class TableEffect(Effect):
+    """The effect of a call on an embedding table: ordered (see the top)."""
+
+    def __repr__(self):
+        return "KreTableEffect"
+
+    __str__ = __repr__
+
+
+_EFFECT = TableEffect()
+_jax_private.register_ordered_effect(TableEffect)
+
+table_call_p = Primitive("kre_table_call")
+table_call_p.multiple_results = True
+
+
+def _abstract_eval(*avals_in, target, result_avals, attributes):
+    del avals_in, target, attributes
+    return result_avals, {_EFFECT}
+
+
+table_call_p.def_effectful_abstract_eval(_abstract_eval)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(target, result_avals, attributes):
+    return jax.jit(functools.partial(table_call_p.bind, target=target,
+                                     result_avals=result_avals, attributes=attributes))
+
+
+def _impl(*args, target, result_avals, attributes):
+    # Outside jit the call is compiled alone (and cached per attributes).
+    return _jitted(target, result_avals, attributes)(*args)
+
+
+table_call_p.def_impl(_impl)
+
+
+def _lowering(ctx, *operands, target, result_avals, attributes):
+    del result_avals
+    token = ctx.tokens_in.get(_EFFECT)
+    token_aval = _jax_private.abstract_token
+    call_ctx = ctx.replace(avals_in=(token_aval, *ctx.avals_in),
+                           avals_out=(token_aval, *ctx.avals_out))
+    op = jax.ffi.build_ffi_lowering_function(target, has_side_effect=True)(
+        call_ctx, token, *operands, **dict(attributes))
+    results = list(op.results)
+    ctx.set_tokens_out(mlir.TokenSet({_EFFECT: results[0]}))
+    return results[1:]
+
+
+mlir.register_lowering(table_call_p, _lowering, platform="cpu")
+
+
+def _call(target, operands, result_avals, **attributes):
+    library()
+    return table_call_p.bind(*operands, target=target, result_avals=tuple(result_avals),
+                             attributes=tuple(sorted(attributes.items())))
+
+
+def _aval(shape, dtype):
+    return jax.core.ShapedArray(tuple(shape), jnp.dtype(dtype))
+
+
+def int_dtype():
+    """The widest integer JAX holds now: int64 with x64 on, else int32."""
+    return jnp.dtype(jax.dtypes.canonicalize_dtype(np.int64))
+
+
+def _check_key_dtype(key_dtype):
+    name = np.dtype(key_dtype).name
+    if name not in KEY_DTYPES:
+        raise ValueError(f"key_dtype must be one of {KEY_DTYPES}. Received: key_dtype={name!r}")
+    if name == "int64" and int_dtype() != np.int64:
+        raise ValueError(
+            "key_dtype='int64' needs JAX's 64-bit mode (jax.config.update('jax_enable_x64', "
+            "True) before any array is made); without it JAX holds int32 ids. "
+            "Received: key_dtype='int64'")
+    return name
+
+
+def _concrete(value, what):
+    if isinstance(value, jax.core.Tracer):
+        raise ValueError(f"{what} runs eagerly: call it outside jax.jit / grad / vmap")
+    return value
+
+
+def create(default_values, key_dtype="int32", num_shards=32, track_meta=True, filter_freq=0,
+           no_permission_value=0.0, freq_cap=0):
+    """A new table; returns its handle (a Python int). A new key's row is a
+    copy of row `key mod default_value_dim` of `default_values`
+    ([default_value_dim, dim], the engine's EV initializer). Runs at once, also while a function is being traced."""
+    key_dtype = _check_key_dtype(key_dtype)
+    default_values = np.asarray(default_values, dtype=np.float32)
+    if default_values.ndim != 2 or min(default_values.shape) < 1:
+        raise ValueError("default_values must be [default_value_dim >= 1, dim >= 1]. "
+                         f"Received: shape {default_values.shape}")
+    # Runs now even while a function is being traced (a Keras layer builds
+    # its table inside the trace of its first call).
+    with jax.ensure_compile_time_eval():
+        (handle,) = _call("kre_table_create", [default_values], [_aval((), np.int32)],
+                          key_bits=np.int32(64 if key_dtype == "int64" else 32),
+                          num_shards=np.int32(num_shards), track_meta=bool(track_meta),
+                          filter_freq=np.int64(filter_freq),
+                          no_permission_value=np.float32(no_permission_value),
+                          freq_cap=np.int64(freq_cap))
+    return int(_concrete(handle, "create"))
+
+
+def destroy(handle):
+    """Destroys table `handle` (after every earlier call on it)."""
+    _call("kre_table_destroy", [], [], table=np.int64(handle))
+
+
+def add_slot(handle, name, width, init=0.0):
+    """Adds optimizer slot `name` of `width` floats per row (init `init`);
+    an existing slot keeps its rows, must have the same width, and takes
+    `init` for rows created from now on."""
+    _call("kre_table_add_slot", [], [], table=np.int64(handle), slot_name=str(name),
+          width=np.int64(width), init=np.float32(init))
+
+
+def lookup(handle, keys, dim, insert=True):
+    """Rows [*keys.shape, dim] for `keys` (any shape). With `insert`
+    (training) missing keys are added with their initializer row and
+    every occurrence counts towards its key's frequency; without it
+    nothing changes (missing keys read their initializer row)."""
+    keys = jnp.asarray(keys)
+    (rows,) = _call("kre_table_lookup", [keys], [_aval((*keys.shape, dim), np.float32)],
+                    table=np.int64(handle), insert=bool(insert))
+    return rows
+
+
+def apply(handle, keys, grads, hyper, step, rule, hparam_names, slots):
+    """The fused sparse update of rule `rule` (csrc/kernels/update_rules.h):
+    gradients of equal keys summed, then each distinct key's row and slots
+    updated once and its version stamped with `step`. `hyper` holds the
+    rule's hyper-parameters in the order `hparam_names` names them
+    (keras_rec_emb/optimizers/rules.py), `slots` the slot names it reads."""
+    keys = jnp.asarray(keys)
+    grads = jnp.asarray(grads, dtype=jnp.float32)
+    hyper = jnp.asarray(hyper, dtype=jnp.float32)
+    step = jnp.asarray(step)
+    if step.dtype not in (jnp.int32, jnp.int64):
+        step = step.astype(int_dtype())
+    _call("kre_table_apply", [keys, grads, hyper, step], [], table=np.int64(handle),
+          rule=str(rule), hparam_names=",".join(hparam_names), slots=",".join(slots))
+
+
+def size(handle):
+    """[admitted keys, keys counted but not admitted, total slot width,
+    number of slots], an integer array."""
+    (out,) = _call("kre_table_size", [], [_aval((4,), int_dtype())], table=np.int64(handle))
+    return out
+
+
+def export(handle, key_dtype, dim):
+    """Every admitted key with its row, frequency, version and slot rows
+    (slot columns in the order the slots were added), as NumPy arrays in
+    `{"keys", "values", "freqs", "versions", "slots"}`. Eager only."""
+    key_dtype = _check_key_dtype(key_dtype)
+    stats = np.asarray(_concrete(size(handle), "export"))
+    capacity, width = int(stats[0]), int(stats[2])
+    ints = int_dtype()
+    while True:
+        outs = _call("kre_table_export", [], [
+            _aval((capacity,), key_dtype), _aval((capacity, dim), np.float32),
+            _aval((capacity,), ints), _aval((capacity,), ints),
+            _aval((capacity, width), np.float32), _aval((), ints)], table=np.int64(handle))
+        keys, values, freqs, versions, slots, count = (np.asarray(o) for o in outs)
+        count = int(count)
+        if count <= capacity:
+            break
+        capacity = count  # rows added on another thread since `size`
+    names = ("keys", "values", "freqs", "versions", "slots")
+    return {n: a[:count] for n, a in zip(names, (keys, values, freqs, versions, slots))}

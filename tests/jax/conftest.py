@@ -1,0 +1,29 @@
+"""tests/jax runs under Keras's JAX backend, in a child pytest that
+test_jax_backend.py starts with KERAS_BACKEND=jax (the suite's own process
+runs TensorFlow). By hand: `KERAS_BACKEND=jax .venv/bin/python -m pytest -q tests/jax`.
+"""
+
+import os
+
+if os.environ.get("KERAS_BACKEND") == "jax":
+    # The child: everything but the file that starts it.
+    collect_ignore = ["test_jax_backend.py"]
+else:
+    # The suite's (TensorFlow) process: only the file that starts the child.
+    collect_ignore_glob = [name for name in os.listdir(os.path.dirname(__file__))
+                           if name.startswith("test_") and name != "test_jax_backend.py"]
+
+
+if os.environ.get("KERAS_BACKEND") == "jax":
+    import random
+
+    import numpy as np
+    import pytest
+
+    @pytest.fixture(autouse=True)
+    def _seed():
+        # Overrides tests/conftest.py's: keras.utils.set_random_seed imports
+        # TensorFlow whenever it is installed, which the JAX backend must not need.
+        random.seed(1234)
+        np.random.seed(1234)
+        yield
