@@ -2,10 +2,13 @@
 process runs TensorFlow), and checks that the JAX binding's library links
 neither TensorFlow nor Python."""
 
+import json
 import os
 import pathlib
 import subprocess
 import sys
+
+import numpy as np
 
 import keras_rec_emb
 
@@ -41,3 +44,72 @@ def test_tests_under_the_jax_backend_pass():
          "tests/jax"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-4000:]
     assert " passed" in result.stdout and "failed" not in result.stdout, result.stdout[-4000:]
+
+
+# The same model under both backends: ids -> EmbeddingVariable -> Flatten ->
+# Dense(1), MSE, SGD for the table and the Dense layer, fixed initial values.
+_CROSS = """
+import json, sys
+import numpy as np
+import keras
+DIM, FEATURES, DVD, LR = 3, 2, 5, 0.05
+rng = np.random.default_rng(7)
+ids = rng.integers(0, 11, size=(16, FEATURES)).astype(np.int32)
+labels = rng.normal(size=(16, 1)).astype(np.float32)
+matrix = rng.normal(size=(DVD, DIM)).astype(np.float32)
+kernel = rng.normal(size=(FEATURES * DIM, 1)).astype(np.float32)
+layer = make_layer(keras.initializers.Constant(matrix))
+inputs = keras.Input(shape=(FEATURES,), dtype="int32")
+dense = keras.layers.Dense(1, kernel_initializer=keras.initializers.Constant(kernel))
+model = keras.Model(inputs, dense(keras.layers.Flatten()(layer(inputs))))
+model.compile(optimizer=dense_optimizer(LR), loss="mse")
+model.fit(ids, labels, batch_size=4, epochs=2, shuffle=False, verbose=0)
+e = export(layer)
+order = np.argsort(e["keys"])
+json.dump({"keys": e["keys"][order].tolist(), "values": e["values"][order].tolist(),
+           "freqs": e["freqs"][order].tolist(),
+           "kernel": dense.get_weights()[0].tolist(), "bias": dense.get_weights()[1].tolist()},
+          sys.stdout)
+"""
+
+_TENSORFLOW = """
+import keras_rec_emb as kre
+def make_layer(init):
+    option = kre.EmbeddingVariableOption(
+        init_option=kre.InitializerOption(initializer=init, default_value_dim=DVD), track_meta=True)
+    return kre.layers.EmbeddingVariable(DIM, key_dtype="int32", ev_option=option)
+def dense_optimizer(lr):
+    return kre.optimizers.SGD(learning_rate=lr)
+def export(layer):
+    return layer.table.export()
+"""
+
+_JAX = """
+from keras_rec_emb._jax.layers import EmbeddingVariable
+def make_layer(init):
+    return EmbeddingVariable(DIM, optimizer=keras.optimizers.SGD(learning_rate=LR),
+                             initializer=init, default_value_dim=DVD)
+def dense_optimizer(lr):
+    return keras.optimizers.SGD(learning_rate=lr)
+def export(layer):
+    return layer.export()
+"""
+
+
+def _train(backend, prelude):
+    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
+    result = subprocess.run([sys.executable, "-c", prelude + _CROSS], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_sgd_training_gives_the_tensorflow_backends_numbers():
+    """model.fit with SGD under KERAS_BACKEND=jax and =tensorflow: the same
+    ids, rows, frequencies and Dense weights (1e-5)."""
+    tf_run = _train("tensorflow", "import keras\n" + _TENSORFLOW)
+    jax_run = _train("jax", "import keras\n" + _JAX)
+    assert jax_run["keys"] == tf_run["keys"] and jax_run["freqs"] == tf_run["freqs"]
+    for name in ("values", "kernel", "bias"):
+        np.testing.assert_allclose(jax_run[name], tf_run[name], rtol=1e-5, atol=1e-6,
+                                   err_msg=name)
