@@ -49,7 +49,6 @@ def test_tests_under_the_jax_backend_pass():
 # The same model under both backends: ids -> EmbeddingVariable -> Flatten ->
 # Dense(1), MSE, SGD for the table and the Dense layer, fixed initial values.
 _CROSS = """
-import json, sys
 import numpy as np
 import keras
 DIM, FEATURES, DVD, LR = 3, 2, 5, 0.05
@@ -66,10 +65,9 @@ model.compile(optimizer=dense_optimizer(LR), loss="mse")
 model.fit(ids, labels, batch_size=4, epochs=2, shuffle=False, verbose=0)
 e = export(layer)
 order = np.argsort(e["keys"])
-json.dump({"keys": e["keys"][order].tolist(), "values": e["values"][order].tolist(),
-           "freqs": e["freqs"][order].tolist(),
-           "kernel": dense.get_weights()[0].tolist(), "bias": dense.get_weights()[1].tolist()},
-          sys.stdout)
+result = {"keys": e["keys"][order].tolist(), "values": e["values"][order].tolist(),
+          "freqs": e["freqs"][order].tolist(),
+          "kernel": dense.get_weights()[0].tolist(), "bias": dense.get_weights()[1].tolist()}
 """
 
 _TENSORFLOW = """
@@ -96,19 +94,27 @@ def export(layer):
 """
 
 
-def _train(backend, prelude):
-    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
-    result = subprocess.run([sys.executable, "-c", prelude + _CROSS], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+def _train_under_jax():
+    code = "import json, sys\nimport keras\n" + _JAX + _CROSS + "json.dump(result, sys.stdout)\n"
+    env = dict(os.environ, KERAS_BACKEND="jax")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def _train_under_tensorflow():
+    """In this process (the suite's runs TensorFlow): saves a child's start."""
+    namespace = {}
+    exec("import keras\n" + _TENSORFLOW + _CROSS, namespace)
+    return namespace["result"]
 
 
 def test_sgd_training_gives_the_tensorflow_backends_numbers():
     """model.fit with SGD under KERAS_BACKEND=jax and =tensorflow: the same
     ids, rows, frequencies and Dense weights (1e-5)."""
-    tf_run = _train("tensorflow", "import keras\n" + _TENSORFLOW)
-    jax_run = _train("jax", "import keras\n" + _JAX)
+    tf_run = _train_under_tensorflow()
+    jax_run = _train_under_jax()
     assert jax_run["keys"] == tf_run["keys"] and jax_run["freqs"] == tf_run["freqs"]
     for name in ("values", "kernel", "bias"):
         np.testing.assert_allclose(jax_run[name], tf_run[name], rtol=1e-5, atol=1e-6,
