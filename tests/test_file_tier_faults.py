@@ -5,8 +5,10 @@ sizes. Processes that could die of a signal run as subprocesses."""
 
 import glob
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import zlib
 
 import numpy as np
@@ -190,6 +192,85 @@ def test_corrupt_live_record_fails_the_read(tmp_path):
     message = " ".join(str(info.value).split())
     assert "corrupt record at offset" in message and "/live-" in message, message
     assert any(path in message for path in segments), message
+
+
+_RESTORE_OVER_LIMIT_CHILD = r"""
+import os, resource, sys
+import numpy as np
+import tensorflow as tf
+import keras_rec_emb as kre
+from keras_rec_emb.layers import EmbeddingVariable
+
+folder, snapshot, limit = sys.argv[1], sys.argv[2], int(sys.argv[3])
+option = kre.EmbeddingVariableOption(num_shards=2, storage_option=kre.StorageOption(
+    "FILE", storage_path=folder, storage_size=4096))
+layer = EmbeddingVariable(8, ev_option=option, name="s")
+layer(np.arange(1000, 1300, dtype=np.int64), training=True)
+layer.snapshot()
+before = layer.export()
+files = sorted(f for d in os.listdir(layer.table.storage_dir) if d.startswith("live-")
+               for f in os.listdir(os.path.join(layer.table.storage_dir, d)))
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))  # Python ignores SIGXFSZ
+try:
+    layer.restore_snapshot(snapshot)
+    print("NOERROR", flush=True)
+except tf.errors.OpError as e:
+    print("ERROR", type(e).__name__, " ".join(str(e).split()), flush=True)
+finally:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+after = layer.export()
+same = all(np.array_equal(np.sort(before[k], axis=0), np.sort(after[k], axis=0))
+           for k in ("keys", "values", "freqs", "versions"))
+print("SAME", same, len(before["keys"]), len(after["keys"]), flush=True)
+files_after = sorted(f for d in os.listdir(layer.table.storage_dir) if d.startswith("live-")
+                     for f in os.listdir(os.path.join(layer.table.storage_dir, d)))
+print("FILES", files == files_after, flush=True)
+layer(np.arange(1000, 1400, dtype=np.int64), training=True)
+print("TRAINS", int(layer.table.size()), flush=True)
+"""
+
+
+def test_restore_from_another_file_system_is_all_or_nothing(tmp_path):
+    """Issue 43.3: `restore_snapshot(path)` of a snapshot on another file
+    system (tmpfs) failed after its checks with the table's first shard
+    already emptied. Now the segments are copied where a hard link cannot
+    cross, so the restore works; and a restore that fails part-way (the
+    copies over a file-size limit, as on a full disk) leaves the table
+    exactly as it was, with no files added."""
+    layer = file_layer(tmp_path / "a", "s")
+    layer(np.arange(300, dtype=np.int64), training=True)
+    assert layer.snapshot() == 1
+    at_snapshot = layer.export()
+    shm = tempfile.mkdtemp(dir="/dev/shm")
+    try:
+        assert os.stat(shm).st_dev != os.stat(tmp_path).st_dev
+        for name in ("CURRENT", "snap-1"):
+            source = os.path.join(layer.table.storage_dir, name)
+            (shutil.copytree if os.path.isdir(source) else shutil.copy)(
+                source, os.path.join(shm, name))
+        smallest = min(os.path.getsize(p) for p in glob.glob(os.path.join(shm, "snap-1", "*.seg")))
+        code, out, err = run_child(_RESTORE_OVER_LIMIT_CHILD, tmp_path / "b", shm, smallest - 1)
+        assert code == 0, f"exit {code}\n{out[-2000:]}\n{err[-3000:]}"
+        error = lines(out, "ERROR")
+        assert error and "cannot copy the snapshot segment" in error[0], out
+        assert shm in error[0] and "File too large" in error[0], error[0]
+        assert lines(out, "SAME") == ["True 300 300"], out
+        assert lines(out, "FILES") == ["True"], out
+        assert lines(out, "TRAINS") == ["400"], out
+
+        other = file_layer(tmp_path / "c", "s")
+        other(np.arange(1000, 1300, dtype=np.int64), training=True)
+        assert other.restore_snapshot(shm) == 300
+        assert_same_export(at_snapshot, other.export())
+    finally:
+        shutil.rmtree(shm)
+    assert_same_export(at_snapshot, other.export())  # its own copies
+    other(np.arange(300, 400, dtype=np.int64), training=True)
+    assert other.snapshot() == 1
+    trained = other.export()
+    assert other.restore_snapshot() == 400
+    assert_same_export(trained, other.export())
 
 
 def open_files_under(folder):

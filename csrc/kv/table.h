@@ -329,8 +329,8 @@ class Table {
   // number; RestoreSnapshot replaces the contents with the latest snapshot
   // under `path` (storage_path when empty) and returns the number of keys.
   // Both throw std::runtime_error naming the file on I/O errors or a
-  // corrupt or truncated snapshot (a failed restore checks every file
-  // before it changes the table).
+  // corrupt or truncated snapshot; a failed restore leaves the table as it
+  // was (every file is checked first, the new contents built aside).
   bool file_tier() const { return !options_.storage_path.empty(); }
 
   // --- Change tracking (incremental checkpoints, serving deltas) ---------

@@ -520,7 +520,13 @@ int64_t Table<K>::RestoreSnapshot(const std::string& path) {
     }
     r.Finish();  // the CRC of the whole index
   }
-  // Everything checked: replace the contents.
+  // Everything checked. The new contents are built aside, in new shards
+  // (index, metadata, and a store with the snapshot's segments linked, or
+  // copied from another file system, into the table's directory), and
+  // swapped in once every shard is complete: a failure on the way (a full
+  // disk, memory) leaves the table as it was and removes the files it had
+  // added. The old and the new index and metadata are both in memory
+  // meanwhile.
   std::vector<std::unique_lock<std::shared_mutex>> locks;
   LockAll(&locks);
   std::lock_guard<std::mutex> specs_lock(slot_specs_mu_);
@@ -530,13 +536,11 @@ int64_t Table<K>::RestoreSnapshot(const std::string& path) {
     widths.push_back(spec.width);
     inits.push_back(spec.init);
   }
-  Reader r(index_path, /*crc=*/false);
-  read_header(r);
   int64_t keys = 0;
-  for (size_t si = 0; si < shards_.size(); ++si) {
-    Shard& s = *shards_[si];
+  auto fill = [&](Reader& r, size_t si, Shard& s) {
     auto* store = static_cast<FileRowStore*>(s.store.get());
-    s.Reset();
+    // Its files are named apart from the live store's.
+    store->NumberAfter(*static_cast<const FileRowStore*>(shards_[si]->store.get()));
     store->SetLayout(widths, inits);
     read_segments(r, si);
     std::unordered_map<uint32_t, uint32_t> ids;  // snapshot id -> new id
@@ -567,10 +571,30 @@ int64_t Table<K>::RestoreSnapshot(const std::string& path) {
       s.index.Insert(key, h, Entry{key, value_row, aux});
       ++keys;
     }
+  };
+  std::vector<std::unique_ptr<Shard>> fresh;
+  try {
+    Reader r(index_path, /*crc=*/false);
+    read_header(r);
+    fresh.reserve(shards_.size());
+    for (size_t si = 0; si < shards_.size(); ++si) {
+      fresh.push_back(std::make_unique<Shard>());
+      fresh.back()->store = NewStore(static_cast<int>(si));
+      fill(r, si, *fresh.back());
+    }
+  } catch (...) {
+    for (auto& s : fresh) {
+      if (s->store) s->store->Clear();  // removes the files it added
+    }
+    throw;
   }
-  slot_specs_ = specs;
-  default_values_ = defaults;
-  default_value_dim_ = static_cast<int64_t>(defaults.size()) / dim_;
+  for (size_t si = 0; si < shards_.size(); ++si) {
+    shards_[si]->SwapContents(*fresh[si]);
+    fresh[si]->store->Clear();  // the replaced rows' files
+  }
+  slot_specs_.swap(specs);
+  default_values_.swap(defaults);
+  default_value_dim_ = static_cast<int64_t>(default_values_.size()) / dim_;
   if (!bloom.empty()) bloom_.SetState(bloom);
   reset_epoch_ = ChangeEpoch();  // contents replaced wholesale: no delta spans this
   RaiseLatestStep(latest);

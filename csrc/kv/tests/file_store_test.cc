@@ -7,6 +7,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -521,6 +522,98 @@ void TestCorruptRecords() {
   CHECK(data_loss);
 }
 
+// Keys of `shard` among 0, 1, 2, ... (the first `n`).
+std::vector<int64_t> KeysOfShard(const Table<int64_t>& t, int shard, size_t n) {
+  std::vector<int64_t> all(40 * n * static_cast<size_t>(t.num_shards()));
+  std::iota(all.begin(), all.end(), 0);
+  auto p = Partition(t, all.data(), static_cast<int64_t>(all.size()), 1, Serial);
+  CHECK(static_cast<size_t>(p.offsets[shard + 1] - p.offsets[shard]) >= n);
+  return std::vector<int64_t>(p.keys.begin() + p.offsets[shard],
+                              p.keys.begin() + p.offsets[shard] + static_cast<int64_t>(n));
+}
+
+// A restore that fails part-way leaves the table exactly as it was (it
+// emptied the shards it had reached). Here the snapshot lies on another
+// file system (tmpfs), so its segments are copied into the table's
+// directory (a hard link cannot cross), and a file-size limit (a full disk,
+// as far as the table can tell) fails the copy of shard 1's segment after
+// shard 0's was copied. Within the limit the same restore is exact, and the
+// table reads its copies once the snapshot is gone.
+void TestRestoreAllOrNothing() {
+  struct stat shm, root;
+  CHECK(::stat("/dev/shm", &shm) == 0 && ::stat(g_root.c_str(), &root) == 0);
+  CHECK(shm.st_dev != root.st_dev);  // the test needs a second file system
+  const std::string path = TempDir("all-or-nothing");
+  TableOptions o = Options(path, 0);
+  o.segment_bytes = 1 << 20;  // one segment per shard
+  Exported at_snapshot;
+  {
+    Table<int64_t> t(o);
+    const int slot = t.AddSlot("acc", kDim, 0.1f);
+    // Shard 0 gets few rows, the others many: its segment is the smallest.
+    std::vector<int64_t> keys = KeysOfShard(t, 0, 10);
+    for (int s = 1; s < t.num_shards(); ++s) {
+      const std::vector<int64_t> more = KeysOfShard(t, s, 500);
+      keys.insert(keys.end(), more.begin(), more.end());
+    }
+    std::vector<float> values(keys.size() * kDim), acc(keys.size() * kDim, 0.5f);
+    for (size_t i = 0; i < values.size(); ++i) values[i] = 0.01f * static_cast<float>(i);
+    t.Import(keys.data(), values.data(), nullptr, nullptr, static_cast<int64_t>(keys.size()),
+             acc.data(), {slot}, {kDim});
+    CHECK(t.Snapshot() == 1);
+    at_snapshot = ExportSorted(t);
+  }
+  char tmpl[] = "/dev/shm/kre-restore-XXXXXX";
+  const std::string other = ::mkdtemp(tmpl);
+  CHECK(std::system(("cp -r '" + path + "/CURRENT' '" + path + "/snap-1' '" + other + "/'")
+                        .c_str()) == 0);
+  uint64_t shard0 = 0, largest = 0;
+  for (const std::string& f : ListDir(other + "/snap-1")) {
+    struct stat st;
+    if (f.size() < 4 || f.substr(f.size() - 4) != ".seg" ||
+        ::stat((other + "/snap-1/" + f).c_str(), &st) != 0) {
+      continue;
+    }
+    largest = std::max<uint64_t>(largest, st.st_size);
+    if (f.rfind("s0-", 0) == 0) shard0 = std::max<uint64_t>(shard0, st.st_size);
+  }
+  CHECK(shard0 > 32 && shard0 < largest);
+
+  TableOptions live = o;
+  live.storage_path = TempDir("all-or-nothing-live");
+  Table<int64_t> t(live);
+  for (int64_t step = 0; step < 3; ++step) Step(t, step, 50);
+  CHECK(t.Snapshot() == 1);  // every row on file
+  const Exported before = ExportSorted(t);
+  const size_t files_before = LiveSegments(live.storage_path).size();
+  CHECK(files_before >= 3);
+  struct rlimit limit;
+  CHECK(::getrlimit(RLIMIT_FSIZE, &limit) == 0);
+  const rlim_t saved = limit.rlim_cur;
+  ::signal(SIGXFSZ, SIG_IGN);  // a write past the limit fails with EFBIG instead
+  limit.rlim_cur = shard0;
+  CHECK(::setrlimit(RLIMIT_FSIZE, &limit) == 0);
+  const std::string err = ErrorOf([&] { t.RestoreSnapshot(other); });
+  limit.rlim_cur = saved;
+  CHECK(::setrlimit(RLIMIT_FSIZE, &limit) == 0);
+  CHECK(Contains(err, "cannot copy the snapshot segment '" + other + "/snap-1/s") &&
+        Contains(err, std::strerror(EFBIG)));
+  CHECK(ExportSorted(t) == before);                 // every shard as it was
+  CHECK(LiveSegments(live.storage_path).size() == files_before);  // the copies removed
+  CHECK(t.RestoreSnapshot("") == static_cast<int64_t>(before.keys.size()));
+  CHECK(ExportSorted(t) == before);
+
+  CHECK(t.RestoreSnapshot(other) == static_cast<int64_t>(at_snapshot.keys.size()));
+  CHECK(ExportSorted(t) == at_snapshot);
+  CHECK(std::system(("rm -rf '" + other + "'").c_str()) == 0);
+  CHECK(ExportSorted(t) == at_snapshot);  // its own copies
+  for (int64_t step = 3; step < 6; ++step) Step(t, step, 3000);
+  const Exported trained = ExportSorted(t);
+  CHECK(t.Snapshot() == 2);  // syncs the copies
+  CHECK(t.RestoreSnapshot("") == static_cast<int64_t>(trained.keys.size()));
+  CHECK(ExportSorted(t) == trained);
+}
+
 // Descriptors the process holds on files under `path`, and its mappings of
 // such files.
 int OpenFilesUnder(const std::string& path) {
@@ -632,6 +725,7 @@ int main() {
   TestTruncatedUnderTheTable();
   TestCorruptRecords();
   TestDescriptorsBounded();
+  TestRestoreAllOrNothing();
   TestKillWriter();
   TestBigSnapshot();
   std::system(("rm -rf '" + g_root + "'").c_str());
