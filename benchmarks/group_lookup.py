@@ -15,12 +15,9 @@ each wrapped in a `tf.function`, over --batch rows per feature. With
 the same columns) summed per row: the fused op combines them itself, the
 separate path calls each table's `EmbeddingVariable(combiner="sum")` layer.
 With --inference both paths are inference lookups (`training=False`,
-`insert=False`); ``fused`` then takes the op's default lean single-id
-path (a table's only feature with one id per row: no dedupe, rows written
-straight into the output), ``fused_general`` the deduplicating path for every
-table and ``fused_single_id`` the single-id fast path for every single-id table
-(`keras_rec_emb.ops.embedding_ops.single_id_fast_path(False / True)`). With
---concat both paths return one `[batch, features * dim]` tensor (the
+`insert=False`); ``fused`` then reads each table's only feature by the op's
+pooled path (no dedupe; csrc/kernels/group_forward.cc states the rule).
+With --concat both paths return one `[batch, features * dim]` tensor (the
 fused op writes it in place; the separate rows go through `tf.concat`).
 Before timing
 both paths are checked to give the same rows. Reported: median ms per call
@@ -47,7 +44,6 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import keras_rec_emb as kre  # noqa: E402
-from keras_rec_emb.ops import embedding_ops  # noqa: E402
 
 from _machine import machine_info, median_range, write_json_report  # noqa: E402  (run as a script)
 
@@ -68,8 +64,7 @@ def parse_args(argv=None):
                    help="inference lookups (no insert) instead of training lookups")
     p.add_argument("--threads", type=int, default=0, help="intra-op threads (0: TF's default)")
     p.add_argument("--no-filter", action="store_true", help="tables without filter/evict")
-    p.add_argument("--only", choices=("fused", "separate", "fused_single_id", "fused_general"),
-                   help="time one path (profiling)")
+    p.add_argument("--only", choices=("fused", "separate"), help="time one path (profiling)")
     p.add_argument("--json", default=DEFAULT_JSON)
     return p.parse_args(argv)
 
@@ -136,16 +131,6 @@ def main(argv=None):
         return [out] if opts.concat else out
 
     @tf.function
-    def fused_single_id(batch):  # the same op with the single-id fast path on
-        with embedding_ops.single_id_fast_path(True):
-            return fused.python_function(batch)
-
-    @tf.function
-    def fused_general(batch):  # the same op, every table deduplicated
-        with embedding_ops.single_id_fast_path(False):
-            return fused.python_function(batch)
-
-    @tf.function
     def separate(batch):
         if opts.lengths is None:
             out = [t.lookup(x, insert=train) for t, x in zip(tables, batch)]
@@ -170,9 +155,6 @@ def main(argv=None):
     for a, b in zip(fused(batches[0]), separate(batches[0])):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-6)
     paths = {"fused": fused, "separate": separate}
-    if opts.inference:
-        paths["fused_single_id"] = fused_single_id
-        paths["fused_general"] = fused_general
     if opts.only:
         t0, c0 = time.perf_counter(), time.process_time()
         for i in range(opts.reps):
@@ -196,22 +178,11 @@ def main(argv=None):
         rounds.append({"median_s": med, "median_cpu_s": med_cpu,
                        "ratio_fused_over_separate": med["fused"] / med["separate"],
                        "cpu_ratio_fused_over_separate": med_cpu["fused"] / med_cpu["separate"]})
-        if "fused_single_id" in med:
-            rounds[-1]["ratio_single_id_over_fused"] = med["fused_single_id"] / med["fused"]
-            rounds[-1]["ratio_general_over_fused"] = med["fused_general"] / med["fused"]
-            rounds[-1]["cpu_ratio_general_over_fused"] = (med_cpu["fused_general"]
-                                                          / med_cpu["fused"])
         print(f"round {r}: " + ", ".join(
             f"{name} {1e3 * med[name]:.2f} ms ({1e3 * med_cpu[name]:.2f} CPU)" for name in paths)
-            + f"; fused/separate = {med['fused'] / med['separate']:.2f}"
-            + (f", fused_single_id/fused = {rounds[-1]['ratio_single_id_over_fused']:.2f}"
-               if "fused_single_id" in med else "")
-            + (f", fused_general/fused = {rounds[-1]['ratio_general_over_fused']:.2f}"
-               if "fused_general" in med else ""), flush=True)
+            + f"; fused/separate = {med['fused'] / med['separate']:.2f}", flush=True)
     summary = {}
-    for key in ("ratio_fused_over_separate", "cpu_ratio_fused_over_separate",
-                "ratio_single_id_over_fused", "ratio_general_over_fused",
-                "cpu_ratio_general_over_fused"):
+    for key in ("ratio_fused_over_separate", "cpu_ratio_fused_over_separate"):
         values = [x[key] for x in rounds if key in x]
         if values:
             summary[key] = median_range(values)

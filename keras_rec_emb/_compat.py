@@ -21,6 +21,7 @@ import pyarrow as pa
 import tensorflow as tf
 from tensorflow.python.data.ops import from_generator_op
 from tensorflow.python.eager import tape as _tape
+from tensorflow.python.framework import op_def_registry
 
 # -- TensorFlow -------------------------------------------------------------------
 
@@ -36,6 +37,18 @@ def variable_accessed(variable):
     (`ops/embedding_ops.py`).
     """
     _tape.variable_accessed(variable)
+
+
+def op_def(op_type):
+    """The `OpDef` registered for `op_type`: the names of its inputs, outputs
+    and attributes, as the op's registration declares them.
+
+    A graph op has it as `op.op_def`, but the op a gradient function gets in
+    eager mode has only its type, attributes and tensors; the public API has
+    no lookup by type. Used by `_op_args` (our ops' inputs and outputs read
+    by name, in the group lookup's gradient and the optimizers).
+    """
+    return op_def_registry.get(op_type)
 
 
 # A dataset built from three graph functions (init / next / finalize) over a

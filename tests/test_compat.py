@@ -243,6 +243,17 @@ def test_variable_accessed_is_seen_by_the_tape():
     assert [w.ref() for w in tape.watched_variables()] == [v.ref()]
 
 
+def test_op_def_names_an_ops_arguments():
+    """The group lookup's registration names its inputs and outputs (what
+    `_op_args` reads them by); unknown op types give None."""
+    op_def = _compat.op_def("KRE>GroupLookup")
+    assert [a.name for a in op_def.input_arg] == ["tables", "dense_params", "ids",
+                                                  "row_splits", "weights"]
+    assert [(a.name, a.number_attr) for a in op_def.output_arg] == [
+        ("outputs", "num_features"), ("unique_ids", "num_params"), ("inverse", "num_features")]
+    assert _compat.op_def("NoSuchOpAnywhere") is None
+
+
 def test_dataset_entries():
     base = tf.data.Dataset.range(4)
     mapped = base.map(lambda x: x * 2)

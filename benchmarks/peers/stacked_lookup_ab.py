@@ -1,8 +1,8 @@
 """A/B in one process: GroupEmbedding's inference lookup of the peer
 workload's stacked `[batch, F, L]` ids through `KRE>StackedPooledLookup`
-(the layer's default for L > 1) vs the group lookup's lean pooled path
-(`KRE>UnstackKeptIds` + `KRE>GroupLookup`, what it ran before; pinned with
-`single_id_fast_path(True)`). The tables are filled by one training lookup
+(the layer's default for L > 1) vs the group lookup's pooled path
+(`KRE>UnstackKeptIds` + `KRE>GroupLookup`, what it ran before: the same
+split and lookup called as ops). The tables are filled by one training lookup
 of each of the workload's batches, then both `tf.function`s are checked to
 give bit-identical outputs on every batch and timed in interleaved rounds
 (the order flips every round) of REPS calls over the batches. Prints wall
@@ -38,7 +38,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_rec_emb as kre  # noqa: E402
-from keras_rec_emb.ops import embedding_ops  # noqa: E402
+from keras_rec_emb import _ops  # noqa: E402
+from keras_rec_emb._ids import FlatIds  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import protocol  # noqa: E402
@@ -54,10 +55,16 @@ batches = protocol.lookup_batches(tf, ids, meta)
 for b in batches:
     group(b, training=True)
 
-paths = {"new": tf.function(lambda x: group(x, training=False))}
-with embedding_ops.single_id_fast_path(True):  # traced inside: the old path
-    paths["old"] = tf.function(lambda x: group(x, training=False))
-    paths["old"].get_concrete_function(batches[0])
+tables = [group.tables[s.table] for s in group.features.values()]
+
+
+def old(x):  # the split into each feature's kept ids, then the group lookup
+    values, splits = _ops.unstack_kept_ids(x)
+    return kre.ops.group_embedding_lookup_sparse(
+        tables, [FlatIds(v, s, True) for v, s in zip(values, splits)], "sum", concat=True)
+
+
+paths = {"new": tf.function(lambda x: group(x, training=False)), "old": tf.function(old)}
 for name, fn in paths.items():
     ops = {op.type for op in fn.get_concrete_function(batches[0]).graph.get_operations()}
     print(name, sorted(o for o in ops if o.startswith("KRE>")))

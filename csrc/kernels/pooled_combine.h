@@ -1,10 +1,10 @@
 // Copyright keras_rec_emb authors. Apache-2.0.
-// What the kernels that combine pooled rows straight from a table share
-// (the group lookup, csrc/kernels/group_kernels.cc, and the stacked pooled
-// lookup, csrc/kernels/stacked_lookup_kernels.cc): the combiners, a table
-// of either key dtype resolved from its handle, and CombinePooledRows, the
-// combine of rows given as pointers, bit-identical to the group lookup's
-// general CombineRows for unweighted ids.
+// What the pooled lookup kernels share (the group lookup: group_config.cc,
+// group_forward.cc, group_backward.cc; the stacked pooled lookup:
+// stacked_lookup_kernels.cc): the combiners, a table of either key dtype
+// resolved from its handle, and CombinePooledRows, the pooled path's
+// combine of rows given as pointers (pooled_lookup.h), bit-identical to the
+// deduplicating path's CombineRows (distinct_lookup.cc) for unweighted ids.
 #ifndef KRE_KERNELS_POOLED_COMBINE_H_
 #define KRE_KERNELS_POOLED_COMBINE_H_
 
@@ -114,7 +114,7 @@ inline bool PadPooledRows(int64_t max_len, int64_t rows, int64_t ids) {
   return max_len <= kPaddedCombineLen && max_len * rows <= 2 * ids;
 }
 
-// LeanPooledRows' combine of rows [b0, b1) for a width D known at compile
+// PooledRows' combine of rows [b0, b1) for a width D known at compile
 // time: row b's ids' rows are rows[splits[b] - j0], ...; each output row is
 // summed in registers and stored once, with
 // CombineRows' operations in its order (1 * x for one id; 0 + x_0 + x_1 +

@@ -4,77 +4,30 @@
 //
 // One pass over the ids splits them into each feature's kept ids and row
 // splits (KeepRows, as KRE>UnstackKeptIds does: the input read once in
-// order). Then feature by feature, in blocks of about kBlockIds ids, each
-// block's rows are found in the table with kv::Table::OrderedReader (row
-// pointers, prefetched) and combined straight from the table into the
-// output by CombinePooledRows, as the group lookup's lean pooled path does
-// after KRE>UnstackKeptIds, but without the op boundary between them and
-// what the group lookup's other paths need of it (its per-feature checks of
-// ids and splits, copies of the splits, unique_ids and inverse outputs).
-// Reading each feature's ids straight from the stacked tensor instead
-// measured slower: a feature's ids lie F * L apart, and those strided loads
-// missed for about a third of the op's time, prefetched or not.
-// A table that does not read in batch order (a filter or a file tier:
-// kv::Table::OrderedLookups; or too large: PrefersOrderedLookup) has its
-// feature's ids looked up in chunks, grouped by shard and looked up shard by
-// shard into a row buffer, then combined alike. Outputs are bit-identical to
-// the group lookup's.
+// order). Then every feature takes the pooled path (pooled_lookup.h), as a
+// group lookup's pooled feature does after KRE>UnstackKeptIds, but without
+// the op boundary between them and what the group lookup needs of it (its
+// per-feature checks of ids and splits, copies of the splits, unique_ids and
+// inverse outputs). Reading each feature's ids straight from the stacked
+// tensor instead measured slower: a feature's ids lie F * L apart, and those
+// strided loads missed for about a third of the op's time, prefetched or
+// not. Outputs are bit-identical to the group lookup's.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <limits>
-#include <optional>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 #include "kernels/keep_rows.h"
 #include "kernels/pooled_combine.h"
+#include "kernels/pooled_lookup.h"
 #include "kernels/table_resource.h"
-#include "kv/partition.h"
-#include "kv/shard_ops.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
 
 namespace kre {
 namespace {
-
-// Kept ids per block of a feature read in batch order (the group lookup's
-// kLeanPooledBlock): the block's ids stay in L1, its rows in L2.
-constexpr int64_t kBlockIds = 1024;
-// Ids per chunk of a feature looked up shard by shard: enough per shard
-// for each shard's lookup to stay within its own memory a while.
-constexpr int64_t kChunkIds = 1 << 16;
-// Rows per unit of work at least, when features are split over threads.
-constexpr int64_t kMinUnitRows = 256;
-
-// Scratch of a block of one feature's rows, when its keys are not the kept
-// ids as they are (an int32 table, or rows filled with the default id).
-template <typename K>
-struct Block {
-  std::vector<K> keys;
-  std::vector<int64_t> splits;
-  std::vector<const float*> rows;  // the rows found, and the pad row
-};
-
-// The rows of in[0, n), shard by shard into `buffer` (room for n rows of dim
-// floats); their pointers into rows[0, n).
-template <typename K>
-void FindByShard(kv::Table<K>& table, const K* in, int64_t n, int64_t dim, float* buffer,
-                 const float** rows) {
-  // One block: this runs on one of the op's units already.
-  const kv::Partitioned<K> p = kv::Partition(table, in, n, 1, [](int num_blocks, auto&& fn) {
-    for (int b = 0; b < num_blocks; ++b) fn(b);
-  });
-  for (int s = 0; s < table.num_shards(); ++s) {
-    const int64_t b = p.offsets[s], m = p.offsets[s + 1] - b;
-    if (m > 0) {
-      table.Lookup(s, p.keys.data() + b, p.hashes.data() + b, p.order.data() + b, m,
-                   /*insert=*/false, buffer);
-    }
-  }
-  for (int64_t u = 0; u < n; ++u) rows[u] = buffer + u * dim;
-}
 
 class StackedPooledLookupOp : public OpKernel {
  public:
@@ -101,8 +54,8 @@ class StackedPooledLookupOp : public OpKernel {
     // Each feature's kept ids (room for all its ids) and row splits, in one
     // pass over the input (features split over the threads).
     Tensor kept_t, splits_t;
-    OP_REQUIRES_OK(ctx, ctx->allocate_temp(tf::DT_INT64, TensorShape({F, batch * len + 1}),
-                                           &kept_t));
+    OP_REQUIRES_OK(ctx,
+                   ctx->allocate_temp(tf::DT_INT64, TensorShape({F, batch * len + 1}), &kept_t));
     OP_REQUIRES_OK(ctx, ctx->allocate_temp(tf::DT_INT64, TensorShape({F, batch + 1}), &splits_t));
     std::vector<int64_t*> kept(F), splits(F);
     for (int f = 0; f < F; ++f) {
@@ -126,8 +79,7 @@ class StackedPooledLookupOp : public OpKernel {
     // unit each, with a row buffer for a chunk of their ids; the others
     // are split over the threads when there are fewer than two a thread.
     const int threads = workers->num_threads;
-    const int64_t ranges = std::max<int64_t>(
-        1, std::min<int64_t>((2 * threads + F - 1) / F, batch / kMinUnitRows));
+    const int64_t ranges = PooledRanges(threads, F, batch);
     struct Unit {
       int feature;
       int64_t begin, end;
@@ -143,12 +95,12 @@ class StackedPooledLookupOp : public OpKernel {
         }
         continue;
       }
-      // A chunk holds kChunkIds ids, or one row with its default id.
       buffers.emplace_back();
-      const int64_t chunk = std::min(num_kept[f] + batch, std::max(kChunkIds, per_row) + 1);
-      OP_REQUIRES_OK(ctx, ctx->allocate_temp(tf::DT_FLOAT,
-                                             TensorShape({chunk, dims_[feature_tables_[f]]}),
-                                             &buffers.back()));
+      OP_REQUIRES_OK(ctx,
+                     ctx->allocate_temp(tf::DT_FLOAT,
+                                        TensorShape({PooledBufferRows(num_kept[f], batch, per_row),
+                                                     dims_[feature_tables_[f]]}),
+                                        &buffers.back()));
       units.push_back({f, 0, batch, buffers.back().flat<float>().data()});
     }
     // Every other call walks the features in reverse: the tables read last
@@ -161,16 +113,21 @@ class StackedPooledLookupOp : public OpKernel {
     int64_t cost = 0;
     for (const Unit& u : units) cost += (u.end - u.begin) * per_row;
     cost = 60 * (cost / static_cast<int64_t>(units.size()) + 1);
-    OP_REQUIRES_OK(ctx, ParallelFor(ctx, static_cast<int64_t>(units.size()), cost,
-                                    [&](int64_t i) {
-      const Unit& u = units[i];
-      const TableSlot& t = tables[feature_tables_[u.feature]];
-      const int f = u.feature;
-      status[i] = t.t64 ? Feature(t.t64->table(), f, kept[f], splits[f], u.begin, u.end,
-                                  u.buffer, out)
-                        : Feature(t.t32->table(), f, kept[f], splits[f], u.begin, u.end,
-                                  u.buffer, out);
-    }));
+    OP_REQUIRES_OK(ctx, ParallelFor(ctx, static_cast<int64_t>(units.size()), cost, [&](int64_t i) {
+                     const Unit& u = units[i];
+                     const int f = u.feature;
+                     const PooledFeature pf{kept[f],
+                                            splits[f],
+                                            dims_[feature_tables_[f]],
+                                            default_ids_[f],
+                                            combiners_[f],
+                                            out + columns_[f],
+                                            width_,
+                                            f,
+                                            static_cast<int>(feature_tables_[f])};
+                     status[i] =
+                         PooledRows(tables[feature_tables_[f]], pf, u.begin, u.end, u.buffer);
+                   }));
     for (const absl::Status& s : status) OP_REQUIRES_OK(ctx, s);
   }
 
@@ -186,16 +143,19 @@ class StackedPooledLookupOp : public OpKernel {
     TF_RETURN_IF_ERROR(ctx->GetAttr("default_ids", &default_ids_));
     const size_t T = static_cast<size_t>(num_tables_), F = static_cast<size_t>(num_features_);
     if (key_dtypes_.size() != T || dims_.size() != T) {
-      return errors::InvalidArgument("table_key_dtypes and table_dims must each have num_tables = ",
-                                     num_tables_, " entries, got ", key_dtypes_.size(), " and ",
-                                     dims_.size());
+      return errors::InvalidArgument(
+          "table_key_dtypes and table_dims must each have num_tables = ", num_tables_,
+          " entries, got ", key_dtypes_.size(), " and ", dims_.size());
     }
     for (size_t t = 0; t < T; ++t) {
-      if (dims_[t] < 1) return errors::InvalidArgument("table_dims[", t, "] must be >= 1, got ", dims_[t]);
+      if (dims_[t] < 1)
+        return errors::InvalidArgument("table_dims[", t, "] must be >= 1, got ", dims_[t]);
     }
     if (feature_tables_.size() != F || combiners.size() != F || default_ids_.size() != F) {
-      return errors::InvalidArgument("feature_tables, combiners and default_ids must each have "
-                                     "num_features = ", num_features_, " entries");
+      return errors::InvalidArgument(
+          "feature_tables, combiners and default_ids must each have "
+          "num_features = ",
+          num_features_, " entries");
     }
     combiners_.resize(F);
     columns_.resize(F);
@@ -210,93 +170,13 @@ class StackedPooledLookupOp : public OpKernel {
         return errors::InvalidArgument("combiners[", f, "] must be sum, mean or sqrtn, got '",
                                        combiners[f], "'");
       }
-      if (key_dtypes_[t] == tf::DT_INT32 &&
-          default_ids_[f] > std::numeric_limits<int32_t>::max()) {
+      if (key_dtypes_[t] == tf::DT_INT32 && default_ids_[f] > std::numeric_limits<int32_t>::max()) {
         return errors::InvalidArgument("default_ids[", f, "] = ", default_ids_[f],
                                        " does not fit table ", t, "'s int32 keys");
       }
       columns_[f] = width_;
       width_ += dims_[t];
     }
-    return absl::OkStatus();
-  }
-
-  // Rows [begin, end) of feature f from `table`, its kept ids kept[] with
-  // row splits splits[]; `buffer` non-null: read shard by shard, in chunks,
-  // into it.
-  template <typename K>
-  absl::Status Feature(kv::Table<K>& table, int f, const int64_t* kept, const int64_t* splits,
-                       int64_t begin, int64_t end, float* buffer, float* out) const {
-    thread_local Block<K> blk;
-    const int64_t dim = dims_[feature_tables_[f]];
-    const int64_t def = default_ids_[f];
-    const Combiner comb = combiners_[f];
-    out += columns_[f];
-    std::optional<typename kv::Table<K>::OrderedReader> reader;
-    if (buffer == nullptr) reader.emplace(table);
-    const int64_t max_ids = buffer == nullptr ? kBlockIds : kChunkIds;
-    for (int64_t b0 = begin; b0 < end;) {
-      // Rows [b0, b1): as many as hold max_ids keys (at least one row),
-      // counting a default id for each row when empty rows may read one.
-      const int64_t j0 = splits[b0];
-      const int64_t per_row_fill = def >= 0 ? 1 : 0;
-      int64_t b1 = b0 + 1;
-      int64_t max_len = splits[b1] - j0, min_len = max_len;
-      while (b1 < end && splits[b1 + 1] - j0 + per_row_fill * (b1 + 1 - b0) <= max_ids) {
-        const int64_t n = splits[b1 + 1] - splits[b1];
-        max_len = std::max(max_len, n);
-        min_len = std::min(min_len, n);
-        ++b1;
-      }
-      const int64_t rows = b1 - b0;
-      int64_t n = splits[b1] - j0;
-      // The block's keys: the kept ids where they are, or (an int32 table,
-      // or an empty row to fill with the default id) a copy in blk.
-      const K* keys;
-      const int64_t* sp = splits;
-      int64_t first = b0, base = j0;
-      const bool fill = def >= 0 && min_len == 0;
-      if (std::is_same_v<K, int64_t> && !fill) {
-        keys = reinterpret_cast<const K*>(kept + j0);
-      } else {
-        blk.keys.resize(n + rows);
-        blk.splits.resize(rows + 1);
-        K* k = blk.keys.data();
-        int64_t m = 0;
-        blk.splits[0] = 0;
-        for (int64_t b = b0; b < b1; ++b) {
-          for (int64_t j = splits[b]; j < splits[b + 1]; ++j) {
-            if (kept[j] > std::numeric_limits<K>::max()) {
-              return errors::InvalidArgument("id ", kept[j], " of feature ", f, " (ids[", b,
-                                             ", ", f, ", :]) does not fit table ",
-                                             feature_tables_[f], "'s int32 keys");
-            }
-            k[m++] = static_cast<K>(kept[j]);
-          }
-          if (fill && splits[b + 1] == splits[b]) k[m++] = static_cast<K>(def);
-          blk.splits[b - b0 + 1] = m;
-        }
-        if (fill) max_len = std::max<int64_t>(max_len, 1);
-        n = m;
-        keys = k;
-        sp = blk.splits.data();
-        first = 0;
-        base = 0;
-      }
-      // One slot more: the pad row.
-      if (static_cast<int64_t>(blk.rows.size()) < n + 1) blk.rows.resize(n + 1);
-      if (reader) {
-        reader->Find(keys, n, blk.rows.data(), /*read_later=*/true);
-      } else {
-        FindByShard(table, keys, n, dim, buffer, blk.rows.data());
-      }
-      blk.rows[n] = kNegativeZeros.data();
-      CombinePooledRows(dim, sp, base, first, first + rows, blk.rows.data(),
-                        PadPooledRows(max_len, rows, n), n, max_len, comb,
-                        out + (b0 - first) * width_, width_);
-      b0 = b1;
-    }
-    kv::StreamFence();  // the streamed stores are ordered before the op completes
     return absl::OkStatus();
   }
 

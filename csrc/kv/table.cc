@@ -282,6 +282,9 @@ const float* Table<K>::Resolve(Shard& s, K key, uint64_t h, bool insert, int64_t
   }
   if (admit) ++*admitted;
   if (gate || !admit) return no_permission_row_.data();
+  // Occurrence by occurrence, the first inserts the key and the others find
+  // its row (a filter's admission reads no_permission_value, gated above).
+  if (!filtering() && !bloom()) *hits += static_cast<uint64_t>(count - 1);
   return s.Value(e.row, /*write=*/false);
 }
 
@@ -289,7 +292,7 @@ template <typename K>
 template <bool kCounted>
 int64_t Table<K>::LookupImpl(int shard, const K* keys, const uint64_t* hashes,
                              const int64_t* order, const int32_t* counts, int64_t n,
-                             bool insert, float* out, int32_t* skips) {
+                             bool insert, float* out) {
   Shard& s = *shards_[shard];
   // A file store's cache changes on reads too: it takes the lock exclusively.
   const bool stable = s.store->stable_pointers();
@@ -334,7 +337,7 @@ int64_t Table<K>::LookupImpl(int shard, const K* keys, const uint64_t* hashes,
     return inserted;
   }
   if (stable && !filtering() && !bloom()) {
-    LookupPipelined<kCounted>(s, keys, hashes, order, counts, n, insert, now, out, skips,
+    LookupPipelined<kCounted>(s, keys, hashes, order, counts, n, insert, now, out,
                               &inserted, &hits, &occurrences);
     CountLookups(s, occurrences, hits);
     return inserted;
@@ -361,7 +364,6 @@ int64_t Table<K>::LookupImpl(int shard, const K* keys, const uint64_t* hashes,
       const int64_t c = kCounted ? counts[order[j]] : 1;
       occurrences += static_cast<uint64_t>(c);
       src[j - b] = Resolve(s, keys[j], hashes[j], insert, now, c, &inserted, &hits);
-      if (kCounted) skips[order[j]] = 0;
       if (!stable) {
         CopyRow(out + order[j] * dim_, src[j - b], dim_);
         continue;
@@ -380,7 +382,7 @@ template <typename K>
 template <bool kCounted>
 void Table<K>::LookupPipelined(Shard& s, const K* keys, const uint64_t* hashes,
                                const int64_t* order, const int32_t* counts, int64_t n,
-                               bool insert, int64_t now, float* out, int32_t* skips,
+                               bool insert, int64_t now, float* out,
                                int64_t* inserted, uint64_t* hits, uint64_t* occurrences) {
   // Three stages kSlotAhead and kRowAhead keys apart: prefetch key j's index
   // slot; find key j (its slot is in cache by then) and prefetch its row,
@@ -416,7 +418,6 @@ void Table<K>::LookupPipelined(Shard& s, const K* keys, const uint64_t* hashes,
       if (j + kSlotAhead < n && !s.index.empty_storage()) prefetch_slot(j + kSlotAhead);
       const int64_t c = kCounted ? counts[order[j]] : 1;
       *occurrences += static_cast<uint64_t>(c);
-      if (kCounted) skips[order[j]] = 0;
       const int64_t idx = s.index.Find(keys[j], hashes[j]);
       const float* row;
       int64_t* m = nullptr;
@@ -631,14 +632,14 @@ template <typename K>
 int64_t Table<K>::Lookup(int shard, const K* keys, const uint64_t* hashes,
                          const int64_t* order, int64_t n, bool insert,
                          float* out) {
-  return LookupImpl<false>(shard, keys, hashes, order, nullptr, n, insert, out, nullptr);
+  return LookupImpl<false>(shard, keys, hashes, order, nullptr, n, insert, out);
 }
 
 template <typename K>
 int64_t Table<K>::LookupCounted(int shard, const K* keys, const uint64_t* hashes,
                                 const int64_t* order, const int32_t* counts, int64_t n,
-                                bool insert, float* out, int32_t* skips) {
-  return LookupImpl<true>(shard, keys, hashes, order, counts, n, insert, out, skips);
+                                bool insert, float* out) {
+  return LookupImpl<true>(shard, keys, hashes, order, counts, n, insert, out);
 }
 
 template <typename K>

@@ -151,12 +151,11 @@ class Table {
                  const int64_t* order, int64_t n, bool insert, float* out);
   // Lookup of distinct keys, keys[j] standing for counts[order[j]] >= 1
   // occurrences in a batch: the table ends as if the batch had been looked
-  // up by Lookup, and every occurrence reads what Lookup gives it.
-  // skips[order[j]] is set to 0 (kept for callers that read it: every
+  // up by Lookup, and every occurrence reads what Lookup gives it (every
   // occurrence of a key reads the same row).
   int64_t LookupCounted(int shard, const K* keys, const uint64_t* hashes,
                         const int64_t* order, const int32_t* counts, int64_t n,
-                        bool insert, float* out, int32_t* skips);
+                        bool insert, float* out);
   // Whether LookupOrdered serves this table: rows in DRAM, no admission
   // filter.
   bool OrderedLookups() const { return !file_tier() && !filtering() && !bloom(); }
@@ -473,14 +472,13 @@ class Table {
   template <bool kCounted>
   int64_t LookupImpl(int shard, const K* keys, const uint64_t* hashes,
                      const int64_t* order, const int32_t* counts, int64_t n,
-                     bool insert, float* out, int32_t* skips);
+                     bool insert, float* out);
   // LookupImpl's path for a DRAM store without filters (caller holds the
   // shard lock): a software pipeline over the keys.
   template <bool kCounted>
   void LookupPipelined(Shard& s, const K* keys, const uint64_t* hashes, const int64_t* order,
                        const int32_t* counts, int64_t n, bool insert, int64_t now, float* out,
-                       int32_t* skips, int64_t* inserted, uint64_t* hits,
-                       uint64_t* occurrences);
+                       int64_t* inserted, uint64_t* hits, uint64_t* occurrences);
   void EraseAt(Shard& s, uint64_t i);
   // The export pass of Export and ExportChangedSince (caller holds every
   // shard lock): writes each entry for which keep(shard, entry) holds into

@@ -2,7 +2,8 @@
 // Op registrations and shape functions of the fused group lookup: many
 // features over many parameters (embedding tables and dense [vocab, dim]
 // matrices) in one forward op and one backward op. Kernels live in
-// csrc/kernels/group_kernels.cc.
+// csrc/kernels/group_config.cc (attributes and inputs), group_forward.cc
+// and group_backward.cc.
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -146,23 +147,11 @@ absl::Status CheckGroupInputs(InferenceContext* c, const GroupAttrs& a,
 // written in place), and outputs[1:] are empty [0]; the gradient then takes
 // output_grads[0] of that shape (output_grads[1:] are ignored).
 //
-// With `single_id` and without `insert` (inference) a table whose features
-// all have exactly one id per row (after pruning and default filling) is
-// looked up without deduplication: unique_ids[p] then lists every id
-// (repeats too) and inverse[f] counts 0, 1, 2, ... The outputs are the
-// same either way. (Training lookups always deduplicate: the gradient and
-// the optimizer's update then handle each key once.)
-// `lean_single_id` (on by default; `single_id` implies it) does the same
-// without `single_id` for the common case only: an inference lookup of a
-// table's only feature whose ids are one per row (row_splits 0, 1, ..., B),
-// without weights or max_norm, reads its ids straight from the input and
-// writes its rows straight into the output (measured: 26 such features,
-// batch 4096, about half the CPU of the deduplicating path).
-// `lean_pooled` (on by default; `single_id` implies it): an inference lookup
-// of a table's only feature without weights, max_norm or sequence output
-// takes every kept id in batch order without deduplication (unique_ids[p]
-// then lists every kept id, repeats too, and inverse[f] counts 0, 1, ...),
-// and combines them as the general path does: the same outputs.
+// An inference lookup (without `insert`) reads a feature that is its
+// table's only feature, without weights, max_norm or sequence output, in
+// batch order without deduplication: unique_ids[p] then lists every kept id
+// (repeats too) and inverse[f] counts 0, 1, ... (the kernel's pooled path;
+// csrc/kernels/group_forward.cc states the rule). The outputs are the same.
 REGISTER_OP("KRE>GroupLookup")
     KRE_GROUP_INPUTS
     .Output("outputs: num_features * float")
@@ -171,9 +160,6 @@ REGISTER_OP("KRE>GroupLookup")
     KRE_GROUP_ATTRS
     .Attr("insert: bool = false")
     .Attr("concat: bool = false")
-    .Attr("single_id: bool = false")
-    .Attr("lean_single_id: bool = true")
-    .Attr("lean_pooled: bool = true")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       GroupAttrs a;

@@ -29,6 +29,7 @@ from keras_rec_emb._checks import (COMBINERS, assert_ids_in_range, check_bool, c
 from keras_rec_emb._embed_reduce import combine_rows
 from keras_rec_emb._ids import (FlatIds, collapse_outer, flat_ids_and_splits, int_ids,
                                 weights_values)
+from keras_rec_emb._op_args import named_inputs, named_outputs
 from keras_rec_emb.variables import EmbeddingTable, TableVariable
 
 
@@ -164,11 +165,6 @@ def _fused_lookup(params, flat_ids, splits, weights, combiners, max_norms,
         prune_invalid_ids=[bool(b) for b in prunes],
         is_sequence=[bool(b) for b in sequences],
     )
-    single_id = getattr(_SINGLE_ID, "enabled", None)
-    if single_id is not None:  # the op's defaults: single_id off, the lean paths on
-        attrs["single_id"] = single_id
-        attrs["lean_single_id"] = single_id
-        attrs["lean_pooled"] = single_id
     _ops.refuse_distribution("A group embedding lookup")
     _ops.refuse_xla("A group embedding lookup")
     outs, _, _ = _ops.gen().kre_group_lookup(
@@ -177,32 +173,6 @@ def _fused_lookup(params, flat_ids, splits, weights, combiners, max_norms,
         num_params=len(tables) + len(dense), name=name or "GroupLookup",
         concat=bool(concat), **attrs)
     return [outs[0]] if concat else list(outs)
-
-
-_SINGLE_ID = threading.local()
-
-
-@contextlib.contextmanager
-def single_id_fast_path(enabled):
-    """Inside (in this thread), inference group lookups traced take the
-    kernel's single-id fast path for every table whose features have one id
-    per row (looked up without deduplication) if `enabled`, and no
-    single-id path at all if not. Outside, the default: only the lean
-    single-id path (a table's only feature, one id per row as given, no
-    weights, no max_norm: its ids go from the input straight to the output;
-    measured about half the CPU of the deduplicating path with 26 features
-    in `benchmarks/group_lookup.py --inference`) and the lean pooled path (a
-    table's only feature with any number of ids per row, no weights, no
-    max_norm, not a sequence: every kept id looked up in batch order, then
-    combined as the general path does); other tables deduplicate.
-    For tests and benchmarks comparing the paths; results are the same
-    either way (`unique_ids` of a single-id table then lists every id)."""
-    previous = getattr(_SINGLE_ID, "enabled", None)
-    _SINGLE_ID.enabled = bool(enabled)
-    try:
-        yield
-    finally:
-        _SINGLE_ID.enabled = previous
 
 
 # -- the same lookup with stock TensorFlow ops (export_for_serving) ------------
@@ -353,30 +323,24 @@ _GRAD_ATTRS = ("table_key_dtypes", "param_dims", "feature_params", "combiners",
 def _group_lookup_grad(op, *grads):
     """Per table: IndexedSlices over distinct keys (no dense shape, like the
     single lookup's); per dense param: IndexedSlices over distinct rows."""
-    nt, nd, nf = (op.get_attr("num_tables"), op.get_attr("num_dense"),
-                  op.get_attr("num_features"))
-    inputs = list(op.inputs)
-    tables = inputs[:nt]
-    dense = inputs[nt:nt + nd]
-    ids = inputs[nt + nd:nt + nd + nf]
-    splits = inputs[nt + nd + nf:nt + nd + 2 * nf]
-    weights = inputs[nt + nd + 2 * nf:]
-    outputs = list(op.outputs)
-    unique_ids = outputs[nf:nf + nt + nd]
-    inverse = outputs[nf + nt + nd:]
+    inputs, outputs = named_inputs(op), named_outputs(op)
+    nt = len(inputs["tables"])
+    nf = len(outputs["outputs"])
+    unique_ids = outputs["unique_ids"]
     grads = [tf.zeros_like(out) if g is None else g
-             for g, out in zip(grads[:nf], outputs[:nf])]
+             for g, out in zip(grads[:nf], outputs["outputs"])]
     grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
     attrs = _attrs_of(op, _GRAD_ATTRS)
     unique_grads = _ops.gen().kre_group_lookup_grad(
-        tables, dense, ids, splits, weights, unique_ids, inverse, grads, **attrs)
+        inputs["tables"], inputs["dense_params"], inputs["ids"], inputs["row_splits"],
+        inputs["weights"], unique_ids, outputs["inverse"], grads, **attrs)
     result = []
     for p in range(nt):
         result.append(tf.IndexedSlices(unique_grads[p], unique_ids[p]))
-    for d in range(nd):
+    for d, dense in enumerate(inputs["dense_params"]):
         p = nt + d
         result.append(tf.IndexedSlices(unique_grads[p], unique_ids[p],
-                                       dense_shape=tf.shape(dense[d], out_type=tf.int64)))
+                                       dense_shape=tf.shape(dense, out_type=tf.int64)))
     return result + [None] * (3 * nf)
 
 
@@ -395,11 +359,10 @@ def stacked_pooled_lookup(params, ids, combiners, default_ids, name=None, what="
     Returns `None` where the op does not serve: a parameter that is not a
     table of this process (dense matrices, distributed tables), int64 ids
     over int32 and int64 tables together (the group lookup checks each
-    int32 table's ids apart), a graph traced for serving (`stock_lookups`),
-    or inside `single_id_fast_path` (which pins the group lookup's paths).
+    int32 table's ids apart) or a graph traced for serving (`stock_lookups`).
     Over int32 tables alone, int64 ids are checked once to fit (`what`
     names them in the error)."""
-    if tracing_stock_lookups() or getattr(_SINGLE_ID, "enabled", None) is not None:
+    if tracing_stock_lookups():
         return None
     ps = [_as_param(p, i) for i, p in enumerate(params)]
     if any(not isinstance(p.table, EmbeddingTable) for p in ps):
@@ -434,8 +397,8 @@ def stacked_pooled_lookup(params, ids, combiners, default_ids, name=None, what="
 def _stacked_pooled_lookup_grad(op, grad):
     """The gradient of an inference lookup that is differentiated anyway
     (e.g. under a GradientTape with `training=False`): the group lookup's,
-    over the ids split per feature and looked up again (deduplicated) for
-    its distinct keys. Per table an IndexedSlices over distinct keys."""
+    over the ids split per feature and looked up again for the keys it
+    lists. Per table an IndexedSlices over those keys."""
     nt, nf = op.get_attr("num_tables"), op.get_attr("num_features")
     tables, ids = list(op.inputs[:nt]), op.inputs[nt]
     a = _attrs_of(op, _STACKED_ATTRS)
@@ -445,9 +408,10 @@ def _stacked_pooled_lookup_grad(op, grad):
                  prune_invalid_ids=[True] * nf, is_sequence=[False] * nf, concat=True)
     values, splits = _ops.unstack_kept_ids(ids)
     weights = [tf.zeros([0], tf.float32)] * nf
+    # An inference lookup: a pooled feature's unique_ids list every kept id
+    # (repeats too); the gradient's IndexedSlices then repeat them alike.
     _, unique_ids, inverse = _ops.gen().kre_group_lookup(
-        tables, [], values, splits, weights, num_params=nt, insert=False,
-        single_id=False, lean_single_id=False, lean_pooled=False, **attrs)
+        tables, [], values, splits, weights, num_params=nt, insert=False, **attrs)
     grads = [tf.convert_to_tensor(grad)] + [tf.zeros([0], tf.float32)] * (nf - 1)
     unique_grads = _ops.gen().kre_group_lookup_grad(
         tables, [], values, splits, weights, unique_ids, inverse, grads, **attrs)

@@ -26,6 +26,7 @@ import tensorflow as tf
 
 from keras_rec_emb import _checks, _compat
 from keras_rec_emb import _ops
+from keras_rec_emb._op_args import named_outputs
 from keras_rec_emb.optimizers import rules
 from keras_rec_emb.variables import is_table
 
@@ -91,31 +92,31 @@ _HYPER_CHECKS = {
 }
 
 
-# Ops whose output (at these positions) never holds a key twice: the
-# distinct ids of KRE>GroupLookup (after its `num_features` row outputs, one
-# per parameter) and tf.unique's values.
-def _group_unique_outputs(op):
-    nf = op.get_attr("num_features")
-    return range(nf, nf + op.get_attr("num_params"))
-
-
+# Outputs that never hold a key twice, by op type: (output name, whether
+# that holds for this op). The group lookup's `unique_ids` are its distinct
+# ids in a training lookup (`insert`); an inference lookup may list every id
+# (its pooled path, csrc/kernels/group_forward.cc). tf.unique's `y` always.
 _DISTINCT_OUTPUTS = {
-    "KRE>GroupLookup": _group_unique_outputs,
-    "Unique": lambda op: (0,),
-    "UniqueV2": lambda op: (0,),
+    "KRE>GroupLookup": ("unique_ids", lambda op: op.get_attr("insert")),
+    "Unique": ("y", lambda op: True),
+    "UniqueV2": ("y", lambda op: True),
 }
 
 
 def has_distinct_keys(grad):
     """Whether a table gradient's keys are known to hold no key twice: in a
-    traced graph, its indices are the group lookup's distinct ids (its
+    traced graph, its indices are a training group lookup's distinct ids (its
     registered gradient) or a `tf.unique`'s output, as produced, so the fused
     apply may skip its dedupe. False when unknown (eager tensors, any other
     op): the general apply dedupes."""
     indices = grad.indices
     op = getattr(indices, "op", None) if not tf.executing_eagerly() else None
-    outputs = _DISTINCT_OUTPUTS.get(getattr(op, "type", None))
-    return outputs is not None and indices.value_index in outputs(op)
+    known = _DISTINCT_OUTPUTS.get(getattr(op, "type", None))
+    if known is None:
+        return False
+    name, holds = known
+    return holds(op) and any(t.value_index == indices.value_index
+                             for t in named_outputs(op)[name])
 
 
 def _table_optimizer_classes():

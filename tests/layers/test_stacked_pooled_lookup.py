@@ -1,8 +1,8 @@
 """`KRE>StackedPooledLookup`: GroupEmbedding's inference lookup of stacked
 ids `[batch, F, L]` (L > 1) in one op. Against NumPy over the tables'
-exported rows, bit-equal to the group lookup's paths (the lean pooled one
-and the deduplicating one), for every kind of table it reads (in batch
-order, shard by shard: filtered, file tier, large), its gradient when
+exported rows, bit-equal to the group lookup's paths (the pooled one and
+the deduplicating one), for every kind of table it reads (in batch order,
+shard by shard: filtered, file tier, large), its gradient when
 differentiated anyway, and its errors."""
 
 import keras
@@ -13,7 +13,6 @@ import tensorflow as tf
 import keras_rec_emb as kre
 from keras_rec_emb import _ops
 from keras_rec_emb.layers import EmbeddingVariable, FeatureSpec, GroupEmbedding
-from keras_rec_emb.ops import embedding_ops
 
 COMBINERS = ("sum", "mean", "sqrtn", "sum", "mean")
 
@@ -68,14 +67,28 @@ def _numpy_lookup(group, x):
     return np.concatenate(outs, 1)
 
 
+def _group_lookup_paths(group, x, training=False):
+    """The same lookup by the group lookup op over each feature's kept ids:
+    as it is (the pooled path for a table's only feature, deduplicated for
+    tables shared by two features) and with every feature read twice (all
+    deduplicated; the first copy's columns)."""
+    specs = list(group.features.values())
+    tables = [group.tables[s.table] for s in specs]
+    x = tf.convert_to_tensor(x)
+    ids = [tf.ragged.boolean_mask(x[:, j, :], x[:, j, :] >= 0) for j in range(len(specs))]
+    combiners = [s.combiner for s in specs]
+    defaults = [s.default_id for s in specs]
+    width = sum(t.embedding_dim for t in tables)
+    once = kre.ops.group_embedding_lookup_sparse(tables, ids, combiners, default_id=defaults,
+                                                 training=training, concat=True)
+    twice = kre.ops.group_embedding_lookup_sparse(tables * 2, ids * 2, combiners * 2,
+                                                  default_id=defaults * 2, training=training,
+                                                  concat=True)
+    return [once, twice[:, :width]]
+
+
 def _old_paths(group, x):
-    """The group lookup's own inference paths over the same ids: the lean
-    pooled one and the deduplicating one (single_id_fast_path pins them)."""
-    result = []
-    for enabled in (True, False):
-        with embedding_ops.single_id_fast_path(enabled):
-            result.append(tf.function(lambda t: group(t, training=False))(x).numpy())
-    return result
+    return [out.numpy() for out in _group_lookup_paths(group, x)]
 
 
 def _graph_ops(group, x):
@@ -172,20 +185,27 @@ def test_gradient_when_differentiated_in_inference():
     group = _group(tables)
     x = tf.constant(_ids(200, 4))
     group(x, training=True)
+    variables = [t.table.variable for t in tables]
     grads = []
-    for enabled in (None, False):
-        with embedding_ops.single_id_fast_path(enabled) if enabled is not None else \
-                tf.name_scope("new"):
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_sum(group(x, training=False) ** 2)
-            grads.append(tape.gradient(loss, [t.table.variable for t in tables]))
+    for stacked in (True, False):  # the stacked op; the deduplicating group lookup
+        with tf.GradientTape() as tape:
+            out = group(x, training=False) if stacked else _group_lookup_paths(group, x)[1]
+            loss = tf.reduce_sum(out ** 2)
+        grads.append(tape.gradient(loss, variables))
     for new, old in zip(*grads):
         assert isinstance(new, tf.IndexedSlices)
-        order_new, order_old = np.argsort(new.indices.numpy()), np.argsort(old.indices.numpy())
-        np.testing.assert_array_equal(new.indices.numpy()[order_new],
-                                      old.indices.numpy()[order_old])
-        np.testing.assert_allclose(new.values.numpy()[order_new], old.values.numpy()[order_old],
-                                   rtol=1e-6)
+        by_key_new, by_key_old = _sum_by_key(new), _sum_by_key(old)
+        assert sorted(by_key_new) == sorted(by_key_old)
+        for k, v in by_key_new.items():
+            np.testing.assert_allclose(v, by_key_old[k], rtol=1e-5, atol=1e-6)
+
+
+def _sum_by_key(grad):
+    """{key: summed row} of an IndexedSlices gradient."""
+    out = {}
+    for i, v in zip(grad.indices.numpy().tolist(), grad.values.numpy()):
+        out[i] = out.get(i, 0) + v
+    return out
 
 
 def test_mixed_precision_output():

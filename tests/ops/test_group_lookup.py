@@ -1,7 +1,6 @@
 """Fused group lookups: outputs and gradients vs NumPy and vs separate
 per-feature lookups, kernel count, training/inference, errors."""
 
-import contextlib
 import doctest
 import os
 
@@ -14,6 +13,7 @@ import keras_rec_emb as kre
 from keras_rec_emb import ops
 from keras_rec_emb.layers import EmbeddingVariable
 from keras_rec_emb._embed_reduce import combine_rows
+from keras_rec_emb._op_args import named_outputs
 from keras_rec_emb.ops import embedding_ops
 
 DVD = 11
@@ -476,7 +476,34 @@ def test_docstring_examples_run():
     assert runner.summarize(verbose=False).failed == 0
 
 
-# -- the single-id fast path ---------------------------------------------------
+# -- the two paths: pooled (a table's only feature, inference) and deduplicating
+def _inference_by_path(params, ids, combiners, concat, **kwargs):
+    """An inference group lookup's output ([batch, sum(dims)]) by path:
+    "pooled" as it is (a table's only feature without weights or max_norm on
+    the pooled path, the others deduplicated) and "dedupe" with every
+    feature read twice (a table read by two features is deduplicated; the
+    first copy's outputs)."""
+    n = len(params)
+    combiners = [combiners] * n if isinstance(combiners, str) else list(combiners)
+    twice = {k: list(v) * 2 if isinstance(v, (list, tuple)) and len(v) == n else v
+             for k, v in kwargs.items()}
+    out = ops.group_embedding_lookup_sparse(params, ids, combiners, training=False,
+                                            concat=concat, **kwargs)
+    pooled = out.numpy() if concat else np.concatenate([o.numpy() for o in out], -1)
+    out = ops.group_embedding_lookup_sparse(list(params) * 2, list(ids) * 2, combiners * 2,
+                                            training=False, concat=concat, **twice)
+    dedupe = (out.numpy()[:, :pooled.shape[-1]] if concat
+              else np.concatenate([o.numpy() for o in out[:n]], -1))
+    return {"pooled": pooled, "dedupe": dedupe}
+
+
+def _lookup_outputs(out):
+    """(rows, unique_ids[0], inverse[0]) of the group lookup op behind `out`."""
+    outs = named_outputs(out.op)
+    return outs["outputs"][0], outs["unique_ids"][0], outs["inverse"][0]
+
+
+# -- features of one id per row --------------------------------------------------
 def _single_id_features(rng, batch):
     """Ids of five features, repeats within the batch: (ids, weights) per
     feature, feature 4 multi-id (the general path), 0-3 one id per row."""
@@ -489,50 +516,43 @@ def _single_id_features(rng, batch):
 
 @pytest.mark.parametrize("wide", [False, True], ids=["few_params", "param_per_unit"])
 @pytest.mark.parametrize("concat", [False, True], ids=["dict", "concat"])
-def test_single_id_fast_path_matches_general_path_and_numpy(matrix_initializer, wide, concat):
-    """In inference, features with one id per row skip the dedupe (rows
-    written straight into the output when they are plain copies): outputs
-    equal the general path's and NumPy's, with a table of its own, a table
-    shared by two single-id features, per-id weights, max_norm and an int32
-    table; nothing is inserted."""
-    results = []
-    for fast in (True, False):
-        t0, m0 = make_table(matrix_initializer, 4, 0)
-        t1, m1 = make_table(matrix_initializer, 4, 1, key_dtype="int32")
-        t2, m2 = make_table(matrix_initializer, 4, 2)
-        params = [t0, t1, t2, t2, t0]
-        ids, w = _single_id_features(np.random.default_rng(5), 7)
-        extra = []
-        if wide:
-            extra = [make_table(matrix_initializer, 4, 10 + i)[0] for i in range(_extra_tables())]
-        weights = [None, w, None, None, None] + [None] * len(extra)
-        with embedding_ops.single_id_fast_path(fast):
-            out = ops.group_embedding_lookup_sparse(
-                params + extra, [x if isinstance(x, tf.RaggedTensor) else x[:, None]
-                                 for x in ids] + [ids[0][:, None]] * len(extra),
-                ["sum", "mean", "sum", "sqrtn", "sum"] + ["sum"] * len(extra),
-                sp_weights=weights, max_norm=[None, None, 0.9, None, None] + [None] * len(extra),
-                training=False, concat=concat)
-        out = out.numpy() if concat else np.concatenate([o.numpy() for o in out], -1)
-        results.append(out)
-        a = [x.numpy() for x in ids]
-        clip = lambda r: r * np.minimum(1.0, 0.9 / np.linalg.norm(r, axis=1, keepdims=True))
-        want = [m0(a[0]), m1(a[1]) * np.sign(w.numpy())[:, None], clip(m2(a[2])), m2(a[3]),
-                np.stack([m0(r).sum(0) for r in ids[4].to_list()])]
-        np.testing.assert_allclose(out[:, :20], np.concatenate(want, -1), rtol=1e-5, atol=1e-6)
-        assert t0.table_size() == 0
-    np.testing.assert_array_equal(results[0], results[1])
+def test_single_id_features_match_numpy_by_either_path(matrix_initializer, wide, concat):
+    """Inference lookups of features with one id per row equal NumPy's, the
+    same by either path, with a table of its own, a table shared by two
+    single-id features, per-id weights, max_norm and an int32 table; nothing
+    is inserted."""
+    t0, m0 = make_table(matrix_initializer, 4, 0)
+    t1, m1 = make_table(matrix_initializer, 4, 1, key_dtype="int32")
+    t2, m2 = make_table(matrix_initializer, 4, 2)
+    params = [t0, t1, t2, t2, t0]
+    ids, w = _single_id_features(np.random.default_rng(5), 7)
+    extra = []
+    if wide:
+        extra = [make_table(matrix_initializer, 4, 10 + i)[0] for i in range(_extra_tables())]
+    weights = [None, w, None, None, None] + [None] * len(extra)
+    results = _inference_by_path(
+        params + extra, [x if isinstance(x, tf.RaggedTensor) else x[:, None]
+                         for x in ids] + [ids[0][:, None]] * len(extra),
+        ["sum", "mean", "sum", "sqrtn", "sum"] + ["sum"] * len(extra), concat,
+        sp_weights=weights, max_norm=[None, None, 0.9, None, None] + [None] * len(extra))
+    np.testing.assert_array_equal(results["pooled"], results["dedupe"])
+    out = results["pooled"]
+    a = [x.numpy() for x in ids]
+    clip = lambda r: r * np.minimum(1.0, 0.9 / np.linalg.norm(r, axis=1, keepdims=True))
+    want = [m0(a[0]), m1(a[1]) * np.sign(w.numpy())[:, None], clip(m2(a[2])), m2(a[3]),
+            np.stack([m0(r).sum(0) for r in ids[4].to_list()])]
+    np.testing.assert_allclose(out[:, :20], np.concatenate(want, -1), rtol=1e-5, atol=1e-6)
+    assert all(t.table_size() == 0 for t in [t0, t1, t2] + extra)
 
 
 @pytest.mark.parametrize("wide", [False, True], ids=["few_params", "param_per_unit"])
 def test_single_id_group_trains_as_separate_layers(matrix_initializer, wide):
-    """Four Adagrad steps with a CounterFilter(2) (training lookups keep the
-    dedupe, fast path attribute on or off): the group and separate
-    EmbeddingVariable layers end with the same values, frequencies (one per
-    occurrence), filtered keys and Adagrad accumulators; then an inference
-    lookup on the fast path reads what the general path and the tables'
-    own lookups read (admitted rows, no_permission_value for filtered keys,
-    default rows for unseen ones)."""
+    """Four Adagrad steps with a CounterFilter(2) (training lookups
+    deduplicate): the group and the tables' own lookups end with the same
+    values, frequencies (one per occurrence), filtered keys and Adagrad
+    accumulators; then an inference lookup of the group reads what the
+    tables' own lookups read (admitted rows, no_permission_value for
+    filtered keys, default rows for unseen ones)."""
     matrix = np.random.default_rng(0).normal(size=(DVD, 3)).astype(np.float32)
     n_tables = 2 + (_extra_tables() if wide else 0)
 
@@ -547,12 +567,7 @@ def test_single_id_group_trains_as_separate_layers(matrix_initializer, wide):
         return layers
 
     runs = {}
-    def path(mode):  # "default": no context, the op's lean single-id path
-        if mode == "default":
-            return contextlib.nullcontext()
-        return embedding_ops.single_id_fast_path(mode == "fast")
-
-    for mode in ("fast", "general", "default", "separate"):
+    for mode in ("group", "separate"):
         layers = build()
         opt = kre.optimizers.Adagrad(0.3)
         rng = np.random.default_rng(8)
@@ -565,10 +580,9 @@ def test_single_id_group_trains_as_separate_layers(matrix_initializer, wide):
                     out = tf.concat([t.table.lookup(x, insert=True)
                                      for t, x in zip(layers, ids)], -1)
                 else:
-                    with path(mode):
-                        out = ops.group_embedding_lookup_sparse(
-                            layers, [x[:, None] for x in ids], ["sum"] * len(layers),
-                            training=True, concat=True)
+                    out = ops.group_embedding_lookup_sparse(
+                        layers, [x[:, None] for x in ids], ["sum"] * len(layers),
+                        training=True, concat=True)
                 loss = tf.reduce_sum(out * target)
             variables = [t.table.variable for t in layers]
             opt.apply(tape.gradient(loss, variables), variables)
@@ -577,15 +591,14 @@ def test_single_id_group_trains_as_separate_layers(matrix_initializer, wide):
         if mode == "separate":
             served = tf.concat([t.table.lookup(x) for t, x in zip(layers, probe)], -1)
         else:
-            with path(mode):
-                served = ops.group_embedding_lookup_sparse(
-                    layers, [x[:, None] for x in probe], ["sum"] * len(layers), concat=True)
+            served = ops.group_embedding_lookup_sparse(
+                layers, [x[:, None] for x in probe], ["sum"] * len(layers), concat=True)
         outs.append(served.numpy())
         runs[mode] = (outs, [t.table.export() for t in layers])
-    for mode in ("general", "default", "separate"):
-        for a, b in zip(runs["fast"][0], runs[mode][0]):
+    for mode in ("separate",):
+        for a, b in zip(runs["group"][0], runs[mode][0]):
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-        for ea, eb in zip(runs["fast"][1], runs[mode][1]):
+        for ea, eb in zip(runs["group"][1], runs[mode][1]):
             oa, ob = np.argsort(ea["keys"]), np.argsort(eb["keys"])
             np.testing.assert_array_equal(ea["keys"][oa], eb["keys"][ob])
             np.testing.assert_array_equal(ea["freqs"][oa], eb["freqs"][ob])
@@ -597,26 +610,28 @@ def test_single_id_group_trains_as_separate_layers(matrix_initializer, wide):
             fa, fb = np.argsort(ea["keys_filtered"]), np.argsort(eb["keys_filtered"])
             np.testing.assert_array_equal(ea["keys_filtered"][fa], eb["keys_filtered"][fb])
             np.testing.assert_array_equal(ea["freqs_filtered"][fa], eb["freqs_filtered"][fb])
-    assert all(len(e["keys"]) > 0 for e in runs["fast"][1])  # admitted and trained
+    assert all(len(e["keys"]) > 0 for e in runs["group"][1])  # admitted and trained
 
 
-@pytest.mark.parametrize("fast,training,want_unique,want_inverse", [
-    (True, False, [4, 4, 7], [0, 1, 2]),
-    (False, False, [4, 7], [0, 0, 1]),
-    (True, True, [4, 7], [0, 0, 1]),
-])
-def test_single_id_fast_path_lists_every_id(fast, training, want_unique, want_inverse):
-    """On the fast path (inference) unique_ids holds every id (repeats too)
-    and inverse counts 0, 1, 2, ...; the general path and training lookups
-    deduplicate."""
+@pytest.mark.parametrize("shared,training,want_unique,want_inverse", [
+    (False, False, [4, 4, 7], [0, 1, 2]),
+    (True, False, [4, 7], [0, 0, 1]),
+    (False, True, [4, 7], [0, 0, 1]),
+], ids=["pooled", "shared_table", "training"])
+def test_pooled_path_lists_every_id(shared, training, want_unique, want_inverse):
+    """On the pooled path (an inference lookup of a table's only feature)
+    unique_ids holds every id (repeats too) and inverse counts 0, 1, 2, ...;
+    a table read by two features and training lookups deduplicate."""
     t = EmbeddingVariable(2)
     t.build()
     ids = tf.constant([[4], [4], [7]], tf.int64)
+    n = 2 if shared else 1
+
     @tf.function
     def lookup():
-        with embedding_ops.single_id_fast_path(fast):
-            out = ops.group_embedding_lookup_sparse([t], [ids], ["sum"], training=training)[0]
-        return out.op.outputs[0], out.op.outputs[1], out.op.outputs[2]
+        out = ops.group_embedding_lookup_sparse([t] * n, [ids] * n, ["sum"] * n,
+                                                training=training)[0]
+        return _lookup_outputs(out)
 
     rows, unique, inverse = lookup()
     np.testing.assert_array_equal(rows.numpy()[0], rows.numpy()[1])
@@ -624,14 +639,13 @@ def test_single_id_fast_path_lists_every_id(fast, training, want_unique, want_in
     assert inverse.numpy().tolist() == want_inverse
 
 
-# -- the lean single-id path (the op's default) ---------------------------------
-def _lean_case(matrix_initializer, wide, batch):
+def _single_id_case(matrix_initializer, wide, batch):
     """(params, ids, combiners, weights, default_ids, numpy reference or None
-    per feature, the filtered layer): features 0-2 can take the lean path
-    (int64 table with [batch] ids, int32 table with [batch, 1] ids, a
-    CounterFilter(2) table partly admitted), the others cannot (a table
-    shared by two features, per-id weights, a pruned -1 id filled with
-    default_id, a multi-id feature, a dense matrix)."""
+    per feature, the filtered layer): features 0-2 and 5-6 are pooled (int64
+    table with [batch] ids, int32 table with [batch, 1] ids, a
+    CounterFilter(2) table partly admitted, a pruned -1 id filled with
+    default_id, a multi-id feature), the others deduplicated (a table shared
+    by two features, one of them with per-id weights; a dense matrix)."""
     rng = np.random.default_rng(3)
     t0, m0 = make_table(matrix_initializer, 4, 0)
     t1, m1 = make_table(matrix_initializer, 4, 1, key_dtype="int32")
@@ -670,68 +684,51 @@ def _lean_case(matrix_initializer, wide, batch):
     return params, ids, weights, defaults, want, filt
 
 
-def _inference_by_path(params, ids, combiners, concat, **kwargs):
-    """An inference group lookup's output ([batch, sum(dims)]) per path:
-    "default" (the lean paths where they apply), "general" (every single-id
-    path off: deduplicating) and "fast" (the all-tables single-id path)."""
-    results = {}
-    for mode in ("default", "general", "fast"):
-        ctx = (embedding_ops.single_id_fast_path(mode == "fast") if mode != "default"
-               else contextlib.nullcontext())
-        with ctx:
-            out = ops.group_embedding_lookup_sparse(params, ids, combiners, training=False,
-                                                    concat=concat, **kwargs)
-        results[mode] = out.numpy() if concat else np.concatenate([o.numpy() for o in out], -1)
-    return results
-
-
 @pytest.mark.parametrize("batch", [9, 300], ids=["partitioned", "ordered"])
 @pytest.mark.parametrize("wide", [False, True], ids=["few_params", "param_per_unit"])
 @pytest.mark.parametrize("concat", [False, True], ids=["dict", "concat"])
-def test_lean_single_id_default_matches_general_separate_and_numpy(matrix_initializer, wide,
+def test_single_id_inference_matches_both_paths_separate_and_numpy(matrix_initializer, wide,
                                                                    concat, batch):
-    """Inference lookups take the lean single-id path by default where they
-    can, the general path in the same op elsewhere: outputs equal the
-    deduplicating path's, the separate tables' own lookups and NumPy's
-    (the filtered table: admitted keys their rows, others
-    no_permission_value); nothing is inserted. With 300 ids (>= 4 per
-    shard) the unfiltered lean tables take kv::Table::LookupOrdered, with 9
-    the partition by shard."""
-    params, ids, weights, defaults, want, filt = _lean_case(matrix_initializer, wide, batch)
+    """Inference lookups of one id per row, pooled and deduplicated features
+    in one op: outputs equal the deduplicating path's, the separate tables'
+    own lookups and NumPy's (the filtered table: admitted keys their rows,
+    others no_permission_value); nothing is inserted. With 300 ids (>= 4 per
+    shard) the unfiltered pooled tables are read in batch order, with 9 by
+    shard."""
+    params, ids, weights, defaults, want, filt = _single_id_case(matrix_initializer, wide,
+                                                                 batch)
     n = len(params)
     sizes = [p.table_size() for p in params if isinstance(p, EmbeddingVariable)]
     results = _inference_by_path(
         params, ids, ["sum", "mean", "sum", "sqrtn", "sum", "mean", "sum", "sum"]
         + ["sum"] * (n - 8), concat, sp_weights=weights, default_id=defaults)
-    np.testing.assert_array_equal(results["default"], results["general"])
-    np.testing.assert_array_equal(results["default"], results["fast"])
+    np.testing.assert_array_equal(results["pooled"], results["dedupe"])
     separate = filt.table.lookup(tf.reshape(ids[2], [-1])).numpy()
     assert np.any(separate != 0) and np.any(separate == 0)  # admitted rows and filtered keys
     want[2] = separate
-    np.testing.assert_allclose(results["default"], np.concatenate(want, -1), rtol=1e-5,
+    np.testing.assert_allclose(results["pooled"], np.concatenate(want, -1), rtol=1e-5,
                                atol=1e-6)
     assert [p.table_size() for p in params if isinstance(p, EmbeddingVariable)] == sizes
 
 
 @pytest.mark.parametrize("wide", [False, True], ids=["few_params", "param_per_unit"])
-def test_lean_single_id_outputs_every_id_and_falls_back(wide):
-    """The lean path's unique_ids lists every id (int64 and int32 tables)
-    and inverse counts 0, 1, ...; a feature whose row_splits are
-    not one id per row, or with an id pruned, takes the lean pooled path
-    (every kept id too), or without it deduplicates; training lookups
-    always deduplicate."""
+def test_pooled_outputs_every_kept_id_and_training_deduplicates(wide):
+    """A pooled feature's unique_ids lists every kept id in order (int64 and
+    int32 tables) and inverse counts 0, 1, ...: one id per row, ragged rows
+    with a pruned id, and enough ids to be read in batch order; a table
+    read by two features and training lookups deduplicate."""
     layers = [EmbeddingVariable(2, key_dtype=k) for k in ("int64", "int32")]
     extra = [EmbeddingVariable(2) for _ in range(_extra_tables() if wide else 0)]
     for t in layers + extra:
         t.build()
 
     @tf.function
-    def lookup(ids, training):
-        out = ops.group_embedding_lookup_sparse(layers + extra, ids + [ids[0]] * len(extra),
-                                                "sum", training=training)[0]
-        n = len(layers + extra)
-        return [out.op.outputs[n + p] for p in range(2)], [out.op.outputs[2 * n + f]
-                                                           for f in range(2)]
+    def lookup(ids, training, shared=False):
+        params = layers + extra + (layers if shared else [])
+        ids = ids + [ids[0]] * len(extra) + (ids if shared else [])
+        out = ops.group_embedding_lookup_sparse(params, ids, "sum", training=training)[0]
+        outs = named_outputs(out.op)
+        return outs["unique_ids"][:2], outs["inverse"][:2]
 
     dense = [tf.constant([[4], [4], [7]], tf.int64), tf.constant([[6], [4], [5]], tf.int64)]
     unique, inverse = lookup(dense, False)
@@ -739,11 +736,10 @@ def test_lean_single_id_outputs_every_id_and_falls_back(wide):
     assert [i.numpy().tolist() for i in inverse] == [[0, 1, 2], [0, 1, 2]]
     ragged = [tf.ragged.constant([[4], [4, 7], []], tf.int64),
               tf.ragged.constant([[-1], [4], [4]], tf.int64)]
-    unique, inverse = lookup(ragged, False)  # the lean pooled path: every kept id
+    unique, inverse = lookup(ragged, False)  # every kept id
     assert [u.numpy().tolist() for u in unique] == [[4, 4, 7], [4, 4]]
     assert [i.numpy().tolist() for i in inverse] == [[0, 1, 2], [0, 1]]
-    with embedding_ops.single_id_fast_path(False):
-        unique, inverse = tf.function(lookup.python_function)(ragged, False)
+    unique, inverse = lookup(ragged, False, shared=True)
     assert [u.numpy().tolist() for u in unique] == [[4, 7], [4]]
     assert [i.numpy().tolist() for i in inverse] == [[0, 0, 1], [0, 0]]
     many = [tf.constant(np.arange(300)[:, None] % 97, tf.int64)] * 2  # LookupOrdered
@@ -755,11 +751,11 @@ def test_lean_single_id_outputs_every_id_and_falls_back(wide):
     assert [i.numpy().tolist() for i in inverse] == [[0, 0, 1], [0, 1, 2]]
 
 
-def test_lean_single_id_bad_input():
-    """Bad input on the lean path's conditions: a 2-D ids input to the raw op
-    is InvalidArgument (it falls back to the general checks), not a crash;
-    a float ids tensor or rank-3 dense ids at the API are ValueError/TypeError
-    naming the argument."""
+def test_one_id_per_row_bad_input():
+    """Bad one-id-per-row input: a 2-D ids input or splits past the ids to
+    the raw op are InvalidArgument, not a crash; a float ids tensor or
+    rank-3 dense ids at the API are ValueError/TypeError naming the
+    argument."""
     t = EmbeddingVariable(2)
     t.build()
     gen = __import__("keras_rec_emb._ops", fromlist=["gen"]).gen()
@@ -784,10 +780,10 @@ def test_lean_single_id_bad_input():
                                           is_sequence=True)
 
 
-# -- the lean pooled path (the op's default for multi-id features) -------------
+# -- multi-id features -------------------------------------------------------------
 def _pooled_case(matrix_initializer, wide, batch):
     """(params, ids, combiners, default_ids, rows per feature after the input's
-    own form, the filtered layer): features 0-3 can take the lean pooled path
+    own form, the filtered layer): features 0-3 take the pooled path
     (int64 ragged with -1 ids and empty rows; int32 dense [batch, 4] padded
     with -1 and default_id; int64 sqrtn with default_id; a CounterFilter(2)
     table partly admitted), the others cannot (a dense matrix; a table shared
@@ -830,23 +826,20 @@ def _pooled_case(matrix_initializer, wide, batch):
 @pytest.mark.parametrize("batch", [9, 300, 1500], ids=["partitioned", "ordered", "blocks"])
 @pytest.mark.parametrize("wide", [False, True], ids=["few_params", "param_per_unit"])
 @pytest.mark.parametrize("concat", [False, True], ids=["dict", "concat"])
-def test_lean_pooled_default_matches_general_separate_and_numpy(matrix_initializer, wide,
-                                                                concat, batch):
-    """Multi-id inference lookups take the lean pooled path by default where
-    they can (a table's only feature, no weights, no max_norm): outputs are
-    bit-identical to the deduplicating general path's (sum, mean, sqrtn;
-    pruned -1 ids, dense padding, empty rows, default_id; int32 and int64
-    tables), equal the separate tables' own lookups combined and NumPy's
-    (the filtered table: admitted keys their rows, others
-    no_permission_value); nothing is inserted. With 300 rows the unfiltered
-    tables take kv::Table::LookupOrdered, with 9 the partition by shard; with
+def test_pooled_matches_dedupe_separate_and_numpy(matrix_initializer, wide, concat, batch):
+    """Multi-id inference lookups on the pooled path (a table's only
+    feature, no weights, no max_norm) are bit-identical to the deduplicating
+    path's (sum, mean, sqrtn; pruned -1 ids, dense padding, empty rows,
+    default_id; int32 and int64 tables), equal the separate tables' own
+    lookups combined and NumPy's (the filtered table: admitted keys their
+    rows, others no_permission_value); nothing is inserted. With 300 rows
+    the unfiltered tables are read in batch order, with 9 by shard; with
     1500 rows their ids span several lookup blocks and units of rows."""
     params, ids, combiners, defaults, fns, rows, filt = _pooled_case(matrix_initializer, wide,
                                                                       batch)
     sizes = [p.table_size() for p in params if isinstance(p, EmbeddingVariable)]
     results = _inference_by_path(params, ids, combiners, concat, default_id=defaults)
-    np.testing.assert_array_equal(results["default"], results["general"])
-    np.testing.assert_array_equal(results["default"], results["fast"])
+    np.testing.assert_array_equal(results["pooled"], results["dedupe"])
     ones = [[1.0] * len(r) for r in rows[3]]
     kept, _ = clean(rows[3], ones, None)
     flat = tf.constant(sum(kept, []), tf.int64)
@@ -866,36 +859,35 @@ def test_lean_pooled_default_matches_general_separate_and_numpy(matrix_initializ
             separate.append(combine_rows(x, rag.value_rowids(), rag.nrows(), combiners[f]).numpy())
         else:
             separate.append(want[-1])
-    np.testing.assert_allclose(results["default"], np.concatenate(want, -1), rtol=1e-5,
+    np.testing.assert_allclose(results["pooled"], np.concatenate(want, -1), rtol=1e-5,
                                atol=1e-6)
-    np.testing.assert_allclose(results["default"], np.concatenate(separate, -1), rtol=1e-6,
+    np.testing.assert_allclose(results["pooled"], np.concatenate(separate, -1), rtol=1e-6,
                                atol=1e-6)
     assert [p.table_size() for p in params if isinstance(p, EmbeddingVariable)] == sizes
 
 
 @pytest.mark.parametrize("key_dtype", ["int64", "int32"])
-def test_lean_pooled_lists_every_kept_id(key_dtype):
-    """On the lean pooled path unique_ids lists every kept id in batch order
+def test_pooled_lists_every_kept_id(key_dtype):
+    """On the pooled path unique_ids lists every kept id in batch order
     (pruned -1 dropped, default_id filled in) and inverse counts 0, 1, ...;
-    with per-id weights, the general path or training the ids are
-    deduplicated."""
+    with per-id weights, a table read by two features or training the ids
+    are deduplicated."""
     t = EmbeddingVariable(2, key_dtype=key_dtype)
     t.build()
     ids = tf.ragged.constant([[4, -1, 4], [], [7, 4]], tf.int64)
 
     @tf.function
-    def lookup(training, fast=None, weights=None):
-        ctx = (embedding_ops.single_id_fast_path(fast) if fast is not None
-               else contextlib.nullcontext())
-        with ctx:
-            out = ops.group_embedding_lookup_sparse([t], [ids], ["mean"], default_id=[9],
-                                                    sp_weights=[weights], training=training)[0]
-        return out, out.op.outputs[1], out.op.outputs[2]
+    def lookup(training, shared=False, weights=None):
+        n = 2 if shared else 1
+        out = ops.group_embedding_lookup_sparse([t] * n, [ids] * n, ["mean"] * n,
+                                                default_id=[9] * n, sp_weights=[weights] * n,
+                                                training=training)[0]
+        return _lookup_outputs(out)
 
     rows, unique, inverse = lookup(False)
     assert unique.numpy().tolist() == [4, 4, 9, 7, 4]
     assert inverse.numpy().tolist() == [0, 1, 2, 3, 4]
-    rows_g, unique, inverse = lookup(False, fast=False)
+    rows_g, unique, inverse = lookup(False, shared=True)
     assert unique.numpy().tolist() == [4, 9, 7]
     assert inverse.numpy().tolist() == [0, 0, 1, 2, 0]
     np.testing.assert_array_equal(rows.numpy(), rows_g.numpy())
@@ -910,38 +902,32 @@ def test_lean_pooled_lists_every_kept_id(key_dtype):
 
 
 @pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
-def test_lean_pooled_long_rows(matrix_initializer, combiner):
-    """Rows longer than the lean pooled path's lookup block (1024 ids) and
-    empty rows between them: bit-identical to the general path, equal to
+def test_pooled_long_rows(matrix_initializer, combiner):
+    """Rows longer than the pooled path's lookup block (1024 ids) and empty
+    rows between them: bit-identical to the deduplicating path, equal to
     NumPy's reference."""
     rng = np.random.default_rng(7)
     t, m = make_table(matrix_initializer, 3, 30)
     lengths = [0, 1500, 3, 0, 2000, 1, 700, 0]
     rows = [rng.integers(0, 5000, n).tolist() for n in lengths]
     ids = tf.ragged.constant(rows, dtype=tf.int64, ragged_rank=1)
-    out = {}
-    for fast in (None, False):
-        ctx = (embedding_ops.single_id_fast_path(fast) if fast is not None
-               else contextlib.nullcontext())
-        with ctx:
-            out[fast] = ops.group_embedding_lookup_sparse([t], [ids], combiner)[0].numpy()
-    np.testing.assert_array_equal(out[None], out[False])
+    out = _inference_by_path([t], [ids], combiner, False)
+    np.testing.assert_array_equal(out["pooled"], out["dedupe"])
     want = numpy_feature(m, 3, rows,
                          [[1.0] * len(r) for r in rows], combiner, None, None, False)
-    np.testing.assert_allclose(out[None], want, rtol=1e-5, atol=1e-5)
-    assert np.all(out[None][[0, 3, 7]] == 0) and np.all(out[None][[1, 2, 4]] != 0)
+    np.testing.assert_allclose(out["pooled"], want, rtol=1e-5, atol=1e-5)
+    assert np.all(out["pooled"][[0, 3, 7]] == 0) and np.all(out["pooled"][[1, 2, 4]] != 0)
 
 
 @pytest.mark.parametrize("key_dtype", ["int64", "int32"])
 @pytest.mark.parametrize("kept_share", [0.6, 0.01], ids=["most_kept", "few_kept"])
-def test_lean_pooled_in_place_lists_kept_ids(matrix_initializer, key_dtype, kept_share):
-    """A lean pooled feature with enough ids for kv::Table::LookupOrdered has
-    its kept ids built in place (no weights, written once into unique_ids):
-    unique_ids lists every kept id in batch order (-1 pruned, default_id for
-    empty rows, int32 keys as the table reads them), inverse is 0, 1, ...,
-    the rows are bit-identical to the general path's and equal NumPy's, also
-    when so few ids are kept that the table would not pick LookupOrdered
-    for them (the decision is taken on the ids given)."""
+def test_pooled_in_place_lists_kept_ids(matrix_initializer, key_dtype, kept_share):
+    """A pooled feature has its kept ids built in place (no weights, written
+    once into unique_ids): unique_ids lists every kept id in batch order (-1
+    pruned, default_id for empty rows, int32 keys as the table reads them),
+    inverse is 0, 1, ..., the rows are bit-identical to the deduplicating
+    path's and equal NumPy's, with most ids kept (read in batch order) or so
+    few that the table is read by shard."""
     rng = np.random.default_rng(5)
     t, m = make_table(matrix_initializer, 4, 50, key_dtype=key_dtype)
     batch = 400
@@ -953,18 +939,16 @@ def test_lean_pooled_in_place_lists_kept_ids(matrix_initializer, key_dtype, kept
     want_unique = sum([r if r else [6] for r in rows], [])
 
     @tf.function
-    def lookup(fast=None):
-        ctx = (embedding_ops.single_id_fast_path(fast) if fast is not None
-               else contextlib.nullcontext())
-        with ctx:
-            out = ops.group_embedding_lookup_sparse([t], [ids], ["mean"], default_id=[6],
-                                                    training=False)[0]
-        return out, out.op.outputs[1], out.op.outputs[2]
+    def lookup(shared=False):
+        n = 2 if shared else 1
+        out = ops.group_embedding_lookup_sparse([t] * n, [ids] * n, ["mean"] * n,
+                                                default_id=[6] * n, training=False)[0]
+        return _lookup_outputs(out)
 
     out, unique, inverse = lookup()
     assert unique.dtype == tf.int64 and unique.numpy().tolist() == want_unique
     assert inverse.numpy().tolist() == list(range(len(want_unique)))
-    out_general, unique_general, _ = lookup(fast=False)
+    out_general, unique_general, _ = lookup(shared=True)
     assert sorted(set(want_unique)) == sorted(unique_general.numpy().tolist())
     np.testing.assert_array_equal(out.numpy(), out_general.numpy())
     want = numpy_feature(m, 4, rows, [[1.0] * len(r) for r in rows], "mean", None, 6, False)
@@ -974,11 +958,12 @@ def test_lean_pooled_in_place_lists_kept_ids(matrix_initializer, key_dtype, kept
 
 @pytest.mark.parametrize("key_dtype", ["int64", "int32"])
 @pytest.mark.parametrize("case", ["kept", "negative", "empty_with_default", "empty"])
-def test_lean_pooled_reads_kept_ids_where_they_are(matrix_initializer, key_dtype, case):
-    """A lean pooled feature whose ids need no pruning and no filling (as
+def test_pooled_reads_kept_ids_where_they_are(matrix_initializer, key_dtype, case):
+    """A pooled feature whose ids need no pruning and no filling (as
     `KRE>UnstackKeptIds` gives them) is read from its input where it is: for
     int64 keys, unique_ids is that input tensor itself (same buffer), inverse
-    0, 1, ...; rows bit-identical to the general path's and equal to NumPy's.
+    0, 1, ...; rows bit-identical to the deduplicating path's and equal to
+    NumPy's.
     A negative id, or an empty row with a default_id, takes the copying
     path; an empty row without one does not."""
     rng = np.random.default_rng(11)
@@ -997,13 +982,11 @@ def test_lean_pooled_reads_kept_ids_where_they_are(matrix_initializer, key_dtype
     want_unique = sum([r if r or default is None else [default] for r in rows], [])
 
     @tf.function
-    def lookup(fast=None):
-        ctx = (embedding_ops.single_id_fast_path(fast) if fast is not None
-               else contextlib.nullcontext())
-        with ctx:
-            out = ops.group_embedding_lookup_sparse([t], [ids], ["sqrtn"], default_id=[default],
-                                                    training=False)[0]
-        return out, out.op.outputs[1], out.op.outputs[2]
+    def lookup(shared=False):
+        n = 2 if shared else 1
+        out = ops.group_embedding_lookup_sparse([t] * n, [ids] * n, ["sqrtn"] * n,
+                                                default_id=[default] * n, training=False)[0]
+        return _lookup_outputs(out)
 
     out, unique, inverse = lookup()
     assert unique.numpy().tolist() == want_unique
@@ -1011,7 +994,7 @@ def test_lean_pooled_reads_kept_ids_where_they_are(matrix_initializer, key_dtype
     same_buffer = (np.asarray(unique).__array_interface__["data"][0]
                    == np.asarray(vals).__array_interface__["data"][0])
     assert same_buffer == (key_dtype == "int64" and case in ("kept", "empty"))
-    out_general, _, _ = lookup(fast=False)
+    out_general, _, _ = lookup(shared=True)
     np.testing.assert_array_equal(out.numpy(), out_general.numpy())
     want = numpy_feature(m, 4, rows, [[1.0] * len(r) for r in rows], "sqrtn", None, default,
                          False)
@@ -1040,10 +1023,10 @@ def _float32_combine(rows, combiner):
                                          ([16, 32, 4], False)],
                          ids=["concat_unaligned", "concat_lines", "dict"])
 @pytest.mark.parametrize("long_row", [False, True], ids=["padded", "unpadded"])
-def test_lean_pooled_combine_is_bit_exact(matrix_initializer, dims, concat, long_row):
-    """The lean pooled path's combine (rows of at most 8 ids summed to a fixed
+def test_pooled_combine_is_bit_exact(matrix_initializer, dims, concat, long_row):
+    """The pooled path's combine (rows of at most 8 ids summed to a fixed
     length with -0.0 rows, rows streamed to whole-cache-line outputs) gives
-    the general path's bits and NumPy's float32 sum in CombineRows' order,
+    the deduplicating path's bits and NumPy's float32 sum in CombineRows' order,
     -0.0 included: rows of -0.0 alone give -0.0, several give +0.0."""
     rng = np.random.default_rng(3)
     batch, combiners = 1500, ["sum", "mean", "sqrtn"]
@@ -1070,11 +1053,11 @@ def test_lean_pooled_combine_is_bit_exact(matrix_initializer, dims, concat, long
     cs = [combiners[f % 3] for f in range(len(dims))]
     results = _inference_by_path(params, ids, cs, concat)
     bits = {k: v.view(np.uint32) for k, v in results.items()}
-    np.testing.assert_array_equal(bits["default"], bits["general"])
+    np.testing.assert_array_equal(bits["pooled"], bits["dedupe"])
     want = np.concatenate([
         np.stack([_float32_combine(fns[f](r).reshape(-1, dims[f]), cs[f]) if r else
                   np.zeros(dims[f], np.float32) for r in rows_by_f[f]])
         for f in range(len(dims))], -1)
-    np.testing.assert_array_equal(bits["default"], want.view(np.uint32))
-    neg = np.signbit(results["default"]) & (results["default"] == 0)
-    assert neg.any() and ((results["default"] == 0) & ~neg).any()
+    np.testing.assert_array_equal(bits["pooled"], want.view(np.uint32))
+    neg = np.signbit(results["pooled"]) & (results["pooled"] == 0)
+    assert neg.any() and ((results["pooled"] == 0) & ~neg).any()

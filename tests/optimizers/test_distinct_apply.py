@@ -164,3 +164,25 @@ def test_has_distinct_keys_only_for_known_ops():
     assert kinds() == (True, False)
     # Eager tensors: unknown, the general apply.
     assert not base.has_distinct_keys(tf.IndexedSlices(rows[:2], tf.unique(ids)[0]))
+
+
+def test_group_lookup_keys_are_distinct_in_training_only():
+    """A training group lookup's unique_ids (named by its registration) are
+    distinct; an inference lookup's may list every id (the pooled path), so
+    a gradient of one is applied with the dedupe."""
+    table = kre.layers.EmbeddingVariable(DIM)
+    table.build()
+    ids = tf.ragged.constant([[3, 1], [3]], dtype=tf.int64)
+
+    @tf.function
+    def keys(training):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(kre.ops.group_embedding_lookup_sparse(
+                [table], [ids], "sum", training=training)[0])
+        grad, = tape.gradient(loss, [table.table.variable])
+        return base.has_distinct_keys(grad), grad.indices
+
+    distinct, indices = keys(True)
+    assert distinct and sorted(indices.numpy().tolist()) == [1, 3]
+    distinct, indices = keys(False)
+    assert not distinct and sorted(indices.numpy().tolist()) == [1, 3, 3]

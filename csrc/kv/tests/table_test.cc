@@ -535,10 +535,10 @@ void CheckCountedMatchesPerOccurrence(const kre::kv::TableOptions& o, uint64_t s
       batch.push_back(static_cast<int64_t>(r < 700 ? r % 8 : r % 40));
     }
     const std::vector<float> want = Lookup(one, batch, true);
-    // Distinct keys in first-seen order, their counts, each occurrence's rank.
+    // Distinct keys in first-seen order, their counts, each occurrence's key.
     std::map<int64_t, int32_t> index;
     std::vector<int64_t> uniq;
-    std::vector<int32_t> counts, inverse, rank;
+    std::vector<int32_t> counts, inverse;
     for (int64_t k : batch) {
       auto it = index.find(k);
       if (it == index.end()) {
@@ -547,26 +547,24 @@ void CheckCountedMatchesPerOccurrence(const kre::kv::TableOptions& o, uint64_t s
         counts.push_back(0);
       }
       inverse.push_back(it->second);
-      rank.push_back(counts[it->second]++);
+      ++counts[it->second];
     }
     auto p = Partition(counted, uniq.data(), uniq.size(), 2, Serial);
     std::vector<float> rows(uniq.size() * kDim, -1.0f);
-    std::vector<int32_t> skips(uniq.size(), -1);
     for (int s = 0; s < counted.num_shards(); ++s) {
       const int64_t b = p.offsets[s];
       counted.LookupCounted(s, p.keys.data() + b, p.hashes.data() + b, p.order.data() + b,
-                            counts.data(), p.offsets[s + 1] - b, true, rows.data(),
-                            skips.data());
+                            counts.data(), p.offsets[s + 1] - b, true, rows.data());
     }
     bool same_rows = true;
     for (size_t j = 0; j < batch.size(); ++j) {
-      const int32_t u = inverse[j];
-      CHECK(skips[u] >= 0 && skips[u] < counts[u]);
-      const float* got = rank[j] < skips[u] ? counted.NoPermissionRow() : &rows[u * kDim];
+      const float* got = &rows[inverse[j] * kDim];
       for (int64_t d = 0; d < kDim; ++d) same_rows &= got[d] == want[j * kDim + d];
     }
     CHECK(same_rows);
     CHECK(one.Size() == counted.Size());
+    CHECK(one.Counters().lookups == counted.Counters().lookups);
+    CHECK(one.Counters().hits == counted.Counters().hits);
     CHECK(one.FilteredSize() == counted.FilteredSize());
     const auto a = ExportAll(one), b = ExportAll(counted);
     std::map<int64_t, std::pair<int64_t, int64_t>> ma, mb;
