@@ -8,6 +8,7 @@ from keras_rec_emb import _compat
 from keras_rec_emb import variables
 from keras_rec_emb._checks import check_combiner
 from keras_rec_emb._ids import embed_ids, output_spec
+from keras_rec_emb.ops import embedding_ops
 from keras_rec_emb.optimizers.base import table_optimizer
 from keras_rec_emb.options import (EmbeddingVariableOption, deserialize_ev_option,
                                    ev_option_or_default)
@@ -175,8 +176,12 @@ class EmbeddingVariable(keras.layers.Layer):
         return rows
 
     def call(self, inputs, training=None):
+        if self.combiner is not None:
+            # A group of one: the fused lookup looks up and combines in one op
+            # (its gradient over distinct keys), as GroupEmbedding does.
+            return embedding_ops.pooled_layer_lookup(self, inputs, training)
         return embed_ids(self, inputs, lambda ids, _: self._lookup(ids, training),
-                         self.combiner, key_dtype=tf.as_dtype(self.key_dtype))
+                         None, key_dtype=tf.as_dtype(self.key_dtype))
 
     def compute_output_shape(self, input_shape):
         input_shape = tuple(input_shape)

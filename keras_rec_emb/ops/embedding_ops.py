@@ -25,10 +25,10 @@ import tensorflow as tf
 from keras_rec_emb import _compat
 from keras_rec_emb import _ops
 from keras_rec_emb._checks import (COMBINERS, assert_ids_in_range, check_bool, check_float,
-                                   check_int)
+                                   check_int, checked_sparse_ids, integer_ids)
 from keras_rec_emb._embed_reduce import combine_rows
 from keras_rec_emb._ids import (FlatIds, collapse_outer, flat_ids_and_splits, int_ids,
-                                weights_values)
+                                sparse_row_splits, weights_values)
 from keras_rec_emb._op_args import named_inputs, named_outputs
 from keras_rec_emb.variables import EmbeddingTable, TableVariable
 
@@ -416,6 +416,63 @@ def _stacked_pooled_lookup_grad(op, grad):
     unique_grads = _ops.gen().kre_group_lookup_grad(
         tables, [], values, splits, weights, unique_ids, inverse, grads, **attrs)
     return [tf.IndexedSlices(unique_grads[p], unique_ids[p]) for p in range(nt)] + [None]
+
+
+# -- a layer's pooled lookup: a group of one ------------------------------------
+def pooled_layer_lookup(layer, inputs, training):
+    """What `EmbeddingVariable(combiner=...)` returns for `inputs`: its ids
+    looked up and combined by its combiner in one fused op, as a group of
+    one feature (the group lookup's kernels, forward and backward). Every id
+    is a key (none is pruned: -1 is a key like any other); dense ids
+    `[..., L]` give `[..., dim]` (an empty last axis gives zeros), ragged or
+    sparse `[batch, None]` ids `[batch, dim]`. Ids are checked to be
+    integers that fit the table's keys. With `training` (and a trainable
+    layer) unseen ids are inserted and counted."""
+    what = f"{type(layer).__name__} '{layer.name}'"
+    key_dtype = tf.as_dtype(layer.key_dtype)
+
+    def keys(values):  # int64, as the op takes them, after the fit check
+        return tf.cast(integer_ids(values, what, key_dtype), tf.int64)
+
+    outer = None
+    if isinstance(inputs, tf.RaggedTensor):
+        if inputs.ragged_rank != 1 or inputs.shape.rank != 2:
+            raise ValueError(
+                f"{what} takes ragged ids of shape [batch, None]. Received "
+                f"shape {inputs.shape} with ragged_rank {inputs.ragged_rank}"
+            )
+        values, splits = keys(inputs.values), tf.cast(inputs.row_splits, tf.int64)
+    elif isinstance(inputs, tf.SparseTensor):
+        if inputs.shape.rank != 2:
+            raise ValueError(
+                f"{what} takes sparse ids of shape [batch, None]. Received "
+                f"shape {inputs.shape}"
+            )
+        sp = checked_sparse_ids(inputs, f"{what} ids")
+        values, splits = keys(sp.values), sparse_row_splits(sp)
+    else:
+        inputs = tf.convert_to_tensor(inputs)
+        if inputs.shape.rank is not None and inputs.shape.rank < 1:
+            raise ValueError(
+                f"{what} with a combiner combines the last axis of the ids; "
+                f"received scalar ids of shape {inputs.shape}"
+            )
+        ids = keys(inputs)
+        shape = tf.shape(ids, out_type=tf.int64)
+        length = ids.shape[-1] if ids.shape[-1] is not None else shape[-1]
+        rows = tf.reduce_prod(shape[:-1])
+        values = tf.reshape(ids, [-1])
+        splits = tf.range(rows + 1, dtype=tf.int64) * length
+        outer = (shape[:-1], ids.shape[:-1])
+    table = layer._table_for_lookup()
+    out = _fused_lookup(
+        [_Param(table=table)], [values], [splits], [tf.zeros([0], tf.float32)],
+        [layer.combiner], [None], [None], [False], [False],
+        training=bool(training) and layer.trainable, name=f"{layer.name}_lookup")[0]
+    if outer is not None:  # [rows, dim] back to the ids' [..., dim]
+        out = tf.ensure_shape(tf.reshape(out, tf.concat([outer[0], [table.dim]], 0)),
+                              outer[1].concatenate([table.dim]))
+    return out if layer.compute_dtype == "float32" else tf.cast(out, layer.compute_dtype)
 
 
 # -- public API ----------------------------------------------------------------
