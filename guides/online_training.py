@@ -88,10 +88,13 @@ def build_model():
         ev_option=kre.EmbeddingVariableOption(
             filter_option=kre.CounterFilter(filter_freq=2),
             evict_option=kre.GlobalStepEvict(steps_to_live=STEPS // 4)))
+    # Named layers: a checkpoint keys dense variables by their Keras path, and
+    # Keras numbers unnamed layers per process (a second model built in one
+    # process would have `dense_2`, not `dense`).
     hidden = keras.layers.Dense(
-        16, activation="relu", kernel_initializer=keras.initializers.GlorotUniform(seed=2))
+        16, activation="relu", name="hidden", kernel_initializer=keras.initializers.GlorotUniform(seed=2))
     out = keras.layers.Dense(
-        1, activation="sigmoid", kernel_initializer=keras.initializers.GlorotUniform(seed=3))
+        1, activation="sigmoid", name="click", kernel_initializer=keras.initializers.GlorotUniform(seed=3))
     model = keras.Model(ids, out(hidden(ev(ids))))
     model.compile(optimizer=kre.optimizers.Adagrad(0.05), loss="binary_crossentropy")
     return model

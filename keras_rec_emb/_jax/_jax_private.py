@@ -2,7 +2,7 @@
 
 `_compat.py` holds the private TensorFlow / Keras API and imports
 TensorFlow, which the JAX backend must not need; this module is its
-counterpart for JAX (pinned in requirements-dev.txt). `tests/jax/` checks
+counterpart for JAX (pinned in requirements-dev.txt). `tests/jax_backend/` checks
 that every entry exists in the installed JAX.
 
 Each entry says what it is and why the public API does not do it.

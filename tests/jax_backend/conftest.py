@@ -1,6 +1,6 @@
-"""tests/jax runs under Keras's JAX backend, in a child pytest that
+"""tests/jax_backend runs under Keras's JAX backend, in a child pytest that
 test_jax_backend.py starts with KERAS_BACKEND=jax (the suite's own process
-runs TensorFlow). By hand: `KERAS_BACKEND=jax .venv/bin/python -m pytest -q tests/jax`.
+runs TensorFlow). By hand: `KERAS_BACKEND=jax .venv/bin/python -m pytest -q tests/jax_backend`.
 """
 
 import os
