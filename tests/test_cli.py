@@ -1,10 +1,13 @@
 """The `keras-rec-emb` command (keras_rec_emb/cli.py)."""
 
+import contextlib
+import io
 import os
 import pathlib
 import shutil
 import subprocess
 import sys
+import traceback
 import zipfile
 
 import h5py
@@ -13,14 +16,45 @@ import numpy as np
 import pytest
 
 import keras_rec_emb as kre
+import keras_rec_emb_cli
 from keras_rec_emb import cli
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def run(args, **env):
+    """`python ARGS` in a child. `inspect` and `strip-filtered` run in this
+    process instead, through the same `main` the console script calls (the
+    `demo` test runs the module in a child): each child would spend a
+    TensorFlow start-up on reading a file."""
+    if args[:2] == ["-m", "keras_rec_emb.cli"] and args[2] in IN_PROCESS and not env:
+        return run_here(args[2:])
     return subprocess.run([sys.executable, *args], capture_output=True, text=True,
                           env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **env), timeout=300)
+
+
+IN_PROCESS = ("inspect", "strip-filtered")
+
+
+def run_here(argv):
+    """The command line `argv` run by keras_rec_emb_cli.main in this process,
+    as a CompletedProcess: its exit status (an uncaught exception prints its
+    traceback and gives 1, as a child would), stdout and stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = keras_rec_emb_cli.main(list(argv)) or 0
+        except SystemExit as e:
+            code = e.code
+            if code is None:
+                code = 0
+            elif not isinstance(code, int):
+                print(code, file=sys.stderr)
+                code = 1
+        except Exception:  # noqa: BLE001 - what a child would print and exit with
+            traceback.print_exc()
+            code = 1
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 def trained_with_filter():
