@@ -396,6 +396,9 @@ class TableImportOp : public TableOpKernel<K> {
         for (const auto& spec : specs) staging.AddSlot(spec.name, spec.width, spec.init);
         fill(staging);
         table.SwapContents(staging);
+        // The replaced rows are staging's now: a file tier's files go with
+        // them here rather than when the table goes.
+        staging.Clear();
       } else {
         fill(table);
       }

@@ -374,13 +374,26 @@ void FileRowStore::EnsureRowCapacity(uint32_t rows) {
   where_.EnsureCapacity(rows, kNoWord);
 }
 
+std::string FileRowStore::SegmentPath(uint32_t id) const {
+  return space_->dir() + "/s" + std::to_string(shard_) + "-" + std::to_string(id) + ".seg";
+}
+
+uint32_t FileRowStore::NewSegmentFile(std::string* path, int* fd) {
+  // Exclusive create: a name already taken in the directory (another store
+  // of it numbered alike) is skipped, never truncated.
+  for (;;) {
+    const uint32_t id = next_segment_++;
+    *path = SegmentPath(id);
+    *fd = ::open(path->c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (*fd >= 0) return id;
+    if (errno != EEXIST) throw IoError("cannot create the file-tier segment", *path);
+  }
+}
+
 void FileRowStore::OpenSegment() {
   LeaveActive();
-  const uint32_t id = next_segment_++;
   Segment seg;
-  seg.path = space_->dir() + "/s" + std::to_string(shard_) + "-" + std::to_string(id) + ".seg";
-  seg.fd = ::open(seg.path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (seg.fd < 0) throw IoError("cannot create the file-tier segment", seg.path);
+  const uint32_t id = NewSegmentFile(&seg.path, &seg.fd);
   seg.width = static_cast<uint64_t>(width_);
   seg.rec_bytes = RecordBytes(seg.width);
   char header[kHeaderBytes] = {};
@@ -832,15 +845,19 @@ std::vector<FileRowStore::SegmentInfo> FileRowStore::Segments() const {
 }
 
 uint32_t FileRowStore::AdoptSegment(const std::string& path, uint64_t width, uint64_t size) {
-  const uint32_t id = next_segment_++;
   Segment seg;
-  seg.path = space_->dir() + "/s" + std::to_string(shard_) + "-" + std::to_string(id) + ".seg";
-  if (::link(path.c_str(), seg.path.c_str()) != 0) {
+  uint32_t id;
+  for (;;) {
+    id = next_segment_++;
+    seg.path = SegmentPath(id);
+    if (::link(path.c_str(), seg.path.c_str()) == 0) break;
+    if (errno == EEXIST) continue;  // a name in use: never replace a file
     // On another file system (a snapshot copied to tmpfs or another disk),
     // or one without hard links: a copy of its own, synced by the next
     // snapshot.
     CopySegmentFile(path, seg.path, size);
     seg.unsynced = true;
+    break;
   }
   seg.width = width;
   seg.rec_bytes = RecordBytes(width);

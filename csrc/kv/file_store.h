@@ -270,6 +270,11 @@ class FileRowStore final : public RowStore {
   uint64_t Append(const float* record);
   void FlushBuffer();
   void OpenSegment();
+  // The file name of segment `id` in this store's directory.
+  std::string SegmentPath(uint32_t id) const;
+  // Creates the next free segment file exclusively; returns its id, its
+  // path and descriptor in `path` and `fd`. Throws naming the file.
+  uint32_t NewSegmentFile(std::string* path, int* fd);
   // Flushes the current segment and leaves it: the next append starts a
   // new one.
   void LeaveActive();
