@@ -34,7 +34,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_rec_emb import _compat
-from keras_rec_emb import _ops
+from keras_rec_emb import _ops, _serving_context
 from keras_rec_emb._checks import keys_in_range
 
 _ids = itertools.count()
@@ -545,6 +545,7 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
                 f"dim={self._dim}>")
 
     # -- Table operations ---------------------------------------------------
+    @_serving_context.served
     def lookup(self, keys, insert=False):
         """Rows of `keys` (any shape) as `keys.shape + (dim,)`.
 

@@ -42,7 +42,7 @@ restores into any number of workers, a MirroredStrategy or one process.
 
 import tensorflow as tf
 
-from keras_rec_emb import _compat, _ops
+from keras_rec_emb import _compat, _ops, _serving_context
 from keras_rec_emb import variables as _variables
 from keras_rec_emb.distribute import ps_tables
 
@@ -212,6 +212,7 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
         with tf.control_dependencies([refuse]), tf.device(shard.device):
             return tf.identity(shard.lookup(keys, insert=False))
 
+    @_serving_context.served
     def lookup(self, keys, insert=False):
         """Rows of `keys` (any shape) as `keys.shape + (dim,)`, exchanged
         with the other workers: this replica's distinct ids go to their

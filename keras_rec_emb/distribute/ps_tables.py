@@ -33,7 +33,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from keras_rec_emb import _compat, _ops
+from keras_rec_emb import _compat, _ops, _serving_context
 from keras_rec_emb import variables as _variables
 from keras_rec_emb.distribute import ps_variables
 
@@ -325,6 +325,7 @@ class ShardedEmbeddingTable(_compat.Trackable):
         return tf.group(ops)
 
     # -- table operations -------------------------------------------------
+    @_serving_context.served
     def lookup(self, keys, insert=False):
         """Rows of `keys` (any shape) as `keys.shape + (dim,)`; each shard's
         keys are looked up on its device."""
