@@ -35,6 +35,7 @@ import tensorflow as tf
 
 from keras_rec_emb import _compat
 from keras_rec_emb import _ops, _serving_context
+from keras_rec_emb import tables as _tables
 from keras_rec_emb._checks import keys_in_range
 
 _ids = itertools.count()
@@ -280,6 +281,12 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         cache_bytes: int. DRAM cache bytes of the file tier.
     """
 
+    # The optimizer of `EmbeddingVariable(optimizer=...)`, set by the layer;
+    # `_table_optimizer`: the class name of the optimizer built on the table
+    # (a stock wrapper around it then gets a precise error).
+    optimizer = None
+    _table_optimizer = None
+
     def __init__(self, dim, key_dtype, default_values, num_shards=32,
                  trainable=True, name="embedding_table", track_meta=True,
                  filter_freq=0, bloom=None, no_permission_value=0.0,
@@ -484,6 +491,18 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
     def variables(self):
         """`[variable]`: what a layer tracks (a sharded table has one per shard)."""
         return [self._variable]
+
+    @property
+    def local(self):
+        """True: the whole table is this one C++ table (`tables.Table.local`)."""
+        return True
+
+    @property
+    def exchange_group(self):
+        """None: lookups exchange nothing (`tables.Table.exchange_group`)."""
+        return None
+
+    lookup_many = staticmethod(_tables.lookup_each)
 
     @property
     def replica_shard(self):
@@ -859,7 +878,7 @@ class TableVariable(_compat.ActsAsResourceVariable):
         # a table. Ours key tables by `_kre_id`; a stock wrapper around one
         # of ours (Keras adds LossScaleOptimizer by itself under
         # mixed_float16) is built after the optimizer it wraps.
-        ours = getattr(self._table, "_table_optimizer", None)
+        ours = self._table._table_optimizer  # noqa: SLF001
         if ours is not None:
             raise TypeError(_STOCK_WRAPPER_ERROR.format(name=self.name, ours=ours))
         raise TypeError(_STOCK_OPTIMIZER_ERROR.format(name=self.name))

@@ -75,17 +75,6 @@ def _all_gather(strategy, tensor):
     return fn(tensor)
 
 
-def make_table(dim, key_dtype, default_values, name, **kwargs):
-    """A `CollectiveShardedTable` inside a MultiWorkerMirroredStrategy's
-    scope, otherwise `ps_tables.make_table`'s table (what
-    `EmbeddingVariable.build` creates)."""
-    if tf.distribute.has_strategy() and isinstance(
-            tf.distribute.get_strategy(), tf.distribute.MultiWorkerMirroredStrategy):
-        return CollectiveShardedTable(tf.distribute.get_strategy(), dim, key_dtype,
-                                      default_values, name=name, **kwargs)
-    return ps_tables.make_table(dim, key_dtype, default_values, name, **kwargs)
-
-
 def worker_index(strategy):
     """This process's place among the strategy's workers (chief first,
     then the workers in task order), as the strategy numbers replicas."""

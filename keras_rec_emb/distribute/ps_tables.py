@@ -34,6 +34,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_rec_emb import _compat, _ops, _serving_context
+from keras_rec_emb import tables as _tables
 from keras_rec_emb import variables as _variables
 from keras_rec_emb.distribute import ps_variables
 
@@ -137,21 +138,6 @@ def current_devices():
     return ps_variables.scope_devices()
 
 
-def make_table(dim, key_dtype, default_values, name, **kwargs):
-    """An `EmbeddingTable`, or a `ShardedEmbeddingTable` inside
-    `parameter_servers(...)`."""
-    devices = current_devices()
-    if devices is not None:
-        return ShardedEmbeddingTable(devices, dim, key_dtype, default_values, name=name,
-                                     **kwargs)
-    if tf.distribute.has_strategy() and isinstance(tf.distribute.get_strategy(),
-                                                   tf.distribute.MirroredStrategy):
-        devices = list(tf.distribute.get_strategy().extended.worker_devices)
-        return ShardedEmbeddingTable(devices, dim, key_dtype, default_values, name=name,
-                                     replicas=True, **kwargs)
-    return _variables.EmbeddingTable(dim, key_dtype, default_values, name=name, **kwargs)
-
-
 def _concat(arrays, like):
     arrays = [a for a in arrays]
     return np.concatenate(arrays, axis=0) if arrays else like
@@ -188,6 +174,8 @@ class ShardedEmbeddingTable(_compat.Trackable):
     (4, 4)
     """
 
+    optimizer = None  # of `EmbeddingVariable(optimizer=...)`, set by the layer
+
     def __init__(self, devices, dim, key_dtype, default_values, name="embedding_table",
                  replicas=False, **kwargs):
         super().__init__()
@@ -222,6 +210,18 @@ class ShardedEmbeddingTable(_compat.Trackable):
     @property
     def variables(self):
         return [s.variable for s in self._shards]
+
+    @property
+    def local(self):
+        """False: the rows live in several tables (`tables.Table.local`)."""
+        return False
+
+    @property
+    def exchange_group(self):
+        """None: each shard is looked up on its own device."""
+        return None
+
+    lookup_many = staticmethod(_tables.lookup_each)
 
     def _not_one_table(self, what):
         raise ValueError(

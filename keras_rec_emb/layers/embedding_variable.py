@@ -134,13 +134,13 @@ class EmbeddingVariable(keras.layers.Layer):
         with tf.init_scope():
             default_values = keras.ops.convert_to_numpy(initializer(
                 shape=(init_option.default_value_dim, self.embedding_dim), dtype="float32"))
-        from keras_rec_emb.distribute import collective_tables
+        from keras_rec_emb.distribute import placement
 
         # Under `keras_rec_emb.distribute.parameter_servers(...)` the table is
         # sharded over the parameter-server tasks, in a MirroredStrategy's or
         # MultiWorkerMirroredStrategy's scope over its replicas; otherwise
-        # one local table.
-        self.table = collective_tables.make_table(
+        # one local table (`placement.make_table` decides).
+        self.table = placement.make_table(
             self.embedding_dim, self.key_dtype, default_values, trainable=self.trainable,
             name=f"{self.name}/embeddings", restore_dim_mismatch=self.restore_dim_mismatch,
             **self.ev_option.table_kwargs(),

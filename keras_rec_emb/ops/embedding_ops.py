@@ -131,7 +131,7 @@ def _fused_lookup(params, flat_ids, splits, weights, combiners, max_norms,
     stock_table = getattr(_STOCK, "table", None)
     if stock_table is not None and not training:
         stock = {"stock_table": stock_table}
-    elif any(p.table is not None and not isinstance(p.table, EmbeddingTable) for p in params):
+    elif any(p.table is not None and not p.table.local for p in params):
         stock = {"insert": bool(training)}
     else:
         stock = None
@@ -291,7 +291,7 @@ def _feature_rows(params, ids_list, stock_table, insert):
         table = params[features[0]].table
         ids = [tf.cast(ids_list[i], table.key_dtype) for i in features]
         flat = tf.concat(ids, 0) if len(ids) > 1 else ids[0]
-        group = getattr(table, "exchange_group", None)
+        group = table.exchange_group
         if group is not None:
             together.setdefault(group, []).append((features, table, ids, flat))
             continue
@@ -365,7 +365,7 @@ def stacked_pooled_lookup(params, ids, combiners, default_ids, name=None, what="
     if tracing_stock_lookups():
         return None
     ps = [_as_param(p, i) for i, p in enumerate(params)]
-    if any(not isinstance(p.table, EmbeddingTable) for p in ps):
+    if any(p.table is None or not p.table.local for p in ps):
         return None
     if ids.dtype == tf.int64:
         key_dtypes = {tf.as_dtype(p.table.key_dtype) for p in ps}

@@ -172,7 +172,7 @@ def own_optimizer(table, model_optimizer):
     """The optimizer that updates `table` when `model_optimizer` applies the
     model's gradients: the table's own (`EmbeddingVariable(optimizer=...)`)
     or None for the model's."""
-    own = getattr(table, "optimizer", None)
+    own = table.optimizer
     return None if own is None or own is model_optimizer else own
 
 

@@ -1,0 +1,49 @@
+"""Which kind of table a layer gets, decided in one place from the scope it
+is built in. Layers create tables only through `make_table`; the core table
+(`variables.EmbeddingTable`) knows nothing of the choice."""
+
+import tensorflow as tf
+
+from keras_rec_emb import variables as _variables
+from keras_rec_emb.distribute import collective_tables, ps_tables
+
+
+def table_kind():
+    """The kind of table a layer built now gets: `"collective"` inside a
+    MultiWorkerMirroredStrategy's scope, `"parameter_servers"` inside
+    `parameter_servers(...)`, `"replicas"` inside a MirroredStrategy's scope,
+    else `"local"`."""
+    strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        return "collective"
+    if ps_tables.current_devices() is not None:
+        return "parameter_servers"
+    if isinstance(strategy, tf.distribute.MirroredStrategy):
+        return "replicas"
+    return "local"
+
+
+def make_table(dim, key_dtype, default_values, name, **kwargs):
+    """The table a layer built now gets (`**kwargs`: the other arguments of
+    `EmbeddingTable`):
+
+    * in a MultiWorkerMirroredStrategy's scope, a `CollectiveShardedTable`
+      over its workers;
+    * inside `parameter_servers(devices)`, a `ShardedEmbeddingTable` over
+      those devices;
+    * in a MirroredStrategy's scope, a `ShardedEmbeddingTable` over its
+      replicas (shard `i` owned by replica `i`);
+    * otherwise one `EmbeddingTable` in this process.
+    """
+    kind = table_kind()
+    if kind == "collective":
+        return collective_tables.CollectiveShardedTable(
+            tf.distribute.get_strategy(), dim, key_dtype, default_values, name=name, **kwargs)
+    if kind == "parameter_servers":
+        return ps_tables.ShardedEmbeddingTable(
+            ps_tables.current_devices(), dim, key_dtype, default_values, name=name, **kwargs)
+    if kind == "replicas":
+        devices = list(tf.distribute.get_strategy().extended.worker_devices)
+        return ps_tables.ShardedEmbeddingTable(devices, dim, key_dtype, default_values,
+                                               name=name, replicas=True, **kwargs)
+    return _variables.EmbeddingTable(dim, key_dtype, default_values, name=name, **kwargs)

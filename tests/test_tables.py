@@ -1,0 +1,104 @@
+"""Every kind of embedding table implements the declared table protocol
+(`keras_rec_emb.tables`), names and parameters as the protocol declares."""
+
+import inspect
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_rec_emb import tables
+from keras_rec_emb.distribute import CollectiveShardedTable, ShardedEmbeddingTable
+from keras_rec_emb.tables import Table, TableShard, members, missing_members
+from keras_rec_emb.variables import EmbeddingTable
+
+KINDS = [EmbeddingTable, ShardedEmbeddingTable, CollectiveShardedTable]
+
+
+def _defaults():
+    return np.ones((2, 3), np.float32)
+
+
+def test_protocols_declare_what_callers_use():
+    declared = set(members(Table))
+    for name in ("lookup", "lookup_many", "export", "import_", "size", "stats", "evict",
+                 "add_slot", "snapshot", "restore_snapshot", "variables", "local",
+                 "exchange_group", "optimizer", "dim", "key_dtype", "name", "trainable"):
+        assert name in declared
+    shard = set(members(TableShard))
+    assert declared < shard
+    for name in ("handle", "variable", "mark_changes", "export_changes", "merge_rows"):
+        assert name in shard
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.__name__)
+def test_every_table_kind_defines_every_member(kind):
+    assert missing_members(kind, Table) == []
+
+
+def test_the_core_table_is_a_table_shard():
+    assert missing_members(EmbeddingTable, TableShard) == []
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.__name__)
+def test_methods_take_the_declared_parameters(kind):
+    for name in members(Table):
+        declared = inspect.getattr_static(Table, name, None)
+        defined = inspect.getattr_static(kind, name)
+        if isinstance(declared, property):
+            assert isinstance(defined, property), (kind.__name__, name)
+            if declared.fset is not None:
+                assert defined.fset is not None, (kind.__name__, name)
+        elif isinstance(declared, staticmethod) or inspect.isfunction(declared):
+            want = list(inspect.signature(getattr(Table, name)).parameters)
+            got = list(inspect.signature(getattr(kind, name)).parameters)
+            assert got == want, (kind.__name__, name, got, want)
+
+
+def test_a_class_missing_a_member_is_named_and_not_a_table():
+    namespace = {name: inspect.getattr_static(EmbeddingTable, name)
+                 for name in members(Table) if name != "snapshot"}
+    partial = type("Partial", (), namespace)
+    assert missing_members(partial, Table) == ["snapshot"]
+    assert missing_members(type("Nothing", (), {}), Table) == members(Table)
+
+    whole = type("Whole", (), dict(namespace, snapshot=lambda self: 0))
+    assert missing_members(whole, Table) == []
+
+
+def test_instances_satisfy_the_protocol_and_state_their_capabilities():
+    local = EmbeddingTable(3, "int64", _defaults(), name="protocol_local")
+    sharded = ShardedEmbeddingTable(["/cpu:0", "/cpu:0"], 3, "int64", _defaults(),
+                                    name="protocol_sharded")
+    assert isinstance(local, Table) and isinstance(local, TableShard)
+    assert isinstance(sharded, Table)
+    assert not isinstance(object(), Table)
+    assert local.local and not sharded.local
+    assert local.exchange_group is None and sharded.exchange_group is None
+    assert local.optimizer is None and sharded.optimizer is None
+    assert isinstance(CollectiveShardedTable.exchange_group, property)
+    # lookup_many of tables that exchange nothing: each its own lookup.
+    keys = [tf.constant([1, 5], tf.int64), tf.constant([[2]], tf.int64)]
+    rows = type(local).lookup_many([local, sharded], keys, insert=True)
+    assert [r.shape.as_list() for r in rows] == [[2, 3], [1, 1, 3]]
+    np.testing.assert_array_equal(rows[0].numpy(), np.ones((2, 3)))
+    assert local.size() == 2 and sharded.size() == 1
+    assert tables.lookup_each([], []) == []
+
+
+def test_placement_decides_the_kind_from_the_scope():
+    from keras_rec_emb.distribute import parameter_servers, placement
+
+    assert placement.table_kind() == "local"
+    table = placement.make_table(3, "int64", _defaults(), "placement_local", num_shards=2)
+    assert type(table) is EmbeddingTable and table.name == "placement_local"
+    with parameter_servers(["/cpu:0", "/cpu:0"]):
+        assert placement.table_kind() == "parameter_servers"
+        sharded = placement.make_table(3, "int64", _defaults(), "placement_ps")
+    assert type(sharded) is ShardedEmbeddingTable and sharded.num_shards == 2
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    with strategy.scope():
+        assert placement.table_kind() == "replicas"
+        replicas = placement.make_table(3, "int64", _defaults(), "placement_replicas")
+    assert type(replicas) is ShardedEmbeddingTable
+    assert [s.replica_shard for s in replicas.shards] == [0]
