@@ -3,25 +3,21 @@ this package (no custom ops): each embedding table becomes a
 `tf.lookup.experimental.MutableHashTable` from key to row plus a dense
 `[N, dim]` matrix of the rows, read with stock ops.
 
-While the serving function is traced (in the exporting thread), the
-model's tables have their `lookup` substituted by their stock twin's and
-fused group lookups run `embedding_ops.stock_group_lookup` (see
-`_serving`); outside the export nothing changes.
+The serving function is traced inside `_serving_context.stock_tables`: in
+the exporting thread, every table lookup reads the table's stock twin and
+fused group lookups run `embedding_ops.stock_group_lookup` on the twins;
+other threads, and everything after the export, keep the package's ops.
 """
 
-import contextlib
 import os
 import shutil
 import tempfile
-import threading
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_rec_emb import _compat, saving
-from keras_rec_emb.ops import embedding_ops
-from keras_rec_emb.variables import is_table
+from keras_rec_emb import _compat, _serving_context, saving
 
 __all__ = ["export_for_serving"]
 
@@ -117,54 +113,6 @@ class _StockTables(tf.Module):
         for stock in self.tables:
             tf.raw_ops.DestroyResourceOp(resource=stock.index.resource_handle,
                                          ignore_lookup_error=True)
-
-
-def model_tables(model):
-    """The embedding tables among `model`'s weights, each once; a table
-    sharded over devices or workers (whose weights are its shards') as the
-    one table its layer looks up in."""
-    owners = {}
-    for layer in _compat.flatten_layers(model):
-        table = getattr(layer, "table", None)
-        for shard in getattr(table, "shards", None) or ():
-            owners[id(shard)] = table
-    tables = {}
-    for w in model.weights:
-        if is_table(w):
-            table = owners.get(id(w.table), w.table)
-            tables.setdefault(id(table), table)
-    return list(tables.values())
-
-
-def _stock_lookup(stock_tables, table, thread):
-    """`table.lookup` as substituted while this thread traces an export:
-    reads the stock twin; other threads keep the table's own lookup."""
-    own = type(table).lookup.__get__(table)
-
-    def lookup(keys, insert=False):
-        if threading.get_ident() != thread:
-            return own(keys, insert)
-        if insert:
-            raise ValueError("export_for_serving traces inference only (insert=False).")
-        return stock_tables.get(table).lookup(keys)
-
-    return lookup
-
-
-@contextlib.contextmanager
-def _serving(stock_tables, tables=()):
-    """While a serving function is traced: each of `tables` looks up in its
-    stock twin (its `lookup` substituted on the instance, for this thread),
-    and fused group lookups run on stock ops reading the stock twins."""
-    thread = threading.get_ident()
-    for table in tables:
-        table.lookup = _stock_lookup(stock_tables, table, thread)
-    try:
-        with embedding_ops.stock_lookups(stock_tables.get):
-            yield
-    finally:
-        for table in tables:
-            del table.lookup
 
 
 def _shape_checked(args):
@@ -269,7 +217,7 @@ def export_for_serving(model: keras.Model, filepath: str | os.PathLike,
     tmp = tempfile.mkdtemp(prefix=".tmp-serving-", dir=parent)
     try:
         # Every trace (also any the save makes) reads the stock tables.
-        with _serving(stock, model_tables(model)):
+        with _serving_context.stock_tables(stock.get):
             endpoint = archive.add_endpoint(
                 "serve", lambda *args: model(*_shape_checked(args), training=False),
                 input_signature)

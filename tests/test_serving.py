@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import keras
 import numpy as np
@@ -13,9 +14,11 @@ import pytest
 import tensorflow as tf
 
 import keras_rec_emb as kre
-from keras_rec_emb import ops
-from keras_rec_emb import serving
+from keras_rec_emb import _serving_context, ops, serving
+from keras_rec_emb.distribute.collective_tables import CollectiveShardedTable
+from keras_rec_emb.distribute.ps_tables import ShardedEmbeddingTable
 from keras_rec_emb.layers import EmbeddingVariable, FeatureSpec, GroupEmbedding
+from keras_rec_emb.variables import EmbeddingTable
 
 _SERVE = """
 import json, sys
@@ -162,16 +165,134 @@ def test_stock_group_lookup_matches_the_fused_kernel(combiner, matrix_initialize
                   max_norm=[None, 0.5, None, 1.0, 0.7], default_id=[None, 6, 3, 2, None])
     want = ops.group_embedding_lookup_sparse(params, ids, [combiner] * 5, **kwargs)
     stock = serving._StockTables()
-    with serving._serving(stock):
+    with _serving_context.stock_tables(stock.get):
         got = tf.function(lambda: ops.group_embedding_lookup_sparse(
             params, ids, [combiner] * 5, **kwargs))()
     graph_ops = tf.function(lambda: ops.group_embedding_lookup_sparse(
         params, ids, [combiner] * 5, **kwargs))
-    with serving._serving(stock):
+    with _serving_context.stock_tables(stock.get):
         graph = graph_ops.get_concrete_function().graph.as_graph_def()
     assert serving._custom_ops(graph) == set()
     for g, w in zip(got, want):
         np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def _graph_ops(fn, *specs):
+    """The op types of `fn` traced over `specs`, its nested functions included."""
+    graph = tf.function(fn).get_concrete_function(*specs).graph.as_graph_def()
+    found = {n.op for n in graph.node}
+    for function in graph.library.function:
+        found.update(n.op for n in function.node_def)
+    return found
+
+
+class _Probe(keras.layers.Layer):
+    """Passes its input through; traced while `_PROBES` holds a callable, it
+    runs that callable once, in the tracing thread."""
+
+    def call(self, x):
+        if _PROBES:
+            _PROBES.pop()()
+        return x
+
+
+_PROBES = []
+
+
+def test_export_reads_stock_twins_in_its_thread_only_without_touching_tables(tmp_path):
+    """While `export_for_serving` traces the model, a trainer in another
+    thread keeps the package's ops: its lookups of the same tables (the
+    table's own `lookup`, an inference and a training call of the layers)
+    trace `KRE>` ops and insert keys, while the export's own thread reads
+    the stock twins. No table gets a `lookup` of its own."""
+    keras.utils.set_random_seed(2)
+    ids = keras.Input((3,), dtype="int64")
+    pooled = EmbeddingVariable(4, combiner="sum", name="pooled")  # the fused group path
+    rows = EmbeddingVariable(2, name="rows")  # the table's own lookup
+    x = _Probe()(ids)
+    x = keras.layers.Concatenate()([pooled(x), keras.layers.Flatten()(rows(x))])
+    model = keras.Model(ids, keras.layers.Dense(1)(x))
+    model(np.array([[1, 2, 3]]), training=True)
+    tables = [pooled.table, rows.table]
+    spec = tf.TensorSpec([None, 3], tf.int64)
+    seen = {}
+
+    def train_elsewhere():
+        try:
+            seen["trainer_stock_reader"] = _serving_context.stock_reader()
+            for layer in (pooled, rows):
+                seen[f"{layer.name}_training"] = _graph_ops(
+                    lambda z, layer=layer: layer(z, training=True), spec)
+                seen[f"{layer.name}_inference"] = _graph_ops(
+                    lambda z, layer=layer: layer(z, training=False), spec)
+                seen[f"{layer.name}_table"] = _graph_ops(layer.table.lookup, spec)
+                layer(np.array([[40, 41, 42]]), training=True)  # eager: inserts
+            seen["sizes"] = [t.size() for t in tables]
+        except BaseException as e:  # reported by the test, not lost in the thread
+            seen["error"] = e
+
+    def probe():  # in the export's thread, while it traces
+        seen["own_lookup"] = [t.name for t in tables if "lookup" in vars(t)]
+        seen["export_table"] = _graph_ops(rows.table.lookup, spec)
+        trainer = threading.Thread(target=train_elsewhere)
+        trainer.start()
+        trainer.join(timeout=300)
+        seen["joined"] = not trainer.is_alive()
+
+    _PROBES.append(probe)
+    path = kre.export_for_serving(model, str(tmp_path / "serving"))
+    assert not _PROBES, "the probe did not run while the export traced"
+    assert seen.pop("joined")
+    assert "error" not in seen, seen["error"]
+    assert seen["own_lookup"] == []
+    assert not any(op.startswith("KRE>") for op in seen["export_table"])
+    assert "LookupTableFindV2" in seen["export_table"]
+    assert seen["trainer_stock_reader"] is None
+    for key in ("pooled_training", "pooled_inference", "rows_training", "rows_inference",
+                "rows_table", "pooled_table"):
+        assert any(op.startswith("KRE>") for op in seen[key]), (key, seen[key])
+        assert "LookupTableFindV2" not in seen[key], key
+    assert seen["sizes"] == [6, 6]  # 1, 2, 3 from the model's call; 40, 41, 42 inserted
+    assert all("lookup" not in vars(t) for t in tables)
+    assert _serving_context.stock_reader() is None
+    query = np.array([[1, 40, 7]])
+    loaded = tf.saved_model.load(path)  # kept: its functions read its variables
+    np.testing.assert_allclose(loaded.serve(tf.constant(query)),
+                               model.predict(query, verbose=0), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", [EmbeddingTable, ShardedEmbeddingTable,
+                                  CollectiveShardedTable])
+def test_every_table_kind_reads_its_stock_twin_when_serving(kind):
+    """Each table kind's `lookup` consults the one serving state: inside
+    `stock_tables` it reads `read(table)` and refuses to insert; outside it
+    runs its own code. (Called unbound on a stand-in object: a sharded
+    table needs devices or workers, and inside the state its own code must
+    not run at all.)"""
+    class Twin:
+        def lookup(self, keys):
+            return ("twin", keys)
+
+    table = object()
+    read_for = []
+
+    def read(t):
+        read_for.append(t)
+        return Twin()
+
+    with _serving_context.stock_tables(read):
+        assert kind.lookup(table, "keys") == ("twin", "keys")
+        assert kind.lookup(table, "keys", insert=False) == ("twin", "keys")
+        with pytest.raises(ValueError, match=r"inference only \(insert=False\)"):
+            kind.lookup(table, "keys", insert=True)
+        with _serving_context.stock_tables(None):  # nested: the package's ops again
+            with pytest.raises(AttributeError):  # its own code, on no table
+                kind.lookup(table, "keys")
+        assert _serving_context.stock_reader() is read
+    assert read_for == [table, table]
+    assert _serving_context.stock_reader() is None
+    with pytest.raises(AttributeError):
+        kind.lookup(table, "keys")
 
 
 def test_failed_export_keeps_the_previous_one(tmp_path):

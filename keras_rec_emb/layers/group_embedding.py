@@ -4,7 +4,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_rec_emb import _compat, _ops, variables
+from keras_rec_emb import _compat, _ops, _serving_context, variables
 from keras_rec_emb._checks import assert_ids_in_range, check_float, check_int, integer_ids
 from keras_rec_emb._ids import FlatIds
 from keras_rec_emb.layers.configs import FeatureConfig
@@ -392,7 +392,7 @@ class GroupEmbedding(keras.layers.Layer):
         per-feature slicing), checked once for int32-key tables."""
         self._check_stacked(ids.shape, ids.dtype)
         f = len(self._features)
-        if embedding_ops.tracing_stock_lookups():  # a served graph: stock ops only
+        if _serving_context.tracing_stock():  # a served graph: stock ops only
             return [ids[:, j] for j in range(f)]
         if ids.dtype not in (tf.int32, tf.int64):
             ids = integer_ids(ids, f"GroupEmbedding '{self.name}'", tf.int64)

@@ -15,15 +15,12 @@ of `keras_rec_emb.optimizers` (and, for dense variables, any Keras optimizer)
 apply them unchanged.
 """
 
-import contextlib
-import threading
-
 import keras
 import numpy as np
 import tensorflow as tf
 
 from keras_rec_emb import _compat
-from keras_rec_emb import _ops
+from keras_rec_emb import _ops, _serving_context
 from keras_rec_emb._checks import (COMBINERS, assert_ids_in_range, check_bool, check_float,
                                    check_int, checked_sparse_ids, integer_ids)
 from keras_rec_emb._embed_reduce import combine_rows
@@ -121,14 +118,15 @@ def _fused_lookup(params, flat_ids, splits, weights, combiners, max_norms,
                   default_ids, prunes, sequences, training, name, concat=False):
     """Runs one KRE>GroupLookup over features (lists of equal length); with
     `concat`, returns `[outputs side by side]` (written in place by the op)."""
-    # Stock ops instead of the fused op: in a graph traced by `stock_lookups`
-    # (serving; rows from `stock_table`), and over tables sharded by
+    # Stock ops instead of the fused op: in a graph traced for stock serving
+    # (inside `_serving_context.stock_tables`; rows from the tables' stock
+    # twins), and over tables sharded by
     # `keras_rec_emb.distribute` (parameter servers, MirroredStrategy replicas,
     # MultiWorkerMirroredStrategy workers), whose own `lookup` sends ids to
     # their shards and rows back (with `training` it inserts and counts every
     # occurrence, as the fused kernel does); the fused op needs every table in
     # this process.
-    stock_table = getattr(_STOCK, "table", None)
+    stock_table = _serving_context.stock_reader()
     if stock_table is not None and not training:
         stock = {"stock_table": stock_table}
     elif any(p.table is not None and not p.table.local for p in params):
@@ -176,30 +174,6 @@ def _fused_lookup(params, flat_ids, splits, weights, combiners, max_norms,
 
 
 # -- the same lookup with stock TensorFlow ops (export_for_serving) ------------
-_STOCK = threading.local()
-
-
-@contextlib.contextmanager
-def stock_lookups(stock_table):
-    """Inside (in this thread), inference group lookups run on stock
-    TensorFlow ops (`stock_group_lookup`) instead of `KRE>GroupLookup`,
-    reading each table's rows from `stock_table(table)`: what
-    `export_for_serving` traces. Training lookups are unchanged."""
-    previous = getattr(_STOCK, "table", None)
-    _STOCK.table = stock_table
-    try:
-        yield
-    finally:
-        _STOCK.table = previous
-
-
-def tracing_stock_lookups():
-    """Whether group lookups traced now run on stock TensorFlow ops (inside
-    `stock_lookups`, for `export_for_serving`): a served graph must not hold
-    any of this package's ops."""
-    return getattr(_STOCK, "table", None) is not None
-
-
 def _checked_splits(splits, nnz):
     """`splits` once checked (with stock ops, in the served graph) to be the
     row splits of `nnz` values: a serving request with malformed ragged
@@ -359,10 +333,11 @@ def stacked_pooled_lookup(params, ids, combiners, default_ids, name=None, what="
     Returns `None` where the op does not serve: a parameter that is not a
     table of this process (dense matrices, distributed tables), int64 ids
     over int32 and int64 tables together (the group lookup checks each
-    int32 table's ids apart) or a graph traced for serving (`stock_lookups`).
+    int32 table's ids apart) or a graph traced for stock serving
+    (`_serving_context.tracing_stock`).
     Over int32 tables alone, int64 ids are checked once to fit (`what`
     names them in the error)."""
-    if tracing_stock_lookups():
+    if _serving_context.tracing_stock():
         return None
     ps = [_as_param(p, i) for i, p in enumerate(params)]
     if any(p.table is None or not p.table.local for p in ps):
