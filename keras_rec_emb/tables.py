@@ -10,7 +10,7 @@ kinds differ, a capability declared here says so (`local`,
 decides which kind a layer gets.
 
 `TableShard` is the one C++ table of this process behind a `TableVariable`:
-what the optimizers update and what incremental
+what the optimizers update (`sparse_apply`) and what incremental
 checkpoints and serving deltas read. An `EmbeddingTable` is both; a
 distributed table is a `Table` whose `variables` are its shards'.
 
@@ -144,6 +144,12 @@ class TableShard(Table, Protocol):
     @property
     def device(self) -> str:
         """The device holding the table."""
+
+    def sparse_apply(self, keys, grads, rule, hyper, step, slots, distinct=False):
+        """One fused optimizer step on the rows of `keys` (see
+        `_ops.sparse_apply`); a distributed shard gathers the replicas'
+        gradients, or leaves the update to its owner, as its placement
+        requires."""
 
     def merge_rows(self, keys, values, freqs):
         """Writes rows of `keys` into the live table."""

@@ -257,13 +257,6 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         l2_weight_threshold: float or None. L2-weight eviction threshold.
         save_filtered: bool. Save keys counted but not admitted (also off
             when `KRE_EV_SAVE_FILTERED_FEATURES=false`).
-        shared_name: str. Empty (the default) makes a private table owned
-            by its handle; a name finds or creates the table of that name
-            on `device`, shared by every client of that device (how
-            parameter-server workers reach one table, see
-            `keras_rec_emb.distribute`).
-        device: str. Where the table lives (e.g. `"/job:ps/task:0"`);
-            empty means the current device.
         restore_dim_mismatch: `"error"` or `"pad_or_truncate"`. What
             restoring rows of another width does: raise (the default), or
             (DeepRec) truncate wider rows and pad narrower ones, the new
@@ -279,6 +272,11 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
             (under `$KRE_STORAGE_COPY_PATH` when set), removed when it is
             freed; it warns, and refuses `snapshot()`.
         cache_bytes: int. DRAM cache bytes of the file tier.
+
+    The table is private to its handle, on the current device. Subclasses
+    (the shards of `keras_rec_emb.distribute`) place it elsewhere with
+    `_placement` and `_strategy_shard`, and update it in their own way with
+    `sparse_apply`.
     """
 
     # The optimizer of `EmbeddingVariable(optimizer=...)`, set by the layer;
@@ -286,19 +284,25 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
     # (a stock wrapper around it then gets a precise error).
     optimizer = None
     _table_optimizer = None
+    # A shard created, looked up and updated under a tf.distribute strategy
+    # (the kernels' refusal of strategies is off): set by such shards only.
+    _strategy_shard = False
+
+    def _placement(self):
+        """(device, shared_name) of the C++ table: here, a private table on
+        the current device. A shard of keras_rec_emb.distribute places its
+        own (a name finds or creates the table of that name on its device,
+        shared by every client of that device)."""
+        return "", ""
 
     def __init__(self, dim, key_dtype, default_values, num_shards=32,
                  trainable=True, name="embedding_table", track_meta=True,
                  filter_freq=0, bloom=None, no_permission_value=0.0,
                  steps_to_live=None, l2_weight_threshold=None, save_filtered=True,
                  restore_dim_mismatch="error", record_freq=True, storage_path=None,
-                 cache_bytes=64 << 20, shared_name="", device="", replica_shard=None,
-                 exchanged=False):
+                 cache_bytes=64 << 20):
+        device, shared_name = self._placement()
         super().__init__(device=device)
-        # A shard of a table whose lookups exchange ids and rows with
-        # collectives (MultiWorkerMirroredStrategy): its gradient arrives
-        # already summed over every replica (keras_rec_emb.distribute).
-        self._exchanged = bool(exchanged)
         self._storage_dir = None
         self._copy_dir = None  # the folder of a copy beside a live table
         if storage_path is not None:
@@ -307,8 +311,6 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
             self._storage_dir = os.path.join(os.path.abspath(storage_path), safe)
         self._cache_bytes = int(cache_bytes)
         self._shared_name = str(shared_name)
-        # Index of the MirroredStrategy replica owning this shard, or None.
-        self._replica_shard = replica_shard
         self._restore_dim_mismatch = check_restore_dim_mode(restore_dim_mismatch)
         self._slot_inits = {}
         self._dim = int(dim)
@@ -395,7 +397,7 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
             bloom=self._bloom, no_permission_value=self._no_permission_value,
             freq_cap=self._freq_cap(),
             storage_path=storage_path, cache_bytes=self._cache_bytes,
-            shared_name=shared_name, replica_shard=self._replica_shard is not None,
+            shared_name=shared_name, replica_shard=self._strategy_shard,
         )
 
     def _destroy_resource(self):
@@ -505,17 +507,6 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
     lookup_many = staticmethod(_tables.lookup_each)
 
     @property
-    def replica_shard(self):
-        """The MirroredStrategy replica that owns and updates this shard, or None."""
-        return self._replica_shard
-
-    @property
-    def exchanged(self):
-        """Whether this shard's gradient arrives summed over every replica
-        (a table sharded over MultiWorkerMirroredStrategy workers)."""
-        return self._exchanged
-
-    @property
     def device(self):
         """The device holding the table."""
         return self.resource_handle.device
@@ -576,7 +567,15 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         if self._trainable:
             _compat.variable_accessed(self._variable)
         return _ops.lookup(self.handle, keys, self._dim, insert,
-                           replica_shard=self._replica_shard is not None)
+                           replica_shard=self._strategy_shard)
+
+    def sparse_apply(self, keys, grads, rule, hyper, step, slots, distinct=False):
+        """One fused optimizer step on the rows of `keys` (what the
+        optimizers of `keras_rec_emb.optimizers` call; see
+        `_ops.sparse_apply`). A distributed shard may gather the gradient
+        first, or leave the update to the replica owning it."""
+        _ops.sparse_apply(self.handle, keys, grads, rule, hyper, step, slots,
+                          replica_shard=self._strategy_shard, distinct=distinct)
 
     def size(self):
         """Number of admitted keys (an int when eager)."""

@@ -9,6 +9,7 @@ import tensorflow as tf
 
 from keras_rec_emb import tables
 from keras_rec_emb.distribute import CollectiveShardedTable, ShardedEmbeddingTable
+from keras_rec_emb.distribute import shards
 from keras_rec_emb.tables import Table, TableShard, members, missing_members
 from keras_rec_emb.variables import EmbeddingTable
 
@@ -102,3 +103,47 @@ def test_placement_decides_the_kind_from_the_scope():
         replicas = placement.make_table(3, "int64", _defaults(), "placement_replicas")
     assert type(replicas) is ShardedEmbeddingTable
     assert [s.replica_shard for s in replicas.shards] == [0]
+
+
+SHARDS = [EmbeddingTable, shards.ParameterServerShard, shards.ReplicaShard,
+          shards.ExchangedShard]
+
+
+@pytest.mark.parametrize("kind", SHARDS, ids=lambda k: k.__name__)
+def test_every_shard_kind_is_a_table_shard(kind):
+    assert missing_members(kind, TableShard) == []
+    want = list(inspect.signature(TableShard.sparse_apply).parameters)
+    assert list(inspect.signature(kind.sparse_apply).parameters) == want
+
+
+def test_distribution_stays_out_of_the_core_table():
+    params = inspect.signature(EmbeddingTable.__init__).parameters
+    for name in ("shared_name", "device", "replica_shard", "exchanged"):
+        assert name not in params
+        assert not hasattr(EmbeddingTable, name) or name == "device"
+    ps = ShardedEmbeddingTable(["/cpu:0", "/cpu:0"], 3, "int64", _defaults(),
+                               name="protocol_ps_shards")
+    assert [type(s) for s in ps.shards] == [shards.ParameterServerShard] * 2
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    with strategy.scope():
+        mirrored = ShardedEmbeddingTable(["/cpu:0"], 3, "int64", _defaults(),
+                                         name="protocol_replica_shards", replicas=True)
+    shard = mirrored.shards[0]
+    assert type(shard) is shards.ReplicaShard
+    assert (shard.replica_shard, shard.exchanged) == (0, False)
+    assert shards.ExchangedShard.exchanged.fget(shard) is True
+
+
+def test_the_core_table_applies_a_step_itself():
+    from keras_rec_emb.optimizers import SGD
+
+    table = EmbeddingTable(3, "int64", _defaults(), name="protocol_apply")
+    with tf.GradientTape() as tape:
+        rows = table.lookup(tf.constant([4, 4, 9], tf.int64), insert=True)
+        loss = tf.reduce_sum(rows)
+    grad = tape.gradient(loss, table.variable)
+    SGD(0.5).apply([grad], [table.variable])
+    got = table.export()
+    by_key = dict(zip(got["keys"].tolist(), got["values"].tolist()))
+    np.testing.assert_allclose(by_key[4], [0.0] * 3)  # 1 - 0.5 * 2
+    np.testing.assert_allclose(by_key[9], [0.5] * 3)

@@ -44,7 +44,7 @@ import tensorflow as tf
 
 from keras_rec_emb import _compat, _ops, _serving_context
 from keras_rec_emb import variables as _variables
-from keras_rec_emb.distribute import ps_tables
+from keras_rec_emb.distribute import ps_tables, shards
 
 # One traced all-gather per (strategy, dtype, row shape): every worker
 # traces the same functions in the same order (their collectives then get
@@ -155,9 +155,8 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
         self._replicas = True
         self._devices = local
         shard_name = f"{name}/shard_{self._index}_of_{self._num}"
-        self._shards = [_variables.EmbeddingTable(
-            dim, key_dtype, default_values, name=shard_name, device=local[0],
-            replica_shard=self._index, exchanged=True, **kwargs)]
+        self._shards = [shards.ExchangedShard(local[0], self._index, dim, key_dtype,
+                                              default_values, name=shard_name, **kwargs)]
 
     @property
     def num_shards(self):

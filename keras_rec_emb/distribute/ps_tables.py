@@ -36,7 +36,7 @@ import tensorflow as tf
 from keras_rec_emb import _compat, _ops, _serving_context
 from keras_rec_emb import tables as _tables
 from keras_rec_emb import variables as _variables
-from keras_rec_emb.distribute import ps_variables
+from keras_rec_emb.distribute import ps_variables, shards
 
 # Fibonacci hashing (the golden-ratio multiplier, high 32 bits). The kv
 # index picks its own lock shards and slots with splitmix64 bits, a different
@@ -186,11 +186,11 @@ class ShardedEmbeddingTable(_compat.Trackable):
         # Parameter-server shards are found by name (every worker reaches the
         # same one); a replica's shard is private to this process.
         self._shards = [
-            _variables.EmbeddingTable(dim, key_dtype, default_values,
-                                      name=f"{name}/shard_{i}_of_{n}",
-                                      shared_name="" if replicas else f"{name}/shard_{i}_of_{n}",
-                                      device=device, replica_shard=i if replicas else None,
-                                      **kwargs)
+            shards.ReplicaShard(device, i, dim, key_dtype, default_values,
+                                name=f"{name}/shard_{i}_of_{n}", **kwargs) if replicas else
+            shards.ParameterServerShard(device, f"{name}/shard_{i}_of_{n}", dim, key_dtype,
+                                        default_values, name=f"{name}/shard_{i}_of_{n}",
+                                        **kwargs)
             for i, device in enumerate(self._devices)
         ]
 

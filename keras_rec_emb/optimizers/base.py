@@ -25,7 +25,6 @@ import numpy as np
 import tensorflow as tf
 
 from keras_rec_emb import _checks, _compat
-from keras_rec_emb import _ops
 from keras_rec_emb._op_args import named_outputs
 from keras_rec_emb.optimizers import rules
 from keras_rec_emb.variables import is_table
@@ -372,24 +371,10 @@ class TableOptimizer:
         distinct = has_distinct_keys(grad)
         keys = tf.cast(grad.indices, table.key_dtype)
         values = tf.reshape(tf.cast(grad.values, tf.float32), [-1, table.dim])
-        owner = table.replica_shard
-        if (owner is not None and not table.exchanged
-                and not tf.distribute.in_cross_replica_context()):
-            # A shard of a table sharded over MirroredStrategy replicas: every
-            # replica's gradient for it is gathered, and its owner alone
-            # applies the sum (as one process would with the global batch).
-            ctx = tf.distribute.get_replica_context()
-            keys = ctx.all_gather(keys, axis=0)
-            values = ctx.all_gather(values, axis=0)
-            distinct = False  # every replica's keys: repeats across them
-            if tf.get_static_value(ctx.replica_id_in_sync_group) != owner:
-                return
-        # A shard of a table sharded over MultiWorkerMirroredStrategy workers
-        # (`table.exchanged`): the collectives of its lookup already summed
-        # every replica's gradient for its keys; the process owning it applies.
-        _ops.sparse_apply(table.handle, keys, values, name, ordered, self.iterations,
-                          rule.slot_names(hyper), replica_shard=owner is not None,
-                          distinct=distinct)
+        # The table applies it (a distributed shard gathers the replicas'
+        # gradients, or leaves the update to its owner: keras_rec_emb.distribute).
+        table.sparse_apply(keys, values, name, ordered, self.iterations,
+                           rule.slot_names(hyper), distinct=distinct)
 
     def _decay_factor(self, learning_rate):
         """The fraction of a row that decoupled weight decay removes."""

@@ -1,0 +1,88 @@
+"""The shards of distributed tables: `EmbeddingTable`s placed by
+`keras_rec_emb.distribute`, which know where they live, who owns them and
+how a gradient reaches them. The core table knows none of this: it offers
+the hooks (`_placement`, `_strategy_shard`, `sparse_apply`) these classes
+fill in."""
+
+import tensorflow as tf
+
+from keras_rec_emb import variables as _variables
+
+
+class ParameterServerShard(_variables.EmbeddingTable):
+    """A shard on a parameter-server task, found or created there by
+    `shared_name`: every worker that builds the same layer reaches the same
+    C++ table.
+
+    Args:
+        device: str. The task's device (e.g. `"/job:ps/task:0"`).
+        shared_name: str. The name the table is found by on `device`.
+        *args, **kwargs: those of `EmbeddingTable`.
+    """
+
+    def __init__(self, device, shared_name, *args, **kwargs):
+        self._shard_device, self._shard_shared_name = str(device), str(shared_name)
+        super().__init__(*args, **kwargs)
+
+    def _placement(self):
+        return self._shard_device, self._shard_shared_name
+
+
+class ReplicaShard(_variables.EmbeddingTable):
+    """A MirroredStrategy replica's shard of a table sharded over the
+    replicas, private to this process: replica `replica_shard` owns it and
+    alone applies its updates, the sum of every replica's gradient for its
+    keys (as one process would with the global batch).
+
+    Args:
+        device: str. The replica's device.
+        replica_shard: int. The owning replica.
+        *args, **kwargs: those of `EmbeddingTable`.
+    """
+
+    _strategy_shard = True  # created, looked up and updated under the strategy
+
+    def __init__(self, device, replica_shard, *args, **kwargs):
+        self._shard_device, self._replica_shard = str(device), int(replica_shard)
+        super().__init__(*args, **kwargs)
+
+    def _placement(self):
+        return self._shard_device, ""
+
+    @property
+    def replica_shard(self):
+        """The replica that owns and updates this shard."""
+        return self._replica_shard
+
+    @property
+    def exchanged(self):
+        """Whether this shard's gradient arrives summed over every replica."""
+        return False
+
+    def sparse_apply(self, keys, grads, rule, hyper, step, slots, distinct=False):
+        """In a replica context, every replica's gradient for this shard is
+        gathered and its owner alone applies the sum; the other replicas
+        return None. In the cross-replica context, applies as given."""
+        if not tf.distribute.in_cross_replica_context():
+            ctx = tf.distribute.get_replica_context()
+            keys = ctx.all_gather(keys, axis=0)
+            grads = ctx.all_gather(grads, axis=0)
+            distinct = False  # every replica's keys: repeats across them
+            if tf.get_static_value(ctx.replica_id_in_sync_group) != self._replica_shard:
+                return None
+        return super().sparse_apply(keys, grads, rule, hyper, step, slots, distinct)
+
+
+class ExchangedShard(ReplicaShard):
+    """This worker's shard of a table sharded over MultiWorkerMirroredStrategy
+    workers (`CollectiveShardedTable`): the collectives of its lookup already
+    summed every replica's gradient for its keys, so this process applies
+    it as it comes."""
+
+    @property
+    def exchanged(self):
+        return True
+
+    def sparse_apply(self, keys, grads, rule, hyper, step, slots, distinct=False):
+        return _variables.EmbeddingTable.sparse_apply(self, keys, grads, rule, hyper, step,
+                                                      slots, distinct)
