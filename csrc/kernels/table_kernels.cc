@@ -395,10 +395,7 @@ class TableImportOp : public TableOpKernel<K> {
         kv::Table<K> staging(std::move(options));
         for (const auto& spec : specs) staging.AddSlot(spec.name, spec.width, spec.init);
         fill(staging);
-        table.SwapContents(staging);
-        // The replaced rows are staging's now: a file tier's files go with
-        // them here rather than when the table goes.
-        staging.Clear();
+        table.SwapContents(staging);  // the replaced rows (and files) go with staging
       } else {
         fill(table);
       }

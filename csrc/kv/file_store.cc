@@ -351,8 +351,13 @@ uint32_t FileRowStore::LocToWord(uint64_t loc) const {
 }
 
 FileRowStore::~FileRowStore() {
+  // A store owns its segment files: they go with it, also when its
+  // directory outlives it (the store a restore replaced, while the table
+  // lives on with new stores in the same directory). A snapshot keeps its
+  // own links to them.
   for (auto& kv : segments_) {
     if (kv.second.fd >= 0) ::close(kv.second.fd);
+    ::unlink(kv.second.path.c_str());
   }
   CloseFiles();
 }

@@ -128,6 +128,7 @@ class FileRowStore final : public RowStore {
   // open_files: segment files kept open for reading (at least 1).
   FileRowStore(std::shared_ptr<FileSpace> space, int shard, int64_t dim,
                uint64_t cache_bytes, int open_files);
+  // Removes the store's segment files.
   ~FileRowStore() override;
 
   uint32_t Allocate(const float* init) override;
