@@ -1,6 +1,6 @@
 # Two commands set everything up on a fresh machine:
 #   make demo   create .venv, install the package with its compiled ops, run the demo
-#   make test   same set-up, then ruff, the C++ table tests (plain, ASan+UBSan, TSan) and pytest
+#   make test   same set-up, then ruff, the C++ format check, the C++ table tests (plain, ASan+UBSan, TSan) and pytest
 PY ?= python3.11
 VENV := .venv
 PYTHON := $(VENV)/bin/python
@@ -124,8 +124,8 @@ lint: $(DEPS_STAMP)
 	$(VENV)/bin/ruff check .
 
 # C++ format: the files of csrc/ that clang-format (.clang-format) would
-# change, and fails if any. Not in `make test` until the tree is reformatted
-# (`$(VENV)/bin/clang-format -i FILE`).
+# change, and fails if any (`make test` runs it; `$(VENV)/bin/clang-format -i
+# FILE` formats one).
 CLANG_FORMAT_FILES := $(shell find csrc -name '*.cc' -o -name '*.h')
 format-check: $(DEPS_STAMP)
 	@n=0; for f in $(CLANG_FORMAT_FILES); do \
@@ -137,7 +137,7 @@ format-check: $(DEPS_STAMP)
 # files, and the compiler takes that idle time. Their tests run after pytest;
 # any failure fails `make test`.
 test: install
-	$(MAKE) lint
+	$(MAKE) lint format-check
 	@mkdir -p build; \
 	( nice -n 10 $(MAKE) -j2 kv-bins > build/kv-bins.log 2>&1 ) & kv=$$!; \
 	$(MAKE) test-py; py=$$?; \

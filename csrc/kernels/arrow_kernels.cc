@@ -149,10 +149,10 @@ bool LeafOf(const std::string& f, LeafType* out) {
     const char* format;
     LeafType type;
   } kLeaves[] = {
-      {"c", {tf::DT_INT8, 1}},    {"C", {tf::DT_UINT8, 1}},  {"s", {tf::DT_INT16, 2}},
-      {"S", {tf::DT_UINT16, 2}},  {"i", {tf::DT_INT32, 4}},  {"I", {tf::DT_UINT32, 4}},
-      {"l", {tf::DT_INT64, 8}},   {"L", {tf::DT_UINT64, 8}}, {"e", {tf::DT_HALF, 2}},
-      {"f", {tf::DT_FLOAT, 4}},   {"g", {tf::DT_DOUBLE, 8}}, {"b", {tf::DT_BOOL, 0}},
+      {"c", {tf::DT_INT8, 1}},    {"C", {tf::DT_UINT8, 1}},   {"s", {tf::DT_INT16, 2}},
+      {"S", {tf::DT_UINT16, 2}},  {"i", {tf::DT_INT32, 4}},   {"I", {tf::DT_UINT32, 4}},
+      {"l", {tf::DT_INT64, 8}},   {"L", {tf::DT_UINT64, 8}},  {"e", {tf::DT_HALF, 2}},
+      {"f", {tf::DT_FLOAT, 4}},   {"g", {tf::DT_DOUBLE, 8}},  {"b", {tf::DT_BOOL, 0}},
       {"u", {tf::DT_STRING, -1}}, {"z", {tf::DT_STRING, -1}}, {"U", {tf::DT_STRING, -2}},
       {"Z", {tf::DT_STRING, -2}},
   };
@@ -192,12 +192,13 @@ class ArrowBatchToTensorsOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("inner_shapes", &inner_shapes_));
     OP_REQUIRES(ctx, ragged_ranks_.size() == inner_ranks_.size(),
                 errors::InvalidArgument("ragged_ranks and inner_ranks must have one entry "
-                                        "per column, got ", ragged_ranks_.size(), " and ",
-                                        inner_ranks_.size()));
+                                        "per column, got ",
+                                        ragged_ranks_.size(), " and ", inner_ranks_.size()));
     size_t dims = 0, components = 0;
     for (size_t c = 0; c < ragged_ranks_.size(); ++c) {
       OP_REQUIRES(ctx, ragged_ranks_[c] >= 0 && inner_ranks_[c] >= 0,
-                  errors::InvalidArgument("column ", c, ": ragged and inner ranks must be "
+                  errors::InvalidArgument("column ", c,
+                                          ": ragged and inner ranks must be "
                                           ">= 0"));
       dims += inner_ranks_[c];
       components += 1 + ragged_ranks_[c];
@@ -206,8 +207,8 @@ class ArrowBatchToTensorsOp : public OpKernel {
                 errors::InvalidArgument("inner_shapes has ", inner_shapes_.size(),
                                         " sizes, inner_ranks add up to ", dims));
     OP_REQUIRES(ctx, components == out_types_.size(),
-                errors::InvalidArgument("out_types has ", out_types_.size(),
-                                        " entries for ", components, " components"));
+                errors::InvalidArgument("out_types has ", out_types_.size(), " entries for ",
+                                        components, " components"));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -218,12 +219,12 @@ class ArrowBatchToTensorsOp : public OpKernel {
                                         batch.shape().DebugString()));
     const int64_t array_address = batch.flat<int64_t>()(0);
     const int64_t schema_address = batch.flat<int64_t>()(1);
-    OP_REQUIRES(ctx, TakeRegistered(array_address, schema_address),
-                errors::InvalidArgument(
-                    "batch [", array_address, ", ", schema_address,
-                    "] is not an Arrow batch that keras_rec_emb exported (or it was "
-                    "consumed already); KRE>ArrowBatchToTensors is private to "
-                    "ParquetDataset"));
+    OP_REQUIRES(
+        ctx, TakeRegistered(array_address, schema_address),
+        errors::InvalidArgument("batch [", array_address, ", ", schema_address,
+                                "] is not an Arrow batch that keras_rec_emb exported (or it was "
+                                "consumed already); KRE>ArrowBatchToTensors is private to "
+                                "ParquetDataset"));
     auto* src_array = reinterpret_cast<ArrowArray*>(array_address);
     auto* src_schema = reinterpret_cast<ArrowSchema*>(schema_address);
     OP_REQUIRES(ctx, src_array->release != nullptr && src_schema->release != nullptr,
@@ -240,24 +241,24 @@ class ArrowBatchToTensorsOp : public OpKernel {
     const ArrowArray& root = holder->array;
     const ArrowSchema& rs = schema.schema;
     const int64_t num_columns = static_cast<int64_t>(ragged_ranks_.size());
-    OP_REQUIRES(ctx, std::string(rs.format) == "+s" && rs.n_children == num_columns &&
-                         root.n_children == num_columns,
+    OP_REQUIRES(ctx,
+                std::string(rs.format) == "+s" && rs.n_children == num_columns &&
+                    root.n_children == num_columns,
                 errors::InvalidArgument("expected a struct batch of ", num_columns,
                                         " columns, got format '", rs.format, "' with ",
                                         rs.n_children, " children"));
     int out = 0;
     size_t dim0 = 0;
     for (int64_t c = 0; c < num_columns; ++c) {
-      OP_REQUIRES_OK(ctx, Column(ctx, holder, root.children[c], rs.children[c],
-                                 static_cast<int>(c), root.offset, root.offset + root.length,
-                                 &dim0, &out));
+      OP_REQUIRES_OK(ctx, Column(ctx, holder, root.children[c], rs.children[c], static_cast<int>(c),
+                                 root.offset, root.offset + root.length, &dim0, &out));
     }
   }
 
  private:
   absl::Status Column(OpKernelContext* ctx, const std::shared_ptr<ArrayHolder>& holder,
-                      const ArrowArray* a, const ArrowSchema* s, int c, int64_t begin,
-                      int64_t end, size_t* dim0, int* out) {
+                      const ArrowArray* a, const ArrowSchema* s, int c, int64_t begin, int64_t end,
+                      size_t* dim0, int* out) {
     const std::string name = s->name ? s->name : "";
     const int ragged = static_cast<int>(ragged_ranks_[c]);
     const int inner = static_cast<int>(inner_ranks_[c]);
@@ -288,9 +289,9 @@ class ArrowBatchToTensorsOp : public OpKernel {
           for (int64_t i = begin; i < end; ++i) {
             const int64_t len = OffsetAt(a, large, i + 1) - OffsetAt(a, large, i);
             if (len != size) {
-              return errors::InvalidArgument("column '", name, "' is read with a fixed size ",
-                                             size, " at list level ", level,
-                                             ", but a list there has ", len, " values");
+              return errors::InvalidArgument("column '", name, "' is read with a fixed size ", size,
+                                             " at list level ", level, ", but a list there has ",
+                                             len, " values");
             }
           }
         }
@@ -310,9 +311,9 @@ class ArrowBatchToTensorsOp : public OpKernel {
                                          ", but its lists there have size ", n);
         }
       } else {
-        return errors::InvalidArgument("column '", name, "' has Arrow format '", f,
-                                       "' at level ", level, " where a list was expected (",
-                                       ragged + inner, " list levels)");
+        return errors::InvalidArgument("column '", name, "' has Arrow format '", f, "' at level ",
+                                       level, " where a list was expected (", ragged + inner,
+                                       " list levels)");
       }
       if (a->n_children != 1 || s->n_children != 1) {
         return errors::InvalidArgument("column '", name, "': a list without one child");
@@ -328,7 +329,8 @@ class ArrowBatchToTensorsOp : public OpKernel {
                                      s->format, "'");
     }
     if (HasNulls(a, begin, end)) {
-      return errors::InvalidArgument("column '", name, "': null values (they must be filled "
+      return errors::InvalidArgument("column '", name,
+                                     "': null values (they must be filled "
                                      "before the batch is handed over)");
     }
     if (*out >= static_cast<int>(out_types_.size()) || out_types_[*out] != leaf.dtype) {

@@ -30,7 +30,7 @@ constexpr int64_t kKeepAhead = 32;
 
 template <typename T, int kL>
 inline void KeepRows(const T* __restrict ids, int64_t f, int64_t l, int64_t batch, int64_t j0,
-              int64_t j1, int64_t* const* out, int64_t* const* splits, int64_t* kept) {
+                     int64_t j1, int64_t* const* out, int64_t* const* splits, int64_t* kept) {
   using Count = std::conditional_t<(kL > 0 && kL < 256), uint8_t, int64_t>;
   const int64_t n = kL > 0 ? kL : l;
   const int64_t w = j1 - j0;
@@ -69,7 +69,8 @@ inline void KeepRows(const T* __restrict ids, int64_t f, int64_t l, int64_t batc
 
 template <typename T>
 inline void KeepRowsAnyLength(const T* ids, int64_t f, int64_t l, int64_t batch, int64_t j0,
-                       int64_t j1, int64_t* const* out, int64_t* const* splits, int64_t* kept) {
+                              int64_t j1, int64_t* const* out, int64_t* const* splits,
+                              int64_t* kept) {
   switch (l) {
 #define KRE_KEEP_CASE(L) \
   case L:                \
@@ -83,7 +84,8 @@ inline void KeepRowsAnyLength(const T* ids, int64_t f, int64_t l, int64_t batch,
     KRE_KEEP_CASE(7)
     KRE_KEEP_CASE(8)
 #undef KRE_KEEP_CASE
-    default: return KeepRows<T, 0>(ids, f, l, batch, j0, j1, out, splits, kept);
+    default:
+      return KeepRows<T, 0>(ids, f, l, batch, j0, j1, out, splits, kept);
   }
 }
 

@@ -41,9 +41,7 @@ inline bool ParseCombiner(const std::string& name, Combiner* c) {
 struct TableSlot {
   tf::core::RefCountPtr<TableResource<int64_t>> t64;
   tf::core::RefCountPtr<TableResource<int32_t>> t32;
-  int num_shards() const {
-    return t64 ? t64->table().num_shards() : t32->table().num_shards();
-  }
+  int num_shards() const { return t64 ? t64->table().num_shards() : t32->table().num_shards(); }
   bool filtered() const {
     return t64 ? t64->table().filtering() || t64->table().bloom()
                : t32->table().filtering() || t32->table().bloom();
@@ -52,8 +50,7 @@ struct TableSlot {
     return t64 ? t64->table().NoPermissionRow() : t32->table().NoPermissionRow();
   }
   uint64_t Hash(int64_t id) const {
-    return t64 ? kv::Table<int64_t>::Hash(id)
-               : kv::Table<int32_t>::Hash(static_cast<int32_t>(id));
+    return t64 ? kv::Table<int64_t>::Hash(id) : kv::Table<int32_t>::Hash(static_cast<int32_t>(id));
   }
   bool PrefersOrderedLookup(int64_t n) const {
     return t64 ? t64->table().PrefersOrderedLookup(n) : t32->table().PrefersOrderedLookup(n);
@@ -68,8 +65,8 @@ inline absl::Status ResolveTable(OpKernelContext* ctx, int input, int t, tf::Dat
   TF_RETURN_IF_ERROR(tf::LookupResource(ctx, tf::HandleFromInput(ctx, input), &base));
   if (base->key_dtype() != key_dtype) {
     return errors::InvalidArgument("table ", t, " has key dtype ",
-                                   tf::DataTypeString(base->key_dtype()),
-                                   " but the op was told ", tf::DataTypeString(key_dtype));
+                                   tf::DataTypeString(base->key_dtype()), " but the op was told ",
+                                   tf::DataTypeString(key_dtype));
   }
   if (base->dim() != dim) {
     return errors::InvalidArgument("table ", t, " has dim ", base->dim(),
@@ -195,17 +192,17 @@ inline void CombinePooledRows(int64_t dim, const int64_t* splits, int64_t j0, in
                               int64_t b1, const float* const* rows, bool padded, int64_t pad,
                               int64_t max_len, Combiner comb, float* out, int64_t stride) {
   switch (dim) {
-#define KRE_COMBINE_CASE(D)                                                                \
-  case D:                                                                                  \
-    return CombinePooled<D>(splits, j0, b0, b1, rows, padded, pad, max_len, comb, out, \
-                            stride);
+#define KRE_COMBINE_CASE(D) \
+  case D:                   \
+    return CombinePooled<D>(splits, j0, b0, b1, rows, padded, pad, max_len, comb, out, stride);
     KRE_COMBINE_CASE(4)
     KRE_COMBINE_CASE(8)
     KRE_COMBINE_CASE(16)
     KRE_COMBINE_CASE(32)
     KRE_COMBINE_CASE(64)
 #undef KRE_COMBINE_CASE
-    default: break;
+    default:
+      break;
   }
   for (int64_t b = b0; b < b1; ++b) {
     float* o = out + b * stride;

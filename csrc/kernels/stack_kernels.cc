@@ -62,15 +62,24 @@ template <typename T>
 void CopyRowsAnyLength(const T* ids, int64_t f, int64_t l, int64_t begin, int64_t end,
                        int64_t* const* out) {
   switch (l) {
-    case 1: return CopyRows<T, 1>(ids, f, l, begin, end, out);
-    case 2: return CopyRows<T, 2>(ids, f, l, begin, end, out);
-    case 3: return CopyRows<T, 3>(ids, f, l, begin, end, out);
-    case 4: return CopyRows<T, 4>(ids, f, l, begin, end, out);
-    case 5: return CopyRows<T, 5>(ids, f, l, begin, end, out);
-    case 6: return CopyRows<T, 6>(ids, f, l, begin, end, out);
-    case 7: return CopyRows<T, 7>(ids, f, l, begin, end, out);
-    case 8: return CopyRows<T, 8>(ids, f, l, begin, end, out);
-    default: return CopyRows<T, 0>(ids, f, l, begin, end, out);
+    case 1:
+      return CopyRows<T, 1>(ids, f, l, begin, end, out);
+    case 2:
+      return CopyRows<T, 2>(ids, f, l, begin, end, out);
+    case 3:
+      return CopyRows<T, 3>(ids, f, l, begin, end, out);
+    case 4:
+      return CopyRows<T, 4>(ids, f, l, begin, end, out);
+    case 5:
+      return CopyRows<T, 5>(ids, f, l, begin, end, out);
+    case 6:
+      return CopyRows<T, 6>(ids, f, l, begin, end, out);
+    case 7:
+      return CopyRows<T, 7>(ids, f, l, begin, end, out);
+    case 8:
+      return CopyRows<T, 8>(ids, f, l, begin, end, out);
+    default:
+      return CopyRows<T, 0>(ids, f, l, begin, end, out);
   }
 }
 
@@ -81,8 +90,7 @@ class StackedIdsOp : public tf::OpKernel {
   explicit StackedIdsOp(tf::OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_features", &num_features_));
     OP_REQUIRES(ctx, num_features_ >= 1,
-                tf::errors::InvalidArgument("`num_features` must be >= 1, got ",
-                                            num_features_));
+                tf::errors::InvalidArgument("`num_features` must be >= 1, got ", num_features_));
   }
 
  protected:
@@ -119,8 +127,8 @@ class UnstackKeptIdsOp : public StackedIdsOp {
     std::vector<tf::Tensor> values(f);
     std::vector<int64_t*> out(f), splits(f);
     for (int64_t j = 0; j < f; ++j) {
-      OP_REQUIRES_OK(ctx, ctx->allocate_temp(tf::DT_INT64, tf::TensorShape({batch * l}),
-                                             &values[j]));
+      OP_REQUIRES_OK(ctx,
+                     ctx->allocate_temp(tf::DT_INT64, tf::TensorShape({batch * l}), &values[j]));
       out[j] = values[j].flat<int64_t>().data();
       tf::Tensor* s = nullptr;
       OP_REQUIRES_OK(ctx, ctx->allocate_output(f + j, tf::TensorShape({batch + 1}), &s));
@@ -130,11 +138,9 @@ class UnstackKeptIdsOp : public StackedIdsOp {
     const T* src = ids.flat<T>().data();
     auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
     // ~1 cycle per id copied; Shard keeps small inputs on this thread.
-    tf::Shard(workers->num_threads, workers->workers, f, batch * l,
-              [&](int64_t j0, int64_t j1) {
-                KeepRowsAnyLength(src, f, l, batch, j0, j1, out.data(), splits.data(),
-                                  kept.data());
-              });
+    tf::Shard(workers->num_threads, workers->workers, f, batch * l, [&](int64_t j0, int64_t j1) {
+      KeepRowsAnyLength(src, f, l, batch, j0, j1, out.data(), splits.data(), kept.data());
+    });
     for (int64_t j = 0; j < f; ++j) ctx->set_output(j, values[j].Slice(0, kept[j]));
   }
 };
@@ -162,10 +168,9 @@ class UnstackFeatureIdsOp : public StackedIdsOp {
     const T* src = ids.flat<T>().data();
     auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
     // ~1 cycle per id copied; Shard keeps small inputs on this thread.
-    tf::Shard(workers->num_threads, workers->workers, batch, f * l,
-              [&](int64_t begin, int64_t end) {
-                CopyRowsAnyLength(src, f, l, begin, end, out.data());
-              });
+    tf::Shard(
+        workers->num_threads, workers->workers, batch, f * l,
+        [&](int64_t begin, int64_t end) { CopyRowsAnyLength(src, f, l, begin, end, out.data()); });
   }
 };
 

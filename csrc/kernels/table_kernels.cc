@@ -50,11 +50,11 @@ class TableCreateOp : public OpKernel {
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& defaults = ctx->input(0);
-    OP_REQUIRES(ctx, defaults.dims() == 2 && defaults.dim_size(1) == options_.dim &&
-                         defaults.dim_size(0) >= 1,
-                errors::InvalidArgument(
-                    "default_values must be [default_value_dim >= 1, ", options_.dim,
-                    "], got ", defaults.shape().DebugString()));
+    OP_REQUIRES(
+        ctx,
+        defaults.dims() == 2 && defaults.dim_size(1) == options_.dim && defaults.dim_size(0) >= 1,
+        errors::InvalidArgument("default_values must be [default_value_dim >= 1, ", options_.dim,
+                                "], got ", defaults.shape().DebugString()));
     if (!shared_name_.empty()) {
       ComputeShared(ctx, defaults);
       return;
@@ -72,8 +72,8 @@ class TableCreateOp : public OpKernel {
     }
     // The handle owns the new resource's one reference.
     out->scalar<tf::ResourceHandle>()() =
-        tf::ResourceHandle::MakeRefCountingHandle<TableResourceBase>(
-            resource, ctx->device()->name());
+        tf::ResourceHandle::MakeRefCountingHandle<TableResourceBase>(resource,
+                                                                     ctx->device()->name());
   }
 
  private:
@@ -119,8 +119,8 @@ class TableCreateOp : public OpKernel {
     tf::AllocatorAttributes attr;
     attr.set_on_host(true);
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out, attr));
-    out->scalar<tf::ResourceHandle>()() = tf::MakeResourceHandle<TableResourceBase>(
-        ctx, rm->default_container(), shared_name_);
+    out->scalar<tf::ResourceHandle>()() =
+        tf::MakeResourceHandle<TableResourceBase>(ctx, rm->default_container(), shared_name_);
   }
 
   tf::DataType key_dtype_;
@@ -161,13 +161,12 @@ class TableLookupOp : public TableOpKernel<K> {
     }
     kv::Partitioned<K> p = PartitionKeys(ctx, table, k, n);
     const int64_t per_shard = n / table.num_shards() + 1;
-    OP_REQUIRES_OK(ctx, ParallelFor(ctx, table.num_shards(), per_shard * (40 + dim),
-                                    [&](int64_t s) {
-                                      const int64_t b = p.offsets[s];
-                                      table.Lookup(static_cast<int>(s), p.keys.data() + b,
-                                                   p.hashes.data() + b, p.order.data() + b,
-                                                   p.offsets[s + 1] - b, insert_, o);
-                                    }));
+    OP_REQUIRES_OK(ctx,
+                   ParallelFor(ctx, table.num_shards(), per_shard * (40 + dim), [&](int64_t s) {
+                     const int64_t b = p.offsets[s];
+                     table.Lookup(static_cast<int>(s), p.keys.data() + b, p.hashes.data() + b,
+                                  p.order.data() + b, p.offsets[s + 1] - b, insert_, o);
+                   }));
   }
 
  private:
@@ -315,8 +314,8 @@ class TableImportOp : public TableOpKernel<K> {
     OP_REQUIRES_OK(ctx, validate::SlotWidths(widths, "slot_widths", &total));
     OP_REQUIRES(ctx, widths.NumElements() == names.NumElements(),
                 errors::InvalidArgument("`slot_names` and `slot_widths` must have one length, "
-                                        "got ", names.NumElements(), " and ",
-                                        widths.NumElements()));
+                                        "got ",
+                                        names.NumElements(), " and ", widths.NumElements()));
     OP_REQUIRES_OK(ctx, validate::Matrix(slots, "slot_values", n, total));
     OP_REQUIRES_OK(ctx, validate::Matrix(defaults, "default_values", -1, dim));
     OP_REQUIRES_OK(ctx, validate::Vector(keys_f, "keys_filtered"));
@@ -331,21 +330,21 @@ class TableImportOp : public TableOpKernel<K> {
     // A merge into a live table (clear=false, AdaptiveEmbedding's promotion)
     // may pass freq -1: "keep the count the table already has". A restore
     // (clear=true) takes only real counts.
-    OP_REQUIRES_OK(ctx, validate::AtLeast<int64_t>(freqs.flat<int64_t>().data(), n,
-                                                   clear_ ? 0 : -1, "freqs"));
-    OP_REQUIRES_OK(ctx, validate::AtLeast<int64_t>(freqs_f.flat<int64_t>().data(), nf, 0,
-                                                   "freqs_filtered"));
+    OP_REQUIRES_OK(
+        ctx, validate::AtLeast<int64_t>(freqs.flat<int64_t>().data(), n, clear_ ? 0 : -1, "freqs"));
+    OP_REQUIRES_OK(
+        ctx, validate::AtLeast<int64_t>(freqs_f.flat<int64_t>().data(), nf, 0, "freqs_filtered"));
     OP_REQUIRES_OK(ctx, validate::Finite(values.flat<float>().data(), n * dim, "values", dim));
-    OP_REQUIRES_OK(ctx, validate::Finite(slots.flat<float>().data(), n * total, "slot_values",
-                                         total));
+    OP_REQUIRES_OK(ctx,
+                   validate::Finite(slots.flat<float>().data(), n * total, "slot_values", total));
     // default_values may hold infinities: AdaptiveEmbedding marks rows with them.
     const size_t bloom_bytes = table.BloomState().size();
-    OP_REQUIRES(ctx, bloom.NumElements() == 0 ||
-                         static_cast<size_t>(bloom.NumElements()) == bloom_bytes,
-                errors::InvalidArgument("`bloom` has ", bloom.NumElements(),
-                                        " bytes but this table's counting Bloom filter has ",
-                                        bloom_bytes, "; it was saved with other CBFFilter "
-                                        "settings"));
+    OP_REQUIRES(
+        ctx, bloom.NumElements() == 0 || static_cast<size_t>(bloom.NumElements()) == bloom_bytes,
+        errors::InvalidArgument("`bloom` has ", bloom.NumElements(),
+                                " bytes but this table's counting Bloom filter has ", bloom_bytes,
+                                "; it was saved with other CBFFilter "
+                                "settings"));
     std::vector<std::string> slot_names(names.NumElements());
     std::vector<int64_t> w(widths.NumElements());
     for (int64_t j = 0; j < names.NumElements(); ++j) {
@@ -376,8 +375,7 @@ class TableImportOp : public TableOpKernel<K> {
       if (!new_defaults.empty()) dst.SetDefaultValues(new_defaults);
       dst.Import(k, values.flat<float>().data(), freqs.flat<int64_t>().data(),
                  versions.flat<int64_t>().data(), n, slots.flat<float>().data(), ids, w);
-      dst.ImportFiltered(kf, freqs_f.flat<int64_t>().data(),
-                         versions_f.flat<int64_t>().data(), nf);
+      dst.ImportFiltered(kf, freqs_f.flat<int64_t>().data(), versions_f.flat<int64_t>().data(), nf);
       if (!bloom_state.empty() && !dst.SetBloomState(bloom_state)) {
         throw std::invalid_argument(
             "`bloom` is not a counting Bloom filter state of this table's CBFFilter "
@@ -400,9 +398,9 @@ class TableImportOp : public TableOpKernel<K> {
         fill(table);
       }
     } catch (const std::bad_alloc&) {
-      ctx->SetStatus(errors::ResourceExhausted(
-          "import of ", n, " rows (", dim, " values and ", total,
-          " slot values each) ran out of memory", clear_ ? "; the table is unchanged" : ""));
+      ctx->SetStatus(errors::ResourceExhausted("import of ", n, " rows (", dim, " values and ",
+                                               total, " slot values each) ran out of memory",
+                                               clear_ ? "; the table is unchanged" : ""));
     } catch (const std::exception& e) {
       ctx->SetStatus(errors::InvalidArgument("import failed: ", e.what()));
     }

@@ -49,12 +49,10 @@ class TableResource : public TableResourceBase {
   int64_t dim() const override { return table_.dim(); }
   std::string DebugString() const override {
     return "KRE EmbeddingTable(key_dtype=" + tf::DataTypeString(key_dtype()) +
-           ", dim=" + std::to_string(table_.dim()) +
-           ", size=" + std::to_string(table_.Size()) + ")";
+           ", dim=" + std::to_string(table_.dim()) + ", size=" + std::to_string(table_.Size()) +
+           ")";
   }
-  int64_t MemoryUsed() const override {
-    return static_cast<int64_t>(table_.MemoryBytes());
-  }
+  int64_t MemoryUsed() const override { return static_cast<int64_t>(table_.MemoryBytes()); }
 
  private:
   kv::Table<K> table_;
@@ -63,8 +61,8 @@ class TableResource : public TableResourceBase {
 // Resolves input 0 to a table with key type K and, when dim >= 0, rows of
 // width dim (the op's static `dim` attribute).
 template <typename K>
-absl::Status GetTable(tf::OpKernelContext* ctx,
-                      tf::core::RefCountPtr<TableResource<K>>* out, int64_t dim = -1) {
+absl::Status GetTable(tf::OpKernelContext* ctx, tf::core::RefCountPtr<TableResource<K>>* out,
+                      int64_t dim = -1) {
   tf::core::RefCountPtr<TableResourceBase> base;
   TF_RETURN_IF_ERROR(tf::LookupResource(ctx, tf::HandleFromInput(ctx, 0), &base));
   auto* typed = dynamic_cast<TableResource<K>*>(base.get());
@@ -146,8 +144,8 @@ absl::Status SetScalarOutput(OpKernelContext* ctx, int i, T value) {
 template <typename T>
 absl::Status SetVectorOutput(OpKernelContext* ctx, int i, const std::vector<T>& values) {
   Tensor* out;
-  TF_RETURN_IF_ERROR(ctx->allocate_output(
-      i, TensorShape({static_cast<int64_t>(values.size())}), &out));
+  TF_RETURN_IF_ERROR(
+      ctx->allocate_output(i, TensorShape({static_cast<int64_t>(values.size())}), &out));
   std::copy(values.begin(), values.end(), out->flat<T>().data());
   return absl::OkStatus();
 }
@@ -159,9 +157,10 @@ absl::Status SetVectorOutput(OpKernelContext* ctx, int i, const std::vector<T>& 
 // widths and the EV-initializer matrix, and returns the buffers the table
 // writes into; std::nullopt, with *status set, when an allocation fails.
 template <typename K>
-std::optional<typename kv::Table<K>::ExportBuffers> AllocateExportOutputs(
-    OpKernelContext* ctx, const kv::Table<K>& table, int64_t n, int64_t out_f,
-    absl::Status* status) {
+std::optional<typename kv::Table<K>::ExportBuffers> AllocateExportOutputs(OpKernelContext* ctx,
+                                                                          const kv::Table<K>& table,
+                                                                          int64_t n, int64_t out_f,
+                                                                          absl::Status* status) {
   const int64_t dim = table.dim();
   const std::vector<kv::SlotSpec> specs = table.Slots();
   int64_t width = 0;
@@ -171,9 +170,9 @@ std::optional<typename kv::Table<K>::ExportBuffers> AllocateExportOutputs(
   const int64_t dvd = static_cast<int64_t>(defaults.size()) / dim;
   Tensor* t[11];
   const TensorShape shapes[11] = {
-      TensorShape({n}),         TensorShape({n, dim}),    TensorShape({n}),
-      TensorShape({n}),         TensorShape({n, width}),  TensorShape({num_slots}),
-      TensorShape({num_slots}), TensorShape({dvd, dim}),  TensorShape({out_f}),
+      TensorShape({n}),         TensorShape({n, dim}),   TensorShape({n}),
+      TensorShape({n}),         TensorShape({n, width}), TensorShape({num_slots}),
+      TensorShape({num_slots}), TensorShape({dvd, dim}), TensorShape({out_f}),
       TensorShape({out_f}),     TensorShape({out_f})};
   for (int i = 0; i < 11 && status->ok(); ++i) {
     status->Update(ctx->allocate_output(i, shapes[i], &t[i]));
@@ -185,28 +184,25 @@ std::optional<typename kv::Table<K>::ExportBuffers> AllocateExportOutputs(
     t[6]->flat<int64_t>()(j) = specs[j].width;
   }
   return typename kv::Table<K>::ExportBuffers{
-      t[0]->flat<K>().data(),       t[1]->flat<float>().data(),
-      t[2]->flat<int64_t>().data(), t[3]->flat<int64_t>().data(),
-      t[4]->flat<float>().data(),   t[8]->flat<K>().data(),
+      t[0]->flat<K>().data(),       t[1]->flat<float>().data(),   t[2]->flat<int64_t>().data(),
+      t[3]->flat<int64_t>().data(), t[4]->flat<float>().data(),   t[8]->flat<K>().data(),
       t[9]->flat<int64_t>().data(), t[10]->flat<int64_t>().data()};
 }
 
 // Registers the CPU kernel `Op<K>` of op `name` for both key types.
-#define KRE_REGISTER_TABLE_KERNEL(name, Op)                                        \
-  REGISTER_KERNEL_BUILDER(                                                        \
-      Name(name).Device(::tensorflow::DEVICE_CPU).TypeConstraint<int64_t>("Tkeys"), \
-      Op<int64_t>);                                                               \
-  REGISTER_KERNEL_BUILDER(                                                        \
-      Name(name).Device(::tensorflow::DEVICE_CPU).TypeConstraint<int32_t>("Tkeys"), \
-      Op<int32_t>)
+#define KRE_REGISTER_TABLE_KERNEL(name, Op)                                                       \
+  REGISTER_KERNEL_BUILDER(                                                                        \
+      Name(name).Device(::tensorflow::DEVICE_CPU).TypeConstraint<int64_t>("Tkeys"), Op<int64_t>); \
+  REGISTER_KERNEL_BUILDER(                                                                        \
+      Name(name).Device(::tensorflow::DEVICE_CPU).TypeConstraint<int32_t>("Tkeys"), Op<int32_t>)
 
 // Registers the function template `fn` (void fn<K>(OpKernelContext*,
 // kv::Table<K>&)) as the CPU kernel of op `name` for both key types.
-#define KRE_REGISTER_TABLE_FN(name, fn)                                            \
-  REGISTER_KERNEL_BUILDER(                                                        \
+#define KRE_REGISTER_TABLE_FN(name, fn)                                             \
+  REGISTER_KERNEL_BUILDER(                                                          \
       Name(name).Device(::tensorflow::DEVICE_CPU).TypeConstraint<int64_t>("Tkeys"), \
-      ::kre::TableFnKernel<int64_t, fn<int64_t>>);                                \
-  REGISTER_KERNEL_BUILDER(                                                        \
+      ::kre::TableFnKernel<int64_t, fn<int64_t>>);                                  \
+  REGISTER_KERNEL_BUILDER(                                                          \
       Name(name).Device(::tensorflow::DEVICE_CPU).TypeConstraint<int32_t>("Tkeys"), \
       ::kre::TableFnKernel<int32_t, fn<int32_t>>)
 
@@ -214,8 +210,7 @@ std::optional<typename kv::Table<K>::ExportBuffers> AllocateExportOutputs(
 // become a status (TableWorkError: DataLoss for a file tier's lost rows,
 // else ResourceExhausted: allocation failure, a full shard or disk).
 template <typename Fn>
-absl::Status ParallelFor(tf::OpKernelContext* ctx, int64_t n,
-                         int64_t cost_per_unit, Fn&& fn) {
+absl::Status ParallelFor(tf::OpKernelContext* ctx, int64_t n, int64_t cost_per_unit, Fn&& fn) {
   auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
   std::mutex mu;
   absl::Status status;
@@ -233,15 +228,14 @@ absl::Status ParallelFor(tf::OpKernelContext* ctx, int64_t n,
 
 // Groups keys by shard using the thread pool.
 template <typename K>
-kv::Partitioned<K> PartitionKeys(tf::OpKernelContext* ctx, const kv::Table<K>& table,
-                              const K* keys, int64_t n) {
-  const int blocks = std::max(
-      1, ctx->device()->tensorflow_cpu_worker_threads()->num_threads);
+kv::Partitioned<K> PartitionKeys(tf::OpKernelContext* ctx, const kv::Table<K>& table, const K* keys,
+                                 int64_t n) {
+  const int blocks = std::max(1, ctx->device()->tensorflow_cpu_worker_threads()->num_threads);
   return kv::Partition(table, keys, n, blocks, [&](int num_blocks, auto&& fn) {
     // Each block hashes n / blocks keys (a few ns each).
-    ParallelFor(ctx, num_blocks, 8 * (n / num_blocks + 1),
-                [&](int64_t b) { fn(static_cast<int>(b)); })
-        .IgnoreError();
+    ParallelFor(ctx, num_blocks, 8 * (n / num_blocks + 1), [&](int64_t b) {
+      fn(static_cast<int>(b));
+    }).IgnoreError();
   });
 }
 

@@ -39,8 +39,8 @@ absl::Status Scalar(const tf::Tensor& t, const char* name, T* out) {
   }
   if (t.dtype() != tf::DataTypeToEnum<T>::v()) {
     return tf::errors::InvalidArgument("`", name, "` must be ",
-                                       tf::DataTypeString(tf::DataTypeToEnum<T>::v()),
-                                       ", got ", tf::DataTypeString(t.dtype()));
+                                       tf::DataTypeString(tf::DataTypeToEnum<T>::v()), ", got ",
+                                       tf::DataTypeString(t.dtype()));
   }
   *out = t.scalar<T>()();
   return absl::OkStatus();
@@ -49,9 +49,9 @@ absl::Status Scalar(const tf::Tensor& t, const char* name, T* out) {
 // A 1-D input; of length n when n >= 0.
 inline absl::Status Vector(const tf::Tensor& t, const char* name, int64_t n = -1) {
   if (t.dims() != 1 || (n >= 0 && t.dim_size(0) != n)) {
-    return tf::errors::InvalidArgument(
-        "`", name, "` must be a vector", n >= 0 ? " of length " + std::to_string(n) : "",
-        ", got shape ", t.shape().DebugString());
+    return tf::errors::InvalidArgument("`", name, "` must be a vector",
+                                       n >= 0 ? " of length " + std::to_string(n) : "",
+                                       ", got shape ", t.shape().DebugString());
   }
   return absl::OkStatus();
 }
@@ -81,8 +81,10 @@ inline absl::Status KeysAndRows(const tf::Tensor& keys, const tf::Tensor& rows,
 // before any row is read, so no split can point outside the values.
 inline absl::Status Splits(const tf::Tensor& t, int64_t nnz, const std::string& name) {
   if (t.dims() != 1 || t.dim_size(0) < 1) {
-    return tf::errors::InvalidArgument("`", name, "` must be a vector of batch + 1 >= 1 "
-                                       "row splits, got shape ", t.shape().DebugString());
+    return tf::errors::InvalidArgument("`", name,
+                                       "` must be a vector of batch + 1 >= 1 "
+                                       "row splits, got shape ",
+                                       t.shape().DebugString());
   }
   const auto s = t.flat<int64_t>();
   const int64_t n = t.dim_size(0);
@@ -91,13 +93,13 @@ inline absl::Status Splits(const tf::Tensor& t, int64_t nnz, const std::string& 
   }
   for (int64_t i = 1; i < n; ++i) {
     if (s(i) < s(i - 1)) {
-      return tf::errors::InvalidArgument("`", name, "` must be non-decreasing, got ",
-                                         s(i - 1), " then ", s(i), " at position ", i);
+      return tf::errors::InvalidArgument("`", name, "` must be non-decreasing, got ", s(i - 1),
+                                         " then ", s(i), " at position ", i);
     }
   }
   if (s(n - 1) != nnz) {
-    return tf::errors::InvalidArgument("`", name, "` must end at the number of values, ",
-                                       nnz, ", got ", s(n - 1));
+    return tf::errors::InvalidArgument("`", name, "` must end at the number of values, ", nnz,
+                                       ", got ", s(n - 1));
   }
   return absl::OkStatus();
 }
@@ -132,8 +134,8 @@ inline absl::Status Finite(const float* v, int64_t n, const std::string& name,
   for (int64_t i = 0; i < n; ++i) {
     if (!std::isfinite(v[i])) {
       if (row_width > 0) {
-        return tf::errors::InvalidArgument("`", name, "` holds ", v[i], " in row ",
-                                           i / row_width, "; only finite values are allowed");
+        return tf::errors::InvalidArgument("`", name, "` holds ", v[i], " in row ", i / row_width,
+                                           "; only finite values are allowed");
       }
       return tf::errors::InvalidArgument("`", name, "`[", i, "] = ", v[i],
                                          "; only finite values are allowed");
@@ -150,11 +152,13 @@ inline absl::Status UniqueNames(const tf::Tensor& t, const char* name) {
   for (int64_t i = 0; i < t.NumElements(); ++i) {
     const std::string s(v(i));
     if (s.empty()) {
-      return tf::errors::InvalidArgument("`", name, "`[", i, "] is empty; names must be "
+      return tf::errors::InvalidArgument("`", name, "`[", i,
+                                         "] is empty; names must be "
                                          "non-empty");
     }
     if (!seen.insert(s).second) {
-      return tf::errors::InvalidArgument("`", name, "` names '", s, "' twice; each must "
+      return tf::errors::InvalidArgument("`", name, "` names '", s,
+                                         "' twice; each must "
                                          "appear once");
     }
   }
@@ -178,8 +182,8 @@ absl::Status UniqueKeys(const K* keys, int64_t n, const std::string& name) {
 // One slot width in [1, kMaxSlotWidth].
 inline absl::Status SlotWidth(int64_t w, const std::string& name) {
   if (w < 1 || w > kMaxSlotWidth) {
-    return tf::errors::InvalidArgument("`", name, "` = ", w, " must be in [1, ",
-                                       kMaxSlotWidth, "]");
+    return tf::errors::InvalidArgument("`", name, "` = ", w, " must be in [1, ", kMaxSlotWidth,
+                                       "]");
   }
   return absl::OkStatus();
 }

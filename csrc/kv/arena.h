@@ -22,12 +22,11 @@ namespace kv {
 template <typename T>
 class ChunkedArena {
  public:
-  static constexpr int kFirstChunkLog2 = 4;   // 16 rows in the first chunk
-  static constexpr int kMaxChunkLog2 = 14;    // 16384 rows in later chunks
+  static constexpr int kFirstChunkLog2 = 4;  // 16 rows in the first chunk
+  static constexpr int kMaxChunkLog2 = 14;   // 16384 rows in later chunks
   static constexpr int kGrowingChunks = kMaxChunkLog2 - kFirstChunkLog2;
   // Rows held by the growing chunks: 16 + 32 + ... + 8192.
-  static constexpr uint64_t kGrowingRows =
-      ((uint64_t{1} << kGrowingChunks) - 1) << kFirstChunkLog2;
+  static constexpr uint64_t kGrowingRows = ((uint64_t{1} << kGrowingChunks) - 1) << kFirstChunkLog2;
 
   explicit ChunkedArena(int64_t width = 1) : width_(width) {}
   ChunkedArena(ChunkedArena&& o) noexcept
@@ -99,9 +98,7 @@ class ChunkedArena {
     capacity_ = 0;
   }
 
-  uint64_t BytesAllocated() const {
-    return capacity_ * static_cast<uint64_t>(width_) * sizeof(T);
-  }
+  uint64_t BytesAllocated() const { return capacity_ * static_cast<uint64_t>(width_) * sizeof(T); }
 
  private:
   static uint64_t ChunkRows(int c) {

@@ -33,26 +33,34 @@ void IncrementCounter(uint8_t* base, uint64_t i) {
   C* c = reinterpret_cast<C*>(base) + i;
   C v = __atomic_load_n(c, __ATOMIC_RELAXED);
   while (v != static_cast<C>(~C{0}) &&  // saturated counters stay
-         !__atomic_compare_exchange_n(c, &v, static_cast<C>(v + 1), /*weak=*/true,
-                                      __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+         !__atomic_compare_exchange_n(c, &v, static_cast<C>(v + 1), /*weak=*/true, __ATOMIC_RELAXED,
+                                      __ATOMIC_RELAXED)) {
   }
 }
 
 uint64_t GetCounter(const uint8_t* base, uint64_t i, int bytes) {
   switch (bytes) {
-    case 1: return LoadCounter<uint8_t>(base, i);
-    case 2: return LoadCounter<uint16_t>(base, i);
-    case 4: return LoadCounter<uint32_t>(base, i);
-    default: return LoadCounter<uint64_t>(base, i);
+    case 1:
+      return LoadCounter<uint8_t>(base, i);
+    case 2:
+      return LoadCounter<uint16_t>(base, i);
+    case 4:
+      return LoadCounter<uint32_t>(base, i);
+    default:
+      return LoadCounter<uint64_t>(base, i);
   }
 }
 
 void BumpCounter(uint8_t* base, uint64_t i, int bytes) {
   switch (bytes) {
-    case 1: return IncrementCounter<uint8_t>(base, i);
-    case 2: return IncrementCounter<uint16_t>(base, i);
-    case 4: return IncrementCounter<uint32_t>(base, i);
-    default: return IncrementCounter<uint64_t>(base, i);
+    case 1:
+      return IncrementCounter<uint8_t>(base, i);
+    case 2:
+      return IncrementCounter<uint16_t>(base, i);
+    case 4:
+      return IncrementCounter<uint32_t>(base, i);
+    default:
+      return IncrementCounter<uint64_t>(base, i);
   }
 }
 

@@ -7,8 +7,8 @@
 #ifndef KRE_KV_BLOOM_FILTER_H_
 #define KRE_KV_BLOOM_FILTER_H_
 
-#include <cstdint>
 #include <cstddef>
+#include <cstdint>
 #include <vector>
 
 namespace kre {

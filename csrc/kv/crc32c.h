@@ -40,8 +40,7 @@ inline uint32_t Software(uint32_t c, const uint8_t* p, size_t n) {
 }
 
 #if defined(__x86_64__)
-__attribute__((target("sse4.2"))) inline uint32_t Hardware(uint32_t c, const uint8_t* p,
-                                                           size_t n) {
+__attribute__((target("sse4.2"))) inline uint32_t Hardware(uint32_t c, const uint8_t* p, size_t n) {
   uint64_t c64 = c;
   for (; n >= 8; n -= 8, p += 8) {
     uint64_t w;

@@ -18,7 +18,9 @@ class EvictionPolicy {
   // steps_to_live < 0 or no metadata: no step rule; l2_threshold < 0: no
   // L2 rule.
   EvictionPolicy(int64_t now, int64_t steps_to_live, float l2_threshold, bool have_meta)
-      : now_(now), steps_to_live_(steps_to_live), l2_(l2_threshold),
+      : now_(now),
+        steps_to_live_(steps_to_live),
+        l2_(l2_threshold),
         by_step_(steps_to_live >= 0 && have_meta) {}
 
   bool needs_values() const { return l2_ >= 0; }

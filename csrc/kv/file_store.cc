@@ -131,7 +131,8 @@ void CopySegmentFile(const std::string& src, const std::string& dst, uint64_t si
     ::unlink(dst.c_str());
     throw std::runtime_error("cannot copy the snapshot segment '" + src +
                              "' into the table's directory (it could not be hard-linked: "
-                             "another file system): " + e.what());
+                             "another file system): " +
+                             e.what());
   }
   ::close(in);
 }
@@ -216,14 +217,17 @@ FileSpace::~FileSpace() { RemoveTree(dir_); }
 
 FileRowStore::FileRowStore(std::shared_ptr<FileSpace> space, int shard, int64_t dim,
                            uint64_t cache_bytes, int open_files)
-    : space_(std::move(space)), shard_(shard), dim_(dim), cache_bytes_(cache_bytes),
-      width_(dim), open_files_(static_cast<size_t>(std::max(1, open_files))) {
+    : space_(std::move(space)),
+      shard_(shard),
+      dim_(dim),
+      cache_bytes_(cache_bytes),
+      width_(dim),
+      open_files_(static_cast<size_t>(std::max(1, open_files))) {
   free_ranges_[0] = kCached;  // record numbers [0, 2^31)
   Recompute();
 }
 
-FileRowStore::SegmentFile::SegmentFile(const FileRowStore& store, uint32_t id,
-                                       const Segment& seg)
+FileRowStore::SegmentFile::SegmentFile(const FileRowStore& store, uint32_t id, const Segment& seg)
     : store_(store) {
   if (seg.fd >= 0) {
     fd_ = seg.fd;
@@ -346,8 +350,7 @@ uint32_t FileRowStore::LocToWord(uint64_t loc) const {
   const auto seg = segments_.find(static_cast<uint32_t>(loc >> kOffsetBits));
   if (seg == segments_.end()) throw std::runtime_error("file-tier row in a missing segment");
   const uint64_t offset = loc & kOffsetMask;
-  return seg->second.base +
-         static_cast<uint32_t>((offset - kHeaderBytes) / seg->second.rec_bytes);
+  return seg->second.base + static_cast<uint32_t>((offset - kHeaderBytes) / seg->second.rec_bytes);
 }
 
 FileRowStore::~FileRowStore() {
@@ -375,9 +378,7 @@ void FileRowStore::Recompute() {
   capacity_ = std::min<uint64_t>(capacity_, INT32_MAX - 1);
 }
 
-void FileRowStore::EnsureRowCapacity(uint32_t rows) {
-  where_.EnsureCapacity(rows, kNoWord);
-}
+void FileRowStore::EnsureRowCapacity(uint32_t rows) { where_.EnsureCapacity(rows, kNoWord); }
 
 std::string FileRowStore::SegmentPath(uint32_t id) const {
   return space_->dir() + "/s" + std::to_string(shard_) + "-" + std::to_string(id) + ".seg";
@@ -457,7 +458,8 @@ void FileRowStore::FlushBuffer() {
 
 uint64_t FileRowStore::Append(const float* record) {
   const uint64_t bytes = RecordBytes(static_cast<uint64_t>(width_));
-  if (active_ < 0 || segments_[static_cast<uint32_t>(active_)].width != static_cast<uint64_t>(width_) ||
+  if (active_ < 0 ||
+      segments_[static_cast<uint32_t>(active_)].width != static_cast<uint64_t>(width_) ||
       segments_[static_cast<uint32_t>(active_)].size + buffer_.size() + bytes >
           std::max<uint64_t>(space_->segment_bytes(), kHeaderBytes + bytes)) {
     OpenSegment();
@@ -568,8 +570,8 @@ void FileRowStore::Compact() {
           offset + seg.rec_bytes > chunk_start + chunk.size()) {
         // A whole number of records from this one on, at most 4 MiB (and
         // at least the record), never past the segment's end.
-        const uint64_t want = std::max<uint64_t>(
-            seg.rec_bytes, kChunkBytes / seg.rec_bytes * seg.rec_bytes);
+        const uint64_t want =
+            std::max<uint64_t>(seg.rec_bytes, kChunkBytes / seg.rec_bytes * seg.rec_bytes);
         chunk.resize(std::min<uint64_t>(want, seg.size - offset));
         if (chunk.size() < seg.rec_bytes) {
           throw std::runtime_error("file-tier row past the end of its segment");
@@ -777,8 +779,7 @@ void FileRowStore::CommitSlot() {
   Recompute();
 }
 
-void FileRowStore::SetLayout(const std::vector<int64_t>& widths,
-                             const std::vector<float>& inits) {
+void FileRowStore::SetLayout(const std::vector<int64_t>& widths, const std::vector<float>& inits) {
   Clear();
   widths_ = widths;
   inits_ = inits;
@@ -899,9 +900,9 @@ void VerifySegment(const std::string& path, uint64_t width, uint64_t size, int64
                         std::to_string(rec) + "-byte records after its header");
   }
   if (static_cast<uint64_t>(st.st_size) < size) {
-    throw DataLossError("the snapshot segment '" + path + "' is truncated: " +
-                        std::to_string(st.st_size) + " bytes on file, " + std::to_string(size) +
-                        " written");
+    throw DataLossError("the snapshot segment '" + path +
+                        "' is truncated: " + std::to_string(st.st_size) + " bytes on file, " +
+                        std::to_string(size) + " written");
   }
   char header[kHeaderBytes];
   ReadRecordBytes(fd, header, kHeaderBytes, 0, path);

@@ -126,8 +126,8 @@ void VerifySegment(const std::string& path, uint64_t width, uint64_t size, int64
 class FileRowStore final : public RowStore {
  public:
   // open_files: segment files kept open for reading (at least 1).
-  FileRowStore(std::shared_ptr<FileSpace> space, int shard, int64_t dim,
-               uint64_t cache_bytes, int open_files);
+  FileRowStore(std::shared_ptr<FileSpace> space, int shard, int64_t dim, uint64_t cache_bytes,
+               int open_files);
   // Removes the store's segment files.
   ~FileRowStore() override;
 
@@ -310,7 +310,7 @@ class FileRowStore final : public RowStore {
   float pending_init_ = 0;
   // Rows.
   ChunkedArena<uint32_t> where_{1};
-  std::map<uint32_t, uint32_t> by_base_;  // range start -> segment id
+  std::map<uint32_t, uint32_t> by_base_;      // range start -> segment id
   std::map<uint32_t, uint32_t> free_ranges_;  // start -> length
   std::vector<uint32_t> free_rows_;
   uint32_t next_row_ = 0;
@@ -326,10 +326,10 @@ class FileRowStore final : public RowStore {
   // Files.
   std::map<uint32_t, Segment> segments_;
   uint32_t next_segment_ = 0;
-  int64_t active_ = -1;  // segment being appended to
+  int64_t active_ = -1;       // segment being appended to
   std::vector<char> buffer_;  // its unflushed tail
-  uint64_t file_bytes_ = 0;  // all segment bytes, the buffer included
-  uint64_t live_bytes_ = 0;  // bytes of the records rows point at
+  uint64_t file_bytes_ = 0;   // all segment bytes, the buffer included
+  uint64_t live_bytes_ = 0;   // bytes of the records rows point at
   bool compacting_ = false;
   // Open files of segments not appended to (SegmentFile). Read() runs under
   // a shared lock, so concurrent readers share them under files_mu_.

@@ -107,9 +107,13 @@ struct PoolAllocator {
   T* allocate(size_t n) { return static_cast<T*>(PagePool::Global().Allocate(n * sizeof(T))); }
   void deallocate(T* p, size_t n) noexcept { PagePool::Global().Free(p, n * sizeof(T)); }
   template <typename U>
-  bool operator==(const PoolAllocator<U>&) const { return true; }
+  bool operator==(const PoolAllocator<U>&) const {
+    return true;
+  }
   template <typename U>
-  bool operator!=(const PoolAllocator<U>&) const { return false; }
+  bool operator!=(const PoolAllocator<U>&) const {
+    return false;
+  }
 };
 
 }  // namespace kv

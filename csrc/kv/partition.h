@@ -28,8 +28,8 @@ struct Partitioned {
 // `parallel_for(num_blocks, fn)` must call fn(b) for every b in
 // [0, num_blocks), in any order and on any threads, and return when all done.
 template <typename K, typename ParallelFor>
-Partitioned<K> Partition(const Table<K>& table, const K* keys, int64_t n,
-                         int num_blocks, ParallelFor&& parallel_for) {
+Partitioned<K> Partition(const Table<K>& table, const K* keys, int64_t n, int num_blocks,
+                         ParallelFor&& parallel_for) {
   const int shards = table.num_shards();
   if (num_blocks < 1) num_blocks = 1;
   if (n < num_blocks) num_blocks = n > 0 ? static_cast<int>(n) : 1;

@@ -65,14 +65,14 @@ class DataLossError : public std::runtime_error {
 };
 
 struct RowStoreStats {
-  uint64_t rows = 0;           // rows held
-  uint64_t cached_rows = 0;    // rows in DRAM
-  uint64_t memory_bytes = 0;   // DRAM held for rows
-  uint64_t disk_bytes = 0;     // bytes of files (live and garbage)
-  uint64_t hits = 0;           // row accesses served from DRAM
-  uint64_t misses = 0;         // row accesses that read the file
-  uint64_t file_reads = 0;     // rows read from file
-  uint64_t file_writes = 0;    // rows written to file
+  uint64_t rows = 0;          // rows held
+  uint64_t cached_rows = 0;   // rows in DRAM
+  uint64_t memory_bytes = 0;  // DRAM held for rows
+  uint64_t disk_bytes = 0;    // bytes of files (live and garbage)
+  uint64_t hits = 0;          // row accesses served from DRAM
+  uint64_t misses = 0;        // row accesses that read the file
+  uint64_t file_reads = 0;    // rows read from file
+  uint64_t file_writes = 0;   // rows written to file
 
   RowStoreStats& operator+=(const RowStoreStats& o) {
     rows += o.rows;

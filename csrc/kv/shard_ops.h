@@ -30,13 +30,20 @@ KRE_KV_INLINE void CopyFixed(float* dst, const float* src) {
 // library call per row.
 KRE_KV_INLINE void CopyRow(float* dst, const float* src, int64_t dim) {
   switch (dim) {
-    case 4: return CopyFixed<4>(dst, src);
-    case 8: return CopyFixed<8>(dst, src);
-    case 16: return CopyFixed<16>(dst, src);
-    case 32: return CopyFixed<32>(dst, src);
-    case 64: return CopyFixed<64>(dst, src);
-    case 128: return CopyFixed<128>(dst, src);
-    default: std::memcpy(dst, src, static_cast<size_t>(dim) * sizeof(float));
+    case 4:
+      return CopyFixed<4>(dst, src);
+    case 8:
+      return CopyFixed<8>(dst, src);
+    case 16:
+      return CopyFixed<16>(dst, src);
+    case 32:
+      return CopyFixed<32>(dst, src);
+    case 64:
+      return CopyFixed<64>(dst, src);
+    case 128:
+      return CopyFixed<128>(dst, src);
+    default:
+      std::memcpy(dst, src, static_cast<size_t>(dim) * sizeof(float));
   }
 }
 
@@ -115,8 +122,8 @@ class BatchGroups {
   }
   template <typename Same>
   int64_t Group(uint64_t h, Same&& same, bool* created) {
-    const uint64_t i = Probe(h, slots_.size() - 1,
-                             [&](uint64_t j) { return slots_[j] < 0 || same(slots_[j]); });
+    const uint64_t i =
+        Probe(h, slots_.size() - 1, [&](uint64_t j) { return slots_[j] < 0 || same(slots_[j]); });
     *created = slots_[i] < 0;
     if (*created) slots_[i] = count_++;
     return slots_[i];

@@ -74,10 +74,10 @@ Table<K>::Table(TableOptions options)
 template <typename K>
 std::unique_ptr<RowStore> Table<K>::NewStore(int shard) const {
   if (file_tier()) {
-    const int open_files = static_cast<int>(
-        std::clamp<uint64_t>(kTableOpenFiles / num_shards_, 2, 16));
-    return std::make_unique<FileRowStore>(space_, shard, dim_,
-                                          options_.cache_bytes / num_shards_, open_files);
+    const int open_files =
+        static_cast<int>(std::clamp<uint64_t>(kTableOpenFiles / num_shards_, 2, 16));
+    return std::make_unique<FileRowStore>(space_, shard, dim_, options_.cache_bytes / num_shards_,
+                                          open_files);
   }
   return std::make_unique<DramRowStore>(dim_);
 }
@@ -227,8 +227,8 @@ int64_t Table<K>::CountFreq(int64_t freq, int64_t count) const {
 }
 
 template <typename K>
-const float* Table<K>::Resolve(Shard& s, K key, uint64_t h, bool insert, int64_t now,
-                               int64_t count, int64_t* admitted, uint64_t* hits) {
+const float* Table<K>::Resolve(Shard& s, K key, uint64_t h, bool insert, int64_t now, int64_t count,
+                               int64_t* admitted, uint64_t* hits) {
   // `count` occurrences of the key at once; all of them read the same row.
   // With a filter (DeepRec's rule) a training lookup reads the row only if
   // the key was admitted before it: the lookup whose count reaches the
@@ -290,9 +290,8 @@ const float* Table<K>::Resolve(Shard& s, K key, uint64_t h, bool insert, int64_t
 
 template <typename K>
 template <bool kCounted>
-int64_t Table<K>::LookupImpl(int shard, const K* keys, const uint64_t* hashes,
-                             const int64_t* order, const int32_t* counts, int64_t n,
-                             bool insert, float* out) {
+int64_t Table<K>::LookupImpl(int shard, const K* keys, const uint64_t* hashes, const int64_t* order,
+                             const int32_t* counts, int64_t n, bool insert, float* out) {
   Shard& s = *shards_[shard];
   // A file store's cache changes on reads too: it takes the lock exclusively.
   const bool stable = s.store->stable_pointers();
@@ -337,8 +336,8 @@ int64_t Table<K>::LookupImpl(int shard, const K* keys, const uint64_t* hashes,
     return inserted;
   }
   if (stable && !filtering() && !bloom()) {
-    LookupPipelined<kCounted>(s, keys, hashes, order, counts, n, insert, now, out,
-                              &inserted, &hits, &occurrences);
+    LookupPipelined<kCounted>(s, keys, hashes, order, counts, n, insert, now, out, &inserted, &hits,
+                              &occurrences);
     CountLookups(s, occurrences, hits);
     return inserted;
   }
@@ -381,9 +380,9 @@ int64_t Table<K>::LookupImpl(int shard, const K* keys, const uint64_t* hashes,
 template <typename K>
 template <bool kCounted>
 void Table<K>::LookupPipelined(Shard& s, const K* keys, const uint64_t* hashes,
-                               const int64_t* order, const int32_t* counts, int64_t n,
-                               bool insert, int64_t now, float* out,
-                               int64_t* inserted, uint64_t* hits, uint64_t* occurrences) {
+                               const int64_t* order, const int32_t* counts, int64_t n, bool insert,
+                               int64_t now, float* out, int64_t* inserted, uint64_t* hits,
+                               uint64_t* occurrences) {
   // Three stages kSlotAhead and kRowAhead keys apart: prefetch key j's index
   // slot; find key j (its slot is in cache by then) and prefetch its row,
   // its output row and, for a training lookup, its metadata; copy the row
@@ -397,9 +396,7 @@ void Table<K>::LookupPipelined(Shard& s, const K* keys, const uint64_t* hashes,
   int64_t* metas[kRowAhead];
   int64_t meta_counts[kRowAhead];
   const int64_t epoch = epoch_.load(std::memory_order_relaxed);
-  auto prefetch_slot = [&](int64_t j) {
-    s.index.PrefetchProbe(hashes[j]);
-  };
+  auto prefetch_slot = [&](int64_t j) { s.index.PrefetchProbe(hashes[j]); };
   if (!s.index.empty_storage()) {
     for (int64_t j = 0; j < std::min(n, kSlotAhead); ++j) prefetch_slot(j);
   }
@@ -439,8 +436,7 @@ void Table<K>::LookupPipelined(Shard& s, const K* keys, const uint64_t* hashes,
 }
 
 template <typename K>
-int64_t Table<K>::LookupOrdered(const K* keys, int64_t n, bool insert, float* out,
-                                int64_t stride) {
+int64_t Table<K>::LookupOrdered(const K* keys, int64_t n, bool insert, float* out, int64_t stride) {
   if (n <= 0) return 0;
   if (!insert) {
     // Rows found a block at a time, then copied (see OrderedReader).
@@ -545,8 +541,7 @@ int64_t Table<K>::LookupOrdered(const K* keys, int64_t n, bool insert, float* ou
     for (; b < by_shard.size() && by_shard[b].first == sh; ++b) {
       const int64_t i = by_shard[b].second;
       CopyRow(out + i * stride,
-              Resolve(s, keys[i], Hash(keys[i]), /*insert=*/true, now, 1, &inserted, &hits),
-              dim_);
+              Resolve(s, keys[i], Hash(keys[i]), /*insert=*/true, now, 1, &inserted, &hits), dim_);
     }
     CountLookups(s, 0, hits);
   }
@@ -554,14 +549,13 @@ int64_t Table<K>::LookupOrdered(const K* keys, int64_t n, bool insert, float* ou
 }
 
 template <typename K>
-Table<K>::OrderedReader::OrderedReader(Table& table)
-    : table_(table) {
+Table<K>::OrderedReader::OrderedReader(Table& table) : table_(table) {
   locks_.reserve(table.shards_.size());
   views_.reserve(table.shards_.size());
   for (auto& sp : table.shards_) {
     locks_.emplace_back(sp->mu);  // in shard order, as LockAll
-    views_.push_back(ShardView{sp->index.data(), sp->index.mask(), sp->dram->value_bases(),
-                               sp->index.reach()});
+    views_.push_back(
+        ShardView{sp->index.data(), sp->index.mask(), sp->dram->value_bases(), sp->index.reach()});
   }
 }
 
@@ -571,8 +565,7 @@ Table<K>::OrderedReader::~OrderedReader() {
 }
 
 template <typename K>
-void Table<K>::OrderedReader::Find(const K* keys, int64_t n, const float** rows,
-                                   bool read_later) {
+void Table<K>::OrderedReader::Find(const K* keys, int64_t n, const float** rows, bool read_later) {
   if (read_later) {
     FindImpl<true>(keys, n, rows);
   } else {
@@ -629,16 +622,15 @@ void Table<K>::OrderedReader::FindImpl(const K* keys, int64_t n, const float** r
 }
 
 template <typename K>
-int64_t Table<K>::Lookup(int shard, const K* keys, const uint64_t* hashes,
-                         const int64_t* order, int64_t n, bool insert,
-                         float* out) {
+int64_t Table<K>::Lookup(int shard, const K* keys, const uint64_t* hashes, const int64_t* order,
+                         int64_t n, bool insert, float* out) {
   return LookupImpl<false>(shard, keys, hashes, order, nullptr, n, insert, out);
 }
 
 template <typename K>
 int64_t Table<K>::LookupCounted(int shard, const K* keys, const uint64_t* hashes,
-                                const int64_t* order, const int32_t* counts, int64_t n,
-                                bool insert, float* out) {
+                                const int64_t* order, const int32_t* counts, int64_t n, bool insert,
+                                float* out) {
   return LookupImpl<true>(shard, keys, hashes, order, counts, n, insert, out);
 }
 
@@ -686,8 +678,7 @@ std::vector<SlotSpec> Table<K>::Slots() const {
 template <typename K>
 void Table<K>::Import(const K* keys, const float* values, const int64_t* freqs,
                       const int64_t* versions, int64_t n, const float* slots,
-                      const std::vector<int>& slot_ids,
-                      const std::vector<int64_t>& slot_widths) {
+                      const std::vector<int>& slot_ids, const std::vector<int64_t>& slot_widths) {
   if (n == 0) return;  // e.g. a promotion step with nothing to copy
   int64_t total_width = 0;
   for (int64_t w : slot_widths) total_width += w;
@@ -803,8 +794,7 @@ void Table<K>::Clear() {
 }
 
 template <typename K>
-bool Table<K>::Find(K key, std::vector<float>* value, int64_t* freq,
-                    int64_t* version) const {
+bool Table<K>::Find(K key, std::vector<float>* value, int64_t* freq, int64_t* version) const {
   const uint64_t h = Hash(key);
   const Shard& s = *shards_[ShardOf(h)];
   std::shared_lock<std::shared_mutex> lock(s.mu);

@@ -64,7 +64,7 @@ struct TableOptions {
   uint64_t bloom_counters = 0;
   int bloom_hashes = 0;
   int bloom_counter_bytes = 8;
-  float no_permission_value = 0.0f;   // what keys not yet admitted read
+  float no_permission_value = 0.0f;  // what keys not yet admitted read
   // Row storage: DRAM when storage_path is empty; otherwise the file tier
   // (file_store.h) under storage_path with a DRAM cache of about
   // cache_bytes for rows (split over shards). storage_lock = false is for a
@@ -104,9 +104,7 @@ class Table {
   Table(const Table&) = delete;
   Table& operator=(const Table&) = delete;
 
-  static uint64_t Hash(K key) {
-    return HashKey(static_cast<uint64_t>(static_cast<int64_t>(key)));
-  }
+  static uint64_t Hash(K key) { return HashKey(static_cast<uint64_t>(static_cast<int64_t>(key))); }
   // Bits 24..55 of the hash scaled to [0, num_shards) by a multiply (any
   // shard count; apart from the slot bits (low)).
   int ShardOf(uint64_t h) const { return ShardOfHash(h, num_shards_); }
@@ -147,15 +145,14 @@ class Table {
   // admitted keys read their rows, others their default row (or
   // `no_permission_value` when a filter is on). Returns the number of keys
   // admitted.
-  int64_t Lookup(int shard, const K* keys, const uint64_t* hashes,
-                 const int64_t* order, int64_t n, bool insert, float* out);
+  int64_t Lookup(int shard, const K* keys, const uint64_t* hashes, const int64_t* order, int64_t n,
+                 bool insert, float* out);
   // Lookup of distinct keys, keys[j] standing for counts[order[j]] >= 1
   // occurrences in a batch: the table ends as if the batch had been looked
   // up by Lookup, and every occurrence reads what Lookup gives it (every
   // occurrence of a key reads the same row).
-  int64_t LookupCounted(int shard, const K* keys, const uint64_t* hashes,
-                        const int64_t* order, const int32_t* counts, int64_t n,
-                        bool insert, float* out);
+  int64_t LookupCounted(int shard, const K* keys, const uint64_t* hashes, const int64_t* order,
+                        const int32_t* counts, int64_t n, bool insert, float* out);
   // Whether LookupOrdered serves this table: rows in DRAM, no admission
   // filter.
   bool OrderedLookups() const { return !file_tier() && !filtering() && !bloom(); }
@@ -238,9 +235,8 @@ class Table {
   // slot_ids[j]. Missing keys are inserted first when no filter is on; with
   // a filter, gradients of keys not admitted are dropped.
   template <typename Fn>
-  void Apply(int shard, const K* keys, const uint64_t* hashes,
-             const int64_t* order, int64_t n, const float* grads,
-             const std::vector<int>& slot_ids, int64_t step, Fn&& fn);
+  void Apply(int shard, const K* keys, const uint64_t* hashes, const int64_t* order, int64_t n,
+             const float* grads, const std::vector<int>& slot_ids, int64_t step, Fn&& fn);
 
   // Apply for keys[0..n) known to be distinct (the group lookup's backward
   // yields one summed gradient row per distinct key): the same updates,
@@ -249,9 +245,9 @@ class Table {
   // prefetched some keys ahead) when the rows live in DRAM. Equal keys among
   // keys[] would each be applied once, in order: callers must not pass them.
   template <typename Fn>
-  void ApplyDistinct(int shard, const K* keys, const uint64_t* hashes,
-                     const int64_t* order, int64_t n, const float* grads,
-                     const std::vector<int>& slot_ids, int64_t step, Fn&& fn);
+  void ApplyDistinct(int shard, const K* keys, const uint64_t* hashes, const int64_t* order,
+                     int64_t n, const float* grads, const std::vector<int>& slot_ids, int64_t step,
+                     Fn&& fn);
 
   // Slots: parallel per-row state of the optimizer. AddSlot returns the slot
   // index; if the slot exists its width must match and its init value (for
@@ -289,15 +285,13 @@ class Table {
   // column block j of `slots` ([n, sum(widths)]) holds; `slot_widths[j]` its
   // width. freqs/versions may be null (then zero); a negative freqs[i]
   // keeps the frequency of a key already present (0 for a new one).
-  void Import(const K* keys, const float* values, const int64_t* freqs,
-              const int64_t* versions, int64_t n, const float* slots,
-              const std::vector<int>& slot_ids,
+  void Import(const K* keys, const float* values, const int64_t* freqs, const int64_t* versions,
+              int64_t n, const float* slots, const std::vector<int>& slot_ids,
               const std::vector<int64_t>& slot_widths);
   // Inserts keys counted but not admitted, with their counts; a key that is
   // already admitted stays admitted. They are admitted by the lookup that
   // brings their count to the (current) threshold.
-  void ImportFiltered(const K* keys, const int64_t* freqs, const int64_t* versions,
-                      int64_t n);
+  void ImportFiltered(const K* keys, const int64_t* freqs, const int64_t* versions, int64_t n);
 
   // Erases keys: admitted keys whose version is older than
   // now - steps_to_live (when steps_to_live >= 0), admitted keys with
@@ -320,8 +314,7 @@ class Table {
   void SwapContents(Table& other);
   // Reads one key if present, for tests and tools: its value (empty when
   // not admitted), frequency and version.
-  bool Find(K key, std::vector<float>* value, int64_t* freq,
-            int64_t* version) const;
+  bool Find(K key, std::vector<float>* value, int64_t* freq, int64_t* version) const;
 
   // File tier only (see file_store.h). Snapshot writes a consistent
   // snapshot of the table under storage_path and returns its sequence
@@ -467,12 +460,11 @@ class Table {
   void CountLookups(Shard& s, uint64_t occurrences, uint64_t hits);
   // One key's row for Lookup (see there); counts admissions in *admitted
   // and occurrences that found an admitted row in *hits.
-  const float* Resolve(Shard& s, K key, uint64_t h, bool insert, int64_t now,
-                       int64_t count, int64_t* admitted, uint64_t* hits);
+  const float* Resolve(Shard& s, K key, uint64_t h, bool insert, int64_t now, int64_t count,
+                       int64_t* admitted, uint64_t* hits);
   template <bool kCounted>
-  int64_t LookupImpl(int shard, const K* keys, const uint64_t* hashes,
-                     const int64_t* order, const int32_t* counts, int64_t n,
-                     bool insert, float* out);
+  int64_t LookupImpl(int shard, const K* keys, const uint64_t* hashes, const int64_t* order,
+                     const int32_t* counts, int64_t n, bool insert, float* out);
   // LookupImpl's path for a DRAM store without filters (caller holds the
   // shard lock): a software pipeline over the keys.
   template <bool kCounted>
@@ -563,9 +555,9 @@ typename Table<K>::Entry* Table<K>::AppliedEntry(Shard& s, K key, uint64_t h, bo
 
 template <typename K>
 template <typename Fn>
-void Table<K>::Apply(int shard, const K* keys, const uint64_t* hashes,
-                     const int64_t* order, int64_t n, const float* grads,
-                     const std::vector<int>& slot_ids, int64_t step, Fn&& fn) {
+void Table<K>::Apply(int shard, const K* keys, const uint64_t* hashes, const int64_t* order,
+                     int64_t n, const float* grads, const std::vector<int>& slot_ids, int64_t step,
+                     Fn&& fn) {
   RaiseLatestStep(step);
   Shard& s = *shards_[shard];
   std::unique_lock<std::shared_mutex> lock(s.mu);
@@ -610,9 +602,9 @@ void Table<K>::Apply(int shard, const K* keys, const uint64_t* hashes,
 
 template <typename K>
 template <typename Fn>
-void Table<K>::ApplyDistinct(int shard, const K* keys, const uint64_t* hashes,
-                             const int64_t* order, int64_t n, const float* grads,
-                             const std::vector<int>& slot_ids, int64_t step, Fn&& fn) {
+void Table<K>::ApplyDistinct(int shard, const K* keys, const uint64_t* hashes, const int64_t* order,
+                             int64_t n, const float* grads, const std::vector<int>& slot_ids,
+                             int64_t step, Fn&& fn) {
   Shard& s = *shards_[shard];
   if (s.dram == nullptr) {  // a file store: rows move as they load; the plain path
     Apply(shard, keys, hashes, order, n, grads, slot_ids, step, std::forward<Fn>(fn));
@@ -645,9 +637,7 @@ void Table<K>::ApplyDistinct(int shard, const K* keys, const uint64_t* hashes,
   const bool filter = filtering() || bloom();
   const int64_t epoch = epoch_.load(std::memory_order_relaxed);
   const bool indexed = !s.index.empty_storage();
-  auto prefetch_slot = [&](int64_t j) {
-    s.index.PrefetchProbe(hashes[j]);
-  };
+  auto prefetch_slot = [&](int64_t j) { s.index.PrefetchProbe(hashes[j]); };
   if (indexed) {
     for (int64_t j = 0; j < std::min(n, kSlotAhead); ++j) prefetch_slot(j);
   }
@@ -701,8 +691,7 @@ void Table<K>::Export(Alloc&& alloc) const {
 
 template <typename K>
 template <typename Alloc>
-bool Table<K>::ExportChangedSince(int64_t since, Alloc&& alloc,
-                                  std::vector<K>* erased) const {
+bool Table<K>::ExportChangedSince(int64_t since, Alloc&& alloc, std::vector<K>* erased) const {
   std::vector<std::shared_lock<std::shared_mutex>> locks;
   locks.reserve(shards_.size());
   for (const auto& s : shards_) locks.emplace_back(s->mu);
@@ -718,9 +707,7 @@ bool Table<K>::ExportChangedSince(int64_t since, Alloc&& alloc,
   }
   const std::optional<ExportBuffers> buffers = alloc(n, nf);
   if (!buffers) return complete;
-  WriteEntries(*buffers, [&](const Shard& s, const Entry& e) {
-    return EpochOf(s, e) > since;
-  });
+  WriteEntries(*buffers, [&](const Shard& s, const Entry& e) { return EpochOf(s, e) > since; });
   return complete;
 }
 

@@ -407,7 +407,11 @@ int64_t Table<K>::RestoreSnapshot(const std::string& path) {
   // The index is read twice, streaming (never whole in memory): a first
   // pass checks everything (structure, segments, locations, CRC) without
   // changing the table, the second fills the table.
-  struct SegRef { uint32_t id; uint64_t size, width; std::string path; };
+  struct SegRef {
+    uint32_t id;
+    uint64_t size, width;
+    std::string path;
+  };
   int64_t latest = -1;
   std::vector<SlotSpec> specs;
   std::vector<float> defaults;

@@ -2,8 +2,8 @@
 // Op registration of KRE>ArrowBatchToTensors (kernel:
 // csrc/kernels/arrow_kernels.cc): one Arrow record batch, handed over
 // through the Arrow C data interface, to the tensors of its columns.
-#include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
+#include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
 
 namespace kre {

@@ -2,19 +2,17 @@
 // Op registrations of the table's change tracking (incremental checkpoints,
 // serving deltas) and counters (statistics). Kernels:
 // csrc/kernels/delta_kernels.cc, the counters' csrc/kernels/stats_kernels.cc.
+#include "ops/stat_parts.h"
+#include "ops/table_shape_fns.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
-#include "ops/stat_parts.h"
-#include "ops/table_shape_fns.h"
 
 namespace kre {
 
 // Closes the table's current change epoch and returns it as a mark: changes
 // from now on are "after" it. Turns on the log of erased keys.
-KRE_REGISTER_TABLE_OP("KRE>TableMarkChanges")
-    .Output("mark: int64")
-    .SetShapeFn(ScalarOfHandle<1>);
+KRE_REGISTER_TABLE_OP("KRE>TableMarkChanges").Output("mark: int64").SetShapeFn(ScalarOfHandle<1>);
 
 // Exports, like KRE>TableExport, only the keys changed after mark `since`,
 // plus `erased` (keys erased after it) and `complete` (false when the
@@ -22,8 +20,7 @@ KRE_REGISTER_TABLE_OP("KRE>TableMarkChanges")
 // default_values and bloom are always whole.
 KRE_REGISTER_TABLE_OP("KRE>TableExportChangedSince")
     .Input("since: int64")
-    .KRE_TABLE_EXPORT_OUTPUTS
-    .Output("erased: Tkeys")
+    .KRE_TABLE_EXPORT_OUTPUTS.Output("erased: Tkeys")
     .Output("complete: bool")
     .Attr("dim: int >= 1")
     .SetShapeFn([](InferenceContext* c) {

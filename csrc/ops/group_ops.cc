@@ -41,8 +41,7 @@ absl::Status ReadGroupAttrs(InferenceContext* c, GroupAttrs* a) {
     return absl::InvalidArgumentError("num_params must be num_tables + num_dense");
   }
   if (static_cast<int64_t>(a->param_dims.size()) != num_params) {
-    return absl::InvalidArgumentError(
-        "param_dims must have num_tables + num_dense entries");
+    return absl::InvalidArgumentError("param_dims must have num_tables + num_dense entries");
   }
   if (static_cast<int64_t>(a->feature_params.size()) != a->num_features ||
       static_cast<int64_t>(a->is_sequence.size()) != a->num_features) {
@@ -78,8 +77,7 @@ absl::Status CheckGroupInputs(InferenceContext* c, const GroupAttrs& a,
   for (int d = 0; d < a.num_dense; ++d, ++i) {
     TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 2, &s));
     DimensionHandle unused;
-    TF_RETURN_IF_ERROR(
-        c->WithValue(c->Dim(s, 1), a.param_dims[a.num_tables + d], &unused));
+    TF_RETURN_IF_ERROR(c->WithValue(c->Dim(s, 1), a.param_dims[a.num_tables + d], &unused));
   }
   const int ids0 = i, splits0 = i + a.num_features, weights0 = i + 2 * a.num_features;
   batch->clear();
@@ -99,24 +97,24 @@ absl::Status CheckGroupInputs(InferenceContext* c, const GroupAttrs& a,
 
 // The inputs and attributes both ops start with, in this order (macros:
 // REGISTER_OP is one chain of calls).
-#define KRE_GROUP_INPUTS                              \
-  .Input("tables: num_tables * resource")             \
-      .Input("dense_params: num_dense * float")       \
-      .Input("ids: num_features * int64")             \
-      .Input("row_splits: num_features * int64")      \
+#define KRE_GROUP_INPUTS                         \
+  .Input("tables: num_tables * resource")        \
+      .Input("dense_params: num_dense * float")  \
+      .Input("ids: num_features * int64")        \
+      .Input("row_splits: num_features * int64") \
       .Input("weights: num_features * float")
-#define KRE_GROUP_ATTRS                                       \
-  .Attr("num_tables: int >= 0")                               \
-      .Attr("num_dense: int >= 0")                            \
-      .Attr("num_features: int >= 1")                         \
-      .Attr("num_params: int >= 1")                           \
-      .Attr("table_key_dtypes: list({int32, int64}) >= 0")    \
-      .Attr("param_dims: list(int)")                          \
-      .Attr("feature_params: list(int)")                      \
-      .Attr("combiners: list(string)")                        \
-      .Attr("max_norms: list(float)")                         \
-      .Attr("default_ids: list(int)")                         \
-      .Attr("prune_invalid_ids: list(bool)")                  \
+#define KRE_GROUP_ATTRS                                    \
+  .Attr("num_tables: int >= 0")                            \
+      .Attr("num_dense: int >= 0")                         \
+      .Attr("num_features: int >= 1")                      \
+      .Attr("num_params: int >= 1")                        \
+      .Attr("table_key_dtypes: list({int32, int64}) >= 0") \
+      .Attr("param_dims: list(int)")                       \
+      .Attr("feature_params: list(int)")                   \
+      .Attr("combiners: list(string)")                     \
+      .Attr("max_norms: list(float)")                      \
+      .Attr("default_ids: list(int)")                      \
+      .Attr("prune_invalid_ids: list(bool)")               \
       .Attr("is_sequence: list(bool)")
 
 // Looks up and combines many features in one op. Parameters are the
@@ -153,12 +151,9 @@ absl::Status CheckGroupInputs(InferenceContext* c, const GroupAttrs& a,
 // (repeats too) and inverse[f] counts 0, 1, ... (the kernel's pooled path;
 // csrc/kernels/group_forward.cc states the rule). The outputs are the same.
 REGISTER_OP("KRE>GroupLookup")
-    KRE_GROUP_INPUTS
-    .Output("outputs: num_features * float")
+KRE_GROUP_INPUTS.Output("outputs: num_features * float")
     .Output("unique_ids: num_params * int64")
-    .Output("inverse: num_features * int32")
-    KRE_GROUP_ATTRS
-    .Attr("insert: bool = false")
+    .Output("inverse: num_features * int32") KRE_GROUP_ATTRS.Attr("insert: bool = false")
     .Attr("concat: bool = false")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
@@ -192,13 +187,10 @@ REGISTER_OP("KRE>GroupLookup")
 // summed gradient of the rows of its distinct ids unique_ids[p],
 // unique_grads[p] [U, param_dims[p]].
 REGISTER_OP("KRE>GroupLookupGrad")
-    KRE_GROUP_INPUTS
-    .Input("unique_ids: num_params * int64")
+KRE_GROUP_INPUTS.Input("unique_ids: num_params * int64")
     .Input("inverse: num_features * int32")
     .Input("output_grads: num_features * float")
-    .Output("unique_grads: num_params * float")
-    KRE_GROUP_ATTRS
-    .Attr("concat: bool = false")
+    .Output("unique_grads: num_params * float") KRE_GROUP_ATTRS.Attr("concat: bool = false")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       GroupAttrs a;
@@ -210,8 +202,7 @@ REGISTER_OP("KRE>GroupLookupGrad")
       for (int f = 0; f < a.num_features; ++f) {
         ShapeHandle g;
         if (a.concat && f > 0) continue;  // output_grads[0] holds them all
-        TF_RETURN_IF_ERROR(
-            c->WithRank(c->input(grads0 + f), a.is_sequence[f] ? 3 : 2, &g));
+        TF_RETURN_IF_ERROR(c->WithRank(c->input(grads0 + f), a.is_sequence[f] ? 3 : 2, &g));
       }
       for (int p = 0; p < num_params; ++p) {
         c->set_output(p, c->MakeShape({c->UnknownDim(), c->MakeDim(a.param_dims[p])}));

@@ -1,11 +1,11 @@
 // Copyright keras_rec_emb authors. Apache-2.0.
 // Op registrations and shape functions of the embedding table. Kernels live
 // in csrc/kernels/.
+#include "ops/stat_parts.h"
+#include "ops/table_shape_fns.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
-#include "ops/stat_parts.h"
-#include "ops/table_shape_fns.h"
 
 namespace kre {
 
@@ -73,9 +73,7 @@ KRE_REGISTER_TABLE_OP("KRE>TableLookup")
       return absl::OkStatus();
     });
 
-KRE_REGISTER_TABLE_OP("KRE>TableSize")
-    .Output("size: int64")
-    .SetShapeFn(ScalarOfHandle<1>);
+KRE_REGISTER_TABLE_OP("KRE>TableSize").Output("size: int64").SetShapeFn(ScalarOfHandle<1>);
 
 // The table's sizes: a vector of the parts kTableStatsParts names
 // (ops/stat_parts.h; the caller passes the names it reads them by as
@@ -94,9 +92,7 @@ KRE_REGISTER_TABLE_OP("KRE>TableStorageStats")
 
 // File tier: writes a snapshot under the table's storage_path; returns its
 // sequence number.
-KRE_REGISTER_TABLE_OP("KRE>TableSnapshot")
-    .Output("seq: int64")
-    .SetShapeFn(ScalarOfHandle<1>);
+KRE_REGISTER_TABLE_OP("KRE>TableSnapshot").Output("seq: int64").SetShapeFn(ScalarOfHandle<1>);
 
 // File tier: releases the lock on the table's storage_path (its Python
 // owner is gone); returns whether the table is a file-tier one.
@@ -137,8 +133,7 @@ KRE_REGISTER_TABLE_OP("KRE>TableAddSlot")
 // counted but not admitted with their counts and versions (empty unless
 // include_filtered), and the Bloom filter's counters as bytes.
 KRE_REGISTER_TABLE_OP("KRE>TableExport")
-    .KRE_TABLE_EXPORT_OUTPUTS
-    .Attr("dim: int >= 1")
+    .KRE_TABLE_EXPORT_OUTPUTS.Attr("dim: int >= 1")
     .Attr("include_filtered: bool = true")
     .SetShapeFn(ExportOfHandle<1>);
 
@@ -197,16 +192,17 @@ KRE_REGISTER_TABLE_OP("KRE>TableImport")
 
 // The inputs, attributes and shape function of a fused optimizer step on the
 // rows of `keys` (KRE>TableSparseApply and KRE>TableSparseApplyDistinct).
-#define KRE_REGISTER_SPARSE_APPLY_OP(name)                                        \
-  KRE_REGISTER_TABLE_OP(name)                                                     \
-      .Input("keys: Tkeys")                                                       \
-      .Input("grads: float")                                                      \
-      .Input("hyper: float")                                                      \
-      .Input("step: int64")                                                       \
-      .Attr("rule: {'sgd', 'momentum', 'adagrad', 'adam', 'ftrl', 'adam_async', " \
-            "'adagrad_decay', 'ftrl_group'}")                                     \
-      .Attr("slots: list(string) >= 0")                                           \
-      .Attr("hparam_names: list(string) >= 2")                                    \
+#define KRE_REGISTER_SPARSE_APPLY_OP(name)                                      \
+  KRE_REGISTER_TABLE_OP(name)                                                   \
+      .Input("keys: Tkeys")                                                     \
+      .Input("grads: float")                                                    \
+      .Input("hyper: float")                                                    \
+      .Input("step: int64")                                                     \
+      .Attr(                                                                    \
+          "rule: {'sgd', 'momentum', 'adagrad', 'adam', 'ftrl', 'adam_async', " \
+          "'adagrad_decay', 'ftrl_group'}")                                     \
+      .Attr("slots: list(string) >= 0")                                         \
+      .Attr("hparam_names: list(string) >= 2")                                  \
       .SetShapeFn(SparseApplyShape)
 
 absl::Status SparseApplyShape(InferenceContext* c) {

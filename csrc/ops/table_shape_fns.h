@@ -47,9 +47,7 @@ absl::Status VectorOfHandle(InferenceContext* c) {
   return absl::OkStatus();
 }
 
-inline absl::Status GetDim(InferenceContext* c, int64_t* dim) {
-  return c->GetAttr("dim", dim);
-}
+inline absl::Status GetDim(InferenceContext* c, int64_t* dim) { return c->GetAttr("dim", dim); }
 
 // Input 0 is a table handle; *dim is the op's `dim` attribute.
 inline absl::Status HandleAndDim(InferenceContext* c, int64_t* dim) {
@@ -60,11 +58,8 @@ inline absl::Status HandleAndDim(InferenceContext* c, int64_t* dim) {
 // REGISTER_OP of an op on one table: input 0 is the table's `handle`, attr
 // `Tkeys` its key dtype, and the op is stateful. The chain goes on with the
 // op's own inputs, outputs, attributes and shape function.
-#define KRE_REGISTER_TABLE_OP(name)  \
-  REGISTER_OP(name)                  \
-      .Input("handle: resource")     \
-      .Attr("Tkeys: {int32, int64}") \
-      .SetIsStateful()
+#define KRE_REGISTER_TABLE_OP(name) \
+  REGISTER_OP(name).Input("handle: resource").Attr("Tkeys: {int32, int64}").SetIsStateful()
 
 // The outputs of a table export, in kv::Table::ExportBuffers' order with the
 // slot layout, the EV-initializer matrix and the Bloom counters: keys [N],
@@ -72,17 +67,17 @@ inline absl::Status HandleAndDim(InferenceContext* c, int64_t* dim) {
 // slot_names, slot_widths, default_values [default_value_dim, dim], the keys
 // counted but not admitted with their freqs and versions [NF], bloom bytes.
 // Used inside a REGISTER_OP chain.
-#define KRE_TABLE_EXPORT_OUTPUTS         \
-  Output("keys: Tkeys")                  \
-      .Output("values: float")           \
-      .Output("freqs: int64")            \
-      .Output("versions: int64")         \
-      .Output("slot_values: float")      \
-      .Output("slot_names: string")      \
-      .Output("slot_widths: int64")      \
-      .Output("default_values: float")   \
-      .Output("keys_filtered: Tkeys")    \
-      .Output("freqs_filtered: int64")   \
+#define KRE_TABLE_EXPORT_OUTPUTS          \
+  Output("keys: Tkeys")                   \
+      .Output("values: float")            \
+      .Output("freqs: int64")             \
+      .Output("versions: int64")          \
+      .Output("slot_values: float")       \
+      .Output("slot_names: string")       \
+      .Output("slot_widths: int64")       \
+      .Output("default_values: float")    \
+      .Output("keys_filtered: Tkeys")     \
+      .Output("freqs_filtered: int64")    \
       .Output("versions_filtered: int64") \
       .Output("bloom: uint8")
 

@@ -4,6 +4,8 @@
 // restores, faults (lock, unwritable path, corrupt and truncated files),
 // and a writer killed with SIGKILL at random points. Run by `make test`
 // (also under ASan and TSan).
+#include "kv/file_store.h"
+
 #include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
@@ -26,7 +28,6 @@
 #include <vector>
 
 #include "kv/crc32c.h"
-#include "kv/file_store.h"
 #include "kv/partition.h"
 #include "kv/table.h"
 #include "kv/tests/test_util.h"
@@ -105,16 +106,15 @@ std::vector<float> Step(Table<int64_t>& t, int64_t step, int64_t key_range) {
   std::vector<float> out(keys.size() * kDim);
   for (int s = 0; s < t.num_shards(); ++s) {
     const int64_t b = p.offsets[s];
-    t.Lookup(s, p.keys.data() + b, p.hashes.data() + b, p.order.data() + b,
-             p.offsets[s + 1] - b, true, out.data());
+    t.Lookup(s, p.keys.data() + b, p.hashes.data() + b, p.order.data() + b, p.offsets[s + 1] - b,
+             true, out.data());
   }
   std::vector<float> grads(out.size());
   for (size_t i = 0; i < grads.size(); ++i) grads[i] = 0.01f * out[i] + 0.001f * (i % 7);
   for (int s = 0; s < t.num_shards(); ++s) {
     const int64_t b = p.offsets[s];
-    t.Apply(s, p.keys.data() + b, p.hashes.data() + b, p.order.data() + b,
-            p.offsets[s + 1] - b, grads.data(), {acc}, step,
-            [&](float* v, float** slots, const float* g) {
+    t.Apply(s, p.keys.data() + b, p.hashes.data() + b, p.order.data() + b, p.offsets[s + 1] - b,
+            grads.data(), {acc}, step, [&](float* v, float** slots, const float* g) {
               for (int64_t d = 0; d < kDim; ++d) {
                 slots[0][d] += g[d] * g[d];
                 v[d] -= 0.1f * g[d] / std::sqrt(slots[0][d]);
@@ -332,7 +332,9 @@ void TestFaults() {
     a.Snapshot();
   }
   // The lock is released with the table.
-  { Table<int64_t> again(Options(path, 0)); }
+  {
+    Table<int64_t> again(Options(path, 0));
+  }
   // A path under a regular file cannot be created.
   const std::string file = path + "/plain";
   std::fclose(std::fopen(file.c_str(), "w"));
@@ -366,7 +368,8 @@ void TestFaults() {
     CHECK(!seg.empty());
     // Unlink the shared inode's name and write a shorter copy: the live
     // table's own links (none now) are not touched.
-    std::system(("head -c 40 '" + seg + "' > '" + seg + ".x' && mv '" + seg + ".x' '" + seg + "'").c_str());
+    std::system(
+        ("head -c 40 '" + seg + "' > '" + seg + ".x' && mv '" + seg + ".x' '" + seg + "'").c_str());
     const std::string err = ErrorOf([&] { t.RestoreSnapshot(""); });
     CHECK(Contains(err, "truncated") && Contains(err, seg));
     CHECK(t.Size() == 0);
@@ -379,7 +382,8 @@ std::vector<std::string> LiveSegments(const std::string& path) {
   for (const std::string& dir : ListDir(path)) {
     if (dir.rfind("live-", 0) != 0) continue;
     for (const std::string& f : ListDir(path + "/" + dir)) {
-      if (f.size() > 4 && f.substr(f.size() - 4) == ".seg") out.push_back(path + "/" + dir + "/" + f);
+      if (f.size() > 4 && f.substr(f.size() - 4) == ".seg")
+        out.push_back(path + "/" + dir + "/" + f);
     }
   }
   return out;
@@ -401,7 +405,8 @@ void TestTruncatedUnderTheTable() {
   // are the same files as the snapshot's hard links).
   const std::string copy = TempDir("truncated-copy");
   CHECK(std::system(("mkdir -p '" + copy + "' && cp -r '" + path + "/CURRENT' '" + path +
-                     "/snap-1' '" + copy + "/'").c_str()) == 0);
+                     "/snap-1' '" + copy + "/'")
+                        .c_str()) == 0);
   const std::vector<std::string> segs = LiveSegments(path);
   CHECK(segs.size() >= 3);
   for (const std::string& seg : segs) CHECK(::truncate(seg.c_str(), 32) == 0);
@@ -565,8 +570,8 @@ void TestRestoreAllOrNothing() {
   }
   char tmpl[] = "/dev/shm/kre-restore-XXXXXX";
   const std::string other = ::mkdtemp(tmpl);
-  CHECK(std::system(("cp -r '" + path + "/CURRENT' '" + path + "/snap-1' '" + other + "/'")
-                        .c_str()) == 0);
+  CHECK(std::system(
+            ("cp -r '" + path + "/CURRENT' '" + path + "/snap-1' '" + other + "/'").c_str()) == 0);
   uint64_t shard0 = 0, largest = 0;
   for (const std::string& f : ListDir(other + "/snap-1")) {
     struct stat st;
@@ -598,7 +603,7 @@ void TestRestoreAllOrNothing() {
   CHECK(::setrlimit(RLIMIT_FSIZE, &limit) == 0);
   CHECK(Contains(err, "cannot copy the snapshot segment '" + other + "/snap-1/s") &&
         Contains(err, std::strerror(EFBIG)));
-  CHECK(ExportSorted(t) == before);                 // every shard as it was
+  CHECK(ExportSorted(t) == before);                               // every shard as it was
   CHECK(LiveSegments(live.storage_path).size() == files_before);  // the copies removed
   CHECK(t.RestoreSnapshot("") == static_cast<int64_t>(before.keys.size()));
   CHECK(ExportSorted(t) == before);

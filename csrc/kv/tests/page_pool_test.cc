@@ -5,6 +5,8 @@
 // and stay sound under threads; the slabs are marked for huge pages where
 // the kernel has them; ChunkedArena's chunks come from the process's pool
 // and go back to it. Run by `make test` (also under ASan and TSan).
+#include "kv/page_pool.h"
+
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -19,7 +21,6 @@
 #include <vector>
 
 #include "kv/arena.h"
-#include "kv/page_pool.h"
 #include "kv/tests/test_util.h"
 
 using kre::kv::ChunkedArena;
@@ -53,10 +54,14 @@ bool Holds(const Block& b) {
 
 size_t RandomSize(std::mt19937_64& rng) {
   switch (rng() % 4) {
-    case 0: return 1 + rng() % (4 * kKiB);        // operator new
-    case 1: return 4 * kKiB + rng() % (60 * kKiB);  // small slab blocks
-    case 2: return 64 * kKiB + rng() % (2 * kMiB - 64 * kKiB + 1);
-    default: return 2 * kMiB + 1 + rng() % (3 * kMiB);  // own mapping
+    case 0:
+      return 1 + rng() % (4 * kKiB);  // operator new
+    case 1:
+      return 4 * kKiB + rng() % (60 * kKiB);  // small slab blocks
+    case 2:
+      return 64 * kKiB + rng() % (2 * kMiB - 64 * kKiB + 1);
+    default:
+      return 2 * kMiB + 1 + rng() % (3 * kMiB);  // own mapping
   }
 }
 
@@ -82,7 +87,8 @@ void TestBlocks(bool enabled) {
     const auto st = pool.Stats();
     uint64_t slab_bytes = 0, large = 0;
     for (const Block& b : blocks) {
-      const size_t n = (b.bytes + PagePool::kMinBlock - 1) / PagePool::kMinBlock * PagePool::kMinBlock;
+      const size_t n =
+          (b.bytes + PagePool::kMinBlock - 1) / PagePool::kMinBlock * PagePool::kMinBlock;
       if (b.bytes < PagePool::kMinBlock) continue;
       if (n > PagePool::kSlab) {
         large += (n + PagePool::kSlab - 1) / PagePool::kSlab * PagePool::kSlab;
@@ -109,7 +115,7 @@ void TestBlocks(bool enabled) {
   const auto st = pool.Stats();
   CHECK(st.slab_bytes_used == 0);
   CHECK(st.large_bytes == 0);
-  CHECK(st.slabs <= 1);  // one wholly free slab is kept, the rest unmapped
+  CHECK(st.slabs <= 1);     // one wholly free slab is kept, the rest unmapped
   pool.Free(nullptr, 123);  // no-op
 }
 
@@ -125,7 +131,7 @@ void TestBuddies() {
   CHECK(pool.Stats().slab_bytes_used == 16 * kKiB);
   pool.Free(a, 12 * kKiB);
   pool.Free(b, 4 * kKiB);
-  CHECK(pool.Stats().slabs == 1);  // wholly free, kept
+  CHECK(pool.Stats().slabs == 1);         // wholly free, kept
   void* whole = pool.Allocate(2 * kMiB);  // merged back: the same slab
   CHECK(Addr(whole) == Addr(a));
   void* halves[4];
@@ -200,7 +206,8 @@ void TestThreads() {
       for (int i = 0; i < 400; ++i) {
         if (live.size() < 20 && rng() % 3 != 0) {
           const size_t n = 1 + rng() % (512 * kKiB);
-          Block b{static_cast<uint8_t*>(pool.Allocate(n)), n, static_cast<uint8_t>(t * 60 + i % 60)};
+          Block b{static_cast<uint8_t*>(pool.Allocate(n)), n,
+                  static_cast<uint8_t>(t * 60 + i % 60)};
           Fill(b);
           live.push_back(b);
         } else if (!live.empty()) {

@@ -40,9 +40,8 @@ void ApplyAll(Table<int64_t>& t, const std::vector<int64_t>& keys, int slot, int
   std::vector<float> grads(keys.size() * kDim, 0.0f);
   for (int s = 0; s < t.num_shards(); ++s) {
     const int64_t b = p.offsets[s];
-    t.Apply(s, p.keys.data() + b, p.hashes.data() + b, p.order.data() + b,
-            p.offsets[s + 1] - b, grads.data(), {slot}, step,
-            [&](float* value, float** slots, const float*) {
+    t.Apply(s, p.keys.data() + b, p.hashes.data() + b, p.order.data() + b, p.offsets[s + 1] - b,
+            grads.data(), {slot}, step, [&](float* value, float** slots, const float*) {
               for (int64_t d = 0; d < kDim; ++d) value[d] -= 1.0f;
               slots[0][0] += 1.0f;
             });
@@ -65,8 +64,7 @@ std::vector<float> Zeros() { return std::vector<float>(kDim, 0.0f); }
   CHECK(threw);
   CHECK(t.Slots().size() == 1 && t.SlotIndex("huge") == -1);
   const Exported after = ExportAll(t);
-  CHECK(after.keys == before.keys && after.values == before.values &&
-        after.slots == before.slots);
+  CHECK(after.keys == before.keys && after.values == before.values && after.slots == before.slots);
   // New keys, applies and exports still work.
   Lookup(t, {10, 11}, true);
   ApplyAll(t, {10, 1}, 0, 5);

@@ -1,11 +1,13 @@
 // Copyright keras_rec_emb authors. Apache-2.0.
 // Plain C++ tests of the TF-free table. Run by `make test` (also under ASan).
+#include "kv/table.h"
+
 #include <algorithm>
-#include <limits>
 #include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <map>
 #include <optional>
 #include <random>
@@ -13,7 +15,6 @@
 #include <vector>
 
 #include "kv/partition.h"
-#include "kv/table.h"
 #include "kv/tests/test_util.h"
 
 using kre::kv::BloomSizing;
@@ -121,9 +122,8 @@ void TestSlotsApplyDedupe() {
   std::map<float, int> seen;  // row's first value -> count of calls
   for (int s = 0; s < t.num_shards(); ++s) {
     const int64_t b = p.offsets[s];
-    t.Apply(s, p.keys.data() + b, p.hashes.data() + b, p.order.data() + b,
-            p.offsets[s + 1] - b, grads.data(), {acc}, /*step=*/7,
-            [&](float* value, float** slots, const float* g) {
+    t.Apply(s, p.keys.data() + b, p.hashes.data() + b, p.order.data() + b, p.offsets[s + 1] - b,
+            grads.data(), {acc}, /*step=*/7, [&](float* value, float** slots, const float* g) {
               ++calls;
               // Existing rows keep the init of their time (0.1).
               CHECK(std::fabs(slots[0][0] - 0.1f) < 1e-7f);
@@ -179,8 +179,10 @@ void TestExportImportRoundTrip() {
   std::vector<int32_t>& k2 = eb.keys;
   std::vector<float>& slots2 = eb.slots;
   std::map<int32_t, std::vector<float>> s1, s2;
-  for (size_t i = 0; i < k.size(); ++i) s1[k[i]].assign(&slots[i * (kDim + 1)], &slots[(i + 1) * (kDim + 1)]);
-  for (size_t i = 0; i < k2.size(); ++i) s2[k2[i]].assign(&slots2[i * (kDim + 1)], &slots2[(i + 1) * (kDim + 1)]);
+  for (size_t i = 0; i < k.size(); ++i)
+    s1[k[i]].assign(&slots[i * (kDim + 1)], &slots[(i + 1) * (kDim + 1)]);
+  for (size_t i = 0; i < k2.size(); ++i)
+    s2[k2[i]].assign(&slots2[i * (kDim + 1)], &slots2[(i + 1) * (kDim + 1)]);
   CHECK(s1 == s2);
   b.Clear();
   CHECK(b.Size() == 0);
@@ -282,8 +284,8 @@ void TestCounterFilter() {
   auto p = Partition(t, once.data(), 1, 1, Serial);
   std::vector<float> g(kDim, 1.0f);
   int calls = 0;
-  t.Apply(t.ShardOf(p.hashes[0]), p.keys.data(), p.hashes.data(), p.order.data(), 1, g.data(),
-          {}, 5, [&](float*, float**, const float*) { ++calls; });
+  t.Apply(t.ShardOf(p.hashes[0]), p.keys.data(), p.hashes.data(), p.order.data(), 1, g.data(), {},
+          5, [&](float*, float**, const float*) { ++calls; });
   CHECK(calls == 0);
   // The third sighting admits (DeepRec: the count before the lookup
   // decides), but still reads the no-permission value; the row from the
@@ -383,7 +385,7 @@ void TestBloomFilter() {
   std::vector<int64_t> keys;
   for (uint64_t i = 0; i < n; ++i) keys.push_back(static_cast<int64_t>(i) * 3);
   std::vector<float> out = Lookup(t, keys, true);
-  CHECK(t.Size() < 600);  // only false positives get in on first sight
+  CHECK(t.Size() < 600);         // only false positives get in on first sight
   CHECK(t.FilteredSize() == 0);  // a Bloom filter keeps no index entries
   // False-positive rate: never-seen keys that the filter already counts.
   int fp = 0;
@@ -515,9 +517,9 @@ void TestSaturatingMetadata() {
   t.Import(k3.data(), vals.data(), f3.data(), v3.data(), 1, nullptr, {}, {});
   CHECK(t.LatestStep() == kMax);
   std::vector<int64_t> k11 = {11};
-  Lookup(t, k11, true);  // the step after INT64_MAX stays INT64_MAX
+  Lookup(t, k11, true);              // the step after INT64_MAX stays INT64_MAX
   CHECK(t.Evict(0, 0, -1.0f) == 0);  // 0 - INT64_MAX: updated after step 0, not stale
-  t.Evict(-1, 0, -1.0f);  // at step INT64_MAX, key 2 (step 5) is stale, key 3 is not
+  t.Evict(-1, 0, -1.0f);             // at step INT64_MAX, key 2 (step 5) is stale, key 3 is not
   CHECK(!t.Find(2, &v, &f, &ver) && t.Find(3, &v, &f, &ver));
 }
 
@@ -734,7 +736,9 @@ void TestOrderedReaderEdges() {
   Table<int64_t> t(FilterOptions(0));  // 4 shards
   std::vector<int64_t> probe = {0, 5, -3};
   std::vector<const float*> rows(probe.size());
-  { Reader(t).Find(probe.data(), 3, rows.data()); }
+  {
+    Reader(t).Find(probe.data(), 3, rows.data());
+  }
   for (size_t i = 0; i < probe.size(); ++i) CHECK(rows[i] == t.DefaultRow(probe[i]));
   CHECK(t.Counters().lookups == 3 && t.Counters().hits == 0);
 
@@ -745,7 +749,9 @@ void TestOrderedReaderEdges() {
   keys.push_back(0);
   rows.assign(keys.size(), nullptr);
   const auto before = t.Counters();
-  { Reader(t).Find(keys.data(), static_cast<int64_t>(keys.size()), rows.data()); }
+  {
+    Reader(t).Find(keys.data(), static_cast<int64_t>(keys.size()), rows.data());
+  }
   const auto after = t.Counters();
   CHECK(after.lookups - before.lookups == keys.size() && after.hits - before.hits == 200);
   bool ok = true;
@@ -765,9 +771,21 @@ void TestOrderedReaderEdges() {
 
 void TestBadConstruction() {
   int threw = 0;
-  try { Table<int64_t> t(0, Defaults(), 4); } catch (const std::invalid_argument&) { ++threw; }
-  try { Table<int64_t> t(kDim, {1.0f, 2.0f}, 4); } catch (const std::invalid_argument&) { ++threw; }
-  try { Table<int64_t> t(kDim, Defaults(), 0); } catch (const std::invalid_argument&) { ++threw; }
+  try {
+    Table<int64_t> t(0, Defaults(), 4);
+  } catch (const std::invalid_argument&) {
+    ++threw;
+  }
+  try {
+    Table<int64_t> t(kDim, {1.0f, 2.0f}, 4);
+  } catch (const std::invalid_argument&) {
+    ++threw;
+  }
+  try {
+    Table<int64_t> t(kDim, Defaults(), 0);
+  } catch (const std::invalid_argument&) {
+    ++threw;
+  }
   CHECK(threw == 3);
 }
 
@@ -798,8 +816,7 @@ Snapshot<K> Snap(const Exported<K>& x, int64_t dim, int64_t width) {
 }
 
 template <typename K>
-Exported<K> ExportSince(const Table<K>& t, int64_t since, std::vector<K>* erased,
-                        bool* complete) {
+Exported<K> ExportSince(const Table<K>& t, int64_t since, std::vector<K>* erased, bool* complete) {
   Exported<K> x;
   *complete = t.ExportChangedSince(since, ExportInto(t, &x), erased);
   return x;
@@ -822,8 +839,8 @@ void Train(Table<K>& t, const std::vector<K>& keys, int64_t step, int slot) {
   for (size_t i = 0; i < g.size(); ++i) g[i] = 0.01f * static_cast<float>(i % 13) + 0.1f;
   for (int s = 0; s < t.num_shards(); ++s) {
     t.Apply(s, p.keys.data() + p.offsets[s], p.hashes.data() + p.offsets[s],
-            p.order.data() + p.offsets[s], p.offsets[s + 1] - p.offsets[s], g.data(), {slot},
-            step, [](float* v, float** slots, const float* grad) {
+            p.order.data() + p.offsets[s], p.offsets[s + 1] - p.offsets[s], g.data(), {slot}, step,
+            [](float* v, float** slots, const float* grad) {
               for (int64_t d = 0; d < kDim; ++d) {
                 slots[0][d] += grad[d] * grad[d];
                 v[d] -= 0.1f * grad[d];
@@ -857,7 +874,8 @@ void CheckIncrementalChain(kre::kv::TableOptions o) {
     if (step == 5) CHECK(t.Evict(-1, 2, -1.0f) > 0);  // stale keys erased
     if (step == 6) {
       CHECK(t.Erase(batch[0]));
-      Train(t, std::vector<int64_t>{batch[0], batch[0]}, step, m);  // erased, then back (re-inserted)
+      Train(t, std::vector<int64_t>{batch[0], batch[0]}, step,
+            m);  // erased, then back (re-inserted)
     }
     std::vector<int64_t> erased;
     bool complete = false;
@@ -972,7 +990,8 @@ void TestIndexMaxLoad() {
     }
     // Tombstones count as load.
     uint64_t in_use = 0;
-    for (uint64_t i = 0; i < index.capacity(); ++i) in_use += index.entry(i).row != Index::kEmptySlot;
+    for (uint64_t i = 0; i < index.capacity(); ++i)
+      in_use += index.entry(i).row != Index::kEmptySlot;
     CHECK(index.live() == 100 && in_use > 100);
     CHECK(index.reach() == (in_use * 5 <= index.capacity() * 2 ? 1u : 3u));
     for (uint64_t n = 1; n <= 10000; ++n) insert(-static_cast<int64_t>(n));

@@ -16,13 +16,12 @@
 
 // Failed CHECKs; main() reports them and exits non-zero.
 inline int g_failures = 0;
-#define CHECK(cond)                                                   \
-  do {                                                                \
-    if (!(cond)) {                                                    \
-      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__,     \
-                   __LINE__, #cond);                                  \
-      ++g_failures;                                                   \
-    }                                                                 \
+#define CHECK(cond)                                                                 \
+  do {                                                                              \
+    if (!(cond)) {                                                                  \
+      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
+      ++g_failures;                                                                 \
+    }                                                                               \
   } while (0)
 
 namespace kre {
@@ -86,9 +85,14 @@ auto ExportInto(const Table<K>& t, Exported<K>* x) {
   return [&t, x](int64_t n, int64_t nf) {
     int64_t width = 0;
     for (const auto& spec : t.Slots()) width += spec.width;
-    x->keys.resize(n); x->values.resize(n * t.dim()); x->freqs.resize(n); x->versions.resize(n);
+    x->keys.resize(n);
+    x->values.resize(n * t.dim());
+    x->freqs.resize(n);
+    x->versions.resize(n);
     x->slots.resize(n * width);
-    x->keys_f.resize(nf); x->freqs_f.resize(nf); x->versions_f.resize(nf);
+    x->keys_f.resize(nf);
+    x->freqs_f.resize(nf);
+    x->versions_f.resize(nf);
     return std::optional<typename Table<K>::ExportBuffers>(typename Table<K>::ExportBuffers{
         x->keys.data(), x->values.data(), x->freqs.data(), x->versions.data(), x->slots.data(),
         x->keys_f.data(), x->freqs_f.data(), x->versions_f.data()});
