@@ -44,6 +44,13 @@ class EmbeddingVariable(keras.layers.Layer):
             ids `[B, L]` (dense, `tf.RaggedTensor` or `tf.SparseTensor`) give
             `[B, embedding_dim]`, and empty rows give zeros. Defaults to
             `None`.
+        prune_invalid_ids: bool. With a combiner, ids `< 0` are padding:
+            dropped from the combine (a mean or sqrtn counts the kept ids
+            only, a row with none gives zeros), never looked up, inserted
+            or counted, as in DeepRec's `fused_safe_embedding_lookup_sparse`
+            and `GroupEmbedding`. Ids padded with -1 (`[B, L]`) then need no
+            conversion to ragged. `False` makes every id a key, -1 too.
+            Needs a combiner. Defaults to `False`.
         ev_option: `keras_rec_emb.EmbeddingVariableOption` or `None`.
         trainable: bool. Defaults to `True`.
         name: str or `None`.
@@ -92,6 +99,7 @@ class EmbeddingVariable(keras.layers.Layer):
     def __init__(self, embedding_dim: int,
                  initializer: str | dict | keras.initializers.Initializer = "truncated_normal",
                  key_dtype: str | tf.dtypes.DType = "int64", combiner: str | None = None,
+                 prune_invalid_ids: bool = False,
                  ev_option: EmbeddingVariableOption | None = None, trainable: bool = True,
                  name: str | None = None, restore_dim_mismatch: str = "error",
                  optimizer: keras.optimizers.Optimizer | None = None, **kwargs):
@@ -112,11 +120,22 @@ class EmbeddingVariable(keras.layers.Layer):
                 f"key_dtype={key_dtype!r}"
             )
         check_combiner(combiner)
+        if not isinstance(prune_invalid_ids, (bool, np.bool_)):
+            raise TypeError(
+                "`prune_invalid_ids` must be a bool. Received: "
+                f"prune_invalid_ids={prune_invalid_ids!r}"
+            )
+        if prune_invalid_ids and combiner is None:
+            raise ValueError(
+                "`prune_invalid_ids=True` drops ids < 0 from a combine and needs a "
+                "`combiner` (\"sum\", \"mean\" or \"sqrtn\"). Received: combiner=None"
+            )
         ev_option = ev_option_or_default(ev_option)
         self.embedding_dim = int(embedding_dim)
         self.initializer = keras.initializers.get(initializer)
         self.key_dtype = key_dtype
         self.combiner = combiner
+        self.prune_invalid_ids = bool(prune_invalid_ids)
         self.ev_option = ev_option
         self.restore_dim_mismatch = check_restore_dim_mode(restore_dim_mismatch)
         self.table_optimizer = table_optimizer(optimizer)
@@ -298,6 +317,7 @@ class EmbeddingVariable(keras.layers.Layer):
             "initializer": keras.initializers.serialize(self.initializer),
             "key_dtype": self.key_dtype,
             "combiner": self.combiner,
+            "prune_invalid_ids": self.prune_invalid_ids,
             "ev_option": keras.saving.serialize_keras_object(self.ev_option),
             "restore_dim_mismatch": self.restore_dim_mismatch,
             "optimizer": (None if self.table_optimizer is None

@@ -398,7 +398,8 @@ def pooled_layer_lookup(layer, inputs, training):
     """What `EmbeddingVariable(combiner=...)` returns for `inputs`: its ids
     looked up and combined by its combiner in one fused op, as a group of
     one feature (the group lookup's kernels, forward and backward). Every id
-    is a key (none is pruned: -1 is a key like any other); dense ids
+    is a key (-1 too) unless the layer's `prune_invalid_ids` drops ids < 0
+    from the combine; dense ids
     `[..., L]` give `[..., dim]` (an empty last axis gives zeros), ragged or
     sparse `[batch, None]` ids `[batch, dim]`. Ids are checked to be
     integers that fit the table's keys. With `training` (and a trainable
@@ -442,7 +443,7 @@ def pooled_layer_lookup(layer, inputs, training):
     table = layer._table_for_lookup()
     out = _fused_lookup(
         [_Param(table=table)], [values], [splits], [tf.zeros([0], tf.float32)],
-        [layer.combiner], [None], [None], [False], [False],
+        [layer.combiner], [None], [None], [layer.prune_invalid_ids], [False],
         training=bool(training) and layer.trainable, name=f"{layer.name}_lookup")[0]
     if outer is not None:  # [rows, dim] back to the ids' [..., dim]
         out = tf.ensure_shape(tf.reshape(out, tf.concat([outer[0], [table.dim]], 0)),

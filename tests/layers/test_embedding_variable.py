@@ -66,6 +66,52 @@ def test_dense_ids_with_combiner_reduce_last_axis(matrix_initializer, combiner):
     np.testing.assert_allclose(out, numpy_combine(ids.tolist(), combiner), rtol=1e-6)
 
 
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_prune_invalid_ids_drops_padding(matrix_initializer, combiner):
+    layer = make_layer(matrix_initializer, combiner=combiner, prune_invalid_ids=True)
+    padded = np.array([[3, 10**12, 3], [-1, -1, -1], [5, -1, -1], [8, -7, 9]])
+    kept = [[3, 10**12, 3], [], [5], [8, 9]]
+    out = layer(padded, training=True).numpy()
+    np.testing.assert_allclose(out, numpy_combine(kept, combiner), rtol=1e-6)
+    # Padding is never a key: not inserted, not counted.
+    keys = layer.export()["keys"]
+    assert sorted(keys.tolist()) == [3, 5, 8, 9, 10**12]
+    ragged = layer(tf.ragged.constant([[3, -1], [-2]], dtype=tf.int64), training=False).numpy()
+    np.testing.assert_allclose(ragged, numpy_combine([[3], []], combiner), rtol=1e-6)
+
+
+def test_prune_invalid_ids_trains_as_ragged_ids_do(matrix_initializer):
+    """A model fed ids padded with -1 and `prune_invalid_ids` trains to the
+    rows of one fed the same ids as ragged tensors."""
+    padded = np.array([[1, 4, -1], [2, -1, -1], [4, 4, 3], [-1, -1, -1]] * 2, np.int64)
+    y = np.array([[1.0], [0.0], [1.0], [0.0]] * 2, np.float32)
+    exports = []
+    for prune in (True, False):
+        layer = make_layer(matrix_initializer, combiner="mean", prune_invalid_ids=prune)
+        if prune:
+            ids = keras.Input(shape=(3,), dtype="int64")
+            x = padded
+        else:
+            ids = keras.Input(shape=(None,), dtype="int64", ragged=True)
+            x = tf.ragged.constant([[i for i in r if i >= 0] for r in padded.tolist()],
+                                   dtype=tf.int64)
+        dense = keras.layers.Dense(1, kernel_initializer="ones", name="head")
+        model = keras.Model(ids, dense(layer(ids)))
+        model.compile(optimizer=kre.optimizers.Adagrad(0.5), loss="mse")
+        model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(4), epochs=2, verbose=0,
+                  shuffle=False)
+        data = layer.export()
+        order = np.argsort(data["keys"])
+        exports.append((data["keys"][order], data["values"][order], data["freqs"][order],
+                        data["slots"]))
+    np.testing.assert_array_equal(exports[0][0], [1, 2, 3, 4])
+    np.testing.assert_array_equal(exports[0][0], exports[1][0])
+    np.testing.assert_allclose(exports[0][1], exports[1][1], rtol=1e-6)
+    np.testing.assert_array_equal(exports[0][2], exports[1][2])  # frequencies
+    assert exports[0][3].keys() == exports[1][3].keys()
+    assert not np.allclose(exports[0][1], rows([1, 2, 3, 4]))  # the rows did train
+
+
 def test_ragged_without_combiner_is_ragged(matrix_initializer):
     layer = make_layer(matrix_initializer)
     out = layer(tf.ragged.constant(ID_LISTS, dtype=tf.int64), training=True)
@@ -165,9 +211,9 @@ def test_get_config_round_trip(matrix_initializer, config_round_trip):
     opt = kre.EmbeddingVariableOption(
         init_option=kre.InitializerOption("glorot_uniform", 128, -1.0), num_shards=8)
     layer = EmbeddingVariable(6, initializer="ones", key_dtype="int32", combiner="sqrtn",
-                              ev_option=opt, trainable=False, name="ev")
+                              prune_invalid_ids=True, ev_option=opt, trainable=False, name="ev")
     clone = config_round_trip(layer, ("embedding_dim", "initializer", "key_dtype", "combiner",
-                                      "ev_option", "trainable", "name"))
+                                      "prune_invalid_ids", "ev_option", "trainable", "name"))
     assert clone.ev_option == opt
 
 
@@ -177,6 +223,10 @@ def test_get_config_round_trip(matrix_initializer, config_round_trip):
     ({"embedding_dim": 2.5}, ValueError, "embedding_dim=2.5"),
     ({"embedding_dim": 4, "combiner": "max"}, ValueError, "combiner.*Received: combiner='max'"),
     ({"embedding_dim": 4, "key_dtype": "float32"}, ValueError, "key_dtype.*float32"),
+    ({"embedding_dim": 4, "prune_invalid_ids": True}, ValueError,
+     "prune_invalid_ids=True.*needs a `combiner`.*combiner=None"),
+    ({"embedding_dim": 4, "combiner": "sum", "prune_invalid_ids": "yes"}, TypeError,
+     "prune_invalid_ids.*bool.*'yes'"),
     ({"embedding_dim": 4, "ev_option": {"a": 1}}, TypeError, "ev_option"),
     ({"embedding_dim": 4, "initializer": "no_such_init"}, ValueError, "no_such_init"),
 ])
