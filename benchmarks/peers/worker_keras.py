@@ -7,8 +7,11 @@
   workload's stacked `[batch, F, L]` ids tensor as it is (feature j's ids
   `ids[:, j, :]`, padded with -1; L = 1 for the single-id variant): one op
   splits it per feature, no per-feature slicing.
-* `separate`: ours, one `EmbeddingVariable` layer per feature (multi-id ids
-  as `tf.RaggedTensor.from_tensor(ids, padding=-1)`, combiner "sum").
+* `separate`: ours, one `EmbeddingVariable` layer per feature, each called
+  on its column of `tf.unstack(ids, axis=1)` (one op splits the stacked
+  ids); multi-id ids padded with -1 as they are, with combiner "sum" and
+  `prune_invalid_ids=True` (the -1 padding dropped in the fused lookup, no
+  conversion to ragged).
 * `keras`: stock Keras, per feature `Hashing(vocab)` then
   `Embedding(vocab, dim)`, the -1 padding masked out of the sum.
 
@@ -70,7 +73,7 @@ class KerasWorker(protocol.FitRounds):
                 elif impl == "separate":
                     self.tables = [kre.layers.EmbeddingVariable(
                         dim, initializer=init, combiner="sum" if multi else None,
-                        name=f"t{j}") for j in range(F)]
+                        prune_invalid_ids=multi, name=f"t{j}") for j in range(F)]
                 else:
                     self.hashers = [keras.layers.Hashing(vocab) for _ in range(F)]
                     self.embs = [keras.layers.Embedding(vocab, dim, embeddings_initializer=init,
@@ -80,12 +83,11 @@ class KerasWorker(protocol.FitRounds):
             def embed(self, x, training=None):
                 if impl == "group":  # the stacked [batch, F, L] ids as they are
                     return self.group(x, training=training)
-                cols = [x[:, j, :] if multi else x[:, j, 0] for j in range(F)]
                 if impl == "separate":
-                    if multi:
-                        cols = [tf.RaggedTensor.from_tensor(c, padding=-1) for c in cols]
+                    cols = tf.unstack(x if multi else x[:, :, 0], axis=1)
                     return tf.concat([t(c, training=training)
                                       for t, c in zip(self.tables, cols)], 1)
+                cols = [x[:, j, :] if multi else x[:, j, 0] for j in range(F)]
                 outs = []
                 for h, e, c in zip(self.hashers, self.embs, cols):
                     rows = e(h(c))
