@@ -19,6 +19,8 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "jax/table_registry.h"
@@ -470,6 +472,299 @@ ffi::Error Export(ffi::Token, ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffe
   });
 }
 
+// --- save and restore (the parts of a .keras file) ----------------------------
+//
+// The TensorFlow backend's EmbeddingVariable saves every part of
+// keras_rec_emb/variables.py's PARTS; these handlers give the JAX binding
+// the parts Export lacks (initializer matrix, Bloom counters, keys counted
+// but not admitted) and the import that restores all of them.
+
+// Element i of an int32 or int64 vector.
+int64_t IntAt(const ffi::AnyBuffer& b, int64_t i) {
+  if (b.element_type() == ffi::DataType::S64) return b.reinterpret_data<int64_t>()[i];
+  return b.reinterpret_data<int32_t>()[i];
+}
+
+// Checks that `b` is an int32 or int64 vector of `n` elements (n < 0: any).
+ffi::Error CheckIntVector(const ffi::AnyBuffer& b, const char* name, int64_t n) {
+  if (!IsInt(b) || b.dimensions().size() != 1 || (n >= 0 && b.dimensions()[0] != n)) {
+    return Invalid(string("`") + name + "` must be an int32 or int64 vector" +
+                   (n >= 0 ? " of " + std::to_string(n) + " elements" : string()) + ", got " +
+                   DtypeName(b.element_type()) + " " + Shape(b.dimensions()));
+  }
+  return ffi::Error::Success();
+}
+
+// Checks that `b` is a float32 matrix [rows, cols] (rows < 0: any).
+ffi::Error CheckMatrix(ffi::Span<const int64_t> dims, const char* name, int64_t rows,
+                       int64_t cols) {
+  if (dims.size() != 2 || (rows >= 0 && dims[0] != rows) || dims[1] != cols) {
+    return Invalid(string("`") + name + "` must be float32 [" +
+                   (rows >= 0 ? std::to_string(rows) : string("rows")) + ", " +
+                   std::to_string(cols) + "], got " + Shape(dims));
+  }
+  return ffi::Error::Success();
+}
+
+// The keys of `b` as K, or an error naming a duplicate.
+template <typename K>
+ffi::ErrorOr<std::vector<K>> UniqueKeys(const ffi::AnyBuffer& b, const char* name) {
+  const int64_t n = static_cast<int64_t>(b.element_count());
+  const K* k = b.reinterpret_data<K>();
+  std::vector<K> sorted(k, k + n);
+  std::sort(sorted.begin(), sorted.end());
+  const auto dup = std::adjacent_find(sorted.begin(), sorted.end());
+  if (dup != sorted.end()) {
+    return ffi::Unexpected(Invalid(string("`") + name + "` holds key " + std::to_string(*dup) +
+                                   " twice; each key must appear once"));
+  }
+  return std::vector<K>(k, k + n);
+}
+
+std::vector<int64_t> IntVector(const ffi::AnyBuffer& b) {
+  std::vector<int64_t> out(b.element_count());
+  for (size_t i = 0; i < out.size(); ++i) out[i] = IntAt(b, static_cast<int64_t>(i));
+  return out;
+}
+
+ffi::Error CheckFinite(const float* v, int64_t n, const char* name) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (!std::isfinite(v[i])) {
+      return Invalid(string("`") + name + "` must be finite, got " + std::to_string(v[i]) +
+                     " at flat index " + std::to_string(i));
+    }
+  }
+  return ffi::Error::Success();
+}
+
+// out: [default_value_dim, Bloom counter bytes, keys counted but not admitted].
+ffi::Error SaveInfo(ffi::Token, ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> out,
+                    int64_t table) {
+  return Guarded([&]() -> ffi::Error {
+    auto t = Find(table);
+    if (t.has_error()) return t.error();
+    if (!IsInt(*out) || out->element_count() != 3) {
+      return Invalid("the save-info output must be 3 int32 or int64 values");
+    }
+    (*t)->Visit([&](auto& tab) {
+      SetInt(*out, 0, tab.default_value_dim());
+      SetInt(*out, 1, static_cast<int64_t>(tab.BloomState().size()));
+      SetInt(*out, 2, tab.FilteredSize());
+    });
+    return ffi::Error::Success();
+  });
+}
+
+// The initializer matrix [default_value_dim, dim], the Bloom counters, and
+// the keys counted but not admitted with their frequencies and versions, in
+// outputs of `capacity` rows; `count` is their number (when it exceeds the
+// capacity nothing of them is written: the caller asks again). The
+// admitted rows are read into scratch memory and dropped (Export already
+// returns them).
+ffi::Error ExportAux(ffi::Token, ffi::Result<ffi::Token>, ffi::ResultBuffer<ffi::F32, 2> defaults,
+                     ffi::ResultBuffer<ffi::U8, 1> bloom, ffi::Result<ffi::AnyBuffer> keys_f,
+                     ffi::Result<ffi::AnyBuffer> freqs_f, ffi::Result<ffi::AnyBuffer> versions_f,
+                     ffi::Result<ffi::AnyBuffer> count, int64_t table) {
+  return Guarded([&]() -> ffi::Error {
+    auto t = Find(table);
+    if (t.has_error()) return t.error();
+    AnyTable& at = **t;
+    const ffi::DataType key_type = at.key_bits() == 64 ? ffi::DataType::S64 : ffi::DataType::S32;
+    if (keys_f->dimensions().size() != 1 || keys_f->element_type() != key_type) {
+      return Invalid("the keys_filtered output must be a vector of " + DtypeName(key_type));
+    }
+    const int64_t capacity = keys_f->dimensions()[0];
+    for (const ffi::AnyBuffer& b : {*freqs_f, *versions_f}) {
+      if (!IsInt(b) || b.dimensions().size() != 1 || b.dimensions()[0] != capacity) {
+        return Invalid("the freqs_filtered and versions_filtered outputs must be int vectors of " +
+                       std::to_string(capacity));
+      }
+    }
+    if (!IsInt(*count) || count->element_count() != 1) {
+      return Invalid("the count output must be an int scalar");
+    }
+    return at.Visit([&](auto& tab) -> ffi::Error {
+      using K = KeyOfT<decltype(tab)>;
+      const std::vector<float> d = tab.DefaultValues();
+      const std::vector<uint8_t> b = tab.BloomState();
+      const int64_t dim = tab.dim();
+      if (d.size() != defaults->element_count() || defaults->dimensions()[1] != dim) {
+        return Invalid("the default_values output must be [" +
+                       std::to_string(static_cast<int64_t>(d.size()) / dim) + ", " +
+                       std::to_string(dim) + "], got " + Shape(defaults->dimensions()));
+      }
+      if (b.size() != bloom->element_count()) {
+        return Invalid("the bloom output must have " + std::to_string(b.size()) + " bytes, got " +
+                       Shape(bloom->dimensions()));
+      }
+      std::copy(d.begin(), d.end(), defaults->typed_data());
+      std::copy(b.begin(), b.end(), bloom->typed_data());
+      int64_t width = 0;
+      for (const auto& s : tab.Slots()) width += s.width;
+      std::vector<K> k, kf;
+      std::vector<float> values, slots;
+      std::vector<int64_t> f, v, ff, vf;
+      int64_t exported = -1;
+      tab.Export([&](int64_t n, int64_t nf) -> std::optional<typename kv::Table<K>::ExportBuffers> {
+        SetInt(*count, 0, nf);
+        if (nf > capacity) return std::nullopt;
+        exported = nf;
+        k.resize(n);
+        values.resize(n * dim);
+        slots.resize(n * width);
+        f.resize(n);
+        v.resize(n);
+        ff.resize(nf);
+        vf.resize(nf);
+        return typename kv::Table<K>::ExportBuffers{k.data(),     values.data(),
+                                                    f.data(),     v.data(),
+                                                    slots.data(), keys_f->reinterpret_data<K>(),
+                                                    ff.data(),    vf.data()};
+      });
+      for (int64_t i = 0; i < exported; ++i) {
+        SetInt(*freqs_f, i, ff[i]);
+        SetInt(*versions_f, i, vf[i]);
+      }
+      return ffi::Error::Success();
+    });
+  });
+}
+
+// Replaces the contents of the table with the parts of a saved table (see
+// keras_rec_emb/variables.py's PARTS): admitted keys with rows, frequencies,
+// versions and slot columns (`slot_values`, blocks of `slot_widths` columns
+// for the comma-joined `slot_names`; a slot the table lacks is added), the
+// initializer matrix (kept when `default_values` has no rows), the keys
+// counted but not admitted, and the Bloom counters (kept when empty).
+// Every part is checked first; the new contents are built beside the table
+// and swapped in, so a failed import leaves the table as it was.
+ffi::Error Import(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> values,
+                  ffi::AnyBuffer freqs, ffi::AnyBuffer versions, ffi::Buffer<ffi::F32> slot_values,
+                  ffi::AnyBuffer slot_widths, ffi::Buffer<ffi::F32> default_values,
+                  ffi::AnyBuffer keys_filtered, ffi::AnyBuffer freqs_filtered,
+                  ffi::AnyBuffer versions_filtered, ffi::Buffer<ffi::U8> bloom,
+                  ffi::Result<ffi::Token>, int64_t table, std::string_view slot_names) {
+  return Guarded([&]() -> ffi::Error {
+    auto t = Find(table);
+    if (t.has_error()) return t.error();
+    AnyTable& at = **t;
+    const int64_t dim = at.dim();
+    if (ffi::Error e = CheckKeys(at, keys); e.failure()) return e;
+    if (ffi::Error e = CheckKeys(at, keys_filtered); e.failure()) {
+      return Invalid("`keys_filtered`: " + e.message());
+    }
+    if (keys.dimensions().size() != 1 || keys_filtered.dimensions().size() != 1) {
+      return Invalid("`keys` and `keys_filtered` must be vectors, got " + Shape(keys.dimensions()) +
+                     " and " + Shape(keys_filtered.dimensions()));
+    }
+    const int64_t n = keys.dimensions()[0];
+    const int64_t nf = keys_filtered.dimensions()[0];
+    if (ffi::Error e = CheckMatrix(values.dimensions(), "values", n, dim); e.failure()) return e;
+    for (auto [b, name, rows] : {std::tuple{&freqs, "freqs", n},
+                                 {&versions, "versions", n},
+                                 {&freqs_filtered, "freqs_filtered", nf},
+                                 {&versions_filtered, "versions_filtered", nf}}) {
+      if (ffi::Error e = CheckIntVector(*b, name, rows); e.failure()) return e;
+    }
+    const std::vector<string> names = SplitNames(slot_names);
+    if (ffi::Error e = CheckIntVector(slot_widths, "slot_widths", -1); e.failure()) return e;
+    const std::vector<int64_t> widths = IntVector(slot_widths);
+    if (widths.size() != names.size()) {
+      return Invalid("`slot_names` and `slot_widths` must have one length, got " +
+                     std::to_string(names.size()) + " and " + std::to_string(widths.size()));
+    }
+    int64_t total = 0;
+    for (size_t j = 0; j < names.size(); ++j) {
+      if (names[j].empty()) return Invalid("`slot_names` must not hold an empty name");
+      if (std::count(names.begin(), names.end(), names[j]) > 1) {
+        return Invalid("`slot_names` holds '" + names[j] + "' twice");
+      }
+      if (widths[j] < 1 || widths[j] > (int64_t{1} << 20)) {
+        return Invalid("`slot_widths` must be in [1, 2**20], got " + std::to_string(widths[j]) +
+                       " for slot '" + names[j] + "'");
+      }
+      total += widths[j];
+    }
+    if (ffi::Error e = CheckMatrix(slot_values.dimensions(), "slot_values", n, total);
+        e.failure()) {
+      return e;
+    }
+    if (ffi::Error e = CheckMatrix(default_values.dimensions(), "default_values", -1, dim);
+        e.failure()) {
+      return e;
+    }
+    if (bloom.dimensions().size() != 1) {
+      return Invalid("`bloom` must be a uint8 vector, got " + Shape(bloom.dimensions()));
+    }
+    if (ffi::Error e = CheckFinite(values.typed_data(), n * dim, "values"); e.failure()) return e;
+    if (ffi::Error e = CheckFinite(slot_values.typed_data(), n * total, "slot_values");
+        e.failure()) {
+      return e;
+    }
+    const std::vector<int64_t> f = IntVector(freqs), v = IntVector(versions);
+    const std::vector<int64_t> ff = IntVector(freqs_filtered), vf = IntVector(versions_filtered);
+    for (auto [counts, name] : {std::pair{&f, "freqs"}, {&ff, "freqs_filtered"}}) {
+      const auto negative =
+          std::find_if(counts->begin(), counts->end(), [](int64_t c) { return c < 0; });
+      if (negative != counts->end()) {
+        return Invalid(string("`") + name + "` must be >= 0, got " + std::to_string(*negative));
+      }
+    }
+    return at.Visit([&](auto& tab) -> ffi::Error {
+      using K = KeyOfT<decltype(tab)>;
+      auto k = UniqueKeys<K>(keys, "keys");
+      if (k.has_error()) return k.error();
+      auto kf = UniqueKeys<K>(keys_filtered, "keys_filtered");
+      if (kf.has_error()) return kf.error();
+      const std::vector<kv::SlotSpec> specs = tab.Slots();
+      for (size_t j = 0; j < names.size(); ++j) {
+        for (const auto& spec : specs) {
+          if (spec.name == names[j] && spec.width != widths[j]) {
+            return Invalid("slot '" + spec.name + "' has width " + std::to_string(spec.width) +
+                           " in the table but " + std::to_string(widths[j]) + " in `slot_widths`");
+          }
+        }
+      }
+      const int64_t bloom_bytes = static_cast<int64_t>(tab.BloomState().size());
+      if (bloom.element_count() != 0 &&
+          static_cast<int64_t>(bloom.element_count()) != bloom_bytes) {
+        return Invalid("`bloom` has " + std::to_string(bloom.element_count()) +
+                       " bytes but this table's counting Bloom filter has " +
+                       std::to_string(bloom_bytes) + "; it was saved with other filter settings");
+      }
+      const uint8_t* bl = bloom.typed_data();
+      const std::vector<uint8_t> bloom_state(bl, bl + bloom.element_count());
+      kv::TableOptions options = tab.options();
+      options.default_values = tab.DefaultValues();
+      options.storage_lock = false;  // a staging table beside the live one
+      kv::Table<K> staging(std::move(options));
+      for (const auto& spec : specs) staging.AddSlot(spec.name, spec.width, spec.init);
+      std::vector<int> ids;
+      for (size_t j = 0; j < names.size(); ++j) {
+        const int id = staging.SlotIndex(names[j]);
+        ids.push_back(id >= 0 ? id : staging.AddSlot(names[j], widths[j], 0.0f));
+      }
+      if (default_values.dimensions()[0] > 0) {
+        const float* d = default_values.typed_data();
+        staging.SetDefaultValues(std::vector<float>(d, d + default_values.element_count()));
+      }
+      staging.Import(k->data(), values.typed_data(), f.data(), v.data(), n,
+                     slot_values.typed_data(), ids, widths);
+      staging.ImportFiltered(kf->data(), ff.data(), vf.data(), nf);
+      if (!bloom_state.empty() && !staging.SetBloomState(bloom_state)) {
+        return Invalid("`bloom` is not a counting Bloom filter state of this table's settings");
+      }
+      // A slot of the saved table the live table lacks is added to the live
+      // table first (SwapContents needs the live table's slots in staging).
+      for (size_t j = 0; j < names.size(); ++j) {
+        if (tab.SlotIndex(names[j]) < 0) tab.AddSlot(names[j], widths[j], 0.0f);
+      }
+      tab.SwapContents(staging);
+      return ffi::Error::Success();
+    });
+  });
+}
+
 }  // namespace
 }  // namespace jaxbind
 }  // namespace kre
@@ -542,6 +837,42 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTableExport, kre::jaxbind::Export,
                                   .Ret<ffi::BufferR2<ffi::F32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("table"));
+
+// Save and restore.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    KreTableSaveInfo, kre::jaxbind::SaveInfo,
+    ffi::Ffi::Bind().Arg<ffi::Token>().Ret<ffi::Token>().Ret<ffi::AnyBuffer>().Attr<int64_t>(
+        "table"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTableExportAux, kre::jaxbind::ExportAux,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Token>()
+                                  .Ret<ffi::Token>()
+                                  .Ret<ffi::BufferR2<ffi::F32>>()
+                                  .Ret<ffi::BufferR1<ffi::U8>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("table"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTableImport, kre::jaxbind::Import,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Token>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Token>()
+                                  .Attr<int64_t>("table")
+                                  .Attr<std::string_view>("slot_names"));
 
 // The number of live tables (for tests: a destroyed table is gone).
 extern "C" int64_t KreLiveTables() { return kre::jaxbind::Tables().Count(); }

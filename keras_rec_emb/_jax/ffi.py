@@ -50,6 +50,10 @@ TARGETS = {
     "kre_table_apply": "KreTableApply",
     "kre_table_size": "KreTableSize",
     "kre_table_export": "KreTableExport",
+    # Save and restore.
+    "kre_table_save_info": "KreTableSaveInfo",
+    "kre_table_export_aux": "KreTableExportAux",
+    "kre_table_import": "KreTableImport",
 }
 
 KEY_DTYPES = ("int32", "int64")
@@ -257,3 +261,119 @@ def export(handle, key_dtype, dim):
         capacity = count  # rows added on another thread since `size`
     names = ("keys", "values", "freqs", "versions", "slots")
     return {n: a[:count] for n, a in zip(names, (keys, values, freqs, versions, slots))}
+
+
+# -- save and restore ---------------------------------------------------------
+# The parts of a saved table, as the TensorFlow backend names them
+# (keras_rec_emb/variables.py's PARTS; a `.keras` file holds each one under
+# its name, and each slot as `slot:NAME`).
+
+
+def export_parts(handle, key_dtype, dim, slot_specs):
+    """`export`'s arrays, with `slots` unpacked into {name: [N, width]} by
+    `slot_specs` ((name, width) of each slot, in the order they were
+    added), plus the parts `export` lacks: `default_values` (the
+    initializer matrix), `bloom` (the counting Bloom filter's bytes) and
+    `keys_filtered`, `freqs_filtered`, `versions_filtered` (keys counted
+    but not admitted). Eager only."""
+    key_dtype = _check_key_dtype(key_dtype)
+    slot_specs = [(str(name), int(width)) for name, width in slot_specs]
+    ints = int_dtype()
+    (info,) = _call("kre_table_save_info", [], [_aval((3,), ints)], table=np.int64(handle))
+    default_rows, bloom_bytes, capacity = (int(v) for v in np.asarray(_concrete(info, "export")))
+    while True:
+        outs = _call("kre_table_export_aux", [], [
+            _aval((default_rows, dim), np.float32), _aval((bloom_bytes,), np.uint8),
+            _aval((capacity,), key_dtype), _aval((capacity,), ints), _aval((capacity,), ints),
+            _aval((), ints)], table=np.int64(handle))
+        defaults, bloom, keys_f, freqs_f, versions_f, count = (np.asarray(o) for o in outs)
+        count = int(count)
+        if count <= capacity:
+            break
+        capacity = count  # keys counted since `save_info`
+    parts = export(handle, key_dtype, dim)
+    width = parts["slots"].shape[1]
+    if sum(w for _, w in slot_specs) != width:
+        raise ValueError(f"`slot_specs` must describe the table's {width} slot columns. "
+                         f"Received: slot_specs={slot_specs}")
+    starts = np.cumsum([0] + [w for _, w in slot_specs])
+    parts["slots"] = {name: parts["slots"][:, a:a + w]
+                      for (name, w), a in zip(slot_specs, starts)}
+    parts.update(default_values=defaults, bloom=bloom, keys_filtered=keys_f[:count],
+                 freqs_filtered=freqs_f[:count], versions_filtered=versions_f[:count])
+    return parts
+
+
+def _parts_array(data, name, dtype, shape, default=None):
+    """`data[name]` as a NumPy array of `dtype`, checked against `shape`
+    (None: any length there); a ValueError names the part."""
+    if name not in data or data[name] is None:
+        if default is None:
+            raise ValueError(f"the saved table has no `{name}`")
+        return default
+    value = np.asarray(data[name])
+    if value.ndim != len(shape) or any(w is not None and w != g
+                                       for w, g in zip(shape, value.shape)):
+        want = "[" + ", ".join("any" if w is None else str(w) for w in shape) + "]"
+        raise ValueError(f"`{name}` must have shape {want}. Received: shape {value.shape}")
+    dtype = np.dtype(dtype)
+    if value.size and dtype.kind in "iu":
+        if value.dtype.kind not in "iu":
+            raise ValueError(f"`{name}` must hold integers. Received: dtype {value.dtype}")
+        info = np.iinfo(dtype)
+        if value.min() < info.min or value.max() > info.max:
+            raise ValueError(
+                f"`{name}` holds values outside {dtype.name} (range [{value.min()}, "
+                f"{value.max()}]); JAX holds {dtype.name} without its 64-bit mode "
+                "(jax.config.update('jax_enable_x64', True))")
+    elif value.size and dtype.kind == "f" and value.dtype.kind not in "fiu":
+        raise ValueError(f"`{name}` must hold numbers. Received: dtype {value.dtype}")
+    return value.astype(dtype, copy=False)
+
+
+def import_parts(handle, key_dtype, dim, data):
+    """Replaces the contents of table `handle` with the parts in `data`
+    (what `export_parts` returns, or a TensorFlow-backend `export()`:
+    `slots` a {name: [N, width]} dict, or packed as `slots` [N, total
+    width] with `slot_names` and `slot_widths`). `keys` and `values` are
+    required; a missing part is empty (no slots, zero frequencies and
+    versions, the table's own initializer and Bloom counters). Eager only;
+    a failed import leaves the table as it was."""
+    key_dtype = _check_key_dtype(key_dtype)
+    ints = int_dtype()
+    keys = _parts_array(data, "keys", key_dtype, (None,))
+    n = len(keys)
+    values = _parts_array(data, "values", np.float32, (n, dim))
+    zeros = np.zeros(n, ints)
+    freqs = _parts_array(data, "freqs", ints, (n,), zeros)
+    versions = _parts_array(data, "versions", ints, (n,), zeros)
+    slots = data.get("slots")
+    if isinstance(slots, dict):
+        names = [str(name) for name in slots]
+        blocks = [_parts_array(slots, name, np.float32, (n, None)) for name in names]
+        widths = [b.shape[1] for b in blocks]
+        slot_values = (np.concatenate(blocks, axis=1) if blocks
+                       else np.zeros((n, 0), np.float32))
+    else:
+        names = [name.decode() if isinstance(name, bytes) else str(name)
+                 for name in data.get("slot_names", ())]
+        widths = [int(w) for w in data.get("slot_widths", ())]
+        if len(names) != len(widths):
+            raise ValueError("`slot_names` and `slot_widths` must have one length. Received: "
+                             f"{len(names)} and {len(widths)}")
+        slot_values = _parts_array(data, "slots", np.float32, (n, sum(widths)),
+                                   np.zeros((n, 0), np.float32))
+    for name in names:
+        if not name or "," in name:
+            raise ValueError(f"slot names must be non-empty without ','. Received: {name!r}")
+    defaults = _parts_array(data, "default_values", np.float32, (None, dim),
+                            np.zeros((0, dim), np.float32))
+    keys_f = _parts_array(data, "keys_filtered", key_dtype, (None,), np.zeros(0, key_dtype))
+    nf = len(keys_f)
+    freqs_f = _parts_array(data, "freqs_filtered", ints, (nf,), np.zeros(nf, ints))
+    versions_f = _parts_array(data, "versions_filtered", ints, (nf,), np.zeros(nf, ints))
+    bloom = _parts_array(data, "bloom", np.uint8, (None,), np.zeros(0, np.uint8))
+    outs = _call("kre_table_import", [
+        keys, values, freqs, versions, slot_values, np.asarray(widths, ints), defaults, keys_f,
+        freqs_f, versions_f, bloom], [], table=np.int64(handle), slot_names=",".join(names))
+    jax.block_until_ready(outs)

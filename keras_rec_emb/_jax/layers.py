@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
-from keras_rec_emb._jax import ffi
+from keras_rec_emb._jax import ffi, saving
 
 _RULES_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                            "optimizers", "rules.py")
@@ -122,6 +122,7 @@ def _training_lookup(handle, dim, rule, hparam_names, slots):
     return lookup
 
 
+@keras.saving.register_keras_serializable(package="keras_rec_emb", name="EmbeddingVariable")
 class EmbeddingVariable(keras.layers.Layer):
     """Rows of a growing hash table for integer ids of any shape, under
     Keras's JAX backend (the TensorFlow backend's `EmbeddingVariable` with
@@ -198,3 +199,17 @@ class EmbeddingVariable(keras.layers.Layer):
     def size(self):
         """The number of ids in the table."""
         return int(np.asarray(ffi.size(self.handle))[0])
+
+    # -- saving: the TensorFlow backend's format (see `saving`) ----------------
+    def save_own_variables(self, store):
+        saving.save_table(self, store)
+
+    def load_own_variables(self, store):
+        saving.load_table(self, store)
+
+    def get_config(self):
+        return saving.layer_config(self, super().get_config())
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**saving.layer_kwargs(config))

@@ -1,0 +1,194 @@
+"""The JAX `EmbeddingVariable` in the TensorFlow backend's `.keras` format.
+
+One format for both backends: a `.keras` file saved under TensorFlow loads
+under JAX and the reverse. Three things make it so.
+
+* The registered name: both classes are `keras_rec_emb>EmbeddingVariable`,
+  so Keras resolves a saved layer to the class of the backend that loads it.
+* The config (`layer_config` / `layer_kwargs`): the JAX layer writes the
+  TensorFlow layer's arguments (`ev_option` with its `init_option`,
+  `combiner`, `prune_invalid_ids`, `restore_dim_mismatch`, the table
+  `optimizer` as `keras_rec_emb>SGD` / `keras_rec_emb>Adagrad`), and reads
+  them back,
+  refusing with a ValueError what the JAX layer lacks so far (a combiner,
+  filters, eviction, the file tier, a table without its own optimizer).
+* The weights (`save_table` / `load_table`): the layer's store holds the
+  table's parts under the names of keras_rec_emb/variables.py's
+  `ARRAY_PARTS` (`keys`, `values`, `freqs`, `versions`, `default_values`,
+  `keys_filtered`, `freqs_filtered`, `versions_filtered`, `bloom`;
+  frequencies and versions int64 as TensorFlow writes them) and each
+  optimizer slot as `slot:NAME` (`slot:accumulator` for Adagrad). The
+  table's slots are the layer's under both backends: under TensorFlow the
+  optimizer's own variables hold only its step, learning rate and the
+  dense weights' slots, never a table's.
+
+The JAX layer's step counter (`iterations`, which drives learning-rate
+schedules and stamps versions) is not a part of that format: it is
+restored as the latest version plus one, the step after the last update,
+which is what it was whenever the last training step looked up any id.
+"""
+
+import keras
+import numpy as np
+
+from keras_rec_emb._jax import ffi
+
+# keras_rec_emb/variables.py's ARRAY_PARTS (that module imports TensorFlow).
+PARTS = ("keys", "values", "freqs", "versions", "default_values", "keys_filtered",
+         "freqs_filtered", "versions_filtered", "bloom")
+SLOT_PREFIX = "slot:"
+_INT64_PARTS = ("freqs", "versions", "freqs_filtered", "versions_filtered")
+
+# Table optimizers the JAX layer runs, by the name TensorFlow registers.
+_OPTIMIZERS = {"SGD": keras.optimizers.SGD, "Adagrad": keras.optimizers.Adagrad}
+_OPTIONS_MODULE = "keras_rec_emb.options"
+
+
+def _slot_specs(layer):
+    """(name, width) of the table's slots, in the order they were added."""
+    specs = getattr(layer, "_kre_slot_specs", None)
+    if specs is None:
+        specs = [(name, layer.embedding_dim) for name, _ in layer.table_rule.slots]
+    return specs
+
+
+def save_table(layer, store):
+    """Writes the table's parts into the layer's weights store."""
+    if layer.handle is None:
+        return
+    parts = ffi.export_parts(layer.handle, layer.key_dtype, layer.embedding_dim,
+                             _slot_specs(layer))
+    for name in PARTS:
+        value = np.asarray(parts[name])
+        store[name] = value.astype(np.int64) if name in _INT64_PARTS else value
+    for name, value in parts["slots"].items():
+        store[SLOT_PREFIX + name] = np.asarray(value)
+
+
+def load_table(layer, store):
+    """Replaces the table's contents with the parts in the store (one the
+    file lacks loads as empty; `keys` and `values` are required)."""
+    if layer.handle is None:
+        layer.build()
+    names = list(store.keys())
+    data = {name: np.asarray(store[name]) for name in PARTS if name in names}
+    data["slots"] = {name[len(SLOT_PREFIX):]: np.asarray(store[name]) for name in names
+                     if name.startswith(SLOT_PREFIX)}
+    for name in ("keys", "values"):
+        if name not in data:
+            raise ValueError(f"The saved EmbeddingVariable '{layer.name}' has no `{name}` "
+                             f"(the store holds {sorted(names)})")
+    ffi.import_parts(layer.handle, layer.key_dtype, layer.embedding_dim, data)
+    specs = _slot_specs(layer)
+    known = {name for name, _ in specs}
+    layer._kre_slot_specs = specs + [(name, value.shape[1]) for name, value in
+                                     data["slots"].items() if name not in known]
+    versions = data.get("versions", np.zeros(0, np.int64))
+    layer.iterations.assign(int(versions.max()) + 1 if versions.size else 0)
+
+
+# -- config -------------------------------------------------------------------
+
+def _options_object(class_name, config):
+    return {"module": _OPTIONS_MODULE, "class_name": class_name, "config": config,
+            "registered_name": f"keras_rec_emb>{class_name}"}
+
+
+def optimizer_config(optimizer):
+    """`optimizer` (keras.optimizers.SGD / Adagrad) serialized as the
+    TensorFlow backend's table optimizer of the same name."""
+    name = next(n for n, cls in _OPTIMIZERS.items() if isinstance(optimizer, cls))
+    return {"module": "keras_rec_emb.optimizers.keras_optimizers", "class_name": name,
+            "config": optimizer.get_config(), "registered_name": f"keras_rec_emb>{name}"}
+
+
+def layer_config(layer, base_config):
+    """The TensorFlow `EmbeddingVariable`'s config of `layer` (with
+    `base_config`, Keras's Layer config: name, trainable, dtype)."""
+    config = dict(base_config)
+    config.update({
+        "embedding_dim": layer.embedding_dim,
+        "initializer": keras.initializers.serialize(layer.initializer),
+        "key_dtype": layer.key_dtype,
+        "combiner": None,
+        "prune_invalid_ids": False,
+        "ev_option": _options_object("EmbeddingVariableOption", {
+            "init_option": _options_object("InitializerOption", {
+                "initializer": None, "default_value_dim": layer.default_value_dim,
+                "default_value_no_permission": 0.0}),
+            "filter_option": None,
+            "evict_option": None,
+            "storage_option": _options_object("StorageOption", {
+                "storage_type": "DRAM", "storage_path": None, "storage_size": None}),
+            "num_shards": layer.num_shards,
+            "track_meta": True,
+            "save_filtered": True,
+            "record_freq": False,
+        }),
+        "restore_dim_mismatch": "error",
+        "optimizer": optimizer_config(layer.optimizer),
+    })
+    return config
+
+
+def _unsupported(argument, value, allowed):
+    return ValueError(f"Under the JAX backend an EmbeddingVariable supports {argument}="
+                      f"{allowed} only (so far). Received: {argument}={value!r}")
+
+
+def _inner(value, class_name, argument):
+    """The config dict of a serialized option (None stays None)."""
+    if value is None:
+        return None
+    if isinstance(value, dict) and value.get("class_name") == class_name:
+        return value.get("config") or {}
+    raise ValueError(f"`{argument}` must be a serialized {class_name} or None. "
+                     f"Received: {argument}={value!r}")
+
+
+def _optimizer(value):
+    if isinstance(value, keras.optimizers.Optimizer):
+        return value
+    if value is None:
+        raise ValueError(
+            "Under the JAX backend an EmbeddingVariable needs its own table optimizer "
+            "(`optimizer=`, SGD or Adagrad) so far; this layer was saved with optimizer=None "
+            "(the model's optimizer). Received: optimizer=None")
+    name = value.get("class_name") if isinstance(value, dict) else None
+    if name not in _OPTIMIZERS:
+        raise _unsupported("optimizer", value, "SGD or Adagrad")
+    return _OPTIMIZERS[name].from_config(value.get("config") or {})
+
+
+def layer_kwargs(config):
+    """The JAX layer's arguments for a config written by either backend's
+    `EmbeddingVariable` (see `layer_config`)."""
+    kwargs = dict(config)
+    combiner = kwargs.pop("combiner", None)
+    if combiner is not None:
+        raise _unsupported("combiner", combiner, "None")
+    prune = kwargs.pop("prune_invalid_ids", False)
+    if prune:
+        raise _unsupported("prune_invalid_ids", prune, "False")
+    restore = kwargs.pop("restore_dim_mismatch", "error")
+    if restore != "error":
+        raise _unsupported("restore_dim_mismatch", restore, "'error'")
+    kwargs["optimizer"] = _optimizer(kwargs.get("optimizer"))
+    ev = _inner(kwargs.pop("ev_option", None), "EmbeddingVariableOption", "ev_option") or {}
+    for name in ("filter_option", "evict_option"):
+        if ev.get(name) is not None:
+            raise _unsupported(f"ev_option.{name}", ev[name], "None")
+    storage = _inner(ev.get("storage_option"), "StorageOption", "ev_option.storage_option")
+    if storage and storage.get("storage_type", "DRAM") != "DRAM":
+        raise _unsupported("ev_option.storage_option.storage_type", storage["storage_type"],
+                           "'DRAM'")
+    init = _inner(ev.get("init_option"), "InitializerOption", "ev_option.init_option") or {}
+    if init.get("initializer") is not None:
+        # The TensorFlow layer draws its initializer matrix from it, before
+        # the layer's own `initializer`.
+        kwargs["initializer"] = init["initializer"]
+    if init.get("default_value_dim") is not None:
+        kwargs["default_value_dim"] = init["default_value_dim"]
+    if ev.get("num_shards") is not None:
+        kwargs["num_shards"] = ev["num_shards"]
+    return kwargs
