@@ -5,13 +5,16 @@ runs TensorFlow). By hand: `KERAS_BACKEND=jax .venv/bin/python -m pytest -q test
 
 import os
 
+# Files that run in the suite's (TensorFlow) process and start JAX children.
+_TENSORFLOW_SIDE = ("test_jax_backend.py", "test_cross_backend_saving.py")
+
 if os.environ.get("KERAS_BACKEND") == "jax":
-    # The child: everything but the file that starts it.
-    collect_ignore = ["test_jax_backend.py"]
+    # The child: everything but the files that start children.
+    collect_ignore = list(_TENSORFLOW_SIDE)
 else:
-    # The suite's (TensorFlow) process: only the file that starts the child.
+    # The suite's (TensorFlow) process: only the files that start children.
     collect_ignore_glob = [name for name in os.listdir(os.path.dirname(__file__))
-                           if name.startswith("test_") and name != "test_jax_backend.py"]
+                           if name.startswith("test_") and name not in _TENSORFLOW_SIDE]
 
 
 if os.environ.get("KERAS_BACKEND") == "jax":
