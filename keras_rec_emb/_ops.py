@@ -136,16 +136,13 @@ def unstack_kept_ids(ids):
 
 def create_table(default_values, key_dtype, dim, num_shards, track_meta=True,
                  filter_freq=0, bloom=None, no_permission_value=0.0, freq_cap=0,
-                 storage_path="", cache_bytes=64 << 20, shared_name="", replica_shard=False):
+                 storage_path="", cache_bytes=64 << 20, shared_name=""):
     """A new table; `bloom` is (counters, hashes, counter_bytes) or None;
     `freq_cap` > 0 stops each key's frequency at that count; a non-empty
     `storage_path` makes it a file-tier table. A non-empty `shared_name`
     finds or creates the table of that name on the current device (shared
-    by every client of a parameter server). `replica_shard`: the table is
-    one replica's shard of a table sharded over a MirroredStrategy's devices
-    (keras_rec_emb.distribute)."""
-    if not replica_shard:
-        refuse_distribution("Creating an embedding table")
+    by every client of a parameter server). The caller refuses what it
+    must (`refuse_distribution`): `EmbeddingTable` does."""
     counters, hashes, counter_bytes = bloom or (0, 0, 8)
     return gen().kre_table_create(
         default_values, key_dtype=key_dtype, dim=dim, num_shards=num_shards,
@@ -175,8 +172,8 @@ def refuse_xla(what):
 def refuse_distribution(what):
     """Under a tf.distribute strategy each replica would train its own copy
     of a table, silently different from one device: refused, except for the
-    shards of tables sharded over a MirroredStrategy's replicas
-    (`replica_shard=True`, see keras_rec_emb.distribute)."""
+    shards of tables sharded over a strategy's replicas, which skip this
+    check (`EmbeddingTable._refuse_strategy`, keras_rec_emb.distribute)."""
     if tf.distribute.has_strategy():
         strategy = tf.distribute.get_strategy()
         kind = type(strategy).__name__
@@ -193,9 +190,7 @@ def refuse_distribution(what):
             "any strategy scope.")
 
 
-def lookup(handle, keys, dim, insert, replica_shard=False):
-    if not replica_shard:
-        refuse_distribution("An embedding table lookup")
+def lookup(handle, keys, dim, insert):
     refuse_xla("An embedding table lookup")
     return gen().kre_table_lookup(handle, keys, dim=dim, insert=insert)
 
@@ -280,17 +275,12 @@ def import_(handle, dim, parts, clear=True):
     return gen().kre_table_import(handle, **parts, dim=dim, clear=clear)
 
 
-def sparse_apply(handle, keys, grads, rule, hyper, step, slots, replica_shard=False,
-                 distinct=False):
+def sparse_apply(handle, keys, grads, rule, hyper, step, slots, distinct=False):
     """One fused optimizer step on a table: `hyper` is a dict from name to
     value in the kernel's order and `slots` the slot names the rule reads
     (`keras_rec_emb.optimizers.rules` declares both; the kernel checks the
-    names). `replica_shard`: the table is one MirroredStrategy replica's
-    shard (keras_rec_emb.distribute), updated inside the replica context.
-    `distinct`: `keys` are known to hold no key twice
+    names). `distinct`: `keys` are known to hold no key twice
     (`KRE>TableSparseApplyDistinct` skips the dedupe)."""
-    if not replica_shard:
-        refuse_distribution("An embedding table update")
     refuse_xla("An embedding table update")
     names = list(hyper)
     values = hyper_vector(hyper)

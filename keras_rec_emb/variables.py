@@ -275,8 +275,8 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
 
     The table is private to its handle, on the current device. Subclasses
     (the shards of `keras_rec_emb.distribute`) place it elsewhere with
-    `_placement` and `_strategy_shard`, and update it in their own way with
-    `sparse_apply`.
+    `_placement`, let it run under a strategy with `_refuse_strategy`, and
+    update it in their own way with `sparse_apply`.
     """
 
     # The optimizer of `EmbeddingVariable(optimizer=...)`, set by the layer;
@@ -284,16 +284,19 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
     # (a stock wrapper around it then gets a precise error).
     optimizer = None
     _table_optimizer = None
-    # A shard created, looked up and updated under a tf.distribute strategy
-    # (the kernels' refusal of strategies is off): set by such shards only.
-    _strategy_shard = False
-
     def _placement(self):
         """(device, shared_name) of the C++ table: here, a private table on
         the current device. A shard of keras_rec_emb.distribute places its
         own (a name finds or creates the table of that name on its device,
         shared by every client of that device)."""
         return "", ""
+
+    def _refuse_strategy(self, what):
+        """Refuses `what` (creating, looking up, updating) under a
+        tf.distribute strategy, where each replica would silently train its
+        own copy of this table. A shard that a strategy's replicas create,
+        look up and update (keras_rec_emb.distribute) allows it."""
+        _ops.refuse_distribution(what)
 
     def __init__(self, dim, key_dtype, default_values, num_shards=32,
                  trainable=True, name="embedding_table", track_meta=True,
@@ -391,13 +394,14 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
                 # one each time, after the restore filled another. A name
                 # makes it one table per Session (each has its own devices).
                 shared_name = f"kre_saved_model/{uuid.uuid4().hex}"
+        self._refuse_strategy("Creating an embedding table")
         return _ops.create_table(
             tf.constant(self._initial_default_values), self._key_dtype, self._dim,
             self._num_shards, track_meta=self._track_meta, filter_freq=self._filter_freq,
             bloom=self._bloom, no_permission_value=self._no_permission_value,
             freq_cap=self._freq_cap(),
             storage_path=storage_path, cache_bytes=self._cache_bytes,
-            shared_name=shared_name, replica_shard=self._strategy_shard,
+            shared_name=shared_name,
         )
 
     def _destroy_resource(self):
@@ -566,16 +570,16 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         """
         if self._trainable:
             _compat.variable_accessed(self._variable)
-        return _ops.lookup(self.handle, keys, self._dim, insert,
-                           replica_shard=self._strategy_shard)
+        self._refuse_strategy("An embedding table lookup")
+        return _ops.lookup(self.handle, keys, self._dim, insert)
 
     def sparse_apply(self, keys, grads, rule, hyper, step, slots, distinct=False):
         """One fused optimizer step on the rows of `keys` (what the
         optimizers of `keras_rec_emb.optimizers` call; see
         `_ops.sparse_apply`). A distributed shard may gather the gradient
         first, or leave the update to the replica owning it."""
-        _ops.sparse_apply(self.handle, keys, grads, rule, hyper, step, slots,
-                          replica_shard=self._strategy_shard, distinct=distinct)
+        self._refuse_strategy("An embedding table update")
+        _ops.sparse_apply(self.handle, keys, grads, rule, hyper, step, slots, distinct=distinct)
 
     def size(self):
         """Number of admitted keys (an int when eager)."""

@@ -130,8 +130,7 @@ def test_distribution_stays_out_of_the_core_table():
                                          name="protocol_replica_shards", replicas=True)
     shard = mirrored.shards[0]
     assert type(shard) is shards.ReplicaShard
-    assert (shard.replica_shard, shard.exchanged) == (0, False)
-    assert shards.ExchangedShard.exchanged.fget(shard) is True
+    assert shard.replica_shard == 0
 
 
 def test_the_core_table_applies_a_step_itself():

@@ -1,7 +1,7 @@
 """The shards of distributed tables: `EmbeddingTable`s placed by
 `keras_rec_emb.distribute`, which know where they live, who owns them and
 how a gradient reaches them. The core table knows none of this: it offers
-the hooks (`_placement`, `_strategy_shard`, `sparse_apply`) these classes
+the hooks (`_placement`, `_refuse_strategy`, `sparse_apply`) these classes
 fill in."""
 
 import tensorflow as tf
@@ -40,8 +40,6 @@ class ReplicaShard(_variables.EmbeddingTable):
         *args, **kwargs: those of `EmbeddingTable`.
     """
 
-    _strategy_shard = True  # created, looked up and updated under the strategy
-
     def __init__(self, device, replica_shard, *args, **kwargs):
         self._shard_device, self._replica_shard = str(device), int(replica_shard)
         super().__init__(*args, **kwargs)
@@ -49,15 +47,13 @@ class ReplicaShard(_variables.EmbeddingTable):
     def _placement(self):
         return self._shard_device, ""
 
+    def _refuse_strategy(self, what):
+        """Nothing: the strategy's replicas create, look up and update it."""
+
     @property
     def replica_shard(self):
         """The replica that owns and updates this shard."""
         return self._replica_shard
-
-    @property
-    def exchanged(self):
-        """Whether this shard's gradient arrives summed over every replica."""
-        return False
 
     def sparse_apply(self, keys, grads, rule, hyper, step, slots, distinct=False):
         """In a replica context, every replica's gradient for this shard is
@@ -78,10 +74,6 @@ class ExchangedShard(ReplicaShard):
     workers (`CollectiveShardedTable`): the collectives of its lookup already
     summed every replica's gradient for its keys, so this process applies
     it as it comes."""
-
-    @property
-    def exchanged(self):
-        return True
 
     def sparse_apply(self, keys, grads, rule, hyper, step, slots, distinct=False):
         return _variables.EmbeddingTable.sparse_apply(self, keys, grads, rule, hyper, step,
