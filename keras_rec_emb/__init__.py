@@ -15,7 +15,9 @@ from keras_rec_emb._version import __version__
 # `make jax-ops`) and TensorFlow is neither imported nor needed. The public API
 # there is being built (issue 42): so far the engine's binding only.
 if _os.environ.get("KERAS_BACKEND") == "jax":
-    __all__ = ["__version__"]
+    from keras_rec_emb._jax.serving import export_for_serving
+
+    __all__ = ["__version__", "export_for_serving"]
 
     def __dir__():
         return list(__all__)

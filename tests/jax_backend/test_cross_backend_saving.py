@@ -1,7 +1,8 @@
 """One `.keras` format for both backends: a model trained and saved under
 TensorFlow (this process) loads under JAX (a child process) with the same
 rows, slots, frequencies, versions, initializer matrix and predictions,
-and the reverse.
+and the reverse; `export_for_serving` of a model trained under JAX writes
+the stock-TensorFlow SavedModel.
 
 The models load with `compile=False`: the model's own optimizer is
 `keras_rec_emb.optimizers.SGD` under TensorFlow (a stock Keras optimizer
@@ -74,6 +75,8 @@ layer = EmbeddingVariable(DIM, optimizer=keras.optimizers.Adagrad(**table_optimi
 model = train(layer, keras.optimizers.SGD(0.05))
 model.save(sys.argv[1])
 np.savez(sys.argv[2], predictions=model.predict(queries, verbose=0), **parts_of(layer))
+import keras_rec_emb
+assert keras_rec_emb.export_for_serving(model, sys.argv[3]) == sys.argv[3]
 """
 
 _TENSORFLOW = """
@@ -138,11 +141,14 @@ def test_a_model_saved_under_tensorflow_loads_under_jax(tmp_path):
         json.dumps(layer.get_config()))
 
 
-def test_a_model_saved_under_jax_loads_under_tensorflow(tmp_path):
+def test_a_model_trained_under_jax_loads_and_serves_under_tensorflow(tmp_path):
+    """The JAX child saves the model and exports it for serving (which runs
+    a TensorFlow child of its own)."""
     import keras
+    import tensorflow as tf
 
     path = tmp_path / "jax.keras"
-    _run_jax(_COMMON + _JAX + _JAX_SAVES, path, tmp_path / "saved.npz")
+    _run_jax(_COMMON + _JAX + _JAX_SAVES, path, tmp_path / "saved.npz", tmp_path / "serving")
     want = dict(np.load(tmp_path / "saved.npz"))
     assert len(want["keys"]) > 5 and want["versions"].max() == 7
     tf_side = _tensorflow()
@@ -160,3 +166,10 @@ def test_a_model_saved_under_jax_loads_under_tensorflow(tmp_path):
         saved = json.loads(archive.read("config.json"))
     entry = next(e for e in saved["config"]["layers"] if e["name"] == "ev")
     assert json.loads(json.dumps(layer.get_config())) == entry["config"]
+    # The stock SavedModel serves the JAX model's predictions, unseen ids too.
+    served = tf.saved_model.load(str(tmp_path / "serving"))
+    np.testing.assert_allclose(served.serve(tf.constant(tf_side["queries"])).numpy(),
+                               want["predictions"], rtol=1e-6, atol=1e-6)
+    ops = {node.op for node in served.serve.get_concrete_function(
+        tf.TensorSpec([None, 2], tf.int32)).graph.as_graph_def().node}
+    assert not [op for op in ops if op.startswith("KRE")], ops

@@ -275,3 +275,17 @@ def test_config_round_trip():
     assert twin.get_config() == layer.get_config()
     assert (twin.num_shards, twin.default_value_dim) == (4, 5)
     assert isinstance(twin.optimizer, keras.optimizers.Adagrad)
+
+
+def test_export_for_serving_refuses_bad_arguments(tmp_path):
+    import keras_rec_emb
+
+    model = _model(_adagrad_layer())
+    with pytest.raises(TypeError, match="`model` must be a keras.Model"):
+        keras_rec_emb.export_for_serving("model", tmp_path / "a")
+    with pytest.raises(ValueError, match="`input_signature` must be None"):
+        keras_rec_emb.export_for_serving(model, tmp_path / "a", input_signature=[None])
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="`filepath` must be a directory"):
+        keras_rec_emb.export_for_serving(model, tmp_path / "file")
+    assert not (tmp_path / "a").exists()

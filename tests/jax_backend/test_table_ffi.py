@@ -39,7 +39,7 @@ def test_no_tensorflow_under_the_jax_backend():
             "from keras_rec_emb._jax import ffi\n"
             "t = ffi.create(np.ones((1, 2), np.float32))\n"
             "assert np.asarray(ffi.lookup(t, np.array([3], np.int32), 2)).tolist() == [[1, 1]]\n"
-            "assert keras_rec_emb.__all__ == ['__version__']\n"
+            "assert keras_rec_emb.__all__ == ['__version__', 'export_for_serving']\n"
             "assert 'tensorflow' not in sys.modules, 'tensorflow was imported'\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             env=dict(os.environ, KERAS_BACKEND="jax"), timeout=120)
