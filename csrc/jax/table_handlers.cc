@@ -558,9 +558,9 @@ ffi::Error SaveInfo(ffi::Token, ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuf
 // The initializer matrix [default_value_dim, dim], the Bloom counters, and
 // the keys counted but not admitted with their frequencies and versions, in
 // outputs of `capacity` rows; `count` is their number (when it exceeds the
-// capacity nothing of them is written: the caller asks again). The
-// admitted rows are read into scratch memory and dropped (Export already
-// returns them).
+// capacity nothing of them is written: the caller asks again). With
+// filtered keys to write, the admitted rows are read into scratch memory
+// and dropped (Export already returns them).
 ffi::Error ExportAux(ffi::Token, ffi::Result<ffi::Token>, ffi::ResultBuffer<ffi::F32, 2> defaults,
                      ffi::ResultBuffer<ffi::U8, 1> bloom, ffi::Result<ffi::AnyBuffer> keys_f,
                      ffi::Result<ffi::AnyBuffer> freqs_f, ffi::Result<ffi::AnyBuffer> versions_f,
@@ -599,6 +599,12 @@ ffi::Error ExportAux(ffi::Token, ffi::Result<ffi::Token>, ffi::ResultBuffer<ffi:
       }
       std::copy(d.begin(), d.end(), defaults->typed_data());
       std::copy(b.begin(), b.end(), bloom->typed_data());
+      if (capacity == 0) {
+        // Without keys counted but not admitted (a table without a filter)
+        // the rows are not read; with some, the caller asks again.
+        SetInt(*count, 0, tab.FilteredSize());
+        return ffi::Error::Success();
+      }
       int64_t width = 0;
       for (const auto& s : tab.Slots()) width += s.width;
       std::vector<K> k, kf;

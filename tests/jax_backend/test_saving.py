@@ -89,6 +89,28 @@ def test_import_adds_a_slot_the_table_lacks_and_accepts_an_empty_table():
         ffi.destroy(handle)
 
 
+def test_int64_keys_round_trip_with_x64():
+    with jax.enable_x64(True):
+        source = ffi.create(np.ones((2, DIM), np.float32), key_dtype="int64", filter_freq=2)
+        big = np.array([2**40 + 1, 2**40 + 1, -(2**35), 7], np.int64)
+        ffi.lookup(source, big, DIM)
+        parts = ffi.export_parts(source, "int64", DIM, [])
+        assert parts["keys"].dtype == np.int64 and parts["freqs"].dtype == np.int64
+        target = ffi.create(np.zeros((2, DIM), np.float32), key_dtype="int64", filter_freq=2)
+        ffi.import_parts(target, "int64", DIM, parts)
+        got = ffi.export_parts(target, "int64", DIM, [])
+        np.testing.assert_array_equal(got["keys"], [2**40 + 1])
+        np.testing.assert_array_equal(np.sort(got["keys_filtered"]), [-(2**35), 7])
+        for handle in (source, target):
+            ffi.destroy(handle)
+    # Without x64 a table has int32 keys: saved int64 keys beyond int32 are refused.
+    table32 = ffi.create(np.zeros((2, DIM), np.float32))
+    with pytest.raises(ValueError, match="`keys` holds values outside int32"):
+        ffi.import_parts(table32, "int32", DIM, {"keys": np.array([2**40]),
+                                                 "values": np.zeros((1, DIM), np.float32)})
+    ffi.destroy(table32)
+
+
 @pytest.fixture
 def table():
     handle = trained_table()
