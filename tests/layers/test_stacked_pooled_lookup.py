@@ -51,16 +51,20 @@ def _numpy_lookup(group, x):
         table = group.tables[spec.table]
         export = table.export()
         rows = dict(zip(export["keys"].tolist(), export["values"]))
+        # Ids not exported: their inference lookups, in one call.
+        missing = sorted({i for i in x[:, j].ravel().tolist() if i >= 0 and i not in rows}
+                         | ({spec.default_id} - set(rows) - {None}))
+        if missing:
+            read = table(np.array(missing), training=False).numpy()
+            rows.update(zip(missing, read))
         out = np.zeros((len(x), table.embedding_dim))
         for b in range(len(x)):
-            kept = [i for i in x[b, j] if i >= 0]
+            kept = [i for i in x[b, j].tolist() if i >= 0]
             if not kept and spec.default_id is not None:
                 kept = [spec.default_id]
             if not kept:
                 continue
-            vecs = np.array([rows[i] if i in rows else
-                             table(np.array([i]), training=False).numpy()[0] for i in kept],
-                            np.float64)
+            vecs = np.array([rows[i] for i in kept], np.float64)
             scale = {"sum": 1.0, "mean": 1 / len(kept), "sqrtn": 1 / np.sqrt(len(kept))}
             out[b] = vecs.sum(0) * scale[spec.combiner]
         outs.append(out)
