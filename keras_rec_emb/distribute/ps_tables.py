@@ -185,14 +185,14 @@ class ShardedEmbeddingTable(_compat.Trackable):
         n = len(self._devices)
         # Parameter-server shards are found by name (every worker reaches the
         # same one); a replica's shard is private to this process.
-        self._shards = [
-            shards.ReplicaShard(device, i, dim, key_dtype, default_values,
-                                name=f"{name}/shard_{i}_of_{n}", **kwargs) if replicas else
-            shards.ParameterServerShard(device, f"{name}/shard_{i}_of_{n}", dim, key_dtype,
-                                        default_values, name=f"{name}/shard_{i}_of_{n}",
-                                        **kwargs)
-            for i, device in enumerate(self._devices)
-        ]
+        self._shards = []
+        for i, device in enumerate(self._devices):
+            shard_name = f"{name}/shard_{i}_of_{n}"
+            self._shards.append(
+                shards.ReplicaShard(device, i, dim, key_dtype, default_values,
+                                    name=shard_name, **kwargs) if replicas else
+                shards.ParameterServerShard(device, shard_name, dim, key_dtype, default_values,
+                                            name=shard_name, **kwargs))
 
     # -- properties shared with EmbeddingTable --------------------------------
     @property
