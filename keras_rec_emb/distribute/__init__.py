@@ -1,5 +1,17 @@
 """Tables beyond one process: asynchronous parameter-server tables and
-synchronous tables sharded over MultiWorkerMirroredStrategy workers."""
+synchronous tables sharded over MultiWorkerMirroredStrategy workers.
+TensorFlow backend only: they are built on `tf.distribute` and TensorFlow's
+gRPC runtime."""
+
+import os as _os
+
+if _os.environ.get("KERAS_BACKEND") == "jax":
+    raise ImportError(
+        "keras_rec_emb.distribute (parameter-server tables, tables sharded over "
+        "MirroredStrategy or MultiWorkerMirroredStrategy replicas) runs on Keras's "
+        "TensorFlow backend only for now, and the active backend is 'jax'. Under JAX "
+        "tables train in one process; set KERAS_BACKEND=tensorflow to distribute them."
+    )
 
 from keras_rec_emb import _compat as _compat
 from keras_rec_emb.distribute.collective_tables import CollectiveShardedTable  # noqa: F401
