@@ -311,3 +311,19 @@ def test_export_for_serving_refuses_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="`filepath` must be a directory"):
         keras_rec_emb.export_for_serving(model, tmp_path / "file")
     assert not (tmp_path / "a").exists()
+
+
+def test_a_sequential_model_saves_and_loads_its_table(tmp_path):
+    """(The functional form: test_load_model_restores_every_row_slot_frequency_and_version.)"""
+    model = keras.Sequential([keras.Input((2,), dtype="int32"), _adagrad_layer(),
+                              keras.layers.Flatten(), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    ids, labels = _data(0)
+    model.fit(ids, labels, batch_size=4, verbose=0)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    _assert_same_tables(_parts_of(model.layers[0]), _parts_of(loaded.layers[0]))
+    queries = np.array([[1, 2], [40, 41]], np.int32)
+    np.testing.assert_array_equal(loaded.predict(queries, verbose=0),
+                                  model.predict(queries, verbose=0))
