@@ -13,11 +13,13 @@ from keras_rec_emb._version import __version__
 
 # Under Keras's JAX backend the tables go through XLA's FFI (keras_rec_emb/_jax,
 # `make jax-ops`) and TensorFlow is neither imported nor needed. The public API
-# there is being built (issue 42): so far the engine's binding only.
+# there is being built (issue 42): so far `layers.EmbeddingVariable`, the
+# optimizers SGD, Adagrad, Adam and Ftrl, and `export_for_serving`.
 if _os.environ.get("KERAS_BACKEND") == "jax":
+    from keras_rec_emb import layers, optimizers
     from keras_rec_emb._jax.serving import export_for_serving
 
-    __all__ = ["__version__", "export_for_serving"]
+    __all__ = ["__version__", "export_for_serving", "layers", "optimizers"]
 
     def __dir__():
         return list(__all__)

@@ -3,7 +3,7 @@
 Where the update happens. The table is updated in the backward pass of its
 lookup, as TPU embedding does (and keras-rs's `TableConfig(optimizer=...)`
 reflects): the lookup is a `jax.custom_vjp` whose backward applies the
-rows' gradient to the table with the layer's own optimizer rule, inside the
+rows' gradient to the table with its optimizer's rule, inside the
 jitted training step, ordered after the forward lookup by the table
 effect's token (`ffi`). Not in `optimizer.apply`, because:
 
@@ -17,10 +17,13 @@ effect's token (`ffi`). Not in `optimizer.apply`, because:
   it is one fused sparse apply per table and step, with no copy of the
   gradient through the trainer.
 
-What follows: the table's optimizer is the layer's (`optimizer=`), not
-`model.compile`'s, and its step counter is the layer's own `iterations`
-(a non-trainable variable counting training calls), which drives learning
-rate schedules and the rows' versions. Clipping (`clipnorm`, `clipvalue`,
+What follows: the table's optimizer is the one `model.compile` got (one
+of `keras_rec_emb.optimizers`, as under TensorFlow), found through the
+layer's `anchor` when it builds (`keras_rec_emb._jax.optimizers`), or the
+layer's own (`optimizer=`). Its step counter is the layer's `iterations`
+(a non-trainable variable counting training calls, so in the model's state
+under `jit`), which drives learning rate schedules, Adam's bias correction
+and the rows' versions. Clipping (`clipnorm`, `clipvalue`,
 `global_clipnorm`), EMA, gradient accumulation and loss scaling are
 refused with an error: the backward sees this table's gradient alone,
 before the trainer's optimizer could clip or unscale it. A zero-size
@@ -29,8 +32,6 @@ that `jax.grad` runs the backward at all; its gradient is empty.
 """
 
 import functools
-import importlib.util
-import os
 
 import jax
 import jax.numpy as jnp
@@ -38,67 +39,7 @@ import keras
 import numpy as np
 
 from keras_rec_emb._jax import ffi, saving
-
-_RULES_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                           "optimizers", "rules.py")
-
-
-@functools.cache
-def rules():
-    """keras_rec_emb/optimizers/rules.py's RULES, loaded from its file: the
-    module is plain Python, but importing it through its package would
-    import the TensorFlow optimizers."""
-    spec = importlib.util.spec_from_file_location("keras_rec_emb_jax_rules", _RULES_FILE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.RULES
-
-
-class TableRule:
-    """The sparse rule of a Keras optimizer: `keras.optimizers.SGD` (without
-    momentum) or `keras.optimizers.Adagrad`, learning rate constant or a
-    schedule."""
-
-    _REFUSED = ("clipnorm", "clipvalue", "global_clipnorm", "use_ema", "loss_scale_factor",
-                "gradient_accumulation_steps")
-
-    def __init__(self, optimizer):
-        if not isinstance(optimizer, (keras.optimizers.SGD, keras.optimizers.Adagrad)):
-            raise ValueError(
-                "Under the JAX backend an EmbeddingVariable's `optimizer` must be "
-                "keras.optimizers.SGD or keras.optimizers.Adagrad (so far). "
-                f"Received: optimizer={optimizer!r}")
-        config = optimizer.get_config()
-        for name in self._REFUSED:
-            if config.get(name) not in (None, False):
-                raise ValueError(
-                    f"Under the JAX backend the table is updated in the backward pass of its "
-                    f"lookup, which does not support `{name}`. Received: {name}="
-                    f"{config[name]!r}")
-        if isinstance(optimizer, keras.optimizers.SGD) and (config["momentum"] or
-                                                             config["nesterov"]):
-            raise ValueError(
-                "Under the JAX backend SGD's table rule has no momentum (so far). Received: "
-                f"momentum={config['momentum']}, nesterov={config['nesterov']}")
-        lr = config["learning_rate"]
-        self.schedule = (keras.optimizers.schedules.deserialize(lr) if isinstance(lr, dict)
-                         else None)
-        self.learning_rate = None if self.schedule else float(lr)
-        self.weight_decay = float(config.get("weight_decay") or 0.0)
-        if isinstance(optimizer, keras.optimizers.SGD):
-            self.rule, self.extra, self.slots = rules()["sgd"], {}, ()
-        else:
-            self.rule = rules()["adagrad"]
-            self.extra = {"epsilon": float(config["epsilon"])}
-            self.slots = (("accumulator", float(config["initial_accumulator_value"])),)
-
-    def hyper(self, step):
-        """The rule's hyper-parameters at `step`, in the kernel's order."""
-        lr = (jnp.asarray(self.schedule(step), jnp.float32) if self.schedule is not None
-              else jnp.float32(self.learning_rate))
-        values = dict(self.extra, learning_rate=lr, decay=lr * self.weight_decay)
-        return jnp.stack([jnp.asarray(v, jnp.float32) for v in self.rule.ordered(values)])
-
+from keras_rec_emb._jax.optimizers import TableRule, register_anchor
 
 @functools.lru_cache(maxsize=None)
 def _training_lookup(handle, dim, rule, hparam_names, slots):
@@ -130,9 +71,10 @@ class EmbeddingVariable(keras.layers.Layer):
 
     Args:
         embedding_dim: int >= 1, the row width.
-        optimizer: `keras.optimizers.SGD` or `keras.optimizers.Adagrad`: the
-            table's own update rule, applied in the backward pass of the
-            lookup (the model's optimizer trains the other weights).
+        optimizer: None (default: the optimizer the model is compiled
+            with, one of `keras_rec_emb.optimizers`) or the table's own
+            optimizer (SGD, Adagrad, Adam or Ftrl, ours or Keras's), whose
+            rule is applied in the backward pass of the lookup.
         initializer: draws the `[default_value_dim, embedding_dim]` matrix
             whose row `id mod default_value_dim` a new id starts from.
         key_dtype: "int32" (JAX's default) or "int64" (with JAX's x64 mode).
@@ -140,7 +82,7 @@ class EmbeddingVariable(keras.layers.Layer):
         num_shards: the table's lock shards, in [1, 65536].
     """
 
-    def __init__(self, embedding_dim, optimizer, initializer="truncated_normal",
+    def __init__(self, embedding_dim, optimizer=None, initializer="truncated_normal",
                  key_dtype="int32", default_value_dim=4096, num_shards=32, **kwargs):
         super().__init__(**kwargs)
         if (isinstance(embedding_dim, bool) or not isinstance(embedding_dim, (int, np.integer))
@@ -155,7 +97,11 @@ class EmbeddingVariable(keras.layers.Layer):
                              f"default_value_dim={default_value_dim!r}")
         self.embedding_dim = int(embedding_dim)
         self.optimizer = optimizer
-        self.table_rule = TableRule(optimizer)
+        # The rule that trains the table: its own optimizer's, else that of
+        # the optimizer that builds for `anchor` (`attach_optimizer`).
+        self.table_rule = None if optimizer is None else TableRule(
+            optimizer, f"EmbeddingVariable '{self.name}'")
+        self._kre_slot_specs = []
         self.initializer = keras.initializers.get(initializer)
         self.key_dtype = key_dtype
         self.default_value_dim = int(default_value_dim)
@@ -169,24 +115,50 @@ class EmbeddingVariable(keras.layers.Layer):
                 shape=(self.default_value_dim, self.embedding_dim), dtype="float32"))
         self.handle = ffi.create(self.default_values, key_dtype=self.key_dtype,
                                  num_shards=self.num_shards)
-        for name, init in self.table_rule.slots:
-            ffi.add_slot(self.handle, name, self.embedding_dim, init)
         self.anchor = self.add_weight(shape=(0,), initializer="zeros", name="anchor")
+        register_anchor(self.anchor, self)
+        if self.table_rule is not None:
+            self._add_slots(self.table_rule)
         self.iterations = self.add_weight(shape=(), initializer="zeros", dtype="int32",
                                           trainable=False, name="iterations")
         self.built = True
+
+    def _add_slots(self, rule):
+        for name, init in rule.slots:
+            ffi.add_slot(self.handle, name, self.embedding_dim, init)
+            if name not in {n for n, _ in self._kre_slot_specs}:
+                self._kre_slot_specs.append((name, self.embedding_dim))
+
+    def attach_optimizer(self, optimizer):
+        """Called by a keras_rec_emb optimizer's `build` when it builds for
+        this layer's `anchor`: it trains the table from the next traced
+        training step on, unless the layer has its own optimizer."""
+        if self.optimizer is not None:
+            return
+        if self.handle is None:
+            self.build()
+        self.table_rule = TableRule(optimizer, f"EmbeddingVariable '{self.name}'")
+        self._add_slots(self.table_rule)
 
     def call(self, ids, training=None):
         ids = keras.ops.convert_to_tensor(ids, dtype=self.key_dtype)
         if not (training and self.trainable):
             return ffi.lookup(self.handle, ids, self.embedding_dim, insert=False)
         step = self.iterations.value
-        rule = self.table_rule
-        lookup = _training_lookup(self.handle, self.embedding_dim, rule.rule.name,
-                                  rule.rule.hparam_names, tuple(n for n, _ in rule.slots))
-        rows = lookup(ids, self.anchor.value, rule.hyper(step), step)
         self.iterations.assign(step + 1)
-        return rows
+        rule = self.table_rule
+        if rule is None:
+            # Else a stock Keras optimizer would train the dense weights and
+            # silently leave the table as it is.
+            raise ValueError(
+                f"EmbeddingVariable '{self.name}' is called in training with no optimizer "
+                "for its table: compile the model with one of keras_rec_emb.optimizers "
+                "(SGD, Adagrad, Adam, Ftrl), which trains the table and the dense weights, "
+                "or give the layer its own (`optimizer=`). Received: the table has no "
+                "optimizer")
+        lookup = _training_lookup(self.handle, self.embedding_dim, rule.rule.name,
+                                  rule.rule.hparam_names, rule.slot_names())
+        return lookup(ids, self.anchor.value, rule.hyper(step), step)
 
     def compute_output_shape(self, input_shape):
         return (*input_shape, self.embedding_dim)

@@ -39,8 +39,10 @@ PARTS = ("keys", "values", "freqs", "versions", "default_values", "keys_filtered
 SLOT_PREFIX = "slot:"
 _INT64_PARTS = ("freqs", "versions", "freqs_filtered", "versions_filtered")
 
-# Table optimizers the JAX layer runs, by the name TensorFlow registers.
-_OPTIMIZERS = {"SGD": keras.optimizers.SGD, "Adagrad": keras.optimizers.Adagrad}
+# Table optimizers the JAX layer runs, by the name TensorFlow registers
+# (subclasses first: Keras's AdamW is an Adam).
+_OPTIMIZERS = {"SGD": keras.optimizers.SGD, "Adagrad": keras.optimizers.Adagrad,
+               "Adam": keras.optimizers.Adam, "Ftrl": keras.optimizers.Ftrl}
 _OPTIONS_MODULE = "keras_rec_emb.options"
 
 
@@ -95,8 +97,11 @@ def _options_object(class_name, config):
 
 
 def optimizer_config(optimizer):
-    """`optimizer` (keras.optimizers.SGD / Adagrad) serialized as the
-    TensorFlow backend's table optimizer of the same name."""
+    """`optimizer` (SGD, Adagrad, Adam, Ftrl: ours or Keras's; None: the
+    model's) serialized as the TensorFlow backend's table optimizer of the
+    same name."""
+    if optimizer is None:
+        return None
     name = next(n for n, cls in _OPTIMIZERS.items() if isinstance(optimizer, cls))
     return {"module": "keras_rec_emb.optimizers.keras_optimizers", "class_name": name,
             "config": optimizer.get_config(), "registered_name": f"keras_rec_emb>{name}"}
@@ -150,14 +155,13 @@ def _optimizer(value):
     if isinstance(value, keras.optimizers.Optimizer):
         return value
     if value is None:
-        raise ValueError(
-            "Under the JAX backend an EmbeddingVariable needs its own table optimizer "
-            "(`optimizer=`, SGD or Adagrad) so far; this layer was saved with optimizer=None "
-            "(the model's optimizer). Received: optimizer=None")
+        return None  # the model's optimizer
     name = value.get("class_name") if isinstance(value, dict) else None
     if name not in _OPTIMIZERS:
-        raise _unsupported("optimizer", value, "SGD or Adagrad")
-    return _OPTIMIZERS[name].from_config(value.get("config") or {})
+        raise _unsupported("optimizer", value, "None, SGD, Adagrad, Adam or Ftrl")
+    from keras_rec_emb._jax import optimizers
+
+    return getattr(optimizers, name).from_config(value.get("config") or {})
 
 
 def layer_kwargs(config):

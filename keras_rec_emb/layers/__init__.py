@@ -1,22 +1,30 @@
 """Embedding layers backed by dynamic hash tables."""
 
-from keras_rec_emb import _compat
+import os as _os
 
-from keras_rec_emb.layers.adaptive_embedding import AdaptiveEmbedding
-from keras_rec_emb.layers.configs import FeatureConfig, TableConfig
-from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
-from keras_rec_emb.layers.group_embedding import FeatureSpec, GroupEmbedding
-from keras_rec_emb.layers.multi_hash_embedding import MultiHashEmbedding
-from keras_rec_emb.layers.string_ids import HashStrings
+if _os.environ.get("KERAS_BACKEND") == "jax":
+    # Under Keras's JAX backend, without TensorFlow (keras_rec_emb/_jax).
+    from keras_rec_emb._jax.layers import EmbeddingVariable
 
-# A Sequential without keras.Input gives our id layers int ids, not float32
-# (see _compat.fix_sequential_ids_input).
-_compat.fix_sequential_ids_input()
-# A subclassed model holding them exports (see _compat.fix_subclassed_save_signature).
-_compat.fix_subclassed_save_signature()
+    __all__ = ["EmbeddingVariable"]
+else:
+    from keras_rec_emb import _compat
 
-__all__ = ["AdaptiveEmbedding", "EmbeddingVariable", "FeatureConfig", "FeatureSpec",
-           "GroupEmbedding", "HashStrings", "MultiHashEmbedding", "TableConfig"]
+    from keras_rec_emb.layers.adaptive_embedding import AdaptiveEmbedding
+    from keras_rec_emb.layers.configs import FeatureConfig, TableConfig
+    from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
+    from keras_rec_emb.layers.group_embedding import FeatureSpec, GroupEmbedding
+    from keras_rec_emb.layers.multi_hash_embedding import MultiHashEmbedding
+    from keras_rec_emb.layers.string_ids import HashStrings
+
+    # A Sequential without keras.Input gives our id layers int ids, not float32
+    # (see _compat.fix_sequential_ids_input).
+    _compat.fix_sequential_ids_input()
+    # A subclassed model holding them exports (see _compat.fix_subclassed_save_signature).
+    _compat.fix_subclassed_save_signature()
+
+    __all__ = ["AdaptiveEmbedding", "EmbeddingVariable", "FeatureConfig", "FeatureSpec",
+               "GroupEmbedding", "HashStrings", "MultiHashEmbedding", "TableConfig"]
 
 
 def __dir__():

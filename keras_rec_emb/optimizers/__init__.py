@@ -1,18 +1,26 @@
 """Optimizers that update dense variables, `keras.layers.Embedding` and
 embedding tables (with a fused sparse kernel per table)."""
 
-from keras_rec_emb.optimizers.deeprec_optimizers import AdagradDecay, AdamAsync, AdamW
-from keras_rec_emb.optimizers.keras_optimizers import SGD, Adagrad, Adam, Ftrl
-from keras_rec_emb import _compat as _compat
-from keras_rec_emb.optimizers.loss_scale import LossScaleOptimizer
-from keras_rec_emb.optimizers.loss_scale import rewrap_keras_auto_wrapper as _rewrap
+import os as _os
 
-__all__ = ["SGD", "Adagrad", "Adam", "Ftrl", "AdamAsync", "AdagradDecay", "AdamW",
-           "LossScaleOptimizer"]
+if _os.environ.get("KERAS_BACKEND") == "jax":
+    # Under Keras's JAX backend, without TensorFlow (keras_rec_emb/_jax).
+    from keras_rec_emb._jax.optimizers import SGD, Adagrad, Adam, Ftrl
 
-# Under "mixed_float16", `compile` wraps an optimizer of ours in our
-# LossScaleOptimizer, not Keras's (see _compat.fix_compile_loss_scale).
-_compat.fix_compile_loss_scale(_rewrap)
+    __all__ = ["SGD", "Adagrad", "Adam", "Ftrl"]
+else:
+    from keras_rec_emb.optimizers.deeprec_optimizers import AdagradDecay, AdamAsync, AdamW
+    from keras_rec_emb.optimizers.keras_optimizers import SGD, Adagrad, Adam, Ftrl
+    from keras_rec_emb import _compat as _compat
+    from keras_rec_emb.optimizers.loss_scale import LossScaleOptimizer
+    from keras_rec_emb.optimizers.loss_scale import rewrap_keras_auto_wrapper as _rewrap
+
+    __all__ = ["SGD", "Adagrad", "Adam", "Ftrl", "AdamAsync", "AdagradDecay", "AdamW",
+               "LossScaleOptimizer"]
+
+    # Under "mixed_float16", `compile` wraps an optimizer of ours in our
+    # LossScaleOptimizer, not Keras's (see _compat.fix_compile_loss_scale).
+    _compat.fix_compile_loss_scale(_rewrap)
 
 
 def __dir__():

@@ -273,8 +273,8 @@ def test_the_weights_file_holds_the_tensorflow_backends_parts(tmp_path):
 @pytest.mark.parametrize("change, message", [
     ({"combiner": "sum"}, "supports combiner=None only"),
     ({"prune_invalid_ids": True}, "supports prune_invalid_ids=False only"),
-    ({"optimizer": None}, "needs its own table optimizer"),
-    ({"optimizer": {"class_name": "Adam", "config": {}}}, "supports optimizer=SGD or Adagrad"),
+    ({"optimizer": {"class_name": "RMSprop", "config": {}}},
+     "supports optimizer=None, SGD, Adagrad, Adam or Ftrl"),
     ({"restore_dim_mismatch": "pad_or_truncate"}, "supports restore_dim_mismatch='error'"),
     ({"ev_option": {"class_name": "EmbeddingVariableOption",
                     "config": {"filter_option": {"class_name": "CounterFilter"}}}},

@@ -39,7 +39,11 @@ def test_no_tensorflow_under_the_jax_backend():
             "from keras_rec_emb._jax import ffi\n"
             "t = ffi.create(np.ones((1, 2), np.float32))\n"
             "assert np.asarray(ffi.lookup(t, np.array([3], np.int32), 2)).tolist() == [[1, 1]]\n"
-            "assert keras_rec_emb.__all__ == ['__version__', 'export_for_serving']\n"
+            "assert keras_rec_emb.__all__ == ['__version__', 'export_for_serving', 'layers', "
+            "'optimizers']\n"
+            "from keras_rec_emb._jax import layers, optimizers\n"
+            "assert keras_rec_emb.layers.EmbeddingVariable is layers.EmbeddingVariable\n"
+            "assert keras_rec_emb.optimizers.Adam is optimizers.Adam\n"
             "assert 'tensorflow' not in sys.modules, 'tensorflow was imported'\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             env=dict(os.environ, KERAS_BACKEND="jax"), timeout=120)

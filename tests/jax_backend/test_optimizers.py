@@ -1,0 +1,185 @@
+"""keras_rec_emb's optimizers under Keras's JAX backend: the optimizer given
+to `model.compile` trains the tables (in the lookup's backward) and the
+dense weights, each to NumPy's numbers."""
+
+import keras
+import numpy as np
+import pytest
+
+from keras_rec_emb._jax import optimizers
+from keras_rec_emb._jax.layers import EmbeddingVariable
+
+DIM, FEATURES, BATCH, STEPS = 3, 2, 4, 3
+
+
+def numpy_rule(name, c):
+    """Keras's element-wise update of `name` with config `c`, in float64:
+    step(state, key, param, grad, t, lr) -> new param (t: the step, 0-based)."""
+
+    def slot(state, key, name, init, like):
+        return state.setdefault((key, name), np.full(np.shape(like), init, np.float64))
+
+    def step(state, key, p, g, t, lr):
+        if name == "SGD" and not c.get("momentum"):
+            return p - lr * g
+        if name == "SGD":
+            m = c["momentum"] * slot(state, key, "m", 0.0, p) - lr * g
+            state[(key, "m")] = m
+            return p + c["momentum"] * m - lr * g if c.get("nesterov") else p + m
+        if name == "Adagrad":
+            acc = slot(state, key, "acc", c.get("initial_accumulator_value", 0.1), p) + g * g
+            state[(key, "acc")] = acc
+            return p - lr * g / np.sqrt(acc + 1e-7)
+        if name == "Adam":
+            b1, b2 = c.get("beta_1", 0.9), c.get("beta_2", 0.999)
+            m = slot(state, key, "m", 0.0, p) + (g - slot(state, key, "m", 0.0, p)) * (1 - b1)
+            v = slot(state, key, "v", 0.0, p) + (g * g - slot(state, key, "v", 0.0, p)) * (1 - b2)
+            state[(key, "m")], state[(key, "v")] = m, v
+            alpha = lr * np.sqrt(1 - b2 ** (t + 1)) / (1 - b1 ** (t + 1))
+            return p - alpha * m / (np.sqrt(v) + 1e-7)
+        assert name == "Ftrl"
+        power = c.get("learning_rate_power", -0.5)
+        l1, l2 = c["l1_regularization_strength"], c["l2_regularization_strength"]
+        l2 = l2 + c["beta"] / (2 * lr)
+        acc = slot(state, key, "acc", c.get("initial_accumulator_value", 0.1), p)
+        lin = slot(state, key, "lin", 0.0, p)
+        new_acc = acc + g * g
+        lin = lin + g + 2 * c["l2_shrinkage_regularization_strength"] * p - (
+            new_acc ** -power - acc ** -power) / lr * p
+        quadratic = new_acc ** -power / lr + 2 * l2
+        state[(key, "acc")], state[(key, "lin")] = new_acc, lin
+        return (np.clip(lin, -l1, l1) - lin) / quadratic
+
+    return step
+
+
+def numpy_fit(defaults, kernel, bias, ids, labels, step, lr_at):
+    """MSE training batch by batch by hand, the table and the Dense layer
+    by one rule; a table row is updated once per step from its summed
+    gradient."""
+    table, state = {}, {}
+    kernel, bias = kernel.astype(np.float64), bias.astype(np.float64)
+    for t in range(len(ids) // BATCH):
+        k, y = ids[t * BATCH:(t + 1) * BATCH], labels[t * BATCH:(t + 1) * BATCH]
+        for key in k.ravel():
+            table.setdefault(int(key), defaults[key % len(defaults)].astype(np.float64))
+        rows = np.stack([table[int(key)] for key in k.ravel()]).reshape(len(k), -1)
+        d = 2.0 * (rows @ kernel + bias - y) / len(k)
+        d_rows = (d @ kernel.T).reshape(-1, DIM)
+        lr = lr_at(t)
+        kernel = step(state, "kernel", kernel, rows.T @ d, t, lr)
+        bias = step(state, "bias", bias, d.sum(0), t, lr)
+        flat = k.ravel()
+        for key in np.unique(flat):
+            table[int(key)] = step(state, int(key), table[int(key)], d_rows[flat == key].sum(0),
+                                   t, lr)
+    return table, kernel, bias
+
+
+def fit(optimizer):
+    layer = EmbeddingVariable(DIM, default_value_dim=5,
+                              initializer=keras.initializers.RandomUniform(seed=1))
+    inputs = keras.Input(shape=(FEATURES,), dtype="int32")
+    dense = keras.layers.Dense(1, kernel_initializer=keras.initializers.RandomNormal(seed=3),
+                               bias_initializer="ones")
+    model = keras.Model(inputs, dense(keras.layers.Flatten()(layer(inputs))))
+    model.compile(optimizer=optimizer, loss="mse")
+    kernel, bias = (w.copy() for w in dense.get_weights())
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 9, size=(STEPS * BATCH, FEATURES)).astype(np.int32)
+    labels = rng.normal(size=(STEPS * BATCH, 1)).astype(np.float32)
+    model.fit(ids, labels, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    fit.model = model  # the last one, for the saving test
+    return layer, dense, (layer.default_values, kernel, bias, ids, labels)
+
+
+CASES = [
+    ("SGD", {"learning_rate": 0.05}),
+    ("SGD", {"learning_rate": 0.05, "momentum": 0.9, "nesterov": True}),
+    ("Adagrad", {"learning_rate": 0.05, "initial_accumulator_value": 0.2}),
+    ("Adam", {"learning_rate": 0.01, "beta_1": 0.8}),
+    ("Ftrl", {"learning_rate": 0.1, "l1_regularization_strength": 0.01,
+              "l2_regularization_strength": 0.02, "beta": 0.1,
+              "l2_shrinkage_regularization_strength": 0.01}),
+]
+
+
+@pytest.mark.parametrize("name, config", CASES, ids=[f"{n}-{len(c)}" for n, c in CASES])
+def test_compiled_optimizer_trains_tables_and_dense_weights_to_numpys_numbers(name, config):
+    layer, dense, start = fit(getattr(optimizers, name)(**config))
+    table, kernel, bias = numpy_fit(*start, numpy_rule(name, config),
+                                    lambda t: config["learning_rate"])
+    e = layer.export()
+    order = np.argsort(e["keys"])
+    np.testing.assert_array_equal(e["keys"][order], sorted(table))
+    np.testing.assert_allclose(e["values"][order], [table[int(k)] for k in e["keys"][order]],
+                               rtol=2e-5, atol=1e-6)
+    got_kernel, got_bias = dense.get_weights()
+    np.testing.assert_allclose(got_kernel, kernel, rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(got_bias, bias, rtol=2e-5, atol=1e-6)
+    np.testing.assert_array_equal(e["versions"].max(), STEPS - 1)
+
+
+def test_a_learning_rate_schedule_follows_the_step():
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.2, decay_steps=1, decay_rate=0.5)
+    layer, dense, start = fit(optimizers.Adagrad(schedule))
+    table, kernel, bias = numpy_fit(*start, numpy_rule("Adagrad", {}),
+                                    lambda t: 0.2 * 0.5 ** t)
+    e = layer.export()
+    np.testing.assert_allclose(e["values"], [table[int(k)] for k in e["keys"]], rtol=2e-5,
+                               atol=1e-6)
+    np.testing.assert_allclose(dense.get_weights()[0], kernel, rtol=2e-5, atol=1e-6)
+
+
+def test_table_slots_are_the_optimizers():
+    layer, _, _ = fit(optimizers.Adam(0.01, amsgrad=True))
+    assert layer._kre_slot_specs == [("momentum", DIM), ("velocity", DIM),
+                                     ("velocity_hat", DIM)]
+    assert layer.export()["slots"].shape[1] == 3 * DIM
+
+
+@pytest.mark.parametrize("setting", [{"clipnorm": 1.0}, {"clipvalue": 0.5},
+                                     {"global_clipnorm": 1.0}, {"use_ema": True},
+                                     {"gradient_accumulation_steps": 2},
+                                     {"loss_scale_factor": 8.0}])
+def test_settings_the_table_update_cannot_honour_are_refused(setting):
+    name = next(iter(setting))
+    with pytest.raises(ValueError, match=f"does not support `{name}`.*{name}="):
+        fit(optimizers.SGD(0.1, **setting))
+
+
+def test_an_optimizer_without_a_table_rule_is_refused():
+    with pytest.raises(ValueError, match="no optimizer for its table"):
+        fit(keras.optimizers.RMSprop(0.1))  # a stock one trains the dense weights only
+    with pytest.raises(ValueError, match="SGD, Adagrad, Adam or Ftrl.*RMSprop"):
+        EmbeddingVariable(DIM, optimizer=keras.optimizers.RMSprop(0.1))
+    with pytest.raises(ValueError, match="`table_rule` must be one of"):
+        optimizers.Ftrl(table_rule="group")
+
+
+def test_optimizers_round_trip_through_their_config():
+    optimizer = optimizers.Ftrl(0.3, l1_regularization_strength=0.1, table_rule="deeprec")
+    again = keras.optimizers.deserialize(keras.optimizers.serialize(optimizer))
+    assert type(again) is optimizers.Ftrl and again.table_rule == "deeprec"
+    assert again.get_config() == optimizer.get_config()
+
+
+def test_a_model_compiled_with_our_optimizer_saves_and_trains_on_after_loading(tmp_path):
+    """The loaded model's optimizer is ours again (the TensorFlow backend's
+    registered name) and trains the restored table, slots included, as the
+    original goes on training."""
+    _, _, start = fit(optimizers.Adagrad(0.1))
+    trained = fit.model
+    ids, labels = start[3], start[4]
+    path = str(tmp_path / "m.keras")
+    trained.save(path)
+    loaded = keras.saving.load_model(path)
+    assert type(loaded.optimizer) is optimizers.Adagrad
+    for m in (trained, loaded):
+        m.fit(ids[:BATCH] + 1, labels[:BATCH], batch_size=BATCH, verbose=0)
+    a, b = (next(x for x in m.layers if isinstance(x, EmbeddingVariable)).export()
+            for m in (trained, loaded))
+    order_a, order_b = np.argsort(a["keys"]), np.argsort(b["keys"])
+    np.testing.assert_array_equal(a["keys"][order_a], b["keys"][order_b])
+    for name in ("values", "slots", "versions"):
+        np.testing.assert_allclose(a[name][order_a], b[name][order_b], rtol=1e-6, err_msg=name)
