@@ -46,6 +46,13 @@ def test_discovery_finds_the_modules_with_examples():
     assert {"keras_rec_emb.layers.embedding_variable", "keras_rec_emb.optimizers.deeprec_optimizers",
             "keras_rec_emb.data.parquet", "keras_rec_emb.ops.embedding_ops",
             "keras_rec_emb.callbacks", "keras_rec_emb.serving"} <= set(MODULES)
+    # Modules whose every docstring example is counted (test_examples_run runs them).
+    counts = {"keras_rec_emb.ops.embedding_ops": 4, "keras_rec_emb.ops.multi_dim_ops": 1,
+              "keras_rec_emb.layers.group_embedding": 2}
+    for name, count in counts.items():
+        assert len(_examples(importlib.import_module(name))) == count, name
+    assert {"keras_rec_emb.layers.multi_hash_embedding",
+            "keras_rec_emb.layers.adaptive_embedding"} <= set(MODULES)
 
 
 def _public_objects():

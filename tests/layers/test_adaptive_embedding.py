@@ -1,7 +1,6 @@
 """AdaptiveEmbedding: routing, promotion (eager and in graph), masks,
 gradients, saving, errors."""
 
-import doctest
 
 import keras
 import numpy as np
@@ -10,7 +9,6 @@ import tensorflow as tf
 
 import keras_rec_emb as kre
 from keras_rec_emb.layers import AdaptiveEmbedding
-from keras_rec_emb.layers import adaptive_embedding as ae_module
 
 DIM = 3
 BUCKETS = 1000
@@ -274,9 +272,3 @@ def test_bad_inputs():
         AdaptiveEmbedding(2, 4).promoted_ids()
     with pytest.raises(tf.errors.InvalidArgumentError, match="one entry per id"):
         layer(np.array([1, 2]), adaptive_mask=np.array([1]))
-
-
-def test_docstring_examples_run():
-    globs = {"keras": keras, "np": np, "tf": tf, "keras_rec_emb": kre}
-    result = doctest.testmod(ae_module, extraglobs=globs, optionflags=doctest.ELLIPSIS)
-    assert result.attempted > 0 and result.failed == 0

@@ -1,7 +1,6 @@
 """GroupEmbedding: outputs vs separate layers, input forms, training with our
 optimizers, config and model saving round-trips, errors."""
 
-import doctest
 
 import keras
 import numpy as np
@@ -10,7 +9,6 @@ import tensorflow as tf
 
 import keras_rec_emb as kre
 from keras_rec_emb.layers import EmbeddingVariable, FeatureSpec, GroupEmbedding
-from keras_rec_emb.layers import group_embedding
 
 DVD = 7
 
@@ -175,14 +173,3 @@ def test_bad_arguments():
         group({"a": np.array([1])})
     with pytest.raises(TypeError, match="float32"):
         group({"a": np.array([1.5], np.float32), "b": np.array([1]), "w": np.array([1.0])})
-
-
-def test_docstring_examples_run():
-    globs = {"keras": keras, "np": np, "tf": tf, "keras_rec_emb": kre}
-    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
-    tests = [t for t in doctest.DocTestFinder().find(group_embedding, globs=globs)
-             if t.examples]
-    assert len(tests) == 2
-    for t in tests:
-        runner.run(t)
-    assert runner.summarize(verbose=False).failed == 0

@@ -1,7 +1,6 @@
 """MultiHashEmbedding: partition math (vs NumPy), complementarity, memory,
 hashing, gradients, saving, errors."""
 
-import doctest
 import math
 
 import keras
@@ -293,9 +292,3 @@ def test_model_save_and_load(saving_round_trip):
 def test_bad_arguments(kwargs, error, match):
     with pytest.raises(error, match=match):
         MultiHashEmbedding(**kwargs)
-
-
-def test_docstring_examples_run():
-    globs = {"keras": keras, "np": np, "tf": tf, "keras_rec_emb": kre}
-    result = doctest.testmod(mh_module, extraglobs=globs, optionflags=doctest.ELLIPSIS)
-    assert result.attempted > 0 and result.failed == 0

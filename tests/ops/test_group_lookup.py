@@ -1,7 +1,6 @@
 """Fused group lookups: outputs and gradients vs NumPy and vs separate
 per-feature lookups, kernel count, training/inference, errors."""
 
-import doctest
 import os
 
 import keras
@@ -14,7 +13,6 @@ from keras_rec_emb import ops
 from keras_rec_emb.layers import EmbeddingVariable
 from keras_rec_emb._embed_reduce import combine_rows
 from keras_rec_emb._op_args import named_outputs
-from keras_rec_emb.ops import embedding_ops
 
 DVD = 11
 
@@ -464,16 +462,6 @@ def test_kernel_validates_raw_inputs():
     good = gen.kre_group_lookup_grad([], [v], [ids], splits, [tf.zeros([0])], uniq, inverse,
                                      [tf.constant([[1.0, 2.0]])], **common)
     np.testing.assert_allclose(good[0].numpy(), [[1.0, 2.0], [1.0, 2.0]])
-
-
-def test_docstring_examples_run():
-    globs = {"keras": keras, "np": np, "tf": tf, "keras_rec_emb": kre}
-    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
-    tests = [t for t in doctest.DocTestFinder().find(embedding_ops, globs=globs) if t.examples]
-    assert len(tests) == 4
-    for t in tests:
-        runner.run(t)
-    assert runner.summarize(verbose=False).failed == 0
 
 
 # -- the two paths: pooled (a table's only feature, inference) and deduplicating

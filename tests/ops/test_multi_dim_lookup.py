@@ -3,7 +3,6 @@ several axes, one combiner each. Against DeepRec's own test numbers, an
 independent NumPy reference (random ids, every combiner, weights on each
 axis), its gradient, and bad input."""
 
-import doctest
 
 import keras
 import numpy as np
@@ -12,7 +11,6 @@ import tensorflow as tf
 
 import keras_rec_emb as kre
 from keras_rec_emb import ops
-from keras_rec_emb.ops import multi_dim_ops
 
 # DeepRec's test_safe_embedding_lookup_sparse_multidim: every row of the
 # parameter is [1, 1]; ids [3, 3, 3] with these indices and weights.
@@ -254,13 +252,3 @@ def test_bad_input():
     fewer = tf.SparseTensor(DEEPREC_INDICES[:3], [1.0, 1.0, 1.0], [3, 3, 3])
     with pytest.raises(ValueError, match="sp_weights.*indices of `sp_ids`"):
         ops.safe_embedding_lookup_multi_dim(param, sp, fewer, combiners=["mean", "mean"])
-
-
-def test_docstring_example_runs():
-    globs = {"keras": keras, "np": np, "tf": tf, "keras_rec_emb": kre}
-    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
-    tests = [t for t in doctest.DocTestFinder().find(multi_dim_ops, globs=globs) if t.examples]
-    assert len(tests) == 1
-    for t in tests:
-        runner.run(t)
-    assert runner.summarize(verbose=False).failed == 0
