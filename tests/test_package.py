@@ -65,13 +65,8 @@ def test_import_needs_no_confluent_kafka_and_kafka_classes_name_the_extra():
     assert len(errors) == 2
     for line in errors:
         assert line.startswith("ERROR:") and 'pip install "keras-rec-emb[kafka]"' in line, line
-
-
-def test_import_does_not_load_confluent_kafka():
-    result = run(["-c", "import sys, keras_rec_emb; print('confluent_kafka' in sys.modules)"])
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip().splitlines()[-1] == "False"
-    # One TensorFlow distribution here: the warning of the test below is not given.
+    # One TensorFlow distribution here: the warning of
+    # test_import_names_a_second_tensorflow_distribution_and_loads_no_kafka is not given.
     assert "Several TensorFlow distributions" not in result.stderr
 
 
@@ -85,21 +80,24 @@ def test_missing_tensorflow_names_the_extras():
     assert 'pip install "keras-rec-emb[gpu]"' in result.stderr
 
 
-def test_two_tensorflow_distributions_are_reported(tmp_path):
+def test_import_names_a_second_tensorflow_distribution_and_loads_no_kafka(tmp_path):
     """`tensorflow` installed beside `tensorflow-cpu` (as a dependency on the
-    other one would do) is named at import, with the fix."""
+    other one would do) is named at import, with the fix. The same import
+    does not load confluent-kafka (installed here: the `kafka` extra)."""
     info = tmp_path / "tensorflow-2.21.0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: tensorflow\nVersion: 2.21.0\n")
-    result = run(["-c", "import keras_rec_emb"], PYTHONPATH=str(tmp_path))
+    result = run(["-c", "import sys, keras_rec_emb; print('confluent_kafka' in sys.modules)"],
+                 PYTHONPATH=str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "False"
     assert "Several TensorFlow distributions are installed" in result.stderr
     assert "tensorflow==2.21.0" in result.stderr
     installed = [d for d in ("tensorflow-cpu", "tensorflow") if _installed(d)]
     for name in installed:
         assert f"{name}==" in result.stderr
     # Without the second distribution there is no warning: checked by the
-    # plain import of test_import_does_not_load_confluent_kafka.
+    # import of test_import_needs_no_confluent_kafka_and_kafka_classes_name_the_extra.
 
 
 def _installed(name):
