@@ -26,6 +26,8 @@ import weakref
 import jax.numpy as jnp
 import keras
 
+from keras_rec_emb._jax import saving
+
 _RULES_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                            "optimizers", "rules.py")
 
@@ -174,6 +176,20 @@ class TableOptimizer:
         super().build(variables)
         for table in tables:
             table.attach_optimizer(self)
+
+    # Saving: the TensorFlow backend's layout (keras_rec_emb/_jax/saving.py).
+    def add_variable_from_reference(self, reference_variable, name=None, initializer="zeros"):
+        variable = super().add_variable_from_reference(reference_variable, name=name,
+                                                       initializer=initializer)
+        if tables_of([reference_variable]):
+            saving.mark_anchor_slot(self, variable)
+        return variable
+
+    def save_own_variables(self, store):
+        saving.save_optimizer(self, store)
+
+    def load_own_variables(self, store):
+        saving.load_optimizer(self, store)
 
 
 _EXAMPLE = """

@@ -20,13 +20,17 @@ under JAX and the reverse. Three things make it so.
   optimizer slot as `slot:NAME` (`slot:accumulator` for Adagrad). The
   table's slots are the layer's under both backends: under TensorFlow the
   optimizer's own variables hold only its step, learning rate and the
-  dense weights' slots, never a table's.
+  dense weights' slots, never a table's; under JAX the optimizer leaves out
+  the slots it makes for the layers' zero-size anchors
+  (`save_optimizer` / `load_optimizer`), so its list is TensorFlow's.
 
 The JAX layer's step counter (`iterations`, which drives learning-rate
 schedules and stamps versions) is not a part of that format: it is
 restored as the latest version plus one, the step after the last update,
 which is what it was whenever the last training step looked up any id.
 """
+
+import warnings
 
 import keras
 import numpy as np
@@ -196,3 +200,40 @@ def layer_kwargs(config):
     if ev.get("num_shards") is not None:
         kwargs["num_shards"] = ev["num_shards"]
     return kwargs
+
+
+# -- the optimizer -------------------------------------------------------------
+# Under TensorFlow a table's slots live in the table and the optimizer saves
+# only its other variables (step, learning rate, the dense weights' slots).
+# Under JAX the optimizer also makes a slot for each layer's zero-size
+# `anchor`: those are left out of the store, so that both backends save
+# and load the same list.
+
+def mark_anchor_slot(optimizer, variable):
+    """Records `variable` as a slot of a table's anchor (not saved)."""
+    if not hasattr(optimizer, "_kre_anchor_slots"):
+        optimizer._kre_anchor_slots = []
+    optimizer._kre_anchor_slots.append(variable)
+
+
+def _saved_variables(optimizer):
+    skip = {id(v) for v in getattr(optimizer, "_kre_anchor_slots", ())}
+    return [v for v in optimizer.variables if id(v) not in skip]
+
+
+def save_optimizer(optimizer, store):
+    for i, variable in enumerate(_saved_variables(optimizer)):
+        store[str(i)] = variable.numpy()
+
+
+def load_optimizer(optimizer, store):
+    variables = _saved_variables(optimizer)
+    if len(store.keys()) != len(variables):
+        # Keras's own rule (base_optimizer.load_own_variables).
+        warnings.warn(
+            f"Skipping variable loading for optimizer '{optimizer.name}', because it has "
+            f"{len(variables)} variables whereas the saved optimizer has {len(store.keys())} "
+            "variables.", stacklevel=2)
+        return
+    for i, variable in enumerate(variables):
+        variable.assign(store[str(i)])

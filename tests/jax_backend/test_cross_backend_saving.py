@@ -1,14 +1,9 @@
 """One `.keras` format for both backends: a model trained and saved under
 TensorFlow (this process) loads under JAX (a child process) with the same
-rows, slots, frequencies, versions, initializer matrix and predictions,
-and the reverse; `export_for_serving` of a model trained under JAX writes
-the stock-TensorFlow SavedModel.
-
-The models load with `compile=False`: the model's own optimizer is
-`keras_rec_emb.optimizers.SGD` under TensorFlow (a stock Keras optimizer
-cannot update a table there) and a stock one under JAX, and neither
-backend deserializes the other's yet. The table's optimizer (the layer's
-`optimizer=`) and its slots load in both directions."""
+rows, slots, frequencies, versions, initializer matrix, optimizer state and
+predictions, and trains on to the same numbers; and the reverse, where
+`export_for_serving` of the model trained under JAX writes the
+stock-TensorFlow SavedModel."""
 
 import json
 import os
@@ -21,20 +16,22 @@ import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
-# Ids -> EmbeddingVariable(Adagrad) -> Flatten -> Dense(1). The initializer
-# is unseeded: a loaded layer draws another matrix, so the predictions for
-# the unseen ids 40 and 41 match only if the saved matrix was restored.
+# Ids -> EmbeddingVariable -> Flatten -> Dense(1), the same code under both
+# backends but for the layer's constructor. The initializer is unseeded: a
+# loaded layer draws another matrix, so the predictions for the unseen ids
+# 40 and 41 match only if the saved matrix was restored.
 _COMMON = """
 import json
 import numpy as np
 import keras
+import keras_rec_emb as kre
 DIM, FEATURES, DVD = 3, 2, 5
 rng = np.random.default_rng(11)
 ids = rng.integers(0, 11, size=(16, FEATURES)).astype(np.int32)
 labels = rng.normal(size=(16, 1)).astype(np.float32)
+more_ids = rng.integers(0, 14, size=(8, FEATURES)).astype(np.int32)
+more_labels = rng.normal(size=(8, 1)).astype(np.float32)
 queries = np.array([[0, 1], [2, 3], [40, 41]], np.int32)
-def table_optimizer():
-    return dict(learning_rate=0.1, initial_accumulator_value=0.2)
 def train(layer, model_optimizer):
     inputs = keras.Input(shape=(FEATURES,), dtype="int32")
     dense = keras.layers.Dense(1, name="dense")
@@ -47,46 +44,56 @@ def table_parts(parts):
            ("keys", "values", "freqs", "versions", "default_values")}
     out["accumulator"] = np.asarray(parts["slots"]["accumulator"])
     return out
+def dense_state(model):
+    # The model optimizer's variables as TensorFlow saves them: step,
+    # learning rate, the Dense kernel's and bias's accumulators.
+    out = {"kernel": model.get_layer("dense").get_weights()[0]}
+    variables = [np.asarray(v) for v in model.optimizer.variables if np.size(v) > 0]
+    out.update({f"optimizer_{i}": v for i, v in enumerate(variables)})
+    return out
 """
 
 _JAX = """
 from keras_rec_emb._jax import ffi
-from keras_rec_emb._jax.layers import EmbeddingVariable
 def parts_of(layer):
     return table_parts(ffi.export_parts(layer.handle, layer.key_dtype, layer.embedding_dim,
                                         [("accumulator", layer.embedding_dim)]))
+def jax_layer(**kwargs):
+    return kre.layers.EmbeddingVariable(DIM, initializer="uniform", default_value_dim=DVD,
+                                        key_dtype="int32", name="ev", **kwargs)
 """
 
+# Loads the TensorFlow file (compiled), predicts, then trains on.
 _JAX_LOADS = """
 import sys
-model = keras.saving.load_model(sys.argv[1], compile=False)
+model = keras.saving.load_model(sys.argv[1])
 layer = model.get_layer("ev")
-np.savez(sys.argv[2], predictions=model.predict(queries, verbose=0),
-         iterations=int(layer.iterations.value), **parts_of(layer))
 with open(sys.argv[3], "w") as f:
     json.dump(layer.get_config(), f)
+loaded = dict(parts_of(layer), predictions=model.predict(queries, verbose=0),
+              iterations=int(layer.iterations.value), **dense_state(model))
+model.fit(more_ids, more_labels, batch_size=4, shuffle=False, verbose=0)
+trained = {f"trained_{k}": v for k, v in dict(parts_of(layer), **dense_state(model)).items()}
+np.savez(sys.argv[2], **loaded, **trained)
 """
 
+# The table has its own optimizer here (the layer's `optimizer=`).
 _JAX_SAVES = """
 import sys
-layer = EmbeddingVariable(DIM, optimizer=keras.optimizers.Adagrad(**table_optimizer()),
-                          initializer="uniform", default_value_dim=DVD, key_dtype="int32",
-                          name="ev")
-model = train(layer, keras.optimizers.SGD(0.05))
+layer = jax_layer(optimizer=kre.optimizers.Adagrad(0.1, initial_accumulator_value=0.2))
+model = train(layer, kre.optimizers.SGD(0.05))
 model.save(sys.argv[1])
-np.savez(sys.argv[2], predictions=model.predict(queries, verbose=0), **parts_of(layer))
-import keras_rec_emb
-assert keras_rec_emb.export_for_serving(model, sys.argv[3]) == sys.argv[3]
+np.savez(sys.argv[2], predictions=model.predict(queries, verbose=0), **parts_of(layer),
+         **dense_state(model))
+assert kre.export_for_serving(model, sys.argv[3]) == sys.argv[3]
 """
 
 _TENSORFLOW = """
-import keras_rec_emb as kre
-def tensorflow_layer():
+def tensorflow_layer(**kwargs):
     option = kre.EmbeddingVariableOption(
         init_option=kre.InitializerOption(default_value_dim=DVD), track_meta=True)
-    return kre.layers.EmbeddingVariable(
-        DIM, key_dtype="int32", initializer="uniform", ev_option=option, name="ev",
-        optimizer=kre.optimizers.Adagrad(**table_optimizer()))
+    return kre.layers.EmbeddingVariable(DIM, key_dtype="int32", initializer="uniform",
+                                        ev_option=option, name="ev", **kwargs)
 """
 
 
@@ -103,47 +110,58 @@ def _tensorflow():
     return namespace
 
 
-def _by_key(parts):
-    order = np.argsort(parts["keys"])
-    return {name: (np.asarray(parts[name])[order]
-                   if name in ("keys", "values", "freqs", "versions", "accumulator")
-                   else np.asarray(parts[name]))
-            for name in ("keys", "values", "freqs", "versions", "accumulator",
-                         "default_values")}
+def _assert_same(got, want, prefix="", rtol=0.0, atol=0.0):
+    """Equal tables (rows, slots, frequencies, versions, initializer)."""
+    order_got, order_want = np.argsort(got[prefix + "keys"]), np.argsort(want["keys"])
+    np.testing.assert_array_equal(got[prefix + "keys"][order_got], want["keys"][order_want])
+    for name in ("freqs", "versions"):
+        np.testing.assert_array_equal(got[prefix + name][order_got], want[name][order_want],
+                                      err_msg=name)
+    for name in ("values", "accumulator"):
+        np.testing.assert_allclose(got[prefix + name][order_got], want[name][order_want],
+                                   rtol=rtol, atol=atol, err_msg=name)
+    np.testing.assert_array_equal(got[prefix + "default_values"], want["default_values"])
 
 
-def _assert_same(got, want):
-    got, want = _by_key(got), _by_key(want)
-    np.testing.assert_array_equal(got["keys"], want["keys"])
-    for name in ("freqs", "versions", "values", "accumulator", "default_values"):
-        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
-
-
-def test_a_model_saved_under_tensorflow_loads_under_jax(tmp_path):
+def test_a_model_saved_under_tensorflow_loads_and_trains_on_under_jax(tmp_path):
+    """The table trained by the model's optimizer (model.compile)."""
     tf_side = _tensorflow()
+    kre = tf_side["kre"]
     layer = tf_side["tensorflow_layer"]()
-    import keras_rec_emb as kre
-
-    model = tf_side["train"](layer, kre.optimizers.SGD(0.05))
+    model = tf_side["train"](layer, kre.optimizers.Adagrad(0.1, initial_accumulator_value=0.2))
     path = tmp_path / "tensorflow.keras"
     model.save(str(path))
-    want = tf_side["table_parts"](layer.export())
-    assert len(want["keys"]) > 5 and want["versions"].max() == 7  # 8 steps
+    saved = dict(tf_side["table_parts"](layer.export()), **tf_side["dense_state"](model))
+    predictions = model.predict(tf_side["queries"], verbose=0)
+    assert len(saved["keys"]) > 5 and saved["versions"].max() == 7  # 8 steps
     _run_jax(_COMMON + _JAX + _JAX_LOADS, path, tmp_path / "loaded.npz",
              tmp_path / "config.json")
     got = dict(np.load(tmp_path / "loaded.npz"))
-    _assert_same(got, want)
-    np.testing.assert_allclose(got["predictions"], model.predict(tf_side["queries"], verbose=0),
-                               rtol=1e-6, atol=1e-6)
+    _assert_same(got, saved)
+    np.testing.assert_allclose(got["predictions"], predictions, rtol=1e-6, atol=1e-6)
     assert int(got["iterations"]) == 8  # the step after the last update
+    for name in saved:
+        if name.startswith("optimizer_") or name == "kernel":  # step, lr, accumulators
+            np.testing.assert_array_equal(got[name], saved[name], err_msg=name)
     # The JAX layer writes back the config it read.
     assert json.loads((tmp_path / "config.json").read_text()) == json.loads(
         json.dumps(layer.get_config()))
+    # One more epoch under each backend from the saved state: the same
+    # numbers (slots, steps and the Dense weights' accumulators came across).
+    model.fit(tf_side["more_ids"], tf_side["more_labels"], batch_size=4, shuffle=False,
+              verbose=0)
+    trained = dict(tf_side["table_parts"](layer.export()), **tf_side["dense_state"](model))
+    _assert_same(got, trained, prefix="trained_", rtol=1e-5, atol=1e-6)
+    for name in trained:
+        if name.startswith("optimizer_") or name == "kernel":
+            np.testing.assert_allclose(got["trained_" + name], trained[name], rtol=1e-5,
+                                       atol=1e-6, err_msg=name)
 
 
 def test_a_model_trained_under_jax_loads_and_serves_under_tensorflow(tmp_path):
-    """The JAX child saves the model and exports it for serving (which runs
-    a TensorFlow child of its own)."""
+    """The table trained by its own optimizer (`optimizer=`); the JAX child
+    saves the model and exports it for serving (which runs a TensorFlow
+    child of its own)."""
     import keras
     import tensorflow as tf
 
@@ -152,15 +170,19 @@ def test_a_model_trained_under_jax_loads_and_serves_under_tensorflow(tmp_path):
     want = dict(np.load(tmp_path / "saved.npz"))
     assert len(want["keys"]) > 5 and want["versions"].max() == 7
     tf_side = _tensorflow()
-    model = keras.saving.load_model(str(path), compile=False)
+    model = keras.saving.load_model(str(path))
     layer = model.get_layer("ev")
-    import keras_rec_emb as kre
-
+    kre = tf_side["kre"]
     assert isinstance(layer, kre.layers.EmbeddingVariable)
     assert type(layer.table_optimizer).__name__ == "Adagrad"
+    assert isinstance(model.optimizer, kre.optimizers.SGD)
     _assert_same(tf_side["table_parts"](layer.export()), want)
     np.testing.assert_allclose(model.predict(tf_side["queries"], verbose=0), want["predictions"],
                                rtol=1e-6, atol=1e-6)
+    state = tf_side["dense_state"](model)
+    assert sorted(state) == sorted(k for k in want if k.startswith("optimizer_") or k == "kernel")
+    for name, value in state.items():
+        np.testing.assert_array_equal(value, want[name], err_msg=name)
     # The TensorFlow layer reads every argument the JAX layer wrote.
     with zipfile.ZipFile(path) as archive:
         saved = json.loads(archive.read("config.json"))

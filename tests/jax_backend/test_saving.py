@@ -327,3 +327,37 @@ def test_a_sequential_model_saves_and_loads_its_table(tmp_path):
     queries = np.array([[1, 2], [40, 41]], np.int32)
     np.testing.assert_array_equal(loaded.predict(queries, verbose=0),
                                   model.predict(queries, verbose=0))
+
+
+def test_the_optimizer_saves_what_the_tensorflow_backends_saves(tmp_path):
+    """Step, learning rate and the Dense weights' accumulators; not the
+    slots of the layer's zero-size anchor (a table's slots are the
+    layer's)."""
+    from keras_rec_emb._jax import optimizers
+
+    layer = EmbeddingVariable(3, default_value_dim=5, name="ev")
+    model = _model(layer)
+    model.compile(optimizer=optimizers.Adagrad(0.1), loss="mse")
+    ids, labels = _data(0)
+    model.fit(ids, labels, batch_size=4, verbose=0)
+    assert [tuple(v.shape) for v in model.optimizer.variables] == [(), (), (0,), (6, 1), (1,)]
+    path = tmp_path / "model.keras"
+    model.save(str(path))
+    with zipfile.ZipFile(path) as archive:
+        weights = h5py.File(io.BytesIO(archive.read("model.weights.h5")))
+        stored = [weights["optimizer/vars"][str(i)][()] for i in range(len(
+            weights["optimizer/vars"]))]
+    assert [np.shape(v) for v in stored] == [(), (), (6, 1), (1,)]
+    assert int(stored[0]) == 2
+    np.testing.assert_array_equal(stored[2], np.asarray(model.optimizer.variables[3]))
+    assert "slot:accumulator" in weights_names(path)
+    loaded = keras.saving.load_model(str(path))
+    assert len(loaded.optimizer.variables) == len(model.optimizer.variables)
+    for got, want in zip(loaded.optimizer.variables, model.optimizer.variables):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def weights_names(path):
+    with zipfile.ZipFile(path) as archive:
+        weights = h5py.File(io.BytesIO(archive.read("model.weights.h5")))
+        return list(weights["layers/embedding_variable/vars"])
