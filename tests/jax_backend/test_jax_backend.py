@@ -47,27 +47,33 @@ def test_tests_under_the_jax_backend_pass():
 
 
 # The same model under both backends: ids -> EmbeddingVariable -> Flatten ->
-# Dense(1), MSE, SGD for the table and the Dense layer, fixed initial values.
+# Dense(1), MSE, the optimizer of keras_rec_emb.optimizers given to `compile`
+# training the table and the Dense layer, fixed initial values.
 _CROSS = """
 import numpy as np
 import keras
-DIM, FEATURES, DVD, LR = 3, 2, 5, 0.05
-rng = np.random.default_rng(7)
-ids = rng.integers(0, 11, size=(16, FEATURES)).astype(np.int32)
-labels = rng.normal(size=(16, 1)).astype(np.float32)
-matrix = rng.normal(size=(DVD, DIM)).astype(np.float32)
-kernel = rng.normal(size=(FEATURES * DIM, 1)).astype(np.float32)
-layer = make_layer(keras.initializers.Constant(matrix))
-inputs = keras.Input(shape=(FEATURES,), dtype="int32")
-dense = keras.layers.Dense(1, kernel_initializer=keras.initializers.Constant(kernel))
-model = keras.Model(inputs, dense(keras.layers.Flatten()(layer(inputs))))
-model.compile(optimizer=dense_optimizer(LR), loss="mse")
-model.fit(ids, labels, batch_size=4, epochs=2, shuffle=False, verbose=0)
-e = export(layer)
-order = np.argsort(e["keys"])
-result = {"keys": e["keys"][order].tolist(), "values": e["values"][order].tolist(),
-          "freqs": e["freqs"][order].tolist(),
-          "kernel": dense.get_weights()[0].tolist(), "bias": dense.get_weights()[1].tolist()}
+import keras_rec_emb as kre
+DIM, FEATURES, DVD = 3, 2, 5
+OPTIMIZERS = {"SGD": 0.05, "Adagrad": 0.05, "Adam": 0.01}
+def train(name):
+    rng = np.random.default_rng(7)
+    ids = rng.integers(0, 11, size=(16, FEATURES)).astype(np.int32)
+    labels = rng.normal(size=(16, 1)).astype(np.float32)
+    matrix = rng.normal(size=(DVD, DIM)).astype(np.float32)
+    kernel = rng.normal(size=(FEATURES * DIM, 1)).astype(np.float32)
+    layer = make_layer(keras.initializers.Constant(matrix))
+    inputs = keras.Input(shape=(FEATURES,), dtype="int32")
+    dense = keras.layers.Dense(1, kernel_initializer=keras.initializers.Constant(kernel))
+    model = keras.Model(inputs, dense(keras.layers.Flatten()(layer(inputs))))
+    model.compile(optimizer=getattr(kre.optimizers, name)(OPTIMIZERS[name]), loss="mse")
+    model.fit(ids, labels, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    e = export(layer)
+    order = np.argsort(e["keys"])
+    return {"keys": e["keys"][order].tolist(), "values": e["values"][order].tolist(),
+            "slots": {k: np.asarray(v)[order].tolist() for k, v in e["slots"].items()},
+            "freqs": e["freqs"][order].tolist(), "versions": e["versions"][order].tolist(),
+            "kernel": dense.get_weights()[0].tolist(), "bias": dense.get_weights()[1].tolist()}
+result = {name: train(name) for name in OPTIMIZERS}
 """
 
 _TENSORFLOW = """
@@ -76,26 +82,26 @@ def make_layer(init):
     option = kre.EmbeddingVariableOption(
         init_option=kre.InitializerOption(initializer=init, default_value_dim=DVD), track_meta=True)
     return kre.layers.EmbeddingVariable(DIM, key_dtype="int32", ev_option=option)
-def dense_optimizer(lr):
-    return kre.optimizers.SGD(learning_rate=lr)
 def export(layer):
     return layer.table.export()
 """
 
 _JAX = """
-from keras_rec_emb._jax.layers import EmbeddingVariable
+import keras_rec_emb as kre
 def make_layer(init):
-    return EmbeddingVariable(DIM, optimizer=keras.optimizers.SGD(learning_rate=LR),
-                             initializer=init, default_value_dim=DVD)
-def dense_optimizer(lr):
-    return keras.optimizers.SGD(learning_rate=lr)
+    return kre.layers.EmbeddingVariable(DIM, initializer=init, default_value_dim=DVD)
 def export(layer):
-    return layer.export()
+    e = layer.export()  # slots packed in the order of the layer's slot specs
+    starts = np.cumsum([0] + [w for _, w in layer._kre_slot_specs])
+    e["slots"] = {name: e["slots"][:, a:a + w]
+                  for (name, w), a in zip(layer._kre_slot_specs, starts)}
+    return e
 """
 
 
 def _train_under_jax():
-    code = "import json, sys\nimport keras\n" + _JAX + _CROSS + "json.dump(result, sys.stdout)\n"
+    code = "import json, sys\nimport keras\n" + _CROSS.replace(
+        "def train", _JAX + "def train", 1) + "json.dump(result, sys.stdout)\n"
     env = dict(os.environ, KERAS_BACKEND="jax")
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=300)
@@ -106,16 +112,23 @@ def _train_under_jax():
 def _train_under_tensorflow():
     """In this process (the suite's runs TensorFlow): saves a child's start."""
     namespace = {}
-    exec("import keras\n" + _TENSORFLOW + _CROSS, namespace)
+    exec(_CROSS.replace("def train", _TENSORFLOW + "def train", 1), namespace)
     return namespace["result"]
 
 
-def test_sgd_training_gives_the_tensorflow_backends_numbers():
-    """model.fit with SGD under KERAS_BACKEND=jax and =tensorflow: the same
-    ids, rows, frequencies and Dense weights (1e-5)."""
-    tf_run = _train_under_tensorflow()
-    jax_run = _train_under_jax()
-    assert jax_run["keys"] == tf_run["keys"] and jax_run["freqs"] == tf_run["freqs"]
-    for name in ("values", "kernel", "bias"):
-        np.testing.assert_allclose(jax_run[name], tf_run[name], rtol=1e-5, atol=1e-6,
-                                   err_msg=name)
+def test_compiled_optimizers_give_the_tensorflow_backends_numbers():
+    """model.fit with kre.optimizers.SGD, Adagrad and Adam under
+    KERAS_BACKEND=jax and =tensorflow: the same ids, frequencies, versions,
+    rows, slots and Dense weights (1e-5 for SGD and Adagrad, 1e-4 for Adam)."""
+    tf_runs = _train_under_tensorflow()
+    jax_runs = _train_under_jax()
+    for name, tolerance in (("SGD", 1e-5), ("Adagrad", 1e-5), ("Adam", 1e-4)):
+        tf_run, jax_run = tf_runs[name], jax_runs[name]
+        for key in ("keys", "freqs", "versions"):
+            assert jax_run[key] == tf_run[key], (name, key)
+        assert sorted(jax_run["slots"]) == sorted(tf_run["slots"]), name
+        for key in ("values", "kernel", "bias", *(f"slot {s}" for s in tf_run["slots"])):
+            got, want = ((run["slots"][key[5:]] if key.startswith("slot ") else run[key])
+                         for run in (jax_run, tf_run))
+            np.testing.assert_allclose(got, want, rtol=tolerance, atol=1e-6,
+                                       err_msg=f"{name} {key}")
