@@ -10,6 +10,9 @@ Frameworks (each a worker process in its own virtualenv):
 * `ours_group`, `ours_separate`, `keras` (`worker_keras.py`, `.venv`): ours
   with one GroupEmbedding or 26 EmbeddingVariable layers; stock Keras
   `Hashing(10^6)` + `Embedding`.
+* `ours_jax` (`worker_jax.py`, `.venv`, `KERAS_BACKEND=jax`): ours under
+  Keras's JAX backend, 26 EmbeddingVariable layers (the tables through
+  XLA's FFI, no TensorFlow in the process).
 * `torchrec_tbe`, `torchrec_dmp` (`worker_torchrec.py`, `.venv-torchrec`):
   fbgemm's fused table-batched embedding (static 10^6-row tables,
   EXACT_ADAGRAD in the backward), directly and through TorchRec's
@@ -83,6 +86,8 @@ FRAMEWORKS = {
     "ours_group": ("ours, GroupEmbedding", "worker_keras.py", None, "group", {}),
     "ours_separate": ("ours, 26 separate EmbeddingVariable", "worker_keras.py", None,
                       "separate", {}),
+    "ours_jax": ("ours on Keras's JAX backend, 26 separate EmbeddingVariable", "worker_jax.py",
+                 None, "separate", {"KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu"}),
     "torchrec_tbe": ("TorchRec/fbgemm fused TBE (static tables)", "worker_torchrec.py",
                      ".venv-torchrec", "tbe", {}),
     "torchrec_dmp": ("TorchRec DistributedModelParallel, 1 rank", "worker_torchrec.py",

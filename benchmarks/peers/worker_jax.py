@@ -1,0 +1,127 @@
+"""Peer-benchmark worker for ours under Keras's JAX backend (`.venv`,
+`KERAS_BACKEND=jax`): the tables through XLA's FFI, no TensorFlow.
+
+`--impl separate` (the only one): one `keras_rec_emb.layers.EmbeddingVariable`
+per feature, each called on `ids[:, j, :]` of the workload's stacked
+`[batch, F, L]` ids (padded with -1, combiner "sum" and
+`prune_invalid_ids=True`; `ids[:, j, 0]` without a combiner for the
+single-id variant), concatenated -> `Dense(1, sigmoid)`, binary
+cross-entropy, `keras_rec_emb.optimizers.Adagrad` from `model.compile` (the
+workload's `OPTIMIZER` settings, as `worker_keras.py`). Training runs
+`model.fit` (jitted by Keras's JAX trainer) over the pre-built batches from
+a generator; the forward lookup is the embedding part alone
+(`training=False`) in a `jax.jit`, on pre-built batch arrays.
+
+Threads: `--threads 1` gives XLA's CPU client one thread
+(`--xla_cpu_multi_thread_eigen=false`, `intra_op_parallelism_threads=1`);
+the table kernels run on the calling thread either way.
+"""
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import protocol  # noqa: E402
+import workload  # noqa: E402
+
+
+def make_worker(args):
+    os.environ["KERAS_BACKEND"] = "jax"
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if args.threads == 1:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   " --xla_cpu_multi_thread_eigen=false"
+                                   " intra_op_parallelism_threads=1").strip()
+    import jax
+    import keras
+    import numpy as np
+
+    ids, labels, meta = workload.load(args.data, args.variant)
+    return JaxWorker(args.impl, ids, labels, meta, jax, keras, np)
+
+
+class JaxWorker:
+    def __init__(self, impl, ids, labels, meta, jax, keras, np):
+        if impl != "separate":
+            raise ValueError(f"--impl must be separate; got {impl!r}")
+        import keras_rec_emb as kre
+
+        self.meta, self.np, self.keras = meta, np, keras
+        self.rss_before_model = protocol.rss_bytes()
+        F, dim = meta["features"], meta["dim"]
+        multi = meta["max_ids"] > 1
+        r = meta["init_range"]
+        init = keras.initializers.RandomUniform(-r, r, seed=0)
+        # Ids < 10**6: int32 keys, JAX's default (int64 needs its x64 mode).
+        ids = ids.astype(np.int32)
+        inputs = keras.Input(shape=ids.shape[1:], dtype="int32", batch_size=meta["batch"])
+        pooled = {"combiner": "sum", "prune_invalid_ids": True} if multi else {}
+        self.tables = [kre.layers.EmbeddingVariable(dim, initializer=init, name=f"t{j}",
+                                                    **pooled) for j in range(F)]
+        cols = [inputs[:, j, :] if multi else inputs[:, j, 0] for j in range(F)]
+        embedded = keras.layers.Concatenate()([t(c) for t, c in zip(self.tables, cols)])
+        self.embed_model = keras.Model(inputs, embedded)
+        head = keras.layers.Dense(1, activation="sigmoid")
+        self.model = keras.Model(inputs, head(embedded))
+        self.model.compile(
+            optimizer=kre.optimizers.Adagrad(
+                learning_rate=meta["learning_rate"],
+                initial_accumulator_value=meta["adagrad_initial_accumulator"],
+                epsilon=meta["adagrad_epsilon"] ** 2),
+            loss="binary_crossentropy")
+        b = meta["batch"]
+        self.batches = [ids[i * b:(i + 1) * b] for i in range(meta["batches"])]
+        self.labels = [labels[i * b:(i + 1) * b, None] for i in range(meta["batches"])]
+        self.first_labels = labels[:b].astype("float64")
+
+        def forever():
+            i = 0
+            while True:
+                yield self.batches[i % len(self.batches)], self.labels[i % len(self.labels)]
+                i += 1
+
+        self.data = forever()
+        self.embed_fn = jax.jit(lambda x: self.embed_model(x, training=False))
+
+        class Clock(keras.callbacks.Callback):
+            def on_train_batch_end(cb, batch, logs=None):
+                now, cpu = time.perf_counter(), time.process_time()
+                if batch == 0:
+                    cb.start, cb.cpu_start = now, cpu
+                cb.end, cb.cpu_end = now, cpu
+
+        self.Clock = Clock
+        loss_initial = self.eval_loss()
+        self.train(meta["batches"])  # warm-up: trace, build, insert every key once
+        self.lookup(3)
+        self.info = {"impl": impl, "loss_initial": loss_initial,
+                     "loss_after_warmup": self.eval_loss(),
+                     "framework_versions": {"jax": jax.__version__, "keras": keras.__version__}}
+
+    def eval_loss(self):
+        p = self.np.asarray(self.model.predict(self.batches[0], batch_size=len(self.batches[0]),
+                                               verbose=0))[:, 0]
+        return protocol.bce(p.astype("float64"), self.first_labels)
+
+    def train(self, steps):
+        clock = self.Clock()
+        hist = self.model.fit(self.data, steps_per_epoch=steps + 1, epochs=1, verbose=0,
+                              callbacks=[clock])
+        self.cpu_s = clock.cpu_end - clock.cpu_start
+        return clock.end - clock.start, hist.history["loss"][-1]
+
+    def lookup(self, n):
+        t0 = time.perf_counter()
+        for i in range(n):
+            self.embed_fn(self.batches[i % len(self.batches)]).block_until_ready()
+        return time.perf_counter() - t0
+
+    def stats(self):
+        # (The JAX binding reports no table memory yet: bytes per key left out.)
+        return {"table_rows": int(sum(t.table_size() for t in self.tables)),
+                "table_bytes": None}
+
+
+if __name__ == "__main__":
+    protocol.serve(make_worker)
