@@ -27,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from storage import make_batches  # noqa: E402  (the same draws as the timed runs)
+from storage import make_batches
 
 
 def simulate(steps, cap, insert_ref, max_ref, admit_by_freq, cycles):

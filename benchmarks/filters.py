@@ -55,7 +55,7 @@ import tensorflow as tf
 import keras_rec_emb as kre
 from keras_rec_emb.variables import EmbeddingTable
 
-from _machine import machine_info  # noqa: E402  (run as a script)
+from _machine import machine_info
 
 FILTER_FREQ = 2
 CBF_FALSE_POSITIVE = 0.01

@@ -40,12 +40,12 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-import keras  # noqa: E402
+import keras
 
-import keras_rec_emb as kre  # noqa: E402
-from keras_rec_emb import cli  # noqa: E402
+import keras_rec_emb as kre
+from keras_rec_emb import cli
 
-from _machine import machine_info, median_range, write_json_report  # noqa: E402  (run as a script)
+from _machine import machine_info, median_range, write_json_report
 
 MODES = ("group", "group_dict", "separate")
 

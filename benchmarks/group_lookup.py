@@ -40,12 +40,12 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import numpy as np
+import tensorflow as tf
 
-import keras_rec_emb as kre  # noqa: E402
+import keras_rec_emb as kre
 
-from _machine import machine_info, median_range, write_json_report  # noqa: E402  (run as a script)
+from _machine import machine_info, median_range, write_json_report
 
 DEFAULT_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "group_lookup.json")
 

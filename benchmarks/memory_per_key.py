@@ -29,16 +29,16 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import numpy as np
+import tensorflow as tf
 
-import keras_rec_emb as kre  # noqa: E402
+import keras_rec_emb as kre
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _machine import machine_info  # noqa: E402
+from _machine import machine_info
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
-from protocol import rss_bytes  # noqa: E402
+from protocol import rss_bytes
 
 TARGET = 1.3
 DEFAULT_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "memory_per_key.json")

@@ -54,13 +54,13 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
+import keras
+import numpy as np
 
-import keras_rec_emb as kre  # noqa: E402
+import keras_rec_emb as kre
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _machine import machine_info  # noqa: E402
+from _machine import machine_info
 
 TARGET_FILE_VS_DRAM = 0.5
 DEFAULT_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "storage.json")

@@ -48,15 +48,15 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import keras
+import numpy as np
+import tensorflow as tf
 
-import keras_rec_emb as kre  # noqa: E402
+import keras_rec_emb as kre
 
-from _machine import machine_info  # noqa: E402  (run as a script)
+from _machine import machine_info
 
-from keras_rec_emb.data.synthetic import NUM_DENSE  # noqa: E402
+from keras_rec_emb.data.synthetic import NUM_DENSE
 TARGET_EV_VS_HASHING = 1.0
 MODELS = ("ev_adagrad", "ev_adagrad_decay", "group_adagrad", "hashing_adagrad")
 REFERENCE = "hashing_adagrad"

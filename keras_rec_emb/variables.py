@@ -881,7 +881,7 @@ class TableVariable(_compat.ActsAsResourceVariable):
         # a table. Ours key tables by `_kre_id`; a stock wrapper around one
         # of ours (Keras adds LossScaleOptimizer by itself under
         # mixed_float16) is built after the optimizer it wraps.
-        ours = self._table._table_optimizer  # noqa: SLF001
+        ours = self._table._table_optimizer
         if ours is not None:
             raise TypeError(_STOCK_WRAPPER_ERROR.format(name=self.name, ours=ours))
         raise TypeError(_STOCK_OPTIMIZER_ERROR.format(name=self.name))

@@ -51,7 +51,7 @@ def run_here(argv):
             elif not isinstance(code, int):
                 print(code, file=sys.stderr)
                 code = 1
-        except Exception:  # noqa: BLE001 - what a child would print and exit with
+        except Exception:
             traceback.print_exc()
             code = 1
     return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())

@@ -162,7 +162,7 @@ def _table_case(rng, gen):
         kw = ", ".join(f"{k}={v}" for k, v in attrs.items())
         return f"gen.kre_table_create({dv}, {kw})"
     if op == "import":
-        from keras_rec_emb.variables import PART_NAMES  # noqa: PLC0415 - parent only
+        from keras_rec_emb.variables import PART_NAMES
 
         parts = {k: f"EXPORT[{k!r}]" for k in PART_NAMES}
         if t == "T32":
@@ -173,7 +173,7 @@ def _table_case(rng, gen):
                      f"dim={gen.pick([4, 3])}, clear={gen.pick(['True', 'False'])}")
     rule = gen.pick(["sgd", "momentum", "adagrad", "adam", "ftrl", "adam_async",
                      "adagrad_decay"])
-    from keras_rec_emb.optimizers.rules import RULES  # noqa: PLC0415 - parent only
+    from keras_rec_emb.optimizers.rules import RULES
 
     names = list(RULES[rule].hparam_names)
     hyper = [gen.pick(["0.1", "0.0", "1.0", "0.9"]) for _ in names]

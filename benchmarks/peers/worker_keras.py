@@ -32,8 +32,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import protocol  # noqa: E402
-import workload  # noqa: E402
+import protocol
+import workload
 
 
 def make_worker(args):

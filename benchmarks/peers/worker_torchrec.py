@@ -26,8 +26,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import protocol  # noqa: E402
-import workload  # noqa: E402
+import protocol
+import workload
 
 
 def make_worker(args):

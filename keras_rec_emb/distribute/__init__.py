@@ -14,10 +14,10 @@ if _os.environ.get("KERAS_BACKEND") == "jax":
     )
 
 from keras_rec_emb import _compat as _compat
-from keras_rec_emb.distribute.collective_tables import CollectiveShardedTable  # noqa: F401
-from keras_rec_emb.distribute.multi_worker import multi_worker_strategy  # noqa: F401
+from keras_rec_emb.distribute.collective_tables import CollectiveShardedTable
+from keras_rec_emb.distribute.multi_worker import multi_worker_strategy
 
-from keras_rec_emb.distribute.ps_tables import (  # noqa: F401
+from keras_rec_emb.distribute.ps_tables import (
     ShardedEmbeddingTable,
     connect,
     parameter_servers,

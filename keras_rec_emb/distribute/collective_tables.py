@@ -225,11 +225,11 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
         first = tables[0]
         keys_list = [tf.convert_to_tensor(k) for k in keys_list]
         if tf.distribute.get_replica_context() is None and not tf.executing_eagerly():
-            return [t._shape_only_lookup(k) for t, k in zip(tables, keys_list)]  # noqa: SLF001
-        ctx = first._replica_context()  # noqa: SLF001
-        n, index = first._num, first._index  # noqa: SLF001
+            return [t._shape_only_lookup(k) for t, k in zip(tables, keys_list)]
+        ctx = first._replica_context()
+        n, index = first._num, first._index
         if n == 1:  # the only shard holds every key: nothing to exchange
-            return [t._owner_rows(k, None, insert) for t, k in zip(tables, keys_list)]  # noqa: SLF001
+            return [t._owner_rows(k, None, insert) for t, k in zip(tables, keys_list)]
         width_rows = max(t.dim for t in tables)
         uniques, idxs, occs, tags = [], [], [], []
         for j, keys in enumerate(keys_list):
@@ -268,7 +268,7 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
         rows = 0.0
         for j, table in enumerate(tables):
             mine = tf.where(tf.equal(asked[:, 2], j))
-            got = table._owner_rows(tf.gather_nd(asked[:, 0], mine),  # noqa: SLF001
+            got = table._owner_rows(tf.gather_nd(asked[:, 0], mine),
                                     tf.gather_nd(asked[:, 1], mine), insert)
             got = tf.pad(got, [[0, 0], [0, width_rows - table.dim]])
             rows += tf.scatter_nd(mine, got, tf.stack([tf.shape(asked, out_type=tf.int64)[0],
@@ -327,7 +327,7 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
     def _gathered_parts(self, include_filtered, evict=False):
         shard = self._shards[0]
         with tf.device(shard.device):
-            evict = [shard._evict_op()] if evict and shard.evicts else []  # noqa: SLF001
+            evict = [shard._evict_op()] if evict and shard.evicts else []
             with tf.control_dependencies(evict):
                 parts = _ops.export(shard.handle, shard.key_dtype, shard.dim,
                                     include_filtered=include_filtered)
@@ -380,7 +380,7 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
         count) whose keys hash to this process's shard."""
         if not isinstance(data, dict) or "keys" not in data or "values" not in data:
             return self._shards[0].import_(data, clear)  # its error names the fix
-        rows = ps_tables._rows_of_shard(data, self._index, self._num)  # noqa: SLF001
+        rows = ps_tables._rows_of_shard(data, self._index, self._num)
         self._shards[0].import_(rows, clear)
 
     def local_stats(self):

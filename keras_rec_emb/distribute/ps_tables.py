@@ -293,7 +293,7 @@ class ShardedEmbeddingTable(_compat.Trackable):
         shard_parts = []
         for shard in self._shards:
             with tf.device(shard.device):
-                evict = [shard._evict_op()] if shard.evicts else []  # noqa: SLF001
+                evict = [shard._evict_op()] if shard.evicts else []
                 with tf.control_dependencies(evict):
                     shard_parts.append(_ops.export(shard.handle, shard.key_dtype, shard.dim,
                                                    include_filtered=shard.save_filtered))

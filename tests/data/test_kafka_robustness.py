@@ -28,7 +28,7 @@ def drain(dataset, limit_s=60):
         try:
             for element in dataset:
                 result["values"].extend(element.numpy().reshape([-1]).tolist())
-        except Exception as e:  # noqa: BLE001 - returned to the test
+        except Exception as e:
             result["error"] = e
 
     reader = threading.Thread(target=run, daemon=True)
@@ -81,7 +81,7 @@ def test_broker_dying_mid_read_raises_naming_the_broker(tmp_path, eof):
             try:
                 for element in iterator:
                     result.setdefault("values", []).extend(element.numpy().tolist())
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 result["error"] = e
 
         reader = threading.Thread(target=rest, daemon=True)

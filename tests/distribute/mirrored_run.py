@@ -14,7 +14,7 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import tensorflow as tf  # noqa: E402
+import tensorflow as tf
 
 N = int(sys.argv[1])
 cpu = tf.config.list_physical_devices("CPU")[0]

@@ -19,14 +19,14 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import keras
+import numpy as np
+import tensorflow as tf
 
-import keras_rec_emb as kre  # noqa: E402
+import keras_rec_emb as kre
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _models import table_arrays  # noqa: E402
+from _models import table_arrays
 
 DIM, BATCH, STEPS, IDS, EPOCHS, KILL_EPOCH = 4, 12, 3, 3, 4, 2
 

@@ -27,10 +27,10 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
+import keras
+import numpy as np
 
-import keras_rec_emb as kre  # noqa: E402
+import keras_rec_emb as kre
 
 DIM, IDS, FEATURES, BATCH = 4, 3, 2, 8
 M1_STEPS, M2_STEPS, M3_STEPS = 6, 6, 8

@@ -11,10 +11,10 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
+import keras
+import numpy as np
 
-import keras_rec_emb as kre  # noqa: E402
+import keras_rec_emb as kre
 
 DIM, BATCH, STEPS, IDS_PER_ROW, LR = 4, 8, 6, 3, 0.1
 
