@@ -163,9 +163,10 @@ def _optimizer(value):
     name = value.get("class_name") if isinstance(value, dict) else None
     if name not in _OPTIMIZERS:
         raise _unsupported("optimizer", value, "None, SGD, Adagrad, Adam or Ftrl")
-    from keras_rec_emb._jax import optimizers
-
-    return getattr(optimizers, name).from_config(value.get("config") or {})
+    # keras_rec_emb/_jax/optimizers.py registers them (imported with the
+    # package); looked up by name, since that module imports this one.
+    cls = keras.saving.get_registered_object(f"keras_rec_emb>{name}")
+    return cls.from_config(value.get("config") or {})
 
 
 def layer_kwargs(config):
