@@ -124,10 +124,11 @@ class EmbeddingVariable(keras.layers.Layer):
         self.built = True
 
     def _add_slots(self, rule):
-        for name, init in rule.slots:
-            ffi.add_slot(self.handle, name, self.embedding_dim, init)
+        for name, init, width in rule.slots:
+            width = self.embedding_dim if width is None else width
+            ffi.add_slot(self.handle, name, width, init)
             if name not in {n for n, _ in self._kre_slot_specs}:
-                self._kre_slot_specs.append((name, self.embedding_dim))
+                self._kre_slot_specs.append((name, width))
 
     def attach_optimizer(self, optimizer):
         """Called by a keras_rec_emb optimizer's `build` when it builds for
@@ -153,7 +154,8 @@ class EmbeddingVariable(keras.layers.Layer):
             raise ValueError(
                 f"EmbeddingVariable '{self.name}' is called in training with no optimizer "
                 "for its table: compile the model with one of keras_rec_emb.optimizers "
-                "(SGD, Adagrad, Adam, Ftrl), which trains the table and the dense weights, "
+                "(SGD, Adagrad, Adam, Ftrl, AdamAsync, AdagradDecay, AdamW), which trains "
+                "the table and the dense weights, "
                 "or give the layer its own (`optimizer=`). Received: the table has no "
                 "optimizer")
         lookup = _training_lookup(self.handle, self.embedding_dim, rule.rule.name,

@@ -75,12 +75,13 @@ def check_supported(optimizer, where):
     """Refuses an optimizer whose settings the table update cannot honour,
     or that has no table rule; `where` says which tables."""
     if not isinstance(optimizer, (keras.optimizers.SGD, keras.optimizers.Adagrad,
-                                  keras.optimizers.Adam, keras.optimizers.Ftrl)):
+                                  keras.optimizers.Adam, keras.optimizers.Ftrl, AdamAsync,
+                                  AdagradDecay)):
         raise ValueError(
             "Under the JAX backend an embedding table is trained by keras_rec_emb.optimizers"
-            ".SGD, Adagrad, Adam or Ftrl (or their Keras namesakes) so far. "
-            f"Received: optimizer={optimizer!r} for {where}")
-    if isinstance(optimizer, keras.optimizers.AdamW) and not isinstance(optimizer, Adam):
+            ".SGD, Adagrad, Adam, Ftrl, AdamAsync, AdagradDecay or AdamW (or Keras's SGD, "
+            f"Adagrad, Adam, Ftrl). Received: optimizer={optimizer!r} for {where}")
+    if isinstance(optimizer, keras.optimizers.AdamW) and not isinstance(optimizer, AdamW):
         raise ValueError(
             "Under the JAX backend keras.optimizers.AdamW has no table rule so far. "
             f"Received: optimizer={optimizer!r} for {where}")
@@ -111,27 +112,35 @@ class TableRule:
         self.constant_learning_rate = None if self.schedule else float(lr)
         self.weight_decay = float(config.get("weight_decay") or 0.0)
         o = optimizer
-        if isinstance(o, keras.optimizers.SGD):
+        if isinstance(o, AdamAsync):
+            self.name = "adam_async"
+            self.slots = (("momentum", 0.0, None), ("velocity", 0.0, None),
+                          ("beta1_power", float(o.beta_1), 1), ("beta2_power", float(o.beta_2), 1))
+        elif isinstance(o, AdagradDecay):
+            self.name = "adagrad_decay"
+            self.slots = (("accumulator", o.initial_accumulator_value, None),
+                          ("decay_period", 0.0, 1))
+        elif isinstance(o, keras.optimizers.SGD):
             if o.momentum:
-                self.name, self.slots = "momentum", (("momentum", 0.0),)
+                self.name, self.slots = "momentum", (("momentum", 0.0, None),)
             else:
                 self.name, self.slots = "sgd", ()
         elif isinstance(o, keras.optimizers.Adagrad):
             self.name = "adagrad"
-            self.slots = (("accumulator", float(o.initial_accumulator_value)),)
+            self.slots = (("accumulator", float(o.initial_accumulator_value), None),)
         elif isinstance(o, keras.optimizers.Adam):
             self.name = "adam"
-            self.slots = (("momentum", 0.0), ("velocity", 0.0))
+            self.slots = (("momentum", 0.0, None), ("velocity", 0.0, None))
             if o.amsgrad:
-                self.slots += (("velocity_hat", 0.0),)
+                self.slots += (("velocity_hat", 0.0, None),)
         else:
             self.name = "ftrl_group" if getattr(o, "table_rule", "keras") == "deeprec" else "ftrl"
-            self.slots = (("accumulator", float(o.initial_accumulator_value)),
-                          ("linear", 0.0))
+            self.slots = (("accumulator", float(o.initial_accumulator_value), None),
+                          ("linear", 0.0, None))
         self.rule = rules()[self.name]
 
     def slot_names(self):
-        return tuple(name for name, _ in self.slots)
+        return tuple(name for name, _, _ in self.slots)
 
     def learning_rate(self, step):
         if self.schedule is not None:
@@ -142,7 +151,15 @@ class TableRule:
         """The rule's hyper-parameters at `step`, in the kernel's order."""
         o, f32 = self.optimizer, jnp.float32
         lr = self.learning_rate(step)
-        if self.name == "momentum":
+        if self.name == "adam_async":
+            extra = {"beta_1": o.beta_1, "beta_2": o.beta_2, "epsilon": o.epsilon,
+                     "use_nesterov": float(o.use_nesterov),
+                     "apply_sparse_rmsprop": float(o.apply_sparse_rmsprop)}
+        elif self.name == "adagrad_decay":
+            extra = {"epsilon": o.epsilon, "decay_rate": o.accumulator_decay_rate,
+                     "baseline": o.initial_accumulator_value,
+                     "period": ((step + 1) // o.accumulator_decay_step).astype(f32)}
+        elif self.name == "momentum":
             extra = {"momentum": o.momentum, "nesterov": float(o.nesterov)}
         elif self.name == "adagrad":
             extra = {"epsilon": o.epsilon}
@@ -159,7 +176,10 @@ class TableRule:
                      "l2_shrinkage": o.l2_shrinkage_regularization_strength}
         else:
             extra = {}
-        values = dict(extra, learning_rate=lr, decay=lr * f32(self.weight_decay))
+        decay = f32(self.weight_decay)
+        if getattr(o, "scale_weight_decay_by_learning_rate", True):
+            decay = lr * decay
+        values = dict(extra, learning_rate=lr, decay=decay)
         return jnp.stack([jnp.asarray(v, f32) for v in self.rule.ordered(values)])
 
 
@@ -259,4 +279,223 @@ class Ftrl(TableOptimizer, keras.optimizers.Ftrl):
     def get_config(self):
         config = super().get_config()
         config["table_rule"] = self.table_rule
+        return config
+
+
+# -- DeepRec's optimizers: Keras has no namesake, their dense rule is here ----
+
+def _check_beta(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ValueError(f"`{name}` must be a float in [0, 1). Received: {name}={value!r}")
+
+
+def _check_non_negative(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(f"`{name}` must be a float >= 0. Received: {name}={value!r}")
+
+
+class _ScalarSlots:
+    """Per-variable state for DeepRec's optimizers: Keras variables for the
+    dense weights; for a table's anchor, a placeholder (the state is a
+    width-1 slot in the table, as under TensorFlow)."""
+
+    def _index(self, variable):
+        return self._kre_index[id(variable)]
+
+    def _per_variable(self, var_list, name, init, shape_of):
+        out = []
+        for variable in var_list:
+            if tables_of([variable]):
+                out.append(None)  # in the table
+                continue
+            out.append(self.add_variable(
+                shape=shape_of(variable), initializer=keras.initializers.Constant(init),
+                name=f"{variable.path.replace('/', '_')}_{name}"))
+        return out
+
+    def _reference_slots(self, var_list, name, initializer="zeros"):
+        out = []
+        for variable in var_list:
+            slot = self.add_variable_from_reference(variable, name, initializer=initializer)
+            out.append(slot)
+        return out
+
+
+@_register
+class AdamAsync(TableOptimizer, _ScalarSlots, keras.optimizers.Optimizer):
+    # Built with +: assigned, as an expression is not a docstring.
+    __doc__ = """DeepRec's AdamAsync under the JAX backend: Adam with per-variable
+    (per-row for tables) bias-correction powers, `beta1_power` and
+    `beta2_power`, starting at `beta_1` and `beta_2` and multiplied by them
+    at each update of the variable (the TensorFlow backend's class, same
+    rule; a JAX gradient is dense, so a dense variable always takes the
+    dense formula). With `apply_sparse_rmsprop=True` tables take RMSProp.
+
+    Args:
+        learning_rate: float >= 0 or a schedule. Defaults to `0.001`.
+        beta_1: float in [0, 1). Defaults to `0.9`.
+        beta_2: float in [0, 1). Defaults to `0.999`.
+        epsilon: float >= 0. Defaults to `1e-8`.
+        use_nesterov: bool. Defaults to `False`.
+        apply_sparse_rmsprop: bool, RMSProp for tables. Defaults to `False`.
+        **kwargs: the arguments of `keras.optimizers.Optimizer`.
+    """ + _EXAMPLE.format(name="AdamAsync", args="0.01")
+
+    def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-8,
+                 use_nesterov=False, apply_sparse_rmsprop=False, name="adam_async", **kwargs):
+        _check_beta("beta_1", beta_1)
+        _check_beta("beta_2", beta_2)
+        _check_non_negative("epsilon", epsilon)
+        super().__init__(learning_rate=learning_rate, name=name, **kwargs)
+        self.beta_1, self.beta_2, self.epsilon = beta_1, beta_2, epsilon
+        self.use_nesterov = bool(use_nesterov)
+        self.apply_sparse_rmsprop = bool(apply_sparse_rmsprop)
+
+    def build(self, var_list):
+        if self.built:
+            return
+        super().build(var_list)
+        self._kre_index = {id(v): i for i, v in enumerate(var_list)}
+        self._momentums = self._reference_slots(var_list, "momentum")
+        self._velocities = self._reference_slots(var_list, "velocity")
+        self._beta1_powers = self._per_variable(var_list, "beta1_power", self.beta_1,
+                                                lambda v: ())
+        self._beta2_powers = self._per_variable(var_list, "beta2_power", self.beta_2,
+                                                lambda v: ())
+
+    def update_step(self, gradient, variable, learning_rate):
+        ops = keras.ops
+        i = self._index(variable)
+        m, v = self._momentums[i], self._velocities[i]
+        b1p, b2p = self._beta1_powers[i], self._beta2_powers[i]
+        if b1p is None:
+            return  # a table's anchor: the table was updated in the lookup's backward
+        lr = ops.cast(learning_rate, variable.dtype)
+        g = ops.cast(gradient, variable.dtype)
+        b1, b2 = self.beta_1, self.beta_2
+        alpha = lr * ops.sqrt(1 - b2p) / (1 - b1p)
+        self.assign(m, m * b1 + g * (1 - b1))
+        self.assign(v, v * b2 + g * g * (1 - b2))
+        step = g * (1 - b1) + b1 * m if self.use_nesterov else m
+        self.assign_sub(variable, step * alpha / (ops.sqrt(v) + self.epsilon))
+        self.assign(b1p, b1p * b1)
+        self.assign(b2p, b2p * b2)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update({"beta_1": self.beta_1, "beta_2": self.beta_2, "epsilon": self.epsilon,
+                       "use_nesterov": self.use_nesterov,
+                       "apply_sparse_rmsprop": self.apply_sparse_rmsprop})
+        return config
+
+
+@_register
+class AdagradDecay(TableOptimizer, _ScalarSlots, keras.optimizers.Optimizer):
+    # Built with +: assigned, as an expression is not a docstring.
+    __doc__ = """DeepRec's AdagradDecay under the JAX backend: Adagrad whose
+    accumulator decays (`max(acc * rate, initial_accumulator_value)`) at most
+    once per update of a row (of a dense variable's first axis), when the
+    period `(iterations + 1) // accumulator_decay_step` passes the row's
+    `decay_period` (the TensorFlow backend's class, same rule).
+
+    Args:
+        learning_rate: float >= 0 or a schedule. Defaults to `0.001`.
+        initial_accumulator_value: float > 0, start and floor of the
+            accumulators. Defaults to `0.1`.
+        accumulator_decay_step: int > 0, the period in steps. Defaults to
+            `100000`.
+        accumulator_decay_rate: float in (0, 1]. Defaults to `0.9`.
+        epsilon: float >= 0. Defaults to `1e-7`.
+        **kwargs: the arguments of `keras.optimizers.Optimizer`.
+    """ + _EXAMPLE.format(name="AdagradDecay", args="0.1, accumulator_decay_step=1000")
+
+    def __init__(self, learning_rate=0.001, initial_accumulator_value=0.1,
+                 accumulator_decay_step=100000, accumulator_decay_rate=0.9, epsilon=1e-7,
+                 name="adagrad_decay", **kwargs):
+        v, s, r = initial_accumulator_value, accumulator_decay_step, accumulator_decay_rate
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+            raise ValueError("`initial_accumulator_value` must be a float > 0. "
+                             f"Received: initial_accumulator_value={v!r}")
+        if not isinstance(s, int) or isinstance(s, bool) or s <= 0:
+            raise ValueError("`accumulator_decay_step` must be a positive integer. "
+                             f"Received: accumulator_decay_step={s!r}")
+        if not isinstance(r, (int, float)) or isinstance(r, bool) or not 0 < r <= 1:
+            raise ValueError("`accumulator_decay_rate` must be a float in (0, 1]. "
+                             f"Received: accumulator_decay_rate={r!r}")
+        _check_non_negative("epsilon", epsilon)
+        super().__init__(learning_rate=learning_rate, name=name, **kwargs)
+        self.initial_accumulator_value = float(v)
+        self.accumulator_decay_step = s
+        self.accumulator_decay_rate = float(r)
+        self.epsilon = epsilon
+
+    def build(self, var_list):
+        if self.built:
+            return
+        super().build(var_list)
+        self._kre_index = {id(v): i for i, v in enumerate(var_list)}
+        self._accumulators = self._reference_slots(
+            var_list, "accumulator",
+            keras.initializers.Constant(self.initial_accumulator_value))
+        self._decay_periods = self._per_variable(var_list, "decay_period", 0.0,
+                                                 lambda v: tuple(v.shape[:1]))
+
+    def update_step(self, gradient, variable, learning_rate):
+        ops = keras.ops
+        i = self._index(variable)
+        acc, last = self._accumulators[i], self._decay_periods[i]
+        if last is None:
+            return  # a table's anchor: the table was updated in the lookup's backward
+        lr = ops.cast(learning_rate, variable.dtype)
+        g = ops.cast(gradient, variable.dtype)
+        period = ops.cast((self.iterations + 1) // self.accumulator_decay_step, "float32")
+        acc_value, last_value = acc.value, last.value
+        need = period > last_value
+        need_rows = ops.reshape(need, tuple(need.shape) + (1,) * (acc_value.ndim - need.ndim))
+        decayed = ops.where(need_rows, ops.maximum(acc_value * self.accumulator_decay_rate,
+                                                   self.initial_accumulator_value), acc_value)
+        acc_value = decayed + g * g
+        self.assign(acc, acc_value)
+        self.assign(last, last_value + ops.cast(need, last_value.dtype))
+        self.assign_sub(variable, lr * g / ops.sqrt(acc_value + self.epsilon))
+
+    def get_config(self):
+        config = super().get_config()
+        config.update({"initial_accumulator_value": self.initial_accumulator_value,
+                       "accumulator_decay_step": self.accumulator_decay_step,
+                       "accumulator_decay_rate": self.accumulator_decay_rate,
+                       "epsilon": self.epsilon})
+        return config
+
+
+@_register
+class AdamW(TableOptimizer, keras.optimizers.AdamW):
+    # Built with +: assigned, as an expression is not a docstring.
+    __doc__ = """`keras.optimizers.AdamW` that also updates embedding tables (JAX
+    backend): a table takes Adam's rule with the decoupled decay of the rows
+    it updates.
+
+    Args:
+        weight_decay: float >= 0.
+        learning_rate: float >= 0 or a schedule. Defaults to `0.001`.
+        scale_weight_decay_by_learning_rate: `True` only under JAX so far
+            (Keras's `learning_rate * weight_decay * var`).
+        **kwargs: the other arguments of `keras.optimizers.AdamW`.
+    """ + _EXAMPLE.format(name="AdamW", args="0.01, 0.01")
+
+    def __init__(self, weight_decay, learning_rate=0.001,
+                 scale_weight_decay_by_learning_rate=True, **kwargs):
+        _check_non_negative("weight_decay", weight_decay)
+        if scale_weight_decay_by_learning_rate is not True:
+            raise ValueError(
+                "Under the JAX backend AdamW supports scale_weight_decay_by_learning_rate="
+                "True only (so far); False is TensorFlow-only for now. Received: "
+                f"scale_weight_decay_by_learning_rate={scale_weight_decay_by_learning_rate!r}")
+        kwargs.setdefault("name", "adamw")
+        super().__init__(learning_rate=learning_rate, weight_decay=weight_decay, **kwargs)
+        self.scale_weight_decay_by_learning_rate = True
+
+    def get_config(self):
+        config = super().get_config()
+        config["scale_weight_decay_by_learning_rate"] = True
         return config

@@ -54,7 +54,8 @@ def _slot_specs(layer):
     """(name, width) of the table's slots, in the order they were added."""
     specs = getattr(layer, "_kre_slot_specs", None)
     if specs is None:
-        specs = [(name, layer.embedding_dim) for name, _ in layer.table_rule.slots]
+        specs = [(name, layer.embedding_dim if width is None else width)
+                 for name, _, width in layer.table_rule.slots]
     return specs
 
 

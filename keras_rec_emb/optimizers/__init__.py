@@ -5,9 +5,17 @@ import os as _os
 
 if _os.environ.get("KERAS_BACKEND") == "jax":
     # Under Keras's JAX backend, without TensorFlow (keras_rec_emb/_jax).
-    from keras_rec_emb._jax.optimizers import SGD, Adagrad, Adam, Ftrl
+    from keras_rec_emb._jax.optimizers import (
+        SGD,
+        Adagrad,
+        AdagradDecay,
+        Adam,
+        AdamAsync,
+        AdamW,
+        Ftrl,
+    )
 
-    __all__ = ["SGD", "Adagrad", "Adam", "Ftrl"]
+    __all__ = ["SGD", "Adagrad", "Adam", "Ftrl", "AdamAsync", "AdagradDecay", "AdamW"]
 else:
     from keras_rec_emb.optimizers.deeprec_optimizers import AdagradDecay, AdamAsync, AdamW
     from keras_rec_emb.optimizers.keras_optimizers import SGD, Adagrad, Adam, Ftrl

@@ -114,7 +114,7 @@ def test_a_learning_rate_schedule_follows_the_layers_steps():
 
 
 @pytest.mark.parametrize("optimizer, message", [
-    (keras.optimizers.Adamax(), "SGD, Adagrad, Adam or Ftrl"),
+    (keras.optimizers.Adamax(), "SGD, Adagrad, Adam, Ftrl, AdamAsync"),
     (keras.optimizers.AdamW(), "AdamW has no table rule"),
     (keras.optimizers.SGD(clipnorm=1.0), "does not support `clipnorm`"),
 ])

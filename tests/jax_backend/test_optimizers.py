@@ -30,6 +30,27 @@ def numpy_rule(name, c):
             acc = slot(state, key, "acc", c.get("initial_accumulator_value", 0.1), p) + g * g
             state[(key, "acc")] = acc
             return p - lr * g / np.sqrt(acc + 1e-7)
+        if name == "AdamAsync":
+            b1, b2 = c.get("beta_1", 0.9), c.get("beta_2", 0.999)
+            p1, p2 = slot(state, key, "p1", b1, 0.0), slot(state, key, "p2", b2, 0.0)
+            alpha = lr * np.sqrt(1 - p2) / (1 - p1)
+            m = b1 * slot(state, key, "m", 0.0, p) + (1 - b1) * g
+            v = b2 * slot(state, key, "v", 0.0, p) + (1 - b2) * g * g
+            state[(key, "m")], state[(key, "v")] = m, v
+            state[(key, "p1")], state[(key, "p2")] = p1 * b1, p2 * b2
+            return p - alpha * m / (np.sqrt(v) + 1e-8)
+        if name == "AdagradDecay":
+            init = c["initial_accumulator_value"]
+            acc, last = slot(state, key, "acc", init, p), slot(state, key, "last", 0.0, 0.0)
+            if (t + 1) // c["accumulator_decay_step"] > last:
+                acc = np.maximum(acc * c["accumulator_decay_rate"], init)
+                state[(key, "last")] = last + 1
+            acc = acc + g * g
+            state[(key, "acc")] = acc
+            return p - lr * g / np.sqrt(acc + 1e-7)
+        if name == "AdamW":  # decoupled decay first, then Adam
+            p = p - p * c["weight_decay"] * lr
+            return numpy_rule("Adam", c)(state, key, p, g, t, lr)
         if name == "Adam":
             b1, b2 = c.get("beta_1", 0.9), c.get("beta_2", 0.999)
             m = slot(state, key, "m", 0.0, p) + (g - slot(state, key, "m", 0.0, p)) * (1 - b1)
@@ -98,6 +119,10 @@ CASES = [
     ("SGD", {"learning_rate": 0.05, "momentum": 0.9, "nesterov": True}),
     ("Adagrad", {"learning_rate": 0.05, "initial_accumulator_value": 0.2}),
     ("Adam", {"learning_rate": 0.01, "beta_1": 0.8}),
+    ("AdamAsync", {"learning_rate": 0.01, "beta_1": 0.8}),
+    ("AdagradDecay", {"learning_rate": 0.05, "initial_accumulator_value": 0.2,
+                      "accumulator_decay_step": 2, "accumulator_decay_rate": 0.5}),
+    ("AdamW", {"learning_rate": 0.01, "weight_decay": 0.1}),
     ("Ftrl", {"learning_rate": 0.1, "l1_regularization_strength": 0.01,
               "l2_regularization_strength": 0.02, "beta": 0.1,
               "l2_shrinkage_regularization_strength": 0.01}),
@@ -151,35 +176,61 @@ def test_settings_the_table_update_cannot_honour_are_refused(setting):
 def test_an_optimizer_without_a_table_rule_is_refused():
     with pytest.raises(ValueError, match="no optimizer for its table"):
         fit(keras.optimizers.RMSprop(0.1))  # a stock one trains the dense weights only
-    with pytest.raises(ValueError, match="SGD, Adagrad, Adam or Ftrl.*RMSprop"):
+    with pytest.raises(ValueError, match="SGD, Adagrad, Adam, Ftrl, AdamAsync.*RMSprop"):
         EmbeddingVariable(DIM, optimizer=keras.optimizers.RMSprop(0.1))
     with pytest.raises(ValueError, match="`table_rule` must be one of"):
         optimizers.Ftrl(table_rule="group")
 
 
-def test_optimizers_round_trip_through_their_config():
-    optimizer = optimizers.Ftrl(0.3, l1_regularization_strength=0.1, table_rule="deeprec")
+@pytest.mark.parametrize("make, message", [
+    (lambda: optimizers.AdamAsync(beta_1=1.0), r"`beta_1` must be a float in \[0, 1\)"),
+    (lambda: optimizers.AdamAsync(epsilon=-1.0), "`epsilon` must be a float >= 0"),
+    (lambda: optimizers.AdagradDecay(accumulator_decay_step=0),
+     "`accumulator_decay_step` must be a positive integer. Received: accumulator_decay_step=0"),
+    (lambda: optimizers.AdagradDecay(accumulator_decay_rate=1.5),
+     r"`accumulator_decay_rate` must be a float in \(0, 1\]"),
+    (lambda: optimizers.AdagradDecay(initial_accumulator_value=0.0),
+     "`initial_accumulator_value` must be a float > 0"),
+    (lambda: optimizers.AdamW(-0.1), "`weight_decay` must be a float >= 0"),
+    (lambda: optimizers.AdamW(0.1, scale_weight_decay_by_learning_rate=False),
+     "TensorFlow-only for now"),
+])
+def test_bad_arguments_are_refused_by_name(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+@pytest.mark.parametrize("optimizer", [
+    optimizers.Ftrl(0.3, l1_regularization_strength=0.1, table_rule="deeprec"),
+    optimizers.AdamAsync(0.2, beta_2=0.9, use_nesterov=True),
+    optimizers.AdagradDecay(0.2, accumulator_decay_step=7, accumulator_decay_rate=0.3),
+    optimizers.AdamW(0.05, 0.2)], ids=lambda o: type(o).__name__)
+def test_optimizers_round_trip_through_their_config(optimizer):
     again = keras.optimizers.deserialize(keras.optimizers.serialize(optimizer))
-    assert type(again) is optimizers.Ftrl and again.table_rule == "deeprec"
+    assert type(again) is type(optimizer)
     assert again.get_config() == optimizer.get_config()
 
 
-def test_a_model_compiled_with_our_optimizer_saves_and_trains_on_after_loading(tmp_path):
-    """The loaded model's optimizer is ours again (the TensorFlow backend's
-    registered name) and trains the restored table, slots included, as the
-    original goes on training."""
-    _, _, start = fit(optimizers.Adagrad(0.1))
-    trained = fit.model
-    ids, labels = start[3], start[4]
-    path = str(tmp_path / "m.keras")
-    trained.save(path)
-    loaded = keras.saving.load_model(path)
-    assert type(loaded.optimizer) is optimizers.Adagrad
-    for m in (trained, loaded):
-        m.fit(ids[:BATCH] + 1, labels[:BATCH], batch_size=BATCH, verbose=0)
-    a, b = (next(x for x in m.layers if isinstance(x, EmbeddingVariable)).export()
-            for m in (trained, loaded))
-    order_a, order_b = np.argsort(a["keys"]), np.argsort(b["keys"])
-    np.testing.assert_array_equal(a["keys"][order_a], b["keys"][order_b])
-    for name in ("values", "slots", "versions"):
-        np.testing.assert_allclose(a[name][order_a], b[name][order_b], rtol=1e-6, err_msg=name)
+def test_docstring_examples_run():
+    """Every class's Example is the shared template with its own name (the
+    template's training runs here once, for SGD; each optimizer's training
+    is checked against NumPy above), and the layer's runs."""
+    import doctest
+
+    import keras_rec_emb
+    from keras_rec_emb._jax import layers
+
+    finder, runner = doctest.DocTestFinder(), doctest.DocTestRunner()
+    globs = {"keras": keras, "np": np, "keras_rec_emb": keras_rec_emb}
+    found = {}
+    for module in (optimizers, layers):
+        for test in finder.find(module, globs=dict(globs)):
+            if test.examples and test.name.rsplit(".", 1)[0] == module.__name__:
+                found[test.name.rsplit(".", 1)[1]] = test
+    names = set(keras_rec_emb.optimizers.__all__)
+    assert names <= set(found), names - set(found)
+    for name in names:
+        source = "".join(e.source for e in found[name].examples)
+        assert f"keras_rec_emb.optimizers.{name}(" in source and "model.fit(" in source, name
+    for name in ("SGD", *(set(found) - names)):
+        assert runner.run(found[name], out=lambda text: None).failed == 0, name
