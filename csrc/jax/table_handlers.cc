@@ -264,8 +264,34 @@ void LookupRows(kv::Table<K>& table, const K* keys, int64_t n, bool insert, floa
   }
 }
 
+// With `prune`, keys < 0 are padding: neither looked up, inserted nor
+// counted; their rows are zeros (and `Apply` skips them).
+template <typename K>
+std::vector<int64_t> KeptPositions(const K* keys, int64_t n) {
+  std::vector<int64_t> kept;
+  kept.reserve(n);
+  for (int64_t i = 0; i < n; ++i) {
+    if (keys[i] >= 0) kept.push_back(i);
+  }
+  return kept;
+}
+
+template <typename K>
+void LookupPruned(kv::Table<K>& table, const K* keys, int64_t n, bool insert, float* out) {
+  const int64_t dim = table.dim();
+  const std::vector<int64_t> kept = KeptPositions(keys, n);
+  std::vector<K> kept_keys(kept.size());
+  for (size_t j = 0; j < kept.size(); ++j) kept_keys[j] = keys[kept[j]];
+  std::vector<float> rows(kept.size() * dim);
+  LookupRows(table, kept_keys.data(), static_cast<int64_t>(kept.size()), insert, rows.data());
+  std::fill(out, out + n * dim, 0.0f);
+  for (size_t j = 0; j < kept.size(); ++j) {
+    std::copy(rows.begin() + j * dim, rows.begin() + (j + 1) * dim, out + kept[j] * dim);
+  }
+}
+
 ffi::Error Lookup(ffi::Token, ffi::AnyBuffer keys, ffi::Result<ffi::Token>,
-                  ffi::ResultBuffer<ffi::F32> out, int64_t table, bool insert) {
+                  ffi::ResultBuffer<ffi::F32> out, int64_t table, bool insert, bool prune) {
   return Guarded([&]() -> ffi::Error {
     auto t = Find(table);
     if (t.has_error()) return t.error();
@@ -278,7 +304,11 @@ ffi::Error Lookup(ffi::Token, ffi::AnyBuffer keys, ffi::Result<ffi::Token>,
     const int64_t n = static_cast<int64_t>(keys.element_count());
     at.Visit([&](auto& tab) {
       using K = KeyOfT<decltype(tab)>;
-      LookupRows(tab, keys.reinterpret_data<K>(), n, insert, out->typed_data());
+      if (prune) {
+        LookupPruned(tab, keys.reinterpret_data<K>(), n, insert, out->typed_data());
+      } else {
+        LookupRows(tab, keys.reinterpret_data<K>(), n, insert, out->typed_data());
+      }
     });
     return ffi::Error::Success();
   });
@@ -340,7 +370,7 @@ ffi::Error ApplyRule(kv::Table<K>& table, const string& rule, const std::vector<
 ffi::Error Apply(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> grads,
                  ffi::Buffer<ffi::F32> hyper, ffi::AnyBuffer step, ffi::Result<ffi::Token>,
                  int64_t table, std::string_view rule_name, std::string_view hparam_names,
-                 std::string_view slot_names) {
+                 std::string_view slot_names, bool prune) {
   return Guarded([&]() -> ffi::Error {
     auto t = Find(table);
     if (t.has_error()) return t.error();
@@ -366,7 +396,22 @@ ffi::Error Apply(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> grads,
       }
       result = at.Visit([&](auto& tab) {
         using K = KeyOfT<decltype(tab)>;
-        return ApplyRule<Rule>(tab, rule, slots, keys.reinterpret_data<K>(), n, grads.typed_data(),
+        const K* k = keys.reinterpret_data<K>();
+        if (!prune) {
+          return ApplyRule<Rule>(tab, rule, slots, k, n, grads.typed_data(), hyper.dimensions(),
+                                 hyper.typed_data(), *version);
+        }
+        const int64_t dim = tab.dim();
+        const std::vector<int64_t> kept = KeptPositions(k, n);
+        std::vector<K> kept_keys(kept.size());
+        std::vector<float> kept_grads(kept.size() * dim);
+        for (size_t j = 0; j < kept.size(); ++j) {
+          kept_keys[j] = k[kept[j]];
+          std::copy(grads.typed_data() + kept[j] * dim, grads.typed_data() + (kept[j] + 1) * dim,
+                    kept_grads.begin() + j * dim);
+        }
+        return ApplyRule<Rule>(tab, rule, slots, kept_keys.data(),
+                               static_cast<int64_t>(kept.size()), kept_grads.data(),
                                hyper.dimensions(), hyper.typed_data(), *version);
       });
     });
@@ -812,7 +857,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTableLookup, kre::jaxbind::Lookup,
                                   .Ret<ffi::Token>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("table")
-                                  .Attr<bool>("insert"));
+                                  .Attr<bool>("insert")
+                                  .Attr<bool>("prune"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTableApply, kre::jaxbind::Apply,
                               ffi::Ffi::Bind()
@@ -825,7 +871,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTableApply, kre::jaxbind::Apply,
                                   .Attr<int64_t>("table")
                                   .Attr<std::string_view>("rule")
                                   .Attr<std::string_view>("hparam_names")
-                                  .Attr<std::string_view>("slots"));
+                                  .Attr<std::string_view>("slots")
+                                  .Attr<bool>("prune"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     KreTableSize, kre::jaxbind::Size,

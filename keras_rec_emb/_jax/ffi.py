@@ -207,23 +207,26 @@ def add_slot(handle, name, width, init=0.0):
           width=np.int64(width), init=np.float32(init))
 
 
-def lookup(handle, keys, dim, insert=True):
+def lookup(handle, keys, dim, insert=True, prune=False):
     """Rows [*keys.shape, dim] for `keys` (any shape). With `insert`
     (training) missing keys are added with their initializer row and
     every occurrence counts towards its key's frequency; without it
-    nothing changes (missing keys read their initializer row)."""
+    nothing changes (missing keys read their initializer row). With
+    `prune`, keys < 0 are padding: never inserted nor counted, rows of
+    zeros."""
     keys = jnp.asarray(keys)
     (rows,) = _call("kre_table_lookup", [keys], [_aval((*keys.shape, dim), np.float32)],
-                    table=np.int64(handle), insert=bool(insert))
+                    table=np.int64(handle), insert=bool(insert), prune=bool(prune))
     return rows
 
 
-def apply(handle, keys, grads, hyper, step, rule, hparam_names, slots):
+def apply(handle, keys, grads, hyper, step, rule, hparam_names, slots, prune=False):
     """The fused sparse update of rule `rule` (csrc/kernels/update_rules.h):
     gradients of equal keys summed, then each distinct key's row and slots
     updated once and its version stamped with `step`. `hyper` holds the
     rule's hyper-parameters in the order `hparam_names` names them
-    (keras_rec_emb/optimizers/rules.py), `slots` the slot names it reads."""
+    (keras_rec_emb/optimizers/rules.py), `slots` the slot names it reads.
+    With `prune`, keys < 0 (padding) are skipped."""
     keys = jnp.asarray(keys)
     grads = jnp.asarray(grads, dtype=jnp.float32)
     hyper = jnp.asarray(hyper, dtype=jnp.float32)
@@ -231,7 +234,8 @@ def apply(handle, keys, grads, hyper, step, rule, hparam_names, slots):
     if step.dtype not in (jnp.int32, jnp.int64):
         step = step.astype(int_dtype())
     _call("kre_table_apply", [keys, grads, hyper, step], [], table=np.int64(handle),
-          rule=str(rule), hparam_names=",".join(hparam_names), slots=",".join(slots))
+          rule=str(rule), hparam_names=",".join(hparam_names), slots=",".join(slots),
+          prune=bool(prune))
 
 
 def size(handle):

@@ -41,22 +41,26 @@ import numpy as np
 from keras_rec_emb._jax import ffi, saving
 from keras_rec_emb._jax.optimizers import TableRule, register_anchor
 
+COMBINERS = (None, "sum", "mean", "sqrtn")
+
 @functools.lru_cache(maxsize=None)
-def _training_lookup(handle, dim, rule, hparam_names, slots):
+def _training_lookup(handle, dim, rule, hparam_names, slots, prune=False):
     """lookup(ids, anchor, hyper, step): rows, inserting; its backward
     applies the rows' gradient to the table (see the top)."""
 
     @jax.custom_vjp
     def lookup(ids, anchor, hyper, step):
         del anchor, hyper, step
-        return ffi.lookup(handle, ids, dim, insert=True)
+        return ffi.lookup(handle, ids, dim, insert=True, prune=prune)
 
     def forward(ids, anchor, hyper, step):
-        return ffi.lookup(handle, ids, dim, insert=True), (ids, anchor, hyper, step)
+        return (ffi.lookup(handle, ids, dim, insert=True, prune=prune),
+                (ids, anchor, hyper, step))
 
     def backward(saved, grads):
         ids, anchor, hyper, step = saved
-        ffi.apply(handle, ids, grads.astype(jnp.float32), hyper, step, rule, hparam_names, slots)
+        ffi.apply(handle, ids, grads.astype(jnp.float32), hyper, step, rule, hparam_names, slots,
+                  prune=prune)
         return None, jnp.zeros_like(anchor), jnp.zeros_like(hyper), None
 
     lookup.defvjp(forward, backward)
@@ -66,11 +70,17 @@ def _training_lookup(handle, dim, rule, hparam_names, slots):
 @keras.saving.register_keras_serializable(package="keras_rec_emb", name="EmbeddingVariable")
 class EmbeddingVariable(keras.layers.Layer):
     """Rows of a growing hash table for integer ids of any shape, under
-    Keras's JAX backend (the TensorFlow backend's `EmbeddingVariable` with
-    `combiner=None`).
+    Keras's JAX backend (the TensorFlow backend's `EmbeddingVariable`).
 
     Args:
         embedding_dim: int >= 1, the row width.
+        combiner: None (rows `ids.shape + (embedding_dim,)`), "sum",
+            "mean" or "sqrtn": combines the last axis of the ids (`[..., L]`
+            -> `[..., embedding_dim]`).
+        prune_invalid_ids: bool. With a combiner, ids < 0 are padding:
+            dropped from the combine (mean and sqrtn count the kept ids; a
+            row with none gives zeros), never inserted or counted. False
+            (default) makes every id a key, -1 too.
         optimizer: None (default: the optimizer the model is compiled
             with, one of `keras_rec_emb.optimizers`) or the table's own
             optimizer (SGD, Adagrad, Adam or Ftrl, ours or Keras's), whose
@@ -82,9 +92,22 @@ class EmbeddingVariable(keras.layers.Layer):
         num_shards: the table's lock shards, in [1, 65536].
     """
 
-    def __init__(self, embedding_dim, optimizer=None, initializer="truncated_normal",
-                 key_dtype="int32", default_value_dim=4096, num_shards=32, **kwargs):
+    def __init__(self, embedding_dim, initializer="truncated_normal", key_dtype="int32",
+                 combiner=None, prune_invalid_ids=False, optimizer=None, default_value_dim=4096,
+                 num_shards=32, **kwargs):
         super().__init__(**kwargs)
+        if combiner not in COMBINERS:
+            raise ValueError(f"`combiner` must be None or one of {COMBINERS[1:]}. Received: "
+                             f"combiner={combiner!r}")
+        if not isinstance(prune_invalid_ids, (bool, np.bool_)):
+            raise TypeError("`prune_invalid_ids` must be a bool. Received: "
+                            f"prune_invalid_ids={prune_invalid_ids!r}")
+        if prune_invalid_ids and combiner is None:
+            raise ValueError(
+                "`prune_invalid_ids=True` drops ids < 0 from a combine and needs a "
+                "`combiner` (\"sum\", \"mean\" or \"sqrtn\"). Received: combiner=None")
+        self.combiner = combiner
+        self.prune_invalid_ids = bool(prune_invalid_ids)
         if (isinstance(embedding_dim, bool) or not isinstance(embedding_dim, (int, np.integer))
                 or embedding_dim <= 0):
             raise ValueError("`embedding_dim` must be a positive integer. Received: "
@@ -143,8 +166,30 @@ class EmbeddingVariable(keras.layers.Layer):
 
     def call(self, ids, training=None):
         ids = keras.ops.convert_to_tensor(ids, dtype=self.key_dtype)
+        if self.combiner is not None and ids.ndim < 1:
+            raise ValueError(f"With combiner={self.combiner!r} the ids need a last axis to "
+                             f"combine ([..., L]). Received: ids of shape {tuple(ids.shape)}")
+        return self._combine(ids, self._rows(ids, training))
+
+    def _combine(self, ids, rows):
+        """Combines the last axis of `ids`: rows [..., L, dim] -> [..., dim];
+        pruned ids (< 0, `prune_invalid_ids`) have zero rows and do not count."""
+        if self.combiner is None:
+            return rows
+        total = jnp.sum(rows, axis=-2)
+        if self.combiner == "sum":
+            return total
+        if self.prune_invalid_ids:
+            count = jnp.sum((ids >= 0).astype(rows.dtype), axis=-1, keepdims=True)
+        else:
+            count = jnp.full(total.shape[:-1] + (1,), ids.shape[-1], rows.dtype)
+        count = jnp.maximum(count, 1.0)  # a row with no id gives zeros
+        return total / (count if self.combiner == "mean" else jnp.sqrt(count))
+
+    def _rows(self, ids, training):
+        prune = self.prune_invalid_ids
         if not (training and self.trainable):
-            return ffi.lookup(self.handle, ids, self.embedding_dim, insert=False)
+            return ffi.lookup(self.handle, ids, self.embedding_dim, insert=False, prune=prune)
         step = self.iterations.value
         self.iterations.assign(step + 1)
         rule = self.table_rule
@@ -159,10 +204,12 @@ class EmbeddingVariable(keras.layers.Layer):
                 "or give the layer its own (`optimizer=`). Received: the table has no "
                 "optimizer")
         lookup = _training_lookup(self.handle, self.embedding_dim, rule.rule.name,
-                                  rule.rule.hparam_names, rule.slot_names())
+                                  rule.rule.hparam_names, rule.slot_names(), prune)
         return lookup(ids, self.anchor.value, rule.hyper(step), step)
 
     def compute_output_shape(self, input_shape):
+        if self.combiner is not None:
+            return (*input_shape[:-1], self.embedding_dim)
         return (*input_shape, self.embedding_dim)
 
     def export(self):

@@ -120,8 +120,8 @@ def layer_config(layer, base_config):
         "embedding_dim": layer.embedding_dim,
         "initializer": keras.initializers.serialize(layer.initializer),
         "key_dtype": layer.key_dtype,
-        "combiner": None,
-        "prune_invalid_ids": False,
+        "combiner": layer.combiner,
+        "prune_invalid_ids": layer.prune_invalid_ids,
         "ev_option": _options_object("EmbeddingVariableOption", {
             "init_option": _options_object("InitializerOption", {
                 "initializer": None, "default_value_dim": layer.default_value_dim,
@@ -174,12 +174,6 @@ def layer_kwargs(config):
     """The JAX layer's arguments for a config written by either backend's
     `EmbeddingVariable` (see `layer_config`)."""
     kwargs = dict(config)
-    combiner = kwargs.pop("combiner", None)
-    if combiner is not None:
-        raise _unsupported("combiner", combiner, "None")
-    prune = kwargs.pop("prune_invalid_ids", False)
-    if prune:
-        raise _unsupported("prune_invalid_ids", prune, "False")
     restore = kwargs.pop("restore_dim_mismatch", "error")
     if restore != "error":
         raise _unsupported("restore_dim_mismatch", restore, "'error'")

@@ -271,8 +271,6 @@ def test_the_weights_file_holds_the_tensorflow_backends_parts(tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"combiner": "sum"}, "supports combiner=None only"),
-    ({"prune_invalid_ids": True}, "supports prune_invalid_ids=False only"),
     ({"optimizer": {"class_name": "RMSprop", "config": {}}},
      "supports optimizer=None, SGD, Adagrad, Adam or Ftrl"),
     ({"restore_dim_mismatch": "pad_or_truncate"}, "supports restore_dim_mismatch='error'"),
