@@ -6,7 +6,10 @@
 // Every handler takes an XLA token first and returns one first:
 // keras_rec_emb/_jax/ffi.py threads JAX's ordered-effect token through
 // them, so that table calls run exactly once each, in program order, under
-// jit as eagerly (table_registry.h says how tables are found).
+// jit as eagerly (table_registry.h says how tables are found). Table
+// management (create, destroy, add slot, size) is not here: those are host
+// calls that must run when Python makes them, even while JAX traces
+// (table_host.cc).
 //
 // Errors come back as ffi::Error (InvalidArgument for bad input, naming the
 // argument and what is allowed); exceptions of the engine (allocation, a
@@ -155,90 +158,6 @@ template <typename K>
 kv::Partitioned<K> PartitionSerial(const kv::Table<K>& table, const K* keys, int64_t n) {
   return kv::Partition(table, keys, n, 1, [](int num_blocks, auto&& fn) {
     for (int b = 0; b < num_blocks; ++b) fn(b);
-  });
-}
-
-// --- create / destroy / add slot --------------------------------------------
-
-ffi::Error Create(ffi::Token, ffi::Buffer<ffi::F32> defaults, ffi::Result<ffi::Token>,
-                  ffi::ResultBufferR0<ffi::S32> handle, int32_t key_bits, int32_t num_shards,
-                  bool track_meta, int64_t filter_freq, float no_permission_value,
-                  int64_t freq_cap) {
-  return Guarded([&]() -> ffi::Error {
-    const auto dims = defaults.dimensions();
-    if (dims.size() != 2 || dims[0] < 1 || dims[1] < 1) {
-      return Invalid("`default_values` must be [default_value_dim >= 1, dim >= 1], got " +
-                     Shape(dims));
-    }
-    if (key_bits != 32 && key_bits != 64) {
-      return Invalid("`key_bits` must be 32 or 64, got " + std::to_string(key_bits));
-    }
-    if (num_shards < 1 || num_shards > 65536) {
-      return Invalid("`num_shards` must be in [1, 65536], got " + std::to_string(num_shards));
-    }
-    if (freq_cap < 0) return Invalid("`freq_cap` must be >= 0, got " + std::to_string(freq_cap));
-    if (!std::isfinite(no_permission_value)) {
-      return Invalid("`no_permission_value` must be finite");
-    }
-    const float* d = defaults.typed_data();
-    const int64_t count = dims[0] * dims[1];
-    if (!std::all_of(d, d + count, [](float v) { return !std::isnan(v); })) {
-      return Invalid("`default_values` must not hold NaN");
-    }
-    kv::TableOptions options;
-    options.dim = dims[1];
-    options.default_values.assign(d, d + count);
-    options.num_shards = num_shards;
-    options.track_meta = track_meta;
-    options.filter_freq = filter_freq;
-    options.no_permission_value = no_permission_value;
-    options.freq_cap = freq_cap;
-    std::shared_ptr<AnyTable> table;
-    try {
-      table = std::make_shared<AnyTable>(key_bits, std::move(options));
-    } catch (const std::bad_alloc&) {
-      throw;
-    } catch (const std::exception& e) {
-      return Invalid(e.what());
-    }
-    const int64_t h = Tables().Add(std::move(table));
-    if (h < 0) return Precondition("no embedding table handle is left in this process");
-    *handle->typed_data() = static_cast<int32_t>(h);
-    return ffi::Error::Success();
-  });
-}
-
-ffi::Error Destroy(ffi::Token, ffi::Result<ffi::Token>, int64_t table) {
-  if (!Tables().Remove(table)) {
-    return Invalid("no embedding table has handle " + std::to_string(table) +
-                   " (destroyed twice?)");
-  }
-  return ffi::Error::Success();
-}
-
-ffi::Error AddSlot(ffi::Token, ffi::Result<ffi::Token>, int64_t table, std::string_view name,
-                   int64_t width, float init) {
-  return Guarded([&]() -> ffi::Error {
-    auto t = Find(table);
-    if (t.has_error()) return t.error();
-    if (name.empty()) return Invalid("`slot_name` must not be empty");
-    if (name.find(',') != std::string_view::npos) {
-      return Invalid("`slot_name` must not contain ',', got '" + string(name) + "'");
-    }
-    if (width < 1 || width > (int64_t{1} << 20)) {
-      return Invalid("`width` must be in [1, 2**20], got " + std::to_string(width));
-    }
-    if (!std::isfinite(init)) return Invalid("`init` must be finite");
-    return (*t)->Visit([&](auto& tab) -> ffi::Error {
-      try {
-        tab.AddSlot(string(name), width, init);
-      } catch (const std::bad_alloc&) {
-        throw;
-      } catch (const std::exception& e) {
-        return Invalid(e.what());
-      }
-      return ffi::Error::Success();
-    });
   });
 }
 
@@ -422,27 +341,6 @@ ffi::Error Apply(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> grads,
 // --- size / export ------------------------------------------------------------
 
 // out: [size, filtered size, total slot width, number of slots].
-ffi::Error Size(ffi::Token, ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> out,
-                int64_t table) {
-  return Guarded([&]() -> ffi::Error {
-    auto t = Find(table);
-    if (t.has_error()) return t.error();
-    if (!IsInt(*out) || out->element_count() != 4) {
-      return Invalid("the size output must be 4 int32 or int64 values");
-    }
-    (*t)->Visit([&](auto& tab) {
-      int64_t width = 0;
-      const std::vector<kv::SlotSpec> specs = tab.Slots();
-      for (const auto& s : specs) width += s.width;
-      SetInt(*out, 0, tab.Size());
-      SetInt(*out, 1, tab.FilteredSize());
-      SetInt(*out, 2, width);
-      SetInt(*out, 3, static_cast<int64_t>(specs.size()));
-    });
-    return ffi::Error::Success();
-  });
-}
-
 // Exports the admitted keys into outputs of `capacity` rows (their first
 // dimension): keys, values [capacity, dim], freqs, versions, slots
 // [capacity, total slot width] (slot columns in slot order), and `count`,
@@ -821,34 +719,9 @@ ffi::Error Import(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> values,
 }  // namespace kre
 
 // The handlers' C symbols, which keras_rec_emb/_jax/ffi.py registers with
-// jax.ffi.register_ffi_target (the only symbols the library exports).
+// jax.ffi.register_ffi_target (with table_host.cc's functions, the only
+// symbols the library exports).
 #pragma GCC visibility push(default)
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTableCreate, kre::jaxbind::Create,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Token>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Token>()
-                                  .Ret<ffi::BufferR0<ffi::S32>>()
-                                  .Attr<int32_t>("key_bits")
-                                  .Attr<int32_t>("num_shards")
-                                  .Attr<bool>("track_meta")
-                                  .Attr<int64_t>("filter_freq")
-                                  .Attr<float>("no_permission_value")
-                                  .Attr<int64_t>("freq_cap"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    KreTableDestroy, kre::jaxbind::Destroy,
-    ffi::Ffi::Bind().Arg<ffi::Token>().Ret<ffi::Token>().Attr<int64_t>("table"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTableAddSlot, kre::jaxbind::AddSlot,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Token>()
-                                  .Ret<ffi::Token>()
-                                  .Attr<int64_t>("table")
-                                  .Attr<std::string_view>("slot_name")
-                                  .Attr<int64_t>("width")
-                                  .Attr<float>("init"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTableLookup, kre::jaxbind::Lookup,
                               ffi::Ffi::Bind()
@@ -873,11 +746,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTableApply, kre::jaxbind::Apply,
                                   .Attr<std::string_view>("hparam_names")
                                   .Attr<std::string_view>("slots")
                                   .Attr<bool>("prune"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    KreTableSize, kre::jaxbind::Size,
-    ffi::Ffi::Bind().Arg<ffi::Token>().Ret<ffi::Token>().Ret<ffi::AnyBuffer>().Attr<int64_t>(
-        "table"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTableExport, kre::jaxbind::Export,
                               ffi::Ffi::Bind()
@@ -926,8 +794,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTableImport, kre::jaxbind::Import,
                                   .Ret<ffi::Token>()
                                   .Attr<int64_t>("table")
                                   .Attr<std::string_view>("slot_names"));
-
-// The number of live tables (for tests: a destroyed table is gone).
-extern "C" int64_t KreLiveTables() { return kre::jaxbind::Tables().Count(); }
 
 #pragma GCC visibility pop

@@ -20,8 +20,16 @@ across dispatches (eager calls and successive jitted calls alike). So:
 
 Tables are named by an integer handle (csrc/jax/table_registry.h), a static
 attribute of each call: a jitted function is compiled for the tables it
-uses. `create` and `export` run at once (they return a handle and
-data-dependent shapes); the rest also run inside `jit`, `lax.scan`,
+uses. Table management (`create`, `destroy`, `add_slot`, `size`) is not an
+XLA call: those are plain C functions of the same library
+(csrc/jax/table_host.cc), called through ctypes, which take effect when
+Python calls them, whatever JAX is tracing. A Keras layer builds its table
+inside a trace (the JAX trainer's symbolic build, a subclassed model's
+first call): an XLA call made there would be staged into a computation that
+never runs. Each management call first waits for the table calls already
+dispatched (`jax.effects_barrier`), so it sees, and orders after, them.
+`export` and the save and restore calls run eagerly only (data-dependent
+shapes); lookups and applies also run inside `jit`, `lax.scan`,
 `custom_vjp` and `grad`.
 """
 
@@ -43,12 +51,8 @@ LIBRARY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 # FFI target name -> C symbol of its handler.
 TARGETS = {
-    "kre_table_create": "KreTableCreate",
-    "kre_table_destroy": "KreTableDestroy",
-    "kre_table_add_slot": "KreTableAddSlot",
     "kre_table_lookup": "KreTableLookup",
     "kre_table_apply": "KreTableApply",
-    "kre_table_size": "KreTableSize",
     "kre_table_export": "KreTableExport",
     # Save and restore.
     "kre_table_save_info": "KreTableSaveInfo",
@@ -75,9 +79,42 @@ def library():
             for target, symbol in TARGETS.items():
                 jax.ffi.register_ffi_target(
                     target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
-            lib.KreLiveTables.restype = ctypes.c_int64
+            _declare_host_functions(lib)
             _lib = lib
         return _lib
+
+
+# csrc/jax/table_host.cc's status codes.
+_HOST_OK, _HOST_INVALID = 0, 1
+_ERROR_SIZE = 1024
+
+
+def _declare_host_functions(lib):
+    c = ctypes
+    error = (c.c_char_p, c.c_size_t)
+    lib.KreHostCreate.argtypes = (c.c_void_p, c.c_int64, c.c_int64, c.c_int32, c.c_int32,
+                                  c.c_int32, c.c_int64, c.c_float, c.c_int64,
+                                  c.POINTER(c.c_int64), *error)
+    lib.KreHostDestroy.argtypes = (c.c_int64, *error)
+    lib.KreHostAddSlot.argtypes = (c.c_int64, c.c_char_p, c.c_int64, c.c_float, *error)
+    lib.KreHostSize.argtypes = (c.c_int64, c.POINTER(c.c_int64), *error)
+    for fn in (lib.KreHostCreate, lib.KreHostDestroy, lib.KreHostAddSlot, lib.KreHostSize):
+        fn.restype = c.c_int
+    lib.KreLiveTables.argtypes = ()
+    lib.KreLiveTables.restype = c.c_int64
+
+
+def _host(function, *args, wait=True):
+    """Calls a management function of csrc/jax/table_host.cc now (after the
+    table calls already dispatched, with `wait`); bad input is a ValueError
+    with its message, an engine failure a RuntimeError."""
+    if wait:
+        jax.effects_barrier()
+    error = ctypes.create_string_buffer(_ERROR_SIZE)
+    status = getattr(library(), function)(*args, error, _ERROR_SIZE)
+    if status != _HOST_OK:
+        message = error.value.decode("utf-8", "replace")
+        raise (ValueError if status == _HOST_INVALID else RuntimeError)(message)
 
 
 def live_tables():
@@ -176,35 +213,31 @@ def create(default_values, key_dtype="int32", num_shards=32, track_meta=True, fi
            no_permission_value=0.0, freq_cap=0):
     """A new table; returns its handle (a Python int). A new key's row is a
     copy of row `key mod default_value_dim` of `default_values`
-    ([default_value_dim, dim], the engine's EV initializer). Runs at once, also while a function is being traced."""
+    ([default_value_dim, dim], the engine's EV initializer). Runs at once,
+    also while a function is being traced."""
     key_dtype = _check_key_dtype(key_dtype)
-    default_values = np.asarray(default_values, dtype=np.float32)
+    default_values = np.ascontiguousarray(default_values, dtype=np.float32)
     if default_values.ndim != 2 or min(default_values.shape) < 1:
         raise ValueError("default_values must be [default_value_dim >= 1, dim >= 1]. "
                          f"Received: shape {default_values.shape}")
-    # Runs now even while a function is being traced (a Keras layer builds
-    # its table inside the trace of its first call).
-    with jax.ensure_compile_time_eval():
-        (handle,) = _call("kre_table_create", [default_values], [_aval((), np.int32)],
-                          key_bits=np.int32(64 if key_dtype == "int64" else 32),
-                          num_shards=np.int32(num_shards), track_meta=bool(track_meta),
-                          filter_freq=np.int64(filter_freq),
-                          no_permission_value=np.float32(no_permission_value),
-                          freq_cap=np.int64(freq_cap))
-    return int(_concrete(handle, "create"))
+    handle = ctypes.c_int64(0)
+    _host("KreHostCreate", default_values.ctypes.data, *default_values.shape,
+          64 if key_dtype == "int64" else 32, int(num_shards), int(bool(track_meta)),
+          int(filter_freq), float(no_permission_value), int(freq_cap), ctypes.byref(handle),
+          wait=False)
+    return int(handle.value)
 
 
 def destroy(handle):
     """Destroys table `handle` (after every earlier call on it)."""
-    _call("kre_table_destroy", [], [], table=np.int64(handle))
+    _host("KreHostDestroy", int(handle))
 
 
 def add_slot(handle, name, width, init=0.0):
     """Adds optimizer slot `name` of `width` floats per row (init `init`);
     an existing slot keeps its rows, must have the same width, and takes
     `init` for rows created from now on."""
-    _call("kre_table_add_slot", [], [], table=np.int64(handle), slot_name=str(name),
-          width=np.int64(width), init=np.float32(init))
+    _host("KreHostAddSlot", int(handle), str(name).encode(), int(width), float(init))
 
 
 def lookup(handle, keys, dim, insert=True, prune=False):
@@ -240,8 +273,10 @@ def apply(handle, keys, grads, hyper, step, rule, hparam_names, slots, prune=Fal
 
 def size(handle):
     """[admitted keys, keys counted but not admitted, total slot width,
-    number of slots], an integer array."""
-    (out,) = _call("kre_table_size", [], [_aval((4,), int_dtype())], table=np.int64(handle))
+    number of slots] now (after every table call already dispatched), an
+    int64 NumPy array."""
+    out = np.zeros(4, np.int64)
+    _host("KreHostSize", int(handle), out.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)))
     return out
 
 
@@ -250,7 +285,7 @@ def export(handle, key_dtype, dim):
     (slot columns in the order the slots were added), as NumPy arrays in
     `{"keys", "values", "freqs", "versions", "slots"}`. Eager only."""
     key_dtype = _check_key_dtype(key_dtype)
-    stats = np.asarray(_concrete(size(handle), "export"))
+    stats = size(handle)
     capacity, width = int(stats[0]), int(stats[2])
     ints = int_dtype()
     while True:

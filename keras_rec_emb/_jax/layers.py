@@ -67,10 +67,60 @@ def _training_lookup(handle, dim, rule, hparam_names, slots, prune=False):
     return lookup
 
 
+@functools.lru_cache(maxsize=None)
+def _lookup_if_differentiated(handle, dim, rule, hparam_names, slots, prune, name):
+    """For `training=None`: lookup(ids, anchor, hyper, step) -> (rows,
+    trained). Keras's JAX trainer calls the model's `call` directly
+    (`stateless_call`), so a layer of a subclassed model that does not pass
+    `training` on gets None in `fit` as in `predict`. What tells them apart
+    is whether the loss is differentiated with respect to the table: under
+    `jax.grad` JAX runs the forward rule (insert; `trained` 1; the backward
+    applies the gradient), otherwise the plain function (no insert;
+    `trained` 0, so the step counter stays)."""
+
+    @jax.custom_vjp
+    def lookup(ids, anchor, hyper, step):
+        del anchor, hyper
+        return ffi.lookup(handle, ids, dim, insert=False, prune=prune), jnp.zeros_like(step)
+
+    def forward(ids, anchor, hyper, step):
+        if rule is None:
+            raise _no_optimizer_error(name)
+        rows = ffi.lookup(handle, ids, dim, insert=True, prune=prune)
+        return (rows, jnp.ones_like(step)), (ids, anchor, hyper, step)
+
+    def backward(saved, grads):
+        ids, anchor, hyper, step = saved
+        ffi.apply(handle, ids, grads[0].astype(jnp.float32), hyper, step, rule, hparam_names,
+                  slots, prune=prune)
+        return None, jnp.zeros_like(anchor), jnp.zeros_like(hyper), None
+
+    lookup.defvjp(forward, backward)
+    return lookup
+
+
+def _no_optimizer_error(name):
+    # Else a stock Keras optimizer would train the dense weights and
+    # silently leave the table as it is.
+    return ValueError(
+        f"EmbeddingVariable '{name}' is called in training with no optimizer "
+        "for its table: compile the model with one of keras_rec_emb.optimizers "
+        "(SGD, Adagrad, Adam, Ftrl, AdamAsync, AdagradDecay, AdamW), which trains "
+        "the table and the dense weights, or give the layer its own (`optimizer=`). "
+        "Received: the table has no optimizer")
+
+
 @keras.saving.register_keras_serializable(package="keras_rec_emb", name="EmbeddingVariable")
 class EmbeddingVariable(keras.layers.Layer):
     """Rows of a growing hash table for integer ids of any shape, under
     Keras's JAX backend (the TensorFlow backend's `EmbeddingVariable`).
+
+    With `training=True` a lookup inserts unseen ids and its backward
+    updates the table; with `training=False` it changes nothing. With
+    `training=None` (what Keras's JAX trainer gives the layers of a
+    subclassed model whose `call` does not pass `training` on) the table
+    trains exactly when the loss is differentiated with respect to it, as
+    in `fit`, and `predict` and `evaluate` insert nothing.
 
     Args:
         embedding_dim: int >= 1, the row width.
@@ -188,21 +238,25 @@ class EmbeddingVariable(keras.layers.Layer):
 
     def _rows(self, ids, training):
         prune = self.prune_invalid_ids
+        if training is None and self.trainable:
+            # Training or not is decided by differentiation (see
+            # _lookup_if_differentiated).
+            step = self.iterations.value
+            rule = self.table_rule
+            lookup = _lookup_if_differentiated(
+                self.handle, self.embedding_dim, rule and rule.rule.name,
+                rule and rule.rule.hparam_names, rule and rule.slot_names(), prune, self.name)
+            hyper = rule.hyper(step) if rule is not None else jnp.zeros(0, jnp.float32)
+            rows, trained = lookup(ids, self.anchor.value, hyper, step)
+            self.iterations.assign(step + trained)
+            return rows
         if not (training and self.trainable):
             return ffi.lookup(self.handle, ids, self.embedding_dim, insert=False, prune=prune)
         step = self.iterations.value
         self.iterations.assign(step + 1)
         rule = self.table_rule
         if rule is None:
-            # Else a stock Keras optimizer would train the dense weights and
-            # silently leave the table as it is.
-            raise ValueError(
-                f"EmbeddingVariable '{self.name}' is called in training with no optimizer "
-                "for its table: compile the model with one of keras_rec_emb.optimizers "
-                "(SGD, Adagrad, Adam, Ftrl, AdamAsync, AdagradDecay, AdamW), which trains "
-                "the table and the dense weights, "
-                "or give the layer its own (`optimizer=`). Received: the table has no "
-                "optimizer")
+            raise _no_optimizer_error(self.name)
         lookup = _training_lookup(self.handle, self.embedding_dim, rule.rule.name,
                                   rule.rule.hparam_names, rule.slot_names(), prune)
         return lookup(ids, self.anchor.value, rule.hyper(step), step)

@@ -196,17 +196,33 @@ def test_a_slot_keeps_its_width(table):
         jax.block_until_ready(ffi.add_slot(table, "m", 1))
 
 
-def test_create_runs_at_once_inside_a_trace():
-    made = []
+def test_management_runs_at_once_inside_a_trace():
+    """create, add_slot and size are host calls, not staged into the
+    computation being traced (which may never run)."""
+    made, sizes = [], []
 
-    @jax.jit
     def f(x):
         made.append(ffi.create(defaults()))
+        ffi.add_slot(made[-1], "accumulator", 4, 0.5)
+        sizes.append(ffi.size(made[-1]))
         return x + 1
 
     before = ffi.live_tables()
-    f(np.float32(1))
+    jax.make_jaxpr(f)(np.float32(1))  # traced, never run
     assert len(made) == 1 and isinstance(made[0], int) and ffi.live_tables() == before + 1
+    np.testing.assert_array_equal(sizes[0], [0, 0, 4, 1])
+    jax.jit(lambda x: f(x))(np.float32(1))  # another trace: another table
+    assert len(made) == 2 and ffi.live_tables() == before + 2
+    np.testing.assert_array_equal(ffi.size(made[1]), [0, 0, 4, 1])
     np.testing.assert_array_equal(np.asarray(ffi.lookup(made[0], np.array([4], np.int32), 4)),
                                   defaults()[[1]])
-    ffi.destroy(made[0])
+    for handle in made:
+        ffi.destroy(handle)
+    assert ffi.live_tables() == before
+
+
+def test_size_sees_the_lookups_dispatched_before_it(table):
+    step = jax.jit(lambda k: ffi.lookup(table, k, 4))
+    for i in range(5):
+        step(np.arange(3 * i, 3 * i + 3, dtype=np.int32))
+    assert ffi.size(table)[0] == 15

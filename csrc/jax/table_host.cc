@@ -1,0 +1,194 @@
+// Copyright keras_rec_emb authors. Apache-2.0.
+//
+// Table management for the JAX binding as plain C functions, which
+// keras_rec_emb/_jax/ffi.py calls through ctypes: create, destroy, add a
+// slot, size. They are host calls that must take effect when Python makes
+// them, whatever JAX is tracing (a Keras layer builds its table inside the
+// trace of the model's first call or symbolic build); an XLA custom call
+// made then would be staged into that computation and run only if the
+// computation ever runs. Lookups and updates stay XLA custom calls
+// (table_handlers.cc), ordered by JAX's effect token. Both reach the tables
+// through the one registry (table_registry.h).
+//
+// Each function returns 0 on success, kKreInvalid for bad input and
+// kKreFailed when the engine fails (allocation); the message, naming the
+// argument, is written to `error` (NUL-terminated, truncated to
+// `error_size`). No exception leaves these functions.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <new>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "jax/table_registry.h"
+#include "kv/table.h"
+
+namespace kre {
+namespace jaxbind {
+namespace {
+
+constexpr int kKreOk = 0;
+constexpr int kKreInvalid = 1;
+constexpr int kKreFailed = 2;
+
+int Fail(int code, const std::string& message, char* error, size_t error_size) {
+  if (error != nullptr && error_size > 0) {
+    const size_t n = std::min(message.size(), error_size - 1);
+    std::memcpy(error, message.data(), n);
+    error[n] = '\0';
+  }
+  return code;
+}
+
+// Runs `body` (which returns a status); an exception that escapes it (the
+// engine's) becomes kKreFailed with its message instead of ending the
+// process.
+template <typename Body>
+int Guarded(char* error, size_t error_size, Body&& body) {
+  try {
+    return body();
+  } catch (const std::exception& e) {
+    return Fail(kKreFailed, std::string("embedding table operation failed: ") + e.what(), error,
+                error_size);
+  }
+}
+
+std::string NoTable(int64_t handle) {
+  return "no embedding table has handle " + std::to_string(handle) +
+         " (it was destroyed, or made in another process)";
+}
+
+}  // namespace
+}  // namespace jaxbind
+}  // namespace kre
+
+using kre::jaxbind::AnyTable;
+using kre::jaxbind::Fail;
+using kre::jaxbind::Guarded;
+using kre::jaxbind::kKreFailed;
+using kre::jaxbind::kKreInvalid;
+using kre::jaxbind::kKreOk;
+using kre::jaxbind::NoTable;
+using kre::jaxbind::Tables;
+
+#pragma GCC visibility push(default)
+
+// A new table whose initializer is `defaults` [rows, dim] (row-major);
+// writes its handle (>= 1) to `*handle`.
+extern "C" int KreHostCreate(const float* defaults, int64_t rows, int64_t dim, int32_t key_bits,
+                             int32_t num_shards, int32_t track_meta, int64_t filter_freq,
+                             float no_permission_value, int64_t freq_cap, int64_t* handle,
+                             char* error, size_t error_size) {
+  return Guarded(error, error_size, [&]() -> int {
+    auto invalid = [&](const std::string& m) { return Fail(kKreInvalid, m, error, error_size); };
+    if (rows < 1 || dim < 1) {
+      return invalid("`default_values` must be [default_value_dim >= 1, dim >= 1], got [" +
+                     std::to_string(rows) + ", " + std::to_string(dim) + "]");
+    }
+    if (key_bits != 32 && key_bits != 64) {
+      return invalid("`key_bits` must be 32 or 64, got " + std::to_string(key_bits));
+    }
+    if (num_shards < 1 || num_shards > 65536) {
+      return invalid("`num_shards` must be in [1, 65536], got " + std::to_string(num_shards));
+    }
+    if (freq_cap < 0) return invalid("`freq_cap` must be >= 0, got " + std::to_string(freq_cap));
+    if (!std::isfinite(no_permission_value)) {
+      return invalid("`no_permission_value` must be finite");
+    }
+    const int64_t count = rows * dim;
+    if (!std::all_of(defaults, defaults + count, [](float v) { return !std::isnan(v); })) {
+      return invalid("`default_values` must not hold NaN");
+    }
+    kre::kv::TableOptions options;
+    options.dim = dim;
+    options.default_values.assign(defaults, defaults + count);
+    options.num_shards = num_shards;
+    options.track_meta = track_meta != 0;
+    options.filter_freq = filter_freq;
+    options.no_permission_value = no_permission_value;
+    options.freq_cap = freq_cap;
+    std::shared_ptr<AnyTable> table;
+    try {
+      table = std::make_shared<AnyTable>(key_bits, std::move(options));
+    } catch (const std::bad_alloc&) {
+      throw;
+    } catch (const std::exception& e) {
+      return invalid(e.what());
+    }
+    const int64_t h = Tables().Add(std::move(table));
+    if (h < 0) {
+      return Fail(kKreFailed, "no embedding table handle is left in this process", error,
+                  error_size);
+    }
+    *handle = h;
+    return kKreOk;
+  });
+}
+
+extern "C" int KreHostDestroy(int64_t handle, char* error, size_t error_size) {
+  if (!Tables().Remove(handle)) {
+    return Fail(kKreInvalid,
+                "no embedding table has handle " + std::to_string(handle) + " (destroyed twice?)",
+                error, error_size);
+  }
+  return kKreOk;
+}
+
+// Adds optimizer slot `name` of `width` floats per row, `init` for new rows
+// (an existing slot keeps its rows and must have the same width).
+extern "C" int KreHostAddSlot(int64_t handle, const char* name, int64_t width, float init,
+                              char* error, size_t error_size) {
+  return Guarded(error, error_size, [&]() -> int {
+    auto invalid = [&](const std::string& m) { return Fail(kKreInvalid, m, error, error_size); };
+    std::shared_ptr<AnyTable> t = Tables().Get(handle);
+    if (t == nullptr) return invalid(NoTable(handle));
+    const std::string slot = name == nullptr ? std::string() : std::string(name);
+    if (slot.empty()) return invalid("`slot_name` must not be empty");
+    if (slot.find(',') != std::string::npos) {
+      return invalid("`slot_name` must not contain ',', got '" + slot + "'");
+    }
+    if (width < 1 || width > (int64_t{1} << 20)) {
+      return invalid("`width` must be in [1, 2**20], got " + std::to_string(width));
+    }
+    if (!std::isfinite(init)) return invalid("`init` must be finite");
+    return t->Visit([&](auto& tab) -> int {
+      try {
+        tab.AddSlot(slot, width, init);
+      } catch (const std::bad_alloc&) {
+        throw;
+      } catch (const std::exception& e) {
+        return invalid(e.what());
+      }
+      return kKreOk;
+    });
+  });
+}
+
+// out: [admitted keys, keys counted but not admitted, total slot width,
+// number of slots].
+extern "C" int KreHostSize(int64_t handle, int64_t* out, char* error, size_t error_size) {
+  return Guarded(error, error_size, [&]() -> int {
+    std::shared_ptr<AnyTable> t = Tables().Get(handle);
+    if (t == nullptr) return Fail(kKreInvalid, NoTable(handle), error, error_size);
+    t->Visit([&](auto& tab) {
+      int64_t width = 0;
+      const std::vector<kre::kv::SlotSpec> specs = tab.Slots();
+      for (const auto& s : specs) width += s.width;
+      out[0] = tab.Size();
+      out[1] = tab.FilteredSize();
+      out[2] = width;
+      out[3] = static_cast<int64_t>(specs.size());
+    });
+    return kKreOk;
+  });
+}
+
+// The number of live tables (for tests: a destroyed table is gone).
+extern "C" int64_t KreLiveTables() { return Tables().Count(); }
+
+#pragma GCC visibility pop
