@@ -56,14 +56,19 @@ import keras
 import keras_rec_emb as kre
 DIM, FEATURES, DVD = 3, 2, 5
 OPTIMIZERS = {"SGD": 0.05, "Adagrad": 0.05, "Adam": 0.01}
-def train(name):
+def train(name, combiner=None):
     rng = np.random.default_rng(7)
     ids = rng.integers(0, 11, size=(16, FEATURES)).astype(np.int32)
+    if combiner:  # padded with -1, pruned: one row has no id at all
+        ids = np.concatenate([ids, np.full((16, 1), -1, np.int32)], axis=1)
+        ids[::3, 1] = -1
+        ids[5, :] = -1
     labels = rng.normal(size=(16, 1)).astype(np.float32)
     matrix = rng.normal(size=(DVD, DIM)).astype(np.float32)
-    kernel = rng.normal(size=(FEATURES * DIM, 1)).astype(np.float32)
-    layer = make_layer(keras.initializers.Constant(matrix))
-    inputs = keras.Input(shape=(FEATURES,), dtype="int32")
+    width = DIM if combiner else FEATURES * DIM
+    kernel = rng.normal(size=(width, 1)).astype(np.float32)
+    layer = make_layer(keras.initializers.Constant(matrix), combiner)
+    inputs = keras.Input(shape=(ids.shape[1],), dtype="int32")
     dense = keras.layers.Dense(1, kernel_initializer=keras.initializers.Constant(kernel))
     model = keras.Model(inputs, dense(keras.layers.Flatten()(layer(inputs))))
     model.compile(optimizer=getattr(kre.optimizers, name)(OPTIMIZERS[name]), loss="mse")
@@ -75,22 +80,25 @@ def train(name):
             "freqs": e["freqs"][order].tolist(), "versions": e["versions"][order].tolist(),
             "kernel": dense.get_weights()[0].tolist(), "bias": dense.get_weights()[1].tolist()}
 result = {name: train(name) for name in OPTIMIZERS}
+result["Adagrad mean"] = train("Adagrad", combiner="mean")
 """
 
 _TENSORFLOW = """
 import keras_rec_emb as kre
-def make_layer(init):
+def make_layer(init, combiner):
     option = kre.EmbeddingVariableOption(
         init_option=kre.InitializerOption(initializer=init, default_value_dim=DVD), track_meta=True)
-    return kre.layers.EmbeddingVariable(DIM, key_dtype="int32", ev_option=option)
+    return kre.layers.EmbeddingVariable(DIM, key_dtype="int32", ev_option=option,
+                                        combiner=combiner, prune_invalid_ids=bool(combiner))
 def export(layer):
     return layer.table.export()
 """
 
 _JAX = """
 import keras_rec_emb as kre
-def make_layer(init):
-    return kre.layers.EmbeddingVariable(DIM, initializer=init, default_value_dim=DVD)
+def make_layer(init, combiner):
+    return kre.layers.EmbeddingVariable(DIM, initializer=init, default_value_dim=DVD,
+                                        combiner=combiner, prune_invalid_ids=bool(combiner))
 def export(layer):
     e = layer.export()  # slots packed in the order of the layer's slot specs
     starts = np.cumsum([0] + [w for _, w in layer._kre_slot_specs])
@@ -118,12 +126,15 @@ def _train_under_tensorflow():
 
 
 def test_compiled_optimizers_give_the_tensorflow_backends_numbers():
-    """model.fit with kre.optimizers.SGD, Adagrad and Adam under
+    """model.fit with kre.optimizers.SGD, Adagrad and Adam, and Adagrad
+    through a mean combiner over ids padded with -1 (pruned), under
     KERAS_BACKEND=jax and =tensorflow: the same ids, frequencies, versions,
     rows, slots and Dense weights (1e-5 for SGD and Adagrad, 1e-4 for Adam)."""
     tf_runs = _train_under_tensorflow()
     jax_runs = _train_under_jax()
-    for name, tolerance in (("SGD", 1e-5), ("Adagrad", 1e-5), ("Adam", 1e-4)):
+    assert -1 not in jax_runs["Adagrad mean"]["keys"]  # pruned padding
+    for name, tolerance in (("SGD", 1e-5), ("Adagrad", 1e-5), ("Adam", 1e-4),
+                            ("Adagrad mean", 1e-5)):
         tf_run, jax_run = tf_runs[name], jax_runs[name]
         for key in ("keys", "freqs", "versions"):
             assert jax_run[key] == tf_run[key], (name, key)
