@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 
 import keras
@@ -20,29 +21,80 @@ from keras_rec_emb.distribute.ps_tables import ShardedEmbeddingTable
 from keras_rec_emb.layers import EmbeddingVariable, FeatureSpec, GroupEmbedding
 from keras_rec_emb.variables import EmbeddingTable
 
-_SERVE = """
-import json, sys
+_SERVER = """
+import json, sys, traceback
 import numpy as np
 import tensorflow as tf
-path, inputs = sys.argv[1], json.loads(sys.argv[2])
-model = tf.saved_model.load(path)
-if isinstance(inputs, dict):
-    args = [{k: tf.constant(v, tf.int64) for k, v in inputs.items()}]
-else:
-    args = [tf.constant(inputs, tf.int64)]
-out = model.serve(*args)
-print(json.dumps({"out": np.asarray(out).tolist(),
-                  "kre_imported": any(m.startswith("keras_rec_emb") for m in sys.modules)}))
+for line in sys.stdin:
+    path, inputs = json.loads(line)
+    try:
+        model = tf.saved_model.load(path)
+        if isinstance(inputs, dict):
+            args = [{k: tf.constant(v, tf.int64) for k, v in inputs.items()}]
+        else:
+            args = [tf.constant(inputs, tf.int64)]
+        reply = {"out": np.asarray(model.serve(*args)).tolist()}
+        del model
+    except Exception:
+        reply = {"error": traceback.format_exc()}
+    reply["kre_imported"] = any(m.startswith("keras_rec_emb") for m in sys.modules)
+    print(json.dumps(reply), flush=True)
 """
 
 
+class _StockServer:
+    """A Python that imports only TensorFlow (not even the repository is on
+    its path) and serves each SavedModel it is sent: one TensorFlow start
+    for every serving test of this module."""
+
+    def __init__(self):
+        self.proc = None
+
+    def serve(self, path, inputs):
+        if self.proc is None or self.proc.poll() is not None:
+            env = dict(os.environ, PYTHONPATH="")
+            self.stderr = tempfile.TemporaryFile("w+")
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", _SERVER], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=self.stderr, text=True, env=env, cwd="/")
+        self.proc.stdin.write(json.dumps([path, inputs]) + "\n")
+        self.proc.stdin.flush()
+        lines = []
+        reader = threading.Thread(target=lambda: lines.append(self.proc.stdout.readline()),
+                                  daemon=True)
+        reader.start()
+        reader.join(timeout=300)
+        if not lines or not lines[0]:
+            self.stderr.seek(0)
+            tail = self.stderr.read()[-3000:]
+            self.stop()
+            raise AssertionError(f"the serving process gave no answer: {tail}")
+        return json.loads(lines[0])
+
+    def stop(self):
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.kill()  # by its pid
+            self.proc.wait(timeout=30)
+            self.proc.stdin.close()
+            self.proc.stdout.close()
+            self.stderr.close()
+            self.proc = None
+
+
+_STOCK_SERVER = _StockServer()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_the_stock_server():
+    yield
+    _STOCK_SERVER.stop()
+
+
 def serve_elsewhere(path, inputs):
-    """Runs the SavedModel in a fresh Python that imports only TensorFlow."""
-    env = dict(os.environ, PYTHONPATH="")  # not even the repository on the path
-    r = subprocess.run([sys.executable, "-c", _SERVE, path, json.dumps(inputs)],
-                       capture_output=True, text=True, env=env, cwd="/", timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    result = json.loads(r.stdout.strip().splitlines()[-1])
+    """Runs the SavedModel in a Python that never imported keras_rec_emb."""
+    result = _STOCK_SERVER.serve(path, inputs)
+    assert "error" not in result, result["error"][-3000:]
     assert result["kre_imported"] is False
     return np.asarray(result["out"], np.float32)
 
