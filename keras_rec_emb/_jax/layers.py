@@ -266,14 +266,50 @@ class EmbeddingVariable(keras.layers.Layer):
             return (*input_shape[:-1], self.embedding_dim)
         return (*input_shape, self.embedding_dim)
 
+    def _require_built(self, what):
+        if self.handle is None:
+            raise ValueError(f"EmbeddingVariable '{self.name}' is not built yet; call it on "
+                             f"ids (or build it) before {what}.")
+
     def export(self):
         """The table's admitted ids with their rows, frequencies, versions
         and slot rows (NumPy arrays)."""
+        self._require_built("export()")
         return ffi.export(self.handle, self.key_dtype, self.embedding_dim)
 
+    def table_size(self):
+        """Number of distinct ids admitted to the table (after every table
+        call already dispatched)."""
+        self._require_built("table_size()")
+        return int(ffi.size(self.handle)[0])
+
     def size(self):
-        """The number of ids in the table."""
-        return int(np.asarray(ffi.size(self.handle))[0])
+        """The number of ids in the table (`table_size()`)."""
+        return self.table_size()
+
+    def import_(self, data):
+        """Replaces the table's contents with `data`, shaped like the
+        TensorFlow backend's `export()`: `keys` [N] and `values` [N, dim]
+        required; `freqs`, `versions`, `slots` ({slot name: [N, width]}),
+        `keys_filtered`, `freqs_filtered`, `versions_filtered`,
+        `default_values` and `bloom` optional. A failed import leaves the
+        table as it was."""
+        self._require_built("import_()")
+        if not isinstance(data, dict) or "keys" not in data or "values" not in data:
+            raise ValueError(
+                "`data` must be a dict with at least 'keys' [N] and 'values' "
+                f"[N, {self.embedding_dim}] (as export() returns). Received: "
+                f"{type(data).__name__}"
+                + (f" with keys {sorted(data)}" if isinstance(data, dict) else ""))
+        ffi.import_parts(self.handle, self.key_dtype, self.embedding_dim, data)
+        slots = data.get("slots")
+        known = {name for name, _ in self._kre_slot_specs}
+        if isinstance(slots, dict):
+            added = [(str(n), int(np.shape(v)[1])) for n, v in slots.items()]
+        else:
+            added = [(n.decode() if isinstance(n, bytes) else str(n), int(w))
+                     for n, w in zip(data.get("slot_names", ()), data.get("slot_widths", ()))]
+        self._kre_slot_specs += [(n, w) for n, w in added if n not in known]
 
     # -- saving: the TensorFlow backend's format (see `saving`) ----------------
     def save_own_variables(self, store):

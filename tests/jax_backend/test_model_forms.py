@@ -166,3 +166,35 @@ def test_each_model_form_trains_predicts_and_saves_the_same_table(form, own_opti
     np.testing.assert_allclose(loaded.predict(unseen, batch_size=BATCH, verbose=0), before,
                                rtol=1e-6)
     assert ffi.live_tables() == live + 2
+
+
+def test_table_size_export_and_import_as_under_tensorflow():
+    """The TensorFlow layer's read and import methods: `table_size()`, and
+    `import_` of a dict shaped like TensorFlow's `export()` (slots by name,
+    filtered parts, initializer matrix) restores every part."""
+    fresh = embedding(True)
+    for method, args in (("table_size", ()), ("export", ()), ("import_", ({},))):
+        with pytest.raises(ValueError, match=f"'ev' is not built yet.*before {method}"):
+            getattr(fresh, method)(*args)
+    model = make("functional", True)
+    model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
+    ids, labels = data()
+    model.fit(ids, labels, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    trained = layer_of(model)
+    assert trained.table_size() == trained.size() == len(np.unique(ids))
+    want = parts(trained)
+
+    fresh.build((None, FEATURES))
+    assert fresh.table_size() == 0
+    fresh.import_(ffi.export_parts(trained.handle, "int32", DIM, trained._kre_slot_specs))
+    assert fresh.table_size() == len(np.unique(ids))
+    got = parts(fresh)
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+    with pytest.raises(ValueError, match=r"`data` must be a dict with at least 'keys'.*"
+                                         r"Received: dict with keys \['values'\]"):
+        fresh.import_({"values": np.zeros((1, DIM), np.float32)})
+    with pytest.raises(ValueError, match=r"`values` must have shape \[1, 3\]"):
+        fresh.import_({"keys": np.array([1]), "values": np.zeros((1, DIM + 1), np.float32)})
+    assert fresh.table_size() == len(np.unique(ids))  # a failed import changes nothing
