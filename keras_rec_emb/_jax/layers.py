@@ -140,11 +140,44 @@ class EmbeddingVariable(keras.layers.Layer):
         key_dtype: "int32" (JAX's default) or "int64" (with JAX's x64 mode).
         default_value_dim: int >= 1, rows of that matrix.
         num_shards: the table's lock shards, in [1, 65536].
+        ev_option: None, or the TensorFlow layer's `EmbeddingVariableOption`
+            as its config (a dict, as in a saved model): its initializer
+            option and `num_shards` apply; filters, eviction and the file
+            tier are TensorFlow-only for now (a ValueError names them).
+        restore_dim_mismatch: "error" only (the other modes are
+            TensorFlow-only for now).
+        **kwargs: Keras's layer arguments (`name`, `trainable`, `dtype`).
+
+    Example:
+
+    >>> ids = keras.Input(shape=(3,), dtype="int32")
+    >>> x = keras_rec_emb.layers.EmbeddingVariable(
+    ...     4, combiner="mean", prune_invalid_ids=True)(ids)
+    >>> model = keras.Model(ids, keras.layers.Dense(1)(x))
+    >>> model.compile(optimizer=keras_rec_emb.optimizers.Adagrad(0.1), loss="mse")
+    >>> history = model.fit(np.array([[1, 10**6, -1], [7, -1, -1]]), np.ones((2, 1)),
+    ...                     verbose=0)
+    >>> sorted(model.layers[1].export()["keys"].tolist())
+    [1, 7, 1000000]
     """
 
     def __init__(self, embedding_dim, initializer="truncated_normal", key_dtype="int32",
-                 combiner=None, prune_invalid_ids=False, optimizer=None, default_value_dim=4096,
+                 combiner=None, prune_invalid_ids=False, ev_option=None,
+                 restore_dim_mismatch="error", optimizer=None, default_value_dim=4096,
                  num_shards=32, **kwargs):
+        if ev_option is not None or restore_dim_mismatch != "error":
+            if ev_option is not None and not isinstance(ev_option, dict):
+                raise TypeError(
+                    "Under the JAX backend `ev_option` must be None or an "
+                    "EmbeddingVariableOption's config (a dict); the option classes are "
+                    "TensorFlow-only for now. Received: "
+                    f"ev_option={type(ev_option).__name__}")
+            # The TensorFlow layer's arguments, translated as a saved config is.
+            translated = saving.layer_kwargs({"ev_option": ev_option,
+                                              "restore_dim_mismatch": restore_dim_mismatch})
+            default_value_dim = translated.get("default_value_dim", default_value_dim)
+            num_shards = translated.get("num_shards", num_shards)
+            initializer = translated.get("initializer", initializer)
         super().__init__(**kwargs)
         if combiner not in COMBINERS:
             raise ValueError(f"`combiner` must be None or one of {COMBINERS[1:]}. Received: "

@@ -47,6 +47,8 @@ _INT64_PARTS = ("freqs", "versions", "freqs_filtered", "versions_filtered")
 # (subclasses first: Keras's AdamW is an Adam).
 _OPTIMIZERS = {"SGD": keras.optimizers.SGD, "Adagrad": keras.optimizers.Adagrad,
                "Adam": keras.optimizers.Adam, "Ftrl": keras.optimizers.Ftrl}
+# keras_rec_emb's own, without a Keras namesake (found by registered name).
+_DEEPREC_OPTIMIZERS = ("AdamAsync", "AdagradDecay", "AdamW")
 _OPTIONS_MODULE = "keras_rec_emb.options"
 
 
@@ -107,8 +109,14 @@ def optimizer_config(optimizer):
     same name."""
     if optimizer is None:
         return None
-    name = next(n for n, cls in _OPTIMIZERS.items() if isinstance(optimizer, cls))
-    return {"module": "keras_rec_emb.optimizers.keras_optimizers", "class_name": name,
+    registered = keras.saving.get_registered_name(type(optimizer))
+    if registered.startswith("keras_rec_emb>"):
+        name = registered.split(">", 1)[1]
+    else:
+        name = next(n for n, cls in _OPTIMIZERS.items() if isinstance(optimizer, cls))
+    module = ("keras_rec_emb.optimizers.deeprec_optimizers" if name in _DEEPREC_OPTIMIZERS
+              else "keras_rec_emb.optimizers.keras_optimizers")
+    return {"module": module, "class_name": name,
             "config": optimizer.get_config(), "registered_name": f"keras_rec_emb>{name}"}
 
 
@@ -143,7 +151,8 @@ def layer_config(layer, base_config):
 
 def _unsupported(argument, value, allowed):
     return ValueError(f"Under the JAX backend an EmbeddingVariable supports {argument}="
-                      f"{allowed} only (so far). Received: {argument}={value!r}")
+                      f"{allowed} only (so far): other values are TensorFlow-only for now. "
+                      f"Received: {argument}={value!r}")
 
 
 def _inner(value, class_name, argument):
@@ -162,8 +171,9 @@ def _optimizer(value):
     if value is None:
         return None  # the model's optimizer
     name = value.get("class_name") if isinstance(value, dict) else None
-    if name not in _OPTIMIZERS:
-        raise _unsupported("optimizer", value, "None, SGD, Adagrad, Adam or Ftrl")
+    if name not in (*_OPTIMIZERS, *_DEEPREC_OPTIMIZERS):
+        raise _unsupported("optimizer", value,
+                           "None, " + ", ".join((*_OPTIMIZERS, *_DEEPREC_OPTIMIZERS)))
     # keras_rec_emb/_jax/optimizers.py registers them (imported with the
     # package); looked up by name, since that module imports this one.
     cls = keras.saving.get_registered_object(f"keras_rec_emb>{name}")

@@ -272,7 +272,7 @@ def test_the_weights_file_holds_the_tensorflow_backends_parts(tmp_path):
 
 @pytest.mark.parametrize("change, message", [
     ({"optimizer": {"class_name": "RMSprop", "config": {}}},
-     "supports optimizer=None, SGD, Adagrad, Adam or Ftrl"),
+     "supports optimizer=None, SGD, Adagrad, Adam, Ftrl, AdamAsync"),
     ({"restore_dim_mismatch": "pad_or_truncate"}, "supports restore_dim_mismatch='error'"),
     ({"ev_option": {"class_name": "EmbeddingVariableOption",
                     "config": {"filter_option": {"class_name": "CounterFilter"}}}},

@@ -1,0 +1,78 @@
+"""keras_rec_emb.layers.EmbeddingVariable under Keras's JAX backend: the
+TensorFlow layer's registered name, arguments and config."""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_rec_emb
+from keras_rec_emb._jax import layers, optimizers
+
+
+def test_the_public_names_are_the_jax_classes_under_the_tensorflow_names():
+    assert keras_rec_emb.layers.EmbeddingVariable is layers.EmbeddingVariable
+    assert (keras.saving.get_registered_name(layers.EmbeddingVariable)
+            == "keras_rec_emb>EmbeddingVariable")
+    for name in keras_rec_emb.optimizers.__all__:
+        cls = getattr(keras_rec_emb.optimizers, name)
+        assert cls is getattr(optimizers, name)
+        assert keras.saving.get_registered_name(cls) == f"keras_rec_emb>{name}"
+
+
+def test_get_config_covers_every_argument():
+    layer = layers.EmbeddingVariable(
+        5, initializer=keras.initializers.Constant(0.25), key_dtype="int32", combiner="sqrtn",
+        prune_invalid_ids=True, optimizer=optimizers.AdamAsync(0.3, beta_1=0.5),
+        default_value_dim=7, num_shards=4, name="emb", trainable=False)
+    again = layers.EmbeddingVariable.from_config(layer.get_config())
+    for name in ("embedding_dim", "key_dtype", "combiner", "prune_invalid_ids",
+                 "default_value_dim", "num_shards", "name", "trainable"):
+        assert getattr(again, name) == getattr(layer, name), name
+    assert keras.initializers.serialize(again.initializer) == keras.initializers.serialize(
+        layer.initializer)
+    assert type(again.optimizer) is optimizers.AdamAsync
+    assert again.optimizer.get_config() == layer.optimizer.get_config()
+    assert again.get_config() == layer.get_config()
+
+
+def _option(**fields):
+    config = {"init_option": {"class_name": "InitializerOption", "config": {
+        "initializer": None, "default_value_dim": 9}}, "num_shards": 2}
+    config.update(fields)
+    return {"class_name": "EmbeddingVariableOption", "config": config}
+
+
+def test_the_tensorflow_layers_ev_option_applies_where_the_jax_layer_supports_it():
+    layer = layers.EmbeddingVariable(3, ev_option=_option())
+    assert (layer.default_value_dim, layer.num_shards) == (9, 2)
+
+
+@pytest.mark.parametrize("kwargs, argument", [
+    ({"ev_option": _option(filter_option={"class_name": "CounterFilter", "config": {}})},
+     "ev_option.filter_option"),
+    ({"ev_option": _option(evict_option={"class_name": "GlobalStepEvict", "config": {}})},
+     "ev_option.evict_option"),
+    ({"ev_option": _option(storage_option={"class_name": "StorageOption",
+                                           "config": {"storage_type": "FILE"}})},
+     "ev_option.storage_option.storage_type"),
+    ({"restore_dim_mismatch": "pad_or_truncate"}, "restore_dim_mismatch"),
+])
+def test_tensorflow_only_arguments_are_refused_by_name(kwargs, argument):
+    with pytest.raises(ValueError, match=rf"{argument}=.*TensorFlow-only for now\. Received: "
+                                         rf"{argument}="):
+        layers.EmbeddingVariable(3, **kwargs)
+
+
+def test_an_option_object_is_refused_with_a_type_error():
+    with pytest.raises(TypeError, match="`ev_option` must be None or .* ev_option=object"):
+        layers.EmbeddingVariable(3, ev_option=object())
+
+
+def test_the_docstring_example_runs():
+    import doctest
+
+    test = doctest.DocTestFinder().find(
+        layers.EmbeddingVariable, globs={"keras": keras, "np": np,
+                                         "keras_rec_emb": keras_rec_emb})[0]
+    assert test.examples
+    assert doctest.DocTestRunner().run(test, out=lambda text: None).failed == 0
