@@ -269,8 +269,10 @@ class EmbeddingVariable(keras.layers.Layer):
         count = jnp.maximum(count, 1.0)  # a row with no id gives zeros
         return total / (count if self.combiner == "mean" else jnp.sqrt(count))
 
-    def _rows(self, ids, training):
-        prune = self.prune_invalid_ids
+    def _rows(self, ids, training, prune=None):
+        """Rows of `ids` (training as `call` says); `prune` overrides
+        `prune_invalid_ids` (a GroupEmbedding always drops ids < 0)."""
+        prune = self.prune_invalid_ids if prune is None else bool(prune)
         if training is None and self.trainable:
             # Training or not is decided by differentiation (see
             # _lookup_if_differentiated).

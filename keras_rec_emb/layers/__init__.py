@@ -4,9 +4,10 @@ import os as _os
 
 if _os.environ.get("KERAS_BACKEND") == "jax":
     # Under Keras's JAX backend, without TensorFlow (keras_rec_emb/_jax).
+    from keras_rec_emb._jax.group_embedding import FeatureSpec, GroupEmbedding
     from keras_rec_emb._jax.layers import EmbeddingVariable
 
-    __all__ = ["EmbeddingVariable"]
+    __all__ = ["EmbeddingVariable", "FeatureSpec", "GroupEmbedding"]
 else:
     from keras_rec_emb import _compat
 

@@ -1,0 +1,324 @@
+"""`GroupEmbedding` and `FeatureSpec` under Keras's JAX backend.
+
+The TensorFlow layer's semantics and config (keras_rec_emb/layers/
+group_embedding.py), on JAX `EmbeddingVariable` tables. One lookup per
+table and step: the ids of every feature that reads a table are
+flattened and concatenated (padding, ids < 0, kept in place and pruned by
+the lookup), looked up once, and the rows split back and pooled per
+feature. So a table shared by several features gets one sparse update per
+step, with the gradient of each distinct id summed over its features, as
+TensorFlow's fused op gives it: Adagrad's and Adam's slots are updated
+once per step, not once per feature.
+"""
+
+import jax.numpy as jnp
+import keras
+import numpy as np
+
+from keras_rec_emb._jax.layers import EmbeddingVariable
+
+COMBINERS = ("sum", "mean", "sqrtn")
+_OUTPUT_MODES = ("dict", "concat")
+
+
+def _unsupported(argument, value, allowed):
+    return ValueError(f"Under the JAX backend GroupEmbedding supports {argument}={allowed} "
+                      f"only (so far). Received: {argument}={value!r}")
+
+
+def _table_from_spec(spec, what):
+    """An `EmbeddingVariable` from a spec dict: a serialized layer or the
+    layer's arguments (`embedding_dim`, ...)."""
+    if "class_name" in spec:
+        layer = keras.saving.deserialize_keras_object(spec)
+    elif "embedding_dim" in spec:
+        layer = EmbeddingVariable(**spec)
+    elif "input_dim" in spec and "output_dim" in spec:
+        raise _unsupported(what, spec, "an EmbeddingVariable (no keras.layers.Embedding)")
+    else:
+        raise ValueError(
+            f"`{what}` as a dict must be a serialized layer or hold EmbeddingVariable "
+            f"arguments (`embedding_dim`, ...). Received: {what}={spec!r}")
+    return _check_table_layer(layer, what)
+
+
+def _check_table_layer(layer, what):
+    if isinstance(layer, EmbeddingVariable):
+        return layer  # the group applies the feature's own combiner
+    if isinstance(layer, keras.layers.Embedding):
+        raise _unsupported(what, layer, "an EmbeddingVariable (no keras.layers.Embedding)")
+    raise TypeError(f"`{what}` must be an EmbeddingVariable, a spec dict or a table index. "
+                    f"Received: {what}={layer!r}")
+
+
+@keras.saving.register_keras_serializable(package="keras_rec_emb")
+class FeatureSpec:
+    """How `GroupEmbedding` embeds one feature (under Keras's JAX backend).
+
+    Args:
+        table: an `EmbeddingVariable`, a dict to create one (its arguments,
+            e.g. `{"embedding_dim": 8}`, or a serialized layer), or an int
+            index into `GroupEmbedding`'s `tables`. One table may serve
+            several features.
+        combiner: `"sum"`, `"mean"` or `"sqrtn"` over the feature's ids
+            (ids < 0 are padding: dropped). Defaults to `"sum"`.
+        weight_feature: `None` only under JAX (so far).
+        sequence: `False` only under JAX (so far).
+        max_norm: `None` only under JAX (so far).
+        default_id: `None` only under JAX (so far): a row with no id gives
+            zeros.
+
+    Example:
+
+    >>> spec = keras_rec_emb.layers.FeatureSpec({"embedding_dim": 4}, combiner="mean")
+    >>> spec.combiner
+    'mean'
+    """
+
+    def __init__(self, table, combiner="sum", weight_feature=None, sequence=False,
+                 max_norm=None, default_id=None):
+        if combiner not in COMBINERS:
+            raise ValueError(f"`combiner` must be one of {COMBINERS}. Received: "
+                             f"combiner={combiner!r}")
+        for argument, value, allowed in (("weight_feature", weight_feature, None),
+                                         ("sequence", sequence, False),
+                                         ("max_norm", max_norm, None),
+                                         ("default_id", default_id, None)):
+            if value is not allowed and value != allowed:
+                raise _unsupported(argument, value, allowed)
+        if isinstance(table, keras.layers.Embedding):
+            raise _unsupported("table", table, "an EmbeddingVariable (no keras.layers.Embedding)")
+        if isinstance(table, bool) or not isinstance(
+                table, (int, np.integer, dict, EmbeddingVariable)):
+            raise TypeError("`table` must be an EmbeddingVariable, a spec dict or a table "
+                            f"index. Received: table={table!r}")
+        self.table = table
+        self.combiner = combiner
+        self.weight_feature = None
+        self.sequence = False
+        self.max_norm = None
+        self.default_id = None
+
+    def get_config(self):
+        table = self.table
+        if isinstance(table, keras.layers.Layer):
+            table = keras.saving.serialize_keras_object(table)
+        return {"table": table, "combiner": self.combiner,
+                "weight_feature": self.weight_feature, "sequence": self.sequence,
+                "max_norm": self.max_norm, "default_id": self.default_id}
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+    def __repr__(self):
+        return f"FeatureSpec(table={self.table!r}, combiner={self.combiner!r})"
+
+
+@keras.saving.register_keras_serializable(package="keras_rec_emb")
+class GroupEmbedding(keras.layers.Layer):
+    """Embeds many features, one lookup per table (Keras's JAX backend).
+
+    Every feature reads its `EmbeddingVariable` and combines each
+    example's ids (ids < 0 are padding: dropped; a row with none gives
+    zeros). All features of one table are looked up together, so a table
+    shared by several features is updated once per step with the summed
+    gradient of each distinct id (TensorFlow's numbers). In training
+    (`model.fit`) unseen ids are inserted. Train with an optimizer from
+    `keras_rec_emb.optimizers` (or the tables' own `optimizer=`).
+
+    Args:
+        features: dict from feature (input) name to `FeatureSpec` (or its
+            config dict). Several features may share one table.
+        output_mode: `"dict"` (a dict of `[batch, dim]` per feature) or
+            `"concat"` (one `[batch, sum(dims)]` tensor, features in
+            order). Defaults to `"dict"`.
+        tables: `None` or a list of `EmbeddingVariable`s (or their
+            serialized configs) that `FeatureSpec.table` indices refer to.
+            Tables given directly in the specs are appended.
+        name: str or `None`.
+        **kwargs: other `keras.layers.Layer` arguments.
+
+    Input shape:
+        A dict from feature name to integer ids `[batch]` or `[batch, L]`
+        padded with -1 (JAX has no ragged tensors); or one integer tensor
+        of stacked ids, features in the order of `features`: `[batch, F]`
+        (column j feeds feature j) or `[batch, F, L]` (`ids[:, j, :]` feed
+        feature j, padded with -1).
+
+    Output shape:
+        dict of `[batch, dim]`, or `[batch, sum(dims)]` with
+        `output_mode="concat"`.
+
+    Example:
+
+    >>> user = keras_rec_emb.layers.EmbeddingVariable(4, name="user_table")
+    >>> group = keras_rec_emb.layers.GroupEmbedding({
+    ...     "user": keras_rec_emb.layers.FeatureSpec(user),
+    ...     "history": keras_rec_emb.layers.FeatureSpec(
+    ...         {"embedding_dim": 8}, combiner="mean"),
+    ... }, output_mode="concat")
+    >>> inputs = {"user": keras.Input((), dtype="int32", name="user"),
+    ...           "history": keras.Input((5,), dtype="int32", name="history")}
+    >>> out = keras.layers.Dense(1, activation="sigmoid")(group(inputs))
+    >>> model = keras.Model(inputs, out)
+    >>> model.compile(optimizer=keras_rec_emb.optimizers.Adagrad(0.1),
+    ...               loss="binary_crossentropy")
+    >>> x = {"user": np.arange(32), "history": np.random.randint(-1, 100, (32, 5))}
+    >>> history = model.fit(x, np.ones((32, 1)), epochs=1, verbose=0)
+    >>> model.output_shape
+    (None, 1)
+    """
+
+    def __init__(self, features, output_mode="dict", tables=None, name=None, **kwargs):
+        super().__init__(name=name, **kwargs)
+        if not isinstance(features, dict) or not features:
+            raise ValueError("`features` must be a non-empty dict from feature name to "
+                             f"FeatureSpec. Received: features={features!r}")
+        if output_mode not in _OUTPUT_MODES:
+            raise ValueError(f"`output_mode` must be one of {_OUTPUT_MODES}. Received: "
+                             f"output_mode={output_mode!r}")
+        if tables is not None and not isinstance(tables, (list, tuple)):
+            raise TypeError(f"`tables` must be None or a list. Received: tables={tables!r}")
+        self._tables = []
+        for i, t in enumerate(tables or []):
+            what = f"tables[{i}]"
+            self._tables.append(_table_from_spec(t, what) if isinstance(t, dict)
+                                else _check_table_layer(t, what))
+        self._features = {}
+        by_id = {id(t): i for i, t in enumerate(self._tables)}
+        for fname, spec in features.items():
+            if not isinstance(fname, str):
+                raise TypeError(f"Feature names must be strings. Received: {fname!r}")
+            if isinstance(spec, dict) and ("combiner" in spec or "table" in spec):
+                spec = FeatureSpec.from_config(spec)
+            if not isinstance(spec, FeatureSpec):
+                raise TypeError(f"`features[{fname!r}]` must be a FeatureSpec. Received: "
+                                f"{spec!r}")
+            table = spec.table
+            if isinstance(table, (int, np.integer)):
+                if not 0 <= table < len(self._tables):
+                    raise ValueError(f"`features[{fname!r}].table` index {table} is out of "
+                                     f"range for {len(self._tables)} tables")
+                index = int(table)
+            else:
+                if isinstance(table, dict):
+                    table = _table_from_spec(table, f"features[{fname!r}].table")
+                if id(table) not in by_id:
+                    by_id[id(table)] = len(self._tables)
+                    self._tables.append(table)
+                index = by_id[id(table)]
+            self._features[fname] = FeatureSpec(index, spec.combiner)
+        self.output_mode = output_mode
+        # Tracked as sub-layers (as under TensorFlow): their weights train
+        # and save with this layer.
+        self.tables = list(self._tables)
+
+    @property
+    def features(self):
+        return dict(self._features)
+
+    def build(self, input_shape=None):
+        if self.built:
+            return
+        for t in self.tables:
+            if not t.built:
+                t.build(None)
+        self.built = True
+
+    # -- forward ---------------------------------------------------------------
+    def _feature_ids(self, inputs):
+        """Ids `[batch, L]` per feature, in the order of `features`."""
+        names = list(self._features)
+        if isinstance(inputs, dict):
+            missing = [n for n in names if n not in inputs]
+            if missing:
+                raise ValueError(f"GroupEmbedding '{self.name}' is missing inputs {missing}. "
+                                 f"Received keys: {sorted(inputs)}")
+            out = []
+            for n in names:
+                ids = keras.ops.convert_to_tensor(inputs[n])
+                if ids.ndim not in (1, 2):
+                    raise ValueError(
+                        f"GroupEmbedding '{self.name}': the ids of feature {n!r} must be "
+                        f"[batch] or [batch, L] (padded with -1). Received: shape "
+                        f"{tuple(ids.shape)}")
+                out.append(ids[:, None] if ids.ndim == 1 else ids)
+            return out
+        if isinstance(inputs, (list, tuple)):
+            raise _unsupported("inputs", "(ids, table_ids)",
+                               "a dict of ids or one stacked ids tensor")
+        ids = keras.ops.convert_to_tensor(inputs)
+        f = len(names)
+        if ids.ndim not in (2, 3) or ids.shape[1] != f:
+            raise ValueError(
+                f"GroupEmbedding '{self.name}' called on one tensor expects ids [batch, {f}] "
+                f"(column j feeds feature j) or [batch, {f}, length] (ids[:, j, :] feed "
+                f"feature j, padded with -1), features in the order of `features`. "
+                f"Received: ids of shape {tuple(ids.shape)}")
+        if ids.ndim == 2:
+            ids = ids[:, :, None]
+        return [ids[:, j, :] for j in range(f)]
+
+    def call(self, inputs, training=None):
+        feature_ids = self._feature_ids(inputs)
+        specs = list(self._features.values())
+        outs = [None] * len(specs)
+        for t, table in enumerate(self.tables):
+            mine = [j for j, s in enumerate(specs) if s.table == t]
+            if not mine:
+                continue
+            ids = [jnp.asarray(feature_ids[j]).astype(table.key_dtype) for j in mine]
+            flat = jnp.concatenate([i.reshape(-1) for i in ids])
+            # One lookup of the table for all its features (padding pruned):
+            # one sparse update per step in its backward.
+            rows = table._rows(flat, training, prune=True)  # pylint: disable=protected-access
+            start = 0
+            for j, i in zip(mine, ids):
+                part = rows[start:start + i.size].reshape(*i.shape, table.embedding_dim)
+                start += i.size
+                outs[j] = self._combine(i, part, specs[j].combiner)
+        outs = [o.astype(self.compute_dtype) for o in outs]
+        if self.output_mode == "concat":
+            return jnp.concatenate(outs, axis=-1)
+        return dict(zip(self._features, outs))
+
+    @staticmethod
+    def _combine(ids, rows, combiner):
+        """rows [batch, L, dim] -> [batch, dim]; padding rows are zeros and
+        do not count."""
+        total = jnp.sum(rows, axis=-2)
+        if combiner == "sum":
+            return total
+        count = jnp.maximum(jnp.sum((ids >= 0).astype(rows.dtype), axis=-1, keepdims=True), 1.0)
+        return total / (count if combiner == "mean" else jnp.sqrt(count))
+
+    def compute_output_spec(self, inputs, training=None):
+        if isinstance(inputs, dict):
+            batch = inputs[next(iter(self._features))].shape[0]
+        else:
+            batch = inputs.shape[0]
+        dims = [self.tables[s.table].embedding_dim for s in self._features.values()]
+        if self.output_mode == "concat":
+            return keras.KerasTensor((batch, sum(dims)), dtype=self.compute_dtype)
+        return {n: keras.KerasTensor((batch, d), dtype=self.compute_dtype)
+                for n, d in zip(self._features, dims)}
+
+    # -- saving: the TensorFlow layer's config ----------------------------------
+    def get_config(self):
+        config = super().get_config()
+        config.update({
+            "features": {n: s.get_config() for n, s in self._features.items()},
+            "output_mode": self.output_mode,
+            "tables": [keras.saving.serialize_keras_object(t) for t in self.tables],
+        })
+        return config
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        config["tables"] = [keras.saving.deserialize_keras_object(t)
+                            for t in config.get("tables") or []]
+        config["features"] = {n: FeatureSpec.from_config(s)
+                              for n, s in config["features"].items()}
+        return cls(**config)

@@ -1,0 +1,209 @@
+"""GroupEmbedding and FeatureSpec under Keras's JAX backend: the dict and
+stacked forms pool padded ids to NumPy's numbers, a table shared by two
+features gets one update per step with its ids' summed gradient, the model
+forms fit and save, and what JAX lacks is refused."""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_rec_emb as kre
+from keras_rec_emb._jax import optimizers
+from keras_rec_emb._jax.group_embedding import FeatureSpec, GroupEmbedding
+from keras_rec_emb._jax.layers import EmbeddingVariable
+
+DIM, DVD = 3, 5
+# [batch, F=2, L=3], padded with -1; row 1 of feature 0 has no id.
+STACKED = np.array([[[1, 4, -1], [4, 4, 2]],
+                    [[-1, -1, -1], [0, -1, 3]],
+                    [[2, 2, 2], [1, -1, -1]],
+                    [[5, 0, -1], [5, 1, 0]]], np.int32)
+
+
+def table(name="shared"):
+    return EmbeddingVariable(DIM, default_value_dim=DVD, name=name,
+                             initializer=keras.initializers.RandomUniform(seed=2))
+
+
+def numpy_pool(rows, ids, combiner):
+    """rows [B, L, DIM] of ids [B, L] -> [B, DIM]; ids < 0 weigh 0."""
+    keep = ids >= 0
+    total = (rows * keep[..., None]).sum(1)
+    count = np.maximum(keep.sum(1, keepdims=True), 1)
+    return {"sum": total, "mean": total / count, "sqrtn": total / np.sqrt(count)}[combiner]
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_dict_and_stacked_forms_pool_padded_ids_like_numpy(combiner):
+    shared, other = table(), table("other")
+    group = GroupEmbedding({"a": FeatureSpec(shared, combiner),
+                            "b": FeatureSpec(shared, "sum"),
+                            "c": FeatureSpec(other, combiner)}, output_mode="dict")
+    ids = np.concatenate([STACKED, STACKED[:, :1] + 1], axis=1)  # c: a's ids + 1 (-1 -> 0)
+    got = group({"a": ids[:, 0], "b": ids[:, 1], "c": ids[:, 2]})  # builds the tables
+    want = {n: numpy_pool(t.default_values[ids[:, j] % DVD], ids[:, j], c)
+            for j, (n, t, c) in enumerate((("a", shared, combiner), ("b", shared, "sum"),
+                                           ("c", other, combiner)))}
+    assert sorted(got) == ["a", "b", "c"]
+    for name in want:
+        np.testing.assert_allclose(np.asarray(got[name]), want[name], rtol=1e-6, err_msg=name)
+    np.testing.assert_array_equal(np.asarray(got["a"])[1], np.zeros(DIM))  # no id: zeros
+    concat = GroupEmbedding(group.get_config()["features"], output_mode="concat",
+                            tables=group.tables)
+    np.testing.assert_allclose(np.asarray(concat(ids)),
+                               np.concatenate([want[n] for n in "abc"], axis=1), rtol=1e-6)
+    # [batch] ids and [batch, F] stacked ids: one id per row.
+    single = np.asarray(GroupEmbedding({"a": FeatureSpec(shared, combiner)})(
+        {"a": ids[:, 1, 0]})["a"])
+    np.testing.assert_allclose(single, shared.default_values[ids[:, 1, 0] % DVD], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(concat(ids[:, :, 1])),
+                               np.concatenate([t.default_values[ids[:, j, 1] % DVD]
+                                               for j, t in enumerate((shared, shared, other))],
+                                              axis=1) * (ids[:, :, 1:2] >= 0).repeat(DIM, 2)
+                               .reshape(len(ids), -1), rtol=1e-6)
+    assert shared.table_size() == other.table_size() == 0  # inference inserts nothing
+
+
+def test_shared_table_gets_one_adagrad_update_per_step_with_the_summed_gradient():
+    """Features a (sum) and b (mean) read one table; Adagrad's accumulator
+    tells one update with the summed gradient from one per feature."""
+    lr, acc0, eps = 0.1, 0.1, 1e-7
+    shared = table()
+    group = GroupEmbedding({"a": FeatureSpec(shared, "sum"), "b": FeatureSpec(shared, "mean")},
+                           output_mode="concat")
+    inputs = keras.Input(shape=STACKED.shape[1:], dtype="int32")
+    dense = keras.layers.Dense(1, kernel_initializer=keras.initializers.RandomNormal(seed=4),
+                               trainable=False)
+    model = keras.Model(inputs, dense(group(inputs)))
+    model.compile(optimizer=optimizers.Adagrad(lr, initial_accumulator_value=acc0,
+                                               epsilon=eps), loss="mse")
+    kernel, bias = (w.astype(np.float64) for w in dense.get_weights())
+    ids = np.concatenate([STACKED, STACKED[::-1]])
+    labels = np.arange(len(ids), dtype=np.float32)[:, None]
+    batch = len(STACKED)
+    model.fit(ids, labels, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+
+    rows, acc, versions = {}, {}, {}
+    for step in range(len(ids) // batch):
+        k, y = ids[step * batch:][:batch], labels[step * batch:][:batch]
+        for key in np.unique(k[k >= 0]):
+            rows.setdefault(int(key), shared.default_values[key % DVD].astype(np.float64))
+        r = np.stack([[[rows.get(int(i), np.zeros(DIM)) for i in f] for f in e] for e in k])
+        pooled = [numpy_pool(r[:, 0], k[:, 0], "sum"), numpy_pool(r[:, 1], k[:, 1], "mean")]
+        d = 2.0 * (np.concatenate(pooled, 1) @ kernel + bias - y) / batch
+        d_pooled = d @ kernel.T
+        grads = {}
+        for j, combiner in ((0, "sum"), (1, "mean")):
+            keep = k[:, j] >= 0
+            scale = 1.0 if combiner == "sum" else 1.0 / np.maximum(keep.sum(1, keepdims=True), 1)
+            d_rows = (d_pooled[:, j * DIM:(j + 1) * DIM] * scale)[:, None, :] * keep[..., None]
+            for key in np.unique(k[:, j][keep]):
+                grads[int(key)] = grads.get(int(key), 0) + d_rows[k[:, j] == key].sum(0)
+        for key, g in grads.items():  # one update per distinct id
+            acc[key] = acc.get(key, np.full(DIM, acc0)) + g * g
+            rows[key] = rows[key] - lr * g / np.sqrt(acc[key] + eps)
+            versions[key] = step
+
+    e = shared.export()
+    order = np.argsort(e["keys"])
+    keys = e["keys"][order].tolist()
+    assert keys == sorted(rows)  # no -1 key
+    np.testing.assert_allclose(e["values"][order], [rows[k] for k in keys], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(e["slots"][order], [acc[k] for k in keys], rtol=1e-5)
+    assert e["versions"][order].tolist() == [versions[k] for k in keys]
+    assert e["freqs"][order].tolist() == [int((ids == k).sum()) for k in keys]
+    assert int(shared.iterations.value) == len(ids) // batch  # one lookup per step
+
+
+@keras.saving.register_keras_serializable(package="test_group_embedding")
+class Subclassed(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.group = make_group()
+        self.dense = keras.layers.Dense(1)
+
+    def call(self, ids):
+        return self.dense(self.group(ids))
+
+
+def make_group():
+    return GroupEmbedding({"a": FeatureSpec({"embedding_dim": DIM}, "mean"),
+                           "b": FeatureSpec({"embedding_dim": 2}, "sqrtn")},
+                          output_mode="concat", name="group")
+
+
+def make(form):
+    if form == "functional":
+        inputs = {n: keras.Input(shape=(3,), dtype="int32", name=n) for n in "ab"}
+        return keras.Model(inputs, keras.layers.Dense(1)(make_group()(inputs)))
+    if form == "subclassed":
+        return Subclassed()
+    return keras.Sequential([keras.Input(shape=STACKED.shape[1:], dtype="int32"),
+                             make_group(), keras.layers.Dense(1)])
+
+
+@pytest.mark.parametrize("form", ["functional", "subclassed", "sequential"])
+def test_model_forms_fit_and_save_every_row(form, tmp_path):
+    model = make(form)
+    model.compile(optimizer=kre.optimizers.Adagrad(0.1), loss="mse")
+    x = {"a": STACKED[:, 0], "b": STACKED[:, 1]} if form == "functional" else STACKED
+    labels = np.ones((len(STACKED), 1), np.float32)
+    model.fit(x, labels, batch_size=2, epochs=1, verbose=0)
+    group = model.get_layer("group")
+    want = [t.export() for t in group.tables]
+    assert [len(w["keys"]) for w in want] == [len(np.unique(STACKED[:, j][STACKED[:, j] >= 0]))
+                                              for j in range(2)]
+    path = tmp_path / "model.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    for t, w in zip(loaded.get_layer("group").tables, want):
+        got = t.export()
+        for name in ("keys", "values", "freqs", "versions", "slots"):
+            np.testing.assert_array_equal(got[name], w[name], err_msg=name)
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0),
+                               rtol=1e-6)
+
+
+def test_config_is_the_tensorflow_layers():
+    group = make_group()
+    config = group.get_config()
+    assert config["features"]["a"] == {"table": 0, "combiner": "mean", "weight_feature": None,
+                                       "sequence": False, "max_norm": None, "default_id": None}
+    assert [t["registered_name"] for t in config["tables"]] == ["keras_rec_emb>EmbeddingVariable"] * 2
+    again = GroupEmbedding.from_config(config)
+    assert [t.embedding_dim for t in again.tables] == [DIM, 2] and again.output_mode == "concat"
+    assert keras.saving.get_registered_name(GroupEmbedding) == "keras_rec_emb>GroupEmbedding"
+    assert keras.saving.get_registered_name(FeatureSpec) == "keras_rec_emb>FeatureSpec"
+    assert kre.layers.GroupEmbedding is GroupEmbedding and kre.layers.FeatureSpec is FeatureSpec
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"weight_feature": "w"}, "weight_feature=None only.*Received: weight_feature='w'"),
+    ({"sequence": True}, "sequence=False only.*Received: sequence=True"),
+    ({"max_norm": 1.0}, "max_norm=None only.*Received: max_norm=1.0"),
+    ({"default_id": 0}, "default_id=None only.*Received: default_id=0"),
+    ({"combiner": "max"}, "`combiner` must be one of.*combiner='max'"),
+])
+def test_feature_spec_refuses_what_jax_lacks(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FeatureSpec({"embedding_dim": DIM}, **kwargs)
+
+
+def test_group_refuses_bad_arguments_and_inputs():
+    with pytest.raises(ValueError, match="table=an EmbeddingVariable.*keras.layers.Embedding"):
+        FeatureSpec(keras.layers.Embedding(10, DIM))
+    with pytest.raises(ValueError, match="keras.layers.Embedding"):
+        GroupEmbedding({"a": FeatureSpec({"input_dim": 10, "output_dim": DIM})})
+    with pytest.raises(ValueError, match="`output_mode` must be one of.*output_mode='stack'"):
+        GroupEmbedding({"a": FeatureSpec({"embedding_dim": DIM})}, output_mode="stack")
+    with pytest.raises(ValueError, match="`features` must be a non-empty dict"):
+        GroupEmbedding({})
+    with pytest.raises(ValueError, match="index 1 is out of range for 0 tables"):
+        GroupEmbedding({"a": FeatureSpec(1)})
+    group = make_group()
+    with pytest.raises(ValueError, match=r"missing inputs \['b'\]"):
+        group({"a": STACKED[:, 0]})
+    with pytest.raises(ValueError, match=r"expects ids \[batch, 2\].*shape \(4, 3\)"):
+        group(np.zeros((4, 3), np.int32))
+    with pytest.raises(ValueError, match=r"inputs=a dict of ids or one stacked"):
+        group((STACKED[:, 0], STACKED[:, 0]))
