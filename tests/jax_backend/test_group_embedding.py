@@ -3,12 +3,14 @@ stacked forms pool padded ids to NumPy's numbers, a table shared by two
 features gets one update per step with its ids' summed gradient, the model
 forms fit and save, and what JAX lacks is refused."""
 
+import doctest
+
 import keras
 import numpy as np
 import pytest
 
 import keras_rec_emb as kre
-from keras_rec_emb._jax import optimizers
+from keras_rec_emb._jax import group_embedding, optimizers
 from keras_rec_emb._jax.group_embedding import FeatureSpec, GroupEmbedding
 from keras_rec_emb._jax.layers import EmbeddingVariable
 
@@ -207,3 +209,13 @@ def test_group_refuses_bad_arguments_and_inputs():
         group(np.zeros((4, 3), np.int32))
     with pytest.raises(ValueError, match=r"inputs=a dict of ids or one stacked"):
         group((STACKED[:, 0], STACKED[:, 0]))
+
+
+def test_docstring_examples_run_under_jax():
+    globs = {"keras": keras, "np": np, "keras_rec_emb": kre}
+    tests = [t for t in doctest.DocTestFinder().find(group_embedding, globs=globs) if t.examples]
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    for test in tests:
+        runner.run(test)
+    result = runner.summarize(verbose=False)
+    assert len(tests) == 2 and result.attempted >= 10 and result.failed == 0
