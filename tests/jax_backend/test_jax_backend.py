@@ -73,14 +73,36 @@ def train(name, combiner=None):
     model = keras.Model(inputs, dense(keras.layers.Flatten()(layer(inputs))))
     model.compile(optimizer=getattr(kre.optimizers, name)(OPTIMIZERS[name]), loss="mse")
     model.fit(ids, labels, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    return summary(layer, dense)
+def summary(layer, dense):
     e = export(layer)
     order = np.argsort(e["keys"])
     return {"keys": e["keys"][order].tolist(), "values": e["values"][order].tolist(),
             "slots": {k: np.asarray(v)[order].tolist() for k, v in e["slots"].items()},
             "freqs": e["freqs"][order].tolist(), "versions": e["versions"][order].tolist(),
             "kernel": dense.get_weights()[0].tolist(), "bias": dense.get_weights()[1].tolist()}
+def train_group():
+    # Two features (sum, mean) share one table: stacked ids [batch, 2, 3]
+    # padded with -1, one row with no id at all.
+    rng = np.random.default_rng(8)
+    ids = rng.integers(-1, 7, size=(16, 2, 3)).astype(np.int32)
+    ids[3] = -1
+    labels = rng.normal(size=(16, 1)).astype(np.float32)
+    matrix = rng.normal(size=(DVD, DIM)).astype(np.float32)
+    kernel = rng.normal(size=(2 * DIM, 1)).astype(np.float32)
+    table = make_layer(keras.initializers.Constant(matrix), None)
+    group = kre.layers.GroupEmbedding({"a": kre.layers.FeatureSpec(table, "sum"),
+                                       "b": kre.layers.FeatureSpec(table, "mean")},
+                                      output_mode="concat")
+    inputs = keras.Input(shape=(2, 3), dtype="int32")
+    dense = keras.layers.Dense(1, kernel_initializer=keras.initializers.Constant(kernel))
+    model = keras.Model(inputs, dense(group(inputs)))
+    model.compile(optimizer=kre.optimizers.Adagrad(0.05), loss="mse")
+    model.fit(ids, labels, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    return summary(table, dense)
 result = {name: train(name) for name in OPTIMIZERS}
 result["Adagrad mean"] = train("Adagrad", combiner="mean")
+result["GroupEmbedding Adagrad"] = train_group()
 """
 
 _TENSORFLOW = """
@@ -126,15 +148,17 @@ def _train_under_tensorflow():
 
 
 def test_compiled_optimizers_give_the_tensorflow_backends_numbers():
-    """model.fit with kre.optimizers.SGD, Adagrad and Adam, and Adagrad
-    through a mean combiner over ids padded with -1 (pruned), under
+    """model.fit with kre.optimizers.SGD, Adagrad and Adam, Adagrad
+    through a mean combiner over ids padded with -1 (pruned), and Adagrad
+    through a GroupEmbedding whose two features share one table, under
     KERAS_BACKEND=jax and =tensorflow: the same ids, frequencies, versions,
     rows, slots and Dense weights (1e-5 for SGD and Adagrad, 1e-4 for Adam)."""
     tf_runs = _train_under_tensorflow()
     jax_runs = _train_under_jax()
     assert -1 not in jax_runs["Adagrad mean"]["keys"]  # pruned padding
+    assert -1 not in jax_runs["GroupEmbedding Adagrad"]["keys"]
     for name, tolerance in (("SGD", 1e-5), ("Adagrad", 1e-5), ("Adam", 1e-4),
-                            ("Adagrad mean", 1e-5)):
+                            ("Adagrad mean", 1e-5), ("GroupEmbedding Adagrad", 1e-5)):
         tf_run, jax_run = tf_runs[name], jax_runs[name]
         for key in ("keys", "freqs", "versions"):
             assert jax_run[key] == tf_run[key], (name, key)
