@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
+from keras_rec_emb._jax import register
 from keras_rec_emb._jax.layers import EmbeddingVariable
 
 COMBINERS = ("sum", "mean", "sqrtn")
@@ -51,7 +52,7 @@ def _check_table_layer(layer, what):
                     f"Received: {what}={layer!r}")
 
 
-@keras.saving.register_keras_serializable(package="keras_rec_emb")
+@register(package="keras_rec_emb")
 class FeatureSpec:
     """How `GroupEmbedding` embeds one feature (under Keras's JAX backend).
 
@@ -115,7 +116,7 @@ class FeatureSpec:
         return f"FeatureSpec(table={self.table!r}, combiner={self.combiner!r})"
 
 
-@keras.saving.register_keras_serializable(package="keras_rec_emb")
+@register(package="keras_rec_emb")
 class GroupEmbedding(keras.layers.Layer):
     """Embeds many features, one lookup per table (Keras's JAX backend).
 

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
-from keras_rec_emb._jax import ffi, saving
+from keras_rec_emb._jax import ffi, register, saving
 from keras_rec_emb._jax.optimizers import TableRule, register_anchor
 
 COMBINERS = (None, "sum", "mean", "sqrtn")
@@ -110,7 +110,7 @@ def _no_optimizer_error(name):
         "Received: the table has no optimizer")
 
 
-@keras.saving.register_keras_serializable(package="keras_rec_emb", name="EmbeddingVariable")
+@register(package="keras_rec_emb", name="EmbeddingVariable")
 class EmbeddingVariable(keras.layers.Layer):
     """Rows of a growing hash table for integer ids of any shape, under
     Keras's JAX backend (the TensorFlow backend's `EmbeddingVariable`).

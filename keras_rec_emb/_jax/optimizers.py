@@ -26,12 +26,12 @@ import weakref
 import jax.numpy as jnp
 import keras
 
-from keras_rec_emb._jax import saving
+from keras_rec_emb._jax import register, saving
 
 _RULES_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                            "optimizers", "rules.py")
 
-_register = keras.saving.register_keras_serializable(package="keras_rec_emb")
+_register = register(package="keras_rec_emb")
 
 # Settings the lookup's backward cannot honour: it sees one table's
 # gradient, before the trainer could clip, average, accumulate or unscale it.
