@@ -83,6 +83,21 @@ def dataset_inputs(dataset):
 # Used by `data/kafka.KafkaPosition`.
 Trackable = tf.__internal__.tracking.Trackable
 
+def resolve_training(training):
+    """`training` of a layer call, with None read as "while a gradient tape
+    records". Keras passes None to the layers of a subclassed model whose
+    `call` takes no `training` argument, in `fit` too; a table layer that
+    read None as inference would then count nothing (frequencies, admission
+    filters) while its optimizer still trains it. Under the JAX backend
+    None means "when differentiated" for the same reason (keras_rec_emb/_jax).
+    TensorFlow has no public query of the tape stack."""
+    if training is not None:
+        return training
+    from tensorflow.python.eager import record
+
+    return record.could_possibly_record()
+
+
 def in_xla_context():
     """Whether the graph being built is compiled by XLA (`tf.function(
     jit_compile=True)`, which Keras's `jit_compile=True` uses). Our kernels

@@ -482,3 +482,19 @@ def test_keras_save_signature_fix_for_subclassed_models_with_id_layers():
     functional = keras.Model(functional_in, keras_rec_emb.layers.EmbeddingVariable(
         2, combiner="sum")(functional_in))
     assert functional._default_save_signature is not None
+
+
+def test_resolve_training_reads_none_as_a_recording_tape():
+    assert _compat.resolve_training(None) is False
+    assert _compat.resolve_training(True) is True and _compat.resolve_training(False) is False
+    with tf.GradientTape():
+        assert _compat.resolve_training(None) is True
+        assert _compat.resolve_training(False) is False
+
+    @tf.function
+    def traced():
+        with tf.GradientTape():
+            inside = _compat.resolve_training(None)
+        return tf.constant(inside), tf.constant(_compat.resolve_training(None))
+
+    assert [bool(v) for v in traced()] == [True, False]

@@ -303,3 +303,60 @@ def test_loading_needs_the_import_and_the_error_names_the_class(tmp_path):
         if not loads:
             assert "Could not locate class 'EmbeddingVariable'" in result.stderr
             assert "keras_rec_emb>EmbeddingVariable" in result.stderr
+
+
+@pytest.mark.parametrize("layer_kind", ["embedding_variable", "group_embedding"])
+def test_subclassed_model_without_a_training_argument_counts_and_filters_in_fit(layer_kind):
+    """Keras passes `training=None` to the layers of a subclassed model whose
+    `call` takes no `training`, in `fit` too: the tables must still count
+    (frequencies, admission filters) as in the functional form, and predict
+    and evaluate must still insert nothing."""
+    ids = np.array([[1, 2], [2, 3], [3, 4], [1, 2]] * 2, np.int64)
+    y = np.ones((8, 1), np.float32)
+
+    def table():
+        option = kre.EmbeddingVariableOption(
+            filter_option=kre.CounterFilter(filter_freq=5), track_meta=True)
+        return kre.layers.EmbeddingVariable(2, ev_option=option, initializer="ones",
+                                            name="tab")
+
+    class NoTraining(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.tab = table()
+            if layer_kind == "group_embedding":
+                self.group = kre.layers.GroupEmbedding(
+                    {"f": kre.layers.FeatureSpec(self.tab, combiner="sum")},
+                    output_mode="concat")
+            self.head = keras.layers.Dense(1, kernel_initializer="ones")
+
+        def call(self, x):  # no `training`: Keras gives the layers None
+            if layer_kind == "group_embedding":
+                return self.head(self.group({"f": x}))
+            return self.head(keras.ops.sum(self.tab(x), axis=1))
+
+    functional_in = keras.Input((2,), dtype="int64")
+    functional_tab = table()
+    if layer_kind == "group_embedding":
+        emb = kre.layers.GroupEmbedding({"f": kre.layers.FeatureSpec(
+            functional_tab, combiner="sum")}, output_mode="concat")({"f": functional_in})
+    else:
+        emb = keras.ops.sum(functional_tab(functional_in), axis=1)
+    functional = keras.Model(functional_in, keras.layers.Dense(1, kernel_initializer="ones")(emb))
+    sub = NoTraining()
+    exports = []
+    for model, tab in ((functional, functional_tab), (sub, sub.tab)):
+        model.compile(optimizer=kre.optimizers.SGD(0.1), loss="mse")
+        model.fit(ids, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+        before = tab.export()
+        model.predict(np.array([[7, 8]]), verbose=0)
+        model.evaluate(np.array([[9, 9]]), np.ones((1, 1)), verbose=0)
+        after = tab.export()
+        assert sorted(after["keys"].tolist()) == sorted(before["keys"].tolist())
+        order = np.argsort(before["keys"])
+        exports.append({k: before[k][order] for k in ("keys", "values", "freqs")})
+    # Over 2 epochs ids 1, 2 and 3 occur 8, 12 and 8 times and pass the
+    # filter's count of 5; id 4 (4 times) is counted but not admitted.
+    np.testing.assert_array_equal(exports[0]["keys"], [1, 2, 3])
+    for k in ("keys", "values", "freqs"):
+        np.testing.assert_allclose(exports[1][k], exports[0][k], rtol=1e-6, err_msg=k)

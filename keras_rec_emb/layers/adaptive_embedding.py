@@ -30,6 +30,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_rec_emb import _compat
 from keras_rec_emb import options as options_lib
 from keras_rec_emb import variables
 from keras_rec_emb._checks import check_combiner
@@ -297,7 +298,7 @@ class AdaptiveEmbedding(keras.layers.Layer):
         return rows
 
     def call(self, inputs, adaptive_mask=None, training=None):
-        training = bool(training) and self.trainable
+        training = bool(_compat.resolve_training(training)) and self.trainable
         return embed_ids(self, inputs, lambda ids, mask: self._embed_flat(ids, mask, training),
                          self.combiner, extra=adaptive_mask)
 

@@ -29,10 +29,13 @@ class EmbeddingVariable(keras.layers.Layer):
 
     In training (`training=True`, as in `model.fit`) unseen ids are inserted
     and counted; in inference they read their initial row and the table is
-    unchanged. Train with an optimizer from `keras_rec_emb.optimizers`; the
-    table's gradient is a `tf.IndexedSlices` over ids. `model.save`,
-    `tf.train.Checkpoint` and `model.export` keep every row, the optimizer
-    slots, frequencies and versions.
+    unchanged. `training=None` (what Keras passes to the layers of a
+    subclassed model whose `call` takes no `training`) is training while a
+    gradient tape records, as in `fit`, and inference otherwise. Train with
+    an optimizer from `keras_rec_emb.optimizers`; the table's gradient is a
+    `tf.IndexedSlices` over ids. `model.save`, `tf.train.Checkpoint` and
+    `model.export` keep every row, the optimizer slots, frequencies and
+    versions.
 
     Args:
         embedding_dim: int > 0. Width of each embedding row.
@@ -195,6 +198,7 @@ class EmbeddingVariable(keras.layers.Layer):
         return rows
 
     def call(self, inputs, training=None):
+        training = _compat.resolve_training(training)
         if self.combiner is not None:
             # A group of one: the fused lookup looks up and combines in one op
             # (its gradient over distinct keys), as GroupEmbedding does.

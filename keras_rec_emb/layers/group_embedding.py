@@ -458,6 +458,7 @@ class GroupEmbedding(keras.layers.Layer):
             what=f"GroupEmbedding '{self.name}' ids")
 
     def call(self, inputs, training=None):
+        training = _compat.resolve_training(training)
         if isinstance(inputs, tf.Tensor) and inputs.shape.rank is not None \
                 and not tf.executing_eagerly():
             # The traced shape is checked when the graph runs: the signatures
