@@ -97,7 +97,7 @@ else:
     _require_tensorflow()
     _warn_if_several_tensorflows()
 
-    import keras as _keras  # noqa: E402
+    import keras as _keras
 
     _require_tensorflow_backend(_keras.backend.backend())  # e.g. from keras.json
 
@@ -125,13 +125,13 @@ else:
 
     _check_keras_version(_keras.__version__)
 
-    from keras_rec_emb import _ops  # noqa: E402
+    from keras_rec_emb import _ops
 
     # Register the ops now, so that SavedModels using them load after import.
     _ops.gen()
 
-    from keras_rec_emb import callbacks, data, distribute, layers, ops, optimizers  # noqa: E402
-    from keras_rec_emb.options import (  # noqa: E402
+    from keras_rec_emb import callbacks, data, distribute, layers, ops, optimizers
+    from keras_rec_emb.options import (
         CBFFilter,
         CounterFilter,
         EmbeddingVariableOption,
@@ -140,12 +140,12 @@ else:
         L2WeightEvict,
         StorageOption,
     )
-    from keras_rec_emb.incremental import (  # noqa: E402
+    from keras_rec_emb.incremental import (
         IncrementalCheckpointer,
         apply_to_saved_model,
     )
-    from keras_rec_emb.saving import load_model, save_model  # noqa: E402
-    from keras_rec_emb.serving import export_for_serving  # noqa: E402
+    from keras_rec_emb.saving import load_model, save_model
+    from keras_rec_emb.serving import export_for_serving
 
     __all__ = [
         "__version__",
