@@ -13,16 +13,29 @@ from keras_rec_emb._version import __version__
 
 # Under Keras's JAX backend the tables go through XLA's FFI (keras_rec_emb/_jax,
 # `make jax-ops`) and TensorFlow is neither imported nor needed. The public API
-# there is being built (issue 42): so far `layers.EmbeddingVariable`, the
-# optimizers SGD, Adagrad, Adam and Ftrl, and `export_for_serving`.
+# there: `layers` (EmbeddingVariable, GroupEmbedding, FeatureSpec), every
+# optimizer but LossScaleOptimizer, and `export_for_serving`; the rest of the
+# TensorFlow API is named as TensorFlow-only when asked for.
 if _os.environ.get("KERAS_BACKEND") == "jax":
     from keras_rec_emb import layers, optimizers
     from keras_rec_emb._jax.serving import export_for_serving
 
     __all__ = ["__version__", "export_for_serving", "layers", "optimizers"]
+    _TENSORFLOW_ONLY = (
+        "callbacks", "data", "distribute", "ops", "CBFFilter", "CounterFilter",
+        "EmbeddingVariableOption", "GlobalStepEvict", "InitializerOption", "L2WeightEvict",
+        "StorageOption", "save_model", "load_model", "IncrementalCheckpointer",
+        "apply_to_saved_model")
 
     def __dir__():
         return list(__all__)
+
+    def __getattr__(name):
+        if name in _TENSORFLOW_ONLY:
+            raise AttributeError(
+                f"keras_rec_emb.{name} runs on Keras's TensorFlow backend only for now, and "
+                f"the active backend is 'jax'. Under JAX: {', '.join(__all__[1:])}.")
+        raise AttributeError(f"module 'keras_rec_emb' has no attribute {name!r}")
 else:
     # Before anything runs a TensorFlow op: the CPU allocator is chosen when
     # TensorFlow creates its devices (see _allocator for why and how to opt out).

@@ -8,6 +8,15 @@ if _os.environ.get("KERAS_BACKEND") == "jax":
     from keras_rec_emb._jax.layers import EmbeddingVariable
 
     __all__ = ["EmbeddingVariable", "FeatureSpec", "GroupEmbedding"]
+    _TENSORFLOW_ONLY = ("AdaptiveEmbedding", "FeatureConfig", "HashStrings",
+                        "MultiHashEmbedding", "TableConfig")
+
+    def __getattr__(name):
+        if name in _TENSORFLOW_ONLY:
+            raise AttributeError(
+                f"keras_rec_emb.layers.{name} runs on Keras's TensorFlow backend only for "
+                f"now, and the active backend is 'jax'. Under JAX: {', '.join(__all__)}.")
+        raise AttributeError(f"module 'keras_rec_emb.layers' has no attribute {name!r}")
 else:
     from keras_rec_emb import _compat
 

@@ -11,3 +11,17 @@ def test_distributed_tables_refuse_the_jax_backend_by_name():
     with pytest.raises(ImportError, match=r"TensorFlow backend only.*active backend is 'jax'"):
         importlib.import_module("keras_rec_emb.distribute")
     assert "keras_rec_emb.distribute" not in sys.modules
+
+
+@pytest.mark.parametrize("name", ["IncrementalCheckpointer", "callbacks", "CounterFilter",
+                                  "layers.MultiHashEmbedding", "layers.HashStrings"])
+def test_tensorflow_only_names_say_so_under_jax(name):
+    import keras_rec_emb
+
+    owner, _, attr = name.rpartition(".")
+    module = getattr(keras_rec_emb, owner) if owner else keras_rec_emb
+    with pytest.raises(AttributeError, match=rf"{attr} runs on Keras's TensorFlow backend "
+                       r"only for now.*active backend is 'jax'. Under JAX: "):
+        getattr(module, attr)
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        module.no_such_name
