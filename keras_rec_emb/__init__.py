@@ -18,6 +18,7 @@ from keras_rec_emb._version import __version__
 # TensorFlow API is named as TensorFlow-only when asked for.
 if _os.environ.get("KERAS_BACKEND") == "jax":
     from keras_rec_emb import layers, optimizers
+    from keras_rec_emb._jax import tensorflow_only_getattr
     from keras_rec_emb._jax.serving import export_for_serving
 
     __all__ = ["__version__", "export_for_serving", "layers", "optimizers"]
@@ -30,12 +31,7 @@ if _os.environ.get("KERAS_BACKEND") == "jax":
     def __dir__():
         return list(__all__)
 
-    def __getattr__(name):
-        if name in _TENSORFLOW_ONLY:
-            raise AttributeError(
-                f"keras_rec_emb.{name} runs on Keras's TensorFlow backend only for now, and "
-                f"the active backend is 'jax'. Under JAX: {', '.join(__all__[1:])}.")
-        raise AttributeError(f"module 'keras_rec_emb' has no attribute {name!r}")
+    __getattr__ = tensorflow_only_getattr("keras_rec_emb", _TENSORFLOW_ONLY, __all__[1:])
 else:
     # Before anything runs a TensorFlow op: the CPU allocator is chosen when
     # TensorFlow creates its devices (see _allocator for why and how to opt out).

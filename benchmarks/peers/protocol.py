@@ -56,6 +56,21 @@ def lookup_batches(tf, ids, meta):
     return [tf.constant(ids[i * b:(i + 1) * b]) for i in range(meta["batches"])]
 
 
+def clock_callback(keras):
+    """A Keras callback class that times `fit` from the end of its first
+    batch to the end of its last: wall (`start`, `end`) and process CPU
+    (`cpu_start`, `cpu_end`)."""
+
+    class Clock(keras.callbacks.Callback):
+        def on_train_batch_end(cb, batch, logs=None):
+            now, cpu = time.perf_counter(), time.process_time()
+            if batch == 0:
+                cb.start, cb.cpu_start = now, cpu
+            cb.end, cb.cpu_end = now, cpu
+
+    return Clock
+
+
 class FitRounds:
     """The round loop of the Keras-based workers (ours and TFRA's): `train`
     times `model.fit` from the end of its first batch to the end of its
@@ -67,15 +82,7 @@ class FitRounds:
         self.dataset = (tf.data.Dataset.from_tensor_slices((ids, labels[:, None]))
                         .batch(b, drop_remainder=True).cache().repeat().prefetch(2))
         self.embed_fn = embed_fn
-
-        class Clock(keras.callbacks.Callback):
-            def on_train_batch_end(cb, batch, logs=None):
-                now, cpu = time.perf_counter(), time.process_time()
-                if batch == 0:
-                    cb.start, cb.cpu_start = now, cpu
-                cb.end, cb.cpu_end = now, cpu
-
-        self.Clock = Clock
+        self.Clock = clock_callback(keras)
         self.first_labels = labels[:b].astype("float64")
         loss_initial = self.eval_loss()
         # Warm-up: trace, build the optimizer, insert every key once.

@@ -83,15 +83,7 @@ class JaxWorker:
 
         self.data = forever()
         self.embed_fn = jax.jit(lambda x: self.embed_model(x, training=False))
-
-        class Clock(keras.callbacks.Callback):
-            def on_train_batch_end(cb, batch, logs=None):
-                now, cpu = time.perf_counter(), time.process_time()
-                if batch == 0:
-                    cb.start, cb.cpu_start = now, cpu
-                cb.end, cb.cpu_end = now, cpu
-
-        self.Clock = Clock
+        self.Clock = protocol.clock_callback(keras)
         loss_initial = self.eval_loss()
         self.train(meta["batches"])  # warm-up: trace, build, insert every key once
         self.lookup(3)

@@ -12,3 +12,18 @@ def register(**kwargs):
     if keras.config.backend() != "jax":
         return lambda cls: cls
     return keras.saving.register_keras_serializable(**kwargs)
+
+
+def tensorflow_only_getattr(module, names, available):
+    """A module `__getattr__` for Keras's JAX backend: a name of `names` (API
+    the TensorFlow backend has) raises an AttributeError saying so and
+    listing `available`; any other, Python's usual error."""
+
+    def __getattr__(name):
+        if name in names:
+            raise AttributeError(
+                f"{module}.{name} runs on Keras's TensorFlow backend only for now, and the "
+                f"active backend is 'jax'. Under JAX: {', '.join(available)}.")
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+    return __getattr__

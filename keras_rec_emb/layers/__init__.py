@@ -4,19 +4,14 @@ import os as _os
 
 if _os.environ.get("KERAS_BACKEND") == "jax":
     # Under Keras's JAX backend, without TensorFlow (keras_rec_emb/_jax).
+    from keras_rec_emb._jax import tensorflow_only_getattr
     from keras_rec_emb._jax.group_embedding import FeatureSpec, GroupEmbedding
     from keras_rec_emb._jax.layers import EmbeddingVariable
 
     __all__ = ["EmbeddingVariable", "FeatureSpec", "GroupEmbedding"]
     _TENSORFLOW_ONLY = ("AdaptiveEmbedding", "FeatureConfig", "HashStrings",
                         "MultiHashEmbedding", "TableConfig")
-
-    def __getattr__(name):
-        if name in _TENSORFLOW_ONLY:
-            raise AttributeError(
-                f"keras_rec_emb.layers.{name} runs on Keras's TensorFlow backend only for "
-                f"now, and the active backend is 'jax'. Under JAX: {', '.join(__all__)}.")
-        raise AttributeError(f"module 'keras_rec_emb.layers' has no attribute {name!r}")
+    __getattr__ = tensorflow_only_getattr("keras_rec_emb.layers", _TENSORFLOW_ONLY, __all__)
 else:
     from keras_rec_emb import _compat
 
