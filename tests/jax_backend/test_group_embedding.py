@@ -140,18 +140,24 @@ def make(form):
         return keras.Model(inputs, keras.layers.Dense(1)(make_group()(inputs)))
     if form == "subclassed":
         return Subclassed()
-    return keras.Sequential([keras.Input(shape=STACKED.shape[1:], dtype="int32"),
-                             make_group(), keras.layers.Dense(1)])
+    if form == "sequential":
+        return keras.Sequential([keras.Input(shape=STACKED.shape[1:], dtype="int32"),
+                                 make_group(), keras.layers.Dense(1)])
+    return keras.Sequential([make_group(), keras.layers.Dense(1)])  # without keras.Input
 
 
-@pytest.mark.parametrize("form", ["functional", "subclassed", "sequential"])
+@pytest.mark.parametrize("form", ["functional", "subclassed", "sequential",
+                                  "sequential_without_input"])
 def test_model_forms_fit_and_save_every_row(form, tmp_path):
     model = make(form)
     model.compile(optimizer=kre.optimizers.Adagrad(0.1), loss="mse")
     x = {"a": STACKED[:, 0], "b": STACKED[:, 1]} if form == "functional" else STACKED
     labels = np.ones((len(STACKED), 1), np.float32)
-    model.fit(x, labels, batch_size=2, epochs=1, verbose=0)
+    model.predict(x, batch_size=2, verbose=0)
+    model.evaluate(x, labels, batch_size=2, verbose=0)
     group = model.get_layer("group")
+    assert [t.table_size() for t in group.tables] == [0, 0]  # inference inserts nothing
+    model.fit(x, labels, batch_size=2, epochs=1, verbose=0)
     want = [t.export() for t in group.tables]
     assert [len(w["keys"]) for w in want] == [len(np.unique(STACKED[:, j][STACKED[:, j] >= 0]))
                                               for j in range(2)]
