@@ -41,7 +41,10 @@ def make_worker(args):
     return JaxWorker(args.impl, ids, labels, meta, jax, keras, np)
 
 
-class JaxWorker:
+class JaxWorker(protocol.FitRounds):
+    """`FitRounds`' `train` over a generator of the batches (no tf.data);
+    its own forward (waiting for JAX's asynchronous results) and loss."""
+
     def __init__(self, impl, ids, labels, meta, jax, keras, np):
         if impl != "separate":
             raise ValueError(f"--impl must be separate; got {impl!r}")
@@ -81,7 +84,7 @@ class JaxWorker:
                 yield self.batches[i % len(self.batches)], self.labels[i % len(self.labels)]
                 i += 1
 
-        self.data = forever()
+        self.dataset = forever()
         self.embed_fn = jax.jit(lambda x: self.embed_model(x, training=False))
         self.Clock = protocol.clock_callback(keras)
         loss_initial = self.eval_loss()
@@ -95,13 +98,6 @@ class JaxWorker:
         p = self.np.asarray(self.model.predict(self.batches[0], batch_size=len(self.batches[0]),
                                                verbose=0))[:, 0]
         return protocol.bce(p.astype("float64"), self.first_labels)
-
-    def train(self, steps):
-        clock = self.Clock()
-        hist = self.model.fit(self.data, steps_per_epoch=steps + 1, epochs=1, verbose=0,
-                              callbacks=[clock])
-        self.cpu_s = clock.cpu_end - clock.cpu_start
-        return clock.end - clock.start, hist.history["loss"][-1]
 
     def lookup(self, n):
         t0 = time.perf_counter()
