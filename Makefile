@@ -132,18 +132,18 @@ format-check: $(DEPS_STAMP)
 	  $(VENV)/bin/clang-format --dry-run --Werror $$f 2>/dev/null || { echo "format-check: $$f"; n=$$((n + 1)); }; \
 	done; [ $$n -eq 0 ] || { echo "format-check: $$n of $(words $(CLANG_FORMAT_FILES)) files differ from .clang-format"; exit 1; }
 
-# The C++ test binaries (plain, ASan+UBSan, TSan) compile at a lower CPU
-# priority while pytest runs: many tests wait on child processes, brokers or
-# files, and the compiler takes that idle time. Their tests run after pytest;
-# any failure fails `make test`.
+# The C++ test binaries (plain, ASan+UBSan, TSan) compile and run at a
+# lower CPU priority while pytest runs: many tests wait on child processes,
+# brokers or files, and the compiler and the C++ tests take that idle time.
+# Their log is printed after pytest; a failure of either fails `make test`.
 test: install
 	$(MAKE) lint format-check
 	@mkdir -p build; \
-	( nice -n 10 $(MAKE) -j2 kv-bins > build/kv-bins.log 2>&1 ) & kv=$$!; \
+	( nice -n 10 sh -c '$(MAKE) -j2 kv-bins && $(MAKE) test-kv test-kv-asan test-kv-tsan' > build/kv-tests.log 2>&1 ) & kv=$$!; \
 	$(MAKE) test-py; py=$$?; \
-	wait $$kv; bins=$$?; \
-	if [ $$bins -ne 0 ]; then cat build/kv-bins.log; echo "make test: the C++ test binaries did not build"; exit 1; fi; \
-	$(MAKE) test-kv test-kv-asan test-kv-tsan || exit 1; \
+	wait $$kv; kvrc=$$?; \
+	cat build/kv-tests.log; \
+	if [ $$kvrc -ne 0 ]; then echo "make test: the C++ table tests failed (build/kv-tests.log)"; exit 1; fi; \
 	exit $$py
 
 # The fuzz test with thousands of cases (CI runs a small sample in test-py).

@@ -557,6 +557,17 @@ def variable_from_handle(handle, name, shape, dtype, trainable, synchronization,
         aggregation=aggregation, in_graph_mode=False)
 
 
+def constant_variable(value, name):
+    """A non-trainable `tf.Variable` holding `value`, made without the
+    variable creator scopes: a `tf.function` whose first trace makes one
+    (even under `init_scope`) counts it as created by the trace and traces
+    everything again (`polymorphic_function._get_concrete_function_garbage_collected`).
+    The class called directly skips `tf.Variable`'s creator chain."""
+    from tensorflow.python.ops import resource_variable_ops
+
+    return resource_variable_ops.ResourceVariable(value, trainable=False, name=name)
+
+
 # -- pyarrow ----------------------------------------------------------------------
 
 

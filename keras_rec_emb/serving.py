@@ -46,9 +46,11 @@ class _StockTable(tf.Module):
         # "other" row, and the served graph must not gather from an empty
         # matrix (stock TF refuses index 0 of [0, dim]).
         self._empty = len(keys) == 0
-        self.values = tf.Variable(values, trainable=False, name="values")
+        # Made while the export's function traces: a plain tf.Variable
+        # there would make tf.function trace the whole model once more.
+        self.values = _compat.constant_variable(values, "values")
         defaults = np.asarray(data["default_values"], np.float32).reshape(-1, self._dim)
-        self.default_values = tf.Variable(defaults, trainable=False, name="default_values")
+        self.default_values = _compat.constant_variable(defaults, "default_values")
 
     def lookup(self, keys):
         keys = tf.convert_to_tensor(keys)

@@ -3,6 +3,7 @@ processes on 127.0.0.1, each with its log, stopped by pid, under one
 deadline (imported by tests/distribute/test_ps_*.py)."""
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -43,17 +44,25 @@ class Cluster:
             return f.read()
 
     def report(self):
-        return "\n".join(f"--- {name} (exit {proc.poll()}):\n{self.log(name)[-2500:]}"
+        return "\n".join(f"--- {name} (exit {proc.poll()}):\n{self.log(name)[-6000:]}"
                          for name, proc in self.procs.items())
 
-    def wait_until(self, done, what, watch=()):
+    def wait_until(self, done, what, watch=(), within=None, stuck=None):
         """Waits for `done()`; fails with every log if a watched process
-        ends first or the run's time is up."""
+        ends first, the run's time is up, or `within` seconds pass. Before
+        such a time-out, process `stuck` (if given) dumps its Python stacks
+        into its log (SIGUSR1, see ps_model_worker.main)."""
+        deadline = self.deadline
+        if within is not None:
+            deadline = min(deadline, time.monotonic() + within)
         while not done():
             for name in watch:
                 if self.procs[name].poll() is not None:
                     pytest.fail(f"{name} ended while waiting for {what}:\n{self.report()}")
-            if time.monotonic() > self.deadline:
+            if time.monotonic() > deadline:
+                if stuck is not None and self.procs[stuck].poll() is None:
+                    self.procs[stuck].send_signal(signal.SIGUSR1)
+                    time.sleep(3)
                 pytest.fail(f"timed out waiting for {what}:\n{self.report()}")
             time.sleep(0.1)
 

@@ -20,8 +20,10 @@ Models (the same code builds the one-process reference in the tests):
 """
 
 import argparse
+import faulthandler
 import json
 import os
+import signal
 import sys
 import time
 
@@ -238,6 +240,7 @@ def ps_failure(args):
         _save(out, model, "m3_checkpointed")
         _mark(out, "chief_checkpointed")
         _wait_for(out, "ps1_killed")
+        print(f"SAW PS1 KILLED {time.time():.3f}", flush=True)
 
     callbacks = [
         keras.callbacks.BackupAndRestore(os.path.join(out, "backup"), save_freq=4),
@@ -275,6 +278,9 @@ def restart(args):
 
 
 def main(argv):
+    # A test that finds this process stuck sends SIGUSR1 before it kills
+    # it: every thread's Python stack goes to the log the test reports.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     p = argparse.ArgumentParser()
     p.add_argument("role", choices=["one_model", "ps_failure", "restart"])
     p.add_argument("--ps", required=True)
