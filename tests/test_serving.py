@@ -252,6 +252,24 @@ def test_stock_group_lookup_matches_the_fused_kernel(combiner, matrix_initialize
         np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("splits", [[], [1, 2, 3], [0, 3, 2], [0, 1, 2]],
+                         ids=["no entry", "not from 0", "decreasing", "short of the values"])
+def test_served_group_lookup_refuses_malformed_row_splits(splits):
+    """A served request's ragged ids arrive as (values, row_splits) that
+    nothing else checks: malformed splits are an InvalidArgument, never rows
+    read from the wrong places."""
+    table = EmbeddingVariable(3)
+    stock = serving._StockTables()
+    with _serving_context.stock_tables(stock.get):
+        served = tf.function(lambda v, s: ops.group_embedding_lookup_sparse(
+            [table], [tf.RaggedTensor.from_row_splits(v, s, validate=False)], ["sum"])[0],
+            input_signature=[tf.TensorSpec([None], tf.int64)] * 2)
+        good = served(tf.constant([1, 2, 3], tf.int64), tf.constant([0, 1, 3], tf.int64))
+        assert good.shape == (2, 3)
+        with pytest.raises(tf.errors.InvalidArgumentError, match="row_splits of a ragged input"):
+            served(tf.constant([1, 2, 3], tf.int64), tf.constant(splits, tf.int64))
+
+
 def _graph_ops(fn, *specs):
     """The op types of `fn` traced over `specs`, its nested functions included."""
     graph = tf.function(fn).get_concrete_function(*specs).graph.as_graph_def()

@@ -185,8 +185,10 @@ def _checked_splits(splits, nnz):
     ok = tf.logical_and(n >= 1, tf.reduce_all(splits[1:] >= splits[:-1]))
     ok = tf.logical_and(ok, tf.equal(tf.concat([splits[:1], [0]], 0)[0], 0))
     ok = tf.logical_and(ok, tf.equal(tf.concat([[nnz], splits], 0)[-1], nnz))
-    check = tf.debugging.Assert(ok, [message, "row_splits:", splits, "values:", nnz],
-                                summarize=16)
+    # The raw op: tf.debugging.Assert puts an Assert over int64 data in a
+    # tf.cond of its own (a subgraph per feature, per trace).
+    check = tf.raw_ops.Assert(condition=ok, data=[message, "row_splits:", splits, "values:", nnz],
+                              summarize=16)
     with tf.control_dependencies([check]):
         return tf.identity(splits)
 
