@@ -186,7 +186,7 @@ bench-peers: install peer-venvs
 	$(PYTHON) benchmarks/peers/run.py $(PEERS_ARGS)
 
 # -- Packaging: wheel, docs, second interpreter, lowest versions ----------------
-# CI runs `make ci-packaging` after `make test` (each step prints its time).
+# CI runs `make wheel` and `make ci-packaging` beside `make test` (each step prints its time).
 DIST := dist
 WHEEL_TOOLS_STAMP := $(VENV)/.wheel-tools-stamp
 DOCS_STAMP := $(VENV)/.docs-stamp
