@@ -19,7 +19,7 @@ KV_BIN := csrc/kv/tests/bin
 CXX ?= g++
 KV_FLAGS := -std=c++17 -Wall -Wextra -Werror -pthread -Icsrc
 
-.PHONY: all install build jax-ops demo test lint format-check kv-bins test-kv test-kv-asan test-kv-tsan test-py test-fuzz-long bench bench-peers peer-venvs clean wheel check-wheel smoke-py docs test-bounds ci-packaging
+.PHONY: all install build jax-ops jax-objs demo test lint format-check kv-bins test-kv test-kv-asan test-kv-tsan test-py test-fuzz-long bench bench-peers peer-venvs clean wheel check-wheel smoke-py docs test-bounds ci-packaging
 
 all: install
 
@@ -61,8 +61,13 @@ $(JAX_OBJ)/%.o: csrc/%.cc $(JAX_HDRS) | $(DEPS_STAMP)
 	@mkdir -p $(@D)
 	$(CXX) $(JAX_FLAGS) -isystem $(JAX_INC) -c -o $@ $<
 
-$(JAX_SO): $(JAX_OBJS)
-	$(CXX) -shared -s -pthread -o $@ $^
+# `make install` runs without -j: the objects compile in a sub-make, two at
+# a time.
+jax-objs: $(JAX_OBJS)
+
+$(JAX_SO): $(JAX_SRC) $(KV_SRC) $(JAX_HDRS) | $(DEPS_STAMP)
+	$(MAKE) -j2 jax-objs
+	$(CXX) -shared -s -pthread -o $@ $(JAX_OBJS)
 
 jax-ops: $(JAX_SO)
 

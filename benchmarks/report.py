@@ -54,11 +54,11 @@ PEERS_PLOT = "peers.png"
 STORED_PEERS_JSON = "results/peers.json"
 
 # Table sizes (rows) for the lookup runs, and every script's arguments.
-LOOKUP_ROWS = {"quick": (100_000, 400_000), "full": (100_000, 1_000_000, 10_000_000)}
+LOOKUP_ROWS = {"quick": (100_000, 200_000), "full": (100_000, 1_000_000, 10_000_000)}
 ARGS = {
     "quick": {
-        "lookup": ["--batch", "50000", "--dims", "64", "--threads", "0",
-                   "--reps", "5", "--warmup", "1"],
+        "lookup": ["--batch", "20000", "--dims", "64", "--threads", "0",
+                   "--reps", "3", "--warmup", "1"],
         "filters": ["--ids", "200000", "--batch", "20000", "--reps", "3"],
         "group_embedding": ["--features", "8", "--batch", "1024", "--vocab", "100000",
                             "--bins", "20000", "--warmup", "2", "--reps", "8"],
