@@ -91,6 +91,6 @@ def test_fit_save_load_cycles_release_tables_like_plain_keras():
 
 
 def test_export_for_serving_cycles_release_tables():
-    export = _measure("export", cycles=CYCLES)
+    export = _measure("export")
     assert export["handles"] <= 0, export
     assert export["mb_per_cycle"] < 1.0, export
