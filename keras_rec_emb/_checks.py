@@ -1,14 +1,22 @@
-"""Argument and input checks shared by the layers and ops (private)."""
+"""Argument and input checks shared by the layers and ops (private).
 
-import math
-import numbers
+The checks that need no TensorFlow live in `keras_rec_emb._checks_core`
+(the JAX backend imports them without TensorFlow); this module adds the
+checks of TensorFlow inputs."""
 
 import numpy as np
 import tensorflow as tf
 
-from keras_rec_emb import _compat
-
-COMBINERS = ("sum", "mean", "sqrtn")
+from keras_rec_emb import _checks_core, _compat
+# The TensorFlow-free checks, importable from here as before.
+from keras_rec_emb._checks_core import (  # noqa: F401
+    COMBINERS,
+    check_bool,
+    check_combiner,
+    check_float,
+    check_int,
+    is_int,
+)
 
 
 def integer_ids(ids, what, dtype=tf.int64):
@@ -32,104 +40,14 @@ def integer_ids(ids, what, dtype=tf.int64):
     return tf.cast(ids, dtype)
 
 
-def check_combiner(combiner, allow_none=True):
-    if (combiner is None and allow_none) or combiner in COMBINERS:
-        return
-    allowed = f"None or one of {COMBINERS}" if allow_none else f"one of {COMBINERS}"
-    raise ValueError(f"`combiner` must be {allowed}. Received: combiner={combiner!r}")
-
-
-# -- one vocabulary of argument checks (options, optimizers, ops, layers) -----
-# Each raises `TypeError` for a value of the wrong kind and `ValueError` for
-# one out of range; the message names the argument, what is allowed and the
-# value received ("`x` must be ... Received: x=...").
-
-
-def _fail(name, allowed, value, error=ValueError):
-    raise error(f"`{name}` must be {allowed}. Received: {name}={value!r}")
-
-
-def is_int(value):
-    """Whether `value` is a Python or NumPy integer (bools are not)."""
-    return isinstance(value, (numbers.Integral, np.integer)) and not isinstance(
-        value, (bool, np.bool_))
-
-
-def check_int(name, value, minimum=None, maximum=None, allow_none=False):
-    """`value` as an int, after checking it is an integer in
-    [`minimum`, `maximum`] (each bound optional)."""
-    if value is None and allow_none:
-        return None
-    allowed = _int_range(minimum, maximum)
-    if allow_none:
-        allowed = f"None or {allowed}"
-    if not is_int(value):
-        _fail(name, allowed, value, TypeError)
-    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-        _fail(name, allowed, value)
-    return int(value)
-
-
-def _int_range(minimum, maximum):
-    if minimum is not None and maximum is not None:
-        return f"an integer in [{minimum}, {maximum}]"
-    if minimum is not None:
-        return {0: "a non-negative integer", 1: "a positive integer"}.get(
-            minimum, f"an integer >= {minimum}")
-    if maximum is not None:
-        return f"an integer <= {maximum}"
-    return "an integer"
-
-
-def check_float(name, value, minimum=None, maximum=None, min_open=False, max_open=False,
-                allow_none=False):
-    """`value` as a float, after checking it is a finite real number in the
-    given range (`min_open`/`max_open` exclude the bound)."""
-    if value is None and allow_none:
-        return None
-    lo = "" if minimum is None else ("> " if min_open else ">= ") + f"{minimum}"
-    hi = "" if maximum is None else ("< " if max_open else "<= ") + f"{maximum}"
-    if minimum is not None and maximum is not None:
-        bounds = f"in {'(' if min_open else '['}{minimum}, {maximum}{')' if max_open else ']'}"
-    else:
-        bounds = lo or hi
-    allowed = "a finite float" + (f" {bounds}" if bounds else "")
-    if minimum == 0 and min_open and maximum is None:
-        allowed = "a positive finite float"
-    elif minimum == 0 and not min_open and maximum is None:
-        allowed = "a non-negative finite float"
-    if allow_none:
-        allowed = f"None or {allowed}"
-    if not isinstance(value, (numbers.Real, np.floating, np.integer)) or isinstance(
-            value, (bool, np.bool_)):
-        _fail(name, allowed, value, TypeError)
-    v = float(value)
-    if (not math.isfinite(v)
-            or minimum is not None and (v <= minimum if min_open else v < minimum)
-            or maximum is not None and (v >= maximum if max_open else v > maximum)):
-        _fail(name, allowed, value)
-    return v
-
-
-def check_bool(name, value):
-    if not isinstance(value, (bool, np.bool_)):
-        _fail(name, "a bool", value, TypeError)
-    return bool(value)
-
-
 def check_learning_rate(value, name="learning_rate"):
-    """A learning rate: a finite float >= 0, or a Keras
-    `LearningRateSchedule` / callable (checked when called)."""
-    import keras
-
-    if isinstance(value, keras.optimizers.schedules.LearningRateSchedule) or callable(value):
+    """`_checks_core.check_learning_rate`, and a TensorFlow tensor or
+    variable checked by its value when eager."""
+    if isinstance(value, tf.Variable) or tf.is_tensor(value):
+        if tf.executing_eagerly():
+            check_float(name, float(np.asarray(value)), 0)
         return value
-    if isinstance(value, (tf.Variable, keras.Variable)) or tf.is_tensor(value):
-        v = float(np.asarray(value)) if tf.executing_eagerly() else None
-        if v is not None:
-            check_float(name, v, 0)
-        return value
-    return check_float(name, value, 0)
+    return _checks_core.check_learning_rate(value, name)
 
 
 def key_range(dtype):

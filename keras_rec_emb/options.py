@@ -11,7 +11,7 @@ import os
 
 import keras
 
-from keras_rec_emb._checks import check_bool, check_float, check_int
+from keras_rec_emb._checks_core import check_bool, check_float, check_int
 
 __all__ = [
     "InitializerOption",

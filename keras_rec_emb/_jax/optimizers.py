@@ -26,6 +26,8 @@ import weakref
 import jax.numpy as jnp
 import keras
 
+from keras_rec_emb._checks_core import (check_adagrad_decay, check_beta, check_hyper_arguments,
+                                        check_non_negative)
 from keras_rec_emb._jax import register, saving
 
 _RULES_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -185,7 +187,13 @@ class TableRule:
 
 class TableOptimizer:
     """Mixin placed before a Keras optimizer class: `build` attaches the
-    optimizer to the tables whose anchors it builds for (see the top)."""
+    optimizer to the tables whose anchors it builds for (see the top).
+    Its hyper-parameters are checked as the TensorFlow backend's are (Keras
+    itself accepts e.g. a learning rate of -1)."""
+
+    def __init__(self, *args, **kwargs):
+        check_hyper_arguments(super().__init__, args, kwargs)
+        super().__init__(*args, **kwargs)
 
     def build(self, variables):
         if self.built:
@@ -284,16 +292,6 @@ class Ftrl(TableOptimizer, keras.optimizers.Ftrl):
 
 # -- DeepRec's optimizers: Keras has no namesake, their dense rule is here ----
 
-def _check_beta(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
-        raise ValueError(f"`{name}` must be a float in [0, 1). Received: {name}={value!r}")
-
-
-def _check_non_negative(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ValueError(f"`{name}` must be a float >= 0. Received: {name}={value!r}")
-
-
 class _ScalarSlots:
     """Per-variable state for DeepRec's optimizers: Keras variables for the
     dense weights; for a table's anchor, a placeholder (the state is a
@@ -343,9 +341,9 @@ class AdamAsync(TableOptimizer, _ScalarSlots, keras.optimizers.Optimizer):
 
     def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-8,
                  use_nesterov=False, apply_sparse_rmsprop=False, name="adam_async", **kwargs):
-        _check_beta("beta_1", beta_1)
-        _check_beta("beta_2", beta_2)
-        _check_non_negative("epsilon", epsilon)
+        check_beta("beta_1", beta_1)
+        check_beta("beta_2", beta_2)
+        check_non_negative("epsilon", epsilon)
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
         self.beta_1, self.beta_2, self.epsilon = beta_1, beta_2, epsilon
         self.use_nesterov = bool(use_nesterov)
@@ -412,21 +410,13 @@ class AdagradDecay(TableOptimizer, _ScalarSlots, keras.optimizers.Optimizer):
     def __init__(self, learning_rate=0.001, initial_accumulator_value=0.1,
                  accumulator_decay_step=100000, accumulator_decay_rate=0.9, epsilon=1e-7,
                  name="adagrad_decay", **kwargs):
-        v, s, r = initial_accumulator_value, accumulator_decay_step, accumulator_decay_rate
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
-            raise ValueError("`initial_accumulator_value` must be a float > 0. "
-                             f"Received: initial_accumulator_value={v!r}")
-        if not isinstance(s, int) or isinstance(s, bool) or s <= 0:
-            raise ValueError("`accumulator_decay_step` must be a positive integer. "
-                             f"Received: accumulator_decay_step={s!r}")
-        if not isinstance(r, (int, float)) or isinstance(r, bool) or not 0 < r <= 1:
-            raise ValueError("`accumulator_decay_rate` must be a float in (0, 1]. "
-                             f"Received: accumulator_decay_rate={r!r}")
-        _check_non_negative("epsilon", epsilon)
+        v, s, r = check_adagrad_decay(initial_accumulator_value, accumulator_decay_step,
+                                      accumulator_decay_rate)
+        check_non_negative("epsilon", epsilon)
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
-        self.initial_accumulator_value = float(v)
+        self.initial_accumulator_value = v
         self.accumulator_decay_step = s
-        self.accumulator_decay_rate = float(r)
+        self.accumulator_decay_rate = r
         self.epsilon = epsilon
 
     def build(self, var_list):
@@ -485,7 +475,7 @@ class AdamW(TableOptimizer, keras.optimizers.AdamW):
 
     def __init__(self, weight_decay, learning_rate=0.001,
                  scale_weight_decay_by_learning_rate=True, **kwargs):
-        _check_non_negative("weight_decay", weight_decay)
+        check_non_negative("weight_decay", weight_decay)
         if scale_weight_decay_by_learning_rate is not True:
             raise ValueError(
                 "Under the JAX backend AdamW supports scale_weight_decay_by_learning_rate="

@@ -24,7 +24,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_rec_emb import _checks, _compat
+from keras_rec_emb import _checks, _checks_core, _compat
 from keras_rec_emb._op_args import named_outputs
 from keras_rec_emb.optimizers import rules
 from keras_rec_emb.variables import is_table
@@ -68,27 +68,6 @@ def sum_duplicate_rows(grad):
 def check_learning_rate(learning_rate):
     """A finite float >= 0, a `LearningRateSchedule` or a callable."""
     return _checks.check_learning_rate(learning_rate)
-
-
-# Hyper-parameters checked for every optimizer of this package (Keras itself
-# accepts e.g. a learning rate of -1 or NaN and trains to garbage).
-_HYPER_CHECKS = {
-    "learning_rate": check_learning_rate,
-    "beta_1": lambda v: _checks.check_float("beta_1", v, 0, 1, max_open=True),
-    "beta_2": lambda v: _checks.check_float("beta_2", v, 0, 1, max_open=True),
-    "epsilon": lambda v: _checks.check_float("epsilon", v, 0),
-    "momentum": lambda v: _checks.check_float("momentum", v, 0, 1),
-    "initial_accumulator_value": lambda v: _checks.check_float(
-        "initial_accumulator_value", v, 0),
-    "weight_decay": lambda v: _checks.check_float("weight_decay", v, 0, allow_none=True),
-    "l1_regularization_strength": lambda v: _checks.check_float(
-        "l1_regularization_strength", v, 0),
-    "l2_regularization_strength": lambda v: _checks.check_float(
-        "l2_regularization_strength", v, 0),
-    "l2_shrinkage_regularization_strength": lambda v: _checks.check_float(
-        "l2_shrinkage_regularization_strength", v, 0),
-    "beta": lambda v: _checks.check_float("beta", v, 0),
-}
 
 
 # Outputs that never hold a key twice, by op type: (output name, whether
@@ -191,19 +170,7 @@ class TableOptimizer:
 
     def __init__(self, *args, **kwargs):
         base_init = super().__init__
-        try:
-            bound = inspect.signature(base_init).bind_partial(*args, **kwargs)
-        except TypeError:
-            bound = None  # let Keras report the wrong call
-        if bound is not None:
-            bound.apply_defaults()
-            for name, value in bound.arguments.items():
-                check = _HYPER_CHECKS.get(name)
-                if check is not None and not (isinstance(value, (int, float, np.number))
-                                              or name == "learning_rate"):
-                    continue  # tensors / variables: left to Keras
-                if check is not None:
-                    check(value)
+        _checks_core.check_hyper_arguments(base_init, args, kwargs, check_learning_rate)
         base_init(*args, **kwargs)
 
     def __init_subclass__(cls, **kwargs):

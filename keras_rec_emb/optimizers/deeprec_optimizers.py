@@ -10,7 +10,8 @@ import numpy as np
 import tensorflow as tf
 
 from keras_rec_emb import _compat
-from keras_rec_emb._checks import check_bool, check_float
+from keras_rec_emb._checks_core import (check_adagrad_decay, check_beta, check_bool,
+                                        check_non_negative)
 from keras_rec_emb.optimizers.base import (
     TableOptimizer,
     TableSlot,
@@ -29,14 +30,6 @@ _BASE_ARGS = """
             `loss_scale_factor`, ...; `use_ema` and
             `gradient_accumulation_steps` are refused when the model has
             embedding tables)."""
-
-
-def _check_beta(name, value):
-    return check_float(name, value, 0, 1, max_open=True)
-
-
-def _check_non_negative(name, value):
-    return check_float(name, value, 0)
 
 
 @_register
@@ -92,9 +85,9 @@ class AdamAsync(TableOptimizer, keras.optimizers.Optimizer):
                  use_nesterov: bool = False, apply_sparse_rmsprop: bool = False,
                  name: str = "adam_async", **kwargs):
         check_learning_rate(learning_rate)
-        _check_beta("beta_1", beta_1)
-        _check_beta("beta_2", beta_2)
-        _check_non_negative("epsilon", epsilon)
+        check_beta("beta_1", beta_1)
+        check_beta("beta_2", beta_2)
+        check_non_negative("epsilon", epsilon)
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
         self.beta_1 = beta_1
         self.beta_2 = beta_2
@@ -221,23 +214,13 @@ class AdagradDecay(TableOptimizer, keras.optimizers.Optimizer):
                  accumulator_decay_rate: float = 0.9, epsilon: float = 1e-7,
                  name: str = "adagrad_decay", **kwargs):
         check_learning_rate(learning_rate)
-        v = initial_accumulator_value
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
-            raise ValueError("`initial_accumulator_value` must be a float > 0. "
-                             f"Received: initial_accumulator_value={v!r}")
-        s = accumulator_decay_step
-        if not isinstance(s, int) or isinstance(s, bool) or s <= 0:
-            raise ValueError("`accumulator_decay_step` must be a positive integer. "
-                             f"Received: accumulator_decay_step={s!r}")
-        r = accumulator_decay_rate
-        if not isinstance(r, (int, float)) or isinstance(r, bool) or not 0 < r <= 1:
-            raise ValueError("`accumulator_decay_rate` must be a float in (0, 1]. "
-                             f"Received: accumulator_decay_rate={r!r}")
-        _check_non_negative("epsilon", epsilon)
+        v, s, r = check_adagrad_decay(initial_accumulator_value, accumulator_decay_step,
+                                      accumulator_decay_rate)
+        check_non_negative("epsilon", epsilon)
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
-        self.initial_accumulator_value = float(v)
+        self.initial_accumulator_value = v
         self.accumulator_decay_step = s
-        self.accumulator_decay_rate = float(r)
+        self.accumulator_decay_rate = r
         self.epsilon = epsilon
 
     def build(self, var_list):
@@ -378,7 +361,7 @@ class AdamW(TableOptimizer, keras.optimizers.AdamW):
                  amsgrad: bool = False, scale_weight_decay_by_learning_rate: bool = True,
                  name: str = "adamw", **kwargs):
         check_learning_rate(learning_rate)
-        _check_non_negative("weight_decay", weight_decay)
+        check_non_negative("weight_decay", weight_decay)
         scale_weight_decay_by_learning_rate = check_bool(
             "scale_weight_decay_by_learning_rate", scale_weight_decay_by_learning_rate)
         super().__init__(learning_rate=learning_rate, weight_decay=weight_decay,

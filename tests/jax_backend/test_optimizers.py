@@ -2,6 +2,10 @@
 to `model.compile` trains the tables (in the lookup's backward) and the
 dense weights, each to NumPy's numbers."""
 
+import os
+import subprocess
+import sys
+
 import keras
 import numpy as np
 import pytest
@@ -183,21 +187,47 @@ def test_an_optimizer_without_a_table_rule_is_refused():
 
 
 @pytest.mark.parametrize("make, message", [
-    (lambda: optimizers.AdamAsync(beta_1=1.0), r"`beta_1` must be a float in \[0, 1\)"),
-    (lambda: optimizers.AdamAsync(epsilon=-1.0), "`epsilon` must be a float >= 0"),
+    (lambda: optimizers.AdamAsync(beta_1=1.0),
+     r"`beta_1` must be a finite float in \[0, 1\)\. Received: beta_1=1\.0"),
+    (lambda: optimizers.AdamAsync(epsilon=-1.0),
+     "`epsilon` must be a non-negative finite float. Received: epsilon=-1.0"),
+    (lambda: optimizers.AdamAsync(-0.5), "`learning_rate` must be a non-negative finite float"),
     (lambda: optimizers.AdagradDecay(accumulator_decay_step=0),
      "`accumulator_decay_step` must be a positive integer. Received: accumulator_decay_step=0"),
     (lambda: optimizers.AdagradDecay(accumulator_decay_rate=1.5),
      r"`accumulator_decay_rate` must be a float in \(0, 1\]"),
     (lambda: optimizers.AdagradDecay(initial_accumulator_value=0.0),
      "`initial_accumulator_value` must be a float > 0"),
-    (lambda: optimizers.AdamW(-0.1), "`weight_decay` must be a float >= 0"),
+    (lambda: optimizers.AdamW(-0.1), "`weight_decay` must be a non-negative finite float"),
     (lambda: optimizers.AdamW(0.1, scale_weight_decay_by_learning_rate=False),
      "TensorFlow-only for now"),
+    # Keras's namesakes accept these; the TensorFlow backend's classes do not.
+    (lambda: optimizers.SGD(-1.0), "`learning_rate` must be a non-negative finite float. "
+     "Received: learning_rate=-1.0"),
+    (lambda: optimizers.SGD(0.1, momentum=1.5), r"`momentum` must be a finite float in \[0, 1\]"),
+    (lambda: optimizers.Adam(beta_2=1.0), r"`beta_2` must be a finite float in \[0, 1\)"),
+    (lambda: optimizers.Adagrad(epsilon=float("nan")), "`epsilon` must be a non-negative"),
+    (lambda: optimizers.Ftrl(l1_regularization_strength=-1.0),
+     "`l1_regularization_strength` must be a non-negative finite float"),
 ])
 def test_bad_arguments_are_refused_by_name(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def test_arguments_of_the_wrong_kind_are_type_errors():
+    with pytest.raises(TypeError, match="`beta_1` must be a finite float in"):
+        optimizers.AdamAsync(beta_1="0.9")
+    with pytest.raises(TypeError, match="`learning_rate` must be a non-negative finite float"):
+        optimizers.Adagrad(learning_rate=[0.1])
+
+
+def test_argument_checks_import_no_tensorflow():
+    # The options and the JAX optimizers check their arguments with these.
+    code = ("import sys, keras_rec_emb._checks_core, keras_rec_emb.options; "
+            "assert 'tensorflow' not in sys.modules, 'tensorflow imported'")
+    subprocess.run([sys.executable, "-c", code], check=True,
+                   env=dict(os.environ, KERAS_BACKEND="jax"))
 
 
 @pytest.mark.parametrize("optimizer", [
