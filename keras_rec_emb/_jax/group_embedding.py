@@ -16,7 +16,7 @@ import keras
 import numpy as np
 
 from keras_rec_emb._jax import register
-from keras_rec_emb._jax.layers import EmbeddingVariable
+from keras_rec_emb._jax.layers import EmbeddingVariable, combine_last_axis
 
 COMBINERS = ("sum", "mean", "sqrtn")
 _OUTPUT_MODES = ("dict", "concat")
@@ -63,7 +63,13 @@ class FeatureSpec:
             several features.
         combiner: `"sum"`, `"mean"` or `"sqrtn"` over the feature's ids
             (ids < 0 are padding: dropped). Defaults to `"sum"`.
-        weight_feature: `None` only under JAX (so far).
+        weight_feature: `None` or the name of the input holding per-id
+            weights (same shape as the ids, float). The combine is
+            `sum(w * row)`, divided by `sum(w)` for `"mean"` and by
+            `sqrt(sum(w**2))` for `"sqrtn"`. With `"mean"` or `"sqrtn"`, ids
+            whose weight is <= 0 are dropped (never inserted, counted or
+            updated: TF's and DeepRec's rule); `"sum"` keeps them. Defaults
+            to `None`.
         sequence: `False` only under JAX (so far).
         max_norm: `None` only under JAX (so far).
         default_id: `None` only under JAX (so far): a row with no id gives
@@ -81,8 +87,10 @@ class FeatureSpec:
         if combiner not in COMBINERS:
             raise ValueError(f"`combiner` must be one of {COMBINERS}. Received: "
                              f"combiner={combiner!r}")
-        for argument, value, allowed in (("weight_feature", weight_feature, None),
-                                         ("sequence", sequence, False),
+        if weight_feature is not None and not isinstance(weight_feature, str):
+            raise TypeError("`weight_feature` must be None or an input name. Received: "
+                            f"weight_feature={weight_feature!r}")
+        for argument, value, allowed in (("sequence", sequence, False),
                                          ("max_norm", max_norm, None),
                                          ("default_id", default_id, None)):
             if value is not allowed and value != allowed:
@@ -95,7 +103,7 @@ class FeatureSpec:
                             f"index. Received: table={table!r}")
         self.table = table
         self.combiner = combiner
-        self.weight_feature = None
+        self.weight_feature = weight_feature
         self.sequence = False
         self.max_norm = None
         self.default_id = None
@@ -113,7 +121,8 @@ class FeatureSpec:
         return cls(**config)
 
     def __repr__(self):
-        return f"FeatureSpec(table={self.table!r}, combiner={self.combiner!r})"
+        return (f"FeatureSpec(table={self.table!r}, combiner={self.combiner!r}, "
+                f"weight_feature={self.weight_feature!r})")
 
 
 @register(package="keras_rec_emb")
@@ -141,8 +150,9 @@ class GroupEmbedding(keras.layers.Layer):
         **kwargs: other `keras.layers.Layer` arguments.
 
     Input shape:
-        A dict from feature name to integer ids `[batch]` or `[batch, L]`
-        padded with -1 (JAX has no ragged tensors); or one integer tensor
+        A dict from feature name (and weight feature name) to integer ids
+        (float weights) `[batch]` or `[batch, L]`, ids padded with -1 (JAX
+        has no ragged tensors); or, without weight features, one integer tensor
         of stacked ids, features in the order of `features`: `[batch, F]`
         (column j feeds feature j) or `[batch, F, L]` (`ids[:, j, :]` feed
         feature j, padded with -1).
@@ -209,7 +219,7 @@ class GroupEmbedding(keras.layers.Layer):
                     by_id[id(table)] = len(self._tables)
                     self._tables.append(table)
                 index = by_id[id(table)]
-            self._features[fname] = FeatureSpec(index, spec.combiner)
+            self._features[fname] = FeatureSpec(index, spec.combiner, spec.weight_feature)
         self.output_mode = output_mode
         # Tracked as sub-layers (as under TensorFlow): their weights train
         # and save with this layer.
@@ -229,15 +239,19 @@ class GroupEmbedding(keras.layers.Layer):
 
     # -- forward ---------------------------------------------------------------
     def _feature_ids(self, inputs):
-        """Ids `[batch, L]` per feature, in the order of `features`."""
+        """(ids, weights) per feature, in the order of `features`: ids
+        `[batch, L]`, weights `[batch, L]` float32 or None."""
         names = list(self._features)
+        specs = list(self._features.values())
         if isinstance(inputs, dict):
             missing = [n for n in names if n not in inputs]
+            missing += [s.weight_feature for s in specs
+                        if s.weight_feature is not None and s.weight_feature not in inputs]
             if missing:
                 raise ValueError(f"GroupEmbedding '{self.name}' is missing inputs {missing}. "
                                  f"Received keys: {sorted(inputs)}")
-            out = []
-            for n in names:
+            out, weights = [], []
+            for n, s in zip(names, specs):
                 ids = keras.ops.convert_to_tensor(inputs[n])
                 if ids.ndim not in (1, 2):
                     raise ValueError(
@@ -245,7 +259,22 @@ class GroupEmbedding(keras.layers.Layer):
                         f"[batch] or [batch, L] (padded with -1). Received: shape "
                         f"{tuple(ids.shape)}")
                 out.append(ids[:, None] if ids.ndim == 1 else ids)
-            return out
+                w = None
+                if s.weight_feature is not None:
+                    w = keras.ops.convert_to_tensor(inputs[s.weight_feature], dtype="float32")
+                    if tuple(w.shape) != tuple(ids.shape):
+                        raise ValueError(
+                            f"GroupEmbedding '{self.name}': the weights "
+                            f"{s.weight_feature!r} of feature {n!r} must have its ids' shape "
+                            f"{tuple(ids.shape)}. Received: shape {tuple(w.shape)}")
+                    w = w[:, None] if w.ndim == 1 else w
+                weights.append(w)
+            return out, weights
+        if any(s.weight_feature is not None for s in specs):
+            raise ValueError(
+                f"GroupEmbedding '{self.name}' has weight features "
+                f"{[s.weight_feature for s in specs if s.weight_feature is not None]}: pass a "
+                "dict of inputs (ids and weights by name), not one stacked ids tensor")
         if isinstance(inputs, (list, tuple)):
             raise _unsupported("inputs", "(ids, table_ids)",
                                "a dict of ids or one stacked ids tensor")
@@ -259,17 +288,24 @@ class GroupEmbedding(keras.layers.Layer):
                 f"Received: ids of shape {tuple(ids.shape)}")
         if ids.ndim == 2:
             ids = ids[:, :, None]
-        return [ids[:, j, :] for j in range(f)]
+        return [ids[:, j, :] for j in range(f)], [None] * f
 
     def call(self, inputs, training=None):
-        feature_ids = self._feature_ids(inputs)
+        feature_ids, feature_weights = self._feature_ids(inputs)
         specs = list(self._features.values())
         outs = [None] * len(specs)
         for t, table in enumerate(self.tables):
             mine = [j for j, s in enumerate(specs) if s.table == t]
             if not mine:
                 continue
-            ids = [jnp.asarray(feature_ids[j]).astype(table.key_dtype) for j in mine]
+            ids = []
+            for j in mine:
+                i = jnp.asarray(feature_ids[j]).astype(table.key_dtype)
+                w = feature_weights[j]
+                if w is not None and specs[j].combiner != "sum":
+                    # Ids of weight <= 0 are dropped: padding for the lookup.
+                    i = jnp.where(w > 0, i, jnp.asarray(-1, i.dtype))
+                ids.append(i)
             flat = jnp.concatenate([i.reshape(-1) for i in ids])
             # One lookup of the table for all its features (padding pruned):
             # one sparse update per step in its backward.
@@ -278,21 +314,11 @@ class GroupEmbedding(keras.layers.Layer):
             for j, i in zip(mine, ids):
                 part = rows[start:start + i.size].reshape(*i.shape, table.embedding_dim)
                 start += i.size
-                outs[j] = self._combine(i, part, specs[j].combiner)
+                outs[j] = combine_last_axis(part, i >= 0, specs[j].combiner, feature_weights[j])
         outs = [o.astype(self.compute_dtype) for o in outs]
         if self.output_mode == "concat":
             return jnp.concatenate(outs, axis=-1)
         return dict(zip(self._features, outs))
-
-    @staticmethod
-    def _combine(ids, rows, combiner):
-        """rows [batch, L, dim] -> [batch, dim]; padding rows are zeros and
-        do not count."""
-        total = jnp.sum(rows, axis=-2)
-        if combiner == "sum":
-            return total
-        count = jnp.maximum(jnp.sum((ids >= 0).astype(rows.dtype), axis=-1, keepdims=True), 1.0)
-        return total / (count if combiner == "mean" else jnp.sqrt(count))
 
     def compute_output_spec(self, inputs, training=None):
         if isinstance(inputs, dict):

@@ -43,6 +43,38 @@ from keras_rec_emb._jax.optimizers import TableRule, register_anchor
 
 COMBINERS = (None, "sum", "mean", "sqrtn")
 
+
+def combine_last_axis(rows, keep, combiner, weights=None):
+    """rows [..., L, dim] -> [..., dim] by `combiner`. `keep` (bool [..., L]
+    or None: all) marks the ids that count; dropped ids have zero rows. With
+    `weights` ([..., L]) each kept id weighs its weight, and for "mean" and
+    "sqrtn" only ids of weight > 0 count (TensorFlow's rule); the
+    denominator is `sum(w)` ("mean") or `sqrt(sum(w**2))` ("sqrtn"), and a
+    row whose denominator is 0 gives zeros."""
+    if weights is None:
+        total = jnp.sum(rows, axis=-2)
+        if combiner == "sum":
+            return total
+        if keep is not None:
+            count = jnp.sum(keep.astype(rows.dtype), axis=-1, keepdims=True)
+        else:
+            count = jnp.full(total.shape[:-1] + (1,), rows.shape[-2], rows.dtype)
+        count = jnp.maximum(count, 1.0)  # a row with no id gives zeros
+        return total / (count if combiner == "mean" else jnp.sqrt(count))
+    w = weights.astype(rows.dtype)
+    if keep is not None:
+        w = jnp.where(keep, w, 0.0)
+    if combiner != "sum":
+        w = jnp.where(w > 0, w, 0.0)
+    total = jnp.sum(rows * w[..., None], axis=-2)
+    if combiner == "sum":
+        return total
+    denom = jnp.sum(w if combiner == "mean" else w * w, axis=-1, keepdims=True)
+    if combiner == "sqrtn":
+        denom = jnp.sqrt(denom)
+    return jnp.where(denom > 0, total / jnp.where(denom > 0, denom, 1.0), 0.0)
+
+
 @functools.lru_cache(maxsize=None)
 def _training_lookup(handle, dim, rule, hparam_names, slots, prune=False):
     """lookup(ids, anchor, hyper, step): rows, inserting; its backward
@@ -247,27 +279,78 @@ class EmbeddingVariable(keras.layers.Layer):
         self.table_rule = TableRule(optimizer, f"EmbeddingVariable '{self.name}'")
         self._add_slots(self.table_rule)
 
-    def call(self, ids, training=None):
+    def call(self, ids, weights=None, training=None):
+        """Rows of `ids`, combined over their last axis with a combiner.
+
+        Args:
+            ids: integer ids of any shape (`[..., L]` with a combiner).
+            weights: None, or per-id weights of the ids' shape (needs a
+                combiner): the combine is `sum(w * row)`, divided by
+                `sum(w)` for "mean" and by `sqrt(sum(w**2))` for "sqrtn"
+                (TensorFlow's `embedding_lookup_sparse` rule); a row whose
+                denominator is 0 gives zeros. With "mean" and "sqrtn" an id
+                whose weight is <= 0 is dropped: never inserted, counted
+                or updated (TensorFlow's and DeepRec's rule), which needs
+                `prune_invalid_ids=True`; "sum" keeps it. Padding ids (< 0,
+                with `prune_invalid_ids`) are dropped whatever their
+                weight. The table's gradient is each id's share,
+                `weight / denominator` times the output's gradient, summed
+                over equal ids.
+            training: bool or None (see the class).
+
+        Example:
+
+        >>> layer = keras_rec_emb.layers.EmbeddingVariable(
+        ...     2, combiner="mean", prune_invalid_ids=True,
+        ...     initializer=keras.initializers.Ones())
+        >>> out = layer(np.array([[1, 2, -1]]), weights=np.array([[1.0, 3.0, 5.0]]))
+        >>> np.asarray(out).tolist()
+        [[1.0, 1.0]]
+        """
         ids = keras.ops.convert_to_tensor(ids, dtype=self.key_dtype)
         if self.combiner is not None and ids.ndim < 1:
             raise ValueError(f"With combiner={self.combiner!r} the ids need a last axis to "
                              f"combine ([..., L]). Received: ids of shape {tuple(ids.shape)}")
-        return self._combine(ids, self._rows(ids, training))
+        if weights is not None:
+            weights = self._checked_weights(ids, weights)
+            if self.combiner != "sum":
+                # Dropped ids are padding for the lookup: not inserted,
+                # counted or updated.
+                ids = jnp.where(weights > 0, ids, jnp.asarray(-1, ids.dtype))
+        return self._combine(ids, self._rows(ids, training), weights)
 
-    def _combine(self, ids, rows):
+    def _checked_weights(self, ids, weights):
+        if self.combiner is None:
+            raise ValueError(
+                f"EmbeddingVariable '{self.name}': `weights` weigh the ids of a combine and "
+                "need a `combiner` (\"sum\", \"mean\" or \"sqrtn\"). Received: weights with "
+                "combiner=None")
+        if self.combiner != "sum" and not self.prune_invalid_ids:
+            raise ValueError(
+                f"EmbeddingVariable '{self.name}': with combiner={self.combiner!r}, ids whose "
+                "weight is <= 0 are dropped from the lookup, which marks them as padding: "
+                "that needs `prune_invalid_ids=True` under the JAX backend (so far). "
+                "Received: weights with prune_invalid_ids=False")
+        dtype = getattr(weights, "dtype", None)
+        if dtype is not None and not (np.issubdtype(np.dtype(dtype), np.floating)
+                                      or np.issubdtype(np.dtype(dtype), np.integer)):
+            raise TypeError(f"EmbeddingVariable '{self.name}': `weights` must be numbers. "
+                            f"Received: weights of dtype {dtype}")
+        weights = keras.ops.convert_to_tensor(weights, dtype="float32")
+        if tuple(weights.shape) != tuple(ids.shape):
+            raise ValueError(
+                f"EmbeddingVariable '{self.name}': `weights` must have the ids' shape "
+                f"{tuple(ids.shape)} (one weight per id). Received: weights of shape "
+                f"{tuple(weights.shape)}")
+        return weights
+
+    def _combine(self, ids, rows, weights=None):
         """Combines the last axis of `ids`: rows [..., L, dim] -> [..., dim];
         pruned ids (< 0, `prune_invalid_ids`) have zero rows and do not count."""
         if self.combiner is None:
             return rows
-        total = jnp.sum(rows, axis=-2)
-        if self.combiner == "sum":
-            return total
-        if self.prune_invalid_ids:
-            count = jnp.sum((ids >= 0).astype(rows.dtype), axis=-1, keepdims=True)
-        else:
-            count = jnp.full(total.shape[:-1] + (1,), ids.shape[-1], rows.dtype)
-        count = jnp.maximum(count, 1.0)  # a row with no id gives zeros
-        return total / (count if self.combiner == "mean" else jnp.sqrt(count))
+        keep = (ids >= 0) if self.prune_invalid_ids else None
+        return combine_last_axis(rows, keep, self.combiner, weights)
 
     def _rows(self, ids, training, prune=None):
         """Rows of `ids` (training as `call` says); `prune` overrides

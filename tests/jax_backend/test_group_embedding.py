@@ -186,7 +186,6 @@ def test_config_is_the_tensorflow_layers():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"weight_feature": "w"}, "weight_feature=None only.*Received: weight_feature='w'"),
     ({"sequence": True}, "sequence=False only.*Received: sequence=True"),
     ({"max_norm": 1.0}, "max_norm=None only.*Received: max_norm=1.0"),
     ({"default_id": 0}, "default_id=None only.*Received: default_id=0"),
