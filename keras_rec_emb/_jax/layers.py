@@ -21,17 +21,21 @@ What follows: the table's optimizer is the one `model.compile` got (one
 of `keras_rec_emb.optimizers`, as under TensorFlow), found through the
 layer's `anchor` when it builds (`keras_rec_emb._jax.optimizers`), or the
 layer's own (`optimizer=`). Its step counter is the layer's `iterations`
-(a non-trainable variable counting training calls, so in the model's state
+(a non-trainable variable counting training steps, so in the model's state
 under `jit`), which drives learning rate schedules, Adam's bias correction
-and the rows' versions. Clipping (`clipnorm`, `clipvalue`,
+and the rows' versions. A table looked up several times in one step (a
+layer called on two inputs) counts the step once and gets one update with
+the gradients of all its lookups, equal ids summed, as under TensorFlow
+(`_StepLookups`). A constant learning rate is the optimizer's
+`learning_rate` variable in that step, so a rate assigned between steps
+(`ReduceLROnPlateau`, `LearningRateScheduler`) reaches the tables
+(`TableRule.learning_rate`). Clipping (`clipnorm`, `clipvalue`,
 `global_clipnorm`), EMA, gradient accumulation and loss scaling are
 refused with an error: the backward sees this table's gradient alone,
 before the trainer's optimizer could clip or unscale it. A zero-size
 trainable variable (`anchor`) is the lookup's differentiable input, so
 that `jax.grad` runs the backward at all; its gradient is empty.
 """
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -75,57 +79,87 @@ def combine_last_axis(rows, keep, combiner, weights=None):
     return jnp.where(denom > 0, total / jnp.where(denom > 0, denom, 1.0), 0.0)
 
 
-@functools.lru_cache(maxsize=None)
-def _training_lookup(handle, dim, rule, hparam_names, slots, prune=False):
-    """lookup(ids, anchor, hyper, step): rows, inserting; its backward
-    applies the rows' gradient to the table (see the top)."""
+class _StepLookups:
+    """The training lookups of one table in one training step.
+
+    A table may be looked up several times in a step (one layer called on
+    two inputs). As under TensorFlow, where the optimizer applies the
+    table's gradient once per step with its ids' gradients summed, the step
+    counts once (`iterations`, which drives schedules, Adam's bias
+    correction and the rows' versions) and the table gets one fused update:
+    the backward of each later lookup stashes its ids and gradient here,
+    and that of the step's first lookup, which runs after them all (each
+    later lookup takes the first one's zero-size `carry` output as an
+    input, so its backward feeds the first one's), applies them together.
+    `marker` is the value `iterations` holds after the first lookup: a
+    call that reads it is in the same step (of the same trace)."""
+
+    def __init__(self, step):
+        self.step = step
+        self.marker = None
+        self.carry = None
+        self.pending = []
+
+
+def _first_lookup(layer, dim, prune, conditional, group):
+    """lookup(ids, anchor, step) -> (rows, carry, trained), the step's first
+    training lookup of `layer`'s table; its backward applies the rows'
+    gradient, with those the step's later lookups stashed, to the table
+    (see the top). With `conditional` (`training=None`): training or not
+    is decided by differentiation. Keras's JAX trainer calls the model's
+    `call` directly (`stateless_call`), so a layer of a subclassed model
+    that does not pass `training` on gets None in `fit` as in `predict`.
+    What tells them apart is whether the loss is differentiated with
+    respect to the table: under `jax.grad` JAX runs the forward rule
+    (insert; `trained` 1; the backward applies the gradient), otherwise
+    the plain function (no insert; `trained` 0, so the step counter
+    stays)."""
+    handle = layer.handle
 
     @jax.custom_vjp
-    def lookup(ids, anchor, hyper, step):
-        del anchor, hyper, step
-        return ffi.lookup(handle, ids, dim, insert=True, prune=prune)
+    def lookup(ids, anchor, step):
+        del anchor
+        rows = ffi.lookup(handle, ids, dim, insert=not conditional, prune=prune)
+        trained = jnp.zeros_like(step) if conditional else jnp.ones_like(step)
+        return rows, jnp.zeros((0,), jnp.float32), trained
 
-    def forward(ids, anchor, hyper, step):
-        return (ffi.lookup(handle, ids, dim, insert=True, prune=prune),
-                (ids, anchor, hyper, step))
+    def forward(ids, anchor, step):
+        if layer.table_rule is None:
+            raise _no_optimizer_error(layer.name)
+        rows = ffi.lookup(handle, ids, dim, insert=True, prune=prune)
+        return (rows, jnp.zeros((0,), jnp.float32), jnp.ones_like(step)), (ids, anchor, step)
 
     def backward(saved, grads):
-        ids, anchor, hyper, step = saved
-        ffi.apply(handle, ids, grads.astype(jnp.float32), hyper, step, rule, hparam_names, slots,
-                  prune=prune)
-        return None, jnp.zeros_like(anchor), jnp.zeros_like(hyper), None
+        ids, anchor, step = saved
+        parts = [(ids, grads[0], prune)] + group.pending
+        group.pending = []
+        layer._apply_gradients(parts, step)  # pylint: disable=protected-access
+        return None, jnp.zeros_like(anchor), None
 
     lookup.defvjp(forward, backward)
     return lookup
 
 
-@functools.lru_cache(maxsize=None)
-def _lookup_if_differentiated(handle, dim, rule, hparam_names, slots, prune, name):
-    """For `training=None`: lookup(ids, anchor, hyper, step) -> (rows,
-    trained). Keras's JAX trainer calls the model's `call` directly
-    (`stateless_call`), so a layer of a subclassed model that does not pass
-    `training` on gets None in `fit` as in `predict`. What tells them apart
-    is whether the loss is differentiated with respect to the table: under
-    `jax.grad` JAX runs the forward rule (insert; `trained` 1; the backward
-    applies the gradient), otherwise the plain function (no insert;
-    `trained` 0, so the step counter stays)."""
+def _later_lookup(layer, dim, prune, conditional, group):
+    """lookup(ids, anchor, carry, step) -> rows, a later training lookup of
+    the step (see _StepLookups): its backward stashes the rows' gradient
+    for the first lookup's backward."""
+    handle = layer.handle
 
     @jax.custom_vjp
-    def lookup(ids, anchor, hyper, step):
-        del anchor, hyper
-        return ffi.lookup(handle, ids, dim, insert=False, prune=prune), jnp.zeros_like(step)
+    def lookup(ids, anchor, carry, step):
+        del anchor, carry, step
+        return ffi.lookup(handle, ids, dim, insert=not conditional, prune=prune)
 
-    def forward(ids, anchor, hyper, step):
-        if rule is None:
-            raise _no_optimizer_error(name)
+    def forward(ids, anchor, carry, step):
+        del step
         rows = ffi.lookup(handle, ids, dim, insert=True, prune=prune)
-        return (rows, jnp.ones_like(step)), (ids, anchor, hyper, step)
+        return rows, (ids, anchor, carry)
 
     def backward(saved, grads):
-        ids, anchor, hyper, step = saved
-        ffi.apply(handle, ids, grads[0].astype(jnp.float32), hyper, step, rule, hparam_names,
-                  slots, prune=prune)
-        return None, jnp.zeros_like(anchor), jnp.zeros_like(hyper), None
+        ids, anchor, carry = saved
+        group.pending.append((ids, grads, prune))
+        return None, jnp.zeros_like(anchor), jnp.zeros_like(carry), None
 
     lookup.defvjp(forward, backward)
     return lookup
@@ -356,28 +390,42 @@ class EmbeddingVariable(keras.layers.Layer):
         """Rows of `ids` (training as `call` says); `prune` overrides
         `prune_invalid_ids` (a GroupEmbedding always drops ids < 0)."""
         prune = self.prune_invalid_ids if prune is None else bool(prune)
-        if training is None and self.trainable:
-            # Training or not is decided by differentiation (see
-            # _lookup_if_differentiated).
-            step = self.iterations.value
-            rule = self.table_rule
-            lookup = _lookup_if_differentiated(
-                self.handle, self.embedding_dim, rule and rule.rule.name,
-                rule and rule.rule.hparam_names, rule and rule.slot_names(), prune, self.name)
-            hyper = rule.hyper(step) if rule is not None else jnp.zeros(0, jnp.float32)
-            rows, trained = lookup(ids, self.anchor.value, hyper, step)
-            self.iterations.assign(step + trained)
-            return rows
-        if not (training and self.trainable):
+        # With training=None, training or not is decided by differentiation
+        # (see _first_lookup).
+        conditional = training is None and self.trainable
+        if not (conditional or (training and self.trainable)):
             return ffi.lookup(self.handle, ids, self.embedding_dim, insert=False, prune=prune)
-        step = self.iterations.value
-        self.iterations.assign(step + 1)
-        rule = self.table_rule
-        if rule is None:
+        if not conditional and self.table_rule is None:
             raise _no_optimizer_error(self.name)
-        lookup = _training_lookup(self.handle, self.embedding_dim, rule.rule.name,
-                                  rule.rule.hparam_names, rule.slot_names(), prune)
-        return lookup(ids, self.anchor.value, rule.hyper(step), step)
+        current = self.iterations.value
+        group = getattr(self, "_kre_step_lookups", None)
+        if group is not None and group.marker is not None and group.marker is current:
+            # Looked up again in the same step: one step, one update.
+            lookup = _later_lookup(self, self.embedding_dim, prune, conditional, group)
+            return lookup(ids, self.anchor.value, group.carry, group.step)
+        group = _StepLookups(current)
+        lookup = _first_lookup(self, self.embedding_dim, prune, conditional, group)
+        rows, group.carry, trained = lookup(ids, self.anchor.value, current)
+        self.iterations.assign(current + trained)
+        group.marker = self.iterations.value
+        self._kre_step_lookups = group
+        if self.table_rule is not None:
+            self.table_rule.new_step()
+        return rows
+
+    def _apply_gradients(self, parts, step):
+        """One fused update of the table at `step` (in the backward of the
+        step's first lookup) with the gradients of `parts`, (ids, rows'
+        gradient, prune) of each lookup of the step: equal ids summed."""
+        rule = self.table_rule
+        hyper = rule.hyper(step)
+        for prune in sorted({p for _, _, p in parts}):
+            mine = [(i, g) for i, g, p in parts if p == prune]
+            ids = jnp.concatenate([i.reshape(-1) for i, _ in mine])
+            grads = jnp.concatenate([g.reshape(-1, self.embedding_dim).astype(jnp.float32)
+                                     for _, g in mine])
+            ffi.apply(self.handle, ids, grads, hyper, step, rule.rule.name,
+                      rule.rule.hparam_names, rule.slot_names(), prune=prune)
 
     def compute_output_shape(self, input_shape):
         if self.combiner is not None:

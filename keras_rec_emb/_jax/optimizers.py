@@ -108,9 +108,8 @@ class TableRule:
         lr = config["learning_rate"]
         self.schedule = (keras.optimizers.schedules.deserialize(lr) if isinstance(lr, dict)
                          else None)
-        # A constant rate as it is when the table's rule is made (the
-        # optimizer's own variables are not in the traced step's state, and
-        # Keras's JAX trainer empties them while it trains).
+        # A constant rate as the config gives it: the last resort of
+        # `learning_rate` (see there).
         self.constant_learning_rate = None if self.schedule else float(lr)
         self.weight_decay = float(config.get("weight_decay") or 0.0)
         o = optimizer
@@ -144,10 +143,34 @@ class TableRule:
     def slot_names(self):
         return tuple(name for name, _, _ in self.slots)
 
+    def new_step(self):
+        """Called (while tracing) by a table's first training lookup of a
+        step: the optimizer forgets the learning rate of an earlier step."""
+        if isinstance(self.optimizer, TableOptimizer):
+            self.optimizer._kre_step_learning_rate = None  # pylint: disable=protected-access
+
     def learning_rate(self, step):
+        """The rate at `step`: a schedule's value there; else the value of
+        the optimizer's `learning_rate` variable in this training step,
+        which its `scale_loss` saw (Keras's JAX trainer calls it after the
+        forward pass, before the gradient, with the optimizer's variables
+        of the step in scope, as `apply` has them for the dense weights:
+        a rate assigned between steps or epochs, by a callback such as
+        `ReduceLROnPlateau` or `LearningRateScheduler`, reaches the tables
+        as it reaches the dense weights). Outside Keras's trainer, the
+        variable's value when the step is traced."""
         if self.schedule is not None:
             return jnp.asarray(self.schedule(step), jnp.float32)
-        return jnp.float32(self.constant_learning_rate)
+        rate = getattr(self.optimizer, "_kre_step_learning_rate", None)
+        if rate is None:
+            rate = self.optimizer.learning_rate
+            if isinstance(rate, keras.Variable):
+                rate = rate.value
+            elif callable(rate):
+                rate = rate()
+        if rate is None:
+            rate = self.constant_learning_rate
+        return jnp.asarray(rate, jnp.float32)
 
     def hyper(self, step):
         """The rule's hyper-parameters at `step`, in the kernel's order."""
@@ -204,6 +227,16 @@ class TableOptimizer:
         super().build(variables)
         for table in tables:
             table.attach_optimizer(self)
+
+    def scale_loss(self, loss):
+        # Keras's JAX trainer calls this inside the training step, after the
+        # forward pass and before the gradient, with this step's optimizer
+        # variables in scope: the tables' update (in the backward) takes the
+        # learning rate from here (TableRule.learning_rate).
+        rate = self.learning_rate
+        if isinstance(rate, keras.Variable):
+            self._kre_step_learning_rate = rate.value
+        return super().scale_loss(loss)
 
     # Saving: the TensorFlow backend's layout (keras_rec_emb/_jax/saving.py).
     def add_variable_from_reference(self, reference_variable, name=None, initializer="zeros"):

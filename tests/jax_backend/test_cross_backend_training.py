@@ -1,0 +1,137 @@
+"""The same training under KERAS_BACKEND=jax (a child process) and
+=tensorflow (this process) gives the same tables and Dense weights: one
+EmbeddingVariable called on two inputs (one step and one update per training
+step), learning rates changed by callbacks and by assignment between fits,
+and GroupEmbedding features with per-id weights."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from tests.jax_backend.test_jax_backend import _JAX, _TENSORFLOW, ROOT
+
+_CODE = """
+import numpy as np
+import keras
+DIM, DVD = 3, 5
+def summary(layer, dense, model):
+    e = export(layer)
+    order = np.argsort(e["keys"])
+    return {"keys": e["keys"][order].tolist(), "values": e["values"][order].tolist(),
+            "slots": {k: np.asarray(v)[order].tolist() for k, v in e["slots"].items()},
+            "freqs": e["freqs"][order].tolist(), "versions": e["versions"][order].tolist(),
+            "kernel": dense.get_weights()[0].tolist(), "bias": dense.get_weights()[1].tolist(),
+            "learning_rate": float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))}
+def start(seed, width):
+    rng = np.random.default_rng(seed)
+    labels = rng.normal(size=(16, 1)).astype(np.float32)
+    matrix = rng.normal(size=(DVD, DIM)).astype(np.float32)
+    kernel = keras.initializers.Constant(rng.normal(size=(width, 1)).astype(np.float32))
+    return rng, labels, keras.initializers.Constant(matrix), keras.layers.Dense(
+        1, kernel_initializer=kernel)
+def twice(name, lr):
+    # One table read by two inputs whose ids overlap.
+    rng, labels, init, dense = start(11, 4 * DIM)
+    a, b = (rng.integers(0, 7, size=(16, 2)).astype(np.int32) for _ in range(2))
+    layer = make_layer(init, None)
+    ia, ib = (keras.Input(shape=(2,), dtype="int32") for _ in range(2))
+    flat = keras.layers.Concatenate()([keras.layers.Flatten()(layer(ia)),
+                                      keras.layers.Flatten()(layer(ib))])
+    model = keras.Model([ia, ib], dense(flat))
+    model.compile(optimizer=getattr(kre.optimizers, name)(lr), loss="mse")
+    model.fit([a, b], labels, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    return summary(layer, dense, model)
+def changed_rate(name, how):
+    rng, labels, init, dense = start(12, 2 * DIM)
+    ids = rng.integers(0, 9, size=(16, 2)).astype(np.int32)
+    layer = make_layer(init, None)
+    inputs = keras.Input(shape=(2,), dtype="int32")
+    model = keras.Model(inputs, dense(keras.layers.Flatten()(layer(inputs))))
+    model.compile(optimizer=getattr(kre.optimizers, name)(0.05), loss="mse")
+    fit = dict(batch_size=4, shuffle=False, verbose=0)
+    if how == "scheduler":
+        schedule = keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.05 * 0.3 ** epoch)
+        model.fit(ids, labels, epochs=3, callbacks=[schedule], **fit)
+    elif how == "plateau":  # no epoch improves by 1e9: each one after the first halves it
+        plateau = keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0,
+                                                    min_delta=1e9)
+        model.fit(ids, labels, epochs=3, callbacks=[plateau], **fit)
+    else:
+        model.fit(ids, labels, epochs=1, **fit)
+        model.optimizer.learning_rate = 0.01
+        model.fit(ids, labels, epochs=1, **fit)
+        model.optimizer.learning_rate.assign(0.002)
+        model.fit(ids, labels, epochs=1, **fit)
+    return summary(layer, dense, model)
+def weighted_group(name, lr):
+    # a ([batch], sum), b ([batch, 3] padded with -1, mean) and c (sqrtn)
+    # share one table, each weighted (some weights <= 0).
+    rng, labels, init, dense = start(13, 3 * DIM)
+    table = make_layer(init, None)
+    group = kre.layers.GroupEmbedding({
+        "a": kre.layers.FeatureSpec(table, "sum", weight_feature="wa"),
+        "b": kre.layers.FeatureSpec(table, "mean", weight_feature="wb"),
+        "c": kre.layers.FeatureSpec(table, "sqrtn", weight_feature="wc")}, output_mode="concat")
+    x = {"a": rng.integers(0, 7, size=16), "b": rng.integers(-1, 7, size=(16, 3)),
+         "c": rng.integers(-1, 7, size=(16, 3))}
+    x = {k: v.astype(np.int32) for k, v in x.items()}
+    x["b"][4] = -1  # no id at all
+    for f, shape in (("a", (16,)), ("b", (16, 3)), ("c", (16, 3))):
+        x["w" + f] = rng.choice([-0.5, 0.0, 0.5, 1.0, 2.5], size=shape).astype(np.float32)
+    inputs = {k: keras.Input(shape=v.shape[1:], dtype=v.dtype.name, name=k) for k, v in x.items()}
+    model = keras.Model(inputs, dense(group(inputs)))
+    model.compile(optimizer=getattr(kre.optimizers, name)(lr), loss="mse")
+    model.fit(x, labels, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    return summary(table, dense, model)
+result = {"twice Adam": twice("Adam", 0.01), "twice Adagrad": twice("Adagrad", 0.05),
+          "scheduler Adagrad": changed_rate("Adagrad", "scheduler"),
+          "plateau Adam": changed_rate("Adam", "plateau"),
+          "assigned SGD": changed_rate("SGD", "assign"),
+          "weighted group Adagrad": weighted_group("Adagrad", 0.05),
+          "weighted group Adam": weighted_group("Adam", 0.01)}
+"""
+
+_TOLERANCES = {"twice Adam": 1e-4, "twice Adagrad": 1e-5, "scheduler Adagrad": 1e-5,
+               "plateau Adam": 1e-4, "assigned SGD": 1e-5, "weighted group Adagrad": 1e-5,
+               "weighted group Adam": 1e-4}
+
+
+def _under_jax():
+    code = "import json, sys\n" + _CODE.replace("def summary", _JAX + "def summary", 1) \
+        + "json.dump(result, sys.stdout)\n"
+    env = dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def _under_tensorflow():
+    namespace = {}
+    exec(_CODE.replace("def summary", _TENSORFLOW + "def summary", 1), namespace)
+    return namespace["result"]
+
+
+def test_steps_learning_rates_and_weights_give_the_tensorflow_backends_numbers():
+    """Ids, frequencies, versions, rows, slots, Dense weights and the final
+    learning rate agree (1e-5 for SGD and Adagrad, 1e-4 for Adam)."""
+    tf_runs, jax_runs = _under_tensorflow(), _under_jax()
+    # The rates did change: the runs check that the tables follow them.
+    assert tf_runs["scheduler Adagrad"]["learning_rate"] < 0.05 * 0.3
+    assert abs(tf_runs["plateau Adam"]["learning_rate"] - 0.05 / 4) < 1e-8
+    assert abs(tf_runs["assigned SGD"]["learning_rate"] - 0.002) < 1e-9
+    for name, tolerance in _TOLERANCES.items():
+        tf_run, jax_run = tf_runs[name], jax_runs[name]
+        for key in ("keys", "freqs", "versions"):
+            assert jax_run[key] == tf_run[key], (name, key)
+        assert sorted(jax_run["slots"]) == sorted(tf_run["slots"]), name
+        np.testing.assert_allclose(jax_run["learning_rate"], tf_run["learning_rate"], rtol=1e-6,
+                                   err_msg=name)
+        for key in ("values", "kernel", "bias", *(f"slot {s}" for s in tf_run["slots"])):
+            got, want = ((run["slots"][key[5:]] if key.startswith("slot ") else run[key])
+                         for run in (jax_run, tf_run))
+            np.testing.assert_allclose(got, want, rtol=tolerance, atol=1e-6,
+                                       err_msg=f"{name} {key}")
