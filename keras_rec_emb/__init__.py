@@ -14,19 +14,23 @@ from keras_rec_emb._version import __version__
 # Under Keras's JAX backend the tables go through XLA's FFI (keras_rec_emb/_jax,
 # `make jax-ops`) and TensorFlow is neither imported nor needed. The public API
 # there: `layers` (EmbeddingVariable, GroupEmbedding, FeatureSpec), every
-# optimizer but LossScaleOptimizer, and `export_for_serving`; the rest of the
-# TensorFlow API is named as TensorFlow-only when asked for.
+# optimizer but LossScaleOptimizer, the table options (EmbeddingVariableOption
+# and the rest) and `export_for_serving`; the rest of the TensorFlow API is
+# named as TensorFlow-only when asked for.
 if _os.environ.get("KERAS_BACKEND") == "jax":
     from keras_rec_emb import layers, optimizers
     from keras_rec_emb._jax import tensorflow_only_getattr
     from keras_rec_emb._jax.serving import export_for_serving
+    from keras_rec_emb.options import (CBFFilter, CounterFilter, EmbeddingVariableOption,
+                                       GlobalStepEvict, InitializerOption, L2WeightEvict,
+                                       StorageOption)
 
-    __all__ = ["__version__", "export_for_serving", "layers", "optimizers"]
+    __all__ = ["__version__", "export_for_serving", "layers", "optimizers", "CBFFilter",
+               "CounterFilter", "EmbeddingVariableOption", "GlobalStepEvict",
+               "InitializerOption", "L2WeightEvict", "StorageOption"]
     _TENSORFLOW_ONLY = (
-        "callbacks", "data", "distribute", "ops", "CBFFilter", "CounterFilter",
-        "EmbeddingVariableOption", "GlobalStepEvict", "InitializerOption", "L2WeightEvict",
-        "StorageOption", "save_model", "load_model", "IncrementalCheckpointer",
-        "apply_to_saved_model")
+        "callbacks", "data", "distribute", "ops", "save_model", "load_model",
+        "IncrementalCheckpointer", "apply_to_saved_model")
 
     def __dir__():
         return list(__all__)

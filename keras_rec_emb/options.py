@@ -477,6 +477,18 @@ class EmbeddingVariableOption(_Option):
         return cls(**config)
 
 
+_SAVE_FILTERED_ENV = "KRE_EV_SAVE_FILTERED_FEATURES"
+
+
+def save_filtered_from_env(default=True):
+    """`KRE_EV_SAVE_FILTERED_FEATURES=false` (or 0/no/off) turns off saving
+    the keys that an admission filter has counted but not admitted."""
+    value = os.environ.get(_SAVE_FILTERED_ENV)
+    if value is None:
+        return default
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
 def ev_option_or_default(ev_option):
     """`ev_option`, or the default EmbeddingVariableOption when None."""
     if ev_option is None:

@@ -37,6 +37,7 @@ from keras_rec_emb import _compat
 from keras_rec_emb import _ops, _serving_context
 from keras_rec_emb import tables as _tables
 from keras_rec_emb._checks import keys_in_range
+from keras_rec_emb.options import save_filtered_from_env
 
 _ids = itertools.count()
 
@@ -173,18 +174,6 @@ _STOCK_WRAPPER_ERROR = (
     "instead (under 'mixed_float16', `compile(optimizer={ours}(...))` wraps "
     "it so by itself)."
 )
-
-_SAVE_FILTERED_ENV = "KRE_EV_SAVE_FILTERED_FEATURES"
-
-
-def save_filtered_from_env(default=True):
-    """`KRE_EV_SAVE_FILTERED_FEATURES=false` (or 0/no/off) turns off saving
-    the keys that an admission filter has counted but not admitted."""
-    value = os.environ.get(_SAVE_FILTERED_ENV)
-    if value is None:
-        return default
-    return value.strip().lower() not in ("0", "false", "no", "off")
-
 
 _COPY_PATH_ENV = "KRE_STORAGE_COPY_PATH"
 _COPY_MARK = ".copy-"

@@ -2,7 +2,7 @@
 //
 // Table management for the JAX binding as plain C functions, which
 // keras_rec_emb/_jax/ffi.py calls through ctypes: create, destroy, add a
-// slot, size. They are host calls that must take effect when Python makes
+// slot, size, evict. They are host calls that must take effect when Python makes
 // them, whatever JAX is tracing (a Keras layer builds its table inside the
 // trace of the model's first call or symbolic build); an XLA custom call
 // made then would be staged into that computation and run only if the
@@ -79,10 +79,14 @@ using kre::jaxbind::Tables;
 #pragma GCC visibility push(default)
 
 // A new table whose initializer is `defaults` [rows, dim] (row-major);
-// writes its handle (>= 1) to `*handle`.
+// writes its handle (>= 1) to `*handle`. `bloom_counters` > 0 gives it a
+// counting Bloom filter of that many counters of `bloom_counter_bytes`
+// bytes with `bloom_hashes` hashes per key (a CBFFilter's sizing), which
+// then admits keys at `filter_freq`.
 extern "C" int KreHostCreate(const float* defaults, int64_t rows, int64_t dim, int32_t key_bits,
                              int32_t num_shards, int32_t track_meta, int64_t filter_freq,
-                             float no_permission_value, int64_t freq_cap, int64_t* handle,
+                             float no_permission_value, int64_t freq_cap, int64_t bloom_counters,
+                             int32_t bloom_hashes, int32_t bloom_counter_bytes, int64_t* handle,
                              char* error, size_t error_size) {
   return Guarded(error, error_size, [&]() -> int {
     auto invalid = [&](const std::string& m) { return Fail(kKreInvalid, m, error, error_size); };
@@ -97,6 +101,9 @@ extern "C" int KreHostCreate(const float* defaults, int64_t rows, int64_t dim, i
       return invalid("`num_shards` must be in [1, 65536], got " + std::to_string(num_shards));
     }
     if (freq_cap < 0) return invalid("`freq_cap` must be >= 0, got " + std::to_string(freq_cap));
+    if (bloom_counters < 0) {
+      return invalid("`bloom_counters` must be >= 0, got " + std::to_string(bloom_counters));
+    }
     if (!std::isfinite(no_permission_value)) {
       return invalid("`no_permission_value` must be finite");
     }
@@ -112,10 +119,22 @@ extern "C" int KreHostCreate(const float* defaults, int64_t rows, int64_t dim, i
     options.filter_freq = filter_freq;
     options.no_permission_value = no_permission_value;
     options.freq_cap = freq_cap;
+    options.bloom_counters = static_cast<uint64_t>(bloom_counters);
+    options.bloom_hashes = bloom_hashes;
+    options.bloom_counter_bytes = bloom_counter_bytes;
     std::shared_ptr<AnyTable> table;
     try {
       table = std::make_shared<AnyTable>(key_bits, std::move(options));
     } catch (const std::bad_alloc&) {
+      if (bloom_counters > 0) {
+        return Fail(kKreFailed,
+                    "could not allocate the embedding table's counting Bloom filter of "
+                    "bloom_counters=" + std::to_string(bloom_counters) + " counters of " +
+                        std::to_string(bloom_counter_bytes) +
+                        " bytes; lower CBFFilter's max_element_size or raise its "
+                        "false_positive_probability",
+                    error, error_size);
+      }
       throw;
     } catch (const std::exception& e) {
       return invalid(e.what());
@@ -184,6 +203,26 @@ extern "C" int KreHostSize(int64_t handle, int64_t* out, char* error, size_t err
       out[2] = width;
       out[3] = static_cast<int64_t>(specs.size());
     });
+    return kKreOk;
+  });
+}
+
+// Erases keys as kv::Table::Evict does: admitted keys whose version is
+// older than now - steps_to_live (steps_to_live >= 0), admitted keys with
+// 0.5 * sum(row**2) < l2_threshold (l2_threshold >= 0), and keys counted
+// but not admitted whose last lookup is older than now - steps_to_live.
+// `now` < 0 is the latest step that updated the table. Writes the number
+// of keys erased to `*erased`.
+extern "C" int KreHostEvict(int64_t handle, int64_t now, int64_t steps_to_live,
+                            float l2_threshold, int64_t* erased, char* error,
+                            size_t error_size) {
+  return Guarded(error, error_size, [&]() -> int {
+    std::shared_ptr<AnyTable> t = Tables().Get(handle);
+    if (t == nullptr) return Fail(kKreInvalid, NoTable(handle), error, error_size);
+    if (std::isnan(l2_threshold)) {
+      return Fail(kKreInvalid, "`l2_threshold` must not be NaN", error, error_size);
+    }
+    *erased = t->Visit([&](auto& tab) { return tab.Evict(now, steps_to_live, l2_threshold); });
     return kKreOk;
   });
 }

@@ -20,7 +20,7 @@ across dispatches (eager calls and successive jitted calls alike). So:
 
 Tables are named by an integer handle (csrc/jax/table_registry.h), a static
 attribute of each call: a jitted function is compiled for the tables it
-uses. Table management (`create`, `destroy`, `add_slot`, `size`) is not an
+uses. Table management (`create`, `destroy`, `add_slot`, `size`, `evict`) is not an
 XLA call: those are plain C functions of the same library
 (csrc/jax/table_host.cc), called through ctypes, which take effect when
 Python calls them, whatever JAX is tracing. A Keras layer builds its table
@@ -93,12 +93,15 @@ def _declare_host_functions(lib):
     c = ctypes
     error = (c.c_char_p, c.c_size_t)
     lib.KreHostCreate.argtypes = (c.c_void_p, c.c_int64, c.c_int64, c.c_int32, c.c_int32,
-                                  c.c_int32, c.c_int64, c.c_float, c.c_int64,
-                                  c.POINTER(c.c_int64), *error)
+                                  c.c_int32, c.c_int64, c.c_float, c.c_int64, c.c_int64,
+                                  c.c_int32, c.c_int32, c.POINTER(c.c_int64), *error)
+    lib.KreHostEvict.argtypes = (c.c_int64, c.c_int64, c.c_int64, c.c_float,
+                                 c.POINTER(c.c_int64), *error)
     lib.KreHostDestroy.argtypes = (c.c_int64, *error)
     lib.KreHostAddSlot.argtypes = (c.c_int64, c.c_char_p, c.c_int64, c.c_float, *error)
     lib.KreHostSize.argtypes = (c.c_int64, c.POINTER(c.c_int64), *error)
-    for fn in (lib.KreHostCreate, lib.KreHostDestroy, lib.KreHostAddSlot, lib.KreHostSize):
+    for fn in (lib.KreHostCreate, lib.KreHostDestroy, lib.KreHostAddSlot, lib.KreHostSize,
+               lib.KreHostEvict):
         fn.restype = c.c_int
     lib.KreLiveTables.argtypes = ()
     lib.KreLiveTables.restype = c.c_int64
@@ -210,11 +213,14 @@ def _concrete(value, what):
 
 
 def create(default_values, key_dtype="int32", num_shards=32, track_meta=True, filter_freq=0,
-           no_permission_value=0.0, freq_cap=0):
+           no_permission_value=0.0, freq_cap=0, bloom=None):
     """A new table; returns its handle (a Python int). A new key's row is a
     copy of row `key mod default_value_dim` of `default_values`
-    ([default_value_dim, dim], the engine's EV initializer). Runs at once,
-    also while a function is being traced."""
+    ([default_value_dim, dim], the engine's EV initializer). `filter_freq`
+    > 1 admits a key at that count, counted exactly or, with `bloom`
+    (`(counters, hashes, bytes per counter)`, `CBFFilter.sizing()`), by a
+    counting Bloom filter. Runs at once, also while a function is being
+    traced."""
     key_dtype = _check_key_dtype(key_dtype)
     default_values = np.ascontiguousarray(default_values, dtype=np.float32)
     if default_values.ndim != 2 or min(default_values.shape) < 1:
@@ -223,9 +229,23 @@ def create(default_values, key_dtype="int32", num_shards=32, track_meta=True, fi
     handle = ctypes.c_int64(0)
     _host("KreHostCreate", default_values.ctypes.data, *default_values.shape,
           64 if key_dtype == "int64" else 32, int(num_shards), int(bool(track_meta)),
-          int(filter_freq), float(no_permission_value), int(freq_cap), ctypes.byref(handle),
+          int(filter_freq), float(no_permission_value), int(freq_cap),
+          *((0, 0, 8) if bloom is None else (int(b) for b in bloom)), ctypes.byref(handle),
           wait=False)
     return int(handle.value)
+
+
+def evict(handle, now, steps_to_live, l2_threshold):
+    """Erases the keys the eviction rules name (`steps_to_live` >= 0: not
+    updated since step `now - steps_to_live`, or not looked up since then
+    for keys not admitted; `l2_threshold` >= 0: admitted keys with
+    `0.5 * sum(row**2) < l2_threshold`; -1 turns a rule off), after every
+    table call already dispatched. `now` < 0 is the latest step that
+    updated the table. Returns the number of keys erased."""
+    erased = ctypes.c_int64(0)
+    _host("KreHostEvict", int(handle), int(now), int(steps_to_live), float(l2_threshold),
+          ctypes.byref(erased))
+    return int(erased.value)
 
 
 def destroy(handle):

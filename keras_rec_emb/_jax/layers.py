@@ -42,8 +42,10 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
+from keras_rec_emb._checks_core import check_int
 from keras_rec_emb._jax import ffi, register, saving
 from keras_rec_emb._jax.optimizers import TableRule, register_anchor
+from keras_rec_emb.options import EmbeddingVariableOption, InitializerOption
 
 COMBINERS = (None, "sum", "mean", "sqrtn")
 
@@ -204,12 +206,20 @@ class EmbeddingVariable(keras.layers.Layer):
         initializer: draws the `[default_value_dim, embedding_dim]` matrix
             whose row `id mod default_value_dim` a new id starts from.
         key_dtype: "int32" (JAX's default) or "int64" (with JAX's x64 mode).
-        default_value_dim: int >= 1, rows of that matrix.
-        num_shards: the table's lock shards, in [1, 65536].
-        ev_option: None, or the TensorFlow layer's `EmbeddingVariableOption`
-            as its config (a dict, as in a saved model): its initializer
-            option and `num_shards` apply; filters, eviction and the file
-            tier are TensorFlow-only for now (a ValueError names them).
+        default_value_dim: int >= 1, rows of that matrix (without
+            `ev_option`).
+        num_shards: the table's lock shards, in [1, 65536] (without
+            `ev_option`).
+        ev_option: None, or a `keras_rec_emb.EmbeddingVariableOption`
+            (or its config, a dict, as in a saved model), as under
+            TensorFlow: its initializer option, `num_shards`, admission
+            filter (`CounterFilter`, `CBFFilter`), eviction
+            (`GlobalStepEvict`, `L2WeightEvict`: applied when the model is
+            saved and by `evict()`), `track_meta`, `save_filtered` and
+            `record_freq` apply; its `default_value_dim` and `num_shards`
+            replace the layer's. The file tier
+            (`StorageOption("FILE", ...)`) is TensorFlow-only for now (a
+            ValueError says so).
         restore_dim_mismatch: "error" only (the other modes are
             TensorFlow-only for now).
         **kwargs: Keras's layer arguments (`name`, `trainable`, `dtype`).
@@ -225,26 +235,45 @@ class EmbeddingVariable(keras.layers.Layer):
     ...                     verbose=0)
     >>> sorted(model.layers[1].export()["keys"].tolist())
     [1, 7, 1000000]
+
+    With an admission filter and eviction (a key gets a row at its second
+    training lookup; a row not updated for 100 steps goes when the model is
+    saved):
+
+    >>> option = keras_rec_emb.EmbeddingVariableOption(
+    ...     filter_option=keras_rec_emb.CounterFilter(filter_freq=2),
+    ...     evict_option=keras_rec_emb.GlobalStepEvict(steps_to_live=100))
+    >>> ids = keras.Input(shape=(2,), dtype="int32")
+    >>> layer = keras_rec_emb.layers.EmbeddingVariable(4, ev_option=option)
+    >>> model = keras.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(layer(ids))))
+    >>> model.compile(optimizer=keras_rec_emb.optimizers.SGD(0.1), loss="mse")
+    >>> history = model.fit(np.array([[1, 2], [1, 3]]), np.ones((2, 1)), batch_size=1,
+    ...                     verbose=0)
+    >>> layer.export()["keys"].tolist()
+    [1]
+    >>> layer.evict()
+    0
     """
 
     def __init__(self, embedding_dim, initializer="truncated_normal", key_dtype="int32",
                  combiner=None, prune_invalid_ids=False, ev_option=None,
                  restore_dim_mismatch="error", optimizer=None, default_value_dim=4096,
                  num_shards=32, **kwargs):
-        if ev_option is not None or restore_dim_mismatch != "error":
-            if ev_option is not None and not isinstance(ev_option, dict):
-                raise TypeError(
-                    "Under the JAX backend `ev_option` must be None or an "
-                    "EmbeddingVariableOption's config (a dict); the option classes are "
-                    "TensorFlow-only for now. Received: "
-                    f"ev_option={type(ev_option).__name__}")
-            # The TensorFlow layer's arguments, translated as a saved config is.
-            translated = saving.layer_kwargs({"ev_option": ev_option,
-                                              "restore_dim_mismatch": restore_dim_mismatch})
-            default_value_dim = translated.get("default_value_dim", default_value_dim)
-            num_shards = translated.get("num_shards", num_shards)
-            initializer = translated.get("initializer", initializer)
+        if ev_option is not None and not isinstance(ev_option, (dict, EmbeddingVariableOption)):
+            raise TypeError(
+                "`ev_option` must be None, a keras_rec_emb.EmbeddingVariableOption or its "
+                f"config (a dict). Received: ev_option={type(ev_option).__name__}")
+        # The TensorFlow layer's arguments, translated as a saved config is.
+        ev_option = saving.layer_kwargs({"ev_option": ev_option,
+                                         "restore_dim_mismatch": restore_dim_mismatch})["ev_option"]
+        if ev_option is None:  # this layer's own arguments, as the option holds them
+            ev_option = EmbeddingVariableOption(
+                init_option=InitializerOption(default_value_dim=default_value_dim),
+                num_shards=num_shards, track_meta=True)
+        default_value_dim = ev_option.init_option.default_value_dim
+        num_shards = ev_option.num_shards
         super().__init__(**kwargs)
+        self.ev_option = ev_option
         if combiner not in COMBINERS:
             raise ValueError(f"`combiner` must be None or one of {COMBINERS[1:]}. Received: "
                              f"combiner={combiner!r}")
@@ -282,11 +311,20 @@ class EmbeddingVariable(keras.layers.Layer):
         self.default_values = None
 
     def build(self, input_shape=None):
+        # The option's initializer comes before the layer's, as under TensorFlow.
+        initializer = self.ev_option.init_option.initializer or self.initializer
         with jax.ensure_compile_time_eval():
-            self.default_values = np.asarray(self.initializer(
+            self.default_values = np.asarray(initializer(
                 shape=(self.default_value_dim, self.embedding_dim), dtype="float32"))
-        self.handle = ffi.create(self.default_values, key_dtype=self.key_dtype,
-                                 num_shards=self.num_shards)
+        table = self.ev_option.table_kwargs()
+        filter_freq = table.get("filter_freq", 0)
+        self.handle = ffi.create(
+            self.default_values, key_dtype=self.key_dtype, num_shards=self.num_shards,
+            track_meta=table["track_meta"], filter_freq=filter_freq,
+            no_permission_value=table["no_permission_value"], bloom=table.get("bloom"),
+            # DeepRec's frequency: an admitted key's stays at the threshold
+            # unless `record_freq` (keras_rec_emb/variables.py's _freq_cap).
+            freq_cap=0 if table["record_freq"] or filter_freq < 1 else filter_freq)
         self.anchor = self.add_weight(shape=(0,), initializer="zeros", name="anchor")
         register_anchor(self.anchor, self)
         if self.table_rule is not None:
@@ -442,6 +480,25 @@ class EmbeddingVariable(keras.layers.Layer):
         and slot rows (NumPy arrays)."""
         self._require_built("export()")
         return ffi.export(self.handle, self.key_dtype, self.embedding_dim)
+
+    def evict(self, step=None):
+        """Applies the eviction option (`GlobalStepEvict` / `L2WeightEvict`)
+        now, as saving the model does; returns how many ids were evicted
+        (0 without one).
+
+        Args:
+            step: int >= 0 or None. The current step for `steps_to_live`;
+                None uses the last step that updated this table (steps are
+                the layer's `iterations`).
+        """
+        self._require_built("evict()")
+        step = check_int("step", step, 0, allow_none=True)
+        rule = self.ev_option.evict_option
+        if rule is None:
+            return 0
+        return ffi.evict(self.handle, -1 if step is None else step,
+                         getattr(rule, "steps_to_live", -1),
+                         getattr(rule, "l2_weight_threshold", -1.0))
 
     def table_size(self):
         """Number of distinct ids admitted to the table (after every table

@@ -6,18 +6,22 @@ under JAX and the reverse. Three things make it so.
 * The registered name: both classes are `keras_rec_emb>EmbeddingVariable`,
   so Keras resolves a saved layer to the class of the backend that loads it.
 * The config (`layer_config` / `layer_kwargs`): the JAX layer writes the
-  TensorFlow layer's arguments (`ev_option` with its `init_option`,
-  `combiner`, `prune_invalid_ids`, `restore_dim_mismatch`, the table
-  `optimizer` as `keras_rec_emb>SGD` / `keras_rec_emb>Adagrad`), and reads
-  them back,
-  refusing with a ValueError what the JAX layer lacks so far (a combiner,
-  filters, eviction, the file tier, a table without its own optimizer).
+  TensorFlow layer's arguments (its `EmbeddingVariableOption` with the
+  initializer option, filter and eviction, `combiner`,
+  `prune_invalid_ids`, `restore_dim_mismatch`, the table `optimizer` as
+  `keras_rec_emb>SGD` / `keras_rec_emb>Adagrad`), and reads them back,
+  refusing with a ValueError what the JAX layer lacks so far (the file
+  tier, `restore_dim_mismatch` other than "error").
 * The weights (`save_table` / `load_table`): the layer's store holds the
   table's parts under the names of keras_rec_emb/variables.py's
   `ARRAY_PARTS` (`keys`, `values`, `freqs`, `versions`, `default_values`,
   `keys_filtered`, `freqs_filtered`, `versions_filtered`, `bloom`;
   frequencies and versions int64 as TensorFlow writes them) and each
-  optimizer slot as `slot:NAME` (`slot:accumulator` for Adagrad). The
+  optimizer slot as `slot:NAME` (`slot:accumulator` for Adagrad). As
+  under TensorFlow, saving first evicts what the layer's eviction option
+  names (DeepRec evicts at checkpoint), and with `save_filtered` off (or
+  `KRE_EV_SAVE_FILTERED_FEATURES=false`) the keys counted but not admitted
+  are saved empty and the Bloom counters not at all. The
   table's slots are the layer's under both backends: under TensorFlow the
   optimizer's own variables hold only its step, learning rate and the
   dense weights' slots, never a table's; under JAX the optimizer leaves out
@@ -35,6 +39,7 @@ import warnings
 import keras
 import numpy as np
 
+from keras_rec_emb import options
 from keras_rec_emb._jax import ffi
 
 # keras_rec_emb/variables.py's ARRAY_PARTS (that module imports TensorFlow).
@@ -49,7 +54,6 @@ _OPTIMIZERS = {"SGD": keras.optimizers.SGD, "Adagrad": keras.optimizers.Adagrad,
                "Adam": keras.optimizers.Adam, "Ftrl": keras.optimizers.Ftrl}
 # keras_rec_emb's own, without a Keras namesake (found by registered name).
 _DEEPREC_OPTIMIZERS = ("AdamAsync", "AdagradDecay", "AdamW")
-_OPTIONS_MODULE = "keras_rec_emb.options"
 
 
 def _slot_specs(layer):
@@ -62,12 +66,21 @@ def _slot_specs(layer):
 
 
 def save_table(layer, store):
-    """Writes the table's parts into the layer's weights store."""
+    """Writes the table's parts into the layer's weights store, after the
+    layer's eviction (see the top)."""
     if layer.handle is None:
         return
+    layer.evict()
     parts = ffi.export_parts(layer.handle, layer.key_dtype, layer.embedding_dim,
                              _slot_specs(layer))
+    ev = layer.ev_option
+    if not (ev.save_filtered and options.save_filtered_from_env()):
+        for name in ("keys_filtered", "freqs_filtered", "versions_filtered"):
+            parts[name] = parts[name][:0]
+        del parts["bloom"]
     for name in PARTS:
+        if name not in parts:
+            continue
         value = np.asarray(parts[name])
         store[name] = value.astype(np.int64) if name in _INT64_PARTS else value
     for name, value in parts["slots"].items():
@@ -98,11 +111,6 @@ def load_table(layer, store):
 
 # -- config -------------------------------------------------------------------
 
-def _options_object(class_name, config):
-    return {"module": _OPTIONS_MODULE, "class_name": class_name, "config": config,
-            "registered_name": f"keras_rec_emb>{class_name}"}
-
-
 def optimizer_config(optimizer):
     """`optimizer` (SGD, Adagrad, Adam, Ftrl: ours or Keras's; None: the
     model's) serialized as the TensorFlow backend's table optimizer of the
@@ -130,19 +138,7 @@ def layer_config(layer, base_config):
         "key_dtype": layer.key_dtype,
         "combiner": layer.combiner,
         "prune_invalid_ids": layer.prune_invalid_ids,
-        "ev_option": _options_object("EmbeddingVariableOption", {
-            "init_option": _options_object("InitializerOption", {
-                "initializer": None, "default_value_dim": layer.default_value_dim,
-                "default_value_no_permission": 0.0}),
-            "filter_option": None,
-            "evict_option": None,
-            "storage_option": _options_object("StorageOption", {
-                "storage_type": "DRAM", "storage_path": None, "storage_size": None}),
-            "num_shards": layer.num_shards,
-            "track_meta": True,
-            "save_filtered": True,
-            "record_freq": False,
-        }),
+        "ev_option": keras.saving.serialize_keras_object(layer.ev_option),
         "restore_dim_mismatch": "error",
         "optimizer": optimizer_config(layer.optimizer),
     })
@@ -163,6 +159,38 @@ def _inner(value, class_name, argument):
         return value.get("config") or {}
     raise ValueError(f"`{argument}` must be a serialized {class_name} or None. "
                      f"Received: {argument}={value!r}")
+
+
+def _option(value, class_names, argument):
+    """The option object of a serialized option of one of `class_names`
+    (an object of one of them stays as it is; None stays None)."""
+    classes = tuple(getattr(options, name) for name in class_names)
+    if value is None or isinstance(value, classes):
+        return value
+    name = value.get("class_name") if isinstance(value, dict) else None
+    if name not in class_names:
+        raise ValueError(f"`{argument}` must be a serialized {' or '.join(class_names)} or "
+                         f"None. Received: {argument}={value!r}")
+    return getattr(options, name)(**_inner(value, name, argument))
+
+
+def ev_option(value):
+    """`value` (an `EmbeddingVariableOption`, one serialized in a config,
+    or None) as an `EmbeddingVariableOption` (None stays None), refusing
+    with a ValueError what the JAX layer lacks so far (the file tier)."""
+    if value is not None and not isinstance(value, options.EmbeddingVariableOption):
+        config = dict(_inner(value, "EmbeddingVariableOption", "ev_option"))
+        fields = {"init_option": ("InitializerOption",),
+                  "filter_option": ("CounterFilter", "CBFFilter"),
+                  "evict_option": ("GlobalStepEvict", "L2WeightEvict"),
+                  "storage_option": ("StorageOption",)}
+        for field, class_names in fields.items():
+            config[field] = _option(config.get(field), class_names, f"ev_option.{field}")
+        value = options.EmbeddingVariableOption(**config)
+    if value is not None and value.storage_option.storage_type != "DRAM":
+        raise _unsupported("ev_option.storage_option.storage_type",
+                           value.storage_option.storage_type, "'DRAM'")
+    return value
 
 
 def _optimizer(value):
@@ -188,23 +216,7 @@ def layer_kwargs(config):
     if restore != "error":
         raise _unsupported("restore_dim_mismatch", restore, "'error'")
     kwargs["optimizer"] = _optimizer(kwargs.get("optimizer"))
-    ev = _inner(kwargs.pop("ev_option", None), "EmbeddingVariableOption", "ev_option") or {}
-    for name in ("filter_option", "evict_option"):
-        if ev.get(name) is not None:
-            raise _unsupported(f"ev_option.{name}", ev[name], "None")
-    storage = _inner(ev.get("storage_option"), "StorageOption", "ev_option.storage_option")
-    if storage and storage.get("storage_type", "DRAM") != "DRAM":
-        raise _unsupported("ev_option.storage_option.storage_type", storage["storage_type"],
-                           "'DRAM'")
-    init = _inner(ev.get("init_option"), "InitializerOption", "ev_option.init_option") or {}
-    if init.get("initializer") is not None:
-        # The TensorFlow layer draws its initializer matrix from it, before
-        # the layer's own `initializer`.
-        kwargs["initializer"] = init["initializer"]
-    if init.get("default_value_dim") is not None:
-        kwargs["default_value_dim"] = init["default_value_dim"]
-    if ev.get("num_shards") is not None:
-        kwargs["num_shards"] = ev["num_shards"]
+    kwargs["ev_option"] = ev_option(kwargs.get("ev_option"))
     return kwargs
 
 

@@ -13,6 +13,7 @@ import sys
 import zipfile
 
 import numpy as np
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -23,6 +24,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 _COMMON = """
 import json
 import numpy as np
+import pytest
 import keras
 import keras_rec_emb as kre
 DIM, FEATURES, DVD = 3, 2, 5
@@ -201,6 +203,7 @@ def test_a_model_trained_under_jax_loads_and_serves_under_tensorflow(tmp_path):
 _GROUP = """
 import sys
 import numpy as np
+import pytest
 import keras
 import keras_rec_emb as kre
 ids = np.array([[[1, 4, -1], [4, 4, 2]], [[-1, -1, -1], [0, -1, 3]],
@@ -264,3 +267,69 @@ def test_a_group_embedding_model_crosses_backends_both_ways(tmp_path):
         saved = json.loads(archive.read("config.json"))
     entry = next(e for e in saved["config"]["layers"] if e["name"] == "group")
     assert json.loads(json.dumps(group.get_config()))["features"] == entry["config"]["features"]
+
+
+# Loads the TensorFlow file with a filter, trains on and saves again.
+_JAX_FILTERED = """
+import sys
+from keras_rec_emb._jax import ffi
+PARTS = ("keys", "values", "freqs", "versions", "keys_filtered", "freqs_filtered",
+         "versions_filtered", "bloom")
+model = keras.saving.load_model(sys.argv[1])
+layer = model.get_layer("ev")
+def parts():
+    p = ffi.export_parts(layer.handle, layer.key_dtype, layer.embedding_dim,
+                         layer._kre_slot_specs)
+    return {name: np.asarray(p[name]) for name in PARTS}
+loaded = parts()
+model.fit(more_ids, more_labels, batch_size=4, shuffle=False, verbose=0)
+model.save(sys.argv[3])
+np.savez(sys.argv[2], **loaded, **{f"trained_{k}": v for k, v in parts().items()},
+         filter=type(layer.ev_option.filter_option).__name__)
+"""
+
+
+def _assert_same_filtered(got, want, prefix=""):
+    """Equal admitted keys (rows, counts, versions), filtered keys with their
+    counts and versions, and Bloom counters."""
+    for names in (("keys", "freqs", "versions", "values"),
+                  ("keys_filtered", "freqs_filtered", "versions_filtered")):
+        order_got = np.argsort(got[prefix + names[0]])
+        order_want = np.argsort(want[names[0]])
+        for name in names:
+            np.testing.assert_array_equal(np.asarray(got[prefix + name])[order_got],
+                                          np.asarray(want[name])[order_want], err_msg=name)
+    np.testing.assert_array_equal(got[prefix + "bloom"], want["bloom"])
+
+
+@pytest.mark.parametrize("kind", ["CounterFilter", "CBFFilter"])
+def test_a_filtered_table_crosses_backends_both_ways(tmp_path, kind):
+    """Saved under TensorFlow with an admission filter, loaded under JAX
+    with the same admitted and filtered keys, counts and Bloom counters;
+    trained on and saved under JAX, loaded under TensorFlow alike."""
+    import keras
+
+    tf_side = _tensorflow()
+    kre = tf_side["kre"]
+    f = (kre.CounterFilter(5) if kind == "CounterFilter"
+         else kre.CBFFilter(5, 200, 0.01, counter_type="uint16"))
+    option = kre.EmbeddingVariableOption(
+        init_option=kre.InitializerOption(default_value_dim=tf_side["DVD"]), filter_option=f)
+    layer = kre.layers.EmbeddingVariable(tf_side["DIM"], key_dtype="int32",
+                                         initializer="uniform", ev_option=option, name="ev")
+    model = tf_side["train"](layer, kre.optimizers.Adagrad(0.1))
+    path = tmp_path / "tensorflow.keras"
+    model.save(str(path))
+    saved = layer.export()
+    assert len(saved["keys"]) and (len(saved["keys_filtered"]) or kind == "CBFFilter")
+    assert saved["bloom"].size or kind == "CounterFilter"
+    _run_jax(_COMMON + _JAX_FILTERED, path, tmp_path / "loaded.npz", tmp_path / "jax.keras")
+    got = dict(np.load(tmp_path / "loaded.npz"))
+    assert str(got["filter"]) == kind
+    _assert_same_filtered(got, saved)
+    again = keras.saving.load_model(str(tmp_path / "jax.keras"))
+    twin = again.get_layer("ev")
+    assert twin.ev_option.filter_option == f
+    trained = twin.export()
+    assert len(trained["keys"]) > len(saved["keys"])  # trained on under JAX
+    _assert_same_filtered(got, trained, prefix="trained_")

@@ -100,16 +100,48 @@ def train_group():
     model.compile(optimizer=kre.optimizers.Adagrad(0.05), loss="mse")
     model.fit(ids, labels, batch_size=4, epochs=2, shuffle=False, verbose=0)
     return summary(table, dense)
+def train_filtered(name):
+    # A CounterFilter admits a key at its 2nd training lookup; a
+    # GlobalStepEvict(2) evicts after each of 3 epochs (as saving would).
+    rng = np.random.default_rng(9)
+    ids = rng.integers(0, 25, size=(16, FEATURES)).astype(np.int32)
+    ids[8:] = rng.integers(20, 40, size=(8, FEATURES))  # keys seen late only
+    labels = rng.normal(size=(16, 1)).astype(np.float32)
+    matrix = rng.normal(size=(DVD, DIM)).astype(np.float32)
+    kernel = rng.normal(size=(FEATURES * DIM, 1)).astype(np.float32)
+    layer = make_layer(keras.initializers.Constant(matrix), None,
+                       filter_option=kre.CounterFilter(2),
+                       evict_option=kre.GlobalStepEvict(steps_to_live=2))
+    inputs = keras.Input(shape=(FEATURES,), dtype="int32")
+    dense = keras.layers.Dense(1, kernel_initializer=keras.initializers.Constant(kernel))
+    model = keras.Model(inputs, dense(keras.layers.Flatten()(layer(inputs))))
+    model.compile(optimizer=getattr(kre.optimizers, name)(OPTIMIZERS[name]), loss="mse")
+    last = ids.copy()
+    last[12:] = np.arange(100, 100 + 4 * FEATURES).reshape(4, FEATURES)  # seen once, at the end
+    evicted = []
+    for epoch_ids in (ids, ids, last):
+        model.fit(epoch_ids, labels, batch_size=4, epochs=1, shuffle=False, verbose=0)
+        evicted.append(int(layer.evict()))
+    out = summary(layer, dense)
+    e = export(layer)
+    order = np.argsort(e["keys_filtered"])
+    out.update({name: np.asarray(e[name])[order].tolist()
+                for name in ("keys_filtered", "freqs_filtered", "versions_filtered")})
+    out["evicted"] = evicted
+    return out
 result = {name: train(name) for name in OPTIMIZERS}
 result["Adagrad mean"] = train("Adagrad", combiner="mean")
 result["GroupEmbedding Adagrad"] = train_group()
+for name in ("SGD", "Adagrad"):
+    result[f"{name} filtered and evicted"] = train_filtered(name)
 """
 
 _TENSORFLOW = """
 import keras_rec_emb as kre
-def make_layer(init, combiner):
+def make_layer(init, combiner, **options):
     option = kre.EmbeddingVariableOption(
-        init_option=kre.InitializerOption(initializer=init, default_value_dim=DVD), track_meta=True)
+        init_option=kre.InitializerOption(initializer=init, default_value_dim=DVD), track_meta=True,
+        **options)
     return kre.layers.EmbeddingVariable(DIM, key_dtype="int32", ev_option=option,
                                         combiner=combiner, prune_invalid_ids=bool(combiner))
 def export(layer):
@@ -118,15 +150,17 @@ def export(layer):
 
 _JAX = """
 import keras_rec_emb as kre
-def make_layer(init, combiner):
+from keras_rec_emb._jax import ffi
+def make_layer(init, combiner, **options):
+    if options:  # the TensorFlow layer's option object
+        option = kre.EmbeddingVariableOption(init_option=kre.InitializerOption(
+            initializer=init, default_value_dim=DVD), **options)
+        return kre.layers.EmbeddingVariable(DIM, ev_option=option)
     return kre.layers.EmbeddingVariable(DIM, initializer=init, default_value_dim=DVD,
                                         combiner=combiner, prune_invalid_ids=bool(combiner))
-def export(layer):
-    e = layer.export()  # slots packed in the order of the layer's slot specs
-    starts = np.cumsum([0] + [w for _, w in layer._kre_slot_specs])
-    e["slots"] = {name: e["slots"][:, a:a + w]
-                  for (name, w), a in zip(layer._kre_slot_specs, starts)}
-    return e
+def export(layer):  # the TensorFlow layer's export(): slots by name, filtered keys
+    return ffi.export_parts(layer.handle, layer.key_dtype, layer.embedding_dim,
+                            layer._kre_slot_specs)
 """
 
 
@@ -150,18 +184,26 @@ def _train_under_tensorflow():
 def test_compiled_optimizers_give_the_tensorflow_backends_numbers():
     """model.fit with kre.optimizers.SGD, Adagrad and Adam, Adagrad
     through a mean combiner over ids padded with -1 (pruned), and Adagrad
-    through a GroupEmbedding whose two features share one table, under
-    KERAS_BACKEND=jax and =tensorflow: the same ids, frequencies, versions,
-    rows, slots and Dense weights (1e-5 for SGD and Adagrad, 1e-4 for Adam)."""
+    through a GroupEmbedding whose two features share one table, SGD and
+    Adagrad through a CounterFilter with a GlobalStepEvict applied after
+    each epoch, under KERAS_BACKEND=jax and =tensorflow: the same ids,
+    frequencies, versions, filtered ids and their counts, evictions, rows,
+    slots and Dense weights (1e-5 for SGD and Adagrad, 1e-4 for Adam)."""
     tf_runs = _train_under_tensorflow()
     jax_runs = _train_under_jax()
     assert -1 not in jax_runs["Adagrad mean"]["keys"]  # pruned padding
     assert -1 not in jax_runs["GroupEmbedding Adagrad"]["keys"]
+    for name in ("SGD filtered and evicted", "Adagrad filtered and evicted"):
+        run = jax_runs[name]  # the filter and eviction had something to do
+        assert run["keys_filtered"] and run["evicted"][1:] != [0, 0], (name, run["evicted"])
     for name, tolerance in (("SGD", 1e-5), ("Adagrad", 1e-5), ("Adam", 1e-4),
-                            ("Adagrad mean", 1e-5), ("GroupEmbedding Adagrad", 1e-5)):
+                            ("Adagrad mean", 1e-5), ("GroupEmbedding Adagrad", 1e-5),
+                            ("SGD filtered and evicted", 1e-5),
+                            ("Adagrad filtered and evicted", 1e-5)):
         tf_run, jax_run = tf_runs[name], jax_runs[name]
-        for key in ("keys", "freqs", "versions"):
-            assert jax_run[key] == tf_run[key], (name, key)
+        for key in ("keys", "freqs", "versions", "keys_filtered", "freqs_filtered",
+                    "versions_filtered", "evicted"):
+            assert jax_run.get(key) == tf_run.get(key), (name, key)
         assert sorted(jax_run["slots"]) == sorted(tf_run["slots"]), name
         for key in ("values", "kernel", "bias", *(f"slot {s}" for s in tf_run["slots"])):
             got, want = ((run["slots"][key[5:]] if key.startswith("slot ") else run[key])

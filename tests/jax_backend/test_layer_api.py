@@ -48,12 +48,8 @@ def test_the_tensorflow_layers_ev_option_applies_where_the_jax_layer_supports_it
 
 
 @pytest.mark.parametrize("kwargs, argument", [
-    ({"ev_option": _option(filter_option={"class_name": "CounterFilter", "config": {}})},
-     "ev_option.filter_option"),
-    ({"ev_option": _option(evict_option={"class_name": "GlobalStepEvict", "config": {}})},
-     "ev_option.evict_option"),
-    ({"ev_option": _option(storage_option={"class_name": "StorageOption",
-                                           "config": {"storage_type": "FILE"}})},
+    ({"ev_option": _option(storage_option={"class_name": "StorageOption", "config": {
+        "storage_type": "FILE", "storage_path": "/tmp/kre_unused"}})},
      "ev_option.storage_option.storage_type"),
     ({"restore_dim_mismatch": "pad_or_truncate"}, "restore_dim_mismatch"),
 ])
@@ -63,8 +59,10 @@ def test_tensorflow_only_arguments_are_refused_by_name(kwargs, argument):
         layers.EmbeddingVariable(3, **kwargs)
 
 
-def test_an_option_object_is_refused_with_a_type_error():
-    with pytest.raises(TypeError, match="`ev_option` must be None or .* ev_option=object"):
+def test_an_ev_option_of_another_type_is_refused_with_a_type_error():
+    with pytest.raises(TypeError, match="`ev_option` must be None, a keras_rec_emb."
+                                        "EmbeddingVariableOption or its config .* "
+                                        "ev_option=object"):
         layers.EmbeddingVariable(3, ev_option=object())
 
 

@@ -274,11 +274,9 @@ def test_the_weights_file_holds_the_tensorflow_backends_parts(tmp_path):
     ({"optimizer": {"class_name": "RMSprop", "config": {}}},
      "supports optimizer=None, SGD, Adagrad, Adam, Ftrl, AdamAsync"),
     ({"restore_dim_mismatch": "pad_or_truncate"}, "supports restore_dim_mismatch='error'"),
-    ({"ev_option": {"class_name": "EmbeddingVariableOption",
-                    "config": {"filter_option": {"class_name": "CounterFilter"}}}},
-     "supports ev_option.filter_option=None"),
     ({"ev_option": {"class_name": "EmbeddingVariableOption", "config": {
-        "storage_option": {"class_name": "StorageOption", "config": {"storage_type": "FILE"}}}}},
+        "storage_option": {"class_name": "StorageOption", "config": {
+            "storage_type": "FILE", "storage_path": "/tmp/kre_unused"}}}}},
      "storage_type='DRAM' only"),
     ({"ev_option": 3}, "`ev_option` must be a serialized EmbeddingVariableOption"),
 ])

@@ -13,7 +13,7 @@ def test_distributed_tables_refuse_the_jax_backend_by_name():
     assert "keras_rec_emb.distribute" not in sys.modules
 
 
-@pytest.mark.parametrize("name", ["IncrementalCheckpointer", "callbacks", "CounterFilter",
+@pytest.mark.parametrize("name", ["IncrementalCheckpointer", "callbacks",
                                   "layers.MultiHashEmbedding", "layers.HashStrings"])
 def test_tensorflow_only_names_say_so_under_jax(name):
     import keras_rec_emb
@@ -25,3 +25,17 @@ def test_tensorflow_only_names_say_so_under_jax(name):
         getattr(module, attr)
     with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
         module.no_such_name
+
+
+@pytest.mark.parametrize("name", ["EmbeddingVariableOption", "InitializerOption", "CounterFilter",
+                                  "CBFFilter", "GlobalStepEvict", "L2WeightEvict",
+                                  "StorageOption"])
+def test_the_table_options_are_public_under_jax(name):
+    import keras
+
+    import keras_rec_emb
+    from keras_rec_emb import options
+
+    assert getattr(keras_rec_emb, name) is getattr(options, name)
+    assert name in keras_rec_emb.__all__ and name in dir(keras_rec_emb)
+    assert keras.saving.get_registered_name(getattr(options, name)) == f"keras_rec_emb>{name}"
