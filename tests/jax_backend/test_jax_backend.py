@@ -42,7 +42,7 @@ def test_tests_under_the_jax_backend_pass():
     env.pop("PYTEST_XDIST_WORKER", None)
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-         "tests/jax_backend"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+         "tests/jax_backend"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-4000:]
     assert " passed" in result.stdout and "failed" not in result.stdout, result.stdout[-4000:]
 
