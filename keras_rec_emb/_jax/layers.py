@@ -476,10 +476,15 @@ class EmbeddingVariable(keras.layers.Layer):
                              f"ids (or build it) before {what}.")
 
     def export(self):
-        """The table's admitted ids with their rows, frequencies, versions
-        and slot rows (NumPy arrays)."""
+        """All ids as NumPy arrays, in the TensorFlow backend's format
+        (DeepRec's): `keys` [N], `values` [N, dim], `freqs` [N], `versions`
+        [N] and `slots` {slot name: [N, width]} of admitted ids;
+        `keys_filtered`, `freqs_filtered`, `versions_filtered` of ids
+        counted by a filter but not admitted; `default_values` (the
+        EV-initializer matrix) and `bloom` (a Bloom filter's counters)."""
         self._require_built("export()")
-        return ffi.export(self.handle, self.key_dtype, self.embedding_dim)
+        return ffi.export_parts(self.handle, self.key_dtype, self.embedding_dim,
+                                self._kre_slot_specs)
 
     def evict(self, step=None):
         """Applies the eviction option (`GlobalStepEvict` / `L2WeightEvict`)

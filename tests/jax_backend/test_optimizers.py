@@ -164,7 +164,9 @@ def test_table_slots_are_the_optimizers():
     layer, _, _ = fit(optimizers.Adam(0.01, amsgrad=True))
     assert layer._kre_slot_specs == [("momentum", DIM), ("velocity", DIM),
                                      ("velocity_hat", DIM)]
-    assert layer.export()["slots"].shape[1] == 3 * DIM
+    slots = layer.export()["slots"]
+    assert list(slots) == ["momentum", "velocity", "velocity_hat"]
+    assert all(rows.shape == (layer.table_size(), DIM) for rows in slots.values())
 
 
 @pytest.mark.parametrize("setting", [{"clipnorm": 1.0}, {"clipvalue": 0.5},

@@ -71,7 +71,8 @@ def test_a_table_read_twice_in_a_step_is_updated_once_with_the_summed_gradient(f
     keys = e["keys"][order].tolist()
     assert keys == sorted(rows)
     np.testing.assert_allclose(e["values"][order], [rows[k] for k in keys], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(e["slots"][order], [acc[k] for k in keys], rtol=1e-5)
+    np.testing.assert_allclose(e["slots"]["accumulator"][order], [acc[k] for k in keys],
+                               rtol=1e-5)
     assert e["versions"][order].tolist() == [steps - 1] * len(keys)
     assert int(layer.iterations.value) == steps  # one per step, not per read
     assert e["freqs"][order].tolist() == [steps * int((np.concatenate([A, B]) == k).sum())

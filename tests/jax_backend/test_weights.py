@@ -92,7 +92,8 @@ def check_table(layer, rows, acc, versions, freqs):
     keys = e["keys"][order].tolist()
     assert keys == sorted(rows)
     np.testing.assert_allclose(e["values"][order], [rows[k] for k in keys], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(e["slots"][order], [acc[k] for k in keys], rtol=1e-5)
+    np.testing.assert_allclose(e["slots"]["accumulator"][order], [acc[k] for k in keys],
+                               rtol=1e-5)
     assert e["versions"][order].tolist() == [versions[k] for k in keys]
     assert e["freqs"][order].tolist() == [freqs[k] for k in keys]
 
