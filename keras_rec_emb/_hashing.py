@@ -4,10 +4,9 @@ AdaptiveEmbedding share (private; `fingerprint64` is also reachable as
 
 import tensorflow as tf
 
-# splitmix64 (Steele, Lea & Flood; the finalizer of Java's SplittableRandom).
-_GOLDEN = 0x9E3779B97F4A7C15
-_MIX1 = 0xBF58476D1CE4E5B9
-_MIX2 = 0x94D049BB133111EB
+from keras_rec_emb._multi_hash_spec import GOLDEN as _GOLDEN
+from keras_rec_emb._multi_hash_spec import MIX1 as _MIX1
+from keras_rec_emb._multi_hash_spec import MIX2 as _MIX2
 
 
 def fingerprint64(ids):

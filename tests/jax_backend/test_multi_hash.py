@@ -1,0 +1,330 @@
+"""MultiHashEmbedding under Keras's JAX backend: the TensorFlow layer's
+partitions, hash and combiners to NumPy's numbers, `fit` to NumPy's SGD and
+Adagrad, save/load in every model form, config and bad input."""
+
+import math
+
+import jax
+import keras
+import numpy as np
+import pytest
+
+import keras_rec_emb
+from keras_rec_emb._jax.multi_hash import MultiHashEmbedding
+
+MASK64 = (1 << 64) - 1
+
+
+def splitmix64(x):
+    """The TensorFlow layer's documented fingerprint, in Python integers."""
+    z = (x + 0x9E3779B97F4A7C15) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
+
+
+def in_range(ids, n):
+    """Ids in [0, n) kept, others hashed into it."""
+    return np.array([i if 0 <= i < n else splitmix64(int(i) & MASK64) % n
+                     for i in np.ravel(ids)], np.int64).reshape(np.shape(ids))
+
+
+def partition_indices(layer, ids):
+    """The paper's formulas, from the tables' shapes."""
+    sizes = [int(w.shape[0]) for w in layer.tables]
+    if layer.complementary_strategy == "Q-R":
+        if layer.qr_sizes is not None:
+            q, r = layer.qr_sizes
+            return [ids // q, ids % r]
+        return [ids // sizes[1], ids % sizes[1]]
+    if layer.complementary_strategy == "generalized_QR":
+        return [(ids // math.prod(sizes[:j])) % sizes[j] for j in range(len(sizes))]
+    return [ids % s for s in sizes]
+
+
+def numpy_embed(layer, ids, combiner=None):
+    ids = in_range(ids, layer.num_buckets)
+    tables = [np.asarray(w) for w in layer.tables]
+    rows = [t[i] for t, i in zip(tables, partition_indices(layer, ids))]
+    if layer.operation == "concat":
+        out = np.concatenate(rows, axis=-1)
+    elif layer.operation == "add":
+        out = np.sum(rows, axis=0)
+    else:
+        out = np.prod(rows, axis=0)
+    if combiner is None:
+        return out
+    total, length = out.sum(axis=-2), out.shape[-2]
+    return {"sum": total, "mean": total / max(length, 1),
+            "sqrtn": total / math.sqrt(max(length, 1))}[combiner]
+
+
+CASES = [
+    dict(complementary_strategy="Q-R", operation="add", embedding_dim=4),
+    dict(complementary_strategy="Q-R", operation="mult", embedding_dim=[4]),
+    dict(complementary_strategy="Q-R", operation="concat", embedding_dim=[3, 2]),
+    dict(complementary_strategy="Q-R", operation="add", embedding_dim=4, m=7),
+    dict(complementary_strategy="Q-R", operation="add", embedding_dim=4, qr_sizes=(10, 7)),
+    dict(complementary_strategy="generalized_QR", operation="mult", embedding_dim=4,
+         num_partitions=3),
+    dict(complementary_strategy="generalized_QR", operation="concat",
+         embedding_dim=[2, 3, 1], moduli=[5, 4, 6]),
+    dict(complementary_strategy="CRT", operation="add", embedding_dim=4, num_partitions=3),
+    dict(complementary_strategy="CRT", operation="concat", embedding_dim=[2, 2],
+         moduli=[11, 10]),
+]
+
+
+@pytest.mark.parametrize("kwargs", CASES, ids=lambda k: "-".join(map(str, k.values())))
+def test_rows_are_numpys_for_every_strategy_and_operation(kwargs):
+    layer = MultiHashEmbedding(100, initializer="random_normal", **kwargs)
+    # In range, and out of it (hashed): negative, >= num_buckets, int32 extremes.
+    ids = np.array([[0, 99, 57], [-1, 100, 2**31 - 1], [-(2**31), 12, 3]], np.int32)
+    out = layer(ids)
+    assert out.shape == (3, 3, layer.output_width)
+    np.testing.assert_allclose(np.asarray(out), numpy_embed(layer, ids), rtol=1e-6)
+    jitted = jax.jit(lambda x: layer(x))(ids)  # the hash traced as in fit
+    np.testing.assert_allclose(np.asarray(jitted), np.asarray(out), rtol=1e-6)
+
+
+def test_every_id_in_range_has_its_own_rows():
+    layer = MultiHashEmbedding(630, 2, complementary_strategy="CRT", moduli=[7, 9, 10])
+    indices = np.stack([np.asarray(i) for i in layer.partition_indices(np.arange(630))], 1)
+    assert len({tuple(r) for r in indices}) == 630
+    layer.build()
+    assert [tuple(w.shape) for w in layer.weights] == [(7, 2), (9, 2), (10, 2)]
+    assert [w.name for w in layer.weights] == [f"partition_{j}_embeddings" for j in range(3)]
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_combiners_reduce_the_last_axis_like_numpy(combiner):
+    layer = MultiHashEmbedding(50, 3, combiner=combiner, initializer="random_normal")
+    ids = np.array([[[1, 2, 49], [7, -3, 0]]], np.int32)  # [1, 2, 3]
+    out = layer(ids)
+    assert out.shape == (1, 2, 3)
+    np.testing.assert_allclose(np.asarray(out), numpy_embed(layer, ids, combiner),
+                               rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(np.asarray(layer(np.zeros((2, 0), np.int32))), 0)
+
+
+def adagrad(lr, acc0=0.1, eps=1e-7):
+    state = {}
+
+    def step(name, weight, grad):
+        acc = state.setdefault(name, np.full_like(weight, acc0)) + grad * grad
+        state[name] = acc
+        return weight - lr * grad / np.sqrt(acc + eps)
+
+    return step
+
+
+def sgd(lr):
+    return lambda name, weight, grad: weight - lr * grad
+
+
+def numpy_fit(layer_tables, kernel, bias, ids, labels, batch, step, moduli):
+    """MSE training of ids -> Q-R "add" -> Flatten -> Dense(1), by hand."""
+    quotient, remainder = (t.copy() for t in layer_tables)
+    m = moduli
+    for start in range(0, len(ids), batch):
+        k, y = ids[start:start + batch], labels[start:start + batch]
+        q, r = k // m, k % m
+        rows = quotient[q] + remainder[r]  # [b, F, D]
+        flat = rows.reshape(len(k), -1)
+        pred = flat @ kernel + bias
+        d = 2.0 * (pred - y) / len(k)
+        d_rows = (d @ kernel.T).reshape(rows.shape)
+        g_quotient, g_remainder = np.zeros_like(quotient), np.zeros_like(remainder)
+        np.add.at(g_quotient, q.ravel(), d_rows.reshape(-1, rows.shape[-1]))
+        np.add.at(g_remainder, r.ravel(), d_rows.reshape(-1, rows.shape[-1]))
+        kernel, bias = (step("kernel", kernel, flat.T @ d), step("bias", bias, d.sum(0)))
+        quotient = step("quotient", quotient, g_quotient)
+        remainder = step("remainder", remainder, g_remainder)
+    return quotient, remainder, kernel, bias
+
+
+@pytest.mark.parametrize("optimizer", ["SGD", "Adagrad"])
+def test_fit_trains_the_tables_and_dense_weights_to_numpys_numbers(optimizer):
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, 30, size=(12, 2)).astype(np.int32)
+    labels = rng.normal(size=(12, 1)).astype(np.float32)
+    layer = MultiHashEmbedding(30, 3, initializer="random_normal", name="mh")
+    inputs = keras.Input(shape=(2,), dtype="int32")
+    dense = keras.layers.Dense(1, kernel_initializer="random_normal", bias_initializer="ones")
+    model = keras.Model(inputs, dense(keras.layers.Flatten()(layer(inputs))))
+    lr = 0.05
+    if optimizer == "SGD":
+        model.compile(optimizer=keras_rec_emb.optimizers.SGD(lr), loss="mse")
+        step = sgd(lr)
+    else:
+        model.compile(optimizer=keras_rec_emb.optimizers.Adagrad(
+            lr, initial_accumulator_value=0.1, epsilon=1e-7), loss="mse")
+        step = adagrad(lr)
+    tables = [np.asarray(w) for w in layer.tables]
+    kernel, bias = (np.asarray(w) for w in dense.weights)
+    model.fit(ids, labels, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    want = numpy_fit(tables, kernel, bias, ids, labels, 4, step, layer.partition_sizes[1])
+    got = [np.asarray(w) for w in (*layer.tables, *dense.weights)]
+    for name, a, b in zip(("quotient", "remainder", "kernel", "bias"), got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@keras.saving.register_keras_serializable(package="test_multi_hash")
+class Subclassed(keras.Model):
+    """Its `call` takes no `training`: its layers get None in `fit`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding = MultiHashEmbedding(40, [2, 3], operation="concat", combiner="mean",
+                                            initializer="random_normal", name="mh")
+        self.dense = keras.layers.Dense(1, name="dense")
+
+    def call(self, ids):
+        return self.dense(self.embedding(ids))
+
+
+def make(form):
+    def layers():
+        return [MultiHashEmbedding(40, [2, 3], operation="concat", combiner="mean",
+                                   initializer="random_normal", name="mh"),
+                keras.layers.Dense(1, name="dense")]
+
+    if form == "functional":
+        inputs = keras.Input(shape=(3,), dtype="int32")
+        embedding, dense = layers()
+        return keras.Model(inputs, dense(embedding(inputs)))
+    if form == "subclassed":
+        return Subclassed()
+    if form == "sequential":
+        return keras.Sequential([keras.Input(shape=(3,), dtype="int32"), *layers()])
+    return keras.Sequential(layers())  # without keras.Input: float32 ids, cast
+
+
+@pytest.mark.parametrize("form", ["functional", "subclassed", "sequential",
+                                  "sequential_without_input"])
+def test_each_model_form_trains_and_saves_its_tables(form, tmp_path):
+    """`fit` trains the tables (a subclassed model's layer gets
+    training=None), `predict` changes nothing, and a saved model loads
+    with the same tables and predictions."""
+    rng = np.random.default_rng(5)
+    ids = rng.integers(-50, 90, size=(16, 3)).astype(np.int32)
+    labels = rng.normal(size=(16, 1)).astype(np.float32)
+    model = make(form)
+    model.compile(optimizer=keras_rec_emb.optimizers.Adagrad(0.1), loss="mse")
+    before = model.predict(ids, batch_size=4, verbose=0)
+    layer = model.get_layer("mh")
+    tables = [np.asarray(w).copy() for w in layer.tables]
+    np.testing.assert_array_equal(model.predict(ids, batch_size=4, verbose=0), before)
+    model.fit(ids, labels, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    trained = [np.asarray(w) for w in layer.tables]
+    # Only the rows the ids read moved.
+    for table, old, idx in zip(trained, tables, layer.partition_indices(
+            in_range(ids, 40))):
+        read = np.zeros(len(table), bool)
+        read[np.asarray(idx).ravel()] = True
+        assert not np.allclose(table[read], old[read])
+        np.testing.assert_array_equal(table[~read], old[~read])
+    after = model.predict(ids, batch_size=4, verbose=0)
+    assert not np.allclose(after, before)
+
+    path = tmp_path / "model.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    again = loaded.get_layer("mh")
+    assert type(again) is MultiHashEmbedding
+    assert again.get_config() == layer.get_config()
+    for a, b in zip(again.tables, trained):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    np.testing.assert_allclose(loaded.predict(ids, batch_size=4, verbose=0), after, rtol=1e-6)
+    # The optimizer's state came back: one more step is the same on both.
+    for m in (model, loaded):
+        m.fit(ids[:4], labels[:4], batch_size=4, verbose=0)
+    for a, b in zip(again.tables, layer.tables):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+
+
+def test_the_public_name_is_the_jax_class_under_the_tensorflow_name():
+    assert keras_rec_emb.layers.MultiHashEmbedding is MultiHashEmbedding
+    assert (keras.saving.get_registered_name(MultiHashEmbedding)
+            == "keras_rec_emb>MultiHashEmbedding")
+
+
+def test_get_config_covers_every_argument():
+    layer = MultiHashEmbedding(
+        500, [2, 3, 4], complementary_strategy="CRT", operation="concat",
+        initializer=keras.initializers.RandomNormal(seed=4), combiner="sqrtn",
+        num_partitions=3, moduli=[7, 9, 10], hash_input=False, output_dim=9, name="mh",
+        dtype="float32", trainable=False)
+    config = layer.get_config()
+    again = MultiHashEmbedding.from_config(config)
+    assert again.get_config() == config
+    for name in ("num_buckets", "embedding_dim", "complementary_strategy", "operation",
+                 "combiner", "num_partitions", "moduli", "hash_input", "output_dim",
+                 "trainable", "name"):
+        assert getattr(again, name) == getattr(layer, name), name
+    deeprec = MultiHashEmbedding(25, 6, qr_sizes=(5, 3), m=None)
+    assert MultiHashEmbedding.from_config(deeprec.get_config()).partition_sizes == [5, 3]
+    assert MultiHashEmbedding.from_config(MultiHashEmbedding(30, 2, m=4).get_config()).m == 4
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"num_buckets": 0}, ValueError, r"`num_buckets` must be a positive integer\. "
+                                     r"Received: num_buckets=0"),
+    ({"complementary_strategy": "XOR"}, ValueError,
+     r"`complementary_strategy` must be one of \('Q-R', 'generalized_QR', 'CRT'\)\. "
+     r"Received: complementary_strategy='XOR'"),
+    ({"operation": "max"}, ValueError, r"`operation` must be one of .*operation='max'"),
+    ({"combiner": "max"}, ValueError, r"`combiner` must be None or one of .*combiner='max'"),
+    ({"hash_input": 1}, TypeError, r"`hash_input` must be a bool\. Received: hash_input=1"),
+    ({"operation": "concat"}, ValueError, r"`embedding_dim` must be a list of 2 widths"),
+    ({"embedding_dim": [2, 3]}, ValueError, r"a list of widths needs operation='concat'"),
+    ({"complementary_strategy": "CRT", "moduli": [10, 12]}, ValueError,
+     r"`moduli` must be pairwise coprime.*10 and 12 share the factor 2"),
+    ({"moduli": [10, 10]}, ValueError, r"'Q-R' takes `m`\. Received: moduli=\[10, 10\]"),
+    ({"complementary_strategy": "CRT", "moduli": [3, 5]}, ValueError,
+     r"product of `moduli` must be at least `num_buckets` \(100\)"),
+    ({"num_partitions": 3}, ValueError, r"`num_partitions` must be 2 .*num_partitions=3"),
+    ({"qr_sizes": (5, 3)}, ValueError, r"must be at most 5\*\*2 = 25.*num_buckets=100"),
+    ({"output_dim": 5}, ValueError, r"`embedding_dim` must sum to `output_dim` \(5\)"),
+])
+def test_bad_arguments_are_refused_by_name(kwargs, error, message):
+    arguments = dict({"num_buckets": 100, "embedding_dim": 4}, **kwargs)
+    with pytest.raises(error, match=message):
+        MultiHashEmbedding(**arguments)
+
+
+def test_ids_outside_the_range_are_refused_with_hash_input_false():
+    layer = MultiHashEmbedding(100, 4, hash_input=False, name="strict")
+    layer(np.array([0, 99], np.int32))
+    with pytest.raises(ValueError, match=r"'strict' has hash_input=False and takes ids in "
+                                         r"\[0, 100\)\. Received 1 id\(s\) outside, e\.g\. 100"):
+        layer(np.array([3, 100], np.int32))
+    with pytest.raises(ValueError, match=r"e\.g\. -1"):
+        layer(np.array([-1], np.int32))
+    # Inside jit (fit): the ValueError comes out of the compiled step.
+    inputs = keras.Input((2,), dtype="int32")
+    model = keras.Model(inputs, keras.layers.Dense(1)(
+        MultiHashEmbedding(100, 4, hash_input=False, combiner="sum", name="strict")(inputs)))
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(np.array([[1, 2]]), np.ones((1, 1)), verbose=0)
+    with pytest.raises(Exception, match=r"ValueError: MultiHashEmbedding 'strict' has "
+                                        r"hash_input=False.*e\.g\. 200"):
+        model.fit(np.array([[1, 200]]), np.ones((1, 1)), verbose=0)
+
+
+def test_bad_ids_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"combines the last axis.*shape \(\)"):
+        MultiHashEmbedding(10, 2, combiner="sum", name="mh")(np.int32(3))
+    with pytest.raises(ValueError, match=r"'big' holds int32 ids .*num_buckets <= 2147483647"
+                                         r".*64-bit mode.*Received: num_buckets=3000000000"):
+        MultiHashEmbedding(3 * 10**9, 2, name="big")(np.array([1], np.int32))
+
+
+def test_the_docstring_example_runs():
+    import doctest
+
+    test = doctest.DocTestFinder().find(
+        MultiHashEmbedding, globs={"keras": keras, "np": np,
+                                   "keras_rec_emb": keras_rec_emb})[0]
+    assert test.examples
+    assert doctest.DocTestRunner().run(test, out=lambda text: None).failed == 0
