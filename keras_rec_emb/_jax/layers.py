@@ -94,13 +94,19 @@ class _StepLookups:
     later lookup takes the first one's zero-size `carry` output as an
     input, so its backward feeds the first one's), applies them together.
     `marker` is the value `iterations` holds after the first lookup: a
-    call that reads it is in the same step (of the same trace)."""
+    call that reads it is in the same step (of the same trace). It is set
+    only when the first lookup trains (its forward rule ran, under
+    differentiation) and cleared when its backward has applied the step:
+    run eagerly (`run_eagerly`, or a model whose compile config says
+    `jit_compile=False`), the next step reads the very array this one left
+    in `iterations`, which must not make it a later lookup of this step."""
 
     def __init__(self, step):
         self.step = step
         self.marker = None
         self.carry = None
         self.pending = []
+        self.training = False
 
 
 def _first_lookup(layer, dim, prune, conditional, group):
@@ -128,6 +134,7 @@ def _first_lookup(layer, dim, prune, conditional, group):
     def forward(ids, anchor, step):
         if layer.table_rule is None:
             raise _no_optimizer_error(layer.name)
+        group.training = True
         rows = ffi.lookup(handle, ids, dim, insert=True, prune=prune)
         return (rows, jnp.zeros((0,), jnp.float32), jnp.ones_like(step)), (ids, anchor, step)
 
@@ -136,6 +143,7 @@ def _first_lookup(layer, dim, prune, conditional, group):
         parts = [(ids, grads[0], prune)] + group.pending
         group.pending = []
         layer._apply_gradients(parts, step)  # pylint: disable=protected-access
+        group.marker, group.training = None, False  # the step is over
         return None, jnp.zeros_like(anchor), None
 
     lookup.defvjp(forward, backward)
@@ -445,7 +453,7 @@ class EmbeddingVariable(keras.layers.Layer):
         lookup = _first_lookup(self, self.embedding_dim, prune, conditional, group)
         rows, group.carry, trained = lookup(ids, self.anchor.value, current)
         self.iterations.assign(current + trained)
-        group.marker = self.iterations.value
+        group.marker = self.iterations.value if group.training else None
         self._kre_step_lookups = group
         if self.table_rule is not None:
             self.table_rule.new_step()

@@ -2,7 +2,8 @@
 called on two inputs) counts the step once and gets one update with the
 summed gradient of all its lookups, as under TensorFlow, whether the layer
 is called with training=True (functional) or training=None (a subclassed
-model that does not pass it on)."""
+model that does not pass it on), jitted or run eagerly (where each step
+reads the very array the last one left in `iterations`)."""
 
 import keras
 import numpy as np
@@ -28,8 +29,10 @@ class TwoReads(keras.Model):
              keras.ops.reshape(self.table(b), (-1, 2 * DIM))], axis=1))
 
 
+@pytest.mark.parametrize("run_eagerly", [False, True], ids=["jit", "eager"])
 @pytest.mark.parametrize("form", ["functional", "subclassed"])
-def test_a_table_read_twice_in_a_step_is_updated_once_with_the_summed_gradient(form):
+def test_a_table_read_twice_in_a_step_is_updated_once_with_the_summed_gradient(form,
+                                                                               run_eagerly):
     lr, acc0, eps, steps = 0.1, 0.1, 1e-7, 2
     layer = EmbeddingVariable(DIM, default_value_dim=DVD,
                               initializer=keras.initializers.RandomUniform(seed=3))
@@ -44,7 +47,8 @@ def test_a_table_read_twice_in_a_step_is_updated_once_with_the_summed_gradient(f
         model = TwoReads(layer, dense)
         model([A, B])
     model.compile(optimizer=optimizers.Adagrad(lr, initial_accumulator_value=acc0,
-                                               epsilon=eps), loss="mse")
+                                               epsilon=eps), loss="mse",
+                  run_eagerly=run_eagerly)
     labels = np.arange(len(A), dtype=np.float32)[:, None]
     model.fit([np.tile(A, (steps, 1)), np.tile(B, (steps, 1))], np.tile(labels, (steps, 1)),
               batch_size=len(A), shuffle=False, verbose=0)
