@@ -160,10 +160,18 @@ training loops that checkpoint every N steps.
 `model.export` writes a SavedModel. Loading it needs the ops of this package:
 `import keras_rec_emb` before `tf.saved_model.load` (or in the serving
 process).
+
+Under Keras's JAX backend `model.export` cannot carry the tables (it converts
+the model with `jax2tf`, which refuses their XLA custom calls):
+`kre.export_for_serving` writes the stock-TensorFlow SavedModel instead (under
+either backend; TensorFlow must be installed for that step).
 """
 
 serving_dir = os.path.join(workdir, "serving")
-model.export(serving_dir, verbose=False)
+if keras.config.backend() == "jax":
+    kre.export_for_serving(model, serving_dir)
+else:
+    model.export(serving_dir, verbose=False)
 served = tf.saved_model.load(serving_dir)
 outputs = served.serve([tf.constant(probe["user"]), tf.constant(probe["item"]),
                         tf.constant(probe["history"])])

@@ -15,7 +15,8 @@ from keras_rec_emb._version import __version__
 # `make jax-ops`) and TensorFlow is neither imported nor needed. The public API
 # there: `layers` (EmbeddingVariable, GroupEmbedding, FeatureSpec), every
 # optimizer but LossScaleOptimizer, the table options (EmbeddingVariableOption
-# and the rest) and `export_for_serving`; the rest of the TensorFlow API is
+# and the rest), `save_model` / `load_model` and `export_for_serving`; the rest
+# of the TensorFlow API is
 # named as TensorFlow-only when asked for.
 if _os.environ.get("KERAS_BACKEND") == "jax":
     from keras_rec_emb import layers, optimizers
@@ -24,13 +25,15 @@ if _os.environ.get("KERAS_BACKEND") == "jax":
     from keras_rec_emb.options import (CBFFilter, CounterFilter, EmbeddingVariableOption,
                                        GlobalStepEvict, InitializerOption, L2WeightEvict,
                                        StorageOption)
+    from keras_rec_emb.saving import load_model, save_model
 
     __all__ = ["__version__", "export_for_serving", "layers", "optimizers", "CBFFilter",
                "CounterFilter", "EmbeddingVariableOption", "GlobalStepEvict",
-               "InitializerOption", "L2WeightEvict", "StorageOption"]
+               "InitializerOption", "L2WeightEvict", "StorageOption", "save_model",
+               "load_model"]
     _TENSORFLOW_ONLY = (
-        "callbacks", "data", "distribute", "ops", "save_model", "load_model",
-        "IncrementalCheckpointer", "apply_to_saved_model")
+        "callbacks", "data", "distribute", "ops", "IncrementalCheckpointer",
+        "apply_to_saved_model")
 
     def __dir__():
         return list(__all__)

@@ -213,7 +213,10 @@ class EmbeddingVariable(keras.layers.Layer):
             rule is applied in the backward pass of the lookup.
         initializer: draws the `[default_value_dim, embedding_dim]` matrix
             whose row `id mod default_value_dim` a new id starts from.
-        key_dtype: "int32" (JAX's default) or "int64" (with JAX's x64 mode).
+        key_dtype: None (default: "int64" in JAX's 64-bit mode, as under
+            TensorFlow, else "int32"), "int32" or "int64" (needs JAX's
+            64-bit mode: `JAX_ENABLE_X64=1` or
+            `jax.config.update("jax_enable_x64", True)`).
         default_value_dim: int >= 1, rows of that matrix (without
             `ev_option`).
         num_shards: the table's lock shards, in [1, 65536] (without
@@ -263,7 +266,7 @@ class EmbeddingVariable(keras.layers.Layer):
     0
     """
 
-    def __init__(self, embedding_dim, initializer="truncated_normal", key_dtype="int32",
+    def __init__(self, embedding_dim, initializer="truncated_normal", key_dtype=None,
                  combiner=None, prune_invalid_ids=False, ev_option=None,
                  restore_dim_mismatch="error", optimizer=None, default_value_dim=4096,
                  num_shards=32, **kwargs):
@@ -298,6 +301,8 @@ class EmbeddingVariable(keras.layers.Layer):
                 or embedding_dim <= 0):
             raise ValueError("`embedding_dim` must be a positive integer. Received: "
                              f"embedding_dim={embedding_dim!r}")
+        if key_dtype is None:  # ids as wide as JAX holds them: none wraps
+            key_dtype = ffi.int_dtype().name
         if key_dtype not in ffi.KEY_DTYPES:
             raise ValueError(f"`key_dtype` must be one of {ffi.KEY_DTYPES}. Received: "
                              f"key_dtype={key_dtype!r}")
