@@ -2,9 +2,13 @@
 
 Its tables are fixed-size Keras weights, as under TensorFlow: no hash
 table, no table engine. The compiled optimizer trains them like any dense
-weight (TensorFlow's `tf.IndexedSlices` gradients become JAX's dense ones,
-zero outside the rows read: the same numbers for SGD and Adagrad). What the
-two backends share, argument checks, partitions, tables and config, lives in
+weight. TensorFlow's gradient is `tf.IndexedSlices` (a row per id read),
+JAX's dense (zero outside the rows read, equal rows summed): the same
+numbers for SGD, and for Adagrad where a batch reads each row once; where
+it reads a row twice Keras's TensorFlow backend adds each occurrence's
+squared gradient to the accumulator and its JAX backend the square of their
+sum (`keras.layers.Embedding` differs so too). What the two backends share,
+argument checks, partitions, tables and config, lives in
 keras_rec_emb/_multi_hash_spec.py; the id hash in `hashing`.
 """
 
@@ -14,18 +18,8 @@ import keras
 import numpy as np
 
 from keras_rec_emb._jax import ffi, hashing, register
+from keras_rec_emb._jax.layers import combine_last_axis
 from keras_rec_emb._multi_hash_spec import MultiHashSpec
-
-
-def combine_last_axis(rows, combiner):
-    """Rows `[..., L, dim]` reduced over `L` by "sum", "mean" or "sqrtn"
-    (every id counts; `L = 0` gives zeros), as the TensorFlow layers combine
-    dense ids."""
-    total = jnp.sum(rows, axis=-2)
-    length = rows.shape[-2]
-    if combiner == "sum" or length == 0:
-        return total
-    return total / (length if combiner == "mean" else np.sqrt(np.float32(length)))
 
 
 def check_in_range(ids, n, what):
@@ -149,4 +143,4 @@ class MultiHashEmbedding(MultiHashSpec, keras.layers.Layer):
         out = self.combine_rows([jnp.take(table.value, idx, axis=0) for table, idx in
                                  zip(self.tables, self.partition_indices(ids))])
         out = out.astype(self.compute_dtype)
-        return out if self.combiner is None else combine_last_axis(out, self.combiner)
+        return out if self.combiner is None else combine_last_axis(out, None, self.combiner)

@@ -320,6 +320,38 @@ def test_bad_ids_are_refused_by_name():
         MultiHashEmbedding(3 * 10**9, 2, name="big")(np.array([1], np.int32))
 
 
+_X64 = """
+import jax
+jax.config.update("jax_enable_x64", True)
+import numpy as np
+from keras_rec_emb._jax import hashing
+from keras_rec_emb._jax.multi_hash import MultiHashEmbedding
+ids = np.array([-(2**63), -5, 0, 7, 2**40 + 3, 2**63 - 1], np.int64)
+n = 3 * 10**9
+print(np.asarray(hashing.hash_to_range(ids, n)).tolist())
+layer = MultiHashEmbedding(n, 2, hash_input=False)
+print(np.asarray(layer.partition_indices(np.array([n - 1], np.int64))[0]).tolist())
+layer(np.array([n - 1], np.int64))
+"""
+
+
+def test_int64_ids_hash_as_under_tensorflow_in_jaxs_64_bit_mode():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _X64], capture_output=True, text=True,
+                         env=dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu"),
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    hashed, quotient = (json.loads(line) for line in run.stdout.strip().splitlines()[-2:])
+    n = 3 * 10**9
+    assert hashed == [splitmix64(i & MASK64) % n
+                      for i in (-(2**63), -5, 0, 7, 2**40 + 3, 2**63 - 1)]
+    assert quotient == [(n - 1) // (math.isqrt(n - 1) + 1)]
+
+
 def test_the_docstring_example_runs():
     import doctest
 
