@@ -16,6 +16,10 @@ if _os.environ.get("KERAS_BACKEND") == "jax":
     )
 
     __all__ = ["SGD", "Adagrad", "Adam", "Ftrl", "AdamAsync", "AdagradDecay", "AdamW"]
+    from keras_rec_emb._jax import tensorflow_only_getattr
+
+    __getattr__ = tensorflow_only_getattr("keras_rec_emb.optimizers", ("LossScaleOptimizer",),
+                                          __all__)
 else:
     from keras_rec_emb.optimizers.deeprec_optimizers import AdagradDecay, AdamAsync, AdamW
     from keras_rec_emb.optimizers.keras_optimizers import SGD, Adagrad, Adam, Ftrl
