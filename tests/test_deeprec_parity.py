@@ -11,6 +11,11 @@ import tensorflow as tf
 import keras_rec_emb as kre
 from keras_rec_emb.layers import EmbeddingVariable
 
+from tests._deeprec_cases import (ADAGRAD_DECAY_IDS, ADAMW_GRADS, ADAMW_STARTS, ADAGRAD_DECAY_LOSSES, FTRL_EVICT_IDS,
+                                  FTRL_EVICT_ROWS, RECORD_FREQ_EXPECTED, RECORD_FREQ_IDS,
+                                  WEIGHT_DECAY, adamw_update_numpy,
+                                  deeprec_adagrad_decay_expected, ftrl_element_wise_one_step)
+
 
 def ones_ev(dim=3, name="ev", **option):
     return EmbeddingVariable(dim, initializer="ones", name=name,
@@ -41,21 +46,9 @@ def test_adagrad_decay_on_an_embedding_variable(epsilon):
     # embedding_variable_ops_test.py: testEmbeddingVariableForAdagradDecayV2
     # (AdagradDecayOptimizerV2(0.1, gs, accumulator_decay_step=2)).
     opt = kre.optimizers.AdagradDecay(0.1, accumulator_decay_step=2, epsilon=epsilon)
-    losses, _ = train_steps(ones_ev(), [0, 1, 2, 5, 6, 7], opt, 5)
-    assert losses[0] == 36.0
-    np.testing.assert_allclose(losses[1:], [32.444176, 29.847788, 27.74195, 25.852505],
-                               atol=1e-5)
-
-
-def _deeprec_adagrad_decay_expected(grad, init, rate, steps, start, decay_at=2):
-    # adagrad_decay_test.py's own expectation loop (lr = 1.0).
-    v, acc = start, init
-    for step in range(steps):
-        if step == decay_at:
-            acc = max(acc * rate, init)
-        acc = acc + grad * grad
-        v = v - 1.0 / np.sqrt(acc) * grad
-    return v, acc
+    losses, _ = train_steps(ones_ev(), ADAGRAD_DECAY_IDS, opt, 5)
+    assert losses[0] == ADAGRAD_DECAY_LOSSES[0]
+    np.testing.assert_allclose(losses[1:], ADAGRAD_DECAY_LOSSES[1:], atol=1e-5)
 
 
 @pytest.mark.parametrize("rate, init", [(0.9, 0.1), (0.6, 1.0)])
@@ -77,8 +70,8 @@ def test_adagrad_decay_dense_and_sparse(rate, init):
             (tf.IndexedSlices(tf.constant([[0.1]]), tf.constant([0]), tf.constant([2, 1])), sp0),
             (tf.IndexedSlices(tf.constant([[0.2]]), tf.constant([1]), tf.constant([2, 1])), sp1),
         ])
-    v0, a0 = _deeprec_adagrad_decay_expected(0.1, init, rate, 4, 1.0)
-    v1, a1 = _deeprec_adagrad_decay_expected(0.2, init, rate, 4, 3.0)
+    v0, a0 = deeprec_adagrad_decay_expected(0.1, init, rate, 4, 1.0)
+    v1, a1 = deeprec_adagrad_decay_expected(0.2, init, rate, 4, 3.0)
     np.testing.assert_allclose(var0.numpy(), [v0, v0 + 1], rtol=1e-6)
     np.testing.assert_allclose(var1.numpy(), [v1, v1 + 1], rtol=1e-6)
     np.testing.assert_allclose(sp0.numpy(), [[v0], [2.0]], rtol=1e-6)
@@ -244,7 +237,7 @@ def test_ftrl_group_rule_and_l2_weight_evict(tmp_path):
     layer = ones_ev(evict_option=kre.L2WeightEvict(0.9))
     opt = kre.optimizers.Ftrl(0.1, l1_regularization_strength=2.0,
                               l2_regularization_strength=0.00001, table_rule="deeprec")
-    ids = [0, 0, 0, 1, 1, 2]
+    ids = FTRL_EVICT_IDS
     train_steps(layer, ids, opt, 1)
     ckpt = tf.train.Checkpoint(layer=layer)
     path = ckpt.write(str(tmp_path / "ckpt"))  # evicts, as DeepRec's save does
@@ -252,8 +245,7 @@ def test_ftrl_group_rule_and_l2_weight_evict(tmp_path):
     fresh.build()
     tf.train.Checkpoint(layer=fresh).read(path).expect_partial()
     emb = fresh(tf.constant(ids, tf.int64)).numpy()
-    emb_right = [[0.8282884] * 3] * 3 + [[0.7927219] * 3] * 2 + [[1.0] * 3]
-    np.testing.assert_allclose(emb, emb_right, rtol=1e-6)
+    np.testing.assert_allclose(emb, FTRL_EVICT_ROWS, rtol=1e-6)
     assert sorted(fresh.export()["keys"].tolist()) == [0, 1]  # key 2 evicted
 
 
@@ -262,14 +254,8 @@ def test_ftrl_default_table_rule_stays_element_wise():
     opt = kre.optimizers.Ftrl(0.1, l1_regularization_strength=2.0,
                               l2_regularization_strength=0.00001)
     train_steps(layer, [0, 0, 0], opt, 1)
-    # Keras's element-wise rule for one element with g = 6: independent
-    # NumPy reference of keras/src/optimizers/ftrl.py.
-    acc, lin, var, lr, l1, l2 = 0.1, 0.0, 1.0, 0.1, 2.0, 1e-5
-    g = 6.0
-    new_acc = acc + g * g
-    lin += g - (np.sqrt(new_acc) - np.sqrt(acc)) / lr * var
-    quad = np.sqrt(new_acc) / lr + 2 * l2
-    want = (np.clip(lin, -l1, l1) - lin) / quad
+    # Keras's element-wise rule for one element with g = 6.
+    want = ftrl_element_wise_one_step(6.0)
     np.testing.assert_allclose(layer.export()["values"][0], [want] * 3, rtol=1e-6)
     with pytest.raises(ValueError, match="table_rule.*'group'"):
         kre.optimizers.Ftrl(0.1, table_rule="group")
@@ -290,34 +276,21 @@ def test_l2_weight_evict_uses_half_the_squared_norm():
 
 # -- 6. AdamW ------------------------------------------------------------------
 
-WEIGHT_DECAY = 0.01
-
-
-def adamw_update_numpy(param, g_t, t, m, v, lr=0.001, beta1=0.9, beta2=0.999,
-                       epsilon=1e-8, scaled=False):
-    # weight_decay_optimizers_test.py's adamw_update_numpy (scaled=False).
-    lr_t = lr * np.sqrt(1 - beta2**t) / (1 - beta1**t)
-    m_t = beta1 * m + (1 - beta1) * g_t
-    v_t = beta2 * v + (1 - beta2) * g_t * g_t
-    decay = param * WEIGHT_DECAY * (lr if scaled else 1.0)
-    return param - lr_t * m_t / (np.sqrt(v_t) + epsilon) - decay, m_t, v_t
-
-
 @pytest.mark.parametrize("scaled", [False, True])
 @pytest.mark.parametrize("sparse", [False, True])
 def test_adamw_decay_conventions(scaled, sparse):
     # weight_decay_optimizers_test.py: AdamWOptimizerTest.testBasic /
     # testSparse (DeepRec: scale_weight_decay_by_learning_rate=False); the
     # same numbers with the decay scaled by the learning rate (Keras).
-    var0, var1 = keras.Variable([1.0, 2.0]), keras.Variable([3.0, 4.0])
-    g0, g1 = np.array([0.1, 0.1]), np.array([0.01, 0.01])
+    var0, var1 = (keras.Variable(v) for v in ADAMW_STARTS)
+    g0, g1 = (np.array(g) for g in ADAMW_GRADS)
     opt = kre.optimizers.AdamW(WEIGHT_DECAY, scale_weight_decay_by_learning_rate=scaled)
 
     def grad(g):
         t = tf.constant(g, tf.float32)
         return tf.IndexedSlices(t, tf.constant([0, 1]), tf.constant([2])) if sparse else t
 
-    n0, n1 = np.array([1.0, 2.0]), np.array([3.0, 4.0])
+    n0, n1 = (np.array(v) for v in ADAMW_STARTS)
     m0 = v0 = m1 = v1 = 0.0
     for t in range(1, 4):
         opt.apply_gradients([(grad(g0), var0), (grad(g1), var1)])
@@ -353,9 +326,9 @@ def test_any_positive_shard_count():
     # DeepRec accepts ht_partition_num=20 (and any other count).
     for shards in (1, 3, 20, 1000):
         layer = ones_ev(name=f"s{shards}", num_shards=shards)
-        losses, _ = train_steps(layer, [0, 1, 2, 5, 6, 7], kre.optimizers.AdagradDecay(
+        losses, _ = train_steps(layer, ADAGRAD_DECAY_IDS, kre.optimizers.AdagradDecay(
             0.1, accumulator_decay_step=2, epsilon=0.0), 3)
-        np.testing.assert_allclose(losses, [36.0, 32.444176, 29.847788], atol=1e-5)
+        np.testing.assert_allclose(losses, ADAGRAD_DECAY_LOSSES[:3], atol=1e-5)
     with pytest.raises(ValueError, match=r"num_shards.*\[1, 65536\].*num_shards=70000"):
         kre.EmbeddingVariableOption(num_shards=70000)
     with pytest.raises(ValueError, match="num_shards=0"):
@@ -679,8 +652,8 @@ def test_record_freq_counts_every_occurrence_once_per_step(make_opt):
     # embedding_variable_ops_test.py: _RecordFreqTestTemplate (TF_RECORD_FREQ=1,
     # ids [1,1,1,2,2,3], two runs of lookup + train op): var_1-freqs 6, 4, 2.
     layer = ones_ev(track_meta=True, record_freq=True)
-    train_steps(layer, [1, 1, 1, 2, 2, 3], make_opt(), 2)
-    assert _freqs(layer) == {1: 6, 2: 4, 3: 2}
+    train_steps(layer, RECORD_FREQ_IDS, make_opt(), 2)
+    assert _freqs(layer) == RECORD_FREQ_EXPECTED
 
 
 @pytest.mark.parametrize("make_filter", FILTERS, ids=["counter", "cbf"])
