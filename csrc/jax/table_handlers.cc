@@ -714,6 +714,57 @@ ffi::Error Import(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> values,
   });
 }
 
+// Writes rows into the live table (TensorFlow's `merge_rows`, which
+// AdaptiveEmbedding's promotion copies static rows with): for each i with
+// mask[i] != 0, key i gets row `values[i]`, inserted and admitted if absent
+// (past any filter), its frequency set to freqs[i] (-1 keeps the count of a
+// key admitted or counted; 0 for a new one) and its version to the table's latest step
+// (0 before any). Other keys, slots and filter state are unchanged. Shapes
+// are fixed under jit, so `mask` marks the entries that count; a key
+// marked twice takes its last row.
+ffi::Error Merge(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> values,
+                 ffi::AnyBuffer freqs, ffi::AnyBuffer mask, ffi::Result<ffi::Token>,
+                 int64_t table) {
+  return Guarded([&]() -> ffi::Error {
+    auto t = Find(table);
+    if (t.has_error()) return t.error();
+    AnyTable& at = **t;
+    if (ffi::Error e = CheckKeys(at, keys); e.failure()) return e;
+    if (keys.dimensions().size() != 1) {
+      return Invalid("`keys` must be a vector, got " + Shape(keys.dimensions()));
+    }
+    const int64_t n = keys.dimensions()[0];
+    if (ffi::Error e = CheckMatrix(values.dimensions(), "values", n, at.dim()); e.failure()) {
+      return e;
+    }
+    if (ffi::Error e = CheckIntVector(freqs, "freqs", n); e.failure()) return e;
+    if (ffi::Error e = CheckIntVector(mask, "mask", n); e.failure()) return e;
+    std::vector<int64_t> kept;
+    for (int64_t i = 0; i < n; ++i) {
+      if (IntAt(mask, i) != 0) kept.push_back(i);
+    }
+    const int64_t m = static_cast<int64_t>(kept.size());
+    const int64_t dim = at.dim();
+    std::vector<float> rows(m * dim);
+    std::vector<int64_t> f(m);
+    for (int64_t j = 0; j < m; ++j) {
+      const float* src = values.typed_data() + kept[j] * dim;
+      std::copy(src, src + dim, rows.begin() + j * dim);
+      f[j] = std::max<int64_t>(IntAt(freqs, kept[j]), -1);
+    }
+    if (ffi::Error e = CheckFinite(rows.data(), m * dim, "values"); e.failure()) return e;
+    return at.Visit([&](auto& tab) -> ffi::Error {
+      using K = KeyOfT<decltype(tab)>;
+      const K* k = keys.reinterpret_data<K>();
+      std::vector<K> ks(m);
+      for (int64_t j = 0; j < m; ++j) ks[j] = k[kept[j]];
+      const std::vector<int64_t> v(m, std::max<int64_t>(tab.LatestStep(), 0));
+      tab.Import(ks.data(), rows.data(), f.data(), v.data(), m, nullptr, {}, {});
+      return ffi::Error::Success();
+    });
+  });
+}
+
 }  // namespace
 }  // namespace jaxbind
 }  // namespace kre
@@ -794,5 +845,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTableImport, kre::jaxbind::Import,
                                   .Ret<ffi::Token>()
                                   .Attr<int64_t>("table")
                                   .Attr<std::string_view>("slot_names"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTableMerge, kre::jaxbind::Merge,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Token>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Token>()
+                                  .Attr<int64_t>("table"));
 
 #pragma GCC visibility pop

@@ -104,8 +104,10 @@ extern "C" int KreHostCreate(const float* defaults, int64_t rows, int64_t dim, i
     if (bloom_counters < 0) {
       return invalid("`bloom_counters` must be >= 0, got " + std::to_string(bloom_counters));
     }
-    if (!std::isfinite(no_permission_value)) {
-      return invalid("`no_permission_value` must be finite");
+    // NaN is AdaptiveEmbedding's sentinel for "still counting" (as under
+    // TensorFlow, whose options refuse it from users).
+    if (std::isinf(no_permission_value)) {
+      return invalid("`no_permission_value` must be finite or NaN");
     }
     const int64_t count = rows * dim;
     if (!std::all_of(defaults, defaults + count, [](float v) { return !std::isnan(v); })) {

@@ -58,6 +58,8 @@ TARGETS = {
     "kre_table_save_info": "KreTableSaveInfo",
     "kre_table_export_aux": "KreTableExportAux",
     "kre_table_import": "KreTableImport",
+    # AdaptiveEmbedding's promotion.
+    "kre_table_merge": "KreTableMerge",
 }
 
 KEY_DTYPES = ("int32", "int64")
@@ -289,6 +291,18 @@ def apply(handle, keys, grads, hyper, step, rule, hparam_names, slots, prune=Fal
     _call("kre_table_apply", [keys, grads, hyper, step], [], table=np.int64(handle),
           rule=str(rule), hparam_names=",".join(hparam_names), slots=",".join(slots),
           prune=bool(prune))
+
+
+def merge_rows(handle, keys, values, freqs, mask):
+    """Writes `values[i]` ([n, dim]) as the row of `keys[i]` ([n]) for each
+    i with `mask[i]` != 0, inserting and admitting an absent key (past any
+    filter); its frequency becomes `freqs[i]` (-1 keeps the count of a key
+    admitted or counted) and its version the table's latest step: the TensorFlow table's
+    `merge_rows`, under jit as eagerly (fixed shapes: `mask` marks the
+    entries that count). Other keys, slots and filter state stay."""
+    keys = jnp.asarray(keys)
+    _call("kre_table_merge", [keys, jnp.asarray(values, jnp.float32), jnp.asarray(freqs),
+                              jnp.asarray(mask, jnp.int32)], [], table=np.int64(handle))
 
 
 def size(handle):
