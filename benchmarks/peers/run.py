@@ -10,9 +10,13 @@ Frameworks (each a worker process in its own virtualenv):
 * `ours_group`, `ours_separate`, `keras` (`worker_keras.py`, `.venv`): ours
   with one GroupEmbedding or 26 EmbeddingVariable layers; stock Keras
   `Hashing(10^6)` + `Embedding`.
-* `ours_jax` (`worker_jax.py`, `.venv`, `KERAS_BACKEND=jax`): ours under
-  Keras's JAX backend, 26 EmbeddingVariable layers (the tables through
-  XLA's FFI, no TensorFlow in the process).
+* `ours_jax_group`, `ours_jax` (`worker_jax.py`, `.venv`,
+  `KERAS_BACKEND=jax`): ours under Keras's JAX backend, one GroupEmbedding
+  or 26 EmbeddingVariable layers (the tables through XLA's FFI, no
+  TensorFlow in the process). Each result of a JAX form has
+  `vs_tensorflow`: its paired per-round ratios to the same form on
+  TensorFlow (`JAX_PEERS`), steps/s JAX / TF and forward ms TF / JAX
+  (above 1: JAX faster); `benchmarks/jax_speed.py` runs just these.
 * `torchrec_tbe`, `torchrec_dmp` (`worker_torchrec.py`, `.venv-torchrec`):
   fbgemm's fused table-batched embedding (static 10^6-row tables,
   EXACT_ADAGRAD in the backward), directly and through TorchRec's
@@ -86,6 +90,8 @@ FRAMEWORKS = {
     "ours_group": ("ours, GroupEmbedding", "worker_keras.py", None, "group", {}),
     "ours_separate": ("ours, 26 separate EmbeddingVariable", "worker_keras.py", None,
                       "separate", {}),
+    "ours_jax_group": ("ours on Keras's JAX backend, GroupEmbedding", "worker_jax.py", None,
+                       "group", {"KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu"}),
     "ours_jax": ("ours on Keras's JAX backend, 26 separate EmbeddingVariable", "worker_jax.py",
                  None, "separate", {"KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu"}),
     "torchrec_tbe": ("TorchRec/fbgemm fused TBE (static tables)", "worker_torchrec.py",
@@ -96,6 +102,8 @@ FRAMEWORKS = {
              {"TF_USE_LEGACY_KERAS": "1"}),
     "keras": ("stock Keras Hashing + Embedding", "worker_keras.py", None, "keras", {}),
 }
+# A JAX form of ours -> the same form on TensorFlow (issue 42's speed item).
+JAX_PEERS = {"ours_jax_group": "ours_group", "ours_jax": "ours_separate"}
 QUICK = {"rounds": 2, "steps": 5, "lookups": 5}
 # Rounds of 20 steps and 20 lookups: with 10 and 5 (0.1-0.2 s of our work a
 # round at 1-5 ids) the per-round spread of a framework was up to 15% on
@@ -293,6 +301,14 @@ def run_config(names, data_dir, meta, variant, threads, opts, log_dir):
             "versions": rd.get("framework_versions", {}),
             "rounds": rs,
         }
+    from report import paired_ratios
+
+    for jax_name, tf_name in JAX_PEERS.items():
+        if jax_name in out and tf_name in out:
+            out[jax_name]["vs_tensorflow"] = {
+                "peer": tf_name,
+                **{k: paired_ratios(out[jax_name], out[tf_name], k)
+                   for k in ("steps_per_s", "lookup_ms")}}
     ref = out.get(REFERENCE)
     if ref:
         for r in out.values():

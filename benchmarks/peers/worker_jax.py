@@ -1,11 +1,18 @@
 """Peer-benchmark worker for ours under Keras's JAX backend (`.venv`,
 `KERAS_BACKEND=jax`): the tables through XLA's FFI, no TensorFlow.
 
-`--impl separate` (the only one): one `keras_rec_emb.layers.EmbeddingVariable`
-per feature, each called on `ids[:, j, :]` of the workload's stacked
-`[batch, F, L]` ids (padded with -1, combiner "sum" and
-`prune_invalid_ids=True`; `ids[:, j, 0]` without a combiner for the
-single-id variant), concatenated -> `Dense(1, sigmoid)`, binary
+`--impl`, the forms `worker_keras.py` runs under TensorFlow:
+
+* `group`: one `keras_rec_emb.layers.GroupEmbedding` over one
+  `EmbeddingVariable` per feature (combiner "sum", output "concat"),
+  called on the workload's stacked `[batch, F, L]` ids as they are
+  (padded with -1; L = 1 for the single-id variant).
+* `separate`: one `keras_rec_emb.layers.EmbeddingVariable` per feature,
+  each called on `ids[:, j, :]` (combiner "sum" and
+  `prune_invalid_ids=True`; `ids[:, j, 0]` without a combiner for the
+  single-id variant), concatenated.
+
+Then `Dense(1, sigmoid)`, binary
 cross-entropy, `keras_rec_emb.optimizers.Adagrad` from `model.compile` (the
 workload's `OPTIMIZER` settings, as `worker_keras.py`). Training runs
 `model.fit` (jitted by Keras's JAX trainer) over the pre-built batches from
@@ -46,8 +53,8 @@ class JaxWorker(protocol.FitRounds):
     its own forward (waiting for JAX's asynchronous results) and loss."""
 
     def __init__(self, impl, ids, labels, meta, jax, keras, np):
-        if impl != "separate":
-            raise ValueError(f"--impl must be separate; got {impl!r}")
+        if impl not in ("group", "separate"):
+            raise ValueError(f"--impl must be group or separate; got {impl!r}")
         import keras_rec_emb as kre
 
         self.meta, self.np, self.keras = meta, np, keras
@@ -59,11 +66,19 @@ class JaxWorker(protocol.FitRounds):
         # Ids < 10**6: int32 keys, JAX's default (int64 needs its x64 mode).
         ids = ids.astype(np.int32)
         inputs = keras.Input(shape=ids.shape[1:], dtype="int32", batch_size=meta["batch"])
-        pooled = {"combiner": "sum", "prune_invalid_ids": True} if multi else {}
-        self.tables = [kre.layers.EmbeddingVariable(dim, initializer=init, name=f"t{j}",
-                                                    **pooled) for j in range(F)]
-        cols = [inputs[:, j, :] if multi else inputs[:, j, 0] for j in range(F)]
-        embedded = keras.layers.Concatenate()([t(c) for t, c in zip(self.tables, cols)])
+        if impl == "group":
+            group = kre.layers.GroupEmbedding(
+                {f"f{j}": kre.layers.FeatureSpec(kre.layers.EmbeddingVariable(
+                    dim, initializer=init, name=f"t{j}"), combiner="sum") for j in range(F)},
+                output_mode="concat")
+            self.tables = group.tables
+            embedded = group(inputs)
+        else:
+            pooled = {"combiner": "sum", "prune_invalid_ids": True} if multi else {}
+            self.tables = [kre.layers.EmbeddingVariable(dim, initializer=init, name=f"t{j}",
+                                                        **pooled) for j in range(F)]
+            cols = [inputs[:, j, :] if multi else inputs[:, j, 0] for j in range(F)]
+            embedded = keras.layers.Concatenate()([t(c) for t, c in zip(self.tables, cols)])
         self.embed_model = keras.Model(inputs, embedded)
         head = keras.layers.Dense(1, activation="sigmoid")
         self.model = keras.Model(inputs, head(embedded))

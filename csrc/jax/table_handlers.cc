@@ -235,9 +235,10 @@ ffi::Error Lookup(ffi::Token, ffi::AnyBuffer keys, ffi::Result<ffi::Token>,
 
 // --- sparse apply -------------------------------------------------------------
 
-template <typename Rule, typename K>
+// grad_of(i) is the gradient row of keys[i].
+template <typename Rule, typename K, typename GradOf>
 ffi::Error ApplyRule(kv::Table<K>& table, const string& rule, const std::vector<string>& slot_names,
-                     const K* keys, int64_t n, const float* grads,
+                     const K* keys, int64_t n, GradOf&& grad_of,
                      ffi::Span<const int64_t> hyper_dims, const float* h, int64_t step) {
   const int64_t dim = table.dim();
   if (hyper_dims.size() != 1 || hyper_dims[0] != Rule::kHyper) {
@@ -279,7 +280,7 @@ ffi::Error ApplyRule(kv::Table<K>& table, const string& rule, const std::vector<
     // Equal keys summed in batch order (as the TF kernel does), then the
     // distinct keys applied with prefetching.
     rules::DistinctRows<K> d(m, dim);
-    for (int64_t j = b; j < b + m; ++j) d.Add(p.keys[j], p.hashes[j], grads + p.order[j] * dim);
+    for (int64_t j = b; j < b + m; ++j) d.Add(p.keys[j], p.hashes[j], grad_of(p.order[j]));
     table.ApplyDistinct(s, d.keys.data(), d.hashes.data(), d.order.data(), d.size(), d.sums.data(),
                         slot_ids, step, update);
   }
@@ -317,8 +318,10 @@ ffi::Error Apply(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> grads,
         using K = KeyOfT<decltype(tab)>;
         const K* k = keys.reinterpret_data<K>();
         if (!prune) {
-          return ApplyRule<Rule>(tab, rule, slots, k, n, grads.typed_data(), hyper.dimensions(),
-                                 hyper.typed_data(), *version);
+          const float* g = grads.typed_data();
+          return ApplyRule<Rule>(
+              tab, rule, slots, k, n, [g, dim = tab.dim()](int64_t i) { return g + i * dim; },
+              hyper.dimensions(), hyper.typed_data(), *version);
         }
         const int64_t dim = tab.dim();
         const std::vector<int64_t> kept = KeptPositions(k, n);
@@ -329,8 +332,278 @@ ffi::Error Apply(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> grads,
           std::copy(grads.typed_data() + kept[j] * dim, grads.typed_data() + (kept[j] + 1) * dim,
                     kept_grads.begin() + j * dim);
         }
-        return ApplyRule<Rule>(tab, rule, slots, kept_keys.data(),
-                               static_cast<int64_t>(kept.size()), kept_grads.data(),
+        const float* g = kept_grads.data();
+        return ApplyRule<Rule>(
+            tab, rule, slots, kept_keys.data(), static_cast<int64_t>(kept.size()),
+            [g, dim](int64_t i) { return g + i * dim; }, hyper.dimensions(), hyper.typed_data(),
+            *version);
+      });
+    });
+    return result;
+  });
+}
+
+// --- pooled lookup and apply (combiners) ------------------------------------
+//
+// A combiner's lookup in one call: ids [rows, L] (and per-id weights, or
+// none) -> [rows, dim], row r = sum_k w[r, k] * row(ids[r, k]) times
+// 1 / the combiner's denominator ("sum": 1; "mean": sum_k w; "sqrtn":
+// sqrt(sum_k w^2); w = 1 without weights; a row whose denominator is 0
+// gives zeros), as keras_rec_emb/_jax/layers.py's combine_last_axis. With
+// `prune`, ids < 0 are padding: never inserted nor counted, weight 0.
+// With "mean" and "sqrtn" a weight <= 0 counts as 0 (layers.py has turned
+// those ids into padding already). No [rows, L, dim] array of rows goes
+// through XLA: an inference lookup combines the rows from the table
+// (kv::Table::OrderedReader, as the TensorFlow pooled kernels do), a
+// training one from a block buffer of the lookup that inserts. The
+// backward (ApplyPooled) feeds id (r, k) w[r, k] / denominator(r) times
+// grads[r] to the fused sparse apply.
+
+enum Combiner { kSum, kMean, kSqrtn };
+
+ffi::ErrorOr<Combiner> ParseCombinerAttr(std::string_view name) {
+  if (name == "sum") return kSum;
+  if (name == "mean") return kMean;
+  if (name == "sqrtn") return kSqrtn;
+  return ffi::Unexpected(
+      Invalid("`combiner` must be sum, mean or sqrtn, got '" + string(name) + "'"));
+}
+
+// Checks ids [rows, L] and weights ([rows, L], or empty: none).
+ffi::Error CheckPooled(const ffi::AnyBuffer& keys, const ffi::Buffer<ffi::F32>& weights) {
+  const auto kd = keys.dimensions();
+  if (kd.size() != 2) return Invalid("`keys` must be [rows, L], got " + Shape(kd));
+  const auto wd = weights.dimensions();
+  if (weights.element_count() != 0 && !(wd.size() == 2 && wd[0] == kd[0] && wd[1] == kd[1])) {
+    return Invalid("`weights` must be empty or have the keys' shape " + Shape(kd) + ", got " +
+                   Shape(wd));
+  }
+  return ffi::Error::Success();
+}
+
+// The ids a pooled call looks up (all, or with `prune` those >= 0), in
+// batch order, each with its output row and weight, and each row's
+// 1 / denominator.
+template <typename K>
+struct PooledIds {
+  PooledIds(const K* k, const float* weights, int64_t rows, int64_t len, bool prune,
+            Combiner combiner)
+      : inv(rows) {
+    const int64_t n = rows * len;
+    keys.reserve(n);
+    row.reserve(n);
+    w.reserve(n);
+    for (int64_t r = 0; r < rows; ++r) {
+      float denom = 0;
+      for (int64_t j = r * len; j < (r + 1) * len; ++j) {
+        if (prune && k[j] < 0) continue;
+        float x = weights == nullptr ? 1.0f : weights[j];
+        if (combiner != kSum && !(x > 0)) x = 0.0f;
+        keys.push_back(k[j]);
+        row.push_back(static_cast<int32_t>(r));
+        w.push_back(x);
+        denom += combiner == kSqrtn ? x * x : x;
+      }
+      if (combiner == kSqrtn) denom = std::sqrt(denom);
+      inv[r] = combiner == kSum ? 1.0f : denom > 0 ? 1.0f / denom : 0.0f;
+    }
+  }
+  int64_t size() const { return static_cast<int64_t>(keys.size()); }
+
+  std::vector<K> keys;
+  std::vector<int32_t> row;
+  std::vector<float> w, inv;
+};
+
+// Sums weighted rows into the output rows by non-decreasing row index,
+// block after block (a row's ids may span blocks), and stores each row
+// times its 1 / denominator; Finish() stores the last one and zeros the
+// rows no id reached.
+class RowSums {
+ public:
+  RowSums(float* out, const float* inv, int64_t rows, int64_t dim)
+      : out_(out), inv_(inv), rows_(rows), dim_(dim), acc_(dim, 0.0f) {}
+
+  void Add(const int32_t* row, const float* w, const float* const* src, int64_t n) {
+    switch (dim_) {
+      case 4:
+        return AddFixed<4>(row, w, src, n);
+      case 8:
+        return AddFixed<8>(row, w, src, n);
+      case 16:
+        return AddFixed<16>(row, w, src, n);
+      case 32:
+        return AddFixed<32>(row, w, src, n);
+      case 64:
+        return AddFixed<64>(row, w, src, n);
+      default:
+        return AddFixed<0>(row, w, src, n);
+    }
+  }
+
+  void Finish() {
+    Store(acc_.data());
+    Zero(rows_);
+  }
+
+ private:
+  // D > 0: rows of D floats, the sum in a local array (registers); D = 0:
+  // of dim_ floats, in acc_.
+  template <int D>
+  void AddFixed(const int32_t* row, const float* w, const float* const* src, int64_t n) {
+    const int64_t dim = D > 0 ? D : dim_;
+    float local[D > 0 ? D : 1];
+    float* acc = D > 0 ? local : acc_.data();
+    if (D > 0) std::copy(acc_.begin(), acc_.end(), acc);
+    for (int64_t i = 0; i < n; ++i) {
+      if (row[i] != cur_) {
+        Store(acc);
+        Zero(row[i]);
+        cur_ = row[i];
+        std::fill(acc, acc + dim, 0.0f);
+      }
+      const float s = w[i];
+      const float* r = src[i];
+      for (int64_t d = 0; d < dim; ++d) acc[d] += s * r[d];
+    }
+    if (D > 0) std::copy(acc, acc + dim, acc_.begin());
+  }
+
+  void Store(const float* acc) {
+    if (cur_ < 0) return;
+    float* o = out_ + cur_ * dim_;
+    const float c = inv_[cur_];
+    for (int64_t d = 0; d < dim_; ++d) o[d] = acc[d] * c;
+  }
+
+  // Zeros the rows after the current one, up to `next`.
+  void Zero(int64_t next) {
+    const int64_t from = cur_ + 1;
+    if (next > from) std::fill(out_ + from * dim_, out_ + next * dim_, 0.0f);
+    cur_ = std::max<int64_t>(cur_, next - 1);
+  }
+
+  float* const out_;
+  const float* const inv_;
+  const int64_t rows_, dim_;
+  int64_t cur_ = -1;
+  std::vector<float> acc_;
+};
+
+// Inference lookups find this many ids' row pointers at a time (they stay
+// in L1, the rows in L2), as the TensorFlow pooled kernels do.
+constexpr int64_t kPooledReadBlock = 1024;
+
+template <typename K>
+void PooledLookupRows(kv::Table<K>& table, const PooledIds<K>& p, bool insert, float* out,
+                      int64_t rows) {
+  const int64_t dim = table.dim(), n = p.size();
+  RowSums sums(out, p.inv.data(), rows, dim);
+  std::vector<const float*> ptrs;
+  std::vector<float> buffer;
+  auto point_at_buffer = [&](int64_t m) {
+    ptrs.resize(m);
+    buffer.resize(m * dim);
+    for (int64_t i = 0; i < m; ++i) ptrs[i] = buffer.data() + i * dim;
+  };
+  if (n > 0 && table.PrefersOrderedLookup(n) && !insert) {
+    ptrs.resize(std::min(kPooledReadBlock, n));
+    typename kv::Table<K>::OrderedReader reader(table);
+    for (int64_t b = 0; b < n; b += kPooledReadBlock) {
+      const int64_t m = std::min(kPooledReadBlock, n - b);
+      reader.Find(p.keys.data() + b, m, ptrs.data(), /*read_later=*/true);
+      sums.Add(p.row.data() + b, p.w.data() + b, ptrs.data(), m);
+    }
+  } else if (n > 0 && table.PrefersOrderedLookup(n)) {
+    // In batch order (see LookupRows), a block at a time.
+    constexpr int64_t kBlock = kv::Table<K>::kOrderedBlock;
+    point_at_buffer(std::min(kBlock, n));
+    for (int64_t b = 0; b < n; b += kBlock) {
+      const int64_t m = std::min(kBlock, n - b);
+      table.LookupOrdered(p.keys.data() + b, m, insert, buffer.data(), dim);
+      sums.Add(p.row.data() + b, p.w.data() + b, ptrs.data(), m);
+    }
+  } else if (n > 0) {
+    point_at_buffer(n);
+    LookupRows(table, p.keys.data(), n, insert, buffer.data());
+    sums.Add(p.row.data(), p.w.data(), ptrs.data(), n);
+  }
+  sums.Finish();
+}
+
+ffi::Error PooledLookup(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> weights,
+                        ffi::Result<ffi::Token>, ffi::ResultBuffer<ffi::F32, 2> out,
+                        int64_t table, bool insert, bool prune, std::string_view combiner) {
+  return Guarded([&]() -> ffi::Error {
+    auto t = Find(table);
+    if (t.has_error()) return t.error();
+    AnyTable& at = **t;
+    if (ffi::Error e = CheckKeys(at, keys); e.failure()) return e;
+    if (ffi::Error e = CheckPooled(keys, weights); e.failure()) return e;
+    auto comb = ParseCombinerAttr(combiner);
+    if (comb.has_error()) return comb.error();
+    const int64_t rows = keys.dimensions()[0], len = keys.dimensions()[1];
+    if (out->dimensions()[0] != rows || out->dimensions()[1] != at.dim()) {
+      return Invalid("`out` must be [" + std::to_string(rows) + ", " + std::to_string(at.dim()) +
+                     "], got " + Shape(out->dimensions()));
+    }
+    const float* w = weights.element_count() == 0 ? nullptr : weights.typed_data();
+    at.Visit([&](auto& tab) {
+      using K = KeyOfT<decltype(tab)>;
+      const PooledIds<K> p(keys.reinterpret_data<K>(), w, rows, len, prune, *comb);
+      PooledLookupRows(tab, p, insert, out->typed_data(), rows);
+    });
+    return ffi::Error::Success();
+  });
+}
+
+ffi::Error ApplyPooled(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> weights,
+                       ffi::Buffer<ffi::F32, 2> grads, ffi::Buffer<ffi::F32> hyper,
+                       ffi::AnyBuffer step, ffi::Result<ffi::Token>, int64_t table,
+                       std::string_view rule_name, std::string_view hparam_names,
+                       std::string_view slot_names, bool prune, std::string_view combiner) {
+  return Guarded([&]() -> ffi::Error {
+    auto t = Find(table);
+    if (t.has_error()) return t.error();
+    AnyTable& at = **t;
+    if (ffi::Error e = CheckKeys(at, keys); e.failure()) return e;
+    if (ffi::Error e = CheckPooled(keys, weights); e.failure()) return e;
+    auto comb = ParseCombinerAttr(combiner);
+    if (comb.has_error()) return comb.error();
+    const int64_t rows = keys.dimensions()[0], len = keys.dimensions()[1], dim = at.dim();
+    if (grads.dimensions()[0] != rows || grads.dimensions()[1] != dim) {
+      return Invalid("`grads` must be [" + std::to_string(rows) + ", " + std::to_string(dim) +
+                     "], got " + Shape(grads.dimensions()));
+    }
+    auto version = IntScalar(step, "step");
+    if (version.has_error()) return version.error();
+    const string rule(rule_name);
+    const std::vector<string> hparams = SplitNames(hparam_names);
+    const std::vector<string> slots = SplitNames(slot_names);
+    const float* w = weights.element_count() == 0 ? nullptr : weights.typed_data();
+    ffi::Error result = Invalid("unknown rule '" + rule + "'");
+    rules::WithRule(rule, [&](auto tag) {
+      using Rule = typename decltype(tag)::type;
+      const string names_error = rules::CheckNames<Rule>(rule, hparams, slots);
+      if (!names_error.empty()) {
+        result = Invalid(names_error);
+        return;
+      }
+      result = at.Visit([&](auto& tab) {
+        using K = KeyOfT<decltype(tab)>;
+        const PooledIds<K> p(keys.reinterpret_data<K>(), w, rows, len, prune, *comb);
+        // Each id's gradient is made where the apply reads it
+        // (DistinctRows copies or adds it at once).
+        std::vector<float> one(dim);
+        const float* g = grads.typed_data();
+        auto grad_of = [&](int64_t i) {
+          const int32_t r = p.row[i];
+          const float s = p.w[i] * p.inv[r];
+          const float* src = g + static_cast<int64_t>(r) * dim;
+          for (int64_t d = 0; d < dim; ++d) one[d] = s * src[d];
+          return static_cast<const float*>(one.data());
+        };
+        return ApplyRule<Rule>(tab, rule, slots, p.keys.data(), p.size(), grad_of,
                                hyper.dimensions(), hyper.typed_data(), *version);
       });
     });
@@ -797,6 +1070,34 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTableApply, kre::jaxbind::Apply,
                                   .Attr<std::string_view>("hparam_names")
                                   .Attr<std::string_view>("slots")
                                   .Attr<bool>("prune"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTablePooledLookup, kre::jaxbind::PooledLookup,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Token>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Token>()
+                                  .Ret<ffi::BufferR2<ffi::F32>>()
+                                  .Attr<int64_t>("table")
+                                  .Attr<bool>("insert")
+                                  .Attr<bool>("prune")
+                                  .Attr<std::string_view>("combiner"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTableApplyPooled, kre::jaxbind::ApplyPooled,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Token>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::BufferR2<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Token>()
+                                  .Attr<int64_t>("table")
+                                  .Attr<std::string_view>("rule")
+                                  .Attr<std::string_view>("hparam_names")
+                                  .Attr<std::string_view>("slots")
+                                  .Attr<bool>("prune")
+                                  .Attr<std::string_view>("combiner"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTableExport, kre::jaxbind::Export,
                               ffi::Ffi::Bind()

@@ -53,6 +53,8 @@ LIBRARY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 TARGETS = {
     "kre_table_lookup": "KreTableLookup",
     "kre_table_apply": "KreTableApply",
+    "kre_table_pooled_lookup": "KreTablePooledLookup",
+    "kre_table_apply_pooled": "KreTableApplyPooled",
     "kre_table_export": "KreTableExport",
     # Save and restore.
     "kre_table_save_info": "KreTableSaveInfo",
@@ -303,6 +305,45 @@ def merge_rows(handle, keys, values, freqs, mask):
     keys = jnp.asarray(keys)
     _call("kre_table_merge", [keys, jnp.asarray(values, jnp.float32), jnp.asarray(freqs),
                               jnp.asarray(mask, jnp.int32)], [], table=np.int64(handle))
+
+
+def _pooled_weights(keys, weights):
+    if weights is None:
+        return jnp.zeros((0,), jnp.float32)
+    return jnp.asarray(weights, dtype=jnp.float32)
+
+
+def pooled_lookup(handle, keys, dim, combiner, weights=None, insert=True, prune=False):
+    """A combiner's lookup in one call: ids `keys` [rows, L] (optional
+    per-id `weights` of their shape) -> [rows, dim], each row
+    `sum(w * row(id))` divided by the combiner's denominator ("sum": 1,
+    "mean": `sum(w)`, "sqrtn": `sqrt(sum(w**2))`; w = 1 without weights;
+    zeros when it is 0), as `layers.combine_last_axis` computes it from
+    `lookup`'s rows, with no [rows, L, dim] array of rows. With "mean"
+    and "sqrtn" a weight <= 0 counts as 0. `insert` and `prune` as
+    `lookup`'s (a pruned id has weight 0)."""
+    keys = jnp.asarray(keys)
+    (out,) = _call("kre_table_pooled_lookup", [keys, _pooled_weights(keys, weights)],
+                   [_aval((keys.shape[0], dim), np.float32)], table=np.int64(handle),
+                   insert=bool(insert), prune=bool(prune), combiner=str(combiner))
+    return out
+
+
+def apply_pooled(handle, keys, grads, hyper, step, rule, hparam_names, slots, combiner,
+                 weights=None, prune=False):
+    """`apply` for the gradient `grads` [rows, dim] of a `pooled_lookup`
+    of `keys` [rows, L]: id (r, k)'s gradient is its share of row r,
+    `w[r, k] / denominator(r) * grads[r]`; then as `apply`: equal ids
+    summed, one update per distinct id."""
+    keys = jnp.asarray(keys)
+    grads = jnp.asarray(grads, dtype=jnp.float32)
+    hyper = jnp.asarray(hyper, dtype=jnp.float32)
+    step = jnp.asarray(step)
+    if step.dtype not in (jnp.int32, jnp.int64):
+        step = step.astype(int_dtype())
+    _call("kre_table_apply_pooled", [keys, _pooled_weights(keys, weights), grads, hyper, step],
+          [], table=np.int64(handle), rule=str(rule), hparam_names=",".join(hparam_names),
+          slots=",".join(slots), prune=bool(prune), combiner=str(combiner))
 
 
 def size(handle):

@@ -2,10 +2,11 @@
 
 The TensorFlow layer's semantics and config (keras_rec_emb/layers/
 group_embedding.py), on JAX `EmbeddingVariable` tables. One lookup per
-table and step: the ids of every feature that reads a table are
-flattened and concatenated (padding, ids < 0, kept in place and pruned by
-the lookup), looked up once, and the rows split back and pooled per
-feature. So a table shared by several features gets one sparse update per
+table and step: the ids `[batch, L]` of the features that read a table
+with one combiner are padded to one L with -1 (pruned by the lookup) and
+stacked, and one pooled table call looks them up and combines them
+(`ffi.pooled_lookup`; features of other combiners or weighting are other
+calls of the same step, whose gradients join the same update). So a table shared by several features gets one sparse update per
 step, with the gradient of each distinct id summed over its features, as
 TensorFlow's fused op gives it: Adagrad's and Adam's slots are updated
 once per step, not once per feature.
@@ -16,7 +17,7 @@ import keras
 import numpy as np
 
 from keras_rec_emb._jax import register
-from keras_rec_emb._jax.layers import EmbeddingVariable, combine_last_axis
+from keras_rec_emb._jax.layers import EmbeddingVariable
 
 COMBINERS = ("sum", "mean", "sqrtn")
 _OUTPUT_MODES = ("dict", "concat")
@@ -298,23 +299,33 @@ class GroupEmbedding(keras.layers.Layer):
             mine = [j for j, s in enumerate(specs) if s.table == t]
             if not mine:
                 continue
-            ids = []
+            # One pooled lookup of the table for its features of one
+            # combiner (and weighted or not): their ids [batch, L] padded
+            # to one L with -1 (pruned) and stacked, combined in the table
+            # call. A table's lookups of one step get one sparse update.
+            kinds = {}
             for j in mine:
-                i = jnp.asarray(feature_ids[j]).astype(table.key_dtype)
-                w = feature_weights[j]
-                if w is not None and specs[j].combiner != "sum":
-                    # Ids of weight <= 0 are dropped: padding for the lookup.
-                    i = jnp.where(w > 0, i, jnp.asarray(-1, i.dtype))
-                ids.append(i)
-            flat = jnp.concatenate([i.reshape(-1) for i in ids])
-            # One lookup of the table for all its features (padding pruned):
-            # one sparse update per step in its backward.
-            rows = table._rows(flat, training, prune=True)  # pylint: disable=protected-access
-            start = 0
-            for j, i in zip(mine, ids):
-                part = rows[start:start + i.size].reshape(*i.shape, table.embedding_dim)
-                start += i.size
-                outs[j] = combine_last_axis(part, i >= 0, specs[j].combiner, feature_weights[j])
+                kinds.setdefault((specs[j].combiner, feature_weights[j] is not None), []).append(j)
+            for (combiner, weighted), js in kinds.items():
+                ids, weights = [], []
+                length = max(int(feature_ids[j].shape[1]) for j in js)
+                for j in js:
+                    i = jnp.asarray(feature_ids[j]).astype(table.key_dtype)
+                    w = feature_weights[j]
+                    if w is not None and combiner != "sum":
+                        # Ids of weight <= 0 are dropped: padding for the lookup.
+                        i = jnp.where(w > 0, i, jnp.asarray(-1, i.dtype))
+                    pad = ((0, 0), (0, length - i.shape[1]))
+                    ids.append(jnp.pad(i, pad, constant_values=-1))
+                    if weighted:
+                        weights.append(jnp.pad(w.astype(jnp.float32), pad))
+                # pylint: disable-next=protected-access
+                rows = table._rows(jnp.concatenate(ids), training, prune=True, combiner=combiner,
+                                   weights=jnp.concatenate(weights) if weighted else None)
+                start = 0
+                for j, i in zip(js, ids):
+                    outs[j] = rows[start:start + i.shape[0]]
+                    start += i.shape[0]
         outs = [o.astype(self.compute_dtype) for o in outs]
         if self.output_mode == "concat":
             return jnp.concatenate(outs, axis=-1)

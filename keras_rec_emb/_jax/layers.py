@@ -81,6 +81,32 @@ def combine_last_axis(rows, keep, combiner, weights=None):
     return jnp.where(denom > 0, total / jnp.where(denom > 0, denom, 1.0), 0.0)
 
 
+def pooled_scale(ids, weights, combiner, prune):
+    """Each id's share of its combined row, [..., L]: its weight (1
+    without weights; 0 for padding with `prune`, and with "mean" and
+    "sqrtn" for a weight <= 0) over the row's denominator (`combine_last_axis`'s,
+    0 when that is 0). The gradient of the id's row is this share times the
+    combined row's gradient."""
+    w = jnp.ones(ids.shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
+    if prune:
+        w = jnp.where(ids >= 0, w, 0.0)
+    if combiner == "sum":
+        return w
+    w = jnp.where(w > 0, w, 0.0)
+    denom = jnp.sum(w if combiner == "mean" else w * w, axis=-1, keepdims=True)
+    if combiner == "sqrtn":
+        denom = jnp.sqrt(denom)
+    return jnp.where(denom > 0, w / jnp.where(denom > 0, denom, 1.0), 0.0)
+
+
+def _table_lookup(handle, ids, weights, dim, insert, prune, combiner):
+    """Rows of `ids`, or with a `combiner` the combined rows of ids
+    [rows, L] in one pooled call (no [rows, L, dim] array)."""
+    if combiner is None:
+        return ffi.lookup(handle, ids, dim, insert=insert, prune=prune)
+    return ffi.pooled_lookup(handle, ids, dim, combiner, weights, insert=insert, prune=prune)
+
+
 class _StepLookups:
     """The training lookups of one table in one training step.
 
@@ -109,8 +135,8 @@ class _StepLookups:
         self.training = False
 
 
-def _first_lookup(layer, dim, prune, conditional, group):
-    """lookup(ids, anchor, step) -> (rows, carry, trained), the step's first
+def _first_lookup(layer, dim, prune, conditional, group, combiner=None):
+    """lookup(ids, weights, anchor, step) -> (rows, carry, trained), the step's first
     training lookup of `layer`'s table; its backward applies the rows'
     gradient, with those the step's later lookups stashed, to the table
     (see the top). With `conditional` (`training=None`): training or not
@@ -125,51 +151,52 @@ def _first_lookup(layer, dim, prune, conditional, group):
     handle = layer.handle
 
     @jax.custom_vjp
-    def lookup(ids, anchor, step):
+    def lookup(ids, weights, anchor, step):
         del anchor
-        rows = ffi.lookup(handle, ids, dim, insert=not conditional, prune=prune)
+        rows = _table_lookup(handle, ids, weights, dim, not conditional, prune, combiner)
         trained = jnp.zeros_like(step) if conditional else jnp.ones_like(step)
         return rows, jnp.zeros((0,), jnp.float32), trained
 
-    def forward(ids, anchor, step):
+    def forward(ids, weights, anchor, step):
         if layer.table_rule is None:
             raise _no_optimizer_error(layer.name)
         group.training = True
-        rows = ffi.lookup(handle, ids, dim, insert=True, prune=prune)
-        return (rows, jnp.zeros((0,), jnp.float32), jnp.ones_like(step)), (ids, anchor, step)
+        rows = _table_lookup(handle, ids, weights, dim, True, prune, combiner)
+        return ((rows, jnp.zeros((0,), jnp.float32), jnp.ones_like(step)),
+                (ids, weights, anchor, step))
 
     def backward(saved, grads):
-        ids, anchor, step = saved
-        parts = [(ids, grads[0], prune)] + group.pending
+        ids, weights, anchor, step = saved
+        parts = [(ids, grads[0], prune, combiner, weights)] + group.pending
         group.pending = []
         layer._apply_gradients(parts, step)  # pylint: disable=protected-access
         group.marker, group.training = None, False  # the step is over
-        return None, jnp.zeros_like(anchor), None
+        return None, None, jnp.zeros_like(anchor), None
 
     lookup.defvjp(forward, backward)
     return lookup
 
 
-def _later_lookup(layer, dim, prune, conditional, group):
-    """lookup(ids, anchor, carry, step) -> rows, a later training lookup of
+def _later_lookup(layer, dim, prune, conditional, group, combiner=None):
+    """lookup(ids, weights, anchor, carry, step) -> rows, a later training lookup of
     the step (see _StepLookups): its backward stashes the rows' gradient
     for the first lookup's backward."""
     handle = layer.handle
 
     @jax.custom_vjp
-    def lookup(ids, anchor, carry, step):
+    def lookup(ids, weights, anchor, carry, step):
         del anchor, carry, step
-        return ffi.lookup(handle, ids, dim, insert=not conditional, prune=prune)
+        return _table_lookup(handle, ids, weights, dim, not conditional, prune, combiner)
 
-    def forward(ids, anchor, carry, step):
+    def forward(ids, weights, anchor, carry, step):
         del step
-        rows = ffi.lookup(handle, ids, dim, insert=True, prune=prune)
-        return rows, (ids, anchor, carry)
+        rows = _table_lookup(handle, ids, weights, dim, True, prune, combiner)
+        return rows, (ids, weights, anchor, carry)
 
     def backward(saved, grads):
-        ids, anchor, carry = saved
-        group.pending.append((ids, grads, prune))
-        return None, jnp.zeros_like(anchor), jnp.zeros_like(carry), None
+        ids, weights, anchor, carry = saved
+        group.pending.append((ids, grads, prune, combiner, weights))
+        return None, None, jnp.zeros_like(anchor), jnp.zeros_like(carry), None
 
     lookup.defvjp(forward, backward)
     return lookup
@@ -402,7 +429,14 @@ class EmbeddingVariable(keras.layers.Layer):
                 # Dropped ids are padding for the lookup: not inserted,
                 # counted or updated.
                 ids = jnp.where(weights > 0, ids, jnp.asarray(-1, ids.dtype))
-        return self._combine(ids, self._rows(ids, training), weights)
+        if self.combiner is None or ids.shape[-1] == 0:
+            return self._combine(ids, self._rows(ids, training), weights)
+        # One pooled lookup of the ids as [rows, L]: looked up and combined
+        # in the table call, no [..., L, dim] array of rows.
+        flat = ids.reshape(-1, ids.shape[-1])
+        out = self._rows(flat, training, combiner=self.combiner,
+                         weights=None if weights is None else weights.reshape(flat.shape))
+        return out.reshape(*ids.shape[:-1], self.embedding_dim)
 
     def _checked_weights(self, ids, weights):
         if self.combiner is None:
@@ -437,26 +471,29 @@ class EmbeddingVariable(keras.layers.Layer):
         keep = (ids >= 0) if self.prune_invalid_ids else None
         return combine_last_axis(rows, keep, self.combiner, weights)
 
-    def _rows(self, ids, training, prune=None):
+    def _rows(self, ids, training, prune=None, combiner=None, weights=None):
         """Rows of `ids` (training as `call` says); `prune` overrides
-        `prune_invalid_ids` (a GroupEmbedding always drops ids < 0)."""
+        `prune_invalid_ids` (a GroupEmbedding always drops ids < 0). With a
+        `combiner`, the rows of ids [rows, L] combined ([rows, dim]), with
+        per-id `weights` (or None), in one pooled table call."""
         prune = self.prune_invalid_ids if prune is None else bool(prune)
         # With training=None, training or not is decided by differentiation
         # (see _first_lookup).
         conditional = training is None and self.trainable
         if not (conditional or (training and self.trainable)):
-            return ffi.lookup(self.handle, ids, self.embedding_dim, insert=False, prune=prune)
+            return _table_lookup(self.handle, ids, weights, self.embedding_dim, False, prune,
+                                 combiner)
         if not conditional and self.table_rule is None:
             raise _no_optimizer_error(self.name)
         current = self.iterations.value
         group = getattr(self, "_kre_step_lookups", None)
         if group is not None and group.marker is not None and group.marker is current:
             # Looked up again in the same step: one step, one update.
-            lookup = _later_lookup(self, self.embedding_dim, prune, conditional, group)
-            return lookup(ids, self.anchor.value, group.carry, group.step)
+            lookup = _later_lookup(self, self.embedding_dim, prune, conditional, group, combiner)
+            return lookup(ids, weights, self.anchor.value, group.carry, group.step)
         group = _StepLookups(current)
-        lookup = _first_lookup(self, self.embedding_dim, prune, conditional, group)
-        rows, group.carry, trained = lookup(ids, self.anchor.value, current)
+        lookup = _first_lookup(self, self.embedding_dim, prune, conditional, group, combiner)
+        rows, group.carry, trained = lookup(ids, weights, self.anchor.value, current)
         self.iterations.assign(current + trained)
         group.marker = self.iterations.value if group.training else None
         self._kre_step_lookups = group
@@ -467,16 +504,35 @@ class EmbeddingVariable(keras.layers.Layer):
     def _apply_gradients(self, parts, step):
         """One fused update of the table at `step` (in the backward of the
         step's first lookup) with the gradients of `parts`, (ids, rows'
-        gradient, prune) of each lookup of the step: equal ids summed."""
+        gradient, prune, combiner, weights) of each lookup of the step
+        (combiner None: rows; else combined rows of ids [rows, L]): equal
+        ids summed."""
         rule = self.table_rule
         hyper = rule.hyper(step)
-        for prune in sorted({p for _, _, p in parts}):
-            mine = [(i, g) for i, g, p in parts if p == prune]
-            ids = jnp.concatenate([i.reshape(-1) for i, _ in mine])
-            grads = jnp.concatenate([g.reshape(-1, self.embedding_dim).astype(jnp.float32)
-                                     for _, g in mine])
-            ffi.apply(self.handle, ids, grads, hyper, step, rule.rule.name,
-                      rule.rule.hparam_names, rule.slot_names(), prune=prune)
+        names = (rule.rule.name, rule.rule.hparam_names, rule.slot_names())
+        for prune in sorted({p[2] for p in parts}):
+            mine = [p for p in parts if p[2] == prune]
+            first = mine[0]
+            if first[3] is not None and all(
+                    p[3] == first[3] and p[0].shape[1] == first[0].shape[1]
+                    and (p[4] is None) == (first[4] is None) for p in mine):
+                # Combined lookups alike: each id's share of its row's
+                # gradient is made in the apply.
+                weights = (None if first[4] is None
+                           else jnp.concatenate([p[4] for p in mine]))
+                ffi.apply_pooled(self.handle, jnp.concatenate([p[0] for p in mine]),
+                                 jnp.concatenate([p[1].astype(jnp.float32) for p in mine]),
+                                 hyper, step, *names, combiner=first[3], weights=weights,
+                                 prune=prune)
+                continue
+            ids, grads = [], []
+            for i, g, _, combiner, weights in mine:
+                if combiner is not None:  # each id's share of its row's gradient
+                    g = g[:, None, :] * pooled_scale(i, weights, combiner, prune)[..., None]
+                ids.append(i.reshape(-1))
+                grads.append(g.reshape(-1, self.embedding_dim).astype(jnp.float32))
+            ffi.apply(self.handle, jnp.concatenate(ids), jnp.concatenate(grads), hyper, step,
+                      *names, prune=prune)
 
     def compute_output_shape(self, input_shape):
         if self.combiner is not None:

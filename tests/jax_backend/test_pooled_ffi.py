@@ -1,0 +1,180 @@
+"""The pooled table calls (keras_rec_emb/_jax/ffi.py's pooled_lookup and
+apply_pooled): a combiner's lookup and its gradient's sparse update in one
+call each, against NumPy and against the row calls (lookup, apply)."""
+
+import jax
+import keras
+import numpy as np
+import pytest
+
+from keras_rec_emb._jax import ffi
+from keras_rec_emb._jax.layers import EmbeddingVariable
+from keras_rec_emb.optimizers import SGD
+
+DIM = 4
+ADAGRAD = ("learning_rate", "decay", "epsilon")
+
+
+def defaults(rows=5, dim=DIM):
+    return (np.arange(rows * dim, dtype=np.float32).reshape(rows, dim) - 7.0) / 9.0
+
+
+def numpy_shares(ids, weights, combiner, prune):
+    """Each id's weight over its row's denominator (0 for padding)."""
+    w = np.ones(ids.shape, np.float32) if weights is None else weights.astype(np.float32)
+    if prune:
+        w = np.where(ids >= 0, w, 0.0)
+    if combiner == "sum":
+        return w
+    w = np.where(w > 0, w, 0.0)
+    denom = (w if combiner == "mean" else w * w).sum(-1, keepdims=True)
+    if combiner == "sqrtn":
+        denom = np.sqrt(denom)
+    return np.where(denom > 0, w / np.where(denom > 0, denom, 1.0), 0.0).astype(np.float32)
+
+
+def batch(rng, rows, length, vocab):
+    ids = rng.integers(0, vocab, size=(rows, length)).astype(np.int32)
+    lengths = rng.integers(0, length + 1, size=rows)  # some rows with no id
+    ids[np.arange(length)[None, :] >= lengths[:, None]] = -1
+    weights = rng.uniform(-0.5, 2.0, size=(rows, length)).astype(np.float32)
+    return ids, weights
+
+
+# 6 rows take the tables' shard-by-shard path, 300 their batch-order one
+# (kv::Table::PrefersOrderedLookup), a counter filter the shard-by-shard one.
+@pytest.mark.parametrize("rows, filter_freq", [(6, 0), (300, 0), (300, 2)])
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_pooled_lookup_matches_numpy_and_inserts_as_lookup(rows, filter_freq, combiner,
+                                                           weighted):
+    rng = np.random.default_rng(rows + filter_freq)
+    ids, weights = batch(rng, rows, 5, 40)
+    weights = weights if weighted else None
+    pooled = ffi.create(defaults(), filter_freq=filter_freq)
+    plain = ffi.create(defaults(), filter_freq=filter_freq)
+    try:
+        for step in range(2):  # a second pass reads what the first inserted
+            out = np.asarray(ffi.pooled_lookup(pooled, ids, DIM, combiner, weights,
+                                               insert=True, prune=True))
+            rows_ = np.asarray(ffi.lookup(plain, ids, DIM, insert=True, prune=True))
+            want = (rows_ * numpy_shares(ids, weights, combiner, True)[..., None]).sum(1)
+            np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6, err_msg=str(step))
+        a, b = ffi.export(pooled, "int32", DIM), ffi.export(plain, "int32", DIM)
+        order_a, order_b = np.argsort(a["keys"]), np.argsort(b["keys"])
+        for part in ("keys", "values", "freqs"):
+            np.testing.assert_array_equal(a[part][order_a], b[part][order_b])
+        # Inference reads the same and inserts nothing.
+        size = ffi.size(pooled).tolist()
+        again = np.asarray(ffi.pooled_lookup(pooled, ids, DIM, combiner, weights, insert=False,
+                                             prune=True))
+        np.testing.assert_allclose(again, out, rtol=1e-6, atol=1e-6)
+        unseen = np.full((2, 3), 1000, np.int32)
+        ffi.pooled_lookup(pooled, unseen, DIM, combiner, insert=False)
+        assert ffi.size(pooled).tolist() == size
+    finally:
+        ffi.destroy(pooled)
+        ffi.destroy(plain)
+
+
+def test_without_prune_every_id_is_a_key():
+    t = ffi.create(defaults())
+    try:
+        ids = np.array([[-1, 3], [2, 2]], np.int32)
+        out = np.asarray(ffi.pooled_lookup(t, ids, DIM, "mean", prune=False))
+        d = defaults()
+        np.testing.assert_allclose(out, [(d[-1 % 5] + d[3]) / 2, d[2]], rtol=1e-6)
+        assert sorted(ffi.export(t, "int32", DIM)["keys"].tolist()) == [-1, 2, 3]
+    finally:
+        ffi.destroy(t)
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_apply_pooled_is_apply_of_each_ids_share(combiner, weighted):
+    rng = np.random.default_rng(7)
+    tables = [ffi.create(defaults()) for _ in range(2)]
+    try:
+        for t in tables:
+            ffi.add_slot(t, "accumulator", DIM, 0.1)
+        for step in range(3):
+            ids, weights = batch(rng, 300, 4, 30)
+            weights = weights if weighted else None
+            grads = rng.normal(size=(300, DIM)).astype(np.float32)
+            hyper = [0.2, 0.0, 1e-7]
+            ffi.pooled_lookup(tables[0], ids, DIM, combiner, weights, prune=True)
+            ffi.apply_pooled(tables[0], ids, grads, hyper, step, "adagrad", ADAGRAD,
+                             ("accumulator",), combiner, weights, prune=True)
+            shares = numpy_shares(ids, weights, combiner, True)
+            ffi.lookup(tables[1], ids, DIM, prune=True)
+            ffi.apply(tables[1], ids, grads[:, None, :] * shares[..., None], hyper, step,
+                      "adagrad", ADAGRAD, ("accumulator",), prune=True)
+        a, b = (ffi.export(t, "int32", DIM) for t in tables)
+        order_a, order_b = np.argsort(a["keys"]), np.argsort(b["keys"])
+        np.testing.assert_array_equal(a["keys"][order_a], b["keys"][order_b])
+        np.testing.assert_array_equal(a["versions"][order_a], b["versions"][order_b])
+        np.testing.assert_allclose(a["values"][order_a], b["values"][order_b], rtol=1e-5,
+                                   atol=1e-6)
+        np.testing.assert_allclose(a["slots"][order_a],
+                                   b["slots"][order_b], rtol=1e-5, atol=1e-6)
+    finally:
+        for t in tables:
+            ffi.destroy(t)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda t: ffi.pooled_lookup(t, np.array([1, 2], np.int32), DIM, "sum"),
+     r"`keys` must be \[rows, L\], got \[2\]"),
+    (lambda t: ffi.pooled_lookup(t, np.ones((2, 3), np.int32), DIM, "max"),
+     "`combiner` must be sum, mean or sqrtn, got 'max'"),
+    (lambda t: ffi.pooled_lookup(t, np.ones((2, 3), np.int32), DIM, "sum", np.ones((2, 2))),
+     r"`weights` must be empty or have the keys' shape \[2, 3\], got \[2, 2\]"),
+    (lambda t: ffi.pooled_lookup(t, np.ones((2, 3), np.int32), DIM + 1, "sum"),
+     r"`out` must be \[2, 4\], got \[2, 5\]"),
+    (lambda t: ffi.apply_pooled(t, np.ones((2, 3), np.int32), np.zeros((3, DIM)), [0.1, 0.0], 1,
+                                "sgd", ("learning_rate", "decay"), (), "sum"),
+     r"`grads` must be \[2, 4\], got \[3, 4\]"),
+    (lambda t: ffi.apply_pooled(t, np.ones((2, 3), np.int32), np.zeros((2, DIM)), [0.1, 0.0], 1,
+                                "rmsprop", ("learning_rate", "decay"), (), "sum"),
+     "unknown rule 'rmsprop'"),
+])
+def test_bad_input_is_an_error_naming_the_argument(call, message):
+    t = ffi.create(defaults())
+    try:
+        with pytest.raises(Exception, match=message):
+            jax.block_until_ready(call(t))
+        assert np.asarray(ffi.pooled_lookup(t, np.ones((1, 2), np.int32), DIM, "sum")).shape == (
+            1, DIM)
+    finally:
+        ffi.destroy(t)
+
+
+def test_a_table_combined_over_two_lengths_in_one_step_gets_one_update():
+    """One layer on ids [B, 2] and [B, 3] in a step: the two combined
+    lookups' shares go to one SGD update (vs NumPy)."""
+    init = defaults(7)
+    layer = EmbeddingVariable(DIM, combiner="mean", prune_invalid_ids=True,
+                              initializer=keras.initializers.Constant(init),
+                              default_value_dim=7)
+    a_in = keras.Input(shape=(2,), dtype="int32")
+    b_in = keras.Input(shape=(3,), dtype="int32")
+    model = keras.Model([a_in, b_in], keras.layers.Concatenate()([layer(a_in), layer(b_in)]))
+    model.compile(optimizer=SGD(0.5), loss="mse")
+    a = np.array([[1, 2], [2, -1], [3, 3]], np.int32)
+    b = np.array([[2, -1, -1], [4, 1, 2], [-1, -1, -1]], np.int32)
+    model.fit([a, b], np.zeros((3, 2 * DIM), np.float32), batch_size=3, epochs=1, verbose=0)
+    grads = {}
+    for ids in (a, b):
+        shares = numpy_shares(ids, None, "mean", True)
+        out = (init[np.where(ids >= 0, ids, 0) % 7] * shares[..., None]).sum(1)
+        g_out = 2 * out / out.size / 2  # mse over [3, 2 * DIM]: each half's share
+        for r in range(ids.shape[0]):
+            for k in range(ids.shape[1]):
+                if ids[r, k] >= 0:
+                    grads[int(ids[r, k])] = grads.get(int(ids[r, k]), 0) + shares[r, k] * g_out[r]
+    exported = layer.export()
+    got = dict(zip(exported["keys"].tolist(), exported["values"]))
+    assert sorted(got) == sorted(grads)
+    for key, g in grads.items():
+        np.testing.assert_allclose(got[key], init[key % 7] - 0.5 * g, rtol=1e-5, atol=1e-6)
+    assert int(layer.iterations.value) == 1
