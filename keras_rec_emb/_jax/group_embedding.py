@@ -6,8 +6,9 @@ table and step: the ids `[batch, L]` of the features that read a table
 with one combiner are padded to one L with -1 (pruned by the lookup) and
 stacked, and one pooled table call looks them up and combines them
 (`ffi.pooled_lookup`; features of other combiners or weighting are other
-calls of the same step, whose gradients join the same update). So a table shared by several features gets one sparse update per
-step, with the gradient of each distinct id summed over its features, as
+calls of the same step, whose gradients join the same update). So a
+table shared by several features gets one sparse update per step, with
+the gradient of each distinct id summed over its features, as
 TensorFlow's fused op gives it: Adagrad's and Adam's slots are updated
 once per step, not once per feature.
 """
