@@ -27,7 +27,8 @@ and the rows' versions. A table looked up several times in one step (a
 layer called on two inputs) counts the step once and gets one update with
 the gradients of all its lookups, equal ids summed, as under TensorFlow
 (`_StepLookups`). A constant learning rate is the optimizer's
-`learning_rate` variable in that step, so a rate assigned between steps
+`learning_rate` variable in that step (the layer's own optimizer's is in
+the layer's state for that), so a rate assigned between steps
 (`ReduceLROnPlateau`, `LearningRateScheduler`) reaches the tables
 (`TableRule.learning_rate`). Clipping (`clipnorm`, `clipvalue`,
 `global_clipnorm`), EMA, gradient accumulation and loss scaling are
@@ -371,6 +372,15 @@ class EmbeddingVariable(keras.layers.Layer):
             self._add_slots(self.table_rule)
         self.iterations = self.add_weight(shape=(), initializer="zeros", dtype="int32",
                                           trainable=False, name="iterations")
+        rate = None if self.optimizer is None else self.optimizer.learning_rate
+        if isinstance(rate, keras.Variable):
+            # The own optimizer's rate variable joins the layer's state, so
+            # that a jitted step reads it from the step's state (as the
+            # compiled optimizer's rate is): a rate assigned later
+            # (`layer.optimizer.learning_rate = x`, `.assign(x)`) reaches
+            # the table at the next step (TableRule.new_step). The compiled
+            # optimizer's comes through its `scale_loss`.
+            self._kre_own_learning_rate = rate
         self.built = True
 
     def _add_slots(self, rule):
@@ -498,7 +508,7 @@ class EmbeddingVariable(keras.layers.Layer):
         group.marker = self.iterations.value if group.training else None
         self._kre_step_lookups = group
         if self.table_rule is not None:
-            self.table_rule.new_step()
+            self.table_rule.new_step(getattr(self, "_kre_own_learning_rate", None))
         return rows
 
     def _apply_gradients(self, parts, step):

@@ -143,11 +143,15 @@ class TableRule:
     def slot_names(self):
         return tuple(name for name, _, _ in self.slots)
 
-    def new_step(self):
+    def new_step(self, own_rate=None):
         """Called (while tracing) by a table's first training lookup of a
-        step: the optimizer forgets the learning rate of an earlier step."""
+        step: the optimizer forgets the learning rate of an earlier step.
+        `own_rate`: the rate variable of the layer's own optimizer, in the
+        layer's state, read here (in the forward pass, where the step's
+        state is in scope; the backward runs outside it)."""
         if isinstance(self.optimizer, TableOptimizer):
             self.optimizer._kre_step_learning_rate = None  # pylint: disable=protected-access
+        self.own_step_rate = None if own_rate is None else own_rate.value
 
     def learning_rate(self, step):
         """The rate at `step`: a schedule's value there; else the value of
@@ -157,11 +161,14 @@ class TableRule:
         of the step in scope, as `apply` has them for the dense weights:
         a rate assigned between steps or epochs, by a callback such as
         `ReduceLROnPlateau` or `LearningRateScheduler`, reaches the tables
-        as it reaches the dense weights). Outside Keras's trainer, the
-        variable's value when the step is traced."""
+        as it reaches the dense weights). A layer's own optimizer: its
+        variable's value in the step's state, which `new_step` saw. Outside
+        Keras's trainer, the variable's value when the step is traced."""
         if self.schedule is not None:
             return jnp.asarray(self.schedule(step), jnp.float32)
         rate = getattr(self.optimizer, "_kre_step_learning_rate", None)
+        if rate is None:
+            rate = getattr(self, "own_step_rate", None)
         if rate is None:
             rate = self.optimizer.learning_rate
             if isinstance(rate, keras.Variable):
