@@ -197,12 +197,37 @@ class EmbeddingVariable(keras.layers.Layer):
             rows = tf.cast(rows, self.compute_dtype)
         return rows
 
-    def call(self, inputs, training=None):
+    def call(self, inputs, weights=None, training=None):
+        """Rows of `inputs` (ids), combined over their last axis with a combiner.
+
+        Args:
+            inputs: integer ids (see the class).
+            weights: None, or per-id weights of the ids' shape and kind
+                (dense, `tf.RaggedTensor` or `tf.SparseTensor`; needs a
+                combiner): the combine is `sum(w * row)`, divided by
+                `sum(w)` for "mean" and by `sqrt(sum(w**2))` for "sqrtn"
+                (TensorFlow's `embedding_lookup_sparse` rule); a row whose
+                denominator is 0 gives zeros. With "mean" and "sqrtn" an id
+                whose weight is <= 0 is dropped: never inserted, counted or
+                updated, which needs `prune_invalid_ids=True` (as under the
+                JAX backend); "sum" keeps it. Padding ids (< 0, with
+                `prune_invalid_ids`) are dropped whatever their weight.
+            training: bool or None.
+
+        Example:
+
+        >>> layer = keras_rec_emb.layers.EmbeddingVariable(
+        ...     2, combiner="mean", prune_invalid_ids=True, initializer="ones")
+        >>> layer(np.array([[1, 2, -1]]), weights=np.array([[1.0, 3.0, 5.0]])).numpy()
+        array([[1., 1.]], dtype=float32)
+        """
         training = _compat.resolve_training(training)
+        if weights is not None:
+            weights = self._checked_weights(inputs, weights)
         if self.combiner is not None:
             # A group of one: the fused lookup looks up and combines in one op
             # (its gradient over distinct keys), as GroupEmbedding does.
-            return embedding_ops.pooled_layer_lookup(self, inputs, training)
+            return embedding_ops.pooled_layer_lookup(self, inputs, training, weights)
         return embed_ids(self, inputs, lambda ids, _: self._lookup(ids, training),
                          None, key_dtype=tf.as_dtype(self.key_dtype))
 
@@ -212,8 +237,47 @@ class EmbeddingVariable(keras.layers.Layer):
             return input_shape[:-1] + (self.embedding_dim,)
         return input_shape + (self.embedding_dim,)
 
-    def compute_output_spec(self, inputs, training=None):
+    def compute_output_spec(self, inputs, weights=None, training=None):
         return output_spec(self, inputs, self.embedding_dim, self.combiner)
+
+    def _checked_weights(self, ids, weights):
+        """`weights` as float32 of the ids' kind, after the JAX layer's checks."""
+        if self.combiner is None:
+            raise ValueError(
+                f"EmbeddingVariable '{self.name}': `weights` weigh the ids of a combine and "
+                "need a `combiner` (\"sum\", \"mean\" or \"sqrtn\"). Received: weights with "
+                "combiner=None")
+        if self.combiner != "sum" and not self.prune_invalid_ids:
+            raise ValueError(
+                f"EmbeddingVariable '{self.name}': with combiner={self.combiner!r}, ids whose "
+                "weight is <= 0 are dropped from the lookup, which marks them as padding: "
+                "that needs `prune_invalid_ids=True`. Received: weights with "
+                "prune_invalid_ids=False")
+        dtype = getattr(weights, "dtype", None)
+        if dtype is not None and not (tf.as_dtype(dtype).is_floating
+                                      or tf.as_dtype(dtype).is_integer):
+            raise TypeError(f"EmbeddingVariable '{self.name}': `weights` must be numbers. "
+                            f"Received: weights of dtype {dtype}")
+        kinds = (tf.RaggedTensor, tf.SparseTensor)
+        kind = next((k for k in kinds if isinstance(ids, k)), None)
+        if kind is not None or isinstance(weights, kinds):
+            if not isinstance(weights, kind or ()):
+                raise TypeError(
+                    f"EmbeddingVariable '{self.name}': `weights` must be of the ids' kind "
+                    f"({'dense' if kind is None else kind.__name__}). Received: weights of "
+                    f"type {type(weights).__name__}")
+            return tf.cast(weights, tf.float32) if kind is tf.RaggedTensor else (
+                tf.SparseTensor(weights.indices, tf.cast(weights.values, tf.float32),
+                                weights.dense_shape))
+        weights = tf.convert_to_tensor(weights)
+        weights = tf.cast(weights, tf.float32)
+        ids_shape = tf.TensorShape(getattr(ids, "shape", np.shape(ids)))
+        if not ids_shape.is_compatible_with(weights.shape):
+            raise ValueError(
+                f"EmbeddingVariable '{self.name}': `weights` must have the ids' shape "
+                f"{tuple(ids_shape)} (one weight per id). Received: weights of shape "
+                f"{tuple(weights.shape)}")
+        return weights
 
     count_params = variables.count_params  # tables count (ids admitted) x dim
 

@@ -396,7 +396,7 @@ def _stacked_pooled_lookup_grad(op, grad):
 
 
 # -- a layer's pooled lookup: a group of one ------------------------------------
-def pooled_layer_lookup(layer, inputs, training):
+def pooled_layer_lookup(layer, inputs, training, weights=None):
     """What `EmbeddingVariable(combiner=...)` returns for `inputs`: its ids
     looked up and combined by its combiner in one fused op, as a group of
     one feature (the group lookup's kernels, forward and backward). Every id
@@ -405,7 +405,9 @@ def pooled_layer_lookup(layer, inputs, training):
     `[..., L]` give `[..., dim]` (an empty last axis gives zeros), ragged or
     sparse `[batch, None]` ids `[batch, dim]`. Ids are checked to be
     integers that fit the table's keys. With `training` (and a trainable
-    layer) unseen ids are inserted and counted."""
+    layer) unseen ids are inserted and counted. `weights` (None, or float32
+    per-id weights of the ids' kind, checked by the layer) weigh the
+    combine; for "mean" and "sqrtn" ids of weight <= 0 become padding."""
     what = f"{type(layer).__name__} '{layer.name}'"
     key_dtype = tf.as_dtype(layer.key_dtype)
 
@@ -442,9 +444,15 @@ def pooled_layer_lookup(layer, inputs, training):
         values = tf.reshape(ids, [-1])
         splits = tf.range(rows + 1, dtype=tf.int64) * length
         outer = (shape[:-1], ids.shape[:-1])
+    if weights is None:
+        flat_weights = tf.zeros([0], tf.float32)
+    else:
+        flat_weights = (tf.reshape(weights, [-1]) if outer is not None else weights.values)
+        if layer.combiner != "sum":  # dropped: not inserted, counted or updated
+            values = tf.where(flat_weights > 0, values, tf.constant(-1, values.dtype))
     table = layer._table_for_lookup()
     out = _fused_lookup(
-        [_Param(table=table)], [values], [splits], [tf.zeros([0], tf.float32)],
+        [_Param(table=table)], [values], [splits], [flat_weights],
         [layer.combiner], [None], [None], [layer.prune_invalid_ids], [False],
         training=bool(training) and layer.trainable, name=f"{layer.name}_lookup")[0]
     if outer is not None:  # [rows, dim] back to the ids' [..., dim]

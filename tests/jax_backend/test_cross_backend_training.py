@@ -86,17 +86,35 @@ def weighted_group(name, lr):
     model.compile(optimizer=getattr(kre.optimizers, name)(lr), loss="mse")
     model.fit(x, labels, batch_size=4, epochs=2, shuffle=False, verbose=0)
     return summary(table, dense, model)
+def weighted_layer(combiner, name, lr):
+    # EmbeddingVariable(combiner=...)(ids, weights=w): ids padded with -1,
+    # some weights <= 0; the outputs of the trained model too.
+    rng, labels, init, dense = start(14, DIM)
+    layer = make_layer(init, combiner)
+    ids = rng.integers(-1, 7, size=(16, 3)).astype(np.int32)
+    w = rng.choice([-0.5, 0.0, 0.5, 1.0, 2.5], size=(16, 3)).astype(np.float32)
+    ids_in, w_in = keras.Input(shape=(3,), dtype="int32"), keras.Input(shape=(3,))
+    model = keras.Model([ids_in, w_in], dense(layer(ids_in, weights=w_in)))
+    model.compile(optimizer=getattr(kre.optimizers, name)(lr), loss="mse")
+    model.fit([ids, w], labels, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    out = summary(layer, dense, model)
+    out["outputs"] = model.predict([ids, w], verbose=0).tolist()
+    return out
 result = {"twice Adam": twice("Adam", 0.01), "twice Adagrad": twice("Adagrad", 0.05),
           "scheduler Adagrad": changed_rate("Adagrad", "scheduler"),
           "plateau Adam": changed_rate("Adam", "plateau"),
           "assigned SGD": changed_rate("SGD", "assign"),
           "weighted group Adagrad": weighted_group("Adagrad", 0.05),
-          "weighted group Adam": weighted_group("Adam", 0.01)}
+          "weighted group Adam": weighted_group("Adam", 0.01),
+          "weighted sum Adagrad": weighted_layer("sum", "Adagrad", 0.05),
+          "weighted mean Adagrad": weighted_layer("mean", "Adagrad", 0.05),
+          "weighted sqrtn SGD": weighted_layer("sqrtn", "SGD", 0.1)}
 """
 
 _TOLERANCES = {"twice Adam": 1e-4, "twice Adagrad": 1e-5, "scheduler Adagrad": 1e-5,
                "plateau Adam": 1e-4, "assigned SGD": 1e-5, "weighted group Adagrad": 1e-5,
-               "weighted group Adam": 1e-4}
+               "weighted group Adam": 1e-4, "weighted sum Adagrad": 1e-5,
+               "weighted mean Adagrad": 1e-5, "weighted sqrtn SGD": 1e-5}
 
 
 def _under_jax():
@@ -123,6 +141,8 @@ def test_steps_learning_rates_and_weights_give_the_tensorflow_backends_numbers()
     assert tf_runs["scheduler Adagrad"]["learning_rate"] < 0.05 * 0.3
     assert abs(tf_runs["plateau Adam"]["learning_rate"] - 0.05 / 4) < 1e-8
     assert abs(tf_runs["assigned SGD"]["learning_rate"] - 0.002) < 1e-9
+    assert all("outputs" in tf_runs[f"weighted {c}"] for c in ("sum Adagrad", "mean Adagrad",
+                                                                 "sqrtn SGD"))
     for name, tolerance in _TOLERANCES.items():
         tf_run, jax_run = tf_runs[name], jax_runs[name]
         for key in ("keys", "freqs", "versions"):
@@ -130,7 +150,9 @@ def test_steps_learning_rates_and_weights_give_the_tensorflow_backends_numbers()
         assert sorted(jax_run["slots"]) == sorted(tf_run["slots"]), name
         np.testing.assert_allclose(jax_run["learning_rate"], tf_run["learning_rate"], rtol=1e-6,
                                    err_msg=name)
-        for key in ("values", "kernel", "bias", *(f"slot {s}" for s in tf_run["slots"])):
+        assert ("outputs" in jax_run) == ("outputs" in tf_run), name
+        for key in ("values", "kernel", "bias", *(f"slot {s}" for s in tf_run["slots"]),
+                    *(["outputs"] if "outputs" in tf_run else [])):
             got, want = ((run["slots"][key[5:]] if key.startswith("slot ") else run[key])
                          for run in (jax_run, tf_run))
             np.testing.assert_allclose(got, want, rtol=tolerance, atol=1e-6,
