@@ -4,8 +4,7 @@ Initialization (`InitializerOption`), admission filters (`CounterFilter`,
 `CBFFilter`) and eviction (`GlobalStepEvict`, `L2WeightEvict`) are in effect.
 Storage: DRAM, or a file tier (`StorageOption("FILE", storage_path, storage_size)`)
 whose rows live in files with a bounded DRAM cache. The options import
-without TensorFlow and apply under both Keras backends (the file tier is
-TensorFlow-only for now).
+without TensorFlow and apply under both Keras backends.
 """
 
 import math
@@ -286,8 +285,9 @@ class StorageOption(_Option):
     removed when it is freed (see the README's file-tier notes).
     `layer.snapshot()` writes a crash-safe snapshot of the table's files
     (no rows go through Python); `layer.restore_snapshot()` reads it back.
-    Under Keras's JAX backend only `"DRAM"` so far: `"FILE"` is refused
-    with a ValueError naming it TensorFlow-only.
+    The file tier works under Keras's TensorFlow and JAX backends alike
+    (`tf.train.Checkpoint` is TensorFlow's), and a `.keras` file of a
+    file-tier model saved under one loads under the other.
 
     Args:
         storage_type: `"DRAM"` (the default) or `"FILE"`.

@@ -17,23 +17,15 @@ Two objects with two roles:
   objects that act as resource variables as variables, which a table is not.
 """
 
-import fcntl
 import itertools
-import os
-import re
-import shutil
-import tempfile
-import time
 import uuid
-import warnings
-import weakref
 from typing import NamedTuple
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_rec_emb import _compat
+from keras_rec_emb import _compat, _file_tier
 from keras_rec_emb import _ops, _serving_context
 from keras_rec_emb import tables as _tables
 from keras_rec_emb._checks import keys_in_range
@@ -175,49 +167,6 @@ _STOCK_WRAPPER_ERROR = (
     "it so by itself)."
 )
 
-_COPY_PATH_ENV = "KRE_STORAGE_COPY_PATH"
-_COPY_MARK = ".copy-"
-
-
-def _storage_held(folder):
-    """Whether a live table (of this process or another) holds the file
-    tier's lock on `folder` (an exclusive flock on `folder/LOCK`)."""
-    try:
-        fd = os.open(os.path.join(folder, "LOCK"), os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)  # releases the lock if the probe took it
-    return False
-
-
-def _remove_stale_copies(root, base):
-    """Removes the copy folders of `base` under `root` that no live table
-    holds (left by a killed process). A folder changed in the last minute is
-    left alone: a copy being made has not taken its lock yet."""
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return
-    for name in names:
-        if not name.startswith(base + _COPY_MARK):
-            continue
-        path = os.path.join(root, name)
-        try:
-            if time.time() - os.stat(path).st_mtime < 60:
-                continue
-        except OSError:
-            continue
-        if not _storage_held(path):
-            shutil.rmtree(path, ignore_errors=True)
-
-
 class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
     """A dynamic hash table from integer keys to float32 rows of width `dim`.
 
@@ -299,8 +248,7 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         self._copy_dir = None  # the folder of a copy beside a live table
         if storage_path is not None:
             # One folder per table: its name, made a safe file name.
-            safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("._") or "table"
-            self._storage_dir = os.path.join(os.path.abspath(storage_path), safe)
+            self._storage_dir = _file_tier.table_folder(storage_path, name)
         self._cache_bytes = int(cache_bytes)
         self._shared_name = str(shared_name)
         self._restore_dim_mismatch = check_restore_dim_mode(restore_dim_mismatch)
@@ -337,32 +285,9 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         held by another live table, gives it a folder of its own next to it
         (`<folder>.copy-XXXXXXXX`) and returns True; else returns False."""
         if (self._storage_dir is None or self._copy_dir is not None or self._shared_name
-                or not _storage_held(self._storage_dir)):
+                or not _file_tier.storage_held(self._storage_dir)):
             return False
-        root = os.environ.get(_COPY_PATH_ENV) or os.path.dirname(self._storage_dir)
-        base = os.path.basename(self._storage_dir)
-        _remove_stale_copies(root, base)
-        try:
-            os.makedirs(root, exist_ok=True)
-            self._copy_dir = tempfile.mkdtemp(prefix=base + _COPY_MARK, dir=root)
-        except OSError as e:
-            raise OSError(
-                e.errno,
-                f"File-tier table '{self._name}': its folder '{self._storage_dir}' is "
-                "held by another live table (the model it was reloaded beside, or a "
-                "trainer in another process), and no folder of its own could be made "
-                f"under '{root}' ({e.strerror}). Set the environment variable "
-                f"{_COPY_PATH_ENV} to a writable folder for such copies, or load it once "
-                "no live table holds that folder (the model holding it freed: `del "
-                "model`, or its process ended).") from e
-        os.chmod(self._copy_dir, 0o755)  # as the folders the file tier makes
-        weakref.finalize(self, shutil.rmtree, self._copy_dir, True)
-        warnings.warn(
-            f"File-tier table '{self._name}': its folder '{self._storage_dir}' is held "
-            "by another live table (the model it was reloaded beside, or a trainer in "
-            f"another process); this one works in a folder of its own, '{self._copy_dir}', "
-            "removed when it is freed. It cannot snapshot(): give it a storage_path of "
-            "its own for that.", stacklevel=2)
+        self._copy_dir = _file_tier.copy_folder(self, self._name, self._storage_dir)
         return True
 
     # -- TrackableResource ------------------------------------------------

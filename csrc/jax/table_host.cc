@@ -2,7 +2,8 @@
 //
 // Table management for the JAX binding as plain C functions, which
 // keras_rec_emb/_jax/ffi.py calls through ctypes: create, destroy, add a
-// slot, size, evict. They are host calls that must take effect when Python makes
+// slot, size, evict, statistics, the file tier's snapshots. They are host calls
+// that must take effect when Python makes
 // them, whatever JAX is tracing (a Keras layer builds its table inside the
 // trace of the model's first call or symbolic build); an XLA custom call
 // made then would be staged into that computation and run only if the
@@ -82,11 +83,14 @@ using kre::jaxbind::Tables;
 // writes its handle (>= 1) to `*handle`. `bloom_counters` > 0 gives it a
 // counting Bloom filter of that many counters of `bloom_counter_bytes`
 // bytes with `bloom_hashes` hashes per key (a CBFFilter's sizing), which
-// then admits keys at `filter_freq`.
+// then admits keys at `filter_freq`. A non-empty `storage_path` puts the
+// rows in the file tier (kv/file_store.h) under that folder, which the
+// table locks, with a DRAM cache of about `cache_bytes` (>= 1).
 extern "C" int KreHostCreate(const float* defaults, int64_t rows, int64_t dim, int32_t key_bits,
                              int32_t num_shards, int32_t track_meta, int64_t filter_freq,
                              float no_permission_value, int64_t freq_cap, int64_t bloom_counters,
-                             int32_t bloom_hashes, int32_t bloom_counter_bytes, int64_t* handle,
+                             int32_t bloom_hashes, int32_t bloom_counter_bytes,
+                             const char* storage_path, int64_t cache_bytes, int64_t* handle,
                              char* error, size_t error_size) {
   return Guarded(error, error_size, [&]() -> int {
     auto invalid = [&](const std::string& m) { return Fail(kKreInvalid, m, error, error_size); };
@@ -109,6 +113,9 @@ extern "C" int KreHostCreate(const float* defaults, int64_t rows, int64_t dim, i
     if (std::isinf(no_permission_value)) {
       return invalid("`no_permission_value` must be finite or NaN");
     }
+    if (cache_bytes < 1) {
+      return invalid("`cache_bytes` must be >= 1, got " + std::to_string(cache_bytes));
+    }
     const int64_t count = rows * dim;
     if (!std::all_of(defaults, defaults + count, [](float v) { return !std::isnan(v); })) {
       return invalid("`default_values` must not hold NaN");
@@ -124,6 +131,8 @@ extern "C" int KreHostCreate(const float* defaults, int64_t rows, int64_t dim, i
     options.bloom_counters = static_cast<uint64_t>(bloom_counters);
     options.bloom_hashes = bloom_hashes;
     options.bloom_counter_bytes = bloom_counter_bytes;
+    options.storage_path = storage_path == nullptr ? std::string() : std::string(storage_path);
+    options.cache_bytes = static_cast<uint64_t>(cache_bytes);
     std::shared_ptr<AnyTable> table;
     try {
       table = std::make_shared<AnyTable>(key_bits, std::move(options));
@@ -225,6 +234,97 @@ extern "C" int KreHostEvict(int64_t handle, int64_t now, int64_t steps_to_live,
       return Fail(kKreInvalid, "`l2_threshold` must not be NaN", error, error_size);
     }
     *erased = t->Visit([&](auto& tab) { return tab.Evict(now, steps_to_live, l2_threshold); });
+    return kKreOk;
+  });
+}
+
+// The table's statistics, into out[0..17]: admitted keys, keys counted but
+// not admitted, memory bytes, latest step (keras_rec_emb/_ops.py's
+// TABLE_STATS); rows, cached rows, cache memory bytes, disk bytes, cache
+// hits, cache misses, file reads, file writes (STORAGE_STATS); lookups,
+// hits, admitted total, erased total, change epoch, erased-log entries
+// (the rest of COUNTER_PARTS).
+extern "C" int KreHostStats(int64_t handle, int64_t* out, char* error, size_t error_size) {
+  return Guarded(error, error_size, [&]() -> int {
+    std::shared_ptr<AnyTable> t = Tables().Get(handle);
+    if (t == nullptr) return Fail(kKreInvalid, NoTable(handle), error, error_size);
+    t->Visit([&](auto& tab) {
+      const kre::kv::RowStoreStats s = tab.StoreStats();
+      const kre::kv::TableCounters c = tab.Counters();
+      const int64_t values[] = {
+          tab.Size(),         tab.FilteredSize(),  static_cast<int64_t>(tab.MemoryBytes()),
+          tab.LatestStep(),   int64_t(s.rows),     int64_t(s.cached_rows),
+          int64_t(s.memory_bytes), int64_t(s.disk_bytes), int64_t(s.hits),
+          int64_t(s.misses),  int64_t(s.file_reads), int64_t(s.file_writes),
+          int64_t(c.lookups), int64_t(c.hits),     int64_t(c.admitted),
+          int64_t(c.erased),  tab.ChangeEpoch(),   tab.ErasedLogSize()};
+      std::copy(std::begin(values), std::end(values), out);
+    });
+    return kKreOk;
+  });
+}
+
+// File tier: writes a crash-safe snapshot under the table's folder and
+// writes its number to `*sequence` (kKreFailed naming the file on an I/O
+// error).
+extern "C" int KreHostSnapshot(int64_t handle, int64_t* sequence, char* error,
+                               size_t error_size) {
+  return Guarded(error, error_size, [&]() -> int {
+    std::shared_ptr<AnyTable> t = Tables().Get(handle);
+    if (t == nullptr) return Fail(kKreInvalid, NoTable(handle), error, error_size);
+    return t->Visit([&](auto& tab) -> int {
+      if (!tab.file_tier()) {
+        return Fail(kKreInvalid, "snapshots need a file-tier table (StorageOption(\"FILE\", "
+                    "storage_path=...))", error, error_size);
+      }
+      try {
+        *sequence = tab.Snapshot();
+      } catch (const std::bad_alloc&) {
+        throw;
+      } catch (const std::exception& e) {
+        return Fail(kKreFailed, std::string("snapshot failed: ") + e.what(), error, error_size);
+      }
+      return kKreOk;
+    });
+  });
+}
+
+// File tier: replaces the contents with the latest snapshot under `path`
+// (the table's folder when empty); writes the number of keys to `*count`.
+// A missing, corrupt or truncated snapshot is kKreInvalid naming the file,
+// and leaves the table as it was.
+extern "C" int KreHostRestoreSnapshot(int64_t handle, const char* path, int64_t* count,
+                                      char* error, size_t error_size) {
+  return Guarded(error, error_size, [&]() -> int {
+    std::shared_ptr<AnyTable> t = Tables().Get(handle);
+    if (t == nullptr) return Fail(kKreInvalid, NoTable(handle), error, error_size);
+    return t->Visit([&](auto& tab) -> int {
+      if (!tab.file_tier()) {
+        return Fail(kKreInvalid, "snapshots need a file-tier table (StorageOption(\"FILE\", "
+                    "storage_path=...))", error, error_size);
+      }
+      try {
+        *count = tab.RestoreSnapshot(path == nullptr ? std::string() : std::string(path));
+      } catch (const std::bad_alloc&) {
+        throw;
+      } catch (const std::exception& e) {
+        return Fail(kKreInvalid, std::string("snapshot restore failed: ") + e.what(), error,
+                    error_size);
+      }
+      return kKreOk;
+    });
+  });
+}
+
+// File tier: releases the lock on the table's folder (its layer is gone;
+// another table may take the folder), as TensorFlow's TableReleaseStorage.
+extern "C" int KreHostReleaseStorage(int64_t handle, char* error, size_t error_size) {
+  return Guarded(error, error_size, [&]() -> int {
+    std::shared_ptr<AnyTable> t = Tables().Get(handle);
+    if (t == nullptr) return Fail(kKreInvalid, NoTable(handle), error, error_size);
+    t->Visit([&](auto& tab) {
+      if (tab.file_tier()) tab.ReleaseStorageLock();
+    });
     return kKreOk;
   });
 }

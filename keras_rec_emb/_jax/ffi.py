@@ -20,7 +20,8 @@ across dispatches (eager calls and successive jitted calls alike). So:
 
 Tables are named by an integer handle (csrc/jax/table_registry.h), a static
 attribute of each call: a jitted function is compiled for the tables it
-uses. Table management (`create`, `destroy`, `add_slot`, `size`, `evict`) is not an
+uses. Table management (`create`, `destroy`, `add_slot`, `size`, `evict`,
+`stats`, the file tier's `snapshot` and `restore_snapshot`) is not an
 XLA call: those are plain C functions of the same library
 (csrc/jax/table_host.cc), called through ctypes, which take effect when
 Python calls them, whatever JAX is tracing. A Keras layer builds its table
@@ -98,14 +99,20 @@ def _declare_host_functions(lib):
     error = (c.c_char_p, c.c_size_t)
     lib.KreHostCreate.argtypes = (c.c_void_p, c.c_int64, c.c_int64, c.c_int32, c.c_int32,
                                   c.c_int32, c.c_int64, c.c_float, c.c_int64, c.c_int64,
-                                  c.c_int32, c.c_int32, c.POINTER(c.c_int64), *error)
+                                  c.c_int32, c.c_int32, c.c_char_p, c.c_int64,
+                                  c.POINTER(c.c_int64), *error)
     lib.KreHostEvict.argtypes = (c.c_int64, c.c_int64, c.c_int64, c.c_float,
                                  c.POINTER(c.c_int64), *error)
     lib.KreHostDestroy.argtypes = (c.c_int64, *error)
     lib.KreHostAddSlot.argtypes = (c.c_int64, c.c_char_p, c.c_int64, c.c_float, *error)
     lib.KreHostSize.argtypes = (c.c_int64, c.POINTER(c.c_int64), *error)
+    lib.KreHostStats.argtypes = (c.c_int64, c.POINTER(c.c_int64), *error)
+    lib.KreHostSnapshot.argtypes = (c.c_int64, c.POINTER(c.c_int64), *error)
+    lib.KreHostRestoreSnapshot.argtypes = (c.c_int64, c.c_char_p, c.POINTER(c.c_int64), *error)
+    lib.KreHostReleaseStorage.argtypes = (c.c_int64, *error)
     for fn in (lib.KreHostCreate, lib.KreHostDestroy, lib.KreHostAddSlot, lib.KreHostSize,
-               lib.KreHostEvict):
+               lib.KreHostEvict, lib.KreHostStats, lib.KreHostSnapshot,
+               lib.KreHostRestoreSnapshot, lib.KreHostReleaseStorage):
         fn.restype = c.c_int
     lib.KreLiveTables.argtypes = ()
     lib.KreLiveTables.restype = c.c_int64
@@ -217,13 +224,16 @@ def _concrete(value, what):
 
 
 def create(default_values, key_dtype="int32", num_shards=32, track_meta=True, filter_freq=0,
-           no_permission_value=0.0, freq_cap=0, bloom=None):
+           no_permission_value=0.0, freq_cap=0, bloom=None, storage_path=None,
+           cache_bytes=64 << 20):
     """A new table; returns its handle (a Python int). A new key's row is a
     copy of row `key mod default_value_dim` of `default_values`
     ([default_value_dim, dim], the engine's EV initializer). `filter_freq`
     > 1 admits a key at that count, counted exactly or, with `bloom`
     (`(counters, hashes, bytes per counter)`, `CBFFilter.sizing()`), by a
-    counting Bloom filter. Runs at once, also while a function is being
+    counting Bloom filter. With `storage_path` (a folder, which the
+    table locks) the rows live in the file tier there, with a DRAM cache
+    of about `cache_bytes`. Runs at once, also while a function is being
     traced."""
     key_dtype = _check_key_dtype(key_dtype)
     default_values = np.ascontiguousarray(default_values, dtype=np.float32)
@@ -234,8 +244,8 @@ def create(default_values, key_dtype="int32", num_shards=32, track_meta=True, fi
     _host("KreHostCreate", default_values.ctypes.data, *default_values.shape,
           64 if key_dtype == "int64" else 32, int(num_shards), int(bool(track_meta)),
           int(filter_freq), float(no_permission_value), int(freq_cap),
-          *((0, 0, 8) if bloom is None else (int(b) for b in bloom)), ctypes.byref(handle),
-          wait=False)
+          *((0, 0, 8) if bloom is None else (int(b) for b in bloom)),
+          os.fsencode(storage_path or ""), int(cache_bytes), ctypes.byref(handle), wait=False)
     return int(handle.value)
 
 
@@ -252,9 +262,10 @@ def evict(handle, now, steps_to_live, l2_threshold):
     return int(erased.value)
 
 
-def destroy(handle):
-    """Destroys table `handle` (after every earlier call on it)."""
-    _host("KreHostDestroy", int(handle))
+def destroy(handle, wait=True):
+    """Destroys table `handle` (after every earlier call on it, with
+    `wait`)."""
+    _host("KreHostDestroy", int(handle), wait=wait)
 
 
 def add_slot(handle, name, width, init=0.0):
@@ -353,6 +364,47 @@ def size(handle):
     out = np.zeros(4, np.int64)
     _host("KreHostSize", int(handle), out.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)))
     return out
+
+
+# KreHostStats's values, in its order (keras_rec_emb/_ops.py's
+# TABLE_STATS, STORAGE_STATS and the rest of COUNTER_PARTS).
+STATS = ("size", "filtered", "memory_bytes", "latest_step", "rows", "cached_rows",
+         "cache_memory_bytes", "disk_bytes", "cache_hits", "cache_misses", "file_reads",
+         "file_writes", "lookups", "hits", "admitted_total", "erased_total", "change_epoch",
+         "erased_log")
+
+
+def stats(handle):
+    """The table's statistics and counters now (after every table call
+    already dispatched), {name: int} by `STATS`."""
+    out = np.zeros(len(STATS), np.int64)
+    _host("KreHostStats", int(handle), out.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)))
+    return dict(zip(STATS, (int(v) for v in out)))
+
+
+def snapshot(handle):
+    """File tier: writes a crash-safe snapshot of the table under its
+    folder (after every table call already dispatched); returns its
+    number. An I/O error is a RuntimeError naming the file."""
+    sequence = ctypes.c_int64(0)
+    _host("KreHostSnapshot", int(handle), ctypes.byref(sequence))
+    return int(sequence.value)
+
+
+def restore_snapshot(handle, path=""):
+    """File tier: replaces the contents with the latest snapshot under
+    `path` (the table's folder when empty); returns the number of keys. A
+    missing or corrupt snapshot is a ValueError naming the file, and
+    leaves the table as it was."""
+    count = ctypes.c_int64(0)
+    _host("KreHostRestoreSnapshot", int(handle), os.fsencode(path or ""), ctypes.byref(count))
+    return int(count.value)
+
+
+def release_storage(handle, wait=True):
+    """File tier: releases the table's lock on its folder (the table works
+    on; another may take the folder)."""
+    _host("KreHostReleaseStorage", int(handle), wait=wait)
 
 
 def export(handle, key_dtype, dim):

@@ -44,7 +44,7 @@ import keras
 import numpy as np
 
 from keras_rec_emb._checks_core import check_int
-from keras_rec_emb._jax import ffi, register, saving
+from keras_rec_emb._jax import ffi, file_tier, register, saving
 from keras_rec_emb._jax.optimizers import TableRule, register_anchor
 from keras_rec_emb.options import EmbeddingVariableOption, InitializerOption
 
@@ -254,11 +254,12 @@ class EmbeddingVariable(keras.layers.Layer):
             TensorFlow: its initializer option, `num_shards`, admission
             filter (`CounterFilter`, `CBFFilter`), eviction
             (`GlobalStepEvict`, `L2WeightEvict`: applied when the model is
-            saved and by `evict()`), `track_meta`, `save_filtered` and
-            `record_freq` apply; its `default_value_dim` and `num_shards`
-            replace the layer's. The file tier
-            (`StorageOption("FILE", ...)`) is TensorFlow-only for now (a
-            ValueError says so).
+            saved and by `evict()`), storage (`StorageOption("FILE",
+            storage_path, storage_size)`: the rows live in files under
+            `storage_path/<name>_embeddings` with a DRAM cache of about
+            `storage_size` bytes; see `snapshot()`), `track_meta`,
+            `save_filtered` and `record_freq` apply; its
+            `default_value_dim` and `num_shards` replace the layer's.
         restore_dim_mismatch: "error" only (the other modes are
             TensorFlow-only for now).
         **kwargs: Keras's layer arguments (`name`, `trainable`, `dtype`).
@@ -359,8 +360,9 @@ class EmbeddingVariable(keras.layers.Layer):
                 shape=(self.default_value_dim, self.embedding_dim), dtype="float32"))
         table = self.ev_option.table_kwargs()
         filter_freq = table.get("filter_freq", 0)
-        self.handle = ffi.create(
-            self.default_values, key_dtype=self.key_dtype, num_shards=self.num_shards,
+        self.handle = file_tier.create(
+            self, self.default_values, self.ev_option.storage_option,
+            key_dtype=self.key_dtype, num_shards=self.num_shards,
             track_meta=table["track_meta"], filter_freq=filter_freq,
             no_permission_value=table["no_permission_value"], bloom=table.get("bloom"),
             # DeepRec's frequency: an admitted key's stays at the threshold
@@ -583,6 +585,62 @@ class EmbeddingVariable(keras.layers.Layer):
         return ffi.evict(self.handle, -1 if step is None else step,
                          getattr(rule, "steps_to_live", -1),
                          getattr(rule, "l2_weight_threshold", -1.0))
+
+    def stats(self):
+        """The table's statistics, a dict of ints: `size` (admitted ids),
+        `filtered` (counted, not admitted), `memory_bytes`, `latest_step`,
+        `storage` ("DRAM" or "FILE"), the row store's `rows`,
+        `cached_rows`, `cache_memory_bytes`, `disk_bytes`, `cache_hits`,
+        `cache_misses`, `cache_hit_rate` (a float, 1.0 before any access),
+        `file_reads`, `file_writes`, and the counters `lookups`, `hits`,
+        `admitted_total`, `erased_total`, `change_epoch`, `erased_log`."""
+        self._require_built("stats()")
+        return file_tier.stats(self)
+
+    @property
+    def storage_dir(self):
+        """The file tier's folder of the table (`storage_path/<name>_embeddings`,
+        or a copy's folder beside a live table holding that one), or None
+        (DRAM)."""
+        return file_tier.storage_dir(self)
+
+    def snapshot(self):
+        """File tier (`StorageOption("FILE", ...)`): writes a crash-safe
+        snapshot of the table's files under `storage_dir` (segments flushed,
+        fsynced and hard-linked, an index written, a manifest renamed; no
+        rows go through Python); returns the snapshot's number. A snapshot
+        killed half-way leaves the previous one intact.
+
+        Example:
+
+        >>> import tempfile
+        >>> option = keras_rec_emb.EmbeddingVariableOption(
+        ...     storage_option=keras_rec_emb.StorageOption(
+        ...         "FILE", storage_path=tempfile.mkdtemp(), storage_size=1 << 20))
+        >>> layer = keras_rec_emb.layers.EmbeddingVariable(
+        ...     4, ev_option=option, optimizer=keras_rec_emb.optimizers.SGD(0.1))
+        >>> _ = layer(np.array([1, 2, 3]), training=True)
+        >>> layer.snapshot()
+        1
+        >>> layer.restore_snapshot()
+        3
+        """
+        self._require_built("snapshot()")
+        return file_tier.snapshot(self)
+
+    def restore_snapshot(self, path=None):
+        """File tier: replaces the table's contents with its latest snapshot
+        and returns the number of ids. A missing, corrupt or truncated
+        snapshot raises a ValueError naming the file and leaves the table
+        unchanged.
+
+        Args:
+            path: str or None. The folder of the snapshot; None is the
+                table's folder under its `storage_path` (also for a copy
+                working in a folder of its own).
+        """
+        self._require_built("restore_snapshot()")
+        return file_tier.restore_snapshot(self, path)
 
     def table_size(self):
         """Number of distinct ids admitted to the table (after every table

@@ -7,11 +7,13 @@ under JAX and the reverse. Three things make it so.
   so Keras resolves a saved layer to the class of the backend that loads it.
 * The config (`layer_config` / `layer_kwargs`): the JAX layer writes the
   TensorFlow layer's arguments (its `EmbeddingVariableOption` with the
-  initializer option, filter and eviction, `combiner`,
+  initializer option, filter, eviction and storage, `combiner`,
   `prune_invalid_ids`, `restore_dim_mismatch`, the table `optimizer` as
   `keras_rec_emb>SGD` / `keras_rec_emb>Adagrad`), and reads them back,
-  refusing with a ValueError what the JAX layer lacks so far (the file
-  tier, `restore_dim_mismatch` other than "error").
+  refusing with a ValueError what the JAX layer lacks so far
+  (`restore_dim_mismatch` other than "error"). A file-tier table's rows
+  are saved as a DRAM table's (exported), so its `.keras` file is the
+  same under both backends.
 * The weights (`save_table` / `load_table`): the layer's store holds the
   table's parts under the names of keras_rec_emb/variables.py's
   `ARRAY_PARTS` (`keys`, `values`, `freqs`, `versions`, `default_values`,
@@ -176,8 +178,8 @@ def _option(value, class_names, argument):
 
 def ev_option(value):
     """`value` (an `EmbeddingVariableOption`, one serialized in a config,
-    or None) as an `EmbeddingVariableOption` (None stays None), refusing
-    with a ValueError what the JAX layer lacks so far (the file tier)."""
+    or None) as an `EmbeddingVariableOption` (None stays None); a
+    ValueError names a part it cannot read."""
     if value is not None and not isinstance(value, options.EmbeddingVariableOption):
         config = dict(_inner(value, "EmbeddingVariableOption", "ev_option"))
         fields = {"init_option": ("InitializerOption",),
@@ -187,9 +189,6 @@ def ev_option(value):
         for field, class_names in fields.items():
             config[field] = _option(config.get(field), class_names, f"ev_option.{field}")
         value = options.EmbeddingVariableOption(**config)
-    if value is not None and value.storage_option.storage_type != "DRAM":
-        raise _unsupported("ev_option.storage_option.storage_type",
-                           value.storage_option.storage_type, "'DRAM'")
     return value
 
 

@@ -269,11 +269,6 @@ def test_bad_arguments_are_refused_by_name():
         layer.evict(-1)
     with pytest.raises(TypeError, match="`step` must be None or a non-negative integer"):
         layer.evict("3")
-    with pytest.raises(ValueError, match=r"storage_type='DRAM' only.*TensorFlow-only for now\. "
-                                         r"Received: ev_option.storage_option.storage_type="
-                                         r"'FILE'"):
-        EmbeddingVariable(DIM, ev_option=kre.EmbeddingVariableOption(
-            storage_option=kre.StorageOption("FILE", storage_path="/tmp/kre_unused")))
     with pytest.raises(ValueError, match="`ev_option.filter_option` must be a serialized "
                                          "CounterFilter or CBFFilter or None"):
         EmbeddingVariable(DIM, ev_option={"class_name": "EmbeddingVariableOption", "config": {

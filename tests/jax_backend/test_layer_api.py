@@ -48,9 +48,6 @@ def test_the_tensorflow_layers_ev_option_applies_where_the_jax_layer_supports_it
 
 
 @pytest.mark.parametrize("kwargs, argument", [
-    ({"ev_option": _option(storage_option={"class_name": "StorageOption", "config": {
-        "storage_type": "FILE", "storage_path": "/tmp/kre_unused"}})},
-     "ev_option.storage_option.storage_type"),
     ({"restore_dim_mismatch": "pad_or_truncate"}, "restore_dim_mismatch"),
 ])
 def test_tensorflow_only_arguments_are_refused_by_name(kwargs, argument):

@@ -274,10 +274,6 @@ def test_the_weights_file_holds_the_tensorflow_backends_parts(tmp_path):
     ({"optimizer": {"class_name": "RMSprop", "config": {}}},
      "supports optimizer=None, SGD, Adagrad, Adam, Ftrl, AdamAsync"),
     ({"restore_dim_mismatch": "pad_or_truncate"}, "supports restore_dim_mismatch='error'"),
-    ({"ev_option": {"class_name": "EmbeddingVariableOption", "config": {
-        "storage_option": {"class_name": "StorageOption", "config": {
-            "storage_type": "FILE", "storage_path": "/tmp/kre_unused"}}}}},
-     "storage_type='DRAM' only"),
     ({"ev_option": 3}, "`ev_option` must be a serialized EmbeddingVariableOption"),
 ])
 def test_a_config_the_jax_layer_cannot_run_is_refused(change, message):
