@@ -15,11 +15,11 @@ from keras_rec_emb._version import __version__
 # `make jax-ops`) and TensorFlow is neither imported nor needed. The public API
 # there: `layers` (EmbeddingVariable, GroupEmbedding, FeatureSpec), every
 # optimizer but LossScaleOptimizer, the table options (EmbeddingVariableOption
-# and the rest), `save_model` / `load_model` and `export_for_serving`; the rest
-# of the TensorFlow API is
+# and the rest), `callbacks` (EvictionCallback, TableStats), `save_model` /
+# `load_model` and `export_for_serving`; the rest of the TensorFlow API is
 # named as TensorFlow-only when asked for.
 if _os.environ.get("KERAS_BACKEND") == "jax":
-    from keras_rec_emb import layers, optimizers
+    from keras_rec_emb import callbacks, layers, optimizers
     from keras_rec_emb._jax import tensorflow_only_getattr
     from keras_rec_emb._jax.serving import export_for_serving
     from keras_rec_emb.options import (CBFFilter, CounterFilter, EmbeddingVariableOption,
@@ -30,10 +30,9 @@ if _os.environ.get("KERAS_BACKEND") == "jax":
     __all__ = ["__version__", "export_for_serving", "layers", "optimizers", "CBFFilter",
                "CounterFilter", "EmbeddingVariableOption", "GlobalStepEvict",
                "InitializerOption", "L2WeightEvict", "StorageOption", "save_model",
-               "load_model"]
+               "load_model", "callbacks"]
     _TENSORFLOW_ONLY = (
-        "callbacks", "data", "distribute", "ops", "IncrementalCheckpointer",
-        "apply_to_saved_model")
+        "data", "distribute", "ops", "IncrementalCheckpointer", "apply_to_saved_model")
 
     def __dir__():
         return list(__all__)

@@ -1,19 +1,62 @@
-"""Keras callbacks for embedding tables."""
+"""Keras callbacks for embedding tables.
+
+Under Keras's JAX backend `EvictionCallback` and `TableStats` (without
+`log_dir`) work as under TensorFlow; `CheckpointCallback`, whose
+incremental checkpoints read the TensorFlow tables' change log, is
+TensorFlow-only for now (asking for it says so).
+"""
 
 import os
 import time
 
 import keras
 
-from keras_rec_emb import _compat
-from keras_rec_emb import _checks
-from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
+from keras_rec_emb import _checks_core as _checks
 
 __all__ = ["EvictionCallback", "CheckpointCallback", "TableStats"]
+_JAX = keras.config.backend() == "jax"
 
 
 def __dir__():
     return list(__all__)  # the public names only (not `os`, `time`, `keras`)
+
+
+def _table_layers(model):
+    """The EmbeddingVariable layers of `model`, nested ones included, each
+    once."""
+    if _JAX:
+        from keras_rec_emb._jax.optimizers import tables_of
+
+        found = tables_of(model.variables)  # each layer by its table's anchor
+    else:
+        from keras_rec_emb import _compat
+        from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
+
+        found = [layer for layer in _compat.flatten_layers(model)
+                 if isinstance(layer, EmbeddingVariable) and layer.table is not None]
+    return list({id(layer): layer for layer in found}.values())
+
+
+def _table_counters(model):
+    """(name, counters) of every table of `model`, in variable order:
+    `counters` a dict with at least `size`, `filtered`, `memory_bytes`,
+    `lookups`, `hits`, `admitted_total`, `erased_total`."""
+    if _JAX:
+        from keras_rec_emb._jax import ffi
+        from keras_rec_emb._jax.optimizers import tables_of
+
+        out, seen = [], set()
+        for variable in model.variables:
+            for layer in tables_of([variable]):
+                if id(layer) not in seen and layer.handle is not None:
+                    seen.add(id(layer))
+                    # The TensorFlow table's variable path: `<layer>/embeddings`.
+                    path = variable.path.rsplit("/", 1)[0] + "/embeddings"
+                    out.append((path, ffi.stats(layer.handle)))
+        return out
+    from keras_rec_emb.incremental import _tables
+
+    return [(path, table.counters()) for path, table in _tables(model)]
 
 
 @keras.saving.register_keras_serializable(package="keras_rec_emb")
@@ -57,8 +100,12 @@ class EvictionCallback(keras.callbacks.Callback):
 
     def _evict(self):
         step = self._step() - 1  # the last step applied
-        for layer in _compat.flatten_layers(self.model):
-            if isinstance(layer, EmbeddingVariable) and layer.table is not None:
+        for layer in _table_layers(self.model):
+            if _JAX:
+                # A JAX table's versions are its layer's step counter.
+                last = int(keras.ops.convert_to_numpy(layer.iterations.value)) - 1
+                self.evicted += layer.evict(last if last >= 0 else None)
+            else:
                 self.evicted += layer.evict(step)
 
     def on_train_batch_end(self, batch, logs=None):
@@ -260,6 +307,12 @@ class TableStats(keras.callbacks.Callback):
         if log_dir is not None and (not isinstance(log_dir, (str, os.PathLike))
                                     or not os.fspath(log_dir)):
             raise TypeError(f"`log_dir` must be a path or None. Received: log_dir={log_dir!r}")
+        if log_dir is not None and _JAX:
+            raise ValueError(
+                "TableStats(log_dir=...) writes TensorBoard scalars through TensorFlow's "
+                "tf.summary, which runs on Keras's TensorFlow backend only for now, and the "
+                "active backend is 'jax'. Under JAX: log_dir=None, with the numbers in "
+                f"`logs` (History, CSVLogger). Received: log_dir={log_dir!r}")
         self.log_dir = None if log_dir is None else os.fspath(log_dir)
         self.in_logs = _checks.check_bool("in_logs", in_logs)
         self.latest = {}   # the last numbers reported
@@ -268,14 +321,11 @@ class TableStats(keras.callbacks.Callback):
 
     def stats(self, model=None):
         """The numbers now, as {name: value}, advancing the interval."""
-        from keras_rec_emb.incremental import _tables
-
         out = {}
-        for path, table in _tables(model or self.model):
+        for path, c in _table_counters(model or self.model):
             name = path.replace("/", "_")
             if name.endswith("_embeddings"):
                 name = name[:-len("_embeddings")]
-            c = table.counters()
             prev = self._previous.get(name, {"lookups": 0, "hits": 0, "admitted_total": 0,
                                              "erased_total": 0})
             lookups = c["lookups"] - prev["lookups"]
@@ -338,3 +388,12 @@ class TableStats(keras.callbacks.Callback):
     @classmethod
     def from_config(cls, config):
         return cls(**config)
+
+
+if _JAX:
+    from keras_rec_emb._jax import tensorflow_only_getattr
+
+    del CheckpointCallback  # incremental checkpoints: TensorFlow-only for now
+    __all__ = ["EvictionCallback", "TableStats"]
+    __getattr__ = tensorflow_only_getattr("keras_rec_emb.callbacks", ("CheckpointCallback",),
+                                          __all__)
