@@ -7,10 +7,12 @@ if _os.environ.get("KERAS_BACKEND") == "jax":
     from keras_rec_emb._jax import tensorflow_only_getattr
     from keras_rec_emb._jax.group_embedding import FeatureSpec, GroupEmbedding
     from keras_rec_emb._jax.layers import EmbeddingVariable
+    from keras_rec_emb._jax.adaptive import AdaptiveEmbedding
     from keras_rec_emb._jax.multi_hash import MultiHashEmbedding
 
-    __all__ = ["EmbeddingVariable", "FeatureSpec", "GroupEmbedding", "MultiHashEmbedding"]
-    _TENSORFLOW_ONLY = ("AdaptiveEmbedding", "FeatureConfig", "HashStrings", "TableConfig")
+    __all__ = ["AdaptiveEmbedding", "EmbeddingVariable", "FeatureSpec", "GroupEmbedding",
+               "MultiHashEmbedding"]
+    _TENSORFLOW_ONLY = ("FeatureConfig", "HashStrings", "TableConfig")
     __getattr__ = tensorflow_only_getattr("keras_rec_emb.layers", _TENSORFLOW_ONLY, __all__)
 else:
     from keras_rec_emb import _compat

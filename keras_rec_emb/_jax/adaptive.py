@@ -1,0 +1,229 @@
+"""`AdaptiveEmbedding` under Keras's JAX backend.
+
+The TensorFlow layer's promotion (keras_rec_emb/layers/adaptive_embedding.py
+says how it works) with the same tables, sentinels and config
+(keras_rec_emb/_adaptive_spec.py): a static Keras weight trained by the
+compiled optimizer, and a JAX `EmbeddingVariable` (`dynamic`) with a counter
+filter at `promote_threshold`, trained in the backward of the lookup as
+every JAX table is (keras_rec_emb/_jax/layers.py says why).
+
+Under `jit` shapes are fixed, so the TensorFlow layer's `tf.unique`,
+`boolean_mask` and `dynamic_stitch` become a sized `jnp.unique`, masks and
+`where`; newly promoted rows are written by `ffi.merge_rows`. One
+`custom_vjp` holds the training step (count, copy, serve): its backward
+gives the static table the gradient of the ids it served and applies that
+of the others to `dynamic` with its optimizer's rule. With
+`training=None` (a subclassed model's `call` that does not pass it on) the
+layer trains exactly when the loss is differentiated with respect to it, as
+`EmbeddingVariable` does: `fit` counts and promotes, `predict` does not.
+
+Ids < 0 are the JAX tables' padding (pruned), so under JAX they are served
+by the static table only, never counted or promoted. The static table is a
+Keras weight: where a batch reads one of its rows twice, Adagrad's numbers
+differ from TensorFlow's as `MultiHashEmbedding`'s do (keras_rec_emb/_jax/
+multi_hash.py says why); SGD's, and the table's, match.
+"""
+
+import jax
+import jax.numpy as jnp
+import keras
+
+from keras_rec_emb._adaptive_spec import AdaptiveSpec
+from keras_rec_emb._jax import ffi, hashing, register
+from keras_rec_emb._jax.layers import EmbeddingVariable, combine_last_axis
+
+_NOT_PROMOTED, _NEWLY_PROMOTED, _PROMOTED = 0, 1, 2
+
+
+def _train_forward(layer, ids, mask, static):
+    """The training step's forward on flat ids: (rows, residuals)."""
+    handle, dim = layer.dynamic.handle, layer.embedding_dim
+    counting = layer.promote_threshold is not None
+    valid = ids >= 0
+    # 1. Count (the admitting lookup reads the no-permission NaN, a read-only
+    # probe after it the +inf initial row of the ids it admitted).
+    probe = ffi.lookup(handle, ids, dim, insert=counting, prune=True)[:, 0]
+    if counting:
+        after = ffi.lookup(handle, ids, dim, insert=False, prune=True)[:, 0]
+        newly = jnp.isnan(probe) & jnp.isinf(after)
+    else:
+        newly = jnp.zeros_like(valid)
+    code = jnp.where(jnp.isfinite(probe), _PROMOTED,
+                     jnp.where(newly, _NEWLY_PROMOTED, _NOT_PROMOTED))
+    code = jnp.where(valid, code, _NOT_PROMOTED)
+    n = ids.shape[0]
+    uniq, idx = jnp.unique(ids, size=n, fill_value=-1, return_inverse=True)
+    idx = idx.reshape(-1)
+    occurrences = jax.ops.segment_sum(jnp.ones_like(idx), idx, n)
+    present = (occurrences > 0) & (uniq >= 0)
+    status = jnp.where(present, jax.ops.segment_max(code, idx, n), _NOT_PROMOTED)
+    # 2. Copy the static rows of newly promoted ids (and of ids the mask sends
+    # to the table that have no row yet) into the table.
+    to_copy = status == _NEWLY_PROMOTED
+    forced = jnp.zeros_like(to_copy)
+    if mask is not None:
+        wants = jax.ops.segment_max(mask.astype(jnp.int32), idx, n) > 0
+        forced = present & (status == _NOT_PROMOTED) & wants
+        to_copy = to_copy | forced
+    if counting:  # -1 keeps the table's count; a forced id this batch's
+        freqs = jnp.where(forced, occurrences, -1)
+    else:  # the serving lookup counts
+        freqs = jnp.zeros_like(occurrences)
+    values = jax.lax.stop_gradient(static[layer.static_bucket(uniq)])
+    ffi.merge_rows(handle, uniq, values.astype(jnp.float32), freqs, to_copy & present)
+    # 3. Serve: each table only sees the ids it serves.
+    use_ev = (mask != 0) if mask is not None else status[idx] > _NOT_PROMOTED
+    use_ev = use_ev & valid
+    ev_keys = jnp.where(use_ev, ids, -1)
+    ev_rows = ffi.lookup(handle, ev_keys, dim, insert=not counting, prune=True)
+    buckets = layer.static_bucket(ids)
+    rows = jnp.where(use_ev[:, None], ev_rows, static[buckets].astype(jnp.float32))
+    return rows, (ev_keys, use_ev, buckets)
+
+
+def _serve(layer, ids, mask, static):
+    """Inference on flat ids: ids with a row in the table read it (those the
+    mask sends there), the others their static bucket; nothing changes."""
+    probe = ffi.lookup(layer.dynamic.handle, ids, layer.embedding_dim, insert=False,
+                       prune=True)
+    use_ev = jnp.isfinite(probe[:, 0]) & (ids >= 0)
+    if mask is not None:
+        use_ev = use_ev & (mask != 0)
+    static_rows = static[layer.static_bucket(ids)].astype(jnp.float32)
+    return jnp.where(use_ev[:, None], probe, static_rows)
+
+
+def _step(layer, conditional, with_mask):
+    """step(ids, mask, static, step) -> (rows, trained): a training step
+    whose backward updates both tables; with `conditional`, only when
+    differentiated (else it serves, `trained` 0)."""
+
+    @jax.custom_vjp
+    def step_fn(ids, mask, static, step):
+        mask = mask if with_mask else None
+        if conditional:
+            return _serve(layer, ids, mask, static), jnp.zeros_like(step)
+        return _train_forward(layer, ids, mask, static)[0], jnp.ones_like(step)
+
+    def forward(ids, mask, static, step):
+        rows, saved = _train_forward(layer, ids, mask if with_mask else None, static)
+        return (rows, jnp.ones_like(step)), (saved, static, step)
+
+    def backward(residuals, grads):
+        (ev_keys, use_ev, buckets), static, step = residuals
+        g = grads[0].astype(jnp.float32)
+        if layer.dynamic.table_rule is not None:
+            layer.dynamic._apply_gradients(  # pylint: disable=protected-access
+                [(ev_keys, jnp.where(use_ev[:, None], g, 0.0), True, None, None)], step)
+        static_grad = jnp.zeros(static.shape, jnp.float32).at[buckets].add(
+            jnp.where(use_ev[:, None], 0.0, g))
+        return None, None, static_grad.astype(static.dtype), None
+
+    step_fn.defvjp(forward, backward)
+    return step_fn
+
+
+@register(package="keras_rec_emb", name="AdaptiveEmbedding")
+class AdaptiveEmbedding(AdaptiveSpec, keras.layers.Layer):
+    """Rare ids share a static hashed table; frequent ids get their own
+    rows, under Keras's JAX backend (the TensorFlow backend's
+    `AdaptiveEmbedding`: same arguments, tables, promotion state and
+    config, one `.keras` file for both).
+
+    Every id starts in a static `[hash_bucket_size, embedding_dim]` matrix
+    (a Keras weight), at row `fingerprint64(id) mod hash_bucket_size` (the
+    TensorFlow backend's splitmix64). The training lookup that brings an
+    id's count to `promote_threshold` promotes it: it gets its own row in
+    an `EmbeddingVariable` (`dynamic`), a copy of its static row, and from
+    then on is served and trained by that row only. `layer(ids,
+    adaptive_mask=mask)` (0/1 shaped like the ids) routes by the mask
+    instead. Train with an optimizer of `keras_rec_emb.optimizers`.
+
+    Under JAX the ids are dense (ragged and sparse ids are TensorFlow's),
+    and ids < 0 are always served by the static table (the JAX tables'
+    padding): never counted or promoted.
+
+    Args:
+        embedding_dim: int > 0. Width of each embedding row.
+        hash_bucket_size: int > 0. Rows of the static table.
+        promote_threshold: int >= 1 or `None` (default): training lookups
+            after which an id is promoted; `None` promotes by mask only.
+        initializer: Keras initializer of the static table. Defaults to
+            `"truncated_normal"`.
+        ev_option: `keras_rec_emb.EmbeddingVariableOption` or `None`: the
+            table's eviction, shards and `save_filtered`; its
+            `filter_option` and `init_option` must be left unset.
+        combiner: `None`, `"sum"`, `"mean"` or `"sqrtn"`: combines the last
+            axis of the ids.
+        name: str or `None`.
+        **kwargs: other `keras.layers.Layer` arguments (e.g. `dtype`).
+
+    Example:
+
+    >>> layer = keras_rec_emb.layers.AdaptiveEmbedding(
+    ...     4, hash_bucket_size=100, promote_threshold=2)
+    >>> out = layer(np.array([7, 8, 7]), training=True)  # 7 seen twice
+    >>> layer.promoted_ids().tolist()
+    [7]
+    >>> out = layer(np.array([7, 8, 9]), adaptive_mask=np.array([0, 1, 0]),
+    ...             training=True)  # the mask sends 8 to the table
+    >>> layer.promoted_ids().tolist()
+    [7, 8]
+    >>> model = keras.Sequential([
+    ...     keras.Input(shape=(2,), dtype="int32"),
+    ...     keras_rec_emb.layers.AdaptiveEmbedding(4, 100, promote_threshold=3),
+    ...     keras.layers.Flatten(), keras.layers.Dense(1)])
+    >>> model.compile(optimizer=keras_rec_emb.optimizers.SGD(0.1), loss="mse")
+    >>> history = model.fit(np.random.randint(0, 20, (64, 2)), np.ones((64, 1)),
+    ...                     verbose=0)
+    >>> model.layers[0].promoted_ids().size > 0
+    True
+    """
+
+    def __init__(self, embedding_dim, hash_bucket_size, promote_threshold=None,
+                 initializer="truncated_normal", ev_option=None, combiner=None, name=None,
+                 **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.init_spec(embedding_dim, hash_bucket_size, promote_threshold, initializer,
+                       ev_option, combiner, EmbeddingVariable)
+
+    def static_bucket(self, ids):
+        """Row of the static table of each id: `fingerprint64(id) mod
+        hash_bucket_size` (shape of `ids`)."""
+        return hashing.hash_to_range(jnp.asarray(ids), self.hash_bucket_size)
+
+    def compute_output_spec(self, inputs, adaptive_mask=None, training=None):
+        return keras.KerasTensor(self.compute_output_shape(inputs.shape),
+                                 dtype=self.compute_dtype)
+
+    def call(self, inputs, adaptive_mask=None, training=None):
+        ids = keras.ops.convert_to_tensor(inputs, dtype=self.dynamic.key_dtype)
+        if self.combiner is not None and ids.ndim < 1:
+            raise ValueError(
+                f"AdaptiveEmbedding '{self.name}' with a combiner combines the last axis "
+                f"of the ids; received scalar ids of shape {tuple(ids.shape)}")
+        mask = None
+        if adaptive_mask is not None:
+            mask = jnp.asarray(adaptive_mask)
+            if mask.shape != ids.shape:
+                raise ValueError(
+                    f"`adaptive_mask` must have the shape of the ids {tuple(ids.shape)}. "
+                    f"Received: adaptive_mask of shape {tuple(mask.shape)}")
+            mask = mask.reshape(-1).astype(jnp.int32)
+        flat = ids.reshape(-1)
+        static = self.static_embeddings.value
+        conditional = training is None and self.trainable
+        if not (conditional or (training and self.trainable)):
+            rows = _serve(self, flat, mask, static)
+        else:
+            counter = self.dynamic.iterations
+            step = counter.value
+            if self.dynamic.table_rule is not None:  # as the table's own lookup does
+                self.dynamic.table_rule.new_step(
+                    getattr(self.dynamic, "_kre_own_learning_rate", None))
+            fn = _step(self, conditional, mask is not None)
+            rows, trained = fn(flat, mask if mask is not None else jnp.zeros_like(flat),
+                               static, step)
+            counter.assign(step + trained)
+        rows = rows.reshape(ids.shape + (self.embedding_dim,)).astype(self.compute_dtype)
+        return rows if self.combiner is None else combine_last_axis(rows, None, self.combiner)
