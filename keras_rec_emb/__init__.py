@@ -19,6 +19,10 @@ from keras_rec_emb._version import __version__
 # `load_model` and `export_for_serving`; the rest of the TensorFlow API is
 # named as TensorFlow-only when asked for.
 if _os.environ.get("KERAS_BACKEND") == "jax":
+    from keras_rec_emb._jax import use_64_bit_ids
+
+    # Before any array is made: ids are 64-bit (see use_64_bit_ids).
+    use_64_bit_ids()
     from keras_rec_emb import callbacks, layers, optimizers
     from keras_rec_emb._jax import tensorflow_only_getattr
     from keras_rec_emb._jax.serving import export_for_serving

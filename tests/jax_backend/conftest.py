@@ -24,6 +24,16 @@ if os.environ.get("KERAS_BACKEND") == "jax":
     import numpy as np
     import pytest
 
+    @pytest.fixture
+    def jax_32_bit_mode():
+        """JAX's 32-bit mode (int32 ids) for the test: importing
+        keras_rec_emb turns the 64-bit mode on unless JAX_ENABLE_X64 says
+        otherwise, so the int32 layout is tested under this fixture."""
+        import jax
+
+        with jax.enable_x64(False):
+            yield
+
     @pytest.fixture(autouse=True)
     def _seed():
         # Overrides tests/conftest.py's: keras.utils.set_random_seed imports

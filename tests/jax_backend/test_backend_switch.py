@@ -2,6 +2,10 @@
 KERAS_BACKEND=jax: `export()` returns the same parts, int64 ids keep their
 value in JAX's 64-bit mode, and `save_model` / `load_model` work."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import keras
 import numpy as np
@@ -50,9 +54,11 @@ def test_export_has_the_tensorflow_layers_parts_and_named_slots():
 
 
 def test_key_dtype_defaults_to_the_widest_int_jax_holds():
-    assert kre.layers.EmbeddingVariable(DIM).key_dtype == "int32"
-    with jax.enable_x64(True):
-        assert kre.layers.EmbeddingVariable(DIM).key_dtype == "int64"
+    # Importing keras_rec_emb turned JAX's 64-bit mode on (JAX_ENABLE_X64 unset).
+    assert jax.config.jax_enable_x64
+    assert kre.layers.EmbeddingVariable(DIM).key_dtype == "int64"
+    with jax.enable_x64(False):
+        assert kre.layers.EmbeddingVariable(DIM).key_dtype == "int32"
     # An explicit key_dtype stays.
     assert kre.layers.EmbeddingVariable(DIM, key_dtype="int32").key_dtype == "int32"
 
@@ -89,3 +95,20 @@ def test_save_model_and_load_model_round_trip(tmp_path):
     (tmp_path / "broken.keras").write_bytes(before[: len(before) // 2])
     with pytest.raises(ValueError, match="broken.keras exists but is not a valid .keras file"):
         kre.load_model(tmp_path / "broken.keras")
+
+
+@pytest.mark.parametrize("setting, want", [(None, True), ("0", False), ("1", True)])
+def test_importing_the_package_turns_on_64_bit_ids_unless_the_environment_says(setting, want):
+    env = dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu")
+    env.pop("JAX_ENABLE_X64", None)
+    if setting is not None:
+        env["JAX_ENABLE_X64"] = setting
+    code = ("import numpy as np, keras, keras_rec_emb, jax\n"
+            "x = keras.ops.convert_to_tensor(np.array([2**40 + 3]))\n"
+            "print(jax.config.jax_enable_x64, x.dtype, int(x[0]) == 2**40 + 3)")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    enabled, dtype, kept = run.stdout.split()[-3:]
+    assert enabled == str(want)
+    assert (dtype, kept) == (("int64", "True") if want else ("int32", "False"))

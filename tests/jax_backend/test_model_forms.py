@@ -186,7 +186,8 @@ def test_table_size_export_and_import_as_under_tensorflow():
 
     fresh.build((None, FEATURES))
     assert fresh.table_size() == 0
-    fresh.import_(ffi.export_parts(trained.handle, "int32", DIM, trained._kre_slot_specs))
+    fresh.import_(ffi.export_parts(trained.handle, trained.key_dtype, DIM,
+                                   trained._kre_slot_specs))
     assert fresh.table_size() == len(np.unique(ids))
     got = parts(fresh)
     assert sorted(got) == sorted(want)

@@ -312,6 +312,7 @@ def test_ids_outside_the_range_are_refused_with_hash_input_false():
         model.fit(np.array([[1, 200]]), np.ones((1, 1)), verbose=0)
 
 
+@pytest.mark.usefixtures("jax_32_bit_mode")  # int32 ids
 def test_bad_ids_are_refused_by_name():
     with pytest.raises(ValueError, match=r"combines the last axis.*shape \(\)"):
         MultiHashEmbedding(10, 2, combiner="sum", name="mh")(np.int32(3))

@@ -11,6 +11,9 @@ import pytest
 
 from keras_rec_emb._jax import ffi
 
+# Written for int32 ids (JAX's 32-bit mode); the 64-bit cases switch it on.
+pytestmark = pytest.mark.usefixtures("jax_32_bit_mode")
+
 SGD = ("learning_rate", "decay")
 ADAGRAD = ("learning_rate", "decay", "epsilon")
 
