@@ -13,6 +13,7 @@ from keras_rec_emb._checks_core import (  # noqa: F401
     COMBINERS,
     check_bool,
     check_combiner,
+    check_combiner_weights,
     check_float,
     check_int,
     is_int,

@@ -27,6 +27,25 @@ def check_combiner(combiner, allow_none=True):
 # value received ("`x` must be ... Received: x=...").
 
 
+def check_combiner_weights(layer, combiner, prune_invalid_ids, dtype):
+    """The checks of per-id `weights` passed to EmbeddingVariable `layer`
+    (its name) under either backend; `dtype` the weights' NumPy dtype or
+    None (a Python list)."""
+    if combiner is None:
+        raise ValueError(
+            f"EmbeddingVariable '{layer}': `weights` weigh the ids of a combine and need a "
+            "`combiner` (\"sum\", \"mean\" or \"sqrtn\"). Received: weights with combiner=None")
+    if combiner != "sum" and not prune_invalid_ids:
+        raise ValueError(
+            f"EmbeddingVariable '{layer}': with combiner={combiner!r}, ids whose weight is <= 0 "
+            "are dropped from the lookup, which marks them as padding: that needs "
+            "`prune_invalid_ids=True`. Received: weights with prune_invalid_ids=False")
+    if dtype is not None and not (np.issubdtype(dtype, np.floating)
+                                  or np.issubdtype(dtype, np.integer)):
+        raise TypeError(f"EmbeddingVariable '{layer}': `weights` must be numbers. Received: "
+                        f"weights of dtype {dtype}")
+
+
 def _fail(name, allowed, value, error=ValueError):
     raise error(f"`{name}` must be {allowed}. Received: {name}={value!r}")
 

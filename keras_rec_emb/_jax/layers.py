@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
-from keras_rec_emb._checks_core import check_int
+from keras_rec_emb._checks_core import check_combiner_weights, check_int
 from keras_rec_emb._jax import ffi, file_tier, register, saving
 from keras_rec_emb._jax.optimizers import TableRule, register_anchor
 from keras_rec_emb.options import EmbeddingVariableOption, InitializerOption
@@ -451,22 +451,9 @@ class EmbeddingVariable(keras.layers.Layer):
         return out.reshape(*ids.shape[:-1], self.embedding_dim)
 
     def _checked_weights(self, ids, weights):
-        if self.combiner is None:
-            raise ValueError(
-                f"EmbeddingVariable '{self.name}': `weights` weigh the ids of a combine and "
-                "need a `combiner` (\"sum\", \"mean\" or \"sqrtn\"). Received: weights with "
-                "combiner=None")
-        if self.combiner != "sum" and not self.prune_invalid_ids:
-            raise ValueError(
-                f"EmbeddingVariable '{self.name}': with combiner={self.combiner!r}, ids whose "
-                "weight is <= 0 are dropped from the lookup, which marks them as padding: "
-                "that needs `prune_invalid_ids=True` under the JAX backend (so far). "
-                "Received: weights with prune_invalid_ids=False")
         dtype = getattr(weights, "dtype", None)
-        if dtype is not None and not (np.issubdtype(np.dtype(dtype), np.floating)
-                                      or np.issubdtype(np.dtype(dtype), np.integer)):
-            raise TypeError(f"EmbeddingVariable '{self.name}': `weights` must be numbers. "
-                            f"Received: weights of dtype {dtype}")
+        check_combiner_weights(self.name, self.combiner, self.prune_invalid_ids,
+                               None if dtype is None else np.dtype(dtype))
         weights = keras.ops.convert_to_tensor(weights, dtype="float32")
         if tuple(weights.shape) != tuple(ids.shape):
             raise ValueError(

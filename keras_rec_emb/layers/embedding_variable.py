@@ -6,7 +6,7 @@ import tensorflow as tf
 
 from keras_rec_emb import _compat
 from keras_rec_emb import variables
-from keras_rec_emb._checks import check_combiner
+from keras_rec_emb._checks import check_combiner, check_combiner_weights
 from keras_rec_emb._ids import embed_ids, output_spec
 from keras_rec_emb.ops import embedding_ops
 from keras_rec_emb.optimizers.base import table_optimizer
@@ -242,22 +242,10 @@ class EmbeddingVariable(keras.layers.Layer):
 
     def _checked_weights(self, ids, weights):
         """`weights` as float32 of the ids' kind, after the JAX layer's checks."""
-        if self.combiner is None:
-            raise ValueError(
-                f"EmbeddingVariable '{self.name}': `weights` weigh the ids of a combine and "
-                "need a `combiner` (\"sum\", \"mean\" or \"sqrtn\"). Received: weights with "
-                "combiner=None")
-        if self.combiner != "sum" and not self.prune_invalid_ids:
-            raise ValueError(
-                f"EmbeddingVariable '{self.name}': with combiner={self.combiner!r}, ids whose "
-                "weight is <= 0 are dropped from the lookup, which marks them as padding: "
-                "that needs `prune_invalid_ids=True`. Received: weights with "
-                "prune_invalid_ids=False")
         dtype = getattr(weights, "dtype", None)
-        if dtype is not None and not (tf.as_dtype(dtype).is_floating
-                                      or tf.as_dtype(dtype).is_integer):
-            raise TypeError(f"EmbeddingVariable '{self.name}': `weights` must be numbers. "
-                            f"Received: weights of dtype {dtype}")
+        if dtype is not None:
+            dtype = np.dtype(tf.as_dtype(dtype).as_numpy_dtype)
+        check_combiner_weights(self.name, self.combiner, self.prune_invalid_ids, dtype)
         kinds = (tf.RaggedTensor, tf.SparseTensor)
         kind = next((k for k in kinds if isinstance(ids, k)), None)
         if kind is not None or isinstance(weights, kinds):
