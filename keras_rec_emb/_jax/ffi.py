@@ -295,15 +295,24 @@ def apply(handle, keys, grads, hyper, step, rule, hparam_names, slots, prune=Fal
     rule's hyper-parameters in the order `hparam_names` names them
     (keras_rec_emb/optimizers/rules.py), `slots` the slot names it reads.
     With `prune`, keys < 0 (padding) are skipped."""
-    keys = jnp.asarray(keys)
-    grads = jnp.asarray(grads, dtype=jnp.float32)
-    hyper = jnp.asarray(hyper, dtype=jnp.float32)
+    keys, grads, hyper, step = _apply_operands(keys, grads, hyper, step)
+    _call("kre_table_apply", [keys, grads, hyper, step], [], table=np.int64(handle),
+          **_rule_attributes(rule, hparam_names, slots, prune))
+
+
+def _apply_operands(keys, grads, hyper, step):
+    """An update's keys, float32 gradient and hyper-parameters, and its step
+    as an integer of JAX's width."""
     step = jnp.asarray(step)
     if step.dtype not in (jnp.int32, jnp.int64):
         step = step.astype(int_dtype())
-    _call("kre_table_apply", [keys, grads, hyper, step], [], table=np.int64(handle),
-          rule=str(rule), hparam_names=",".join(hparam_names), slots=",".join(slots),
-          prune=bool(prune))
+    return (jnp.asarray(keys), jnp.asarray(grads, dtype=jnp.float32),
+            jnp.asarray(hyper, dtype=jnp.float32), step)
+
+
+def _rule_attributes(rule, hparam_names, slots, prune):
+    return dict(rule=str(rule), hparam_names=",".join(hparam_names), slots=",".join(slots),
+                prune=bool(prune))
 
 
 def merge_rows(handle, keys, values, freqs, mask):
@@ -346,15 +355,10 @@ def apply_pooled(handle, keys, grads, hyper, step, rule, hparam_names, slots, co
     of `keys` [rows, L]: id (r, k)'s gradient is its share of row r,
     `w[r, k] / denominator(r) * grads[r]`; then as `apply`: equal ids
     summed, one update per distinct id."""
-    keys = jnp.asarray(keys)
-    grads = jnp.asarray(grads, dtype=jnp.float32)
-    hyper = jnp.asarray(hyper, dtype=jnp.float32)
-    step = jnp.asarray(step)
-    if step.dtype not in (jnp.int32, jnp.int64):
-        step = step.astype(int_dtype())
+    keys, grads, hyper, step = _apply_operands(keys, grads, hyper, step)
     _call("kre_table_apply_pooled", [keys, _pooled_weights(keys, weights), grads, hyper, step],
-          [], table=np.int64(handle), rule=str(rule), hparam_names=",".join(hparam_names),
-          slots=",".join(slots), prune=bool(prune), combiner=str(combiner))
+          [], table=np.int64(handle), combiner=str(combiner),
+          **_rule_attributes(rule, hparam_names, slots, prune))
 
 
 def size(handle):
