@@ -80,7 +80,7 @@ replaced atomically. A process killed at any point (even `kill -9`) leaves
 the previous snapshot intact; `restore_snapshot()` reads the latest one.
 """
 
-print("snapshot", layer.snapshot(), "in", layer.table.storage_dir)
+print("snapshot", layer.snapshot(), "in", layer.storage_dir)
 before = layer.export()
 model.fit(ids, labels, batch_size=256, epochs=1, verbose=0)
 print("restored", layer.restore_snapshot(), "keys")

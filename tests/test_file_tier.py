@@ -121,6 +121,7 @@ print("SAVED-OK")
     layer = file.get_layer("ev")
     assert layer.stats()["storage"] == "FILE"
     assert layer.table.storage_dir == os.path.join(str(tmp_path / "store"), "ev_embeddings")
+    assert layer.storage_dir == layer.table.storage_dir  # as the JAX layer has it
     exported = layer.export()
     same_export(dram.get_layer("ev").export(), exported)
     np.testing.assert_array_equal(file.predict(ids, verbose=0), expect)

@@ -306,9 +306,17 @@ class EmbeddingVariable(keras.layers.Layer):
         self._require_built("stats()")
         return self.table.stats()
 
+    @property
+    def storage_dir(self):
+        """The file tier's folder of the table (`storage_path/<name>_embeddings`,
+        or a copy's folder beside a live table holding that one), or None
+        (DRAM); the JAX layer's property of the same name."""
+        self._require_built("storage_dir")
+        return self.table.storage_dir
+
     def snapshot(self):
         """File tier (`StorageOption("FILE", ...)`): writes a crash-safe
-        snapshot of the table's files under `table.storage_dir` without
+        snapshot of the table's files under `storage_dir` without
         passing rows through Python; returns the snapshot's number."""
         self._require_built("snapshot()")
         return self.table.snapshot()
