@@ -532,8 +532,8 @@ void PooledLookupRows(kv::Table<K>& table, const PooledIds<K>& p, bool insert, f
 }
 
 ffi::Error PooledLookup(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> weights,
-                        ffi::Result<ffi::Token>, ffi::ResultBuffer<ffi::F32, 2> out,
-                        int64_t table, bool insert, bool prune, std::string_view combiner) {
+                        ffi::Result<ffi::Token>, ffi::ResultBuffer<ffi::F32, 2> out, int64_t table,
+                        bool insert, bool prune, std::string_view combiner) {
   return Guarded([&]() -> ffi::Error {
     auto t = Find(table);
     if (t.has_error()) return t.error();

@@ -140,7 +140,8 @@ extern "C" int KreHostCreate(const float* defaults, int64_t rows, int64_t dim, i
       if (bloom_counters > 0) {
         return Fail(kKreFailed,
                     "could not allocate the embedding table's counting Bloom filter of "
-                    "bloom_counters=" + std::to_string(bloom_counters) + " counters of " +
+                    "bloom_counters=" +
+                        std::to_string(bloom_counters) + " counters of " +
                         std::to_string(bloom_counter_bytes) +
                         " bytes; lower CBFFilter's max_element_size or raise its "
                         "false_positive_probability",
@@ -224,9 +225,8 @@ extern "C" int KreHostSize(int64_t handle, int64_t* out, char* error, size_t err
 // but not admitted whose last lookup is older than now - steps_to_live.
 // `now` < 0 is the latest step that updated the table. Writes the number
 // of keys erased to `*erased`.
-extern "C" int KreHostEvict(int64_t handle, int64_t now, int64_t steps_to_live,
-                            float l2_threshold, int64_t* erased, char* error,
-                            size_t error_size) {
+extern "C" int KreHostEvict(int64_t handle, int64_t now, int64_t steps_to_live, float l2_threshold,
+                            int64_t* erased, char* error, size_t error_size) {
   return Guarded(error, error_size, [&]() -> int {
     std::shared_ptr<AnyTable> t = Tables().Get(handle);
     if (t == nullptr) return Fail(kKreInvalid, NoTable(handle), error, error_size);
@@ -251,13 +251,24 @@ extern "C" int KreHostStats(int64_t handle, int64_t* out, char* error, size_t er
     t->Visit([&](auto& tab) {
       const kre::kv::RowStoreStats s = tab.StoreStats();
       const kre::kv::TableCounters c = tab.Counters();
-      const int64_t values[] = {
-          tab.Size(),         tab.FilteredSize(),  static_cast<int64_t>(tab.MemoryBytes()),
-          tab.LatestStep(),   int64_t(s.rows),     int64_t(s.cached_rows),
-          int64_t(s.memory_bytes), int64_t(s.disk_bytes), int64_t(s.hits),
-          int64_t(s.misses),  int64_t(s.file_reads), int64_t(s.file_writes),
-          int64_t(c.lookups), int64_t(c.hits),     int64_t(c.admitted),
-          int64_t(c.erased),  tab.ChangeEpoch(),   tab.ErasedLogSize()};
+      const int64_t values[] = {tab.Size(),
+                                tab.FilteredSize(),
+                                static_cast<int64_t>(tab.MemoryBytes()),
+                                tab.LatestStep(),
+                                int64_t(s.rows),
+                                int64_t(s.cached_rows),
+                                int64_t(s.memory_bytes),
+                                int64_t(s.disk_bytes),
+                                int64_t(s.hits),
+                                int64_t(s.misses),
+                                int64_t(s.file_reads),
+                                int64_t(s.file_writes),
+                                int64_t(c.lookups),
+                                int64_t(c.hits),
+                                int64_t(c.admitted),
+                                int64_t(c.erased),
+                                tab.ChangeEpoch(),
+                                tab.ErasedLogSize()};
       std::copy(std::begin(values), std::end(values), out);
     });
     return kKreOk;
@@ -267,15 +278,16 @@ extern "C" int KreHostStats(int64_t handle, int64_t* out, char* error, size_t er
 // File tier: writes a crash-safe snapshot under the table's folder and
 // writes its number to `*sequence` (kKreFailed naming the file on an I/O
 // error).
-extern "C" int KreHostSnapshot(int64_t handle, int64_t* sequence, char* error,
-                               size_t error_size) {
+extern "C" int KreHostSnapshot(int64_t handle, int64_t* sequence, char* error, size_t error_size) {
   return Guarded(error, error_size, [&]() -> int {
     std::shared_ptr<AnyTable> t = Tables().Get(handle);
     if (t == nullptr) return Fail(kKreInvalid, NoTable(handle), error, error_size);
     return t->Visit([&](auto& tab) -> int {
       if (!tab.file_tier()) {
-        return Fail(kKreInvalid, "snapshots need a file-tier table (StorageOption(\"FILE\", "
-                    "storage_path=...))", error, error_size);
+        return Fail(kKreInvalid,
+                    "snapshots need a file-tier table (StorageOption(\"FILE\", "
+                    "storage_path=...))",
+                    error, error_size);
       }
       try {
         *sequence = tab.Snapshot();
@@ -293,15 +305,17 @@ extern "C" int KreHostSnapshot(int64_t handle, int64_t* sequence, char* error,
 // (the table's folder when empty); writes the number of keys to `*count`.
 // A missing, corrupt or truncated snapshot is kKreInvalid naming the file,
 // and leaves the table as it was.
-extern "C" int KreHostRestoreSnapshot(int64_t handle, const char* path, int64_t* count,
-                                      char* error, size_t error_size) {
+extern "C" int KreHostRestoreSnapshot(int64_t handle, const char* path, int64_t* count, char* error,
+                                      size_t error_size) {
   return Guarded(error, error_size, [&]() -> int {
     std::shared_ptr<AnyTable> t = Tables().Get(handle);
     if (t == nullptr) return Fail(kKreInvalid, NoTable(handle), error, error_size);
     return t->Visit([&](auto& tab) -> int {
       if (!tab.file_tier()) {
-        return Fail(kKreInvalid, "snapshots need a file-tier table (StorageOption(\"FILE\", "
-                    "storage_path=...))", error, error_size);
+        return Fail(kKreInvalid,
+                    "snapshots need a file-tier table (StorageOption(\"FILE\", "
+                    "storage_path=...))",
+                    error, error_size);
       }
       try {
         *count = tab.RestoreSnapshot(path == nullptr ? std::string() : std::string(path));
