@@ -199,6 +199,11 @@ template <typename K>
 void LookupPruned(kv::Table<K>& table, const K* keys, int64_t n, bool insert, float* out) {
   const int64_t dim = table.dim();
   const std::vector<int64_t> kept = KeptPositions(keys, n);
+  if (static_cast<int64_t>(kept.size()) == n) {
+    // No padding: the rows go straight to `out`.
+    LookupRows(table, keys, n, insert, out);
+    return;
+  }
   std::vector<K> kept_keys(kept.size());
   for (size_t j = 0; j < kept.size(); ++j) kept_keys[j] = keys[kept[j]];
   std::vector<float> rows(kept.size() * dim);
@@ -273,16 +278,26 @@ ffi::Error ApplyRule(kv::Table<K>& table, const string& rule, const std::vector<
   }
   if (n == 0) return ffi::Error::Success();
   const rules::ApplyRow<Rule> update(h, dim);
-  kv::Partitioned<K> p = PartitionSerial(table, keys, n);
-  for (int s = 0; s < table.num_shards(); ++s) {
-    const int64_t b = p.offsets[s];
-    const int64_t m = p.offsets[s + 1] - b;
-    // Equal keys summed in batch order (as the TF kernel does), then the
-    // distinct keys applied with prefetching.
-    rules::DistinctRows<K> d(m, dim);
-    for (int64_t j = b; j < b + m; ++j) d.Add(p.keys[j], p.hashes[j], grad_of(p.order[j]));
-    table.ApplyDistinct(s, d.keys.data(), d.hashes.data(), d.order.data(), d.size(), d.sums.data(),
-                        slot_ids, step, update);
+  // Equal keys summed per shard in batch order (as the TF kernel does),
+  // then each shard's distinct keys applied with prefetching. The gradient
+  // rows are read once, in batch order: gathered shard by shard they are
+  // read at random, which costs more than the sums.
+  const int shards = table.num_shards();
+  std::vector<uint64_t> hashes(n);
+  std::vector<int32_t> shard_of(n);
+  std::vector<int64_t> counts(shards, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    hashes[i] = kv::Table<K>::Hash(keys[i]);
+    shard_of[i] = table.ShardOf(hashes[i]);
+    ++counts[shard_of[i]];
+  }
+  std::vector<rules::DistinctRows<K>> d;
+  d.reserve(shards);
+  for (int s = 0; s < shards; ++s) d.emplace_back(counts[s], dim);
+  for (int64_t i = 0; i < n; ++i) d[shard_of[i]].Add(keys[i], hashes[i], grad_of(i));
+  for (int s = 0; s < shards; ++s) {
+    table.ApplyDistinct(s, d[s].keys.data(), d[s].hashes.data(), d[s].order.data(), d[s].size(),
+                        d[s].sums.data(), slot_ids, step, update);
   }
   return ffi::Error::Success();
 }
@@ -324,19 +339,21 @@ ffi::Error Apply(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> grads,
               hyper.dimensions(), hyper.typed_data(), *version);
         }
         const int64_t dim = tab.dim();
+        const float* g = grads.typed_data();
         const std::vector<int64_t> kept = KeptPositions(k, n);
-        std::vector<K> kept_keys(kept.size());
-        std::vector<float> kept_grads(kept.size() * dim);
-        for (size_t j = 0; j < kept.size(); ++j) {
-          kept_keys[j] = k[kept[j]];
-          std::copy(grads.typed_data() + kept[j] * dim, grads.typed_data() + (kept[j] + 1) * dim,
-                    kept_grads.begin() + j * dim);
+        if (static_cast<int64_t>(kept.size()) == n) {  // no padding
+          return ApplyRule<Rule>(
+              tab, rule, slots, k, n, [g, dim](int64_t i) { return g + i * dim; },
+              hyper.dimensions(), hyper.typed_data(), *version);
         }
-        const float* g = kept_grads.data();
+        std::vector<K> kept_keys(kept.size());
+        for (size_t j = 0; j < kept.size(); ++j) kept_keys[j] = k[kept[j]];
+        // The gradient of kept id j is read in place, at its position.
+        const int64_t* at = kept.data();
         return ApplyRule<Rule>(
             tab, rule, slots, kept_keys.data(), static_cast<int64_t>(kept.size()),
-            [g, dim](int64_t i) { return g + i * dim; }, hyper.dimensions(), hyper.typed_data(),
-            *version);
+            [g, dim, at](int64_t j) { return g + at[j] * dim; }, hyper.dimensions(),
+            hyper.typed_data(), *version);
       });
     });
     return result;

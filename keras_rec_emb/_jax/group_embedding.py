@@ -6,7 +6,9 @@ table and step: the ids `[batch, L]` of the features that read a table
 with one combiner are padded to one L with -1 (pruned by the lookup) and
 stacked, and one pooled table call looks them up and combines them
 (`ffi.pooled_lookup`; features of other combiners or weighting are other
-calls of the same step, whose gradients join the same update). So a
+calls of the same step, whose gradients join the same update). Unweighted
+ids with L = 1 take a plain lookup instead (the combine of one id is its
+row, and a pooled call costs more). So a
 table shared by several features gets one sparse update per step, with
 the gradient of each distinct id summed over its features, as
 TensorFlow's fused op gives it: Adagrad's and Adam's slots are updated
@@ -320,9 +322,17 @@ class GroupEmbedding(keras.layers.Layer):
                     ids.append(jnp.pad(i, pad, constant_values=-1))
                     if weighted:
                         weights.append(jnp.pad(w.astype(jnp.float32), pad))
-                # pylint: disable-next=protected-access
-                rows = table._rows(jnp.concatenate(ids), training, prune=True, combiner=combiner,
-                                   weights=jnp.concatenate(weights) if weighted else None)
+                ids_all = jnp.concatenate(ids) if len(ids) > 1 else ids[0]
+                if length == 1 and not weighted:
+                    # One id per row: "sum", "mean" and "sqrtn" of it are its
+                    # row (zeros for padding), and its gradient is the
+                    # row's: a plain lookup, cheaper than a pooled one.
+                    # pylint: disable-next=protected-access
+                    rows = table._rows(ids_all[:, 0], training, prune=True)
+                else:
+                    # pylint: disable-next=protected-access
+                    rows = table._rows(ids_all, training, prune=True, combiner=combiner,
+                                       weights=jnp.concatenate(weights) if weighted else None)
                 start = 0
                 for j, i in zip(js, ids):
                     outs[j] = rows[start:start + i.shape[0]]

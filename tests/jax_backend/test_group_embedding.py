@@ -118,6 +118,71 @@ def test_shared_table_gets_one_adagrad_update_per_step_with_the_summed_gradient(
     assert int(shared.iterations.value) == len(ids) // batch  # one lookup per step
 
 
+def one_id_model(combiner, padded):
+    """Tables of two dims and three rules (the compiled Adagrad, an own SGD,
+    an own Adam); features of one id (a, c, d) and of three (b, sharing
+    a's table). With `padded` the one-id features come as [batch, 2] with a
+    padding column, which takes the pooled lookup."""
+    def ev(dim, name, seed, **kwargs):
+        return EmbeddingVariable(dim, default_value_dim=DVD, name=name,
+                                 initializer=keras.initializers.RandomUniform(seed=seed), **kwargs)
+    t1, t2, t3 = (ev(DIM, "t1", 2), ev(2, "t2", 3, optimizer=keras.optimizers.SGD(0.2)),
+                  ev(2, "t3", 4, optimizer=keras.optimizers.Adam(0.05)))
+    group = GroupEmbedding({"a": FeatureSpec(t1, "sum"), "b": FeatureSpec(t1, combiner),
+                            "c": FeatureSpec(t2, combiner), "d": FeatureSpec(t3, combiner)},
+                           output_mode="concat")
+    width = 2 if padded else 1
+    inputs = {"a": keras.Input((width,), dtype="int32", name="a"),
+              "b": keras.Input((3,), dtype="int32", name="b"),
+              "c": keras.Input((width,) if padded else (), dtype="int32", name="c"),
+              "d": keras.Input((width,), dtype="int32", name="d")}
+    dense = keras.layers.Dense(1, kernel_initializer=keras.initializers.RandomNormal(seed=5))
+    model = keras.Model(inputs, dense(group(inputs)))
+    model.compile(optimizer=kre.optimizers.Adagrad(0.1), loss="mse")
+    return model, group
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_one_id_features_look_up_and_train_as_padded_ones(combiner):
+    """Unweighted features of one id take a plain lookup (their combine is
+    the row): rows, predictions, updates, slots, versions and frequencies
+    equal those of the same ids padded to two (the pooled lookup), in a
+    step where the shared table also pools a feature of three ids."""
+    rng = np.random.default_rng(0)
+    n = 16
+    one = {f: rng.integers(-1, 7, (n, 1)).astype(np.int32) for f in "acd"}
+    x = dict(one, b=rng.integers(-1, 7, (n, 3)).astype(np.int32))
+    pad = np.full((n, 1), -1, np.int32)
+    x_padded = dict(x, **{f: np.concatenate([one[f], pad], 1) for f in "acd"})
+    x = dict(x, c=x["c"][:, 0])  # [batch] ids too
+    labels = rng.normal(size=(n, 1)).astype(np.float32)
+    got, got_group = one_id_model(combiner, padded=False)
+    want, want_group = one_id_model(combiner, padded=True)
+    np.testing.assert_array_equal(got.predict(x, verbose=0), want.predict(x_padded, verbose=0))
+    for model, inputs in ((got, x), (want, x_padded)):
+        model.fit(inputs, labels, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    np.testing.assert_allclose(got.predict(x, verbose=0), want.predict(x_padded, verbose=0),
+                               rtol=1e-6, atol=1e-7)
+    for t, w in zip(got_group.tables, want_group.tables):
+        g, e = t.export(), w.export()
+        order_g, order_e = np.argsort(g["keys"]), np.argsort(e["keys"])
+        assert g["keys"][order_g].tolist() == e["keys"][order_e].tolist()
+        assert min(g["keys"]) >= 0 and len(g["keys"]) > 3
+        for name in ("values", "freqs", "versions"):
+            np.testing.assert_allclose(g[name][order_g], e[name][order_e], rtol=1e-6,
+                                       atol=1e-7, err_msg=f"{t.name} {name}")
+        assert sorted(g["slots"]) == sorted(e["slots"])
+        assert len(g["slots"]) == {"t1": 1, "t2": 0, "t3": 2}[t.name]  # Adagrad, SGD, Adam
+        for name in g["slots"]:
+            np.testing.assert_allclose(g["slots"][name][order_g], e["slots"][name][order_e],
+                                       rtol=1e-6, atol=1e-7, err_msg=f"{t.name} {name}")
+        assert int(t.iterations.value) == int(w.iterations.value) == 2 * n // 4
+    # The one-id rows are the rows: t2 (SGD) has moved from its initial rows.
+    c = x["c"][x["c"] >= 0]
+    rows = np.asarray(got_group.tables[1](c, training=False))
+    assert not np.allclose(rows, got_group.tables[1].default_values[c % DVD])
+
+
 @keras.saving.register_keras_serializable(package="test_group_embedding")
 class Subclassed(keras.Model):
     def __init__(self, **kwargs):
