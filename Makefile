@@ -19,7 +19,7 @@ KV_BIN := csrc/kv/tests/bin
 CXX ?= g++
 KV_FLAGS := -std=c++17 -Wall -Wextra -Werror -pthread -Icsrc
 
-.PHONY: all install build jax-ops jax-objs demo test lint format-check kv-bins test-kv test-kv-asan test-kv-tsan test-py test-fuzz-long bench bench-peers peer-venvs clean wheel check-wheel docs test-bounds ci-packaging
+.PHONY: all install build jax-ops jax-objs demo test lint format-check kv-bins wheel-venv test-kv test-kv-asan test-kv-tsan test-py test-fuzz-long bench bench-peers peer-venvs clean wheel check-wheel docs test-bounds ci-packaging
 
 all: install
 
@@ -141,10 +141,14 @@ format-check: $(DEPS_STAMP)
 # lower CPU priority while pytest runs: many tests wait on child processes,
 # brokers or files, and the compiler and the C++ tests take that idle time.
 # Their log is printed after pytest; a failure of either fails `make test`.
+# .ci/run starts `kv-bins` before `make install` (pip's install of the
+# dependencies leaves a core idle); the lock makes a second build wait for
+# the first and then find the binaries built.
+KV_LOCK := build/kv-bins.lock
 test: install
 	$(MAKE) lint format-check
 	@mkdir -p build; \
-	( nice -n 10 sh -c '$(MAKE) -j2 kv-bins && $(MAKE) test-kv test-kv-asan test-kv-tsan' > build/kv-tests.log 2>&1 ) & kv=$$!; \
+	( nice -n 10 sh -c 'flock $(KV_LOCK) $(MAKE) -j2 kv-bins && $(MAKE) test-kv test-kv-asan test-kv-tsan' > build/kv-tests.log 2>&1 ) & kv=$$!; \
 	$(MAKE) test-py; py=$$?; \
 	wait $$kv; kvrc=$$?; \
 	cat build/kv-tests.log; \
@@ -235,12 +239,26 @@ WHEEL_VENV := build/wheel-venv
 TF_PIN := $(shell sed -n 's/^tensorflow-cpu==//p' requirements.txt)
 SMOKE_TESTS := tests/layers/test_embedding_variable.py tests/optimizers/test_rules.py \
 	tests/data/test_parquet.py
-check-wheel: $(WHEEL_STAMP)
+# wheel-venv: the fresh virtualenv with the CUDA TensorFlow alone, which needs
+# nothing built (.ci/run starts it before `make install`); check-wheel uses it
+# once and removes its stamp, so the next check-wheel starts from a fresh one
+# (the lock: a check-wheel waits for a wheel-venv already under way).
+WHEEL_VENV_STAMP := $(WHEEL_VENV)/.tensorflow-stamp
+wheel-venv: $(WHEEL_VENV_STAMP)
+
+$(WHEEL_VENV_STAMP):
 	@py=$$(.ci/find_python 3.13 3.12) || { py=$(PY); echo "check-wheel: NO SECOND INTERPRETER: no Python 3.13 or 3.12 from pyenv or PATH; the wheel is checked on $$py only"; }; \
 	echo "check-wheel: $$py ($$($$py --version))"; \
 	rm -rf $(WHEEL_VENV) && $$py -m venv $(WHEEL_VENV)
-	@echo "check-wheel: installing tensorflow==$(TF_PIN) (the CUDA build), then the wheel"
+	@echo "check-wheel: installing tensorflow==$(TF_PIN) (the CUDA build)"
 	$(WHEEL_VENV)/bin/python -m pip install --quiet --progress-bar off --no-compile tensorflow==$(TF_PIN)
+	touch $@
+
+WHEEL_VENV_LOCK := build/wheel-venv.lock
+check-wheel: $(WHEEL_STAMP)
+	@mkdir -p build && flock $(WHEEL_VENV_LOCK) $(MAKE) --no-print-directory wheel-venv
+	rm -f $(WHEEL_VENV_STAMP)
+	@echo "check-wheel: installing the wheel beside tensorflow==$(TF_PIN) (the CUDA build)"
 	$(WHEEL_VENV)/bin/python -m pip install --quiet --no-compile $(DIST)/*.whl -c requirements.txt
 	$(WHEEL_VENV)/bin/python .ci/wheel_check.py
 	@# requirements-dev.txt's pins as constraints, less its `-r requirements.txt`:

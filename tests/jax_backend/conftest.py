@@ -6,7 +6,7 @@ runs TensorFlow). By hand: `KERAS_BACKEND=jax .venv/bin/python -m pytest -q test
 import os
 
 # Files that run in the suite's (TensorFlow) process and start JAX children.
-_TENSORFLOW_SIDE = ("test_jax_backend.py", "test_cross_backend_saving.py",
+_TENSORFLOW_SIDE = ("test_jax_backend.py", "test_jax_suite_half.py", "test_cross_backend_saving.py",
                     "test_cross_backend_training.py", "test_cross_backend_hash_layers.py")
 
 if os.environ.get("KERAS_BACKEND") == "jax":
