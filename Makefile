@@ -80,8 +80,8 @@ demo: install
 KV_HDRS := $(wildcard csrc/kv/*.h) $(wildcard csrc/kv/tests/*.h)
 KV_VARIANTS := plain asan tsan
 KV_CFLAGS_plain := -O2
-KV_CFLAGS_asan := -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer
-KV_CFLAGS_tsan := -O1 -g -fsanitize=thread -fno-omit-frame-pointer
+KV_CFLAGS_asan := -O1 -g1 -fsanitize=address,undefined -fno-omit-frame-pointer
+KV_CFLAGS_tsan := -O1 -g1 -fsanitize=thread -fno-omit-frame-pointer
 KV_SUFFIX_plain :=
 KV_SUFFIX_asan := -asan
 KV_SUFFIX_tsan := -tsan
