@@ -122,7 +122,7 @@ test-kv-tsan: $(call kv_tests,tsan)
 # PYTEST_WORKERS=0 runs everything in this process.
 PYTEST_WORKERS ?= 2
 test-py: install
-	$(VENV)/bin/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
 
 # Python lint (pyproject.toml's [tool.ruff]; lint only, it formats nothing): seconds.
 lint: $(DEPS_STAMP)

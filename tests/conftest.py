@@ -84,3 +84,55 @@ def config_round_trip():
         return clone
 
     return round_trip
+
+
+# The files that take longest (each minutes of CPU, from `--durations`), the
+# longest first. pytest-xdist's `--dist loadfile` hands whole files to its
+# workers in collection order (`make test-py` turns off its reordering by
+# test count, which put these few-test files last): started first, no long
+# file is left running alone at the end while the other worker idles.
+_LONGEST_FILES = (
+    "tests/test_guides.py",
+    "tests/jax_backend/test_jax_backend.py",
+    "tests/jax_backend/test_jax_suite_half.py",
+    "tests/jax_backend/test_cross_backend_hash_layers.py",
+    "tests/distribute/test_mirrored.py",
+    "tests/distribute/test_multi_worker.py",
+    "tests/benchmarks/test_report.py",
+    "tests/test_leaks.py",
+    "tests/test_dlrm_forms.py",
+    "tests/jax_backend/test_cross_backend_saving.py",
+    "tests/test_file_tier.py",
+    "tests/test_serving_loaders.py",
+    "tests/benchmarks/test_peers.py",
+    "tests/distribute/test_ps_connect.py",
+    "tests/distribute/test_parameter_servers.py",
+    "tests/distribute/test_mwms_lost_worker.py",
+    "tests/distribute/test_ps_one_model.py",
+    "tests/distribute/test_mwms_group.py",
+    "tests/distribute/test_ps_failover.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files of _LONGEST_FILES first, in its order; then the others,
+    the files of most tests first (xdist's own order), each file's tests in
+    their order."""
+    missing = [name for name in _LONGEST_FILES
+               if not (config.rootpath / name).is_file()]
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py's _LONGEST_FILES names missing files "
+                                f"{missing}: rename or drop them there")
+
+    def path(item):
+        return item.nodeid.split("::", 1)[0]
+
+    counts = {}
+    for item in items:
+        counts[path(item)] = counts.get(path(item), 0) + 1
+    rank = {name: i for i, name in enumerate(_LONGEST_FILES)}
+    first = {}
+    for i, item in enumerate(items):
+        first.setdefault(path(item), i)
+    items.sort(key=lambda item: (rank.get(path(item), len(rank)), -counts[path(item)],
+                                 first[path(item)]))
