@@ -511,6 +511,75 @@ class RowSums {
 // in L1, the rows in L2), as the TensorFlow pooled kernels do.
 constexpr int64_t kPooledReadBlock = 1024;
 
+// The distinct ids of a pooled call, in first-seen order, each with its
+// hash and count, grouped by shard (a counting sort) for
+// kv::Table::LookupCounted, and the index of every id among them: a
+// training lookup reads each distinct id once, counted as often as it
+// occurs (as the TensorFlow group op does), instead of once per occurrence.
+template <typename K>
+struct DistinctIds {
+  DistinctIds(const kv::Table<K>& table, const K* k, int64_t n) : inverse(n) {
+    kv::BatchGroups groups(n);
+    uniq.reserve(n);
+    hashes.reserve(n);
+    counts.reserve(n);
+    for (int64_t i = 0; i < n; ++i) {
+      const uint64_t h = kv::Table<K>::Hash(k[i]);
+      bool created;
+      const int64_t u = groups.Group(h, [&](int64_t g) { return uniq[g] == k[i]; }, &created);
+      if (created) {
+        uniq.push_back(k[i]);
+        hashes.push_back(h);
+        counts.push_back(0);
+      }
+      inverse[i] = u;
+      ++counts[u];
+    }
+    const int shards = table.num_shards();
+    const int64_t m = size();
+    offsets.assign(shards + 1, 0);
+    std::vector<int32_t> shard_of(m);
+    for (int64_t u = 0; u < m; ++u) {
+      shard_of[u] = table.ShardOf(hashes[u]);
+      ++offsets[shard_of[u] + 1];
+    }
+    for (int s = 0; s < shards; ++s) offsets[s + 1] += offsets[s];
+    std::vector<int64_t> next(offsets.begin(), offsets.end() - 1);
+    keys.resize(m);
+    part_hashes.resize(m);
+    order.resize(m);
+    for (int64_t u = 0; u < m; ++u) {
+      const int64_t j = next[shard_of[u]]++;
+      keys[j] = uniq[u];
+      part_hashes[j] = hashes[u];
+      order[j] = u;
+    }
+  }
+  int64_t size() const { return static_cast<int64_t>(uniq.size()); }
+
+  // Looks every distinct id up once: row u of `rows` ([size(), dim]) is
+  // uniq[u]'s.
+  void Lookup(kv::Table<K>& table, bool insert, float* rows) const {
+    for (int s = 0; s < table.num_shards(); ++s) {
+      const int64_t b = offsets[s];
+      if (offsets[s + 1] == b) continue;
+      table.LookupCounted(s, keys.data() + b, part_hashes.data() + b, order.data() + b,
+                          counts.data(), offsets[s + 1] - b, insert, rows);
+    }
+  }
+
+  std::vector<K> uniq;
+  std::vector<uint64_t> hashes;
+  std::vector<int32_t> counts;
+  std::vector<int64_t> inverse;
+  // By shard: shard s holds keys[offsets[s], offsets[s + 1]), key j being
+  // uniq[order[j]].
+  std::vector<int64_t> offsets;
+  std::vector<K> keys;
+  std::vector<uint64_t> part_hashes;
+  std::vector<int64_t> order;
+};
+
 template <typename K>
 void PooledLookupRows(kv::Table<K>& table, const PooledIds<K>& p, bool insert, float* out,
                       int64_t rows) {
@@ -531,6 +600,13 @@ void PooledLookupRows(kv::Table<K>& table, const PooledIds<K>& p, bool insert, f
       reader.Find(p.keys.data() + b, m, ptrs.data(), /*read_later=*/true);
       sums.Add(p.row.data() + b, p.w.data() + b, ptrs.data(), m);
     }
+  } else if (n > 0 && insert) {
+    const DistinctIds<K> d(table, p.keys.data(), n);
+    buffer.resize(d.size() * dim);
+    d.Lookup(table, insert, buffer.data());
+    ptrs.resize(n);
+    for (int64_t i = 0; i < n; ++i) ptrs[i] = buffer.data() + d.inverse[i] * dim;
+    sums.Add(p.row.data(), p.w.data(), ptrs.data(), n);
   } else if (n > 0 && table.PrefersOrderedLookup(n)) {
     // In batch order (see LookupRows), a block at a time.
     constexpr int64_t kBlock = kv::Table<K>::kOrderedBlock;

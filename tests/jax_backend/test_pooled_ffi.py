@@ -178,3 +178,61 @@ def test_a_table_combined_over_two_lengths_in_one_step_gets_one_update():
     for key, g in grads.items():
         np.testing.assert_allclose(got[key], init[key % 7] - 0.5 * g, rtol=1e-5, atol=1e-6)
     assert int(layer.iterations.value) == 1
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean"])
+@pytest.mark.parametrize("rows", [6, 300])
+def test_repeated_ids_count_each_occurrence_and_update_once_with_a_filter(combiner, rows):
+    """Ids repeated within a row and across rows, weighted, with a counter
+    filter (admission at 2 occurrences): every occurrence counts towards
+    admission and frequency, a key not admitted before the lookup reads
+    the no-permission row, and each admitted key gets one SGD update with
+    its occurrences' shares summed (vs NumPy)."""
+    rng = np.random.default_rng(rows)
+    init = defaults(5)
+    table = ffi.create(init, filter_freq=2, no_permission_value=-0.5)
+    counts, values, versions = {}, {}, {}
+    lr = 0.3
+    try:
+        for step in range(4):
+            ids = rng.integers(0, 9, size=(rows, 4)).astype(np.int32)
+            ids[:, 1] = ids[:, 0]  # a repeat within every row
+            ids[rng.uniform(size=ids.shape) < 0.2] = -1
+            weights = rng.uniform(-0.5, 2.0, size=ids.shape).astype(np.float32)
+            grads = rng.normal(size=(rows, DIM)).astype(np.float32)
+            # With "mean" the layers make ids of weight <= 0 padding.
+            kept = (ids >= 0) & ((weights > 0) | (combiner == "sum"))
+            out = np.asarray(ffi.pooled_lookup(table, np.where(kept, ids, -1), DIM, combiner,
+                                               weights, prune=True))
+            # What each occurrence reads: admitted before this lookup -> its
+            # row, else the no-permission row.
+            read = np.full(ids.shape + (DIM,), -0.5, np.float32)
+            for (r, k), key in np.ndenumerate(ids):
+                if kept[r, k] and key in values:
+                    read[r, k] = values[key]
+            shares = numpy_shares(np.where(kept, ids, -1), weights, combiner, True)
+            np.testing.assert_allclose(out, (read * shares[..., None]).sum(1), rtol=1e-5,
+                                       atol=1e-5, err_msg=f"step {step}")
+            for key in ids[kept].tolist():
+                counts[key] = counts.get(key, 0) + 1
+                if counts[key] >= 2 and key not in values:
+                    values[key] = init[key % 5].copy()
+            ffi.apply_pooled(table, np.where(kept, ids, -1), grads, [lr, 0.0], step, "sgd",
+                             ("learning_rate", "decay"), (), combiner, weights, prune=True)
+            summed = {}
+            for (r, k), key in np.ndenumerate(ids):
+                if kept[r, k]:
+                    summed[key] = summed.get(key, 0) + shares[r, k] * grads[r]
+            for key, g in summed.items():
+                if key in values:
+                    values[key] = values[key] - lr * g
+                    versions[key] = step
+        got = ffi.export(table, "int32", DIM)
+        order = np.argsort(got["keys"])
+        assert got["keys"][order].tolist() == sorted(values)
+        np.testing.assert_allclose(got["values"][order], [values[k] for k in sorted(values)],
+                                   rtol=1e-5, atol=1e-5)
+        assert got["freqs"][order].tolist() == [counts[k] for k in sorted(values)]
+        assert got["versions"][order].tolist() == [versions[k] for k in sorted(values)]
+    finally:
+        ffi.destroy(table)
