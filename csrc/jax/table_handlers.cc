@@ -240,42 +240,57 @@ ffi::Error Lookup(ffi::Token, ffi::AnyBuffer keys, ffi::Result<ffi::Token>,
 
 // --- sparse apply -------------------------------------------------------------
 
-// grad_of(i) is the gradient row of keys[i].
-template <typename Rule, typename K, typename GradOf>
-ffi::Error ApplyRule(kv::Table<K>& table, const string& rule, const std::vector<string>& slot_names,
-                     const K* keys, int64_t n, GradOf&& grad_of,
-                     ffi::Span<const int64_t> hyper_dims, const float* h, int64_t step) {
-  const int64_t dim = table.dim();
+// Checks rule `rule`'s hyper-parameters and the table's slots it names;
+// returns the slots' indices.
+template <typename Rule, typename K>
+ffi::ErrorOr<std::vector<int>> RuleSlots(const kv::Table<K>& table, const string& rule,
+                                         const std::vector<string>& slot_names,
+                                         ffi::Span<const int64_t> hyper_dims, const float* h) {
   if (hyper_dims.size() != 1 || hyper_dims[0] != Rule::kHyper) {
-    return Invalid("rule '" + rule + "' takes " + std::to_string(Rule::kHyper) +
-                   " hyper-parameters, got shape " + Shape(hyper_dims));
+    return ffi::Unexpected(Invalid("rule '" + rule + "' takes " + std::to_string(Rule::kHyper) +
+                                   " hyper-parameters, got shape " + Shape(hyper_dims)));
   }
   for (int i = 0; i < Rule::kHyper; ++i) {
     if (!std::isfinite(h[i])) {
-      return Invalid("`hyper` must be finite; " + string(Rule::kHyperNames[i]) + " is " +
-                     std::to_string(h[i]));
+      return ffi::Unexpected(Invalid("`hyper` must be finite; " + string(Rule::kHyperNames[i]) +
+                                     " is " + std::to_string(h[i])));
     }
   }
   const size_t needed = Rule::kSlots + (Rule::NeedsExtraSlot(h) ? 1 : 0);
   if (slot_names.size() != needed) {
-    return Invalid("rule '" + rule + "' " + Rule::kSlotsDoc + " needs " + std::to_string(needed) +
-                   " slots, got " + std::to_string(slot_names.size()));
+    return ffi::Unexpected(Invalid("rule '" + rule + "' " + Rule::kSlotsDoc + " needs " +
+                                   std::to_string(needed) + " slots, got " +
+                                   std::to_string(slot_names.size())));
   }
   std::vector<int> slot_ids;
   const std::vector<kv::SlotSpec> specs = table.Slots();
   for (size_t j = 0; j < slot_names.size(); ++j) {
     const int id = table.SlotIndex(slot_names[j]);
     if (id < 0) {
-      return Precondition("the embedding table has no optimizer slot '" + slot_names[j] +
-                          "'; add it (add_slot) before applying rule '" + rule + "'");
+      return ffi::Unexpected(
+          Precondition("the embedding table has no optimizer slot '" + slot_names[j] +
+                       "'; add it (add_slot) before applying rule '" + rule + "'"));
     }
-    const int64_t width = rules::SlotWidth<Rule>(j, dim);
+    const int64_t width = rules::SlotWidth<Rule>(j, table.dim());
     if (specs[id].width != width) {
-      return Invalid("slot '" + slot_names[j] + "' has width " + std::to_string(specs[id].width) +
-                     ", rule '" + rule + "' needs " + std::to_string(width));
+      return ffi::Unexpected(Invalid("slot '" + slot_names[j] + "' has width " +
+                                     std::to_string(specs[id].width) + ", rule '" + rule +
+                                     "' needs " + std::to_string(width)));
     }
     slot_ids.push_back(id);
   }
+  return slot_ids;
+}
+
+// grad_of(i) is the gradient row of keys[i].
+template <typename Rule, typename K, typename GradOf>
+ffi::Error ApplyRule(kv::Table<K>& table, const string& rule, const std::vector<string>& slot_names,
+                     const K* keys, int64_t n, GradOf&& grad_of,
+                     ffi::Span<const int64_t> hyper_dims, const float* h, int64_t step) {
+  const int64_t dim = table.dim();
+  auto checked = RuleSlots<Rule>(table, rule, slot_names, hyper_dims, h);
+  if (checked.has_error()) return checked.error();
+  const std::vector<int>& slot_ids = *checked;
   if (n == 0) return ffi::Error::Success();
   const rules::ApplyRow<Rule> update(h, dim);
   // Equal keys summed per shard in batch order (as the TF kernel does),
@@ -518,6 +533,7 @@ constexpr int64_t kPooledReadBlock = 1024;
 // occurs (as the TensorFlow group op does), instead of once per occurrence.
 template <typename K>
 struct DistinctIds {
+  // The distinct ids of k[0..n).
   DistinctIds(const kv::Table<K>& table, const K* k, int64_t n) : inverse(n) {
     kv::BatchGroups groups(n);
     uniq.reserve(n);
@@ -535,25 +551,13 @@ struct DistinctIds {
       inverse[i] = u;
       ++counts[u];
     }
-    const int shards = table.num_shards();
-    const int64_t m = size();
-    offsets.assign(shards + 1, 0);
-    std::vector<int32_t> shard_of(m);
-    for (int64_t u = 0; u < m; ++u) {
-      shard_of[u] = table.ShardOf(hashes[u]);
-      ++offsets[shard_of[u] + 1];
-    }
-    for (int s = 0; s < shards; ++s) offsets[s + 1] += offsets[s];
-    std::vector<int64_t> next(offsets.begin(), offsets.end() - 1);
-    keys.resize(m);
-    part_hashes.resize(m);
-    order.resize(m);
-    for (int64_t u = 0; u < m; ++u) {
-      const int64_t j = next[shard_of[u]]++;
-      keys[j] = uniq[u];
-      part_hashes[j] = hashes[u];
-      order[j] = u;
-    }
+    GroupByShard(table);
+  }
+  // Ids known to be distinct (no counts, no inverse): for an update.
+  DistinctIds(const kv::Table<K>& table, const K* distinct, int64_t m, bool /*distinct*/)
+      : uniq(distinct, distinct + m), hashes(m) {
+    for (int64_t u = 0; u < m; ++u) hashes[u] = kv::Table<K>::Hash(uniq[u]);
+    GroupByShard(table);
   }
   int64_t size() const { return static_cast<int64_t>(uniq.size()); }
 
@@ -578,7 +582,44 @@ struct DistinctIds {
   std::vector<K> keys;
   std::vector<uint64_t> part_hashes;
   std::vector<int64_t> order;
+
+ private:
+  void GroupByShard(const kv::Table<K>& table) {
+    const int shards = table.num_shards();
+    const int64_t m = size();
+    offsets.assign(shards + 1, 0);
+    std::vector<int32_t> shard_of(m);
+    for (int64_t u = 0; u < m; ++u) {
+      shard_of[u] = table.ShardOf(hashes[u]);
+      ++offsets[shard_of[u] + 1];
+    }
+    for (int s = 0; s < shards; ++s) offsets[s + 1] += offsets[s];
+    std::vector<int64_t> next(offsets.begin(), offsets.end() - 1);
+    keys.resize(m);
+    part_hashes.resize(m);
+    order.resize(m);
+    for (int64_t u = 0; u < m; ++u) {
+      const int64_t j = next[shard_of[u]]++;
+      keys[j] = uniq[u];
+      part_hashes[j] = hashes[u];
+      order[j] = u;
+    }
+  }
 };
+
+// A training pooled lookup through the distinct ids `d` of p's ids.
+template <typename K>
+void PooledLookupDistinctRows(kv::Table<K>& table, const PooledIds<K>& p, const DistinctIds<K>& d,
+                              float* out, int64_t rows) {
+  const int64_t dim = table.dim(), n = p.size();
+  RowSums sums(out, p.inv.data(), rows, dim);
+  std::vector<float> buffer(d.size() * dim);
+  d.Lookup(table, /*insert=*/true, buffer.data());
+  std::vector<const float*> ptrs(n);
+  for (int64_t i = 0; i < n; ++i) ptrs[i] = buffer.data() + d.inverse[i] * dim;
+  sums.Add(p.row.data(), p.w.data(), ptrs.data(), n);
+  sums.Finish();
+}
 
 template <typename K>
 void PooledLookupRows(kv::Table<K>& table, const PooledIds<K>& p, bool insert, float* out,
@@ -601,12 +642,8 @@ void PooledLookupRows(kv::Table<K>& table, const PooledIds<K>& p, bool insert, f
       sums.Add(p.row.data() + b, p.w.data() + b, ptrs.data(), m);
     }
   } else if (n > 0 && insert) {
-    const DistinctIds<K> d(table, p.keys.data(), n);
-    buffer.resize(d.size() * dim);
-    d.Lookup(table, insert, buffer.data());
-    ptrs.resize(n);
-    for (int64_t i = 0; i < n; ++i) ptrs[i] = buffer.data() + d.inverse[i] * dim;
-    sums.Add(p.row.data(), p.w.data(), ptrs.data(), n);
+    PooledLookupDistinctRows(table, p, DistinctIds<K>(table, p.keys.data(), n), out, rows);
+    return;
   } else if (n > 0 && table.PrefersOrderedLookup(n)) {
     // In batch order (see LookupRows), a block at a time.
     constexpr int64_t kBlock = kv::Table<K>::kOrderedBlock;
@@ -698,6 +735,157 @@ ffi::Error ApplyPooled(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> we
         };
         return ApplyRule<Rule>(tab, rule, slots, p.keys.data(), p.size(), grad_of,
                                hyper.dimensions(), hyper.typed_data(), *version);
+      });
+    });
+    return result;
+  });
+}
+
+// A training pooled lookup (as PooledLookup with `insert`) that also
+// returns what its backward (ApplyDistinct) needs to update each distinct
+// id without deduplicating the batch again: `inverse` [rows, L], id
+// (r, k)'s index among the distinct ids (-1 for a pruned one); `distinct`
+// [rows * L], the distinct ids first seen first (the rest is zeros); and
+// `count`, how many there are.
+ffi::Error PooledLookupDistinct(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> weights,
+                                ffi::Result<ffi::Token>, ffi::ResultBuffer<ffi::F32, 2> out,
+                                ffi::ResultBuffer<ffi::S32, 2> inverse,
+                                ffi::Result<ffi::AnyBuffer> distinct,
+                                ffi::Result<ffi::AnyBuffer> count, int64_t table, bool prune,
+                                std::string_view combiner) {
+  return Guarded([&]() -> ffi::Error {
+    auto t = Find(table);
+    if (t.has_error()) return t.error();
+    AnyTable& at = **t;
+    if (ffi::Error e = CheckKeys(at, keys); e.failure()) return e;
+    if (ffi::Error e = CheckPooled(keys, weights); e.failure()) return e;
+    auto comb = ParseCombinerAttr(combiner);
+    if (comb.has_error()) return comb.error();
+    const int64_t rows = keys.dimensions()[0], len = keys.dimensions()[1];
+    if (out->dimensions()[0] != rows || out->dimensions()[1] != at.dim()) {
+      return Invalid("`out` must be [" + std::to_string(rows) + ", " + std::to_string(at.dim()) +
+                     "], got " + Shape(out->dimensions()));
+    }
+    if (inverse->dimensions()[0] != rows || inverse->dimensions()[1] != len) {
+      return Invalid("`inverse` must have the keys' shape " + Shape(keys.dimensions()) + ", got " +
+                     Shape(inverse->dimensions()));
+    }
+    if (ffi::Error e = CheckKeys(at, *distinct); e.failure()) return e;
+    if (static_cast<int64_t>(distinct->element_count()) != rows * len) {
+      return Invalid("`distinct` must hold " + std::to_string(rows * len) + " ids, got shape " +
+                     Shape(distinct->dimensions()));
+    }
+    if (!IsInt(*count) || count->dimensions().size() != 0) {
+      return Invalid("`count` must be an int32 or int64 scalar");
+    }
+    const float* w = weights.element_count() == 0 ? nullptr : weights.typed_data();
+    at.Visit([&](auto& tab) {
+      using K = KeyOfT<decltype(tab)>;
+      const K* k = keys.reinterpret_data<K>();
+      const PooledIds<K> p(k, w, rows, len, prune, *comb);
+      const DistinctIds<K> d(tab, p.keys.data(), p.size());
+      PooledLookupDistinctRows(tab, p, d, out->typed_data(), rows);
+      int32_t* inv = inverse->typed_data();
+      for (int64_t j = 0, i = 0; j < rows * len; ++j) {
+        inv[j] = prune && k[j] < 0 ? -1 : static_cast<int32_t>(d.inverse[i++]);
+      }
+      K* dst = distinct->reinterpret_data<K>();
+      std::copy(d.uniq.begin(), d.uniq.end(), dst);
+      std::fill(dst + d.size(), dst + rows * len, K{0});
+      SetInt(*count, 0, d.size());
+    });
+    return ffi::Error::Success();
+  });
+}
+
+// The backward of PooledLookupDistinct: id (r, k)'s share of row r's
+// gradient, w[r, k] / denominator(r) * grads[r] (as ApplyPooled), summed
+// per distinct id through `inverse` in batch order, then each distinct id
+// updated once, shard by shard in first-seen order: the same sums, order
+// and updates as ApplyPooled of the same ids.
+ffi::Error ApplyDistinct(ffi::Token, ffi::AnyBuffer distinct, ffi::AnyBuffer count,
+                         ffi::Buffer<ffi::S32, 2> inverse, ffi::Buffer<ffi::F32> weights,
+                         ffi::Buffer<ffi::F32, 2> grads, ffi::Buffer<ffi::F32> hyper,
+                         ffi::AnyBuffer step, ffi::Result<ffi::Token>, int64_t table,
+                         std::string_view rule_name, std::string_view hparam_names,
+                         std::string_view slot_names, std::string_view combiner) {
+  return Guarded([&]() -> ffi::Error {
+    auto t = Find(table);
+    if (t.has_error()) return t.error();
+    AnyTable& at = **t;
+    if (ffi::Error e = CheckKeys(at, distinct); e.failure()) return e;
+    auto comb = ParseCombinerAttr(combiner);
+    if (comb.has_error()) return comb.error();
+    const int64_t rows = inverse.dimensions()[0], len = inverse.dimensions()[1], dim = at.dim();
+    const auto wd = weights.dimensions();
+    if (weights.element_count() != 0 && !(wd.size() == 2 && wd[0] == rows && wd[1] == len)) {
+      return Invalid("`weights` must be empty or have the inverse's shape " +
+                     Shape(inverse.dimensions()) + ", got " + Shape(wd));
+    }
+    if (grads.dimensions()[0] != rows || grads.dimensions()[1] != dim) {
+      return Invalid("`grads` must be [" + std::to_string(rows) + ", " + std::to_string(dim) +
+                     "], got " + Shape(grads.dimensions()));
+    }
+    auto m = IntScalar(count, "count");
+    if (m.has_error()) return m.error();
+    if (*m < 0 || *m > static_cast<int64_t>(distinct.element_count())) {
+      return Invalid("`count` must be in [0, " + std::to_string(distinct.element_count()) +
+                     "], got " + std::to_string(*m));
+    }
+    auto version = IntScalar(step, "step");
+    if (version.has_error()) return version.error();
+    const int32_t* inv = inverse.typed_data();
+    const float* w = weights.element_count() == 0 ? nullptr : weights.typed_data();
+    const float* g = grads.typed_data();
+    std::vector<float> sums(*m * dim, 0.0f);
+    for (int64_t r = 0; r < rows; ++r) {
+      float denom = 0;
+      for (int64_t j = r * len; j < (r + 1) * len; ++j) {
+        if (inv[j] < -1 || inv[j] >= *m) {
+          return Invalid("`inverse` must be in [-1, count = " + std::to_string(*m) + "), got " +
+                         std::to_string(inv[j]));
+        }
+        if (inv[j] < 0) continue;
+        float x = w == nullptr ? 1.0f : w[j];
+        if (*comb != kSum && !(x > 0)) x = 0.0f;
+        denom += *comb == kSqrtn ? x * x : x;
+      }
+      if (*comb == kSqrtn) denom = std::sqrt(denom);
+      const float c = *comb == kSum ? 1.0f : denom > 0 ? 1.0f / denom : 0.0f;
+      const float* src = g + r * dim;
+      for (int64_t j = r * len; j < (r + 1) * len; ++j) {
+        if (inv[j] < 0) continue;
+        float x = w == nullptr ? 1.0f : w[j];
+        if (*comb != kSum && !(x > 0)) x = 0.0f;
+        const float s = x * c;
+        float* acc = sums.data() + static_cast<int64_t>(inv[j]) * dim;
+        for (int64_t d = 0; d < dim; ++d) acc[d] += s * src[d];
+      }
+    }
+    const string rule(rule_name);
+    const std::vector<string> hparams = SplitNames(hparam_names);
+    const std::vector<string> slots = SplitNames(slot_names);
+    ffi::Error result = Invalid("unknown rule '" + rule + "'");
+    rules::WithRule(rule, [&](auto tag) {
+      using Rule = typename decltype(tag)::type;
+      const string names_error = rules::CheckNames<Rule>(rule, hparams, slots);
+      if (!names_error.empty()) {
+        result = Invalid(names_error);
+        return;
+      }
+      result = at.Visit([&](auto& tab) -> ffi::Error {
+        using K = KeyOfT<decltype(tab)>;
+        auto checked = RuleSlots<Rule>(tab, rule, slots, hyper.dimensions(), hyper.typed_data());
+        if (checked.has_error()) return checked.error();
+        const DistinctIds<K> d(tab, distinct.reinterpret_data<K>(), *m, /*distinct=*/true);
+        const rules::ApplyRow<Rule> update(hyper.typed_data(), dim);
+        for (int s = 0; s < tab.num_shards(); ++s) {
+          const int64_t b = d.offsets[s];
+          if (d.offsets[s + 1] == b) continue;
+          tab.ApplyDistinct(s, d.keys.data() + b, d.part_hashes.data() + b, d.order.data() + b,
+                            d.offsets[s + 1] - b, sums.data(), *checked, *version, update);
+        }
+        return ffi::Error::Success();
       });
     });
     return result;
@@ -1190,6 +1378,37 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTableApplyPooled, kre::jaxbind::ApplyPooled,
                                   .Attr<std::string_view>("hparam_names")
                                   .Attr<std::string_view>("slots")
                                   .Attr<bool>("prune")
+                                  .Attr<std::string_view>("combiner"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTablePooledLookupDistinct, kre::jaxbind::PooledLookupDistinct,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Token>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Token>()
+                                  .Ret<ffi::BufferR2<ffi::F32>>()
+                                  .Ret<ffi::BufferR2<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("table")
+                                  .Attr<bool>("prune")
+                                  .Attr<std::string_view>("combiner"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTableApplyDistinct, kre::jaxbind::ApplyDistinct,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Token>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::BufferR2<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::BufferR2<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Token>()
+                                  .Attr<int64_t>("table")
+                                  .Attr<std::string_view>("rule")
+                                  .Attr<std::string_view>("hparam_names")
+                                  .Attr<std::string_view>("slots")
                                   .Attr<std::string_view>("combiner"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTableExport, kre::jaxbind::Export,

@@ -56,6 +56,8 @@ TARGETS = {
     "kre_table_apply": "KreTableApply",
     "kre_table_pooled_lookup": "KreTablePooledLookup",
     "kre_table_apply_pooled": "KreTableApplyPooled",
+    "kre_table_pooled_lookup_distinct": "KreTablePooledLookupDistinct",
+    "kre_table_apply_distinct": "KreTableApplyDistinct",
     "kre_table_export": "KreTableExport",
     # Save and restore.
     "kre_table_save_info": "KreTableSaveInfo",
@@ -359,6 +361,35 @@ def apply_pooled(handle, keys, grads, hyper, step, rule, hparam_names, slots, co
     _call("kre_table_apply_pooled", [keys, _pooled_weights(keys, weights), grads, hyper, step],
           [], table=np.int64(handle), combiner=str(combiner),
           **_rule_attributes(rule, hparam_names, slots, prune))
+
+
+def pooled_lookup_distinct(handle, keys, dim, combiner, weights=None, prune=False):
+    """A training `pooled_lookup` (it inserts) that looks each distinct id
+    up once (counted as often as it occurs) and also returns what
+    `apply_distinct` needs to update each distinct id without
+    deduplicating the ids again: (rows [rows, dim], `inverse` [rows, L]
+    int32, each id's index among the distinct ids (-1 for a pruned one),
+    `distinct` [rows * L], the distinct ids first seen first, `count`,
+    how many)."""
+    keys = jnp.asarray(keys)
+    return tuple(_call("kre_table_pooled_lookup_distinct", [keys, _pooled_weights(keys, weights)],
+                       [_aval((keys.shape[0], dim), np.float32), _aval(keys.shape, np.int32),
+                        _aval((keys.size,), keys.dtype), _aval((), int_dtype())],
+                       table=np.int64(handle), prune=bool(prune), combiner=str(combiner)))
+
+
+def apply_distinct(handle, distinct, count, inverse, grads, hyper, step, rule, hparam_names,
+                   slots, combiner, weights=None):
+    """`apply_pooled` for the gradient `grads` [rows, dim] of a
+    `pooled_lookup_distinct` (its `distinct`, `count` and `inverse`, and
+    the same `weights` and `combiner`): each id's share summed per distinct
+    id through `inverse`, then one update per distinct id."""
+    inverse = jnp.asarray(inverse, jnp.int32)
+    distinct, grads, hyper, step = _apply_operands(distinct, grads, hyper, step)
+    _call("kre_table_apply_distinct",
+          [distinct, jnp.asarray(count), inverse, _pooled_weights(inverse, weights), grads, hyper,
+           step], [], table=np.int64(handle), combiner=str(combiner),
+          rule=str(rule), hparam_names=",".join(hparam_names), slots=",".join(slots))
 
 
 def size(handle):

@@ -162,15 +162,23 @@ def _first_lookup(layer, dim, prune, conditional, group, combiner=None):
         if layer.table_rule is None:
             raise _no_optimizer_error(layer.name)
         group.training = True
-        rows = _table_lookup(handle, ids, weights, dim, True, prune, combiner)
+        distinct = None
+        if combiner is None:
+            rows = _table_lookup(handle, ids, weights, dim, True, prune, combiner)
+        else:
+            # The distinct ids and the inverse go to the backward, which
+            # then updates each distinct id without deduplicating again.
+            rows, *distinct = ffi.pooled_lookup_distinct(handle, ids, dim, combiner, weights,
+                                                         prune=prune)
         return ((rows, jnp.zeros((0,), jnp.float32), jnp.ones_like(step)),
-                (ids, weights, anchor, step))
+                (ids, weights, anchor, step, distinct))
 
     def backward(saved, grads):
-        ids, weights, anchor, step = saved
+        ids, weights, anchor, step, distinct = saved
         parts = [(ids, grads[0], prune, combiner, weights)] + group.pending
         group.pending = []
-        layer._apply_gradients(parts, step)  # pylint: disable=protected-access
+        # pylint: disable-next=protected-access
+        layer._apply_gradients(parts, step, None if len(parts) > 1 else distinct)
         group.marker, group.training = None, False  # the step is over
         return None, None, jnp.zeros_like(anchor), None
 
@@ -500,15 +508,22 @@ class EmbeddingVariable(keras.layers.Layer):
             self.table_rule.new_step(getattr(self, "_kre_own_learning_rate", None))
         return rows
 
-    def _apply_gradients(self, parts, step):
+    def _apply_gradients(self, parts, step, distinct=None):
         """One fused update of the table at `step` (in the backward of the
         step's first lookup) with the gradients of `parts`, (ids, rows'
         gradient, prune, combiner, weights) of each lookup of the step
         (combiner None: rows; else combined rows of ids [rows, L]): equal
-        ids summed."""
+        ids summed. `distinct`: None, or for one combined lookup the
+        (inverse, distinct ids, count) of its `ffi.pooled_lookup_distinct`."""
         rule = self.table_rule
         hyper = rule.hyper(step)
         names = (rule.rule.name, rule.rule.hparam_names, rule.slot_names())
+        if distinct is not None:
+            (_, grads, _, combiner, weights), = parts
+            inverse, ids, count = distinct
+            ffi.apply_distinct(self.handle, ids, count, inverse, grads.astype(jnp.float32), hyper,
+                               step, *names, combiner=combiner, weights=weights)
+            return
         for prune in sorted({p[2] for p in parts}):
             mine = [p for p in parts if p[2] == prune]
             first = mine[0]

@@ -180,14 +180,18 @@ def test_a_table_combined_over_two_lengths_in_one_step_gets_one_update():
     assert int(layer.iterations.value) == 1
 
 
+@pytest.mark.parametrize("distinct", [False, True])
 @pytest.mark.parametrize("combiner", ["sum", "mean"])
 @pytest.mark.parametrize("rows", [6, 300])
-def test_repeated_ids_count_each_occurrence_and_update_once_with_a_filter(combiner, rows):
+def test_repeated_ids_count_each_occurrence_and_update_once_with_a_filter(combiner, rows,
+                                                                          distinct):
     """Ids repeated within a row and across rows, weighted, with a counter
     filter (admission at 2 occurrences): every occurrence counts towards
     admission and frequency, a key not admitted before the lookup reads
     the no-permission row, and each admitted key gets one SGD update with
-    its occurrences' shares summed (vs NumPy)."""
+    its occurrences' shares summed (vs NumPy); through pooled_lookup and
+    apply_pooled, or pooled_lookup_distinct (its distinct ids and inverse
+    also vs NumPy) and apply_distinct."""
     rng = np.random.default_rng(rows)
     init = defaults(5)
     table = ffi.create(init, filter_freq=2, no_permission_value=-0.5)
@@ -202,8 +206,17 @@ def test_repeated_ids_count_each_occurrence_and_update_once_with_a_filter(combin
             grads = rng.normal(size=(rows, DIM)).astype(np.float32)
             # With "mean" the layers make ids of weight <= 0 padding.
             kept = (ids >= 0) & ((weights > 0) | (combiner == "sum"))
-            out = np.asarray(ffi.pooled_lookup(table, np.where(kept, ids, -1), DIM, combiner,
-                                               weights, prune=True))
+            ids_in = np.where(kept, ids, -1)
+            if distinct:
+                out, inverse, uniq, count = (np.asarray(x) for x in ffi.pooled_lookup_distinct(
+                    table, ids_in, DIM, combiner, weights, prune=True))
+                first_seen = list(dict.fromkeys(ids_in[kept].tolist()))
+                assert uniq[:int(count)].tolist() == first_seen
+                assert inverse[~kept].tolist() == [-1] * int((~kept).sum())
+                np.testing.assert_array_equal(uniq[inverse[kept]], ids_in[kept])
+            else:
+                out = np.asarray(ffi.pooled_lookup(table, ids_in, DIM, combiner, weights,
+                                                   prune=True))
             # What each occurrence reads: admitted before this lookup -> its
             # row, else the no-permission row.
             read = np.full(ids.shape + (DIM,), -0.5, np.float32)
@@ -217,8 +230,12 @@ def test_repeated_ids_count_each_occurrence_and_update_once_with_a_filter(combin
                 counts[key] = counts.get(key, 0) + 1
                 if counts[key] >= 2 and key not in values:
                     values[key] = init[key % 5].copy()
-            ffi.apply_pooled(table, np.where(kept, ids, -1), grads, [lr, 0.0], step, "sgd",
-                             ("learning_rate", "decay"), (), combiner, weights, prune=True)
+            if distinct:
+                ffi.apply_distinct(table, uniq, count, inverse, grads, [lr, 0.0], step, "sgd",
+                                   ("learning_rate", "decay"), (), combiner, weights)
+            else:
+                ffi.apply_pooled(table, ids_in, grads, [lr, 0.0], step, "sgd",
+                                 ("learning_rate", "decay"), (), combiner, weights, prune=True)
             summed = {}
             for (r, k), key in np.ndenumerate(ids):
                 if kept[r, k]:
@@ -236,3 +253,51 @@ def test_repeated_ids_count_each_occurrence_and_update_once_with_a_filter(combin
         assert got["versions"][order].tolist() == [versions[k] for k in sorted(values)]
     finally:
         ffi.destroy(table)
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_the_distinct_lookup_and_update_are_the_pooled_ones_bit_for_bit(combiner, weighted):
+    rng = np.random.default_rng(11)
+    tables = [ffi.create(defaults()) for _ in range(2)]
+    try:
+        for t in tables:
+            ffi.add_slot(t, "accumulator", DIM, 0.1)
+        for step in range(3):
+            ids, weights = batch(rng, 300, 4, 30)
+            weights = weights if weighted else None
+            if combiner != "sum" and weighted:
+                ids = np.where(weights > 0, ids, -1)
+            grads = rng.normal(size=(300, DIM)).astype(np.float32)
+            hyper = [0.2, 0.0, 1e-7]
+            a = ffi.pooled_lookup(tables[0], ids, DIM, combiner, weights, prune=True)
+            ffi.apply_pooled(tables[0], ids, grads, hyper, step, "adagrad", ADAGRAD,
+                             ("accumulator",), combiner, weights, prune=True)
+            b, inverse, uniq, count = ffi.pooled_lookup_distinct(tables[1], ids, DIM, combiner,
+                                                                 weights, prune=True)
+            ffi.apply_distinct(tables[1], uniq, count, inverse, grads, hyper, step, "adagrad",
+                               ADAGRAD, ("accumulator",), combiner, weights)
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        a, b = (ffi.export(t, "int32", DIM) for t in tables)
+        order_a, order_b = np.argsort(a["keys"]), np.argsort(b["keys"])
+        for part in ("keys", "values", "freqs", "versions", "slots"):
+            np.testing.assert_array_equal(a[part][order_a], b[part][order_b], err_msg=part)
+    finally:
+        for t in tables:
+            ffi.destroy(t)
+
+
+@pytest.mark.parametrize("count, inverse, message", [
+    (3, [[0, 1, 2], [3, -1, -1]], r"`inverse` must be in \[-1, count = 3\), got 3"),
+    (7, [[0, 1, 2], [0, -1, -1]], r"`count` must be in \[0, 6\], got 7"),
+    (3, [[0, 1, -2], [0, -1, -1]], r"`inverse` must be in \[-1, count = 3\), got -2"),
+])
+def test_apply_distinct_refuses_an_inverse_or_count_out_of_range(count, inverse, message):
+    t = ffi.create(defaults())
+    try:
+        with pytest.raises(Exception, match=message):
+            ffi.apply_distinct(t, np.arange(6, dtype=np.int32), count,
+                               np.array(inverse, np.int32), np.zeros((2, DIM)), [0.1, 0.0], 1,
+                               "sgd", ("learning_rate", "decay"), (), "sum")
+    finally:
+        ffi.destroy(t)
