@@ -661,6 +661,23 @@ void PooledLookupRows(kv::Table<K>& table, const PooledIds<K>& p, bool insert, f
   sums.Finish();
 }
 
+// The checks of a pooled lookup's operands (keys [rows, L], weights, `out`
+// [rows, dim]); returns its combiner.
+ffi::ErrorOr<Combiner> CheckPooledLookup(AnyTable& at, ffi::AnyBuffer keys,
+                                         ffi::Buffer<ffi::F32> weights,
+                                         ffi::Buffer<ffi::F32, 2> out, std::string_view combiner) {
+  if (ffi::Error e = CheckKeys(at, keys); e.failure()) return ffi::Unexpected(e);
+  if (ffi::Error e = CheckPooled(keys, weights); e.failure()) return ffi::Unexpected(e);
+  auto comb = ParseCombinerAttr(combiner);
+  if (comb.has_error()) return comb;
+  const int64_t rows = keys.dimensions()[0];
+  if (out.dimensions()[0] != rows || out.dimensions()[1] != at.dim()) {
+    return ffi::Unexpected(Invalid("`out` must be [" + std::to_string(rows) + ", " +
+                                   std::to_string(at.dim()) + "], got " + Shape(out.dimensions())));
+  }
+  return comb;
+}
+
 ffi::Error PooledLookup(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> weights,
                         ffi::Result<ffi::Token>, ffi::ResultBuffer<ffi::F32, 2> out, int64_t table,
                         bool insert, bool prune, std::string_view combiner) {
@@ -668,15 +685,9 @@ ffi::Error PooledLookup(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> w
     auto t = Find(table);
     if (t.has_error()) return t.error();
     AnyTable& at = **t;
-    if (ffi::Error e = CheckKeys(at, keys); e.failure()) return e;
-    if (ffi::Error e = CheckPooled(keys, weights); e.failure()) return e;
-    auto comb = ParseCombinerAttr(combiner);
+    auto comb = CheckPooledLookup(at, keys, weights, *out, combiner);
     if (comb.has_error()) return comb.error();
     const int64_t rows = keys.dimensions()[0], len = keys.dimensions()[1];
-    if (out->dimensions()[0] != rows || out->dimensions()[1] != at.dim()) {
-      return Invalid("`out` must be [" + std::to_string(rows) + ", " + std::to_string(at.dim()) +
-                     "], got " + Shape(out->dimensions()));
-    }
     const float* w = weights.element_count() == 0 ? nullptr : weights.typed_data();
     at.Visit([&](auto& tab) {
       using K = KeyOfT<decltype(tab)>;
@@ -757,15 +768,9 @@ ffi::Error PooledLookupDistinct(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi
     auto t = Find(table);
     if (t.has_error()) return t.error();
     AnyTable& at = **t;
-    if (ffi::Error e = CheckKeys(at, keys); e.failure()) return e;
-    if (ffi::Error e = CheckPooled(keys, weights); e.failure()) return e;
-    auto comb = ParseCombinerAttr(combiner);
+    auto comb = CheckPooledLookup(at, keys, weights, *out, combiner);
     if (comb.has_error()) return comb.error();
     const int64_t rows = keys.dimensions()[0], len = keys.dimensions()[1];
-    if (out->dimensions()[0] != rows || out->dimensions()[1] != at.dim()) {
-      return Invalid("`out` must be [" + std::to_string(rows) + ", " + std::to_string(at.dim()) +
-                     "], got " + Shape(out->dimensions()));
-    }
     if (inverse->dimensions()[0] != rows || inverse->dimensions()[1] != len) {
       return Invalid("`inverse` must have the keys' shape " + Shape(keys.dimensions()) + ", got " +
                      Shape(inverse->dimensions()));
