@@ -2,6 +2,8 @@
 apply_pooled): a combiner's lookup and its gradient's sparse update in one
 call each, against NumPy and against the row calls (lookup, apply)."""
 
+import contextlib
+
 import jax
 import keras
 import numpy as np
@@ -17,6 +19,21 @@ ADAGRAD = ("learning_rate", "decay", "epsilon")
 
 def defaults(rows=5, dim=DIM):
     return (np.arange(rows * dim, dtype=np.float32).reshape(rows, dim) - 7.0) / 9.0
+
+
+@contextlib.contextmanager
+def adagrad_tables(n):
+    """`n` tables of `defaults()` with an Adagrad accumulator slot (0.1),
+    destroyed on exit."""
+    tables = [ffi.create(defaults()) for _ in range(n)]
+    try:
+        for t in tables:
+            ffi.add_slot(t, "accumulator", DIM, 0.1)
+        yield tables
+    finally:
+        for t in tables:
+            ffi.destroy(t)
+
 
 
 def numpy_shares(ids, weights, combiner, prune):
@@ -93,10 +110,7 @@ def test_without_prune_every_id_is_a_key():
 @pytest.mark.parametrize("weighted", [False, True])
 def test_apply_pooled_is_apply_of_each_ids_share(combiner, weighted):
     rng = np.random.default_rng(7)
-    tables = [ffi.create(defaults()) for _ in range(2)]
-    try:
-        for t in tables:
-            ffi.add_slot(t, "accumulator", DIM, 0.1)
+    with adagrad_tables(2) as tables:
         for step in range(3):
             ids, weights = batch(rng, 300, 4, 30)
             weights = weights if weighted else None
@@ -117,9 +131,6 @@ def test_apply_pooled_is_apply_of_each_ids_share(combiner, weighted):
                                    atol=1e-6)
         np.testing.assert_allclose(a["slots"][order_a],
                                    b["slots"][order_b], rtol=1e-5, atol=1e-6)
-    finally:
-        for t in tables:
-            ffi.destroy(t)
 
 
 @pytest.mark.parametrize("call, message", [
@@ -259,10 +270,7 @@ def test_repeated_ids_count_each_occurrence_and_update_once_with_a_filter(combin
 @pytest.mark.parametrize("weighted", [False, True])
 def test_the_distinct_lookup_and_update_are_the_pooled_ones_bit_for_bit(combiner, weighted):
     rng = np.random.default_rng(11)
-    tables = [ffi.create(defaults()) for _ in range(2)]
-    try:
-        for t in tables:
-            ffi.add_slot(t, "accumulator", DIM, 0.1)
+    with adagrad_tables(2) as tables:
         for step in range(3):
             ids, weights = batch(rng, 300, 4, 30)
             weights = weights if weighted else None
@@ -282,9 +290,6 @@ def test_the_distinct_lookup_and_update_are_the_pooled_ones_bit_for_bit(combiner
         order_a, order_b = np.argsort(a["keys"]), np.argsort(b["keys"])
         for part in ("keys", "values", "freqs", "versions", "slots"):
             np.testing.assert_array_equal(a[part][order_a], b[part][order_b], err_msg=part)
-    finally:
-        for t in tables:
-            ffi.destroy(t)
 
 
 @pytest.mark.parametrize("count, inverse, message", [
