@@ -35,7 +35,6 @@ def adagrad_tables(n):
             ffi.destroy(t)
 
 
-
 def numpy_shares(ids, weights, combiner, prune):
     """Each id's weight over its row's denominator (0 for padding)."""
     w = np.ones(ids.shape, np.float32) if weights is None else weights.astype(np.float32)
