@@ -418,43 +418,62 @@ ffi::Error CheckPooled(const ffi::AnyBuffer& keys, const ffi::Buffer<ffi::F32>& 
 // 1 / denominator.
 template <typename K>
 struct PooledIds {
+  // Of ids k [rows, len], weights of their shape or nullptr.
   PooledIds(const K* k, const float* weights, int64_t rows, int64_t len, bool prune,
             Combiner combiner)
-      : inv(rows) {
-    const int64_t n = rows * len;
-    keys.reserve(n);
-    row.reserve(n);
-    w.reserve(n);
+      : PooledIds(rows, len, prune, combiner) {
     for (int64_t r = 0; r < rows; ++r) {
-      float denom = 0;
-      for (int64_t j = r * len; j < (r + 1) * len; ++j) {
-        if (prune && k[j] < 0) continue;
-        float x = weights == nullptr ? 1.0f : weights[j];
-        if (combiner != kSum && !(x > 0)) x = 0.0f;
-        keys.push_back(k[j]);
-        row.push_back(static_cast<int32_t>(r));
-        w.push_back(x);
-        denom += combiner == kSqrtn ? x * x : x;
-      }
-      if (combiner == kSqrtn) denom = std::sqrt(denom);
-      inv[r] = combiner == kSum ? 1.0f : denom > 0 ? 1.0f / denom : 0.0f;
+      AddRow(r, k + r * len, weights == nullptr ? nullptr : weights + r * len);
     }
+  }
+  // Empty, for AddRow of rows 0, 1, ... rows - 1 of len ids each.
+  PooledIds(int64_t rows, int64_t len, bool prune, Combiner combiner)
+      : inv(rows), len_(len), prune_(prune), combiner_(combiner) {
+    keys.reserve(rows * len);
+    row.reserve(rows * len);
+    w.reserve(rows * len);
+  }
+  // Row r's ids k[0..len) and weights (or nullptr).
+  void AddRow(int64_t r, const K* k, const float* weights) {
+    float denom = 0;
+    for (int64_t j = 0; j < len_; ++j) {
+      if (prune_ && k[j] < 0) continue;
+      float x = weights == nullptr ? 1.0f : weights[j];
+      if (combiner_ != kSum && !(x > 0)) x = 0.0f;
+      keys.push_back(k[j]);
+      row.push_back(static_cast<int32_t>(r));
+      w.push_back(x);
+      denom += combiner_ == kSqrtn ? x * x : x;
+    }
+    if (combiner_ == kSqrtn) denom = std::sqrt(denom);
+    inv[r] = combiner_ == kSum ? 1.0f : denom > 0 ? 1.0f / denom : 0.0f;
   }
   int64_t size() const { return static_cast<int64_t>(keys.size()); }
 
   std::vector<K> keys;
   std::vector<int32_t> row;
   std::vector<float> w, inv;
+
+ private:
+  const int64_t len_;
+  const bool prune_;
+  const Combiner combiner_;
 };
 
 // Sums weighted rows into the output rows by non-decreasing row index,
 // block after block (a row's ids may span blocks), and stores each row
 // times its 1 / denominator; Finish() stores the last one and zeros the
-// rows no id reached.
+// rows no id reached. Output row r is out[r * stride, r * stride + dim)
+// (a stride > dim: one feature's columns of a group's concatenated rows).
 class RowSums {
  public:
-  RowSums(float* out, const float* inv, int64_t rows, int64_t dim)
-      : out_(out), inv_(inv), rows_(rows), dim_(dim), acc_(dim, 0.0f) {}
+  RowSums(float* out, const float* inv, int64_t rows, int64_t dim, int64_t stride = -1)
+      : out_(out),
+        inv_(inv),
+        rows_(rows),
+        dim_(dim),
+        stride_(stride < 0 ? dim : stride),
+        acc_(dim, 0.0f) {}
 
   void Add(const int32_t* row, const float* w, const float* const* src, int64_t n) {
     switch (dim_) {
@@ -503,21 +522,22 @@ class RowSums {
 
   void Store(const float* acc) {
     if (cur_ < 0) return;
-    float* o = out_ + cur_ * dim_;
+    float* o = out_ + cur_ * stride_;
     const float c = inv_[cur_];
     for (int64_t d = 0; d < dim_; ++d) o[d] = acc[d] * c;
   }
 
   // Zeros the rows after the current one, up to `next`.
   void Zero(int64_t next) {
-    const int64_t from = cur_ + 1;
-    if (next > from) std::fill(out_ + from * dim_, out_ + next * dim_, 0.0f);
+    for (int64_t r = cur_ + 1; r < next; ++r) {
+      std::fill(out_ + r * stride_, out_ + r * stride_ + dim_, 0.0f);
+    }
     cur_ = std::max<int64_t>(cur_, next - 1);
   }
 
   float* const out_;
   const float* const inv_;
-  const int64_t rows_, dim_;
+  const int64_t rows_, dim_, stride_;
   int64_t cur_ = -1;
   std::vector<float> acc_;
 };
@@ -610,9 +630,9 @@ struct DistinctIds {
 // A training pooled lookup through the distinct ids `d` of p's ids.
 template <typename K>
 void PooledLookupDistinctRows(kv::Table<K>& table, const PooledIds<K>& p, const DistinctIds<K>& d,
-                              float* out, int64_t rows) {
+                              float* out, int64_t rows, int64_t out_stride = -1) {
   const int64_t dim = table.dim(), n = p.size();
-  RowSums sums(out, p.inv.data(), rows, dim);
+  RowSums sums(out, p.inv.data(), rows, dim, out_stride);
   std::vector<float> buffer(d.size() * dim);
   d.Lookup(table, /*insert=*/true, buffer.data());
   std::vector<const float*> ptrs(n);
@@ -621,11 +641,12 @@ void PooledLookupDistinctRows(kv::Table<K>& table, const PooledIds<K>& p, const 
   sums.Finish();
 }
 
+// Output row r at out[r * out_stride] (-1: the table's dim).
 template <typename K>
 void PooledLookupRows(kv::Table<K>& table, const PooledIds<K>& p, bool insert, float* out,
-                      int64_t rows) {
+                      int64_t rows, int64_t out_stride = -1) {
   const int64_t dim = table.dim(), n = p.size();
-  RowSums sums(out, p.inv.data(), rows, dim);
+  RowSums sums(out, p.inv.data(), rows, dim, out_stride);
   std::vector<const float*> ptrs;
   std::vector<float> buffer;
   auto point_at_buffer = [&](int64_t m) {
@@ -642,7 +663,8 @@ void PooledLookupRows(kv::Table<K>& table, const PooledIds<K>& p, bool insert, f
       sums.Add(p.row.data() + b, p.w.data() + b, ptrs.data(), m);
     }
   } else if (n > 0 && insert) {
-    PooledLookupDistinctRows(table, p, DistinctIds<K>(table, p.keys.data(), n), out, rows);
+    PooledLookupDistinctRows(table, p, DistinctIds<K>(table, p.keys.data(), n), out, rows,
+                             out_stride);
     return;
   } else if (n > 0 && table.PrefersOrderedLookup(n)) {
     // In batch order (see LookupRows), a block at a time.
@@ -693,6 +715,81 @@ ffi::Error PooledLookup(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> w
       using K = KeyOfT<decltype(tab)>;
       const PooledIds<K> p(keys.reinterpret_data<K>(), w, rows, len, prune, *comb);
       PooledLookupRows(tab, p, insert, out->typed_data(), rows);
+    });
+    return ffi::Error::Success();
+  });
+}
+
+// A group's inference lookup in one call: feature f's ids keys[:, f, :]
+// ([rows, F, L], padded with ids < 0 when `prune`; weights empty or of the
+// keys' shape) pooled by combiner f from table f into out's columns
+// [offset(f), offset(f) + dim(f)), the features' dims one after the other:
+// the concatenated output of the group, with no slice of the ids per feature
+// and no per-table outputs to concatenate. It never inserts.
+ffi::Error GroupPooledLookup(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> weights,
+                             ffi::Result<ffi::Token>, ffi::ResultBuffer<ffi::F32, 2> out,
+                             ffi::Span<const int64_t> tables, std::string_view combiners,
+                             bool prune) {
+  return Guarded([&]() -> ffi::Error {
+    const auto kd = keys.dimensions();
+    if (kd.size() != 3) return Invalid("`keys` must be [rows, features, L], got " + Shape(kd));
+    const int64_t rows = kd[0], features = kd[1], len = kd[2];
+    const auto wd = weights.element_count() == 0 ? kd : weights.dimensions();
+    if (!(wd.size() == 3 && wd[0] == rows && wd[1] == features && wd[2] == len)) {
+      return Invalid("`weights` must be empty or have the keys' shape " + Shape(kd) + ", got " +
+                     Shape(weights.dimensions()));
+    }
+    const std::vector<string> names = SplitNames(combiners);
+    if (static_cast<int64_t>(tables.size()) != features ||
+        static_cast<int64_t>(names.size()) != features) {
+      return Invalid("`tables` and `combiners` must name one table and one combiner per feature (" +
+                     std::to_string(features) + "), got " + std::to_string(tables.size()) +
+                     " and " + std::to_string(names.size()));
+    }
+    std::vector<std::shared_ptr<AnyTable>> found;
+    std::vector<Combiner> comb;
+    int64_t width = 0;
+    for (int64_t f = 0; f < features; ++f) {
+      auto t = Find(tables[f]);
+      if (t.has_error()) return t.error();
+      if (ffi::Error e = CheckKeys(**t, keys); e.failure()) return e;
+      auto c = ParseCombinerAttr(names[f]);
+      if (c.has_error()) return c.error();
+      width += (*t)->dim();
+      found.push_back(*t);
+      comb.push_back(*c);
+    }
+    if (out->dimensions()[0] != rows || out->dimensions()[1] != width) {
+      return Invalid("`out` must be [" + std::to_string(rows) + ", " + std::to_string(width) +
+                     "] (the features' dims summed), got " + Shape(out->dimensions()));
+    }
+    const float* w = weights.element_count() == 0 ? nullptr : weights.typed_data();
+    found[0]->Visit([&](auto& first) {
+      using K = KeyOfT<decltype(first)>;
+      // Every feature's ids in one pass over the ids in memory order:
+      // feature after feature over all rows would stride through them
+      // (a cache line per row and feature).
+      std::vector<PooledIds<K>> ids;
+      ids.reserve(features);
+      for (int64_t f = 0; f < features; ++f) ids.emplace_back(rows, len, prune, comb[f]);
+      const K* k = keys.reinterpret_data<K>();
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t f = 0; f < features; ++f) {
+          const int64_t at = (r * features + f) * len;
+          ids[f].AddRow(r, k + at, w == nullptr ? nullptr : w + at);
+        }
+      }
+      int64_t offset = 0;
+      for (int64_t f = 0; f < features; ++f) {
+        // All tables have K keys (CheckKeys); the visit gives the type.
+        found[f]->Visit([&](auto& tab) {
+          if constexpr (std::is_same_v<KeyOfT<decltype(tab)>, K>) {
+            PooledLookupRows(tab, ids[f], /*insert=*/false, out->typed_data() + offset, rows,
+                             width);
+          }
+        });
+        offset += found[f]->dim();
+      }
     });
     return ffi::Error::Success();
   });
@@ -1368,6 +1465,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTablePooledLookup, kre::jaxbind::PooledLookup,
                                   .Attr<bool>("insert")
                                   .Attr<bool>("prune")
                                   .Attr<std::string_view>("combiner"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KreGroupPooledLookup, kre::jaxbind::GroupPooledLookup,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Token>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Token>()
+                                  .Ret<ffi::BufferR2<ffi::F32>>()
+                                  .Attr<ffi::Span<const int64_t>>("tables")
+                                  .Attr<std::string_view>("combiners")
+                                  .Attr<bool>("prune"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTableApplyPooled, kre::jaxbind::ApplyPooled,
                               ffi::Ffi::Bind()

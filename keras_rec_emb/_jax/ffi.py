@@ -58,6 +58,7 @@ TARGETS = {
     "kre_table_apply_pooled": "KreTableApplyPooled",
     "kre_table_pooled_lookup_distinct": "KreTablePooledLookupDistinct",
     "kre_table_apply_distinct": "KreTableApplyDistinct",
+    "kre_group_pooled_lookup": "KreGroupPooledLookup",
     "kre_table_export": "KreTableExport",
     # Save and restore.
     "kre_table_save_info": "KreTableSaveInfo",
@@ -182,8 +183,11 @@ def _lowering(ctx, *operands, target, result_avals, attributes):
     token_aval = _jax_private.abstract_token
     call_ctx = ctx.replace(avals_in=(token_aval, *ctx.avals_in),
                            avals_out=(token_aval, *ctx.avals_out))
+    # A tuple attribute (kept hashable for the primitive) is an int64 array.
+    attributes = {k: np.asarray(v, np.int64) if isinstance(v, tuple) else v
+                  for k, v in attributes}
     op = jax.ffi.build_ffi_lowering_function(target, has_side_effect=True)(
-        call_ctx, token, *operands, **dict(attributes))
+        call_ctx, token, *operands, **attributes)
     results = list(op.results)
     ctx.set_tokens_out(mlir.TokenSet({_EFFECT: results[0]}))
     return results[1:]
@@ -348,6 +352,20 @@ def pooled_lookup(handle, keys, dim, combiner, weights=None, insert=True, prune=
     (out,) = _call("kre_table_pooled_lookup", [keys, _pooled_weights(keys, weights)],
                    [_aval((keys.shape[0], dim), np.float32)], table=np.int64(handle),
                    insert=bool(insert), prune=bool(prune), combiner=str(combiner))
+    return out
+
+
+def group_pooled_lookup(handles, keys, dims, combiners, weights=None, prune=True):
+    """The inference lookup of a group of features in one call: ids `keys`
+    [rows, F, L] (feature f's ids `keys[:, f, :]`, optional `weights` of
+    their shape), feature f pooled by `combiners[f]` from table
+    `handles[f]` (of dim `dims[f]`) as `pooled_lookup` (insert=False) does
+    -> [rows, sum(dims)], the features' rows concatenated in order."""
+    keys = jnp.asarray(keys)
+    (out,) = _call("kre_group_pooled_lookup", [keys, _pooled_weights(keys, weights)],
+                   [_aval((keys.shape[0], int(sum(dims))), np.float32)],
+                   tables=tuple(int(h) for h in handles), combiners=",".join(combiners),
+                   prune=bool(prune))
     return out
 
 

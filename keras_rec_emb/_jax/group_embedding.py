@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
-from keras_rec_emb._jax import register
+from keras_rec_emb._jax import ffi, register
 from keras_rec_emb._jax.layers import EmbeddingVariable
 
 COMBINERS = ("sum", "mean", "sqrtn")
@@ -245,35 +245,46 @@ class GroupEmbedding(keras.layers.Layer):
     def _feature_ids(self, inputs):
         """(ids, weights) per feature, in the order of `features`: ids
         `[batch, L]`, weights `[batch, L]` float32 or None."""
+        if isinstance(inputs, dict):
+            return self._dict_ids(inputs)
+        ids = self._stacked_ids(inputs)
+        return [ids[:, j, :] for j in range(ids.shape[1])], [None] * ids.shape[1]
+
+    def _dict_ids(self, inputs):
+        """`_feature_ids` of a dict of inputs."""
         names = list(self._features)
         specs = list(self._features.values())
-        if isinstance(inputs, dict):
-            missing = [n for n in names if n not in inputs]
-            missing += [s.weight_feature for s in specs
-                        if s.weight_feature is not None and s.weight_feature not in inputs]
-            if missing:
-                raise ValueError(f"GroupEmbedding '{self.name}' is missing inputs {missing}. "
-                                 f"Received keys: {sorted(inputs)}")
-            out, weights = [], []
-            for n, s in zip(names, specs):
-                ids = keras.ops.convert_to_tensor(inputs[n])
-                if ids.ndim not in (1, 2):
+        missing = [n for n in names if n not in inputs]
+        missing += [s.weight_feature for s in specs
+                    if s.weight_feature is not None and s.weight_feature not in inputs]
+        if missing:
+            raise ValueError(f"GroupEmbedding '{self.name}' is missing inputs {missing}. "
+                             f"Received keys: {sorted(inputs)}")
+        out, weights = [], []
+        for n, s in zip(names, specs):
+            ids = keras.ops.convert_to_tensor(inputs[n])
+            if ids.ndim not in (1, 2):
+                raise ValueError(
+                    f"GroupEmbedding '{self.name}': the ids of feature {n!r} must be "
+                    f"[batch] or [batch, L] (padded with -1). Received: shape "
+                    f"{tuple(ids.shape)}")
+            out.append(ids[:, None] if ids.ndim == 1 else ids)
+            w = None
+            if s.weight_feature is not None:
+                w = keras.ops.convert_to_tensor(inputs[s.weight_feature], dtype="float32")
+                if tuple(w.shape) != tuple(ids.shape):
                     raise ValueError(
-                        f"GroupEmbedding '{self.name}': the ids of feature {n!r} must be "
-                        f"[batch] or [batch, L] (padded with -1). Received: shape "
-                        f"{tuple(ids.shape)}")
-                out.append(ids[:, None] if ids.ndim == 1 else ids)
-                w = None
-                if s.weight_feature is not None:
-                    w = keras.ops.convert_to_tensor(inputs[s.weight_feature], dtype="float32")
-                    if tuple(w.shape) != tuple(ids.shape):
-                        raise ValueError(
-                            f"GroupEmbedding '{self.name}': the weights "
-                            f"{s.weight_feature!r} of feature {n!r} must have its ids' shape "
-                            f"{tuple(ids.shape)}. Received: shape {tuple(w.shape)}")
-                    w = w[:, None] if w.ndim == 1 else w
-                weights.append(w)
-            return out, weights
+                        f"GroupEmbedding '{self.name}': the weights "
+                        f"{s.weight_feature!r} of feature {n!r} must have its ids' shape "
+                        f"{tuple(ids.shape)}. Received: shape {tuple(w.shape)}")
+                w = w[:, None] if w.ndim == 1 else w
+            weights.append(w)
+        return out, weights
+
+    def _stacked_ids(self, inputs):
+        """One stacked ids tensor as [batch, F, L]."""
+        names = list(self._features)
+        specs = list(self._features.values())
         if any(s.weight_feature is not None for s in specs):
             raise ValueError(
                 f"GroupEmbedding '{self.name}' has weight features "
@@ -290,11 +301,48 @@ class GroupEmbedding(keras.layers.Layer):
                 f"(column j feeds feature j) or [batch, {f}, length] (ids[:, j, :] feed "
                 f"feature j, padded with -1), features in the order of `features`. "
                 f"Received: ids of shape {tuple(ids.shape)}")
-        if ids.ndim == 2:
-            ids = ids[:, :, None]
-        return [ids[:, j, :] for j in range(f)], [None] * f
+        return ids[:, :, None] if ids.ndim == 2 else ids
+
+    def _inference_lookup(self, inputs):
+        """The lookup of every feature in one table call (no table trains
+        in this call, so none inserts and no gradient is needed): the
+        features' ids stacked [batch, F, L], their rows concatenated."""
+        specs = list(self._features.values())
+        key_dtype = self.tables[0].key_dtype
+        if isinstance(inputs, dict):
+            feature_ids, feature_weights = self._dict_ids(inputs)
+            length = max(int(i.shape[1]) for i in feature_ids)
+            pad = [((0, 0), (0, length - int(i.shape[1]))) for i in feature_ids]
+            ids = jnp.stack([jnp.pad(jnp.asarray(i).astype(key_dtype), p, constant_values=-1)
+                             for i, p in zip(feature_ids, pad)], axis=1)
+            weights = None
+            if any(w is not None for w in feature_weights):
+                weights = jnp.stack([
+                    jnp.pad(jnp.ones(i.shape, jnp.float32) if w is None
+                            else jnp.asarray(w).astype(jnp.float32), p)
+                    for i, w, p in zip(feature_ids, feature_weights, pad)], axis=1)
+        else:
+            ids, weights = jnp.asarray(self._stacked_ids(inputs)).astype(key_dtype), None
+        tables = [self.tables[s.table] for s in specs]
+        rows = ffi.group_pooled_lookup([t.handle for t in tables], ids,
+                                       [t.embedding_dim for t in tables],
+                                       [s.combiner for s in specs], weights).astype(
+                                           self.compute_dtype)
+        if self.output_mode == "concat":
+            return rows
+        out, start = {}, 0
+        for n, t in zip(self._features, tables):
+            out[n] = rows[:, start:start + t.embedding_dim]
+            start += t.embedding_dim
+        return out
 
     def call(self, inputs, training=None):
+        # Under training=None a trainable table trains when differentiated
+        # (see EmbeddingVariable._rows): only a call no table trains in
+        # takes the one-call inference lookup.
+        if (all(not (t.trainable and (training is None or training)) for t in self.tables)
+                and len({t.key_dtype for t in self.tables}) == 1):
+            return self._inference_lookup(inputs)
         feature_ids, feature_weights = self._feature_ids(inputs)
         specs = list(self._features.values())
         outs = [None] * len(specs)

@@ -5,6 +5,7 @@ forms fit and save, and what JAX lacks is refused."""
 
 import doctest
 
+import jax
 import keras
 import numpy as np
 import pytest
@@ -63,6 +64,62 @@ def test_dict_and_stacked_forms_pool_padded_ids_like_numpy(combiner):
                                                for j, t in enumerate((shared, shared, other))],
                                               axis=1) * (ids[:, :, 1:2] >= 0).repeat(DIM, 2)
                                .reshape(len(ids), -1), rtol=1e-6)
+    assert shared.table_size() == other.table_size() == 0  # inference inserts nothing
+
+
+def _table_calls(fn, *args):
+    """The targets of the table calls fn traces, inner jaxprs included."""
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            if e.primitive.name == "kre_table_call":
+                yield e.params["target"]
+            for v in e.params.values():
+                for sub in v if isinstance(v, (tuple, list)) else (v,):
+                    sub = getattr(sub, "jaxpr", sub)
+                    if hasattr(sub, "eqns"):
+                        yield from walk(sub)
+    return list(walk(jax.make_jaxpr(fn)(*args).jaxpr))
+
+
+def test_inference_lookup_is_one_table_call_with_the_per_table_numbers():
+    # training=False (or tables not trainable): every feature in one call,
+    # features of other lengths, weighted and not, shared tables; the
+    # numbers of the per-table pooled lookups (training=None, not
+    # differentiated) and of NumPy.
+    shared, other = table(), table("other")
+    group = GroupEmbedding({"a": FeatureSpec(shared, "mean", weight_feature="wa"),
+                            "b": FeatureSpec(shared, "sum"),
+                            "c": FeatureSpec(other, "sqrtn")}, output_mode="dict")
+    wa = np.array([[0.5, 2.0, 1.0], [1.0, 1.0, 1.0], [0.0, -1.0, 3.0], [1.0, 0.25, 9.0]],
+                  np.float32)
+    inputs = {"a": STACKED[:, 0], "wa": wa, "b": STACKED[:, 1, :2], "c": STACKED[:, 0, 0]}
+    per_table = group(inputs)
+    assert _table_calls(lambda x: group(x), inputs) == [
+        "kre_table_pooled_lookup", "kre_table_pooled_lookup", "kre_table_lookup"]
+    assert _table_calls(lambda x: group(x, training=False), inputs) == [
+        "kre_group_pooled_lookup"]
+    got = jax.jit(lambda x: group(x, training=False))(inputs)
+    keep = (STACKED[:, 0] >= 0) & (wa > 0)  # mean: weights <= 0 dropped
+    w = np.where(keep, wa, 0)
+    rows_a = shared.default_values[STACKED[:, 0] % DVD]
+    want = {"a": (rows_a * w[..., None]).sum(1) / np.maximum(w.sum(1), 1e-30)[:, None]
+            * (w.sum(1) > 0)[:, None],
+            "b": numpy_pool(shared.default_values[STACKED[:, 1, :2] % DVD], STACKED[:, 1, :2],
+                            "sum"),
+            "c": other.default_values[STACKED[:, 0, 0] % DVD] * (STACKED[:, 0, 0:1] >= 0)}
+    for name in "abc":
+        np.testing.assert_allclose(np.asarray(got[name]), want[name], rtol=1e-6, err_msg=name)
+        np.testing.assert_allclose(np.asarray(got[name]), np.asarray(per_table[name]),
+                                   rtol=1e-6, err_msg=name)
+    # The stacked form, concatenated; and tables not trainable under training=None.
+    stacked = GroupEmbedding({"a": FeatureSpec(shared, "mean"), "b": FeatureSpec(other, "sum")},
+                             output_mode="concat")
+    want = np.concatenate([numpy_pool(t.default_values[STACKED[:, j] % DVD], STACKED[:, j], c)
+                           for j, (t, c) in enumerate(((shared, "mean"), (other, "sum")))], 1)
+    np.testing.assert_allclose(np.asarray(stacked(STACKED, training=False)), want, rtol=1e-6)
+    shared.trainable = other.trainable = False
+    assert _table_calls(lambda x: stacked(x), STACKED) == ["kre_group_pooled_lookup"]
+    np.testing.assert_allclose(np.asarray(stacked(STACKED)), want, rtol=1e-6)
     assert shared.table_size() == other.table_size() == 0  # inference inserts nothing
 
 

@@ -147,6 +147,26 @@ def test_apply_pooled_is_apply_of_each_ids_share(combiner, weighted):
     (lambda t: ffi.apply_pooled(t, np.ones((2, 3), np.int32), np.zeros((2, DIM)), [0.1, 0.0], 1,
                                 "rmsprop", ("learning_rate", "decay"), (), "sum"),
      "unknown rule 'rmsprop'"),
+    (lambda t: ffi.group_pooled_lookup([t], np.ones((2, 3), np.int32), [DIM], ["sum"]),
+     r"`keys` must be \[rows, features, L\], got \[2, 3\]"),
+    (lambda t: ffi.group_pooled_lookup([t], np.ones((2, 2, 3), np.int32), [DIM, DIM],
+                                       ["sum", "sum"]),
+     r"`tables` and `combiners` must name one table and one combiner per feature \(2\), "
+     "got 1 and 2"),
+    (lambda t: ffi.group_pooled_lookup([t, t], np.ones((2, 2, 3), np.int32), [DIM, DIM],
+                                       ["sum", "max"]),
+     "`combiner` must be sum, mean or sqrtn, got 'max'"),
+    (lambda t: ffi.group_pooled_lookup([t, t], np.ones((2, 2, 3), np.int32), [DIM, DIM + 1],
+                                       ["sum", "sum"]),
+     r"`out` must be \[2, 8\] \(the features' dims summed\), got \[2, 9\]"),
+    (lambda t: ffi.group_pooled_lookup([t, t], np.ones((2, 2, 3), np.int32), [DIM, DIM],
+                                       ["sum", "sum"], np.ones((2, 2, 2))),
+     r"`weights` must be empty or have the keys' shape \[2, 2, 3\], got \[2, 2, 2\]"),
+    (lambda t: ffi.group_pooled_lookup([t, t + 10**6], np.ones((2, 2, 3), np.int32),
+                                       [DIM, DIM], ["sum", "sum"]),
+     "no embedding table has handle"),
+    (lambda t: ffi.group_pooled_lookup([t], np.ones((2, 1, 3), np.int64), [DIM], ["sum"]),
+     "the embedding table has int32 keys but `keys` is int64"),
 ])
 def test_bad_input_is_an_error_naming_the_argument(call, message):
     t = ffi.create(defaults())
