@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "jax/table_registry.h"
+#include "kernels/pooled_rows.h"
 #include "kernels/update_rules.h"
 #include "kv/partition.h"
 #include "kv/table.h"
@@ -391,7 +392,8 @@ ffi::Error Apply(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> grads,
 // backward (ApplyPooled) feeds id (r, k) w[r, k] / denominator(r) times
 // grads[r] to the fused sparse apply.
 
-enum Combiner { kSum, kMean, kSqrtn };
+// The combiners are kre::Combiner (kernels/pooled_rows.h), as the
+// TensorFlow kernels'.
 
 ffi::ErrorOr<Combiner> ParseCombinerAttr(std::string_view name) {
   if (name == "sum") return kSum;
@@ -720,6 +722,74 @@ ffi::Error PooledLookup(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> w
   });
 }
 
+// GroupPooledLookup without weights, by the TensorFlow pooled kernels'
+// PooledRowsOf: every feature's kept ids (all, or with `prune` those >= 0)
+// and CSR splits in one pass over the ids k [rows, F, len] in memory order
+// (feature after feature over all rows would stride through them: a cache
+// line per row and feature), then feature after feature its rows in blocks
+// read in batch order (or shard by shard, a table that prefers it),
+// combined straight into its columns of out (row stride `width`).
+template <typename K>
+void GroupPooledRows(const std::vector<std::shared_ptr<AnyTable>>& tables,
+                     const std::vector<Combiner>& comb, const K* k, int64_t rows, int64_t len,
+                     bool prune, float* out, int64_t width) {
+  const int64_t features = static_cast<int64_t>(tables.size()), cap = rows * len;
+  // Reused call after call: no allocation nor zeroing once they are large
+  // enough; feature f's kept ids at kept[f * cap], its splits at
+  // splits[f * (rows + 1)].
+  thread_local std::vector<int64_t> kept, splits;
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(kept.size()) < features * cap) kept.resize(features * cap);
+  if (static_cast<int64_t>(splits.size()) < features * (rows + 1)) {
+    splits.resize(features * (rows + 1));
+  }
+  std::vector<int64_t> count(features, 0), max_len(features, 0);
+  for (int64_t f = 0; f < features; ++f) splits[f * (rows + 1)] = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t f = 0; f < features; ++f) {
+      const K* ids = k + (r * features + f) * len;
+      int64_t* dst = kept.data() + f * cap;
+      const int64_t m0 = count[f];
+      int64_t m = m0;
+      // Every id is stored, and counted when kept (no branch on padding):
+      // m <= r * len + j < cap, so the store stays within the feature's.
+      for (int64_t j = 0; j < len; ++j) {
+        dst[m] = ids[j];
+        m += !prune || ids[j] >= 0;
+      }
+      count[f] = m;
+      splits[f * (rows + 1) + r + 1] = m;
+      max_len[f] = std::max(max_len[f], m - m0);
+    }
+  }
+  int64_t offset = 0;
+  for (int64_t f = 0; f < features; ++f) {
+    const int64_t dim = tables[f]->dim();
+    // All tables have K keys (CheckKeys); the visit gives the type.
+    tables[f]->Visit([&](auto& tab) {
+      if constexpr (std::is_same_v<KeyOfT<decltype(tab)>, K>) {
+        const PooledFeature pf{kept.data() + f * cap,
+                               splits.data() + f * (rows + 1),
+                               dim,
+                               /*default_id=*/-1,
+                               comb[f],
+                               out + offset,
+                               width,
+                               static_cast<int>(f),
+                               static_cast<int>(f)};
+        float* rows_buffer = nullptr;
+        if (!tab.PrefersOrderedLookup(count[f])) {
+          buffer.resize(PooledBufferRows(count[f], rows, max_len[f]) * dim);
+          rows_buffer = buffer.data();
+        }
+        // The ids came as K: every one fits the table's keys.
+        PooledRowsOf(tab, pf, 0, rows, rows_buffer);
+      }
+    });
+    offset += dim;
+  }
+}
+
 // A group's inference lookup in one call: feature f's ids keys[:, f, :]
 // ([rows, F, L], padded with ids < 0 when `prune`; weights empty or of the
 // keys' shape) pooled by combiner f from table f into out's columns
@@ -766,6 +836,11 @@ ffi::Error GroupPooledLookup(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F
     const float* w = weights.element_count() == 0 ? nullptr : weights.typed_data();
     found[0]->Visit([&](auto& first) {
       using K = KeyOfT<decltype(first)>;
+      if (w == nullptr) {
+        GroupPooledRows(found, comb, keys.reinterpret_data<K>(), rows, len, prune,
+                        out->typed_data(), width);
+        return;
+      }
       // Every feature's ids in one pass over the ids in memory order:
       // feature after feature over all rows would stride through them
       // (a cache line per row and feature).

@@ -105,6 +105,45 @@ def test_without_prune_every_id_is_a_key():
         ffi.destroy(t)
 
 
+# 6 rows read every table shard by shard, 300 (1500 ids, over a block of
+# 1024) in batch order but the filtered table's; dims 4, 8 and 6 (no
+# fixed-width combine).
+@pytest.mark.parametrize("rows", [6, 300])
+@pytest.mark.parametrize("key_dtype", ["int32", "int64"])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("prune", [True, False])
+def test_group_pooled_lookup_is_each_features_pooled_lookup(rows, key_dtype, weighted, prune):
+    rng = np.random.default_rng(rows)
+    specs = [(4, 0, "mean"), (8, 0, "sum"), (6, 2, "sqrtn"), (4, 0, "sqrtn"), (4, 2, "sum")]
+    tables = [ffi.create(defaults(7, dim), key_dtype, filter_freq=freq)
+              for dim, freq, _ in specs]
+    try:
+        parts = [batch(rng, rows, 5, 60) for _ in specs]
+        ids = np.stack([i for i, _ in parts], 1).astype(key_dtype)
+        weights = np.stack([w for _, w in parts], 1) if weighted else None
+        for f, (t, (dim, _, comb)) in enumerate(zip(tables, specs)):  # half the ids admitted
+            for _ in range(2):
+                ffi.pooled_lookup(t, ids[:rows // 2, f], dim, comb, insert=True, prune=True)
+        sizes = [ffi.size(t).tolist() for t in tables]
+        got = np.asarray(ffi.group_pooled_lookup(tables, ids, [d for d, _, _ in specs],
+                                                 [c for _, _, c in specs], weights, prune))
+        want = np.concatenate([np.asarray(ffi.pooled_lookup(
+            t, ids[:, f], dim, comb, None if weights is None else weights[:, f], insert=False,
+            prune=prune)) for f, (t, (dim, _, comb)) in enumerate(zip(tables, specs))], 1)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+        # Rows with no id are zeros; every feature reads rows.
+        if prune:
+            empty = (ids[:, 0] < 0).all(1)
+            assert empty.any()
+            np.testing.assert_array_equal(got[empty, :4], 0.0)
+        starts = np.cumsum([0] + [d for d, _, _ in specs])
+        assert all(np.abs(got[:, a:b]).sum() > 0 for a, b in zip(starts[:-1], starts[1:]))
+        assert [ffi.size(t).tolist() for t in tables] == sizes  # it inserts nothing
+    finally:
+        for t in tables:
+            ffi.destroy(t)
+
+
 @pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_apply_pooled_is_apply_of_each_ids_share(combiner, weighted):
