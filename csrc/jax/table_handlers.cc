@@ -15,6 +15,7 @@
 // argument and what is allowed); exceptions of the engine (allocation, a
 // file tier's I/O) become ResourceExhausted or DataLoss, never a crash.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <exception>
 #include <limits>
@@ -733,10 +734,14 @@ template <typename K>
 void GroupPooledRows(const std::vector<std::shared_ptr<AnyTable>>& tables,
                      const std::vector<Combiner>& comb, const K* k, int64_t rows, int64_t len,
                      bool prune, float* out, int64_t width) {
-  const int64_t features = static_cast<int64_t>(tables.size()), cap = rows * len;
+  const int64_t features = static_cast<int64_t>(tables.size());
+  // Feature f's kept ids at kept[f * cap], room for rows * len and a cache
+  // line more: with a multiple of 4 KiB apart, the features' ids stored
+  // row after row would all fall in one set of the L1 cache and evict each
+  // other at every row.
+  const int64_t cap = (rows * len + 7) / 8 * 8 + 8;
   // Reused call after call: no allocation nor zeroing once they are large
-  // enough; feature f's kept ids at kept[f * cap], its splits at
-  // splits[f * (rows + 1)].
+  // enough; feature f's splits at splits[f * (rows + 1)].
   thread_local std::vector<int64_t> kept, splits;
   thread_local std::vector<float> buffer;
   if (static_cast<int64_t>(kept.size()) < features * cap) kept.resize(features * cap);
@@ -762,8 +767,15 @@ void GroupPooledRows(const std::vector<std::shared_ptr<AnyTable>>& tables,
       max_len[f] = std::max(max_len[f], m - m0);
     }
   }
-  int64_t offset = 0;
-  for (int64_t f = 0; f < features; ++f) {
+  std::vector<int64_t> offset(features + 1, 0);
+  for (int64_t f = 0; f < features; ++f) offset[f + 1] = offset[f] + tables[f]->dim();
+  // Every other call walks the features in reverse, as the TensorFlow group
+  // op does: the tables read last by one call are read first by the next,
+  // while still in the last-level cache.
+  static std::atomic<uint64_t> calls{0};
+  const bool reverse = calls.fetch_add(1, std::memory_order_relaxed) & 1;
+  for (int64_t i = 0; i < features; ++i) {
+    const int64_t f = reverse ? features - 1 - i : i;
     const int64_t dim = tables[f]->dim();
     // All tables have K keys (CheckKeys); the visit gives the type.
     tables[f]->Visit([&](auto& tab) {
@@ -773,7 +785,7 @@ void GroupPooledRows(const std::vector<std::shared_ptr<AnyTable>>& tables,
                                dim,
                                /*default_id=*/-1,
                                comb[f],
-                               out + offset,
+                               out + offset[f],
                                width,
                                static_cast<int>(f),
                                static_cast<int>(f)};
@@ -786,7 +798,6 @@ void GroupPooledRows(const std::vector<std::shared_ptr<AnyTable>>& tables,
         PooledRowsOf(tab, pf, 0, rows, rows_buffer);
       }
     });
-    offset += dim;
   }
 }
 
