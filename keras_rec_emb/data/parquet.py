@@ -133,7 +133,9 @@ def _leaf_dtype(arrow_type, name, source):
         return tf.string
     if (pa.types.is_integer(arrow_type) or pa.types.is_floating(arrow_type)
             or pa.types.is_boolean(arrow_type)):
-        return tf.as_dtype(arrow_type.to_pandas_dtype())
+        # The NumPy dtype of an empty array of the type: to_pandas_dtype()
+        # imports pandas (not a dependency) under pyarrow 21, the lowest we allow.
+        return tf.as_dtype(pa.array([], type=arrow_type).to_numpy(zero_copy_only=False).dtype)
     raise TypeError(
         f"Column '{name}' of Parquet file '{source}' has type {arrow_type}, "
         "which ParquetDataset does not support. Supported: integers "
