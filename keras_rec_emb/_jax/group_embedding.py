@@ -337,10 +337,10 @@ class GroupEmbedding(keras.layers.Layer):
         return out
 
     def call(self, inputs, training=None):
-        # Under training=None a trainable table trains when differentiated
-        # (see EmbeddingVariable._rows): only a call no table trains in
-        # takes the one-call inference lookup.
-        if (all(not (t.trainable and (training is None or training)) for t in self.tables)
+        # Only a call no table may train in takes the one-call inference
+        # lookup.
+        # pylint: disable-next=protected-access
+        if (not any(t._may_train(training) for t in self.tables)
                 and len({t.key_dtype for t in self.tables}) == 1):
             return self._inference_lookup(inputs)
         feature_ids, feature_weights = self._feature_ids(inputs)

@@ -478,6 +478,12 @@ class EmbeddingVariable(keras.layers.Layer):
         keep = (ids >= 0) if self.prune_invalid_ids else None
         return combine_last_axis(rows, keep, self.combiner, weights)
 
+    def _may_train(self, training):
+        """Whether a lookup with this `training` may train the table: when
+        it is trainable and `training` is true, or None (then
+        differentiation decides)."""
+        return self.trainable and (training is None or bool(training))
+
     def _rows(self, ids, training, prune=None, combiner=None, weights=None):
         """Rows of `ids` (training as `call` says); `prune` overrides
         `prune_invalid_ids` (a GroupEmbedding always drops ids < 0). With a
@@ -487,7 +493,7 @@ class EmbeddingVariable(keras.layers.Layer):
         # With training=None, training or not is decided by differentiation
         # (see _first_lookup).
         conditional = training is None and self.trainable
-        if not (conditional or (training and self.trainable)):
+        if not self._may_train(training):
             return _table_lookup(self.handle, ids, weights, self.embedding_dim, False, prune,
                                  combiner)
         if not conditional and self.table_rule is None:
