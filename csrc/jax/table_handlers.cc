@@ -852,7 +852,7 @@ ffi::Error GroupPooledLookup(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F
                         out->typed_data(), width);
         return;
       }
-      // Every feature's ids in one pass over the ids in memory order:
+      // With weights: every feature's ids in one pass over the ids in memory order:
       // feature after feature over all rows would stride through them
       // (a cache line per row and feature).
       std::vector<PooledIds<K>> ids;
@@ -862,7 +862,7 @@ ffi::Error GroupPooledLookup(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F
       for (int64_t r = 0; r < rows; ++r) {
         for (int64_t f = 0; f < features; ++f) {
           const int64_t at = (r * features + f) * len;
-          ids[f].AddRow(r, k + at, w == nullptr ? nullptr : w + at);
+          ids[f].AddRow(r, k + at, w + at);
         }
       }
       int64_t offset = 0;
