@@ -52,7 +52,7 @@ build: $(SO)
 JAX_OBJ := build/jax/obj
 JAX_SRC := $(wildcard csrc/jax/*.cc)
 JAX_HDRS := $(wildcard csrc/jax/*.h) $(wildcard csrc/kv/*.h) csrc/kernels/update_rules.h \
-            csrc/kernels/pooled_rows.h
+            csrc/kernels/pooled_rows.h csrc/kernels/keep_rows.h
 JAX_OBJS := $(patsubst csrc/%.cc,$(JAX_OBJ)/%.o,$(JAX_SRC) $(KV_SRC))
 # Evaluated once, when a recipe first needs it.
 JAX_INC = $(eval JAX_INC := $(shell $(PYTHON) -c 'import jax.ffi; print(jax.ffi.include_dir())'))$(JAX_INC)

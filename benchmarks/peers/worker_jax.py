@@ -17,7 +17,8 @@ cross-entropy, `keras_rec_emb.optimizers.Adagrad` from `model.compile` (the
 workload's `OPTIMIZER` settings, as `worker_keras.py`). Training runs
 `model.fit` (jitted by Keras's JAX trainer) over the pre-built batches from
 a generator; the forward lookup is the embedding part alone
-(`training=False`) in a `jax.jit`, on pre-built batch arrays.
+(`training=False`) in a `jax.jit`, on pre-built batch arrays on the device
+(TensorFlow's forward gets pre-built tensors).
 
 Threads: `--threads 1` gives XLA's CPU client one thread
 (`--xla_cpu_multi_thread_eigen=false`, `intra_op_parallelism_threads=1`);
@@ -63,9 +64,9 @@ class JaxWorker(protocol.FitRounds):
         multi = meta["max_ids"] > 1
         r = meta["init_range"]
         init = keras.initializers.RandomUniform(-r, r, seed=0)
-        # Ids < 10**6: int32 keys, JAX's default (int64 needs its x64 mode).
-        ids = ids.astype(np.int32)
-        inputs = keras.Input(shape=ids.shape[1:], dtype="int32", batch_size=meta["batch"])
+        # The workload's int64 ids, as TensorFlow gets them (importing
+        # keras_rec_emb turns JAX's 64-bit mode on: int64 keys).
+        inputs = keras.Input(shape=ids.shape[1:], dtype="int64", batch_size=meta["batch"])
         if impl == "group":
             group = kre.layers.GroupEmbedding(
                 {f"f{j}": kre.layers.FeatureSpec(kre.layers.EmbeddingVariable(
@@ -101,6 +102,8 @@ class JaxWorker(protocol.FitRounds):
 
         self.dataset = forever()
         self.embed_fn = jax.jit(lambda x: self.embed_model(x, training=False))
+        # Pre-built device arrays, as TensorFlow's forward gets tensors.
+        self.lookup_batches = [jax.device_put(x) for x in self.batches]
         self.Clock = protocol.clock_callback(keras)
         loss_initial = self.eval_loss()
         self.train(meta["batches"])  # warm-up: trace, build, insert every key once
@@ -117,7 +120,7 @@ class JaxWorker(protocol.FitRounds):
     def lookup(self, n):
         t0 = time.perf_counter()
         for i in range(n):
-            self.embed_fn(self.batches[i % len(self.batches)]).block_until_ready()
+            self.embed_fn(self.lookup_batches[i % len(self.lookup_batches)]).block_until_ready()
         return time.perf_counter() - t0
 
     def stats(self):

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "jax/table_registry.h"
+#include "kernels/keep_rows.h"
 #include "kernels/pooled_rows.h"
 #include "kernels/update_rules.h"
 #include "kv/partition.h"
@@ -723,13 +724,14 @@ ffi::Error PooledLookup(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> w
   });
 }
 
-// GroupPooledLookup without weights, by the TensorFlow pooled kernels'
-// PooledRowsOf: every feature's kept ids (all, or with `prune` those >= 0)
-// and CSR splits in one pass over the ids k [rows, F, len] in memory order
-// (feature after feature over all rows would stride through them: a cache
-// line per row and feature), then feature after feature its rows in blocks
-// read in batch order (or shard by shard, a table that prefers it),
-// combined straight into its columns of out (row stride `width`).
+// GroupPooledLookup without weights, by the TensorFlow stacked kernel's
+// KeepRows and PooledRowsOf: every feature's kept ids (all, or with `prune`
+// those >= 0) and CSR splits in one pass over the ids k [rows, F, len] in
+// memory order (feature after feature over all rows would stride through
+// them: a cache line per row and feature), then feature after feature its
+// rows in blocks read in batch order (or shard by shard, a table that
+// prefers it), combined straight into its columns of out (row stride
+// `width`).
 template <typename K>
 void GroupPooledRows(const std::vector<std::shared_ptr<AnyTable>>& tables,
                      const std::vector<Combiner>& comb, const K* k, int64_t rows, int64_t len,
@@ -748,25 +750,14 @@ void GroupPooledRows(const std::vector<std::shared_ptr<AnyTable>>& tables,
   if (static_cast<int64_t>(splits.size()) < features * (rows + 1)) {
     splits.resize(features * (rows + 1));
   }
-  std::vector<int64_t> count(features, 0), max_len(features, 0);
-  for (int64_t f = 0; f < features; ++f) splits[f * (rows + 1)] = 0;
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t f = 0; f < features; ++f) {
-      const K* ids = k + (r * features + f) * len;
-      int64_t* dst = kept.data() + f * cap;
-      const int64_t m0 = count[f];
-      int64_t m = m0;
-      // Every id is stored, and counted when kept (no branch on padding):
-      // m <= r * len + j < cap, so the store stays within the feature's.
-      for (int64_t j = 0; j < len; ++j) {
-        dst[m] = ids[j];
-        m += !prune || ids[j] >= 0;
-      }
-      count[f] = m;
-      splits[f * (rows + 1) + r + 1] = m;
-      max_len[f] = std::max(max_len[f], m - m0);
-    }
+  std::vector<int64_t*> kept_of(features), splits_of(features);
+  for (int64_t f = 0; f < features; ++f) {
+    kept_of[f] = kept.data() + f * cap;
+    splits_of[f] = splits.data() + f * (rows + 1);
   }
+  std::vector<int64_t> count(features, 0);
+  KeepRowsAnyLength(k, features, len, rows, 0, features, kept_of.data(), splits_of.data(),
+                    count.data(), prune);
   std::vector<int64_t> offset(features + 1, 0);
   for (int64_t f = 0; f < features; ++f) offset[f + 1] = offset[f] + tables[f]->dim();
   // Every other call walks the features in reverse, as the TensorFlow group
@@ -791,7 +782,8 @@ void GroupPooledRows(const std::vector<std::shared_ptr<AnyTable>>& tables,
                                static_cast<int>(f)};
         float* rows_buffer = nullptr;
         if (!tab.PrefersOrderedLookup(count[f])) {
-          buffer.resize(PooledBufferRows(count[f], rows, max_len[f]) * dim);
+          // len bounds every row's ids.
+          buffer.resize(PooledBufferRows(count[f], rows, len) * dim);
           rows_buffer = buffer.data();
         }
         // The ids came as K: every one fits the table's keys.

@@ -1,8 +1,9 @@
 // Copyright keras_rec_emb authors. Apache-2.0.
 // KeepRows: the split of stacked ids [batch, F, L] into each feature's kept
-// ids (ids >= 0) and row splits, in one pass over the input. Used by
-// KRE>UnstackKeptIds (csrc/kernels/stack_kernels.cc) and
-// KRE>StackedPooledLookup (csrc/kernels/stacked_lookup_kernels.cc).
+// ids (ids >= 0, or every id without pruning) and row splits, in one pass
+// over the input. Used by KRE>UnstackKeptIds (csrc/kernels/stack_kernels.cc),
+// KRE>StackedPooledLookup (csrc/kernels/stacked_lookup_kernels.cc) and the
+// JAX group lookup (csrc/jax/table_handlers.cc).
 #ifndef KRE_KERNELS_KEEP_ROWS_H_
 #define KRE_KERNELS_KEEP_ROWS_H_
 
@@ -28,7 +29,8 @@ namespace kre {
 // sessions 13 and 15). A prefetch never faults, also past an output's end.
 constexpr int64_t kKeepAhead = 32;
 
-template <typename T, int kL>
+// With kPrune false every id is kept (a table whose negative ids are ids).
+template <typename T, int kL, bool kPrune = true>
 inline void KeepRows(const T* __restrict ids, int64_t f, int64_t l, int64_t batch, int64_t j0,
                      int64_t j1, int64_t* const* out, int64_t* const* splits, int64_t* kept) {
   using Count = std::conditional_t<(kL > 0 && kL < 256), uint8_t, int64_t>;
@@ -49,7 +51,7 @@ inline void KeepRows(const T* __restrict ids, int64_t f, int64_t l, int64_t batc
       for (int64_t k = 0; k < n; ++k) {
         const int64_t id = static_cast<int64_t>(src[k]);
         dst[m] = id;
-        m += id >= 0;
+        m += !kPrune || id >= 0;
       }
       kept[j] = m;
       c[j - j0] = static_cast<Count>(m - m0);
@@ -70,11 +72,12 @@ inline void KeepRows(const T* __restrict ids, int64_t f, int64_t l, int64_t batc
 template <typename T>
 inline void KeepRowsAnyLength(const T* ids, int64_t f, int64_t l, int64_t batch, int64_t j0,
                               int64_t j1, int64_t* const* out, int64_t* const* splits,
-                              int64_t* kept) {
+                              int64_t* kept, bool prune = true) {
   switch (l) {
-#define KRE_KEEP_CASE(L) \
-  case L:                \
-    return KeepRows<T, L>(ids, f, l, batch, j0, j1, out, splits, kept);
+#define KRE_KEEP_CASE(L)                                                             \
+  case L:                                                                            \
+    return prune ? KeepRows<T, L, true>(ids, f, l, batch, j0, j1, out, splits, kept) \
+                 : KeepRows<T, L, false>(ids, f, l, batch, j0, j1, out, splits, kept);
     KRE_KEEP_CASE(1)
     KRE_KEEP_CASE(2)
     KRE_KEEP_CASE(3)
@@ -85,7 +88,8 @@ inline void KeepRowsAnyLength(const T* ids, int64_t f, int64_t l, int64_t batch,
     KRE_KEEP_CASE(8)
 #undef KRE_KEEP_CASE
     default:
-      return KeepRows<T, 0>(ids, f, l, batch, j0, j1, out, splits, kept);
+      return prune ? KeepRows<T, 0, true>(ids, f, l, batch, j0, j1, out, splits, kept)
+                   : KeepRows<T, 0, false>(ids, f, l, batch, j0, j1, out, splits, kept);
   }
 }
 

@@ -107,19 +107,21 @@ def test_without_prune_every_id_is_a_key():
 
 # 6 rows read every table shard by shard, 300 (1500 ids, over a block of
 # 1024) in batch order but the filtered table's; dims 4, 8 and 6 (no
-# fixed-width combine).
+# fixed-width combine); 6 rows of 11 ids (KeepRows' any-length path), 300
+# of 5.
 @pytest.mark.parametrize("rows", [6, 300])
 @pytest.mark.parametrize("key_dtype", ["int32", "int64"])
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("prune", [True, False])
 def test_group_pooled_lookup_is_each_features_pooled_lookup(rows, key_dtype, weighted, prune):
-    rng = np.random.default_rng(rows)
+    rng = np.random.default_rng(rows + 1)
     specs = [(4, 0, "mean"), (8, 0, "sum"), (6, 2, "sqrtn"), (4, 0, "sqrtn"), (4, 2, "sum")]
     tables = [ffi.create(defaults(7, dim), key_dtype, filter_freq=freq)
               for dim, freq, _ in specs]
     try:
-        parts = [batch(rng, rows, 5, 60) for _ in specs]
+        parts = [batch(rng, rows, 11 if rows < 10 else 5, 60) for _ in specs]
         ids = np.stack([i for i, _ in parts], 1).astype(key_dtype)
+        ids[-1, 0] = -1  # a row with no id
         weights = np.stack([w for _, w in parts], 1) if weighted else None
         for f, (t, (dim, _, comb)) in enumerate(zip(tables, specs)):  # half the ids admitted
             for _ in range(2):
