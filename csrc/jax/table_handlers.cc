@@ -771,8 +771,8 @@ void GroupPooledRows(const std::vector<std::shared_ptr<AnyTable>>& tables,
     // All tables have K keys (CheckKeys); the visit gives the type.
     tables[f]->Visit([&](auto& tab) {
       if constexpr (std::is_same_v<KeyOfT<decltype(tab)>, K>) {
-        const PooledFeature pf{kept.data() + f * cap,
-                               splits.data() + f * (rows + 1),
+        const PooledFeature pf{kept_of[f],
+                               splits_of[f],
                                dim,
                                /*default_id=*/-1,
                                comb[f],
