@@ -76,7 +76,10 @@ def build_model(args):
 
     inputs = {f"f{i}": keras.Input((args.ids,), dtype="int64", name=f"f{i}")
               for i in range(args.features)}
-    if getattr(args, "group", False):  # one GroupEmbedding: one exchange for every table
+    if getattr(args, "no_tables", False):  # the floor: the same fit, no table at all
+        joined = keras.layers.Concatenate()(
+            [keras.ops.cast(inputs[f"f{i}"], "float32") for i in range(args.features)])
+    elif getattr(args, "group", False):  # one GroupEmbedding: one exchange for every table
         tables = [kre.layers.EmbeddingVariable(args.dim, name=f"emb{i}")
                   for i in range(args.features)]
         joined = kre.layers.GroupEmbedding(
@@ -227,7 +230,7 @@ def run_cluster(args, n):
     cmd = [sys.executable, os.path.abspath(__file__), "--mw-child"] + [
         f"--{k}={getattr(args, k)}" for k in ("features", "ids", "dim", "batch", "steps",
                                                "warmup", "hidden", "threads")] + (
-        ["--group"] if args.group else [])
+        ["--group"] if args.group else []) + (["--no-tables"] if args.no_tables else [])
     procs = []
     try:
         for task in range(max(n, 1)):
@@ -416,7 +419,7 @@ def run_ps_cluster(args, n):
     cmd = [sys.executable, os.path.abspath(__file__), "--ps-child"] + [
         f"--{k}={getattr(args, k)}" for k in ("features", "ids", "dim", "batch", "steps",
                                                "warmup", "hidden", "threads")] + (
-        ["--group"] if args.group else [])
+        ["--group"] if args.group else []) + (["--no-tables"] if args.no_tables else [])
     servers, procs = [], []
     try:
         for task in range(args.ps):
@@ -528,6 +531,9 @@ def main(argv=None):
     p.add_argument("--hidden", type=int, default=32, help="units of the Dense layer")
     p.add_argument("--group", action="store_true",
                    help="the tables in one GroupEmbedding (one exchange a step for all)")
+    p.add_argument("--no-tables", action="store_true",
+                   help="the floor: the same model, data and fit with each feature's ids "
+                        "cast to floats instead of looked up (no table, no exchange)")
     p.add_argument("--threads", type=int, default=1, help="intra/inter-op threads a process")
     p.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--mw-child", action="store_true", help=argparse.SUPPRESS)

@@ -107,6 +107,12 @@ def _table_lookup_grad(op, grad):
     return [tf.IndexedSlices(values, keys), None]
 
 
+@tf.RegisterGradient("KRE>TableLookupCounted")
+def _table_lookup_counted_grad(op, grad):
+    """As TableLookup's: rows per key for the table handle."""
+    return [tf.IndexedSlices(grad, op.inputs[1]), None, None]
+
+
 tf.no_gradient("KRE>UnstackFeatureIds")  # integer ids in, integer ids out
 
 
@@ -193,6 +199,15 @@ def refuse_distribution(what):
 def lookup(handle, keys, dim, insert):
     refuse_xla("An embedding table lookup")
     return gen().kre_table_lookup(handle, keys, dim=dim, insert=insert)
+
+
+def lookup_counted(handle, keys, counts, dim, insert):
+    """`lookup` of keys [n], `keys[i]` counted `counts[i]` >= 1 times (a
+    training lookup counts frequencies as if each occurrence were looked
+    up); rows [n, dim], each key's once."""
+    refuse_xla("An embedding table lookup")
+    return gen().kre_table_lookup_counted(handle, keys, tf.cast(counts, tf.int32), dim=dim,
+                                          insert=insert)
 
 
 def size(handle, key_dtype):

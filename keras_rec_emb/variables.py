@@ -487,6 +487,18 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         self._refuse_strategy("An embedding table lookup")
         return _ops.lookup(self.handle, keys, self._dim, insert)
 
+    def lookup_counted(self, keys, counts, insert=False):
+        """Rows `[n, dim]` of `keys` `[n]`, `keys[i]` standing for
+        `counts[i]` >= 1 occurrences in a batch: a training lookup counts
+        frequencies and admission as `lookup` of every occurrence would,
+        and each key reads what that lookup reads for it. A key given
+        twice is looked up once with its counts summed (a sharded table's
+        owner receives the ids several workers asked for this way)."""
+        if self._trainable:
+            _compat.variable_accessed(self._variable)
+        self._refuse_strategy("An embedding table lookup")
+        return _ops.lookup_counted(self.handle, keys, counts, self._dim, insert)
+
     def sparse_apply(self, keys, grads, rule, hyper, step, slots, distinct=False):
         """One fused optimizer step on the rows of `keys` (what the
         optimizers of `keras_rec_emb.optimizers` call; see

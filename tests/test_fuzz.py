@@ -131,11 +131,16 @@ def _call(fn, args, kwargs=""):
 def _table_case(rng, gen):
     t = gen.pick(["T", "T32", "TF", "TB"])
     kd = "tf.int32" if t == "T32" else "tf.int64"
-    op = gen.pick(["lookup", "evict", "add_slot", "import", "apply", "size", "export",
-                   "create"])
+    op = gen.pick(["lookup", "lookup_counted", "evict", "add_slot", "import", "apply", "size",
+                   "export", "create"])
     if op == "lookup":
         args = _replace(rng, {"h": f"{t}.handle", "k": f"tf.constant([1, -2, 9], {kd})"}, gen)
         return _call("gen.kre_table_lookup", args, f"dim={gen.pick([4, 4, 3, 1])}, "
+                     f"insert={gen.pick(['True', 'False'])}")
+    if op == "lookup_counted":
+        args = _replace(rng, {"h": f"{t}.handle", "k": f"tf.constant([1, -2, 9, 1], {kd})",
+                              "c": "tf.constant([1, 2, 1, 3])"}, gen)
+        return _call("gen.kre_table_lookup_counted", args, f"dim={gen.pick([4, 4, 3, 1])}, "
                      f"insert={gen.pick(['True', 'False'])}")
     if op == "evict":
         args = _replace(rng, {"h": f"{t}.handle", "s": "tf.constant(5, tf.int64)",

@@ -250,6 +250,49 @@ def test_gradient_is_indexed_slices_over_keys_eager_and_in_function():
     assert table.size() == 5
 
 
+@pytest.mark.parametrize("key_dtype", ["int64", "int32"])
+@pytest.mark.parametrize("filter_freq", [0, 3])
+def test_counted_lookup_counts_as_the_lookup_of_every_occurrence(key_dtype, filter_freq):
+    # The MultiWorkerMirroredStrategy owner's lookup: each asked key comes
+    # with how often it occurred; a key asked by two workers comes twice.
+    defaults = np.arange(5 * DIM, dtype=np.float32).reshape(5, DIM)
+    counted, repeated = (EmbeddingTable(DIM, key_dtype, defaults, num_shards=4,
+                                        filter_freq=filter_freq) for _ in range(2))
+    rng = np.random.default_rng(1)
+    for step in range(3):
+        keys = rng.integers(0, 40, size=30).astype(key_dtype)
+        counts = rng.integers(1, 4, size=30).astype(np.int32)
+        rows = counted.lookup_counted(tf.constant(keys), tf.constant(counts), insert=True).numpy()
+        every = np.repeat(keys, counts)
+        rows_every = repeated.lookup(tf.constant(every), insert=True).numpy()
+        # Each key reads what the lookup of every occurrence reads for it
+        # (the row, or no_permission_value until admitted).
+        first = {k: i for i, k in reversed(list(enumerate(every.tolist())))}
+        np.testing.assert_array_equal(rows, rows_every[[first[k] for k in keys.tolist()]])
+        assert filter_freq or (rows != 0).any()
+        a, b = counted.export(), repeated.export()
+        for part in ("keys", "keys_filtered"):
+            order_a, order_b = np.argsort(a[part]), np.argsort(b[part])
+            np.testing.assert_array_equal(a[part][order_a], b[part][order_b])
+            freqs = "freqs" if part == "keys" else "freqs_filtered"
+            np.testing.assert_array_equal(a[freqs][order_a], b[freqs][order_b])
+        assert step or counted.size() < len(set(keys.tolist())) or not filter_freq
+        assert 0 < counted.size()
+    with tf.GradientTape() as tape:
+        out = counted.lookup_counted(tf.constant([3, 8, 3], key_dtype), tf.constant([1, 2, 1]),
+                                     insert=True)
+        loss = tf.reduce_sum(out * tf.constant([[1.0], [2.0], [3.0]]))
+    grad = tape.gradient(loss, counted.variable)
+    np.testing.assert_array_equal(grad.indices.numpy(), [3, 8, 3])
+    np.testing.assert_array_equal(grad.values.numpy(), [[1.0] * DIM, [2.0] * DIM, [3.0] * DIM])
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"counts\[1\] is 0"):
+        _ops.lookup_counted(counted.handle, tf.constant([3, 8], key_dtype), tf.constant([1, 0]),
+                            DIM, True)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="vectors of one length"):
+        _ops.gen().kre_table_lookup_counted(counted.handle, tf.constant([3, 8], key_dtype),
+                                            tf.constant([1]), dim=DIM, insert=True)
+
+
 def test_checkpoint_round_trip(tmp_path):
     table, defaults = make_table()
     table.lookup(tf.constant([1, 2, 3], tf.int64), insert=True)

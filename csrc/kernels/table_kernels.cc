@@ -2,6 +2,7 @@
 // Kernels that create, read and (de)serialize embedding tables.
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <new>
 #include <stdexcept>
 #include <string>
@@ -10,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/table_resource.h"
 #include "kernels/validate.h"
+#include "kv/shard_ops.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/register_types.h"
 #include "tensorflow/core/framework/tensor.h"
@@ -171,6 +173,81 @@ class TableLookupOp : public TableOpKernel<K> {
 
  private:
   static constexpr int64_t kOrderedBlock = kv::Table<K>::kOrderedBlock;
+  bool insert_;
+};
+
+template <typename K>
+class TableLookupCountedOp : public TableOpKernel<K> {
+ public:
+  explicit TableLookupCountedOp(OpKernelConstruction* ctx) : TableOpKernel<K>(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("insert", &insert_));
+  }
+
+  void ComputeOnTable(OpKernelContext* ctx, kv::Table<K>& table) override {
+    const int64_t dim = this->dim_;
+    const Tensor& keys = ctx->input(1);
+    const Tensor& counts = ctx->input(2);
+    OP_REQUIRES(
+        ctx, keys.dims() == 1 && keys.shape() == counts.shape(),
+        errors::InvalidArgument("keys and counts must be vectors of one length, got ",
+                                keys.shape().DebugString(), " and ", counts.shape().DebugString()));
+    const int64_t n = keys.NumElements();
+    const int32_t* c = counts.flat<int32_t>().data();
+    for (int64_t i = 0; i < n; ++i) {
+      OP_REQUIRES(ctx, c[i] >= 1,
+                  errors::InvalidArgument("counts[", i, "] is ", c[i],
+                                          ": each key stands for at least one occurrence"));
+    }
+    Tensor* out;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n, dim}), &out));
+    if (n == 0) return;
+    float* o = out->flat<float>().data();
+    // Several askers may send one key: it is looked up once with their
+    // counts summed, as one process counts the whole batch (an admission
+    // filter then admits it or not for all of them alike).
+    const K* k = keys.flat<K>().data();
+    kv::BatchGroups groups(n);
+    std::vector<K> uniq;
+    std::vector<int32_t> total;
+    std::vector<int64_t> group_of(n);
+    uniq.reserve(n);
+    total.reserve(n);
+    for (int64_t i = 0; i < n; ++i) {
+      bool created;
+      const int64_t g = groups.Group(
+          kv::Table<K>::Hash(k[i]), [&](int64_t j) { return uniq[j] == k[i]; }, &created);
+      if (created) {
+        uniq.push_back(k[i]);
+        total.push_back(0);
+      }
+      total[g] = static_cast<int32_t>(
+          std::min<int64_t>(int64_t{total[g]} + c[i], std::numeric_limits<int32_t>::max()));
+      group_of[i] = g;
+    }
+    const int64_t u = static_cast<int64_t>(uniq.size());
+    Tensor distinct_rows;
+    float* rows = o;
+    if (u < n) {
+      OP_REQUIRES_OK(ctx, ctx->allocate_temp(tf::DT_FLOAT, TensorShape({u, dim}), &distinct_rows));
+      rows = distinct_rows.flat<float>().data();
+    }
+    kv::Partitioned<K> p = PartitionKeys(ctx, table, uniq.data(), u);
+    const int64_t per_shard = u / table.num_shards() + 1;
+    OP_REQUIRES_OK(ctx,
+                   ParallelFor(ctx, table.num_shards(), per_shard * (40 + dim), [&](int64_t s) {
+                     const int64_t b = p.offsets[s];
+                     table.LookupCounted(static_cast<int>(s), p.keys.data() + b,
+                                         p.hashes.data() + b, p.order.data() + b, total.data(),
+                                         p.offsets[s + 1] - b, insert_, rows);
+                   }));
+    if (u < n) {
+      for (int64_t i = 0; i < n; ++i) {
+        std::copy_n(rows + group_of[i] * dim, dim, o + i * dim);
+      }
+    }
+  }
+
+ private:
   bool insert_;
 };
 
@@ -411,6 +488,7 @@ class TableImportOp : public TableOpKernel<K> {
 };
 
 KRE_REGISTER_TABLE_KERNEL("KRE>TableLookup", TableLookupOp);
+KRE_REGISTER_TABLE_KERNEL("KRE>TableLookupCounted", TableLookupCountedOp);
 KRE_REGISTER_TABLE_FN("KRE>TableSize", TableSize);
 KRE_REGISTER_TABLE_FN("KRE>TableSnapshot", TableSnapshot);
 KRE_REGISTER_TABLE_FN("KRE>TableReleaseStorage", TableReleaseStorage);

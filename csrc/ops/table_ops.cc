@@ -73,6 +73,28 @@ KRE_REGISTER_TABLE_OP("KRE>TableLookup")
       return absl::OkStatus();
     });
 
+// TableLookup of `keys` [n] where keys[i] stands for counts[i] >= 1
+// occurrences of it in a batch (the MultiWorkerMirroredStrategy owner's
+// lookup of the ids other workers asked for, each with how often it
+// occurred there): the table ends as if every occurrence had been looked up
+// with TableLookup, and values [n, dim] holds each key's row once.
+KRE_REGISTER_TABLE_OP("KRE>TableLookupCounted")
+    .Input("keys: Tkeys")
+    .Input("counts: int32")
+    .Output("values: float")
+    .Attr("dim: int >= 1")
+    .Attr("insert: bool = false")
+    .SetShapeFn([](InferenceContext* c) {
+      int64_t dim;
+      TF_RETURN_IF_ERROR(HandleAndDim(c, &dim));
+      ShapeHandle keys, counts;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &keys));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &counts));
+      TF_RETURN_IF_ERROR(c->Merge(keys, counts, &keys));
+      c->set_output(0, c->Matrix(c->Dim(keys, 0), dim));
+      return absl::OkStatus();
+    });
+
 KRE_REGISTER_TABLE_OP("KRE>TableSize").Output("size: int64").SetShapeFn(ScalarOfHandle<1>);
 
 // The table's sizes: a vector of the parts kTableStatsParts names

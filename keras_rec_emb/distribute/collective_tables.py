@@ -233,15 +233,14 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
         width_rows = max(t.dim for t in tables)
         uniques, idxs, occs, tags = [], [], [], []
         for j, keys in enumerate(keys_list):
-            unique, idx = tf.unique(tf.cast(tf.reshape(keys, [-1]), tf.int64))
-            uniques.append(unique)
-            idxs.append(idx)
             # Occurrences travel with each distinct id: the owner counts
             # them (frequencies, admission filters) as one process counts.
-            occs.append(tf.math.unsorted_segment_sum(tf.ones_like(idx, tf.int64), idx,
-                                                     tf.size(unique)))
+            unique, idx, occ = tf.unique_with_counts(tf.cast(tf.reshape(keys, [-1]), tf.int64))
+            uniques.append(unique)
+            idxs.append(idx)
+            occs.append(tf.cast(occ, tf.int64))
             tags.append(tf.fill(tf.shape(unique), tf.constant(j, tf.int64)))
-        sizes = [tf.size(u, out_type=tf.int64) for u in uniques]
+        sizes = [tf.size(u) for u in uniques]
         unique = tf.concat(uniques, 0)
         m = tf.size(unique, out_type=tf.int64)
         owner = ps_tables.shard_of(unique, n)
@@ -265,26 +264,32 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
         recv_valid = slot[tf.newaxis] < meta[:, 1 + index][:, tf.newaxis]
         at = tf.where(recv_valid)
         asked = tf.gather_nd(received, at)
-        rows = 0.0
-        for j, table in enumerate(tables):
-            mine = tf.where(tf.equal(asked[:, 2], j))
-            got = table._owner_rows(tf.gather_nd(asked[:, 0], mine),
-                                    tf.gather_nd(asked[:, 1], mine), insert)
-            got = tf.pad(got, [[0, 0], [0, width_rows - table.dim]])
-            rows += tf.scatter_nd(mine, got, tf.stack([tf.shape(asked, out_type=tf.int64)[0],
-                                                       width_rows]))
+        # Each table looks up its part of the asked ids; the rows go back to
+        # the asked ids' places (one partition and one stitch for all).
+        tag = tf.cast(asked[:, 2], tf.int32)
+        places = tf.dynamic_partition(tf.range(tf.shape(asked)[0]), tag, len(tables))
+        ids = tf.dynamic_partition(asked[:, 0], tag, len(tables))
+        occurrences = tf.dynamic_partition(asked[:, 1], tag, len(tables))
+        got = []
+        for table, ids_j, occ_j in zip(tables, ids, occurrences):
+            rows_j = table._owner_rows(ids_j, occ_j, insert)
+            if table.dim < width_rows:
+                rows_j = tf.pad(rows_j, [[0, 0], [0, width_rows - table.dim]])
+            got.append(rows_j)
+        rows = tf.dynamic_stitch(places, got)
         reply = tf.scatter_nd(at, rows, tf.stack([tf.cast(n, tf.int64), width, width_rows]))
-        answered = _exchange_rows(first.strategy, reply)
-        # This replica's rows, from (rank of the owner, place in its part).
-        shard_rank = tf.math.invert_permutation(rank_shard)
+        answered = tf.reshape(_exchange_rows(first.strategy, reply), [-1, width_rows])
+        # Where each distinct id's row came back: (rank of its owner) x width
+        # + its place in what that owner received from this replica.
+        shard_rank = tf.cast(tf.math.invert_permutation(rank_shard), tf.int64)
         place = tf.range(m) - tf.gather(starts, owner_sorted)
-        rows_sorted = tf.gather_nd(answered, tf.stack(
-            [tf.cast(tf.gather(shard_rank, owner_sorted), tf.int64), place], axis=1))
-        rows_unique = tf.split(tf.gather(rows_sorted, tf.math.invert_permutation(order)),
-                               tf.stack(sizes), 0)
+        back_sorted = tf.gather(shard_rank, owner_sorted) * width + place
+        back = tf.split(tf.gather(back_sorted, tf.math.invert_permutation(order)), sizes, 0)
         outs = []
-        for table, keys, idx, part in zip(tables, keys_list, idxs, rows_unique):
-            out = tf.gather(part[:, :table.dim], idx)
+        for table, keys, idx, back_j in zip(tables, keys_list, idxs, back):
+            out = tf.gather(answered, tf.gather(back_j, idx))
+            if table.dim < width_rows:
+                out = out[:, :table.dim]
             out = tf.reshape(out, tf.concat([tf.shape(keys, out_type=tf.int32), [table.dim]], 0))
             out.set_shape(keys.shape.concatenate([table.dim]))
             outs.append(out)
@@ -299,8 +304,7 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
         with tf.device(shard.device):
             if not insert or occurrences is None:
                 return shard.lookup(ids, insert=insert)
-            every = shard.lookup(tf.repeat(ids, occurrences), insert=True)
-            return tf.gather(every, tf.cumsum(occurrences, exclusive=True))
+            return shard.lookup_counted(ids, occurrences, insert=True)
 
     # -- table-wide operations (collective: every worker calls them) -------
     def _gather(self, tensor):
