@@ -19,6 +19,8 @@ tests/test_tables.py checks that every kind defines every member.
 
 from typing import Any, Protocol, runtime_checkable
 
+import tensorflow as tf
+
 
 @runtime_checkable
 class Table(Protocol):
@@ -88,9 +90,12 @@ class Table(Protocol):
         exchange by `lookup_many`."""
 
     @staticmethod
-    def lookup_many(tables, keys_list, insert=False) -> list:
+    def lookup_many(tables, keys_list, insert=False, distinct=False) -> list:
         """The rows of each `keys_list[t]` in `tables[t]` (tables of one
-        `exchange_group`), in one exchange."""
+        `exchange_group`), in one exchange. With `distinct`, per table
+        `(rows, index)`: the rows `[u, dim]` of its distinct keys and each
+        key's place among them (int32, `keys_list[t]` flattened), so that a
+        fused kernel pools from the distinct rows."""
 
     # -- operations -----------------------------------------------------------
     def lookup(self, keys, insert=False):
@@ -173,10 +178,19 @@ class TableShard(Table, Protocol):
         """Cumulative counters."""
 
 
-def lookup_each(tables, keys_list, insert=False):
+def lookup_each(tables, keys_list, insert=False, distinct=False):
     """`lookup_many` of tables that exchange nothing: each looks its own
     keys up."""
-    return [t.lookup(k, insert=insert) for t, k in zip(tables, keys_list)]
+    if not distinct:
+        return [t.lookup(k, insert=insert) for t, k in zip(tables, keys_list)]
+    out = []
+    for t, k in zip(tables, keys_list):
+        flat = tf.reshape(k, [-1])
+        unique, index = tf.unique(flat)
+        rows = tf.reshape(t.lookup(flat, insert=insert), [-1, t.dim])
+        first = tf.math.unsorted_segment_min(tf.range(tf.size(flat)), index, tf.size(unique))
+        out.append((tf.gather(rows, first), index))
+    return out
 
 
 PROTOCOLS = (Table, TableShard)

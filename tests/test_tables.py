@@ -85,6 +85,19 @@ def test_instances_satisfy_the_protocol_and_state_their_capabilities():
     np.testing.assert_array_equal(rows[0].numpy(), np.ones((2, 3)))
     assert local.size() == 2 and sharded.size() == 1
     assert tables.lookup_each([], []) == []
+    # distinct: the rows of each table's distinct keys and each key's place.
+    keys = [tf.constant([[7, 1], [7, 9]], tf.int64), tf.constant([2, 2, 4], tf.int64)]
+    before = local.export()["freqs"].sum()
+    (rows_a, place_a), (rows_b, place_b) = type(local).lookup_many(
+        [local, sharded], keys, insert=True, distinct=True)
+    np.testing.assert_array_equal(place_a.numpy(), [0, 1, 0, 2])
+    np.testing.assert_array_equal(place_b.numpy(), [0, 0, 1])
+    assert rows_a.shape == (3, 3) and rows_b.shape == (2, 3)
+    np.testing.assert_array_equal(
+        tf.gather(rows_a, place_a).numpy(),
+        local.lookup(tf.reshape(keys[0], [-1])).numpy())
+    assert local.export()["freqs"].sum() - before == 4  # every occurrence counted
+    assert sharded.size() == 2
 
 
 def test_placement_decides_the_kind_from_the_scope():

@@ -8,16 +8,17 @@ in task order) and only there. A lookup (inside the replica function that
 `model.fit` / `evaluate` / `predict` run) sends each id to its owner only,
 with TensorFlow's collectives:
 
-1. Each replica de-duplicates its ids (`tf.unique`) and counts each id's
-   occurrences; the distinct ids are grouped by owner shard.
+1. Each replica de-duplicates its ids (`tf.unique_with_counts`), keeping
+   each id's occurrences; the distinct ids are grouped by owner shard.
 2. One small `all_gather` tells every worker each rank's shard and how many
    ids it sends to every shard; the largest count is the padded width `W`.
-3. One `CollectiveAllToAllV2` carries `[N, W, 2]` int64 (id, occurrences):
-   row `r` to rank `r`. Each owner looks its received ids up in its shard
-   (a training lookup sees each id as often as it occurs in the askers'
-   batches, so frequencies and admission filters count what one process
-   counts) and answers with an all-to-all of `[N, W, dim]` rows in the same
-   layout; the asker scatters them back to its ids.
+3. One `CollectiveAllToAllV2` carries `[N, W, 3]` int64 (id, occurrences,
+   table): row `r` to rank `r`. Each owner looks its received ids up in its
+   shard once each (`EmbeddingTable.lookup_counted`: an id several ranks
+   asked for is looked up once with their occurrences summed, so
+   frequencies and admission filters count what one process counts) and
+   answers with an all-to-all of `[N, W, dim]` rows in the same layout; the
+   asker gathers each of its ids' rows from there.
 
 The gradient runs the same way back: the all-to-all of the rows has the
 all-to-all back as its gradient, so each owner receives, for its ids, every
@@ -218,18 +219,30 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
         return ("collective", id(self._strategy))
 
     @staticmethod
-    def lookup_many(tables, keys_list, insert=False):
+    def lookup_many(tables, keys_list, insert=False, distinct=False):
         """The rows of each `keys_list[t]` in `tables[t]` (tables of one
         strategy), all tables' ids and rows in one exchange: the collectives
-        of a step do not grow with the number of tables."""
+        of a step do not grow with the number of tables. With `distinct`,
+        per table the rows of its distinct keys and each key's place among
+        them (`tables.Table.lookup_many`)."""
         first = tables[0]
         keys_list = [tf.convert_to_tensor(k) for k in keys_list]
         if tf.distribute.get_replica_context() is None and not tf.executing_eagerly():
-            return [t._shape_only_lookup(k) for t, k in zip(tables, keys_list)]
+            looked = [t._shape_only_lookup(k) for t, k in zip(tables, keys_list)]
+            if distinct:
+                return [(tf.reshape(r, [-1, t.dim]), tf.range(tf.size(k)))
+                        for t, r, k in zip(tables, looked, keys_list)]
+            return looked
         ctx = first._replica_context()
         n, index = first._num, first._index
         if n == 1:  # the only shard holds every key: nothing to exchange
-            return [t._owner_rows(k, None, insert) for t, k in zip(tables, keys_list)]
+            if not distinct:
+                return [t._owner_rows(k, None, insert) for t, k in zip(tables, keys_list)]
+            out = []
+            for t, k in zip(tables, keys_list):
+                unique, idx, occ = tf.unique_with_counts(tf.reshape(k, [-1]))
+                out.append((t._owner_rows(unique, occ if insert else None, insert), idx))
+            return out
         width_rows = max(t.dim for t in tables)
         uniques, idxs, occs, tags = [], [], [], []
         for j, keys in enumerate(keys_list):
@@ -287,6 +300,10 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
         back = tf.split(tf.gather(back_sorted, tf.math.invert_permutation(order)), sizes, 0)
         outs = []
         for table, keys, idx, back_j in zip(tables, keys_list, idxs, back):
+            if distinct:
+                rows_j = tf.gather(answered, back_j)
+                outs.append((rows_j[:, :table.dim] if table.dim < width_rows else rows_j, idx))
+                continue
             out = tf.gather(answered, tf.gather(back_j, idx))
             if table.dim < width_rows:
                 out = out[:, :table.dim]

@@ -130,6 +130,10 @@ def _fused_lookup(params, flat_ids, splits, weights, combiners, max_norms,
     if stock_table is not None and not training:
         stock = {"stock_table": stock_table}
     elif any(p.table is not None and not p.table.local for p in params):
+        outs = _exchanged_lookup(params, flat_ids, splits, weights, combiners, max_norms,
+                                 default_ids, prunes, sequences, training, name, concat)
+        if outs is not None:
+            return outs
         stock = {"insert": bool(training)}
     else:
         stock = None
@@ -170,6 +174,61 @@ def _fused_lookup(params, flat_ids, splits, weights, combiners, max_norms,
         list(flat_ids), list(splits), list(weights), insert=bool(training),
         num_params=len(tables) + len(dense), name=name or "GroupLookup",
         concat=bool(concat), **attrs)
+    return [outs[0]] if concat else list(outs)
+
+
+def _exchanged_lookup(params, flat_ids, splits, weights, combiners, max_norms, default_ids,
+                      prunes, sequences, training, name, concat):
+    """Features over tables that exchange ids and rows between workers
+    (`tables.Table.exchange_group`, MultiWorkerMirroredStrategy): one
+    exchange brings the rows of each table's distinct ids, then one
+    KRE>GroupLookup pools them as it pools dense matrices (each feature's
+    ids replaced by their places among the distinct ids), so the pooling
+    and its gradient run in the fused kernel and the gradient reaching the
+    exchange has a row per distinct id, not per id. None where this does
+    not serve (the stock path then does): other tables, a default id, a
+    sequence feature or a max_norm."""
+    group = {p.table.exchange_group if p.table is not None else None for p in params}
+    if (len(group) != 1 or None in group or any(d is not None for d in default_ids)
+            or any(sequences) or any(max_norms)):
+        return None
+    order, features_of = [], {}
+    for f, p in enumerate(params):
+        if p.key not in features_of:
+            features_of[p.key] = []
+            order.append(p)
+        features_of[p.key].append(f)
+    kept, keep = [None] * len(params), [None] * len(params)
+    for f, ids in enumerate(flat_ids):
+        ids = tf.cast(ids, tf.int64)
+        if prunes[f]:  # pruned ids are not looked up: they get place -1
+            keep[f] = ids >= 0
+            ids = tf.boolean_mask(ids, keep[f])
+        kept[f] = tf.cast(ids, params[f].table.key_dtype)
+    tables = [p.table for p in order]
+    flats = [tf.concat([kept[f] for f in features_of[p.key]], 0) for p in order]
+    looked = type(tables[0]).lookup_many(tables, flats, bool(training), distinct=True)
+    places = [None] * len(params)
+    for p, (_, index) in zip(order, looked):
+        features = features_of[p.key]
+        parts = tf.split(index, [tf.size(kept[f]) for f in features], 0) if len(
+            features) > 1 else [index]
+        for f, part in zip(features, parts):
+            part = tf.cast(part, tf.int64)
+            if keep[f] is not None:
+                part = tf.tensor_scatter_nd_update(
+                    tf.fill(tf.shape(keep[f], out_type=tf.int64), tf.constant(-1, tf.int64)),
+                    tf.where(keep[f]), part)
+            places[f] = part
+    param_of = {p.key: i for i, p in enumerate(order)}
+    _ops.refuse_xla("A group embedding lookup")
+    outs, _, _ = _ops.gen().kre_group_lookup(
+        [], [rows for rows, _ in looked], places, list(splits), list(weights),
+        insert=bool(training), num_params=len(order), name=name or "GroupLookup",
+        concat=bool(concat), table_key_dtypes=[], param_dims=[p.dim for p in order],
+        feature_params=[param_of[p.key] for p in params], combiners=list(combiners),
+        max_norms=[0.0] * len(params), default_ids=[-1] * len(params),
+        prune_invalid_ids=[bool(b) for b in prunes], is_sequence=[False] * len(params))
     return [outs[0]] if concat else list(outs)
 
 
