@@ -44,6 +44,7 @@ STORED_SCALE_JSON = "results/storage_scale.json"
 # 2-process cluster; minutes of cluster start-up, so not in `--quick`): shown
 # when the run has no fresher one.
 STORED_DISTRIBUTED_JSON = "results/distributed.json"
+STORED_DISTRIBUTED_GROUP_JSON = "results/distributed_group.json"
 # The stored result of the last `distributed.py --ps` run (asynchronous
 # parameter servers; minutes of cluster start-ups): always shown, not rerun.
 STORED_DISTRIBUTED_PS_JSON = "results/distributed_ps.json"
@@ -393,9 +394,10 @@ def _distributed_rows(data, stored=False):
         plain = cluster[0]["cpu_s_per_step"]
         for r in cluster[1:]:
             n = r["workers"]
+            tables = (f"{a['features']} tables x dim {a['dim']}"
+                      + (" in one GroupEmbedding" if a.get("group") else ""))
             what = (f"`distributed.py`{source}: MultiWorkerMirroredStrategy, {n} worker "
-                    f"processes, {a['features']} tables x dim {a['dim']}, global batch "
-                    f"{a['batch']:,} x {a['ids']} ids")
+                    f"processes, {tables}, global batch {a['batch']:,} x {a['ids']} ids")
             rows.append(_row(what, "CPU s of every process per step / one plain process "
                              "(lower is better)", r["cpu_s_per_step"] / plain,
                              DISTRIBUTED_CPU_TARGETS.get(n), lower=True))
@@ -437,9 +439,11 @@ def stored_distributed_ps_result(bench_dir):
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def stored_distributed_result(bench_dir):
-    """The stored `distributed.py` result under bench_dir, or None."""
-    path = pathlib.Path(bench_dir) / STORED_DISTRIBUTED_JSON
+def stored_distributed_result(bench_dir, name=STORED_DISTRIBUTED_JSON):
+    """The stored `distributed.py` result under bench_dir (`name`: its
+    separate-layer run, or `STORED_DISTRIBUTED_GROUP_JSON`, the same tables
+    in one GroupEmbedding), or None."""
+    path = pathlib.Path(bench_dir) / name
     return json.loads(path.read_text()) if path.is_file() else None
 
 
@@ -902,6 +906,12 @@ def run(output_dir=DEFAULT_OUTPUT_DIR, quick=False, benchmarks_dir=None):
         notes.append(f"The `distributed.py` rows are the stored result "
                      f"`benchmarks/{STORED_DISTRIBUTED_JSON}` of {distributed['date']} "
                      f"(not rerun: `--quick` leaves out the cluster start-ups).")
+    group = stored_distributed_result(bench_dir, STORED_DISTRIBUTED_GROUP_JSON)
+    if group is not None:
+        rows.extend(_distributed_rows(group, stored=True))
+        notes.append(f"The `distributed.py --group` rows are the stored result "
+                     f"`benchmarks/{STORED_DISTRIBUTED_GROUP_JSON}` of {group['date']} "
+                     "(not rerun: cluster start-ups take minutes).")
     distributed_ps = stored_distributed_ps_result(bench_dir)
     if distributed_ps is not None:
         rows.extend(_distributed_ps_rows(distributed_ps))

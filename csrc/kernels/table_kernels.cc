@@ -132,6 +132,28 @@ class TableCreateOp : public OpKernel {
 
 REGISTER_KERNEL_BUILDER(Name("KRE>TableCreate").Device(tf::DEVICE_CPU), TableCreateOp);
 
+// Looks keys[0..n) up shard by shard over the pool, partitioned first;
+// keys[i] stands for counts[i] occurrences, or one with counts == nullptr.
+// Row i goes to out + i * dim.
+template <typename K>
+absl::Status LookupByShard(OpKernelContext* ctx, kv::Table<K>& table, const K* keys, int64_t n,
+                           const int32_t* counts, bool insert, int64_t dim, float* out) {
+  kv::Partitioned<K> p = PartitionKeys(ctx, table, keys, n);
+  const int64_t per_shard = n / table.num_shards() + 1;
+  return ParallelFor(ctx, table.num_shards(), per_shard * (40 + dim), [&](int64_t s) {
+    const int64_t b = p.offsets[s];
+    const int64_t m = p.offsets[s + 1] - b;
+    const int shard = static_cast<int>(s);
+    if (counts == nullptr) {
+      table.Lookup(shard, p.keys.data() + b, p.hashes.data() + b, p.order.data() + b, m, insert,
+                   out);
+    } else {
+      table.LookupCounted(shard, p.keys.data() + b, p.hashes.data() + b, p.order.data() + b, counts,
+                          m, insert, out);
+    }
+  });
+}
+
 template <typename K>
 class TableLookupOp : public TableOpKernel<K> {
  public:
@@ -161,14 +183,7 @@ class TableLookupOp : public TableOpKernel<K> {
                      }));
       return;
     }
-    kv::Partitioned<K> p = PartitionKeys(ctx, table, k, n);
-    const int64_t per_shard = n / table.num_shards() + 1;
-    OP_REQUIRES_OK(ctx,
-                   ParallelFor(ctx, table.num_shards(), per_shard * (40 + dim), [&](int64_t s) {
-                     const int64_t b = p.offsets[s];
-                     table.Lookup(static_cast<int>(s), p.keys.data() + b, p.hashes.data() + b,
-                                  p.order.data() + b, p.offsets[s + 1] - b, insert_, o);
-                   }));
+    OP_REQUIRES_OK(ctx, LookupByShard(ctx, table, k, n, nullptr, insert_, dim, o));
   }
 
  private:
@@ -231,15 +246,8 @@ class TableLookupCountedOp : public TableOpKernel<K> {
       OP_REQUIRES_OK(ctx, ctx->allocate_temp(tf::DT_FLOAT, TensorShape({u, dim}), &distinct_rows));
       rows = distinct_rows.flat<float>().data();
     }
-    kv::Partitioned<K> p = PartitionKeys(ctx, table, uniq.data(), u);
-    const int64_t per_shard = u / table.num_shards() + 1;
     OP_REQUIRES_OK(ctx,
-                   ParallelFor(ctx, table.num_shards(), per_shard * (40 + dim), [&](int64_t s) {
-                     const int64_t b = p.offsets[s];
-                     table.LookupCounted(static_cast<int>(s), p.keys.data() + b,
-                                         p.hashes.data() + b, p.order.data() + b, total.data(),
-                                         p.offsets[s + 1] - b, insert_, rows);
-                   }));
+                   LookupByShard(ctx, table, uniq.data(), u, total.data(), insert_, dim, rows));
     if (u < n) {
       for (int64_t i = 0; i < n; ++i) {
         std::copy_n(rows + group_of[i] * dim, dim, o + i * dim);

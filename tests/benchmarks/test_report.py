@@ -134,14 +134,19 @@ def test_stored_scale_result_rows(tmp_path):
     assert bench.stored_scale_result(tmp_path) is None
 
 
-def test_stored_distributed_result_rows(tmp_path):
-    # The stored `distributed.py` result: for every MultiWorkerMirroredStrategy
-    # run after the plain process, CPU of every process per step against the
+@pytest.mark.parametrize("name", ["results/distributed.json", "results/distributed_group.json"])
+def test_stored_distributed_result_rows(tmp_path, name):
+    # The stored `distributed.py` results (separate layers; the same tables
+    # in one GroupEmbedding): for every MultiWorkerMirroredStrategy run
+    # after the plain process, CPU of every process per step against the
     # plain one (with its targets at 2 and 4 workers) and the bytes the
     # sockets sent against the all-to-all ideal.
-    stored = bench.stored_distributed_result(REPORT_PY.parent)
+    stored = bench.stored_distributed_result(REPORT_PY.parent, name)
     assert stored is not None and stored["benchmark"] == "distributed"
+    assert bool(stored["args"]["group"]) == name.endswith("_group.json")
     rows = bench._distributed_rows(stored, stored=True)
+    assert all(("in one GroupEmbedding" in r["benchmark"]) == stored["args"]["group"]
+               for r in rows)
     cluster = stored["results"]["cluster"]
     assert cluster[0]["workers"] == 0 and [r["workers"] for r in cluster[1:]] == [1, 2, 4]
     runs = [r for r in cluster[1:]]
