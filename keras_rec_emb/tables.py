@@ -187,7 +187,7 @@ def lookup_each(tables, keys_list, insert=False, distinct=False):
     for t, k in zip(tables, keys_list):
         flat = tf.reshape(k, [-1])
         unique, index = tf.unique(flat)
-        rows = tf.reshape(t.lookup(flat, insert=insert), [-1, t.dim])
+        rows = t.lookup(flat, insert=insert)
         first = tf.math.unsorted_segment_min(tf.range(tf.size(flat)), index, tf.size(unique))
         out.append((tf.gather(rows, first), index))
     return out

@@ -141,6 +141,15 @@ def _fused_lookup(params, flat_ids, splits, weights, combiners, max_norms,
         outs = stock_group_lookup(params, flat_ids, splits, weights, combiners, max_norms,
                                   default_ids, prunes, sequences, **stock)
         return [tf.concat(outs, -1)] if concat else outs
+    _ops.refuse_distribution("A group embedding lookup")
+    return _group_lookup_op(params, flat_ids, splits, weights, combiners, max_norms,
+                            default_ids, prunes, sequences, training, name, concat)
+
+
+def _group_lookup_op(params, flat_ids, splits, weights, combiners, max_norms, default_ids,
+                     prunes, sequences, training, name, concat):
+    """The KRE>GroupLookup op over `params` (tables of this process and
+    dense matrices or tensors), its parameters each given once."""
     # Distinct parameters, tables first (the op's input order).
     tables, dense, index = [], [], {}
     for p in params:
@@ -167,7 +176,6 @@ def _fused_lookup(params, flat_ids, splits, weights, combiners, max_norms,
         prune_invalid_ids=[bool(b) for b in prunes],
         is_sequence=[bool(b) for b in sequences],
     )
-    _ops.refuse_distribution("A group embedding lookup")
     _ops.refuse_xla("A group embedding lookup")
     outs, _, _ = _ops.gen().kre_group_lookup(
         [t.table.handle for t in tables], [_dense_value(d.variable) for d in dense],
@@ -192,12 +200,10 @@ def _exchanged_lookup(params, flat_ids, splits, weights, combiners, max_norms, d
     if (len(group) != 1 or None in group or any(d is not None for d in default_ids)
             or any(sequences) or any(max_norms)):
         return None
-    order, features_of = [], {}
+    features_of = {}
     for f, p in enumerate(params):
-        if p.key not in features_of:
-            features_of[p.key] = []
-            order.append(p)
-        features_of[p.key].append(f)
+        features_of.setdefault(p.key, []).append(f)
+    order = [params[features[0]] for features in features_of.values()]
     kept, keep = [None] * len(params), [None] * len(params)
     for f, ids in enumerate(flat_ids):
         ids = tf.cast(ids, tf.int64)
@@ -220,16 +226,10 @@ def _exchanged_lookup(params, flat_ids, splits, weights, combiners, max_norms, d
                     tf.fill(tf.shape(keep[f], out_type=tf.int64), tf.constant(-1, tf.int64)),
                     tf.where(keep[f]), part)
             places[f] = part
-    param_of = {p.key: i for i, p in enumerate(order)}
-    _ops.refuse_xla("A group embedding lookup")
-    outs, _, _ = _ops.gen().kre_group_lookup(
-        [], [rows for rows, _ in looked], places, list(splits), list(weights),
-        insert=bool(training), num_params=len(order), name=name or "GroupLookup",
-        concat=bool(concat), table_key_dtypes=[], param_dims=[p.dim for p in order],
-        feature_params=[param_of[p.key] for p in params], combiners=list(combiners),
-        max_norms=[0.0] * len(params), default_ids=[-1] * len(params),
-        prune_invalid_ids=[bool(b) for b in prunes], is_sequence=[False] * len(params))
-    return [outs[0]] if concat else list(outs)
+    # Each table's distinct rows stand in as a dense parameter of its features.
+    dense = {p.key: _Param(variable=rows) for p, (rows, _) in zip(order, looked)}
+    return _group_lookup_op([dense[p.key] for p in params], places, splits, weights, combiners,
+                            max_norms, default_ids, prunes, sequences, training, name, concat)
 
 
 # -- the same lookup with stock TensorFlow ops (export_for_serving) ------------
