@@ -51,6 +51,72 @@ def op_def(op_type):
     return op_def_registry.get(op_type)
 
 
+def register_dispatchable_type(cls):
+    """Lets TensorFlow's type-based dispatch (`tf.experimental.dispatch_for_api`)
+    see instances of `cls`, a class that is not a `CompositeTensor`.
+
+    The public decorator registers handlers, but the dispatcher only looks
+    for them when an argument's type is registered as dispatchable, which
+    only `ExtensionType`s are by themselves. Used by `ops/_deferred.py`
+    (`tf.concat` of deferred layer rows).
+    """
+    from tensorflow.python.util import dispatch
+
+    dispatch.register_dispatchable_type(cls)
+
+
+def has_control_dependencies(graph):
+    """Whether `graph` is being traced with automatic control dependencies
+    (a `tf.function`'s graph: stateful ops then run in program order, and
+    every one runs).
+
+    The public API does not say; the graph holds its manager while traced.
+    Used by `ops/_deferred.py` (only such graphs defer layer lookups).
+    """
+    return getattr(graph, "experimental_acd_manager", None) is not None
+
+
+def hook_control_dependencies():
+    """Lets `before_control_dependencies` run callbacks: wraps
+    `AutomaticControlDependencies.__exit__` (once) so that it runs those
+    registered on its instance first.
+
+    TensorFlow has no hook there. The manager is held by a `tf.function`'s
+    graph while it is traced and draws the automatic control dependencies
+    in its `__exit__`; a `with` statement reads `__exit__` from the class
+    when it enters, so the wrapper must be in place before any tracing
+    that uses it starts (`ops/_deferred.py` calls this when imported). An
+    instance with no callback runs the original unchanged.
+    """
+    from tensorflow.python.framework import auto_control_deps
+
+    cls = auto_control_deps.AutomaticControlDependencies
+    if getattr(cls.__exit__, "_kre_hooked", False):
+        return
+    original = cls.__exit__
+
+    def __exit__(self, *exc):
+        callbacks = self.__dict__.pop("_kre_before_exit", None)
+        if callbacks and exc[0] is None:
+            for callback in callbacks:
+                callback()
+        return original(self, *exc)
+
+    __exit__._kre_hooked = True
+    cls.__exit__ = __exit__
+
+
+def before_control_dependencies(graph, fn):
+    """Runs `fn()` (with `graph` the default graph) when the tracing of
+    `graph` ends, before its automatic control dependencies are drawn: ops
+    `fn` makes are then ordered and run like any other stateful op (needs
+    `hook_control_dependencies` and `has_control_dependencies(graph)`).
+    Used by `ops/_deferred.py` (deferred layer lookups whose rows were never
+    used still run, as eager calls would)."""
+    acd = graph.experimental_acd_manager
+    acd.__dict__.setdefault("_kre_before_exit", []).append(fn)
+
+
 # A dataset built from three graph functions (init / next / finalize) over a
 # Python iterator. Public `tf.data.Dataset.from_generator` wraps the same
 # class but adds per-component Python checks, costly on wide batches.

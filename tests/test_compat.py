@@ -498,3 +498,48 @@ def test_resolve_training_reads_none_as_a_recording_tape():
         return tf.constant(inside), tf.constant(_compat.resolve_training(None))
 
     assert [bool(v) for v in traced()] == [True, False]
+
+
+def test_control_dependency_hook_runs_callbacks_before_the_dependencies_are_drawn():
+    """A callback registered while a function is traced makes a stateful op
+    that still runs (it gets control dependencies), and graphs without
+    automatic control dependencies say so."""
+    _compat.hook_control_dependencies()  # idempotent: installed on import
+    from tensorflow.python.framework import auto_control_deps
+
+    assert auto_control_deps.AutomaticControlDependencies.__exit__._kre_hooked
+    counter = tf.Variable(0)
+    seen = []
+
+    @tf.function
+    def traced():
+        graph = tf.compat.v1.get_default_graph()
+        seen.append(_compat.has_control_dependencies(graph))
+        _compat.before_control_dependencies(graph, lambda: counter.assign_add(1))
+        return tf.constant(0)
+
+    traced()
+    traced()
+    assert seen == [True] and int(counter.numpy()) == 2
+    with tf.Graph().as_default() as g:
+        assert not _compat.has_control_dependencies(g)
+
+
+def test_registered_dispatchable_type_reaches_a_dispatch_handler():
+    class Marker:
+        pass
+
+    _compat.register_dispatchable_type(Marker)
+    calls = []
+
+    def handler(x, name=None):
+        calls.append(x)
+        return tf.constant(7)
+
+    tf.experimental.dispatch_for_api(tf.math.abs, {"x": Marker})(handler)
+    try:
+        marker = Marker()
+        assert int(tf.math.abs(marker)) == 7 and calls == [marker]
+        assert int(tf.math.abs(tf.constant(-3))) == 3
+    finally:
+        tf.experimental.unregister_dispatch_for(handler)

@@ -21,6 +21,7 @@ import tensorflow as tf
 
 from keras_rec_emb import _compat
 from keras_rec_emb import _ops, _serving_context
+from keras_rec_emb.ops import _deferred
 from keras_rec_emb._checks import (COMBINERS, assert_ids_in_range, check_bool, check_float,
                                    check_int, checked_sparse_ids, integer_ids)
 from keras_rec_emb._embed_reduce import combine_rows
@@ -458,7 +459,9 @@ def _stacked_pooled_lookup_grad(op, grad):
 def pooled_layer_lookup(layer, inputs, training, weights=None):
     """What `EmbeddingVariable(combiner=...)` returns for `inputs`: its ids
     looked up and combined by its combiner in one fused op, as a group of
-    one feature (the group lookup's kernels, forward and backward). Every id
+    one feature (the group lookup's kernels, forward and backward), or, in
+    a traced graph, a `_deferred.DeferredRows` looked up together with the
+    other pooled layer calls of the step (see `ops/_deferred.py`). Every id
     is a key (-1 too) unless the layer's `prune_invalid_ids` drops ids < 0
     from the combine; dense ids
     `[..., L]` give `[..., dim]` (an empty last axis gives zeros), ragged or
@@ -468,27 +471,21 @@ def pooled_layer_lookup(layer, inputs, training, weights=None):
     per-id weights of the ids' kind, checked by the layer) weigh the
     combine; for "mean" and "sqrtn" ids of weight <= 0 become padding."""
     what = f"{type(layer).__name__} '{layer.name}'"
-    key_dtype = tf.as_dtype(layer.key_dtype)
-
-    def keys(values):  # int64, as the op takes them, after the fit check
-        return tf.cast(integer_ids(values, what, key_dtype), tf.int64)
-
-    outer = None
+    table = layer._table_for_lookup()
     if isinstance(inputs, tf.RaggedTensor):
         if inputs.ragged_rank != 1 or inputs.shape.rank != 2:
             raise ValueError(
                 f"{what} takes ragged ids of shape [batch, None]. Received "
                 f"shape {inputs.shape} with ragged_rank {inputs.ragged_rank}"
             )
-        values, splits = keys(inputs.values), tf.cast(inputs.row_splits, tf.int64)
+        shape, dtype = inputs.shape[:1], inputs.dtype
     elif isinstance(inputs, tf.SparseTensor):
         if inputs.shape.rank != 2:
             raise ValueError(
                 f"{what} takes sparse ids of shape [batch, None]. Received "
                 f"shape {inputs.shape}"
             )
-        sp = checked_sparse_ids(inputs, f"{what} ids")
-        values, splits = keys(sp.values), sparse_row_splits(sp)
+        shape, dtype = inputs.shape[:1], inputs.dtype
     else:
         inputs = tf.convert_to_tensor(inputs)
         if inputs.shape.rank is not None and inputs.shape.rank < 1:
@@ -496,6 +493,106 @@ def pooled_layer_lookup(layer, inputs, training, weights=None):
                 f"{what} with a combiner combines the last axis of the ids; "
                 f"received scalar ids of shape {inputs.shape}"
             )
+        shape, dtype = inputs.shape[:-1], inputs.dtype
+    call = _deferred.LayerCall(layer, table, inputs, weights,
+                               bool(training) and layer.trainable)
+    # Ids that are not integers are refused at the call, not where used.
+    if dtype.is_integer and inputs.shape.rank is not None and _deferred.can_defer(layer):
+        return _deferred.defer(call, shape.concatenate([table.dim]), layer.compute_dtype)
+    return layers_lookup([call])[0]
+
+
+def _stacked_source(calls):
+    """`(ids, columns)` when every call's ids are a column `ids[:, j, :]` of
+    one stacked `[batch, F, L]` (L > 1) tensor split by `tf.unstack`, with
+    no weights and padding pruned: they are then read where they are, in
+    one `KRE>UnstackKeptIds` (as a `GroupEmbedding` reads stacked ids),
+    and the split itself goes unused. Else None."""
+    unpack, columns = None, []
+    for c in calls:
+        x = c.inputs
+        if (c.weights is not None or not c.layer.prune_invalid_ids
+                or not isinstance(x, tf.Tensor) or not hasattr(x, "op")
+                or x.op.type != "Unpack" or unpack not in (None, x.op)):
+            return None
+        unpack = x.op
+        columns.append(x.value_index)
+    ids = unpack.inputs[0]
+    if (len(set(columns)) != len(columns) or ids.shape.rank != 3
+            or unpack.get_attr("axis") not in (1, -2) or ids.shape[2] is None
+            or ids.shape[2] < 2 or ids.dtype not in (tf.int32, tf.int64)):
+        return None
+    if ids.dtype == tf.int64 and any(tf.as_dtype(c.table.key_dtype) != tf.int64 for c in calls):
+        return None  # int32 tables would need their ids checked apart
+    return ids, columns
+
+
+def layers_lookup(calls, concat=False):
+    """The rows of pooled layer calls (`_deferred.LayerCall`s of one insert
+    flag) from one `KRE>GroupLookup`: a list, one per call, or with
+    `concat` (every call's rows `[batch, dim]`, float32) their rows side
+    by side, written so by the op."""
+    n = len(calls)
+    insert = calls[0].insert
+    name = f"{calls[0].layer.name}_lookup" if n == 1 else "pooled_layers_lookup"
+    combiners = [c.layer.combiner for c in calls]
+    stacked = _stacked_source(calls)
+    if stacked is not None:
+        ids, columns = stacked
+        if concat and not insert and columns == list(range(ids.shape[1])):
+            # The inference lookup of all the columns: as GroupEmbedding's.
+            out = stacked_pooled_lookup([c.table for c in calls], ids, combiners, [None] * n,
+                                        name=name)
+            if out is not None:
+                return out
+        values, splits = _ops.unstack_kept_ids(ids)
+        flat, splits = [values[j] for j in columns], [splits[j] for j in columns]
+        weights, outers = [tf.zeros([0], tf.float32)] * n, [None] * n
+    else:
+        flat, splits, weights, outers = [], [], [], []
+        for c in calls:
+            v, s, w, outer = _layer_ids(c)
+            flat.append(v)
+            splits.append(s)
+            weights.append(w)
+            outers.append(outer)
+    outs = _fused_lookup(
+        [_Param(table=c.table) for c in calls], flat, splits, weights, combiners,
+        [None] * n, [None] * n, [c.layer.prune_invalid_ids for c in calls], [False] * n,
+        training=insert, name=name, concat=concat)
+    if concat:
+        return outs[0]
+    rows = []
+    for c, out, outer in zip(calls, outs, outers):
+        if outer is not None:  # [rows, dim] back to the ids' [..., dim]
+            out = tf.ensure_shape(tf.reshape(out, tf.concat([outer[0], [c.table.dim]], 0)),
+                                  outer[1].concatenate([c.table.dim]))
+        rows.append(out if c.layer.compute_dtype == "float32"
+                    else tf.cast(out, c.layer.compute_dtype))
+    return rows
+
+
+_deferred.layers_lookup = layers_lookup
+
+
+def _layer_ids(call):
+    """One pooled layer call's ids in the fused op's form: `(values,
+    row_splits, weights, outer)`, `outer` the dense ids' leading shape
+    (dynamic, static) or None."""
+    layer, inputs, weights = call.layer, call.inputs, call.weights
+    what = f"{type(layer).__name__} '{layer.name}'"
+    key_dtype = tf.as_dtype(layer.key_dtype)
+
+    def keys(values):  # int64, as the op takes them, after the fit check
+        return tf.cast(integer_ids(values, what, key_dtype), tf.int64)
+
+    outer = None
+    if isinstance(inputs, tf.RaggedTensor):
+        values, splits = keys(inputs.values), tf.cast(inputs.row_splits, tf.int64)
+    elif isinstance(inputs, tf.SparseTensor):
+        sp = checked_sparse_ids(inputs, f"{what} ids")
+        values, splits = keys(sp.values), sparse_row_splits(sp)
+    else:
         ids = keys(inputs)
         shape = tf.shape(ids, out_type=tf.int64)
         length = ids.shape[-1] if ids.shape[-1] is not None else shape[-1]
@@ -509,15 +606,7 @@ def pooled_layer_lookup(layer, inputs, training, weights=None):
         flat_weights = (tf.reshape(weights, [-1]) if outer is not None else weights.values)
         if layer.combiner != "sum":  # dropped: not inserted, counted or updated
             values = tf.where(flat_weights > 0, values, tf.constant(-1, values.dtype))
-    table = layer._table_for_lookup()
-    out = _fused_lookup(
-        [_Param(table=table)], [values], [splits], [flat_weights],
-        [layer.combiner], [None], [None], [layer.prune_invalid_ids], [False],
-        training=bool(training) and layer.trainable, name=f"{layer.name}_lookup")[0]
-    if outer is not None:  # [rows, dim] back to the ids' [..., dim]
-        out = tf.ensure_shape(tf.reshape(out, tf.concat([outer[0], [table.dim]], 0)),
-                              outer[1].concatenate([table.dim]))
-    return out if layer.compute_dtype == "float32" else tf.cast(out, layer.compute_dtype)
+    return values, splits, flat_weights, outer
 
 
 # -- public API ----------------------------------------------------------------
