@@ -1,4 +1,4 @@
-"""Where the separate layers' forward time goes, against one GroupEmbedding (issue 38).
+"""The separate layers' forward time, against one GroupEmbedding (issue 38).
 
 The peer workload's 1-5-id batch (`benchmarks/peers/workload.py`: 26
 features, dim 16, batch 4096, ids padded with -1) through 26
@@ -17,8 +17,11 @@ round:
 * ``split, list``: the 26 layers on ids split beforehand, their outputs
   returned as a list (no concat).
 
-The last three differ from the first by stock TensorFlow ops around the
-layers (`Unpack`, `ConcatV2`) and by 26 layer calls instead of one.
+In a traced function the 26 calls are looked up together (deferred rows,
+`keras_rec_emb/ops/_deferred.py`): ``unstack+concat`` then runs the
+group's own stacked op on the stacked ids; the split forms run one group
+lookup over the 26 features, each feature's ids prepared apart.
+
 Prints each form's median ms and its ratio to ``group`` (group ms / form
 ms, median (min-max) of the per-round ratios; 1 is as fast as the group),
 and the JSON.

@@ -31,7 +31,9 @@ Cost per lookup and worker: `16 W N` bytes of ids and `4 W N dim` of rows
 forward, the same rows back, where `W` is at most the replica's distinct ids
 for one owner: about `(N-1)/N` of its distinct ids and rows, independent of
 `N` (`benchmarks/distributed.py` measures the bytes each process's sockets
-send). Each table is one exchange.
+send). The tables of one fused lookup share one exchange (`lookup_many`):
+a `GroupEmbedding`'s, and the pooled `EmbeddingVariable` calls of a traced
+step, looked up together (`ops/_deferred.py`).
 
 Table-wide operations (`export`, `size`, `stats`, `evict`, saving with
 `model.save` or `tf.train.Checkpoint`) gather the shards with the same

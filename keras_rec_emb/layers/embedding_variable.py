@@ -37,6 +37,17 @@ class EmbeddingVariable(keras.layers.Layer):
     `model.export` keep every row, the optimizer slots, frequencies and
     versions.
 
+    With a combiner, the layers of one model cost what one `GroupEmbedding`
+    over their tables costs: while a step is traced (`fit`, `evaluate`,
+    `predict`, any `tf.function`), a call returns its rows deferred (a
+    `DeferredRows`, converted to a tensor wherever one is used), and the
+    first use looks up every pooled call of the step made so far in one
+    fused op (under `MultiWorkerMirroredStrategy`, one exchange); `tf.concat`
+    of exactly those calls gets the op's output, written side by side, and
+    ids split from one stacked tensor by `tf.unstack` are read where they
+    are. A call whose rows are never used is still looked up (inserted and
+    counted) when the traced function ends. Eager calls return tensors.
+
     Args:
         embedding_dim: int > 0. Width of each embedding row.
         initializer: Keras initializer for new rows (the EV-initializer
