@@ -120,7 +120,10 @@ def _rows(call):
     """The call's rows, looking it (and every other pending call of its
     graph in this thread) up first if needed."""
     if call.value is None and call.source is None:
-        _flush(call.graph, _pending(call.graph) or [call])
+        pending = _pending(call.graph)
+        if pending is None or call not in pending:  # made in another thread
+            pending = [call]
+        _flush(call.graph, pending)
     if call.value is None:
         out, start, stop = call.source
         with call.graph.as_default():
@@ -170,6 +173,16 @@ class DeferredRows:
         state = "looked up" if self._call.value is not None else "deferred"
         return (f"<DeferredRows of {self._call.layer.name!r}: shape={self.shape}, "
                 f"dtype={self.dtype.name}, {state}>")
+
+    # Elementwise, as a tensor compares; the object itself stays hashable
+    # (by identity), as the callers that keep outputs in sets need.
+    def __eq__(self, other):
+        return self.to_tensor() == other
+
+    def __ne__(self, other):
+        return self.to_tensor() != other
+
+    __hash__ = object.__hash__
 
     def __bool__(self):
         return bool(self.to_tensor())

@@ -106,9 +106,10 @@ def test_a_deferred_rows_object_acts_as_its_tensor(matrix_initializer):
         rows = layer(x)
         seen["type"] = type(rows).__name__
         seen["static"] = (rows.shape.as_list(), rows.dtype, rows.ndim)
-        return rows * 2.0 + 1.0, -rows[0], tf.reduce_sum(rows, 1), keras.ops.sum(rows)
+        return (rows * 2.0 + 1.0, -rows[0], tf.reduce_sum(rows, 1), keras.ops.sum(rows),
+                rows == rows[0])
 
-    doubled, negated, summed, total = use(ids)
+    doubled, negated, summed, total, equal = use(ids)
     want = numpy_sum(ids.numpy())
     assert seen["type"] == "DeferredRows"
     assert seen["static"] == ([2, DIM], tf.float32, 2)
@@ -116,6 +117,7 @@ def test_a_deferred_rows_object_acts_as_its_tensor(matrix_initializer):
     np.testing.assert_allclose(negated.numpy(), -want[0], rtol=1e-6)
     np.testing.assert_allclose(summed.numpy(), want.sum(1), rtol=1e-6)
     np.testing.assert_allclose(total.numpy(), want.sum(), rtol=1e-6)
+    np.testing.assert_array_equal(equal.numpy(), want == want[0])
 
 
 def test_rows_never_used_are_still_looked_up_and_counted(matrix_initializer):
@@ -246,3 +248,31 @@ def test_fit_with_separate_layers_matches_eager_fit(matrix_initializer, form):
             np.testing.assert_allclose(got[3][k], v, rtol=1e-5, atol=1e-6)
     for got, want in zip(traced_dense, eager_dense):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_rows_made_in_one_thread_and_used_in_another(matrix_initializer):
+    """MirroredStrategy traces each replica in its own thread: a call
+    deferred there and used elsewhere is looked up by itself."""
+    import threading
+
+    a, b = make_layers(matrix_initializer, n=2)
+    x = tf.constant([[1, 2]], tf.int64)
+
+    @tf.function
+    def run(x):
+        made = {}
+        graph = tf.compat.v1.get_default_graph()
+
+        def replica():
+            with graph.as_default():
+                made["rows"] = a(x)
+
+        thread = threading.Thread(target=replica)
+        thread.start()
+        thread.join()
+        mine = b(x)  # pending in this thread
+        return made["rows"] + 0.0, mine + 0.0
+
+    theirs, mine = run(x)
+    np.testing.assert_allclose(theirs.numpy(), numpy_sum(x.numpy()), rtol=1e-6)
+    np.testing.assert_allclose(mine.numpy(), numpy_sum(x.numpy()), rtol=1e-6)
