@@ -37,11 +37,12 @@ class EmbeddingVariable(keras.layers.Layer):
     `model.export` keep every row, the optimizer slots, frequencies and
     versions.
 
-    With a combiner, the layers of one model cost what one `GroupEmbedding`
-    over their tables costs: while a step is traced (`fit`, `evaluate`,
+    The layers of one model cost what one `GroupEmbedding` over their tables
+    costs (with a combiner, or without one on dense ids): while a step is
+    traced (`fit`, `evaluate`,
     `predict`, any `tf.function`), a call returns its rows deferred (a
     `DeferredRows`, converted to a tensor wherever one is used), and the
-    first use looks up every pooled call of the step made so far in one
+    first use looks up every such call of the step made so far in one
     fused op (under `MultiWorkerMirroredStrategy`, one exchange); `tf.concat`
     of exactly those calls gets the op's output, written side by side, and
     ids split from one stacked tensor by `tf.unstack` are read where they
@@ -239,6 +240,10 @@ class EmbeddingVariable(keras.layers.Layer):
             # A group of one: the fused lookup looks up and combines in one op
             # (its gradient over distinct keys), as GroupEmbedding does.
             return embedding_ops.pooled_layer_lookup(self, inputs, training, weights)
+        if weights is None:
+            rows = embedding_ops.deferred_ids_lookup(self, inputs, training)
+            if rows is not None:
+                return rows
         return embed_ids(self, inputs, lambda ids, _: self._lookup(ids, training),
                          None, key_dtype=tf.as_dtype(self.key_dtype))
 

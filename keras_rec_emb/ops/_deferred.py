@@ -1,12 +1,13 @@
 # Copyright keras_rec_emb authors. Apache-2.0.
-"""Deferred pooled lookups: the `EmbeddingVariable(combiner=...)` calls of
-one traced step looked up together, in one fused op.
+"""Deferred lookups: the `EmbeddingVariable` calls of one traced step
+looked up together, in one fused op.
 
 A model written the natural way, one pooled layer per feature, would run
 one fused-lookup op per layer (with its small ops around it) and, under
 `MultiWorkerMirroredStrategy`, one exchange per layer. A `GroupEmbedding`
 over the same tables runs one op and one exchange. So that the natural
-code costs what the group costs, a pooled layer called while a
+code costs what the group costs, a layer with a combiner (or without one,
+on dense ids: each id a row, a "sum" of one id) called while a
 `tf.function` is traced (Keras's `fit`, `evaluate` and `predict` steps
 among them) returns a `DeferredRows` instead of a tensor: its shape and
 dtype are known, its rows are not looked up yet. The first time any of
@@ -21,7 +22,7 @@ automatic control dependencies are drawn), as an eager call would have
 been: a training call's inserts and counts are never dropped.
 
 Not deferred (looked up at the call, as before): eager calls, Keras's
-symbolic shape inference, graphs traced for stock serving, graphs without
+symbolic shape inference, XLA-compiled functions (which refuse the lookup), graphs traced for stock serving, graphs without
 automatic control dependencies (TF1-style graphs), and layers with an
 activity regularizer (Keras computes it on the output tensor).
 """
@@ -43,12 +44,17 @@ class LayerCall:
     (`value`, or `source`: (side-by-side output, first column, end column)
     when they were looked up for a concatenation)."""
 
-    __slots__ = ("layer", "table", "inputs", "weights", "insert", "graph", "shape", "dtype",
-                 "value", "source")
+    __slots__ = ("layer", "table", "inputs", "weights", "insert", "single", "combiner", "prune",
+                 "graph", "shape", "dtype", "value", "source")
 
-    def __init__(self, layer, table, inputs, weights, insert):
+    def __init__(self, layer, table, inputs, weights, insert, single=False):
         self.layer, self.table, self.inputs, self.weights = layer, table, inputs, weights
         self.insert = insert
+        # `single`: a layer without a combiner, each id its own row (a "sum"
+        # of one id, every id a key), rows `ids.shape + [dim]`.
+        self.single = single
+        self.combiner = "sum" if single else layer.combiner
+        self.prune = False if single else layer.prune_invalid_ids
         self.graph = self.shape = self.dtype = self.value = self.source = None
 
 
@@ -74,8 +80,8 @@ def _pending(graph, create=False):
 def can_defer(layer):
     """Whether a pooled call of `layer` here may be deferred (see the
     module: a traced graph with automatic control dependencies)."""
-    if tf.executing_eagerly() or _compat.in_symbolic_build():
-        return False
+    if tf.executing_eagerly() or _compat.in_symbolic_build() or _compat.in_xla_context():
+        return False  # (under XLA the lookup refuses at the call, with its error)
     if _serving_context.tracing_stock() or getattr(layer, "activity_regularizer", None):
         return False
     return _compat.has_control_dependencies(tf.compat.v1.get_default_graph())

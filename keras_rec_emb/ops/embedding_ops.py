@@ -502,25 +502,47 @@ def pooled_layer_lookup(layer, inputs, training, weights=None):
     return layers_lookup([call])[0]
 
 
+def deferred_ids_lookup(layer, inputs, training):
+    """A `_deferred.DeferredRows` for `EmbeddingVariable` (no combiner) on
+    dense integer ids `inputs`: their rows, `ids.shape + [dim]`, looked up
+    with the step's other layer calls (each id a "sum" of one id, every id
+    a key); None where the call is not deferred (`_deferred.can_defer`,
+    other ids), and the layer looks its ids up at once."""
+    if isinstance(inputs, (tf.RaggedTensor, tf.SparseTensor)) or not _deferred.can_defer(layer):
+        return None
+    inputs = tf.convert_to_tensor(inputs)
+    if not inputs.dtype.is_integer or inputs.shape.rank is None or inputs.shape.rank < 1:
+        return None
+    table = layer._table_for_lookup()
+    call = _deferred.LayerCall(layer, table, inputs, None, bool(training) and layer.trainable,
+                               single=True)
+    return _deferred.defer(call, inputs.shape.concatenate([table.dim]), layer.compute_dtype)
+
+
 def _stacked_source(calls):
     """`(ids, columns)` when every call's ids are a column `ids[:, j, :]` of
     one stacked `[batch, F, L]` (L > 1) tensor split by `tf.unstack`, with
-    no weights and padding pruned: they are then read where they are, in
-    one `KRE>UnstackKeptIds` (as a `GroupEmbedding` reads stacked ids),
-    and the split itself goes unused. Else None."""
+    no weights and padding pruned (or, for calls without a combiner, columns
+    `ids[:, j]` of `[batch, F]` ids): they are then read where they are, in
+    one `KRE>UnstackKeptIds` (`KRE>UnstackFeatureIds`), as a
+    `GroupEmbedding` reads stacked ids, and the split itself goes unused.
+    Else None."""
     unpack, columns = None, []
+    single = calls[0].single
     for c in calls:
         x = c.inputs
-        if (c.weights is not None or not c.layer.prune_invalid_ids
+        if (c.weights is not None or c.single != single or not (c.prune or single)
                 or not isinstance(x, tf.Tensor) or not hasattr(x, "op")
                 or x.op.type != "Unpack" or unpack not in (None, x.op)):
             return None
         unpack = x.op
         columns.append(x.value_index)
     ids = unpack.inputs[0]
-    if (len(set(columns)) != len(columns) or ids.shape.rank != 3
-            or unpack.get_attr("axis") not in (1, -2) or ids.shape[2] is None
-            or ids.shape[2] < 2 or ids.dtype not in (tf.int32, tf.int64)):
+    if (len(set(columns)) != len(columns) or ids.shape.rank != (2 if single else 3)
+            or unpack.get_attr("axis") not in ((1, -1) if single else (1, -2))
+            or ids.dtype not in (tf.int32, tf.int64)):
+        return None
+    if not single and (ids.shape[2] is None or ids.shape[2] < 2):
         return None
     if ids.dtype == tf.int64 and any(tf.as_dtype(c.table.key_dtype) != tf.int64 for c in calls):
         return None  # int32 tables would need their ids checked apart
@@ -535,9 +557,14 @@ def layers_lookup(calls, concat=False):
     n = len(calls)
     insert = calls[0].insert
     name = f"{calls[0].layer.name}_lookup" if n == 1 else "pooled_layers_lookup"
-    combiners = [c.layer.combiner for c in calls]
+    combiners = [c.combiner for c in calls]
     stacked = _stacked_source(calls)
-    if stacked is not None:
+    if stacked is not None and calls[0].single:
+        ids, columns = stacked
+        values, shared = _ops.unstack_feature_ids(tf.expand_dims(ids, -1))
+        flat, splits = [values[j] for j in columns], [shared] * n
+        weights, outers = [tf.zeros([0], tf.float32)] * n, [None] * n
+    elif stacked is not None:
         ids, columns = stacked
         if concat and not insert and columns == list(range(ids.shape[1])):
             # The inference lookup of all the columns: as GroupEmbedding's.
@@ -558,7 +585,7 @@ def layers_lookup(calls, concat=False):
             outers.append(outer)
     outs = _fused_lookup(
         [_Param(table=c.table) for c in calls], flat, splits, weights, combiners,
-        [None] * n, [None] * n, [c.layer.prune_invalid_ids for c in calls], [False] * n,
+        [None] * n, [None] * n, [c.prune for c in calls], [False] * n,
         training=insert, name=name, concat=concat)
     if concat:
         return outs[0]
@@ -580,6 +607,8 @@ def _layer_ids(call):
     row_splits, weights, outer)`, `outer` the dense ids' leading shape
     (dynamic, static) or None."""
     layer, inputs, weights = call.layer, call.inputs, call.weights
+    if call.single:  # each id its own row: ids [..., 1]
+        inputs = tf.expand_dims(inputs, -1)
     what = f"{type(layer).__name__} '{layer.name}'"
     key_dtype = tf.as_dtype(layer.key_dtype)
 
@@ -604,7 +633,7 @@ def _layer_ids(call):
         flat_weights = tf.zeros([0], tf.float32)
     else:
         flat_weights = (tf.reshape(weights, [-1]) if outer is not None else weights.values)
-        if layer.combiner != "sum":  # dropped: not inserted, counted or updated
+        if call.combiner != "sum":  # dropped: not inserted, counted or updated
             values = tf.where(flat_weights > 0, values, tf.constant(-1, values.dtype))
     return values, splits, flat_weights, outer
 

@@ -186,21 +186,56 @@ def test_float_ids_are_refused_at_the_call(matrix_initializer):
         bad(tf.constant([[1.0, 2.0]]))
 
 
-class Separate(keras.Model):
-    """The natural subclassed form: one pooled layer per feature."""
+@pytest.mark.parametrize("training", [False, True])
+def test_single_id_layers_are_one_op_and_every_id_is_a_key(matrix_initializer, training):
+    layers = make_layers(matrix_initializer, combiner=None, prune_invalid_ids=False)
+    ids = stacked_ids(seed=3, length=1)[:, :, 0]  # -1 is a key here
+    x = tf.constant(ids)
 
-    def __init__(self, tables, **kwargs):
+    @tf.function
+    def embed(x):
+        return tf.concat([layer(c, training=training)
+                          for layer, c in zip(layers, tf.unstack(x, axis=1))], 1)
+
+    want = np.concatenate([MATRIX[np.mod(ids[:, j], DVD)] for j in range(F)], 1)
+    np.testing.assert_allclose(embed(x).numpy(), want, rtol=1e-6)
+    types = op_types(embed, x)
+    assert [t for t in types if t.startswith("KRE>")] == ["KRE>UnstackFeatureIds",
+                                                          "KRE>GroupLookup"]
+    assert "ConcatV2" not in types
+    assert [layer.table_size() for layer in layers] == (
+        [len(np.unique(ids[:, j])) for j in range(F)] if training else [0] * F)
+
+    @tf.function
+    def rank2(x):  # [batch, L] ids without a combiner: [batch, L, dim] rows
+        return layers[0](x)
+
+    np.testing.assert_allclose(rank2(x).numpy(), MATRIX[np.mod(ids, DVD)], rtol=1e-6)
+
+
+class Separate(keras.Model):
+    """The natural subclassed form: one layer per feature."""
+
+    def __init__(self, tables, single=False, **kwargs):
         super().__init__(**kwargs)
         self.tables = tables
+        self.single = single
         self.head = keras.layers.Dense(1, kernel_initializer="ones")
 
     def call(self, x, training=None):
-        cols = tf.unstack(x, axis=1)
+        cols = tf.unstack(x[:, :, 0] if self.single else x, axis=1)
         return self.head(tf.concat([t(c, training=training)
                                     for t, c in zip(self.tables, cols)], 1))
 
 
-def _model(form, matrix_initializer):
+def _model(form, matrix_initializer, single=False):
+    if single:
+        filtered = kre.EmbeddingVariableOption(
+            filter_option=kre.CounterFilter(filter_freq=2),
+            init_option=kre.InitializerOption(default_value_dim=DVD))
+        tables = [EmbeddingVariable(DIM, initializer=matrix_initializer(MATRIX),
+                                    ev_option=filtered, name=f"s{j}") for j in range(F)]
+        return Separate(tables, single=True)
     tables = make_layers(matrix_initializer)
     if form == "subclassed":
         return Separate(tables)
@@ -212,9 +247,9 @@ def _model(form, matrix_initializer):
     return keras.Sequential([tables[0], keras.layers.Dense(1, kernel_initializer="ones")])
 
 
-@pytest.mark.parametrize("form", ["subclassed", "functional", "sequential"])
+@pytest.mark.parametrize("form", ["subclassed", "functional", "sequential", "single ids"])
 def test_fit_with_separate_layers_matches_eager_fit(matrix_initializer, form):
-    ids = stacked_ids(seed=1, batch=64)
+    ids = stacked_ids(seed=1, batch=64, length=1 if form == "single ids" else 3)
     labels = np.random.default_rng(2).random((64, 1)).astype("float32")
     if form == "functional":
         x = [ids[:, j] for j in range(F)]
@@ -224,11 +259,11 @@ def test_fit_with_separate_layers_matches_eager_fit(matrix_initializer, form):
         x = ids
     states = []
     for eager in (True, False):
-        model = _model(form, matrix_initializer)
+        model = _model(form, matrix_initializer, single=form == "single ids")
         model.compile(optimizer=kre.optimizers.Adagrad(0.1), loss="mse", run_eagerly=eager)
         model.fit(x, labels, batch_size=16, epochs=2, shuffle=False, verbose=0)
         tables = {}
-        for layer in model.layers if form != "subclassed" else model.tables:
+        for layer in model.tables if isinstance(model, Separate) else model.layers:
             if isinstance(layer, EmbeddingVariable):
                 data = layer.export()
                 order = np.argsort(data["keys"])
