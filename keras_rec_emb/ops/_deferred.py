@@ -22,9 +22,10 @@ automatic control dependencies are drawn), as an eager call would have
 been: a training call's inserts and counts are never dropped.
 
 Not deferred (looked up at the call, as before): eager calls, Keras's
-symbolic shape inference, XLA-compiled functions (which refuse the lookup), graphs traced for stock serving, graphs without
-automatic control dependencies (TF1-style graphs), and layers with an
-activity regularizer (Keras computes it on the output tensor).
+symbolic shape inference, XLA-compiled functions (which refuse the
+lookup), graphs traced for stock serving, graphs without automatic
+control dependencies (TF1-style graphs), and layers with an activity
+regularizer (Keras computes it on the output tensor).
 """
 
 import threading
