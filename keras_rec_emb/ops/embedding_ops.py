@@ -559,20 +559,19 @@ def layers_lookup(calls, concat=False):
     name = f"{calls[0].layer.name}_lookup" if n == 1 else "pooled_layers_lookup"
     combiners = [c.combiner for c in calls]
     stacked = _stacked_source(calls)
-    if stacked is not None and calls[0].single:
+    if stacked is not None:
         ids, columns = stacked
-        values, shared = _ops.unstack_feature_ids(tf.expand_dims(ids, -1))
-        flat, splits = [values[j] for j in columns], [shared] * n
-        weights, outers = [tf.zeros([0], tf.float32)] * n, [None] * n
-    elif stacked is not None:
-        ids, columns = stacked
-        if concat and not insert and columns == list(range(ids.shape[1])):
-            # The inference lookup of all the columns: as GroupEmbedding's.
-            out = stacked_pooled_lookup([c.table for c in calls], ids, combiners, [None] * n,
-                                        name=name)
-            if out is not None:
-                return out
-        values, splits = _ops.unstack_kept_ids(ids)
+        if calls[0].single:  # [batch, F] ids: one id a row, splits shared
+            values, shared = _ops.unstack_feature_ids(tf.expand_dims(ids, -1))
+            splits = [shared] * len(values)
+        else:
+            if concat and not insert and columns == list(range(ids.shape[1])):
+                # The inference lookup of all the columns: as GroupEmbedding's.
+                out = stacked_pooled_lookup([c.table for c in calls], ids, combiners,
+                                            [None] * n, name=name)
+                if out is not None:
+                    return out
+            values, splits = _ops.unstack_kept_ids(ids)
         flat, splits = [values[j] for j in columns], [splits[j] for j in columns]
         weights, outers = [tf.zeros([0], tf.float32)] * n, [None] * n
     else:
