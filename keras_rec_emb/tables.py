@@ -84,6 +84,13 @@ class Table(Protocol):
         `lookup` reaches them)."""
 
     @property
+    def fused_table(self):
+        """The one C++ table of this process that holds every row of this
+        table, which the fused kernels read in its place: the table itself
+        where `local`; a table sharded over one process only, its shard;
+        otherwise None."""
+
+    @property
     def exchange_group(self):
         """None, or a hashable shared by tables whose lookups exchange ids
         and rows between processes and can be done together in one

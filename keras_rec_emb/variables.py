@@ -418,6 +418,11 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         return True
 
     @property
+    def fused_table(self):
+        """Itself (`tables.Table.fused_table`)."""
+        return self
+
+    @property
     def exchange_group(self):
         """None: lookups exchange nothing (`tables.Table.exchange_group`)."""
         return None

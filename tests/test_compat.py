@@ -405,8 +405,34 @@ def test_keras_multi_worker_fix_is_installed_for_the_pinned_keras_only_where_nee
     assert 'strategy.reduce("MEAN", v, axis=0)' in reduce_source
     build_source = " ".join(inspect.getsource(originals["_maybe_symbolic_build"]).split())
     assert 'self.distribute_strategy.reduce( "MEAN", maybe_distributed_data_batch' in build_source
+    # The direct calls on an epoch's distributed iterator: Keras's function
+    # still calls its tf.function `multi_step_on_iterator` on the iterator and
+    # returns the Optional's value, and TensorFlow still calls a traced
+    # function as DistributedStepCalls does.
+    from tensorflow.python.eager.polymorphic_function import (
+        concrete_function,
+        polymorphic_function,
+        tracing_compilation,
+    )
+
+    assert trainer.TensorFlowTrainer._make_function is not originals["_make_function"]
+    make_source = " ".join(inspect.getsource(originals["_make_function"]).split())
+    assert "opt_outputs = multi_step_on_iterator(iterator)" in make_source
+    assert "return opt_outputs.get_value()" in make_source
+    call_source = " ".join(inspect.getsource(tracing_compilation.call_function).split())
+    assert ("function._call_flat( # pylint: disable=protected-access flat_inputs, "
+            "captured_inputs=function.captured_inputs )") in call_source
+    assert hasattr(concrete_function.ConcreteFunction, "_call_flat")
+    function_source = inspect.getsource(polymorphic_function.Function._call)
+    for name in ("_no_variable_creation_config", "_variable_creation_config",
+                 "_created_variables"):
+        assert f"self.{name}" in function_source
 
     logs = {"loss": tf.constant(2.0), "mae": tf.constant([1.0, 3.0])}
+    model = keras.Sequential([keras.layers.Dense(1)])
+    model.compile(loss="mse")
+    model.make_train_function()  # one process: Keras's own function
+    assert not isinstance(model.train_function, _compat.DistributedStepCalls)
     for strategy in (tf.distribute.get_strategy(), tf.distribute.MirroredStrategy(["/cpu:0"])):
         assert not _compat.in_multi_worker_mode(strategy)
         for reduction in ("auto", "mean", "sum", "first", "concat"):

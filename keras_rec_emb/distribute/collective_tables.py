@@ -105,6 +105,46 @@ def _exchange_rows(strategy, rows):
     return exchange(rows)
 
 
+def _distinct_rows(answered, back, source):
+    """`answered[back]`: the row of each distinct id, from where its owner's
+    answer put it. Each place of `answered` holds the row of distinct id
+    `source[place]` (or none: `len(back)`), so the gradient is one gather
+    of the rows' gradient, where that of `tf.gather` would add the rows up
+    by place (`UnsortedSegmentSum`, one row at a time)."""
+
+    @tf.custom_gradient
+    def rows(x):
+        def grad(dy):
+            dy = tf.convert_to_tensor(dy)
+            return tf.gather(tf.concat([dy, _zero_row(dy)], 0), source)
+
+        return tf.gather(x, back), grad
+
+    return rows(answered)
+
+
+def _zero_row(x):
+    return tf.zeros(tf.stack([1, tf.shape(x)[1]]), x.dtype)
+
+
+def _placed_rows(rows, at, valid):
+    """`rows` put at the places `at` of a zero matrix with one row per entry
+    of `valid` (`at`: the places where `valid` is true, in order). A gather
+    from the rows and a zero row (`tf.scatter_nd` writes row by row); its
+    gradient is the gradient's rows at `at`."""
+
+    @tf.custom_gradient
+    def placed(x):
+        def grad(dy):
+            return tf.gather(tf.convert_to_tensor(dy), at)
+
+        count = tf.shape(x, out_type=tf.int64)[0]
+        index = tf.where(valid, tf.cumsum(tf.cast(valid, tf.int64), exclusive=True), count)
+        return tf.gather(tf.concat([x, _zero_row(x)], 0), index), grad
+
+    return placed(rows)
+
+
 class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
     """One embedding table split by key hash over MultiWorkerMirroredStrategy
     workers; lookups exchange ids and rows with collectives.
@@ -215,6 +255,13 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
         return self.lookup_many([self], [keys], insert)[0]
 
     @property
+    def fused_table(self):
+        """With one worker, its shard, which holds every row: the fused
+        kernels read it as they read a table of one process, with nothing
+        to exchange (`tables.Table.fused_table`). None with several."""
+        return self._shards[0] if self._num == 1 else None
+
+    @property
     def exchange_group(self):
         """Tables with the same `exchange_group` can be looked up in one
         exchange (`lookup_many`): those of one strategy."""
@@ -235,7 +282,7 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
                 return [(tf.reshape(r, [-1, t.dim]), tf.range(tf.size(k)))
                         for t, r, k in zip(tables, looked, keys_list)]
             return looked
-        ctx = first._replica_context()
+        first._replica_context()  # (refuses a lookup outside the replica function)
         n, index = first._num, first._index
         if n == 1:  # the only shard holds every key: nothing to exchange
             if not distinct:
@@ -259,15 +306,17 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
         unique = tf.concat(uniques, 0)
         m = tf.size(unique, out_type=tf.int64)
         owner = ps_tables.shard_of(unique, n)
-        order = tf.argsort(owner, stable=True)
+        # The distinct ids grouped by owner, each group in its own order (a
+        # stable counting sort: owners are 0..n-1).
+        order = tf.concat(tf.dynamic_partition(tf.range(m), owner, n), 0)
         owner_sorted = tf.gather(owner, order)
         counts = tf.math.bincount(owner, minlength=n, maxlength=n, dtype=tf.int64)
         starts = tf.cumsum(counts, exclusive=True)
         # One small all-gather: each rank's shard and its id count for every
         # shard. Then the ids, padded to the largest count, go to their
         # owners in one all-to-all; the rows come back in the same layout.
-        meta = ctx.all_gather(
-            tf.concat([[tf.constant(index, tf.int64)], counts], 0)[tf.newaxis], axis=0)
+        meta = _compat.strategy_all_gather(
+            first.strategy, tf.concat([[tf.constant(index, tf.int64)], counts], 0)[tf.newaxis])
         rank_shard = tf.cast(meta[:, 0], tf.int32)
         width = tf.maximum(tf.reduce_max(meta[:, 1:]), 1)
         slot = tf.range(width, dtype=tf.int64)
@@ -276,9 +325,9 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
         payload = tf.stack([unique, tf.concat(occs, 0), tf.concat(tags, 0)], axis=1)
         payload = tf.concat([tf.gather(payload, order), tf.zeros([1, 3], tf.int64)], 0)
         received = _compat.strategy_all_to_all(first.strategy, tf.gather(payload, src))
-        recv_valid = slot[tf.newaxis] < meta[:, 1 + index][:, tf.newaxis]
-        at = tf.where(recv_valid)
-        asked = tf.gather_nd(received, at)
+        recv_valid = tf.reshape(slot[tf.newaxis] < meta[:, 1 + index][:, tf.newaxis], [-1])
+        at = tf.where(recv_valid)[:, 0]  # the places of `received` that hold an id
+        asked = tf.gather(tf.reshape(received, [-1, 3]), at)
         # Each table looks up its part of the asked ids; the rows go back to
         # the asked ids' places (one partition and one stitch for all).
         tag = tf.cast(asked[:, 2], tf.int32)
@@ -292,21 +341,24 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
                 rows_j = tf.pad(rows_j, [[0, 0], [0, width_rows - table.dim]])
             got.append(rows_j)
         rows = tf.dynamic_stitch(places, got)
-        reply = tf.scatter_nd(at, rows, tf.stack([tf.cast(n, tf.int64), width, width_rows]))
+        reply = tf.reshape(_placed_rows(rows, at, recv_valid), [n, -1, width_rows])
         answered = tf.reshape(_exchange_rows(first.strategy, reply), [-1, width_rows])
         # Where each distinct id's row came back: (rank of its owner) x width
         # + its place in what that owner received from this replica.
         shard_rank = tf.cast(tf.math.invert_permutation(rank_shard), tf.int64)
         place = tf.range(m) - tf.gather(starts, owner_sorted)
         back_sorted = tf.gather(shard_rank, owner_sorted) * width + place
-        back = tf.split(tf.gather(back_sorted, tf.math.invert_permutation(order)), sizes, 0)
+        back = tf.gather(back_sorted, tf.math.invert_permutation(order))
         outs = []
-        for table, keys, idx, back_j in zip(tables, keys_list, idxs, back):
+        # Each place of `answered` holds the row of the id sent from sorted
+        # place `src` (m: none).
+        source = tf.gather(tf.concat([order, [m]], 0), tf.reshape(src, [-1]))
+        rows_of = tf.split(_distinct_rows(answered, back, source), sizes, 0)
+        for table, keys, idx, rows_j in zip(tables, keys_list, idxs, rows_of):
             if distinct:
-                rows_j = tf.gather(answered, back_j)
                 outs.append((rows_j[:, :table.dim] if table.dim < width_rows else rows_j, idx))
                 continue
-            out = tf.gather(answered, tf.gather(back_j, idx))
+            out = tf.gather(rows_j, idx)
             if table.dim < width_rows:
                 out = out[:, :table.dim]
             out = tf.reshape(out, tf.concat([tf.shape(keys, out_type=tf.int32), [table.dim]], 0))

@@ -217,6 +217,11 @@ class ShardedEmbeddingTable(_compat.Trackable):
         return False
 
     @property
+    def fused_table(self):
+        """None: the shards live on several devices (`tables.Table.fused_table`)."""
+        return None
+
+    @property
     def exchange_group(self):
         """None: each shard is looked up on its own device."""
         return None

@@ -128,6 +128,8 @@ def _fused_lookup(params, flat_ids, splits, weights, combiners, max_norms,
     # occurrence, as the fused kernel does); the fused op needs every table in
     # this process.
     stock_table = _serving_context.stock_reader()
+    if stock_table is None or training:
+        params = _fused_params(params)
     if stock_table is not None and not training:
         stock = {"stock_table": stock_table}
     elif any(p.table is not None and not p.table.local for p in params):
@@ -142,9 +144,32 @@ def _fused_lookup(params, flat_ids, splits, weights, combiners, max_norms,
         outs = stock_group_lookup(params, flat_ids, splits, weights, combiners, max_norms,
                                   default_ids, prunes, sequences, **stock)
         return [tf.concat(outs, -1)] if concat else outs
-    _ops.refuse_distribution("A group embedding lookup")
+    _refuse_distribution(params, "A group embedding lookup")
     return _group_lookup_op(params, flat_ids, splits, weights, combiners, max_norms,
                             default_ids, prunes, sequences, training, name, concat)
+
+
+def _fused_params(params):
+    """`params` with each table that one C++ table of this process holds
+    whole (`tables.Table.fused_table`: a table sharded over one worker)
+    replaced by that table, which the fused kernels read directly."""
+    out = []
+    for p in params:
+        if p.table is not None and not p.table.local and p.table.fused_table is not None:
+            p = _Param(table=p.table.fused_table)
+        out.append(p)
+    return out
+
+
+def _refuse_distribution(params, what):
+    """A fused kernel under a tf.distribute strategy: refused, as for a
+    table's own lookup, except over the shards that a strategy's replicas
+    look up and update (`EmbeddingTable._refuse_strategy`)."""
+    for p in params:
+        if p.table is not None:
+            p.table._refuse_strategy(what)  # pylint: disable=protected-access
+        else:
+            _ops.refuse_distribution(what)
 
 
 def _group_lookup_op(params, flat_ids, splits, weights, combiners, max_norms, default_ids,
@@ -401,7 +426,7 @@ def stacked_pooled_lookup(params, ids, combiners, default_ids, name=None, what="
     names them in the error)."""
     if _serving_context.tracing_stock():
         return None
-    ps = [_as_param(p, i) for i, p in enumerate(params)]
+    ps = _fused_params([_as_param(p, i) for i, p in enumerate(params)])
     if any(p.table is None or not p.table.local for p in ps):
         return None
     if ids.dtype == tf.int64:
@@ -418,7 +443,7 @@ def stacked_pooled_lookup(params, ids, combiners, default_ids, name=None, what="
     for t in tables:
         if t.table.trainable:
             _compat.variable_accessed(t.table.variable)
-    _ops.refuse_distribution("A group embedding lookup")
+    _refuse_distribution(tables, "A group embedding lookup")
     _ops.refuse_xla("A group embedding lookup")
     return _ops.gen().kre_stacked_pooled_lookup(
         [t.table.handle for t in tables], ids, num_features=len(ps),

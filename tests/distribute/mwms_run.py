@@ -6,6 +6,7 @@ processes. Writes OUT/w{task}_*.npz.
                                # and Adagrad, global batch BATCH, eviction during
                                # fit; saves the Adagrad model (.keras,
                                # tf.train.Checkpoint, export_for_serving)
+    mwms_run.py OUT epochs     # model.fit of 3 epochs with Adam
     mwms_run.py OUT restore SRC  # restores SRC's Adagrad model into this
                                  # cluster, predicts through a strategy.run
                                  # call, then fits it on more data
@@ -80,7 +81,7 @@ def model_arrays(model):
     return out
 
 
-def fit(model, seed=5, reset_dense=True, infer=True, evict_during_fit=True):
+def fit(model, seed=5, reset_dense=True, infer=True, evict_during_fit=True, epochs=1):
     """`model.fit` (one epoch of `data(seed)`, global batch BATCH, evicting
     after every step), then (if `infer`) `evaluate` and `predict` on the same
     data, as written for one process: under the strategy each worker passes
@@ -91,7 +92,7 @@ def fit(model, seed=5, reset_dense=True, infer=True, evict_during_fit=True):
         model.get_layer("dense").set_weights(dense_init())
     ids, y = data(seed)
     eviction = kre.callbacks.EvictionCallback(every_n_steps=1)
-    history = model.fit(ids, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+    history = model.fit(ids, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0,
                         callbacks=[eviction] if evict_during_fit else [])
     phase("fit")
     out = model_arrays(model)
@@ -133,7 +134,15 @@ def main():
     task = strategy.cluster_resolver.task_id
     n = strategy.num_replicas_in_sync
     phase("strategy")
-    if mode == "train":
+    if mode == "epochs":  # several epochs: a new distributed iterator each
+        with strategy.scope():
+            model = build("adam")
+        out = fit(model, infer=False, epochs=3)
+        calls = model.train_function
+        # Keras's train function called directly after each epoch's first step.
+        out["direct_calls"] = np.int64(getattr(calls, "_call", None) is not None)
+        np.savez(os.path.join(folder, f"w{task}_epochs.npz"), **out)
+    elif mode == "train":
         for optimizer in ("sgd", "adam", "adagrad"):  # the last one is saved
             with strategy.scope():
                 model = build(optimizer)

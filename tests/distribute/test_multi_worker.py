@@ -115,6 +115,36 @@ def test_two_workers_fit_evaluate_predict_match_one_process(two_workers, optimiz
     np.testing.assert_array_equal(total, [len(one["keys"]), len(one["keys_filtered"])])
 
 
+def test_one_worker_fit_evaluate_predict_match_one_process(tmp_path):
+    """One worker holds every row in its only shard: its lookups read that
+    shard with the fused kernels, nothing exchanged. `fit` / `evaluate` /
+    `predict` give what one process gives, for SGD, Adam and Adagrad."""
+    run_cluster(tmp_path, 1, "train")
+    mwms_run = runner()
+    for optimizer in ("sgd", "adam", "adagrad"):
+        infer = optimizer == "adagrad"
+        one = mwms_run.fit(mwms_run.build(optimizer), infer=infer)
+        got = np.load(tmp_path / f"w0_{optimizer}.npz")
+        assert int(got["num_shards"]) == 1
+        assert_same(got, one, f"one worker, {optimizer}")
+        assert ("predict" in got.files) == infer and one["evicted"] > 0
+        np.testing.assert_array_equal(got["stats"], [len(one["keys"]), len(one["keys_filtered"])])
+
+
+def test_two_workers_fit_several_epochs_as_one_process(tmp_path):
+    """Each epoch's distributed iterator is new: after Keras's first call on
+    it, the train function is called directly on it (no per-step
+    tf.function dispatch); 3 epochs give what one process gives."""
+    run_cluster(tmp_path, 2, "epochs")
+    mwms_run = runner()
+    one = mwms_run.fit(mwms_run.build("adam"), infer=False, epochs=3)
+    for task in (0, 1):
+        got = np.load(tmp_path / f"w{task}_epochs.npz")
+        assert int(got["direct_calls"]) == 1
+        assert_same(got, one, f"worker {task}", keys=[k for k in one if k != "evicted"])
+        assert int(got["evicted"]) == int(one["evicted"]) > 0
+
+
 def test_two_worker_export_for_serving_serves_the_one_process_predictions(two_workers):
     """Every worker exported (collective); each SavedModel, loaded with stock
     TensorFlow, predicts what the one-process model does."""
