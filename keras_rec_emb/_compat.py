@@ -16,6 +16,8 @@ it. Two kinds of entries:
   override no private method not declared here.
 """
 
+import weakref
+
 import keras
 import pyarrow as pa
 import tensorflow as tf
@@ -470,8 +472,6 @@ class DistributedStepCalls:
         self._call = None
 
     def __call__(self, iterator):
-        import weakref
-
         if self._call is not None and self._iterator() is iterator:
             concrete, flat = self._call
             outputs = concrete._call_flat(flat, captured_inputs=concrete.captured_inputs)  # pylint: disable=protected-access
