@@ -331,8 +331,10 @@ def built_variables(optimizer):
 # (`strategy.reduce("MEAN", v, axis=None)`). (3) Not a failure but a cost:
 # Keras's train and test functions hand the distributed iterator to a
 # tf.function every step; `DistributedStepCalls` calls the traced function
-# directly after each iterator's first step. Every other case runs Keras's
-# own code unchanged. Installed once by `fix_keras_multi_worker()` (called
+# directly after each iterator's first step. (4) With `steps_per_execution`
+# > 1, Keras's loop of steps fails under the strategy (its collectives'
+# instance keys inside a `tf.while_loop`): `_unrolled_steps_function`.
+# Every other case runs Keras's own code unchanged. Installed once by `fix_keras_multi_worker()` (called
 # when `keras_rec_emb.distribute` is imported), only for the Keras
 # versions in `KERAS_MULTI_WORKER_FIX_VERSIONS` (read the upstream code
 # again before adding one). Used by `distribute/__init__.py`.
@@ -426,12 +428,22 @@ def fix_keras_multi_worker():
     KERAS_MULTI_WORKER_ORIGINALS["_make_function"] = keras_make_function
 
     def _make_function(self, step_function):
-        function = keras_make_function(self, step_function)
         strategy = self._distribute_strategy  # pylint: disable=protected-access
+        if (not self.run_eagerly and self.steps_per_execution > 1
+                and isinstance(strategy, tf.distribute.MirroredStrategy)
+                and _has_replica_shards(self)):
+            raise ValueError(
+                "`steps_per_execution` must be 1 for a model whose embedding tables are "
+                "sharded over the replicas of a MirroredStrategy: their collectives cannot "
+                "run inside Keras's loop of steps. Received: steps_per_execution="
+                f"{self.steps_per_execution}. One process and MultiWorkerMirroredStrategy "
+                "take any value.")
         if self.run_eagerly or not isinstance(strategy,
                                               tf.distribute.MultiWorkerMirroredStrategy):
-            return function
-        return DistributedStepCalls(function)
+            return keras_make_function(self, step_function)
+        if self.steps_per_execution > 1:
+            return DistributedStepCalls(_unrolled_steps_function(self, step_function))
+        return DistributedStepCalls(keras_make_function(self, step_function))
 
     _maybe_symbolic_build._kre_fix = True  # pylint: disable=protected-access
     reduce_per_replica._kre_fix = True  # pylint: disable=protected-access
@@ -440,6 +452,81 @@ def fix_keras_multi_worker():
     cls._make_function = _make_function  # pylint: disable=protected-access
     trainer.reduce_per_replica = reduce_per_replica
     return True
+
+
+def _has_replica_shards(model):
+    """Whether `model` holds a table sharded over MirroredStrategy replicas
+    (its variables are the shards' tables)."""
+    from keras_rec_emb.distribute import shards
+
+    return any(isinstance(getattr(v, "table", None), shards.ReplicaShard)
+               and not isinstance(v.table, shards.ExchangedShard) for v in model.variables)
+
+
+def _unrolled_steps_function(trainer, step_function):
+    """Keras's train / test function for `steps_per_execution` > 1 under a
+    MultiWorkerMirroredStrategy (its `_make_function`, whose structure this
+    follows).
+
+    Keras runs the steps of one execution in a `tf.while_loop` that calls
+    the one-step `tf.function` inside a `tf.cond`. A collective's instance
+    key is a value captured at call time (`capture_call_time_value`,
+    fresh for every call), which TensorFlow cannot thread through control
+    flow into a nested function: the call fails with "You must feed a
+    value for placeholder tensor 'while/.../Placeholder'". And the body of
+    a while loop is traced once, so every iteration would use the same
+    instance keys. Here the steps are written out one after another in
+    one traced function, each step's ops traced in place (no nested
+    function): each collective gets its own instance key, captured by the
+    outer function, and a step after the data ran out is skipped by a
+    `tf.cond` (every worker agrees on it: the distributed iterator's
+    `get_next_as_optional` does). The graph holds `steps_per_execution`
+    copies of the step."""
+    trainer_module = _keras_tf_trainer()
+    strategy = trainer.distribute_strategy
+
+    def one_step_on_data(data):
+        outputs = strategy.run(step_function, args=(data,))
+        return trainer_module.reduce_per_replica(outputs, strategy, reduction="auto")
+
+    one_step_on_data = trainer._autoconvert_optionals(one_step_on_data)  # pylint: disable=protected-access
+
+    @tf.autograph.experimental.do_not_convert
+    def multi_step_on_iterator(iterator):
+        # As Keras's loop: the outputs' spec is known once a step is traced
+        # (the first `tf.cond` branch traced is the step's).
+        empty = tf.experimental.Optional.empty(None)
+        outputs, inputs = empty, iterator.get_next_as_optional()
+        for step in range(trainer.steps_per_execution):
+            def has_next(inputs=inputs):
+                out = tf.experimental.Optional.from_value(one_step_on_data(inputs.get_value()))
+                empty._element_spec = out.element_spec  # pylint: disable=protected-access
+                return out
+
+            def no_next(outputs=outputs):
+                outputs._element_spec = empty._element_spec  # pylint: disable=protected-access
+                return outputs
+
+            outputs = tf.cond(inputs.has_value(), has_next, no_next)
+            if step + 1 < trainer.steps_per_execution:
+                inputs = tf.cond(inputs.has_value(), iterator.get_next_as_optional,
+                                 lambda inputs=inputs: inputs)
+        return outputs
+
+    multi_step_on_iterator = tf.function(multi_step_on_iterator, reduce_retracing=True)
+
+    def function(iterator):
+        if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
+            opt_outputs = multi_step_on_iterator(iterator)
+            if not opt_outputs.has_value():
+                raise StopIteration
+            return opt_outputs.get_value()
+        for _, data in zip(range(trainer.steps_per_execution), iterator):
+            outputs = traced_step(data)  # (called eagerly: no control flow around it)
+        return outputs
+
+    traced_step = tf.function(one_step_on_data, reduce_retracing=True)
+    return function
 
 
 class DistributedStepCalls:

@@ -419,6 +419,15 @@ def test_keras_multi_worker_fix_is_installed_for_the_pinned_keras_only_where_nee
     make_source = " ".join(inspect.getsource(originals["_make_function"]).split())
     assert "opt_outputs = multi_step_on_iterator(iterator)" in make_source
     assert "return opt_outputs.get_value()" in make_source
+    # Several steps an execution: Keras still loops over them in a
+    # tf.while_loop calling its one-step function in a tf.cond (which the
+    # strategy's collectives fail in; `_unrolled_steps_function` writes the
+    # steps out instead, with the same step, reduction and conversions).
+    assert "tf.while_loop(" in make_source and "self.steps_per_execution" in make_source
+    assert ('outputs = self.distribute_strategy.run(step_function, args=(data,)) '
+            'outputs = reduce_per_replica( outputs, self.distribute_strategy, '
+            'reduction="auto", )') in make_source
+    assert "one_step_on_data = self._autoconvert_optionals(one_step_on_data)" in make_source
     call_source = " ".join(inspect.getsource(tracing_compilation.call_function).split())
     assert ("function._call_flat( # pylint: disable=protected-access flat_inputs, "
             "captured_inputs=function.captured_inputs )") in call_source

@@ -151,3 +151,24 @@ def test_float_ids_are_still_refused_outside_a_symbolic_build():
 
     with pytest.raises(TypeError, match="expects integer ids"):
         traced(tf.constant([[1.0, 2.0]]))
+
+
+@pytest.mark.parametrize("layer", ["ev_mean", "group_stacked"])
+@pytest.mark.parametrize("form", FORMS)
+def test_several_steps_an_execution_train_as_one_step_a_call(form, layer):
+    """`compile(steps_per_execution=2)` over epochs of 3 steps (the last
+    execution of each runs one step): the same tables, slots, dense
+    weights and evaluation as one step a call."""
+    layers_fn, x = LAYERS[layer]
+    states, evaluations = [], []
+    for steps in (1, 2):
+        keras.utils.set_random_seed(3)
+        model = make(form, layers_fn, x)
+        model.compile(optimizer=kre.optimizers.Adagrad(0.1), loss="mse",
+                      steps_per_execution=steps)
+        model.fit(x, Y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        assert int(model.optimizer.iterations) == 6
+        states.append(state(model))
+        evaluations.append(model.evaluate(x, Y, batch_size=32, verbose=0))
+    assert_state_equal(*states)
+    assert evaluations[0] == evaluations[1]

@@ -6,7 +6,9 @@ processes. Writes OUT/w{task}_*.npz.
                                # and Adagrad, global batch BATCH, eviction during
                                # fit; saves the Adagrad model (.keras,
                                # tf.train.Checkpoint, export_for_serving)
-    mwms_run.py OUT epochs     # model.fit of 3 epochs with Adam
+    mwms_run.py OUT epochs     # model.fit of 3 epochs with Adam; then with
+                               # Adagrad, 2 steps an execution: fit, evaluate,
+                               # predict
     mwms_run.py OUT restore SRC  # restores SRC's Adagrad model into this
                                  # cluster, predicts through a strategy.run
                                  # call, then fits it on more data
@@ -52,7 +54,7 @@ def dense_init():
     return [rng.normal(size=(DIM * (1 + IDS), 1)).astype(np.float32), np.zeros(1, np.float32)]
 
 
-def build(optimizer):
+def build(optimizer, steps_per_execution=1):
     ids = keras.Input(shape=(IDS,), dtype="int64")
     emb = kre.layers.EmbeddingVariable(
         DIM, combiner="mean", name="emb",
@@ -69,7 +71,7 @@ def build(optimizer):
                 evict_option=kre.GlobalStepEvict(steps_to_live=STEPS_TO_LIVE)))],
         output_mode="concat", name="group")(ids)
     out = keras.layers.Dense(1, name="dense")(keras.layers.Concatenate()([emb, group]))
-    return compile_mse(ids, out, optimizer)
+    return compile_mse(ids, out, optimizer, steps_per_execution)
 
 
 def model_arrays(model):
@@ -142,6 +144,13 @@ def main():
         # Keras's train function called directly after each epoch's first step.
         out["direct_calls"] = np.int64(getattr(calls, "_call", None) is not None)
         np.savez(os.path.join(folder, f"w{task}_epochs.npz"), **out)
+        # Two steps an execution over epochs of STEPS (odd) steps: the last
+        # execution of each epoch runs one step. Evicting after each call
+        # would evict at other steps than one process does.
+        with strategy.scope():
+            model = build("adagrad", steps_per_execution=2)
+        out = fit(model, epochs=2, evict_during_fit=False)
+        np.savez(os.path.join(folder, f"w{task}_steps_per_execution.npz"), **out)
     elif mode == "train":
         for optimizer in ("sgd", "adam", "adagrad"):  # the last one is saved
             with strategy.scope():

@@ -129,3 +129,34 @@ def test_killed_synchronous_worker_resumes_from_its_checkpoint(tmp_path):
     for part in ("values", "accumulator", "kernel"):
         np.testing.assert_allclose(resumed[part], full[part], rtol=1e-6, atol=1e-6,
                                    err_msg=part)
+
+
+_STEPS_PER_EXECUTION = """
+import numpy as np, tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import keras, keras_rec_emb as kre
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+with strategy.scope():
+    ids = keras.Input((3,), dtype="int64")
+    model = keras.Model(ids, keras.layers.Dense(1)(
+        kre.layers.EmbeddingVariable(4, combiner="sum")(ids)))
+    model.compile(optimizer=kre.optimizers.Adagrad(0.1), loss="mse", steps_per_execution=2)
+try:
+    model.fit(np.arange(48).reshape(16, 3), np.ones((16, 1)), batch_size=4, verbose=0)
+    print("NOT REFUSED")
+except ValueError as e:
+    print("REFUSED " + str(e))
+"""
+
+
+def test_steps_per_execution_over_replica_shards_is_refused_by_name():
+    """Keras's loop of several steps an execution cannot run the shards'
+    collectives (a feed error deep in TensorFlow); `fit` says so first."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", _STEPS_PER_EXECUTION], capture_output=True,
+                          text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "REFUSED `steps_per_execution` must be 1" in proc.stdout, proc.stdout[-2000:]
+    assert "Received: steps_per_execution=2" in proc.stdout

@@ -143,6 +143,15 @@ def test_two_workers_fit_several_epochs_as_one_process(tmp_path):
         assert int(got["direct_calls"]) == 1
         assert_same(got, one, f"worker {task}", keys=[k for k in one if k != "evicted"])
         assert int(got["evicted"]) == int(one["evicted"]) > 0
+    # steps_per_execution=2: Keras's loop of steps fails under the strategy
+    # (a collective's call-time instance key inside its while loop);
+    # `_compat` writes the steps out. Compared with one step a call in one
+    # process.
+    one = mwms_run.fit(mwms_run.build("adagrad"), epochs=2, evict_during_fit=False)
+    for task in (0, 1):
+        got = np.load(tmp_path / f"w{task}_steps_per_execution.npz")
+        assert_same(got, one, f"worker {task}, steps_per_execution=2")
+        assert int(got["evicted"]) == int(one["evicted"])
 
 
 def test_two_worker_export_for_serving_serves_the_one_process_predictions(two_workers):
