@@ -421,8 +421,7 @@ def fix_keras_multi_worker():
             resolved = "mean"
         if resolved != "mean" or not in_multi_worker_mode(strategy):
             return keras_reduce(values, strategy, reduction)
-        return keras.tree.map_structure(
-            lambda v: strategy.reduce(tf.distribute.ReduceOp.MEAN, v, axis=None), values)
+        return _mean_over_replicas(strategy, values)
 
     keras_make_function = cls._make_function  # pylint: disable=protected-access
     KERAS_MULTI_WORKER_ORIGINALS["_make_function"] = keras_make_function
@@ -452,6 +451,27 @@ def fix_keras_multi_worker():
     cls._make_function = _make_function  # pylint: disable=protected-access
     trainer.reduce_per_replica = reduce_per_replica
     return True
+
+
+def _mean_over_replicas(strategy, values):
+    """Each of `values` (a step's logs: the loss and every metric) averaged
+    element-wise over the replicas. Traced, the logs of one dtype travel in
+    one all-reduce (`batch_reduce_to` packs them), not one per log: each
+    collective is a round of messages between the workers every step."""
+    flat = keras.tree.flatten(values)
+    if tf.executing_eagerly() or len(flat) < 2:
+        return keras.tree.map_structure(
+            lambda v: strategy.reduce(tf.distribute.ReduceOp.MEAN, v, axis=None), values)
+    by_dtype = {}
+    for i, v in enumerate(flat):
+        by_dtype.setdefault(strategy.experimental_local_results(v)[0].dtype, []).append(i)
+    reduced = [None] * len(flat)
+    for places in by_dtype.values():
+        results = strategy.extended.batch_reduce_to(
+            tf.distribute.ReduceOp.MEAN, [(flat[i], flat[i]) for i in places])
+        for i, r in zip(places, results):
+            reduced[i] = strategy.experimental_local_results(r)[0]
+    return keras.tree.pack_sequence_as(values, reduced)
 
 
 def _has_replica_shards(model):

@@ -13,11 +13,11 @@ OPTIMIZERS = {"sgd": lambda: kre.optimizers.SGD(0.1),
               "adam": lambda: kre.optimizers.Adam(0.05)}
 
 
-def compile_mse(inputs, outputs, optimizer, steps_per_execution=1):
+def compile_mse(inputs, outputs, optimizer, steps_per_execution=1, metrics=None):
     """`keras.Model(inputs, outputs)` compiled with `OPTIMIZERS[optimizer]`
     and the mean squared error."""
     model = keras.Model(inputs, outputs)
-    model.compile(optimizer=OPTIMIZERS[optimizer](), loss="mse",
+    model.compile(optimizer=OPTIMIZERS[optimizer](), loss="mse", metrics=metrics,
                   steps_per_execution=steps_per_execution)
     return model
 

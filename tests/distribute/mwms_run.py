@@ -7,8 +7,8 @@ processes. Writes OUT/w{task}_*.npz.
                                # fit; saves the Adagrad model (.keras,
                                # tf.train.Checkpoint, export_for_serving)
     mwms_run.py OUT epochs     # model.fit of 3 epochs with Adam; then with
-                               # Adagrad, 2 steps an execution: fit, evaluate,
-                               # predict
+                               # Adagrad and 2 metrics, 2 steps an execution:
+                               # fit, evaluate, predict
     mwms_run.py OUT restore SRC  # restores SRC's Adagrad model into this
                                  # cluster, predicts through a strategy.run
                                  # call, then fits it on more data
@@ -54,7 +54,7 @@ def dense_init():
     return [rng.normal(size=(DIM * (1 + IDS), 1)).astype(np.float32), np.zeros(1, np.float32)]
 
 
-def build(optimizer, steps_per_execution=1):
+def build(optimizer, steps_per_execution=1, metrics=None):
     ids = keras.Input(shape=(IDS,), dtype="int64")
     emb = kre.layers.EmbeddingVariable(
         DIM, combiner="mean", name="emb",
@@ -71,7 +71,7 @@ def build(optimizer, steps_per_execution=1):
                 evict_option=kre.GlobalStepEvict(steps_to_live=STEPS_TO_LIVE)))],
         output_mode="concat", name="group")(ids)
     out = keras.layers.Dense(1, name="dense")(keras.layers.Concatenate()([emb, group]))
-    return compile_mse(ids, out, optimizer, steps_per_execution)
+    return compile_mse(ids, out, optimizer, steps_per_execution, metrics)
 
 
 def model_arrays(model):
@@ -105,6 +105,7 @@ def fit(model, seed=5, reset_dense=True, infer=True, evict_during_fit=True, epoc
         out["evicted"] = np.int64(group_table.evict())
         out["group0_keys_after_evict"] = table_arrays(group_table.table)["keys"]
     out["loss"] = np.float32(history.history["loss"][-1])
+    out.update({f"log_{k}": np.float32(v[-1]) for k, v in history.history.items()})
     if not infer:  # (each costs seconds under the strategy: traced anew)
         return out
     out["evaluate"] = np.float32(model.evaluate(ids, y, batch_size=BATCH, verbose=0))
@@ -147,9 +148,14 @@ def main():
         # Two steps an execution over epochs of STEPS (odd) steps: the last
         # execution of each epoch runs one step. Evicting after each call
         # would evict at other steps than one process does.
+        # With two metrics: a step's three logs travel in one all-reduce.
         with strategy.scope():
-            model = build("adagrad", steps_per_execution=2)
+            model = build("adagrad", steps_per_execution=2, metrics=["mae", "mse"])
         out = fit(model, epochs=2, evict_during_fit=False)
+        graph = model.train_function._call[0].graph.as_graph_def()
+        out["all_reduces"] = np.int64(sum(
+            node.op == "CollectiveReduceV2"
+            for node in [*graph.node, *(n for f in graph.library.function for n in f.node_def)]))
         np.savez(os.path.join(folder, f"w{task}_steps_per_execution.npz"), **out)
     elif mode == "train":
         for optimizer in ("sgd", "adam", "adagrad"):  # the last one is saved

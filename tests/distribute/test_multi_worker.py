@@ -147,11 +147,18 @@ def test_two_workers_fit_several_epochs_as_one_process(tmp_path):
     # (a collective's call-time instance key inside its while loop);
     # `_compat` writes the steps out. Compared with one step a call in one
     # process.
-    one = mwms_run.fit(mwms_run.build("adagrad"), epochs=2, evict_during_fit=False)
+    # With metrics: the logs (loss, mae, mse) as one process logs them, and
+    # each step's logs in one all-reduce beside the dense gradients' one
+    # (Keras's own reduction: one a log, 4 a step), plus the iterator's
+    # agreement on whether a batch is left, once a step (10 before).
+    one = mwms_run.fit(mwms_run.build("adagrad", metrics=["mae", "mse"]), epochs=2,
+                       evict_during_fit=False)
+    assert {"log_loss", "log_mae", "log_mse"} <= set(one)
     for task in (0, 1):
         got = np.load(tmp_path / f"w{task}_steps_per_execution.npz")
         assert_same(got, one, f"worker {task}, steps_per_execution=2")
         assert int(got["evicted"]) == int(one["evicted"])
+        assert int(got["all_reduces"]) == 2 * 2 + 2
 
 
 def test_two_worker_export_for_serving_serves_the_one_process_predictions(two_workers):
