@@ -91,7 +91,9 @@ def build_model(args):
         joined = keras.layers.Concatenate()(embs)
     h = keras.layers.Dense(args.hidden, activation="relu")(joined)
     model = keras.Model(inputs, keras.layers.Dense(1)(h))
-    model.compile(optimizer=kre.optimizers.Adagrad(0.05), loss="mse")
+    metrics = [m for m in getattr(args, "metrics", "").split(",") if m]
+    model.compile(optimizer=kre.optimizers.Adagrad(0.05), loss="mse",
+                  metrics=[keras.metrics.AUC(name="auc") if m == "auc" else m for m in metrics])
     return model
 
 
@@ -230,7 +232,8 @@ def run_cluster(args, n):
     cmd = [sys.executable, os.path.abspath(__file__), "--mw-child"] + [
         f"--{k}={getattr(args, k)}" for k in ("features", "ids", "dim", "batch", "steps",
                                                "warmup", "hidden", "threads")] + (
-        ["--group"] if args.group else []) + (["--no-tables"] if args.no_tables else [])
+        ["--group"] if args.group else []) + (["--no-tables"] if args.no_tables else []) + (
+        [f"--metrics={args.metrics}"] if args.metrics else [])
     procs = []
     try:
         for task in range(max(n, 1)):
@@ -529,6 +532,9 @@ def main(argv=None):
                    help="MultiWorkerMirroredStrategy worker process counts (after the "
                         "plain one-process reference)")
     p.add_argument("--hidden", type=int, default=32, help="units of the Dense layer")
+    p.add_argument("--metrics", default="",
+                   help="compiled metrics, comma-separated Keras names or 'auc' (e.g. "
+                        "auc,mae): each a log of every step")
     p.add_argument("--group", action="store_true",
                    help="the tables in one GroupEmbedding (one exchange a step for all)")
     p.add_argument("--no-tables", action="store_true",

@@ -331,10 +331,13 @@ def built_variables(optimizer):
 # (`strategy.reduce("MEAN", v, axis=None)`). (3) Not a failure but a cost:
 # Keras's train and test functions hand the distributed iterator to a
 # tf.function every step; `DistributedStepCalls` calls the traced function
-# directly after each iterator's first step. (4) With `steps_per_execution`
-# > 1, Keras's loop of steps fails under the strategy (its collectives'
-# instance keys inside a `tf.while_loop`): `_unrolled_steps_function`.
-# Every other case runs Keras's own code unchanged. Installed once by `fix_keras_multi_worker()` (called
+# directly after each iterator's first step, and the step's logs are
+# averaged in one all-reduce (`_mean_over_replicas`). (4) With
+# `steps_per_execution` > 1, Keras's loop of steps fails under the
+# strategy (its collectives' instance keys inside a `tf.while_loop`):
+# `_unrolled_steps_function`; under a MirroredStrategy over replica shards
+# it is refused by name. Every other case runs Keras's own code unchanged.
+# Installed once by `fix_keras_multi_worker()` (called
 # when `keras_rec_emb.distribute` is imported), only for the Keras
 # versions in `KERAS_MULTI_WORKER_FIX_VERSIONS` (read the upstream code
 # again before adding one). Used by `distribute/__init__.py`.
