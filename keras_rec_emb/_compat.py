@@ -479,11 +479,10 @@ def _mean_over_replicas(strategy, values):
 
 def _has_replica_shards(model):
     """Whether `model` holds a table sharded over MirroredStrategy replicas
-    (its variables are the shards' tables)."""
-    from keras_rec_emb.distribute import shards
-
-    return any(isinstance(getattr(v, "table", None), shards.ReplicaShard)
-               and not isinstance(v.table, shards.ExchangedShard) for v in model.variables)
+    (its variables are the shards' tables, which say so:
+    `distribute.shards.ReplicaShard.gathers_in_replica_context`)."""
+    return any(getattr(getattr(v, "table", None), "gathers_in_replica_context", False)
+               for v in model.variables)
 
 
 def _unrolled_steps_function(trainer, step_function):

@@ -40,6 +40,11 @@ class ReplicaShard(_variables.EmbeddingTable):
         *args, **kwargs: those of `EmbeddingTable`.
     """
 
+    # Its updates all-gather every replica's keys and gradients in the
+    # replica context (`sparse_apply`): collectives Keras's loop of several
+    # steps an execution cannot run (`_compat`).
+    gathers_in_replica_context = True
+
     def __init__(self, device, replica_shard, *args, **kwargs):
         self._shard_device, self._replica_shard = str(device), int(replica_shard)
         super().__init__(*args, **kwargs)
@@ -74,6 +79,8 @@ class ExchangedShard(ReplicaShard):
     workers (`CollectiveShardedTable`): the collectives of its lookup already
     summed every replica's gradient for its keys, so this process applies
     it as it comes."""
+
+    gathers_in_replica_context = False
 
     def sparse_apply(self, keys, grads, rule, hyper, step, slots, distinct=False):
         return _variables.EmbeddingTable.sparse_apply(self, keys, grads, rule, hyper, step,
