@@ -440,12 +440,13 @@ def fix_keras_multi_worker():
                 "run inside Keras's loop of steps. Received: steps_per_execution="
                 f"{self.steps_per_execution}. One process and MultiWorkerMirroredStrategy "
                 "take any value.")
+        function = keras_make_function(self, step_function)
         if self.run_eagerly or not isinstance(strategy,
                                               tf.distribute.MultiWorkerMirroredStrategy):
-            return keras_make_function(self, step_function)
+            return function
         if self.steps_per_execution > 1:
-            return DistributedStepCalls(_unrolled_steps_function(self, step_function))
-        return DistributedStepCalls(keras_make_function(self, step_function))
+            function = _unrolled_steps_function(self, step_function, function)
+        return DistributedStepCalls(function)
 
     _maybe_symbolic_build._kre_fix = True  # pylint: disable=protected-access
     reduce_per_replica._kre_fix = True  # pylint: disable=protected-access
@@ -485,10 +486,11 @@ def _has_replica_shards(model):
                for v in model.variables)
 
 
-def _unrolled_steps_function(trainer, step_function):
+def _unrolled_steps_function(trainer, step_function, keras_function):
     """Keras's train / test function for `steps_per_execution` > 1 under a
     MultiWorkerMirroredStrategy (its `_make_function`, whose structure this
-    follows).
+    follows; `keras_function`, what that made, still takes inputs that are
+    not iterators: a list of batches, as `train_on_batch` passes).
 
     Keras runs the steps of one execution in a `tf.while_loop` that calls
     the one-step `tf.function` inside a `tf.cond`. A collective's instance
@@ -538,16 +540,13 @@ def _unrolled_steps_function(trainer, step_function):
     multi_step_on_iterator = tf.function(multi_step_on_iterator, reduce_retracing=True)
 
     def function(iterator):
-        if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
-            opt_outputs = multi_step_on_iterator(iterator)
-            if not opt_outputs.has_value():
-                raise StopIteration
-            return opt_outputs.get_value()
-        for _, data in zip(range(trainer.steps_per_execution), iterator):
-            outputs = traced_step(data)  # (called eagerly: no control flow around it)
-        return outputs
+        if not isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
+            return keras_function(iterator)  # (its steps are called eagerly, one by one)
+        opt_outputs = multi_step_on_iterator(iterator)
+        if not opt_outputs.has_value():
+            raise StopIteration
+        return opt_outputs.get_value()
 
-    traced_step = tf.function(one_step_on_data, reduce_retracing=True)
     return function
 
 
