@@ -486,6 +486,14 @@ def _has_replica_shards(model):
                for v in model.variables)
 
 
+# The most steps written out in one traced function under the strategy: a
+# step with tables is about 700 ops, and tracing took about 0.75 s a step
+# (8 tables, `steps_per_execution` 8 / 32: 6 / 25 s before the first step),
+# while more steps a call saved no CPU (docs/history.md). An execution of
+# more steps calls these functions one after another.
+UNROLLED_STEPS_MAX = 4
+
+
 def _unrolled_steps_function(trainer, step_function, keras_function):
     """Keras's train / test function for `steps_per_execution` > 1 under a
     MultiWorkerMirroredStrategy (its `_make_function`, whose structure this
@@ -504,8 +512,10 @@ def _unrolled_steps_function(trainer, step_function, keras_function):
     function): each collective gets its own instance key, captured by the
     outer function, and a step after the data ran out is skipped by a
     `tf.cond` (every worker agrees on it: the distributed iterator's
-    `get_next_as_optional` does). The graph holds `steps_per_execution`
-    copies of the step."""
+    `get_next_as_optional` does). One traced function holds at most
+    `UNROLLED_STEPS_MAX` steps; an execution of more calls them in turn
+    (`function._kre_step_functions`, the order `DistributedStepCalls`
+    follows too) and returns the logs of its last step, as Keras's does."""
     trainer_module = _keras_tf_trainer()
     strategy = trainer.distribute_strategy
 
@@ -515,39 +525,61 @@ def _unrolled_steps_function(trainer, step_function, keras_function):
 
     one_step_on_data = trainer._autoconvert_optionals(one_step_on_data)  # pylint: disable=protected-access
 
-    @tf.autograph.experimental.do_not_convert
-    def multi_step_on_iterator(iterator):
-        # As Keras's loop: the outputs' spec is known once a step is traced
-        # (the first `tf.cond` branch traced is the step's).
-        empty = tf.experimental.Optional.empty(None)
-        outputs, inputs = empty, iterator.get_next_as_optional()
-        for step in range(trainer.steps_per_execution):
-            def has_next(inputs=inputs):
-                out = tf.experimental.Optional.from_value(one_step_on_data(inputs.get_value()))
-                empty._element_spec = out.element_spec  # pylint: disable=protected-access
-                return out
+    def steps_on_iterator(count):
+        @tf.autograph.experimental.do_not_convert
+        def multi_step_on_iterator(iterator):
+            # As Keras's loop: the outputs' spec is known once a step is
+            # traced (the first `tf.cond` branch traced is the step's).
+            empty = tf.experimental.Optional.empty(None)
+            outputs, inputs = empty, iterator.get_next_as_optional()
+            for step in range(count):
+                def has_next(inputs=inputs):
+                    out = tf.experimental.Optional.from_value(
+                        one_step_on_data(inputs.get_value()))
+                    empty._element_spec = out.element_spec  # pylint: disable=protected-access
+                    return out
 
-            def no_next(outputs=outputs):
-                outputs._element_spec = empty._element_spec  # pylint: disable=protected-access
-                return outputs
+                def no_next(outputs=outputs):
+                    outputs._element_spec = empty._element_spec  # pylint: disable=protected-access
+                    return outputs
 
-            outputs = tf.cond(inputs.has_value(), has_next, no_next)
-            if step + 1 < trainer.steps_per_execution:
-                inputs = tf.cond(inputs.has_value(), iterator.get_next_as_optional,
-                                 lambda inputs=inputs: inputs)
-        return outputs
+                outputs = tf.cond(inputs.has_value(), has_next, no_next)
+                if step + 1 < count:
+                    inputs = tf.cond(inputs.has_value(), iterator.get_next_as_optional,
+                                     lambda inputs=inputs: inputs)
+            return outputs
 
-    multi_step_on_iterator = tf.function(multi_step_on_iterator, reduce_retracing=True)
+        steps = tf.function(multi_step_on_iterator, reduce_retracing=True)
+        steps._kre_steps = count  # pylint: disable=protected-access
+        return steps
+
+    total = trainer.steps_per_execution
+    full, rest = divmod(total, UNROLLED_STEPS_MAX)
+    chunk = steps_on_iterator(min(total, UNROLLED_STEPS_MAX))
+    plan = [chunk] * full + ([steps_on_iterator(rest)] if full and rest else [])
+    plan = plan or [chunk]
 
     def function(iterator):
         if not isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
             return keras_function(iterator)  # (its steps are called eagerly, one by one)
-        opt_outputs = multi_step_on_iterator(iterator)
-        if not opt_outputs.has_value():
-            raise StopIteration
-        return opt_outputs.get_value()
+        return last_step_logs(fn(iterator) for fn in plan)
 
+    function._kre_step_functions = plan  # pylint: disable=protected-access
     return function
+
+
+def last_step_logs(optional_outputs):
+    """The logs of the last step that ran, of the optional logs that an
+    execution's traced functions return one after another (stops at the
+    first empty one: the data ran out); `StopIteration` if no step ran."""
+    last = None
+    for outputs in optional_outputs:
+        if not outputs.has_value():
+            break
+        last = outputs
+    if last is None:
+        raise StopIteration
+    return last.get_value()
 
 
 class DistributedStepCalls:
@@ -572,35 +604,39 @@ class DistributedStepCalls:
 
     def __init__(self, function):
         self._function = function
-        names = function.__code__.co_freevars
-        cell = (function.__closure__[names.index("multi_step_on_iterator")]
-                if "multi_step_on_iterator" in names else None)
-        self._step = cell.cell_contents if cell is not None else None
+        plan = getattr(function, "_kre_step_functions", None)
+        if plan is None:  # Keras's own function: its one traced function
+            names = function.__code__.co_freevars
+            cell = (function.__closure__[names.index("multi_step_on_iterator")]
+                    if "multi_step_on_iterator" in names else None)
+            plan = [cell.cell_contents] if cell is not None else []
+        self._plan = plan  # the traced functions an execution calls, in order
         self._iterator = None  # a weak reference: the epoch's iterator
-        self._call = None
+        self._calls = None
 
     def __call__(self, iterator):
-        if self._call is not None and self._iterator() is iterator:
-            concrete, flat = self._call
-            outputs = concrete._call_flat(flat, captured_inputs=concrete.captured_inputs)  # pylint: disable=protected-access
-            if not outputs.has_value():
-                raise StopIteration
-            return outputs.get_value()
-        self._call = None
+        if self._calls is not None and self._iterator() is iterator:
+            return last_step_logs(
+                concrete._call_flat(flat, captured_inputs=concrete.captured_inputs)  # pylint: disable=protected-access
+                for concrete, flat in self._calls)
+        self._calls = None
         result = self._function(iterator)
         if isinstance(iterator, tf.distribute.DistributedIterator):
-            self._call = self._traced(iterator)
-            self._iterator = weakref.ref(iterator)
+            traced = {id(step): self._traced(step, iterator) for step in self._plan}
+            calls = [traced[id(step)] for step in self._plan]
+            if calls and all(c is not None for c in calls):
+                self._calls = calls
+                self._iterator = weakref.ref(iterator)
         return result
 
-    def _traced(self, iterator):
-        """(the traced function Keras's call just ran, the iterator's
-        tensors), or None where the step is not a traced tf.function."""
+    @staticmethod
+    def _traced(step, iterator):
+        """(the traced function of `step` that Keras's call just ran, the
+        iterator's tensors), or None where it is not a traced tf.function."""
         from tensorflow.python.eager.polymorphic_function import tracing_compilation
 
-        step = self._step
         config = None
-        if step is not None and hasattr(step, "_variable_creation_config"):
+        if hasattr(step, "_variable_creation_config"):
             config = (step._no_variable_creation_config if step._created_variables  # pylint: disable=protected-access
                       else step._variable_creation_config)  # pylint: disable=protected-access
         if config is None:
@@ -609,6 +645,7 @@ class DistributedStepCalls:
                                                       tracing_options=config)
         flat = concrete.function_type.unpack_inputs(concrete.function_type.bind(iterator))
         return concrete, flat
+
 
 def in_symbolic_build():
     """Whether Keras is running a layer only to infer shapes and build its

@@ -34,6 +34,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import keras_rec_emb as kre  # noqa: E402
+from keras_rec_emb import _compat  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _models import compile_mse, table_arrays  # noqa: E402
@@ -143,19 +144,25 @@ def main():
         out = fit(model, infer=False, epochs=3)
         calls = model.train_function
         # Keras's train function called directly after each epoch's first step.
-        out["direct_calls"] = np.int64(getattr(calls, "_call", None) is not None)
+        out["direct_calls"] = np.int64(getattr(calls, "_calls", None) is not None)
         np.savez(os.path.join(folder, f"w{task}_epochs.npz"), **out)
-        # Two steps an execution over epochs of STEPS (odd) steps: the last
-        # execution of each epoch runs one step. Evicting after each call
-        # would evict at other steps than one process does.
+        # Five steps an execution, at most two written out in one traced
+        # function (`_compat.UNROLLED_STEPS_MAX`, 4 by default): each
+        # execution calls functions of 2, 2 and 1 steps; over epochs of
+        # STEPS = 3 steps the data runs out inside the second function and
+        # the third finds none left. Evicting after each call would evict at
+        # other steps than one process does.
         # With two metrics: a step's three logs travel in one all-reduce.
+        _compat.UNROLLED_STEPS_MAX = 2
         with strategy.scope():
-            model = build("adagrad", steps_per_execution=2, metrics=["mae", "mse"])
+            model = build("adagrad", steps_per_execution=5, metrics=["mae", "mse"])
         out = fit(model, epochs=2, evict_during_fit=False)
-        graph = model.train_function._call[0].graph.as_graph_def()
-        out["all_reduces"] = np.int64(sum(
+        steps = model.train_function
+        out["steps_a_call"] = np.array([step._kre_steps for step in steps._plan])
+        out["all_reduces"] = np.array([sum(
             node.op == "CollectiveReduceV2"
-            for node in [*graph.node, *(n for f in graph.library.function for n in f.node_def)]))
+            for node in [*graph.node, *(n for f in graph.library.function for n in f.node_def)])
+            for graph in (concrete.graph.as_graph_def() for concrete, _ in steps._calls)])
         np.savez(os.path.join(folder, f"w{task}_steps_per_execution.npz"), **out)
     elif mode == "train":
         for optimizer in ("sgd", "adam", "adagrad"):  # the last one is saved
