@@ -164,6 +164,22 @@ def main():
             for node in [*graph.node, *(n for f in graph.library.function for n in f.node_def)])
             for graph in (concrete.graph.as_graph_def() for concrete, _ in steps._calls)])
         np.savez(os.path.join(folder, f"w{task}_steps_per_execution.npz"), **out)
+        # A hand-written loop: each worker trains on its own part of every
+        # global batch with `train_on_batch` (as a worker reading its own
+        # stream would), then evaluates and predicts its part of the first.
+        with strategy.scope():
+            model = build("adagrad", steps_per_execution=2)
+        model.get_layer("dense").set_weights(dense_init())
+        ids, y = data()
+        local = BATCH // n
+        mine = [slice(step * BATCH + task * local, step * BATCH + (task + 1) * local)
+                for step in range(STEPS)]
+        losses = [model.train_on_batch(ids[part], y[part]) for part in mine]
+        out = model_arrays(model)
+        out["train_on_batch"] = np.float32(losses)
+        out["test_on_batch"] = np.float32(model.test_on_batch(ids[mine[0]], y[mine[0]]))
+        out["predict_on_batch"] = np.asarray(model.predict_on_batch(ids[mine[0]]))
+        np.savez(os.path.join(folder, f"w{task}_on_batch.npz"), **out)
     elif mode == "train":
         for optimizer in ("sgd", "adam", "adagrad"):  # the last one is saved
             with strategy.scope():

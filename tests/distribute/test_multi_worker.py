@@ -134,7 +134,9 @@ def test_one_worker_fit_evaluate_predict_match_one_process(tmp_path):
 def test_two_workers_fit_several_epochs_as_one_process(tmp_path):
     """Each epoch's distributed iterator is new: after Keras's first call on
     it, the train function is called directly on it (no per-step
-    tf.function dispatch); 3 epochs give what one process gives."""
+    tf.function dispatch); 3 epochs give what one process gives. Then
+    several steps an execution, and `train_on_batch` / `test_on_batch` /
+    `predict_on_batch` in a hand-written loop."""
     run_cluster(tmp_path, 2, "epochs")
     mwms_run = runner()
     one = mwms_run.fit(mwms_run.build("adam"), infer=False, epochs=3)
@@ -161,6 +163,31 @@ def test_two_workers_fit_several_epochs_as_one_process(tmp_path):
         assert int(got["evicted"]) == int(one["evicted"])
         np.testing.assert_array_equal(got["steps_a_call"], [2, 2, 1])
         np.testing.assert_array_equal(got["all_reduces"], [2 * 2 + 2, 2 * 2 + 2, 2 + 1])
+
+
+    # A hand-written loop: each worker calls `train_on_batch` on its part of
+    # every global batch: one process's fit with the global batches; each
+    # step's loss, `test_on_batch` (averaged over the workers) and
+    # `predict_on_batch` as one process gives.
+    model = mwms_run.build("adagrad")
+    model.get_layer("dense").set_weights(mwms_run.dense_init())
+    ids, y = mwms_run.data()
+    batches = [slice(step * mwms_run.BATCH, (step + 1) * mwms_run.BATCH)
+               for step in range(mwms_run.STEPS)]
+    losses = [model.train_on_batch(ids[b], y[b]) for b in batches]
+    one = mwms_run.model_arrays(model)
+    first = batches[0]
+    evaluation = model.test_on_batch(ids[first], y[first])
+    predictions = model.predict_on_batch(ids[first])
+    for task in (0, 1):
+        got = np.load(tmp_path / f"w{task}_on_batch.npz")
+        assert_same(got, one, f"worker {task}, train_on_batch")
+        np.testing.assert_allclose(got["train_on_batch"], losses, rtol=1e-5,
+                                   err_msg=f"worker {task}: train_on_batch losses")
+        np.testing.assert_allclose(got["test_on_batch"], evaluation, rtol=1e-5)
+        # (Keras concatenates the replicas' predictions: every worker gets
+        # the global batch's, in worker order.)
+        np.testing.assert_allclose(got["predict_on_batch"], predictions, rtol=1e-5, atol=1e-6)
 
 
 def test_two_worker_export_for_serving_serves_the_one_process_predictions(two_workers):
