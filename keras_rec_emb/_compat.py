@@ -335,8 +335,9 @@ def built_variables(optimizer):
 # averaged in one all-reduce (`_mean_over_replicas`). (4) With
 # `steps_per_execution` > 1, Keras's loop of steps fails under the
 # strategy (its collectives' instance keys inside a `tf.while_loop`):
-# `_unrolled_steps_function`; under a MirroredStrategy over replica shards
-# it is refused by name. Every other case runs Keras's own code unchanged.
+# `_unrolled_steps_function`; the same under a MirroredStrategy of several
+# replicas, where Keras's loop fails the same way for any model
+# (keras-team/keras#19246). Every other case runs Keras's own code unchanged.
 # Installed once by `fix_keras_multi_worker()` (called
 # when `keras_rec_emb.distribute` is imported), only for the Keras
 # versions in `KERAS_MULTI_WORKER_FIX_VERSIONS` (read the upstream code
@@ -431,18 +432,13 @@ def fix_keras_multi_worker():
 
     def _make_function(self, step_function):
         strategy = self._distribute_strategy  # pylint: disable=protected-access
-        if (not self.run_eagerly and self.steps_per_execution > 1
-                and isinstance(strategy, tf.distribute.MirroredStrategy)
-                and _has_replica_shards(self)):
-            raise ValueError(
-                "`steps_per_execution` must be 1 for a model whose embedding tables are "
-                "sharded over the replicas of a MirroredStrategy: their collectives cannot "
-                "run inside Keras's loop of steps. Received: steps_per_execution="
-                f"{self.steps_per_execution}. One process and MultiWorkerMirroredStrategy "
-                "take any value.")
         function = keras_make_function(self, step_function)
-        if self.run_eagerly or not isinstance(strategy,
-                                              tf.distribute.MultiWorkerMirroredStrategy):
+        if self.run_eagerly:
+            return function
+        if (isinstance(strategy, tf.distribute.MirroredStrategy)
+                and strategy.num_replicas_in_sync > 1 and self.steps_per_execution > 1):
+            return _unrolled_steps_function(self, step_function, function)
+        if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
             return function
         if self.steps_per_execution > 1:
             function = _unrolled_steps_function(self, step_function, function)
@@ -478,14 +474,6 @@ def _mean_over_replicas(strategy, values):
     return keras.tree.pack_sequence_as(values, reduced)
 
 
-def _has_replica_shards(model):
-    """Whether `model` holds a table sharded over MirroredStrategy replicas
-    (its variables are the shards' tables, which say so:
-    `distribute.shards.ReplicaShard.gathers_in_replica_context`)."""
-    return any(getattr(getattr(v, "table", None), "gathers_in_replica_context", False)
-               for v in model.variables)
-
-
 # The most steps written out in one traced function under the strategy: a
 # step with tables is about 700 ops, and tracing took about 0.75 s a step
 # (8 tables, `steps_per_execution` 8 / 32: 6 / 25 s before the first step),
@@ -496,7 +484,8 @@ UNROLLED_STEPS_MAX = 4
 
 def _unrolled_steps_function(trainer, step_function, keras_function):
     """Keras's train / test function for `steps_per_execution` > 1 under a
-    MultiWorkerMirroredStrategy (its `_make_function`, whose structure this
+    MultiWorkerMirroredStrategy or a MirroredStrategy of several replicas
+    (its `_make_function`, whose structure this
     follows; `keras_function`, what that made, still takes inputs that are
     not iterators: a list of batches, as `train_on_batch` passes).
 

@@ -40,11 +40,6 @@ class ReplicaShard(_variables.EmbeddingTable):
         *args, **kwargs: those of `EmbeddingTable`.
     """
 
-    # Its updates all-gather every replica's keys and gradients in the
-    # replica context (`sparse_apply`): collectives Keras's loop of several
-    # steps an execution cannot run (`_compat`).
-    gathers_in_replica_context = True
-
     def __init__(self, device, replica_shard, *args, **kwargs):
         self._shard_device, self._replica_shard = str(device), int(replica_shard)
         super().__init__(*args, **kwargs)
@@ -62,16 +57,26 @@ class ReplicaShard(_variables.EmbeddingTable):
 
     def sparse_apply(self, keys, grads, rule, hyper, step, slots, distinct=False):
         """In a replica context, every replica's gradient for this shard is
-        gathered and its owner alone applies the sum; the other replicas
-        return None. In the cross-replica context, applies as given."""
+        gathered (a merge call, no collective: a collective's instance key
+        could not reach into Keras's loop of several steps an execution)
+        and its owner alone applies the sum; the other replicas return
+        None. In the cross-replica context, applies as given."""
         if not tf.distribute.in_cross_replica_context():
             ctx = tf.distribute.get_replica_context()
-            keys = ctx.all_gather(keys, axis=0)
-            grads = ctx.all_gather(grads, axis=0)
+            keys, grads = ctx.merge_call(self._every_replica, args=(keys, grads))
             distinct = False  # every replica's keys: repeats across them
             if tf.get_static_value(ctx.replica_id_in_sync_group) != self._replica_shard:
                 return None
         return super().sparse_apply(keys, grads, rule, hyper, step, slots, distinct)
+
+
+    def _every_replica(self, strategy, keys, grads):
+        """Every replica's keys and gradients, concatenated in replica order
+        on this shard's device (a merge call: the replicas live in this
+        process, no collective needed)."""
+        with tf.device(self._shard_device):
+            return (tf.concat(strategy.experimental_local_results(keys), axis=0),
+                    tf.concat(strategy.experimental_local_results(grads), axis=0))
 
 
 class ExchangedShard(ReplicaShard):
@@ -79,8 +84,6 @@ class ExchangedShard(ReplicaShard):
     workers (`CollectiveShardedTable`): the collectives of its lookup already
     summed every replica's gradient for its keys, so this process applies
     it as it comes."""
-
-    gathers_in_replica_context = False
 
     def sparse_apply(self, keys, grads, rule, hyper, step, slots, distinct=False):
         return _variables.EmbeddingTable.sparse_apply(self, keys, grads, rule, hyper, step,
