@@ -199,3 +199,37 @@ def test_table_size_export_and_import_as_under_tensorflow():
     with pytest.raises(ValueError, match=r"`values` must have shape \[1, 3\]"):
         fresh.import_({"keys": np.array([1]), "values": np.zeros((1, DIM + 1), np.float32)})
     assert fresh.table_size() == len(np.unique(ids))  # a failed import changes nothing
+
+
+@pytest.mark.parametrize("form", ["functional", "subclassed", "sequential",
+                                  "sequential_without_input"])
+def test_several_steps_an_execution_train_as_one_step_a_call(form):
+    """`compile(steps_per_execution=k)` (Keras's JAX trainer runs k steps in
+    one compiled call): 2 and 5 steps an execution over epochs of 3 steps
+    give the table (rows, slots, frequencies, versions), dense weights,
+    losses and evaluation of one step a call."""
+    ids, labels = data()
+    runs = {}
+    for steps in (1, 2, 5):
+        model = make(form, False)
+        model.compile(optimizer=kre.optimizers.Adagrad(
+            LR, initial_accumulator_value=ACC0, epsilon=EPS), loss="mse",
+            steps_per_execution=steps)
+        history = model.fit(ids, labels, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        layer = layer_of(model)
+        assert int(layer.iterations.value) == 2 * (len(ids) // BATCH)
+        runs[steps] = (parts(layer), model.get_layer("dense").get_weights(),
+                       history.history["loss"],
+                       model.evaluate(ids, labels, batch_size=BATCH, verbose=0))
+    table, weights, losses, evaluation = runs[1]
+    assert len(table["keys"]) == len(np.unique(ids))
+    for steps in (2, 5):
+        got_table, got_weights, got_losses, got_evaluation = runs[steps]
+        assert sorted(got_table) == sorted(table)
+        for name, value in table.items():
+            np.testing.assert_allclose(got_table[name], value, rtol=1e-6,
+                                       err_msg=f"{steps} steps: {name}")
+        for a, b in zip(got_weights, weights):
+            np.testing.assert_allclose(a, b, rtol=1e-6)
+        np.testing.assert_allclose(got_losses, losses, rtol=1e-6)
+        np.testing.assert_allclose(got_evaluation, evaluation, rtol=1e-6)
