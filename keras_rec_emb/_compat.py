@@ -337,7 +337,9 @@ def built_variables(optimizer):
 # strategy (its collectives' instance keys inside a `tf.while_loop`):
 # `_unrolled_steps_function`; the same under a MirroredStrategy of several
 # replicas, where Keras's loop fails the same way for any model
-# (keras-team/keras#19246). Every other case runs Keras's own code unchanged.
+# (keras-team/keras#19246); not with `jit_compile=True` (the written-out
+# steps are traced in place, without XLA). Every other case runs Keras's own
+# code unchanged.
 # Installed once by `fix_keras_multi_worker()` (called
 # when `keras_rec_emb.distribute` is imported), only for the Keras
 # versions in `KERAS_MULTI_WORKER_FIX_VERSIONS` (read the upstream code
@@ -435,12 +437,15 @@ def fix_keras_multi_worker():
         function = keras_make_function(self, step_function)
         if self.run_eagerly:
             return function
+        # (Written out, a step is traced in place: `jit_compile=True`, which
+        # tables never take, keeps Keras's own loop and its XLA.)
+        unroll = self.steps_per_execution > 1 and not self.jit_compile
         if (isinstance(strategy, tf.distribute.MirroredStrategy)
-                and strategy.num_replicas_in_sync > 1 and self.steps_per_execution > 1):
+                and strategy.num_replicas_in_sync > 1 and unroll):
             return _unrolled_steps_function(self, step_function, function)
         if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
             return function
-        if self.steps_per_execution > 1:
+        if unroll:
             function = _unrolled_steps_function(self, step_function, function)
         return DistributedStepCalls(function)
 

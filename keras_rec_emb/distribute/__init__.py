@@ -27,8 +27,10 @@ from keras_rec_emb.distribute.ps_tables import (
 __all__ = ["CollectiveShardedTable", "ShardedEmbeddingTable", "connect", "multi_worker_strategy",
            "parameter_servers", "shard_of"]
 
-# model.fit / evaluate under a multi-worker strategy (keras-team/keras#20585):
-# see _compat.fix_keras_multi_worker; nothing changes elsewhere.
+# model.fit / evaluate under a multi-worker strategy (keras-team/keras#20585),
+# and several steps an execution under it or a MirroredStrategy of several
+# replicas (keras-team/keras#19246): see _compat.fix_keras_multi_worker;
+# nothing changes elsewhere.
 _compat.fix_keras_multi_worker()
 
 

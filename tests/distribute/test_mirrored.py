@@ -142,10 +142,10 @@ sys.path.insert(0, "tests/distribute")
 from _models import table_arrays
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 rng = np.random.default_rng(0)
-x, y = rng.integers(0, 30, (12, 3)), rng.normal(size=(12, 1)).astype("float32")
+x, y = rng.integers(0, 30, (20, 3)), rng.normal(size=(20, 1)).astype("float32")
 out = {}
 for tables in (True, False):
-    for steps in (1, 2, 5) if tables else (1, 5):
+    for steps in (1, 5, 9) if tables else (1, 5):
         keras.utils.set_random_seed(1)
         with strategy.scope():
             ids = keras.Input((3,), dtype="int64")
@@ -165,8 +165,10 @@ for tables in (True, False):
             model = keras.Model(ids, keras.layers.Dense(1, name="dense")(joined))
             model.compile(optimizer=kre.optimizers.Adagrad(0.1), loss="mse",
                           steps_per_execution=steps)
-        # 3 steps an epoch: the last execution of 2 steps runs one; one of 5
-        # runs 3 in a function of 4 written-out steps and finds no data left.
+        # 5 steps an epoch. 5 an execution: functions of
+        # 4 and 1 written-out steps; the data runs out at the end of the
+        # second, the next execution finds none. 9: functions of 4, 4 and 1;
+        # the second runs one step, the third finds no data.
         history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
         got = {"loss": history.history["loss"],
                "iterations": int(model.optimizer.iterations.numpy()),
@@ -177,6 +179,36 @@ for tables in (True, False):
                                 ("group", model.get_layer("group").tables[0].table)):
                 got.update({f"{name}_{k}": v.tolist() for k, v in table_arrays(table).items()})
         out[f"{'tables' if tables else 'dense'}_{steps}"] = got
+        if steps > 1:
+            out[f"{'tables' if tables else 'dense'}_{steps}_plan"] = [
+                f._kre_steps for f in model.train_function._kre_step_functions]
+# One replica (Keras's own loop: no collective), and the loss-scaling
+# wrapper over 2 replicas: the losses of one step a call, unwrapped.
+def small_fit(strategy, wrap, steps):
+    keras.utils.set_random_seed(1)
+    with strategy.scope():
+        optimizer = kre.optimizers.Adagrad(0.1)
+        if wrap:
+            optimizer = kre.optimizers.LossScaleOptimizer(optimizer)
+        ids = keras.Input((3,), dtype="int64")
+        model = keras.Model(ids, keras.layers.Dense(1)(kre.layers.EmbeddingVariable(
+            4, combiner="sum", initializer=keras.initializers.RandomUniform(-1, 1, seed=3))(ids)))
+        model.compile(optimizer=optimizer, loss="mse", steps_per_execution=steps)
+    return model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0).history["loss"]
+
+
+# (One MirroredStrategy over the same devices a process: each numbers its
+# collectives from the same keys.)
+for name, local, wrap in (("one_replica", tf.distribute.MirroredStrategy(["/cpu:0"]), False),
+                          ("loss_scale", strategy, True)):
+    out[name] = small_fit(local, wrap, 3)
+    out[name + "_reference"] = small_fit(local, False, 1)
+# `jit_compile=True` keeps Keras's own loop (the written-out steps have no XLA).
+with strategy.scope():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(loss="mse", steps_per_execution=2, jit_compile=True)
+model.make_train_function()
+out["jit_written_out"] = hasattr(model.train_function, "_kre_step_functions")
 print("RESULT " + json.dumps(out))
 """
 
@@ -186,7 +218,7 @@ def test_several_steps_an_execution_over_replica_shards_train_as_one_step_a_call
     MirroredStrategy of several replicas for any model (a collective's
     instance key inside its while loop, keras-team/keras#19246): the steps
     are written out (`_compat`), and the shards gather the replicas'
-    gradients without a collective. 2 and 5 steps an execution give the
+    gradients without a collective. 5 and 9 steps an execution give the
     tables, slots, dense weights, losses and evaluation of one step a call,
     with and without tables."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow")
@@ -198,13 +230,17 @@ def test_several_steps_an_execution_over_replica_shards_train_as_one_step_a_call
     out = json.loads(line[0][len("RESULT "):])
     for kind in ("tables", "dense"):
         want = out[f"{kind}_1"]
-        assert want["iterations"] == 6
+        assert want["iterations"] == 10
         if kind == "tables":
             assert len(want["emb_keys"]) > 15 and "emb_slot_accumulator" in want
-        for steps in (2, 5) if kind == "tables" else (5,):
+        for steps in (5, 9) if kind == "tables" else (5,):
             got = out[f"{kind}_{steps}"]
+            assert out[f"{kind}_{steps}_plan"] == {5: [4, 1], 9: [4, 4, 1]}[steps]
             assert set(got) == set(want)
             for key in want:
                 np.testing.assert_allclose(np.asarray(got[key], np.float64),
                                            np.asarray(want[key], np.float64), rtol=1e-6,
                                            atol=1e-6, err_msg=f"{kind}, {steps} steps: {key}")
+    for name in ("one_replica", "loss_scale"):
+        np.testing.assert_allclose(out[name], out[name + "_reference"], rtol=1e-6, err_msg=name)
+    assert out["jit_written_out"] is False

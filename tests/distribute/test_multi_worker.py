@@ -164,7 +164,6 @@ def test_two_workers_fit_several_epochs_as_one_process(tmp_path):
         np.testing.assert_array_equal(got["steps_a_call"], [2, 2, 1])
         np.testing.assert_array_equal(got["all_reduces"], [2 * 2 + 2, 2 * 2 + 2, 2 + 1])
 
-
     # A hand-written loop: each worker calls `train_on_batch` on its part of
     # every global batch: one process's fit with the global batches; each
     # step's loss, `test_on_batch` (averaged over the workers) and
