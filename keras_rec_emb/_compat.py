@@ -440,14 +440,14 @@ def fix_keras_multi_worker():
         # (Written out, a step is traced in place: `jit_compile=True`, which
         # tables never take, keeps Keras's own loop and its XLA.)
         unroll = self.steps_per_execution > 1 and not self.jit_compile
-        if (isinstance(strategy, tf.distribute.MirroredStrategy)
-                and strategy.num_replicas_in_sync > 1 and unroll):
+        if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+            if unroll:
+                function = _unrolled_steps_function(self, step_function, function)
+            return DistributedStepCalls(function)
+        if (unroll and isinstance(strategy, tf.distribute.MirroredStrategy)
+                and strategy.num_replicas_in_sync > 1):
             return _unrolled_steps_function(self, step_function, function)
-        if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
-            return function
-        if unroll:
-            function = _unrolled_steps_function(self, step_function, function)
-        return DistributedStepCalls(function)
+        return function
 
     _maybe_symbolic_build._kre_fix = True  # pylint: disable=protected-access
     reduce_per_replica._kre_fix = True  # pylint: disable=protected-access
@@ -547,11 +547,10 @@ def _unrolled_steps_function(trainer, step_function, keras_function):
         steps._kre_steps = count  # pylint: disable=protected-access
         return steps
 
-    total = trainer.steps_per_execution
-    full, rest = divmod(total, UNROLLED_STEPS_MAX)
-    chunk = steps_on_iterator(min(total, UNROLLED_STEPS_MAX))
-    plan = [chunk] * full + ([steps_on_iterator(rest)] if full and rest else [])
-    plan = plan or [chunk]
+    full, rest = divmod(trainer.steps_per_execution, UNROLLED_STEPS_MAX)
+    sizes = [UNROLLED_STEPS_MAX] * full + ([rest] if rest else [])
+    functions = {size: steps_on_iterator(size) for size in set(sizes)}
+    plan = [functions[size] for size in sizes]
 
     def function(iterator):
         if not isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
