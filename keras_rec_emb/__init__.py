@@ -1,14 +1,13 @@
-"""keras_rec_emb: industrial sparse embeddings for Keras 3 (TensorFlow backend).
+"""keras_rec_emb: industrial sparse embeddings for Keras 3 (TensorFlow and JAX backends).
 
 Dynamic hash-table embeddings (DeepRec's EmbeddingVariable) that train with
 `model.fit`, sparse-aware optimizers that update them, saving with
 `model.save`, and Parquet/Kafka input pipelines.
 """
 
-import os as _os
 import warnings as _warnings
 
-from keras_rec_emb import _allocator
+from keras_rec_emb import _allocator, _backend
 from keras_rec_emb._version import __version__
 
 # Under Keras's JAX backend the tables go through XLA's FFI (keras_rec_emb/_jax,
@@ -18,7 +17,7 @@ from keras_rec_emb._version import __version__
 # and the rest), `callbacks` (EvictionCallback, TableStats), `save_model` /
 # `load_model` and `export_for_serving`; the rest of the TensorFlow API is
 # named as TensorFlow-only when asked for.
-if _os.environ.get("KERAS_BACKEND") == "jax":
+if _backend.is_jax():
     from keras_rec_emb._jax import use_64_bit_ids
 
     # Before any array is made: ids are 64-bit (see use_64_bit_ids).
@@ -51,15 +50,15 @@ else:
     def _require_tensorflow_backend(backend):
         if backend != "tensorflow":
             raise ImportError(
-                "keras_rec_emb runs on Keras's TensorFlow backend, but the active "
-                f"backend is {backend!r}. Set the environment variable "
-                "KERAS_BACKEND=tensorflow before importing keras."
+                "keras_rec_emb runs on Keras's TensorFlow and JAX backends, but the "
+                f"active backend is {backend!r} (from KERAS_BACKEND or keras.json). Set "
+                "the environment variable KERAS_BACKEND=tensorflow (or jax) before "
+                "importing keras."
             )
 
 
     # Checked before importing Keras too: another backend may fail to import.
-    if "KERAS_BACKEND" in _os.environ:
-        _require_tensorflow_backend(_os.environ["KERAS_BACKEND"])
+    _require_tensorflow_backend(_backend.backend())
 
     # The TensorFlow distributions that provide the `tensorflow` module. None of
     # them is a dependency of keras-rec-emb: a dependency on one would install it

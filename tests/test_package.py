@@ -25,6 +25,38 @@ def test_non_tensorflow_backend_is_refused_with_the_fix():
     assert "'numpy'" in result.stderr
 
 
+@pytest.mark.parametrize("backend", ["jax", "tensorflow"])
+def test_backend_comes_from_keras_json_when_the_variable_is_unset(tmp_path, backend):
+    # A user whose keras.json names the backend, with KERAS_BACKEND unset,
+    # gets that backend's tables (Keras's own rule), not an error.
+    (tmp_path / "keras.json").write_text('{"backend": "%s"}' % backend)
+    env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
+    env.update(KERAS_HOME=str(tmp_path), TF_CPP_MIN_LOG_LEVEL="2", JAX_PLATFORMS="cpu")
+    code = textwrap.dedent("""
+        import keras_rec_emb as kre, keras, numpy as np
+        layer = kre.layers.EmbeddingVariable(4, combiner="sum")
+        rows = layer(np.array([[1, 2]], np.int64))
+        print(keras.config.backend(), type(layer).__module__, tuple(rows.shape))
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    got_backend, module, shape = result.stdout.split(maxsplit=2)
+    assert got_backend == backend
+    assert module.startswith("keras_rec_emb._jax" if backend == "jax" else "keras_rec_emb.layers")
+    assert shape.strip() == "(1, 4)"
+
+
+def test_keras_json_naming_another_backend_is_refused(tmp_path):
+    (tmp_path / "keras.json").write_text('{"backend": "numpy"}')
+    env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
+    env.update(KERAS_HOME=str(tmp_path), TF_CPP_MIN_LOG_LEVEL="2")
+    result = subprocess.run([sys.executable, "-c", "import keras_rec_emb"], capture_output=True,
+                            text=True, env=env, timeout=300)
+    assert result.returncode != 0
+    assert "'numpy'" in result.stderr and "keras.json" in result.stderr
+
+
 def test_public_api():
     for name in ("EmbeddingVariableOption", "InitializerOption", "CounterFilter", "CBFFilter",
                  "GlobalStepEvict", "L2WeightEvict", "StorageOption", "save_model", "load_model",

@@ -3,9 +3,9 @@ synchronous tables sharded over MultiWorkerMirroredStrategy workers.
 TensorFlow backend only: they are built on `tf.distribute` and TensorFlow's
 gRPC runtime."""
 
-import os as _os
+from keras_rec_emb import _backend
 
-if _os.environ.get("KERAS_BACKEND") == "jax":
+if _backend.is_jax():
     raise ImportError(
         "keras_rec_emb.distribute (parameter-server tables, tables sharded over "
         "MirroredStrategy or MultiWorkerMirroredStrategy replicas) runs on Keras's "

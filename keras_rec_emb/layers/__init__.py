@@ -1,8 +1,8 @@
 """Embedding layers backed by dynamic hash tables."""
 
-import os as _os
+from keras_rec_emb import _backend
 
-if _os.environ.get("KERAS_BACKEND") == "jax":
+if _backend.is_jax():
     # Under Keras's JAX backend, without TensorFlow (keras_rec_emb/_jax).
     from keras_rec_emb._jax import tensorflow_only_getattr
     from keras_rec_emb._jax.group_embedding import FeatureSpec, GroupEmbedding

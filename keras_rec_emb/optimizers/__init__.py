@@ -1,9 +1,9 @@
 """Optimizers that update dense variables, `keras.layers.Embedding` and
 embedding tables (with a fused sparse kernel per table)."""
 
-import os as _os
+from keras_rec_emb import _backend
 
-if _os.environ.get("KERAS_BACKEND") == "jax":
+if _backend.is_jax():
     # Under Keras's JAX backend, without TensorFlow (keras_rec_emb/_jax).
     from keras_rec_emb._jax.optimizers import (
         SGD,
