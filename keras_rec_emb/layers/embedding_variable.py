@@ -364,7 +364,9 @@ class EmbeddingVariable(keras.layers.Layer):
     def save_own_variables(self, store):
         if self.table is None:
             return
-        self.table.evict()  # DeepRec evicts when a model is saved
+        # DeepRec evicts when a model is saved (unless the option's `at_save`
+        # or `save_model(..., evict=False)` says not to); reported per table.
+        self.table.evict_for_save(self.name)
         data = self.table.export(include_filtered=self.table.save_filtered)
         if not self.table.save_filtered:
             del data["bloom"]
