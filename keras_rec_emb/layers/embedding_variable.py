@@ -66,7 +66,12 @@ class EmbeddingVariable(keras.layers.Layer):
             and `GroupEmbedding`. Ids padded with -1 (`[B, L]`) then need no
             conversion to ragged. `False` makes every id a key, -1 too.
             Needs a combiner. Defaults to `False`.
-        ev_option: `keras_rec_emb.EmbeddingVariableOption` or `None`.
+        ev_option: `keras_rec_emb.EmbeddingVariableOption` or `None`. Its
+            eviction option also evicts when the model or a checkpoint is
+            saved (DeepRec), in memory as well as in the file, logging the
+            counts and warning when over half of the rows go; not with the
+            option's `at_save=False` nor inside
+            `keras_rec_emb.save_model(..., evict=False)`.
         trainable: bool. Defaults to `True`.
         name: str or `None`.
         restore_dim_mismatch: `"error"` or `"pad_or_truncate"`. Restoring
