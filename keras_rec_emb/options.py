@@ -205,26 +205,45 @@ class CBFFilter(_Option):
 class GlobalStepEvict(_Option):
     """Evict keys not updated for more than `steps_to_live` optimizer steps.
 
-    Eviction runs when the model or a checkpoint is saved (as in DeepRec),
-    on `EmbeddingVariable.evict()`, and from
+    Eviction runs when the model or a checkpoint is saved (as in DeepRec;
+    unless `at_save=False`), on `EmbeddingVariable.evict()`, and from
     `keras_rec_emb.callbacks.EvictionCallback`. Evicted rows and their slots
     return to the table's free lists. Keys counted by a filter but not
     admitted are evicted when not looked up for `steps_to_live` steps.
 
+    Eviction at save changes the table in memory too, not only the file. A
+    save logs each table's evicted and kept rows at INFO (logger
+    `"keras_rec_emb"`) and warns when it evicts more than half of a
+    table's rows. `keras_rec_emb.save_model(model, path, evict=False)` saves
+    without evicting, once, for every table.
+
     Args:
         steps_to_live: int >= 0.
+        at_save: bool. Evict when the model (`model.save`,
+            `keras_rec_emb.save_model`) or a `tf.train.Checkpoint` is saved.
+            `False` evicts only on `evict()` and `EvictionCallback`.
+            Defaults to `True` (DeepRec); a config without it (an older
+            file) reads as `True`.
 
     Example:
 
     >>> e = keras_rec_emb.GlobalStepEvict(steps_to_live=10000)
+    >>> keras_rec_emb.GlobalStepEvict(steps_to_live=10000, at_save=False).at_save
+    False
     """
 
-    def __init__(self, steps_to_live: int):
+    def __init__(self, steps_to_live: int, at_save: bool = True):
         _check_int("steps_to_live", steps_to_live, 0)
         self.steps_to_live = steps_to_live
+        self.at_save = check_bool("at_save", at_save)
 
     def get_config(self):
-        return {"steps_to_live": self.steps_to_live}
+        # `at_save` only when off: the default's config is the one older
+        # releases write and read.
+        config = {"steps_to_live": self.steps_to_live}
+        if not self.at_save:
+            config["at_save"] = False
+        return config
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
@@ -235,22 +254,34 @@ class L2WeightEvict(_Option):
     against the threshold), so DeepRec's thresholds carry over unchanged.
     (keras_rec_emb 0.1.0 compared the row's L2 norm itself: a threshold
     `t` chosen for that rule corresponds to `0.5 * t**2` now.) Runs when
-    `GlobalStepEvict` would (see there).
+    `GlobalStepEvict` would (see there): also when the model is saved,
+    unless `at_save=False`. A threshold too high for the rows (freshly
+    initialized rows of a wide table are small) empties the table at the
+    first save: the save warns when it evicts more than half of a table's
+    rows.
 
     Args:
         l2_weight_threshold: finite float >= 0.
+        at_save: bool. Evict when the model or a checkpoint is saved (see
+            `GlobalStepEvict`). Defaults to `True` (DeepRec); a config
+            without it (an older file) reads as `True`.
 
     Example:
 
     >>> e = keras_rec_emb.L2WeightEvict(l2_weight_threshold=1e-4)
     """
 
-    def __init__(self, l2_weight_threshold: float):
+    def __init__(self, l2_weight_threshold: float, at_save: bool = True):
         # NaN would disable eviction and inf evict every row: both refused.
         self.l2_weight_threshold = check_float("l2_weight_threshold", l2_weight_threshold, 0)
+        self.at_save = check_bool("at_save", at_save)
 
     def get_config(self):
-        return {"l2_weight_threshold": self.l2_weight_threshold}
+        # `at_save` only when off (see GlobalStepEvict.get_config).
+        config = {"l2_weight_threshold": self.l2_weight_threshold}
+        if not self.at_save:
+            config["at_save"] = False
+        return config
 
 
 _STORAGE_TYPES = ("DRAM", "FILE")
@@ -457,6 +488,8 @@ class EmbeddingVariableOption(_Option):
             kwargs["steps_to_live"] = e.steps_to_live
         elif isinstance(e, L2WeightEvict):
             kwargs["l2_weight_threshold"] = e.l2_weight_threshold
+        if e is not None:
+            kwargs["evict_at_save"] = e.at_save
         return kwargs
 
     def get_config(self):

@@ -1,9 +1,14 @@
-"""Saving that never destroys the previous file."""
+"""Saving that never destroys the previous file, and says what eviction at
+save took."""
 
+import contextlib
+import contextvars
 import gc
+import logging
 import os
 import tempfile
 import traceback
+import warnings
 import zipfile
 from typing import TYPE_CHECKING
 
@@ -66,7 +71,8 @@ def default_mode(directory=False):
     return (0o777 if directory else 0o666) & ~current_umask()
 
 
-def save_model(model: "keras.Model", filepath: str | os.PathLike, **kwargs) -> None:
+def save_model(model: "keras.Model", filepath: str | os.PathLike, evict: bool = True,
+               **kwargs) -> None:
     """`model.save(filepath)`, atomically: the previous file survives a failure.
 
     Keras's `model.save` opens `filepath` for writing (truncating it) before
@@ -77,9 +83,19 @@ def save_model(model: "keras.Model", filepath: str | os.PathLike, **kwargs) -> N
     by a save that was killed (`kill -9`) is removed by the next save to the
     same file.
 
+    Saving evicts (DeepRec's rule, as `model.save` does): each table with a
+    `GlobalStepEvict` / `L2WeightEvict` option (unless `at_save=False`)
+    first loses the rows its rule names, in memory and in the file. Each
+    table's count of evicted and kept rows is logged at INFO (logger
+    `"keras_rec_emb"`), and a `UserWarning` names a table that lost more
+    than half of its rows.
+
     Args:
         model: a `keras.Model`.
         filepath: str or path-like ending in `.keras`.
+        evict: bool. `False` saves every table as it is, evicting nothing
+            (in memory or in the file), whatever its eviction option.
+            Defaults to `True`.
         **kwargs: passed to `model.save`.
 
     Example:
@@ -88,6 +104,8 @@ def save_model(model: "keras.Model", filepath: str | os.PathLike, **kwargs) -> N
     >>> keras_rec_emb.save_model(model, "/tmp/kre_doc_model.keras")
     """
     filepath = os.fspath(filepath)
+    if not isinstance(evict, bool):
+        raise TypeError(f"`evict` must be True or False. Received: evict={evict!r}")
     if not filepath.endswith(".keras"):
         raise ValueError(
             f"`filepath` must end in `.keras`. Received: filepath={filepath!r}"
@@ -99,13 +117,59 @@ def save_model(model: "keras.Model", filepath: str | os.PathLike, **kwargs) -> N
                                dir=directory)
     os.close(fd)
     try:
-        model.save(tmp, **kwargs)
+        with _eviction_at_save(evict):
+            model.save(tmp, **kwargs)
         os.chmod(tmp, default_mode())  # as `model.save` would: respect the umask
         os.replace(tmp, filepath)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+# -- eviction at save ------------------------------------------------------------
+# DeepRec evicts when a model or checkpoint is saved: a table with an
+# eviction option whose `at_save` is on loses the rows the rule names, in
+# memory and in the file. `save_model(..., evict=False)` turns it off for one
+# save (every table), the option's `at_save=False` for one table always.
+
+_LOGGER = logging.getLogger("keras_rec_emb")
+_EVICT_AT_SAVE = contextvars.ContextVar("keras_rec_emb_evict_at_save", default=True)
+
+
+def evicts_at_save():
+    """False inside `save_model(..., evict=False)` (`_eviction_at_save`)."""
+    return _EVICT_AT_SAVE.get()
+
+
+@contextlib.contextmanager
+def _eviction_at_save(enabled):
+    token = _EVICT_AT_SAVE.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _EVICT_AT_SAVE.reset(token)
+
+
+def report_save_eviction(table, rule, before, after, evicted=None):
+    """Logs (INFO, logger "keras_rec_emb") what a save's eviction took from
+    `table` (its name): `before` and `after` admitted rows, `evicted` ids in
+    all (rows plus keys counted but not admitted; None: the rows); warns
+    when it took more than half of the rows."""
+    rows = before - after
+    others = 0 if evicted is None else max(0, evicted - rows)
+    extra = f" and {others} ids counted but not admitted" if others else ""
+    _LOGGER.info("Eviction at save (%r) on table '%s': evicted %d of %d rows%s, kept %d.",
+                 rule, table, rows, before, extra, after)
+    if 2 * rows > before:
+        warnings.warn(
+            f"Saving evicted {rows} of the {before} rows of table '{table}' ({after} "
+            f"kept){extra}: more than half, in memory and in the file, by its eviction "
+            f"option {rule!r} (DeepRec evicts when a model is saved). To save without "
+            "evicting, call keras_rec_emb.save_model(model, path, evict=False), or give "
+            f"the table {type(rule).__name__}(..., at_save=False) "
+            "(and evict with layer.evict() or keras_rec_emb.callbacks.EvictionCallback).",
+            UserWarning, stacklevel=2)
 
 
 _KERAS_MEMBERS = ("config.json", "model.weights.h5")

@@ -27,9 +27,10 @@ import tensorflow as tf
 
 from keras_rec_emb import _compat, _file_tier
 from keras_rec_emb import _ops, _serving_context
+from keras_rec_emb import saving as _saving
 from keras_rec_emb import tables as _tables
 from keras_rec_emb._checks import keys_in_range
-from keras_rec_emb.options import save_filtered_from_env
+from keras_rec_emb.options import GlobalStepEvict, L2WeightEvict, save_filtered_from_env
 
 _ids = itertools.count()
 
@@ -193,6 +194,8 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
             by default. Without a filter every occurrence counts.
         steps_to_live: int or None. Global-step eviction threshold.
         l2_weight_threshold: float or None. L2-weight eviction threshold.
+        evict_at_save: bool. Evict (by the rules above) when a checkpoint or
+            the model is saved (DeepRec); `False` evicts only on `evict()`.
         save_filtered: bool. Save keys counted but not admitted (also off
             when `KRE_EV_SAVE_FILTERED_FEATURES=false`).
         restore_dim_mismatch: `"error"` or `"pad_or_truncate"`. What
@@ -241,7 +244,7 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
                  filter_freq=0, bloom=None, no_permission_value=0.0,
                  steps_to_live=None, l2_weight_threshold=None, save_filtered=True,
                  restore_dim_mismatch="error", record_freq=True, storage_path=None,
-                 cache_bytes=64 << 20):
+                 cache_bytes=64 << 20, evict_at_save=True):
         device, shared_name = self._placement()
         super().__init__(device=device)
         self._storage_dir = None
@@ -266,6 +269,7 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         self._steps_to_live = -1 if steps_to_live is None else int(steps_to_live)
         self._l2_threshold = -1.0 if l2_weight_threshold is None else float(l2_weight_threshold)
         self._save_filtered = bool(save_filtered)
+        self._evict_at_save = bool(evict_at_save)
         self._kre_id = f"{name}/table_{next(_ids)}"
         self._variable = TableVariable(self)
         # Kept as NumPy: `_create_resource` also runs in export graphs, where
@@ -337,8 +341,16 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
     def _serialize_to_tensors(self):
         # DeepRec evicts when a checkpoint is saved; every part is always
         # present (possibly empty) so that checkpoints of tables with and
-        # without filters restore into each other.
-        with tf.control_dependencies([self._evict_op()] if self.evicts else []):
+        # without filters restore into each other. An eager save (e.g.
+        # tf.train.Checkpoint.write) reports what it evicted; a traced one
+        # runs the op.
+        evict = []
+        if self.evicts_at_save:
+            if tf.executing_eagerly():
+                self.evict_for_save()
+            else:
+                evict = [self._evict_op()]
+        with tf.control_dependencies(evict):
             return self._export_parts(include_filtered=self.save_filtered)
 
     def _restore_from_tensors(self, restored_tensors):
@@ -468,6 +480,33 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
     def evicts(self):
         """Whether an eviction rule is configured."""
         return self._steps_to_live >= 0 or self._l2_threshold >= 0
+
+    @property
+    def evicts_at_save(self):
+        """Whether saving evicts now: an eviction rule with `at_save` on,
+        outside `keras_rec_emb.save_model(..., evict=False)`."""
+        return self.evicts and self._evict_at_save and _saving.evicts_at_save()
+
+    @property
+    def eviction_rule(self):
+        """The eviction option this table was built from (for messages)."""
+        if self._steps_to_live >= 0:
+            return GlobalStepEvict(self._steps_to_live, at_save=self._evict_at_save)
+        if self._l2_threshold >= 0:
+            return L2WeightEvict(self._l2_threshold, at_save=self._evict_at_save)
+        return None
+
+    def evict_for_save(self, name=None):
+        """Eager: the eviction of a save, when it evicts (`evicts_at_save`),
+        reported per table (see `keras_rec_emb.saving.report_save_eviction`);
+        returns the ids evicted."""
+        if not self.evicts_at_save:
+            return 0
+        before = self.size()
+        evicted = self.evict()
+        _saving.report_save_eviction(name or self._name, self.eviction_rule, before,
+                                     self.size(), evicted)
+        return evicted
 
     @property
     def save_filtered(self):

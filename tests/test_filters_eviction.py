@@ -1,5 +1,8 @@
 """Admission filters, eviction, metadata and DeepRec's checkpoint parts."""
 
+import logging
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -124,6 +127,134 @@ def test_l2_weight_evict():
                    "values": np.array([[0.1] * DIM, [1.0] * DIM, [0.2] * DIM], np.float32)})
     assert layer.evict() == 2
     assert layer.export()["keys"].tolist() == [2]
+
+
+# -- eviction at save: reported, and optional ------------------------------------
+# L2WeightEvict(1.0) at dim 16: trained rows have 0.5 * sum(row**2) far below
+# 1.0, so a save evicts every row (issue 56: an ESMM lost all 17 tables).
+
+def two_table_model(at_save=True):
+    """A trained model with a table every row of which L2WeightEvict(1.0)
+    evicts ('clicks') and one that GlobalStepEvict keeps whole ('items')."""
+    def table(name, rule):
+        return EmbeddingVariable(16, name=name, combiner="mean",
+                                 ev_option=kre.EmbeddingVariableOption(evict_option=rule))
+
+    ids = keras.Input((4,), dtype="int64")
+    clicks = table("clicks", kre.L2WeightEvict(1.0, at_save=at_save))(ids[:, :2])
+    items = table("items", kre.GlobalStepEvict(steps_to_live=1000))(ids[:, 2:])
+    model = keras.Model(ids, keras.layers.Dense(1, activation="sigmoid")(
+        keras.layers.Concatenate()([clicks, items])))
+    model.compile(optimizer=kre.optimizers.Adagrad(0.1), loss="binary_crossentropy")
+    rng = np.random.default_rng(5)
+    x = rng.integers(0, 300, size=(256, 4))
+    model.fit(x, rng.integers(0, 2, size=(256, 1)).astype(np.float32), batch_size=32,
+              verbose=0)
+    return model, x
+
+
+def eviction_logs(caplog):
+    return {r.getMessage().split("table '")[1].split("'")[0]: r.getMessage()
+            for r in caplog.records if r.name == "keras_rec_emb" and "at save" in r.getMessage()}
+
+
+def test_default_save_evicts_and_reports_each_table(tmp_path, caplog):
+    """DeepRec's rule stays the default: the save evicts, logs each table's
+    counts (the tables' real sizes before and after) and warns, naming the
+    table, the counts and the opt-outs, for the one that lost over half."""
+    caplog.set_level(logging.INFO, logger="keras_rec_emb")
+    model, x = two_table_model()
+    before = {name: model.get_layer(name).table_size() for name in ("clicks", "items")}
+    assert before["clicks"] > 100 and before["items"] > 100
+    with pytest.warns(UserWarning) as record:
+        kre.save_model(model, tmp_path / "m.keras")
+    after = {name: model.get_layer(name).table_size() for name in ("clicks", "items")}
+    assert after == {"clicks": 0, "items": before["items"]}
+    logs = eviction_logs(caplog)
+    for name in ("clicks", "items"):
+        assert (f"evicted {before[name] - after[name]} of {before[name]} rows, "
+                f"kept {after[name]}.") in logs[name], logs
+    assert "L2WeightEvict(l2_weight_threshold=1.0)" in logs["clicks"]
+    warned = [str(w.message) for w in record if "Saving evicted" in str(w.message)]
+    assert len(warned) == 1, warned
+    assert f"Saving evicted {before['clicks']} of the {before['clicks']} rows of table " \
+           "'clicks' (0 kept)" in warned[0]
+    assert "save_model(model, path, evict=False)" in warned[0]
+    assert "L2WeightEvict(..., at_save=False)" in warned[0]
+    loaded = kre.load_model(tmp_path / "m.keras")
+    assert loaded.get_layer("clicks").table_size() == 0
+    assert loaded.get_layer("items").table_size() == before["items"]
+
+
+@pytest.mark.parametrize("how", ["save_model", "option"])
+def test_saving_without_eviction_keeps_every_row(tmp_path, caplog, how):
+    """`save_model(..., evict=False)` for one save, `at_save=False` for one
+    table: the table in memory and in the file keeps every row, predictions
+    do not move, and nothing is reported."""
+    caplog.set_level(logging.INFO, logger="keras_rec_emb")
+    model, x = two_table_model(at_save=how != "option")
+    layer = model.get_layer("clicks")
+    rows = layer.export()
+    predictions = model.predict(x, verbose=0)
+    path = tmp_path / "m.keras"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="Saving evicted")
+        if how == "save_model":
+            kre.save_model(model, path, evict=False)
+        else:
+            model.save(path)
+            tf.train.Checkpoint(model=model).write(str(tmp_path / "ckpt"))
+    assert "clicks" not in eviction_logs(caplog)
+    np.testing.assert_array_equal(model.predict(x, verbose=0), predictions)
+    assert layer.table_size() == len(rows["keys"])
+    loaded = kre.load_model(path)
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), predictions)
+    got = loaded.get_layer("clicks").export()
+    assert loaded.get_layer("clicks").ev_option.evict_option.at_save is (how != "option")
+    order, want = np.argsort(got["keys"]), np.argsort(rows["keys"])
+    np.testing.assert_array_equal(got["keys"][order], rows["keys"][want])
+    np.testing.assert_array_equal(got["values"][order], rows["values"][want])
+    assert layer.evict() == len(rows["keys"])  # evict() still evicts
+
+
+def test_at_save_false_builds_a_table_that_keeps_its_rows_at_save(tmp_path):
+    layer = ev(evict_option=kre.L2WeightEvict(0.5, at_save=False))
+    model = model_with(layer)
+    model.fit(np.array([[1, 2]]), np.ones((1, 1)), verbose=0)
+    n = layer.table_size()
+    model.save(tmp_path / "m.keras")
+    tf.train.Checkpoint(model=model).write(str(tmp_path / "ckpt"))
+    assert n == 2 and layer.table_size() == n
+    assert kre.load_model(tmp_path / "m.keras").layers[1].table_size() == n
+    assert layer.evict() == n
+
+
+def test_checkpoint_save_reports_its_eviction(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="keras_rec_emb")
+    model, _ = two_table_model()
+    n = model.get_layer("clicks").table_size()
+    with pytest.warns(UserWarning, match=rf"Saving evicted {n} of the {n} rows of table "
+                                         r"'clicks/embeddings'"):
+        tf.train.Checkpoint(model=model).write(str(tmp_path / "ckpt"))
+    assert f"evicted {n} of {n} rows, kept 0." in eviction_logs(caplog)["clicks/embeddings"]
+
+
+def test_at_save_in_the_config_and_its_checks():
+    for cls, arg in ((kre.GlobalStepEvict, 5), (kre.L2WeightEvict, 0.5)):
+        assert cls(arg).at_save is True
+        assert "at_save" not in cls(arg).get_config()  # the config older releases read
+        off = cls(arg, at_save=False)
+        assert off.get_config()["at_save"] is False
+        assert cls.from_config(off.get_config()) == off
+        config = keras.saving.serialize_keras_object(kre.EmbeddingVariableOption(
+            evict_option=off))
+        assert keras.saving.deserialize_keras_object(config).evict_option.at_save is False
+        with pytest.raises(TypeError, match=r"`at_save`.*Received: at_save='no'"):
+            cls(arg, at_save="no")
+    # A config written before `at_save` existed reads as DeepRec's default.
+    assert kre.L2WeightEvict.from_config({"l2_weight_threshold": 0.5}).at_save is True
+    with pytest.raises(TypeError, match=r"`evict` must be True or False. Received: evict=0"):
+        kre.save_model(model_with(ev()), "/tmp/never.keras", evict=0)
 
 
 # -- metadata -------------------------------------------------------------------

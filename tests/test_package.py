@@ -283,3 +283,17 @@ def test_modules_behind_the_top_level_declare_their_api(name):
     assert module.__all__
     for public in module.__all__:
         assert getattr(module, public) is getattr(kre, public), f"{name}.{public}"
+
+
+def test_license_is_an_spdx_string():
+    """`project.license` as a table is deprecated by setuptools (builds stop
+    after 2027-02-18): it is an SPDX expression, which needs setuptools >= 77,
+    and no license classifier says it twice (setuptools refuses both)."""
+    import tomllib
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        config = tomllib.load(f)
+    assert config["project"]["license"] == "Apache-2.0"
+    assert not any(c.startswith("License ::") for c in config["project"]["classifiers"])
+    assert "setuptools>=77" in config["build-system"]["requires"]

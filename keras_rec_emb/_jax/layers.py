@@ -262,7 +262,8 @@ class EmbeddingVariable(keras.layers.Layer):
             TensorFlow: its initializer option, `num_shards`, admission
             filter (`CounterFilter`, `CBFFilter`), eviction
             (`GlobalStepEvict`, `L2WeightEvict`: applied when the model is
-            saved and by `evict()`), storage (`StorageOption("FILE",
+            saved unless `at_save=False` or `keras_rec_emb.save_model(...,
+            evict=False)`, and by `evict()`), storage (`StorageOption("FILE",
             storage_path, storage_size)`: the rows live in files under
             `storage_path/<name>_embeddings` with a DRAM cache of about
             `storage_size` bytes; see `snapshot()`), `track_meta`,

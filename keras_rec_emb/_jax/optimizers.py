@@ -506,14 +506,17 @@ class AdamW(TableOptimizer, keras.optimizers.AdamW):
     it updates.
 
     Args:
-        weight_decay: float >= 0.
+        weight_decay: float >= 0. Defaults to `0.004`, as
+            `keras.optimizers.AdamW`. It comes first (before `learning_rate`,
+            unlike Keras): `AdamW(0.01, 0.02)` is `weight_decay=0.01,
+            learning_rate=0.02`.
         learning_rate: float >= 0 or a schedule. Defaults to `0.001`.
         scale_weight_decay_by_learning_rate: `True` only under JAX so far
             (Keras's `learning_rate * weight_decay * var`).
         **kwargs: the other arguments of `keras.optimizers.AdamW`.
     """ + _EXAMPLE.format(name="AdamW", args="0.01, 0.01")
 
-    def __init__(self, weight_decay, learning_rate=0.001,
+    def __init__(self, weight_decay=0.004, learning_rate=0.001,
                  scale_weight_decay_by_learning_rate=True, **kwargs):
         check_non_negative("weight_decay", weight_decay)
         if scale_weight_decay_by_learning_rate is not True:

@@ -21,7 +21,10 @@ under JAX and the reverse. Three things make it so.
   frequencies and versions int64 as TensorFlow writes them) and each
   optimizer slot as `slot:NAME` (`slot:accumulator` for Adagrad). As
   under TensorFlow, saving first evicts what the layer's eviction option
-  names (DeepRec evicts at checkpoint), and with `save_filtered` off (or
+  names (DeepRec evicts at checkpoint; not with the option's
+  `at_save=False` nor inside `keras_rec_emb.save_model(..., evict=False)`),
+  logging each table's evicted and kept rows and warning when more than
+  half went, and with `save_filtered` off (or
   `KRE_EV_SAVE_FILTERED_FEATURES=false`) the keys counted but not admitted
   are saved empty and the Bloom counters not at all. The
   table's slots are the layer's under both backends: under TensorFlow the
@@ -42,6 +45,7 @@ import keras
 import numpy as np
 
 from keras_rec_emb import options
+from keras_rec_emb import saving as kre_saving
 from keras_rec_emb._jax import ffi
 
 # keras_rec_emb/variables.py's ARRAY_PARTS (that module imports TensorFlow).
@@ -72,7 +76,11 @@ def save_table(layer, store):
     layer's eviction (see the top)."""
     if layer.handle is None:
         return
-    layer.evict()
+    rule = layer.ev_option.evict_option
+    if rule is not None and rule.at_save and kre_saving.evicts_at_save():
+        before = layer.table_size()
+        evicted = layer.evict()
+        kre_saving.report_save_eviction(layer.name, rule, before, layer.table_size(), evicted)
     parts = ffi.export_parts(layer.handle, layer.key_dtype, layer.embedding_dim,
                              _slot_specs(layer))
     ev = layer.ev_option

@@ -402,7 +402,7 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
     def _gathered_parts(self, include_filtered, evict=False):
         shard = self._shards[0]
         with tf.device(shard.device):
-            evict = [shard._evict_op()] if evict and shard.evicts else []
+            evict = [shard._evict_op()] if evict and shard.evicts_at_save else []
             with tf.control_dependencies(evict):
                 parts = _ops.export(shard.handle, shard.key_dtype, shard.dim,
                                     include_filtered=include_filtered)

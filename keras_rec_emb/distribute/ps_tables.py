@@ -34,6 +34,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_rec_emb import _compat, _ops, _serving_context
+from keras_rec_emb import saving as _saving
 from keras_rec_emb import tables as _tables
 from keras_rec_emb import variables as _variables
 from keras_rec_emb.distribute import ps_variables, shards
@@ -272,6 +273,25 @@ class ShardedEmbeddingTable(_compat.Trackable):
         return self._shards[0].evicts
 
     @property
+    def evicts_at_save(self):
+        return self._shards[0].evicts_at_save
+
+    @property
+    def eviction_rule(self):
+        return self._shards[0].eviction_rule
+
+    def evict_for_save(self, name=None):
+        """`EmbeddingTable.evict_for_save` over every shard (collective for
+        a CollectiveShardedTable: `size` and `evict` are)."""
+        if not self.evicts_at_save:
+            return 0
+        before = self.size()
+        evicted = self.evict()
+        _saving.report_save_eviction(name or self._name, self.eviction_rule, before,
+                                     self.size(), evicted)
+        return evicted
+
+    @property
     def save_filtered(self):
         return self._shards[0].save_filtered
 
@@ -298,7 +318,7 @@ class ShardedEmbeddingTable(_compat.Trackable):
         shard_parts = []
         for shard in self._shards:
             with tf.device(shard.device):
-                evict = [shard._evict_op()] if shard.evicts else []
+                evict = [shard._evict_op()] if shard.evicts_at_save else []
                 with tf.control_dependencies(evict):
                     shard_parts.append(_ops.export(shard.handle, shard.key_dtype, shard.dim,
                                                    include_filtered=shard.save_filtered))

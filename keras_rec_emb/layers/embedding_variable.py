@@ -66,7 +66,12 @@ class EmbeddingVariable(keras.layers.Layer):
             and `GroupEmbedding`. Ids padded with -1 (`[B, L]`) then need no
             conversion to ragged. `False` makes every id a key, -1 too.
             Needs a combiner. Defaults to `False`.
-        ev_option: `keras_rec_emb.EmbeddingVariableOption` or `None`.
+        ev_option: `keras_rec_emb.EmbeddingVariableOption` or `None`. Its
+            eviction option also evicts when the model or a checkpoint is
+            saved (DeepRec), in memory as well as in the file, logging the
+            counts and warning when over half of the rows go; not with the
+            option's `at_save=False` nor inside
+            `keras_rec_emb.save_model(..., evict=False)`.
         trainable: bool. Defaults to `True`.
         name: str or `None`.
         restore_dim_mismatch: `"error"` or `"pad_or_truncate"`. Restoring
@@ -364,7 +369,9 @@ class EmbeddingVariable(keras.layers.Layer):
     def save_own_variables(self, store):
         if self.table is None:
             return
-        self.table.evict()  # DeepRec evicts when a model is saved
+        # DeepRec evicts when a model is saved (unless the option's `at_save`
+        # or `save_model(..., evict=False)` says not to); reported per table.
+        self.table.evict_for_save(self.name)
         data = self.table.export(include_filtered=self.table.save_filtered)
         if not self.table.save_filtered:
             del data["bloom"]

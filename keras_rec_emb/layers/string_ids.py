@@ -2,6 +2,7 @@
 embedding variables hash them."""
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from keras_rec_emb import _compat
@@ -87,6 +88,35 @@ class HashStrings(keras.layers.Layer):
         # chooses False.
         self.supports_jit = False
         self.built = True
+
+    def __call__(self, inputs, *args, **kwargs):
+        # A Python list or NumPy object array of mixed elements would fail in
+        # TensorFlow's conversion (or Keras's argument check), naming neither
+        # this layer nor string ids.
+        if isinstance(inputs, (list, tuple)) or (
+                isinstance(inputs, np.ndarray) and inputs.dtype == object):
+            inputs = self._checked_strings(inputs)
+        return super().__call__(inputs, *args, **kwargs)
+
+    def _checked_strings(self, inputs):
+        """`inputs` (nested lists or an object array) as a tf.string tensor,
+        after checking that every element is a `str` or `bytes`."""
+        stack = [inputs]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, (list, tuple, np.ndarray)):
+                stack.extend(item.ravel().tolist() if isinstance(item, np.ndarray) else item)
+            elif not isinstance(item, (str, bytes, np.str_, np.bytes_)):
+                raise TypeError(
+                    f"HashStrings '{self.name}' takes string ids in `inputs`: every element "
+                    f"a str or bytes ('' for a missing id), or a tf.string tensor. Received "
+                    f"an element of type {type(item).__name__}: {item!r}. Integer ids need "
+                    "no hashing: feed them to the embedding layer directly (or convert "
+                    "them all with str()).")
+        try:
+            return tf.constant(inputs, tf.string)
+        except ValueError:  # rows of different lengths
+            return tf.ragged.constant(inputs, tf.string)
 
     @property
     def ids_input_dtype(self):

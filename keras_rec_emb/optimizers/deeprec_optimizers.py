@@ -332,7 +332,10 @@ class AdamW(TableOptimizer, keras.optimizers.AdamW):
     works as in Keras.
 
     Args:
-        weight_decay: float >= 0.
+        weight_decay: float >= 0. Defaults to `0.004`, as
+            `keras.optimizers.AdamW`. It comes first (before `learning_rate`,
+            unlike Keras): `AdamW(0.01, 0.02)` is `weight_decay=0.01,
+            learning_rate=0.02`.
         learning_rate: float >= 0, a schedule, or a callable. Defaults to
             `0.001`.
         beta_1: float. Defaults to `0.9`.
@@ -355,7 +358,7 @@ class AdamW(TableOptimizer, keras.optimizers.AdamW):
     ...                     verbose=0)
     """
 
-    def __init__(self, weight_decay: float,
+    def __init__(self, weight_decay: float = 0.004,
                  learning_rate: float | keras.optimizers.schedules.LearningRateSchedule = 0.001,
                  beta_1: float = 0.9, beta_2: float = 0.999, epsilon: float = 1e-8,
                  amsgrad: bool = False, scale_weight_decay_by_learning_rate: bool = True,

@@ -9,6 +9,8 @@ test_cross_backend_saving.py.)"""
 
 import io
 import json
+import logging
+import warnings
 import zipfile
 
 import h5py
@@ -153,6 +155,85 @@ def test_saving_evicts_as_deeprec_does(tmp_path):
     assert sorted(_parts(layer)["keys"].tolist()) == kept.tolist()
     loaded = keras.saving.load_model(str(tmp_path / "m.keras"))
     assert sorted(_parts(loaded.get_layer("ev"))["keys"].tolist()) == kept.tolist()
+
+
+# -- eviction at save: reported, and optional ------------------------------------
+# L2WeightEvict(1.0) at dim 16 evicts every trained row (issue 56).
+
+def _two_table_model(at_save=True):
+    """A trained model with a table every row of which L2WeightEvict(1.0)
+    evicts ('clicks') and one that GlobalStepEvict keeps whole ('items')."""
+    def table(name, rule):
+        return EmbeddingVariable(16, name=name, combiner="mean",
+                                 ev_option=kre.EmbeddingVariableOption(evict_option=rule))
+
+    ids = keras.Input((4,), dtype="int64")
+    clicks = table("clicks", kre.L2WeightEvict(1.0, at_save=at_save))(ids[:, :2])
+    items = table("items", kre.GlobalStepEvict(steps_to_live=1000))(ids[:, 2:])
+    model = keras.Model(ids, keras.layers.Dense(1, activation="sigmoid")(
+        keras.layers.Concatenate()([clicks, items])))
+    model.compile(optimizer=kre.optimizers.Adagrad(0.1), loss="binary_crossentropy")
+    rng = np.random.default_rng(5)
+    x = rng.integers(0, 300, size=(256, 4))
+    model.fit(x, rng.integers(0, 2, size=(256, 1)).astype(np.float32), batch_size=32,
+              verbose=0)
+    return model, x
+
+
+def _eviction_logs(caplog):
+    return {r.getMessage().split("table '")[1].split("'")[0]: r.getMessage()
+            for r in caplog.records if r.name == "keras_rec_emb" and "at save" in r.getMessage()}
+
+
+def test_default_save_evicts_and_reports_each_table(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="keras_rec_emb")
+    model, x = _two_table_model()
+    before = {name: model.get_layer(name).table_size() for name in ("clicks", "items")}
+    assert before["clicks"] > 100 and before["items"] > 100
+    with pytest.warns(UserWarning) as record:
+        kre.save_model(model, tmp_path / "m.keras")
+    after = {name: model.get_layer(name).table_size() for name in ("clicks", "items")}
+    assert after == {"clicks": 0, "items": before["items"]}
+    logs = _eviction_logs(caplog)
+    for name in ("clicks", "items"):
+        assert (f"evicted {before[name] - after[name]} of {before[name]} rows, "
+                f"kept {after[name]}.") in logs[name], logs
+    warned = [str(w.message) for w in record if "Saving evicted" in str(w.message)]
+    assert len(warned) == 1, warned
+    assert f"Saving evicted {before['clicks']} of the {before['clicks']} rows of table " \
+           "'clicks' (0 kept)" in warned[0]
+    assert "save_model(model, path, evict=False)" in warned[0]
+    assert "L2WeightEvict(..., at_save=False)" in warned[0]
+    loaded = kre.load_model(tmp_path / "m.keras")
+    assert loaded.get_layer("clicks").table_size() == 0
+    assert loaded.get_layer("items").table_size() == before["items"]
+
+
+@pytest.mark.parametrize("how", ["save_model", "option"])
+def test_saving_without_eviction_keeps_every_row(tmp_path, caplog, how):
+    caplog.set_level(logging.INFO, logger="keras_rec_emb")
+    model, x = _two_table_model(at_save=how != "option")
+    layer = model.get_layer("clicks")
+    rows = _parts(layer)
+    predictions = model.predict(x, verbose=0)
+    path = tmp_path / "m.keras"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="Saving evicted")
+        if how == "save_model":
+            kre.save_model(model, path, evict=False)
+        else:
+            model.save(path)
+    assert "clicks" not in _eviction_logs(caplog)
+    np.testing.assert_array_equal(model.predict(x, verbose=0), predictions)
+    assert layer.table_size() == len(rows["keys"])
+    loaded = kre.load_model(path)
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), predictions)
+    got = _parts(loaded.get_layer("clicks"))
+    assert loaded.get_layer("clicks").ev_option.evict_option.at_save is (how != "option")
+    order, want = np.argsort(got["keys"]), np.argsort(rows["keys"])
+    np.testing.assert_array_equal(got["keys"][order], rows["keys"][want])
+    np.testing.assert_array_equal(got["values"][order], rows["values"][want])
+    assert layer.evict() == len(rows["keys"])  # evict() still evicts
 
 
 def _filtered_model(form, filter_option):

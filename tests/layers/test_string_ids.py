@@ -302,3 +302,26 @@ def test_bad_input():
         HashStrings()(tf.constant("a"))
     with pytest.raises(ValueError, match=r"ragged strings of shape \[batch, None\]"):
         HashStrings()(tf.ragged.constant([[["a"]]]))
+
+
+@pytest.mark.parametrize("inputs, kind, shown", [
+    (np.array([["68fd1e64", 7]], dtype=object), "int", "7"),
+    ([["68fd1e64", 2.5]], "float", "2.5"),
+    (np.array([["68fd1e64", None]], dtype=object), "NoneType", "None"),
+    ([["68fd1e64"], ["a", np.int64(3)]], "int64", r"np\.int64\(3\)"),
+], ids=["object-array-int", "list-float", "object-array-none", "ragged-list-int64"])
+def test_mixed_elements_name_the_layer_the_argument_and_the_type(inputs, kind, shown):
+    with pytest.raises(TypeError, match=rf"HashStrings 'h' takes string ids in `inputs`: every "
+                                        rf"element a str or bytes.*Received an element of type "
+                                        rf"{kind}: {shown}\."):
+        HashStrings(name="h")(inputs)
+
+
+def test_lists_and_object_arrays_of_strings_hash_as_tensors_do():
+    strings = criteo_strings((8, 3)).astype(str)
+    want = HashStrings(missing="pad")(tf.constant(strings)).numpy()
+    for inputs in (strings.tolist(), strings.astype(object)):
+        np.testing.assert_array_equal(HashStrings(missing="pad")(inputs).numpy(), want)
+    got = HashStrings()([["a"], ["b", "", "c"]])  # rows of different lengths
+    np.testing.assert_array_equal(got.row_lengths().numpy(), [1, 2])
+    np.testing.assert_array_equal(got.values.numpy(), reference_keys([b"a", b"b", b"c"]))

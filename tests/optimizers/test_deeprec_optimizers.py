@@ -11,7 +11,8 @@ import keras_rec_emb as kre
 from keras_rec_emb.layers import EmbeddingVariable
 
 from tests._deeprec_cases import (CASE_IDS, CASES, DIM, DVD, E0, GRADS,
-                                  IDLE_ROW_ACCUMULATOR, T0, VOCAB, W0, idle_row_key, rng)
+                                  IDLE_ROW_ACCUMULATOR, T0, VOCAB, W0, idle_row_key, ref_adamw,
+                                  rng)
 
 
 def run_ours(optimizer, matrix_initializer):
@@ -43,6 +44,26 @@ def test_matches_numpy_reference(name, kwargs, reference, ref_kwargs, matrix_ini
     assert table.keys() == rtable.keys() and len(table) >= 4
     for k in table:
         np.testing.assert_allclose(table[k], rtable[k], rtol=1e-4, atol=1e-5, err_msg=f"key {k}")
+
+
+def test_adamw_defaults_to_keras_weight_decay(matrix_initializer):
+    """`AdamW()` decays by 0.004 as keras.optimizers.AdamW does (keras-rs's
+    examples rely on it); a large learning rate makes the decay visible."""
+    default = kre.optimizers.AdamW()
+    keras_default = keras.optimizers.AdamW()
+    assert default.weight_decay == keras_default.weight_decay == 0.004
+    assert float(default.learning_rate) == float(keras_default.learning_rate)
+    w, e, table = run_ours(kre.optimizers.AdamW(learning_rate=0.5), matrix_initializer)
+    for wd, check in ((0.004, np.testing.assert_allclose), (0.0, None)):
+        rw, re_, rtable = ref_adamw(wd=wd, lr=0.5, eps=1e-8)
+        if check is None:  # without the decay the numbers differ
+            assert not np.allclose(w, rw, rtol=1e-4, atol=1e-5)
+            continue
+        check(w, rw, rtol=1e-4, atol=1e-5)
+        check(e, re_, rtol=1e-4, atol=1e-5)
+        assert table.keys() == rtable.keys() and len(table) >= 4
+        for k in table:
+            check(table[k], rtable[k], rtol=1e-4, atol=1e-5, err_msg=f"key {k}")
 
 
 def test_adagrad_decay_floor_and_row_catch_up(matrix_initializer):
