@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from keras_rec_emb import _compat
 from keras_rec_emb import _ops, _serving_context
-from keras_rec_emb.ops import _deferred
+from keras_rec_emb.ops import _model_fusion
 from keras_rec_emb._checks import (COMBINERS, assert_ids_in_range, check_bool, check_float,
                                    check_int, checked_sparse_ids, integer_ids)
 from keras_rec_emb._embed_reduce import combine_rows
@@ -481,20 +481,25 @@ def _stacked_pooled_lookup_grad(op, grad):
 
 
 # -- a layer's pooled lookup: a group of one ------------------------------------
-def pooled_layer_lookup(layer, inputs, training, weights=None):
-    """What `EmbeddingVariable(combiner=...)` returns for `inputs`: its ids
-    looked up and combined by its combiner in one fused op, as a group of
-    one feature (the group lookup's kernels, forward and backward), or, in
-    a traced graph, a `_deferred.DeferredRows` looked up together with the
-    other pooled layer calls of the step (see `ops/_deferred.py`). Every id
-    is a key (-1 too) unless the layer's `prune_invalid_ids` drops ids < 0
-    from the combine; dense ids
-    `[..., L]` give `[..., dim]` (an empty last axis gives zeros), ragged or
-    sparse `[batch, None]` ids `[batch, dim]`. Ids are checked to be
-    integers that fit the table's keys. With `training` (and a trainable
-    layer) unseen ids are inserted and counted. `weights` (None, or float32
-    per-id weights of the ids' kind, checked by the layer) weigh the
-    combine; for "mean" and "sqrtn" ids of weight <= 0 become padding."""
+class LayerCall:
+    """One pooled layer call: what `layers_lookup` needs to look it up
+    (`insert`: a training call of a trainable layer)."""
+
+    __slots__ = ("layer", "table", "inputs", "weights", "insert", "single", "combiner", "prune")
+
+    def __init__(self, layer, table, inputs, weights, insert, single=False):
+        self.layer, self.table, self.inputs, self.weights = layer, table, inputs, weights
+        self.insert = insert
+        # `single`: a layer without a combiner, each id its own row (a "sum"
+        # of one id, every id a key), rows `ids.shape + [dim]`.
+        self.single = single
+        self.combiner = "sum" if single else layer.combiner
+        self.prune = False if single else layer.prune_invalid_ids
+
+
+def _pooled_call(layer, inputs, training, weights=None):
+    """The `LayerCall` of `EmbeddingVariable(combiner=...)` on `inputs`,
+    after the checks of their shape (see `pooled_layer_lookup`)."""
     what = f"{type(layer).__name__} '{layer.name}'"
     table = layer._table_for_lookup()
     if isinstance(inputs, tf.RaggedTensor):
@@ -503,14 +508,12 @@ def pooled_layer_lookup(layer, inputs, training, weights=None):
                 f"{what} takes ragged ids of shape [batch, None]. Received "
                 f"shape {inputs.shape} with ragged_rank {inputs.ragged_rank}"
             )
-        shape, dtype = inputs.shape[:1], inputs.dtype
     elif isinstance(inputs, tf.SparseTensor):
         if inputs.shape.rank != 2:
             raise ValueError(
                 f"{what} takes sparse ids of shape [batch, None]. Received "
                 f"shape {inputs.shape}"
             )
-        shape, dtype = inputs.shape[:1], inputs.dtype
     else:
         inputs = tf.convert_to_tensor(inputs)
         if inputs.shape.rank is not None and inputs.shape.rank < 1:
@@ -518,30 +521,62 @@ def pooled_layer_lookup(layer, inputs, training, weights=None):
                 f"{what} with a combiner combines the last axis of the ids; "
                 f"received scalar ids of shape {inputs.shape}"
             )
-        shape, dtype = inputs.shape[:-1], inputs.dtype
-    call = _deferred.LayerCall(layer, table, inputs, weights,
-                               bool(training) and layer.trainable)
-    # Ids that are not integers are refused at the call, not where used.
-    if dtype.is_integer and inputs.shape.rank is not None and _deferred.can_defer(layer):
-        return _deferred.defer(call, shape.concatenate([table.dim]), layer.compute_dtype)
-    return layers_lookup([call])[0]
+    return LayerCall(layer, table, inputs, weights, bool(training) and layer.trainable)
 
 
-def deferred_ids_lookup(layer, inputs, training):
-    """A `_deferred.DeferredRows` for `EmbeddingVariable` (no combiner) on
-    dense integer ids `inputs`: their rows, `ids.shape + [dim]`, looked up
-    with the step's other layer calls (each id a "sum" of one id, every id
-    a key); None where the call is not deferred (`_deferred.can_defer`,
-    other ids), and the layer looks its ids up at once."""
-    if isinstance(inputs, (tf.RaggedTensor, tf.SparseTensor)) or not _deferred.can_defer(layer):
-        return None
-    inputs = tf.convert_to_tensor(inputs)
-    if not inputs.dtype.is_integer or inputs.shape.rank is None or inputs.shape.rank < 1:
-        return None
-    table = layer._table_for_lookup()
-    call = _deferred.LayerCall(layer, table, inputs, None, bool(training) and layer.trainable,
-                               single=True)
-    return _deferred.defer(call, inputs.shape.concatenate([table.dim]), layer.compute_dtype)
+def pooled_layer_lookup(layer, inputs, training, weights=None):
+    """What `EmbeddingVariable(combiner=...)` returns for `inputs`: its ids
+    looked up and combined by its combiner in one fused op, as a group of
+    one feature (the group lookup's kernels, forward and backward), at the
+    call. Every id
+    is a key (-1 too) unless the layer's `prune_invalid_ids` drops ids < 0
+    from the combine; dense ids
+    `[..., L]` give `[..., dim]` (an empty last axis gives zeros), ragged or
+    sparse `[batch, None]` ids `[batch, dim]`. Ids are checked to be
+    integers that fit the table's keys. With `training` (and a trainable
+    layer) unseen ids are inserted and counted. `weights` (None, or float32
+    per-id weights of the ids' kind, checked by the layer) weigh the
+    combine; for "mean" and "sqrtn" ids of weight <= 0 become padding."""
+    return layers_lookup([_pooled_call(layer, inputs, training, weights)])[0]
+
+
+def model_call_rows(layer, inputs, training):
+    """This call's rows when `layer` is one of the fused calls of the
+    Functional model call being run (`ops/_model_fusion.py`): a `tf.Tensor`,
+    all of them looked up at the first; None otherwise (the layer looks its
+    ids up at the call)."""
+    return _model_fusion.planned_rows(layer, inputs, training)
+
+
+def _lookup_entries(entries, training):
+    """The rows of the planned calls `entries` (`_model_fusion`: a layer and
+    its ids each) of one model call, one `KRE>GroupLookup` per insert flag."""
+    calls = []
+    for e in entries:
+        layer = e.layer
+        if layer.combiner is not None:
+            calls.append(_pooled_call(layer, e.inputs, training))
+        else:  # dense ids, checked integer when planned
+            calls.append(LayerCall(layer, layer._table_for_lookup(),
+                                   tf.convert_to_tensor(e.inputs), None,
+                                   bool(training) and layer.trainable, single=True))
+    rows = [None] * len(calls)
+    by_insert = {}
+    for i, c in enumerate(calls):
+        by_insert.setdefault(c.insert, []).append(i)
+    for group in by_insert.values():
+        for i, r in zip(group, layers_lookup([calls[i] for i in group])):
+            rows[i] = r
+    return rows
+
+
+_model_fusion.lookup_entries = _lookup_entries
+
+
+def register_layer_class(cls):
+    """Names `layers.EmbeddingVariable` (which imports this module) to the
+    Functional-model fusion (`ops/_model_fusion.py`)."""
+    _model_fusion.EMBEDDING_VARIABLE = cls
 
 
 def _stacked_source(calls):
@@ -575,7 +610,7 @@ def _stacked_source(calls):
 
 
 def layers_lookup(calls, concat=False):
-    """The rows of pooled layer calls (`_deferred.LayerCall`s of one insert
+    """The rows of pooled layer calls (`LayerCall`s of one insert
     flag) from one `KRE>GroupLookup`: a list, one per call, or with
     `concat` (every call's rows `[batch, dim]`, float32) their rows side
     by side, written so by the op."""
@@ -623,7 +658,6 @@ def layers_lookup(calls, concat=False):
     return rows
 
 
-_deferred.layers_lookup = layers_lookup
 
 
 def _layer_ids(call):
