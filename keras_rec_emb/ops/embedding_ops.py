@@ -579,75 +579,23 @@ def register_layer_class(cls):
     _model_fusion.EMBEDDING_VARIABLE = cls
 
 
-def _stacked_source(calls):
-    """`(ids, columns)` when every call's ids are a column `ids[:, j, :]` of
-    one stacked `[batch, F, L]` (L > 1) tensor split by `tf.unstack`, with
-    no weights and padding pruned (or, for calls without a combiner, columns
-    `ids[:, j]` of `[batch, F]` ids): they are then read where they are, in
-    one `KRE>UnstackKeptIds` (`KRE>UnstackFeatureIds`), as a
-    `GroupEmbedding` reads stacked ids, and the split itself goes unused.
-    Else None."""
-    unpack, columns = None, []
-    single = calls[0].single
-    for c in calls:
-        x = c.inputs
-        if (c.weights is not None or c.single != single or not (c.prune or single)
-                or not isinstance(x, tf.Tensor) or not hasattr(x, "op")
-                or x.op.type != "Unpack" or unpack not in (None, x.op)):
-            return None
-        unpack = x.op
-        columns.append(x.value_index)
-    ids = unpack.inputs[0]
-    if (len(set(columns)) != len(columns) or ids.shape.rank != (2 if single else 3)
-            or unpack.get_attr("axis") not in ((1, -1) if single else (1, -2))
-            or ids.dtype not in (tf.int32, tf.int64)):
-        return None
-    if not single and (ids.shape[2] is None or ids.shape[2] < 2):
-        return None
-    if ids.dtype == tf.int64 and any(tf.as_dtype(c.table.key_dtype) != tf.int64 for c in calls):
-        return None  # int32 tables would need their ids checked apart
-    return ids, columns
-
-
-def layers_lookup(calls, concat=False):
-    """The rows of pooled layer calls (`LayerCall`s of one insert
-    flag) from one `KRE>GroupLookup`: a list, one per call, or with
-    `concat` (every call's rows `[batch, dim]`, float32) their rows side
-    by side, written so by the op."""
+def layers_lookup(calls):
+    """The rows of pooled layer calls (`LayerCall`s of one insert flag) from
+    one `KRE>GroupLookup`: a list, one per call."""
     n = len(calls)
     insert = calls[0].insert
     name = f"{calls[0].layer.name}_lookup" if n == 1 else "pooled_layers_lookup"
-    combiners = [c.combiner for c in calls]
-    stacked = _stacked_source(calls)
-    if stacked is not None:
-        ids, columns = stacked
-        if calls[0].single:  # [batch, F] ids: one id a row, splits shared
-            values, shared = _ops.unstack_feature_ids(tf.expand_dims(ids, -1))
-            splits = [shared] * len(values)
-        else:
-            if concat and not insert and columns == list(range(ids.shape[1])):
-                # The inference lookup of all the columns: as GroupEmbedding's.
-                out = stacked_pooled_lookup([c.table for c in calls], ids, combiners,
-                                            [None] * n, name=name)
-                if out is not None:
-                    return out
-            values, splits = _ops.unstack_kept_ids(ids)
-        flat, splits = [values[j] for j in columns], [splits[j] for j in columns]
-        weights, outers = [tf.zeros([0], tf.float32)] * n, [None] * n
-    else:
-        flat, splits, weights, outers = [], [], [], []
-        for c in calls:
-            v, s, w, outer = _layer_ids(c)
-            flat.append(v)
-            splits.append(s)
-            weights.append(w)
-            outers.append(outer)
+    flat, splits, weights, outers = [], [], [], []
+    for c in calls:
+        v, s, w, outer = _layer_ids(c)
+        flat.append(v)
+        splits.append(s)
+        weights.append(w)
+        outers.append(outer)
     outs = _fused_lookup(
-        [_Param(table=c.table) for c in calls], flat, splits, weights, combiners,
-        [None] * n, [None] * n, [c.prune for c in calls], [False] * n,
-        training=insert, name=name, concat=concat)
-    if concat:
-        return outs[0]
+        [_Param(table=c.table) for c in calls], flat, splits, weights,
+        [c.combiner for c in calls], [None] * n, [None] * n, [c.prune for c in calls],
+        [False] * n, training=insert, name=name)
     rows = []
     for c, out, outer in zip(calls, outs, outers):
         if outer is not None:  # [rows, dim] back to the ids' [..., dim]
@@ -656,8 +604,6 @@ def layers_lookup(calls, concat=False):
         rows.append(out if c.layer.compute_dtype == "float32"
                     else tf.cast(out, c.layer.compute_dtype))
     return rows
-
-
 
 
 def _layer_ids(call):
