@@ -205,6 +205,10 @@ def _model(form, matrix_initializer, single=False):
             init_option=kre.InitializerOption(default_value_dim=DVD))
         tables = [EmbeddingVariable(DIM, initializer=matrix_initializer(MATRIX),
                                     ev_option=filtered, name=f"s{j}") for j in range(F)]
+        if form == "functional single ids":  # fused: one id a row, every id a key
+            inputs = [keras.Input(shape=(), dtype="int64") for _ in range(F)]
+            merged = keras.layers.Concatenate()([t(i) for t, i in zip(tables, inputs)])
+            return keras.Model(inputs, keras.layers.Dense(1, kernel_initializer="ones")(merged))
         return Separate(tables, single=True)
     tables = make_layers(matrix_initializer)
     if form == "subclassed":
@@ -217,19 +221,23 @@ def _model(form, matrix_initializer, single=False):
     return keras.Sequential([tables[0], keras.layers.Dense(1, kernel_initializer="ones")])
 
 
-@pytest.mark.parametrize("form", ["subclassed", "functional", "sequential", "single ids"])
+@pytest.mark.parametrize("form", ["subclassed", "functional", "sequential", "single ids",
+                                  "functional single ids"])
 def test_fit_with_separate_layers_matches_eager_fit(matrix_initializer, form):
-    ids = stacked_ids(seed=1, batch=64, length=1 if form == "single ids" else 3)
+    single = form.endswith("single ids")
+    ids = stacked_ids(seed=1, batch=64, length=1 if single else 3)
     labels = np.random.default_rng(2).random((64, 1)).astype("float32")
     if form == "functional":
         x = [ids[:, j] for j in range(F)]
+    elif form == "functional single ids":
+        x = [ids[:, j, 0] for j in range(F)]
     elif form == "sequential":
         x = ids[:, 0]
     else:
         x = ids
     states = []
     for eager in (True, False):
-        model = _model(form, matrix_initializer, single=form == "single ids")
+        model = _model(form, matrix_initializer, single=single)
         model.compile(optimizer=kre.optimizers.Adagrad(0.1), loss="mse", run_eagerly=eager)
         model.fit(x, labels, batch_size=16, epochs=2, shuffle=False, verbose=0)
         tables = {}
