@@ -17,10 +17,10 @@ round:
 * ``split, list``: the 26 layers on ids split beforehand, their outputs
   returned as a list (no concat).
 
-In a traced function the 26 calls are looked up together (deferred rows,
-`keras_rec_emb/ops/_deferred.py`): ``unstack+concat`` then runs the
-group's own stacked op on the stacked ids; the split forms run one group
-lookup over the 26 features, each feature's ids prepared apart.
+In a `tf.function` each of the 26 calls looks its ids up at the call, one
+op each, as it does eagerly (only the layers of one Functional model call
+share one op, `keras_rec_emb/ops/_model_fusion.py`): this measures what
+the separate form costs where the fused form is a `GroupEmbedding`.
 
 Prints each form's median ms and its ratio to ``group`` (group ms / form
 ms, median (min-max) of the per-round ratios; 1 is as fast as the group),

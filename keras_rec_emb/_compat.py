@@ -53,70 +53,59 @@ def op_def(op_type):
     return op_def_registry.get(op_type)
 
 
-def register_dispatchable_type(cls):
-    """Lets TensorFlow's type-based dispatch (`tf.experimental.dispatch_for_api`)
-    see instances of `cls`, a class that is not a `CompositeTensor`.
-
-    The public decorator registers handlers, but the dispatcher only looks
-    for them when an argument's type is registered as dispatchable, which
-    only `ExtensionType`s are by themselves. Used by `ops/_deferred.py`
-    (`tf.concat` of deferred layer rows).
-    """
-    from tensorflow.python.util import dispatch
-
-    dispatch.register_dispatchable_type(cls)
+def functional_nodes(model):
+    """The nodes of a Functional model's graph in the order its call runs
+    them (`Function._nodes_by_depth`, deepest first, each depth in order;
+    input nodes left out), each with public `operation` and `arguments`
+    (`args`, `kwargs`). Keras exposes the graph only through this private
+    attribute. Used by `ops/_model_fusion.py`."""
+    by_depth = model._nodes_by_depth  # pylint: disable=protected-access
+    return [node for depth in sorted(by_depth, reverse=True) for node in by_depth[depth]
+            if node.operation is not None and not node.is_input]
 
 
-def has_control_dependencies(graph):
-    """Whether `graph` is being traced with automatic control dependencies
-    (a `tf.function`'s graph: stateful ops then run in program order, and
-    every one runs).
-
-    The public API does not say; the graph holds its manager while traced.
-    Used by `ops/_deferred.py` (only such graphs defer layer lookups).
-    """
-    return getattr(graph, "experimental_acd_manager", None) is not None
-
-
-def hook_control_dependencies():
-    """Lets `before_control_dependencies` run callbacks: wraps
-    `AutomaticControlDependencies.__exit__` (once) so that it runs those
-    registered on its instance first.
-
-    TensorFlow has no hook there. The manager is held by a `tf.function`'s
-    graph while it is traced and draws the automatic control dependencies
-    in its `__exit__`; a `with` statement reads `__exit__` from the class
-    when it enters, so the wrapper must be in place before any tracing
-    that uses it starts (`ops/_deferred.py` calls this when imported). An
-    instance with no callback runs the original unchanged.
-    """
-    from tensorflow.python.framework import auto_control_deps
-
-    cls = auto_control_deps.AutomaticControlDependencies
-    if getattr(cls.__exit__, "_kre_hooked", False):
-        return
-    original = cls.__exit__
-
-    def __exit__(self, *exc):
-        callbacks = self.__dict__.pop("_kre_before_exit", None)
-        if callbacks and exc[0] is None:
-            for callback in callbacks:
-                callback()
-        return original(self, *exc)
-
-    __exit__._kre_hooked = True
-    cls.__exit__ = __exit__
+# Keras 3.15.1's `Functional._run_through_graph(inputs, operation_fn,
+# call_fn)` runs a Functional (or Sequential) model's layers in graph order
+# on the standardized, flattened inputs. `hook_functional_graph(context)`
+# wraps it (once) so that each real run (not Keras's symbolic passes: a
+# `call_fn`, or `KerasTensor` inputs) happens inside
+# `context(model, flat_inputs)`, a context manager: `ops/_model_fusion.py`
+# plans there the table lookups of one model call that can share one fused
+# op. Keras has no hook around a model's graph run; a subclass is not
+# possible (`keras.Model(inputs, outputs)` makes a Functional itself).
+# Installed only for the versions in `KERAS_FUNCTIONAL_HOOK_VERSIONS` (read
+# `_run_through_graph` and `Layer.__call__`'s input conversion again before
+# adding one: the fusion relies on integer ids reaching each layer as the
+# very tensor given to the graph); elsewhere every layer looks up at its
+# call.
+KERAS_FUNCTIONAL_HOOK_VERSIONS = ("3.15.1",)
+# Keras's `Functional._run_through_graph` that the hook wraps (when installed).
+KERAS_FUNCTIONAL_ORIGINALS = {}
 
 
-def before_control_dependencies(graph, fn):
-    """Runs `fn()` (with `graph` the default graph) when the tracing of
-    `graph` ends, before its automatic control dependencies are drawn: ops
-    `fn` makes are then ordered and run like any other stateful op (needs
-    `hook_control_dependencies` and `has_control_dependencies(graph)`).
-    Used by `ops/_deferred.py` (deferred layer lookups whose rows were never
-    used still run, as eager calls would)."""
-    acd = graph.experimental_acd_manager
-    acd.__dict__.setdefault("_kre_before_exit", []).append(fn)
+def hook_functional_graph(context):
+    """Installs the hook described above (idempotent). Returns whether it is
+    installed (False for a Keras version not listed)."""
+    from keras.src.models.functional import Functional
+
+    if getattr(Functional._run_through_graph, "_kre_hook", False):  # pylint: disable=protected-access
+        return True
+    if keras.__version__ not in KERAS_FUNCTIONAL_HOOK_VERSIONS:
+        return False
+    original = Functional._run_through_graph  # pylint: disable=protected-access
+    KERAS_FUNCTIONAL_ORIGINALS["_run_through_graph"] = original
+
+    def _run_through_graph(self, inputs, operation_fn=lambda op: op, call_fn=None):
+        flat = keras.tree.flatten(inputs)
+        if (call_fn is not None or keras.backend.backend() != "tensorflow"
+                or any(isinstance(x, keras.KerasTensor) for x in flat)):
+            return original(self, inputs, operation_fn=operation_fn, call_fn=call_fn)
+        with context(self, flat):
+            return original(self, inputs, operation_fn=operation_fn, call_fn=call_fn)
+
+    _run_through_graph._kre_hook = True  # pylint: disable=protected-access
+    Functional._run_through_graph = _run_through_graph  # pylint: disable=protected-access
+    return True
 
 
 # A dataset built from three graph functions (init / next / finalize) over a

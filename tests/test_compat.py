@@ -535,46 +535,33 @@ def test_resolve_training_reads_none_as_a_recording_tape():
     assert [bool(v) for v in traced()] == [True, False]
 
 
-def test_control_dependency_hook_runs_callbacks_before_the_dependencies_are_drawn():
-    """A callback registered while a function is traced makes a stateful op
-    that still runs (it gets control dependencies), and graphs without
-    automatic control dependencies say so."""
-    _compat.hook_control_dependencies()  # idempotent: installed on import
-    from tensorflow.python.framework import auto_control_deps
+def test_functional_graph_hook_runs_each_real_graph_run_inside_its_context():
+    """Installed for the pinned Keras (on import): a Functional model's call
+    runs its graph inside the context, given the model and its flattened
+    inputs; Keras's symbolic pass (KerasTensors) does not; the nodes come in
+    the order the call runs them."""
+    from keras.src.models.functional import Functional
 
-    assert auto_control_deps.AutomaticControlDependencies.__exit__._kre_hooked
-    counter = tf.Variable(0)
+    assert _compat.hook_functional_graph(None)  # idempotent: installed on import
+    assert Functional._run_through_graph._kre_hook  # pylint: disable=protected-access
+    a, b = keras.Input(shape=(2,)), keras.Input(shape=(2,))
+    dense = keras.layers.Dense(1)
+    model = keras.Model([a, b], dense(keras.layers.Add()([a, b])))
+    assert [type(n.operation).__name__ for n in _compat.functional_nodes(model)] == [
+        "Add", "Dense"]
+    from keras_rec_emb.ops import _model_fusion
+
     seen = []
+    original = _model_fusion._ModelCall.__init__  # pylint: disable=protected-access
 
-    @tf.function
-    def traced():
-        graph = tf.compat.v1.get_default_graph()
-        seen.append(_compat.has_control_dependencies(graph))
-        _compat.before_control_dependencies(graph, lambda: counter.assign_add(1))
-        return tf.constant(0)
+    def spy(self, model_, flat):
+        seen.append((model_, len(flat)))
+        original(self, model_, flat)
 
-    traced()
-    traced()
-    assert seen == [True] and int(counter.numpy()) == 2
-    with tf.Graph().as_default() as g:
-        assert not _compat.has_control_dependencies(g)
-
-
-def test_registered_dispatchable_type_reaches_a_dispatch_handler():
-    class Marker:
-        pass
-
-    _compat.register_dispatchable_type(Marker)
-    calls = []
-
-    def handler(x, name=None):
-        calls.append(x)
-        return tf.constant(7)
-
-    tf.experimental.dispatch_for_api(tf.math.abs, {"x": Marker})(handler)
+    _model_fusion._ModelCall.__init__ = spy  # pylint: disable=protected-access
     try:
-        marker = Marker()
-        assert int(tf.math.abs(marker)) == 7 and calls == [marker]
-        assert int(tf.math.abs(tf.constant(-3))) == 3
+        model([np.ones((1, 2), "float32")] * 2)
+        model.compute_output_spec([keras.KerasTensor((1, 2))] * 2)
     finally:
-        tf.experimental.unregister_dispatch_for(handler)
+        _model_fusion._ModelCall.__init__ = original  # pylint: disable=protected-access
+    assert seen == [(model, 2)]

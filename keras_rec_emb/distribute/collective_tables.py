@@ -32,8 +32,8 @@ forward, the same rows back, where `W` is at most the replica's distinct ids
 for one owner: about `(N-1)/N` of its distinct ids and rows, independent of
 `N` (`benchmarks/distributed.py` measures the bytes each process's sockets
 send). The tables of one fused lookup share one exchange (`lookup_many`):
-a `GroupEmbedding`'s, and the pooled `EmbeddingVariable` calls of a traced
-step, looked up together (`ops/_deferred.py`).
+a `GroupEmbedding`'s, and the `EmbeddingVariable` calls of one Functional
+model call that read its inputs, looked up together (`ops/_model_fusion.py`).
 
 Table-wide operations (`export`, `size`, `stats`, `evict`, saving with
 `model.save` or `tf.train.Checkpoint`) gather the shards with the same

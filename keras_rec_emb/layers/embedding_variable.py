@@ -37,17 +37,15 @@ class EmbeddingVariable(keras.layers.Layer):
     `model.export` keep every row, the optimizer slots, frequencies and
     versions.
 
-    The layers of one model cost what one `GroupEmbedding` over their tables
-    costs (with a combiner, or without one on dense ids): while a step is
-    traced (`fit`, `evaluate`,
-    `predict`, any `tf.function`), a call returns its rows deferred (a
-    `DeferredRows`, converted to a tensor wherever one is used), and the
-    first use looks up every such call of the step made so far in one
-    fused op (under `MultiWorkerMirroredStrategy`, one exchange); `tf.concat`
-    of exactly those calls gets the op's output, written side by side, and
-    ids split from one stacked tensor by `tf.unstack` are read where they
-    are. A call whose rows are never used is still looked up (inserted and
-    counted) when the traced function ends. Eager calls return tensors.
+    A call looks its ids up at the call and returns a tensor, eagerly and
+    in any `tf.function`. The layers of one Functional (or Sequential)
+    model that read its inputs directly cost what one `GroupEmbedding`
+    over their tables costs (with a combiner, or without one on dense
+    ids): in a traced model call (`fit`, `evaluate`, `predict`, or the
+    model called in a `tf.function`) they are looked up together in one
+    fused op at the first of them (under `MultiWorkerMirroredStrategy`,
+    one exchange), which is the same program (see
+    `keras_rec_emb/ops/_model_fusion.py`).
 
     Args:
         embedding_dim: int > 0. Width of each embedding row.
@@ -239,16 +237,17 @@ class EmbeddingVariable(keras.layers.Layer):
         array([[1., 1.]], dtype=float32)
         """
         training = _compat.resolve_training(training)
-        if weights is not None:
+        if weights is None:
+            # One of the layers of a Functional model call looked up together.
+            rows = embedding_ops.model_call_rows(self, inputs, training)
+            if rows is not None:
+                return rows
+        else:
             weights = self._checked_weights(inputs, weights)
         if self.combiner is not None:
             # A group of one: the fused lookup looks up and combines in one op
             # (its gradient over distinct keys), as GroupEmbedding does.
             return embedding_ops.pooled_layer_lookup(self, inputs, training, weights)
-        if weights is None:
-            rows = embedding_ops.deferred_ids_lookup(self, inputs, training)
-            if rows is not None:
-                return rows
         return embed_ids(self, inputs, lambda ids, _: self._lookup(ids, training),
                          None, key_dtype=tf.as_dtype(self.key_dtype))
 
@@ -415,3 +414,7 @@ class EmbeddingVariable(keras.layers.Layer):
     @classmethod
     def from_config(cls, config):
         return cls(**deserialize_ev_option(config))
+
+
+# The Functional-model fusion recognises this class's own calls.
+embedding_ops.register_layer_class(EmbeddingVariable)

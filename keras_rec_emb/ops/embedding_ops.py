@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from keras_rec_emb import _compat
 from keras_rec_emb import _ops, _serving_context
-from keras_rec_emb.ops import _deferred
+from keras_rec_emb.ops import _model_fusion
 from keras_rec_emb._checks import (COMBINERS, assert_ids_in_range, check_bool, check_float,
                                    check_int, checked_sparse_ids, integer_ids)
 from keras_rec_emb._embed_reduce import combine_rows
@@ -481,20 +481,25 @@ def _stacked_pooled_lookup_grad(op, grad):
 
 
 # -- a layer's pooled lookup: a group of one ------------------------------------
-def pooled_layer_lookup(layer, inputs, training, weights=None):
-    """What `EmbeddingVariable(combiner=...)` returns for `inputs`: its ids
-    looked up and combined by its combiner in one fused op, as a group of
-    one feature (the group lookup's kernels, forward and backward), or, in
-    a traced graph, a `_deferred.DeferredRows` looked up together with the
-    other pooled layer calls of the step (see `ops/_deferred.py`). Every id
-    is a key (-1 too) unless the layer's `prune_invalid_ids` drops ids < 0
-    from the combine; dense ids
-    `[..., L]` give `[..., dim]` (an empty last axis gives zeros), ragged or
-    sparse `[batch, None]` ids `[batch, dim]`. Ids are checked to be
-    integers that fit the table's keys. With `training` (and a trainable
-    layer) unseen ids are inserted and counted. `weights` (None, or float32
-    per-id weights of the ids' kind, checked by the layer) weigh the
-    combine; for "mean" and "sqrtn" ids of weight <= 0 become padding."""
+class LayerCall:
+    """One pooled layer call: what `layers_lookup` needs to look it up
+    (`insert`: a training call of a trainable layer)."""
+
+    __slots__ = ("layer", "table", "inputs", "weights", "insert", "single", "combiner", "prune")
+
+    def __init__(self, layer, table, inputs, weights, insert, single=False):
+        self.layer, self.table, self.inputs, self.weights = layer, table, inputs, weights
+        self.insert = insert
+        # `single`: a layer without a combiner, each id its own row (a "sum"
+        # of one id, every id a key), rows `ids.shape + [dim]`.
+        self.single = single
+        self.combiner = "sum" if single else layer.combiner
+        self.prune = False if single else layer.prune_invalid_ids
+
+
+def _pooled_call(layer, inputs, training, weights=None):
+    """The `LayerCall` of `EmbeddingVariable(combiner=...)` on `inputs`,
+    after the checks of their shape (see `pooled_layer_lookup`)."""
     what = f"{type(layer).__name__} '{layer.name}'"
     table = layer._table_for_lookup()
     if isinstance(inputs, tf.RaggedTensor):
@@ -503,14 +508,12 @@ def pooled_layer_lookup(layer, inputs, training, weights=None):
                 f"{what} takes ragged ids of shape [batch, None]. Received "
                 f"shape {inputs.shape} with ragged_rank {inputs.ragged_rank}"
             )
-        shape, dtype = inputs.shape[:1], inputs.dtype
     elif isinstance(inputs, tf.SparseTensor):
         if inputs.shape.rank != 2:
             raise ValueError(
                 f"{what} takes sparse ids of shape [batch, None]. Received "
                 f"shape {inputs.shape}"
             )
-        shape, dtype = inputs.shape[:1], inputs.dtype
     else:
         inputs = tf.convert_to_tensor(inputs)
         if inputs.shape.rank is not None and inputs.shape.rank < 1:
@@ -518,101 +521,81 @@ def pooled_layer_lookup(layer, inputs, training, weights=None):
                 f"{what} with a combiner combines the last axis of the ids; "
                 f"received scalar ids of shape {inputs.shape}"
             )
-        shape, dtype = inputs.shape[:-1], inputs.dtype
-    call = _deferred.LayerCall(layer, table, inputs, weights,
-                               bool(training) and layer.trainable)
-    # Ids that are not integers are refused at the call, not where used.
-    if dtype.is_integer and inputs.shape.rank is not None and _deferred.can_defer(layer):
-        return _deferred.defer(call, shape.concatenate([table.dim]), layer.compute_dtype)
-    return layers_lookup([call])[0]
+    return LayerCall(layer, table, inputs, weights, bool(training) and layer.trainable)
 
 
-def deferred_ids_lookup(layer, inputs, training):
-    """A `_deferred.DeferredRows` for `EmbeddingVariable` (no combiner) on
-    dense integer ids `inputs`: their rows, `ids.shape + [dim]`, looked up
-    with the step's other layer calls (each id a "sum" of one id, every id
-    a key); None where the call is not deferred (`_deferred.can_defer`,
-    other ids), and the layer looks its ids up at once."""
-    if isinstance(inputs, (tf.RaggedTensor, tf.SparseTensor)) or not _deferred.can_defer(layer):
-        return None
-    inputs = tf.convert_to_tensor(inputs)
-    if not inputs.dtype.is_integer or inputs.shape.rank is None or inputs.shape.rank < 1:
-        return None
-    table = layer._table_for_lookup()
-    call = _deferred.LayerCall(layer, table, inputs, None, bool(training) and layer.trainable,
-                               single=True)
-    return _deferred.defer(call, inputs.shape.concatenate([table.dim]), layer.compute_dtype)
+def pooled_layer_lookup(layer, inputs, training, weights=None):
+    """What `EmbeddingVariable(combiner=...)` returns for `inputs`: its ids
+    looked up and combined by its combiner in one fused op, as a group of
+    one feature (the group lookup's kernels, forward and backward), at the
+    call. Every id
+    is a key (-1 too) unless the layer's `prune_invalid_ids` drops ids < 0
+    from the combine; dense ids
+    `[..., L]` give `[..., dim]` (an empty last axis gives zeros), ragged or
+    sparse `[batch, None]` ids `[batch, dim]`. Ids are checked to be
+    integers that fit the table's keys. With `training` (and a trainable
+    layer) unseen ids are inserted and counted. `weights` (None, or float32
+    per-id weights of the ids' kind, checked by the layer) weigh the
+    combine; for "mean" and "sqrtn" ids of weight <= 0 become padding."""
+    return layers_lookup([_pooled_call(layer, inputs, training, weights)])[0]
 
 
-def _stacked_source(calls):
-    """`(ids, columns)` when every call's ids are a column `ids[:, j, :]` of
-    one stacked `[batch, F, L]` (L > 1) tensor split by `tf.unstack`, with
-    no weights and padding pruned (or, for calls without a combiner, columns
-    `ids[:, j]` of `[batch, F]` ids): they are then read where they are, in
-    one `KRE>UnstackKeptIds` (`KRE>UnstackFeatureIds`), as a
-    `GroupEmbedding` reads stacked ids, and the split itself goes unused.
-    Else None."""
-    unpack, columns = None, []
-    single = calls[0].single
-    for c in calls:
-        x = c.inputs
-        if (c.weights is not None or c.single != single or not (c.prune or single)
-                or not isinstance(x, tf.Tensor) or not hasattr(x, "op")
-                or x.op.type != "Unpack" or unpack not in (None, x.op)):
-            return None
-        unpack = x.op
-        columns.append(x.value_index)
-    ids = unpack.inputs[0]
-    if (len(set(columns)) != len(columns) or ids.shape.rank != (2 if single else 3)
-            or unpack.get_attr("axis") not in ((1, -1) if single else (1, -2))
-            or ids.dtype not in (tf.int32, tf.int64)):
-        return None
-    if not single and (ids.shape[2] is None or ids.shape[2] < 2):
-        return None
-    if ids.dtype == tf.int64 and any(tf.as_dtype(c.table.key_dtype) != tf.int64 for c in calls):
-        return None  # int32 tables would need their ids checked apart
-    return ids, columns
+def model_call_rows(layer, inputs, training):
+    """This call's rows when `layer` is one of the fused calls of the
+    Functional model call being run (`ops/_model_fusion.py`): a `tf.Tensor`,
+    all of them looked up at the first; None otherwise (the layer looks its
+    ids up at the call)."""
+    return _model_fusion.planned_rows(layer, inputs, training)
 
 
-def layers_lookup(calls, concat=False):
-    """The rows of pooled layer calls (`_deferred.LayerCall`s of one insert
-    flag) from one `KRE>GroupLookup`: a list, one per call, or with
-    `concat` (every call's rows `[batch, dim]`, float32) their rows side
-    by side, written so by the op."""
+def _lookup_entries(entries, training):
+    """The rows of the planned calls `entries` (`_model_fusion`: a layer and
+    its ids each) of one model call, one `KRE>GroupLookup` per insert flag."""
+    calls = []
+    for e in entries:
+        layer = e.layer
+        if layer.combiner is not None:
+            calls.append(_pooled_call(layer, e.inputs, training))
+        else:  # dense ids, checked integer when planned
+            calls.append(LayerCall(layer, layer._table_for_lookup(),
+                                   tf.convert_to_tensor(e.inputs), None,
+                                   bool(training) and layer.trainable, single=True))
+    rows = [None] * len(calls)
+    by_insert = {}
+    for i, c in enumerate(calls):
+        by_insert.setdefault(c.insert, []).append(i)
+    for group in by_insert.values():
+        for i, r in zip(group, layers_lookup([calls[i] for i in group])):
+            rows[i] = r
+    return rows
+
+
+_model_fusion.lookup_entries = _lookup_entries
+
+
+def register_layer_class(cls):
+    """Names `layers.EmbeddingVariable` (which imports this module) to the
+    Functional-model fusion (`ops/_model_fusion.py`)."""
+    _model_fusion.EMBEDDING_VARIABLE = cls
+
+
+def layers_lookup(calls):
+    """The rows of pooled layer calls (`LayerCall`s of one insert flag) from
+    one `KRE>GroupLookup`: a list, one per call."""
     n = len(calls)
     insert = calls[0].insert
     name = f"{calls[0].layer.name}_lookup" if n == 1 else "pooled_layers_lookup"
-    combiners = [c.combiner for c in calls]
-    stacked = _stacked_source(calls)
-    if stacked is not None:
-        ids, columns = stacked
-        if calls[0].single:  # [batch, F] ids: one id a row, splits shared
-            values, shared = _ops.unstack_feature_ids(tf.expand_dims(ids, -1))
-            splits = [shared] * len(values)
-        else:
-            if concat and not insert and columns == list(range(ids.shape[1])):
-                # The inference lookup of all the columns: as GroupEmbedding's.
-                out = stacked_pooled_lookup([c.table for c in calls], ids, combiners,
-                                            [None] * n, name=name)
-                if out is not None:
-                    return out
-            values, splits = _ops.unstack_kept_ids(ids)
-        flat, splits = [values[j] for j in columns], [splits[j] for j in columns]
-        weights, outers = [tf.zeros([0], tf.float32)] * n, [None] * n
-    else:
-        flat, splits, weights, outers = [], [], [], []
-        for c in calls:
-            v, s, w, outer = _layer_ids(c)
-            flat.append(v)
-            splits.append(s)
-            weights.append(w)
-            outers.append(outer)
+    flat, splits, weights, outers = [], [], [], []
+    for c in calls:
+        v, s, w, outer = _layer_ids(c)
+        flat.append(v)
+        splits.append(s)
+        weights.append(w)
+        outers.append(outer)
     outs = _fused_lookup(
-        [_Param(table=c.table) for c in calls], flat, splits, weights, combiners,
-        [None] * n, [None] * n, [c.prune for c in calls], [False] * n,
-        training=insert, name=name, concat=concat)
-    if concat:
-        return outs[0]
+        [_Param(table=c.table) for c in calls], flat, splits, weights,
+        [c.combiner for c in calls], [None] * n, [None] * n, [c.prune for c in calls],
+        [False] * n, training=insert, name=name)
     rows = []
     for c, out, outer in zip(calls, outs, outers):
         if outer is not None:  # [rows, dim] back to the ids' [..., dim]
@@ -621,9 +604,6 @@ def layers_lookup(calls, concat=False):
         rows.append(out if c.layer.compute_dtype == "float32"
                     else tf.cast(out, c.layer.compute_dtype))
     return rows
-
-
-_deferred.layers_lookup = layers_lookup
 
 
 def _layer_ids(call):

@@ -4,9 +4,12 @@ GroupEmbedding over three tables of two widths (one shared by two
 features; multi-id features padded with -1; a counter filter), Adam,
 `model.fit` on global batches. The lookups of all three tables travel in
 one exchange. Writes OUT/{w<task>|one}.npz (every table part, the dense
-kernel, the predictions).
+kernel, the predictions). With `separate`, the same tables as separate
+`EmbeddingVariable` layers of the Functional model, one per feature (the
+shared table's features as one layer of 6 ids): one model call looks them
+up together.
 
-    mwms_group_run.py OUT
+    mwms_group_run.py OUT [separate]
 """
 
 import json
@@ -44,6 +47,24 @@ def build():
     return model
 
 
+def build_separate():
+    init = keras.initializers.RandomUniform(-1, 1, seed=7)
+    inputs = {f"f{j}": keras.Input((3,), dtype="int64", name=f"f{j}") for j in range(4)}
+    a = kre.layers.EmbeddingVariable(4, initializer=init, combiner="sum",
+                                     prune_invalid_ids=True, name="a")
+    b = kre.layers.EmbeddingVariable(6, initializer=init, combiner="mean", prune_invalid_ids=True,
+                                     name="b", ev_option=kre.EmbeddingVariableOption(
+                                         filter_option=kre.CounterFilter(filter_freq=2)))
+    c = kre.layers.EmbeddingVariable(4, initializer=init, combiner="sqrtn",
+                                     prune_invalid_ids=True, name="c")
+    merged = keras.layers.Concatenate()([a(inputs["f0"]), b(inputs["f2"]), c(inputs["f3"])])
+    dense = keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(seed=3),
+                               name="dense")
+    model = keras.Model(inputs, dense(merged))
+    model.compile(optimizer=kre.optimizers.Adam(0.05), loss="mse")
+    return model
+
+
 def data():
     rng = np.random.default_rng(11)
     x = {f"f{j}": np.where(rng.random((BATCH * STEPS, 3)) < 0.3, -1,
@@ -55,7 +76,9 @@ def train(model):
     x, y = data()
     model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
     out = {}
-    for table in model.get_layer("group").tables:
+    tables = ([model.get_layer(n) for n in ("a", "b", "c")] if SEPARATE
+              else model.get_layer("group").tables)
+    for table in tables:
         for key, value in table_arrays(table).items():
             out[f"{table.name}_{key}"] = value
     out["kernel"] = model.get_layer("dense").get_weights()[0]
@@ -63,14 +86,18 @@ def train(model):
     return out
 
 
+SEPARATE = sys.argv[2:] == ["separate"]
+
+
 def main():
     folder = sys.argv[1]
+    make = build_separate if SEPARATE else build
     if "TF_CONFIG" not in os.environ:
-        np.savez(os.path.join(folder, "one.npz"), **train(build()))
+        np.savez(os.path.join(folder, "one.npz"), **train(make()))
         return
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     with strategy.scope():
-        model = build()
+        model = make()
     task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     np.savez(os.path.join(folder, f"w{task}.npz"), **train(model))
 

@@ -1,6 +1,8 @@
 """A GroupEmbedding over several tables sharded over MultiWorkerMirrored
 worker processes: all its tables' ids and rows travel in one exchange a
-step and direction, and 2 workers give what one process gives."""
+step and direction, and 2 workers give what one process gives; so do the
+same tables as separate layers of a Functional model (looked up together
+by the model call)."""
 
 import json
 import os
@@ -28,9 +30,11 @@ def _env(config=None):
     return env
 
 
-def test_group_of_three_tables_on_two_workers_matches_one_process(tmp_path):
+@pytest.mark.parametrize("form", ["group", "separate"])
+def test_group_of_three_tables_on_two_workers_matches_one_process(tmp_path, form):
     script = os.path.join(HERE, "mwms_group_run.py")
-    one = subprocess.run([sys.executable, script, str(tmp_path)], env=_env(), cwd=ROOT,
+    args = [str(tmp_path)] + (["separate"] if form == "separate" else [])
+    one = subprocess.run([sys.executable, script, *args], env=_env(), cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr[-3000:]
     addresses = [f"127.0.0.1:{p}" for p in free_ports(2)]
@@ -40,7 +44,7 @@ def test_group_of_three_tables_on_two_workers_matches_one_process(tmp_path):
             config = {"cluster": {"worker": addresses},
                       "task": {"type": "worker", "index": task}}
             log = open(tmp_path / f"w{task}.log", "w")
-            procs.append(subprocess.Popen([sys.executable, script, str(tmp_path)],
+            procs.append(subprocess.Popen([sys.executable, script, *args],
                                           env=_env(config), cwd=ROOT, stdout=log,
                                           stderr=subprocess.STDOUT))
         for task, proc in enumerate(procs):

@@ -1,0 +1,189 @@
+# Copyright keras_rec_emb authors. Apache-2.0.
+"""The `EmbeddingVariable` calls of one Functional model call, looked up
+in one fused op.
+
+A layer call means what it means eagerly: inside any `tf.function` (a
+custom train step, a nested function) an `EmbeddingVariable` call looks
+its ids up at the call, in program order, under the tapes recording
+there, and returns a `tf.Tensor`.
+
+A model written the natural way, one pooled layer per feature, would then
+run one fused-lookup op per layer (and, under `MultiWorkerMirroredStrategy`,
+one exchange per layer) where a `GroupEmbedding` over the same tables runs
+one. One call of a Functional (or Sequential) model is one call: the code
+around it runs before or after it, never between its layers. So, in a
+traced graph, the layers of its graph that
+
+* are `EmbeddingVariable` nodes reading a model input directly (integer
+  ids: dense, ragged or sparse with a combiner; dense without one), with
+  no argument but the ids, each layer called once in the graph,
+* whose layers no other node of the graph holds (no other layer of the
+  forward pass reads or writes their tables),
+
+are looked up together, in one `KRE>GroupLookup` per insert flag, when the
+first of them is called; each of them then returns its own rows, a
+`tf.Tensor`. That is the same program: their ids are the model's inputs,
+known at the model call; every layer of the call runs under the tapes
+recording at it, with the `training` Keras gives every layer of the call
+(a graph where a node passes its own `training` is not fused: Keras hands
+that value on to the layers after it); and nothing else in the forward
+pass touches their tables. Code that reads a fused table from inside
+another layer of the same model (a `Lambda` calling `table.size()`) would
+see the lookups made at the first of them.
+
+Not fused (each layer looks up at its call): eager calls, Keras's
+symbolic shape inference, XLA-compiled functions (which refuse the lookup
+at the call), graphs traced for stock serving, subclassed models (their
+`call` is user code), and Keras versions the hook is not written for
+(`_compat.hook_functional_graph`).
+"""
+
+import threading
+import weakref
+
+import keras
+import tensorflow as tf
+
+from keras_rec_emb import _compat, _serving_context
+
+# `embedding_ops` (which imports this module) fills these: the layer class
+# and `(calls, training) -> rows` of a list of planned entries.
+EMBEDDING_VARIABLE = None
+lookup_entries = None
+
+_LOCAL = threading.local()  # .plans: the stack of this thread's model calls
+_NODES = weakref.WeakKeyDictionary()  # model -> [(layer, input index)] eligible
+
+
+class _Entry:
+    __slots__ = ("layer", "inputs", "rows")
+
+    def __init__(self, layer, inputs):
+        self.layer, self.inputs, self.rows = layer, inputs, None
+
+
+class _Plan:
+    """The eligible calls of one model call: `entries` by layer id; `training`
+    once they are looked up."""
+
+    __slots__ = ("entries", "looked_up", "training")
+
+    def __init__(self, entries):
+        self.entries, self.looked_up, self.training = entries, False, None
+
+
+def _eligible(layer, tensor):
+    if type(layer).call is not EMBEDDING_VARIABLE.call:
+        return False  # a subclass's own call is its own code
+    if getattr(layer, "activity_regularizer", None):
+        return False  # Keras computes it on the output at the call
+    shape = getattr(tensor, "shape", None)
+    dtype = getattr(tensor, "dtype", None)
+    if shape is None or dtype is None or len(shape) < 1:
+        return False
+    if not tf.as_dtype(dtype).is_integer:
+        return False  # refused at the call, with its error
+    if layer.combiner is None:
+        return not (getattr(tensor, "sparse", False) or getattr(tensor, "ragged", False))
+    return True
+
+
+def _eligible_nodes(model):
+    """`[(layer, input index)]` of the model's fusable nodes (see the module),
+    or `[]`; cached per model (a Functional graph does not change)."""
+    cached = _NODES.get(model)
+    if cached is not None:
+        return cached
+    if EMBEDDING_VARIABLE is None:
+        return []  # no table layer class loaded: nothing to fuse
+    inputs = {id(x): i for i, x in enumerate(model.inputs)}
+    nodes = _compat.functional_nodes(model)
+    uses, candidates, held = {}, [], set()
+    for node in nodes:
+        op = node.operation
+        uses[id(op)] = uses.get(id(op), 0) + 1
+        args, kwargs = node.arguments.args, node.arguments.kwargs
+        if kwargs.get("training") is not None:
+            _NODES[model] = []
+            return []
+        if (isinstance(op, EMBEDDING_VARIABLE) and not kwargs and len(args) == 1
+                and id(args[0]) in inputs and _eligible(op, args[0])):
+            candidates.append((node, op, inputs[id(args[0])]))
+            continue
+        if isinstance(op, keras.layers.Layer):
+            for sub in _compat.flatten_layers(op):
+                held.add(id(sub))
+    plan = [(op, index) for node, op, index in candidates
+            if uses[id(op)] == 1 and id(op) not in held]
+    if len(plan) < 2:
+        plan = []
+    _NODES[model] = plan
+    return plan
+
+
+def _may_fuse():
+    return not (tf.executing_eagerly() or _compat.in_symbolic_build()
+                or _compat.in_xla_context() or _serving_context.tracing_stock())
+
+
+class _ModelCall:
+    """The context `_compat.hook_functional_graph` enters around a Functional
+    model's graph run: the plan of its fusable calls while it runs."""
+
+    def __init__(self, model, flat_inputs):
+        self.plan = None
+        if not _may_fuse():
+            return
+        nodes = _eligible_nodes(model)
+        if nodes:
+            self.plan = _Plan({id(layer): _Entry(layer, flat_inputs[i]) for layer, i in nodes})
+
+    def __enter__(self):
+        if self.plan is not None:
+            stack = getattr(_LOCAL, "plans", None)
+            if stack is None:
+                stack = _LOCAL.plans = []
+            stack.append(self.plan)
+        return self
+
+    def __exit__(self, *exc):
+        if self.plan is not None:
+            _LOCAL.plans.pop()
+        return False
+
+
+def planned_rows(layer, inputs, training):
+    """The rows of this call of `layer` when it is a fused node of the model
+    call being run (see the module; `training` resolved): a `tf.Tensor`, the
+    fused op run at the first of them; else None (look up at the call)."""
+    stack = getattr(_LOCAL, "plans", None)
+    if not stack:
+        return None
+    plan = stack[-1]
+    entry = plan.entries.get(id(layer))
+    if entry is None or entry.layer is not layer:
+        return None
+    training = bool(training)
+    if not plan.looked_up:
+        if inputs is not entry.inputs or not _may_fuse():
+            plan.entries.clear()  # not the call planned: every layer at its call
+            return None
+        calls = list(plan.entries.values())
+        for e, rows in zip(calls, lookup_entries(calls, training)):
+            e.rows = rows
+        plan.looked_up, plan.training = True, training
+    elif inputs is not entry.inputs or training != plan.training or entry.rows is None:
+        # The plan holds only calls whose ids and training are the model
+        # call's; anything else here would be a Keras change the hook
+        # does not know.
+        raise RuntimeError(
+            f"EmbeddingVariable '{layer.name}' was looked up with the other layers of its "
+            f"model at the first of them, but is now called with other ids or training; "
+            f"this Keras version ({keras.__version__}) runs Functional graphs "
+            f"differently from the one the fusion was written for")
+    rows, entry.rows = entry.rows, None
+    del plan.entries[id(layer)]
+    return rows
+
+
+_compat.hook_functional_graph(_ModelCall)
