@@ -37,7 +37,8 @@ def _configured():
 
 def backend():
     """The name of the Keras backend ("tensorflow", "jax", ...)."""
-    config = sys.modules.get("keras.src.backend.config")
+    keras = sys.modules.get("keras")
+    config = getattr(keras, "config", None)
     if config is not None and hasattr(config, "backend"):
         return config.backend()
     return _configured()
