@@ -51,7 +51,8 @@ std::runtime_error SnapError(const std::string& what, const std::string& path) {
 class Writer {
  public:
   explicit Writer(const std::string& path) : path_(path) {
-    fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    // A new file in the snapshot's new folder (a link there is refused).
+    fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
     if (fd_ < 0) throw SnapError("cannot create", path);
     buf_.reserve(kBufferBytes);
   }
@@ -216,7 +217,10 @@ void SyncPath(const std::string& path, bool dir) {
 }
 
 void WriteFile(const std::string& path, const std::vector<uint8_t>& data) {
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  // A file left there (or a link planted in its place) is unlinked, not
+  // truncated: a link would make the write change the file it points to.
+  ::unlink(path.c_str());
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
   if (fd < 0) throw SnapError("cannot create", path);
   size_t done = 0;
   while (done < data.size()) {
@@ -250,17 +254,6 @@ std::vector<uint8_t> ReadFile(const std::string& path) {
   }
   ::close(fd);
   return data;
-}
-
-void RemoveDir(const std::string& path) {
-  if (DIR* d = ::opendir(path.c_str())) {
-    while (dirent* e = ::readdir(d)) {
-      const std::string name = e->d_name;
-      if (name != "." && name != "..") ::unlink((path + "/" + name).c_str());
-    }
-    ::closedir(d);
-  }
-  ::rmdir(path.c_str());
 }
 
 // The snapshot names under root ("snap-<seq>"), sequence numbers ascending.
@@ -303,7 +296,7 @@ int64_t Table<K>::Snapshot() {
   LockAll(&locks);
   std::lock_guard<std::mutex> specs_lock(slot_specs_mu_);
   for (const int64_t seq : SnapshotSeqs(root, /*tmp=*/true)) {
-    RemoveDir(root + "/" + SnapName(seq) + ".tmp");  // a killed snapshot's leftovers
+    RemoveTree(root + "/" + SnapName(seq) + ".tmp");  // a killed snapshot's leftovers
   }
   // The next number follows the committed one (CURRENT); a snapshot folder
   // past it is one a killed process renamed but never committed: removed.
@@ -320,7 +313,7 @@ int64_t Table<K>::Snapshot() {
   std::vector<int64_t> done;
   for (const int64_t old : SnapshotSeqs(root, false)) {
     if (old > committed) {
-      RemoveDir(root + "/" + SnapName(old));
+      RemoveTree(root + "/" + SnapName(old));
     } else {
       done.push_back(old);
     }
@@ -385,7 +378,7 @@ int64_t Table<K>::Snapshot() {
   SyncPath(root, true);
   // Keep this snapshot and the one before it.
   for (const int64_t old : done) {
-    if (old < seq - 1) RemoveDir(root + "/" + SnapName(old));
+    if (old < seq - 1) RemoveTree(root + "/" + SnapName(old));
   }
   return seq;
 }

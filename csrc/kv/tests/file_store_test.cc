@@ -34,6 +34,8 @@
 
 using Exported = kre::kv::test::Exported<int64_t>;
 using kre::kv::DataLossError;
+using kre::kv::MakeDirs;
+using kre::kv::RemoveTree;
 
 namespace {
 
@@ -737,6 +739,95 @@ void TestKillWriter() {
   std::printf("kill -9 rounds restored: %d of 8\n", restored);
 }
 
+// Whether `path` names something (a link itself counts, not its target).
+bool Exists(const std::string& path) {
+  struct stat st;
+  return ::lstat(path.c_str(), &st) == 0;
+}
+
+void WriteText(const std::string& path, const std::string& text) {
+  FILE* f = std::fopen(path.c_str(), "w");
+  CHECK(f != nullptr);
+  if (f == nullptr) return;
+  std::fputs(text.c_str(), f);
+  std::fclose(f);
+}
+
+std::string ReadText(const std::string& path) {
+  FILE* f = std::fopen(path.c_str(), "r");
+  if (f == nullptr) return "<missing>";
+  char buf[256] = {};
+  const size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  return std::string(buf, n);
+}
+
+// Links planted under storage_path (a stale live-* folder that is a link,
+// links inside a stale folder and deeper inside it, links in the table's
+// own folder, a snapshot folder and CURRENT.tmp that are links) are
+// removed without following them: the files they point to stay.
+void TestRemoveNeverFollowsLinks() {
+  const std::string victim = TempDir("victim");
+  MakeDirs(victim + "/sub");
+  WriteText(victim + "/a", "kept a");
+  WriteText(victim + "/b", "kept b");
+  WriteText(victim + "/sub/c", "kept c");
+  auto victim_intact = [&] {
+    return ReadText(victim + "/a") == "kept a" && ReadText(victim + "/b") == "kept b" &&
+           ReadText(victim + "/sub/c") == "kept c";
+  };
+  const std::string path = TempDir("nofollow");
+  MakeDirs(path + "/live-2-0/deep/deeper");
+  CHECK(::symlink(victim.c_str(), (path + "/live-1-0").c_str()) == 0);
+  WriteText(path + "/live-2-0/old.seg", "stale");
+  CHECK(::symlink(victim.c_str(), (path + "/live-2-0/link").c_str()) == 0);
+  CHECK(::symlink((victim + "/a").c_str(), (path + "/live-2-0/file-link").c_str()) == 0);
+  CHECK(::symlink(victim.c_str(), (path + "/live-2-0/deep/link").c_str()) == 0);
+  CHECK(::symlink(victim.c_str(), (path + "/live-2-0/deep/deeper/link").c_str()) == 0);
+  {
+    Table<int64_t> t(Options(path, 0));
+    CHECK(!Exists(path + "/live-1-0"));  // the link itself is gone
+    CHECK(!Exists(path + "/live-2-0"));  // the real stale folder too, links and all
+    CHECK(victim_intact());
+    // Links in the table's own folder and where a snapshot goes.
+    std::string live;
+    if (DIR* d = ::opendir(path.c_str())) {
+      while (dirent* e = ::readdir(d)) {
+        if (std::strncmp(e->d_name, "live-", 5) == 0) live = path + "/" + e->d_name;
+      }
+      ::closedir(d);
+    }
+    CHECK(!live.empty());
+    MakeDirs(live + "/nested");
+    CHECK(::symlink(victim.c_str(), (live + "/link").c_str()) == 0);
+    CHECK(::symlink(victim.c_str(), (live + "/nested/link").c_str()) == 0);
+    CHECK(::symlink(victim.c_str(), (path + "/snap-1.tmp").c_str()) == 0);
+    CHECK(::symlink(victim.c_str(), (path + "/snap-7").c_str()) == 0);  // past CURRENT
+    CHECK(::symlink((victim + "/b").c_str(), (path + "/CURRENT.tmp").c_str()) == 0);
+    Step(t, 0, 100);
+    CHECK(ErrorOf([&] { t.Snapshot(); }).empty());
+    CHECK(!Exists(path + "/snap-7"));
+    CHECK(ReadText(path + "/CURRENT") == "snap-1\n");
+    CHECK(victim_intact());
+    t.Snapshot();  // removes nothing of the victim's either
+    CHECK(victim_intact());
+    CHECK(!live.empty() && Exists(live + "/link"));
+  }
+  // The table's own folder went with it, links unlinked.
+  bool live_left = false;
+  if (DIR* d = ::opendir(path.c_str())) {
+    while (dirent* e = ::readdir(d)) live_left |= std::strncmp(e->d_name, "live-", 5) == 0;
+    ::closedir(d);
+  }
+  CHECK(!live_left);
+  CHECK(victim_intact());
+  // RemoveTree on a link removes the link only.
+  CHECK(::symlink(victim.c_str(), (path + "/direct").c_str()) == 0);
+  RemoveTree(path + "/direct");
+  CHECK(!Exists(path + "/direct"));
+  CHECK(victim_intact());
+}
+
 }  // namespace
 
 int main() {
@@ -749,6 +840,7 @@ int main() {
   TestDiskBound();
   TestSnapshotRestore();
   TestFaults();
+  TestRemoveNeverFollowsLinks();
   TestTruncatedUnderTheTable();
   TestCorruptRecords();
   TestDescriptorsBounded();
