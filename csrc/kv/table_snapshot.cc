@@ -336,9 +336,10 @@ int64_t Table<K>::Snapshot() {
   }
   w.Put<uint64_t>(default_values_.size());
   w.PutBytes(default_values_.data(), default_values_.size() * sizeof(float));
-  const std::vector<uint8_t> bloom = bloom_.State();
-  w.Put<uint64_t>(bloom.size());
-  w.PutBytes(bloom.data(), bloom.size());
+  // Streamed: a filter sized for 2**30 keys is tens of GiB, mostly pages
+  // never written.
+  w.Put<uint64_t>(bloom_.StateBytes());
+  bloom_.VisitState([&](const uint8_t* p, size_t n) { w.PutBytes(p, n); });
   for (size_t si = 0; si < shards_.size(); ++si) {
     Shard& s = *shards_[si];
     auto* store = static_cast<FileRowStore*>(s.store.get());
