@@ -161,13 +161,6 @@ def _counter_type_name(value):
         return None
 
 
-def _physical_memory_bytes():
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, OSError, ValueError):
-        return None
-
-
 @keras.saving.register_keras_serializable(package=_PACKAGE)
 class CBFFilter(_Option):
     """Admit a key once a counting Bloom filter has seen it `filter_freq` times.
@@ -228,7 +221,7 @@ class CBFFilter(_Option):
                 f"raise `false_positive_probability`. Received: "
                 f"max_element_size={max_element_size}, false_positive_probability={p}")
         total = counters * counter_bytes
-        physical = _physical_memory_bytes()
+        physical = _machine_memory()
         if physical and total > physical:
             # Memory is committed page by page as counters are written, but
             # each distinct key counted writes up to k pages spread over the
