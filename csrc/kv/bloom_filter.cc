@@ -231,23 +231,36 @@ std::vector<uint8_t> CountingBloomFilter::State() const {
 }
 
 bool CountingBloomFilter::SetState(const uint8_t* state, size_t size) {
-  if (!enabled()) return false;
-  if (size != size_ + sizeof(kBloomMagic) ||
-      std::memcmp(state + size_, kBloomMagic, sizeof(kBloomMagic)) != 0) {
-    return false;
-  }
+  if (!enabled() || size != StateBytes()) return false;
+  if (std::memcmp(state + size_, kBloomMagic, sizeof(kBloomMagic)) != 0) return false;
   Clear();
-  for (uint64_t page = 0; page < pages_; ++page) {
-    const size_t begin = static_cast<size_t>(page) << page_shift_;
-    const size_t n = std::min(page_, size_ - begin);
-    const uint8_t* src = state + begin;
+  return LoadStatePiece(0, state, size);
+}
+
+bool CountingBloomFilter::LoadStatePiece(uint64_t offset, const uint8_t* piece, size_t n) {
+  if (!enabled() || offset > StateBytes() || n > StateBytes() - offset) return false;
+  bool marker = true;
+  while (n > 0) {
+    if (offset >= size_) {
+      const size_t at = static_cast<size_t>(offset - size_);
+      marker = marker && std::memcmp(piece, kBloomMagic + at, n) == 0;
+      break;
+    }
+    // Up to the end of the page (or of the counters).
+    const size_t page_end = static_cast<size_t>(((offset >> page_shift_) + 1) << page_shift_);
+    const size_t k =
+        std::min({n, page_end - static_cast<size_t>(offset), size_ - static_cast<size_t>(offset)});
     bool zero = true;
-    for (size_t j = 0; j < n && zero; ++j) zero = src[j] == 0;
-    if (zero) continue;  // the page stays unallocated (and reads as zeros)
-    std::memcpy(data_ + begin, src, n);
-    MarkPage(begin / static_cast<size_t>(bytes_));
+    for (size_t j = 0; j < k && zero; ++j) zero = piece[j] == 0;
+    if (!zero) {  // pages of zeros stay unallocated (and read as zeros)
+      std::memcpy(data_ + offset, piece, k);
+      MarkPage(offset / static_cast<uint64_t>(bytes_));
+    }
+    offset += k;
+    piece += k;
+    n -= k;
   }
-  return true;
+  return marker;
 }
 
 void CountingBloomFilter::Clear() {

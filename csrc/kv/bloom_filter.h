@@ -52,6 +52,11 @@ class CountingBloomFilter {
   // Restores State() output of a filter of this size; returns whether it
   // did. Pages of zeros in it are not written (they stay unallocated).
   bool SetState(const uint8_t* state, size_t size);
+  // Loads bytes [offset, offset + n) of a State() into a filter not written
+  // since it was made or cleared, pieces in any order (a state read in
+  // chunks is never whole in memory); returns false when bytes of the
+  // format marker differ (the counters are then not this layout's).
+  bool LoadStatePiece(uint64_t offset, const uint8_t* piece, size_t n);
   bool SetState(const std::vector<uint8_t>& state) { return SetState(state.data(), state.size()); }
   size_t StateBytes() const;
   // Zeroes every counter and hands the pages back.

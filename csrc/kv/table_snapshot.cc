@@ -409,11 +409,13 @@ int64_t Table<K>::RestoreSnapshot(const std::string& path) {
   int64_t latest = -1;
   std::vector<SlotSpec> specs;
   std::vector<float> defaults;
-  std::vector<uint8_t> bloom;
+  // The snapshot's Bloom counters, loaded (in the filling pass) into a
+  // filter of their own, swapped in with the rest.
+  std::unique_ptr<CountingBloomFilter> staged_bloom;
   std::vector<std::vector<SegRef>> segs(shards_.size());
   std::vector<std::unordered_map<uint32_t, size_t>> seg_pos(shards_.size());
   int64_t width = dim_;
-  auto read_header = [&](Reader& r) {
+  auto read_header = [&](Reader& r, bool load_bloom) {
     errno = 0;
     char magic[8];
     if (r.size() < 12) throw SnapError("not a snapshot index (bad magic or truncated)", index_path);
@@ -448,13 +450,27 @@ int64_t Table<K>::RestoreSnapshot(const std::string& path) {
     r.GetBytes(defaults.data(), defaults.size() * sizeof(float));
     const uint64_t nbloom = r.Get<uint64_t>();
     if (nbloom > r.Remaining()) r.Corrupt();
-    bloom.assign(nbloom, 0);
-    r.GetBytes(bloom.data(), bloom.size());
     if (defaults.empty() || defaults.size() % dim_ != 0 ||
-        (!bloom.empty() && bloom.size() != bloom_.StateBytes())) {
+        (nbloom != 0 && nbloom != bloom_.StateBytes())) {
       throw SnapError("the snapshot's initializer or Bloom filter does not fit this table",
                       index_path);
     }
+    // Read in chunks, never whole: a filter may be tens of GiB, mostly
+    // zeros, which the staged filter leaves unallocated.
+    std::vector<uint8_t> chunk(static_cast<size_t>(std::min<uint64_t>(nbloom, 1 << 20)));
+    if (load_bloom && nbloom != 0) {
+      staged_bloom = std::make_unique<CountingBloomFilter>(
+          options_.bloom_counters, options_.bloom_hashes, options_.bloom_counter_bytes);
+    }
+    bool marker = true;
+    for (uint64_t at = 0; at < nbloom;) {
+      const size_t n = static_cast<size_t>(std::min<uint64_t>(chunk.size(), nbloom - at));
+      r.GetBytes(chunk.data(), n);
+      if (staged_bloom) marker = staged_bloom->LoadStatePiece(at, chunk.data(), n) && marker;
+      at += n;
+    }
+    // Counters of an earlier layout (another marker) are not restored.
+    if (!marker) staged_bloom.reset();
     width = dim_;
     for (const auto& spec : specs) width += spec.width;
   };
@@ -476,7 +492,7 @@ int64_t Table<K>::RestoreSnapshot(const std::string& path) {
   {
     Reader r(index_path);
     try {
-      read_header(r);
+      read_header(r, /*load_bloom=*/false);
       for (size_t si = 0; si < shards_.size(); ++si) {
         read_segments(r, si);
         for (const auto& seg : segs[si]) {
@@ -573,7 +589,7 @@ int64_t Table<K>::RestoreSnapshot(const std::string& path) {
   std::vector<std::unique_ptr<Shard>> fresh;
   try {
     Reader r(index_path, /*crc=*/false);
-    read_header(r);
+    read_header(r, /*load_bloom=*/true);
     fresh.reserve(shards_.size());
     for (size_t si = 0; si < shards_.size(); ++si) {
       fresh.push_back(std::make_unique<Shard>());
@@ -593,7 +609,7 @@ int64_t Table<K>::RestoreSnapshot(const std::string& path) {
   slot_specs_.swap(specs);
   default_values_.swap(defaults);
   default_value_dim_ = static_cast<int64_t>(default_values_.size()) / dim_;
-  if (!bloom.empty()) bloom_.SetState(bloom);
+  if (staged_bloom) bloom_.SwapCounters(*staged_bloom);
   reset_epoch_ = ChangeEpoch();  // contents replaced wholesale: no delta spans this
   RaiseLatestStep(latest);
   return keys;
