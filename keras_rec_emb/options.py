@@ -232,9 +232,11 @@ class CBFFilter(_Option):
                 f"Bloom filter of {total} bytes ({total / 2**30:.1f} GiB) per table, more "
                 f"than this machine's physical memory ({physical} bytes, "
                 f"{physical / 2**30:.1f} GiB). Its memory grows as keys are counted (up to "
-                f"{self.sizing()[1]} pages of 4 KiB per distinct key) and can exhaust it; "
+                f"{self.sizing()[1]} pages of 4 KiB per distinct key) and can exhaust it, "
+                "and exporting or saving the table (its `bloom` part) needs all of it; "
                 "lower `max_element_size`, raise `false_positive_probability` or use a "
-                "narrower `counter_type`.", stacklevel=2)
+                "narrower `counter_type`.",
+                stacklevel=2)
 
     def sizing(self):
         """(counters, hashes, bytes per counter) of the filter."""
