@@ -9,8 +9,10 @@ without TensorFlow and apply under both Keras backends.
 
 import math
 import os
+import warnings
 
 import keras
+import numpy as np
 
 from keras_rec_emb._checks_core import check_bool, check_float, check_int
 
@@ -130,7 +132,33 @@ class CounterFilter(_Option):
         return {"filter_freq": self.filter_freq}
 
 
-_COUNTER_TYPES = ("uint8", "uint16", "uint32", "uint64")
+# Counter types by name: bytes per counter and the highest count (a
+# threshold above it would never admit a key). DeepRec's CBFFilter takes a
+# `tf.DType` (`tf.uint64` by default; its modelzoo scripts pass `tf.int64`):
+# signed types count in counters of the same width.
+_COUNTER_TYPES = {
+    "uint8": (1, 2**8 - 1), "uint16": (2, 2**16 - 1), "uint32": (4, 2**32 - 1),
+    "uint64": (8, 2**64 - 1), "int8": (1, 2**7 - 1), "int16": (2, 2**15 - 1),
+    "int32": (4, 2**31 - 1), "int64": (8, 2**63 - 1),
+}
+
+
+def _counter_type_name(value):
+    """The name of dtype `value` ("uint64"): a string, a NumPy dtype or scalar
+    type, a JAX scalar type or a TensorFlow `DType`, told apart by name and
+    attributes so that checking one imports no framework; None for anything
+    else."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (bool, int, float)) or value is None:
+        return None  # np.dtype(None) is float64, np.dtype(int) int64
+    if type(value).__name__ == "DType" and hasattr(value, "as_numpy_dtype"):
+        name = getattr(value, "name", None)  # tf.DType (tf.uint64.name == "uint64")
+        return name if isinstance(name, str) else None
+    try:
+        return np.dtype(value).name
+    except (TypeError, ValueError):
+        return None
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
@@ -149,8 +177,14 @@ class CBFFilter(_Option):
             `"uint8"`), which saturated counters could never exceed.
         max_element_size: int >= 1. Expected number of distinct keys.
         false_positive_probability: float in (0, 1).
-        counter_type: one of `"uint8"`, `"uint16"`, `"uint32"`, `"uint64"`.
-            Defaults to `"uint64"`.
+        counter_type: the counters' integer type, 8 to 64 bits: `"uint8"`,
+            `"uint16"`, `"uint32"`, `"uint64"` (or signed `"int8"` ...
+            `"int64"`, counted in counters of that width), as a string, a
+            NumPy dtype or a TensorFlow or JAX dtype (DeepRec's `tf.uint64`,
+            `tf.int64`). Defaults to `"uint64"`. The filter takes
+            m * bytes of address space; memory is committed as counters are
+            written (a warning says when m * bytes exceeds the machine's
+            memory).
 
     Example:
 
@@ -159,23 +193,25 @@ class CBFFilter(_Option):
     """
 
     def __init__(self, filter_freq: int, max_element_size: int,
-                 false_positive_probability: float, counter_type: str = "uint64"):
-        if counter_type not in _COUNTER_TYPES:
+                 false_positive_probability: float, counter_type="uint64"):
+        name = _counter_type_name(counter_type)
+        if name not in _COUNTER_TYPES:
             raise ValueError(
-                f"`counter_type` must be one of {_COUNTER_TYPES}. Received: "
+                "`counter_type` must be an integer dtype of 8, 16, 32 or 64 bits, "
+                f"one of {tuple(_COUNTER_TYPES)}, as a string, a NumPy dtype or a "
+                f"TensorFlow or JAX dtype (e.g. tf.uint64). Received: "
                 f"counter_type={counter_type!r}"
             )
         # Counters saturate at the type's maximum: a higher threshold would
         # never admit a key.
-        bits = int(counter_type[4:])
-        _check_int("filter_freq", filter_freq, 0, min(2**bits - 1, _INT64_MAX))
+        _check_int("filter_freq", filter_freq, 0, min(_COUNTER_TYPES[name][1], _INT64_MAX))
         _check_int("max_element_size", max_element_size, 1)
         p = check_float("false_positive_probability", false_positive_probability, 0, 1,
                         min_open=True, max_open=True)
         self.filter_freq = filter_freq
         self.max_element_size = max_element_size
         self.false_positive_probability = float(p)
-        self.counter_type = counter_type
+        self.counter_type = name
         counters, _, counter_bytes = self.sizing()
         if counters * counter_bytes >= 2**62:
             raise ValueError(
@@ -184,13 +220,30 @@ class CBFFilter(_Option):
                 "bytes, more than any machine holds; lower `max_element_size` or "
                 f"raise `false_positive_probability`. Received: "
                 f"max_element_size={max_element_size}, false_positive_probability={p}")
+        total = counters * counter_bytes
+        physical = _machine_memory()
+        if physical and total > physical:
+            # Memory is committed page by page as counters are written, but
+            # each distinct key counted writes up to k pages spread over the
+            # whole filter: with many keys it approaches the full size.
+            warnings.warn(
+                f"CBFFilter(max_element_size={max_element_size}, "
+                f"false_positive_probability={p}, counter_type={name!r}) sizes a counting "
+                f"Bloom filter of {total} bytes ({total / 2**30:.1f} GiB) per table, more "
+                f"than this machine's physical memory ({physical} bytes, "
+                f"{physical / 2**30:.1f} GiB). Its memory grows as keys are counted (up to "
+                f"{self.sizing()[1]} pages of 4 KiB per distinct key) and can exhaust it, "
+                "and exporting or saving the table (its `bloom` part) needs all of it; "
+                "lower `max_element_size`, raise `false_positive_probability` or use a "
+                "narrower `counter_type`.",
+                stacklevel=2)
 
     def sizing(self):
         """(counters, hashes, bytes per counter) of the filter."""
         n, p = self.max_element_size, self.false_positive_probability
         m = max(1, math.ceil(-n * math.log(p) / math.log(2) ** 2))
         k = max(1, round(m / n * math.log(2)))
-        return m, k, int(self.counter_type[4:]) // 8
+        return m, k, _COUNTER_TYPES[self.counter_type][0]
 
     def get_config(self):
         return {

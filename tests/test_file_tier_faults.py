@@ -331,3 +331,33 @@ def test_storage_size_beyond_the_machine_memory_is_refused_naming_it(tmp_path):
         "FILE", storage_path=str(tmp_path), storage_size=memory // 16))
     layer = EmbeddingVariable(4, ev_option=option, name="m")
     assert layer(np.arange(100, dtype=np.int64), training=True).shape == (100, 4)
+
+
+def test_links_planted_under_storage_path_are_removed_not_followed(tmp_path):
+    """A symbolic link planted as a stale `live-*` folder of the table, links
+    inside (and deeper inside) a stale folder, and a link where a killed
+    snapshot's leftovers go: building the table and snapshotting it unlink
+    them and delete none of the files of the folder they point to."""
+    victim = tmp_path / "victim"
+    (victim / "sub").mkdir(parents=True)
+    files = {victim / "a": "kept a", victim / "b": "kept b", victim / "sub" / "c": "kept c"}
+    for path, text in files.items():
+        path.write_text(text)
+    folder = tmp_path / "store" / "p_embeddings"
+    (folder / "live-2-0" / "deep").mkdir(parents=True)
+    os.symlink(victim, folder / "live-1-0")
+    os.symlink(victim, folder / "live-2-0" / "link")
+    os.symlink(victim / "a", folder / "live-2-0" / "file-link")
+    os.symlink(victim, folder / "live-2-0" / "deep" / "link")
+    (folder / "live-2-0" / "old.seg").write_bytes(b"stale")
+    os.symlink(victim, folder / "snap-1.tmp")
+    layer = file_layer(tmp_path / "store", "p")
+    layer(np.arange(500, dtype=np.int64), training=True)
+    assert layer.table.storage_dir == str(folder)
+    assert {path: path.read_text() for path in files if path.exists()} == files
+    for name in ("live-1-0", "live-2-0"):
+        assert not os.path.lexists(folder / name), name
+    layer.snapshot()
+    assert not os.path.lexists(folder / "snap-1.tmp")
+    assert (folder / "snap-1").is_dir() and not (folder / "snap-1").is_symlink()
+    assert {path: path.read_text() for path in files if path.exists()} == files

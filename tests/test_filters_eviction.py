@@ -1,6 +1,9 @@
 """Admission filters, eviction, metadata and DeepRec's checkpoint parts."""
 
 import logging
+import os
+import subprocess
+import sys
 import warnings
 
 import keras
@@ -101,6 +104,37 @@ def test_bloom_filter_false_positive_rate_and_memory():
     assert layer.table.memory_bytes() < no_filter.table.memory_bytes()
     layer(seen, training=True)  # second sighting admits (nearly) all
     assert layer.table_size() >= n
+
+
+
+def run_bloom_memory_child(spelling, backend):
+    """Runs tests/_bloom_memory_child.py; returns its KEY value lines as a dict."""
+    child = os.path.join(os.path.dirname(__file__), "_bloom_memory_child.py")
+    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
+    result = subprocess.run([sys.executable, child, spelling], capture_output=True, text=True,
+                            timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return dict(line.split(" ", 1) for line in result.stdout.splitlines() if " " in line)
+
+
+@pytest.mark.parametrize("spelling", ["tf.uint64", "tf.int64"])
+def test_deeprec_bloom_setting_holds_memory_for_the_counters_written(spelling):
+    """CBFFilter(3, max_element_size=2**30, false_positive_probability=0.01),
+    what DeepRec's modelzoo passes (counter_type tf.int64; DeepRec's default
+    is tf.uint64), sizes 76.7 GiB of counters: the table builds, and 2000
+    keys counted four times hold tens of MiB (pages written, not the whole
+    filter), admit as an exact counter and a small filter do, and the size
+    is warned about. A 2**24 filter (1.2 GiB) costs no more at its first
+    lookup."""
+    out = run_bloom_memory_child(spelling, "tensorflow")
+    assert out["SAME"] == "True" and out["ADMITTED"] == "2000", out
+    assert int(out["FULL"]) == 82_335_024_528
+    assert out["WARNED"] == str(int(out["FULL"]) > os.sysconf("SC_PAGE_SIZE") * os.sysconf(
+        "SC_PHYS_PAGES")), out
+    assert int(out["GROWN"]) < 200 * 2**20, out
+    assert int(out["MEMORY"]) < 200 * 2**20, out
+    assert int(out["FULL24"]) == 1_286_484_760
+    assert int(out["GROWN24"]) < 100 * 2**20, out
 
 
 # -- eviction -------------------------------------------------------------------

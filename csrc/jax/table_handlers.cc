@@ -1225,7 +1225,7 @@ ffi::Error SaveInfo(ffi::Token, ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuf
     }
     (*t)->Visit([&](auto& tab) {
       SetInt(*out, 0, tab.default_value_dim());
-      SetInt(*out, 1, static_cast<int64_t>(tab.BloomState().size()));
+      SetInt(*out, 1, static_cast<int64_t>(tab.BloomStateBytes()));
       SetInt(*out, 2, tab.FilteredSize());
     });
     return ffi::Error::Success();
@@ -1263,19 +1263,19 @@ ffi::Error ExportAux(ffi::Token, ffi::Result<ffi::Token>, ffi::ResultBuffer<ffi:
     return at.Visit([&](auto& tab) -> ffi::Error {
       using K = KeyOfT<decltype(tab)>;
       const std::vector<float> d = tab.DefaultValues();
-      const std::vector<uint8_t> b = tab.BloomState();
+      const size_t bloom_bytes = tab.BloomStateBytes();
       const int64_t dim = tab.dim();
       if (d.size() != defaults->element_count() || defaults->dimensions()[1] != dim) {
         return Invalid("the default_values output must be [" +
                        std::to_string(static_cast<int64_t>(d.size()) / dim) + ", " +
                        std::to_string(dim) + "], got " + Shape(defaults->dimensions()));
       }
-      if (b.size() != bloom->element_count()) {
-        return Invalid("the bloom output must have " + std::to_string(b.size()) + " bytes, got " +
-                       Shape(bloom->dimensions()));
+      if (bloom_bytes != bloom->element_count()) {
+        return Invalid("the bloom output must have " + std::to_string(bloom_bytes) +
+                       " bytes, got " + Shape(bloom->dimensions()));
       }
       std::copy(d.begin(), d.end(), defaults->typed_data());
-      std::copy(b.begin(), b.end(), bloom->typed_data());
+      tab.CopyBloomState(bloom->typed_data());
       if (capacity == 0) {
         // Without keys counted but not admitted (a table without a filter)
         // the rows are not read; with some, the caller asks again.
@@ -1408,15 +1408,13 @@ ffi::Error Import(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> values,
           }
         }
       }
-      const int64_t bloom_bytes = static_cast<int64_t>(tab.BloomState().size());
+      const int64_t bloom_bytes = static_cast<int64_t>(tab.BloomStateBytes());
       if (bloom.element_count() != 0 &&
           static_cast<int64_t>(bloom.element_count()) != bloom_bytes) {
         return Invalid("`bloom` has " + std::to_string(bloom.element_count()) +
                        " bytes but this table's counting Bloom filter has " +
                        std::to_string(bloom_bytes) + "; it was saved with other filter settings");
       }
-      const uint8_t* bl = bloom.typed_data();
-      const std::vector<uint8_t> bloom_state(bl, bl + bloom.element_count());
       kv::TableOptions options = tab.options();
       options.default_values = tab.DefaultValues();
       options.storage_lock = false;  // a staging table beside the live one
@@ -1434,7 +1432,8 @@ ffi::Error Import(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> values,
       staging.Import(k->data(), values.typed_data(), f.data(), v.data(), n,
                      slot_values.typed_data(), ids, widths);
       staging.ImportFiltered(kf->data(), ff.data(), vf.data(), nf);
-      if (!bloom_state.empty() && !staging.SetBloomState(bloom_state)) {
+      if (bloom.element_count() != 0 &&
+          !staging.SetBloomState(bloom.typed_data(), bloom.element_count())) {
         return Invalid("`bloom` is not a counting Bloom filter state of this table's settings");
       }
       // A slot of the saved table the live table lacks is added to the live

@@ -28,7 +28,7 @@ void TableExportChangedSince(OpKernelContext* ctx, kv::Table<K>& table) {
       [&](int64_t n, int64_t nf) { return AllocateExportOutputs(ctx, table, n, nf, &status); },
       &erased);
   OP_REQUIRES_OK(ctx, status);
-  OP_REQUIRES_OK(ctx, SetVectorOutput(ctx, 11, table.BloomState()));
+  OP_REQUIRES_OK(ctx, SetBloomOutput(ctx, 11, table));
   OP_REQUIRES_OK(ctx, SetVectorOutput(ctx, 12, erased));
   OP_REQUIRES_OK(ctx, SetScalarOutput(ctx, 13, complete));
 }

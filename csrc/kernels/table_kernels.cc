@@ -359,7 +359,7 @@ class TableExportOp : public TableOpKernel<K> {
       return b;
     });
     OP_REQUIRES_OK(ctx, status);
-    OP_REQUIRES_OK(ctx, SetVectorOutput(ctx, 11, table.BloomState()));
+    OP_REQUIRES_OK(ctx, SetBloomOutput(ctx, 11, table));
   }
 
  private:
@@ -423,7 +423,7 @@ class TableImportOp : public TableOpKernel<K> {
     OP_REQUIRES_OK(ctx,
                    validate::Finite(slots.flat<float>().data(), n * total, "slot_values", total));
     // default_values may hold infinities: AdaptiveEmbedding marks rows with them.
-    const size_t bloom_bytes = table.BloomState().size();
+    const size_t bloom_bytes = table.BloomStateBytes();
     OP_REQUIRES(
         ctx, bloom.NumElements() == 0 || static_cast<size_t>(bloom.NumElements()) == bloom_bytes,
         errors::InvalidArgument("`bloom` has ", bloom.NumElements(),
@@ -444,8 +444,9 @@ class TableImportOp : public TableOpKernel<K> {
                                             " in the table but ", w[j], " in the data"));
       }
     }
-    const std::vector<uint8_t> bloom_state(bloom.flat<uint8_t>().data(),
-                                           bloom.flat<uint8_t>().data() + bloom.NumElements());
+    // Read from the input tensor, not copied: a filter may be tens of GiB.
+    const uint8_t* bloom_state = bloom.flat<uint8_t>().data();
+    const size_t bloom_size = static_cast<size_t>(bloom.NumElements());
     std::vector<float> new_defaults;
     if (defaults.dim_size(0) > 0) {
       auto d = defaults.flat<float>();
@@ -461,7 +462,7 @@ class TableImportOp : public TableOpKernel<K> {
       dst.Import(k, values.flat<float>().data(), freqs.flat<int64_t>().data(),
                  versions.flat<int64_t>().data(), n, slots.flat<float>().data(), ids, w);
       dst.ImportFiltered(kf, freqs_f.flat<int64_t>().data(), versions_f.flat<int64_t>().data(), nf);
-      if (!bloom_state.empty() && !dst.SetBloomState(bloom_state)) {
+      if (bloom_size != 0 && !dst.SetBloomState(bloom_state, bloom_size)) {
         throw std::invalid_argument(
             "`bloom` is not a counting Bloom filter state of this table's CBFFilter "
             "settings");

@@ -150,6 +150,17 @@ absl::Status SetVectorOutput(OpKernelContext* ctx, int i, const std::vector<T>& 
   return absl::OkStatus();
 }
 
+// Output i: the table's Bloom counters (kv::Table::BloomState), written
+// into the output without a copy of them in between.
+template <typename K>
+absl::Status SetBloomOutput(OpKernelContext* ctx, int i, const kv::Table<K>& table) {
+  Tensor* out;
+  TF_RETURN_IF_ERROR(
+      ctx->allocate_output(i, TensorShape({static_cast<int64_t>(table.BloomStateBytes())}), &out));
+  table.CopyBloomState(out->flat<uint8_t>().data());
+  return absl::OkStatus();
+}
+
 // For the `alloc` of kv::Table::Export / ExportChangedSince (called with
 // every shard locked, so the slot list is stable): allocates outputs 0 .. 10
 // of an export (see KRE_TABLE_EXPORT_OUTPUTS in csrc/ops/table_shape_fns.h)

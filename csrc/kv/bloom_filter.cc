@@ -1,10 +1,15 @@
 // Copyright keras_rec_emb authors. Apache-2.0.
 #include "kv/bloom_filter.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <new>
 #include <stdexcept>
+#include <utility>
 
 #include "kv/hash.h"
 
@@ -78,7 +83,58 @@ CountingBloomFilter::CountingBloomFilter(uint64_t counters, int hashes, int coun
     throw std::invalid_argument("bloom_counter_bytes must be 1, 2, 4 or 8");
   }
   if (hashes_ < 1) throw std::invalid_argument("bloom_hashes must be >= 1");
-  words_.assign((counters_ * bytes_ + 7) / 8, 0);
+  if (counters_ > (uint64_t{1} << 61)) throw std::bad_alloc();
+  const long page = ::sysconf(_SC_PAGESIZE);
+  if (page > 0 && (page & (page - 1)) == 0) page_ = static_cast<size_t>(page);
+  page_shift_ = 0;
+  while ((size_t{1} << page_shift_) < page_) ++page_shift_;
+  size_ = static_cast<size_t>(counters_) * static_cast<size_t>(bytes_);
+  pages_ = (size_ + page_ - 1) >> page_shift_;
+  data_bytes_ = static_cast<size_t>(pages_) << page_shift_;
+  const size_t bitmap_bytes = ((pages_ + 63) / 64) * 8;
+  mapped_bytes_ = data_bytes_ + ((bitmap_bytes + page_ - 1) & ~(page_ - 1));
+  // Reserved, not committed: pages are zero-filled on their first write
+  // (never a memset of the whole filter). Huge pages are refused: with
+  // transparent huge pages a key's first sighting would commit 2 MiB.
+  void* p = ::mmap(nullptr, mapped_bytes_, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) throw std::bad_alloc();
+#ifdef MADV_NOHUGEPAGE
+  ::madvise(p, mapped_bytes_, MADV_NOHUGEPAGE);
+#endif
+  data_ = static_cast<uint8_t*>(p);
+  written_ = reinterpret_cast<uint64_t*>(data_ + data_bytes_);
+}
+
+CountingBloomFilter::~CountingBloomFilter() {
+  if (data_ != nullptr) ::munmap(data_, mapped_bytes_);
+}
+
+void CountingBloomFilter::MarkPage(uint64_t i) {
+  const uint64_t page = (i * static_cast<uint64_t>(bytes_)) >> page_shift_;
+  uint64_t* word = written_ + (page >> 6);
+  const uint64_t bit = uint64_t{1} << (page & 63);
+  if ((__atomic_load_n(word, __ATOMIC_RELAXED) & bit) == 0 &&
+      (__atomic_fetch_or(word, bit, __ATOMIC_RELAXED) & bit) == 0) {
+    __atomic_fetch_add(&written_pages_, 1, __ATOMIC_RELAXED);
+  }
+}
+
+bool CountingBloomFilter::PageWritten(uint64_t page) const {
+  return (__atomic_load_n(written_ + (page >> 6), __ATOMIC_RELAXED) >> (page & 63)) & 1;
+}
+
+uint64_t CountingBloomFilter::MemoryBytes() const {
+  if (!enabled()) return 0;
+  return __atomic_load_n(&written_pages_, __ATOMIC_RELAXED) * page_ + (mapped_bytes_ - data_bytes_);
+}
+
+void CountingBloomFilter::SwapCounters(CountingBloomFilter& o) {
+  std::swap(data_, o.data_);
+  std::swap(written_, o.written_);
+  std::swap(written_pages_, o.written_pages_);
+  std::swap(mapped_bytes_, o.mapped_bytes_);
+  std::swap(data_bytes_, o.data_bytes_);
 }
 
 uint64_t CountingBloomFilter::Slot(uint64_t h, int k) const {
@@ -96,14 +152,20 @@ uint64_t CountingBloomFilter::Slot(uint64_t h, int k) const {
 
 uint64_t CountingBloomFilter::Count(uint64_t h) const {
   if (!enabled()) return 0;
-  const uint8_t* base = reinterpret_cast<const uint8_t*>(words_.data());
+  const uint8_t* base = data_;
   uint64_t least = UINT64_MAX;
-  for (int k = 0; k < hashes_; ++k) least = std::min(least, GetCounter(base, Slot(h, k), bytes_));
+  for (int k = 0; k < hashes_; ++k) {
+    const uint64_t i = Slot(h, k);
+    // A page never written holds zeros: not read, so that counting keys
+    // maps no page of the filter.
+    if (!PageWritten((i * static_cast<uint64_t>(bytes_)) >> page_shift_)) return 0;
+    least = std::min(least, GetCounter(base, i, bytes_));
+  }
   return least;
 }
 
 uint64_t CountingBloomFilter::Add(uint64_t h) {
-  uint8_t* base = reinterpret_cast<uint8_t*>(words_.data());
+  uint8_t* base = data_;
   // Each distinct position once per sighting: in a small filter two of a
   // key's k positions may coincide, and counting that counter twice would
   // let a key pass the threshold on fewer sightings than it has.
@@ -121,35 +183,100 @@ uint64_t CountingBloomFilter::Add(uint64_t h) {
     for (int j = 0; j < distinct && !seen; ++j) seen = pos[j] == i;
     if (!seen) pos[distinct++] = i;
   }
-  for (int j = 0; j < distinct; ++j) BumpCounter(base, pos[j], bytes_);
+  for (int j = 0; j < distinct; ++j) {
+    MarkPage(pos[j]);
+    BumpCounter(base, pos[j], bytes_);
+  }
   return Count(h);
 }
 
 size_t CountingBloomFilter::StateBytes() const {
-  return enabled() ? counters_ * bytes_ + sizeof(kBloomMagic) : 0;
+  return enabled() ? size_ + sizeof(kBloomMagic) : 0;
+}
+
+void CountingBloomFilter::VisitState(
+    const std::function<void(const uint8_t*, size_t)>& sink) const {
+  if (!enabled()) return;
+  static const uint8_t kZeros[1 << 16] = {};
+  uint64_t page = 0;
+  while (page < pages_) {
+    const bool written = PageWritten(page);
+    uint64_t end = page + 1;
+    while (end < pages_ && PageWritten(end) == written) ++end;
+    const size_t begin = static_cast<size_t>(page) << page_shift_;
+    const size_t stop = std::min(size_, static_cast<size_t>(end) << page_shift_);
+    if (written) {
+      sink(data_ + begin, stop - begin);
+    } else {
+      for (size_t at = begin; at < stop; at += sizeof(kZeros)) {
+        sink(kZeros, std::min(sizeof(kZeros), stop - at));
+      }
+    }
+    page = end;
+  }
+  sink(reinterpret_cast<const uint8_t*>(kBloomMagic), sizeof(kBloomMagic));
+}
+
+void CountingBloomFilter::CopyState(uint8_t* dst) const {
+  VisitState([&](const uint8_t* p, size_t n) {
+    std::memcpy(dst, p, n);
+    dst += n;
+  });
 }
 
 std::vector<uint8_t> CountingBloomFilter::State() const {
-  if (!enabled()) return {};
-  const size_t bytes = counters_ * bytes_;
-  std::vector<uint8_t> state(bytes + sizeof(kBloomMagic));
-  std::memcpy(state.data(), words_.data(), bytes);
-  std::memcpy(state.data() + bytes, kBloomMagic, sizeof(kBloomMagic));
+  std::vector<uint8_t> state(StateBytes());
+  if (!state.empty()) CopyState(state.data());
   return state;
 }
 
-bool CountingBloomFilter::SetState(const std::vector<uint8_t>& state) {
-  if (!enabled()) return false;
-  const size_t bytes = counters_ * bytes_;
-  if (state.size() != bytes + sizeof(kBloomMagic) ||
-      std::memcmp(state.data() + bytes, kBloomMagic, sizeof(kBloomMagic)) != 0) {
-    return false;
-  }
-  std::memcpy(words_.data(), state.data(), bytes);
-  return true;
+bool CountingBloomFilter::SetState(const uint8_t* state, size_t size) {
+  if (!enabled() || size != StateBytes()) return false;
+  if (std::memcmp(state + size_, kBloomMagic, sizeof(kBloomMagic)) != 0) return false;
+  Clear();
+  return LoadStatePiece(0, state, size);
 }
 
-void CountingBloomFilter::Clear() { std::fill(words_.begin(), words_.end(), 0); }
+bool CountingBloomFilter::LoadStatePiece(uint64_t offset, const uint8_t* piece, size_t n) {
+  if (!enabled() || offset > StateBytes() || n > StateBytes() - offset) return false;
+  bool marker = true;
+  while (n > 0) {
+    if (offset >= size_) {
+      const size_t at = static_cast<size_t>(offset - size_);
+      marker = marker && std::memcmp(piece, kBloomMagic + at, n) == 0;
+      break;
+    }
+    // Up to the end of the page (or of the counters).
+    const size_t page_end = static_cast<size_t>(((offset >> page_shift_) + 1) << page_shift_);
+    const size_t k =
+        std::min({n, page_end - static_cast<size_t>(offset), size_ - static_cast<size_t>(offset)});
+    bool zero = true;
+    for (size_t j = 0; j < k && zero; ++j) zero = piece[j] == 0;
+    if (!zero) {  // pages of zeros stay unallocated (and read as zeros)
+      std::memcpy(data_ + offset, piece, k);
+      MarkPage(offset / static_cast<uint64_t>(bytes_));
+    }
+    offset += k;
+    piece += k;
+    n -= k;
+  }
+  return marker;
+}
+
+void CountingBloomFilter::Clear() {
+  if (!enabled()) return;
+  // Private anonymous pages read as zeros again after MADV_DONTNEED, and
+  // their memory is returned; if that fails, the written pages are zeroed.
+  if (::madvise(data_, mapped_bytes_, MADV_DONTNEED) != 0) {
+    for (uint64_t page = 0; page < pages_; ++page) {
+      if (!PageWritten(page)) continue;
+      const size_t begin = static_cast<size_t>(page) << page_shift_;
+      std::memset(data_ + begin, 0, std::min(page_, size_ - begin));
+    }
+    std::memset(written_, 0, mapped_bytes_ - data_bytes_);
+  }
+  written_pages_ = 0;
+}
 
 }  // namespace kv
 }  // namespace kre

@@ -35,6 +35,9 @@ constexpr uint64_t kChunkBytes = 4 << 20;
 constexpr uint64_t kCompactFloorBytes = 1 << 20;
 // Records up to this size are read through a buffer on the stack.
 constexpr uint64_t kStackRecordBytes = 2048;
+// Directory levels RemoveTree descends (tables write none below their own
+// folders): deeper ones are left, which bounds its stack and descriptors.
+constexpr int kRemoveDepth = 16;
 
 uint64_t RecordBytes(uint64_t width) { return SegmentRecordBytes(width); }
 
@@ -139,19 +142,49 @@ void CopySegmentFile(const std::string& src, const std::string& dst, uint64_t si
 
 std::atomic<uint64_t> g_space_counter{0};
 
-void RemoveTree(const std::string& path) {
-  if (DIR* d = ::opendir(path.c_str())) {
-    while (dirent* e = ::readdir(d)) {
-      const std::string name = e->d_name;
-      if (name == "." || name == "..") continue;
-      ::unlink((path + "/" + name).c_str());
-    }
-    ::closedir(d);
+// Removes the entries of the directory open as `dir` (closed here), then
+// `depth` levels below it at most; a symbolic link is unlinked, never
+// followed, so a link planted in a directory being removed cannot make
+// the removal reach outside it.
+void RemoveEntriesAt(int dir, int depth) {
+  DIR* d = ::fdopendir(dir);
+  if (d == nullptr) {
+    ::close(dir);
+    return;
   }
-  ::rmdir(path.c_str());
+  std::vector<std::string> names;
+  while (dirent* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    if (name != "." && name != "..") names.push_back(name);
+  }
+  for (const auto& name : names) {
+    if (::unlinkat(dir, name.c_str(), 0) == 0 || errno == ENOENT) continue;
+    // EISDIR (Linux) or EPERM (POSIX): a real directory, opened without
+    // following a link that may have replaced it since.
+    if (depth > 0) {
+      const int sub = ::openat(dir, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+      if (sub >= 0) RemoveEntriesAt(sub, depth - 1);
+    }
+    ::unlinkat(dir, name.c_str(), AT_REMOVEDIR);
+  }
+  ::closedir(d);  // closes `dir`
 }
 
 }  // namespace
+
+void RemoveTree(const std::string& path) {
+  // The path itself may be a link (a planted P/live-*): unlinked, not
+  // descended.
+  struct stat st;
+  if (::lstat(path.c_str(), &st) != 0) return;
+  if (!S_ISDIR(st.st_mode)) {
+    ::unlink(path.c_str());
+    return;
+  }
+  const int dir = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (dir >= 0) RemoveEntriesAt(dir, kRemoveDepth);
+  ::rmdir(path.c_str());
+}
 
 void MakeDirs(const std::string& path) {
   if (path.empty()) throw std::invalid_argument("storage_path must not be empty");

@@ -102,6 +102,10 @@ class FileSpace {
 void MakeDirs(const std::string& path);
 // Removes P/live-* directories (under the lock: no live table uses them).
 void RemoveStaleLiveDirs(const std::string& root);
+// Removes `path` and what it holds without following a symbolic link: a
+// link (`path` itself or one inside) is unlinked, never descended, so the
+// files it points to stay. Failures are ignored (best effort).
+void RemoveTree(const std::string& path);
 
 constexpr uint64_t kNoLocation = ~uint64_t{0};
 

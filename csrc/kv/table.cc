@@ -186,19 +186,26 @@ uint64_t Table<K>::BloomCount(K key) const {
 
 template <typename K>
 std::vector<uint8_t> Table<K>::BloomState() const {
-  if (!bloom()) return {};
-  // Every shard locked shared: no lookup adds sightings meanwhile.
-  std::vector<std::shared_lock<std::shared_mutex>> locks;
-  for (const auto& s : shards_) locks.emplace_back(s->mu);
-  return bloom_.State();
+  std::vector<uint8_t> state(BloomStateBytes());
+  if (!state.empty()) CopyBloomState(state.data());
+  return state;
 }
 
 template <typename K>
-bool Table<K>::SetBloomState(const std::vector<uint8_t>& state) {
+void Table<K>::CopyBloomState(uint8_t* dst) const {
+  if (!bloom()) return;
+  // Every shard locked shared: no lookup adds sightings meanwhile.
+  std::vector<std::shared_lock<std::shared_mutex>> locks;
+  for (const auto& s : shards_) locks.emplace_back(s->mu);
+  bloom_.CopyState(dst);
+}
+
+template <typename K>
+bool Table<K>::SetBloomState(const uint8_t* state, size_t size) {
   if (!bloom()) return false;
   std::vector<std::unique_lock<std::shared_mutex>> locks;
   LockAll(&locks);
-  return bloom_.SetState(state);
+  return bloom_.SetState(state, size);
 }
 
 template <typename K>

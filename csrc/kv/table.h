@@ -274,10 +274,17 @@ class Table {
   };
   template <typename Alloc>
   void Export(Alloc&& alloc) const;
-  // The Bloom counters, shard after shard (empty without a Bloom filter).
+  // The Bloom counters (empty without a Bloom filter).
   std::vector<uint8_t> BloomState() const;
+  // The size of BloomState(), and BloomState() written to `dst` (that many
+  // bytes) without building it in memory on the way.
+  size_t BloomStateBytes() const { return bloom_.StateBytes(); }
+  void CopyBloomState(uint8_t* dst) const;
   // Restores them if `state` has this table's size; returns whether it did.
-  bool SetBloomState(const std::vector<uint8_t>& state);
+  bool SetBloomState(const std::vector<uint8_t>& state) {
+    return SetBloomState(state.data(), state.size());
+  }
+  bool SetBloomState(const uint8_t* state, size_t size);
   // The estimated count of `key` in the Bloom filter (0 without one).
   uint64_t BloomCount(K key) const;
 

@@ -51,7 +51,8 @@ std::runtime_error SnapError(const std::string& what, const std::string& path) {
 class Writer {
  public:
   explicit Writer(const std::string& path) : path_(path) {
-    fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    // A new file in the snapshot's new folder (a link there is refused).
+    fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
     if (fd_ < 0) throw SnapError("cannot create", path);
     buf_.reserve(kBufferBytes);
   }
@@ -216,7 +217,10 @@ void SyncPath(const std::string& path, bool dir) {
 }
 
 void WriteFile(const std::string& path, const std::vector<uint8_t>& data) {
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  // A file left there (or a link planted in its place) is unlinked, not
+  // truncated: a link would make the write change the file it points to.
+  ::unlink(path.c_str());
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
   if (fd < 0) throw SnapError("cannot create", path);
   size_t done = 0;
   while (done < data.size()) {
@@ -250,17 +254,6 @@ std::vector<uint8_t> ReadFile(const std::string& path) {
   }
   ::close(fd);
   return data;
-}
-
-void RemoveDir(const std::string& path) {
-  if (DIR* d = ::opendir(path.c_str())) {
-    while (dirent* e = ::readdir(d)) {
-      const std::string name = e->d_name;
-      if (name != "." && name != "..") ::unlink((path + "/" + name).c_str());
-    }
-    ::closedir(d);
-  }
-  ::rmdir(path.c_str());
 }
 
 // The snapshot names under root ("snap-<seq>"), sequence numbers ascending.
@@ -303,7 +296,7 @@ int64_t Table<K>::Snapshot() {
   LockAll(&locks);
   std::lock_guard<std::mutex> specs_lock(slot_specs_mu_);
   for (const int64_t seq : SnapshotSeqs(root, /*tmp=*/true)) {
-    RemoveDir(root + "/" + SnapName(seq) + ".tmp");  // a killed snapshot's leftovers
+    RemoveTree(root + "/" + SnapName(seq) + ".tmp");  // a killed snapshot's leftovers
   }
   // The next number follows the committed one (CURRENT); a snapshot folder
   // past it is one a killed process renamed but never committed: removed.
@@ -320,7 +313,7 @@ int64_t Table<K>::Snapshot() {
   std::vector<int64_t> done;
   for (const int64_t old : SnapshotSeqs(root, false)) {
     if (old > committed) {
-      RemoveDir(root + "/" + SnapName(old));
+      RemoveTree(root + "/" + SnapName(old));
     } else {
       done.push_back(old);
     }
@@ -343,9 +336,10 @@ int64_t Table<K>::Snapshot() {
   }
   w.Put<uint64_t>(default_values_.size());
   w.PutBytes(default_values_.data(), default_values_.size() * sizeof(float));
-  const std::vector<uint8_t> bloom = bloom_.State();
-  w.Put<uint64_t>(bloom.size());
-  w.PutBytes(bloom.data(), bloom.size());
+  // Streamed: a filter sized for 2**30 keys is tens of GiB, mostly pages
+  // never written.
+  w.Put<uint64_t>(bloom_.StateBytes());
+  bloom_.VisitState([&](const uint8_t* p, size_t n) { w.PutBytes(p, n); });
   for (size_t si = 0; si < shards_.size(); ++si) {
     Shard& s = *shards_[si];
     auto* store = static_cast<FileRowStore*>(s.store.get());
@@ -385,7 +379,7 @@ int64_t Table<K>::Snapshot() {
   SyncPath(root, true);
   // Keep this snapshot and the one before it.
   for (const int64_t old : done) {
-    if (old < seq - 1) RemoveDir(root + "/" + SnapName(old));
+    if (old < seq - 1) RemoveTree(root + "/" + SnapName(old));
   }
   return seq;
 }
@@ -415,11 +409,13 @@ int64_t Table<K>::RestoreSnapshot(const std::string& path) {
   int64_t latest = -1;
   std::vector<SlotSpec> specs;
   std::vector<float> defaults;
-  std::vector<uint8_t> bloom;
+  // The snapshot's Bloom counters, loaded (in the filling pass) into a
+  // filter of their own, swapped in with the rest.
+  std::unique_ptr<CountingBloomFilter> staged_bloom;
   std::vector<std::vector<SegRef>> segs(shards_.size());
   std::vector<std::unordered_map<uint32_t, size_t>> seg_pos(shards_.size());
   int64_t width = dim_;
-  auto read_header = [&](Reader& r) {
+  auto read_header = [&](Reader& r, bool load_bloom) {
     errno = 0;
     char magic[8];
     if (r.size() < 12) throw SnapError("not a snapshot index (bad magic or truncated)", index_path);
@@ -454,13 +450,27 @@ int64_t Table<K>::RestoreSnapshot(const std::string& path) {
     r.GetBytes(defaults.data(), defaults.size() * sizeof(float));
     const uint64_t nbloom = r.Get<uint64_t>();
     if (nbloom > r.Remaining()) r.Corrupt();
-    bloom.assign(nbloom, 0);
-    r.GetBytes(bloom.data(), bloom.size());
     if (defaults.empty() || defaults.size() % dim_ != 0 ||
-        (!bloom.empty() && bloom.size() != bloom_.StateBytes())) {
+        (nbloom != 0 && nbloom != bloom_.StateBytes())) {
       throw SnapError("the snapshot's initializer or Bloom filter does not fit this table",
                       index_path);
     }
+    // Read in chunks, never whole: a filter may be tens of GiB, mostly
+    // zeros, which the staged filter leaves unallocated.
+    std::vector<uint8_t> chunk(static_cast<size_t>(std::min<uint64_t>(nbloom, 1 << 20)));
+    if (load_bloom && nbloom != 0) {
+      staged_bloom = std::make_unique<CountingBloomFilter>(
+          options_.bloom_counters, options_.bloom_hashes, options_.bloom_counter_bytes);
+    }
+    bool marker = true;
+    for (uint64_t at = 0; at < nbloom;) {
+      const size_t n = static_cast<size_t>(std::min<uint64_t>(chunk.size(), nbloom - at));
+      r.GetBytes(chunk.data(), n);
+      if (staged_bloom) marker = staged_bloom->LoadStatePiece(at, chunk.data(), n) && marker;
+      at += n;
+    }
+    // Counters of an earlier layout (another marker) are not restored.
+    if (!marker) staged_bloom.reset();
     width = dim_;
     for (const auto& spec : specs) width += spec.width;
   };
@@ -482,7 +492,7 @@ int64_t Table<K>::RestoreSnapshot(const std::string& path) {
   {
     Reader r(index_path);
     try {
-      read_header(r);
+      read_header(r, /*load_bloom=*/false);
       for (size_t si = 0; si < shards_.size(); ++si) {
         read_segments(r, si);
         for (const auto& seg : segs[si]) {
@@ -579,7 +589,7 @@ int64_t Table<K>::RestoreSnapshot(const std::string& path) {
   std::vector<std::unique_ptr<Shard>> fresh;
   try {
     Reader r(index_path, /*crc=*/false);
-    read_header(r);
+    read_header(r, /*load_bloom=*/true);
     fresh.reserve(shards_.size());
     for (size_t si = 0; si < shards_.size(); ++si) {
       fresh.push_back(std::make_unique<Shard>());
@@ -599,7 +609,7 @@ int64_t Table<K>::RestoreSnapshot(const std::string& path) {
   slot_specs_.swap(specs);
   default_values_.swap(defaults);
   default_value_dim_ = static_cast<int64_t>(default_values_.size()) / dim_;
-  if (!bloom.empty()) bloom_.SetState(bloom);
+  if (staged_bloom) bloom_.SwapCounters(*staged_bloom);
   reset_epoch_ = ChangeEpoch();  // contents replaced wholesale: no delta spans this
   RaiseLatestStep(latest);
   return keys;

@@ -10,6 +10,10 @@ test_cross_backend_saving.py.)"""
 import io
 import json
 import logging
+import math
+import os
+import subprocess
+import sys
 import warnings
 import zipfile
 
@@ -380,3 +384,67 @@ def test_the_docstring_example_with_a_filter_runs():
     test = doctest.DocTestFinder().find(
         EmbeddingVariable, globs={"keras": keras, "np": np, "keras_rec_emb": kre})[0]
     assert doctest.DocTestRunner().run(test, out=lambda text: None).failed == 0
+
+
+@pytest.mark.parametrize("spelling, name, width", [
+    ("uint64", "uint64", 8), ("int64", "int64", 8), (np.uint64, "uint64", 8),
+    (np.dtype("int64"), "int64", 8), (np.uint16, "uint16", 2), ("jnp.uint64", "uint64", 8),
+    ("jnp.int64", "int64", 8), ("jnp.uint8", "uint8", 1), ("jnp.int32", "int32", 4)])
+def test_cbf_counter_type_takes_deeprec_spellings_under_jax(spelling, name, width):
+    """Strings, NumPy and JAX dtypes name the counter type as under
+    TensorFlow (tests/test_options.py; tf.uint64 and tf.int64 under JAX:
+    the child test below), and admission is the same."""
+    import jax.numpy as jnp
+    if isinstance(spelling, str) and spelling.startswith("jnp."):
+        spelling = getattr(jnp, spelling[4:])
+    f = kre.CBFFilter(3, max_element_size=1000, false_positive_probability=1e-4,
+                      counter_type=spelling)
+    assert f.counter_type == name and f.sizing()[2] == width
+    assert kre.CBFFilter.from_config(f.get_config()) == f
+    layer = _layer(filter_option=f)
+    counts = {}
+    for ids in _batches(1):
+        layer(ids, training=True)
+        for key in ids.tolist():
+            counts[key] = counts.get(key, 0) + 1
+    assert sorted(_parts(layer)["keys"].tolist()) == sorted(
+        k for k, c in counts.items() if c >= 3)
+
+
+@pytest.mark.parametrize("bad", ["float32", None, 5, object()])
+def test_cbf_counter_type_refuses_other_types_under_jax(bad):
+    import jax.numpy as jnp
+    for value in (bad, jnp.float32) if bad is None else (bad,):
+        with pytest.raises(ValueError, match=r"`counter_type` must be an integer dtype.*"
+                                             r"counter_type="):
+            kre.CBFFilter(3, 1000, 0.01, counter_type=value)
+
+
+def test_cbf_larger_than_the_machine_warns_under_jax():
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    n = 2**30
+    while math.ceil(-n * math.log(0.01) / math.log(2) ** 2) * 8 <= physical:
+        n *= 4
+    with pytest.warns(UserWarning, match=rf"Bloom filter of \d+ bytes .*\({physical} bytes"):
+        kre.CBFFilter(3, max_element_size=n, false_positive_probability=0.01)
+
+
+@pytest.mark.parametrize("spelling", ["jnp.int64", "tf.uint64"])
+def test_deeprec_bloom_setting_holds_memory_for_the_counters_written_under_jax(spelling):
+    """DeepRec's modelzoo filter, CBFFilter(3, 2**30, 0.01) (76.7 GiB of
+    counters), under the JAX backend: 2000 keys counted four times hold far
+    less than the filter, admit as an exact counter and a small filter do;
+    a 2**24 filter's first lookup costs no 1.2 GiB. With a JAX dtype no
+    TensorFlow is imported; tf.uint64 (the child imports TensorFlow for
+    it) is taken too."""
+    child = os.path.join(os.path.dirname(os.path.dirname(__file__)), "_bloom_memory_child.py")
+    result = subprocess.run([sys.executable, child, spelling], capture_output=True, text=True,
+                            timeout=600, env=dict(os.environ, KERAS_BACKEND="jax"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = dict(line.split(" ", 1) for line in result.stdout.splitlines() if " " in line)
+    assert out["SAME"] == "True" and out["ADMITTED"] == "2000", out
+    assert int(out["FULL"]) == 82_335_024_528
+    assert int(out["GROWN"]) < 200 * 2**20, out
+    assert int(out["MEMORY"]) < 200 * 2**20, out
+    assert int(out["GROWN24"]) < 100 * 2**20, out
+    assert out["TENSORFLOW"] == str(spelling.startswith("tf.")), out

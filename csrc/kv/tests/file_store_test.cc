@@ -33,7 +33,10 @@
 #include "kv/tests/test_util.h"
 
 using Exported = kre::kv::test::Exported<int64_t>;
+using kre::kv::BloomSizing;
 using kre::kv::DataLossError;
+using kre::kv::MakeDirs;
+using kre::kv::RemoveTree;
 
 namespace {
 
@@ -737,6 +740,145 @@ void TestKillWriter() {
   std::printf("kill -9 rounds restored: %d of 8\n", restored);
 }
 
+// Whether `path` names something (a link itself counts, not its target).
+bool Exists(const std::string& path) {
+  struct stat st;
+  return ::lstat(path.c_str(), &st) == 0;
+}
+
+void WriteText(const std::string& path, const std::string& text) {
+  FILE* f = std::fopen(path.c_str(), "w");
+  CHECK(f != nullptr);
+  if (f == nullptr) return;
+  std::fputs(text.c_str(), f);
+  std::fclose(f);
+}
+
+std::string ReadText(const std::string& path) {
+  FILE* f = std::fopen(path.c_str(), "r");
+  if (f == nullptr) return "<missing>";
+  char buf[256] = {};
+  const size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  return std::string(buf, n);
+}
+
+// Links planted under storage_path (a stale live-* folder that is a link,
+// links inside a stale folder and deeper inside it, links in the table's
+// own folder, a snapshot folder and CURRENT.tmp that are links) are
+// removed without following them: the files they point to stay.
+void TestRemoveNeverFollowsLinks() {
+  const std::string victim = TempDir("victim");
+  MakeDirs(victim + "/sub");
+  WriteText(victim + "/a", "kept a");
+  WriteText(victim + "/b", "kept b");
+  WriteText(victim + "/sub/c", "kept c");
+  auto victim_intact = [&] {
+    return ReadText(victim + "/a") == "kept a" && ReadText(victim + "/b") == "kept b" &&
+           ReadText(victim + "/sub/c") == "kept c";
+  };
+  const std::string path = TempDir("nofollow");
+  MakeDirs(path + "/live-2-0/deep/deeper");
+  CHECK(::symlink(victim.c_str(), (path + "/live-1-0").c_str()) == 0);
+  WriteText(path + "/live-2-0/old.seg", "stale");
+  CHECK(::symlink(victim.c_str(), (path + "/live-2-0/link").c_str()) == 0);
+  CHECK(::symlink((victim + "/a").c_str(), (path + "/live-2-0/file-link").c_str()) == 0);
+  CHECK(::symlink(victim.c_str(), (path + "/live-2-0/deep/link").c_str()) == 0);
+  CHECK(::symlink(victim.c_str(), (path + "/live-2-0/deep/deeper/link").c_str()) == 0);
+  {
+    Table<int64_t> t(Options(path, 0));
+    CHECK(!Exists(path + "/live-1-0"));  // the link itself is gone
+    CHECK(!Exists(path + "/live-2-0"));  // the real stale folder too, links and all
+    CHECK(victim_intact());
+    // Links in the table's own folder and where a snapshot goes.
+    std::string live;
+    if (DIR* d = ::opendir(path.c_str())) {
+      while (dirent* e = ::readdir(d)) {
+        if (std::strncmp(e->d_name, "live-", 5) == 0) live = path + "/" + e->d_name;
+      }
+      ::closedir(d);
+    }
+    CHECK(!live.empty());
+    MakeDirs(live + "/nested");
+    CHECK(::symlink(victim.c_str(), (live + "/link").c_str()) == 0);
+    CHECK(::symlink(victim.c_str(), (live + "/nested/link").c_str()) == 0);
+    CHECK(::symlink(victim.c_str(), (path + "/snap-1.tmp").c_str()) == 0);
+    CHECK(::symlink(victim.c_str(), (path + "/snap-7").c_str()) == 0);  // past CURRENT
+    CHECK(::symlink((victim + "/b").c_str(), (path + "/CURRENT.tmp").c_str()) == 0);
+    Step(t, 0, 100);
+    CHECK(ErrorOf([&] { t.Snapshot(); }).empty());
+    CHECK(!Exists(path + "/snap-7"));
+    CHECK(ReadText(path + "/CURRENT") == "snap-1\n");
+    CHECK(victim_intact());
+    t.Snapshot();  // removes nothing of the victim's either
+    CHECK(victim_intact());
+    CHECK(!live.empty() && Exists(live + "/link"));
+  }
+  // The table's own folder went with it, links unlinked.
+  bool live_left = false;
+  if (DIR* d = ::opendir(path.c_str())) {
+    while (dirent* e = ::readdir(d)) live_left |= std::strncmp(e->d_name, "live-", 5) == 0;
+    ::closedir(d);
+  }
+  CHECK(!live_left);
+  CHECK(victim_intact());
+  // RemoveTree on a link removes the link only.
+  CHECK(::symlink(victim.c_str(), (path + "/direct").c_str()) == 0);
+  RemoveTree(path + "/direct");
+  CHECK(!Exists(path + "/direct"));
+  CHECK(victim_intact());
+}
+
+// A status line of this process in kB (VmRSS, VmHWM).
+uint64_t StatusKb(const char* field) {
+  FILE* f = std::fopen("/proc/self/status", "r");
+  if (f == nullptr) return 0;
+  char line[256];
+  uint64_t kb = 0;
+  const size_t len = std::strlen(field);
+  while (std::fgets(line, sizeof(line), f)) {
+    if (std::strncmp(line, field, len) == 0) kb = std::strtoull(line + len + 1, nullptr, 10);
+  }
+  std::fclose(f);
+  return kb;
+}
+
+// A snapshot of a table with a large Bloom filter (160 MB of counters,
+// few written) restores its counters exactly, streaming them from the
+// index: the restore's peak memory is far below the filter's size, and
+// pages of zeros stay unallocated.
+void TestSnapshotLargeBloom() {
+  const std::string path = TempDir("large-bloom");
+  TableOptions o = Options(path, 2);
+  BloomSizing(uint64_t{1} << 24, 0.01, &o.bloom_counters, &o.bloom_hashes);
+  o.bloom_counter_bytes = 1;
+  const uint64_t full = o.bloom_counters;
+  Table<int64_t> t(o);
+  for (int64_t step = 0; step < 3; ++step) Step(t, step, 500);
+  const std::vector<uint8_t> state = t.BloomState();
+  CHECK(state.size() == full + 8);
+  const int64_t size = t.Size();
+  const uint64_t memory = t.MemoryBytes();
+  CHECK(memory < full / 4);
+  CHECK(t.Snapshot() == 1);
+  for (int64_t step = 3; step < 6; ++step) Step(t, step, 5000);
+  CHECK(t.BloomState() != state);
+  // Peak resident memory from here (writing 5 to clear_refs resets VmHWM).
+  if (FILE* f = std::fopen("/proc/self/clear_refs", "w")) {
+    std::fputs("5", f);
+    std::fclose(f);
+  }
+  const uint64_t before = StatusKb("VmRSS") << 10;
+  CHECK(ErrorOf([&] { t.RestoreSnapshot(""); }).empty());
+  const uint64_t peak = StatusKb("VmHWM") << 10;
+  std::printf("restore of a %.0f MB Bloom filter: peak memory +%.1f MB\n", full / 1e6,
+              (peak > before ? peak - before : 0) / 1e6);
+  CHECK(peak < before + full / 2);
+  CHECK(t.BloomState() == state);
+  CHECK(t.Size() == size);
+  CHECK(t.MemoryBytes() <= memory + (uint64_t{1} << 20));
+}
+
 }  // namespace
 
 int main() {
@@ -749,6 +891,8 @@ int main() {
   TestDiskBound();
   TestSnapshotRestore();
   TestFaults();
+  TestRemoveNeverFollowsLinks();
+  TestSnapshotLargeBloom();
   TestTruncatedUnderTheTable();
   TestCorruptRecords();
   TestDescriptorsBounded();

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <map>
 #include <optional>
@@ -373,6 +374,84 @@ void TestFreqCap() {
   Table<int64_t> w(all);
   for (int i = 0; i < 5; ++i) Lookup(w, key, true);
   CHECK(w.Find(8, &v, &f, &ver) && f == 5);
+}
+
+// This process's resident memory (VmRSS of /proc/self/status), bytes.
+uint64_t ResidentBytes() {
+  FILE* f = std::fopen("/proc/self/status", "r");
+  if (f == nullptr) return 0;
+  char line[256];
+  uint64_t kb = 0;
+  while (std::fgets(line, sizeof(line), f)) {
+    if (std::strncmp(line, "VmRSS:", 6) == 0) kb = std::strtoull(line + 6, nullptr, 10);
+  }
+  std::fclose(f);
+  return kb << 10;
+}
+
+// DeepRec's modelzoo setting (2**30 keys at p = 0.01, uint64 counters)
+// sizes 76.7 GiB of counters: building the table and counting keys holds
+// memory for the pages written only, and admission matches exact counting.
+void TestBloomMemoryFollowsWrites() {
+  kre::kv::TableOptions o = FilterOptions(3);
+  BloomSizing(uint64_t{1} << 30, 0.01, &o.bloom_counters, &o.bloom_hashes);
+  o.bloom_counter_bytes = 8;
+  const uint64_t full = o.bloom_counters * 8;
+  CHECK(full > (uint64_t{76} << 30));
+  const uint64_t before = ResidentBytes();
+  Table<int64_t> t(o);
+  Table<int64_t> exact(FilterOptions(3));  // the counter filter counts exactly
+  std::vector<int64_t> keys(2000);
+  for (size_t i = 0; i < keys.size(); ++i) keys[i] = static_cast<int64_t>(i * 7919);
+  for (int round = 0; round < 4; ++round) {
+    CHECK(Lookup(t, keys, true) == Lookup(exact, keys, true));
+    CHECK(t.Size() == exact.Size());
+  }
+  CHECK(t.Size() == static_cast<int64_t>(keys.size()));
+  CHECK(t.BloomCount(keys[5]) == 3 && t.BloomCount(1) == 0);  // admitted at 3
+  const uint64_t grown = ResidentBytes() - before;
+  std::printf("bloom of %.1f GiB: table memory %.1f MiB, resident grew %.1f MiB\n",
+              full / 1073741824.0, t.MemoryBytes() / 1048576.0, grown / 1048576.0);
+  CHECK(t.MemoryBytes() < (uint64_t{200} << 20));
+  CHECK(grown < (uint64_t{400} << 20));  // sanitizers' shadow memory included
+  // The state streams without being built; its size is the filter's.
+  CHECK(t.BloomStateBytes() == full + 8);
+  t.Clear();
+  CHECK(t.MemoryBytes() < (uint64_t{8} << 20));
+  CHECK(t.BloomCount(keys[5]) == 0);
+}
+
+// State, VisitState and SetState of a filter with pages never written
+// (they read as zeros and stay unallocated after a restore); SwapCounters.
+void TestBloomStatePages() {
+  using kre::kv::CountingBloomFilter;
+  const uint64_t m = 1 << 20;  // 1 MiB of 1-byte counters: 256 pages of 4 KiB
+  CountingBloomFilter a(m, 3, 1), b(m, 3, 1), c(m, 3, 1);
+  const uint64_t empty = a.MemoryBytes();
+  for (uint64_t h = 0; h < 20; ++h) a.Add(h * 0x9e3779b97f4a7c15ULL);
+  for (uint64_t h = 0; h < 5; ++h) a.Add(h * 0x9e3779b97f4a7c15ULL);
+  CHECK(a.MemoryBytes() > empty && a.MemoryBytes() <= empty + 60 * 4096 * 16);
+  const std::vector<uint8_t> state = a.State();
+  CHECK(state.size() == a.StateBytes() && state.size() == m + 8);
+  std::vector<uint8_t> visited;
+  a.VisitState([&](const uint8_t* p, size_t n) { visited.insert(visited.end(), p, p + n); });
+  CHECK(visited == state);
+  uint64_t nonzero = 0;
+  for (size_t i = 0; i < m; ++i) nonzero += state[i] != 0;
+  CHECK(nonzero > 0 && nonzero <= 60);
+  CHECK(b.SetState(state));
+  CHECK(b.State() == state);
+  CHECK(b.MemoryBytes() <= a.MemoryBytes());
+  for (uint64_t h = 0; h < 40; ++h) {
+    CHECK(b.Count(h * 0x9e3779b97f4a7c15ULL) == a.Count(h * 0x9e3779b97f4a7c15ULL));
+  }
+  CHECK(a.Count(0) == 2 && a.Count(0x9e3779b97f4a7c15ULL * 10) == 1);
+  CHECK(!b.SetState(state.data(), state.size() - 1));
+  c.SwapCounters(b);
+  CHECK(c.State() == state && b.MemoryBytes() == empty && b.Count(0) == 0);
+  c.Clear();
+  CHECK(c.MemoryBytes() == empty && c.Count(0) == 0 &&
+        c.State() == CountingBloomFilter(m, 3, 1).State());
 }
 
 void TestBloomFilter() {
@@ -1017,6 +1096,8 @@ int main() {
   TestArenaRowsAcrossChunkSizes();
   TestCounterFilter();
   TestBloomFilter();
+  TestBloomMemoryFollowsWrites();
+  TestBloomStatePages();
   TestFreqCap();
   TestEviction();
   TestSaturatingMetadata();
