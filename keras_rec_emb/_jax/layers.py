@@ -45,6 +45,7 @@ import numpy as np
 
 from keras_rec_emb._checks_core import check_combiner_weights, check_int
 from keras_rec_emb._jax import ffi, file_tier, register, saving
+from keras_rec_emb._jax.ids import integer_ids, numpy_ids
 from keras_rec_emb._jax.optimizers import TableRule, register_anchor
 from keras_rec_emb.options import EmbeddingVariableOption, InitializerOption
 
@@ -411,6 +412,12 @@ class EmbeddingVariable(keras.layers.Layer):
         self.table_rule = TableRule(optimizer, f"EmbeddingVariable '{self.name}'")
         self._add_slots(self.table_rule)
 
+    def __call__(self, ids, *args, **kwargs):
+        # NumPy ids are checked before Keras makes JAX arrays of them (which
+        # in JAX's 32-bit mode narrows int64 ids unchecked).
+        return super().__call__(numpy_ids(ids, f"EmbeddingVariable '{self.name}'",
+                                          self.key_dtype), *args, **kwargs)
+
     def call(self, ids, weights=None, training=None):
         """Rows of `ids`, combined over their last axis with a combiner.
 
@@ -439,7 +446,7 @@ class EmbeddingVariable(keras.layers.Layer):
         >>> np.asarray(out).tolist()
         [[1.0, 1.0]]
         """
-        ids = keras.ops.convert_to_tensor(ids, dtype=self.key_dtype)
+        ids = integer_ids(ids, f"EmbeddingVariable '{self.name}'", self.key_dtype)
         if self.combiner is not None and ids.ndim < 1:
             raise ValueError(f"With combiner={self.combiner!r} the ids need a last axis to "
                              f"combine ([..., L]). Received: ids of shape {tuple(ids.shape)}")
