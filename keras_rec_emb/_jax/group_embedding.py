@@ -234,6 +234,13 @@ class GroupEmbedding(keras.layers.Layer):
     def features(self):
         return dict(self._features)
 
+    @property
+    def ids_input_dtype(self):
+        """The dtype of the `keras.Input` a `keras.Sequential` without one
+        makes for this layer (the stacked form's ids; Keras would make it
+        float32): int64 as under TensorFlow, int32 in JAX's 32-bit mode."""
+        return ffi.int_dtype().name
+
     def build(self, input_shape=None):
         if self.built:
             return

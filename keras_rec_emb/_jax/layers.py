@@ -412,6 +412,12 @@ class EmbeddingVariable(keras.layers.Layer):
         self.table_rule = TableRule(optimizer, f"EmbeddingVariable '{self.name}'")
         self._add_slots(self.table_rule)
 
+    @property
+    def ids_input_dtype(self):
+        """`key_dtype`: the dtype of the `keras.Input` a `keras.Sequential`
+        without one makes for this layer (Keras would make it float32)."""
+        return self.key_dtype
+
     def __call__(self, ids, *args, **kwargs):
         # NumPy ids are checked before Keras makes JAX arrays of them (which
         # in JAX's 32-bit mode narrows int64 ids unchecked).
