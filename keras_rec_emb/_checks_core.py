@@ -46,6 +46,27 @@ def check_combiner_weights(layer, combiner, prune_invalid_ids, dtype):
                         f"weights of dtype {dtype}")
 
 
+# A table's initializer matrix, [default_value_dim, embedding_dim] float32,
+# is drawn whole when the table is built: past this many elements (8 GiB)
+# XLA aborts the process and TensorFlow fails to allocate.
+MAX_INITIALIZER_ELEMENTS = 2**31 - 1
+
+
+def check_initializer_matrix(layer, default_value_dim, embedding_dim):
+    """Refuses, before anything is allocated, a `[default_value_dim,
+    embedding_dim]` initializer matrix of more than
+    MAX_INITIALIZER_ELEMENTS elements for `layer` (its name)."""
+    elements = int(default_value_dim) * int(embedding_dim)
+    if elements > MAX_INITIALIZER_ELEMENTS:
+        raise ValueError(
+            f"EmbeddingVariable '{layer}': its initializer matrix [default_value_dim, "
+            f"embedding_dim] = [{default_value_dim}, {embedding_dim}] would hold {elements} "
+            f"floats ({elements * 4 / 2**30:.1f} GiB), more than the {MAX_INITIALIZER_ELEMENTS} "
+            "(2**31 - 1) a table takes: lower `embedding_dim` or `default_value_dim` "
+            "(InitializerOption). Received: "
+            f"default_value_dim={default_value_dim}, embedding_dim={embedding_dim}")
+
+
 # -- ids: the checks of both backends' id inputs (`_checks.integer_ids`,
 # `_jax.ids.integer_ids`), one message each ---------------------------------
 

@@ -43,7 +43,8 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
-from keras_rec_emb._checks_core import check_combiner_weights, check_int
+from keras_rec_emb._checks_core import (check_combiner_weights, check_initializer_matrix,
+                                        check_int)
 from keras_rec_emb._jax import ffi, file_tier, register, saving
 from keras_rec_emb._jax.ids import integer_ids, numpy_ids
 from keras_rec_emb._jax.optimizers import TableRule, register_anchor
@@ -364,6 +365,7 @@ class EmbeddingVariable(keras.layers.Layer):
     def build(self, input_shape=None):
         # The option's initializer comes before the layer's, as under TensorFlow.
         initializer = self.ev_option.init_option.initializer or self.initializer
+        check_initializer_matrix(self.name, self.default_value_dim, self.embedding_dim)
         with jax.ensure_compile_time_eval():
             self.default_values = np.asarray(initializer(
                 shape=(self.default_value_dim, self.embedding_dim), dtype="float32"))
