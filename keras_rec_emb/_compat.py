@@ -640,33 +640,16 @@ class DistributedStepCalls:
         return concrete, flat
 
 
-def in_symbolic_build():
-    """Whether Keras is running a layer only to infer shapes and build its
-    state (`backend.compute_output_spec`, under Keras's `SymbolicScope`).
-
-    Keras then feeds float32 placeholders of the recorded shapes whatever
-    the real inputs' dtype: `Model.build_from_config` (every `.keras` load of
-    a subclassed model) and `model.build(shape)` make
-    `backend.KerasTensor(shape)` with the default float dtype. An id layer
-    that refused them would leave the model unbuilt, and Keras would then
-    skip loading its dense weights and optimizer state (with only a
-    warning). Nothing computed there is executed, so the id layers accept
-    any dtype in this scope (`_checks.integer_ids`). No public query exists.
-    Used by `_checks.integer_ids` and `layers.GroupEmbedding`.
-    """
-    from keras.src.backend.common.symbolic_scope import in_symbolic_scope
-
-    return in_symbolic_scope()
-
-
 # Keras 3.15.1's `Sequential.build(input_shape)` correction (a Sequential
 # without `keras.Input` gives our id layers int ids, not float32): in
 # `keras_rec_emb._keras_fixes`, which needs no TensorFlow (the JAX backend
 # installs it too).
+# `in_symbolic_build` is there too, for the same reason.
 from keras_rec_emb._keras_fixes import (  # noqa: E402,F401
     KERAS_SEQUENTIAL_FIX_VERSIONS,
     KERAS_SEQUENTIAL_ORIGINALS,
     fix_sequential_ids_input,
+    in_symbolic_build,
 )
 
 

@@ -1,7 +1,31 @@
-"""Corrections of Keras that need no TensorFlow, installed under both
-backends (private; `keras_rec_emb._compat` re-exports them)."""
+"""The private Keras API that needs no TensorFlow, used under both backends
+(private): `_compat.py` holds the rest, and imports TensorFlow, which the
+JAX backend must not need; `_compat` re-exports these. Each entry says what
+it is and why the public API does not do it.
+"""
 
 import keras
+
+
+def in_symbolic_build():
+    """Whether Keras is running a layer only to infer shapes and build its
+    state (`backend.compute_output_spec`, under Keras's `SymbolicScope`).
+
+    Keras then feeds float32 placeholders of the recorded shapes whatever
+    the real inputs' dtype: `Model.build_from_config` (every `.keras` load of
+    a subclassed model) and `model.build(shape)` make
+    `backend.KerasTensor(shape)` with the default float dtype. An id layer
+    that refused them would leave the model unbuilt, and Keras would then
+    skip loading its dense weights and optimizer state (with only a
+    warning). Nothing computed there is executed, so the id layers accept
+    any dtype in this scope (`_checks.integer_ids`). No public query exists.
+    Used by `_checks.integer_ids`, `layers.GroupEmbedding` and
+    `_jax.ids.integer_ids`.
+    """
+    from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+
+    return in_symbolic_scope()
+
 
 # Keras 3.15.1's `Sequential.build(input_shape)` (a Sequential without
 # `keras.Input`, built from its first batch inside `fit`, by `predict`, or by

@@ -17,14 +17,7 @@ import numpy as np
 
 from keras_rec_emb._checks_core import (check_ids_in_key_range, ids_may_not_fit,
                                         is_integer_dtype, non_integer_ids_error)
-
-
-def _in_symbolic_build():
-    # Keras feeds float32 placeholders of the recorded shapes when it builds
-    # a loaded subclassed model (keras_rec_emb._compat.in_symbolic_build).
-    from keras.src.backend.common.symbolic_scope import in_symbolic_scope
-
-    return in_symbolic_scope()
+from keras_rec_emb._keras_fixes import in_symbolic_build
 
 
 def integer_ids(ids, what, key_dtype, lower=True, via=None, via_what=None):
@@ -42,7 +35,7 @@ def integer_ids(ids, what, key_dtype, lower=True, via=None, via_what=None):
         dtype = ids.dtype
     dtype = np.dtype(dtype)
     if not is_integer_dtype(dtype):
-        if _in_symbolic_build():
+        if in_symbolic_build():  # shapes only: see _keras_fixes.in_symbolic_build
             return jnp.zeros(np.shape(ids), key_dtype)
         raise non_integer_ids_error(via_what or what, dtype.name)
     if dtype == key_dtype:
