@@ -31,7 +31,7 @@ import numpy as np
 
 from keras_rec_emb._adaptive_spec import AdaptiveSpec
 from keras_rec_emb._jax import ffi, hashing, register
-from keras_rec_emb._jax.ids import integer_ids
+from keras_rec_emb._jax.ids import integer_ids, numpy_ids
 from keras_rec_emb._jax.layers import EmbeddingVariable, combine_last_axis
 
 _NOT_PROMOTED, _NEWLY_PROMOTED, _PROMOTED = 0, 1, 2
@@ -197,6 +197,12 @@ class AdaptiveEmbedding(AdaptiveSpec, keras.layers.Layer):
     def compute_output_spec(self, inputs, adaptive_mask=None, training=None):
         return keras.KerasTensor(self.compute_output_shape(inputs.shape),
                                  dtype=self.compute_dtype)
+
+    def __call__(self, inputs, *args, **kwargs):
+        # NumPy ids are checked before Keras makes JAX arrays of them (which
+        # in JAX's 32-bit mode narrows int64 ids unchecked).
+        return super().__call__(numpy_ids(inputs, f"AdaptiveEmbedding '{self.name}'",
+                                          self.dynamic.key_dtype), *args, **kwargs)
 
     def call(self, inputs, adaptive_mask=None, training=None):
         ids = integer_ids(inputs, f"AdaptiveEmbedding '{self.name}'", self.dynamic.key_dtype,

@@ -20,7 +20,7 @@ import keras
 import numpy as np
 
 from keras_rec_emb._jax import ffi, register
-from keras_rec_emb._jax.ids import integer_ids
+from keras_rec_emb._jax.ids import integer_ids, numpy_ids
 from keras_rec_emb._jax.layers import EmbeddingVariable
 
 COMBINERS = ("sum", "mean", "sqrtn")
@@ -350,6 +350,19 @@ class GroupEmbedding(keras.layers.Layer):
             out[n] = rows[:, start:start + t.embedding_dim]
             start += t.embedding_dim
         return out
+
+    def __call__(self, inputs, *args, **kwargs):
+        # NumPy ids are checked before Keras makes JAX arrays of them (which
+        # in JAX's 32-bit mode narrows int64 ids unchecked).
+        if isinstance(inputs, dict):
+            inputs = dict(inputs)
+            for j, (n, s) in enumerate(self._features.items()):
+                if n in inputs:
+                    inputs[n] = numpy_ids(inputs[n], f"`sp_ids[{j}]`",
+                                          self.tables[s.table].key_dtype, lower=False)
+        elif {t.key_dtype for t in self.tables} == {"int32"}:
+            inputs = numpy_ids(inputs, f"GroupEmbedding '{self.name}' ids", "int32", lower=False)
+        return super().__call__(inputs, *args, **kwargs)
 
     def call(self, inputs, training=None):
         # Only a call no table may train in takes the one-call inference

@@ -74,7 +74,7 @@ def _traced_check(ids, key_dtype, what, lower):
     return ids + zero
 
 
-def numpy_ids(ids, what, key_dtype):
+def numpy_ids(ids, what, key_dtype, lower=True):
     """NumPy 64-bit integer `ids` checked to fit `key_dtype` (as
     `integer_ids` checks them) and cast to it in JAX's 32-bit mode, where
     Keras would narrow them to a JAX array before the layer's `call` sees
@@ -82,6 +82,6 @@ def numpy_ids(ids, what, key_dtype):
     if (not jax.config.jax_enable_x64 and isinstance(ids, np.ndarray)
             and is_integer_dtype(ids.dtype) and ids.dtype.itemsize == 8
             and ids_may_not_fit(ids.dtype, key_dtype)):
-        check_ids_in_key_range(ids, key_dtype, what)
+        check_ids_in_key_range(ids, key_dtype, what, lower)
         return ids.astype(key_dtype)
     return ids

@@ -159,3 +159,19 @@ def test_traced_int64_ids_beyond_an_int32_table_fail_the_step_before_the_lookup(
     assert "JaxRuntimeError" in type(caught.value).__name__ or isinstance(
         caught.value, ValueError)
     assert sorted(layer.export()["keys"].tolist()) == [1, 2, 3, 4]  # 5 never inserted
+
+
+@pytest.mark.parametrize("layer_name, message", [
+    ("group_dict_int32", "`sp_ids[1]` holds ids outside the int32 key range"),
+    ("group_stacked_int32", "GroupEmbedding 'g' ids holds ids outside the int32 key range"),
+    ("multi_hash", "MultiHashEmbedding 'mh' holds ids outside the int32 key range"),
+    ("adaptive", "AdaptiveEmbedding 'ad' holds ids outside the int32 key range"),
+])
+def test_the_other_id_layers_check_numpy_int64_ids_in_32_bit_mode(layer_name, message):
+    namespace = {"re": re}
+    exec(_CASES, namespace)  # pylint: disable=exec-used
+    with jax.enable_x64(False):
+        call = namespace["LAYERS"][layer_name]()
+        with pytest.raises(ValueError, match=re.escape(message) + r".*e\.g\. \[4294967297\]"):
+            call(np.array([2**32 + 1, 1], np.int64))
+        call(np.array([3, 1], np.int64))  # ids that fit pass
