@@ -1,8 +1,9 @@
 """An initializer matrix too large to allocate ([default_value_dim,
 embedding_dim] past 2**31 - 1 floats) is a ValueError before anything is
 allocated, the same under both backends (under JAX the allocation aborted
-the process: XLA's `Check failed: buffer_.IsConcrete()`). Each case runs
-in a child process, so an abort fails the test instead of killing pytest."""
+the process: XLA's `Check failed: buffer_.IsConcrete()`). The cases run
+in child processes (one per backend), so an abort fails the tests instead
+of killing pytest."""
 
 import os
 import pathlib
