@@ -23,21 +23,16 @@ from keras_rec_emb._checks_core import (  # noqa: F401
 def integer_ids(ids, what, dtype=tf.int64):
     """`ids` cast to `dtype`, or a TypeError naming `what` if not integers
     (a ValueError, or a failing assertion when traced, if an id does not fit
-    `dtype`: int64 ids would wrap onto other int32 keys)."""
+    `dtype`: int64 ids would wrap onto other int32 keys, uint64 ids onto
+    negative int64 keys)."""
     if not ids.dtype.is_integer:
         if _compat.in_symbolic_build():  # shapes only: see _compat.in_symbolic_build
             return tf.zeros(tf.shape(ids), dtype)
-        raise TypeError(
-            f"{what} expects integer ids (int32 or int64). Received ids of dtype "
-            f"{ids.dtype.name}. Hash strings or floats to integers first, e.g. "
-            "with keras.layers.Hashing or tf.strings.to_hash_bucket_fast. (Exporting "
-            "a subclassed model? Keras records only its input shapes: pass "
-            "`input_signature` with integer tf.TensorSpecs for the ids.)"
-        )
+        raise _checks_core.non_integer_ids_error(what, ids.dtype.name)
     if ids.dtype == dtype:
         return ids
-    if ids.dtype.size > dtype.size:  # refuse ids the narrower keys cannot hold
-        ids = assert_ids_in_range(ids, dtype, what)
+    if _checks_core.ids_may_not_fit(ids.dtype.as_numpy_dtype, tf.as_dtype(dtype).as_numpy_dtype):
+        ids = assert_ids_in_range(ids, dtype, what)  # refuse ids the keys cannot hold
     return tf.cast(ids, dtype)
 
 
@@ -53,48 +48,38 @@ def check_learning_rate(value, name="learning_rate"):
 
 def key_range(dtype):
     """(min, max) of the integer key dtype."""
-    info = np.iinfo(tf.as_dtype(dtype).as_numpy_dtype)
-    return int(info.min), int(info.max)
+    return _checks_core.key_range(tf.as_dtype(dtype).as_numpy_dtype)
 
 
 def keys_in_range(keys, key_dtype, what):
     """NumPy `keys` cast to `key_dtype`; a ValueError if one does not fit (an
     int64 id would otherwise wrap onto another int32 key)."""
     keys = np.asarray(keys)
-    lo, hi = key_range(key_dtype)
-    if keys.size and (keys.min() < lo or keys.max() > hi):
-        bad = keys[(keys < lo) | (keys > hi)][:3].tolist()
-        raise ValueError(
-            f"{what} holds ids outside the {tf.as_dtype(key_dtype).name} key range "
-            f"[{lo}, {hi}], e.g. {bad}. Use a table with key_dtype='int64' or hash "
-            "the ids into range first")
-    return keys.astype(tf.as_dtype(key_dtype).as_numpy_dtype)
+    numpy_dtype = tf.as_dtype(key_dtype).as_numpy_dtype
+    _checks_core.check_ids_in_key_range(keys, numpy_dtype, what)
+    return keys.astype(numpy_dtype)
 
 
 def assert_ids_in_range(ids, key_dtype, what, lower=True):
-    """int64 `ids` with a check (an assertion op when traced) that each fits
+    """Integer `ids` with a check (an assertion op when traced) that each fits
     `key_dtype`; `lower=False` checks only the upper bound (ids < 0 are
     padding that is pruned)."""
+    key_dtype = tf.as_dtype(key_dtype)
     lo, hi = key_range(key_dtype)
-    if ids.dtype.size <= tf.as_dtype(key_dtype).size:
+    if not _checks_core.ids_may_not_fit(ids.dtype.as_numpy_dtype, key_dtype.as_numpy_dtype):
         return ids
+    lower = lower and not ids.dtype.is_unsigned
     if tf.executing_eagerly():
-        v = ids.numpy()
-        if v.size and (v.max() > hi or lower and v.min() < lo):
-            bad = v[(v > hi) | ((v < lo) if lower else False)][:3].tolist()
-            raise ValueError(
-                f"{what} holds ids outside the {tf.as_dtype(key_dtype).name} key "
-                f"range [{lo}, {hi}], e.g. {bad}. Use a table with key_dtype='int64' "
-                "or hash the ids into range first")
+        _checks_core.check_ids_in_key_range(ids.numpy(), key_dtype.as_numpy_dtype, what, lower)
         return ids
     checks = [tf.debugging.assert_less_equal(
         ids, tf.constant(hi, ids.dtype),
-        message=f"{what} holds ids above the {tf.as_dtype(key_dtype).name} key range "
+        message=f"{what} holds ids above the {key_dtype.name} key range "
                 f"(max {hi}); use key_dtype='int64' or hash the ids into range")]
     if lower:
         checks.append(tf.debugging.assert_greater_equal(
             ids, tf.constant(lo, ids.dtype),
-            message=f"{what} holds ids below the {tf.as_dtype(key_dtype).name} key "
+            message=f"{what} holds ids below the {key_dtype.name} key "
                     f"range (min {lo}); use key_dtype='int64'"))
     with tf.control_dependencies(checks):
         return tf.identity(ids)

@@ -46,6 +46,84 @@ def check_combiner_weights(layer, combiner, prune_invalid_ids, dtype):
                         f"weights of dtype {dtype}")
 
 
+# A table's initializer matrix, [default_value_dim, embedding_dim] float32,
+# is drawn whole when the table is built: past this many elements (8 GiB)
+# XLA aborts the process and TensorFlow fails to allocate.
+MAX_INITIALIZER_ELEMENTS = 2**31 - 1
+
+
+def check_initializer_matrix(layer, default_value_dim, embedding_dim):
+    """Refuses, before anything is allocated, a `[default_value_dim,
+    embedding_dim]` initializer matrix of more than
+    MAX_INITIALIZER_ELEMENTS elements for `layer` (its name)."""
+    elements = int(default_value_dim) * int(embedding_dim)
+    if elements > MAX_INITIALIZER_ELEMENTS:
+        raise ValueError(
+            f"EmbeddingVariable '{layer}': its initializer matrix [default_value_dim, "
+            f"embedding_dim] = [{default_value_dim}, {embedding_dim}] would hold {elements} "
+            f"floats ({elements * 4 / 2**30:.1f} GiB), more than the {MAX_INITIALIZER_ELEMENTS} "
+            "(2**31 - 1) a table takes: lower `embedding_dim` or `default_value_dim` "
+            "(InitializerOption). Received: "
+            f"default_value_dim={default_value_dim}, embedding_dim={embedding_dim}")
+
+
+# -- ids: the checks of both backends' id inputs (`_checks.integer_ids`,
+# `_jax.ids.integer_ids`), one message each ---------------------------------
+
+def is_integer_dtype(dtype):
+    """Whether NumPy `dtype` holds integer ids (bool does not)."""
+    return np.issubdtype(np.dtype(dtype), np.integer)
+
+
+def non_integer_ids_error(what, dtype):
+    """The TypeError for ids of non-integer `dtype` (its name) passed to `what`."""
+    return TypeError(
+        f"{what} expects integer ids (int32 or int64). Received ids of dtype "
+        f"{dtype}. Hash strings or floats to integers first, e.g. "
+        "with keras.layers.Hashing or tf.strings.to_hash_bucket_fast. (Exporting "
+        "a subclassed model? Keras records only its input shapes: pass "
+        "`input_signature` with integer tf.TensorSpecs for the ids.)")
+
+
+def key_range(key_dtype):
+    """(min, max) of the integer key dtype (a NumPy dtype or its name)."""
+    info = np.iinfo(np.dtype(key_dtype))
+    return int(info.min), int(info.max)
+
+
+def ids_may_not_fit(id_dtype, key_dtype):
+    """Whether ids of integer `id_dtype` may lie outside `key_dtype`'s range
+    (int64 ids for int32 keys, uint64 ids for int64 keys): cast, they would
+    wrap onto other keys."""
+    lo, hi = key_range(key_dtype)
+    ids_lo, ids_hi = key_range(id_dtype)
+    return ids_lo < lo or ids_hi > hi
+
+
+def ids_outside_key_range_error(what, key_dtype, bad):
+    """The ValueError for ids `bad` (a few of them) outside `key_dtype`'s range."""
+    lo, hi = key_range(key_dtype)
+    return ValueError(
+        f"{what} holds ids outside the {np.dtype(key_dtype).name} key "
+        f"range [{lo}, {hi}], e.g. {bad}. Use a table with key_dtype='int64' "
+        "or hash the ids into range first")
+
+
+def check_ids_in_key_range(values, key_dtype, what, lower=True):
+    """NumPy integer `values` checked to fit `key_dtype` (`lower=False`: the
+    upper bound only; ids < 0 are padding that is pruned); a ValueError
+    names a few that do not."""
+    values = np.asarray(values)
+    lo, hi = key_range(key_dtype)
+    if not values.size:
+        return
+    over = values > hi
+    if lower and np.issubdtype(values.dtype, np.signedinteger):
+        over = over | (values < lo)
+    if over.any():
+        raise ids_outside_key_range_error(what, key_dtype, values[over][:3].tolist())
+
+
 def _fail(name, allowed, value, error=ValueError):
     raise error(f"`{name}` must be {allowed}. Received: {name}={value!r}")
 

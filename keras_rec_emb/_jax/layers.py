@@ -43,8 +43,10 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
-from keras_rec_emb._checks_core import check_combiner_weights, check_int
+from keras_rec_emb._checks_core import (check_combiner_weights, check_initializer_matrix,
+                                        check_int)
 from keras_rec_emb._jax import ffi, file_tier, register, saving
+from keras_rec_emb._jax.ids import integer_ids, numpy_ids
 from keras_rec_emb._jax.optimizers import TableRule, register_anchor
 from keras_rec_emb.options import EmbeddingVariableOption, InitializerOption
 
@@ -364,6 +366,7 @@ class EmbeddingVariable(keras.layers.Layer):
     def build(self, input_shape=None):
         # The option's initializer comes before the layer's, as under TensorFlow.
         initializer = self.ev_option.init_option.initializer or self.initializer
+        check_initializer_matrix(self.name, self.default_value_dim, self.embedding_dim)
         with jax.ensure_compile_time_eval():
             self.default_values = np.asarray(initializer(
                 shape=(self.default_value_dim, self.embedding_dim), dtype="float32"))
@@ -412,6 +415,18 @@ class EmbeddingVariable(keras.layers.Layer):
         self.table_rule = TableRule(optimizer, f"EmbeddingVariable '{self.name}'")
         self._add_slots(self.table_rule)
 
+    @property
+    def ids_input_dtype(self):
+        """`key_dtype`: the dtype of the `keras.Input` a `keras.Sequential`
+        without one makes for this layer (Keras would make it float32)."""
+        return self.key_dtype
+
+    def __call__(self, ids, *args, **kwargs):
+        # NumPy ids are checked before Keras makes JAX arrays of them (which
+        # in JAX's 32-bit mode narrows int64 ids unchecked).
+        return super().__call__(numpy_ids(ids, f"EmbeddingVariable '{self.name}'",
+                                          self.key_dtype), *args, **kwargs)
+
     def call(self, ids, weights=None, training=None):
         """Rows of `ids`, combined over their last axis with a combiner.
 
@@ -440,7 +455,7 @@ class EmbeddingVariable(keras.layers.Layer):
         >>> np.asarray(out).tolist()
         [[1.0, 1.0]]
         """
-        ids = keras.ops.convert_to_tensor(ids, dtype=self.key_dtype)
+        ids = integer_ids(ids, f"EmbeddingVariable '{self.name}'", self.key_dtype)
         if self.combiner is not None and ids.ndim < 1:
             raise ValueError(f"With combiner={self.combiner!r} the ids need a last axis to "
                              f"combine ([..., L]). Received: ids of shape {tuple(ids.shape)}")

@@ -18,6 +18,7 @@ import keras
 import numpy as np
 
 from keras_rec_emb._jax import ffi, hashing, register
+from keras_rec_emb._jax.ids import integer_ids, numpy_ids
 from keras_rec_emb._jax.layers import combine_last_axis
 from keras_rec_emb._multi_hash_spec import MultiHashSpec
 
@@ -133,8 +134,15 @@ class MultiHashEmbedding(MultiHashSpec, keras.layers.Layer):
         inside = (ids >= 0) & (ids < n)
         return jnp.where(inside, ids, hashing.hash_to_range(ids, n))
 
+    def __call__(self, inputs, *args, **kwargs):
+        # NumPy ids are checked before Keras makes JAX arrays of them (which
+        # in JAX's 32-bit mode narrows int64 ids unchecked).
+        return super().__call__(numpy_ids(inputs, f"MultiHashEmbedding '{self.name}'",
+                                          ffi.int_dtype().name), *args, **kwargs)
+
     def call(self, inputs):
-        ids = keras.ops.convert_to_tensor(inputs, dtype=ffi.int_dtype().name)
+        ids = integer_ids(inputs, f"MultiHashEmbedding '{self.name}'", ffi.int_dtype().name,
+                          via=np.int64)
         if self.combiner is not None and ids.ndim < 1:
             raise ValueError(
                 f"MultiHashEmbedding '{self.name}' with a combiner combines the last axis "

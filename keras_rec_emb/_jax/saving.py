@@ -34,9 +34,13 @@ under JAX and the reverse. Three things make it so.
   (`save_optimizer` / `load_optimizer`), so its list is TensorFlow's.
 
 The JAX layer's step counter (`iterations`, which drives learning-rate
-schedules and stamps versions) is not a part of that format: it is
-restored as the latest version plus one, the step after the last update,
-which is what it was whenever the last training step looked up any id.
+schedules, Adam's bias correction and the versions) is saved beside the
+parts as `iterations`, which the TensorFlow layer does not read (its
+tables follow the model optimizer's step, saved with the optimizer): a
+JAX model saved and loaded resumes at its step even when the last steps
+stamped no version (ids all filtered, padding or evicted). A file without
+it (saved under TensorFlow) restores the step after the latest version,
+admitted or filtered.
 """
 
 import warnings
@@ -52,6 +56,8 @@ from keras_rec_emb._jax import ffi
 PARTS = ("keys", "values", "freqs", "versions", "default_values", "keys_filtered",
          "freqs_filtered", "versions_filtered", "bloom")
 SLOT_PREFIX = "slot:"
+# The JAX layer's step counter (`iterations`), beside the parts (see the top).
+STEP = "iterations"
 _INT64_PARTS = ("freqs", "versions", "freqs_filtered", "versions_filtered")
 
 # Table optimizers the JAX layer runs, by the name TensorFlow registers
@@ -95,6 +101,7 @@ def save_table(layer, store):
         store[name] = value.astype(np.int64) if name in _INT64_PARTS else value
     for name, value in parts["slots"].items():
         store[SLOT_PREFIX + name] = np.asarray(value)
+    store[STEP] = np.asarray(int(layer.iterations.value), np.int64)
 
 
 def load_table(layer, store):
@@ -115,7 +122,14 @@ def load_table(layer, store):
     known = {name for name, _ in specs}
     layer._kre_slot_specs = specs + [(name, value.shape[1]) for name, value in
                                      data["slots"].items() if name not in known]
-    versions = data.get("versions", np.zeros(0, np.int64))
+    if STEP in names:
+        layer.iterations.assign(int(np.asarray(store[STEP])))
+        return
+    # A file without the step (saved under TensorFlow, whose tables take
+    # the model optimizer's): the step after the last one that stamped a
+    # version, admitted or filtered.
+    versions = np.concatenate([np.asarray(data.get(name, np.zeros(0, np.int64)), np.int64)
+                               .ravel() for name in ("versions", "versions_filtered")])
     layer.iterations.assign(int(versions.max()) + 1 if versions.size else 0)
 
 

@@ -9,6 +9,11 @@ if _backend.is_jax():
     from keras_rec_emb._jax.layers import EmbeddingVariable
     from keras_rec_emb._jax.adaptive import AdaptiveEmbedding
     from keras_rec_emb._jax.multi_hash import MultiHashEmbedding
+    from keras_rec_emb._keras_fixes import fix_sequential_ids_input
+
+    # A Sequential without keras.Input gives our id layers int ids, not float32
+    # (see _keras_fixes.fix_sequential_ids_input).
+    fix_sequential_ids_input()
 
     __all__ = ["AdaptiveEmbedding", "EmbeddingVariable", "FeatureSpec", "GroupEmbedding",
                "MultiHashEmbedding"]

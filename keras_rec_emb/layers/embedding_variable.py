@@ -7,6 +7,7 @@ import tensorflow as tf
 from keras_rec_emb import _compat
 from keras_rec_emb import variables
 from keras_rec_emb._checks import check_combiner, check_combiner_weights
+from keras_rec_emb._checks_core import check_initializer_matrix
 from keras_rec_emb._ids import embed_ids, output_spec
 from keras_rec_emb.ops import embedding_ops
 from keras_rec_emb.optimizers.base import table_optimizer
@@ -164,6 +165,7 @@ class EmbeddingVariable(keras.layers.Layer):
             return
         init_option = self.ev_option.init_option
         initializer = init_option.initializer or self.initializer
+        check_initializer_matrix(self.name, init_option.default_value_dim, self.embedding_dim)
         # Keras builds a layer lazily inside the traced first step of `fit`
         # (and `model.build(shape)` / a Sequential without `keras.Input`
         # build it symbolically): the matrix is drawn eagerly, once, outside

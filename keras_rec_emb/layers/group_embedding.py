@@ -6,6 +6,7 @@ import tensorflow as tf
 
 from keras_rec_emb import _compat, _ops, _serving_context, variables
 from keras_rec_emb._checks import assert_ids_in_range, check_float, check_int, integer_ids
+from keras_rec_emb._checks_core import non_integer_ids_error
 from keras_rec_emb._ids import FlatIds
 from keras_rec_emb.layers.configs import FeatureConfig
 from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
@@ -380,11 +381,7 @@ class GroupEmbedding(keras.layers.Layer):
             )
         dtype = tf.as_dtype(dtype)
         if not dtype.is_integer and not _compat.in_symbolic_build():
-            raise TypeError(
-                f"GroupEmbedding '{self.name}' expects integer ids (int32 or int64). "
-                f"Received: ids of dtype {dtype.name}. Hash strings or floats to "
-                "integers first, e.g. with keras.layers.Hashing."
-            )
+            raise non_integer_ids_error(f"GroupEmbedding '{self.name}'", dtype.name)
 
     def _stacked_inputs(self, ids):
         """Per feature `FlatIds` of stacked ids `[batch, F(, L)]`, from one

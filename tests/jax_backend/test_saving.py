@@ -257,7 +257,8 @@ def test_the_weights_file_holds_the_tensorflow_backends_parts(tmp_path):
         weights = h5py.File(io.BytesIO(archive.read("model.weights.h5")))
         group = weights["layers/embedding_variable/vars"]
         stored = {name: group[name][()] for name in group}
-    assert sorted(stored) == sorted(saving.PARTS + ("slot:accumulator",))
+    assert sorted(stored) == sorted(saving.PARTS + ("slot:accumulator", saving.STEP))
+    assert int(stored[saving.STEP]) == int(layer.iterations.value) == 2
     n = len(np.unique(ids))
     assert stored["keys"].dtype == np.int32 and stored["keys"].shape == (n,)
     for name in ("freqs", "versions", "freqs_filtered", "versions_filtered"):

@@ -1,0 +1,87 @@
+"""Integer ids in, under Keras's JAX backend: the checks of the TensorFlow
+layers' ids (`keras_rec_emb._checks.integer_ids`), with their messages
+(`keras_rec_emb._checks_core`).
+
+Non-integer ids (floats, NaN, bool) are refused by dtype, which is static
+under `jit` too. Ids that may not fit the keys (int64 ids for int32 keys,
+uint64 ids for int64 keys) are checked by value: a concrete array (NumPy,
+or a JAX array outside `jit`) raises the ValueError TensorFlow's eager
+check raises; a traced one gets a host check that the lookup's ids depend
+on, so the step fails (a `JaxRuntimeError` carrying the message) before
+any wrapped id is looked up, as TensorFlow's assertion op fails its graph.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from keras_rec_emb._checks_core import (check_ids_in_key_range, ids_may_not_fit,
+                                        is_integer_dtype, non_integer_ids_error)
+from keras_rec_emb._keras_fixes import in_symbolic_build
+
+
+def integer_ids(ids, what, key_dtype, lower=True, via=None, via_what=None):
+    """`ids` (array-like, JAX array or tracer) as a JAX array of
+    `key_dtype`; a TypeError naming `what` if they are not integers, a
+    ValueError (a failing step when traced) if one does not fit the keys.
+    `lower=False` checks the upper bound only (ids < 0 are padding).
+    `via`: a dtype the ids are first checked to fit, in full, as TensorFlow
+    first casts them to int64 (`via_what`: the name for that check and the
+    TypeError; default `what`)."""
+    key_dtype = np.dtype(key_dtype)
+    dtype = getattr(ids, "dtype", None)
+    if dtype is None:
+        ids = np.asarray(ids)
+        dtype = ids.dtype
+    dtype = np.dtype(dtype)
+    if not is_integer_dtype(dtype):
+        if in_symbolic_build():  # shapes only: see _keras_fixes.in_symbolic_build
+            return jnp.zeros(np.shape(ids), key_dtype)
+        raise non_integer_ids_error(via_what or what, dtype.name)
+    if dtype == key_dtype:
+        return jnp.asarray(ids)
+    checks = [(key_dtype, what, lower and np.issubdtype(dtype, np.signedinteger))]
+    if via is not None and ids_may_not_fit(dtype, via):
+        checks.insert(0, (np.dtype(via), via_what or what, True))
+    checks = [c for c in checks if ids_may_not_fit(dtype, c[0])]
+    if not checks:
+        return jnp.asarray(ids).astype(key_dtype)
+    if not isinstance(ids, jax.core.Tracer):
+        values = np.asarray(ids)
+        for check_dtype, check_what, check_lower in checks:
+            check_ids_in_key_range(values, check_dtype, check_what, check_lower)
+        return jnp.asarray(values.astype(key_dtype))
+    for check_dtype, check_what, check_lower in checks:
+        ids = _traced_check(ids, check_dtype, check_what, check_lower)
+    return ids.astype(key_dtype)
+
+
+def _traced_check(ids, key_dtype, what, lower):
+    info = np.iinfo(key_dtype)
+    outside = ids > jnp.asarray(info.max, ids.dtype)
+    if lower:
+        outside = outside | (ids < jnp.asarray(info.min, ids.dtype))
+    flat = outside.reshape(-1)
+    sample = ids.reshape(-1)[jnp.argmax(flat)] if flat.size else jnp.zeros((), ids.dtype)
+
+    def check(any_outside, sample):
+        if bool(any_outside):
+            check_ids_in_key_range(np.asarray([sample]), key_dtype, what, lower)
+        return np.zeros((), ids.dtype)
+
+    # The ids depend on the check's (zero) result, so the check runs first.
+    zero = jax.pure_callback(check, jax.ShapeDtypeStruct((), ids.dtype), jnp.any(flat), sample)
+    return ids + zero
+
+
+def numpy_ids(ids, what, key_dtype, lower=True):
+    """NumPy 64-bit integer `ids` checked to fit `key_dtype` (as
+    `integer_ids` checks them) and cast to it in JAX's 32-bit mode, where
+    Keras would narrow them to a JAX array before the layer's `call` sees
+    them; anything else as it is."""
+    if (not jax.config.jax_enable_x64 and isinstance(ids, np.ndarray)
+            and is_integer_dtype(ids.dtype) and ids.dtype.itemsize == 8
+            and ids_may_not_fit(ids.dtype, key_dtype)):
+        check_ids_in_key_range(ids, key_dtype, what, lower)
+        return ids.astype(key_dtype)
+    return ids

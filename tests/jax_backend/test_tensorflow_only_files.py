@@ -1,0 +1,91 @@
+"""A `.keras` file saved under TensorFlow that holds a TensorFlow-only class
+(`HashStrings`, `LossScaleOptimizer`, ...) fails to load under JAX with the
+package's error naming the class, not Keras's "Could not locate class"."""
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import keras
+import pytest
+
+import keras_rec_emb  # noqa: F401  (registers the classes)
+from keras_rec_emb._jax import tensorflow_only
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+_TENSORFLOW_SAVES = r"""
+import sys
+import numpy as np
+import tensorflow as tf
+import keras
+import keras_rec_emb as kre
+
+strings = keras.Input(shape=(2,), dtype="string")
+keys = kre.layers.HashStrings()(strings)
+rows = kre.layers.EmbeddingVariable(4, combiner="mean")(keys)
+model = keras.Model(strings, keras.layers.Dense(1)(rows))
+model.compile(optimizer=kre.optimizers.Adagrad(0.1), loss="mse")
+model.fit(tf.constant([["a", "b"], ["a", ""]]), np.ones((2, 1)), verbose=0)
+model.save(sys.argv[1])
+
+ids = keras.Input(shape=(2,), dtype="int64")
+rows = kre.layers.EmbeddingVariable(4, combiner="sum")(ids)
+model = keras.Model(ids, keras.layers.Dense(1)(rows))
+model.compile(optimizer=kre.optimizers.LossScaleOptimizer(kre.optimizers.SGD(0.1)),
+              loss="mse")
+model.fit(np.array([[1, 2], [3, 4]]), np.ones((2, 1)), verbose=0)
+model.save(sys.argv[2])
+
+import json
+from keras_rec_emb import callbacks, data, incremental, layers, ops, optimizers  # noqa: F401
+from keras.src.saving import object_registration
+print(json.dumps(sorted(name for name in object_registration.GLOBAL_CUSTOM_OBJECTS
+                        if name.startswith("keras_rec_emb>"))))
+"""
+
+
+@pytest.fixture(scope="module")
+def tensorflow_files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tf_files")
+    paths = (folder / "hash_strings.keras", folder / "loss_scale.keras")
+    env = dict(os.environ, KERAS_BACKEND="tensorflow")
+    run = subprocess.run([sys.executable, "-c", _TENSORFLOW_SAVES, *map(str, paths)], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=400)
+    assert run.returncode == 0, run.stderr[-4000:]
+    files = dict(zip(("HashStrings", "LossScaleOptimizer"), paths))
+    # The names the TensorFlow backend registers.
+    files["names"] = json.loads(run.stdout.strip().splitlines()[-1])
+    return files
+
+
+@pytest.mark.parametrize("name", ["HashStrings", "LossScaleOptimizer"])
+def test_a_tensorflow_file_holding_a_tensorflow_only_class_says_so_under_jax(name,
+                                                                             tensorflow_files):
+    with pytest.raises(ValueError) as caught:
+        keras.saving.load_model(str(tensorflow_files[name]))
+    assert str(caught.value) == str(tensorflow_only.error(name))
+    assert str(caught.value).startswith(
+        f"{tensorflow_only.CLASSES[name]} (registered as 'keras_rec_emb>{name}') runs on "
+        "Keras's TensorFlow backend only for now, and the active backend is 'jax'")
+
+
+@pytest.mark.parametrize("name", sorted(tensorflow_only.CLASSES))
+def test_each_tensorflow_only_registered_name_says_so_under_jax(name):
+    config = {"module": "keras_rec_emb", "class_name": name, "config": {},
+              "registered_name": f"keras_rec_emb>{name}"}
+    with pytest.raises(ValueError, match=re.escape(str(tensorflow_only.error(name)))):
+        keras.saving.deserialize_keras_object(config)
+    with pytest.raises(ValueError, match="TensorFlow backend only"):
+        keras.saving.get_registered_object(f"keras_rec_emb>{name}")()
+
+
+
+def test_every_name_registered_under_tensorflow_is_registered_under_jax(tensorflow_files):
+    names = tensorflow_files["names"]
+    assert "keras_rec_emb>HashStrings" in names and len(names) > 10
+    missing = [n for n in names if keras.saving.get_registered_object(n) is None]
+    assert missing == []
