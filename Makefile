@@ -76,7 +76,8 @@ jax-ops: $(JAX_SO)
 
 # `keras-rec-emb ps` preloads this bind() (keras_rec_emb/distribute/ps.py):
 # TensorFlow's gRPC server binds every interface whatever its task address
-# names; the shim binds the named address instead. Plain C, no TensorFlow.
+# names; the shim binds the named address instead. Plain C, no TensorFlow:
+# built here without TensorFlow's flags (setup.py builds it for wheels).
 $(BIND_SO): csrc/net/kre_bind.c
 	$(CC) -std=c11 -O2 -fPIC -shared -s -Wall -Wextra -Werror -o $@ $< -ldl
 
