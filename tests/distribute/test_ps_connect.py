@@ -205,3 +205,23 @@ def test_ps_listens_only_on_the_address_it_names():
     finally:
         server.kill()  # by its pid
         server.wait(timeout=30)
+
+
+def test_bind_map_names_the_address_and_loopback_for_the_rest():
+    from keras_rec_emb.distribute import ps
+
+    assert ps.bind_map("127.0.0.2:2300") == "2300=127.0.0.2,*=127.0.0.1"
+    assert ps.bind_map("localhost:2300") == "2300=127.0.0.1,*=127.0.0.1"
+    assert ps.bind_map("[::1]:2300") == "2300=::1,*=127.0.0.1"
+    # 0.0.0.0 asks for every interface: that port stays a wildcard.
+    assert ps.bind_map("0.0.0.0:2300") == "2300=*,*=127.0.0.1"
+
+
+def test_ps_address_that_does_not_resolve_is_named(capsys):
+    import keras_rec_emb_cli
+
+    with pytest.raises(SystemExit) as info:
+        keras_rec_emb_cli.main(["ps", "--ps", "no-such-host.invalid:2300", "--task", "0"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--ps" in err and "no-such-host.invalid:2300" in err, err
