@@ -379,3 +379,17 @@ def test_a_keras_file_naming_a_storage_path_outside_the_root_writes_nothing_ther
         loaded = keras.saving.load_model(crafted)
     assert loaded.get_layer("ev").storage_dir == str(victim / "ev_embeddings")
     np.testing.assert_allclose(loaded.predict(ids, verbose=0), expect, rtol=1e-6)
+
+
+def test_export_for_serving_of_a_file_tier_model(tmp_path):
+    """The TensorFlow child loads the file this process writes of its own
+    model (its storage_path is absolute): it names no storage root, so the
+    child must give one for the export to work."""
+    ids, y = _data(6, 128)
+    model = _model(_option(_file(tmp_path / "store")))
+    model.fit(ids, y, batch_size=64, verbose=0)
+    live = sorted(os.listdir(tmp_path / "store"))
+    out = kre.export_for_serving(model, str(tmp_path / "serving"))
+    assert os.path.exists(os.path.join(out, "saved_model.pb"))
+    # The child's table worked in a copy folder beside the live one, gone with it.
+    assert sorted(os.listdir(tmp_path / "store")) == live
