@@ -150,7 +150,10 @@ def main(argv=None):
     if problem is not None:
         print(problem, file=sys.stderr, flush=True)
         if os.path.exists(SHIM):
-            return 1  # the shim is there and failed: do not serve wider than asked
+            # The shim is there and failed: do not serve wider than asked.
+            # (os._exit: a running TensorFlow server can hold a normal exit.)
+            sys.stdout.flush()
+            os._exit(1)
     print(f"keras-rec-emb ps: task {args.task} serving at {ps[args.task]}", flush=True)
     server.join()
     return 0
