@@ -104,7 +104,8 @@ def _check_listening(address, mapping):
     for ip, p in listening_sockets():
         want = allowed.get(str(p), allowed["*"])
         if want != "*" and ip != want:
-            wide.append(f"{ip}:{p} (should be {want})")
+            shown = f"[{ip}]" if ":" in ip else ip
+            wide.append(f"{shown}:{p} (should be {want})")
     if not wide:
         return None
     shim = ("it was not preloaded (build it with `make bind-shim`)"

@@ -225,3 +225,22 @@ def test_ps_address_that_does_not_resolve_is_named(capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert "--ps" in err and "no-such-host.invalid:2300" in err, err
+
+
+@pytest.mark.multiprocess
+def test_ps_that_listens_wider_than_asked_exits_with_the_sockets_named():
+    """The shim kept out (KRE_BIND_MAP already set, so the command does not
+    start itself again with it preloaded): TensorFlow binds every interface,
+    the command reads that from its sockets and exits naming them."""
+    from keras_rec_emb.distribute import ps as ps_module
+
+    (port,) = free_ports(1)
+    address = f"127.0.0.1:{port}"
+    env = dict(_env(), KRE_BIND_MAP=ps_module.bind_map(address))
+    result = subprocess.run(
+        [sys.executable, "-m", "keras_rec_emb.distribute.ps", "--ps", address, "--task", "0"],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=HARD_TIMEOUT)
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "serving at" not in result.stdout
+    assert f"[::]:{port} (should be 127.0.0.1)" in result.stderr, result.stderr[-3000:]
+    assert "it was not preloaded" in result.stderr
