@@ -11,6 +11,8 @@ INSTALL_STAMP := $(VENV)/.install-stamp
 SO := keras_rec_emb/_kre_ops.so
 # The JAX binding's library (jax-ops, below).
 JAX_SO := keras_rec_emb/_kre_jax.so
+# keras-rec-emb ps's bind() shim (bind-shim, below).
+BIND_SO := keras_rec_emb/_kre_bind.so
 # The TF op library's sources (csrc/jax/ is the JAX binding's, built by jax-ops).
 CSRC := $(shell find csrc -name '*.cc' -o -name '*.h' | grep -v -e '/tests/' -e '^csrc/jax/')
 KV_SRC := $(wildcard csrc/kv/*.cc)
@@ -19,7 +21,7 @@ KV_BIN := csrc/kv/tests/bin
 CXX ?= g++
 KV_FLAGS := -std=c++17 -Wall -Wextra -Werror -pthread -Icsrc
 
-.PHONY: all install build jax-ops jax-objs demo test lint format-check kv-bins wheel-venv test-kv test-kv-asan test-kv-tsan test-py test-fuzz-long bench bench-peers peer-venvs clean wheel check-wheel docs test-bounds ci-packaging
+.PHONY: all install build bind-shim jax-ops jax-objs demo test lint format-check kv-bins wheel-venv test-kv test-kv-asan test-kv-tsan test-py test-fuzz-long bench bench-peers peer-venvs clean wheel check-wheel docs test-bounds ci-packaging
 
 all: install
 
@@ -41,7 +43,7 @@ $(INSTALL_STAMP): pyproject.toml keras_rec_emb/_version.py $(DEPS_STAMP) | $(SO)
 	KRE_SKIP_EXT_BUILD=1 $(PYTHON) -m pip install --quiet --no-build-isolation --no-deps -e .
 	touch $@
 
-install: $(INSTALL_STAMP) $(SO) $(JAX_SO)
+install: $(INSTALL_STAMP) $(SO) $(JAX_SO) $(BIND_SO)
 
 build: $(SO)
 
@@ -71,6 +73,15 @@ $(JAX_SO): $(JAX_SRC) $(KV_SRC) $(JAX_HDRS) | $(DEPS_STAMP)
 	$(CXX) -shared -s -pthread -o $@ $(JAX_OBJS)
 
 jax-ops: $(JAX_SO)
+
+# `keras-rec-emb ps` preloads this bind() (keras_rec_emb/distribute/ps.py):
+# TensorFlow's gRPC server binds every interface whatever its task address
+# names; the shim binds the named address instead. Plain C, no TensorFlow:
+# built here without TensorFlow's flags (setup.py builds it for wheels).
+$(BIND_SO): csrc/net/kre_bind.c
+	$(CC) -std=c11 -O2 -fPIC -shared -s -Wall -Wextra -Werror -o $@ $< -ldl
+
+bind-shim: $(BIND_SO)
 
 demo: install
 	$(VENV)/bin/keras-rec-emb demo $(DEMO_ARGS)
@@ -136,7 +147,7 @@ lint: $(DEPS_STAMP)
 # C++ format: the files of csrc/ that clang-format (.clang-format) would
 # change, and fails if any (`make test` runs it; `$(VENV)/bin/clang-format -i
 # FILE` formats one).
-CLANG_FORMAT_FILES := $(shell find csrc -name '*.cc' -o -name '*.h')
+CLANG_FORMAT_FILES := $(shell find csrc -name '*.cc' -o -name '*.h' -o -name '*.c')
 format-check: $(DEPS_STAMP)
 	@n=0; for f in $(CLANG_FORMAT_FILES); do \
 	  $(VENV)/bin/clang-format --dry-run --Werror $$f 2>/dev/null || { echo "format-check: $$f"; n=$$((n + 1)); }; \

@@ -21,6 +21,9 @@ except ImportError:  # setuptools < 70.1
 # tf.load_op_library and uses TensorFlow's C++ ABI only, so one build serves
 # every Python version (keras_rec_emb/_ops.py loads this name).
 LIBRARY = "_kre_ops.so"
+# The bind() shim `keras-rec-emb ps` preloads (csrc/net/kre_bind.c; see
+# keras_rec_emb/distribute/ps.py): a plain C library, no Python module.
+BIND_LIBRARY = "_kre_bind.so"
 
 
 def _sources(pattern="*.cc", subs=("kv", "ops", "kernels")):
@@ -121,6 +124,11 @@ class TFBuildExt(build_ext):
         # profiler that names the library's internal functions).
         strip = [] if debug or os.environ.get("KRE_KEEP_SYMBOLS") else ["-s"]
         for ext in self.extensions:
+            if ext.name == "keras_rec_emb._kre_bind":  # plain C, no TensorFlow
+                ext.extra_compile_args = ["-std=c11", "-O2", "-fPIC", "-Wall", "-Wextra"]
+                ext.extra_link_args = ["-shared", "-ldl"] + strip
+                ext.language = "c"
+                continue
             ext.extra_compile_args = cflags + extra
             ext.extra_link_args = lflags + ["-shared"] + strip
             ext.include_dirs = ["csrc"]
@@ -141,8 +149,9 @@ class TFBuildExt(build_ext):
     def get_ext_filename(self, fullname):
         # Called with the dotted name and with its last part alone.
         package, _, name = fullname.rpartition(".")
-        if name == "_kre_ops":
-            return os.path.join(*package.split("."), LIBRARY) if package else LIBRARY
+        if name in ("_kre_ops", "_kre_bind"):
+            library = LIBRARY if name == "_kre_ops" else BIND_LIBRARY
+            return os.path.join(*package.split("."), library) if package else library
         return super().get_ext_filename(fullname)
 
     def copy_extensions_to_source(self):
@@ -173,7 +182,8 @@ _ext = [] if os.environ.get("KRE_SKIP_EXT_BUILD") else [
     # library (build_ext compares only sources and depends with it).
     # (and the files the unity files include).
     Extension("keras_rec_emb._kre_ops", sources=_sources(subs=("kv",)) + _unity_sources(),
-              depends=_sources("*.h") + _sources(subs=("ops", "kernels")))]
+              depends=_sources("*.h") + _sources(subs=("ops", "kernels"))),
+    Extension("keras_rec_emb._kre_bind", sources=["csrc/net/kre_bind.c"])]
 
 setup(
     ext_modules=_ext,

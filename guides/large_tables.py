@@ -94,6 +94,12 @@ assert np.array_equal(before["values"][order_a], after["values"][order_b])
 `model.save` writes the table's rows into the `.keras` file like any
 table. A live table locks its folder, so the reloaded model below is made
 after the original is gone (in another process, this is automatic).
+The file names the table's folder, so loading it takes a storage root:
+the folder under which the file may put its tables (`storage_root=` of
+`kre.load_model`, or `with kre.storage_root(folder):` around
+`keras.saving.load_model`). Without one, a `.keras` file naming an absolute
+`storage_path` is refused: a model file from elsewhere does not choose
+where this program creates and clears folders.
 """
 
 path = os.path.join(workdir, "large.keras")
@@ -101,7 +107,7 @@ kre.save_model(model, path)
 expect = model.predict(ids[:64], verbose=0)
 del model, layer
 gc.collect()
-reloaded = keras.saving.load_model(path)
+reloaded = kre.load_model(path, storage_root=workdir)
 np.testing.assert_allclose(reloaded.predict(ids[:64], verbose=0), expect, rtol=1e-6)
 del reloaded
 gc.collect()

@@ -28,14 +28,14 @@ if _backend.is_jax():
     from keras_rec_emb.options import (CBFFilter, CounterFilter, EmbeddingVariableOption,
                                        GlobalStepEvict, InitializerOption, L2WeightEvict,
                                        StorageOption)
-    from keras_rec_emb.saving import load_model, save_model
+    from keras_rec_emb.saving import load_model, save_model, storage_root
     # Saved TensorFlow-only classes fail to load by name (see there).
     from keras_rec_emb._jax import tensorflow_only as _tensorflow_only  # noqa: F401
 
     __all__ = ["__version__", "export_for_serving", "layers", "optimizers", "CBFFilter",
                "CounterFilter", "EmbeddingVariableOption", "GlobalStepEvict",
                "InitializerOption", "L2WeightEvict", "StorageOption", "save_model",
-               "load_model", "callbacks"]
+               "load_model", "storage_root", "callbacks"]
     _TENSORFLOW_ONLY = (
         "data", "distribute", "ops", "IncrementalCheckpointer", "apply_to_saved_model")
 
@@ -164,7 +164,7 @@ else:
         IncrementalCheckpointer,
         apply_to_saved_model,
     )
-    from keras_rec_emb.saving import load_model, save_model
+    from keras_rec_emb.saving import load_model, save_model, storage_root
     from keras_rec_emb.serving import export_for_serving
 
     __all__ = [
@@ -175,7 +175,8 @@ else:
         "CBFFilter", "CounterFilter", "EmbeddingVariableOption", "GlobalStepEvict",
         "InitializerOption", "L2WeightEvict", "StorageOption",
         # Saving, serving, incremental checkpoints.
-        "save_model", "load_model", "export_for_serving", "IncrementalCheckpointer",
+        "save_model", "load_model", "storage_root", "export_for_serving",
+        "IncrementalCheckpointer",
         "apply_to_saved_model",
     ]
 

@@ -7,8 +7,13 @@ live table holds (a model reloaded beside the one that saved it, or a trainer
 in another process) works in a folder of its own next to it,
 `<folder>.copy-XXXXXXXX` (under `$KRE_STORAGE_COPY_PATH` when set), removed
 when that table is freed; it warns, and refuses `snapshot()`.
+
+A `storage_path` read from a config (`keras.saving.load_model`, a layer's
+`from_config`) is a path a file chose: it must lie under the storage root the
+caller gave (`storage_root`), else loading raises (see `loaded_storage_path`).
 """
 
+import contextvars
 import fcntl
 import os
 import re
@@ -20,6 +25,72 @@ import weakref
 
 COPY_PATH_ENV = "KRE_STORAGE_COPY_PATH"
 COPY_MARK = ".copy-"
+
+# The folder under which file-tier tables built from a config may work.
+_ROOT = contextvars.ContextVar("keras_rec_emb_storage_root", default=None)
+
+_ROOT_FIX = ("Load it inside `with keras_rec_emb.storage_root(FOLDER):` (or with "
+             "`keras_rec_emb.load_model(path, storage_root=FOLDER)`), FOLDER a folder "
+             "you choose for the tables' files: a relative storage_path is taken under "
+             "it, an absolute one must lie inside it.")
+
+
+def storage_root(root, argument="root"):
+    """See keras_rec_emb.storage_root (`argument`: the name `root` has in
+    the caller's signature, for the error)."""
+    if isinstance(root, os.PathLike):
+        root = os.fspath(root)
+    if not isinstance(root, str) or not root:
+        raise TypeError(f"`{argument}` must be a non-empty str or path-like (a folder). "
+                        f"Received: {argument}={root!r}")
+    return _RootScope(os.path.abspath(root))
+
+
+class _RootScope:
+    def __init__(self, root):
+        self._root = root
+        self._tokens = []
+
+    def __enter__(self):
+        self._tokens.append(_ROOT.set(self._root))
+        return self._root
+
+    def __exit__(self, *exc):
+        _ROOT.reset(self._tokens.pop())
+        return False
+
+
+def _inside(path, root):
+    # Resolved through symbolic links: a link under the root that leads out
+    # of it does not count as under it.
+    real, real_root = os.path.realpath(path), os.path.realpath(root)
+    return os.path.commonpath([real, real_root]) == real_root
+
+
+def loaded_storage_path(storage_path):
+    """`storage_path` of a StorageOption built from a config (a loaded
+    `.keras` file's), as an absolute path under the storage root; a
+    ValueError names the option, the path and the fix when it lies outside
+    the root, or is absolute and no root was given. Without a root a
+    relative path is taken under the current folder and must stay in it."""
+    root = _ROOT.get()
+    if root is None:
+        if os.path.isabs(storage_path):
+            raise ValueError(
+                "A loaded model's file-tier table names an absolute `storage_path`, "
+                f"storage_path={storage_path!r}, and no storage root was given: a model "
+                "file does not choose where this program creates and clears folders. "
+                + _ROOT_FIX)
+        where, base = "the current folder", os.getcwd()
+    else:
+        where, base = f"the storage root {root!r}", root
+    path = os.path.abspath(os.path.join(base, storage_path))
+    if not _inside(path, base):
+        raise ValueError(
+            f"A loaded model's file-tier table names `storage_path`={storage_path!r}, "
+            f"which is outside {where} ({path}): a model file does not choose where "
+            "this program creates and clears folders. " + _ROOT_FIX)
+    return path
 
 
 def table_folder(storage_path, name):

@@ -14,6 +14,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -545,6 +546,16 @@ def strip_filtered(args):
     from keras_rec_emb.saving import check_keras_file
 
     check_keras_file(args.input)  # names the file and the fix (run() prints it)
+    with zipfile.ZipFile(args.input) as src:
+        for name in src.namelist():
+            reason = _unsafe_member(name)
+            if reason:
+                # Copied as is, the name would make whoever unpacks the output
+                # (unzip, a serving pipeline) write outside its folder.
+                raise ValueError(
+                    f"{args.input}: refusing its archive member {name!r}: {reason}. A "
+                    ".keras file saved by Keras holds only relative names inside the "
+                    "archive; this one was made or altered by something else.")
     folder = os.path.dirname(os.path.abspath(args.output))
     if not os.path.isdir(folder):
         raise ValueError(f"cannot write {args.output}: the folder {folder} does not exist "
@@ -576,6 +587,18 @@ def strip_filtered(args):
     print(f"wrote {args.output}: removed {len(removed)} filtered parts"
           + "".join(f"\n  {name}" for name in removed))
     return 0
+
+
+def _unsafe_member(name):
+    """Why the zip member name `name` could point outside the folder it is
+    unpacked into, or "" when it cannot."""
+    if not name:
+        return "the name is empty"
+    if name.startswith(("/", "\\")) or re.match(r"[A-Za-z]:", name):
+        return "the name is an absolute path"
+    if ".." in re.split(r"[/\\]", name):
+        return "the name climbs out of the archive's folder with '..'"
+    return ""
 
 
 def _copy_h5(h5py, data, keep, removed):

@@ -14,6 +14,7 @@ import warnings
 import keras
 import numpy as np
 
+from keras_rec_emb import _file_tier
 from keras_rec_emb._checks_core import check_bool, check_float, check_int
 
 __all__ = [
@@ -418,6 +419,16 @@ class StorageOption(_Option):
         self.storage_type = storage_type
         self.storage_path = storage_path
         self.storage_size = storage_size
+
+    @classmethod
+    def from_config(cls, config):
+        # A config is a file's (a loaded `.keras`, `model_from_json`, a
+        # clone): its folder is checked against the caller's storage root.
+        config = dict(config)
+        path = config.get("storage_path")
+        if config.get("storage_type") == "FILE" and isinstance(path, str) and path:
+            config["storage_path"] = _file_tier.loaded_storage_path(path)
+        return cls(**config)
 
     @property
     def cache_bytes(self):

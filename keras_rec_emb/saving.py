@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # imported where used: see load_model
     import keras
 
-__all__ = ["save_model", "load_model"]
+__all__ = ["save_model", "load_model", "storage_root"]
 
 # Temporary files are named .tmp-kre-<target name>-<pid>-<random>.keras.
 _TMP_PREFIX = ".tmp-kre-"
@@ -211,7 +211,48 @@ def check_keras_file(filepath):
             f"(members: {names}). {fix}")
 
 
-def load_model(filepath: str | os.PathLike, **kwargs) -> "keras.Model":
+def storage_root(root: str | os.PathLike):
+    """A context in which models are loaded with their file-tier tables under `root`.
+
+    A file-tier table (`StorageOption("FILE", storage_path=...)`) creates
+    `storage_path/<table name>/`, takes its lock and clears its working files.
+    A `.keras` file's config names that `storage_path`, so a model file from
+    elsewhere would choose where this program creates and clears folders.
+    Tables built from a config (`keras.saving.load_model`,
+    `keras.models.model_from_json`, `clone_model`, a layer's `from_config`)
+    therefore work only under a folder the caller chose: inside this context
+    a relative `storage_path` is taken under `root` and an absolute one must
+    lie inside `root` (symbolic links resolved); any other raises a
+    ValueError naming `storage_path`. Outside it an absolute `storage_path`
+    is refused, and a relative one is taken under the current folder and
+    must stay in it. Tables made in code (`StorageOption(...)` passed to a
+    layer) are not affected.
+
+    Args:
+        root: str or path-like, a folder (need not exist yet).
+
+    Returns:
+        A context manager; `with` gives the absolute path of `root`.
+
+    Raises:
+        TypeError: `root` is not a non-empty str or path-like.
+
+    Example:
+
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    >>> keras_rec_emb.save_model(model, "/tmp/kre_doc_root.keras")
+    >>> with keras_rec_emb.storage_root("/tmp/kre_doc_tables") as root:
+    ...     model = keras.saving.load_model("/tmp/kre_doc_root.keras")
+    >>> root
+    '/tmp/kre_doc_tables'
+    """
+    from keras_rec_emb import _file_tier
+
+    return _file_tier.storage_root(root)
+
+
+def load_model(filepath: str | os.PathLike, storage_root: str | os.PathLike | None = None,
+               **kwargs) -> "keras.Model":
     """`keras.saving.load_model(filepath)` with errors that say what is wrong.
 
     Keras reports a missing file, a file that is not a zip archive and a
@@ -223,6 +264,9 @@ def load_model(filepath: str | os.PathLike, **kwargs) -> "keras.Model":
 
     Args:
         filepath: str or path-like, a `.keras` file.
+        storage_root: str, path-like or None. The folder under which the
+            model's file-tier tables may work (see `storage_root`); None
+            keeps the enclosing `storage_root` context, if any.
         **kwargs: passed to `keras.saving.load_model` (`custom_objects`,
             `compile`, `safe_mode`).
 
@@ -231,7 +275,9 @@ def load_model(filepath: str | os.PathLike, **kwargs) -> "keras.Model":
 
     Raises:
         FileNotFoundError: `filepath` does not exist.
-        ValueError: `filepath` is not a complete, readable `.keras` file.
+        ValueError: `filepath` is not a complete, readable `.keras` file, or a
+            file-tier table's `storage_path` lies outside the storage root.
+        TypeError: `storage_root` is not a str, path-like or None.
 
     Example:
 
@@ -242,9 +288,14 @@ def load_model(filepath: str | os.PathLike, **kwargs) -> "keras.Model":
     """
     import keras
 
+    from keras_rec_emb import _file_tier
+
+    scope = (contextlib.nullcontext() if storage_root is None
+             else _file_tier.storage_root(storage_root, "storage_root"))
     check_keras_file(filepath)
     try:
-        return keras.saving.load_model(os.fspath(filepath), **kwargs)
+        with scope:
+            return keras.saving.load_model(os.fspath(filepath), **kwargs)
     except Exception as error:
         _free_partial_model(error)
         error.add_note(f"(Loading {filepath} failed: no model was returned, and the "

@@ -78,7 +78,10 @@ def parser():
     c.add_argument("output", help="path of the .keras file to write")
     c = sub.add_parser("ps", help="run a parameter-server task (a tf.distribute.Server "
                                   "with keras_rec_emb's ops) until killed: its shard of "
-                                  "the tables and its part of the dense variables")
+                                  "the tables and its part of the dense variables. It "
+                                  "listens on its --ps address only; whoever reaches it "
+                                  "can run any TensorFlow graph in it (no authentication): "
+                                  "trusted networks only")
     c.add_argument("--ps", required=True,
                    help="comma-separated host:port of every PS task, in task order")
     c.add_argument("--task", type=int, required=True, help="this task's index in --ps")

@@ -372,6 +372,33 @@ def test_strip_filtered_into_a_missing_folder_is_one_line(tmp_path):
     assert os.listdir(tmp_path) == ["m.keras"]
 
 
+@pytest.mark.parametrize("member", ["../../escaped.txt", "/ABS/escaped.txt",
+                                    "assets/..\\..\\escaped.txt"])
+def test_strip_filtered_refuses_a_member_name_that_leaves_the_folder(tmp_path, member):
+    model, _ = trained_with_filter()
+    clean = str(tmp_path / "clean.keras")
+    model.save(clean)
+    work = tmp_path / "a" / "b"
+    work.mkdir(parents=True)
+    src = str(work / "m.keras")
+    member = member.replace("/ABS", str(tmp_path / "abs"))
+    with zipfile.ZipFile(clean) as zin, zipfile.ZipFile(src, "w") as zout:
+        for info in zin.infolist():
+            zout.writestr(info, zin.read(info))
+        zout.writestr(zipfile.ZipInfo(member), b"written where the file says")
+    with zipfile.ZipFile(src) as z:
+        assert member in z.namelist()  # the crafted name is really in the archive
+    out = str(work / "out.keras")
+    result = run(["-m", "keras_rec_emb.cli", "strip-filtered", src, out])
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert repr(member) in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    # No output (whose unpacking would write outside), nothing beside or above it.
+    assert sorted(os.listdir(work)) == ["m.keras"]
+    assert sorted(os.listdir(tmp_path)) == ["a", "clean.keras"]
+    assert sorted(os.listdir(tmp_path / "a")) == ["b"]
+
+
 def test_inspect_reads_a_file_tier_model_while_its_trainer_lives(tmp_path):
     """No table is built: the live trainer keeps its storage folder."""
     import json

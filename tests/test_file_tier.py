@@ -117,7 +117,7 @@ print("SAVED-OK")
                             env=env, timeout=300)
     assert "SAVED-OK" in result.stdout, result.stderr[-3000:]
 
-    file = keras.saving.load_model(path)
+    file = kre.load_model(path, storage_root=tmp_path)
     layer = file.get_layer("ev")
     assert layer.stats()["storage"] == "FILE"
     assert layer.table.storage_dir == os.path.join(str(tmp_path / "store"), "ev_embeddings")
@@ -203,7 +203,9 @@ def test_storage_option_bad_arguments(kwargs, error, match):
 
 def test_storage_option_round_trip():
     option = kre.StorageOption("FILE", storage_path="/tmp/kre_x", storage_size=1 << 20)
-    again = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(option))
+    with kre.storage_root("/tmp"):
+        again = keras.saving.deserialize_keras_object(
+            keras.saving.serialize_keras_object(option))
     assert again.get_config() == option.get_config()
     assert again.cache_bytes == 1 << 20
 

@@ -54,8 +54,9 @@ def test_reload_beside_the_live_model_gets_its_own_folder(tmp_path):
     live_dir = ev.table.storage_dir
     first_snapshot = ev.snapshot()
     live_files = sorted(os.listdir(live_dir))
-    with pytest.warns(UserWarning, match="held by another live table"):
-        copy = keras.saving.load_model(path)
+    with pytest.warns(UserWarning, match="held by another live table"), \
+            kre.storage_root(tmp_path):
+        copy = kre.load_model(path, storage_root=tmp_path)
     copy_ev = copy.get_layer("ev")
     copy_dir = copy_ev.table.storage_dir
     assert os.path.dirname(copy_dir) == os.path.dirname(live_dir)
@@ -86,7 +87,7 @@ def test_reload_beside_the_live_model_gets_its_own_folder(tmp_path):
 
     # A second copy beside both, then the copies are freed with their folders.
     with pytest.warns(UserWarning, match="held by another live table"):
-        other = keras.saving.load_model(path)
+        other = kre.load_model(path, storage_root=tmp_path)
     other_dir = other.get_layer("ev").table.storage_dir
     assert other_dir not in (copy_dir, live_dir)
     del copy, copy_ev, other
@@ -109,7 +110,8 @@ def test_reload_in_another_process_while_the_trainer_lives(tmp_path):
         import keras_rec_emb
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            m = keras.saving.load_model({path!r})
+            with keras_rec_emb.storage_root({str(tmp_path)!r}):
+                m = keras.saving.load_model({path!r})
         assert any("held by another live table" in str(w.message) for w in caught)
         folder = m.get_layer("ev").table.storage_dir
         assert ".copy-" in os.path.basename(folder) and os.path.isdir(folder)
@@ -132,7 +134,7 @@ def test_copy_folder_from_the_environment_and_the_error_when_none_can_be_made(
     elsewhere = tmp_path / "copies"
     monkeypatch.setenv("KRE_STORAGE_COPY_PATH", str(elsewhere))
     with pytest.warns(UserWarning, match="held by another live table"):
-        copy = keras.saving.load_model(path)
+        copy = kre.load_model(path, storage_root=tmp_path)
     copy_dir = copy.get_layer("ev").table.storage_dir
     assert os.path.dirname(copy_dir) == str(elsewhere)
     batch = rng.integers(0, 4000, (8, 3))
@@ -146,7 +148,7 @@ def test_copy_folder_from_the_environment_and_the_error_when_none_can_be_made(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with pytest.raises(OSError) as info:
-            keras.saving.load_model(path)
+            kre.load_model(path, storage_root=tmp_path)
     message = str(info.value)
     for part in (ev.table.storage_dir, "held by another live table", str(a_file / "copies"),
                  "Set the environment variable KRE_STORAGE_COPY_PATH", "no live table holds"):
@@ -163,12 +165,12 @@ def test_stale_copy_folders_are_removed(tmp_path):
     old = time.time() - 3600
     os.utime(stale, (old, old))
     with pytest.warns(UserWarning, match="held by another live table"):
-        held = keras.saving.load_model(path)
+        held = kre.load_model(path, storage_root=tmp_path)
     held_dir = held.get_layer("ev").table.storage_dir
     assert not os.path.exists(stale)
     os.utime(held_dir, (old, old))  # old, but its table lives: kept
     with pytest.warns(UserWarning, match="held by another live table"):
-        other = keras.saving.load_model(path)
+        other = kre.load_model(path, storage_root=tmp_path)
     assert os.path.isdir(held_dir)
     batch = rng.integers(0, 4000, (8, 3))
     np.testing.assert_array_equal(held.predict(batch, verbose=0),

@@ -58,14 +58,14 @@ def test_a_failed_load_frees_the_tables_it_had_loaded(tmp_path):
     gc.collect()  # the trainer is gone: its folders are free
     _second_table_broken(good, bad)
     with pytest.raises(ValueError, match="could not be loaded") as info:
-        kre.load_model(bad)
+        kre.load_model(bad, storage_root=tmp_path)
     notes = getattr(info.value, "__notes__", [])
     # Table 'a' of the failed load loaded and took its folder; it is gone, so
     # the good file loads into the folders themselves (no stand-in copy
     # folder) and snapshots there.
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        loaded = kre.load_model(good)
+        loaded = kre.load_model(good, storage_root=tmp_path)
     assert not [w for w in caught if "held by another live table" in str(w.message)]
     assert any("tables it had begun to load were freed" in n for n in notes)
     np.testing.assert_allclose(loaded.predict(x, verbose=0), expect, rtol=1e-6)

@@ -27,8 +27,10 @@ OPTIONS = [
 
 @pytest.mark.parametrize("option", OPTIONS, ids=lambda o: type(o).__name__)
 def test_round_trip(option):
-    assert type(option).from_config(option.get_config()) == option
-    restored = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(option))
+    with kre.storage_root("/tmp"):  # where the file-tier option may work once loaded
+        assert type(option).from_config(option.get_config()) == option
+        restored = keras.saving.deserialize_keras_object(
+            keras.saving.serialize_keras_object(option))
     assert restored == option and type(restored) is type(option)
 
 

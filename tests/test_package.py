@@ -60,7 +60,7 @@ def test_keras_json_naming_another_backend_is_refused(tmp_path):
 def test_public_api():
     for name in ("EmbeddingVariableOption", "InitializerOption", "CounterFilter", "CBFFilter",
                  "GlobalStepEvict", "L2WeightEvict", "StorageOption", "save_model", "load_model",
-                 "export_for_serving"):
+                 "storage_root", "export_for_serving"):
         assert hasattr(kre, name), name
     assert set(kre.layers.__all__) == {"EmbeddingVariable", "GroupEmbedding", "FeatureSpec",
                                        "MultiHashEmbedding", "AdaptiveEmbedding",

@@ -289,3 +289,117 @@ def test_kill_9_during_save_leaves_no_stale_temporary_after_the_next_save(tmp_pa
     kre.save_model(model, str(target))
     assert [p for p in os.listdir(tmp_path) if p.startswith(".tmp-")] == []
     assert target.exists()
+
+
+# -- a .keras file does not choose where file-tier tables write ----------------
+
+def _file_tier_keras(tmp_path, storage_path):
+    """A real .keras file of a trained file-tier model, its config then set
+    to name `storage_path` (as a crafted file would)."""
+    import json
+    import zipfile
+
+    opt = kre.EmbeddingVariableOption(num_shards=2, storage_option=kre.StorageOption(
+        "FILE", storage_path=str(tmp_path / "trainer"), storage_size=4096))
+    ids = keras.Input((2,), dtype="int64")
+    ev = kre.layers.EmbeddingVariable(4, combiner="sum", name="ev", ev_option=opt)
+    model = keras.Model(ids, keras.layers.Dense(1)(ev(ids)))
+    model.compile(optimizer=kre.optimizers.Adagrad(0.1), loss="mse")
+    model.fit(np.arange(64).reshape(32, 2), np.ones((32, 1)), verbose=0)
+    saved = str(tmp_path / "saved.keras")
+    kre.save_model(model, saved)
+    x = np.array([[1, 2], [5, 60]])
+    expect = model.predict(x, verbose=0)
+    del model, ev
+    import gc
+
+    gc.collect()  # the trainer's folder lock goes
+    crafted = str(tmp_path / "crafted.keras")
+    with zipfile.ZipFile(saved) as src, zipfile.ZipFile(crafted, "w") as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename == "config.json":
+                text = data.decode()
+                old = json.dumps(str(tmp_path / "trainer"))
+                assert text.count(old) == 1
+                data = text.replace(old, json.dumps(storage_path)).encode()
+            dst.writestr(info, data)
+    return crafted, x, expect
+
+
+def _tree(folder):
+    """Everything under `folder` but the trainer's table folder (whose
+    working files go as the freed trainer's table is destroyed)."""
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
+                  if p.relative_to(folder).parts[0] != "trainer")
+
+
+def test_a_keras_file_naming_an_absolute_storage_path_writes_nothing_there(tmp_path):
+    victim = tmp_path / "victim" / "tables"
+    crafted, x, expect = _file_tier_keras(tmp_path, str(victim))
+    before = _tree(tmp_path)
+    with pytest.raises(ValueError) as info:
+        keras.saving.load_model(crafted)
+    message = str(info.value)
+    assert "storage_path" in message and str(victim) in message, message
+    assert "storage_root" in message, message  # the fix
+    with pytest.raises(ValueError, match="storage_path"):
+        kre.load_model(crafted)
+    # A root elsewhere: the path lies outside it, refused too.
+    root = tmp_path / "root"
+    with pytest.raises(ValueError, match=f"outside the storage root '{root}'"):
+        kre.load_model(crafted, storage_root=root)
+    with pytest.raises(ValueError, match="storage_path"), kre.storage_root(root):
+        keras.saving.load_model(crafted)
+    assert not (tmp_path / "victim").exists()
+    assert _tree(tmp_path) == before  # nothing created or cleared anywhere
+    # The caller's root holds the path: it loads, tables in that folder.
+    model = kre.load_model(crafted, storage_root=tmp_path / "victim")
+    layer = model.get_layer("ev")
+    assert layer.table.storage_dir == str(victim / "ev_embeddings")
+    np.testing.assert_allclose(model.predict(x, verbose=0), expect, rtol=1e-6)
+
+
+@pytest.mark.parametrize("storage_path", ["../../escaped", "tables/../../escaped"])
+def test_a_relative_storage_path_that_climbs_out_of_the_root_is_refused(
+        tmp_path, monkeypatch, storage_path):
+    crafted, x, expect = _file_tier_keras(tmp_path, storage_path)
+    root = tmp_path / "a" / "root"
+    root.mkdir(parents=True)
+    monkeypatch.chdir(root)  # without a root the current folder is the limit
+    before = _tree(tmp_path)
+    for load in (lambda: keras.saving.load_model(crafted),
+                 lambda: kre.load_model(crafted, storage_root=root)):
+        with pytest.raises(ValueError) as info:
+            load()
+        assert f"storage_path`={storage_path!r}" in str(info.value), info.value
+    assert _tree(tmp_path) == before
+    assert not (tmp_path / "a" / "escaped").exists() and not (tmp_path / "escaped").exists()
+    # A relative path that stays inside is taken under the root.
+    crafted, x, expect = _file_tier_keras(tmp_path, "tables")
+    model = kre.load_model(crafted, storage_root=root)
+    assert model.get_layer("ev").table.storage_dir == str(root / "tables" / "ev_embeddings")
+    np.testing.assert_allclose(model.predict(x, verbose=0), expect, rtol=1e-6)
+
+
+def test_a_symbolic_link_out_of_the_root_does_not_count_as_inside(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "link").symlink_to(outside)
+    crafted, _, _ = _file_tier_keras(tmp_path, str(root / "link" / "tables"))
+    with pytest.raises(ValueError, match="outside the storage root"):
+        kre.load_model(crafted, storage_root=root)
+    assert os.listdir(outside) == []
+
+
+def test_storage_root_arguments(tmp_path):
+    with pytest.raises(TypeError, match="storage_root=3"):
+        kre.load_model(str(tmp_path / "m.keras"), storage_root=3)
+    with pytest.raises(TypeError, match="root=''"):
+        kre.storage_root("")
+    with kre.storage_root(tmp_path / "r") as root:
+        with kre.storage_root("inner") as inner:
+            assert inner == os.path.join(os.getcwd(), "inner")
+        assert root == str(tmp_path / "r")

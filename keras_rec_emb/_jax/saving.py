@@ -195,7 +195,8 @@ def _option(value, class_names, argument):
     if name not in class_names:
         raise ValueError(f"`{argument}` must be a serialized {' or '.join(class_names)} or "
                          f"None. Received: {argument}={value!r}")
-    return getattr(options, name)(**_inner(value, name, argument))
+    # from_config: a StorageOption's folder is checked as under TensorFlow.
+    return getattr(options, name).from_config(_inner(value, name, argument))
 
 
 def ev_option(value):

@@ -20,7 +20,10 @@ _CHILD = """
 import sys
 import keras
 import keras_rec_emb
-model = keras.saving.load_model(sys.argv[1], compile=False)
+# The file is the one the parent wrote from its model a moment ago: its
+# file-tier folders are the parent's own, wherever they are.
+with keras_rec_emb.storage_root("/"):
+    model = keras.saving.load_model(sys.argv[1], compile=False)
 keras_rec_emb.export_for_serving(model, sys.argv[2], verbose=sys.argv[3] == "1")
 """
 

@@ -147,3 +147,100 @@ def test_addresses_out_of_task_order_name_the_task():
     assert rc != 0, out[-3000:]
     assert f"The TensorFlow server at {ps[1]} is not ps task 0" in out, out[-3000:]
     assert "/job:ps/replica:0/task:1/device:CPU:0" in out, out[-3000:]
+
+
+def _listening(pid):
+    """{(ip, port)} of the TCP sockets process `pid` listens on: its file
+    descriptors' socket inodes looked up in /proc/PID/net/tcp and tcp6
+    (v4-mapped IPv6 addresses as their IPv4 address, "::" as "[::]")."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    found = set()
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            rows = [line.split() for line in f.read().splitlines()[1:]]
+        for row in rows:
+            if row[3] != "0A" or row[9] not in inodes:
+                continue
+            ip_hex, port_hex = row[1].split(":")
+            words = [bytes.fromhex(ip_hex[i:i + 8])[::-1] for i in range(0, len(ip_hex), 8)]
+            ip = socket.inet_ntop(family, b"".join(words))
+            ip = ip.removeprefix("::ffff:") if "." in ip else ("[::]" if ip == "::" else ip)
+            found.add((ip, int(port_hex, 16)))
+    return found
+
+
+@pytest.mark.multiprocess
+def test_ps_listens_only_on_the_address_it_names():
+    """`--ps 127.0.0.2:P` (a loopback address other than 127.0.0.1, so that
+    "the named address" and "loopback" differ): the PS server listens on
+    exactly that address and its helper client's server on 127.0.0.1; no
+    socket of the process listens on every interface. Workers still train
+    against it."""
+    port, other = free_ports(2)
+    ps = [f"127.0.0.2:{port}", f"127.0.0.1:{other}"]  # task 0 of a 2-task cluster
+    server = subprocess.Popen(
+        [sys.executable, "-m", "keras_rec_emb.distribute.ps", "--ps", ",".join(ps),
+         "--task", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env(),
+        cwd=ROOT, text=True)
+    try:
+        line = ""
+        deadline = time.monotonic() + HARD_TIMEOUT
+        while "serving at" not in line and time.monotonic() < deadline:
+            line = server.stdout.readline()
+            assert line or server.poll() is None, "the PS task exited"
+        assert "serving at 127.0.0.2:" in line, line
+        sockets = _listening(server.pid)  # the PID of the process that serves (exec)
+        assert ("127.0.0.2", port) in sockets, sockets
+        assert len(sockets) == 2, sockets
+        (helper,) = sockets - {("127.0.0.2", port)}
+        assert helper[0] == "127.0.0.1", sockets
+        assert not [s for s in sockets if s[0] in ("0.0.0.0", "[::]")], sockets
+        rc, out, _ = _run_worker(ps[:1], timeout=30.0)
+        assert rc == 0 and "PREDICTED" in out, out[-3000:]
+    finally:
+        server.kill()  # by its pid
+        server.wait(timeout=30)
+
+
+def test_bind_map_names_the_address_and_loopback_for_the_rest():
+    from keras_rec_emb.distribute import ps
+
+    assert ps.bind_map("127.0.0.2:2300") == "2300=127.0.0.2,*=127.0.0.1"
+    assert ps.bind_map("localhost:2300") == "2300=127.0.0.1,*=127.0.0.1"
+    assert ps.bind_map("[::1]:2300") == "2300=::1,*=127.0.0.1"
+    # 0.0.0.0 asks for every interface: that port stays a wildcard.
+    assert ps.bind_map("0.0.0.0:2300") == "2300=*,*=127.0.0.1"
+
+
+def test_ps_address_that_does_not_resolve_is_named(capsys):
+    import keras_rec_emb_cli
+
+    with pytest.raises(SystemExit) as info:
+        keras_rec_emb_cli.main(["ps", "--ps", "no-such-host.invalid:2300", "--task", "0"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--ps" in err and "no-such-host.invalid:2300" in err, err
+
+
+@pytest.mark.multiprocess
+def test_ps_that_listens_wider_than_asked_exits_with_the_sockets_named():
+    """The shim kept out (KRE_BIND_MAP already set, so the command does not
+    start itself again with it preloaded): TensorFlow binds every interface,
+    the command reads that from its sockets and exits naming them."""
+    from keras_rec_emb.distribute import ps as ps_module
+
+    (port,) = free_ports(1)
+    address = f"127.0.0.1:{port}"
+    env = dict(_env(), KRE_BIND_MAP=ps_module.bind_map(address))
+    result = subprocess.run(
+        [sys.executable, "-m", "keras_rec_emb.distribute.ps", "--ps", address, "--task", "0"],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=HARD_TIMEOUT)
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "serving at" not in result.stdout
+    assert f"[::]:{port} (should be 127.0.0.1)" in result.stderr, result.stderr[-3000:]
+    assert "it was not preloaded" in result.stderr

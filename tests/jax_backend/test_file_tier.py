@@ -124,7 +124,8 @@ def test_save_and_load_restore_every_row(tmp_path):
     saved_dir = file.get_layer("ev").storage_dir
 
     # Beside the live model: a folder of its own, the same rows.
-    with pytest.warns(UserWarning, match="held by another live table"):
+    with pytest.warns(UserWarning, match="held by another live table"), \
+            kre.storage_root(tmp_path):
         copy = keras.saving.load_model(path)
     layer = copy.get_layer("ev")
     assert layer.storage_dir.startswith(saved_dir + ".copy-")
@@ -142,7 +143,7 @@ def test_save_and_load_restore_every_row(tmp_path):
     # and trains on as the DRAM model does.
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
-        again = keras.saving.load_model(path)
+        again = kre.load_model(path, storage_root=tmp_path)
     layer = again.get_layer("ev")
     assert layer.storage_dir == saved_dir
     _same_rows(expect, layer.export())
@@ -303,7 +304,7 @@ def test_a_tensorflow_saved_file_tier_model_loads_under_jax(tmp_path):
         capture_output=True, text=True, env=env, timeout=400)
     assert "SAVED-OK" in result.stdout, result.stderr[-3000:]
     saved = np.load(out)
-    model = keras.saving.load_model(path)
+    model = kre.load_model(path, storage_root=tmp_path)
     layer = model.get_layer("ev")
     assert layer.stats()["storage"] == "FILE"
     # The TensorFlow process is gone: its folder is free for this table.
@@ -325,7 +326,8 @@ def test_the_config_keeps_the_storage_option(tmp_path):
     storage = config["ev_option"]["config"]["storage_option"]["config"]
     assert storage == {"storage_type": "FILE", "storage_path": str(tmp_path),
                        "storage_size": 1 << 16}
-    twin = EmbeddingVariable.from_config(config)
+    with kre.storage_root(tmp_path):  # the folder a config may name
+        twin = EmbeddingVariable.from_config(config)
     assert twin.get_config() == config
     twin(np.array([1, 2, 3], np.int32), training=False)
     assert twin.storage_dir == os.path.join(str(tmp_path), "c_embeddings")
@@ -340,3 +342,54 @@ def test_the_snapshot_example_runs():
         globs={"keras": keras, "np": np, "keras_rec_emb": kre})
     assert tests and tests[0].examples
     assert doctest.DocTestRunner().run(tests[0], out=lambda text: None).failed == 0
+
+
+def test_a_keras_file_naming_a_storage_path_outside_the_root_writes_nothing_there(tmp_path):
+    """As under TensorFlow (tests/test_untrusted_files.py): a crafted config
+    naming an absolute folder, or one outside the caller's root, is refused
+    and nothing is created there; inside the root it loads."""
+    import json
+    import zipfile
+
+    ids, y = _data(5, 128)
+    model = _model(_option(_file(tmp_path / "trainer")))
+    model.fit(ids, y, batch_size=64, verbose=0)
+    expect = model.predict(ids, verbose=0)
+    saved, crafted = str(tmp_path / "saved.keras"), str(tmp_path / "crafted.keras")
+    model.save(saved)
+    del model
+    gc.collect()
+    victim = tmp_path / "victim" / "tables"
+    with zipfile.ZipFile(saved) as src, zipfile.ZipFile(crafted, "w") as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename == "config.json":
+                old = json.dumps(str(tmp_path / "trainer"))
+                assert data.decode().count(old) == 1
+                data = data.decode().replace(old, json.dumps(str(victim))).encode()
+            dst.writestr(info, data)
+    with pytest.raises(ValueError) as info:
+        keras.saving.load_model(crafted)
+    assert "storage_path" in str(info.value) and str(victim) in str(info.value)
+    assert "storage_root" in str(info.value)
+    with pytest.raises(ValueError, match="outside the storage root"):
+        kre.load_model(crafted, storage_root=tmp_path / "root")
+    assert not (tmp_path / "victim").exists() and not (tmp_path / "root").exists()
+    with kre.storage_root(tmp_path / "victim"):
+        loaded = keras.saving.load_model(crafted)
+    assert loaded.get_layer("ev").storage_dir == str(victim / "ev_embeddings")
+    np.testing.assert_allclose(loaded.predict(ids, verbose=0), expect, rtol=1e-6)
+
+
+def test_export_for_serving_of_a_file_tier_model(tmp_path):
+    """The TensorFlow child loads the file this process writes of its own
+    model (its storage_path is absolute): it names no storage root, so the
+    child must give one for the export to work."""
+    ids, y = _data(6, 128)
+    model = _model(_option(_file(tmp_path / "store")))
+    model.fit(ids, y, batch_size=64, verbose=0)
+    live = sorted(os.listdir(tmp_path / "store"))
+    out = kre.export_for_serving(model, str(tmp_path / "serving"))
+    assert os.path.exists(os.path.join(out, "saved_model.pb"))
+    # The child's table worked in a copy folder beside the live one, gone with it.
+    assert sorted(os.listdir(tmp_path / "store")) == live
