@@ -9,6 +9,7 @@ without TensorFlow and apply under both Keras backends.
 
 import math
 import os
+import typing
 import warnings
 
 import keras
@@ -194,7 +195,7 @@ class CBFFilter(_Option):
     """
 
     def __init__(self, filter_freq: int, max_element_size: int,
-                 false_positive_probability: float, counter_type="uint64"):
+                 false_positive_probability: float, counter_type: typing.Any = "uint64"):
         name = _counter_type_name(counter_type)
         if name not in _COUNTER_TYPES:
             raise ValueError(

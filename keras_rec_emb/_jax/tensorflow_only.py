@@ -41,4 +41,7 @@ def _stub(name):
     return keras.saving.register_keras_serializable(package="keras_rec_emb", name=name)(cls)
 
 
-STUBS = {name: _stub(name) for name in CLASSES}
+# Registered only under JAX: a TensorFlow process that imports this module
+# (a test walking every module, say) must keep the real classes under
+# these names.
+STUBS = {name: _stub(name) for name in CLASSES} if keras.config.backend() == "jax" else {}

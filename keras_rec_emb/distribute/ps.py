@@ -152,9 +152,10 @@ def main(argv=None):
         print(problem, file=sys.stderr, flush=True)
         if os.path.exists(SHIM):
             # The shim is there and failed: do not serve wider than asked.
-            # (os._exit: a running TensorFlow server can hold a normal exit.)
             sys.stdout.flush()
-            os._exit(1)
+            from keras_rec_emb import _compat
+
+            _compat.exit_now(1)
     print(f"keras-rec-emb ps: task {args.task} serving at {ps[args.task]}", flush=True)
     server.join()
     return 0
