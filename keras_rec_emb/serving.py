@@ -17,9 +17,16 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_rec_emb import _compat, _serving_context, saving
+from keras_rec_emb import _checks_core, _compat, _serving_context, saving
 
 __all__ = ["export_for_serving"]
+
+# The most elements one input tensor of a request may have (2**24: a batch
+# of 16,384 rows of 1,024 ids). Stock TensorFlow ops of the served graph
+# size scratch by the request and some do not check that allocation (the
+# CPU UnsortedSegmentSum's row counter, a std::vector): a request too large
+# for the memory left ends the server process instead of failing alone.
+MAX_INPUT_SIZE = 2**24
 
 
 class _StockTable(tf.Module):
@@ -117,14 +124,28 @@ class _StockTables(tf.Module):
                                          ignore_lookup_error=True)
 
 
-def _shape_checked(args):
+def _shape_checked(args, max_input_size=None):
     """The endpoint's input tensors, each checked against its traced shape
     when the graph runs (stock `EnsureShape`): a signature's callers (TF
     Serving, a TF1 Session, `loaded.signatures[...]`) skip tf.function's
-    input check, and ids of another width or rank would be read as ids."""
+    input check, and ids of another width or rank would be read as ids.
+    With `max_input_size`, a tensor of more elements fails the request
+    (InvalidArgument) before any op reads it."""
     def check(x):
-        if isinstance(x, tf.Tensor) and x.shape.rank is not None:
-            return tf.ensure_shape(x, x.shape)
+        if not isinstance(x, tf.Tensor):
+            return x
+        name = (getattr(x, "name", None) or "input").split(":")[0]
+        if x.shape.rank is not None:
+            x = tf.ensure_shape(x, x.shape)
+        if max_input_size is not None:
+            size = tf.size(x, out_type=tf.int64)
+            assertion = tf.debugging.Assert(
+                size <= max_input_size,
+                [f"export_for_serving: input {name} of the request has", size,
+                 f"elements; this SavedModel serves at most {max_input_size} per input "
+                 "(export_for_serving's max_input_size). Split the request."])
+            with tf.control_dependencies([assertion]):
+                x = tf.identity(x)
         return x
 
     return tf.nest.map_structure(check, args)
@@ -140,7 +161,8 @@ def _custom_ops(graph_def):
 
 def export_for_serving(model: keras.Model, filepath: str | os.PathLike,
                        input_signature: list | tuple | dict | None = None,
-                       verbose: bool = False) -> None:
+                       verbose: bool = False,
+                       max_input_size: int | None = MAX_INPUT_SIZE) -> None:
     """Exports `model` for inference as a SavedModel that needs only TensorFlow.
 
     `model.export` writes a SavedModel whose tables use this package's ops
@@ -154,6 +176,11 @@ def export_for_serving(model: keras.Model, filepath: str | os.PathLike,
     `no_permission_value` when the table has an admission filter. Keys
     counted by a filter but not admitted are not exported. The served
     tables are frozen: serving does not insert or count keys.
+
+    A request whose input tensor has more than `max_input_size` elements
+    fails alone with InvalidArgument, before any lookup: some stock ops the
+    served graph runs end the process (not the request) when their scratch
+    does not fit in memory.
 
     The export is atomic: it is written next to `filepath` and moved into
     place only once complete, so a failed export leaves a previous one
@@ -181,6 +208,9 @@ def export_for_serving(model: keras.Model, filepath: str | os.PathLike,
             `keras.InputSpec` for the endpoint, as in `model.export`.
             Defaults to `None`: taken from the model's inputs.
         verbose: bool. Print the endpoint's signature. Defaults to `False`.
+        max_input_size: int or `None`. The most elements one input tensor
+            of a request may have; `None` for no limit. Defaults to `2**24`
+            (16,777,216: 128 MiB of int64 ids).
 
     Returns:
         The path written.
@@ -210,6 +240,8 @@ def export_for_serving(model: keras.Model, filepath: str | os.PathLike,
         raise ValueError(
             f"`filepath` must be a directory for the SavedModel. Received: "
             f"filepath={filepath!r}, an existing file")
+    max_input_size = _checks_core.check_int("max_input_size", max_input_size, minimum=1,
+                                            allow_none=True)
     if input_signature is None:
         input_signature = _compat.input_signature(model)
     stock = _StockTables()
@@ -221,7 +253,8 @@ def export_for_serving(model: keras.Model, filepath: str | os.PathLike,
         # Every trace (also any the save makes) reads the stock tables.
         with _serving_context.stock_tables(stock.get):
             endpoint = archive.add_endpoint(
-                "serve", lambda *args: model(*_shape_checked(args), training=False),
+                "serve",
+                lambda *args: model(*_shape_checked(args, max_input_size), training=False),
                 input_signature)
             concrete = endpoint.get_concrete_function()
             left = _custom_ops(concrete.graph.as_graph_def())

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/checked.h"
 #include "kernels/distinct_lookup.h"
 #include "kernels/group_config.h"
 #include "kernels/table_resource.h"
@@ -27,6 +28,11 @@ class GroupLookupGradOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
+    ComputeChecked(ctx, [&] { ComputeUnchecked(ctx); });
+  }
+
+  // Compute's body; what it throws becomes its status.
+  void ComputeUnchecked(OpKernelContext* ctx) {
     const GroupConfig& cfg = cfg_;
     const int P = cfg.num_params();
     const int F = cfg.num_features;

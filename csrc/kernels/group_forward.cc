@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "kernels/checked.h"
 #include "kernels/distinct_lookup.h"
 #include "kernels/group_config.h"
 #include "kernels/pooled_combine.h"
@@ -67,6 +68,11 @@ class GroupLookupOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
+    ComputeChecked(ctx, [&] { ComputeUnchecked(ctx); });
+  }
+
+  // Compute's body; what it throws becomes its status.
+  void ComputeUnchecked(OpKernelContext* ctx) {
     const GroupConfig& cfg = cfg_;
     const int F = cfg.num_features;
     const int P = cfg.num_params();

@@ -29,6 +29,12 @@ namespace kre {
 // sessions 13 and 15). A prefetch never faults, also past an output's end.
 constexpr int64_t kKeepAhead = 32;
 
+// Row counts a thread keeps for its next call; a larger matrix (a huge
+// request) is freed on return, not held by the thread for good. Its
+// allocation may throw std::bad_alloc: callers run KeepRows where that
+// becomes a status (ShardChecked, or the JAX handlers' catch).
+constexpr int64_t kKeepCountsKept = int64_t{1} << 22;
+
 // With kPrune false every id is kept (a table whose negative ids are ids).
 template <typename T, int kL, bool kPrune = true>
 inline void KeepRows(const T* __restrict ids, int64_t f, int64_t l, int64_t batch, int64_t j0,
@@ -67,6 +73,7 @@ inline void KeepRows(const T* __restrict ids, int64_t f, int64_t l, int64_t batc
       sp[b + 1] = m;
     }
   }
+  if (static_cast<int64_t>(counts.capacity()) > kKeepCountsKept) std::vector<Count>().swap(counts);
 }
 
 template <typename T>

@@ -12,6 +12,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels/checked.h"
 #include "kernels/keep_rows.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
@@ -119,6 +120,11 @@ class UnstackKeptIdsOp : public StackedIdsOp {
   using StackedIdsOp::StackedIdsOp;
 
   void Compute(tf::OpKernelContext* ctx) override {
+    ComputeChecked(ctx, [&] { ComputeUnchecked(ctx); });
+  }
+
+  // Compute's body; what it throws becomes its status.
+  void ComputeUnchecked(tf::OpKernelContext* ctx) {
     const tf::Tensor& ids = ctx->input(0);
     OP_REQUIRES_OK(ctx, CheckIds(ids));
     const int64_t batch = ids.dim_size(0), f = ids.dim_size(1), l = ids.dim_size(2);
@@ -136,11 +142,11 @@ class UnstackKeptIdsOp : public StackedIdsOp {
     }
     std::vector<int64_t> kept(f, 0);
     const T* src = ids.flat<T>().data();
-    auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
     // ~1 cycle per id copied; Shard keeps small inputs on this thread.
-    tf::Shard(workers->num_threads, workers->workers, f, batch * l, [&](int64_t j0, int64_t j1) {
-      KeepRowsAnyLength(src, f, l, batch, j0, j1, out.data(), splits.data(), kept.data());
-    });
+    OP_REQUIRES_OK(ctx, ShardChecked(ctx, f, batch * l, [&](int64_t j0, int64_t j1) {
+                     KeepRowsAnyLength(src, f, l, batch, j0, j1, out.data(), splits.data(),
+                                       kept.data());
+                   }));
     for (int64_t j = 0; j < f; ++j) ctx->set_output(j, values[j].Slice(0, kept[j]));
   }
 };
@@ -151,6 +157,11 @@ class UnstackFeatureIdsOp : public StackedIdsOp {
   using StackedIdsOp::StackedIdsOp;
 
   void Compute(tf::OpKernelContext* ctx) override {
+    ComputeChecked(ctx, [&] { ComputeUnchecked(ctx); });
+  }
+
+  // Compute's body; what it throws becomes its status.
+  void ComputeUnchecked(tf::OpKernelContext* ctx) {
     const tf::Tensor& ids = ctx->input(0);
     OP_REQUIRES_OK(ctx, CheckIds(ids));
     const int64_t batch = ids.dim_size(0), f = ids.dim_size(1), l = ids.dim_size(2);
@@ -166,11 +177,10 @@ class UnstackFeatureIdsOp : public StackedIdsOp {
     for (int64_t b = 0; b <= batch; ++b) splits[b] = b * l;
     if (batch == 0 || l == 0) return;
     const T* src = ids.flat<T>().data();
-    auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
     // ~1 cycle per id copied; Shard keeps small inputs on this thread.
-    tf::Shard(
-        workers->num_threads, workers->workers, batch, f * l,
-        [&](int64_t begin, int64_t end) { CopyRowsAnyLength(src, f, l, begin, end, out.data()); });
+    OP_REQUIRES_OK(ctx, ShardChecked(ctx, batch, f * l, [&](int64_t begin, int64_t end) {
+                     CopyRowsAnyLength(src, f, l, begin, end, out.data());
+                   }));
   }
 };
 

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/checked.h"
 #include "kernels/keep_rows.h"
 #include "kernels/pooled_combine.h"
 #include "kernels/pooled_lookup.h"
@@ -36,6 +37,11 @@ class StackedPooledLookupOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
+    ComputeChecked(ctx, [&] { ComputeUnchecked(ctx); });
+  }
+
+  // Compute's body; what it throws becomes its status.
+  void ComputeUnchecked(OpKernelContext* ctx) {
     const int T = num_tables_, F = num_features_;
     const Tensor& ids_t = ctx->input(T);
     OP_REQUIRES(ctx, ids_t.dims() == 3 && ids_t.dim_size(1) == F,
@@ -64,16 +70,17 @@ class StackedPooledLookupOp : public OpKernel {
     }
     std::vector<int64_t> num_kept(F, 0);
     auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
-    tf::Shard(workers->num_threads, workers->workers, F, batch * len,  // ~1 cycle an id
-              [&](int64_t j0, int64_t j1) {
-                if (ids_t.dtype() == tf::DT_INT64) {
-                  KeepRowsAnyLength(ids_t.flat<int64_t>().data(), F, len, batch, j0, j1,
-                                    kept.data(), splits.data(), num_kept.data());
-                } else {
-                  KeepRowsAnyLength(ids_t.flat<int32_t>().data(), F, len, batch, j0, j1,
-                                    kept.data(), splits.data(), num_kept.data());
-                }
-              });
+    OP_REQUIRES_OK(
+        ctx, ShardChecked(ctx, F, batch * len,  // ~1 cycle an id
+                          [&](int64_t j0, int64_t j1) {
+                            if (ids_t.dtype() == tf::DT_INT64) {
+                              KeepRowsAnyLength(ids_t.flat<int64_t>().data(), F, len, batch, j0, j1,
+                                                kept.data(), splits.data(), num_kept.data());
+                            } else {
+                              KeepRowsAnyLength(ids_t.flat<int32_t>().data(), F, len, batch, j0, j1,
+                                                kept.data(), splits.data(), num_kept.data());
+                            }
+                          }));
     // Decided once here (a table's size may change under a concurrent
     // training lookup). Features of tables read shard by shard are one
     // unit each, with a row buffer for a chunk of their ids; the others

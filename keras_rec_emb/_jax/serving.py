@@ -14,6 +14,8 @@ import subprocess
 import sys
 import tempfile
 
+from keras_rec_emb._checks_core import check_int
+
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _CHILD = """
@@ -24,11 +26,16 @@ import keras_rec_emb
 # file-tier folders are the parent's own, wherever they are.
 with keras_rec_emb.storage_root("/"):
     model = keras.saving.load_model(sys.argv[1], compile=False)
-keras_rec_emb.export_for_serving(model, sys.argv[2], verbose=sys.argv[3] == "1")
+keras_rec_emb.export_for_serving(model, sys.argv[2], verbose=sys.argv[3] == "1",
+                                 max_input_size=None if sys.argv[4] == "none" else int(sys.argv[4]))
 """
 
+# As the TensorFlow backend's MAX_INPUT_SIZE (that module imports TensorFlow).
+MAX_INPUT_SIZE = 2**24
 
-def export_for_serving(model, filepath, input_signature=None, verbose=False, timeout=600):
+
+def export_for_serving(model, filepath, input_signature=None, verbose=False, timeout=600,
+                       max_input_size=MAX_INPUT_SIZE):
     """Exports `model`, trained under Keras's JAX backend, for inference as
     the SavedModel that the TensorFlow backend's `export_for_serving`
     writes: stock TensorFlow only, each table a stock hash table and a
@@ -44,6 +51,9 @@ def export_for_serving(model, filepath, input_signature=None, verbose=False, tim
             under the JAX backend).
         verbose: bool. Print the endpoint's signature.
         timeout: seconds the child may take.
+        max_input_size: int or `None`. The most elements one input tensor
+            of a request may have (a larger one fails alone with
+            InvalidArgument); `None` for no limit. Defaults to `2**24`.
 
     Returns:
         The path written.
@@ -58,6 +68,7 @@ def export_for_serving(model, filepath, input_signature=None, verbose=False, tim
         raise ValueError(
             "Under the JAX backend `input_signature` must be None (the endpoint takes the "
             f"model's inputs). Received: input_signature={input_signature!r}")
+    max_input_size = check_int("max_input_size", max_input_size, minimum=1, allow_none=True)
     filepath = os.fspath(filepath)
     if os.path.exists(filepath) and not os.path.isdir(filepath):
         raise ValueError("`filepath` must be a directory for the SavedModel. Received: "
@@ -70,7 +81,8 @@ def export_for_serving(model, filepath, input_signature=None, verbose=False, tim
         model.save(saved)
         run = subprocess.run(
             [sys.executable, "-c", _CHILD, saved, os.path.abspath(filepath),
-             "1" if verbose else "0"], env=env, capture_output=True, text=True, timeout=timeout)
+             "1" if verbose else "0", "none" if max_input_size is None else str(max_input_size)],
+            env=env, capture_output=True, text=True, timeout=timeout)
     if verbose and run.stdout:
         print(run.stdout, end="")
     if run.returncode != 0:

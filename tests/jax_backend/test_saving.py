@@ -305,6 +305,13 @@ def test_export_for_serving_refuses_bad_arguments(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match="`filepath` must be a directory"):
         keras_rec_emb.export_for_serving(model, tmp_path / "file")
+    # As under the TensorFlow backend (tests/test_request_memory.py).
+    with pytest.raises(ValueError, match=r"`max_input_size` must be .*Received: "
+                                         r"max_input_size=0"):
+        keras_rec_emb.export_for_serving(model, tmp_path / "a", max_input_size=0)
+    with pytest.raises(TypeError, match=r"`max_input_size` must be .*Received: "
+                                        r"max_input_size=1.5"):
+        keras_rec_emb.export_for_serving(model, tmp_path / "a", max_input_size=1.5)
     assert not (tmp_path / "a").exists()
 
 
