@@ -500,13 +500,7 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         """Eager: the eviction of a save, when it evicts (`evicts_at_save`),
         reported per table (see `keras_rec_emb.saving.report_save_eviction`);
         returns the ids evicted."""
-        if not self.evicts_at_save:
-            return 0
-        before = self.size()
-        evicted = self.evict()
-        _saving.report_save_eviction(name or self._name, self.eviction_rule, before,
-                                     self.size(), evicted)
-        return evicted
+        return evict_for_save(self, name)
 
     @property
     def save_filtered(self):
@@ -925,3 +919,16 @@ def count_params(layer):
     tables = [w.table for w in weights if is_table(w)]
     count = sum(int(np.prod(w.shape)) for w in weights)
     return TableParamCount(count, tables) if tables else count
+
+
+def evict_for_save(table, name=None):
+    """The eviction of a save for any table with `evicts_at_save`, `size`,
+    `evict` and `eviction_rule` (a local table, or a sharded one over all
+    its shards), reported per table; returns the ids evicted."""
+    if not table.evicts_at_save:
+        return 0
+    before = table.size()
+    evicted = table.evict()
+    _saving.report_save_eviction(name or table._name, table.eviction_rule, before,
+                                 table.size(), evicted)
+    return evicted

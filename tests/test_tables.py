@@ -159,3 +159,28 @@ def test_the_core_table_applies_a_step_itself():
     by_key = dict(zip(got["keys"].tolist(), got["values"].tolist()))
     np.testing.assert_allclose(by_key[4], [0.0] * 3)  # 1 - 0.5 * 2
     np.testing.assert_allclose(by_key[9], [0.5] * 3)
+
+
+@pytest.mark.parametrize("at_save", [True, False])
+def test_a_sharded_table_reports_its_save_eviction_over_all_shards(caplog, at_save):
+    # The parameter-server table evicts at save over every shard, and says so
+    # per table as a local table does (one function for both).
+    import logging
+    import warnings
+
+    caplog.set_level(logging.INFO, logger="keras_rec_emb")
+    sharded = ShardedEmbeddingTable(["/cpu:0", "/cpu:0"], 3, "int64", _defaults(),
+                                    name=f"sharded_evict_{at_save}", l2_weight_threshold=1e9,
+                                    evict_at_save=at_save)
+    sharded.lookup(tf.constant([1, 2, 3, 4, 5, 6], tf.int64), insert=True)
+    assert sharded.size() == 6
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        evicted = sharded.evict_for_save()
+    if at_save:
+        assert int(evicted) == 6 and sharded.size() == 0
+        assert any(f"Saving evicted 6 of the 6 rows of table 'sharded_evict_{at_save}'"
+                   in str(w.message) for w in caught)
+        assert any("evicted 6 of 6 rows, kept 0." in r.getMessage() for r in caplog.records)
+    else:
+        assert evicted == 0 and sharded.size() == 6 and not caught

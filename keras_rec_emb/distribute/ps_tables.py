@@ -34,7 +34,6 @@ import numpy as np
 import tensorflow as tf
 
 from keras_rec_emb import _compat, _ops, _serving_context
-from keras_rec_emb import saving as _saving
 from keras_rec_emb import tables as _tables
 from keras_rec_emb import variables as _variables
 from keras_rec_emb.distribute import ps_variables, shards
@@ -283,13 +282,7 @@ class ShardedEmbeddingTable(_compat.Trackable):
     def evict_for_save(self, name=None):
         """`EmbeddingTable.evict_for_save` over every shard (collective for
         a CollectiveShardedTable: `size` and `evict` are)."""
-        if not self.evicts_at_save:
-            return 0
-        before = self.size()
-        evicted = self.evict()
-        _saving.report_save_eviction(name or self._name, self.eviction_rule, before,
-                                     self.size(), evicted)
-        return evicted
+        return _variables.evict_for_save(self, name)
 
     @property
     def save_filtered(self):
