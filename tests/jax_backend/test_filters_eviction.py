@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import keras_rec_emb as kre
+from tests._eviction_at_save import eviction_logs, two_table_model
 from keras_rec_emb._jax import ffi
 from keras_rec_emb._jax.layers import EmbeddingVariable
 
@@ -164,41 +165,16 @@ def test_saving_evicts_as_deeprec_does(tmp_path):
 # -- eviction at save: reported, and optional ------------------------------------
 # L2WeightEvict(1.0) at dim 16 evicts every trained row (issue 56).
 
-def _two_table_model(at_save=True):
-    """A trained model with a table every row of which L2WeightEvict(1.0)
-    evicts ('clicks') and one that GlobalStepEvict keeps whole ('items')."""
-    def table(name, rule):
-        return EmbeddingVariable(16, name=name, combiner="mean",
-                                 ev_option=kre.EmbeddingVariableOption(evict_option=rule))
-
-    ids = keras.Input((4,), dtype="int64")
-    clicks = table("clicks", kre.L2WeightEvict(1.0, at_save=at_save))(ids[:, :2])
-    items = table("items", kre.GlobalStepEvict(steps_to_live=1000))(ids[:, 2:])
-    model = keras.Model(ids, keras.layers.Dense(1, activation="sigmoid")(
-        keras.layers.Concatenate()([clicks, items])))
-    model.compile(optimizer=kre.optimizers.Adagrad(0.1), loss="binary_crossentropy")
-    rng = np.random.default_rng(5)
-    x = rng.integers(0, 300, size=(256, 4))
-    model.fit(x, rng.integers(0, 2, size=(256, 1)).astype(np.float32), batch_size=32,
-              verbose=0)
-    return model, x
-
-
-def _eviction_logs(caplog):
-    return {r.getMessage().split("table '")[1].split("'")[0]: r.getMessage()
-            for r in caplog.records if r.name == "keras_rec_emb" and "at save" in r.getMessage()}
-
-
 def test_default_save_evicts_and_reports_each_table(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="keras_rec_emb")
-    model, x = _two_table_model()
+    model, x = two_table_model()
     before = {name: model.get_layer(name).table_size() for name in ("clicks", "items")}
     assert before["clicks"] > 100 and before["items"] > 100
     with pytest.warns(UserWarning) as record:
         kre.save_model(model, tmp_path / "m.keras")
     after = {name: model.get_layer(name).table_size() for name in ("clicks", "items")}
     assert after == {"clicks": 0, "items": before["items"]}
-    logs = _eviction_logs(caplog)
+    logs = eviction_logs(caplog)
     for name in ("clicks", "items"):
         assert (f"evicted {before[name] - after[name]} of {before[name]} rows, "
                 f"kept {after[name]}.") in logs[name], logs
@@ -216,7 +192,7 @@ def test_default_save_evicts_and_reports_each_table(tmp_path, caplog):
 @pytest.mark.parametrize("how", ["save_model", "option"])
 def test_saving_without_eviction_keeps_every_row(tmp_path, caplog, how):
     caplog.set_level(logging.INFO, logger="keras_rec_emb")
-    model, x = _two_table_model(at_save=how != "option")
+    model, x = two_table_model(at_save=how != "option")
     layer = model.get_layer("clicks")
     rows = _parts(layer)
     predictions = model.predict(x, verbose=0)
@@ -227,7 +203,7 @@ def test_saving_without_eviction_keeps_every_row(tmp_path, caplog, how):
             kre.save_model(model, path, evict=False)
         else:
             model.save(path)
-    assert "clicks" not in _eviction_logs(caplog)
+    assert "clicks" not in eviction_logs(caplog)
     np.testing.assert_array_equal(model.predict(x, verbose=0), predictions)
     assert layer.table_size() == len(rows["keys"])
     loaded = kre.load_model(path)
