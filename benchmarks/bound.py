@@ -49,6 +49,8 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
@@ -97,7 +99,7 @@ def step_touches(ids, meta):
             col = batch[:, f, :].ravel()
             col = col[col >= 0]
             n += col.size
-            d += len(set(col.tolist()))
+            d += int(np.unique(col).size)
         distinct.append(d)
         total.append(n)
     d = statistics.mean(distinct)
