@@ -49,7 +49,7 @@ build: $(SO)
 
 # The JAX binding (KERAS_BACKEND=jax): csrc/jax's XLA FFI handlers and the
 # csrc/kv engine in one library that links neither TensorFlow nor Python
-# (keras_rec_emb/_jax/ffi.py loads it with ctypes and registers its handlers).
+# (keras_rec_emb/backend/jax/ffi.py loads it with ctypes and registers its handlers).
 # XLA's FFI headers ship in jaxlib. Objects compile two at a time (-j2).
 JAX_OBJ := build/jax/obj
 JAX_SRC := $(wildcard csrc/jax/*.cc)

@@ -19,7 +19,7 @@ except ImportError:  # setuptools < 70.1
 
 # The op library's file name, without a Python tag: it is loaded with
 # tf.load_op_library and uses TensorFlow's C++ ABI only, so one build serves
-# every Python version (keras_rec_emb/_ops.py loads this name).
+# every Python version (keras_rec_emb/backend/tensorflow/ops.py loads this name).
 LIBRARY = "_kre_ops.so"
 # The bind() shim `keras-rec-emb ps` preloads (csrc/net/kre_bind.c; see
 # keras_rec_emb/distribute/ps.py): a plain C library, no Python module.
@@ -136,7 +136,7 @@ class TFBuildExt(build_ext):
         _compile_in_parallel(self.compiler, self.parallel)
         super().build_extensions()
         # Record the TensorFlow the library was built against, so that
-        # keras_rec_emb/_ops.py can name both versions when they differ.
+        # keras_rec_emb/backend/tensorflow/ops.py can name both versions when they differ.
         for ext in self.extensions:
             out_dir = os.path.dirname(self.get_ext_fullpath(ext.name))
             with open(os.path.join(out_dir, "_kre_ops_build.json"), "w") as f:

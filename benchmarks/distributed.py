@@ -358,7 +358,7 @@ def ps_worker_child(args):
     import keras
 
     import keras_rec_emb as kre
-    from keras_rec_emb.variables import is_table
+    from keras_rec_emb.backend.tensorflow.variables import is_table
 
     task, sync = args.ps_task, args.ps_sync
     devices = kre.distribute.connect(args.ps_cluster.split(","), args.ps_worker, task,

@@ -53,7 +53,7 @@ import numpy as np
 import tensorflow as tf
 
 import keras_rec_emb as kre
-from keras_rec_emb.variables import EmbeddingTable
+from keras_rec_emb.backend.tensorflow.variables import EmbeddingTable
 
 from _machine import machine_info
 

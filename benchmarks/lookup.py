@@ -62,7 +62,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from keras_rec_emb.variables import EmbeddingTable
+from keras_rec_emb.backend.tensorflow.variables import EmbeddingTable
 
 from _machine import machine_info
 

@@ -19,7 +19,7 @@ round:
 
 In a `tf.function` each of the 26 calls looks its ids up at the call, one
 op each, as it does eagerly (only the layers of one Functional model call
-share one op, `keras_rec_emb/ops/_model_fusion.py`): this measures what
+share one op, `keras_rec_emb/backend/tensorflow/model_fusion.py`): this measures what
 the separate form costs where the fused form is a `GroupEmbedding`.
 
 Prints each form's median ms and its ratio to ``group`` (group ms / form

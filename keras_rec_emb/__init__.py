@@ -7,10 +7,11 @@ Dynamic hash-table embeddings (DeepRec's EmbeddingVariable) that train with
 
 import warnings as _warnings
 
-from keras_rec_emb import _allocator, _backend
+from keras_rec_emb import _backend
+from keras_rec_emb.backend.tensorflow import allocator as _allocator
 from keras_rec_emb._version import __version__
 
-# Under Keras's JAX backend the tables go through XLA's FFI (keras_rec_emb/_jax,
+# Under Keras's JAX backend the tables go through XLA's FFI (keras_rec_emb/backend/jax,
 # `make jax-ops`) and TensorFlow is neither imported nor needed. The public API
 # there: `layers` (EmbeddingVariable, GroupEmbedding, FeatureSpec), every
 # optimizer but LossScaleOptimizer, the table options (EmbeddingVariableOption
@@ -18,19 +19,19 @@ from keras_rec_emb._version import __version__
 # `load_model` and `export_for_serving`; the rest of the TensorFlow API is
 # named as TensorFlow-only when asked for.
 if _backend.is_jax():
-    from keras_rec_emb._jax import use_64_bit_ids
+    from keras_rec_emb.backend.jax import use_64_bit_ids
 
     # Before any array is made: ids are 64-bit (see use_64_bit_ids).
     use_64_bit_ids()
     from keras_rec_emb import callbacks, layers, optimizers
-    from keras_rec_emb._jax import tensorflow_only_getattr
-    from keras_rec_emb._jax.serving import export_for_serving
+    from keras_rec_emb.backend.jax import tensorflow_only_getattr
+    from keras_rec_emb.backend.jax.serving import export_for_serving
     from keras_rec_emb.options import (CBFFilter, CounterFilter, EmbeddingVariableOption,
                                        GlobalStepEvict, InitializerOption, L2WeightEvict,
                                        StorageOption)
     from keras_rec_emb.saving import load_model, save_model, storage_root
     # Saved TensorFlow-only classes fail to load by name (see there).
-    from keras_rec_emb._jax import tensorflow_only as _tensorflow_only  # noqa: F401
+    from keras_rec_emb.backend.jax import tensorflow_only as _tensorflow_only  # noqa: F401
 
     __all__ = ["__version__", "export_for_serving", "layers", "optimizers", "CBFFilter",
                "CounterFilter", "EmbeddingVariableOption", "GlobalStepEvict",
@@ -126,7 +127,7 @@ else:
         """Warns when Keras `version` is not one whose internals `_compat`'s
         corrections were checked against: those are then not installed, and the
         behaviours they fix are Keras's own."""
-        from keras_rec_emb import _compat
+        from keras_rec_emb.backend.tensorflow import compat as _compat
 
         # Every `_compat.KERAS_*_FIX_VERSIONS`: the versions each correction is
         # installed for.
@@ -145,7 +146,7 @@ else:
 
     _check_keras_version(_keras.__version__)
 
-    from keras_rec_emb import _ops
+    from keras_rec_emb.backend.tensorflow import ops as _ops
 
     # Register the ops now, so that SavedModels using them load after import.
     _ops.gen()

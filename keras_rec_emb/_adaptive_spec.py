@@ -7,7 +7,7 @@ same names and write the same config (private).
 What a JAX layer has to add is the forward (counting, copying newly
 promoted ids' static rows into the table, serving each id from one table):
 the table engine's calls it needs (a counting lookup, `merge_rows` under
-jit, a NaN no-permission value) are in keras_rec_emb/_jax/ffi.py."""
+jit, a NaN no-permission value) are in keras_rec_emb/backend/jax/ffi.py."""
 
 import math
 

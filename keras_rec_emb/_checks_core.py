@@ -1,7 +1,7 @@
 """Argument checks that need no TensorFlow (private).
 
 Shared by the TensorFlow layers, options and optimizers (through
-`keras_rec_emb._checks`, which adds the TensorFlow input checks) and by
+`keras_rec_emb.backend.tensorflow.checks`, which adds the TensorFlow input checks) and by
 the JAX backend, which must import without TensorFlow.
 """
 

@@ -1,6 +1,6 @@
 """MultiHashEmbedding's arguments, partitions, tables and config, shared by
 the TensorFlow layer (keras_rec_emb/layers/multi_hash_embedding.py) and the
-JAX one (keras_rec_emb/_jax/multi_hash.py): no TensorFlow here, so both
+JAX one (keras_rec_emb/backend/jax/multi_hash.py): no TensorFlow here, so both
 backends check the same arguments, make the same tables in the same order
 and write the same config (private)."""
 

@@ -25,11 +25,11 @@ def _table_layers(model):
     """The EmbeddingVariable layers of `model`, nested ones included, each
     once."""
     if _JAX:
-        from keras_rec_emb._jax.optimizers import tables_of
+        from keras_rec_emb.backend.jax.optimizers import tables_of
 
         found = tables_of(model.variables)  # each layer by its table's anchor
     else:
-        from keras_rec_emb import _compat
+        from keras_rec_emb.backend.tensorflow import compat as _compat
         from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
 
         found = [layer for layer in _compat.flatten_layers(model)
@@ -42,8 +42,8 @@ def _table_counters(model):
     `counters` a dict with at least `size`, `filtered`, `memory_bytes`,
     `lookups`, `hits`, `admitted_total`, `erased_total`."""
     if _JAX:
-        from keras_rec_emb._jax import ffi
-        from keras_rec_emb._jax.optimizers import tables_of
+        from keras_rec_emb.backend.jax import ffi
+        from keras_rec_emb.backend.jax.optimizers import tables_of
 
         out, seen = [], set()
         for variable in model.variables:
@@ -391,7 +391,7 @@ class TableStats(keras.callbacks.Callback):
 
 
 if _JAX:
-    from keras_rec_emb._jax import tensorflow_only_getattr
+    from keras_rec_emb.backend.jax import tensorflow_only_getattr
 
     del CheckpointCallback  # incremental checkpoints: TensorFlow-only for now
     __all__ = ["EvictionCallback", "TableStats"]

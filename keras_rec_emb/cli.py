@@ -102,7 +102,7 @@ def build_model(num_cat, dim, steps_to_live):
 def _ev_layers(model):
     """The model's EmbeddingVariable layers in model order (depth first:
     a GroupEmbedding's tables where the group is), each once."""
-    from keras_rec_emb import _compat
+    from keras_rec_emb.backend.tensorflow import compat as _compat
     from keras_rec_emb.layers import EmbeddingVariable
 
     seen, out = set(), []
@@ -537,7 +537,7 @@ def strip_filtered(args):
 
     # Parts that only an admission filter needs (DeepRec's strip tool removes
     # them from checkpoints meant for serving).
-    from keras_rec_emb.variables import FILTERED_PARTS
+    from keras_rec_emb.backend.tensorflow.variables import FILTERED_PARTS
 
     def keep(name, obj):
         return not (isinstance(obj, h5py.Dataset) and "/vars/" in name

@@ -37,10 +37,10 @@ import zipfile
 import keras
 import numpy as np
 
-from keras_rec_emb import _checks
-from keras_rec_emb import _compat
+from keras_rec_emb.backend.tensorflow import checks as _checks
+from keras_rec_emb.backend.tensorflow import compat as _compat
 from keras_rec_emb import saving as _saving
-from keras_rec_emb import variables as _variables
+from keras_rec_emb.backend.tensorflow import variables as _variables
 
 __all__ = ["IncrementalCheckpointer", "apply_to_saved_model"]
 
@@ -320,7 +320,7 @@ def _probe_served(handle, name, parts, path):
     filter) without changing it; a ValueError naming what differs."""
     import tensorflow as tf
 
-    from keras_rec_emb import _ops
+    from keras_rec_emb.backend.tensorflow import ops as _ops
 
     dim = parts["values"].shape[1]
     key_dtype = tf.as_dtype(parts["keys"].dtype if parts["keys"].size else np.int64)
@@ -390,7 +390,7 @@ def apply_to_saved_model(loaded: object, path: str | os.PathLike) -> None:
     """
     import tensorflow as tf
 
-    from keras_rec_emb import _ops
+    from keras_rec_emb.backend.tensorflow import ops as _ops
 
     handles = _served_tables(loaded)
     paths = [path] if isinstance(path, (str, os.PathLike)) else path

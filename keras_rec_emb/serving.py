@@ -17,7 +17,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_rec_emb import _checks_core, _compat, _serving_context, saving
+from keras_rec_emb import _checks_core, saving
+from keras_rec_emb.backend.tensorflow import compat as _compat
+from keras_rec_emb.backend.tensorflow import serving_context as _serving_context
 
 __all__ = ["export_for_serving"]
 

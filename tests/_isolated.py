@@ -6,7 +6,7 @@ runs it and reports how it ended, so when the child dies the parent knows
 which case killed it, records the crash, and starts a new child for the rest.
 
 Each case is `(name, code)`. `code` runs with `tf`, `np`, `keras`,
-`keras_rec_emb as kre` and `_ops` (keras_rec_emb._ops) imported, plus
+`keras_rec_emb as kre` and `_ops` (keras_rec_emb.backend.tensorflow.ops) imported, plus
 whatever the batch's `prelude` defines. It ends in one of:
 
 * `ok`: no exception;
@@ -29,7 +29,7 @@ import numpy as np
 import tensorflow as tf
 import keras
 import keras_rec_emb as kre
-from keras_rec_emb import _ops
+from keras_rec_emb.backend.tensorflow import ops as _ops
 _ops.gen()
 cases = json.loads(sys.stdin.read())
 g = {"tf": tf, "np": np, "keras": keras, "kre": kre, "_ops": _ops, "os": os}

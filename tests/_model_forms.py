@@ -5,7 +5,7 @@ value-by-value comparison."""
 import keras
 import numpy as np
 
-from keras_rec_emb import _compat
+from keras_rec_emb.backend.tensorflow import compat as _compat
 from keras_rec_emb.layers import EmbeddingVariable
 
 

@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from keras_rec_emb import _allocator
+from keras_rec_emb.backend.tensorflow import allocator as _allocator
 
 _PROBE = r"""
 import resource, sys

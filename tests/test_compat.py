@@ -1,4 +1,4 @@
-"""`_compat.py`: every private API entry works on the pinned stack, and no
+"""`backend/tensorflow/compat.py`: every private API entry works on the pinned stack, and no
 other module of the package reaches past it."""
 
 import ast
@@ -16,11 +16,11 @@ import pytest
 import tensorflow as tf
 
 import keras_rec_emb
-from keras_rec_emb import _compat
+from keras_rec_emb.backend.tensorflow import compat as _compat
 
 PACKAGE_DIR = pathlib.Path(keras_rec_emb.__file__).parent
 
-# Spellings of private library API that only _compat.py may contain.
+# Spellings of private library API that only backend/tensorflow/compat.py may contain.
 PRIVATE_PATTERNS = [
     r"tensorflow\.python", r"\bkeras\.src\b", r"__internal__", r"_export_to_c",
     r"_import_from_c", r"_flatten_layers", r"_track_variable", r"_get_variable_index",
@@ -147,28 +147,34 @@ def _package_modules():
     return [importlib.import_module(n.removesuffix(".__init__")) for n in names]
 
 
+# The modules that may spell private library API: the TensorFlow backend's
+# compat and its TensorFlow-free part.
+_PRIVATE_API_MODULES = ("backend/tensorflow/compat.py", "_keras_fixes.py")
+
+
 def test_no_module_but_compat_uses_private_library_api():
     offenders = []
     for path in sorted(PACKAGE_DIR.rglob("*.py")):
-        if path.name in ("_compat.py", "_keras_fixes.py"):  # its TensorFlow-free part
+        if path.relative_to(PACKAGE_DIR).as_posix() in _PRIVATE_API_MODULES:
             continue
         for number, line in enumerate(path.read_text().splitlines(), 1):
             for pattern in PRIVATE_PATTERNS:
                 if re.search(pattern, line):
                     offenders.append(f"{path.relative_to(PACKAGE_DIR)}:{number}: {line.strip()}")
-    assert not offenders, "private API outside _compat.py:\n" + "\n".join(offenders)
+    assert not offenders, "private API outside backend/tensorflow/compat.py:\n" + "\n".join(offenders)
 
 
 def test_no_module_but_compat_reads_private_attributes_or_defines_library_hooks():
     """Beyond the known spellings: a private attribute the package never
     defines is another library's; a private name a class of ours defines
-    only for the library to read is a hook. Both go through _compat.py
+    only for the library to read is a hook. Both go through backend/tensorflow/compat.py
     (hooks of library subclasses are declared in OVERRIDDEN_HOOKS)."""
     sources = {str(p.relative_to(PACKAGE_DIR)): p.read_text()
-               for p in sorted(PACKAGE_DIR.rglob("*.py")) if p.name != "_compat.py"}
+               for p in sorted(PACKAGE_DIR.rglob("*.py"))
+               if p.relative_to(PACKAGE_DIR).as_posix() != "backend/tensorflow/compat.py"}
     declared = {name for hooks in _compat.OVERRIDDEN_HOOKS.values() for name in hooks}
     offenders = private_api_uses(sources, library_private_names(), declared)
-    assert not offenders, "private API outside _compat.py:\n" + "\n".join(offenders)
+    assert not offenders, "private API outside backend/tensorflow/compat.py:\n" + "\n".join(offenders)
 
 
 def test_the_private_api_scan_finds_reads_and_duck_typed_hooks():
@@ -356,7 +362,7 @@ def test_kafka_error_codes():
 
 
 @pytest.mark.parametrize("module", ["keras_rec_emb.data._source", "keras_rec_emb.data.kafka",
-                                    "keras_rec_emb.data.parquet", "keras_rec_emb.variables"])
+                                    "keras_rec_emb.data.parquet", "keras_rec_emb.backend.tensorflow.variables"])
 def test_modules_use_compat(module):
     assert importlib.import_module(module)._compat is _compat
 
@@ -549,7 +555,7 @@ def test_functional_graph_hook_runs_each_real_graph_run_inside_its_context():
     model = keras.Model([a, b], dense(keras.layers.Add()([a, b])))
     assert [type(n.operation).__name__ for n in _compat.functional_nodes(model)] == [
         "Add", "Dense"]
-    from keras_rec_emb.ops import _model_fusion
+    from keras_rec_emb.backend.tensorflow import model_fusion as _model_fusion
 
     seen = []
     original = _model_fusion._ModelCall.__init__  # pylint: disable=protected-access

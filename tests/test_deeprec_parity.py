@@ -532,7 +532,7 @@ def test_multi_hash_qr_sizes_config_and_bad_input():
 
 def test_fused_lookup_weight_pruning_in_the_stock_serving_graph():
     # export_for_serving replaces the fused op with stock ops: same rule.
-    from keras_rec_emb._ids import flat_ids_and_splits
+    from keras_rec_emb.backend.tensorflow.ids import flat_ids_and_splits
     from keras_rec_emb.ops import embedding_ops as eo
 
     ids, weights = _tf_ids_and_weights(2)

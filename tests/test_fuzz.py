@@ -22,7 +22,7 @@ import numpy as np
 from tests._isolated import run_cases
 
 PRELUDE = """
-from keras_rec_emb.variables import EmbeddingTable
+from keras_rec_emb.backend.tensorflow.variables import EmbeddingTable
 from keras_rec_emb.layers import EmbeddingVariable, FeatureSpec, GroupEmbedding
 gen = _ops.gen()
 
@@ -167,7 +167,7 @@ def _table_case(rng, gen):
         kw = ", ".join(f"{k}={v}" for k, v in attrs.items())
         return f"gen.kre_table_create({dv}, {kw})"
     if op == "import":
-        from keras_rec_emb.variables import PART_NAMES
+        from keras_rec_emb.backend.tensorflow.variables import PART_NAMES
 
         parts = {k: f"EXPORT[{k!r}]" for k in PART_NAMES}
         if t == "T32":

@@ -8,7 +8,7 @@ import pytest
 from tests._isolated import run_cases
 
 PRELUDE = """
-from keras_rec_emb.variables import EmbeddingTable
+from keras_rec_emb.backend.tensorflow.variables import EmbeddingTable
 gen = _ops.gen()
 ADAM = ['learning_rate', 'decay', 'alpha', 'beta_1', 'beta_2', 'epsilon', 'amsgrad']
 
@@ -194,8 +194,8 @@ def test_shape_functions_reject_bad_ranks_when_a_graph_is_built():
     import numpy as np
     import tensorflow as tf
 
-    from keras_rec_emb import _ops
-    from keras_rec_emb.variables import EmbeddingTable
+    from keras_rec_emb.backend.tensorflow import ops as _ops
+    from keras_rec_emb.backend.tensorflow.variables import EmbeddingTable
 
     gen = _ops.gen()
     t = EmbeddingTable(4, "int64", np.zeros((1, 4), np.float32), num_shards=4)

@@ -115,7 +115,7 @@ def find_cycles(graph):
 
 def test_graph_sees_known_edges():
     graph = import_graph()
-    assert "keras_rec_emb._ops" in graph["keras_rec_emb.variables"]
+    assert "keras_rec_emb.backend.tensorflow.ops" in graph["keras_rec_emb.backend.tensorflow.variables"]
     assert "keras_rec_emb.layers.embedding_variable" in graph["keras_rec_emb.layers"]
 
 

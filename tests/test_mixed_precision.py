@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import keras_rec_emb as kre
-from keras_rec_emb import _compat
+from keras_rec_emb.backend.tensorflow import compat as _compat
 from keras_rec_emb.layers import EmbeddingVariable
 from tests._model_forms import ChainModel, assert_state_equal, state
 

@@ -43,7 +43,7 @@ def test_backend_comes_from_keras_json_when_the_variable_is_unset(tmp_path, back
     assert result.returncode == 0, result.stderr[-3000:]
     got_backend, module, shape = result.stdout.split(maxsplit=2)
     assert got_backend == backend
-    assert module.startswith("keras_rec_emb._jax" if backend == "jax" else "keras_rec_emb.layers")
+    assert module.startswith("keras_rec_emb.backend.jax" if backend == "jax" else "keras_rec_emb.layers")
     assert shape.strip() == "(1, 4)"
 
 
@@ -176,7 +176,7 @@ def test_ops_library_loads_within_its_tensorflow_minor_release(monkeypatch):
     patch release keeps TensorFlow's C++ ABI."""
     import tensorflow as tf
 
-    from keras_rec_emb import _ops
+    from keras_rec_emb.backend.tensorflow import ops as _ops
 
     major, minor, _ = tf.__version__.split(".", 2)
     load = _ops.gen.__wrapped__

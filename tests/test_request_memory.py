@@ -50,7 +50,7 @@ _PRELUDE = textwrap.dedent(r'''
 # and the process died (SIGSEGV in TensorFlow's Python bindings).
 _OPS = _PRELUDE + textwrap.dedent(r'''
     import keras_rec_emb as kre
-    from keras_rec_emb import _ops
+    from keras_rec_emb.backend.tensorflow import ops as _ops
 
     headroom = int(sys.argv[1])
     ev = kre.layers.EmbeddingVariable(1, name="t")

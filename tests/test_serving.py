@@ -15,11 +15,12 @@ import pytest
 import tensorflow as tf
 
 import keras_rec_emb as kre
-from keras_rec_emb import _serving_context, ops, serving
+from keras_rec_emb import ops, serving
+from keras_rec_emb.backend.tensorflow import serving_context as _serving_context
 from keras_rec_emb.distribute.collective_tables import CollectiveShardedTable
 from keras_rec_emb.distribute.ps_tables import ShardedEmbeddingTable
 from keras_rec_emb.layers import EmbeddingVariable, FeatureSpec, GroupEmbedding
-from keras_rec_emb.variables import EmbeddingTable
+from keras_rec_emb.backend.tensorflow.variables import EmbeddingTable
 
 _SERVER = """
 import json, sys, traceback

@@ -192,12 +192,12 @@ def test_stats_ops_declare_the_parts_python_reads_them_by(op):
     kernel refuses any other names or order."""
     from tensorflow.python.framework import op_def_registry
 
-    from keras_rec_emb import _ops
+    from keras_rec_emb.backend.tensorflow import ops as _ops
 
     names = getattr(_ops, STATS_OPS[op])
     (attr,) = [a for a in op_def_registry.get(op).attr if a.name == "parts"]
     assert [p.decode() for p in attr.default_value.list.s] == list(names)
-    from keras_rec_emb.variables import EmbeddingTable
+    from keras_rec_emb.backend.tensorflow.variables import EmbeddingTable
 
     table = EmbeddingTable(4, tf.int64, np.zeros((1, 4), np.float32), name="t")
     raw = getattr(_ops.gen(), {"KRE>TableStats": "kre_table_stats",
@@ -214,7 +214,7 @@ def test_stats_ops_declare_the_parts_python_reads_them_by(op):
 def test_stats_and_counters_are_read_by_name():
     """Each named part holds what its name says, against an independent
     count of the lookups and the table's own export."""
-    from keras_rec_emb.variables import EmbeddingTable
+    from keras_rec_emb.backend.tensorflow.variables import EmbeddingTable
 
     table = EmbeddingTable(4, tf.int64, np.zeros((1, 4), np.float32), name="named",
                            filter_freq=2)
@@ -238,7 +238,7 @@ def test_stats_and_counters_are_read_by_name():
 def test_a_graph_saved_without_the_parts_attr_still_runs():
     """Graphs written before the stats ops took `parts` (no such attr on
     their nodes) load and run: the attr defaults to the library's list."""
-    from keras_rec_emb import _ops
+    from keras_rec_emb.backend.tensorflow import ops as _ops
 
     graph = tf.Graph()
     with graph.as_default():

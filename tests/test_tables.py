@@ -11,7 +11,7 @@ from keras_rec_emb import tables
 from keras_rec_emb.distribute import CollectiveShardedTable, ShardedEmbeddingTable
 from keras_rec_emb.distribute import shards
 from keras_rec_emb.tables import Table, TableShard, members, missing_members
-from keras_rec_emb.variables import EmbeddingTable
+from keras_rec_emb.backend.tensorflow.variables import EmbeddingTable
 
 KINDS = [EmbeddingTable, ShardedEmbeddingTable, CollectiveShardedTable]
 

@@ -18,7 +18,7 @@ import keras_rec_emb as kre
 from tests._isolated import run_cases
 
 CKPT_PRELUDE = """
-from keras_rec_emb.variables import EmbeddingTable
+from keras_rec_emb.backend.tensorflow.variables import EmbeddingTable
 
 def make_table():
     t = EmbeddingTable(4, "int64", np.arange(8, dtype=np.float32).reshape(2, 4), num_shards=4)

@@ -1,4 +1,4 @@
-"""The raw table ops (`_ops.py`) and the EmbeddingTable resource (`variables.py`), against NumPy."""
+"""The raw table ops (`backend/tensorflow/ops.py`) and the EmbeddingTable resource (`backend/tensorflow/variables.py`), against NumPy."""
 
 import json
 import os
@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_rec_emb import _ops
+import keras_rec_emb
+from keras_rec_emb.backend.tensorflow import ops as _ops
 from keras_rec_emb.optimizers.rules import RULES
-from keras_rec_emb.variables import EmbeddingTable, complete_parts
+from keras_rec_emb.backend.tensorflow.variables import EmbeddingTable, complete_parts
 
 DIM = 4
 
@@ -313,7 +314,7 @@ def test_missing_library_and_version_mismatch_messages(tmp_path, monkeypatch):
     with pytest.raises(ImportError, match="missing.*make build"):
         load()
     real = _ops.LIBRARY_NAME
-    os.symlink(os.path.join(os.path.dirname(_ops.__file__), real), tmp_path / real)
+    os.symlink(os.path.join(os.path.dirname(keras_rec_emb.__file__), real), tmp_path / real)
     (tmp_path / "_kre_ops_build.json").write_text(json.dumps({"tensorflow": "2.0.0"}))
     with pytest.raises(ImportError, match=rf"built against TensorFlow 2.0.0, but TensorFlow {tf.__version__}"):
         load()
@@ -325,7 +326,7 @@ def test_table_parts_are_declared_once_and_match_the_kernels():
     `slots`, and a checkpoint of the table holds exactly these parts."""
     from tensorflow.python.framework import op_def_registry
 
-    from keras_rec_emb import variables
+    from keras_rec_emb.backend.tensorflow import variables
 
     out = [a.name for a in op_def_registry.get("KRE>TableExport").output_arg]
     into = [a.name for a in op_def_registry.get("KRE>TableImport").input_arg]

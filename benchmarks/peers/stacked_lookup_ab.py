@@ -38,8 +38,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_rec_emb as kre  # noqa: E402
-from keras_rec_emb import _ops  # noqa: E402
-from keras_rec_emb._ids import FlatIds  # noqa: E402
+from keras_rec_emb.backend.tensorflow import ops as _ops  # noqa: E402
+from keras_rec_emb.backend.tensorflow.ids import FlatIds  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import protocol  # noqa: E402

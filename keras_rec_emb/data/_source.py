@@ -13,7 +13,7 @@ import threading
 import numpy as np
 import tensorflow as tf
 
-from keras_rec_emb import _compat
+from keras_rec_emb.backend.tensorflow import compat as _compat
 
 
 class _Passes:

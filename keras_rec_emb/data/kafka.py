@@ -20,7 +20,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from keras_rec_emb import _compat
+from keras_rec_emb.backend.tensorflow import compat as _compat
 from keras_rec_emb.data._source import WrappedDataset
 from keras_rec_emb.data._source import python_dataset
 

@@ -23,9 +23,9 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import tensorflow as tf
 
-from keras_rec_emb import _compat
-from keras_rec_emb import _ops
-from keras_rec_emb._checks import check_bool
+from keras_rec_emb.backend.tensorflow import compat as _compat
+from keras_rec_emb.backend.tensorflow import ops as _ops
+from keras_rec_emb.backend.tensorflow.checks import check_bool
 from keras_rec_emb.data._source import WrappedDataset
 from keras_rec_emb.data._source import python_dataset
 from keras_rec_emb.data.dataframe import DataFrame

@@ -13,7 +13,7 @@ if _backend.is_jax():
         "tables train in one process; set KERAS_BACKEND=tensorflow to distribute them."
     )
 
-from keras_rec_emb import _compat as _compat
+from keras_rec_emb.backend.tensorflow import compat as _compat
 from keras_rec_emb.distribute.collective_tables import CollectiveShardedTable
 from keras_rec_emb.distribute.multi_worker import multi_worker_strategy
 

@@ -33,7 +33,7 @@ for one owner: about `(N-1)/N` of its distinct ids and rows, independent of
 `N` (`benchmarks/distributed.py` measures the bytes each process's sockets
 send). The tables of one fused lookup share one exchange (`lookup_many`):
 a `GroupEmbedding`'s, and the `EmbeddingVariable` calls of one Functional
-model call that read its inputs, looked up together (`ops/_model_fusion.py`).
+model call that read its inputs, looked up together (`backend/tensorflow/model_fusion.py`).
 
 Table-wide operations (`export`, `size`, `stats`, `evict`, saving with
 `model.save` or `tf.train.Checkpoint`) gather the shards with the same
@@ -45,8 +45,10 @@ restores into any number of workers, a MirroredStrategy or one process.
 
 import tensorflow as tf
 
-from keras_rec_emb import _compat, _ops, _serving_context
-from keras_rec_emb import variables as _variables
+from keras_rec_emb.backend.tensorflow import compat as _compat
+from keras_rec_emb.backend.tensorflow import ops as _ops
+from keras_rec_emb.backend.tensorflow import serving_context as _serving_context
+from keras_rec_emb.backend.tensorflow import variables as _variables
 from keras_rec_emb.distribute import ps_tables, shards
 
 # One traced all-gather per (strategy, dtype, row shape): every worker

@@ -5,7 +5,7 @@ import math
 
 import tensorflow as tf
 
-from keras_rec_emb import _compat
+from keras_rec_emb.backend.tensorflow import compat as _compat
 
 DEFAULT_LOST_WORKER_TIMEOUT = 10.0
 

@@ -4,7 +4,7 @@ is built in. Layers create tables only through `make_table`; the core table
 
 import tensorflow as tf
 
-from keras_rec_emb import variables as _variables
+from keras_rec_emb.backend.tensorflow import variables as _variables
 from keras_rec_emb.distribute import collective_tables, ps_tables
 
 

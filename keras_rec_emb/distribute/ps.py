@@ -153,7 +153,7 @@ def main(argv=None):
         if os.path.exists(SHIM):
             # The shim is there and failed: do not serve wider than asked.
             sys.stdout.flush()
-            from keras_rec_emb import _compat
+            from keras_rec_emb.backend.tensorflow import compat as _compat
 
             _compat.exit_now(1)
     print(f"keras-rec-emb ps: task {args.task} serving at {ps[args.task]}", flush=True)

@@ -33,9 +33,11 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from keras_rec_emb import _compat, _ops, _serving_context
+from keras_rec_emb.backend.tensorflow import compat as _compat
+from keras_rec_emb.backend.tensorflow import ops as _ops
+from keras_rec_emb.backend.tensorflow import serving_context as _serving_context
 from keras_rec_emb import tables as _tables
-from keras_rec_emb import variables as _variables
+from keras_rec_emb.backend.tensorflow import variables as _variables
 from keras_rec_emb.distribute import ps_variables, shards
 
 # Fibonacci hashing (the golden-ratio multiplier, high 32 bits). The kv
@@ -673,7 +675,7 @@ def serve(ps, task_index, worker=None):
     "host:port") in this process until it is killed: a
     `tf.distribute.Server` with this package's ops loaded, holding one eager
     context of its own (see `_hold_own_context`)."""
-    from keras_rec_emb import _ops
+    from keras_rec_emb.backend.tensorflow import ops as _ops
 
     _ops.gen()
     spec = {"ps": list(ps)}

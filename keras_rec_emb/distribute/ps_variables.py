@@ -41,7 +41,7 @@ import time
 
 import tensorflow as tf
 
-from keras_rec_emb import _compat
+from keras_rec_emb.backend.tensorflow import compat as _compat
 
 PREFIX = "kre_ps/"
 READY = PREFIX + "__chief_ready__"

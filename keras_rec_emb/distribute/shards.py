@@ -6,7 +6,7 @@ fill in."""
 
 import tensorflow as tf
 
-from keras_rec_emb import variables as _variables
+from keras_rec_emb.backend.tensorflow import variables as _variables
 
 
 class ParameterServerShard(_variables.EmbeddingTable):

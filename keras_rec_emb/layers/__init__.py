@@ -3,12 +3,12 @@
 from keras_rec_emb import _backend
 
 if _backend.is_jax():
-    # Under Keras's JAX backend, without TensorFlow (keras_rec_emb/_jax).
-    from keras_rec_emb._jax import tensorflow_only_getattr
-    from keras_rec_emb._jax.group_embedding import FeatureSpec, GroupEmbedding
-    from keras_rec_emb._jax.layers import EmbeddingVariable
-    from keras_rec_emb._jax.adaptive import AdaptiveEmbedding
-    from keras_rec_emb._jax.multi_hash import MultiHashEmbedding
+    # Under Keras's JAX backend, without TensorFlow (keras_rec_emb/backend/jax).
+    from keras_rec_emb.backend.jax import tensorflow_only_getattr
+    from keras_rec_emb.backend.jax.group_embedding import FeatureSpec, GroupEmbedding
+    from keras_rec_emb.backend.jax.layers import EmbeddingVariable
+    from keras_rec_emb.backend.jax.adaptive import AdaptiveEmbedding
+    from keras_rec_emb.backend.jax.multi_hash import MultiHashEmbedding
     from keras_rec_emb._keras_fixes import fix_sequential_ids_input
 
     # A Sequential without keras.Input gives our id layers int ids, not float32
@@ -20,7 +20,7 @@ if _backend.is_jax():
     _TENSORFLOW_ONLY = ("FeatureConfig", "HashStrings", "TableConfig")
     __getattr__ = tensorflow_only_getattr("keras_rec_emb.layers", _TENSORFLOW_ONLY, __all__)
 else:
-    from keras_rec_emb import _compat
+    from keras_rec_emb.backend.tensorflow import compat as _compat
 
     from keras_rec_emb.layers.adaptive_embedding import AdaptiveEmbedding
     from keras_rec_emb.layers.configs import FeatureConfig, TableConfig

@@ -27,12 +27,12 @@ and `tf.train.Checkpoint` keep it.
 import keras
 import tensorflow as tf
 
-from keras_rec_emb import _compat
+from keras_rec_emb.backend.tensorflow import compat as _compat
 from keras_rec_emb import options as options_lib
-from keras_rec_emb import variables
+from keras_rec_emb.backend.tensorflow import variables
 from keras_rec_emb._adaptive_spec import AdaptiveSpec
 from keras_rec_emb._hashing import hash_to_range
-from keras_rec_emb._ids import embed_ids, output_spec
+from keras_rec_emb.backend.tensorflow.ids import embed_ids, output_spec
 from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
 
 _NOT_PROMOTED, _NEWLY_PROMOTED, _PROMOTED = 0, 1, 2

@@ -9,7 +9,7 @@ naming one table share it) and returns a dict of per-feature embeddings.
 import keras
 import numpy as np
 
-from keras_rec_emb._checks import check_combiner
+from keras_rec_emb.backend.tensorflow.checks import check_combiner
 from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
 from keras_rec_emb.options import EmbeddingVariableOption
 

@@ -4,16 +4,16 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_rec_emb import _compat
-from keras_rec_emb import variables
-from keras_rec_emb._checks import check_combiner, check_combiner_weights
+from keras_rec_emb.backend.tensorflow import compat as _compat
+from keras_rec_emb.backend.tensorflow import variables
+from keras_rec_emb.backend.tensorflow.checks import check_combiner, check_combiner_weights
 from keras_rec_emb._checks_core import check_initializer_matrix
-from keras_rec_emb._ids import embed_ids, output_spec
+from keras_rec_emb.backend.tensorflow.ids import embed_ids, output_spec
 from keras_rec_emb.ops import embedding_ops
 from keras_rec_emb.optimizers.base import table_optimizer
 from keras_rec_emb.options import (EmbeddingVariableOption, deserialize_ev_option,
                                    ev_option_or_default)
-from keras_rec_emb.variables import check_restore_dim_mode, check_saved_dim
+from keras_rec_emb.backend.tensorflow.variables import check_restore_dim_mode, check_saved_dim
 
 _KEY_DTYPES = ("int32", "int64")
 
@@ -46,7 +46,7 @@ class EmbeddingVariable(keras.layers.Layer):
     model called in a `tf.function`) they are looked up together in one
     fused op at the first of them (under `MultiWorkerMirroredStrategy`,
     one exchange), which is the same program (see
-    `keras_rec_emb/ops/_model_fusion.py`).
+    `keras_rec_emb/backend/tensorflow/model_fusion.py`).
 
     Args:
         embedding_dim: int > 0. Width of each embedding row.

@@ -4,10 +4,13 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_rec_emb import _compat, _ops, _serving_context, variables
-from keras_rec_emb._checks import assert_ids_in_range, check_float, check_int, integer_ids
+from keras_rec_emb.backend.tensorflow import compat as _compat
+from keras_rec_emb.backend.tensorflow import ops as _ops
+from keras_rec_emb.backend.tensorflow import serving_context as _serving_context
+from keras_rec_emb.backend.tensorflow import variables
+from keras_rec_emb.backend.tensorflow.checks import assert_ids_in_range, check_float, check_int, integer_ids
 from keras_rec_emb._checks_core import non_integer_ids_error
-from keras_rec_emb._ids import FlatIds
+from keras_rec_emb.backend.tensorflow.ids import FlatIds
 from keras_rec_emb.layers.configs import FeatureConfig
 from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
 from keras_rec_emb.ops import embedding_ops

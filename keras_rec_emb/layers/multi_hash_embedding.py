@@ -4,14 +4,14 @@ Complementary Partitions for Memory-Efficient Recommendation Systems").
 
 The stable id hash (`fingerprint64`, `hash_to_range`) lives in
 `keras_rec_emb._hashing` and the input handling (`embed_ids`) in
-`keras_rec_emb._ids`; both are re-exported here for old import paths.
+`keras_rec_emb.backend.tensorflow.ids`; both are re-exported here for old import paths.
 """
 
 import keras
 import tensorflow as tf
 
 from keras_rec_emb._hashing import fingerprint64, hash_to_range  # noqa: F401 (old path)
-from keras_rec_emb._ids import embed_ids, output_spec
+from keras_rec_emb.backend.tensorflow.ids import embed_ids, output_spec
 from keras_rec_emb._multi_hash_spec import MultiHashSpec
 
 

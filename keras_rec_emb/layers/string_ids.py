@@ -5,7 +5,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_rec_emb import _compat
+from keras_rec_emb.backend.tensorflow import compat as _compat
 
 # DeepRec's string EV hashes with `to_hash_bucket_fast(s, INT64_MAX)`: keys
 # in [0, 2**63 - 2], so a negative pad value can never be a real key.

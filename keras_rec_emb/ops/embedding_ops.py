@@ -19,16 +19,17 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_rec_emb import _compat
-from keras_rec_emb import _ops, _serving_context
-from keras_rec_emb.ops import _model_fusion
-from keras_rec_emb._checks import (COMBINERS, assert_ids_in_range, check_bool, check_float,
+from keras_rec_emb.backend.tensorflow import compat as _compat
+from keras_rec_emb.backend.tensorflow import ops as _ops
+from keras_rec_emb.backend.tensorflow import serving_context as _serving_context
+from keras_rec_emb.backend.tensorflow import model_fusion as _model_fusion
+from keras_rec_emb.backend.tensorflow.checks import (COMBINERS, assert_ids_in_range, check_bool, check_float,
                                    check_int, checked_sparse_ids, integer_ids)
-from keras_rec_emb._embed_reduce import combine_rows
-from keras_rec_emb._ids import (FlatIds, collapse_outer, flat_ids_and_splits, int_ids,
+from keras_rec_emb.backend.tensorflow.embed_reduce import combine_rows
+from keras_rec_emb.backend.tensorflow.ids import (FlatIds, collapse_outer, flat_ids_and_splits, int_ids,
                                 sparse_row_splits, weights_values)
-from keras_rec_emb._op_args import named_inputs, named_outputs
-from keras_rec_emb.variables import EmbeddingTable, TableVariable
+from keras_rec_emb.backend.tensorflow.op_args import named_inputs, named_outputs
+from keras_rec_emb.backend.tensorflow.variables import EmbeddingTable, TableVariable
 
 
 
@@ -542,7 +543,7 @@ def pooled_layer_lookup(layer, inputs, training, weights=None):
 
 def model_call_rows(layer, inputs, training):
     """This call's rows when `layer` is one of the fused calls of the
-    Functional model call being run (`ops/_model_fusion.py`): a `tf.Tensor`,
+    Functional model call being run (`backend/tensorflow/model_fusion.py`): a `tf.Tensor`,
     all of them looked up at the first; None otherwise (the layer looks its
     ids up at the call)."""
     return _model_fusion.planned_rows(layer, inputs, training)
@@ -575,7 +576,7 @@ _model_fusion.lookup_entries = _lookup_entries
 
 def register_layer_class(cls):
     """Names `layers.EmbeddingVariable` (which imports this module) to the
-    Functional-model fusion (`ops/_model_fusion.py`)."""
+    Functional-model fusion (`backend/tensorflow/model_fusion.py`)."""
     _model_fusion.EMBEDDING_VARIABLE = cls
 
 

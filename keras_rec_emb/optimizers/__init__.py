@@ -4,8 +4,8 @@ embedding tables (with a fused sparse kernel per table)."""
 from keras_rec_emb import _backend
 
 if _backend.is_jax():
-    # Under Keras's JAX backend, without TensorFlow (keras_rec_emb/_jax).
-    from keras_rec_emb._jax.optimizers import (
+    # Under Keras's JAX backend, without TensorFlow (keras_rec_emb/backend/jax).
+    from keras_rec_emb.backend.jax.optimizers import (
         SGD,
         Adagrad,
         AdagradDecay,
@@ -16,14 +16,14 @@ if _backend.is_jax():
     )
 
     __all__ = ["SGD", "Adagrad", "Adam", "Ftrl", "AdamAsync", "AdagradDecay", "AdamW"]
-    from keras_rec_emb._jax import tensorflow_only_getattr
+    from keras_rec_emb.backend.jax import tensorflow_only_getattr
 
     __getattr__ = tensorflow_only_getattr("keras_rec_emb.optimizers", ("LossScaleOptimizer",),
                                           __all__)
 else:
     from keras_rec_emb.optimizers.deeprec_optimizers import AdagradDecay, AdamAsync, AdamW
     from keras_rec_emb.optimizers.keras_optimizers import SGD, Adagrad, Adam, Ftrl
-    from keras_rec_emb import _compat as _compat
+    from keras_rec_emb.backend.tensorflow import compat as _compat
     from keras_rec_emb.optimizers.loss_scale import LossScaleOptimizer
     from keras_rec_emb.optimizers.loss_scale import rewrap_keras_auto_wrapper as _rewrap
 

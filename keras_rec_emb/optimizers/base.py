@@ -24,10 +24,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_rec_emb import _checks, _checks_core, _compat
-from keras_rec_emb._op_args import named_outputs
+from keras_rec_emb import _checks_core
+from keras_rec_emb.backend.tensorflow import checks as _checks
+from keras_rec_emb.backend.tensorflow import compat as _compat
+from keras_rec_emb.backend.tensorflow.op_args import named_outputs
 from keras_rec_emb.optimizers import rules
-from keras_rec_emb.variables import is_table
+from keras_rec_emb.backend.tensorflow.variables import is_table
 
 
 class TableSlot:

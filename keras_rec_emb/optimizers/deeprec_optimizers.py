@@ -9,7 +9,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_rec_emb import _compat
+from keras_rec_emb.backend.tensorflow import compat as _compat
 from keras_rec_emb._checks_core import (check_adagrad_decay, check_beta, check_bool,
                                         check_non_negative)
 from keras_rec_emb.optimizers.base import (
@@ -18,7 +18,7 @@ from keras_rec_emb.optimizers.base import (
     check_learning_rate,
     sum_duplicate_rows,
 )
-from keras_rec_emb.variables import is_table
+from keras_rec_emb.backend.tensorflow.variables import is_table
 from keras_rec_emb.optimizers.keras_optimizers import Adam
 
 ops = keras.ops

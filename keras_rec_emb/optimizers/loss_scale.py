@@ -3,7 +3,7 @@
 import keras
 
 from keras_rec_emb.optimizers.base import TableOptimizer, _is_table_grad
-from keras_rec_emb.variables import is_table
+from keras_rec_emb.backend.tensorflow.variables import is_table
 
 
 @keras.saving.register_keras_serializable(package="keras_rec_emb")

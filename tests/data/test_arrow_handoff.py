@@ -10,8 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 import tensorflow as tf
 
-from keras_rec_emb import _compat
-from keras_rec_emb import _ops
+from keras_rec_emb.backend.tensorflow import compat as _compat
+from keras_rec_emb.backend.tensorflow import ops as _ops
 from keras_rec_emb.data import ParquetDataset
 from keras_rec_emb.data import parquet as parquet_lib
 

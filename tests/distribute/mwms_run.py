@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import keras_rec_emb as kre  # noqa: E402
-from keras_rec_emb import _compat  # noqa: E402
+from keras_rec_emb.backend.tensorflow import compat as _compat  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _models import compile_mse, table_arrays  # noqa: E402

@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 import keras_rec_emb as kre
-from keras_rec_emb import _compat
+from keras_rec_emb.backend.tensorflow import compat as _compat
 from keras_rec_emb.distribute import ps_variables
 
 PS = "/job:localhost/replica:0/task:0/device:CPU:0"

@@ -14,7 +14,7 @@ import pytest
 import keras_rec_emb as kre
 
 DIM = 4
-# The parts of the TensorFlow layer's export() (keras_rec_emb/variables.py's
+# The parts of the TensorFlow layer's export() (keras_rec_emb/backend/tensorflow/variables.py's
 # ARRAY_PARTS plus `slots`).
 TENSORFLOW_EXPORT = ["bloom", "default_values", "freqs", "freqs_filtered", "keys",
                      "keys_filtered", "slots", "values", "versions", "versions_filtered"]

@@ -6,8 +6,8 @@ import keras
 import numpy as np
 import pytest
 
-from keras_rec_emb._jax import optimizers
-from keras_rec_emb._jax.layers import EmbeddingVariable
+from keras_rec_emb.backend.jax import optimizers
+from keras_rec_emb.backend.jax.layers import EmbeddingVariable
 
 DIM, DVD = 3, 5
 IDS = np.array([[1, 5, -1], [-1, -1, -1], [3, 3, 7], [2, 9, 4]], np.int32)

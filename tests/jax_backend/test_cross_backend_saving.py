@@ -56,7 +56,7 @@ def dense_state(model):
 """
 
 _JAX = """
-from keras_rec_emb._jax import ffi
+from keras_rec_emb.backend.jax import ffi
 def parts_of(layer):
     return table_parts(ffi.export_parts(layer.handle, layer.key_dtype, layer.embedding_dim,
                                         [("accumulator", layer.embedding_dim)]))
@@ -222,7 +222,7 @@ def group_model():
 
 # Loads the TensorFlow file, saves what it read and the model again.
 _GROUP_JAX = """
-from keras_rec_emb._jax import ffi
+from keras_rec_emb.backend.jax import ffi
 model = keras.saving.load_model(sys.argv[1])
 table = model.get_layer("group").tables[0]
 parts = ffi.export_parts(table.handle, "int32", 3, table._kre_slot_specs)
@@ -272,7 +272,7 @@ def test_a_group_embedding_model_crosses_backends_both_ways(tmp_path):
 # Loads the TensorFlow file with a filter, trains on and saves again.
 _JAX_FILTERED = """
 import sys
-from keras_rec_emb._jax import ffi
+from keras_rec_emb.backend.jax import ffi
 PARTS = ("keys", "values", "freqs", "versions", "keys_filtered", "freqs_filtered",
          "versions_filtered", "bloom")
 model = keras.saving.load_model(sys.argv[1])

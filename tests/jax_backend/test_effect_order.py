@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from keras_rec_emb._jax import ffi
+from keras_rec_emb.backend.jax import ffi
 
 DIM = 3
 ADAGRAD = ("learning_rate", "decay", "epsilon")

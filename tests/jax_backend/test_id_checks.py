@@ -122,7 +122,7 @@ def test_bad_ids_get_tensorflows_exception_and_message(tensorflow_outcomes):
 
 
 def test_int64_ids_of_numpy_in_32_bit_mode_are_checked_before_keras_narrows_them():
-    from keras_rec_emb._jax.layers import EmbeddingVariable
+    from keras_rec_emb.backend.jax.layers import EmbeddingVariable
 
     from keras_rec_emb.optimizers import SGD
 
@@ -143,7 +143,7 @@ def test_int64_ids_of_numpy_in_32_bit_mode_are_checked_before_keras_narrows_them
     (-2**40, "holds ids outside the int32 key range"),
 ])
 def test_traced_int64_ids_beyond_an_int32_table_fail_the_step_before_the_lookup(bad, message):
-    from keras_rec_emb._jax.layers import EmbeddingVariable
+    from keras_rec_emb.backend.jax.layers import EmbeddingVariable
     from keras_rec_emb.optimizers import SGD
 
     layer = EmbeddingVariable(2, key_dtype="int32", name="ev", optimizer=SGD(0.1))

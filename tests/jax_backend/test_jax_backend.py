@@ -147,7 +147,7 @@ def export(layer):
 
 _JAX = """
 import keras_rec_emb as kre
-from keras_rec_emb._jax import ffi
+from keras_rec_emb.backend.jax import ffi
 def make_layer(init, combiner, **options):
     if options:  # the TensorFlow layer's option object
         option = kre.EmbeddingVariableOption(init_option=kre.InitializerOption(

@@ -5,7 +5,7 @@ import keras
 import numpy as np
 import pytest
 
-from keras_rec_emb._jax.layers import EmbeddingVariable
+from keras_rec_emb.backend.jax.layers import EmbeddingVariable
 
 DIM, FEATURES, BATCH = 3, 2, 4
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import keras_rec_emb
-from keras_rec_emb._jax import layers, optimizers
+from keras_rec_emb.backend.jax import layers, optimizers
 
 
 def test_the_public_names_are_the_jax_classes_under_the_tensorflow_names():

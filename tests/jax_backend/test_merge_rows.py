@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from keras_rec_emb._jax import ffi
+from keras_rec_emb.backend.jax import ffi
 
 SGD = ("learning_rate", "decay")
 

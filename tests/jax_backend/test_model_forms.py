@@ -10,8 +10,8 @@ import pytest
 from test_keras_layer import BATCH, DIM, FEATURES, check_table, data, numpy_fit
 
 import keras_rec_emb as kre
-from keras_rec_emb._jax import ffi
-from keras_rec_emb._jax.layers import EmbeddingVariable
+from keras_rec_emb.backend.jax import ffi
+from keras_rec_emb.backend.jax.layers import EmbeddingVariable
 
 LR, ACC0, EPS = 0.05, 0.1, 1e-7
 

@@ -10,8 +10,8 @@ import keras
 import numpy as np
 import pytest
 
-from keras_rec_emb._jax import optimizers
-from keras_rec_emb._jax.layers import EmbeddingVariable
+from keras_rec_emb.backend.jax import optimizers
+from keras_rec_emb.backend.jax.layers import EmbeddingVariable
 
 DIM, FEATURES, BATCH, STEPS = 3, 2, 4, 3
 

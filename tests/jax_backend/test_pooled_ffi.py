@@ -1,4 +1,4 @@
-"""The pooled table calls (keras_rec_emb/_jax/ffi.py's pooled_lookup and
+"""The pooled table calls (keras_rec_emb/backend/jax/ffi.py's pooled_lookup and
 apply_pooled): a combiner's lookup and its gradient's sparse update in one
 call each, against NumPy and against the row calls (lookup, apply)."""
 
@@ -9,8 +9,8 @@ import keras
 import numpy as np
 import pytest
 
-from keras_rec_emb._jax import ffi
-from keras_rec_emb._jax.layers import EmbeddingVariable
+from keras_rec_emb.backend.jax import ffi
+from keras_rec_emb.backend.jax.layers import EmbeddingVariable
 from keras_rec_emb.optimizers import SGD
 
 DIM = 4

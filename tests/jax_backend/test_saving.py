@@ -13,8 +13,8 @@ import keras
 import numpy as np
 import pytest
 
-from keras_rec_emb._jax import ffi, saving
-from keras_rec_emb._jax.layers import EmbeddingVariable
+from keras_rec_emb.backend.jax import ffi, saving
+from keras_rec_emb.backend.jax.layers import EmbeddingVariable
 
 # Written for int32 ids (JAX's 32-bit mode); the 64-bit cases switch it on.
 pytestmark = pytest.mark.usefixtures("jax_32_bit_mode")
@@ -335,7 +335,7 @@ def test_the_optimizer_saves_what_the_tensorflow_backends_saves(tmp_path):
     """Step, learning rate and the Dense weights' accumulators; not the
     slots of the layer's zero-size anchor (a table's slots are the
     layer's)."""
-    from keras_rec_emb._jax import optimizers
+    from keras_rec_emb.backend.jax import optimizers
 
     layer = EmbeddingVariable(3, default_value_dim=5, name="ev")
     model = _model(layer)

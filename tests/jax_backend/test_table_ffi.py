@@ -1,4 +1,4 @@
-"""The table engine through XLA's FFI (keras_rec_emb/_jax/ffi.py): rows,
+"""The table engine through XLA's FFI (keras_rec_emb/backend/jax/ffi.py): rows,
 initializer rows, sparse updates against NumPy, export, bad input."""
 
 import os
@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from keras_rec_emb._jax import ffi
+from keras_rec_emb.backend.jax import ffi
 
 # Written for int32 ids (JAX's 32-bit mode); the 64-bit cases switch it on.
 pytestmark = pytest.mark.usefixtures("jax_32_bit_mode")
@@ -39,13 +39,13 @@ def test_no_tensorflow_under_the_jax_backend():
     fresh process: this one's fixtures are not the package's)."""
     code = ("import sys, numpy as np\n"
             "import keras_rec_emb\n"
-            "from keras_rec_emb._jax import ffi\n"
+            "from keras_rec_emb.backend.jax import ffi\n"
             "t = ffi.create(np.ones((1, 2), np.float32))\n"
             "assert np.asarray(ffi.lookup(t, np.array([3], np.int32), 2)).tolist() == [[1, 1]]\n"
             "assert keras_rec_emb.__all__[:4] == ['__version__', 'export_for_serving', "
             "'layers', 'optimizers']\n"
             "assert keras_rec_emb.CounterFilter(2).filter_freq == 2\n"
-            "from keras_rec_emb._jax import layers, optimizers\n"
+            "from keras_rec_emb.backend.jax import layers, optimizers\n"
             "assert keras_rec_emb.layers.EmbeddingVariable is layers.EmbeddingVariable\n"
             "assert keras_rec_emb.optimizers.Adam is optimizers.Adam\n"
             "assert 'tensorflow' not in sys.modules, 'tensorflow was imported'\n")

@@ -13,7 +13,7 @@ import keras
 import pytest
 
 import keras_rec_emb  # noqa: F401  (registers the classes)
-from keras_rec_emb._jax import tensorflow_only
+from keras_rec_emb.backend.jax import tensorflow_only
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

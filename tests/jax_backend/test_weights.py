@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import keras_rec_emb as kre
-from keras_rec_emb._jax import optimizers
-from keras_rec_emb._jax.group_embedding import FeatureSpec, GroupEmbedding
-from keras_rec_emb._jax.layers import EmbeddingVariable
+from keras_rec_emb.backend.jax import optimizers
+from keras_rec_emb.backend.jax.group_embedding import FeatureSpec, GroupEmbedding
+from keras_rec_emb.backend.jax.layers import EmbeddingVariable
 
 DIM, DVD = 3, 5
 # Padding (-1), duplicates in a row (3, 3), a weight of 0 and a negative one

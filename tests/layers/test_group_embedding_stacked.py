@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import keras_rec_emb as kre
-from keras_rec_emb import _ops
+from keras_rec_emb.backend.tensorflow import ops as _ops
 from keras_rec_emb.layers import EmbeddingVariable, FeatureSpec, GroupEmbedding
 
 DVD = 7

@@ -11,8 +11,8 @@ import tensorflow as tf
 import keras_rec_emb as kre
 from keras_rec_emb import ops
 from keras_rec_emb.layers import EmbeddingVariable
-from keras_rec_emb._embed_reduce import combine_rows
-from keras_rec_emb._op_args import named_outputs
+from keras_rec_emb.backend.tensorflow.embed_reduce import combine_rows
+from keras_rec_emb.backend.tensorflow.op_args import named_outputs
 
 DVD = 11
 
@@ -746,7 +746,7 @@ def test_one_id_per_row_bad_input():
     argument."""
     t = EmbeddingVariable(2)
     t.build()
-    gen = __import__("keras_rec_emb._ops", fromlist=["gen"]).gen()
+    gen = __import__("keras_rec_emb.backend.tensorflow.ops", fromlist=["gen"]).gen()
     with pytest.raises(tf.errors.InvalidArgumentError, match="must be 1-D"):
         gen.kre_group_lookup([t.table.handle], [], [tf.constant([[1], [2]], tf.int64)],
                              [tf.constant([0, 1, 2], tf.int64)], [tf.zeros([0])],

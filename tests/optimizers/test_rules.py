@@ -9,9 +9,9 @@ import pytest
 import tensorflow as tf
 
 import keras_rec_emb as kre
-from keras_rec_emb import _ops
+from keras_rec_emb.backend.tensorflow import ops as _ops
 from keras_rec_emb.optimizers import rules
-from keras_rec_emb.variables import EmbeddingTable
+from keras_rec_emb.backend.tensorflow.variables import EmbeddingTable
 
 DIM = 4
 _SCALAR_SLOTS = {"beta1_power", "beta2_power", "decay_period"}

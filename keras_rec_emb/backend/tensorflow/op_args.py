@@ -3,7 +3,7 @@
 declared once, in C++, and read here from the op's `OpDef`, so that no
 caller counts list arguments by position (private)."""
 
-from keras_rec_emb import _compat
+from keras_rec_emb.backend.tensorflow import compat as _compat
 
 
 def _by_name(op, kind, tensors):

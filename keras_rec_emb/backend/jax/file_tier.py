@@ -6,7 +6,7 @@ The rows (values and optimizer slots) live in the engine's file store
 folder the TensorFlow layer's table uses), with a DRAM cache of about
 `storage_size` bytes; lookups, updates, filters, eviction, export/import and
 saving are the engine's, as on DRAM. A `.keras` file holds every row
-whatever the tier (saving exports them: keras_rec_emb/_jax/saving.py), so a
+whatever the tier (saving exports them: keras_rec_emb/backend/jax/saving.py), so a
 file-tier model saved under one backend loads under the other.
 
 A live table locks its folder. A second one made on it (a model reloaded
@@ -20,7 +20,7 @@ snapshots and the copy's folder rules are the engine's and
 import weakref
 
 from keras_rec_emb import _file_tier
-from keras_rec_emb._jax import ffi
+from keras_rec_emb.backend.jax import ffi
 
 
 def _free(handle):

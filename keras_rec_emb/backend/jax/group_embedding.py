@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
-from keras_rec_emb._jax import ffi, register
-from keras_rec_emb._jax.ids import integer_ids, numpy_ids
-from keras_rec_emb._jax.layers import EmbeddingVariable
+from keras_rec_emb.backend.jax import ffi, register
+from keras_rec_emb.backend.jax.ids import integer_ids, numpy_ids
+from keras_rec_emb.backend.jax.layers import EmbeddingVariable
 
 COMBINERS = ("sum", "mean", "sqrtn")
 _OUTPUT_MODES = ("dict", "concat")

@@ -45,9 +45,9 @@ import numpy as np
 from jax.extend.core import Effect, Primitive
 from jax.interpreters import mlir
 
-from keras_rec_emb._jax import _jax_private
+from keras_rec_emb.backend.jax import _jax_private
 
-LIBRARY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+LIBRARY = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                        "_kre_jax.so")
 
 # FFI target name -> C symbol of its handler.
@@ -419,7 +419,7 @@ def size(handle):
     return out
 
 
-# KreHostStats's values, in its order (keras_rec_emb/_ops.py's
+# KreHostStats's values, in its order (keras_rec_emb/backend/tensorflow/ops.py's
 # TABLE_STATS, STORAGE_STATS and the rest of COUNTER_PARTS).
 STATS = ("size", "filtered", "memory_bytes", "latest_step", "rows", "cached_rows",
          "cache_memory_bytes", "disk_bytes", "cache_hits", "cache_misses", "file_reads",
@@ -484,7 +484,7 @@ def export(handle, key_dtype, dim):
 
 # -- save and restore ---------------------------------------------------------
 # The parts of a saved table, as the TensorFlow backend names them
-# (keras_rec_emb/variables.py's PARTS; a `.keras` file holds each one under
+# (keras_rec_emb/backend/tensorflow/variables.py's PARTS; a `.keras` file holds each one under
 # its name, and each slot as `slot:NAME`).
 
 

@@ -7,7 +7,8 @@ checks of TensorFlow inputs."""
 import numpy as np
 import tensorflow as tf
 
-from keras_rec_emb import _checks_core, _compat
+from keras_rec_emb import _checks_core
+from keras_rec_emb.backend.tensorflow import compat as _compat
 # The TensorFlow-free checks, importable from here as before.
 from keras_rec_emb._checks_core import (  # noqa: F401
     COMBINERS,

@@ -17,7 +17,7 @@ import os
 
 import tensorflow as tf
 
-_DIR = os.path.dirname(os.path.abspath(__file__))
+_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LIBRARY_NAME = "_kre_ops.so"
 _REBUILD = (
     "Install the TensorFlow it was built against (`pip install "
@@ -163,7 +163,7 @@ def create_table(default_values, key_dtype, dim, num_shards, track_meta=True,
 def refuse_xla(what):
     """A clear error instead of XLA's "No registered 'KRE>...' OpKernel for
     XLA_CPU_JIT": our kernels run on TensorFlow's executor only."""
-    from keras_rec_emb import _compat
+    from keras_rec_emb.backend.tensorflow import compat as _compat
 
     if _compat.in_xla_context():
         raise ValueError(

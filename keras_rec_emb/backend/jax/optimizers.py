@@ -8,7 +8,7 @@ each JAX `EmbeddingVariable` owns a zero-size trainable variable, its
 layers behind those anchors and attaches itself to each (adding its slots
 to the table). The layer's training lookup then takes this optimizer's rule
 and hyper-parameters, and its backward applies the rows' gradient to the
-table with them (see `keras_rec_emb._jax.layers` for why the update runs
+table with them (see `keras_rec_emb.backend.jax.layers` for why the update runs
 there and not in `apply`).
 
 The step is the layer's `iterations` (a non-trainable variable counting
@@ -28,9 +28,9 @@ import keras
 
 from keras_rec_emb._checks_core import (check_adagrad_decay, check_beta, check_hyper_arguments,
                                         check_non_negative)
-from keras_rec_emb._jax import register, saving
+from keras_rec_emb.backend.jax import register, saving
 
-_RULES_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+_RULES_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                            "optimizers", "rules.py")
 
 _register = register(package="keras_rec_emb")
@@ -245,7 +245,7 @@ class TableOptimizer:
             self._kre_step_learning_rate = rate.value
         return super().scale_loss(loss)
 
-    # Saving: the TensorFlow backend's layout (keras_rec_emb/_jax/saving.py).
+    # Saving: the TensorFlow backend's layout (keras_rec_emb/backend/jax/saving.py).
     def add_variable_from_reference(self, reference_variable, name=None, initializer="zeros"):
         variable = super().add_variable_from_reference(reference_variable, name=name,
                                                        initializer=initializer)

@@ -44,7 +44,8 @@ import weakref
 import keras
 import tensorflow as tf
 
-from keras_rec_emb import _compat, _serving_context
+from keras_rec_emb.backend.tensorflow import compat as _compat
+from keras_rec_emb.backend.tensorflow import serving_context as _serving_context
 
 # `embedding_ops` (which imports this module) fills these: the layer class
 # and `(calls, training) -> rows` of a list of planned entries.

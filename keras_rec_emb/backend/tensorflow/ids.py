@@ -9,8 +9,8 @@ from typing import NamedTuple
 import keras
 import tensorflow as tf
 
-from keras_rec_emb._checks import checked_sparse_ids, integer_ids
-from keras_rec_emb._embed_reduce import combine_dense, combine_rows, combine_sparse
+from keras_rec_emb.backend.tensorflow.checks import checked_sparse_ids, integer_ids
+from keras_rec_emb.backend.tensorflow.embed_reduce import combine_dense, combine_rows, combine_sparse
 
 
 def embed_ids(layer, inputs, embed_flat, combiner, extra=None, key_dtype=tf.int64):

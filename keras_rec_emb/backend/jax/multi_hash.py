@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
-from keras_rec_emb._jax import ffi, hashing, register
-from keras_rec_emb._jax.ids import integer_ids, numpy_ids
-from keras_rec_emb._jax.layers import combine_last_axis
+from keras_rec_emb.backend.jax import ffi, hashing, register
+from keras_rec_emb.backend.jax.ids import integer_ids, numpy_ids
+from keras_rec_emb.backend.jax.layers import combine_last_axis
 from keras_rec_emb._multi_hash_spec import MultiHashSpec
 
 

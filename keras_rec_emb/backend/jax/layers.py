@@ -19,7 +19,7 @@ effect's token (`ffi`). Not in `optimizer.apply`, because:
 
 What follows: the table's optimizer is the one `model.compile` got (one
 of `keras_rec_emb.optimizers`, as under TensorFlow), found through the
-layer's `anchor` when it builds (`keras_rec_emb._jax.optimizers`), or the
+layer's `anchor` when it builds (`keras_rec_emb.backend.jax.optimizers`), or the
 layer's own (`optimizer=`). Its step counter is the layer's `iterations`
 (a non-trainable variable counting training steps, so in the model's state
 under `jit`), which drives learning rate schedules, Adam's bias correction
@@ -45,9 +45,9 @@ import numpy as np
 
 from keras_rec_emb._checks_core import (check_combiner_weights, check_initializer_matrix,
                                         check_int)
-from keras_rec_emb._jax import ffi, file_tier, register, saving
-from keras_rec_emb._jax.ids import integer_ids, numpy_ids
-from keras_rec_emb._jax.optimizers import TableRule, register_anchor
+from keras_rec_emb.backend.jax import ffi, file_tier, register, saving
+from keras_rec_emb.backend.jax.ids import integer_ids, numpy_ids
+from keras_rec_emb.backend.jax.optimizers import TableRule, register_anchor
 from keras_rec_emb.options import EmbeddingVariableOption, InitializerOption
 
 COMBINERS = (None, "sum", "mean", "sqrtn")
@@ -378,7 +378,7 @@ class EmbeddingVariable(keras.layers.Layer):
             track_meta=table["track_meta"], filter_freq=filter_freq,
             no_permission_value=table["no_permission_value"], bloom=table.get("bloom"),
             # DeepRec's frequency: an admitted key's stays at the threshold
-            # unless `record_freq` (keras_rec_emb/variables.py's _freq_cap).
+            # unless `record_freq` (keras_rec_emb/backend/tensorflow/variables.py's _freq_cap).
             freq_cap=0 if table["record_freq"] or filter_freq < 1 else filter_freq)
         self.anchor = self.add_weight(shape=(0,), initializer="zeros", name="anchor")
         register_anchor(self.anchor, self)

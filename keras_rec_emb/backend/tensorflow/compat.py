@@ -59,7 +59,7 @@ def functional_nodes(model):
     them (`Function._nodes_by_depth`, deepest first, each depth in order;
     input nodes left out), each with public `operation` and `arguments`
     (`args`, `kwargs`). Keras exposes the graph only through this private
-    attribute. Used by `ops/_model_fusion.py`."""
+    attribute. Used by `backend/tensorflow/model_fusion.py`."""
     by_depth = model._nodes_by_depth  # pylint: disable=protected-access
     return [node for depth in sorted(by_depth, reverse=True) for node in by_depth[depth]
             if node.operation is not None and not node.is_input]
@@ -70,7 +70,7 @@ def functional_nodes(model):
 # on the standardized, flattened inputs. `hook_functional_graph(context)`
 # wraps it (once) so that each real run (not Keras's symbolic passes: a
 # `call_fn`, or `KerasTensor` inputs) happens inside
-# `context(model, flat_inputs)`, a context manager: `ops/_model_fusion.py`
+# `context(model, flat_inputs)`, a context manager: `backend/tensorflow/model_fusion.py`
 # plans there the table lookups of one model call that can share one fused
 # op. Keras has no hook around a model's graph run; a subclass is not
 # possible (`keras.Model(inputs, outputs)` makes a Functional itself).
@@ -147,7 +147,7 @@ def resolve_training(training):
     `call` takes no `training` argument, in `fit` too; a table layer that
     read None as inference would then count nothing (frequencies, admission
     filters) while its optimizer still trains it. Under the JAX backend
-    None means "when differentiated" for the same reason (keras_rec_emb/_jax).
+    None means "when differentiated" for the same reason (keras_rec_emb/backend/jax).
     TensorFlow has no public query of the tape stack."""
     if training is not None:
         return training

@@ -15,7 +15,7 @@ under JAX and the reverse. Three things make it so.
   are saved as a DRAM table's (exported), so its `.keras` file is the
   same under both backends.
 * The weights (`save_table` / `load_table`): the layer's store holds the
-  table's parts under the names of keras_rec_emb/variables.py's
+  table's parts under the names of keras_rec_emb/backend/tensorflow/variables.py's
   `ARRAY_PARTS` (`keys`, `values`, `freqs`, `versions`, `default_values`,
   `keys_filtered`, `freqs_filtered`, `versions_filtered`, `bloom`;
   frequencies and versions int64 as TensorFlow writes them) and each
@@ -50,9 +50,9 @@ import numpy as np
 
 from keras_rec_emb import options
 from keras_rec_emb import saving as kre_saving
-from keras_rec_emb._jax import ffi
+from keras_rec_emb.backend.jax import ffi
 
-# keras_rec_emb/variables.py's ARRAY_PARTS (that module imports TensorFlow).
+# keras_rec_emb/backend/tensorflow/variables.py's ARRAY_PARTS (that module imports TensorFlow).
 PARTS = ("keys", "values", "freqs", "versions", "default_values", "keys_filtered",
          "freqs_filtered", "versions_filtered", "bloom")
 SLOT_PREFIX = "slot:"
@@ -224,7 +224,7 @@ def _optimizer(value):
     if name not in (*_OPTIMIZERS, *_DEEPREC_OPTIMIZERS):
         raise _unsupported("optimizer", value,
                            "None, " + ", ".join((*_OPTIMIZERS, *_DEEPREC_OPTIMIZERS)))
-    # keras_rec_emb/_jax/optimizers.py registers them (imported with the
+    # keras_rec_emb/backend/jax/optimizers.py registers them (imported with the
     # package); looked up by name, since that module imports this one.
     cls = keras.saving.get_registered_object(f"keras_rec_emb>{name}")
     return cls.from_config(value.get("config") or {})

@@ -16,7 +16,7 @@ import tempfile
 
 from keras_rec_emb._checks_core import check_int
 
-_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 _CHILD = """
 import sys

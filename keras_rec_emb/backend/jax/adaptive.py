@@ -5,7 +5,7 @@ says how it works) with the same tables, sentinels and config
 (keras_rec_emb/_adaptive_spec.py): a static Keras weight trained by the
 compiled optimizer, and a JAX `EmbeddingVariable` (`dynamic`) with a counter
 filter at `promote_threshold`, trained in the backward of the lookup as
-every JAX table is (keras_rec_emb/_jax/layers.py says why).
+every JAX table is (keras_rec_emb/backend/jax/layers.py says why).
 
 Under `jit` shapes are fixed, so the TensorFlow layer's `tf.unique`,
 `boolean_mask` and `dynamic_stitch` become a sized `jnp.unique`, masks and
@@ -20,7 +20,7 @@ layer trains exactly when the loss is differentiated with respect to it, as
 Ids < 0 are the JAX tables' padding (pruned), so under JAX they are served
 by the static table only, never counted or promoted. The static table is a
 Keras weight: where a batch reads one of its rows twice, Adagrad's numbers
-differ from TensorFlow's as `MultiHashEmbedding`'s do (keras_rec_emb/_jax/
+differ from TensorFlow's as `MultiHashEmbedding`'s do (keras_rec_emb/backend/jax/
 multi_hash.py says why); SGD's, and the table's, match.
 """
 
@@ -30,9 +30,9 @@ import keras
 import numpy as np
 
 from keras_rec_emb._adaptive_spec import AdaptiveSpec
-from keras_rec_emb._jax import ffi, hashing, register
-from keras_rec_emb._jax.ids import integer_ids, numpy_ids
-from keras_rec_emb._jax.layers import EmbeddingVariable, combine_last_axis
+from keras_rec_emb.backend.jax import ffi, hashing, register
+from keras_rec_emb.backend.jax.ids import integer_ids, numpy_ids
+from keras_rec_emb.backend.jax.layers import EmbeddingVariable, combine_last_axis
 
 _NOT_PROMOTED, _NEWLY_PROMOTED, _PROMOTED = 0, 1, 2
 

@@ -25,11 +25,13 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_rec_emb import _compat, _file_tier
-from keras_rec_emb import _ops, _serving_context
+from keras_rec_emb import _file_tier
+from keras_rec_emb.backend.tensorflow import compat as _compat
+from keras_rec_emb.backend.tensorflow import ops as _ops
+from keras_rec_emb.backend.tensorflow import serving_context as _serving_context
 from keras_rec_emb import saving as _saving
 from keras_rec_emb import tables as _tables
-from keras_rec_emb._checks import keys_in_range
+from keras_rec_emb.backend.tensorflow.checks import keys_in_range
 from keras_rec_emb.options import GlobalStepEvict, L2WeightEvict, save_filtered_from_env
 
 _ids = itertools.count()

@@ -1,5 +1,5 @@
 """Integer ids in, under Keras's JAX backend: the checks of the TensorFlow
-layers' ids (`keras_rec_emb._checks.integer_ids`), with their messages
+layers' ids (`keras_rec_emb.backend.tensorflow.checks.integer_ids`), with their messages
 (`keras_rec_emb._checks_core`).
 
 Non-integer ids (floats, NaN, bool) are refused by dtype, which is static
