@@ -4,6 +4,8 @@ JAX backend must not need; `_compat` re-exports these. Each entry says what
 it is and why the public API does not do it.
 """
 
+import weakref
+
 import keras
 
 
@@ -25,6 +27,17 @@ def in_symbolic_build():
     from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 
     return in_symbolic_scope()
+
+
+def flatten_layers(model):
+    """Every layer of `model`, nested ones included (`Layer._flatten_layers`).
+
+    The public `model.layers` lists direct children only, and layers that
+    hold layers (GroupEmbedding's tables) do not all expose them publicly.
+    Used by `callbacks.EvictionCallback`, the CLI's `inspect` / `demo` and
+    the JAX backend's `export_for_serving`.
+    """
+    return model._flatten_layers()  # pylint: disable=protected-access
 
 
 # Keras 3.15.1's `Sequential.build(input_shape)` (a Sequential without
@@ -77,3 +90,84 @@ def fix_sequential_ids_input():
     build._kre_fix = True  # pylint: disable=protected-access
     sequential.build = build
     return True
+
+
+# A subclassed model's export signature. Keras 3.15.1 records only the
+# shapes of a subclassed model's first call (`_build_shapes_dict`), and
+# `keras.src.export.export_utils.get_input_signature` gives every input the
+# model's float `input_dtype`: ids would be exported as float32, which our
+# id layers refuse (and which would lose ids above 2**24). The correction
+# records the dtypes of the tensors of a subclassed model's first call
+# (`Layer._maybe_build`, where Keras records the shapes), and
+# `input_specs(model)` uses them. Installed once by
+# `record_model_input_dtypes()` (when `keras_rec_emb.layers` is imported),
+# only for the versions in `KERAS_INPUT_DTYPES_FIX_VERSIONS`.
+KERAS_INPUT_DTYPES_FIX_VERSIONS = ("3.15.1",)
+KERAS_INPUT_DTYPES_ORIGINALS = {}
+# model -> the dtypes of its first call's tensor arguments. Not an attribute:
+# a layer's attributes are tracked, and Keras would wrap the structure.
+_INPUT_DTYPES = weakref.WeakKeyDictionary()
+
+
+def _symbolic_model_classes():
+    from keras.src.models.functional import Functional
+    from keras.src.models.sequential import Sequential
+
+    return Functional, Sequential
+
+
+def _tensor_dtype(x):
+    if x is None or not hasattr(x, "dtype") or not hasattr(x, "shape"):
+        return None
+    return keras.backend.standardize_dtype(x.dtype)
+
+
+def record_model_input_dtypes():
+    """Installs the correction described above (idempotent). Returns whether
+    it is installed (False for a Keras version not listed)."""
+    from keras.src.layers.layer import Layer
+
+    if getattr(Layer._maybe_build, "_kre_fix", False):  # pylint: disable=protected-access
+        return True
+    if keras.__version__ not in KERAS_INPUT_DTYPES_FIX_VERSIONS:
+        return False
+    keras_maybe_build = Layer._maybe_build  # pylint: disable=protected-access
+    KERAS_INPUT_DTYPES_ORIGINALS["_maybe_build"] = keras_maybe_build
+    symbolic = _symbolic_model_classes()
+
+    def _maybe_build(self, call_spec):
+        if not self.built and isinstance(self, keras.Model) and not isinstance(self, symbolic):
+            # The tensor arguments in Keras's order (`get_shapes_dict`'s).
+            _INPUT_DTYPES[self] = [
+                keras.tree.map_structure(_tensor_dtype, value)
+                for name, value in call_spec.tensor_arguments_dict.items()
+                if name not in ("mask", "args", "kwargs")]
+        return keras_maybe_build(self, call_spec)
+
+    _maybe_build._kre_fix = True  # pylint: disable=protected-access
+    Layer._maybe_build = _maybe_build  # pylint: disable=protected-access
+    return True
+
+
+def input_specs(model):
+    """The endpoint signature of a built model, as `model.export` computes
+    it (`keras.InputSpec`s, a list), with a subclassed model's inputs of the
+    dtypes its first call had (see above) rather than its float
+    `input_dtype`. Keras exports the helper only under `keras.src`."""
+    from keras.src.export.export_utils import get_input_signature
+
+    specs = get_input_signature(model)
+    dtypes = _INPUT_DTYPES.get(model)
+    if isinstance(model, _symbolic_model_classes()) or not dtypes or len(dtypes) != len(specs):
+        return specs
+
+    def with_dtype(spec, dtype):
+        if dtype is None or not isinstance(spec, keras.InputSpec):
+            return spec
+        return keras.InputSpec(shape=spec.shape, dtype=dtype, name=spec.name)
+
+    try:
+        return [keras.tree.map_structure(with_dtype, spec, dtype)
+                for spec, dtype in zip(specs, dtypes)]
+    except (TypeError, ValueError):  # a structure Keras's shapes flattened otherwise
+        return specs

@@ -9,11 +9,13 @@ if _backend.is_jax():
     from keras_rec_emb.backend.jax.layers import EmbeddingVariable
     from keras_rec_emb.backend.jax.adaptive import AdaptiveEmbedding
     from keras_rec_emb.backend.jax.multi_hash import MultiHashEmbedding
-    from keras_rec_emb._keras_fixes import fix_sequential_ids_input
+    from keras_rec_emb._keras_fixes import fix_sequential_ids_input, record_model_input_dtypes
 
     # A Sequential without keras.Input gives our id layers int ids, not float32
     # (see _keras_fixes.fix_sequential_ids_input).
     fix_sequential_ids_input()
+    # A subclassed model exports its ids as ids (see _keras_fixes.input_specs).
+    record_model_input_dtypes()
 
     __all__ = ["AdaptiveEmbedding", "EmbeddingVariable", "FeatureSpec", "GroupEmbedding",
                "MultiHashEmbedding"]
@@ -32,6 +34,8 @@ else:
     # A Sequential without keras.Input gives our id layers int ids, not float32
     # (see _compat.fix_sequential_ids_input).
     _compat.fix_sequential_ids_input()
+    # A subclassed model exports its ids as ids (see _keras_fixes.input_specs).
+    _compat.record_model_input_dtypes()
     # A subclassed model holding them exports (see _compat.fix_subclassed_save_signature).
     _compat.fix_subclassed_save_signature()
 

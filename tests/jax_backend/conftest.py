@@ -7,7 +7,8 @@ import os
 
 # Files that run in the suite's (TensorFlow) process and start JAX children.
 _TENSORFLOW_SIDE = ("test_jax_backend.py", "test_jax_suite_half.py", "test_cross_backend_saving.py",
-                    "test_cross_backend_training.py", "test_cross_backend_hash_layers.py")
+                    "test_cross_backend_training.py", "test_cross_backend_hash_layers.py",
+                    "test_cross_backend_export.py")
 
 if os.environ.get("KERAS_BACKEND") == "jax":
     # The child: everything but the files that start children.

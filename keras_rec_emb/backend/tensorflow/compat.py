@@ -237,23 +237,11 @@ class ActsAsResourceVariable:
 
 
 def input_signature(model):
-    """The `tf.TensorSpec` structure of a built model's inputs, as
-    `model.export` computes it; `keras.export.ExportArchive` (public) wants
-    it given, and Keras exports the helper only under `keras.src`.
-    Used by `serving.export_for_serving`."""
-    from keras.src.export.export_utils import get_input_signature
-
-    return get_input_signature(model)
-
-
-def flatten_layers(model):
-    """Every layer of `model`, nested ones included (`Layer._flatten_layers`).
-
-    The public `model.layers` lists direct children only, and layers that
-    hold layers (GroupEmbedding's tables) do not all expose them publicly.
-    Used by `callbacks.EvictionCallback` and the CLI's `inspect` / `demo`.
-    """
-    return model._flatten_layers()  # pylint: disable=protected-access
+    """The `keras.InputSpec` structure of a built model's inputs, as
+    `model.export` computes it, with a subclassed model's id inputs of
+    their dtype (`_keras_fixes.input_specs`); `keras.export.ExportArchive`
+    (public) wants it given. Used by `serving.export_for_serving`."""
+    return input_specs(model)
 
 
 def child_layers(layer):
@@ -636,10 +624,14 @@ class DistributedStepCalls:
 # installs it too).
 # `in_symbolic_build` is there too, for the same reason.
 from keras_rec_emb._keras_fixes import (  # noqa: E402,F401
+    KERAS_INPUT_DTYPES_FIX_VERSIONS,
     KERAS_SEQUENTIAL_FIX_VERSIONS,
     KERAS_SEQUENTIAL_ORIGINALS,
     fix_sequential_ids_input,
+    flatten_layers,
     in_symbolic_build,
+    input_specs,
+    record_model_input_dtypes,
 )
 
 
