@@ -1,9 +1,10 @@
-"""The private Keras API that needs no TensorFlow, used under both backends
-(private): `_compat.py` holds the rest, and imports TensorFlow, which the
+"""The private Keras (and confluent-kafka) API that needs no TensorFlow,
+used under both backends (private): `_compat.py` holds the rest, and imports TensorFlow, which the
 JAX backend must not need; `_compat` re-exports these. Each entry says what
 it is and why the public API does not do it.
 """
 
+import functools
 import weakref
 
 import keras
@@ -171,3 +172,73 @@ def input_specs(model):
                 for spec, dtype in zip(specs, dtypes)]
     except (TypeError, ValueError):  # a structure Keras's shapes flattened otherwise
         return specs
+
+
+def data_adapter_base():
+    """Keras's `DataAdapter` base class: an instance of it given to `fit`,
+    `evaluate` or `predict` is used as the input pipeline as it is. The JAX
+    backend's datasets are adapters, so that Keras iterates them the way it
+    iterates a `tf.data.Dataset` (a new pass per epoch, `shuffle` not
+    applied, an unknown length ending the epoch when the pass ends), which a
+    `keras.utils.PyDataset` (indexed, shuffled by index) cannot be. Used by
+    `backend/jax/data.py`."""
+    from keras.src.trainers.data_adapters import data_adapter
+
+    return data_adapter.DataAdapter
+
+
+def jax_iterator(numpy_iterator):
+    """`numpy_iterator`'s elements as JAX arrays, as Keras's own adapters
+    hand them to the JAX trainer (`data_adapter_utils.get_jax_iterator`).
+    Used by `backend/jax/data.py`."""
+    from keras.src.trainers.data_adapters import data_adapter_utils
+
+    return data_adapter_utils.get_jax_iterator(numpy_iterator)
+
+
+# -- confluent-kafka --------------------------------------------------------------
+
+KAFKA_EXTRA_HINT = (
+    "Kafka datasets need confluent-kafka, an optional dependency of keras-rec-emb: "
+    "install it with `pip install \"keras-rec-emb[kafka]\"`.")
+
+
+def kafka():
+    """The `confluent_kafka` module, imported on first use: it is the optional
+    `kafka` extra, so `import keras_rec_emb` must not need it. Raises an
+    ImportError naming the extra when it is missing. Used by `data/kafka.py`."""
+    try:
+        import confluent_kafka  # pylint: disable=import-outside-toplevel
+    except ImportError as e:
+        raise ImportError(f"{KAFKA_EXTRA_HINT} ({e})") from e
+    return confluent_kafka
+
+
+class LazyKafka:
+    """Stands for the `confluent_kafka` module in `data/kafka.py`: the first
+    attribute read imports it (see `kafka()`), so that module imports without
+    the `kafka` extra and its Kafka classes raise the clear ImportError."""
+
+    def __getattr__(self, name):
+        return getattr(kafka(), name)
+
+
+@functools.cache
+def _kafka_error_code(name):
+    """The librdkafka error code whose `KafkaError(code).name()` is `name`:
+    its internal codes (negative numbers, -200..-100) are public only as
+    confluent-kafka's underscored class attributes, found here by name
+    through the public constructor instead."""
+    kafka_error = kafka().KafkaError
+    return next(code for code in range(-200, -99) if kafka_error(code).name() == name)
+
+
+def __getattr__(name):
+    # librdkafka's codes for a broker connection lost (retried by librdkafka)
+    # and for reaching the end of a partition (`enable.partition.eof`). Read
+    # on first use, as the module is optional. Used by `data/kafka.py`.
+    if name == "KAFKA_TRANSPORT":
+        return _kafka_error_code("_TRANSPORT")
+    if name == "KAFKA_PARTITION_EOF":
+        return _kafka_error_code("_PARTITION_EOF")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

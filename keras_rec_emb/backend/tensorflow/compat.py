@@ -138,7 +138,7 @@ def dataset_inputs(dataset):
 # `_serialize_to_tensors` / `_restore_from_tensors` (see OVERRIDDEN_HOOKS) are
 # what `tf.train.Checkpoint` saves. The public `tf.Module` is an
 # AutoTrackable, which would also track (and try to save) every attribute.
-# Used by `data/kafka.KafkaPosition`.
+# Used by `backend/tensorflow/data.PositionBase` (KafkaPosition's base).
 Trackable = tf.__internal__.tracking.Trackable
 
 def resolve_training(training):
@@ -623,6 +623,7 @@ class DistributedStepCalls:
 # `keras_rec_emb._keras_fixes`, which needs no TensorFlow (the JAX backend
 # installs it too).
 # `in_symbolic_build` is there too, for the same reason.
+from keras_rec_emb import _keras_fixes  # noqa: E402
 from keras_rec_emb._keras_fixes import (  # noqa: E402,F401
     KERAS_INPUT_DTYPES_FIX_VERSIONS,
     KERAS_SEQUENTIAL_FIX_VERSIONS,
@@ -798,54 +799,25 @@ def export_record_batch(batch, array_address, schema_address):
     at the given addresses (`RecordBatch._export_to_c`). The public
     `__arrow_c_array__` returns PyCapsules, whose addresses Python cannot
     hand to a TF kernel without CPython internals.
-    Used by `data/parquet._Exports`."""
+    Used by `backend/tensorflow/data._Exports`."""
     batch._export_to_c(array_address, schema_address)  # pylint: disable=protected-access
 
 
 def import_record_batch(array_address, schema_address):
     """Imports (and so releases) Arrow C structs at the given addresses
     (`RecordBatch._import_from_c`), the counterpart of `export_record_batch`.
-    Used by `data/parquet._Exports.close` for batches never consumed."""
+    Used by `backend/tensorflow/data._Exports.close` for batches never consumed."""
     return pa.RecordBatch._import_from_c(  # pylint: disable=protected-access
         array_address, schema_address)
 
-# -- confluent-kafka --------------------------------------------------------------
-
-KAFKA_EXTRA_HINT = (
-    "Kafka datasets need confluent-kafka, an optional dependency of keras-rec-emb: "
-    "install it with `pip install \"keras-rec-emb[kafka]\"`.")
-
-
-def kafka():
-    """The `confluent_kafka` module, imported on first use: it is the optional
-    `kafka` extra, so `import keras_rec_emb` must not need it. Raises an
-    ImportError naming the extra when it is missing. Used by `data/kafka.py`."""
-    try:
-        import confluent_kafka  # pylint: disable=import-outside-toplevel
-    except ImportError as e:
-        raise ImportError(f"{KAFKA_EXTRA_HINT} ({e})") from e
-    return confluent_kafka
-
-
-class LazyKafka:
-    """Stands for the `confluent_kafka` module in `data/kafka.py`: the first
-    attribute read imports it (see `kafka()`), so that module imports without
-    the `kafka` extra and its Kafka classes raise the clear ImportError."""
-
-    def __getattr__(self, name):
-        return getattr(kafka(), name)
+# -- confluent-kafka: in `keras_rec_emb._keras_fixes`, which needs no TensorFlow
+# (the Kafka datasets run under the JAX backend too).
+from keras_rec_emb._keras_fixes import KAFKA_EXTRA_HINT, LazyKafka, kafka  # noqa: E402,F401
 
 
 def __getattr__(name):
-    # librdkafka's internal error codes (negative numbers) for a broker
-    # connection lost (retried by librdkafka) and for reaching the end of a
-    # partition (`enable.partition.eof`). confluent-kafka exposes them only
-    # with librdkafka's leading underscore. Read on first use, as the module
-    # is optional. Used by `data/kafka.py`.
-    if name == "KAFKA_TRANSPORT":
-        return kafka().KafkaError._TRANSPORT  # pylint: disable=protected-access
-    if name == "KAFKA_PARTITION_EOF":
-        return kafka().KafkaError._PARTITION_EOF  # pylint: disable=protected-access
+    if name in ("KAFKA_TRANSPORT", "KAFKA_PARTITION_EOF"):
+        return getattr(_keras_fixes, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -869,7 +841,7 @@ OVERRIDDEN_HOOKS = {
                                      "alive in TF's gradient registry)",
     },
     tf.data.Dataset: {
-        "_inputs": "data/_source.WrappedDataset: reports the wrapped pipeline as its "
+        "_inputs": "backend/tensorflow/data.WrappedDataset: reports the wrapped pipeline as its "
                    "input (an abstract method of every dataset)",
     },
     tf.saved_model.experimental.TrackableResource: {
@@ -881,11 +853,11 @@ OVERRIDDEN_HOOKS = {
                              "resource may outlive it in TF's function caches)",
     },
     Trackable: {
-        "_serialize_to_tensors": "variables.EmbeddingTable, data/kafka.KafkaPosition, "
-                                 "distribute.ShardedEmbeddingTable: the state "
+        "_serialize_to_tensors": "variables.EmbeddingTable, KafkaPosition (its base "
+                                 "backend/tensorflow/data.PositionBase), distribute.ShardedEmbeddingTable: the state "
                                  "tf.train.Checkpoint saves",
-        "_restore_from_tensors": "variables.EmbeddingTable, data/kafka.KafkaPosition, "
-                                 "distribute.ShardedEmbeddingTable: restores it",
+        "_restore_from_tensors": "variables.EmbeddingTable, KafkaPosition (its base "
+                                 "backend/tensorflow/data.PositionBase), distribute.ShardedEmbeddingTable: restores it",
     },
 }
 
