@@ -10,7 +10,7 @@ from keras_rec_emb.backend.tensorflow.checks import check_combiner, check_combin
 from keras_rec_emb._checks_core import check_initializer_matrix
 from keras_rec_emb.backend.tensorflow.ids import embed_ids, output_spec
 from keras_rec_emb.ops import embedding_ops
-from keras_rec_emb.optimizers.base import table_optimizer
+from keras_rec_emb.backend.tensorflow.optimizer import table_optimizer
 from keras_rec_emb.options import (EmbeddingVariableOption, deserialize_ev_option,
                                    ev_option_or_default)
 from keras_rec_emb.backend.tensorflow.variables import check_restore_dim_mode, check_saved_dim

@@ -10,7 +10,6 @@ CLASSES = {
     "FeatureConfig": "keras_rec_emb.layers.FeatureConfig",
     "HashStrings": "keras_rec_emb.layers.HashStrings",
     "TableConfig": "keras_rec_emb.layers.TableConfig",
-    "LossScaleOptimizer": "keras_rec_emb.optimizers.LossScaleOptimizer",
 }
 
 

@@ -623,8 +623,12 @@ class DistributedStepCalls:
 # `keras_rec_emb._keras_fixes`, which needs no TensorFlow (the JAX backend
 # installs it too).
 # `in_symbolic_build` is there too, for the same reason.
+# The `compile` loss-scale correction too.
 from keras_rec_emb import _keras_fixes  # noqa: E402
 from keras_rec_emb._keras_fixes import (  # noqa: E402,F401
+    KERAS_COMPILE_FIX_VERSIONS,
+    KERAS_COMPILE_ORIGINALS,
+    fix_compile_loss_scale,
     KERAS_INPUT_DTYPES_FIX_VERSIONS,
     KERAS_SEQUENTIAL_FIX_VERSIONS,
     KERAS_SEQUENTIAL_ORIGINALS,
@@ -635,57 +639,6 @@ from keras_rec_emb._keras_fixes import (  # noqa: E402,F401
     record_model_input_dtypes,
 )
 
-
-# Keras 3.15.1's `Trainer.compile` wraps the optimizer in its own
-# `keras.optimizers.LossScaleOptimizer` under the "mixed_float16" policy
-# (`auto_scale_loss=True`). That wrapper cannot update a table: it keys
-# variables by identity and densifies gradients to check them (a table's
-# gradient has no dense shape). The correction hands an optimizer that Keras
-# has just wrapped so to `rewrap` (set by `keras_rec_emb.optimizers`: our
-# `LossScaleOptimizer` around an optimizer of ours, `None` for any other),
-# so `compile(optimizer=kre.optimizers.Adagrad(...))` just works as it does
-# for Keras's optimizers; a wrapper the user passed is kept as given.
-# Installed once by `fix_compile_loss_scale(rewrap)` (called when
-# `keras_rec_emb.optimizers` is imported), only for the versions in
-# `KERAS_COMPILE_FIX_VERSIONS` (read `Trainer.compile` again before adding
-# one).
-KERAS_COMPILE_FIX_VERSIONS = ("3.15.1",)
-# Keras's `Trainer.compile` that the correction wraps (filled when installed).
-KERAS_COMPILE_ORIGINALS = {}
-
-
-def _trainer_class():
-    from keras.src.trainers.trainer import Trainer
-    from keras.src.utils import tracking
-
-    return Trainer, tracking.no_automatic_dependency_tracking
-
-
-def fix_compile_loss_scale(rewrap):
-    """Installs the correction described above (idempotent). Returns whether
-    it is installed (False for a Keras version not listed)."""
-    trainer, no_tracking = _trainer_class()
-    if getattr(trainer.compile, "_kre_fix", False):
-        return True
-    if keras.__version__ not in KERAS_COMPILE_FIX_VERSIONS:
-        return False
-    keras_compile = trainer.compile
-    KERAS_COMPILE_ORIGINALS["compile"] = keras_compile
-
-    @no_tracking
-    def compile(self, optimizer="rmsprop", *args, **kwargs):  # pylint: disable=keyword-arg-before-vararg
-        keras_compile(self, optimizer, *args, **kwargs)
-        made = getattr(self, "optimizer", None)
-        if made is not None and made is not optimizer:  # Keras's own wrapper
-            replacement = rewrap(made)
-            if replacement is not None:
-                self.optimizer = replacement
-
-    compile.__doc__ = keras_compile.__doc__
-    compile.__wrapped__ = keras_compile
-    compile._kre_fix = True  # pylint: disable=protected-access
-    trainer.compile = compile
-    return True
 
 # Keras 3.15.1's TensorFlow layer gives a subclassed model (no symbolic
 # inputs) a default SavedModel signature (`TFLayer._default_save_signature`)
