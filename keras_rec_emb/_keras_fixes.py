@@ -294,3 +294,17 @@ def fix_compile_loss_scale(rewrap):
     compile._kre_fix = True  # pylint: disable=protected-access
     trainer.compile = compile
     return True
+
+
+def variable_index(optimizer, variable):
+    """The index of `variable` in the optimizer's slot lists, as Keras's own
+    `update_step`s find it (`Optimizer._get_variable_index`; no public
+    accessor). Used by `optimizers/deeprec_optimizers.py`."""
+    return optimizer._get_variable_index(variable)  # pylint: disable=protected-access
+
+
+def uses_weight_decay(optimizer, variable):
+    """Whether `variable` takes weight decay, honouring
+    `exclude_from_weight_decay` (`Optimizer._use_weight_decay`; no public
+    accessor). Used by the TensorFlow table optimizer and `AdamW`."""
+    return optimizer._use_weight_decay(variable)  # pylint: disable=protected-access

@@ -12,6 +12,7 @@ supplies those rows (`_kre_rows`, `_kre_gather`, `_kre_at_rows`).
 import keras
 import numpy as np
 
+from keras_rec_emb import _keras_fixes
 from keras_rec_emb._checks_core import (check_adagrad_decay, check_beta, check_bool,
                                         check_non_negative)
 from keras_rec_emb.optimizers.keras_optimizers import Adam, TableOptimizer
@@ -108,7 +109,7 @@ class AdamAsync(TableOptimizer, keras.optimizers.Optimizer):
                               "apply_sparse_rmsprop": float(self.apply_sparse_rmsprop)}
 
     def update_step(self, gradient, variable, learning_rate):
-        index = self._get_variable_index(variable)  # as Keras's own update_steps
+        index = _keras_fixes.variable_index(self, variable)  # as Keras's own update_steps
         b1p, b2p = self._beta1_powers[index], self._beta2_powers[index]
         lr = ops.cast(learning_rate, variable.dtype)
         b1, b2, eps = self.beta_1, self.beta_2, self.epsilon
@@ -273,7 +274,7 @@ class AdagradDecay(TableOptimizer, keras.optimizers.Optimizer):
                                  "period": self._period(step)}
 
     def update_step(self, gradient, variable, learning_rate):
-        index = self._get_variable_index(variable)  # as Keras's own update_steps
+        index = _keras_fixes.variable_index(self, variable)  # as Keras's own update_steps
         lr = ops.cast(learning_rate, variable.dtype)
         period = self._period(self.iterations)
         rate, floor = self.accumulator_decay_rate, self.initial_accumulator_value
@@ -382,7 +383,7 @@ class AdamW(TableOptimizer, keras.optimizers.AdamW):
             # gradient (as tables do).
             rows, values = sparse
             gradient = self._kre_at_rows(values, rows, gradient.dense_shape)
-        if self._use_weight_decay(variable):  # honours exclude_from_weight_decay
+        if _keras_fixes.uses_weight_decay(self, variable):  # honours exclude_from_weight_decay
             factor = ops.cast(self._decay_factor(learning_rate), variable.dtype)
             if sparse is None:
                 self.assign_sub(variable, variable * factor)

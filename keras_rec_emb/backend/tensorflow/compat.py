@@ -262,20 +262,6 @@ def track_variable(layer, variable):
     layer._track_variable(variable)  # pylint: disable=protected-access
 
 
-def variable_index(optimizer, variable):
-    """The index of `variable` in the optimizer's slot lists, as Keras's own
-    `update_step`s find it (`Optimizer._get_variable_index`; no public
-    accessor). Used by `optimizers/deeprec_optimizers.py`."""
-    return optimizer._get_variable_index(variable)  # pylint: disable=protected-access
-
-
-def uses_weight_decay(optimizer, variable):
-    """Whether `variable` takes weight decay, honouring
-    `exclude_from_weight_decay` (`Optimizer._use_weight_decay`; no public
-    accessor). Used by `optimizers/base.py` and `AdamW`."""
-    return optimizer._use_weight_decay(variable)  # pylint: disable=protected-access
-
-
 def exported_resources(loaded):
     """The resources (our tables among them) of a SavedModel that
     `model.export` wrote, as `tf.saved_model.load` returns it, in the order
@@ -635,6 +621,8 @@ from keras_rec_emb._keras_fixes import (  # noqa: E402,F401
     fix_sequential_ids_input,
     flatten_layers,
     in_symbolic_build,
+    uses_weight_decay,
+    variable_index,
     input_specs,
     record_model_input_dtypes,
 )
