@@ -14,7 +14,6 @@ def test_distributed_tables_refuse_the_jax_backend_by_name():
 
 
 @pytest.mark.parametrize("name", ["IncrementalCheckpointer", "callbacks.CheckpointCallback",
-                                  "layers.HashStrings",
                                   "optimizers.LossScaleOptimizer"])
 def test_tensorflow_only_names_say_so_under_jax(name):
     import keras_rec_emb
