@@ -10,6 +10,7 @@ if _backend.is_jax():
     from keras_rec_emb.backend.jax.adaptive import AdaptiveEmbedding
     from keras_rec_emb.backend.jax.multi_hash import MultiHashEmbedding
     from keras_rec_emb._keras_fixes import fix_sequential_ids_input, record_model_input_dtypes
+    from keras_rec_emb.layers.string_ids import HashStrings
 
     # A Sequential without keras.Input gives our id layers int ids, not float32
     # (see _keras_fixes.fix_sequential_ids_input).
@@ -18,8 +19,8 @@ if _backend.is_jax():
     record_model_input_dtypes()
 
     __all__ = ["AdaptiveEmbedding", "EmbeddingVariable", "FeatureSpec", "GroupEmbedding",
-               "MultiHashEmbedding"]
-    _TENSORFLOW_ONLY = ("FeatureConfig", "HashStrings", "TableConfig")
+               "HashStrings", "MultiHashEmbedding"]
+    _TENSORFLOW_ONLY = ("FeatureConfig", "TableConfig")
     __getattr__ = tensorflow_only_getattr("keras_rec_emb.layers", _TENSORFLOW_ONLY, __all__)
 else:
     from keras_rec_emb.backend.tensorflow import compat as _compat

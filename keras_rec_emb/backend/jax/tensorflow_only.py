@@ -8,7 +8,6 @@ import keras
 # Registered name (keras_rec_emb>NAME) -> the public path of the class.
 CLASSES = {
     "FeatureConfig": "keras_rec_emb.layers.FeatureConfig",
-    "HashStrings": "keras_rec_emb.layers.HashStrings",
     "TableConfig": "keras_rec_emb.layers.TableConfig",
 }
 
