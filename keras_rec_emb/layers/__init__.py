@@ -5,7 +5,6 @@ from keras_rec_emb import _backend
 if _backend.is_jax():
     # Under Keras's JAX backend, without TensorFlow (keras_rec_emb/backend/jax).
     from keras_rec_emb.backend.jax import tensorflow_only_getattr
-    from keras_rec_emb.backend.jax.group_embedding import FeatureSpec, GroupEmbedding
     from keras_rec_emb.backend.jax.layers import EmbeddingVariable
     from keras_rec_emb.backend.jax.adaptive import AdaptiveEmbedding
     from keras_rec_emb.backend.jax.multi_hash import MultiHashEmbedding
@@ -15,17 +14,15 @@ if _backend.is_jax():
     # (see _keras_fixes.fix_sequential_ids_input).
     fix_sequential_ids_input()
 
-    __all__ = ["AdaptiveEmbedding", "EmbeddingVariable", "FeatureSpec", "GroupEmbedding",
-               "MultiHashEmbedding"]
-    _TENSORFLOW_ONLY = ("FeatureConfig", "HashStrings", "TableConfig")
+    __all__ = ["AdaptiveEmbedding", "EmbeddingVariable", "FeatureConfig", "FeatureSpec",
+               "GroupEmbedding", "MultiHashEmbedding", "TableConfig"]
+    _TENSORFLOW_ONLY = ("HashStrings",)
     __getattr__ = tensorflow_only_getattr("keras_rec_emb.layers", _TENSORFLOW_ONLY, __all__)
 else:
     from keras_rec_emb.backend.tensorflow import compat as _compat
 
     from keras_rec_emb.layers.adaptive_embedding import AdaptiveEmbedding
-    from keras_rec_emb.layers.configs import FeatureConfig, TableConfig
     from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
-    from keras_rec_emb.layers.group_embedding import FeatureSpec, GroupEmbedding
     from keras_rec_emb.layers.multi_hash_embedding import MultiHashEmbedding
     from keras_rec_emb.layers.string_ids import HashStrings
 
@@ -37,6 +34,10 @@ else:
 
     __all__ = ["AdaptiveEmbedding", "EmbeddingVariable", "FeatureConfig", "FeatureSpec",
                "GroupEmbedding", "HashStrings", "MultiHashEmbedding", "TableConfig"]
+
+# Written once for both backends.
+from keras_rec_emb.layers.configs import FeatureConfig, TableConfig
+from keras_rec_emb.layers.group_embedding import FeatureSpec, GroupEmbedding
 
 
 def __dir__():

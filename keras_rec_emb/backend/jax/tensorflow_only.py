@@ -7,9 +7,7 @@ import keras
 
 # Registered name (keras_rec_emb>NAME) -> the public path of the class.
 CLASSES = {
-    "FeatureConfig": "keras_rec_emb.layers.FeatureConfig",
     "HashStrings": "keras_rec_emb.layers.HashStrings",
-    "TableConfig": "keras_rec_emb.layers.TableConfig",
     "LossScaleOptimizer": "keras_rec_emb.optimizers.LossScaleOptimizer",
 }
 
