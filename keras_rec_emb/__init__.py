@@ -30,8 +30,6 @@ if _backend.is_jax():
                                        GlobalStepEvict, InitializerOption, L2WeightEvict,
                                        StorageOption)
     from keras_rec_emb.saving import load_model, save_model, storage_root
-    # Saved TensorFlow-only classes fail to load by name (see there).
-    from keras_rec_emb.backend.jax import tensorflow_only as _tensorflow_only  # noqa: F401
 
     __all__ = ["__version__", "export_for_serving", "layers", "optimizers", "CBFFilter",
                "CounterFilter", "EmbeddingVariableOption", "GlobalStepEvict",
