@@ -27,10 +27,10 @@
 #include <utility>
 #include <vector>
 
+#include "core/keep_rows.h"
+#include "core/pooled_rows.h"
+#include "core/update_rules.h"
 #include "jax/table_registry.h"
-#include "kernels/keep_rows.h"
-#include "kernels/pooled_rows.h"
-#include "kernels/update_rules.h"
 #include "kv/partition.h"
 #include "kv/table.h"
 #include "xla/ffi/api/ffi.h"
@@ -394,7 +394,7 @@ ffi::Error Apply(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> grads,
 // backward (ApplyPooled) feeds id (r, k) w[r, k] / denominator(r) times
 // grads[r] to the fused sparse apply.
 
-// The combiners are kre::Combiner (kernels/pooled_rows.h), as the
+// The combiners are kre::Combiner (core/pooled_rows.h), as the
 // TensorFlow kernels'.
 
 ffi::ErrorOr<Combiner> ParseCombinerAttr(std::string_view name) {

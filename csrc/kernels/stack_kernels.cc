@@ -12,8 +12,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "core/keep_rows.h"
 #include "kernels/checked.h"
-#include "kernels/keep_rows.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/util/work_sharder.h"
