@@ -3,7 +3,7 @@
 // ids (ids >= 0, or every id without pruning) and row splits, in one pass
 // over the input. Used by KRE>UnstackKeptIds (csrc/kernels/stack_kernels.cc),
 // KRE>StackedPooledLookup (csrc/kernels/stacked_lookup_kernels.cc) and the
-// JAX group lookup (csrc/jax/table_handlers.cc).
+// JAX group lookup (csrc/jax/pooled_handlers.cc).
 #ifndef KRE_CORE_KEEP_ROWS_H_
 #define KRE_CORE_KEEP_ROWS_H_
 

@@ -3,7 +3,7 @@
 // batch order and not deduplicated, looked up and combined straight into
 // the output, block by block. The TensorFlow kernels (csrc/kernels/pooled_lookup.h: the
 // group lookup's pooled features, the stacked pooled lookup) and the JAX
-// binding's group inference lookup (csrc/jax/table_handlers.cc) both run it.
+// binding's group inference lookup (csrc/jax/pooled_handlers.cc) both run it.
 //
 // A table that reads in batch order (kv::Table::PrefersOrderedLookup: rows
 // in DRAM, no admission filter, not too large) has each block's rows found
