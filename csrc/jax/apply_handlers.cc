@@ -113,29 +113,28 @@ ffi::Error Apply(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> grads,
     if (version.has_error()) return version.error();
     const int64_t n = static_cast<int64_t>(keys.element_count());
     return WithCheckedRule(
-        rule_name, hparam_names, slot_names,
-        [&](auto tag, const string& rule, const std::vector<string>& slots) {
+        at, rule_name, hparam_names, slot_names,
+        [&](auto tag, auto& tab, const string& rule,
+            const std::vector<string>& slots) -> ffi::Error {
           using Rule = typename decltype(tag)::type;
-          return at.Visit([&](auto& tab) -> ffi::Error {
-            using K = KeyOfT<decltype(tab)>;
-            const K* k = keys.reinterpret_data<K>();
-            const int64_t dim = tab.dim();
-            const float* g = grads.typed_data();
-            std::vector<int64_t> kept;
-            if (prune) kept = KeptPositions(k, n);
-            if (!prune || static_cast<int64_t>(kept.size()) == n) {  // no padding
-              return ApplyRule<Rule>(
-                  tab, rule, slots, k, n, [g, dim](int64_t i) { return g + i * dim; },
-                  hyper.dimensions(), hyper.typed_data(), *version);
-            }
-            const std::vector<K> kept_keys = KeysAt(k, kept);
-            // The gradient of kept id j is read in place, at its position.
-            const int64_t* pos = kept.data();
+          using K = KeyOfT<decltype(tab)>;
+          const K* k = keys.reinterpret_data<K>();
+          const int64_t dim = tab.dim();
+          const float* g = grads.typed_data();
+          std::vector<int64_t> kept;
+          if (prune) kept = KeptPositions(k, n);
+          if (!prune || static_cast<int64_t>(kept.size()) == n) {  // no padding
             return ApplyRule<Rule>(
-                tab, rule, slots, kept_keys.data(), static_cast<int64_t>(kept.size()),
-                [g, dim, pos](int64_t j) { return g + pos[j] * dim; }, hyper.dimensions(),
-                hyper.typed_data(), *version);
-          });
+                tab, rule, slots, k, n, [g, dim](int64_t i) { return g + i * dim; },
+                hyper.dimensions(), hyper.typed_data(), *version);
+          }
+          const std::vector<K> kept_keys = KeysAt(k, kept);
+          // The gradient of kept id j is read in place, at its position.
+          const int64_t* pos = kept.data();
+          return ApplyRule<Rule>(
+              tab, rule, slots, kept_keys.data(), static_cast<int64_t>(kept.size()),
+              [g, dim, pos](int64_t j) { return g + pos[j] * dim; }, hyper.dimensions(),
+              hyper.typed_data(), *version);
         });
   });
 }
@@ -154,26 +153,25 @@ ffi::Error ApplyPooled(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> we
     if (version.has_error()) return version.error();
     const float* w = OptionalWeights(weights);
     return WithCheckedRule(
-        rule_name, hparam_names, slot_names,
-        [&](auto tag, const string& rule, const std::vector<string>& slots) {
+        at, rule_name, hparam_names, slot_names,
+        [&](auto tag, auto& tab, const string& rule,
+            const std::vector<string>& slots) -> ffi::Error {
           using Rule = typename decltype(tag)::type;
-          return at.Visit([&](auto& tab) {
-            using K = KeyOfT<decltype(tab)>;
-            const PooledIds<K> p(keys.reinterpret_data<K>(), w, rows, len, prune, *comb);
-            // Each id's gradient is made where the apply reads it
-            // (DistinctRows copies or adds it at once).
-            std::vector<float> one(dim);
-            const float* g = grads.typed_data();
-            auto grad_of = [&](int64_t i) {
-              const int32_t r = p.row[i];
-              const float s = p.w[i] * p.inv[r];
-              const float* src = g + static_cast<int64_t>(r) * dim;
-              for (int64_t d = 0; d < dim; ++d) one[d] = s * src[d];
-              return static_cast<const float*>(one.data());
-            };
-            return ApplyRule<Rule>(tab, rule, slots, p.keys.data(), p.size(), grad_of,
-                                   hyper.dimensions(), hyper.typed_data(), *version);
-          });
+          using K = KeyOfT<decltype(tab)>;
+          const PooledIds<K> p(keys.reinterpret_data<K>(), w, rows, len, prune, *comb);
+          // Each id's gradient is made where the apply reads it
+          // (DistinctRows copies or adds it at once).
+          std::vector<float> one(dim);
+          const float* g = grads.typed_data();
+          auto grad_of = [&](int64_t i) {
+            const int32_t r = p.row[i];
+            const float s = p.w[i] * p.inv[r];
+            const float* src = g + static_cast<int64_t>(r) * dim;
+            for (int64_t d = 0; d < dim; ++d) one[d] = s * src[d];
+            return static_cast<const float*>(one.data());
+          };
+          return ApplyRule<Rule>(tab, rule, slots, p.keys.data(), p.size(), grad_of,
+                                 hyper.dimensions(), hyper.typed_data(), *version);
         });
   });
 }
@@ -232,76 +230,48 @@ ffi::Error ApplyDistinct(ffi::Token, ffi::AnyBuffer distinct, ffi::AnyBuffer cou
       }
     }
     return WithCheckedRule(
-        rule_name, hparam_names, slot_names,
-        [&](auto tag, const string& rule, const std::vector<string>& slots) {
+        at, rule_name, hparam_names, slot_names,
+        [&](auto tag, auto& tab, const string& rule,
+            const std::vector<string>& slots) -> ffi::Error {
           using Rule = typename decltype(tag)::type;
-          return at.Visit([&](auto& tab) -> ffi::Error {
-            using K = KeyOfT<decltype(tab)>;
-            auto checked =
-                RuleSlots<Rule>(tab, rule, slots, hyper.dimensions(), hyper.typed_data());
-            if (checked.has_error()) return checked.error();
-            const DistinctIds<K> d(tab, distinct.reinterpret_data<K>(), *m, /*distinct=*/true);
-            const rules::ApplyRow<Rule> update(hyper.typed_data(), dim);
-            ApplyByShard(tab, d.by_shard, sums.data(), *checked, *version, update);
-            return ffi::Error::Success();
-          });
+          using K = KeyOfT<decltype(tab)>;
+          auto checked = RuleSlots<Rule>(tab, rule, slots, hyper.dimensions(), hyper.typed_data());
+          if (checked.has_error()) return checked.error();
+          const DistinctIds<K> d(tab, distinct.reinterpret_data<K>(), *m, /*distinct=*/true);
+          const rules::ApplyRow<Rule> update(hyper.typed_data(), dim);
+          ApplyByShard(tab, d.by_shard, sums.data(), *checked, *version, update);
+          return ffi::Error::Success();
         });
   });
 }
 
 }  // namespace
-}  // namespace jaxbind
-}  // namespace kre
 
-// The handlers' C symbols, which keras_rec_emb/_jax/ffi.py registers with
-// jax.ffi.register_ffi_target.
+// The handlers' C symbols (extern "C": unmangled), which
+// keras_rec_emb/_jax/ffi.py registers with jax.ffi.register_ffi_target.
 #pragma GCC visibility push(default)
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTableApply, kre::jaxbind::Apply,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Token>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Token>()
-                                  .Attr<int64_t>("table")
-                                  .Attr<std::string_view>("rule")
-                                  .Attr<std::string_view>("hparam_names")
-                                  .Attr<std::string_view>("slots")
-                                  .Attr<bool>("prune"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    KreTableApply, Apply,
+    (WithRuleAttrs(TokenBinding<Args<ffi::AnyBuffer, ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32>,
+                                     ffi::AnyBuffer>>())
+         .Attr<bool>("prune")));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTableApplyPooled, kre::jaxbind::ApplyPooled,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Token>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::BufferR2<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Token>()
-                                  .Attr<int64_t>("table")
-                                  .Attr<std::string_view>("rule")
-                                  .Attr<std::string_view>("hparam_names")
-                                  .Attr<std::string_view>("slots")
-                                  .Attr<bool>("prune")
-                                  .Attr<std::string_view>("combiner"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    KreTableApplyPooled, ApplyPooled,
+    (WithRuleAttrs(TokenBinding<Args<ffi::AnyBuffer, ffi::Buffer<ffi::F32>, ffi::BufferR2<ffi::F32>,
+                                     ffi::Buffer<ffi::F32>, ffi::AnyBuffer>>())
+         .Attr<bool>("prune")
+         .Attr<std::string_view>("combiner")));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTableApplyDistinct, kre::jaxbind::ApplyDistinct,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Token>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::BufferR2<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::BufferR2<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Token>()
-                                  .Attr<int64_t>("table")
-                                  .Attr<std::string_view>("rule")
-                                  .Attr<std::string_view>("hparam_names")
-                                  .Attr<std::string_view>("slots")
-                                  .Attr<std::string_view>("combiner"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    KreTableApplyDistinct, ApplyDistinct,
+    (WithRuleAttrs(TokenBinding<Args<ffi::AnyBuffer, ffi::AnyBuffer, ffi::BufferR2<ffi::S32>,
+                                     ffi::Buffer<ffi::F32>, ffi::BufferR2<ffi::F32>,
+                                     ffi::Buffer<ffi::F32>, ffi::AnyBuffer>>())
+         .Attr<std::string_view>("combiner")));
 
 #pragma GCC visibility pop
+
+}  // namespace jaxbind
+}  // namespace kre

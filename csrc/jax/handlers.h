@@ -29,6 +29,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "core/update_rules.h"
@@ -282,11 +283,12 @@ std::vector<K> KeysAt(const K* keys, const std::vector<int64_t>& kept) {
   return out;
 }
 
-// fn(tag, rule, slots) for update rule `rule_name` (tag: rules::WithRule's
-// type tag) once the names of its hyper-parameters and slots (comma-joined)
-// check; the error otherwise (an unknown rule, names that do not match).
+// fn(tag, tab, rule, slots) for update rule `rule_name` (tag: rules::
+// WithRule's type tag) on `at`'s table typed by its keys (tab), once the
+// names of the rule's hyper-parameters and slots (comma-joined) check; the
+// error otherwise (an unknown rule, names that do not match).
 template <typename Fn>
-ffi::Error WithCheckedRule(std::string_view rule_name, std::string_view hparam_names,
+ffi::Error WithCheckedRule(AnyTable& at, std::string_view rule_name, std::string_view hparam_names,
                            std::string_view slot_names, Fn&& fn) {
   const string rule(rule_name);
   const std::vector<string> hparams = SplitNames(hparam_names);
@@ -299,9 +301,62 @@ ffi::Error WithCheckedRule(std::string_view rule_name, std::string_view hparam_n
       result = Invalid(names_error);
       return;
     }
-    result = fn(tag, rule, slots);
+    result = at.Visit([&](auto& tab) -> ffi::Error { return fn(tag, tab, rule, slots); });
   });
   return result;
+}
+
+// The binding of a handler for XLA_FFI_DEFINE_HANDLER_SYMBOL:
+// TokenBinding<Args<In...>, Rets<Out...>>() takes the token and In... and
+// returns the token and Out... (as ffi::Ffi::Bind().Arg<ffi::Token>()
+// .Arg<In>()... .Ret<ffi::Token>().Ret<Out>()...); its attributes follow.
+template <typename... T>
+struct Args {};
+template <typename... T>
+struct Rets {};
+
+namespace binding {
+
+template <typename T>
+struct ArgOf {};
+template <typename T>
+struct RetOf {};
+
+template <ffi::ExecutionStage S, typename... Ts, typename T>
+auto operator|(ffi::Binding<S, Ts...>&& b, ArgOf<T>) {
+  return std::move(b).template Arg<T>();
+}
+template <ffi::ExecutionStage S, typename... Ts, typename T>
+auto operator|(ffi::Binding<S, Ts...>&& b, RetOf<T>) {
+  return std::move(b).template Ret<T>();
+}
+
+template <typename In, typename Out>
+struct Tokened;
+template <typename... In, typename... Out>
+struct Tokened<Args<In...>, Rets<Out...>> {
+  static auto Bind() {
+    return ((ffi::Ffi::Bind().Arg<ffi::Token>() | ... | ArgOf<In>{}).template Ret<ffi::Token>() |
+            ... | RetOf<Out>{});
+  }
+};
+
+}  // namespace binding
+
+template <typename In, typename Out = Rets<>>
+auto TokenBinding() {
+  return binding::Tokened<In, Out>::Bind();
+}
+
+// b with the attributes of an update handler (WithCheckedRule): the table,
+// the rule, and its hyper-parameters' and slots' names (comma-joined).
+template <typename B>
+auto WithRuleAttrs(B&& b) {
+  return std::move(b)
+      .template Attr<int64_t>("table")
+      .template Attr<std::string_view>("rule")
+      .template Attr<std::string_view>("hparam_names")
+      .template Attr<std::string_view>("slots");
 }
 
 }  // namespace jaxbind

@@ -54,22 +54,19 @@ ffi::Error Lookup(ffi::Token, ffi::AnyBuffer keys, ffi::Result<ffi::Token>,
 }
 
 }  // namespace
-}  // namespace jaxbind
-}  // namespace kre
 
-// The handlers' C symbols, which keras_rec_emb/_jax/ffi.py registers with
-// jax.ffi.register_ffi_target (with table_host.cc's functions, the only
-// symbols the library exports).
+// The handlers' C symbols (extern "C": unmangled), which
+// keras_rec_emb/_jax/ffi.py registers with jax.ffi.register_ffi_target
+// (with table_host.cc's functions, the only symbols the library exports).
 #pragma GCC visibility push(default)
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTableLookup, kre::jaxbind::Lookup,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Token>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Token>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("table")
-                                  .Attr<bool>("insert")
-                                  .Attr<bool>("prune"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTableLookup, Lookup,
+                              (TokenBinding<Args<ffi::AnyBuffer>, Rets<ffi::Buffer<ffi::F32>>>()
+                                   .Attr<int64_t>("table")
+                                   .Attr<bool>("insert")
+                                   .Attr<bool>("prune")));
 
 #pragma GCC visibility pop
+
+}  // namespace jaxbind
+}  // namespace kre

@@ -255,48 +255,35 @@ ffi::Error PooledLookupDistinct(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi
 }
 
 }  // namespace
-}  // namespace jaxbind
-}  // namespace kre
 
-// The handlers' C symbols, which keras_rec_emb/_jax/ffi.py registers with
-// jax.ffi.register_ffi_target.
+// The handlers' C symbols (extern "C": unmangled), which
+// keras_rec_emb/_jax/ffi.py registers with jax.ffi.register_ffi_target.
 #pragma GCC visibility push(default)
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTablePooledLookup, kre::jaxbind::PooledLookup,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Token>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Token>()
-                                  .Ret<ffi::BufferR2<ffi::F32>>()
-                                  .Attr<int64_t>("table")
-                                  .Attr<bool>("insert")
-                                  .Attr<bool>("prune")
-                                  .Attr<std::string_view>("combiner"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    KreTablePooledLookup, PooledLookup,
+    (TokenBinding<Args<ffi::AnyBuffer, ffi::Buffer<ffi::F32>>, Rets<ffi::BufferR2<ffi::F32>>>()
+         .Attr<int64_t>("table")
+         .Attr<bool>("insert")
+         .Attr<bool>("prune")
+         .Attr<std::string_view>("combiner")));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KreGroupPooledLookup, kre::jaxbind::GroupPooledLookup,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Token>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Token>()
-                                  .Ret<ffi::BufferR2<ffi::F32>>()
-                                  .Attr<ffi::Span<const int64_t>>("tables")
-                                  .Attr<std::string_view>("combiners")
-                                  .Attr<bool>("prune"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    KreGroupPooledLookup, GroupPooledLookup,
+    (TokenBinding<Args<ffi::AnyBuffer, ffi::Buffer<ffi::F32>>, Rets<ffi::BufferR2<ffi::F32>>>()
+         .Attr<ffi::Span<const int64_t>>("tables")
+         .Attr<std::string_view>("combiners")
+         .Attr<bool>("prune")));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTablePooledLookupDistinct, kre::jaxbind::PooledLookupDistinct,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Token>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Token>()
-                                  .Ret<ffi::BufferR2<ffi::F32>>()
-                                  .Ret<ffi::BufferR2<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("table")
-                                  .Attr<bool>("prune")
-                                  .Attr<std::string_view>("combiner"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTablePooledLookupDistinct, PooledLookupDistinct,
+                              (TokenBinding<Args<ffi::AnyBuffer, ffi::Buffer<ffi::F32>>,
+                                            Rets<ffi::BufferR2<ffi::F32>, ffi::BufferR2<ffi::S32>,
+                                                 ffi::AnyBuffer, ffi::AnyBuffer>>()
+                                   .Attr<int64_t>("table")
+                                   .Attr<bool>("prune")
+                                   .Attr<std::string_view>("combiner")));
 
 #pragma GCC visibility pop
+
+}  // namespace jaxbind
+}  // namespace kre

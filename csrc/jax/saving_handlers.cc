@@ -392,8 +392,7 @@ ffi::Error Merge(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> values,
     return at.Visit([&](auto& tab) -> ffi::Error {
       using K = KeyOfT<decltype(tab)>;
       const K* k = keys.reinterpret_data<K>();
-      std::vector<K> ks(m);
-      for (int64_t j = 0; j < m; ++j) ks[j] = k[kept[j]];
+      const std::vector<K> ks = KeysAt(k, kept);
       const std::vector<int64_t> v(m, std::max<int64_t>(tab.LatestStep(), 0));
       tab.Import(ks.data(), rows.data(), f.data(), v.data(), m, nullptr, {}, {});
       return ffi::Error::Success();
@@ -402,69 +401,42 @@ ffi::Error Merge(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> values,
 }
 
 }  // namespace
-}  // namespace jaxbind
-}  // namespace kre
 
-// The handlers' C symbols, which keras_rec_emb/_jax/ffi.py registers with
-// jax.ffi.register_ffi_target.
+// The handlers' C symbols (extern "C": unmangled), which
+// keras_rec_emb/_jax/ffi.py registers with jax.ffi.register_ffi_target.
 #pragma GCC visibility push(default)
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTableExport, kre::jaxbind::Export,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Token>()
-                                  .Ret<ffi::Token>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::BufferR2<ffi::F32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::BufferR2<ffi::F32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("table"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    KreTableExport, Export,
+    (TokenBinding<Args<>, Rets<ffi::AnyBuffer, ffi::BufferR2<ffi::F32>, ffi::AnyBuffer,
+                               ffi::AnyBuffer, ffi::BufferR2<ffi::F32>, ffi::AnyBuffer>>()
+         .Attr<int64_t>("table")));
 
 // Save and restore.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    KreTableSaveInfo, kre::jaxbind::SaveInfo,
-    ffi::Ffi::Bind().Arg<ffi::Token>().Ret<ffi::Token>().Ret<ffi::AnyBuffer>().Attr<int64_t>(
-        "table"));
+    KreTableSaveInfo, SaveInfo,
+    (TokenBinding<Args<>, Rets<ffi::AnyBuffer>>().Attr<int64_t>("table")));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTableExportAux, kre::jaxbind::ExportAux,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Token>()
-                                  .Ret<ffi::Token>()
-                                  .Ret<ffi::BufferR2<ffi::F32>>()
-                                  .Ret<ffi::BufferR1<ffi::U8>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("table"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    KreTableExportAux, ExportAux,
+    (TokenBinding<Args<>, Rets<ffi::BufferR2<ffi::F32>, ffi::BufferR1<ffi::U8>, ffi::AnyBuffer,
+                               ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer>>()
+         .Attr<int64_t>("table")));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTableImport, kre::jaxbind::Import,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Token>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Ret<ffi::Token>()
-                                  .Attr<int64_t>("table")
-                                  .Attr<std::string_view>("slot_names"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    KreTableImport, Import,
+    (TokenBinding<Args<ffi::AnyBuffer, ffi::Buffer<ffi::F32>, ffi::AnyBuffer, ffi::AnyBuffer,
+                       ffi::Buffer<ffi::F32>, ffi::AnyBuffer, ffi::Buffer<ffi::F32>, ffi::AnyBuffer,
+                       ffi::AnyBuffer, ffi::AnyBuffer, ffi::Buffer<ffi::U8>>>()
+         .Attr<int64_t>("table")
+         .Attr<std::string_view>("slot_names")));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTableMerge, kre::jaxbind::Merge,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Token>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Token>()
-                                  .Attr<int64_t>("table"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    KreTableMerge, Merge,
+    (TokenBinding<Args<ffi::AnyBuffer, ffi::Buffer<ffi::F32>, ffi::AnyBuffer, ffi::AnyBuffer>>()
+         .Attr<int64_t>("table")));
 
 #pragma GCC visibility pop
+
+}  // namespace jaxbind
+}  // namespace kre
