@@ -53,8 +53,8 @@ build: $(SO)
 # XLA's FFI headers ship in jaxlib. Objects compile two at a time (-j2).
 JAX_OBJ := build/jax/obj
 JAX_SRC := $(wildcard csrc/jax/*.cc)
-JAX_HDRS := $(wildcard csrc/jax/*.h) $(wildcard csrc/kv/*.h) csrc/kernels/update_rules.h \
-            csrc/kernels/pooled_rows.h csrc/kernels/keep_rows.h
+# csrc/core: the framework-free parts the TF kernels share with the handlers.
+JAX_HDRS := $(wildcard csrc/jax/*.h) $(wildcard csrc/kv/*.h) $(wildcard csrc/core/*.h)
 JAX_OBJS := $(patsubst csrc/%.cc,$(JAX_OBJ)/%.o,$(JAX_SRC) $(KV_SRC))
 # Evaluated once, when a recipe first needs it.
 JAX_INC = $(eval JAX_INC := $(shell $(PYTHON) -c 'import jax.ffi; print(jax.ffi.include_dir())'))$(JAX_INC)

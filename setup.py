@@ -26,7 +26,7 @@ LIBRARY = "_kre_ops.so"
 BIND_LIBRARY = "_kre_bind.so"
 
 
-def _sources(pattern="*.cc", subs=("kv", "ops", "kernels")):
+def _sources(pattern="*.cc", subs=("kv", "core", "ops", "kernels")):
     files = []
     for sub in subs:
         files += sorted(glob.glob(os.path.join("csrc", sub, pattern)))

@@ -8,7 +8,7 @@
 // trace of the model's first call or symbolic build); an XLA custom call
 // made then would be staged into that computation and run only if the
 // computation ever runs. Lookups and updates stay XLA custom calls
-// (table_handlers.cc), ordered by JAX's effect token. Both reach the tables
+// (csrc/jax/*_handlers.cc), ordered by JAX's effect token. Both reach the tables
 // through the one registry (table_registry.h).
 //
 // Each function returns 0 on success, kKreInvalid for bad input and
@@ -64,6 +64,43 @@ std::string NoTable(int64_t handle) {
          " (it was destroyed, or made in another process)";
 }
 
+// Guarded body(table) on the table of `handle` (kKreInvalid naming it when
+// there is none).
+template <typename Body>
+int OnHostTable(int64_t handle, char* error, size_t error_size, Body&& body) {
+  return Guarded(error, error_size, [&]() -> int {
+    std::shared_ptr<AnyTable> t = Tables().Get(handle);
+    if (t == nullptr) return Fail(kKreInvalid, NoTable(handle), error, error_size);
+    return body(*t);
+  });
+}
+
+// body(tab) on the typed table of `handle`, which must have a file tier
+// (kKreInvalid otherwise); an exception of body other than bad_alloc (the
+// file tier's I/O) becomes `code` with message `what` + its own.
+template <typename Body>
+int OnFileTier(int64_t handle, char* error, size_t error_size, int code, const char* what,
+               Body&& body) {
+  return OnHostTable(handle, error, error_size, [&](AnyTable& t) -> int {
+    return t.Visit([&](auto& tab) -> int {
+      if (!tab.file_tier()) {
+        return Fail(kKreInvalid,
+                    "snapshots need a file-tier table (StorageOption(\"FILE\", "
+                    "storage_path=...))",
+                    error, error_size);
+      }
+      try {
+        body(tab);
+      } catch (const std::bad_alloc&) {
+        throw;
+      } catch (const std::exception& e) {
+        return Fail(code, what + std::string(e.what()), error, error_size);
+      }
+      return kKreOk;
+    });
+  });
+}
+
 }  // namespace
 }  // namespace jaxbind
 }  // namespace kre
@@ -75,6 +112,8 @@ using kre::jaxbind::kKreFailed;
 using kre::jaxbind::kKreInvalid;
 using kre::jaxbind::kKreOk;
 using kre::jaxbind::NoTable;
+using kre::jaxbind::OnFileTier;
+using kre::jaxbind::OnHostTable;
 using kre::jaxbind::Tables;
 
 #pragma GCC visibility push(default)
@@ -174,10 +213,8 @@ extern "C" int KreHostDestroy(int64_t handle, char* error, size_t error_size) {
 // (an existing slot keeps its rows and must have the same width).
 extern "C" int KreHostAddSlot(int64_t handle, const char* name, int64_t width, float init,
                               char* error, size_t error_size) {
-  return Guarded(error, error_size, [&]() -> int {
+  return OnHostTable(handle, error, error_size, [&](AnyTable& t) -> int {
     auto invalid = [&](const std::string& m) { return Fail(kKreInvalid, m, error, error_size); };
-    std::shared_ptr<AnyTable> t = Tables().Get(handle);
-    if (t == nullptr) return invalid(NoTable(handle));
     const std::string slot = name == nullptr ? std::string() : std::string(name);
     if (slot.empty()) return invalid("`slot_name` must not be empty");
     if (slot.find(',') != std::string::npos) {
@@ -187,7 +224,7 @@ extern "C" int KreHostAddSlot(int64_t handle, const char* name, int64_t width, f
       return invalid("`width` must be in [1, 2**20], got " + std::to_string(width));
     }
     if (!std::isfinite(init)) return invalid("`init` must be finite");
-    return t->Visit([&](auto& tab) -> int {
+    return t.Visit([&](auto& tab) -> int {
       try {
         tab.AddSlot(slot, width, init);
       } catch (const std::bad_alloc&) {
@@ -203,10 +240,8 @@ extern "C" int KreHostAddSlot(int64_t handle, const char* name, int64_t width, f
 // out: [admitted keys, keys counted but not admitted, total slot width,
 // number of slots].
 extern "C" int KreHostSize(int64_t handle, int64_t* out, char* error, size_t error_size) {
-  return Guarded(error, error_size, [&]() -> int {
-    std::shared_ptr<AnyTable> t = Tables().Get(handle);
-    if (t == nullptr) return Fail(kKreInvalid, NoTable(handle), error, error_size);
-    t->Visit([&](auto& tab) {
+  return OnHostTable(handle, error, error_size, [&](AnyTable& t) -> int {
+    t.Visit([&](auto& tab) {
       int64_t width = 0;
       const std::vector<kre::kv::SlotSpec> specs = tab.Slots();
       for (const auto& s : specs) width += s.width;
@@ -227,13 +262,11 @@ extern "C" int KreHostSize(int64_t handle, int64_t* out, char* error, size_t err
 // of keys erased to `*erased`.
 extern "C" int KreHostEvict(int64_t handle, int64_t now, int64_t steps_to_live, float l2_threshold,
                             int64_t* erased, char* error, size_t error_size) {
-  return Guarded(error, error_size, [&]() -> int {
-    std::shared_ptr<AnyTable> t = Tables().Get(handle);
-    if (t == nullptr) return Fail(kKreInvalid, NoTable(handle), error, error_size);
+  return OnHostTable(handle, error, error_size, [&](AnyTable& t) -> int {
     if (std::isnan(l2_threshold)) {
       return Fail(kKreInvalid, "`l2_threshold` must not be NaN", error, error_size);
     }
-    *erased = t->Visit([&](auto& tab) { return tab.Evict(now, steps_to_live, l2_threshold); });
+    *erased = t.Visit([&](auto& tab) { return tab.Evict(now, steps_to_live, l2_threshold); });
     return kKreOk;
   });
 }
@@ -245,10 +278,8 @@ extern "C" int KreHostEvict(int64_t handle, int64_t now, int64_t steps_to_live, 
 // hits, admitted total, erased total, change epoch, erased-log entries
 // (the rest of COUNTER_PARTS).
 extern "C" int KreHostStats(int64_t handle, int64_t* out, char* error, size_t error_size) {
-  return Guarded(error, error_size, [&]() -> int {
-    std::shared_ptr<AnyTable> t = Tables().Get(handle);
-    if (t == nullptr) return Fail(kKreInvalid, NoTable(handle), error, error_size);
-    t->Visit([&](auto& tab) {
+  return OnHostTable(handle, error, error_size, [&](AnyTable& t) -> int {
+    t.Visit([&](auto& tab) {
       const kre::kv::RowStoreStats s = tab.StoreStats();
       const kre::kv::TableCounters c = tab.Counters();
       const int64_t values[] = {tab.Size(),
@@ -279,26 +310,8 @@ extern "C" int KreHostStats(int64_t handle, int64_t* out, char* error, size_t er
 // writes its number to `*sequence` (kKreFailed naming the file on an I/O
 // error).
 extern "C" int KreHostSnapshot(int64_t handle, int64_t* sequence, char* error, size_t error_size) {
-  return Guarded(error, error_size, [&]() -> int {
-    std::shared_ptr<AnyTable> t = Tables().Get(handle);
-    if (t == nullptr) return Fail(kKreInvalid, NoTable(handle), error, error_size);
-    return t->Visit([&](auto& tab) -> int {
-      if (!tab.file_tier()) {
-        return Fail(kKreInvalid,
-                    "snapshots need a file-tier table (StorageOption(\"FILE\", "
-                    "storage_path=...))",
-                    error, error_size);
-      }
-      try {
-        *sequence = tab.Snapshot();
-      } catch (const std::bad_alloc&) {
-        throw;
-      } catch (const std::exception& e) {
-        return Fail(kKreFailed, std::string("snapshot failed: ") + e.what(), error, error_size);
-      }
-      return kKreOk;
-    });
-  });
+  return OnFileTier(handle, error, error_size, kKreFailed,
+                    "snapshot failed: ", [&](auto& tab) { *sequence = tab.Snapshot(); });
 }
 
 // File tier: replaces the contents with the latest snapshot under `path`
@@ -307,36 +320,17 @@ extern "C" int KreHostSnapshot(int64_t handle, int64_t* sequence, char* error, s
 // and leaves the table as it was.
 extern "C" int KreHostRestoreSnapshot(int64_t handle, const char* path, int64_t* count, char* error,
                                       size_t error_size) {
-  return Guarded(error, error_size, [&]() -> int {
-    std::shared_ptr<AnyTable> t = Tables().Get(handle);
-    if (t == nullptr) return Fail(kKreInvalid, NoTable(handle), error, error_size);
-    return t->Visit([&](auto& tab) -> int {
-      if (!tab.file_tier()) {
-        return Fail(kKreInvalid,
-                    "snapshots need a file-tier table (StorageOption(\"FILE\", "
-                    "storage_path=...))",
-                    error, error_size);
-      }
-      try {
+  return OnFileTier(
+      handle, error, error_size, kKreInvalid, "snapshot restore failed: ", [&](auto& tab) {
         *count = tab.RestoreSnapshot(path == nullptr ? std::string() : std::string(path));
-      } catch (const std::bad_alloc&) {
-        throw;
-      } catch (const std::exception& e) {
-        return Fail(kKreInvalid, std::string("snapshot restore failed: ") + e.what(), error,
-                    error_size);
-      }
-      return kKreOk;
-    });
-  });
+      });
 }
 
 // File tier: releases the lock on the table's folder (its layer is gone;
 // another table may take the folder), as TensorFlow's TableReleaseStorage.
 extern "C" int KreHostReleaseStorage(int64_t handle, char* error, size_t error_size) {
-  return Guarded(error, error_size, [&]() -> int {
-    std::shared_ptr<AnyTable> t = Tables().Get(handle);
-    if (t == nullptr) return Fail(kKreInvalid, NoTable(handle), error, error_size);
-    t->Visit([&](auto& tab) {
+  return OnHostTable(handle, error, error_size, [&](AnyTable& t) -> int {
+    t.Visit([&](auto& tab) {
       if (tab.file_tier()) tab.ReleaseStorageLock();
     });
     return kKreOk;

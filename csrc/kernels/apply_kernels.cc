@@ -1,14 +1,14 @@
 // Copyright keras_rec_emb authors. Apache-2.0.
 // The fused sparse-apply kernel: one op per table and step dedupes keys, sums
 // their gradient rows and updates value and slots in place with the rules of
-// kernels/update_rules.h (shared with the JAX binding, csrc/jax/). The op
+// core/update_rules.h (shared with the JAX binding, csrc/jax/). The op
 // receives the rule's hyper-parameter and slot names (attrs `hparam_names`,
 // `slots`) and checks them at construction (rules::CheckNames).
 #include <string>
 #include <vector>
 
+#include "core/update_rules.h"
 #include "kernels/table_resource.h"
-#include "kernels/update_rules.h"
 #include "kernels/validate.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"

@@ -6,67 +6,29 @@
 #include <utility>
 #include <vector>
 
+#include "core/distinct_ids.h"
 #include "kernels/table_resource.h"
 #include "kv/shard_ops.h"
 
 namespace kre {
 namespace {
 
-// Deduplicates the ids of parameter p's features into *out (kv::BatchGroups,
-// distinct ids in first-seen order), writing each feature's inverse; `hash`
-// maps an id to its key's hash, `key` to the key as the table stores it.
+// Deduplicates the ids of parameter p's features into *out (distinct ids in
+// first-seen order), writing each feature's inverse; `hash` maps an id to
+// its key's hash, `key` to the key as the table stores it.
 template <typename HashFn, typename KeyFn>
 void Dedupe(const GroupConfig& cfg, int p, std::vector<Feature>* features, HashFn&& hash,
             KeyFn&& key, ParamIds* out) {
   int64_t n = 0;
   for (int f : cfg.features_of[p]) n += static_cast<int64_t>((*features)[f].ids.size());
-  kv::BatchGroups groups(n);
-  out->uniq.clear();
-  out->hashes.clear();
-  out->counts.clear();
-  out->uniq.reserve(n);
-  out->hashes.reserve(n);
-  out->counts.reserve(n);
+  DistinctBuilder<int64_t> distinct(n, &out->uniq, &out->hashes, &out->counts);
   for (int f : cfg.features_of[p]) {
     Feature& ft = (*features)[f];
     const int64_t m = static_cast<int64_t>(ft.ids.size());
     for (int64_t j = 0; j < m; ++j) {
       const int64_t k = key(ft.ids[j]);
-      const uint64_t h = hash(k);
-      bool created;
-      const int64_t u = groups.Group(h, [&](int64_t g) { return out->uniq[g] == k; }, &created);
-      if (created) {
-        out->uniq.push_back(k);
-        out->hashes.push_back(h);
-        out->counts.push_back(0);
-      }
-      ft.inverse[j] = static_cast<int32_t>(u);
-      ++out->counts[u];
+      ft.inverse[j] = static_cast<int32_t>(distinct.Add(k, hash(k)));
     }
-  }
-}
-
-// Groups the distinct keys ids->uniq (hashes ids->hashes) by shard (a
-// counting sort): ids->offsets bound each shard's range, and the key u that
-// lands at position i gets (*keys)[i], part_hashes[i] = its hash and
-// order[i] = u.
-template <typename K>
-void SortByShard(const kv::Table<K>& table, ParamIds* ids, std::vector<K>* keys) {
-  const int64_t n = static_cast<int64_t>(ids->uniq.size());
-  const int shards = table.num_shards();
-  ids->offsets.assign(shards + 1, 0);
-  for (int64_t u = 0; u < n; ++u) ++ids->offsets[table.ShardOf(ids->hashes[u]) + 1];
-  for (int s = 0; s < shards; ++s) ids->offsets[s + 1] += ids->offsets[s];
-  std::vector<int64_t> next(ids->offsets.begin(), ids->offsets.end() - 1);
-  keys->resize(n);
-  ids->part_hashes.resize(n);
-  ids->order.resize(n);
-  for (int64_t u = 0; u < n; ++u) {
-    const uint64_t h = ids->hashes[u];
-    const int64_t j = next[table.ShardOf(h)]++;
-    (*keys)[j] = static_cast<K>(ids->uniq[u]);
-    ids->part_hashes[j] = h;
-    ids->order[j] = u;
   }
 }
 
@@ -108,10 +70,11 @@ void DedupeParam(const GroupConfig& cfg, const std::vector<TableSlot>& tables, i
 }
 
 void PartitionDistinct(const TableSlot& table, ParamIds* ids) {
+  const int64_t n = static_cast<int64_t>(ids->uniq.size());
   if (table.t64) {
-    SortByShard(table.t64->table(), ids, &ids->keys64);
+    GroupByShard(table.t64->table(), ids->uniq.data(), ids->hashes.data(), n, &ids->by_shard64);
   } else {
-    SortByShard(table.t32->table(), ids, &ids->keys32);
+    GroupByShard(table.t32->table(), ids->uniq.data(), ids->hashes.data(), n, &ids->by_shard32);
   }
 }
 
@@ -124,17 +87,12 @@ absl::Status PrepareRows(OpKernelContext* ctx, const GroupConfig& cfg, int t, in
 }
 
 void LookupShard(const std::vector<TableSlot>& tables, int t, int sh, bool insert, ParamIds* ids) {
-  const int64_t b = ids->offsets[sh];
-  const int64_t n = ids->offsets[sh + 1] - b;
-  if (n == 0) return;
   if (tables[t].t64) {
-    tables[t].t64->table().LookupCounted(sh, ids->keys64.data() + b, ids->part_hashes.data() + b,
-                                         ids->order.data() + b, ids->counts.data(), n, insert,
-                                         ids->rows);
+    LookupShardCounted(tables[t].t64->table(), ids->by_shard64, sh, ids->counts.data(), insert,
+                       ids->rows);
   } else {
-    tables[t].t32->table().LookupCounted(sh, ids->keys32.data() + b, ids->part_hashes.data() + b,
-                                         ids->order.data() + b, ids->counts.data(), n, insert,
-                                         ids->rows);
+    LookupShardCounted(tables[t].t32->table(), ids->by_shard32, sh, ids->counts.data(), insert,
+                       ids->rows);
   }
 }
 

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/distinct_ids.h"
 #include "kernels/group_config.h"
 #include "kernels/pooled_combine.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -25,13 +26,10 @@ struct ParamIds {
   std::vector<int64_t> uniq;     // distinct ids (table keys in the key dtype)
   std::vector<uint64_t> hashes;  // their hashes
   std::vector<int32_t> counts;   // occurrences in the batch
-  // Tables: the distinct keys grouped by shard (positions into uniq) and
-  // their rows [U, dim].
-  std::vector<int64_t> keys64;
-  std::vector<int32_t> keys32;
-  std::vector<uint64_t> part_hashes;
-  std::vector<int64_t> order;
-  std::vector<int64_t> offsets;
+  // Tables: the distinct keys grouped by shard (in the table's key dtype)
+  // and their rows [U, dim].
+  kv::Partitioned<int64_t> by_shard64;
+  kv::Partitioned<int32_t> by_shard32;
   // From TensorFlow's allocator (a pool: a per-step buffer of this size
   // from malloc took fresh pages, zeroed by the kernel, every step).
   Tensor rows_buffer;

@@ -1,34 +1,19 @@
 // Copyright keras_rec_emb authors. Apache-2.0.
 // What the TensorFlow pooled lookup kernels share (the group lookup:
 // group_config.cc, group_forward.cc, group_backward.cc; the stacked pooled
-// lookup: stacked_lookup_kernels.cc): the combiners by name and a table of
-// either key dtype resolved from its handle. The combiners themselves and
+// lookup: stacked_lookup_kernels.cc): a table of either key dtype resolved
+// from its handle. The combiners (and ParseCombiner, by name) and
 // CombinePooledRows, the pooled path's combine, are TensorFlow-free, in
-// pooled_rows.h (the JAX binding runs them too).
+// core/pooled_rows.h (the JAX binding runs them too).
 #ifndef KRE_KERNELS_POOLED_COMBINE_H_
 #define KRE_KERNELS_POOLED_COMBINE_H_
 
 #include <cstdint>
-#include <string>
 
-#include "kernels/pooled_rows.h"
+#include "core/pooled_rows.h"
 #include "kernels/table_resource.h"
 
 namespace kre {
-
-// "sum", "mean" or "sqrtn" into *c; false for any other name.
-inline bool ParseCombiner(const std::string& name, Combiner* c) {
-  if (name == "sum") {
-    *c = kSum;
-  } else if (name == "mean") {
-    *c = kMean;
-  } else if (name == "sqrtn") {
-    *c = kSqrtn;
-  } else {
-    return false;
-  }
-  return true;
-}
 
 // A table of either key dtype.
 struct TableSlot {

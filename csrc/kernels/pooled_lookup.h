@@ -10,8 +10,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "core/pooled_rows.h"
 #include "kernels/pooled_combine.h"
-#include "kernels/pooled_rows.h"
 #include "kernels/table_resource.h"
 
 namespace kre {

@@ -12,8 +12,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "core/keep_rows.h"
 #include "kernels/checked.h"
-#include "kernels/keep_rows.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/util/work_sharder.h"
@@ -84,8 +84,9 @@ void CopyRowsAnyLength(const T* ids, int64_t f, int64_t l, int64_t begin, int64_
   }
 }
 
-// What both kernels share: the `num_features` attribute, checked once, and
-// the check of their input against it.
+// What both kernels share: the `num_features` attribute, checked once, the
+// check of their input against it, and the conversion of what Unstack
+// throws into the op's status.
 class StackedIdsOp : public tf::OpKernel {
  public:
   explicit StackedIdsOp(tf::OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -94,7 +95,21 @@ class StackedIdsOp : public tf::OpKernel {
                 tf::errors::InvalidArgument("`num_features` must be >= 1, got ", num_features_));
   }
 
+  void Compute(tf::OpKernelContext* ctx) override {
+    ComputeChecked(ctx, [&] {
+      const tf::Tensor& ids = ctx->input(0);
+      OP_REQUIRES_OK(ctx, CheckIds(ids));
+      Unstack(ctx, ids, ids.dim_size(0), ids.dim_size(1), ids.dim_size(2));
+    });
+  }
+
  protected:
+  // Compute's body on the checked ids [batch, f, l]; what it throws becomes
+  // its status.
+  virtual void Unstack(tf::OpKernelContext* ctx, const tf::Tensor& ids, int64_t batch, int64_t f,
+                       int64_t l) = 0;
+
+ private:
   // The op's input must be ids [batch, num_features, L].
   absl::Status CheckIds(const tf::Tensor& ids) const {
     if (ids.dims() != 3) {
@@ -110,7 +125,6 @@ class StackedIdsOp : public tf::OpKernel {
     return absl::OkStatus();
   }
 
- private:
   int num_features_ = 0;
 };
 
@@ -119,15 +133,9 @@ class UnstackKeptIdsOp : public StackedIdsOp {
  public:
   using StackedIdsOp::StackedIdsOp;
 
-  void Compute(tf::OpKernelContext* ctx) override {
-    ComputeChecked(ctx, [&] { ComputeUnchecked(ctx); });
-  }
-
-  // Compute's body; what it throws becomes its status.
-  void ComputeUnchecked(tf::OpKernelContext* ctx) {
-    const tf::Tensor& ids = ctx->input(0);
-    OP_REQUIRES_OK(ctx, CheckIds(ids));
-    const int64_t batch = ids.dim_size(0), f = ids.dim_size(1), l = ids.dim_size(2);
+ protected:
+  void Unstack(tf::OpKernelContext* ctx, const tf::Tensor& ids, int64_t batch, int64_t f,
+               int64_t l) override {
     // Each feature's kept ids go to a buffer with room for all its ids;
     // its output is the kept prefix (a slice: no copy).
     std::vector<tf::Tensor> values(f);
@@ -156,15 +164,9 @@ class UnstackFeatureIdsOp : public StackedIdsOp {
  public:
   using StackedIdsOp::StackedIdsOp;
 
-  void Compute(tf::OpKernelContext* ctx) override {
-    ComputeChecked(ctx, [&] { ComputeUnchecked(ctx); });
-  }
-
-  // Compute's body; what it throws becomes its status.
-  void ComputeUnchecked(tf::OpKernelContext* ctx) {
-    const tf::Tensor& ids = ctx->input(0);
-    OP_REQUIRES_OK(ctx, CheckIds(ids));
-    const int64_t batch = ids.dim_size(0), f = ids.dim_size(1), l = ids.dim_size(2);
+ protected:
+  void Unstack(tf::OpKernelContext* ctx, const tf::Tensor& ids, int64_t batch, int64_t f,
+               int64_t l) override {
     std::vector<int64_t*> out(f);
     for (int64_t j = 0; j < f; ++j) {
       tf::Tensor* t = nullptr;

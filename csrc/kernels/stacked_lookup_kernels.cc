@@ -19,8 +19,8 @@
 #include <string>
 #include <vector>
 
+#include "core/keep_rows.h"
 #include "kernels/checked.h"
-#include "kernels/keep_rows.h"
 #include "kernels/pooled_combine.h"
 #include "kernels/pooled_lookup.h"
 #include "kernels/table_resource.h"

@@ -1,6 +1,6 @@
 // Copyright keras_rec_emb authors. Apache-2.0.
 // The update rules of the fused sparse apply, free of TensorFlow: the TF
-// kernel (apply_kernels.cc) and the XLA FFI binding (csrc/jax/) both apply
+// kernel (csrc/kernels/apply_kernels.cc) and the XLA FFI binding (csrc/jax/) both apply
 // rows with these, so that one model trains to the same tables under either
 // Keras backend. Each rule follows the formulas of Keras's own optimizers
 // (keras/src/optimizers/*.py) row by row.
@@ -17,8 +17,8 @@
 //
 // A rule declares its slots' widths in kSlotWidths: 0 for a full row (dim
 // floats), 1 for one float per row. The extra slot is a full row.
-#ifndef KRE_KERNELS_UPDATE_RULES_H_
-#define KRE_KERNELS_UPDATE_RULES_H_
+#ifndef KRE_CORE_UPDATE_RULES_H_
+#define KRE_CORE_UPDATE_RULES_H_
 
 #include <immintrin.h>
 
@@ -383,4 +383,4 @@ struct ApplyRow {
 }  // namespace rules
 }  // namespace kre
 
-#endif  // KRE_KERNELS_UPDATE_RULES_H_
+#endif  // KRE_CORE_UPDATE_RULES_H_

@@ -1,9 +1,9 @@
 // Copyright keras_rec_emb authors. Apache-2.0.
 // The pooled lookup's kernel without TensorFlow: one feature's kept ids, in
 // batch order and not deduplicated, looked up and combined straight into
-// the output, block by block. The TensorFlow kernels (pooled_lookup.h: the
+// the output, block by block. The TensorFlow kernels (csrc/kernels/pooled_lookup.h: the
 // group lookup's pooled features, the stacked pooled lookup) and the JAX
-// binding's group inference lookup (csrc/jax/table_handlers.cc) both run it.
+// binding's group inference lookup (csrc/jax/pooled_handlers.cc) both run it.
 //
 // A table that reads in batch order (kv::Table::PrefersOrderedLookup: rows
 // in DRAM, no admission filter, not too large) has each block's rows found
@@ -12,9 +12,9 @@
 // large table) has a chunk of ids grouped by shard and looked up shard by
 // shard into a row buffer (kv::Table::Lookup without insert), then combined
 // alike. CombinePooledRows's outputs are bit-identical to the deduplicating
-// path's CombineRows (distinct_lookup.cc) for unweighted ids.
-#ifndef KRE_KERNELS_POOLED_ROWS_H_
-#define KRE_KERNELS_POOLED_ROWS_H_
+// path's CombineRows (csrc/kernels/distinct_lookup.cc) for unweighted ids.
+#ifndef KRE_CORE_POOLED_ROWS_H_
+#define KRE_CORE_POOLED_ROWS_H_
 
 #include <immintrin.h>
 
@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <string_view>
 #include <type_traits>
 #include <vector>
 
@@ -34,6 +35,20 @@
 namespace kre {
 
 enum Combiner { kSum = 0, kMean = 1, kSqrtn = 2 };
+
+// "sum", "mean" or "sqrtn" into *c; false for any other name.
+inline bool ParseCombiner(std::string_view name, Combiner* c) {
+  if (name == "sum") {
+    *c = kSum;
+  } else if (name == "mean") {
+    *c = kMean;
+  } else if (name == "sqrtn") {
+    *c = kSqrtn;
+  } else {
+    return false;
+  }
+  return true;
+}
 
 // 1 / the combiner's denominator of a row of n unweighted ids (0 when n is
 // 0), summed as CombinerScale sums weights of 1.
@@ -321,4 +336,4 @@ PooledBadId PooledRowsOf(kv::Table<K>& table, const PooledFeature& pf, int64_t b
 
 }  // namespace kre
 
-#endif  // KRE_KERNELS_POOLED_ROWS_H_
+#endif  // KRE_CORE_POOLED_ROWS_H_

@@ -3,9 +3,9 @@
 // ids (ids >= 0, or every id without pruning) and row splits, in one pass
 // over the input. Used by KRE>UnstackKeptIds (csrc/kernels/stack_kernels.cc),
 // KRE>StackedPooledLookup (csrc/kernels/stacked_lookup_kernels.cc) and the
-// JAX group lookup (csrc/jax/table_handlers.cc).
-#ifndef KRE_KERNELS_KEEP_ROWS_H_
-#define KRE_KERNELS_KEEP_ROWS_H_
+// JAX group lookup (csrc/jax/pooled_handlers.cc).
+#ifndef KRE_CORE_KEEP_ROWS_H_
+#define KRE_CORE_KEEP_ROWS_H_
 
 #include <cstdint>
 #include <type_traits>
@@ -102,4 +102,4 @@ inline void KeepRowsAnyLength(const T* ids, int64_t f, int64_t l, int64_t batch,
 
 }  // namespace kre
 
-#endif  // KRE_KERNELS_KEEP_ROWS_H_
+#endif  // KRE_CORE_KEEP_ROWS_H_

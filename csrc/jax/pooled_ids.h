@@ -1,0 +1,308 @@
+// Copyright keras_rec_emb authors. Apache-2.0.
+//
+// The combiners' lookups and updates of the JAX binding (pooled_handlers.cc,
+// apply_handlers.cc): a combiner's lookup in one call, ids [rows, L] (and
+// per-id weights, or none) -> [rows, dim], row r = sum_k w[r, k] *
+// row(ids[r, k]) times 1 / the combiner's denominator ("sum": 1; "mean":
+// sum_k w; "sqrtn": sqrt(sum_k w^2); w = 1 without weights; a row whose
+// denominator is 0 gives zeros), as keras_rec_emb/_jax/layers.py's
+// combine_last_axis. With `prune`, ids < 0 are padding: never inserted nor
+// counted, weight 0. With "mean" and "sqrtn" a weight <= 0 counts as 0
+// (layers.py has turned those ids into padding already). No [rows, L, dim]
+// array of rows goes through XLA: an inference lookup combines the rows
+// from the table (kv::Table::OrderedReader, as the TensorFlow pooled
+// kernels do), a training one from a block buffer of the lookup that
+// inserts. The backward (ApplyPooled) feeds id (r, k) w[r, k] /
+// denominator(r) times grads[r] to the fused sparse apply.
+//
+// The combiners are kre::Combiner (core/pooled_rows.h), as the TensorFlow
+// kernels'.
+#ifndef KRE_JAX_POOLED_IDS_H_
+#define KRE_JAX_POOLED_IDS_H_
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/distinct_ids.h"
+#include "core/pooled_rows.h"
+#include "jax/handlers.h"
+#include "kv/table.h"
+
+namespace kre {
+namespace jaxbind {
+
+inline ffi::ErrorOr<Combiner> ParseCombinerAttr(std::string_view name) {
+  Combiner c = kSum;
+  if (ParseCombiner(name, &c)) return c;
+  return ffi::Unexpected(
+      Invalid("`combiner` must be sum, mean or sqrtn, got '" + string(name) + "'"));
+}
+
+// Checks ids [rows, L] and weights ([rows, L], or empty: none).
+inline ffi::Error CheckPooled(const ffi::AnyBuffer& keys, const ffi::Buffer<ffi::F32>& weights) {
+  const auto kd = keys.dimensions();
+  if (kd.size() != 2) return Invalid("`keys` must be [rows, L], got " + Shape(kd));
+  const auto wd = weights.dimensions();
+  if (weights.element_count() != 0 && !(wd.size() == 2 && wd[0] == kd[0] && wd[1] == kd[1])) {
+    return Invalid("`weights` must be empty or have the keys' shape " + Shape(kd) + ", got " +
+                   Shape(wd));
+  }
+  return ffi::Error::Success();
+}
+
+// The checks every combiner's call makes: keys of the table's key dtype,
+// [rows, L], and weights (CheckPooled); returns its combiner.
+inline ffi::ErrorOr<Combiner> CheckPooledCall(const AnyTable& at, const ffi::AnyBuffer& keys,
+                                              const ffi::Buffer<ffi::F32>& weights,
+                                              std::string_view combiner) {
+  if (ffi::Error e = CheckKeys(at, keys); e.failure()) return ffi::Unexpected(e);
+  if (ffi::Error e = CheckPooled(keys, weights); e.failure()) return ffi::Unexpected(e);
+  return ParseCombinerAttr(combiner);
+}
+
+// Weight j of a row (weights or nullptr: 1) as `combiner` counts it: with
+// "mean" and "sqrtn" a weight <= 0 counts as 0.
+inline float PooledWeight(const float* weights, int64_t j, Combiner combiner) {
+  const float x = weights == nullptr ? 1.0f : weights[j];
+  return combiner != kSum && !(x > 0) ? 0.0f : x;
+}
+
+// What weight x adds to its row's denominator.
+inline float DenominatorTerm(float x, Combiner combiner) { return combiner == kSqrtn ? x * x : x; }
+
+// 1 / a row's denominator from the sum of its DenominatorTerms (0 when it
+// is 0).
+inline float InverseDenominator(float denom, Combiner combiner) {
+  if (combiner == kSqrtn) denom = std::sqrt(denom);
+  return combiner == kSum ? 1.0f : denom > 0 ? 1.0f / denom : 0.0f;
+}
+
+// The ids a pooled call looks up (all, or with `prune` those >= 0), in
+// batch order, each with its output row and weight, and each row's
+// 1 / denominator.
+template <typename K>
+struct PooledIds {
+  // Of ids k [rows, len], weights of their shape or nullptr.
+  PooledIds(const K* k, const float* weights, int64_t rows, int64_t len, bool prune,
+            Combiner combiner)
+      : PooledIds(rows, len, prune, combiner) {
+    for (int64_t r = 0; r < rows; ++r) {
+      AddRow(r, k + r * len, weights == nullptr ? nullptr : weights + r * len);
+    }
+  }
+  // Empty, for AddRow of rows 0, 1, ... rows - 1 of len ids each.
+  PooledIds(int64_t rows, int64_t len, bool prune, Combiner combiner)
+      : inv(rows), len_(len), prune_(prune), combiner_(combiner) {
+    keys.reserve(rows * len);
+    row.reserve(rows * len);
+    w.reserve(rows * len);
+  }
+  // Row r's ids k[0..len) and weights (or nullptr).
+  void AddRow(int64_t r, const K* k, const float* weights) {
+    float denom = 0;
+    for (int64_t j = 0; j < len_; ++j) {
+      if (prune_ && k[j] < 0) continue;
+      const float x = PooledWeight(weights, j, combiner_);
+      keys.push_back(k[j]);
+      row.push_back(static_cast<int32_t>(r));
+      w.push_back(x);
+      denom += DenominatorTerm(x, combiner_);
+    }
+    inv[r] = InverseDenominator(denom, combiner_);
+  }
+  int64_t size() const { return static_cast<int64_t>(keys.size()); }
+
+  std::vector<K> keys;
+  std::vector<int32_t> row;
+  std::vector<float> w, inv;
+
+ private:
+  const int64_t len_;
+  const bool prune_;
+  const Combiner combiner_;
+};
+
+// Sums weighted rows into the output rows by non-decreasing row index,
+// block after block (a row's ids may span blocks), and stores each row
+// times its 1 / denominator; Finish() stores the last one and zeros the
+// rows no id reached. Output row r is out[r * stride, r * stride + dim)
+// (a stride > dim: one feature's columns of a group's concatenated rows).
+class RowSums {
+ public:
+  RowSums(float* out, const float* inv, int64_t rows, int64_t dim, int64_t stride = -1)
+      : out_(out),
+        inv_(inv),
+        rows_(rows),
+        dim_(dim),
+        stride_(stride < 0 ? dim : stride),
+        acc_(dim, 0.0f) {}
+
+  void Add(const int32_t* row, const float* w, const float* const* src, int64_t n) {
+    switch (dim_) {
+      case 4:
+        return AddFixed<4>(row, w, src, n);
+      case 8:
+        return AddFixed<8>(row, w, src, n);
+      case 16:
+        return AddFixed<16>(row, w, src, n);
+      case 32:
+        return AddFixed<32>(row, w, src, n);
+      case 64:
+        return AddFixed<64>(row, w, src, n);
+      default:
+        return AddFixed<0>(row, w, src, n);
+    }
+  }
+
+  void Finish() {
+    Store(acc_.data());
+    Zero(rows_);
+  }
+
+ private:
+  // D > 0: rows of D floats, the sum in a local array (registers); D = 0:
+  // of dim_ floats, in acc_.
+  template <int D>
+  void AddFixed(const int32_t* row, const float* w, const float* const* src, int64_t n) {
+    const int64_t dim = D > 0 ? D : dim_;
+    float local[D > 0 ? D : 1];
+    float* acc = D > 0 ? local : acc_.data();
+    if (D > 0) std::copy(acc_.begin(), acc_.end(), acc);
+    for (int64_t i = 0; i < n; ++i) {
+      if (row[i] != cur_) {
+        Store(acc);
+        Zero(row[i]);
+        cur_ = row[i];
+        std::fill(acc, acc + dim, 0.0f);
+      }
+      const float s = w[i];
+      const float* r = src[i];
+      for (int64_t d = 0; d < dim; ++d) acc[d] += s * r[d];
+    }
+    if (D > 0) std::copy(acc, acc + dim, acc_.begin());
+  }
+
+  void Store(const float* acc) {
+    if (cur_ < 0) return;
+    float* o = out_ + cur_ * stride_;
+    const float c = inv_[cur_];
+    for (int64_t d = 0; d < dim_; ++d) o[d] = acc[d] * c;
+  }
+
+  // Zeros the rows after the current one, up to `next`.
+  void Zero(int64_t next) {
+    for (int64_t r = cur_ + 1; r < next; ++r) {
+      std::fill(out_ + r * stride_, out_ + r * stride_ + dim_, 0.0f);
+    }
+    cur_ = std::max<int64_t>(cur_, next - 1);
+  }
+
+  float* const out_;
+  const float* const inv_;
+  const int64_t rows_, dim_, stride_;
+  int64_t cur_ = -1;
+  std::vector<float> acc_;
+};
+
+// Inference lookups find this many ids' row pointers at a time (they stay
+// in L1, the rows in L2), as the TensorFlow pooled kernels do.
+constexpr int64_t kPooledReadBlock = 1024;
+
+// The distinct ids of a pooled call, in first-seen order, each with its
+// hash and count, grouped by shard (core/distinct_ids.h, as the TensorFlow
+// group op's) for kv::Table::LookupCounted, and the index of every id among
+// them: a training lookup reads each distinct id once, counted as often as
+// it occurs, instead of once per occurrence.
+template <typename K>
+struct DistinctIds {
+  // The distinct ids of k[0..n).
+  DistinctIds(const kv::Table<K>& table, const K* k, int64_t n) : inverse(n) {
+    DistinctBuilder<K> distinct(n, &uniq, &hashes, &counts);
+    for (int64_t i = 0; i < n; ++i) inverse[i] = distinct.Add(k[i], kv::Table<K>::Hash(k[i]));
+    GroupByShard(table, uniq.data(), hashes.data(), size(), &by_shard);
+  }
+  // Ids known to be distinct (no counts, no inverse): for an update.
+  DistinctIds(const kv::Table<K>& table, const K* distinct, int64_t m, bool /*distinct*/)
+      : uniq(distinct, distinct + m), hashes(m) {
+    for (int64_t u = 0; u < m; ++u) hashes[u] = kv::Table<K>::Hash(uniq[u]);
+    GroupByShard(table, uniq.data(), hashes.data(), size(), &by_shard);
+  }
+  int64_t size() const { return static_cast<int64_t>(uniq.size()); }
+
+  // Looks every distinct id up once: row u of `rows` ([size(), dim]) is
+  // uniq[u]'s.
+  void Lookup(kv::Table<K>& table, bool insert, float* rows) const {
+    LookupCountedByShard(table, by_shard, counts.data(), insert, rows);
+  }
+
+  std::vector<K> uniq;
+  std::vector<uint64_t> hashes;
+  std::vector<int32_t> counts;
+  std::vector<int64_t> inverse;
+  kv::Partitioned<K> by_shard;  // uniq by shard (GroupByShard)
+};
+
+// A training pooled lookup through the distinct ids `d` of p's ids.
+template <typename K>
+void PooledLookupDistinctRows(kv::Table<K>& table, const PooledIds<K>& p, const DistinctIds<K>& d,
+                              float* out, int64_t rows, int64_t out_stride = -1) {
+  const int64_t dim = table.dim(), n = p.size();
+  RowSums sums(out, p.inv.data(), rows, dim, out_stride);
+  std::vector<float> buffer(d.size() * dim);
+  d.Lookup(table, /*insert=*/true, buffer.data());
+  std::vector<const float*> ptrs(n);
+  for (int64_t i = 0; i < n; ++i) ptrs[i] = buffer.data() + d.inverse[i] * dim;
+  sums.Add(p.row.data(), p.w.data(), ptrs.data(), n);
+  sums.Finish();
+}
+
+// Output row r at out[r * out_stride] (-1: the table's dim).
+template <typename K>
+void PooledLookupRows(kv::Table<K>& table, const PooledIds<K>& p, bool insert, float* out,
+                      int64_t rows, int64_t out_stride = -1) {
+  const int64_t dim = table.dim(), n = p.size();
+  RowSums sums(out, p.inv.data(), rows, dim, out_stride);
+  std::vector<const float*> ptrs;
+  std::vector<float> buffer;
+  auto point_at_buffer = [&](int64_t m) {
+    ptrs.resize(m);
+    buffer.resize(m * dim);
+    for (int64_t i = 0; i < m; ++i) ptrs[i] = buffer.data() + i * dim;
+  };
+  if (n > 0 && table.PrefersOrderedLookup(n) && !insert) {
+    ptrs.resize(std::min(kPooledReadBlock, n));
+    typename kv::Table<K>::OrderedReader reader(table);
+    for (int64_t b = 0; b < n; b += kPooledReadBlock) {
+      const int64_t m = std::min(kPooledReadBlock, n - b);
+      reader.Find(p.keys.data() + b, m, ptrs.data(), /*read_later=*/true);
+      sums.Add(p.row.data() + b, p.w.data() + b, ptrs.data(), m);
+    }
+  } else if (n > 0 && insert) {
+    PooledLookupDistinctRows(table, p, DistinctIds<K>(table, p.keys.data(), n), out, rows,
+                             out_stride);
+    return;
+  } else if (n > 0 && table.PrefersOrderedLookup(n)) {
+    // In batch order (see LookupRows), a block at a time.
+    constexpr int64_t kBlock = kv::Table<K>::kOrderedBlock;
+    point_at_buffer(std::min(kBlock, n));
+    for (int64_t b = 0; b < n; b += kBlock) {
+      const int64_t m = std::min(kBlock, n - b);
+      table.LookupOrdered(p.keys.data() + b, m, insert, buffer.data(), dim);
+      sums.Add(p.row.data() + b, p.w.data() + b, ptrs.data(), m);
+    }
+  } else if (n > 0) {
+    point_at_buffer(n);
+    LookupRows(table, p.keys.data(), n, insert, buffer.data());
+    sums.Add(p.row.data(), p.w.data(), ptrs.data(), n);
+  }
+  sums.Finish();
+}
+
+}  // namespace jaxbind
+}  // namespace kre
+
+#endif  // KRE_JAX_POOLED_IDS_H_
