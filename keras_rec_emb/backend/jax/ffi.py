@@ -295,7 +295,7 @@ def lookup(handle, keys, dim, insert=True, prune=False):
 
 
 def apply(handle, keys, grads, hyper, step, rule, hparam_names, slots, prune=False):
-    """The fused sparse update of rule `rule` (csrc/kernels/update_rules.h):
+    """The fused sparse update of rule `rule` (csrc/core/update_rules.h):
     gradients of equal keys summed, then each distinct key's row and slots
     updated once and its version stamped with `step`. `hyper` holds the
     rule's hyper-parameters in the order `hparam_names` names them
