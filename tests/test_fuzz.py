@@ -178,7 +178,7 @@ def _table_case(rng, gen):
                      f"dim={gen.pick([4, 3])}, clear={gen.pick(['True', 'False'])}")
     rule = gen.pick(["sgd", "momentum", "adagrad", "adam", "ftrl", "adam_async",
                      "adagrad_decay"])
-    from keras_rec_emb.optimizers.rules import RULES
+    from keras_rec_emb._update_rules import RULES
 
     names = list(RULES[rule].hparam_names)
     hyper = [gen.pick(["0.1", "0.0", "1.0", "0.9"]) for _ in names]

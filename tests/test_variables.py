@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import keras_rec_emb
 from keras_rec_emb.backend.tensorflow import ops as _ops
-from keras_rec_emb.optimizers.rules import RULES
+from keras_rec_emb._update_rules import RULES
 from keras_rec_emb.backend.tensorflow.variables import EmbeddingTable, complete_parts
 
 DIM = 4

@@ -11,7 +11,7 @@
 //
 // Each rule names its hyper-parameters (kHyperNames, the layout of `hyper`)
 // and slots (kSlotNames; kExtraSlot, if any, is passed only when
-// NeedsExtraSlot). keras_rec_emb/optimizers/rules.py declares the same names
+// NeedsExtraSlot). keras_rec_emb/_update_rules.py declares the same names
 // and the bindings receive them: CheckNames compares them, so a reordered or
 // renamed list fails with InvalidArgument instead of training wrong.
 //

@@ -245,7 +245,7 @@ absl::Status SparseApplyShape(InferenceContext* c) {
 // `step`. Missing keys are inserted first, unless an admission filter is on:
 // then gradients of keys not admitted are dropped. `hparam_names` names the
 // entries of `hyper` and `slots` the table slots the rule reads, as declared in
-// keras_rec_emb/optimizers/rules.py; the kernel checks both against its own.
+// keras_rec_emb/_update_rules.py; the kernel checks both against its own.
 KRE_REGISTER_SPARSE_APPLY_OP("KRE>TableSparseApply");
 
 // KRE>TableSparseApply for `keys` that are distinct (the caller promises it:

@@ -31,7 +31,7 @@ class TableOptimizer(_Tables):
     a learning rate of -1).
 
     Subclasses implement `_table_update(learning_rate, step)` returning
-    `(rule, hyper)`: a rule of `rules.RULES` and a dict of its
+    `(rule, hyper)`: a rule of `_update_rules.RULES` and a dict of its
     hyper-parameters by name, in `keras.ops` (`learning_rate` and `decay`
     are filled in by the backend; the rule declares the order and slots).
     """
@@ -199,3 +199,11 @@ class Ftrl(TableOptimizer, keras.optimizers.Ftrl):
         return rule, {"learning_rate_power": self.learning_rate_power,
                       "l1": self.l1_regularization_strength, "l2_plus_beta": l2,
                       "l2_shrinkage": self.l2_shrinkage_regularization_strength}
+
+
+if _backend.is_jax():
+    from keras_rec_emb.backend.jax.optimizers import NAMESAKE_UPDATES
+
+    # A table given Keras's own optimizer takes the rule of our namesake.
+    NAMESAKE_UPDATES.update({cls.__name__: cls._table_update  # pylint: disable=protected-access
+                             for cls in (SGD, Adagrad, Adam, Ftrl)})

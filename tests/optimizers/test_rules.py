@@ -1,4 +1,4 @@
-"""Optimizer rules are declared by name once (`keras_rec_emb.optimizers.rules`)
+"""Optimizer rules are declared by name once (`keras_rec_emb._update_rules`)
 and the sparse-apply kernel checks the names it receives: a reordered or
 misnamed hyper-parameter or slot list fails with InvalidArgument instead of
 training wrong."""
@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import keras_rec_emb as kre
 from keras_rec_emb.backend.tensorflow import ops as _ops
-from keras_rec_emb.optimizers import rules
+from keras_rec_emb import _update_rules as rules
 from keras_rec_emb.backend.tensorflow.variables import EmbeddingTable
 
 DIM = 4

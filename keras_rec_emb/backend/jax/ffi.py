@@ -299,7 +299,7 @@ def apply(handle, keys, grads, hyper, step, rule, hparam_names, slots, prune=Fal
     gradients of equal keys summed, then each distinct key's row and slots
     updated once and its version stamped with `step`. `hyper` holds the
     rule's hyper-parameters in the order `hparam_names` names them
-    (keras_rec_emb/optimizers/rules.py), `slots` the slot names it reads.
+    (keras_rec_emb/_update_rules.py), `slots` the slot names it reads.
     With `prune`, keys < 0 (padding) are skipped."""
     keys, grads, hyper, step = _apply_operands(keys, grads, hyper, step)
     _call("kre_table_apply", [keys, grads, hyper, step], [], table=np.int64(handle),

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import keras
 
 from keras_rec_emb import _checks_core
+from keras_rec_emb._update_rules import RULES
 from keras_rec_emb.backend.jax import saving
 
 # Settings the lookup's backward cannot honour: it sees one table's
@@ -41,6 +42,10 @@ REFUSED = ("clipnorm", "clipvalue", "global_clipnorm", "use_ema", "loss_scale_fa
 # Keras's optimizers a table may take as its own (`EmbeddingVariable(
 # optimizer=keras.optimizers.SGD(...))`): the rule is that of our namesake.
 _KERAS_NAMESAKES = ("SGD", "Adagrad", "Adam", "Ftrl")
+# Keras optimizer name -> the `_table_update` of our class of that name, for
+# a table given Keras's own optimizer; filled by keras_rec_emb.optimizers
+# (which imports this module) when it defines them.
+NAMESAKE_UPDATES = {}
 # A slot's initial value, by slot name: the optimizer attribute (else 0);
 # and the slots of one float per row.
 _SLOT_INIT = {"accumulator": "initial_accumulator_value", "beta1_power": "beta_1",
@@ -107,14 +112,10 @@ class TableRule:
         # `learning_rate` (see there).
         self.constant_learning_rate = None if self.schedule else float(lr)
         self.weight_decay = float(config.get("weight_decay") or 0.0)
-        # Imported here: keras_rec_emb.optimizers imports this module.
-        from keras_rec_emb.optimizers import keras_optimizers  # pylint: disable=import-outside-toplevel
-        from keras_rec_emb.optimizers.rules import RULES  # pylint: disable=import-outside-toplevel
         if isinstance(optimizer, TableOptimizer):
             self._update = type(optimizer)._table_update
         else:
-            self._update = next(getattr(keras_optimizers, name)._table_update
-                                for name in _KERAS_NAMESAKES
+            self._update = next(NAMESAKE_UPDATES[name] for name in _KERAS_NAMESAKES
                                 if isinstance(optimizer, getattr(keras.optimizers, name)))
         self.name, extra = self._update(optimizer, 1.0, 0)
         self.rule = RULES[self.name]

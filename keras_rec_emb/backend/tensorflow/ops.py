@@ -293,7 +293,7 @@ def import_(handle, dim, parts, clear=True):
 def sparse_apply(handle, keys, grads, rule, hyper, step, slots, distinct=False):
     """One fused optimizer step on a table: `hyper` is a dict from name to
     value in the kernel's order and `slots` the slot names the rule reads
-    (`keras_rec_emb.optimizers.rules` declares both; the kernel checks the
+    (`keras_rec_emb._update_rules` declares both; the kernel checks the
     names). `distinct`: `keys` are known to hold no key twice
     (`KRE>TableSparseApplyDistinct` skips the dedupe)."""
     refuse_xla("An embedding table update")

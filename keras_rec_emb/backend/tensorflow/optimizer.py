@@ -29,6 +29,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_rec_emb._update_rules import RULES
 from keras_rec_emb.backend.tensorflow import checks as _checks
 from keras_rec_emb.backend.tensorflow import compat as _compat
 from keras_rec_emb.backend.tensorflow.op_args import named_outputs
@@ -303,8 +304,6 @@ class TableOptimizer:
         if optimizer.weight_decay is not None and _compat.uses_weight_decay(optimizer, variable):
             decay = optimizer._decay_factor(lr)  # pylint: disable=protected-access
         name, hyper = optimizer._table_update(lr, self.iterations)  # pylint: disable=protected-access
-        # Imported here: keras_rec_emb.optimizers imports this module.
-        from keras_rec_emb.optimizers.rules import RULES  # pylint: disable=import-outside-toplevel
         rule = RULES[name]
         hyper = dict(hyper, learning_rate=lr, decay=decay)
         ordered = dict(zip(rule.hparam_names, rule.ordered(hyper)))
