@@ -482,17 +482,29 @@ def _optimizer_vars(model):
 
 def _optimizer_keys(paths):
     """The keys by which links store an optimizer's variables, from their
-    paths in `optimizer.variables` order: each path without its first part,
-    the optimizer's name, which Keras makes unique per instance (a model
-    compiled again, or a second model in the process, has `adagrad_1`), and
-    with `inner/` before it per level of wrapping (a LossScaleOptimizer
-    lists its own variables, then its inner optimizer's)."""
-    owners, keys = [], []
+    paths in `optimizer.variables` order: each path without the names of
+    the optimizers that lead it, which Keras makes unique per instance (a
+    model compiled again, or a second model in the process, has
+    `adagrad_1`), and with `inner/` before it per level of wrapping (a
+    LossScaleOptimizer lists its own variables, then its inner
+    optimizer's). The optimizers' names are the first parts of the paths,
+    in order; a variable the inner optimizer makes inside the wrapper's
+    name scope (its slots, when `fit` builds it) has both names in front
+    (`loss_scale_optimizer/adam/x`), one it makes alone only its own
+    (`adam/x`, when built outside `fit`): both are `inner/x`."""
+    owners = []
     for path in paths:
-        owner, _, rest = path.partition("/")
+        owner = path.partition("/")[0]
         if owner not in owners:
             owners.append(owner)
-        keys.append("inner/" * owners.index(owner) + (rest or owner))
+    keys = []
+    for path in paths:
+        parts = path.split("/")
+        lead = 0
+        while lead < len(parts) - 1 and parts[lead] in owners:
+            lead += 1
+        level = owners.index(parts[lead - 1]) if lead else 0
+        keys.append("inner/" * level + "/".join(parts[lead:] if lead else parts))
     return keys
 
 

@@ -282,6 +282,43 @@ def test_dense_and_optimizer_variables_restore_by_path_not_position(tmp_path, wr
     np.testing.assert_array_equal(model.predict(x, verbose=0), restored.predict(x, verbose=0))
 
 
+def test_a_loss_scaled_optimizer_built_by_fit_restores_into_one_built_directly(tmp_path):
+    """Under mixed precision `compile` wraps the optimizer in a
+    LossScaleOptimizer; `fit` builds the inner optimizer inside the
+    wrapper's name scope (its slots' paths start `loss_scale_optimizer/
+    adam_async/`), a direct `build` outside it (`adam_async/`): the chain
+    restores either way, each value to its variable."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        keras.utils.set_random_seed(0)
+        model = TwoHeads(False)
+        model.compile(optimizer=kre.optimizers.AdamAsync(0.01), loss="mse")
+        rng = np.random.default_rng(6)
+        model.fit(rng.integers(0, 40, (16, 3)), rng.normal(size=(16, 2)), batch_size=8,
+                  verbose=0)
+        ckpt = kre.IncrementalCheckpointer(model, tmp_path)
+        ckpt.save_full()
+        model.fit(rng.integers(30, 60, (8, 3)), rng.normal(size=(8, 2)), verbose=0)
+        ckpt.save_incremental()
+        restored = two_heads(optimizer=kre.optimizers.AdamAsync(0.01), seed=9)
+        assert isinstance(restored.optimizer, kre.optimizers.LossScaleOptimizer)
+        paths = [v.path for v in model.optimizer.variables]
+        assert any(p.startswith("loss_scale_optimizer/adam_async/") for p in paths)
+        assert not any(v.path.startswith(f"{restored.optimizer.name}/adam_async")
+                       for v in restored.optimizer.variables)
+        kre.IncrementalCheckpointer(restored, tmp_path).restore()
+        want = [np.array(v) for v in model.optimizer.variables if not hasattr(v, "table")]
+        got = [np.array(v) for v in restored.optimizer.variables if not hasattr(v, "table")]
+        assert len(got) == len(want) > 8
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a, b)
+        x = rng.integers(0, 60, (16, 3))
+        np.testing.assert_array_equal(model.predict(x, verbose=0),
+                                      restored.predict(x, verbose=0))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
 def test_a_model_without_an_optimizer_restores_its_tables_and_dense_variables(tmp_path):
     """An uncompiled model (to evaluate or serve) has no optimizer state to
     take: the rest is restored."""
