@@ -73,10 +73,10 @@ def _is_jax_file(path):
 
 def runs_under(item, backend):
     """Whether `item` runs under `backend`: tests of tests/jax_backend
-    under JAX only, others as their `backends` mark says (TensorFlow
-    without one)."""
+    under JAX only (but those of TENSORFLOW_SIDE, under TensorFlow), others
+    as their `backends` mark says (TensorFlow without one)."""
     if item.path.parent == JAX_DIR:
-        return backend == "jax"
+        return backend == ("tensorflow" if item.path.name in TENSORFLOW_SIDE else "jax")
     mark = item.get_closest_marker("backends")
     return backend in (mark.args if mark else ("tensorflow",))
 

@@ -24,6 +24,8 @@ import keras
 import keras_rec_emb as kre
 
 SCALE = 0.5
+# Not a literal: reaches the exporting process pickled.
+SIZES = {"tower": 5, "item": 4}
 
 
 @keras.saving.register_keras_serializable(package="user")
@@ -45,8 +47,8 @@ class Ranker(keras.Model):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.user = kre.layers.EmbeddingVariable(4, combiner="mean", name="user")
-        self.item = kre.layers.EmbeddingVariable(4, name="item")
-        self.tower = Tower(units=5)
+        self.item = kre.layers.EmbeddingVariable(SIZES["item"], name="item")
+        self.tower = Tower(units=SIZES["tower"])
 
     def call(self, inputs):
         item = keras.ops.reshape(self.item(inputs["item"]), (-1, 4))

@@ -20,9 +20,11 @@ The child must know the model's classes and its inputs:
   a subclassed model's ids keep their dtype), sent to the child as JSON.
 """
 
+import base64
 import inspect
 import json
 import os
+import pickle
 import subprocess
 import sys
 import tempfile
@@ -92,13 +94,22 @@ def _user_classes(model):
     return [(module, name, registered) for registered, (module, name) in sorted(found.items())]
 
 
-def _main_source():
+def _main_source(needed):
     """What the script being run (`__main__`) binds at top level, as code
     that recreates it in the child without running the script: imports of
-    its modules and imported names, simple constants, and the source of the
-    classes and functions it defines, in the script's order."""
+    its modules and imported names, simple constants, the source of the
+    classes and functions it defines, in the script's order, and then its
+    other objects that pickle (a `TableConfig` a class reads, say; not
+    layers, variables, optimizers or arrays of a framework, nor any over
+    1 MiB). A definition whose source cannot be read (a `python -c`
+    script, a REPL) is left out, unless it is one of `needed` (the names of
+    the model's classes defined there)."""
+    import keras
+
     main = sys.modules.get("__main__")
-    lines, defined = [], []
+    lines, defined, pickled = [], [], []
+    stateful = (keras.layers.Layer, keras.Variable, keras.optimizers.Optimizer,
+                keras.callbacks.Callback)
     for name, value in list(vars(main).items()) if main is not None else ():
         if name.startswith("__"):
             continue
@@ -112,18 +123,29 @@ def _main_source():
                 lines.append(f"from {module} import {value.__name__} as {name}")
         elif isinstance(value, (bool, int, float, str, bytes, type(None))):
             lines.append(f"{name} = {value!r}")
+        elif not isinstance(value, stateful) and type(value).__module__.split(".")[0] not in (
+                "jax", "jaxlib", "tensorflow"):
+            try:
+                data = pickle.dumps(value)
+            except Exception:  # pylint: disable=broad-except  (not needed, or not picklable)
+                continue
+            if len(data) <= 1 << 20:
+                pickled.append(f"{name} = __import__('pickle').loads("
+                               f"__import__('base64').b64decode({base64.b64encode(data)!r}))")
     blocks = []
     for name, value in defined:
         try:
             source, start = inspect.getsourcelines(value)
         except (OSError, TypeError) as e:
+            if name not in needed:
+                continue
             raise ValueError(
                 f"export_for_serving under the JAX backend runs the export in a TensorFlow "
                 f"process, which needs the source of {name!r} (defined in __main__), but its "
                 "source cannot be read (defined interactively?). Define it in a module file "
                 f"or a script. ({e})") from None
         blocks.append((start, "".join(source)))
-    return "\n".join(lines + [b for _, b in sorted(blocks, key=lambda b: b[0])]) + "\n"
+    return "\n".join(lines + [b for _, b in sorted(blocks, key=lambda b: b[0])] + pickled) + "\n"
 
 
 def _signature(model):
@@ -197,7 +219,9 @@ def export_for_serving(model, filepath, input_signature=None, verbose=False, tim
         model.save(saved)
         setup = os.path.join(tmp, "setup.json")
         with open(setup, "w") as f:
-            json.dump({"classes": _user_classes(model), "main": _main_source(),
+            classes = _user_classes(model)
+            needed = {name for module, name, _ in classes if module == "__main__"}
+            json.dump({"classes": classes, "main": _main_source(needed),
                        "signature": _signature(model)}, f)
         run = subprocess.run(
             [sys.executable, "-c", _CHILD, saved, os.path.abspath(filepath),
