@@ -148,9 +148,7 @@ class AdamAsync(TableOptimizer, keras.optimizers.Optimizer):
                 for slot, k in zip(first, old):
                     order[slot] = k
                 if all(saved[order[k]].shape == tuple(v.shape) for k, v in enumerate(variables)):
-                    for k, v in enumerate(variables):
-                        v.assign(saved[order[k]])
-                    return
+                    store = {str(k): saved[order[k]] for k in range(len(variables))}
         super().load_own_variables(store)
 
     def get_config(self):
@@ -250,6 +248,7 @@ class AdagradDecay(TableOptimizer, keras.optimizers.Optimizer):
         variables = self._kre_saved_variables()
         if len(store.keys()) == len(variables):
             periods = {id(p) for p in self._decay_periods if not _is_placeholder(p)}
+            values = {}
             for i, variable in enumerate(variables):
                 value = np.asarray(store[str(i)])
                 if id(variable) in periods and value.shape != tuple(variable.shape):
@@ -257,10 +256,9 @@ class AdagradDecay(TableOptimizer, keras.optimizers.Optimizer):
                         raise ValueError(
                             f"Cannot restore `decay_period` of shape {value.shape} into "
                             f"shape {tuple(variable.shape)}")
-                    variable.assign(np.full(variable.shape, value.reshape(()), np.float32))
-                else:
-                    variable.assign(value)
-            return
+                    value = np.full(variable.shape, value.reshape(()), np.float32)
+                values[str(i)] = value
+            store = values
         super().load_own_variables(store)
 
     def _period(self, step):

@@ -10,6 +10,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 import zipfile
 
 import numpy as np
@@ -101,8 +102,15 @@ def tensorflow_layer(**kwargs):
 
 def _run_jax(code, *args):
     env = dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu")
-    run = subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=240)
+    # A script file, not `-c`: export_for_serving under JAX reads the
+    # source of what __main__ defines.
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as script:
+        script.write(code)
+    try:
+        run = subprocess.run([sys.executable, script.name, *map(str, args)], cwd=ROOT,
+                             env=env, capture_output=True, text=True, timeout=240)
+    finally:
+        os.unlink(script.name)
     assert run.returncode == 0, run.stderr[-4000:]
 
 

@@ -250,6 +250,14 @@ class TableOptimizer:
 
     def load_own_variables(self, store):
         saving.load_optimizer(self, store)
+        # A table loaded from a file saved under TensorFlow has no step of
+        # its own there (TensorFlow's tables, their own optimizers' too,
+        # follow the model optimizer's step): it takes this step, loaded
+        # after the layers.
+        for table in tables_of(self._trainable_variables):
+            if getattr(table, "_kre_step_unsaved", False):
+                table.iterations.assign(self.iterations.value)
+                table._kre_step_unsaved = False  # pylint: disable=protected-access
 
 
 class LossScaleTables:

@@ -39,8 +39,9 @@ parts as `iterations`, which the TensorFlow layer does not read (its
 tables follow the model optimizer's step, saved with the optimizer): a
 JAX model saved and loaded resumes at its step even when the last steps
 stamped no version (ids all filtered, padding or evicted). A file without
-it (saved under TensorFlow) restores the step after the latest version,
-admitted or filtered.
+it (saved under TensorFlow) takes the model optimizer's step, which
+TensorFlow's tables follow (the step after the latest version, admitted or
+filtered, when no optimizer loads).
 """
 
 import warnings
@@ -122,12 +123,14 @@ def load_table(layer, store):
     known = {name for name, _ in specs}
     layer._kre_slot_specs = specs + [(name, value.shape[1]) for name, value in
                                      data["slots"].items() if name not in known]
+    layer._kre_step_unsaved = STEP not in names  # pylint: disable=protected-access
     if STEP in names:
         layer.iterations.assign(int(np.asarray(store[STEP])))
         return
     # A file without the step (saved under TensorFlow, whose tables take
-    # the model optimizer's): the step after the last one that stamped a
-    # version, admitted or filtered.
+    # the model optimizer's): the model optimizer's step, when it loads
+    # (TableOptimizer.load_own_variables); until then, or without one, the
+    # step after the last one that stamped a version, admitted or filtered.
     versions = np.concatenate([np.asarray(data.get(name, np.zeros(0, np.int64)), np.int64)
                                .ravel() for name in ("versions", "versions_filtered")])
     layer.iterations.assign(int(versions.max()) + 1 if versions.size else 0)
