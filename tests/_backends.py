@@ -43,7 +43,7 @@ TEST_SECONDS, FILE_SECONDS, START_SECONDS = 300, 900, 300
 # they start JAX children of their own, or test the JAX library's links.
 TENSORFLOW_SIDE = ("test_jax_backend.py", "test_cross_backend_saving.py",
                    "test_cross_backend_training.py", "test_cross_backend_hash_layers.py",
-                   "test_cross_backend_export.py")
+                   "test_cross_backend_export.py", "test_cross_backend_incremental.py")
 
 # What the worker's environment adds: XLA's compiles are most of the JAX
 # tests' time, so it compiles with XLA's optimizations mostly off and with
@@ -73,10 +73,10 @@ def _is_jax_file(path):
 
 def runs_under(item, backend):
     """Whether `item` runs under `backend`: tests of tests/jax_backend
-    under JAX only, others as their `backends` mark says (TensorFlow
-    without one)."""
+    under JAX only (those of `TENSORFLOW_SIDE` under TensorFlow), others
+    as their `backends` mark says (TensorFlow without one)."""
     if item.path.parent == JAX_DIR:
-        return backend == "jax"
+        return backend == ("tensorflow" if item.path.name in TENSORFLOW_SIDE else "jax")
     mark = item.get_closest_marker("backends")
     return backend in (mark.args if mark else ("tensorflow",))
 
