@@ -15,9 +15,10 @@ from keras_rec_emb._version import __version__
 # `make jax-ops`) and TensorFlow is neither imported nor needed. The public API
 # there: `layers` (EmbeddingVariable, GroupEmbedding, FeatureSpec), every
 # optimizer but LossScaleOptimizer, the table options (EmbeddingVariableOption
-# and the rest), `callbacks` (EvictionCallback, TableStats), `save_model` /
-# `load_model` and `export_for_serving`; the rest of the TensorFlow API is
-# named as TensorFlow-only when asked for.
+# and the rest), `callbacks`, `save_model` / `load_model`, `export_for_serving`
+# and incremental checkpoints (`IncrementalCheckpointer`; `apply_to_saved_model`
+# says what to use instead); the rest of the TensorFlow API is named as
+# TensorFlow-only when asked for.
 if _backend.is_jax():
     from keras_rec_emb.backend.jax import use_64_bit_ids
 
@@ -26,6 +27,7 @@ if _backend.is_jax():
     from keras_rec_emb import callbacks, data, layers, optimizers
     from keras_rec_emb.backend.jax import tensorflow_only_getattr
     from keras_rec_emb.backend.jax.serving import export_for_serving
+    from keras_rec_emb.incremental import IncrementalCheckpointer, apply_to_saved_model
     from keras_rec_emb.options import (CBFFilter, CounterFilter, EmbeddingVariableOption,
                                        GlobalStepEvict, InitializerOption, L2WeightEvict,
                                        StorageOption)
@@ -34,9 +36,9 @@ if _backend.is_jax():
     __all__ = ["__version__", "export_for_serving", "layers", "optimizers", "CBFFilter",
                "CounterFilter", "EmbeddingVariableOption", "GlobalStepEvict",
                "InitializerOption", "L2WeightEvict", "StorageOption", "save_model",
-               "load_model", "storage_root", "callbacks", "data"]
-    _TENSORFLOW_ONLY = (
-        "distribute", "ops", "IncrementalCheckpointer", "apply_to_saved_model")
+               "load_model", "storage_root", "callbacks", "data", "IncrementalCheckpointer",
+               "apply_to_saved_model"]
+    _TENSORFLOW_ONLY = ("distribute", "ops")
 
     def __dir__():
         return list(__all__)

@@ -1,9 +1,7 @@
 """Keras callbacks for embedding tables.
 
-Under Keras's JAX backend `EvictionCallback` and `TableStats` (TensorBoard
-scalars included) work as under TensorFlow; `CheckpointCallback`, whose
-incremental checkpoints read the TensorFlow tables' change log, is
-TensorFlow-only for now (asking for it says so).
+Each works under Keras's TensorFlow and JAX backends alike (a
+`CheckpointCallback`'s chain written under one restores under the other).
 """
 
 import os
@@ -41,19 +39,6 @@ def _table_counters(model):
     """(name, counters) of every table of `model`, in variable order:
     `counters` a dict with at least `size`, `filtered`, `memory_bytes`,
     `lookups`, `hits`, `admitted_total`, `erased_total`."""
-    if _JAX:
-        from keras_rec_emb.backend.jax import ffi
-        from keras_rec_emb.backend.jax.optimizers import tables_of
-
-        out, seen = [], set()
-        for variable in model.variables:
-            for layer in tables_of([variable]):
-                if id(layer) not in seen and layer.handle is not None:
-                    seen.add(id(layer))
-                    # The TensorFlow table's variable path: `<layer>/embeddings`.
-                    path = variable.path.rsplit("/", 1)[0] + "/embeddings"
-                    out.append((path, ffi.stats(layer.handle)))
-        return out
     from keras_rec_emb.incremental import _tables
 
     return [(path, table.counters()) for path, table in _tables(model)]
@@ -383,11 +368,3 @@ class TableStats(keras.callbacks.Callback):
     def from_config(cls, config):
         return cls(**config)
 
-
-if _JAX:
-    from keras_rec_emb.backend.jax import tensorflow_only_getattr
-
-    del CheckpointCallback  # incremental checkpoints: TensorFlow-only for now
-    __all__ = ["EvictionCallback", "TableStats"]
-    __getattr__ = tensorflow_only_getattr("keras_rec_emb.callbacks", ("CheckpointCallback",),
-                                          __all__)

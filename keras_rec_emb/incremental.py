@@ -37,10 +37,9 @@ import zipfile
 import keras
 import numpy as np
 
-from keras_rec_emb.backend.tensorflow import checks as _checks
-from keras_rec_emb.backend.tensorflow import compat as _compat
+from keras_rec_emb import _backend
+from keras_rec_emb import _checks_core as _checks
 from keras_rec_emb import saving as _saving
-from keras_rec_emb.backend.tensorflow import variables as _variables
 
 __all__ = ["IncrementalCheckpointer", "apply_to_saved_model"]
 
@@ -48,7 +47,6 @@ _FORMAT = "keras_rec_emb.checkpoint/2"
 # /1 links (no chain id, no parent checksum) still restore, checked by name.
 _FORMATS = ("keras_rec_emb.checkpoint/1", _FORMAT)
 _NAME = re.compile(r"^ckpt-(\d{8,})-(full|incremental)\.npz$")
-_TABLE_PARTS = _variables.ARRAY_PARTS
 _META = "__meta__"
 # `export_changes` after this mark returns no rows: a cheap probe of a
 # table's slots and filter (and, by the op's `dim`, of its width).
@@ -60,19 +58,29 @@ class _Mismatch(ValueError):
     back to an older checkpoint: every one would fit as badly)."""
 
 
+def _changes():
+    """The backend's table change tracking: `tables(model)` ((name, table)
+    of every table, in variable order, each table with `mark_changes`,
+    `export_changes`, `trim_erased`, `apply_changes`, `export`, `import_`,
+    `dim`, `key_dtype`), `dense_variables(model)`,
+    `optimizer_variables(optimizer)` and `ARRAY_PARTS`."""
+    if _backend.is_jax():
+        from keras_rec_emb.backend.jax import changes
+    else:
+        from keras_rec_emb.backend.tensorflow import changes
+    return changes
+
+
 def _tables(model):
-    """(name, EmbeddingTable) of every table of `model`, in variable order."""
-    out, seen = [], set()
-    for v in model.variables:
-        if _variables.is_table(v) and id(v.table) not in seen:
-            seen.add(id(v.table))
-            out.append((v.path, v.table))
-    return out
+    return _changes().tables(model)
 
 
 def _export_order(model):
     """Table names in the order `model.export` lists them
-    (`_compat.exported_resources` of the loaded export)."""
+    (`_compat.exported_resources` of the loaded export); None under JAX,
+    which has no SavedModel of this package's ops."""
+    if _backend.is_jax():
+        return None
     import tensorflow as tf
     from tensorflow.saved_model.experimental import TrackableResource
 
@@ -250,8 +258,9 @@ def _check_table_fits(parts, table, name, path, probe):
     for k in ("keys", "keys_filtered", "erased"):
         if k in parts:
             try:
-                _checks.keys_in_range(parts[k], table.key_dtype, f"'{k}' of table '{name}' "
-                                      f"in {path}")
+                _checks.check_ids_in_key_range(
+                    parts[k], np.dtype(getattr(table.key_dtype, "as_numpy_dtype", table.key_dtype)),
+                    f"'{k}' of table '{name}' in {path}")
             except ValueError as e:
                 raise _Mismatch(str(e)) from None
     for slot, block in parts["slots"].items():
@@ -289,6 +298,8 @@ _SERVED = weakref.WeakKeyDictionary()
 
 def _served_tables(loaded):
     """The table handles of a `tf.saved_model.load` result, in export order."""
+    from keras_rec_emb.backend.tensorflow import compat as _compat
+
     if loaded is None or isinstance(loaded, (str, bytes, os.PathLike)):
         raise TypeError(
             "`loaded` must be the object `tf.saved_model.load(path)` returned (after "
@@ -388,9 +399,17 @@ def apply_to_saved_model(loaded: object, path: str | os.PathLike) -> None:
     >>> bool(np.allclose(served.serve(x), model.predict(x, verbose=0)))
     True
     """
+    if _backend.is_jax():
+        raise NotImplementedError(
+            "apply_to_saved_model updates a TensorFlow SavedModel of this package's ops "
+            "in place, which needs the TensorFlow backend. Under JAX, serve the state of a "
+            "checkpoint chain by restoring it (IncrementalCheckpointer(model, directory)."
+            "restore()) and writing a stock-TensorFlow SavedModel with "
+            "keras_rec_emb.export_for_serving(model, path), e.g. on a schedule.")
     import tensorflow as tf
 
     from keras_rec_emb.backend.tensorflow import ops as _ops
+    from keras_rec_emb.backend.tensorflow import variables as _variables
 
     handles = _served_tables(loaded)
     paths = [path] if isinstance(path, (str, os.PathLike)) else path
@@ -442,7 +461,7 @@ def apply_to_saved_model(loaded: object, path: str | os.PathLike) -> None:
         for handle, name, parts, key_dtype in tables:
             n = len(parts["keys"])
             key_np = key_dtype.as_numpy_dtype
-            given = {k: parts[k] for k in _TABLE_PARTS}
+            given = {k: parts[k] for k in _variables.ARRAY_PARTS}
             given["keys"] = parts["keys"].astype(key_np)
             given["keys_filtered"] = parts["keys_filtered"].astype(key_np)
             given["values"] = parts["values"].astype(np.float32)
@@ -468,7 +487,7 @@ def apply_to_saved_model(loaded: object, path: str | os.PathLike) -> None:
 
 
 def _dense(model):
-    return [v for v in model.variables if not _variables.is_table(v)]
+    return _changes().dense_variables(model)
 
 
 def _optimizer_vars(model):
@@ -477,7 +496,7 @@ def _optimizer_vars(model):
         return []
     if not opt.built:
         opt.build(model.trainable_variables)
-    return [v for v in opt.variables if not _variables.is_table(v)]
+    return _changes().optimizer_variables(opt)
 
 
 def _optimizer_keys(paths):
@@ -709,9 +728,11 @@ class IncrementalCheckpointer:
                              sorted(self.kafka_position.offsets().items())]
 
     @staticmethod
-    def _table_arrays(arrays, j, parts):
-        for k in _TABLE_PARTS:
+    def _table_arrays(arrays, j, parts, table):
+        for k in _changes().ARRAY_PARTS:
             arrays[f"t{j}/{k}"] = np.asarray(parts[k])
+        if hasattr(table, "step"):  # a JAX table's step counter (backend/jax/changes.py)
+            arrays[f"t{j}/step"] = np.asarray(table.step, np.int64)
         for name, rows in parts["slots"].items():
             arrays[f"t{j}/slot/{name}"] = np.asarray(rows)
         if "erased" in parts:
@@ -750,7 +771,7 @@ class IncrementalCheckpointer:
         arrays, meta = {}, {"tables": [name for name, _ in tables], "chain": chain,
                             "base": None, "parent": None, "parent_digest": None}
         for j, (_, t) in enumerate(tables):
-            self._table_arrays(arrays, j, t.export())
+            self._table_arrays(arrays, j, t.export(), t)
         self._common(arrays, meta)
         name, path, digest = self._write("full", arrays, meta)
         self._committed(tables, marks, name, name, digest, chain)
@@ -776,7 +797,7 @@ class IncrementalCheckpointer:
             delta = t.export_changes(self._marks[name])
             if not delta["complete"]:
                 return self.save_full()
-            self._table_arrays(arrays, j, delta)
+            self._table_arrays(arrays, j, delta, t)
         self._common(arrays, meta)
         name, path, digest = self._write("incremental", arrays, meta)
         self._committed(tables, marks, self._base, name, digest, self._chain)
@@ -1080,6 +1101,13 @@ class IncrementalCheckpointer:
                       for i, k in enumerate(_optimizer_keys(meta["optimizer"]))}
             stage["opt"] = [by_key[k] for k in _optimizer_keys([v.path for v in opt_vars])]
         stage["kafka"] = _kafka_offsets(meta, path)
+        # A JAX table's step counter: its own, or (a link written under
+        # TensorFlow) the optimizer's step, which stamped the versions.
+        stage["steps"] = {}
+        for j, name in enumerate(meta["tables"]):
+            if hasattr(tables[name], "step"):
+                step = arrays.get(f"t{j}/step")
+                stage["steps"][name] = int(meta.get("step", 0) if step is None else step)
         return stage
 
     def _apply(self, stage, tables):
@@ -1089,7 +1117,7 @@ class IncrementalCheckpointer:
         opt_vars = _optimizer_vars(self.model)
         backup = {"dense": [np.array(keras.ops.convert_to_numpy(v)) for v in dense],
                   "opt": [np.array(keras.ops.convert_to_numpy(v)) for v in opt_vars],
-                  "tables": {}}
+                  "tables": {}, "steps": {n: tables[n].step for n in stage["steps"]}}
         try:
             for name, links in stage["tables"].items():
                 table = tables[name]
@@ -1104,10 +1132,14 @@ class IncrementalCheckpointer:
             if stage["opt"] is not None:
                 for v, a in zip(opt_vars, stage["opt"]):
                     v.assign(a)
+            for name, step in stage["steps"].items():
+                tables[name].step = step
         except BaseException as error:
             try:
                 for name, data in backup["tables"].items():
                     tables[name].import_(data, clear=True)
+                for name, step in backup["steps"].items():
+                    tables[name].step = step
                 for v, a in zip(dense, backup["dense"]):
                     v.assign(a)
                 for v, a in zip(opt_vars, backup["opt"]):

@@ -43,7 +43,8 @@ TEST_SECONDS, FILE_SECONDS, START_SECONDS = 300, 900, 300
 # they start JAX children of their own, or test the JAX library's links.
 TENSORFLOW_SIDE = ("test_jax_backend.py", "test_cross_backend_saving.py",
                    "test_cross_backend_training.py", "test_cross_backend_hash_layers.py",
-                   "test_cross_backend_export.py", "test_cross_backend_resume.py")
+                   "test_cross_backend_export.py", "test_cross_backend_resume.py",
+                   "test_cross_backend_incremental.py")
 
 # What the worker's environment adds: XLA's compiles are most of the JAX
 # tests' time, so it compiles with XLA's optimizations mostly off and with

@@ -1,5 +1,6 @@
 """Incremental checkpoint chains under faults: fallbacks, foreign and broken
-links, mismatched models; restores are all-or-nothing (keras_rec_emb/incremental.py)."""
+links, mismatched models; restores are all-or-nothing (keras_rec_emb/incremental.py).
+Under both backends but `apply_to_saved_model` (a TensorFlow SavedModel's)."""
 
 import os
 import shutil
@@ -9,16 +10,20 @@ import numpy as np
 import pytest
 
 import keras_rec_emb as kre
+from keras_rec_emb import incremental
 from keras_rec_emb.layers import EmbeddingVariable
 
-pytestmark = pytest.mark.tensorflow_only  # chains of tf.train.Checkpoint incremental checkpoints
+both = pytest.mark.backends("tensorflow", "jax")
 
 DIM = 4
 
 
 def make_model(seed=0, dim=DIM, dense_units=1, filter_freq=0, second_table=False,
                optimizer=None):
-    keras.utils.set_random_seed(seed)
+    if keras.config.backend() == "jax":
+        np.random.seed(seed)  # (keras.utils.set_random_seed would import TensorFlow)
+    else:
+        keras.utils.set_random_seed(seed)
     ids = keras.Input((3,), dtype="int64")
     ev = EmbeddingVariable(dim, combiner="mean", name="ev", ev_option=kre.EmbeddingVariableOption(
         filter_option=kre.CounterFilter(filter_freq) if filter_freq else None))
@@ -39,19 +44,21 @@ def train(model, rng, lo=0, hi=60, steps=1):
 
 
 def state(model):
-    """Every table row (sorted by key), every dense and optimizer variable."""
+    """Every table row (sorted by key), every dense and optimizer variable
+    (under JAX the tables' layers' too: anchor, step counter)."""
     out = {}
+    for path, table in incremental._tables(model):
+        d = table.export()
+        order = np.argsort(d["keys"])
+        out[path + ":keys"] = d["keys"][order]
+        out[path + ":values"] = d["values"][order]
+        out[path + ":freqs"] = d["freqs"][order]
+        out[path + ":versions"] = d["versions"][order]
+        for s in sorted(d["slots"]):
+            out[f"{path}:slot:{s}"] = d["slots"][s][order]
+        out[path + ":filtered"] = np.sort(d["keys_filtered"])
     for v in model.variables:
-        if hasattr(v, "table"):
-            d = v.table.export()
-            order = np.argsort(d["keys"])
-            out[v.path + ":keys"] = d["keys"][order]
-            out[v.path + ":values"] = d["values"][order]
-            out[v.path + ":freqs"] = d["freqs"][order]
-            for s in sorted(d["slots"]):
-                out[f"{v.path}:slot:{s}"] = d["slots"][s][order]
-            out[v.path + ":filtered"] = np.sort(d["keys_filtered"])
-        else:
+        if not hasattr(v, "table"):
             out[v.path] = np.array(v)
     for i, v in enumerate(model.optimizer.variables):
         if not hasattr(v, "table"):
@@ -78,6 +85,7 @@ def fresh(seed=7, **kwargs):
 
 # -- item 4: a fallback restore continues the older chain --------------------
 
+@both
 def test_links_saved_after_a_fallback_restore_are_restored_next_time(tmp_path):
     rng = np.random.default_rng(0)
     model = make_model()
@@ -136,6 +144,7 @@ def _our_run(directory, links=2):
     return paths, states
 
 
+@both
 def test_a_link_of_another_run_copied_into_the_folder_is_skipped_with_a_warning(tmp_path):
     ours, states = _our_run(tmp_path / "ours", links=2)
     theirs = _other_run(tmp_path / "theirs", links=3)
@@ -150,6 +159,7 @@ def test_a_link_of_another_run_copied_into_the_folder_is_skipped_with_a_warning(
     assert_same(state(model), states[-1])
 
 
+@both
 def test_a_link_replaced_in_the_middle_of_the_chain_refuses_the_restore(tmp_path):
     ours, states = _our_run(tmp_path / "ours", links=3)
     theirs = _other_run(tmp_path / "theirs", links=3)
@@ -187,6 +197,7 @@ def _live(seed=9, **kwargs):
     return model, state(model)
 
 
+@both
 def test_a_restore_that_cannot_read_its_checkpoint_changes_nothing(tmp_path):
     _chain(tmp_path)
     corrupt(os.path.join(tmp_path, "ckpt-00000000-full.npz"))
@@ -197,6 +208,7 @@ def test_a_restore_that_cannot_read_its_checkpoint_changes_nothing(tmp_path):
     assert_same(state(model), before)
 
 
+@both
 def test_a_restore_into_other_dense_shapes_raises_before_touching_the_tables(tmp_path):
     _chain(tmp_path)
     model, before = _live(dense_units=2)
@@ -206,6 +218,7 @@ def test_a_restore_into_other_dense_shapes_raises_before_touching_the_tables(tmp
     assert_same(state(model), before)
 
 
+@both
 def test_a_restore_into_other_tables_says_which_tables_differ(tmp_path):
     _chain(tmp_path)
     model, before = _live(second_table=True)
@@ -217,6 +230,7 @@ def test_a_restore_into_other_tables_says_which_tables_differ(tmp_path):
     assert_same(state(model), before)
 
 
+@both
 def test_a_restore_into_another_width_names_the_table_and_both_widths(tmp_path):
     _chain(tmp_path)
     model, before = _live(dim=8)
@@ -226,6 +240,7 @@ def test_a_restore_into_another_width_names_the_table_and_both_widths(tmp_path):
     assert_same(state(model), before)
 
 
+@both
 @pytest.mark.parametrize("stage", ["full import", "second table's link", "dense", "optimizer"])
 def test_a_restore_failing_while_applying_puts_the_model_back(tmp_path, monkeypatch, stage):
     """Out of memory (or disk) at each step of applying: the tables, dense
@@ -242,7 +257,7 @@ def test_a_restore_failing_while_applying_puts_the_model_back(tmp_path, monkeypa
             return original(*args, **kwargs)
         return wrapper
 
-    table_cls = type(model.get_layer("ev").table)
+    table_cls = type(dict(incremental._tables(model))["ev/embeddings"])
     if stage == "full import":
         monkeypatch.setattr(table_cls, "import_", fail_once(table_cls.import_))
     elif stage == "second table's link":
@@ -250,7 +265,7 @@ def test_a_restore_failing_while_applying_puts_the_model_back(tmp_path, monkeypa
         seen = []
 
         def apply_changes(self, delta):
-            seen.append(self.name)
+            seen.append(self)
             if len(seen) == 2:
                 raise MemoryError("injected in the second table's link")
             return original(self, delta)
@@ -295,6 +310,7 @@ def _serves_like(served, model):
                                model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.tensorflow_only
 def test_apply_to_saved_model_names_a_path_or_none_given_as_the_model(tmp_path):
     _, paths, _ = _served_chain(tmp_path, links=1)
     for bad in (str(tmp_path / "served"), None):
@@ -304,6 +320,7 @@ def test_apply_to_saved_model_names_a_path_or_none_given_as_the_model(tmp_path):
         kre.apply_to_saved_model(make_model(), paths[0])
 
 
+@pytest.mark.tensorflow_only
 def test_apply_to_saved_model_refuses_links_out_of_order_and_orders_a_list(tmp_path):
     model, paths, load = _served_chain(tmp_path, links=3)
     served = load()

@@ -222,6 +222,36 @@ ffi::Error ExportAux(ffi::Token, ffi::Result<ffi::Token>, ffi::ResultBuffer<ffi:
   });
 }
 
+// Import's `clear=false`: writes the checked parts into the live table
+// (a delta of an incremental checkpoint: rows overwritten or added, keys
+// counted but not admitted added, the initializer matrix and Bloom counters
+// replaced when given), as TensorFlow's KRE>TableImport with clear=false.
+template <typename K>
+ffi::Error MergeInto(kv::Table<K>& tab, const std::vector<string>& names,
+                     const std::vector<int64_t>& widths, const ffi::Buffer<ffi::F32>& defaults,
+                     const K* keys, const ffi::Buffer<ffi::F32>& values,
+                     const std::vector<int64_t>& f, const std::vector<int64_t>& v, int64_t n,
+                     const ffi::Buffer<ffi::F32>& slot_values, const K* keys_filtered,
+                     const std::vector<int64_t>& ff, const std::vector<int64_t>& vf, int64_t nf,
+                     const ffi::Buffer<ffi::U8>& bloom) {
+  std::vector<int> ids;
+  for (size_t j = 0; j < names.size(); ++j) {
+    const int id = tab.SlotIndex(names[j]);
+    ids.push_back(id >= 0 ? id : tab.AddSlot(names[j], widths[j], 0.0f));
+  }
+  if (defaults.dimensions()[0] > 0) {
+    const float* d = defaults.typed_data();
+    tab.SetDefaultValues(std::vector<float>(d, d + defaults.element_count()));
+  }
+  tab.Import(keys, values.typed_data(), f.data(), v.data(), n, slot_values.typed_data(), ids,
+             widths);
+  tab.ImportFiltered(keys_filtered, ff.data(), vf.data(), nf);
+  if (bloom.element_count() != 0 && !tab.SetBloomState(bloom.typed_data(), bloom.element_count())) {
+    return Invalid("`bloom` is not a counting Bloom filter state of this table's settings");
+  }
+  return ffi::Error::Success();
+}
+
 // Replaces the contents of the table with the parts of a saved table (see
 // keras_rec_emb/variables.py's PARTS): admitted keys with rows, frequencies,
 // versions and slot columns (`slot_values`, blocks of `slot_widths` columns
@@ -229,13 +259,14 @@ ffi::Error ExportAux(ffi::Token, ffi::Result<ffi::Token>, ffi::ResultBuffer<ffi:
 // initializer matrix (kept when `default_values` has no rows), the keys
 // counted but not admitted, and the Bloom counters (kept when empty).
 // Every part is checked first; the new contents are built beside the table
-// and swapped in, so a failed import leaves the table as it was.
+// and swapped in, so a failed import leaves the table as it was. With
+// `clear` false the parts are merged into the live table instead (MergeInto).
 ffi::Error Import(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> values,
                   ffi::AnyBuffer freqs, ffi::AnyBuffer versions, ffi::Buffer<ffi::F32> slot_values,
                   ffi::AnyBuffer slot_widths, ffi::Buffer<ffi::F32> default_values,
                   ffi::AnyBuffer keys_filtered, ffi::AnyBuffer freqs_filtered,
                   ffi::AnyBuffer versions_filtered, ffi::Buffer<ffi::U8> bloom,
-                  ffi::Result<ffi::Token>, int64_t table, std::string_view slot_names) {
+                  ffi::Result<ffi::Token>, int64_t table, std::string_view slot_names, bool clear) {
   return OnTable(table, [&](AnyTable& at) -> ffi::Error {
     const int64_t dim = at.dim();
     if (ffi::Error e = CheckKeys(at, keys); e.failure()) return e;
@@ -321,6 +352,9 @@ ffi::Error Import(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> values,
                        " bytes but this table's counting Bloom filter has " +
                        std::to_string(bloom_bytes) + "; it was saved with other filter settings");
       }
+      if (!clear)
+        return MergeInto(tab, names, widths, default_values, k->data(), values, f, v, n,
+                         slot_values, kf->data(), ff, vf, nf, bloom);
       kv::TableOptions options = tab.options();
       options.default_values = tab.DefaultValues();
       options.storage_lock = false;  // a staging table beside the live one
@@ -429,7 +463,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
                        ffi::Buffer<ffi::F32>, ffi::AnyBuffer, ffi::Buffer<ffi::F32>, ffi::AnyBuffer,
                        ffi::AnyBuffer, ffi::AnyBuffer, ffi::Buffer<ffi::U8>>>()
          .Attr<int64_t>("table")
-         .Attr<std::string_view>("slot_names")));
+         .Attr<std::string_view>("slot_names")
+         .Attr<bool>("clear")));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     KreTableMerge, Merge,

@@ -22,6 +22,7 @@
 #include <exception>
 #include <memory>
 #include <new>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -332,6 +333,100 @@ extern "C" int KreHostReleaseStorage(int64_t handle, char* error, size_t error_s
   return OnHostTable(handle, error, error_size, [&](AnyTable& t) -> int {
     t.Visit([&](auto& tab) {
       if (tab.file_tier()) tab.ReleaseStorageLock();
+    });
+    return kKreOk;
+  });
+}
+
+// Change tracking (incremental checkpoints), as TensorFlow's
+// KRE>TableMarkChanges, KRE>TableExportChangedSince, KRE>TableTrimErased
+// and KRE>TableErase (csrc/ops/delta_ops.cc).
+//
+// Closes the table's change epoch; writes it (the mark) to `*mark`.
+extern "C" int KreHostMarkChanges(int64_t handle, int64_t* mark, char* error, size_t error_size) {
+  return OnHostTable(handle, error, error_size, [&](AnyTable& t) -> int {
+    *mark = t.Visit([](auto& tab) { return tab.MarkChanges(); });
+    return kKreOk;
+  });
+}
+
+// Exports the keys changed after mark `since` into buffers of `capacity`
+// [admitted, counted-but-not-admitted, erased] rows and `width` slot
+// columns: keys, values [capacity[0], dim], freqs, versions, slots
+// [capacity[0], width] (slot columns in slot order), keys_filtered,
+// freqs_filtered, versions_filtered, erased (keys of the table's key type).
+// Writes to `counts` [admitted, counted, erased, total slot width,
+// complete (1, or 0 when the contents were replaced wholesale after
+// `since`)]. When a count exceeds its capacity, or the slot width is not
+// `width`, nothing is written but `counts` (ask again with those sizes).
+extern "C" int KreHostExportChanges(int64_t handle, int64_t since, const int64_t* capacity,
+                                    int64_t width, void* keys, float* values, int64_t* freqs,
+                                    int64_t* versions, float* slots, void* keys_filtered,
+                                    int64_t* freqs_filtered, int64_t* versions_filtered,
+                                    void* erased, int64_t* counts, char* error, size_t error_size) {
+  return OnHostTable(handle, error, error_size, [&](AnyTable& t) -> int {
+    t.Visit([&](auto& tab) {
+      using K = kre::jaxbind::KeyOfT<decltype(tab)>;
+      using Buffers = typename kre::kv::Table<K>::ExportBuffers;
+      std::vector<K> gone;
+      int64_t total = 0;
+      for (const auto& s : tab.Slots()) total += s.width;
+      const bool complete = tab.ExportChangedSince(
+          since,
+          [&](int64_t n, int64_t nf) -> std::optional<Buffers> {
+            const int64_t ne = static_cast<int64_t>(gone.size());
+            const int64_t found[] = {n, nf, ne, total};
+            std::copy(std::begin(found), std::end(found), counts);
+            if (n > capacity[0] || nf > capacity[1] || ne > capacity[2] || total != width) {
+              return std::nullopt;
+            }
+            std::copy(gone.begin(), gone.end(), static_cast<K*>(erased));
+            return Buffers{static_cast<K*>(keys),
+                           values,
+                           freqs,
+                           versions,
+                           slots,
+                           static_cast<K*>(keys_filtered),
+                           freqs_filtered,
+                           versions_filtered};
+          },
+          &gone);
+      counts[4] = complete ? 1 : 0;
+    });
+    return kKreOk;
+  });
+}
+
+// Forgets logged erasures at or before mark `upto`; writes the number
+// still logged to `*remaining`.
+extern "C" int KreHostTrimErased(int64_t handle, int64_t upto, int64_t* remaining, char* error,
+                                 size_t error_size) {
+  return OnHostTable(handle, error, error_size, [&](AnyTable& t) -> int {
+    *remaining = t.Visit([&](auto& tab) {
+      tab.TrimErasedLog(upto);
+      return tab.ErasedLogSize();
+    });
+    return kKreOk;
+  });
+}
+
+// Erases keys[0 .. n) (of `key_bits` bits, the table's; absent ones are
+// skipped); writes how many were present to `*erased`.
+extern "C" int KreHostErase(int64_t handle, const void* keys, int64_t n, int32_t key_bits,
+                            int64_t* erased, char* error, size_t error_size) {
+  return OnHostTable(handle, error, error_size, [&](AnyTable& t) -> int {
+    if (key_bits != t.key_bits()) {
+      return Fail(kKreInvalid,
+                  "`keys` must be int" + std::to_string(t.key_bits()) +
+                      " (the table's key type), got int" + std::to_string(key_bits),
+                  error, error_size);
+    }
+    *erased = t.Visit([&](auto& tab) {
+      using K = kre::jaxbind::KeyOfT<decltype(tab)>;
+      const K* k = static_cast<const K*>(keys);
+      int64_t count = 0;
+      for (int64_t i = 0; i < n; ++i) count += tab.Erase(k[i]) ? 1 : 0;
+      return count;
     });
     return kKreOk;
   });

@@ -2,8 +2,8 @@
 evicts during `fit` with each table's step counter as "now" (the numbers a
 NumPy replay of GlobalStepEvict gives), `TableStats` logs what the tables'
 export says (in `logs` and as TensorBoard scalars, read back from the event
-file), and what needs TensorFlow (`CheckpointCallback`) is refused naming
-it."""
+file), and bad arguments are refused naming them (`CheckpointCallback`:
+tests/jax_backend/test_incremental.py)."""
 
 import doctest
 
@@ -166,20 +166,16 @@ def test_table_stats_write_the_logged_numbers_as_tensorboard_scalars(tmp_path):
     assert again.get_config() == stats.get_config()
 
 
-def test_what_needs_tensorflow_is_refused_by_name(tmp_path):
+def test_bad_arguments_are_refused_by_name(tmp_path):
     with pytest.raises(TypeError, match=r"`log_dir` must be a path or None. Received: "
                                         r"log_dir=3"):
         kre.callbacks.TableStats(log_dir=3)
-    with pytest.raises(AttributeError, match=r"CheckpointCallback runs on Keras's TensorFlow "
-                                             r"backend only for now.*Under JAX: "
-                                             r"EvictionCallback, TableStats"):
-        kre.callbacks.CheckpointCallback
-    assert sorted(dir(callbacks)) == ["EvictionCallback", "TableStats"]
+    assert sorted(dir(callbacks)) == ["CheckpointCallback", "EvictionCallback", "TableStats"]
     with pytest.raises(ValueError, match="`every_n_steps` must be a positive integer"):
         kre.callbacks.TableStats(every_n_steps=0)
 
 
-@pytest.mark.parametrize("name", ["EvictionCallback", "TableStats"])
+@pytest.mark.parametrize("name", ["EvictionCallback", "TableStats", "CheckpointCallback"])
 def test_the_docstring_examples_run(name):
     cls = getattr(kre.callbacks, name)
     test = doctest.DocTestFinder().find(cls, name, globs={"keras": keras, "np": np,

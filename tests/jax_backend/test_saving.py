@@ -159,7 +159,7 @@ def _raw_import(table, **changes):
     slot_names = changes.pop("slot_names", "accumulator")
     operands.update(changes)
     jax.block_until_ready(ffi._call("kre_table_import", list(operands.values()), [],
-                                    table=np.int64(table), slot_names=slot_names))
+                                    table=np.int64(table), slot_names=slot_names, clear=True))
 
 
 @pytest.mark.parametrize("changes, message", [

@@ -21,7 +21,8 @@ across dispatches (eager calls and successive jitted calls alike). So:
 Tables are named by an integer handle (csrc/jax/table_registry.h), a static
 attribute of each call: a jitted function is compiled for the tables it
 uses. Table management (`create`, `destroy`, `add_slot`, `size`, `evict`,
-`stats`, the file tier's `snapshot` and `restore_snapshot`) is not an
+`stats`, the file tier's `snapshot` and `restore_snapshot`, the change
+tracking's `mark_changes`, `export_changes`, `trim_erased`, `erase`) is not an
 XLA call: those are plain C functions of the same library
 (csrc/jax/table_host.cc), called through ctypes, which take effect when
 Python calls them, whatever JAX is tracing. A Keras layer builds its table
@@ -113,9 +114,16 @@ def _declare_host_functions(lib):
     lib.KreHostSnapshot.argtypes = (c.c_int64, c.POINTER(c.c_int64), *error)
     lib.KreHostRestoreSnapshot.argtypes = (c.c_int64, c.c_char_p, c.POINTER(c.c_int64), *error)
     lib.KreHostReleaseStorage.argtypes = (c.c_int64, *error)
+    lib.KreHostMarkChanges.argtypes = (c.c_int64, c.POINTER(c.c_int64), *error)
+    lib.KreHostExportChanges.argtypes = (c.c_int64, c.c_int64, c.c_void_p, c.c_int64,
+                                         *(c.c_void_p,) * 10, *error)
+    lib.KreHostTrimErased.argtypes = (c.c_int64, c.c_int64, c.POINTER(c.c_int64), *error)
+    lib.KreHostErase.argtypes = (c.c_int64, c.c_void_p, c.c_int64, c.c_int32,
+                                 c.POINTER(c.c_int64), *error)
     for fn in (lib.KreHostCreate, lib.KreHostDestroy, lib.KreHostAddSlot, lib.KreHostSize,
                lib.KreHostEvict, lib.KreHostStats, lib.KreHostSnapshot,
-               lib.KreHostRestoreSnapshot, lib.KreHostReleaseStorage):
+               lib.KreHostRestoreSnapshot, lib.KreHostReleaseStorage, lib.KreHostMarkChanges,
+               lib.KreHostExportChanges, lib.KreHostTrimErased, lib.KreHostErase):
         fn.restype = c.c_int
     lib.KreLiveTables.argtypes = ()
     lib.KreLiveTables.restype = c.c_int64
@@ -460,6 +468,71 @@ def release_storage(handle, wait=True):
     _host("KreHostReleaseStorage", int(handle), wait=wait)
 
 
+# -- change tracking (incremental checkpoints) ------------------------------
+
+def mark_changes(handle):
+    """Closes the table's change epoch (after every table call already
+    dispatched) and returns it, an int mark: `export_changes(mark)` later
+    returns what changed after it."""
+    mark = ctypes.c_int64(0)
+    _host("KreHostMarkChanges", int(handle), ctypes.byref(mark))
+    return int(mark.value)
+
+
+def export_changes(handle, key_dtype, dim, slot_specs, since):
+    """The keys changed after mark `since`, shaped like `export_parts`
+    (`default_values` and `bloom` whole), plus `erased` (keys erased after
+    it) and `complete` (False when the contents were replaced wholesale
+    since: only a full export is then correct)."""
+    key_dtype = _check_key_dtype(key_dtype)
+    slot_specs = [(str(name), int(width)) for name, width in slot_specs]
+    width = sum(w for _, w in slot_specs)
+    capacity = np.zeros(3, np.int64)
+    counts = np.zeros(5, np.int64)
+    while True:
+        n, nf, ne = (int(c) for c in capacity)
+        out = {"keys": np.zeros(n, key_dtype), "values": np.zeros((n, dim), np.float32),
+               "freqs": np.zeros(n, np.int64), "versions": np.zeros(n, np.int64),
+               "slots": np.zeros((n, width), np.float32),
+               "keys_filtered": np.zeros(nf, key_dtype), "freqs_filtered": np.zeros(nf, np.int64),
+               "versions_filtered": np.zeros(nf, np.int64), "erased": np.zeros(ne, key_dtype)}
+        _host("KreHostExportChanges", int(handle), int(since), capacity.ctypes.data, width,
+              *(a.ctypes.data for a in out.values()), counts.ctypes.data)
+        if counts[3] != width:
+            raise ValueError(f"`slot_specs` must describe the table's {counts[3]} slot "
+                             f"columns. Received: slot_specs={slot_specs}")
+        if (counts[:3] <= capacity).all():
+            break
+        capacity = counts[:3].copy()  # (the first call only counts)
+    n, nf, ne = (int(c) for c in counts[:3])
+    out = {k: a[:nf if k.endswith("_filtered") else ne if k == "erased" else n]
+           for k, a in out.items()}
+    starts = np.cumsum([0] + [w for _, w in slot_specs])
+    out["slots"] = {name: out["slots"][:, a:a + w] for (name, w), a in zip(slot_specs, starts)}
+    aux = export_aux(handle, key_dtype, dim)
+    out.update(default_values=aux[0], bloom=aux[1], complete=bool(counts[4]))
+    return out
+
+
+def trim_erased(handle, upto):
+    """Forgets logged erasures at or before mark `upto`; returns how many
+    stay logged."""
+    remaining = ctypes.c_int64(0)
+    _host("KreHostTrimErased", int(handle), int(upto), ctypes.byref(remaining))
+    return int(remaining.value)
+
+
+def erase(handle, key_dtype, keys):
+    """Erases `keys` (absent ones are skipped); returns how many were
+    present."""
+    key_dtype = _check_key_dtype(key_dtype)
+    keys = np.ascontiguousarray(keys, key_dtype).reshape(-1)
+    erased = ctypes.c_int64(0)
+    _host("KreHostErase", int(handle), keys.ctypes.data, keys.size,
+          64 if key_dtype == "int64" else 32, ctypes.byref(erased))
+    return int(erased.value)
+
+
 def export(handle, key_dtype, dim):
     """Every admitted key with its row, frequency, version and slot rows
     (slot columns in the order the slots were added), as NumPy arrays in
@@ -497,6 +570,24 @@ def export_parts(handle, key_dtype, dim, slot_specs):
     but not admitted). Eager only."""
     key_dtype = _check_key_dtype(key_dtype)
     slot_specs = [(str(name), int(width)) for name, width in slot_specs]
+    defaults, bloom, keys_f, freqs_f, versions_f = export_aux(handle, key_dtype, dim)
+    parts = export(handle, key_dtype, dim)
+    width = parts["slots"].shape[1]
+    if sum(w for _, w in slot_specs) != width:
+        raise ValueError(f"`slot_specs` must describe the table's {width} slot columns. "
+                         f"Received: slot_specs={slot_specs}")
+    starts = np.cumsum([0] + [w for _, w in slot_specs])
+    parts["slots"] = {name: parts["slots"][:, a:a + w]
+                      for (name, w), a in zip(slot_specs, starts)}
+    parts.update(default_values=defaults, bloom=bloom, keys_filtered=keys_f,
+                 freqs_filtered=freqs_f, versions_filtered=versions_f)
+    return parts
+
+
+def export_aux(handle, key_dtype, dim):
+    """The parts `export` lacks: (`default_values`, `bloom`, `keys_filtered`,
+    `freqs_filtered`, `versions_filtered`). Eager only."""
+    key_dtype = _check_key_dtype(key_dtype)
     ints = int_dtype()
     (info,) = _call("kre_table_save_info", [], [_aval((3,), ints)], table=np.int64(handle))
     default_rows, bloom_bytes, capacity = (int(v) for v in np.asarray(_concrete(info, "export")))
@@ -510,17 +601,7 @@ def export_parts(handle, key_dtype, dim, slot_specs):
         if count <= capacity:
             break
         capacity = count  # keys counted since `save_info`
-    parts = export(handle, key_dtype, dim)
-    width = parts["slots"].shape[1]
-    if sum(w for _, w in slot_specs) != width:
-        raise ValueError(f"`slot_specs` must describe the table's {width} slot columns. "
-                         f"Received: slot_specs={slot_specs}")
-    starts = np.cumsum([0] + [w for _, w in slot_specs])
-    parts["slots"] = {name: parts["slots"][:, a:a + w]
-                      for (name, w), a in zip(slot_specs, starts)}
-    parts.update(default_values=defaults, bloom=bloom, keys_filtered=keys_f[:count],
-                 freqs_filtered=freqs_f[:count], versions_filtered=versions_f[:count])
-    return parts
+    return defaults, bloom, keys_f[:count], freqs_f[:count], versions_f[:count]
 
 
 def _parts_array(data, name, dtype, shape, default=None):
@@ -550,14 +631,16 @@ def _parts_array(data, name, dtype, shape, default=None):
     return value.astype(dtype, copy=False)
 
 
-def import_parts(handle, key_dtype, dim, data):
+def import_parts(handle, key_dtype, dim, data, clear=True):
     """Replaces the contents of table `handle` with the parts in `data`
     (what `export_parts` returns, or a TensorFlow-backend `export()`:
     `slots` a {name: [N, width]} dict, or packed as `slots` [N, total
     width] with `slot_names` and `slot_widths`). `keys` and `values` are
     required; a missing part is empty (no slots, zero frequencies and
     versions, the table's own initializer and Bloom counters). Eager only;
-    a failed import leaves the table as it was."""
+    a failed import leaves the table as it was. With `clear=False` the
+    parts are written into the live table instead (rows overwritten or
+    added, other keys kept: an incremental checkpoint's delta)."""
     key_dtype = _check_key_dtype(key_dtype)
     ints = int_dtype()
     keys = _parts_array(data, "keys", key_dtype, (None,))
@@ -594,5 +677,6 @@ def import_parts(handle, key_dtype, dim, data):
     bloom = _parts_array(data, "bloom", np.uint8, (None,), np.zeros(0, np.uint8))
     outs = _call("kre_table_import", [
         keys, values, freqs, versions, slot_values, np.asarray(widths, ints), defaults, keys_f,
-        freqs_f, versions_f, bloom], [], table=np.int64(handle), slot_names=",".join(names))
+        freqs_f, versions_f, bloom], [], table=np.int64(handle), slot_names=",".join(names),
+        clear=bool(clear))
     jax.block_until_ready(outs)

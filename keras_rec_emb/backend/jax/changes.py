@@ -1,0 +1,103 @@
+"""The change tracking of the JAX tables, for incremental checkpoints
+(keras_rec_emb/incremental.py): the TensorFlow `EmbeddingTable`'s
+`mark_changes`, `export_changes`, `trim_erased`, `apply_changes`,
+`export`, `import_` and `counters` over a JAX `EmbeddingVariable`'s table
+(csrc/jax/table_host.cc's change-tracking calls), so that one checkpointer
+writes and reads one file format under both backends.
+
+A JAX layer keeps its step counter (`iterations`, which stamps the
+versions) beside its table: a link saves it per table as `step` (the
+TensorFlow backend, whose tables follow the model optimizer's step, skips
+it), and a link without it (written under TensorFlow) restores the
+optimizer's step.
+"""
+
+import keras
+import numpy as np
+
+from keras_rec_emb.backend.jax import ffi
+from keras_rec_emb.backend.jax import saving as _saving
+from keras_rec_emb.backend.jax.optimizers import tables_of
+
+ARRAY_PARTS = _saving.PARTS
+
+
+class TableChanges:
+    """The change-tracking view of one JAX `EmbeddingVariable`'s table."""
+
+    def __init__(self, layer):
+        self.layer = layer
+
+    @property
+    def dim(self):
+        return self.layer.embedding_dim
+
+    @property
+    def key_dtype(self):
+        return np.dtype(self.layer.key_dtype)
+
+    def _specs(self):
+        return _saving._slot_specs(self.layer)  # pylint: disable=protected-access
+
+    def mark_changes(self):
+        return ffi.mark_changes(self.layer.handle)
+
+    def export_changes(self, since):
+        return ffi.export_changes(self.layer.handle, self.layer.key_dtype, self.dim,
+                                  self._specs(), since)
+
+    def trim_erased(self, upto):
+        return ffi.trim_erased(self.layer.handle, upto)
+
+    def export(self):
+        return self.layer.export()
+
+    def import_(self, data, clear=True):
+        if clear:
+            self.layer.import_(data)
+        else:
+            ffi.import_parts(self.layer.handle, self.layer.key_dtype, self.dim, data, clear=False)
+
+    def apply_changes(self, delta):
+        """Erases `delta["erased"]`, then writes its rows into the table."""
+        if delta["erased"].size:
+            ffi.erase(self.layer.handle, self.layer.key_dtype, delta["erased"])
+        self.import_({k: v for k, v in delta.items() if k not in ("erased", "complete")},
+                     clear=False)
+
+    def counters(self):
+        return ffi.stats(self.layer.handle)
+
+    @property
+    def step(self):
+        return int(keras.ops.convert_to_numpy(self.layer.iterations.value))
+
+    @step.setter
+    def step(self, value):
+        self.layer.iterations.assign(int(value))
+
+
+def tables(model):
+    """(name, TableChanges) of every table of `model`, in variable order,
+    named as the TensorFlow table's variable (`<layer path>/embeddings`)."""
+    out, seen = [], set()
+    for variable in model.variables:
+        for layer in tables_of([variable]):
+            if id(layer) not in seen and layer.handle is not None:
+                seen.add(id(layer))
+                out.append((variable.path.rsplit("/", 1)[0] + "/embeddings",
+                            TableChanges(layer)))
+    return out
+
+
+def dense_variables(model):
+    """The model's variables a TensorFlow model also has: not those of the
+    tables' layers (anchor, step counter, own learning rate)."""
+    skip = {id(v) for layer in tables_of(model.variables) for v in layer.variables}
+    return [v for v in model.variables if id(v) not in skip]
+
+
+def optimizer_variables(optimizer):
+    """The optimizer's variables a TensorFlow optimizer also has (no slot
+    of a table's anchor)."""
+    return _saving.saved_variables(optimizer)
