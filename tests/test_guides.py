@@ -1,6 +1,7 @@
 """Every guide runs top to bottom in small mode (KRE_GUIDE_SMALL=1); the
-quickstart and the DLRM guide run under KERAS_BACKEND=jax too, unchanged,
-and print what they print under TensorFlow."""
+guide of one script for both backends, the quickstart and the DLRM guide
+run under KERAS_BACKEND=jax too, unchanged, and print what they print under
+TensorFlow; the first also under a keras.json that names JAX."""
 
 import glob
 import math
@@ -22,6 +23,9 @@ GUIDES = sorted(p for p in glob.glob(os.path.join(os.path.dirname(__file__), "..
 # lines of its output that must be the same under both backends: the tables'
 # sizes follow from the data alone.
 JAX_GUIDES = {
+    "both_backends.py": ("distinct user keys:", "optimizer:", "checkpoint files:",
+                         "tensorboard event files:", "restored model predicts the same: True",
+                         "exported: True"),
     "quickstart.py": ("users in table:", "items in table:"),
     "group_embedding_dlrm.py": ("tables:",),
 }
@@ -79,3 +83,21 @@ def test_guide_runs_unchanged_under_jax(name, tmp_path):
         loss = _last_training_loss(output)
         if loss is not None:
             assert 0 < loss < math.log(2), output[-3000:]
+
+
+def test_the_both_backends_guide_follows_a_keras_json_that_names_jax(tmp_path):
+    """No KERAS_BACKEND: Keras's own rule picks the backend from
+    `$KERAS_HOME/keras.json`, and so does the package."""
+    home = tmp_path / "keras_home"
+    home.mkdir()
+    (home / "keras.json").write_text('{"backend": "jax"}')
+    env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
+    env.update(KRE_GUIDE_SMALL="1", KERAS_HOME=str(home), JAX_PLATFORMS="cpu",
+               TF_CPP_MIN_LOG_LEVEL="2")
+    path = os.path.join(os.path.dirname(__file__), "..", "guides", "both_backends.py")
+    result = subprocess.run([sys.executable, os.path.abspath(path)], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert _lines(result.stdout, ("backend:",)) == ["backend: jax"]
+    assert _lines(result.stdout, JAX_GUIDES["both_backends.py"])[-2:] == [
+        "restored model predicts the same: True", "exported: True"]

@@ -79,14 +79,15 @@ class TableChanges:
 
 def tables(model):
     """(name, TableChanges) of every table of `model`, in variable order,
-    named as the TensorFlow table's variable (`<layer path>/embeddings`)."""
+    named as the TensorFlow table is (`<layer name>/embeddings`, whatever
+    layers hold it: Keras numbers the paths of unnamed holders per
+    process, so a model built again would not match)."""
     out, seen = [], set()
     for variable in model.variables:
         for layer in tables_of([variable]):
             if id(layer) not in seen and layer.handle is not None:
                 seen.add(id(layer))
-                out.append((variable.path.rsplit("/", 1)[0] + "/embeddings",
-                            TableChanges(layer)))
+                out.append((f"{layer.name}/embeddings", TableChanges(layer)))
     return out
 
 
@@ -98,6 +99,11 @@ def dense_variables(model):
 
 
 def optimizer_variables(optimizer):
-    """The optimizer's variables a TensorFlow optimizer also has (no slot
-    of a table's anchor)."""
-    return _saving.saved_variables(optimizer)
+    """The optimizer's variables a TensorFlow optimizer also has: no slot
+    of a table's anchor, its own nor (a LossScaleOptimizer's) its inner
+    optimizer's."""
+    skip, inner = set(), optimizer
+    while inner is not None:
+        skip.update(id(v) for v in getattr(inner, "_kre_anchor_slots", ()))
+        inner = getattr(inner, "inner_optimizer", None)
+    return [v for v in optimizer.variables if id(v) not in skip]
