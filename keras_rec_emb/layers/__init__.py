@@ -5,8 +5,8 @@ from keras_rec_emb import _backend
 if _backend.is_jax():
     # Under Keras's JAX backend, without TensorFlow (keras_rec_emb/backend/jax).
     from keras_rec_emb.backend.jax import tensorflow_only_getattr
+    from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
     from keras_rec_emb.backend.jax.group_embedding import FeatureSpec, GroupEmbedding
-    from keras_rec_emb.backend.jax.layers import EmbeddingVariable
     from keras_rec_emb.backend.jax.adaptive import AdaptiveEmbedding
     from keras_rec_emb.backend.jax.multi_hash import MultiHashEmbedding
     from keras_rec_emb._keras_fixes import fix_sequential_ids_input

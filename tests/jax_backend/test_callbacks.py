@@ -12,7 +12,7 @@ import pytest
 
 import keras_rec_emb as kre
 from keras_rec_emb import callbacks
-from keras_rec_emb.backend.jax.layers import EmbeddingVariable
+from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
 
 
 def _model(steps_to_live=None, filter_freq=None, name="ids", num_shards=4):

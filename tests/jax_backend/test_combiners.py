@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from keras_rec_emb.backend.jax import optimizers
-from keras_rec_emb.backend.jax.layers import EmbeddingVariable
+from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
 
 DIM, DVD = 3, 5
 IDS = np.array([[1, 5, -1], [-1, -1, -1], [3, 3, 7], [2, 9, 4]], np.int32)
@@ -30,7 +30,7 @@ def test_inference_combines_the_last_axis_like_numpy(combiner, prune):
     got = np.asarray(layer(IDS))
     rows = layer.default_values[IDS % DVD]  # unseen ids read their initializer row
     np.testing.assert_allclose(got, numpy_combine(rows, IDS, combiner, prune), rtol=1e-6)
-    assert got.shape == (len(IDS), DIM) and layer.size() == 0
+    assert got.shape == (len(IDS), DIM) and layer.table_size() == 0
     if prune:
         np.testing.assert_array_equal(got[1], np.zeros(DIM))  # no id: zeros
 

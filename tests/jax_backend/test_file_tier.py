@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import keras_rec_emb as kre
-from keras_rec_emb.backend.jax.layers import EmbeddingVariable
+from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
 
 DIM, VOCAB, SHARDS = 4, 3000, 4
 

@@ -25,7 +25,7 @@ import pytest
 import keras_rec_emb as kre
 from tests._eviction_at_save import eviction_logs, two_table_model
 from keras_rec_emb.backend.jax import ffi
-from keras_rec_emb.backend.jax.layers import EmbeddingVariable
+from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
 
 DIM, DVD, NO_PERMISSION = 3, 7, -0.5
 

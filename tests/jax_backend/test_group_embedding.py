@@ -13,7 +13,7 @@ import pytest
 import keras_rec_emb as kre
 from keras_rec_emb.backend.jax import group_embedding, optimizers
 from keras_rec_emb.backend.jax.group_embedding import FeatureSpec, GroupEmbedding
-from keras_rec_emb.backend.jax.layers import EmbeddingVariable
+from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
 
 DIM, DVD = 3, 5
 # [batch, F=2, L=3], padded with -1; row 1 of feature 0 has no id.

@@ -5,7 +5,7 @@ import keras
 import numpy as np
 import pytest
 
-from keras_rec_emb.backend.jax.layers import EmbeddingVariable
+from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
 
 DIM, FEATURES, BATCH = 3, 2, 4
 
@@ -94,9 +94,9 @@ def test_predict_and_evaluate_do_not_insert():
     ids, labels = data(8)
     model.predict(ids, verbose=0)
     model.evaluate(ids, labels, verbose=0)
-    assert layer.size() == 0
+    assert layer.table_size() == 0
     model.fit(ids, labels, batch_size=BATCH, verbose=0)
-    assert layer.size() == len(np.unique(ids))
+    assert layer.table_size() == len(np.unique(ids))
 
 
 def test_a_learning_rate_schedule_follows_the_layers_steps():

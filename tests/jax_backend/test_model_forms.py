@@ -11,7 +11,7 @@ from test_keras_layer import BATCH, DIM, FEATURES, check_table, data, numpy_fit
 
 import keras_rec_emb as kre
 from keras_rec_emb.backend.jax import ffi
-from keras_rec_emb.backend.jax.layers import EmbeddingVariable
+from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
 
 LR, ACC0, EPS = 0.05, 0.1, 1e-7
 
@@ -103,7 +103,7 @@ def test_each_model_form_trains_predicts_and_saves_the_same_table(form, own_opti
     model.predict(ids, batch_size=BATCH, verbose=0)
     model.evaluate(ids, labels, batch_size=BATCH, verbose=0)
     layer = layer_of(model)
-    assert layer.size() == 0
+    assert layer.table_size() == 0
     kernel, bias = (w.copy() for w in model.get_layer("dense").get_weights())
 
     model.fit(ids, labels, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
@@ -153,7 +153,7 @@ def test_each_model_form_trains_predicts_and_saves_the_same_table(form, own_opti
     unseen = ids + 100
     before = model.predict(unseen, batch_size=BATCH, verbose=0)
     model.evaluate(unseen, labels, batch_size=BATCH, verbose=0)
-    assert layer.size() == len(keys) and int(layer.iterations.value) == steps
+    assert layer.table_size() == len(keys) and int(layer.iterations.value) == steps
 
     path = tmp_path / "model.keras"
     model.save(path)
@@ -181,7 +181,7 @@ def test_table_size_export_and_import_as_under_tensorflow():
     ids, labels = data()
     model.fit(ids, labels, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     trained = layer_of(model)
-    assert trained.table_size() == trained.size() == len(np.unique(ids))
+    assert trained.table_size() == len(np.unique(ids))
     want = parts(trained)
 
     fresh.build((None, FEATURES))

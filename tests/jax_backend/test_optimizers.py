@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from keras_rec_emb.backend.jax import optimizers
-from keras_rec_emb.backend.jax.layers import EmbeddingVariable
+from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
 
 DIM, FEATURES, BATCH, STEPS = 3, 2, 4, 3
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from keras_rec_emb.backend.jax import optimizers
-from keras_rec_emb.backend.jax.layers import EmbeddingVariable
+from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
 
 DIM, DVD = 2, 5
 A = np.array([[1, 2], [2, 3], [4, 1]], np.int32)

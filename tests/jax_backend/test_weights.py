@@ -13,7 +13,7 @@ import pytest
 import keras_rec_emb as kre
 from keras_rec_emb.backend.jax import optimizers
 from keras_rec_emb.backend.jax.group_embedding import FeatureSpec, GroupEmbedding
-from keras_rec_emb.backend.jax.layers import EmbeddingVariable
+from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
 
 DIM, DVD = 3, 5
 # Padding (-1), duplicates in a row (3, 3), a weight of 0 and a negative one

@@ -32,7 +32,8 @@ import numpy as np
 from keras_rec_emb._adaptive_spec import AdaptiveSpec
 from keras_rec_emb.backend.jax import ffi, hashing, register
 from keras_rec_emb.backend.jax.ids import integer_ids, numpy_ids
-from keras_rec_emb.backend.jax.layers import EmbeddingVariable, combine_last_axis
+from keras_rec_emb.backend.jax.layers import combine_last_axis
+from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
 
 _NOT_PROMOTED, _NEWLY_PROMOTED, _PROMOTED = 0, 1, 2
 

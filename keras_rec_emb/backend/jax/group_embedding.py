@@ -21,7 +21,7 @@ import numpy as np
 
 from keras_rec_emb.backend.jax import ffi, register
 from keras_rec_emb.backend.jax.ids import integer_ids, numpy_ids
-from keras_rec_emb.backend.jax.layers import EmbeddingVariable
+from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
 
 COMBINERS = ("sum", "mean", "sqrtn")
 _OUTPUT_MODES = ("dict", "concat")
