@@ -8,7 +8,7 @@ if _backend.is_jax():
     from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
     from keras_rec_emb.backend.jax.group_embedding import FeatureSpec, GroupEmbedding
     from keras_rec_emb.backend.jax.adaptive import AdaptiveEmbedding
-    from keras_rec_emb.backend.jax.multi_hash import MultiHashEmbedding
+    from keras_rec_emb.layers.multi_hash_embedding import MultiHashEmbedding
     from keras_rec_emb._keras_fixes import fix_sequential_ids_input
 
     # A Sequential without keras.Input gives our id layers int ids, not float32
