@@ -50,6 +50,8 @@ def check_restore_dim_mode(mode):
 def check_saved_dim(name, values_shape, dim, mode="error"):
     """True when saved rows have another width and `mode` allows resizing
     them; raises a clear error when it does not."""
+    if getattr(values_shape, "rank", 2) is None:
+        return False  # unknown rank (a restore inside a graph): nothing to check
     shape = tuple(values_shape)
     if len(shape) == 2 and shape[1] is not None and shape[1] != dim:
         if mode == "pad_or_truncate":

@@ -138,7 +138,9 @@ def test_l2_eviction_erases_small_rows():
     # between two of the (DVD distinct) rows' values.
     levels = np.unique(l2)
     threshold = float(levels[len(levels) // 2 - 1] + levels[len(levels) // 2]) / 2
-    layer.ev_option = _option(evict_option=kre.L2WeightEvict(threshold))
+    # The rule is the table's from its build on (as under TensorFlow): set on
+    # the JAX table itself for this threshold, known only once rows exist.
+    layer.table.eviction_rule = kre.L2WeightEvict(threshold)
     small = l2 < threshold
     assert 0 < small.sum() < len(keys)
     assert layer.evict() == int(small.sum())
