@@ -293,7 +293,8 @@ check-wheel: $(WHEEL_STAMP)
 	$(WHEEL_VENV)/bin/pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=10 $(SMOKE_TESTS)
 
 # The API reference and the guides as a site in build/site (mkdocs --strict:
-# any warning fails). The package is imported, so it is installed first.
+# any warning fails). The package is imported, so it is installed first, and
+# asked under both backends which names each offers (docs/api_backends.py).
 $(DOCS_STAMP): requirements-docs.txt $(DEPS_STAMP)
 	$(PYTHON) -m pip install --quiet -r requirements-docs.txt
 	touch $@

@@ -201,7 +201,7 @@ each worker's own dataset as it is (each of its batches is that worker's
 part of a global step), where a plain dataset would be split element by
 element. (Keras 3.15's own `fit` / `evaluate` fail under any multi-worker
 strategy, keras-team/keras#20585; importing keras_rec_emb corrects that,
-see the README's "Semantics worth knowing".) Every worker saves (the
+see docs/distributed.md.) Every worker saves (the
 chief's copy is the one to keep): saving gathers every table's shards, so
 every worker must take part.
 """

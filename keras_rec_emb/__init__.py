@@ -23,22 +23,20 @@ if _backend.is_jax():
 
     # Before any array is made: ids are 64-bit (see use_64_bit_ids).
     use_64_bit_ids()
-    from keras_rec_emb import callbacks, layers, optimizers
+    from keras_rec_emb import callbacks, data, layers, optimizers
     from keras_rec_emb.backend.jax import tensorflow_only_getattr
     from keras_rec_emb.backend.jax.serving import export_for_serving
     from keras_rec_emb.options import (CBFFilter, CounterFilter, EmbeddingVariableOption,
                                        GlobalStepEvict, InitializerOption, L2WeightEvict,
                                        StorageOption)
     from keras_rec_emb.saving import load_model, save_model, storage_root
-    # Saved TensorFlow-only classes fail to load by name (see there).
-    from keras_rec_emb.backend.jax import tensorflow_only as _tensorflow_only  # noqa: F401
 
     __all__ = ["__version__", "export_for_serving", "layers", "optimizers", "CBFFilter",
                "CounterFilter", "EmbeddingVariableOption", "GlobalStepEvict",
                "InitializerOption", "L2WeightEvict", "StorageOption", "save_model",
-               "load_model", "storage_root", "callbacks"]
+               "load_model", "storage_root", "callbacks", "data"]
     _TENSORFLOW_ONLY = (
-        "data", "distribute", "ops", "IncrementalCheckpointer", "apply_to_saved_model")
+        "distribute", "ops", "IncrementalCheckpointer", "apply_to_saved_model")
 
     def __dir__():
         return list(__all__)

@@ -1,8 +1,11 @@
-"""The private Keras API that needs no TensorFlow, used under both backends
-(private): `_compat.py` holds the rest, and imports TensorFlow, which the
+"""The private Keras (and confluent-kafka) API that needs no TensorFlow,
+used under both backends (private): `_compat.py` holds the rest, and imports TensorFlow, which the
 JAX backend must not need; `_compat` re-exports these. Each entry says what
 it is and why the public API does not do it.
 """
+
+import functools
+import weakref
 
 import keras
 
@@ -25,6 +28,17 @@ def in_symbolic_build():
     from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 
     return in_symbolic_scope()
+
+
+def flatten_layers(model):
+    """Every layer of `model`, nested ones included (`Layer._flatten_layers`).
+
+    The public `model.layers` lists direct children only, and layers that
+    hold layers (GroupEmbedding's tables) do not all expose them publicly.
+    Used by `callbacks.EvictionCallback`, the CLI's `inspect` / `demo` and
+    the JAX backend's `export_for_serving`.
+    """
+    return model._flatten_layers()  # pylint: disable=protected-access
 
 
 # Keras 3.15.1's `Sequential.build(input_shape)` (a Sequential without
@@ -77,3 +91,220 @@ def fix_sequential_ids_input():
     build._kre_fix = True  # pylint: disable=protected-access
     sequential.build = build
     return True
+
+
+# A subclassed model's export signature. Keras 3.15.1 records only the
+# shapes of a subclassed model's first call (`_build_shapes_dict`), and
+# `keras.src.export.export_utils.get_input_signature` gives every input the
+# model's float `input_dtype`: ids would be exported as float32, which our
+# id layers refuse (and which would lose ids above 2**24). The correction
+# records the dtypes of the tensors of a subclassed model's first call
+# (`Layer._maybe_build`, where Keras records the shapes), and
+# `input_specs(model)` uses them. Installed once by
+# `record_model_input_dtypes()` (when `keras_rec_emb.layers` is imported),
+# only for the versions in `KERAS_INPUT_DTYPES_FIX_VERSIONS`.
+KERAS_INPUT_DTYPES_FIX_VERSIONS = ("3.15.1",)
+KERAS_INPUT_DTYPES_ORIGINALS = {}
+# model -> the dtypes of its first call's tensor arguments. Not an attribute:
+# a layer's attributes are tracked, and Keras would wrap the structure.
+_INPUT_DTYPES = weakref.WeakKeyDictionary()
+
+
+def _symbolic_model_classes():
+    from keras.src.models.functional import Functional
+    from keras.src.models.sequential import Sequential
+
+    return Functional, Sequential
+
+
+def _tensor_dtype(x):
+    if x is None or not hasattr(x, "dtype") or not hasattr(x, "shape"):
+        return None
+    return keras.backend.standardize_dtype(x.dtype)
+
+
+def record_model_input_dtypes():
+    """Installs the correction described above (idempotent). Returns whether
+    it is installed (False for a Keras version not listed)."""
+    from keras.src.layers.layer import Layer
+
+    if getattr(Layer._maybe_build, "_kre_fix", False):  # pylint: disable=protected-access
+        return True
+    if keras.__version__ not in KERAS_INPUT_DTYPES_FIX_VERSIONS:
+        return False
+    keras_maybe_build = Layer._maybe_build  # pylint: disable=protected-access
+    KERAS_INPUT_DTYPES_ORIGINALS["_maybe_build"] = keras_maybe_build
+    symbolic = _symbolic_model_classes()
+
+    def _maybe_build(self, call_spec):
+        if not self.built and isinstance(self, keras.Model) and not isinstance(self, symbolic):
+            # The tensor arguments in Keras's order (`get_shapes_dict`'s).
+            _INPUT_DTYPES[self] = [
+                keras.tree.map_structure(_tensor_dtype, value)
+                for name, value in call_spec.tensor_arguments_dict.items()
+                if name not in ("mask", "args", "kwargs")]
+        return keras_maybe_build(self, call_spec)
+
+    _maybe_build._kre_fix = True  # pylint: disable=protected-access
+    Layer._maybe_build = _maybe_build  # pylint: disable=protected-access
+    return True
+
+
+def input_specs(model):
+    """The endpoint signature of a built model, as `model.export` computes
+    it (`keras.InputSpec`s, a list), with a subclassed model's inputs of the
+    dtypes its first call had (see above) rather than its float
+    `input_dtype`. Keras exports the helper only under `keras.src`."""
+    from keras.src.export.export_utils import get_input_signature
+
+    specs = get_input_signature(model)
+    dtypes = _INPUT_DTYPES.get(model)
+    if isinstance(model, _symbolic_model_classes()) or not dtypes or len(dtypes) != len(specs):
+        return specs
+
+    def with_dtype(spec, dtype):
+        if dtype is None or not isinstance(spec, keras.InputSpec):
+            return spec
+        return keras.InputSpec(shape=spec.shape, dtype=dtype, name=spec.name)
+
+    try:
+        return [keras.tree.map_structure(with_dtype, spec, dtype)
+                for spec, dtype in zip(specs, dtypes)]
+    except (TypeError, ValueError):  # a structure Keras's shapes flattened otherwise
+        return specs
+
+
+def data_adapter_base():
+    """Keras's `DataAdapter` base class: an instance of it given to `fit`,
+    `evaluate` or `predict` is used as the input pipeline as it is. The JAX
+    backend's datasets are adapters, so that Keras iterates them the way it
+    iterates a `tf.data.Dataset` (a new pass per epoch, `shuffle` not
+    applied, an unknown length ending the epoch when the pass ends), which a
+    `keras.utils.PyDataset` (indexed, shuffled by index) cannot be. Used by
+    `backend/jax/data.py`."""
+    from keras.src.trainers.data_adapters import data_adapter
+
+    return data_adapter.DataAdapter
+
+
+def jax_iterator(numpy_iterator):
+    """`numpy_iterator`'s elements as JAX arrays, as Keras's own adapters
+    hand them to the JAX trainer (`data_adapter_utils.get_jax_iterator`).
+    Used by `backend/jax/data.py`."""
+    from keras.src.trainers.data_adapters import data_adapter_utils
+
+    return data_adapter_utils.get_jax_iterator(numpy_iterator)
+
+
+# -- confluent-kafka --------------------------------------------------------------
+
+KAFKA_EXTRA_HINT = (
+    "Kafka datasets need confluent-kafka, an optional dependency of keras-rec-emb: "
+    "install it with `pip install \"keras-rec-emb[kafka]\"`.")
+
+
+def kafka():
+    """The `confluent_kafka` module, imported on first use: it is the optional
+    `kafka` extra, so `import keras_rec_emb` must not need it. Raises an
+    ImportError naming the extra when it is missing. Used by `data/kafka.py`."""
+    try:
+        import confluent_kafka  # pylint: disable=import-outside-toplevel
+    except ImportError as e:
+        raise ImportError(f"{KAFKA_EXTRA_HINT} ({e})") from e
+    return confluent_kafka
+
+
+class LazyKafka:
+    """Stands for the `confluent_kafka` module in `data/kafka.py`: the first
+    attribute read imports it (see `kafka()`), so that module imports without
+    the `kafka` extra and its Kafka classes raise the clear ImportError."""
+
+    def __getattr__(self, name):
+        return getattr(kafka(), name)
+
+
+@functools.cache
+def _kafka_error_code(name):
+    """The librdkafka error code whose `KafkaError(code).name()` is `name`:
+    its internal codes (negative numbers, -200..-100) are public only as
+    confluent-kafka's underscored class attributes, found here by name
+    through the public constructor instead."""
+    kafka_error = kafka().KafkaError
+    return next(code for code in range(-200, -99) if kafka_error(code).name() == name)
+
+
+def __getattr__(name):
+    # librdkafka's codes for a broker connection lost (retried by librdkafka)
+    # and for reaching the end of a partition (`enable.partition.eof`). Read
+    # on first use, as the module is optional. Used by `data/kafka.py`.
+    if name == "KAFKA_TRANSPORT":
+        return _kafka_error_code("_TRANSPORT")
+    if name == "KAFKA_PARTITION_EOF":
+        return _kafka_error_code("_PARTITION_EOF")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# Keras 3.15.1's `Trainer.compile` wraps the optimizer in its own
+# `keras.optimizers.LossScaleOptimizer` under the "mixed_float16" policy
+# (`auto_scale_loss=True`). That wrapper cannot update a table: it keys
+# variables by identity and densifies gradients to check them (a table's
+# gradient has no dense shape). The correction hands an optimizer that Keras
+# has just wrapped so to `rewrap` (set by `keras_rec_emb.optimizers`: our
+# `LossScaleOptimizer` around an optimizer of ours, `None` for any other),
+# so `compile(optimizer=kre.optimizers.Adagrad(...))` just works as it does
+# for Keras's optimizers; a wrapper the user passed is kept as given.
+# Installed once by `fix_compile_loss_scale(rewrap)` (called when
+# `keras_rec_emb.optimizers` is imported), only for the versions in
+# `KERAS_COMPILE_FIX_VERSIONS` (read `Trainer.compile` again before adding
+# one).
+KERAS_COMPILE_FIX_VERSIONS = ("3.15.1",)
+# Keras's `Trainer.compile` that the correction wraps (filled when installed).
+KERAS_COMPILE_ORIGINALS = {}
+
+
+def _trainer_class():
+    from keras.src.trainers.trainer import Trainer
+    from keras.src.utils import tracking
+
+    return Trainer, tracking.no_automatic_dependency_tracking
+
+
+def fix_compile_loss_scale(rewrap):
+    """Installs the correction described above (idempotent). Returns whether
+    it is installed (False for a Keras version not listed)."""
+    trainer, no_tracking = _trainer_class()
+    if getattr(trainer.compile, "_kre_fix", False):
+        return True
+    if keras.__version__ not in KERAS_COMPILE_FIX_VERSIONS:
+        return False
+    keras_compile = trainer.compile
+    KERAS_COMPILE_ORIGINALS["compile"] = keras_compile
+
+    @no_tracking
+    def compile(self, optimizer="rmsprop", *args, **kwargs):  # pylint: disable=keyword-arg-before-vararg
+        keras_compile(self, optimizer, *args, **kwargs)
+        made = getattr(self, "optimizer", None)
+        if made is not None and made is not optimizer:  # Keras's own wrapper
+            replacement = rewrap(made)
+            if replacement is not None:
+                self.optimizer = replacement
+
+    compile.__doc__ = keras_compile.__doc__
+    compile.__wrapped__ = keras_compile
+    compile._kre_fix = True  # pylint: disable=protected-access
+    trainer.compile = compile
+    return True
+
+
+def variable_index(optimizer, variable):
+    """The index of `variable` in the optimizer's slot lists, as Keras's own
+    `update_step`s find it (`Optimizer._get_variable_index`; no public
+    accessor). Used by `optimizers/deeprec_optimizers.py`."""
+    return optimizer._get_variable_index(variable)  # pylint: disable=protected-access
+
+
+def uses_weight_decay(optimizer, variable):
+    """Whether `variable` takes weight decay, honouring
+    `exclude_from_weight_decay` (`Optimizer._use_weight_decay`; no public
+    accessor). Used by the TensorFlow table optimizer and `AdamW`."""
+    return optimizer._use_weight_decay(variable)  # pylint: disable=protected-access

@@ -1,7 +1,7 @@
 """Keras callbacks for embedding tables.
 
-Under Keras's JAX backend `EvictionCallback` and `TableStats` (without
-`log_dir`) work as under TensorFlow; `CheckpointCallback`, whose
+Under Keras's JAX backend `EvictionCallback` and `TableStats` (TensorBoard
+scalars included) work as under TensorFlow; `CheckpointCallback`, whose
 incremental checkpoints read the TensorFlow tables' change log, is
 TensorFlow-only for now (asking for it says so).
 """
@@ -270,7 +270,9 @@ class TableStats(keras.callbacks.Callback):
     (named by its variable path with `/` as `_`, less `_embeddings`: an
     `EmbeddingVariable` named `ids` gives `ids`), to Keras's `logs` (so the
     progress bar, `History` and `CSVLogger` show them) and, with `log_dir`,
-    as TensorBoard scalars (`tf.summary`, step = the optimizer's iteration):
+    as TensorBoard scalars (tags `tables/<name>`, step = the optimizer's
+    iteration; written without TensorFlow, by `keras_rec_emb._event_file`,
+    the same files under either backend):
 
     * `<table>_size`: admitted keys; `<table>_filtered`: keys counted but not
       admitted by an admission filter;
@@ -307,12 +309,6 @@ class TableStats(keras.callbacks.Callback):
         if log_dir is not None and (not isinstance(log_dir, (str, os.PathLike))
                                     or not os.fspath(log_dir)):
             raise TypeError(f"`log_dir` must be a path or None. Received: log_dir={log_dir!r}")
-        if log_dir is not None and _JAX:
-            raise ValueError(
-                "TableStats(log_dir=...) writes TensorBoard scalars through TensorFlow's "
-                "tf.summary, which runs on Keras's TensorFlow backend only for now, and the "
-                "active backend is 'jax'. Under JAX: log_dir=None, with the numbers in "
-                f"`logs` (History, CSVLogger). Received: log_dir={log_dir!r}")
         self.log_dir = None if log_dir is None else os.fspath(log_dir)
         self.in_logs = _checks.check_bool("in_logs", in_logs)
         self.latest = {}   # the last numbers reported
@@ -345,14 +341,12 @@ class TableStats(keras.callbacks.Callback):
         if self.in_logs and logs is not None:
             logs.update(values)
         if self.log_dir is not None:
-            import tensorflow as tf
-
             if self._writer is None:
-                self._writer = tf.summary.create_file_writer(self.log_dir)
+                from keras_rec_emb._event_file import EventFileWriter
+
+                self._writer = EventFileWriter(self.log_dir)
             step = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
-            with self._writer.as_default(step=step):
-                for k, v in values.items():
-                    tf.summary.scalar(f"tables/{k}", v)
+            self._writer.scalars(step, {f"tables/{k}": v for k, v in values.items()})
             self._writer.flush()
 
     def on_train_begin(self, logs=None):

@@ -1,5 +1,5 @@
-"""The model both backends' eviction-at-save tests train
-(tests/test_filters_eviction.py and tests/jax_backend/test_filters_eviction.py).
+"""The model the eviction-at-save tests of tests/test_filters_eviction.py
+train (under both backends).
 
 L2WeightEvict(1.0) at dim 16: trained rows have 0.5 * sum(row**2) far below
 1.0, so a save evicts every row of that table (issue 56: an ESMM lost all

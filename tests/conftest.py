@@ -1,6 +1,30 @@
-"""Shared test set-up: quiet TensorFlow, deterministic seeds."""
+"""Shared test set-up: quiet TensorFlow, deterministic seeds, and the two
+backends (tests/_backends.py).
+
+One run, both backends: the main pytest process runs Keras's TensorFlow
+backend; the tests that run under JAX run in a JAX worker process of
+tests/_backends.py, each its own item, its node id ending in `[jax]`
+(`pytest -k`, `--lf`, `-m` and xdist's `--dist loadfile` treat them as any
+test). Which backend a test runs under:
+
+- tests/jax_backend/*: JAX only, except the files of
+  `_backends.TENSORFLOW_SIDE` (they start JAX children of their own).
+- elsewhere: TensorFlow, unless marked `@pytest.mark.backends("tensorflow",
+  "jax")` (or a module's `pytestmark`): then under each backend named, so a
+  test written once runs under both. Such a module must not import
+  TensorFlow at module level (under JAX it must stay unimported).
+- `@pytest.mark.tensorflow_only` marks a test that is TensorFlow by nature
+  (tf.distribute, tf.train.Checkpoint, `model.export` of the TF ops):
+  the whole of tests/distribute is, and files say so in their `pytestmark`.
+  Such a test names no JAX backend, and `-m "not tensorflow_only"` runs
+  what should run under both.
+
+By hand, the JAX side alone, in one JAX process:
+`KERAS_BACKEND=jax .venv/bin/python -m pytest -q -p no:cacheprovider tests/jax_backend`.
+"""
 
 import os
+import random
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -9,11 +33,26 @@ import keras
 import numpy as np
 import pytest
 
+pytest_plugins = ("tests._backends",)
+
 
 @pytest.fixture(autouse=True)
 def _seed():
-    keras.utils.set_random_seed(1234)
+    if keras.config.backend() == "jax":
+        # keras.utils.set_random_seed imports TensorFlow whenever it is
+        # installed, which the JAX backend must not need.
+        random.seed(1234)
+        np.random.seed(1234)
+    else:
+        keras.utils.set_random_seed(1234)
     yield
+
+
+def _mark_tensorflow_only(items):
+    """tests/distribute is TensorFlow by nature (tf.distribute)."""
+    for item in items:
+        if item.nodeid.startswith("tests/distribute/"):
+            item.add_marker("tensorflow_only")
 
 
 class MatrixInitializer(keras.initializers.Initializer):
@@ -93,8 +132,8 @@ def config_round_trip():
 # file is left running alone at the end while the other worker idles.
 _LONGEST_FILES = (
     "tests/test_guides.py",
-    "tests/jax_backend/test_jax_backend.py",
-    "tests/jax_backend/test_jax_suite_half.py",
+    "tests/jax_backend/test_multi_hash.py",
+    "tests/jax_backend/test_file_tier.py",
     "tests/jax_backend/test_cross_backend_hash_layers.py",
     "tests/distribute/test_mirrored.py",
     "tests/distribute/test_multi_worker.py",
@@ -134,5 +173,6 @@ def pytest_collection_modifyitems(config, items):
     first = {}
     for i, item in enumerate(items):
         first.setdefault(path(item), i)
+    _mark_tensorflow_only(items)
     items.sort(key=lambda item: (rank.get(path(item), len(rank)), -counts[path(item)],
                                  first[path(item)]))

@@ -11,6 +11,8 @@ import pytest
 import keras_rec_emb as kre
 from keras_rec_emb.layers import EmbeddingVariable
 
+pytestmark = pytest.mark.tensorflow_only  # chains of tf.train.Checkpoint incremental checkpoints
+
 DIM = 4
 
 

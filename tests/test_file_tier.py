@@ -11,7 +11,6 @@ import sys
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import keras_rec_emb as kre
 from keras_rec_emb.layers import EmbeddingVariable
@@ -22,7 +21,8 @@ VOCAB = 3000
 
 def ev_option(storage=None, filter_option=None, evict_option=None):
     return kre.EmbeddingVariableOption(
-        init_option=kre.InitializerOption(default_value_dim=97),
+        init_option=kre.InitializerOption(
+            initializer=keras.initializers.RandomUniform(seed=3), default_value_dim=97),
         filter_option=filter_option, evict_option=evict_option,
         storage_option=storage, num_shards=4)
 
@@ -35,10 +35,11 @@ def file_option(path, cache=4096):
 
 
 def build_model(option, name="ev"):
-    keras.utils.set_random_seed(7)
+    # Seeded by its initializers alone: the same model in every process, and
+    # keras.utils.set_random_seed would import TensorFlow under JAX.
     ids = keras.Input((3,), dtype="int64", name="ids")
     emb = EmbeddingVariable(DIM, ev_option=option, combiner="sum", name=name)(ids)
-    out = keras.layers.Dense(1, name="dense")(keras.layers.Flatten()(emb))
+    out = keras.layers.Dense(1, name="dense", kernel_initializer="ones")(emb)
     model = keras.Model(ids, out)
     model.compile(optimizer=kre.optimizers.Adagrad(0.1), loss="mse")
     return model
@@ -53,17 +54,20 @@ def data(seed=0, n=512):
 
 def same_export(a, b):
     assert sorted(a) == sorted(b)
+    a, b = ({k: v if k == "slots" else np.asarray(v) for k, v in e.items()} for e in (a, b))
     order_a, order_b = np.argsort(a["keys"]), np.argsort(b["keys"])
     for key in ("keys", "values", "freqs", "versions"):
         np.testing.assert_array_equal(a[key][order_a], b[key][order_b], err_msg=key)
     assert sorted(a["slots"]) == sorted(b["slots"])
     for name in a["slots"]:
-        np.testing.assert_array_equal(a["slots"][name][order_a], b["slots"][name][order_b])
+        np.testing.assert_array_equal(np.asarray(a["slots"][name])[order_a],
+                                      np.asarray(b["slots"][name])[order_b], err_msg=name)
     fa, fb = np.argsort(a["keys_filtered"]), np.argsort(b["keys_filtered"])
     for key in ("keys_filtered", "freqs_filtered", "versions_filtered"):
         np.testing.assert_array_equal(a[key][fa], b[key][fb], err_msg=key)
 
 
+@pytest.mark.backends("tensorflow", "jax")
 @pytest.mark.parametrize("policy", ["none", "counter", "bloom", "evict"])
 def test_file_tier_trains_like_dram(tmp_path, policy):
     filters = {"counter": kre.CounterFilter(filter_freq=3),
@@ -82,15 +86,25 @@ def test_file_tier_trains_like_dram(tmp_path, policy):
     np.testing.assert_array_equal(dram.predict(ids, verbose=0), file.predict(ids, verbose=0))
     stats = f.stats()
     assert stats["storage"] == "FILE" and d.stats()["storage"] == "DRAM"
+    assert d.storage_dir is None
     assert stats["rows"] == stats["size"] == d.stats()["size"]
     assert 0 < stats["cached_rows"] <= 4 * (4096 // 4 // (2 * DIM * 4)) < stats["rows"]
     assert stats["disk_bytes"] > 0 and stats["file_writes"] > 0 and stats["file_reads"] > 0
     assert 0.0 < stats["cache_hit_rate"] < 1.0
-    assert os.path.isdir(f.table.storage_dir)
-    assert f.table.storage_dir.startswith(str(tmp_path))
+    # The rows' files are under storage_path, in a folder named after the layer.
+    assert f.storage_dir == os.path.join(str(tmp_path), "ev_embeddings")
+    assert f.snapshot() == 1  # flushes the buffered appends to the files
+    live = [os.path.join(f.storage_dir, name) for name in os.listdir(f.storage_dir)
+            if name.startswith("live-")]
+    assert len(live) == 1
+    on_disk = sum(os.path.getsize(os.path.join(live[0], name)) for name in os.listdir(live[0]))
+    stats = f.stats()
+    # Each row on file: its value and Adagrad accumulator, 2 * DIM floats.
+    assert on_disk >= (stats["rows"] - stats["cached_rows"]) * 2 * DIM * 4
 
 
 def test_file_tier_save_load_checkpoint_and_serving(tmp_path):
+    import tensorflow as tf
     # The file-tier model trains and saves in another process (a live table
     # locks its folder, so the reload below needs that process gone), the
     # DRAM twin here; then the file-tier model is loaded here.
@@ -142,6 +156,7 @@ print("SAVED-OK")
 
 
 def test_snapshot_restore_and_faults(tmp_path):
+    import tensorflow as tf
     ids, y = data(2)
     model = build_model(ev_option(file_option(tmp_path)))
     model.fit(ids, y, batch_size=128, epochs=1, verbose=0)
@@ -182,6 +197,7 @@ def test_snapshot_restore_and_faults(tmp_path):
 
 
 def test_unwritable_storage_path_names_it(tmp_path):
+    import tensorflow as tf
     plain = tmp_path / "plain"
     plain.write_text("x")
     layer = EmbeddingVariable(DIM, ev_option=ev_option(file_option(plain / "sub")))

@@ -9,7 +9,6 @@ import warnings
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import keras_rec_emb as kre
 from tests._eviction_at_save import eviction_logs, two_table_model
@@ -168,6 +167,7 @@ def test_l2_weight_evict():
 # L2WeightEvict(1.0) at dim 16: trained rows have 0.5 * sum(row**2) far below
 # 1.0, so a save evicts every row (issue 56: an ESMM lost all 17 tables).
 
+@pytest.mark.backends("tensorflow", "jax")
 def test_default_save_evicts_and_reports_each_table(tmp_path, caplog):
     """DeepRec's rule stays the default: the save evicts, logs each table's
     counts (the tables' real sizes before and after) and warns, naming the
@@ -196,11 +196,13 @@ def test_default_save_evicts_and_reports_each_table(tmp_path, caplog):
     assert loaded.get_layer("items").table_size() == before["items"]
 
 
+@pytest.mark.backends("tensorflow", "jax")
 @pytest.mark.parametrize("how", ["save_model", "option"])
 def test_saving_without_eviction_keeps_every_row(tmp_path, caplog, how):
     """`save_model(..., evict=False)` for one save, `at_save=False` for one
-    table: the table in memory and in the file keeps every row, predictions
-    do not move, and nothing is reported."""
+    table: the table in memory and in the file (and in a tf.train.Checkpoint
+    under TensorFlow) keeps every row, predictions do not move, and nothing
+    is reported."""
     caplog.set_level(logging.INFO, logger="keras_rec_emb")
     model, x = two_table_model(at_save=how != "option")
     layer = model.get_layer("clicks")
@@ -213,7 +215,10 @@ def test_saving_without_eviction_keeps_every_row(tmp_path, caplog, how):
             kre.save_model(model, path, evict=False)
         else:
             model.save(path)
-            tf.train.Checkpoint(model=model).write(str(tmp_path / "ckpt"))
+            if keras.config.backend() == "tensorflow":
+                import tensorflow as tf
+
+                tf.train.Checkpoint(model=model).write(str(tmp_path / "ckpt"))
     assert "clicks" not in eviction_logs(caplog)
     np.testing.assert_array_equal(model.predict(x, verbose=0), predictions)
     assert layer.table_size() == len(rows["keys"])
@@ -227,7 +232,9 @@ def test_saving_without_eviction_keeps_every_row(tmp_path, caplog, how):
     assert layer.evict() == len(rows["keys"])  # evict() still evicts
 
 
+@pytest.mark.tensorflow_only  # tf.train.Checkpoint
 def test_at_save_false_builds_a_table_that_keeps_its_rows_at_save(tmp_path):
+    import tensorflow as tf
     layer = ev(evict_option=kre.L2WeightEvict(0.5, at_save=False))
     model = model_with(layer)
     model.fit(np.array([[1, 2]]), np.ones((1, 1)), verbose=0)
@@ -239,7 +246,9 @@ def test_at_save_false_builds_a_table_that_keeps_its_rows_at_save(tmp_path):
     assert layer.evict() == n
 
 
+@pytest.mark.tensorflow_only  # tf.train.Checkpoint
 def test_checkpoint_save_reports_its_eviction(tmp_path, caplog):
+    import tensorflow as tf
     caplog.set_level(logging.INFO, logger="keras_rec_emb")
     model, _ = two_table_model()
     n = model.get_layer("clicks").table_size()
@@ -334,7 +343,9 @@ def test_keras_save_keeps_filtered_counts_and_new_thresholds_apply(tmp_path):
     np.testing.assert_array_equal(row(high, 1), row(layer, 1))
 
 
+@pytest.mark.tensorflow_only  # tf.train.Checkpoint
 def test_checkpoint_carries_deeprec_parts(tmp_path):
+    import tensorflow as tf
     model, layer = trained_with_filter(3)
     path = tf.train.Checkpoint(model=model).save(str(tmp_path / "ckpt"))
     names = [name for name, _ in tf.train.list_variables(path)]
@@ -362,7 +373,9 @@ def test_save_filtered_can_be_turned_off(saving_round_trip, monkeypatch, how):
     assert filtered(layer) == {2: 2, 3: 1}  # saving did not drop them from the live table
 
 
+@pytest.mark.tensorflow_only  # tf.train.Checkpoint
 def test_checkpoint_saved_without_filter_loads_into_filtered_model(tmp_path):
+    import tensorflow as tf
     plain = ev()
     model = model_with(plain)
     model.fit(np.array([[1, 2]]), np.ones((1, 1)), verbose=0)

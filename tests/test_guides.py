@@ -18,7 +18,7 @@ GUIDES = sorted(p for p in glob.glob(os.path.join(os.path.dirname(__file__), "..
 
 # The guides that run under Keras's JAX backend too (the others use what is
 # TensorFlow-only: tf.data pipelines of keras_rec_emb.data, tf.distribute,
-# MultiHashEmbedding, ...; see the README's backend table). Each with the
+# MultiHashEmbedding, ...; see docs/backends.md). Each with the
 # lines of its output that must be the same under both backends: the tables'
 # sizes follow from the data alone.
 JAX_GUIDES = {

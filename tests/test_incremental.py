@@ -9,6 +9,8 @@ import pytest
 import keras_rec_emb as kre
 from keras_rec_emb.layers import EmbeddingVariable
 
+pytestmark = pytest.mark.tensorflow_only  # tf.train.Checkpoint's incremental checkpoints
+
 DIM = 4
 
 

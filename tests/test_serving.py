@@ -118,6 +118,49 @@ def test_embedding_variable_model_serves_without_the_package(tmp_path):
     np.testing.assert_allclose(serve_elsewhere(path, query), want, rtol=1e-5, atol=1e-6)
 
 
+class ServedTower(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.out = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.out(x)
+
+
+class ServedRanker(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.user = EmbeddingVariable(4, combiner="mean", name="user")
+        self.item = EmbeddingVariable(4, key_dtype="int32", name="item")
+        self.tower = ServedTower()
+
+    def call(self, inputs):
+        item = keras.ops.reshape(self.item(inputs["item"]), (-1, 4))
+        return self.tower(keras.ops.concatenate([self.user(inputs["user"]), item], axis=-1))
+
+
+def test_a_subclassed_model_exports_without_an_input_signature(tmp_path):
+    """Its ids are exported with the dtypes of its first call, not Keras's
+    float `input_dtype` (which the tables refuse and which would round ids
+    above 2**24)."""
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    x = {"user": rng.integers(0, 10**12, (32, 3)),
+         "item": rng.integers(0, 2**31 - 1, (32, 1)).astype(np.int32)}
+    model = ServedRanker()
+    model.compile(optimizer=kre.optimizers.Adagrad(0.1), loss="mse")
+    model.fit(x, rng.normal(size=(32, 1)), batch_size=8, verbose=0)
+    path = kre.export_for_serving(model, str(tmp_path / "serving"))
+    served = tf.saved_model.load(path)
+    spec = served.serve.concrete_functions[0].structured_input_signature
+    (inputs,), _ = spec
+    assert {k: s.dtype for k, s in inputs.items()} == {"user": tf.int64, "item": tf.int32}
+    query = {"user": x["user"][:4], "item": x["item"][:4]}
+    np.testing.assert_allclose(
+        served.serve({k: tf.constant(v) for k, v in query.items()}).numpy(),
+        model.predict(query, verbose=0), rtol=1e-5, atol=1e-6)
+
+
 def test_filtered_table_serves_no_permission_value(tmp_path):
     opt = kre.EmbeddingVariableOption(filter_option=kre.CounterFilter(filter_freq=3))
     ev = EmbeddingVariable(2, combiner=None, ev_option=opt, name="filtered")

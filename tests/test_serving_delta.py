@@ -8,6 +8,8 @@ import tensorflow as tf
 import keras_rec_emb as kre
 from keras_rec_emb.layers import EmbeddingVariable
 
+pytestmark = pytest.mark.tensorflow_only  # `model.export` SavedModels of this package's TF ops
+
 
 def test_live_saved_model_takes_deltas_and_predicts_like_the_trained_model(tmp_path):
     keras.utils.set_random_seed(0)

@@ -10,10 +10,13 @@ import sys
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import keras_rec_emb as kre
 from keras_rec_emb.layers import EmbeddingVariable, FeatureSpec, GroupEmbedding
+
+pytestmark = pytest.mark.tensorflow_only  # `model.export` SavedModels of this package's TF ops
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 

@@ -14,6 +14,7 @@ import tensorflow as tf
 import keras_rec_emb as kre
 import keras_rec_emb_cli
 from keras_rec_emb.layers import EmbeddingVariable
+from tests import _event_files
 
 
 def make_model(name="ids", filter_freq=2, steps_to_live=None):
@@ -64,14 +65,19 @@ def test_stats_match_the_tables_export_every_step(tmp_path):
     assert seen[0]["ids_hit_rate"] == 0.0
     # Step 2 (1,2,4,5): key 1 was admitted at step 1 (if not evicted).
     assert 0.0 <= seen[1]["ids_hit_rate"] <= 1.0
-    # TensorBoard scalars were written.
-    files = os.listdir(tmp_path / "tb")
-    assert files and any(f.startswith("events") for f in files)
-    tags = set()
-    for e in tf.compat.v1.train.summary_iterator(str(tmp_path / "tb" / files[0])):
-        for v in e.summary.value:
-            tags.add(v.tag)
-    assert "tables/ids_size" in tags and "tables/ids_hit_rate" in tags
+    # The TensorBoard scalars: the logged numbers (float32, as
+    # tf.summary.scalar writes them) at the optimizer's step, read back by
+    # TensorFlow's reader (which checks the records' CRCs) and by
+    # tensorboard's protos.
+    (name,) = os.listdir(tmp_path / "tb")
+    assert name.startswith("events.out.tfevents.")
+    read = [(e.step, {v.tag: v.simple_value for v in e.summary.value})
+            for e in tf.compat.v1.train.summary_iterator(str(tmp_path / "tb" / name))]
+    assert read[0] == (0, {})  # the file version event
+    assert read[1:] == _event_files.scalars(str(tmp_path / "tb"))
+    assert [step for step, _ in read[1:]] == [1, 2, 3]
+    for (_, values), logs in zip(read[1:], seen):
+        assert values == {f"tables/{k}": float(np.float32(v)) for k, v in logs.items()}
 
 
 def test_hit_rate_against_numpy_reference():

@@ -1,4 +1,5 @@
-"""The raw table ops (`backend/tensorflow/ops.py`) and the EmbeddingTable resource (`backend/tensorflow/variables.py`), against NumPy."""
+"""The raw table ops (`backend/tensorflow/ops.py`) and the EmbeddingTable
+resource (`backend/tensorflow/variables.py`), against NumPy."""
 
 import json
 import os

@@ -1,4 +1,5 @@
-"""Input pipelines: Parquet and Kafka into tf.data; synthetic click data."""
+"""Input pipelines: Parquet and Kafka into tf.data (TensorFlow backend) or
+NumPy batches (JAX backend), both for `model.fit`; synthetic click data."""
 
 from keras_rec_emb.data.dataframe import DataFrame
 from keras_rec_emb.data.decoders import decode_csv

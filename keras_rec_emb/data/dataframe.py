@@ -2,15 +2,26 @@
 
 import dataclasses
 
-import tensorflow as tf
+from keras_rec_emb import _backend
 
-# Output dtypes a column can have (also the dtypes a `Field` may ask for).
+if _backend.is_jax():
+    from keras_rec_emb.backend.jax import data as _impl
+else:
+    from keras_rec_emb.backend.tensorflow import data as _impl
+
+# Names of the output dtypes a column can have (also the dtypes a `Field` may
+# ask for).
 SUPPORTED_DTYPES = (
-    tf.int8, tf.int16, tf.int32, tf.int64,
-    tf.uint8, tf.uint16, tf.uint32, tf.uint64,
-    tf.float16, tf.float32, tf.float64,
-    tf.bool, tf.string,
+    "int8", "int16", "int32", "int64",
+    "uint8", "uint16", "uint32", "uint64",
+    "float16", "float32", "float64",
+    "bool", "string",
 )
+
+
+def dtype_name(dtype):
+    """The name of a `Field`'s `type` (a `tf.DType` or, under JAX, the name)."""
+    return dtype if isinstance(dtype, str) else dtype.name
 
 
 class DataFrame:
@@ -18,15 +29,16 @@ class DataFrame:
 
     A column has a logical type (scalar, fixed-length list, variable-length
     list, nested list) and a physical type (integer, float, string).
-    `ParquetDataset` turns scalars and fixed-length lists into `tf.Tensor`
-    and variable-length (nested) lists into `tf.RaggedTensor`;
-    `DataFrame.to_sparse()` turns those into `tf.SparseTensor`.
+    Under TensorFlow `ParquetDataset` turns scalars and fixed-length lists
+    into `tf.Tensor` and variable-length (nested) lists into
+    `tf.RaggedTensor`, and `DataFrame.to_sparse()` turns those into
+    `tf.SparseTensor`; under JAX they are NumPy arrays, variable-length
+    lists padded (see `ParquetDataset`).
 
     Example:
 
-    >>> import tensorflow as tf
     >>> from keras_rec_emb.data import DataFrame
-    >>> field = DataFrame.Field("clicks", tf.int64, ragged_rank=1)
+    >>> field = DataFrame.Field("clicks", "int64", ragged_rank=1)
     >>> DataFrame.Field.from_config(field.get_config()) == field
     True
     """
@@ -41,7 +53,9 @@ class DataFrame:
 
         Args:
             name: str. Name of the column.
-            type: `tf.DType` (or its name), optional. Output dtype. When the
+            type: dtype name (`"int64"`, `"string"`, ...), NumPy dtype or
+                `tf.DType`, optional: a `tf.DType` under TensorFlow, the
+                name under JAX once the field is made. Output dtype. When the
                 column's physical type differs, pyarrow casts it (safe cast:
                 overflow is an error). Defaults to `None` (the column's type).
             ragged_rank: int, optional. Number of variable-length list levels
@@ -55,14 +69,13 @@ class DataFrame:
 
         Example:
 
-        >>> import tensorflow as tf
         >>> from keras_rec_emb.data import DataFrame
-        >>> DataFrame.Field("embedding", tf.float32, shape=(4,)).shape
+        >>> DataFrame.Field("embedding", "float32", shape=(4,)).shape
         (4,)
         """
 
         name: str
-        type: tf.DType | None = None
+        type: object = None
         ragged_rank: int | None = None
         shape: tuple[int, ...] | None = None
 
@@ -73,13 +86,13 @@ class DataFrame:
                     f"Received: name={self.name!r}")
             if self.type is not None:
                 try:
-                    dtype = tf.as_dtype(self.type)
+                    dtype = _impl.as_dtype(self.type)
                 except TypeError:
                     dtype = None
-                if dtype not in SUPPORTED_DTYPES:
+                if dtype is None or dtype_name(dtype) not in SUPPORTED_DTYPES:
                     raise TypeError(
                         f"`type` of field '{self.name}' must be one of "
-                        f"{[d.name for d in SUPPORTED_DTYPES]}. "
+                        f"{list(SUPPORTED_DTYPES)}. "
                         f"Received: type={self.type!r}")
                 object.__setattr__(self, "type", dtype)
             if self.ragged_rank is not None and (
@@ -91,8 +104,9 @@ class DataFrame:
                     f"non-negative integer. Received: "
                     f"ragged_rank={self.ragged_rank!r}")
             if self.shape is not None:
-                shape = tuple(self.shape) if isinstance(
-                    self.shape, (list, tuple, tf.TensorShape)) else None
+                # A tf.TensorShape iterates as its dimensions (ints).
+                shape = tuple(self.shape) if isinstance(self.shape, (list, tuple)) or (
+                    type(self.shape).__name__ == "TensorShape") else None
                 if shape is None or not all(
                         isinstance(d, int) and not isinstance(d, bool)
                         and d > 0 for d in shape):
@@ -104,7 +118,7 @@ class DataFrame:
         def get_config(self):
             return {
                 "name": self.name,
-                "type": None if self.type is None else self.type.name,
+                "type": None if self.type is None else dtype_name(self.type),
                 "ragged_rank": self.ragged_rank,
                 "shape": None if self.shape is None else list(self.shape),
             }
@@ -126,7 +140,8 @@ class DataFrame:
                 Defaults to `None` (sequential).
 
         Returns:
-            A function `Dataset -> Dataset` for `Dataset.apply`.
+            A function `Dataset -> Dataset` for `Dataset.apply` (TensorFlow
+            backend; under JAX lists come padded and this raises).
 
         Example:
 
@@ -138,14 +153,4 @@ class DataFrame:
         >>> batch["ids"].indices.numpy().tolist()
         [[0, 0], [0, 1], [1, 0]]
         """
-
-        def convert(*element):
-            element = element[0] if len(element) == 1 else element
-            return tf.nest.map_structure(
-                lambda value: value.to_sparse()
-                if isinstance(value, tf.RaggedTensor) else value, element)
-
-        def apply(dataset):
-            return dataset.map(convert, num_parallel_calls=num_parallel_calls)
-
-        return apply
+        return _impl.to_sparse(num_parallel_calls)

@@ -1,14 +1,21 @@
 """Vectorized decoders for batches of raw records (e.g. Kafka messages).
 
 Each `decode_*` returns a function for `Dataset.map` that parses a whole
-`tf.string` batch at once: CSV and tf.Example with TensorFlow ops, JSON with
-Arrow's JSON reader (one Python call per batch, no Python per record).
+batch at once: CSV and tf.Example with TensorFlow ops (TensorFlow backend),
+JSON with Arrow's JSON reader under both backends (one Python call per
+batch, no Python per record).
 """
 
 import numpy as np
-import tensorflow as tf
 
+from keras_rec_emb import _backend
 from keras_rec_emb.data.dataframe import DataFrame
+from keras_rec_emb.data.dataframe import dtype_name
+
+if _backend.is_jax():
+    from keras_rec_emb.backend.jax import data as _impl
+else:
+    from keras_rec_emb.backend.tensorflow import data as _impl
 
 
 def decode_csv(record_defaults,
@@ -17,7 +24,8 @@ def decode_csv(record_defaults,
                use_quote_delim=True,
                na_value="",
                select_cols=None):
-    """A function parsing a batch of CSV records (`tf.io.decode_csv`).
+    """A function parsing a batch of CSV records (`tf.io.decode_csv`;
+    TensorFlow backend).
 
     Args:
         record_defaults: list, one entry per (selected) column: a default
@@ -48,19 +56,13 @@ def decode_csv(record_defaults,
         raise ValueError(
             "`names` must have one entry per `record_defaults` entry. "
             f"Received: names={names!r}, record_defaults={record_defaults!r}")
-
-    def decode(records):
-        columns = tf.io.decode_csv(records, record_defaults,
-                                   field_delim=field_delim,
-                                   use_quote_delim=use_quote_delim,
-                                   na_value=na_value, select_cols=select_cols)
-        return dict(zip(names, columns)) if names else tuple(columns)
-
-    return decode
+    return _impl.decode_csv(record_defaults, names, field_delim, use_quote_delim,
+                            na_value, select_cols)
 
 
 def decode_example(features):
-    """A function parsing a batch of serialized `tf.train.Example`s.
+    """A function parsing a batch of serialized `tf.train.Example`s
+    (TensorFlow backend).
 
     Args:
         features: dict from feature name to `tf.io.FixedLenFeature`,
@@ -84,13 +86,7 @@ def decode_example(features):
     if not isinstance(features, dict) or not features:
         raise TypeError("`features` must be a non-empty dict of feature "
                         f"configs. Received: features={features!r}")
-
-    def decode(records):
-        if records.shape.rank == 0:
-            return tf.io.parse_single_example(records, features)
-        return tf.io.parse_example(records, features)
-
-    return decode
+    return _impl.decode_example(features)
 
 
 def decode_json(fields):
@@ -114,15 +110,17 @@ def decode_json(fields):
             from name to `tf.DType` for scalars.
 
     Returns:
-        A function `records -> dict` of tensors (ragged for lists) with
-        `records`' shape as batch shape.
+        A function `records -> dict` with `records`' shape as batch shape:
+        of tensors (ragged for lists) under TensorFlow, of NumPy arrays
+        (lists padded as `ParquetDataset` pads them) under JAX, where
+        `records` is an array or list of bytes or str.
 
     Example:
 
     >>> import tensorflow as tf
     >>> from keras_rec_emb.data import DataFrame, decode_json
-    >>> decode = decode_json([DataFrame.Field("user", tf.int64),
-    ...                       DataFrame.Field("items", tf.int64, ragged_rank=1)])
+    >>> decode = decode_json([DataFrame.Field("user", "int64"),
+    ...                       DataFrame.Field("items", "int64", ragged_rank=1)])
     >>> out = decode(tf.constant(['{"user": 3, "items": [1, 2]}',
     ...                           '{"items": [], "user": 4}']))
     >>> out["user"].numpy().tolist(), out["items"].to_list()
@@ -137,39 +135,12 @@ def decode_json(fields):
     for field in fields:
         is_list = bool(field.ragged_rank or field.shape)
         if field.type is None or (is_list and (
-                field.type in (tf.string, tf.bool) or
+                dtype_name(field.type) in ("string", "bool") or
                 (field.ragged_rank or 0) + len(field.shape or ()) != 1)):
             raise TypeError(
                 "`fields` entries need a `type`; lists must be flat lists of "
                 f"numbers (ragged_rank=1 or shape=(n,)). Received: {field}")
-    parser = _JsonParser(fields)
-
-    def decode(records):
-        records = tf.convert_to_tensor(records, tf.string)
-        if any(f.ragged_rank or f.shape for f in fields) and records.shape.rank != 1:
-            raise ValueError("decode_json: list fields need 1-D `records`. "
-                             f"Received shape {records.shape}")
-        flat = tf.reshape(records, [-1])
-        outs = tf.numpy_function(parser, [flat], parser.tout, stateful=False)
-        if not isinstance(outs, (list, tuple)):  # one output comes back bare
-            outs = [outs]
-        result, i = {}, 0
-        for f in fields:
-            values = outs[i]
-            if f.ragged_rank or f.shape:
-                splits = tf.ensure_shape(outs[i + 1], [None])
-                values = tf.RaggedTensor.from_row_splits(
-                    tf.ensure_shape(values, [None]), splits, validate=False)
-                if f.shape:
-                    values = values.to_tensor(shape=[None, *f.shape])
-                i += 2
-            else:
-                values = tf.reshape(values, tf.shape(records))
-                i += 1
-            result[f.name] = values
-        return result
-
-    return decode
+    return _impl.decode_json(_JsonParser(fields), list(fields))
 
 
 class _JsonParser:
@@ -178,19 +149,15 @@ class _JsonParser:
 
     def __init__(self, fields):
         self._fields = list(fields)
-        self.tout = []
-        for f in self._fields:
-            self.tout.append(f.type)
-            if f.ragged_rank or f.shape:
-                self.tout.append(tf.int64)
 
     @staticmethod
     def _arrow_type(field):
         import pyarrow as pa
 
-        base = {tf.string: pa.string(), tf.bool: pa.bool_()}.get(field.type)
+        name = dtype_name(field.type)
+        base = {"string": pa.string(), "bool": pa.bool_()}.get(name)
         if base is None:
-            base = pa.from_numpy_dtype(field.type.as_numpy_dtype)
+            base = pa.from_numpy_dtype(np.dtype(name))
         return pa.list_(base) if (field.ragged_rank or field.shape) else base
 
     def _read(self, lines, fields):
@@ -220,7 +187,7 @@ class _JsonParser:
                     except pa.ArrowInvalid:
                         field = f
                         break
-                where = (f"field {field.name!r} ({field.type.name}) of " if field
+                where = (f"field {field.name!r} ({dtype_name(field.type)}) of " if field
                          else "")
                 return ValueError(f"decode_json: cannot parse {where}record {index} "
                                   f"{text!r}: {e}")
@@ -248,7 +215,8 @@ class _JsonParser:
                 raise self._explain(lines, "records do not hold one object each")
         out = []
         for f in self._fields:
-            dtype = np.dtype(object) if f.type == tf.string else f.type.as_numpy_dtype
+            name = dtype_name(f.type)
+            dtype = np.dtype(object if name == "string" else name)
             if f.ragged_rank or f.shape:
                 if table is None:
                     out += [np.zeros(0, dtype), np.zeros(1, np.int64)]
@@ -263,9 +231,9 @@ class _JsonParser:
                 out.append(np.zeros(0, dtype))
                 continue
             column = table.column(f.name).combine_chunks()
-            fill = {tf.string: "", tf.bool: False}.get(f.type, 0)
+            fill = {"string": "", "bool": False}.get(name, 0)
             values = column.fill_null(fill).to_numpy(zero_copy_only=False)
-            if f.type == tf.string:
+            if name == "string":
                 values = np.array([v.encode() for v in values], dtype=object)
             out.append(np.asarray(values, dtype))
         return out

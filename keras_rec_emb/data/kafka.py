@@ -1,15 +1,21 @@
-"""Kafka topics as `tf.data` datasets, on confluent-kafka (librdkafka).
+"""Kafka topics as datasets, on confluent-kafka (librdkafka): a
+`tf.data.Dataset` under Keras's TensorFlow backend, an iterable of NumPy
+batches of message bytes under JAX (`backend/tensorflow/data.py`,
+`backend/jax/data.py`).
 
 Messages are consumed in batches (`Consumer.consume(n, timeout)`), and each
-element is handed to TensorFlow with one `tf.numpy_function` call: a single
-message (the seed's API) or, with `batch_size`, a 1-D batch of messages for
-the vectorized decoders in `keras_rec_emb.data.decode_*`.
+element is handed out as one NumPy array (with one `tf.numpy_function` call
+under TensorFlow): a single message (the seed's API) or, with `batch_size`,
+a 1-D batch of messages for the vectorized decoders in
+`keras_rec_emb.data.decode_*`.
 
 The consumed position is state. `dataset.position` (a `KafkaPosition`) holds
 the next offset of every partition read so far, updated when an element is
-handed out, and saves with `tf.train.Checkpoint`; a new dataset restored
-from that checkpoint starts each of those partitions there. Buffers after
-the dataset (`prefetch`, `shuffle`) hold elements already counted as read.
+handed out, and saves with `tf.train.Checkpoint` (TensorFlow) or an
+`IncrementalCheckpointer`; a new dataset restored from it starts each of
+those partitions there. Buffers after the dataset (`prefetch`, `shuffle`,
+the JAX trainer's look-ahead on accelerators) hold elements already counted
+as read.
 """
 
 import logging
@@ -18,16 +24,19 @@ import threading
 import time
 
 import numpy as np
-import tensorflow as tf
 
-from keras_rec_emb.backend.tensorflow import compat as _compat
-from keras_rec_emb.data._source import WrappedDataset
-from keras_rec_emb.data._source import python_dataset
+from keras_rec_emb import _backend
+from keras_rec_emb import _keras_fixes as _fixes
+
+if _backend.is_jax():
+    from keras_rec_emb.backend.jax import data as _impl
+else:
+    from keras_rec_emb.backend.tensorflow import data as _impl
 
 # confluent-kafka is the optional `kafka` extra: imported on first use (the
 # broker check of a dataset's construction), which raises an ImportError
 # naming the extra when it is missing.
-confluent_kafka = _compat.LazyKafka()
+confluent_kafka = _fixes.LazyKafka()
 
 _LOGGER = logging.getLogger(__name__)
 _TOPIC = re.compile(r"[A-Za-z0-9._-]+")
@@ -63,16 +72,18 @@ def _check_offsets(offsets):
     return {(t, int(p)): int(o) for (t, p), o in offsets.items()}
 
 
-class KafkaPosition(_compat.Trackable):
+class KafkaPosition(_impl.PositionBase):
     """The consumed position of a Kafka dataset, as checkpointable state.
 
     Maps `(topic, partition)` to the offset of the next message to read,
     for every partition this dataset has handed out messages from (or that
-    was restored). Save it with `tf.train.Checkpoint(data=ds.position)`;
-    restoring it into the `position` of a new dataset over the same topics
-    makes that dataset's next iteration resume exactly after the last message
-    handed out before the save. Restore before iterating: an iteration that
-    already runs keeps its own consumer position.
+    was restored). Under TensorFlow save it with
+    `tf.train.Checkpoint(data=ds.position)`; restoring it into the `position`
+    of a new dataset over the same topics makes that dataset's next
+    iteration resume exactly after the last message handed out before the
+    save. Restore before iterating: an iteration that already runs keeps its
+    own consumer position. Under either backend `KafkaPosition(offsets)`
+    starts a position at saved `offsets()`.
 
     Example:
 
@@ -99,29 +110,17 @@ class KafkaPosition(_compat.Trackable):
         with self._lock:
             self._offsets.update(offsets)
 
-    def _serialize_to_tensors(self):
-        items = sorted(self.offsets().items())
-        return {
-            "topics": tf.constant([t for (t, _), _ in items], tf.string),
-            "partitions": tf.constant([p for (_, p), _ in items], tf.int64),
-            "offsets": tf.constant([o for _, o in items], tf.int64),
-        }
-
-    def _restore_from_tensors(self, restored_tensors):
-        topics, partitions, offsets = (
-            restored_tensors[k].numpy()
-            for k in ("topics", "partitions", "offsets"))
+    def _set_offsets(self, offsets):
+        """Replaces every offset (a restore)."""
         with self._lock:
-            self._offsets = {(t.decode(), int(p)): int(o)
-                             for t, p, o in zip(topics, partitions, offsets)}
+            self._offsets = dict(offsets)
 
 
 def _config(entries, argument, strip_prefix=None):
     """`["key=value", ...]` (list or 1-D tf.string tensor) as a dict."""
     if entries is None:
         return {}
-    if isinstance(entries, tf.Tensor):
-        entries = [e.decode() for e in entries.numpy().reshape([-1])]
+    entries = _impl.strings(entries)
     if isinstance(entries, str) or not isinstance(entries, (list, tuple)):
         raise TypeError(f"`{argument}` must be a list of 'key=value' strings. "
                         f"Received: {argument}={entries!r}")
@@ -172,17 +171,12 @@ def _check_reachable(config, servers, timeout_ms):
         consumer.close()
 
 
-def _element_spec(batch_size, message_key):
-    spec = tf.TensorSpec([] if batch_size is None else [None], tf.string)
-    return (spec, spec) if message_key else spec
-
-
 class _Pass:
     """One iteration over a Kafka dataset: a consumer and a message buffer.
 
     Subclasses connect the consumer (`_start`) and filter what it returns
-    (`_accept`, `_ended`). It is the iterator `python_dataset` runs: its
-    `close()` (the TF iterator ended, was abandoned or collected) stops the
+    (`_accept`, `_ended`). It is the iterator a backend runs per pass: its
+    `close()` (the pass ended, was abandoned or collected) stops the
     consume loop even while another thread is inside it, and the consumer
     is closed when the loop exits.
     """
@@ -265,7 +259,7 @@ class _Pass:
                     self._pending.extend(accepted)
                     self._polled(bool(messages))
                     if accepted or any(m.error() is None or m.error().code() ==
-                                       _compat.KAFKA_PARTITION_EOF for m in messages):
+                                       _fixes.KAFKA_PARTITION_EOF for m in messages):
                         idle_since = time.monotonic()
                     else:
                         idle_since = self._check_broker(idle_since)
@@ -313,7 +307,7 @@ class _Pass:
     def _raise_unless_benign(self, message):
         error = message.error()
         if error.fatal() or not (error.retriable() or error.code() in (
-                _compat.KAFKA_TRANSPORT, _compat.KAFKA_PARTITION_EOF)):
+                _fixes.KAFKA_TRANSPORT, _fixes.KAFKA_PARTITION_EOF)):
             raise RuntimeError(
                 f"Kafka error on {message.topic()}:{message.partition()}: "
                 f"{error.str()}")
@@ -365,7 +359,7 @@ class _RangePass(_Pass):
         tp = (message.topic(), message.partition())
         if message.error():
             self._raise_unless_benign(message)
-            if self._eof and message.error().code() == _compat.KAFKA_PARTITION_EOF:
+            if self._eof and message.error().code() == _fixes.KAFKA_PARTITION_EOF:
                 self._finish(tp)
             return False
         if tp in self._done:
@@ -476,8 +470,7 @@ def _parse_topic(spec):
 
 
 def _strings(value, argument):
-    if isinstance(value, tf.Tensor):
-        value = [v.decode() for v in value.numpy().reshape([-1])]
+    value = _impl.strings(value)
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, (list, tuple)) or not value:
@@ -495,32 +488,12 @@ def _batch_size(batch_size):
     return batch_size
 
 
-class _KafkaDatasetBase(WrappedDataset):
+class _KafkaDatasetBase(_impl.Dataset):
     """A dataset of Kafka messages with a checkpointable `position`."""
 
     def __init__(self, make_pass, batch_size, message_key):
         self.position = KafkaPosition()
-        spec = _element_spec(batch_size, message_key)
-        dtypes = [tf.string] * (2 if message_key else 1)
-        shape = [] if batch_size is None else [None]
-
-        def to_element(components):
-            ok = tf.ensure_shape(components[0], [])
-            tensors = [tf.ensure_shape(c, shape) for c in components[1:]]
-            return ok, (tuple(tensors) if message_key else tensors[0])
-
-        # Keep tf.data from reading ahead on its own (an injected prefetch,
-        # maps made parallel), so `position` matches what was consumed.
-        options = tf.data.Options()
-        options.experimental_optimization.inject_prefetch = False
-        options.experimental_optimization.map_parallelization = False
-        flagged = (tf.TensorSpec([], tf.bool), spec)
-        # Placeholders of empty polls (see _Pass.elements) are dropped here.
-        super().__init__(
-            python_dataset(make_pass, (), [tf.bool] + dtypes, to_element, flagged)
-            .filter(lambda ok, element: ok)
-            .map(lambda ok, element: element)
-            .with_options(options))
+        super().__init__(_impl.kafka_dataset(make_pass, batch_size, message_key))
 
     def offsets(self):
         """`{(topic, partition): next_offset}` of what was handed out."""
@@ -528,7 +501,9 @@ class _KafkaDatasetBase(WrappedDataset):
 
 
 class KafkaDataset(_KafkaDatasetBase):
-    """Messages of explicit Kafka topic partitions, as a `tf.data.Dataset`.
+    """Messages of explicit Kafka topic partitions: a `tf.data.Dataset` of
+    `tf.string` under TensorFlow, an iterable of NumPy arrays of bytes under
+    JAX (`fit` takes it after a `.map` that decodes, e.g. `decode_json`).
 
     Each partition is read from its start offset for `length` messages (or
     without end), in the order the broker delivers them. With `eof=True` a
@@ -543,7 +518,7 @@ class KafkaDataset(_KafkaDatasetBase):
     committed to that consumer group (librdkafka auto-commit).
 
     Args:
-        topics: str, list of str or 1-D `tf.string` tensor of
+        topics: str, list of str or (TensorFlow) 1-D `tf.string` tensor of
             `"topic:partition:offset:length"`. `partition` defaults to 0,
             `offset` (first offset read) to 0, or -1 for the end of the log
             (new messages only) or -2 for its beginning; `length` (number of
@@ -638,7 +613,8 @@ class KafkaGroupIODataset(_KafkaDatasetBase):
     handed out are dropped, so the next owner reads them instead.
 
     Args:
-        topics: str, list of str or 1-D `tf.string` tensor of topic names.
+        topics: str, list of str or (TensorFlow) 1-D `tf.string` tensor of
+            topic names.
         group_id: str. Consumer group.
         servers: str or list of str. Bootstrap servers, `host:port`.
         stream_timeout: int. Milliseconds without new messages (once the

@@ -1,11 +1,11 @@
-"""`ParquetDataset`: Parquet files into `tf.data`, decoded by pyarrow.
+"""`ParquetDataset`: Parquet files decoded by pyarrow, as a `tf.data.Dataset`
+under Keras's TensorFlow backend and as an iterable of NumPy batches under
+JAX (`backend/tensorflow/data.py`, `backend/jax/data.py`).
 
 pyarrow reads and decodes row groups (in its own threads, without the GIL)
-and fills nulls once per row group. Python only slices whole Arrow tables
-into batches and hands each batch to TensorFlow through the Arrow C data
-interface: one small tensor of two addresses per batch, which the
-`KRE>ArrowBatchToTensors` op turns into the column tensors, sharing the
-Arrow buffers where they are aligned. Nothing loops over rows in Python.
+and fills nulls once per row group; Python only slices whole Arrow tables
+into batches (here), which each backend turns into its arrays column by
+column. Nothing loops over rows in Python.
 """
 
 import collections
@@ -21,53 +21,26 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
-import tensorflow as tf
 
-from keras_rec_emb.backend.tensorflow import compat as _compat
-from keras_rec_emb.backend.tensorflow import ops as _ops
-from keras_rec_emb.backend.tensorflow.checks import check_bool
-from keras_rec_emb.data._source import WrappedDataset
-from keras_rec_emb.data._source import python_dataset
+from keras_rec_emb import _backend
+from keras_rec_emb._checks_core import check_bool
 from keras_rec_emb.data.dataframe import DataFrame
+from keras_rec_emb.data.dataframe import dtype_name
 
-# A batch size that gathers a whole (finite) dataset of filenames.
-_ALL_FILES = 2**62
+if _backend.is_jax():
+    from keras_rec_emb.backend.jax import data as _impl
+else:
+    from keras_rec_emb.backend.tensorflow import data as _impl
 
 
 @dataclasses.dataclass(frozen=True)
 class _Column:
-    """How one column is read: output dtype, ragged levels, dense inner shape."""
+    """How one column is read: output dtype name, ragged levels, dense inner shape."""
 
     name: str
-    dtype: tf.DType
+    dtype: str
     ragged_rank: int
     shape: tuple[int, ...]
-
-    def spec(self, batch_dim):
-        if self.ragged_rank == 0:
-            return tf.TensorSpec([batch_dim, *self.shape], self.dtype)
-        return tf.RaggedTensorSpec(
-            [batch_dim] + [None] * self.ragged_rank + list(self.shape),
-            self.dtype, ragged_rank=self.ragged_rank,
-            row_splits_dtype=tf.int64)
-
-    def component_dtypes(self):
-        """What `KRE>ArrowBatchToTensors` returns for this column: values,
-        then one row_splits vector per ragged level."""
-        return [self.dtype] + [tf.int64] * self.ragged_rank
-
-    def to_tensor(self, components, batch_dim):
-        """Graph side of the components: a `tf.Tensor` or `tf.RaggedTensor`."""
-        values, *splits = components
-        outer = [batch_dim] if not splits else [None]
-        values.set_shape(outer + list(self.shape))
-        if not splits:
-            return values
-        splits[0].set_shape([None if batch_dim is None else batch_dim + 1])
-        for inner in splits[1:]:
-            inner.set_shape([None])
-        return tf.RaggedTensor.from_nested_row_splits(values, splits,
-                                                      validate=False)
 
 
 def _has_nulls(array):
@@ -130,12 +103,12 @@ def _leaf_dtype(arrow_type, name, source):
             or pa.types.is_large_binary(arrow_type)
             or pa.types.is_string_view(arrow_type)
             or pa.types.is_binary_view(arrow_type)):
-        return tf.string
+        return "string"
     if (pa.types.is_integer(arrow_type) or pa.types.is_floating(arrow_type)
             or pa.types.is_boolean(arrow_type)):
         # The NumPy dtype of an empty array of the type: to_pandas_dtype()
         # imports pandas (not a dependency) under pyarrow 21, the lowest we allow.
-        return tf.as_dtype(pa.array([], type=arrow_type).to_numpy(zero_copy_only=False).dtype)
+        return pa.array([], type=arrow_type).to_numpy(zero_copy_only=False).dtype.name
     raise TypeError(
         f"Column '{name}' of Parquet file '{source}' has type {arrow_type}, "
         "which ParquetDataset does not support. Supported: integers "
@@ -144,9 +117,9 @@ def _leaf_dtype(arrow_type, name, source):
 
 
 def _arrow_leaf(dtype):
-    if dtype == tf.string:
+    if dtype == "string":
         return pa.large_string()
-    return pa.from_numpy_dtype(dtype.as_numpy_dtype)
+    return pa.from_numpy_dtype(np.dtype(dtype))
 
 
 def _with_leaf(arrow_type, leaf):
@@ -287,14 +260,15 @@ def _column(field, schema, source):
                 f"`fields`: field '{field.name}' needs a `type` because "
                 "`filenames` is a symbolic tensor or a dataset (no schema "
                 f"to read it from). Received: {field}")
-        return _Column(field.name, field.type, field.ragged_rank or 0,
+        return _Column(field.name, dtype_name(field.type), field.ragged_rank or 0,
                        field.shape or ())
     if field.name not in schema.names:
         raise ValueError(
             f"`fields` names column '{field.name}', which is not in Parquet "
             f"file '{source}'. Available columns: {schema.names}")
     levels, leaf = _list_levels(schema.field(field.name).type)
-    dtype = field.type or _leaf_dtype(leaf, field.name, source)
+    dtype = (dtype_name(field.type) if field.type is not None
+             else _leaf_dtype(leaf, field.name, source))
     ragged_rank, shape = _layout(levels, field.ragged_rank, field.shape,
                                  field.name, source)
     return _Column(field.name, dtype, ragged_rank, shape)
@@ -342,21 +316,10 @@ def _read_options(batch_size, drop_remainder, partition_count,
 
 
 def _filenames(filenames):
-    """(dataset of 1-D string tensors of paths, the paths if known now)."""
-    if isinstance(filenames, tf.data.Dataset):
-        if filenames.element_spec != tf.TensorSpec([], tf.string):
-            raise TypeError(
-                "A dataset of `filenames` must have scalar tf.string elements. "
-                f"Received: element_spec={filenames.element_spec}")
-        return filenames.batch(_ALL_FILES), None
-    if isinstance(filenames, tf.Tensor):
-        if filenames.dtype != tf.string or filenames.shape.rank not in (0, 1):
-            raise TypeError(
-                "A `filenames` tensor must be a 0-D or 1-D tf.string tensor. "
-                f"Received: {filenames!r}")
-        if not tf.executing_eagerly():
-            return tf.data.Dataset.from_tensors(tf.reshape(filenames, [-1])), None
-        filenames = [f.decode() for f in filenames.numpy().reshape([-1])]
+    """(a dataset of 1-D string tensors of paths or None, the paths if known now)."""
+    source, filenames = _impl.parquet_source(filenames)
+    if source is not None:
+        return source, None
     if isinstance(filenames, str):
         filenames = [filenames]
     if (not isinstance(filenames, (list, tuple)) or not filenames
@@ -367,7 +330,7 @@ def _filenames(filenames):
             f"Received: filenames={filenames!r}")
     for path in filenames:
         _open(path).close()
-    return tf.data.Dataset.from_tensors(tf.constant(filenames)), filenames
+    return None, list(filenames)
 
 
 def _use_arrow_threads():
@@ -449,7 +412,6 @@ def _file_readers(paths, columns, options, use_threads, pool):
     schema = None  # output Arrow schema, fixed by the first file
     first_row_group = 0
     for path in paths:
-        path = path.decode() if isinstance(path, bytes) else path
         parquet_file = _open(path)
         file_schema = parquet_file.schema_arrow
         for column in columns:
@@ -552,107 +514,77 @@ def _tables(paths, columns, options, use_threads):
                 reader.close()
 
 
-def _batches(paths, columns, options):
-    """Batches of `batch_size` rows, exported as Arrow C structs: yields
-    1-element lists (the components of `python_dataset`) of [k, 2] arrays,
-    the addresses of k batches (all those a table read in holds, so that
-    Python is entered once per table rather than once per batch).
+def _table_batches(paths, columns, options):
+    """Batches of `batch_size` rows as Arrow tables: yields one list per
+    table read in, of the batches it completes (so that a backend hands
+    them over once per table rather than once per batch).
 
     Batches run across row group and file boundaries; only the last one
     can be short (and is dropped with `drop_remainder`).
     """
-    exports = _Exports()
     leftover = None
-    try:
-        for table in _tables(paths, columns, options, _use_arrow_threads()):
-            if leftover is not None and leftover.num_rows:
-                table = pa.concat_tables([leftover, table])
-            start, addresses = 0, []
-            while table.num_rows - start >= options.batch_size:
-                addresses.append(exports.export(table.slice(start, options.batch_size)))
-                start += options.batch_size
-            if addresses:
-                yield [np.stack(addresses)]
-            leftover = table.slice(start)
-        if leftover is not None and leftover.num_rows and not options.drop_remainder:
-            yield [exports.export(leftover)[None]]
-    finally:
-        exports.close()
+    for table in _tables(paths, columns, options, _use_arrow_threads()):
+        if leftover is not None and leftover.num_rows:
+            table = pa.concat_tables([leftover, table])
+        start, batches = 0, []
+        while table.num_rows - start >= options.batch_size:
+            batches.append(table.slice(start, options.batch_size))
+            start += options.batch_size
+        if batches:
+            yield batches
+        leftover = table.slice(start)
+    if leftover is not None and leftover.num_rows and not options.drop_remainder:
+        yield [leftover]
 
 
-class _Exports:
-    """Exports tables as Arrow C structs (ArrowArray then ArrowSchema) in
-    memory kept here until `KRE>ArrowBatchToTensors` has moved them out."""
+class ParquetDataset(_impl.Dataset):
+    """Batches read from Parquet files: a `tf.data.Dataset` under Keras's
+    TensorFlow backend, an iterable of NumPy batches under JAX.
 
-    _ARRAY_BYTES, _SCHEMA_BYTES = 80, 72
-    # uint64 index of each struct's `release` pointer (0 once moved out).
-    _ARRAY_RELEASE, _SCHEMA_RELEASE = 8, (80 + 56) // 8
-
-    def __init__(self):
-        self._live = collections.deque()
-
-    def export(self, table):
-        batches = table.to_batches()
-        if len(batches) != 1:
-            batches = table.combine_chunks().to_batches()
-        memory = np.zeros((self._ARRAY_BYTES + self._SCHEMA_BYTES) // 8, np.uint64)
-        array = memory.ctypes.data
-        _compat.export_record_batch(batches[0], array, array + self._ARRAY_BYTES)
-        _ops.arrow_register(array, array + self._ARRAY_BYTES)
-        self._live.append(memory)
-        while self._live and not self._pending(self._live[0]):
-            _ops.arrow_unregister(self._live.popleft().ctypes.data)
-        return np.array([array, array + self._ARRAY_BYTES], np.int64)
-
-    def _pending(self, memory):
-        return bool(memory[self._ARRAY_RELEASE] or memory[self._SCHEMA_RELEASE])
-
-    def close(self):
-        """Releases exported batches that were never consumed."""
-        while self._live:
-            memory = self._live.popleft()
-            array = memory.ctypes.data
-            _ops.arrow_unregister(array)
-            if self._pending(memory):
-                _compat.import_record_batch(array, array + self._ARRAY_BYTES)
-
-
-class ParquetDataset(WrappedDataset):
-    """A `tf.data.Dataset` of batches read from Parquet files.
-
-    Each element is a dict from column name to a batch: `tf.Tensor` for
-    scalars and fixed-length lists, `tf.RaggedTensor` for variable-length
-    (nested) lists. Batches hold `batch_size` rows taken in file order across
-    row groups and files; only the last batch can be smaller (or is dropped
-    with `drop_remainder=True`, which also makes the batch dimension static).
+    Each element is a dict from column name to a batch. Under TensorFlow:
+    `tf.Tensor` for scalars and fixed-length lists, `tf.RaggedTensor` for
+    variable-length (nested) lists. Under JAX (no TensorFlow needed): NumPy
+    arrays, variable-length lists padded to the longest row of the batch
+    rounded up to a power of two, with -1 for signed integers (the padding
+    id of `EmbeddingVariable(..., prune_invalid_ids=True)`), 0 for unsigned
+    integers and floats, `False` and `b""`; `fit`, `evaluate` and
+    `predict` take it as they take a `tf.data.Dataset` (one pass per epoch,
+    in file order, `shuffle` not applied), and `.map(fn)` / `.take(n)`
+    transform it (tf.data's other methods raise, naming these). Batches hold
+    `batch_size` rows taken in file order across row groups and files; only
+    the last batch can be smaller (or is dropped with
+    `drop_remainder=True`, which under TensorFlow also makes the batch
+    dimension static).
 
     Physical types: int8..int64, uint8..uint64, float16/32/64, bool and
-    string/binary, each read as the TensorFlow dtype of the same name
-    (strings and binaries as `tf.string`; uint32 and uint64 stay unsigned,
-    pass `DataFrame.Field(name, tf.int64)` to get int64). Nulls read as 0,
-    `False`, `b""`, or an empty list.
+    string/binary, each read as the dtype of the same name (strings and
+    binaries as `tf.string`, bytes under JAX; uint32 and uint64 stay
+    unsigned, pass `DataFrame.Field(name, "int64")` to get int64). Nulls read
+    as 0, `False`, `b""`, or an empty list.
 
     Partitioning: the row groups of all files are numbered in order (file
     0's first, then file 1's, ...); partition `partition_index` reads the
     row groups whose number `g` has `g % partition_count == partition_index`,
     so the partitions are disjoint and together read every row.
 
-    Given paths (not a dataset of filenames), `cardinality()` is the number
-    of batches of a pass, counted from the files' metadata (partition,
-    `batch_size` and `drop_remainder` included), so `model.fit` shows an ETA
-    from the first epoch; `.repeat(n)`, `.map` and `.take` keep it.
-    A file that changed since the dataset was created fails the pass.
+    Given paths (not a dataset of filenames), the number of batches of a
+    pass is counted from the files' metadata (partition, `batch_size` and
+    `drop_remainder` included), so `model.fit` shows an ETA from the first
+    epoch: the `cardinality()` under TensorFlow (`.repeat(n)`, `.map` and
+    `.take` keep it), `num_batches` under JAX. A file that changed since the
+    dataset was created fails the pass.
 
     `ARROW_NUM_THREADS` (read when iteration starts) sets pyarrow's decoding
     threads: > 0 that many, 0 none, < 0 one per core (process-wide, through
     `pyarrow.set_cpu_count`).
 
     Args:
-        filenames: Parquet files: a path or URI (`str`), a list/tuple of them,
-            a 0-D/1-D `tf.string` tensor, or a dataset of scalar `tf.string`
-            (finite: it is read in full when iteration starts). Local paths,
-            any URI of `pyarrow.fs` (file://, s3://, gs://, hdfs://), and,
-            when fsspec is installed, any other fsspec URI (memory://, ...).
+        filenames: Parquet files: a path or URI (`str`) or a list/tuple of
+            them; under TensorFlow also a 0-D/1-D `tf.string` tensor, or a
+            dataset of scalar `tf.string` (finite: it is read in full when
+            iteration starts). Local paths, any URI of `pyarrow.fs`
+            (file://, s3://, gs://, hdfs://), and, when fsspec is installed,
+            any other fsspec URI (memory://, ...).
         batch_size: int. Rows per batch. Defaults to `1`.
         fields: column name, `DataFrame.Field`, or a list of them, optional.
             Defaults to `None`: every column. Required (as `Field`s with a
@@ -672,14 +604,14 @@ class ParquetDataset(WrappedDataset):
     Example:
 
     >>> import os, tempfile
-    >>> import pyarrow as pa, pyarrow.parquet as pq
+    >>> import numpy as np, pyarrow as pa, pyarrow.parquet as pq
     >>> from keras_rec_emb.data import ParquetDataset
     >>> path = os.path.join(tempfile.mkdtemp(), "clicks.parquet")
     >>> pq.write_table(pa.table({"user": [1, 2, 3],
     ...                          "items": [[10, 11], [], [12]]}), path)
     >>> batch = next(iter(ParquetDataset(path, batch_size=2)))
-    >>> batch["user"].numpy().tolist(), batch["items"].to_list()
-    ([1, 2], [[10, 11], []])
+    >>> np.asarray(batch["user"]).tolist()
+    [1, 2]
     """
 
     def __init__(self,
@@ -694,45 +626,13 @@ class ParquetDataset(WrappedDataset):
         options = _read_options(batch_size, drop_remainder, partition_count,
                                 partition_index, num_parallel_reads,
                                 num_sequential_reads)
-        names, paths = _filenames(filenames)
+        source, paths = _filenames(filenames)
         schema = _open(paths[0]).schema_arrow if paths else None
         columns = _columns(fields, schema, paths[0] if paths else None)
-        batch_dim = options.batch_size if options.drop_remainder else None
-        out_types = [d for c in columns for d in c.component_dtypes()]
-
-        @tf.autograph.experimental.do_not_convert
-        def to_element(addresses):
-            components = iter(_ops.gen().kre_arrow_batch_to_tensors(
-                addresses, out_types=out_types,
-                ragged_ranks=[c.ragged_rank for c in columns],
-                inner_ranks=[len(c.shape) for c in columns],
-                inner_shapes=[d for c in columns for d in c.shape]))
-            return {
-                c.name: c.to_tensor(
-                    list(itertools.islice(components,
-                                          len(c.component_dtypes()))),
-                    batch_dim) for c in columns
-            }
-
-        @tf.autograph.experimental.do_not_convert
-        def read(paths):
-            @tf.autograph.experimental.do_not_convert
-            def first(components):
-                components[0].set_shape([None, 2])
-                return components[0]
-
-            addresses = python_dataset(
-                functools.partial(_batches, columns=columns, options=options),
-                (paths,), [tf.int64], first, tf.TensorSpec([None, 2], tf.int64))
-            return addresses.unbatch().map(to_element)
-
-        dataset = names.flat_map(read)
-        if paths:
-            # Known from the metadata: Keras shows progress with an ETA and
-            # ends each epoch on the last batch ("ran out of data" otherwise).
-            dataset = dataset.apply(tf.data.experimental.assert_cardinality(
-                _num_batches(paths, options)))
-        super().__init__(dataset)
+        super().__init__(_impl.parquet_dataset(
+            source if paths is None else paths, columns, options,
+            functools.partial(_table_batches, columns=columns, options=options),
+            None if paths is None else _num_batches(paths, options)))
 
 
 def read_parquet(batch_size,
@@ -742,7 +642,9 @@ def read_parquet(batch_size,
                  drop_remainder=False,
                  num_parallel_reads=None,
                  num_sequential_reads=1):
-    """A transformation reading a dataset of filenames as a `ParquetDataset`.
+    """A transformation reading a dataset of filenames as a `ParquetDataset`
+    (TensorFlow backend: a tf.data transformation; under JAX give
+    `ParquetDataset` the list of paths).
 
     Args:
         batch_size: int. Rows per batch.
@@ -771,6 +673,10 @@ def read_parquet(batch_size,
     >>> [b["a"].numpy().tolist() for b in ds]
     [[1, 2], [3]]
     """
+    if _backend.is_jax():
+        raise _impl.tensorflow_only(
+            "read_parquet (a transformation of a tf.data dataset of filenames)",
+            "ParquetDataset(list_of_paths, ...)")
 
     def apply(filenames):
         return ParquetDataset(filenames, batch_size, fields, partition_count,

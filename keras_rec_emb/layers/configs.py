@@ -9,9 +9,10 @@ naming one table share it) and returns a dict of per-feature embeddings.
 import keras
 import numpy as np
 
-from keras_rec_emb.backend.tensorflow.checks import check_combiner
-from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
+from keras_rec_emb._checks_core import check_combiner
 from keras_rec_emb.options import EmbeddingVariableOption
+
+from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
 
 
 def _check_name(name, what):
@@ -48,8 +49,9 @@ class TableConfig:
         initializer: Keras initializer of new rows. Defaults to
             `"truncated_normal"`.
         optimizer: `None` (the model's optimizer updates the table) or an
-            optimizer of `keras_rec_emb.optimizers` (instance or name) for
-            this table alone. Defaults to `None`.
+            optimizer of `keras_rec_emb.optimizers` for this table alone
+            (under TensorFlow also its name, e.g. `"adagrad"`). Defaults to
+            `None`.
         combiner: `"sum"`, `"mean"` or `"sqrtn"`: how each feature of this
             table combines a row's ids (keras-rs's default `"mean"`).
         key_dtype: `"int64"` or `"int32"`. Defaults to `"int64"`.
@@ -59,7 +61,8 @@ class TableConfig:
     Example:
 
     >>> table = keras_rec_emb.layers.TableConfig(
-    ...     "movie", embedding_dim=8, optimizer="adagrad", combiner="sum")
+    ...     "movie", embedding_dim=8, optimizer=keras_rec_emb.optimizers.Adagrad(0.1),
+    ...     combiner="sum")
     >>> table.make_layer().embedding_dim
     8
     """

@@ -1,21 +1,37 @@
-"""GroupEmbedding: many embedding features looked up by one fused op."""
+"""GroupEmbedding: many embedding features looked up together (DeepRec's
+Group Embedding), and FeatureSpec, how it embeds one feature.
+
+Written once for both Keras backends: arguments, checks, config, input
+parsing and output assembly. The lookup itself is the backend's
+(`keras_rec_emb/backend/tensorflow/group.py`: one fused op over all
+features; `keras_rec_emb/backend/jax/group.py`: one pooled table call per
+table, the clipped, defaulted or sequence features in `keras.ops`).
+"""
 
 import keras
 import numpy as np
-import tensorflow as tf
 
-from keras_rec_emb.backend.tensorflow import compat as _compat
-from keras_rec_emb.backend.tensorflow import ops as _ops
-from keras_rec_emb.backend.tensorflow import serving_context as _serving_context
-from keras_rec_emb.backend.tensorflow import variables
-from keras_rec_emb.backend.tensorflow.checks import assert_ids_in_range, check_float, check_int, integer_ids
-from keras_rec_emb._checks_core import non_integer_ids_error
-from keras_rec_emb.backend.tensorflow.ids import FlatIds
-from keras_rec_emb.layers.configs import FeatureConfig
-from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
-from keras_rec_emb.ops import embedding_ops
+from keras_rec_emb import _backend
+from keras_rec_emb._checks_core import (COMBINERS, check_float, check_int, is_integer_dtype,
+                                        non_integer_ids_error)
+from keras_rec_emb._keras_fixes import in_symbolic_build
+from keras_rec_emb.layers.configs import EmbeddingVariable, FeatureConfig
+
+if _backend.is_jax():
+    from keras_rec_emb.backend.jax import group as _impl
+else:
+    from keras_rec_emb.backend.tensorflow import group as _impl
 
 _OUTPUT_MODES = ("dict", "concat")
+
+
+def _integer(dtype):
+    """Whether ids of `dtype` (a name) are integers (NumPy knows no
+    "string" or "bfloat16")."""
+    try:
+        return is_integer_dtype(dtype)
+    except TypeError:
+        return False
 
 
 def _table_from_spec(spec, what):
@@ -39,11 +55,8 @@ def _table_from_spec(spec, what):
 
 
 def _check_table_layer(layer, what):
-    if isinstance(layer, EmbeddingVariable):
-        if layer.combiner is not None:
-            pass  # the group applies the feature's own combiner
-        return layer
-    if isinstance(layer, keras.layers.Embedding):
+    # An EmbeddingVariable's own combiner is not used: the feature's applies.
+    if isinstance(layer, (EmbeddingVariable, keras.layers.Embedding)):
         return layer
     raise TypeError(
         f"`{what}` must be an EmbeddingVariable, a keras.layers.Embedding, a "
@@ -67,27 +80,42 @@ class FeatureSpec:
             weights (same shape as the ids). With `"mean"` or `"sqrtn"`, ids
             whose weight is <= 0 are dropped (TF's and DeepRec's rule).
             Defaults to `None`.
-        sequence: bool. Return `[batch, T, dim]` rows instead of combining.
-            Defaults to `False`.
+        sequence: bool. Return `[batch, T, dim]` rows instead of combining:
+            row t of an example is its t-th kept id's row (times its
+            weight), zeros after its last. Under TensorFlow T is the most
+            ids an example of the batch keeps; under JAX (static shapes) it
+            is the ids' length L, the rows past the TensorFlow T being
+            zeros. Defaults to `False`.
         max_norm: `None` or float. Clip each row to this L2 norm before
             combining. Defaults to `None`.
-        default_id: `None` or int. Id read by rows with no valid id (ids
-            < 0 are padding and dropped); `None` gives zeros. Defaults to
-            `None`.
+        default_id: `None` or int. Id read (weight 1) by rows with no valid
+            id (ids < 0 are padding and dropped); in training it is
+            inserted and updated as any id. `None` gives zeros. Defaults
+            to `None`.
 
     Example:
 
     >>> spec = keras_rec_emb.layers.FeatureSpec({"embedding_dim": 4}, combiner="mean")
     >>> spec.combiner
     'mean'
+
+    A sequence of clipped rows, and a feature that reads id 0 when empty:
+
+    >>> group = keras_rec_emb.layers.GroupEmbedding({
+    ...     "clicks": keras_rec_emb.layers.FeatureSpec(
+    ...         {"embedding_dim": 4}, sequence=True, max_norm=1.0),
+    ...     "user": keras_rec_emb.layers.FeatureSpec({"embedding_dim": 4}, default_id=0)})
+    >>> out = group({"clicks": np.array([[3, 5], [7, 9]]), "user": np.array([[-1], [2]])})
+    >>> tuple(out["clicks"].shape), tuple(out["user"].shape)
+    ((2, 2, 4), (2, 4))
     """
 
-    def __init__(self, table: keras.layers.Layer | dict | str, combiner: str = "sum",
+    def __init__(self, table: keras.layers.Layer | dict | int, combiner: str = "sum",
                  weight_feature: str | None = None, sequence: bool = False,
                  max_norm: float | None = None, default_id: int | None = None):
-        if combiner not in embedding_ops.COMBINERS:
+        if combiner not in COMBINERS:
             raise ValueError(
-                f"`combiner` must be one of {embedding_ops.COMBINERS}. "
+                f"`combiner` must be one of {COMBINERS}. "
                 f"Received: combiner={combiner!r}"
             )
         if weight_feature is not None and not isinstance(weight_feature, str):
@@ -158,12 +186,15 @@ def _feature_specs(features):
 
 @keras.saving.register_keras_serializable(package="keras_rec_emb")
 class GroupEmbedding(keras.layers.Layer):
-    """Embeds many features with one fused lookup op (DeepRec's Group Embedding).
+    """Embeds many features with one fused lookup (DeepRec's Group Embedding).
 
     Every feature reads its table (an `EmbeddingVariable` or a
-    `keras.layers.Embedding`) and combines each example's ids; all features
-    run in one C++ op forward and one backward, so the number of kernels per
-    training step does not grow with the number of features. Ids `< 0` are
+    `keras.layers.Embedding`) and combines each example's ids. Under
+    TensorFlow all features run in one C++ op forward and one backward, so
+    the number of kernels per training step does not grow with the number
+    of features; under JAX each table is read by one pooled call per
+    combiner. A table shared by several features gets one update per step
+    with each distinct id's gradient summed over them. Ids `< 0` are
     padding and dropped. In training (`model.fit`) unseen ids are inserted
     into `EmbeddingVariable` tables. Train with an optimizer from
     `keras_rec_emb.optimizers`.
@@ -195,16 +226,17 @@ class GroupEmbedding(keras.layers.Layer):
 
     Input shape:
         A dict from feature name (and weight feature name) to ids `[batch]`,
-        `[batch, L]` (pad with -1), `tf.RaggedTensor` or `tf.SparseTensor`
-        `[batch, None]`. Or one tensor of stacked integer ids, features in
-        the order of `features` (no weight features): `[batch, F]` whose
-        column j feeds feature j (OneEmbedding's form), or `[batch, F, L]`
-        where feature j's ids are `ids[:, j, :]` (pad with -1). One op
-        splits it per feature (no per-feature slicing: with many features
+        `[batch, L]` (pad with -1), or under TensorFlow a `tf.RaggedTensor`
+        or `tf.SparseTensor` `[batch, None]`. Or one tensor of stacked
+        integer ids, features in the order of `features` (no weight
+        features): `[batch, F]` whose column j feeds feature j
+        (OneEmbedding's form), or `[batch, F, L]` where feature j's ids are
+        `ids[:, j, :]` (pad with -1). Under TensorFlow one op splits it per
+        feature (no per-feature slicing: with many features
         the cheapest form to feed); an inference call (`training=False`)
         with L > 1 and `output_mode="concat"` looks it up in one op
         (`KRE>StackedPooledLookup`) unless a feature has `max_norm` or a
-        table is a dense matrix or distributed. Or a tuple `(ids, table_ids)` of equal
+        table is a dense matrix or distributed. Under TensorFlow, also a tuple `(ids, table_ids)` of equal
         shape `[batch, L]` where `table_ids` picks each id's feature (index
         in `features`).
 
@@ -238,8 +270,8 @@ class GroupEmbedding(keras.layers.Layer):
     ...     for j in range(3)}, output_mode="concat")
     >>> ids = np.array([[[1, 2], [3, -1], [-1, -1]],
     ...                 [[4, -1], [5, 6], [7, 8]]])  # ids[:, j, :] feed f{j}
-    >>> stacked(ids).shape
-    TensorShape([2, 12])
+    >>> tuple(stacked(ids).shape)
+    (2, 12)
     """
 
     def __init__(self, features: dict | list, output_mode: str = "dict",
@@ -311,9 +343,10 @@ class GroupEmbedding(keras.layers.Layer):
 
     @property
     def ids_input_dtype(self):
-        """`"int64"`: the dtype of the `keras.Input` a `keras.Sequential`
-        without one makes for this layer (the stacked form's ids)."""
-        return "int64"
+        """The dtype of the `keras.Input` a `keras.Sequential` without one
+        makes for this layer (the stacked form's ids; Keras would make it
+        float32): int64, or int32 in JAX's 32-bit mode."""
+        return _impl.ids_input_dtype()
 
     def _dim(self, table):
         if isinstance(table, EmbeddingVariable):
@@ -328,164 +361,55 @@ class GroupEmbedding(keras.layers.Layer):
                 t.build(None)
         self.built = True
 
-    count_params = variables.count_params  # tables count (ids admitted) x dim
+    count_params = _impl.count_params
 
     # -- forward ---------------------------------------------------------------
-    def _feature_inputs(self, inputs):
-        names = list(self._features)
-        if isinstance(inputs, dict):
-            missing = [n for n in names if n not in inputs]
-            weights = [s.weight_feature for s in self._features.values()
-                       if s.weight_feature is not None and s.weight_feature not in inputs]
-            if missing or weights:
-                raise ValueError(
-                    f"GroupEmbedding '{self.name}' is missing inputs "
-                    f"{missing + weights}. Received keys: {sorted(inputs)}"
-                )
-            ids = [inputs[n] for n in names]
-            w = [None if s.weight_feature is None else inputs[s.weight_feature]
-                 for s in self._features.values()]
-            return ids, w
-        if any(s.weight_feature for s in self._features.values()):
-            raise ValueError(
-                f"GroupEmbedding '{self.name}' has weight features; pass a dict "
-                "of inputs, not OneEmbedding's id tensor form"
-            )
-        if isinstance(inputs, (list, tuple)):
-            if len(inputs) != 2:
-                raise ValueError(
-                    "A GroupEmbedding called on a tuple takes (ids, table_ids). "
-                    f"Received {len(inputs)} tensors"
-                )
-            ids, table_ids = (tf.convert_to_tensor(t) for t in inputs)
-            if ids.shape.rank is not None and ids.shape != table_ids.shape:
-                raise ValueError(
-                    "`ids` and `table_ids` must have the same shape. Received "
-                    f"{ids.shape} and {table_ids.shape}"
-                )
-            if ids.shape.rank == 1:
-                ids, table_ids = ids[:, None], table_ids[:, None]
-            table_ids = self._checked_table_ids(tf.cast(table_ids, ids.dtype), ids,
-                                                len(names))
-            return [tf.ragged.boolean_mask(ids, tf.equal(table_ids, j))
-                    for j in range(len(names))], [None] * len(names)
-        return self._stacked_inputs(tf.convert_to_tensor(inputs)), [None] * len(names)
+    # -- input parsing and output assembly --------------------------------------
+    def dict_inputs(self, inputs):
+        """(ids, weights) of a dict of inputs, per feature in the order of
+        `features` (weights None for a feature without `weight_feature`)."""
+        specs = list(self._features.values())
+        missing = [n for n in self._features if n not in inputs]
+        missing += [s.weight_feature for s in specs
+                    if s.weight_feature is not None and s.weight_feature not in inputs]
+        if missing:
+            raise ValueError(f"GroupEmbedding '{self.name}' is missing inputs {missing}. "
+                             f"Received keys: {sorted(inputs)}")
+        return ([inputs[n] for n in self._features],
+                [None if s.weight_feature is None else inputs[s.weight_feature]
+                 for s in specs])
 
-    def _check_stacked(self, shape, dtype):
+    def refuse_weight_features(self):
+        """The error for stacked ids when a feature is weighted."""
+        weighted = [s.weight_feature for s in self._features.values()
+                    if s.weight_feature is not None]
+        if weighted:
+            raise ValueError(
+                f"GroupEmbedding '{self.name}' has weight features {weighted}: pass a "
+                "dict of inputs (ids and weights by name), not one stacked ids tensor")
+
+    def check_stacked(self, shape, dtype):
         """The one-tensor form's shape ([batch, F] or [batch, F, L]) and dtype
         (integers)."""
         f = len(self._features)
-        if shape.rank not in (2, 3) or shape[1] != f:
+        if len(shape) not in (2, 3) or shape[1] != f:
             raise ValueError(
                 f"GroupEmbedding '{self.name}' called on one tensor expects ids "
                 f"[batch, {f}] (column j feeds feature j) or [batch, {f}, length] "
                 f"(ids[:, j, :] feed feature j, padded with -1), features in the "
-                f"order of `features`. Received: ids of shape {shape}"
+                f"order of `features`. Received: ids of shape {tuple(shape)}"
             )
-        dtype = tf.as_dtype(dtype)
-        if not dtype.is_integer and not _compat.in_symbolic_build():
-            raise non_integer_ids_error(f"GroupEmbedding '{self.name}'", dtype.name)
+        if not _integer(dtype) and not in_symbolic_build():
+            raise non_integer_ids_error(f"GroupEmbedding '{self.name}'", dtype)
 
-    def _stacked_inputs(self, ids):
-        """Per feature `FlatIds` of stacked ids `[batch, F(, L)]`, from one
-        `KRE>UnstackFeatureIds` (L = 1) or `KRE>UnstackKeptIds` op (no
-        per-feature slicing), checked once for int32-key tables."""
-        self._check_stacked(ids.shape, ids.dtype)
-        f = len(self._features)
-        if _serving_context.tracing_stock():  # a served graph: stock ops only
-            return [ids[:, j] for j in range(f)]
-        if ids.dtype not in (tf.int32, tf.int64):
-            ids = integer_ids(ids, f"GroupEmbedding '{self.name}'", tf.int64)
-        if ids.shape.rank == 2:
-            ids = tf.expand_dims(ids, -1)
-        in_range = ids.dtype == tf.int32
-        if not in_range:
-            key_dtypes = {tf.as_dtype(self.tables[s.table].key_dtype)
-                          for s in self._features.values()
-                          if isinstance(self.tables[s.table], EmbeddingVariable)}
-            if key_dtypes == {tf.int32}:  # one check of all ids (-1 is padding)
-                ids = assert_ids_in_range(ids, tf.int32, f"GroupEmbedding '{self.name}' ids",
-                                          lower=False)
-                in_range = True
-            # int64 tables with int32 ones: each int32 table's ids are checked apart
-        if ids.shape[2] == 1:
-            # One id per row: the plain split (its row splits shared); the
-            # lookup's lean single-id path reads each feature's ids as given.
-            values, splits = _ops.unstack_feature_ids(ids)
-            return [FlatIds(v, splits, in_range) for v in values]
-        # Several: padding dropped in the split (every feature of the layer
-        # prunes ids < 0), so the lookup reads the kept ids where they are.
-        values, splits = _ops.unstack_kept_ids(ids)
-        return [FlatIds(v, s, in_range) for v, s in zip(values, splits)]
-
-    def _checked_table_ids(self, table_ids, ids, n):
-        """`table_ids` with a check that every one paired with a real
-        (non-padding, >= 0) id is a feature index in [0, n): an id with
-        another table id would silently be dropped."""
-        bad = tf.logical_and(tf.greater_equal(ids, 0), tf.logical_or(
-            tf.less(table_ids, 0), tf.greater_equal(table_ids, n)))
-        message = (f"GroupEmbedding '{self.name}': `table_ids` must be feature indices "
-                   f"in [0, {n}) wherever the id is >= 0")
-        if tf.executing_eagerly():
-            if bool(tf.reduce_any(bad)):
-                raise ValueError(f"{message}. Received table ids "
-                                 f"{tf.boolean_mask(table_ids, bad).numpy()[:5].tolist()}")
-            return table_ids
-        check = tf.debugging.assert_equal(tf.reduce_any(bad), False, message=message)
-        with tf.control_dependencies([check]):
-            return tf.identity(table_ids)
-
-    def _stacked_lookup(self, inputs):
-        """The concatenated output of an inference call on stacked ids
-        `[batch, F, L]` with L > 1, from one `KRE>StackedPooledLookup` op
-        (no split of the ids per feature), or `None` where that op does not
-        serve: other inputs, a sequence or max_norm feature, a dense or
-        distributed table, a graph traced for serving."""
-        if isinstance(inputs, (dict, list, tuple)) or self.output_mode != "concat":
-            return None
-        specs = list(self._features.values())
-        if any(s.sequence or s.max_norm for s in specs):
-            return None
-        ids = tf.convert_to_tensor(inputs)
-        self._check_stacked(ids.shape, ids.dtype)
-        if ids.shape.rank != 3 or ids.shape[2] == 1:  # one id a row: the lean single-id path
-            return None
-        if ids.dtype not in (tf.int32, tf.int64):
-            ids = integer_ids(ids, f"GroupEmbedding '{self.name}'", tf.int64)
-        return embedding_ops.stacked_pooled_lookup(
-            [self.tables[s.table] for s in specs], ids, [s.combiner for s in specs],
-            [s.default_id for s in specs], name=self.name,
-            what=f"GroupEmbedding '{self.name}' ids")
+    def __call__(self, inputs, *args, **kwargs):
+        return super().__call__(_impl.prepare_inputs(self, inputs), *args, **kwargs)
 
     def call(self, inputs, training=None):
-        training = _compat.resolve_training(training)
-        if isinstance(inputs, tf.Tensor) and inputs.shape.rank is not None \
-                and not tf.executing_eagerly():
-            # The traced shape is checked when the graph runs: the signatures
-            # of a SavedModel (model.export, export_for_serving) are fed by
-            # callers that skip tf.function's input check (TF Serving, a TF1
-            # Session, `loaded.signatures[...]`), and stacked ids of another
-            # length or rank would be read as valid ids.
-            inputs = tf.ensure_shape(inputs, inputs.shape, name=f"{self.name}_ids_shape")
-        out = None if training else self._stacked_lookup(inputs)
-        if out is not None:
-            return out if self.compute_dtype == "float32" else tf.cast(out, self.compute_dtype)
-        ids, weights = self._feature_inputs(inputs)
-        specs = list(self._features.values())
-        has_w = any(w is not None for w in weights)
-        concat = self.output_mode == "concat"
-        outs = embedding_ops.group_embedding_lookup_sparse(
-            [self.tables[s.table] for s in specs], ids, [s.combiner for s in specs],
-            sp_weights=weights if has_w else None,
-            is_sequence=[s.sequence for s in specs],
-            max_norm=[s.max_norm for s in specs],
-            default_id=[s.default_id for s in specs],
-            training=bool(training), name=self.name, concat=concat)
-        if concat:  # one [batch, sum(dims)] tensor, written in place by the op
-            return outs if self.compute_dtype == "float32" else tf.cast(outs, self.compute_dtype)
-        if self.compute_dtype != "float32":
-            outs = [tf.cast(o, self.compute_dtype) for o in outs]
-        return dict(zip(self._features, outs))
+        outs = _impl.lookup(self, inputs, training)
+        if self.output_mode == "concat":
+            return keras.ops.cast(outs, self.compute_dtype)
+        return {n: keras.ops.cast(o, self.compute_dtype) for n, o in zip(self._features, outs)}
 
     def compute_output_spec(self, inputs, training=None):
         if isinstance(inputs, dict):
@@ -493,7 +417,7 @@ class GroupEmbedding(keras.layers.Layer):
         elif isinstance(inputs, (list, tuple)):
             batch = inputs[0].shape[0]
         else:
-            self._check_stacked(tf.TensorShape(inputs.shape), inputs.dtype)
+            self.check_stacked(tuple(inputs.shape), keras.backend.standardize_dtype(inputs.dtype))
             batch = inputs.shape[0]
         dims = [self._dim(self.tables[s.table]) for s in self._features.values()]
         if self.output_mode == "concat":

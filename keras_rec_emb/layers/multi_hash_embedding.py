@@ -6,18 +6,19 @@ Written once for both Keras backends: the arguments, partitions, tables and
 config are `keras_rec_emb._multi_hash_spec.MultiHashSpec`'s; the lookup is
 the backend's (`keras_rec_emb/backend/tensorflow/multi_hash.py`,
 `keras_rec_emb/backend/jax/multi_hash.py`). The stable id hash lives in
-`keras_rec_emb._hashing`, re-exported here for old import paths.
+`keras_rec_emb._hashing`, re-exported here under TensorFlow for old import
+paths.
 """
 
 import keras
 
 from keras_rec_emb import _backend
-from keras_rec_emb._hashing import fingerprint64, hash_to_range  # noqa: F401 (old path)
 from keras_rec_emb._multi_hash_spec import MultiHashSpec
 
 if _backend.is_jax():
     from keras_rec_emb.backend.jax import multi_hash as _impl
 else:
+    from keras_rec_emb._hashing import fingerprint64, hash_to_range  # noqa: F401 (old path)
     from keras_rec_emb.backend.tensorflow import multi_hash as _impl
 
 

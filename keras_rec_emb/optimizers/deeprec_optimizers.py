@@ -1,25 +1,21 @@
 """DeepRec's optimizers for large sparse models: AdamAsync, AdagradDecay, AdamW.
 
 Each updates dense variables, `keras.layers.Embedding` (sparse
-`tf.IndexedSlices` gradients, duplicate indices summed first) and embedding
-tables (one fused kernel per table and step).
+`tf.IndexedSlices` gradients under TensorFlow, duplicate indices summed
+first) and embedding tables (one fused kernel per table and step). The dense
+math is written once in `keras.ops` on the rows a gradient touches (the whole
+variable for a dense gradient); `TableOptimizer` of the running backend
+supplies those rows (`_kre_rows`, `_kre_gather`, `_kre_at_rows`).
+
 """
 
 import keras
 import numpy as np
-import tensorflow as tf
 
-from keras_rec_emb.backend.tensorflow import compat as _compat
+from keras_rec_emb import _keras_fixes
 from keras_rec_emb._checks_core import (check_adagrad_decay, check_beta, check_bool,
                                         check_non_negative)
-from keras_rec_emb.optimizers.base import (
-    TableOptimizer,
-    TableSlot,
-    check_learning_rate,
-    sum_duplicate_rows,
-)
-from keras_rec_emb.backend.tensorflow.variables import is_table
-from keras_rec_emb.optimizers.keras_optimizers import Adam
+from keras_rec_emb.optimizers.keras_optimizers import Adam, TableOptimizer
 
 ops = keras.ops
 _register = keras.saving.register_keras_serializable(package="keras_rec_emb")
@@ -29,7 +25,9 @@ _BASE_ARGS = """
             `weight_decay`, `clipnorm`, `clipvalue`, `global_clipnorm`,
             `loss_scale_factor`, ...; `use_ema` and
             `gradient_accumulation_steps` are refused when the model has
-            embedding tables)."""
+            embedding tables; under JAX `clipnorm`, `clipvalue`,
+            `global_clipnorm` and `loss_scale_factor` are refused too, the
+            table being updated in its lookup's backward)."""
 
 
 @_register
@@ -71,11 +69,11 @@ class AdamAsync(TableOptimizer, keras.optimizers.Optimizer):
 
     Example:
 
-    >>> ids = keras.Input(shape=(2,), dtype="int64")
+    >>> ids = keras.Input(shape=(2,), dtype="int32")
     >>> x = keras_rec_emb.layers.EmbeddingVariable(4, combiner="sum")(ids)
     >>> model = keras.Model(ids, keras.layers.Dense(1)(x))
-    >>> model.compile(optimizer="adam_async", loss="mse")
-    >>> history = model.fit(np.array([[1, 10**12], [7, 1]]), np.ones((2, 1)),
+    >>> model.compile(optimizer=keras_rec_emb.optimizers.AdamAsync(0.01), loss="mse")
+    >>> history = model.fit(np.array([[1, 10**6], [7, 1]]), np.ones((2, 1)),
     ...                     verbose=0)
     """
 
@@ -84,7 +82,7 @@ class AdamAsync(TableOptimizer, keras.optimizers.Optimizer):
                  beta_1: float = 0.9, beta_2: float = 0.999, epsilon: float = 1e-8,
                  use_nesterov: bool = False, apply_sparse_rmsprop: bool = False,
                  name: str = "adam_async", **kwargs):
-        check_learning_rate(learning_rate)
+        self.check_learning_rate(learning_rate)
         check_beta("beta_1", beta_1)
         check_beta("beta_2", beta_2)
         check_non_negative("epsilon", epsilon)
@@ -104,45 +102,56 @@ class AdamAsync(TableOptimizer, keras.optimizers.Optimizer):
         self._beta1_powers = self.add_scalar_slots(var_list, "beta1_power", self.beta_1)
         self._beta2_powers = self.add_scalar_slots(var_list, "beta2_power", self.beta_2)
 
-    def _table_update(self, learning_rate):
+    def _table_update(self, learning_rate, step):
         return "adam_async", {"beta_1": self.beta_1, "beta_2": self.beta_2,
                               "epsilon": self.epsilon,
                               "use_nesterov": float(self.use_nesterov),
                               "apply_sparse_rmsprop": float(self.apply_sparse_rmsprop)}
 
     def update_step(self, gradient, variable, learning_rate):
-        index = _compat.variable_index(self, variable)
-        m, v = self._momentums[index], self._velocities[index]
+        index = _keras_fixes.variable_index(self, variable)  # as Keras's own update_steps
         b1p, b2p = self._beta1_powers[index], self._beta2_powers[index]
         lr = ops.cast(learning_rate, variable.dtype)
-        b1, b2 = self.beta_1, self.beta_2
-        if isinstance(gradient, tf.IndexedSlices):
-            rows, g = sum_duplicate_rows(gradient)
-            m_rows, v_rows = tf.gather(m.value, rows), tf.gather(v.value, rows)
-            if self.apply_sparse_rmsprop:
-                v_rows = v_rows * b2 + g * g * (1 - b2)
-                m_rows = m_rows * b1 + lr * g / ops.sqrt(v_rows + self.epsilon)
-                self.assign(v, tf.IndexedSlices(v_rows, rows))
-                self.assign(m, tf.IndexedSlices(m_rows, rows))
-                self.assign_sub(variable, tf.IndexedSlices(m_rows, rows))
-                return
+        b1, b2, eps = self.beta_1, self.beta_2, self.epsilon
+
+        def rows(g, m, v, sparse):
+            if sparse and self.apply_sparse_rmsprop:
+                v = v * b2 + g * g * (1 - b2)
+                m = m * b1 + lr * g / ops.sqrt(v + eps)
+                return m, m, v
             alpha = lr * ops.sqrt(1 - b2p) / (1 - b1p)
-            m_rows = m_rows * b1 + g * (1 - b1)
-            v_rows = v_rows * b2 + g * g * (1 - b2)
-            step = g * (1 - b1) + b1 * m_rows if self.use_nesterov else m_rows
-            self.assign(m, tf.IndexedSlices(m_rows, rows))
-            self.assign(v, tf.IndexedSlices(v_rows, rows))
-            self.assign_sub(variable, tf.IndexedSlices(
-                step * alpha / (ops.sqrt(v_rows) + self.epsilon), rows))
-        else:
-            g = ops.cast(gradient, variable.dtype)
-            alpha = lr * ops.sqrt(1 - b2p) / (1 - b1p)
-            self.assign(m, m * b1 + g * (1 - b1))
-            self.assign(v, v * b2 + g * g * (1 - b2))
+            m = m * b1 + g * (1 - b1)
+            v = v * b2 + g * g * (1 - b2)
             step = g * (1 - b1) + b1 * m if self.use_nesterov else m
-            self.assign_sub(variable, step * alpha / (ops.sqrt(v) + self.epsilon))
-        self.assign(b1p, b1p * b1)
-        self.assign(b2p, b2p * b2)
+            return step * alpha / (ops.sqrt(v) + eps), m, v
+
+        sparse = _update_rows(self, gradient, variable,
+                              [self._momentums[index], self._velocities[index]], rows)
+        if not (sparse and self.apply_sparse_rmsprop):
+            self.assign(b1p, b1p * b1)
+            self.assign(b2p, b2p * b2)
+
+    def load_own_variables(self, store):
+        # keras_rec_emb 0.2.0's JAX AdamAsync saved every momentum, then every
+        # velocity; TensorFlow's (and now both) interleave them per variable.
+        # Told apart by shape: where they agree, the two layouts are the same.
+        variables = self._kre_saved_variables()
+        if len(store.keys()) == len(variables):
+            saved = [np.asarray(store[str(i)]) for i in range(len(variables))]
+            if any(a.shape != tuple(v.shape) for a, v in zip(saved, variables)):
+                at = {id(v): k for k, v in enumerate(variables)}
+                pairs = [(m, v) for m, v in zip(self._momentums, self._velocities)
+                         if id(m) in at]
+                first = [at[id(m)] for m, _ in pairs] + [at[id(v)] for _, v in pairs]
+                old = sorted(first)
+                order = list(range(len(variables)))
+                for slot, k in zip(first, old):
+                    order[slot] = k
+                if all(saved[order[k]].shape == tuple(v.shape) for k, v in enumerate(variables)):
+                    for k, v in enumerate(variables):
+                        v.assign(saved[order[k]])
+                    return
+        super().load_own_variables(store)
 
     def get_config(self):
         config = super().get_config()
@@ -199,13 +208,13 @@ class AdagradDecay(TableOptimizer, keras.optimizers.Optimizer):
 
     Example:
 
-    >>> ids = keras.Input(shape=(2,), dtype="int64")
+    >>> ids = keras.Input(shape=(2,), dtype="int32")
     >>> x = keras_rec_emb.layers.EmbeddingVariable(4, combiner="sum")(ids)
     >>> model = keras.Model(ids, keras.layers.Dense(1)(x))
     >>> opt = keras_rec_emb.optimizers.AdagradDecay(
     ...     0.1, accumulator_decay_step=1000, accumulator_decay_rate=0.5)
     >>> model.compile(optimizer=opt, loss="mse")
-    >>> history = model.fit(np.array([[1, 10**12], [7, 1]]), np.ones((2, 1)),
+    >>> history = model.fit(np.array([[1, 10**6], [7, 1]]), np.ones((2, 1)),
     ...                     verbose=0)
     """
 
@@ -213,7 +222,7 @@ class AdagradDecay(TableOptimizer, keras.optimizers.Optimizer):
                  initial_accumulator_value: float = 0.1, accumulator_decay_step: int = 100000,
                  accumulator_decay_rate: float = 0.9, epsilon: float = 1e-7,
                  name: str = "adagrad_decay", **kwargs):
-        check_learning_rate(learning_rate)
+        self.check_learning_rate(learning_rate)
         v, s, r = check_adagrad_decay(initial_accumulator_value, accumulator_decay_step,
                                       accumulator_decay_rate)
         check_non_negative("epsilon", epsilon)
@@ -232,23 +241,16 @@ class AdagradDecay(TableOptimizer, keras.optimizers.Optimizer):
             initializer=keras.initializers.Constant(self.initial_accumulator_value))
         # One decay count per row (DeepRec's accumulator_decay_power): a
         # table's width-1 slot, a [rows] variable for a dense variable.
-        self._decay_periods = []
-        for variable in var_list:
-            if is_table(variable):
-                self._decay_periods.append(
-                    self.add_scalar_slots([variable], "decay_period", 0.0)[0])
-            else:
-                shape = tuple(variable.shape[:1])
-                self._decay_periods.append(self.add_variable(
-                    shape=shape, initializer="zeros",
-                    name=f"{variable.path.replace('/', '_')}_decay_period"))
+        self._decay_periods = self.add_scalar_slots(var_list, "decay_period", 0.0,
+                                                    per_row=True)
 
     def load_own_variables(self, store):
         # keras_rec_emb 0.1.0 saved a dense variable's decay_period as one scalar (the
         # last period it was decayed for): it fills every row.
-        if len(store.keys()) == len(self.variables):
-            periods = {id(p) for p in self._decay_periods if not isinstance(p, TableSlot)}
-            for i, variable in enumerate(self.variables):
+        variables = self._kre_saved_variables()
+        if len(store.keys()) == len(variables):
+            periods = {id(p) for p in self._decay_periods if not _is_placeholder(p)}
+            for i, variable in enumerate(variables):
                 value = np.asarray(store[str(i)])
                 if id(variable) in periods and value.shape != tuple(variable.shape):
                     if value.size != 1:
@@ -261,47 +263,32 @@ class AdagradDecay(TableOptimizer, keras.optimizers.Optimizer):
             return
         super().load_own_variables(store)
 
-    def _period(self):
+    def _period(self, step):
         # DeepRec feeds its kernels global_step + 1.
-        return ops.cast((self.iterations + 1) // self.accumulator_decay_step, "float32")
+        return ops.cast((step + 1) // self.accumulator_decay_step, "float32")
 
-    def _table_update(self, learning_rate):
+    def _table_update(self, learning_rate, step):
         return "adagrad_decay", {"epsilon": self.epsilon,
                                  "decay_rate": self.accumulator_decay_rate,
                                  "baseline": self.initial_accumulator_value,
-                                 "period": self._period()}
+                                 "period": self._period(step)}
 
     def update_step(self, gradient, variable, learning_rate):
-        index = _compat.variable_index(self, variable)
-        acc, last = self._accumulators[index], self._decay_periods[index]
+        index = _keras_fixes.variable_index(self, variable)  # as Keras's own update_steps
         lr = ops.cast(learning_rate, variable.dtype)
-        period = self._period()
+        period = self._period(self.iterations)
         rate, floor = self.accumulator_decay_rate, self.initial_accumulator_value
 
-        def decay(acc_rows, last_rows):
+        def rows(g, acc, last, sparse):
             # At most one decay per update of a row (DeepRec).
-            need = period > last_rows
-            shape = tf.concat([tf.shape(need), tf.ones(
-                [tf.rank(acc_rows) - tf.rank(need)], tf.int32)], axis=0)
-            need_rows = tf.reshape(need, shape)
-            decayed = ops.where(need_rows, ops.maximum(acc_rows * rate, floor), acc_rows)
-            return decayed, last_rows + ops.cast(need, last_rows.dtype)
+            need = period > last
+            need_rows = ops.reshape(need, tuple(ops.shape(need))
+                                    + (1,) * (len(ops.shape(acc)) - len(ops.shape(need))))
+            acc = ops.where(need_rows, ops.maximum(acc * rate, floor), acc) + g * g
+            return lr * g / ops.sqrt(acc + self.epsilon), acc, last + ops.cast(need, last.dtype)
 
-        if isinstance(gradient, tf.IndexedSlices):
-            rows, g = sum_duplicate_rows(gradient)
-            acc_rows, last_rows = decay(tf.gather(acc.value, rows),
-                                        tf.gather(last.value, rows))
-            acc_rows = acc_rows + g * g
-            self.assign(acc, tf.IndexedSlices(acc_rows, rows))
-            self.assign(last, tf.IndexedSlices(last_rows, rows))
-            self.assign_sub(variable, tf.IndexedSlices(
-                lr * g / ops.sqrt(acc_rows + self.epsilon), rows))
-        else:
-            g = ops.cast(gradient, variable.dtype)
-            acc_value, last_value = decay(acc.value, last.value)
-            self.assign(acc, acc_value + g * g)
-            self.assign(last, last_value)
-            self.assign_sub(variable, lr * g / ops.sqrt(acc + self.epsilon))
+        _update_rows(self, gradient, variable,
+                     [self._accumulators[index], self._decay_periods[index]], rows)
 
     def get_config(self):
         config = super().get_config()
@@ -349,12 +336,12 @@ class AdamW(TableOptimizer, keras.optimizers.AdamW):
 
     Example:
 
-    >>> ids = keras.Input(shape=(2,), dtype="int64")
+    >>> ids = keras.Input(shape=(2,), dtype="int32")
     >>> x = keras_rec_emb.layers.EmbeddingVariable(4, combiner="sum")(ids)
     >>> model = keras.Model(ids, keras.layers.Dense(1)(x))
     >>> model.compile(optimizer=keras_rec_emb.optimizers.AdamW(0.01, 0.01),
     ...               loss="mse")
-    >>> history = model.fit(np.array([[1, 10**12], [7, 1]]), np.ones((2, 1)),
+    >>> history = model.fit(np.array([[1, 10**6], [7, 1]]), np.ones((2, 1)),
     ...                     verbose=0)
     """
 
@@ -363,7 +350,7 @@ class AdamW(TableOptimizer, keras.optimizers.AdamW):
                  beta_1: float = 0.9, beta_2: float = 0.999, epsilon: float = 1e-8,
                  amsgrad: bool = False, scale_weight_decay_by_learning_rate: bool = True,
                  name: str = "adamw", **kwargs):
-        check_learning_rate(learning_rate)
+        self.check_learning_rate(learning_rate)
         check_non_negative("weight_decay", weight_decay)
         scale_weight_decay_by_learning_rate = check_bool(
             "scale_weight_decay_by_learning_rate", scale_weight_decay_by_learning_rate)
@@ -375,9 +362,9 @@ class AdamW(TableOptimizer, keras.optimizers.AdamW):
     _table_update = Adam._table_update
 
     def _decay_factor(self, learning_rate):
-        wd = tf.cast(self.weight_decay, tf.float32)
+        wd = ops.cast(self.weight_decay, "float32")
         if self.scale_weight_decay_by_learning_rate:
-            return tf.cast(learning_rate, tf.float32) * wd
+            return ops.cast(learning_rate, "float32") * wd
         return wd
 
     def get_config(self):
@@ -390,19 +377,47 @@ class AdamW(TableOptimizer, keras.optimizers.AdamW):
         pass  # applied per variable in update_step, sparse-aware
 
     def update_step(self, gradient, variable, learning_rate):
-        if isinstance(gradient, tf.IndexedSlices):
+        sparse = self._kre_rows(gradient)
+        if sparse is not None:
             # Repeated indices summed first: Adam then sees each row's true
             # gradient (as tables do).
-            rows, values = sum_duplicate_rows(gradient)
-            gradient = tf.IndexedSlices(values, rows, gradient.dense_shape)
-        if _compat.uses_weight_decay(self, variable):
+            rows, values = sparse
+            gradient = self._kre_at_rows(values, rows, gradient.dense_shape)
+        if _keras_fixes.uses_weight_decay(self, variable):  # honours exclude_from_weight_decay
             factor = ops.cast(self._decay_factor(learning_rate), variable.dtype)
-            if isinstance(gradient, tf.IndexedSlices):
-                self.assign_sub(variable, tf.IndexedSlices(
-                    tf.gather(variable, gradient.indices) * factor, gradient.indices))
-            else:
+            if sparse is None:
                 self.assign_sub(variable, variable * factor)
+            else:
+                self.assign_sub(variable, self._kre_at_rows(
+                    self._kre_gather(variable, rows) * factor, rows))
         super().update_step(gradient, variable, learning_rate)
+
+
+def _is_placeholder(slot):
+    """Whether `slot` stands for state inside a table (None under JAX, a
+    `TableSlot` under TensorFlow), not a Keras variable."""
+    return slot is None or not isinstance(slot, keras.Variable)
+
+
+def _update_rows(optimizer, gradient, variable, slots, rows):
+    """Applies `rows(g, *slot values, sparse) -> (delta, *new slot values)`
+    to the rows of a sparse gradient (equal indices summed) or to the whole
+    variable; returns whether the gradient was sparse."""
+    sparse = optimizer._kre_rows(gradient)  # pylint: disable=protected-access
+    if sparse is None:
+        g = ops.cast(gradient, variable.dtype)
+        delta, *new = rows(g, *[s.value for s in slots], False)
+        for slot, value in zip(slots, new):
+            optimizer.assign(slot, value)
+        optimizer.assign_sub(variable, delta)
+        return False
+    at, g = sparse
+    gather, at_rows = optimizer._kre_gather, optimizer._kre_at_rows  # pylint: disable=protected-access
+    delta, *new = rows(g, *[gather(s, at) for s in slots], True)
+    for slot, value in zip(slots, new):
+        optimizer.assign(slot, at_rows(value, at))
+    optimizer.assign_sub(variable, at_rows(delta, at))
+    return True
 
 
 # Usable by name in `model.compile(optimizer=...)` ("adamw" stays Keras's).

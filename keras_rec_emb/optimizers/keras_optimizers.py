@@ -8,22 +8,82 @@ batch, their slots included, are untouched — as in DeepRec, and the only
 choice for a table whose rows are not enumerable each step).
 """
 
+import inspect
+
 import keras
-import tensorflow as tf
 
-from keras_rec_emb.optimizers.base import TableOptimizer
+from keras_rec_emb import _backend
+from keras_rec_emb._checks_core import check_hyper_arguments
 
+if _backend.is_jax():
+    from keras_rec_emb.backend.jax.optimizers import TableOptimizer as _Tables
+else:
+    from keras_rec_emb.backend.tensorflow.optimizer import TableOptimizer as _Tables
+
+ops = keras.ops
 _register = keras.saving.register_keras_serializable(package="keras_rec_emb")
+
+
+class TableOptimizer(_Tables):
+    """The base of this package's optimizers, placed before a Keras
+    optimizer class: the running backend's table plumbing (`_Tables`) and
+    the hyper-parameter checks of both backends (Keras itself accepts e.g.
+    a learning rate of -1).
+
+    Subclasses implement `_table_update(learning_rate, step)` returning
+    `(rule, hyper)`: a rule of `rules.RULES` and a dict of its
+    hyper-parameters by name, in `keras.ops` (`learning_rate` and `decay`
+    are filled in by the backend; the rule declares the order and slots).
+    """
+
+    def __init__(self, *args, **kwargs):
+        base_init = super().__init__
+        check_hyper_arguments(base_init, args, kwargs, self.check_learning_rate)
+        base_init(*args, **kwargs)
+
+    def __init_subclass__(cls, **kwargs):
+        # A subclass that takes its Keras base's arguments through
+        # `*args, **kwargs` gets that base's signature (inspect.signature,
+        # help(), docs), with its own keyword arguments before `**kwargs`.
+        super().__init_subclass__(**kwargs)
+        own_init = vars(cls).get("__init__")
+        if own_init is None and cls.__init__ is not TableOptimizer.__init__:
+            return  # inherits a signature (a class of ours, or its own)
+        own = inspect.signature(own_init) if own_init is not None else None
+        if own is not None and not any(p.kind is p.VAR_POSITIONAL
+                                       for p in own.parameters.values()):
+            return  # a signature of its own
+        keras_base = next((c for c in cls.__mro__
+                           if not issubclass(c, TableOptimizer) and "__init__" in vars(c)),
+                          None)
+        if keras_base is None:
+            return
+        params = list(inspect.signature(keras_base.__init__).parameters.values())
+        extra = [p for p in (own.parameters.values() if own else ())
+                 if p.kind is p.KEYWORD_ONLY]
+        var_kw = [p for p in params if p.kind is p.VAR_KEYWORD]
+        params = [p for p in params if p.kind is not p.VAR_KEYWORD] + extra + var_kw
+        call = own_init or TableOptimizer.__init__
+
+        def __init__(self, *args, **kwargs):
+            call(self, *args, **kwargs)
+
+        __init__.__signature__ = inspect.Signature(params)
+        __init__.__qualname__ = f"{cls.__qualname__}.__init__"
+        __init__.__module__ = cls.__module__
+        __init__.__doc__ = call.__doc__
+        cls.__init__ = __init__
+
 
 _EXAMPLE = """
     Example:
 
-    >>> ids = keras.Input(shape=(2,), dtype="int64")
-    >>> x = keras_rec_emb.layers.EmbeddingVariable(4, combiner="sum")(ids)
-    >>> model = keras.Model(ids, keras.layers.Dense(1)(x))
+    >>> ids = keras.Input(shape=(2,), dtype="int32")
+    >>> x = keras_rec_emb.layers.EmbeddingVariable(4)(ids)
+    >>> model = keras.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(x)))
     >>> model.compile(optimizer=keras_rec_emb.optimizers.{name}({args}),
     ...               loss="mse")
-    >>> history = model.fit(np.array([[1, 10**12], [7, 1]]), np.ones((2, 1)),
+    >>> history = model.fit(np.array([[1, 10**6], [7, 1]]), np.ones((2, 1)),
     ...                     verbose=0)
 """
 
@@ -32,7 +92,8 @@ def _doc(name, keras_name, rule, args=""):
     return (
         f"`keras.optimizers.{keras_name}` that also updates embedding tables.\n\n"
         f"    Dense variables follow Keras's {keras_name} exactly. A table's rows\n"
-        f"    are updated in place by one fused kernel per step: {rule}\n"
+        f"    are updated in place by one fused kernel per step (under JAX, in the\n"
+        f"    backward pass of the lookup): {rule}\n"
         "    Slots live inside the table and are saved with it.\n\n"
         f"    Its arguments are those of `keras.optimizers.{keras_name}`.\n"
         + _EXAMPLE.format(name=name, args=args)
@@ -45,7 +106,7 @@ class SGD(TableOptimizer, keras.optimizers.SGD):
                    "equal keys summed, then `row -= lr * g` (or the momentum /\n"
                    "    Nesterov update with a per-row `momentum` slot).", "0.1")
 
-    def _table_update(self, learning_rate):
+    def _table_update(self, learning_rate, step):
         if self.momentum == 0:
             return "sgd", {}
         return "momentum", {"momentum": self.momentum, "nesterov": float(self.nesterov)}
@@ -57,7 +118,7 @@ class Adagrad(TableOptimizer, keras.optimizers.Adagrad):
                    "`accumulator += g**2; row -= lr * g / sqrt(accumulator +\n"
                    "    epsilon)`.", "0.1")
 
-    def _table_update(self, learning_rate):
+    def _table_update(self, learning_rate, step):
         return "adagrad", {"epsilon": self.epsilon}
 
 
@@ -69,11 +130,11 @@ class Adam(TableOptimizer, keras.optimizers.Adam):
                    "    and `velocity` (and `velocity_hat` with `amsgrad`) slots.",
                    "0.01")
 
-    def _table_update(self, learning_rate):
-        step = tf.cast(self.iterations + 1, tf.float32)
-        beta_1_power = tf.pow(tf.cast(self.beta_1, tf.float32), step)
-        beta_2_power = tf.pow(tf.cast(self.beta_2, tf.float32), step)
-        alpha = learning_rate * tf.sqrt(1 - beta_2_power) / (1 - beta_1_power)
+    def _table_update(self, learning_rate, step):
+        t = ops.cast(step + 1, "float32")
+        beta_1_power = ops.power(ops.cast(self.beta_1, "float32"), t)
+        beta_2_power = ops.power(ops.cast(self.beta_2, "float32"), t)
+        alpha = learning_rate * ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
         return "adam", {"alpha": alpha, "beta_1": self.beta_1, "beta_2": self.beta_2,
                         "epsilon": self.epsilon, "amsgrad": float(self.amsgrad)}
 
@@ -111,12 +172,12 @@ class Ftrl(TableOptimizer, keras.optimizers.Ftrl):
 
     Example:
 
-    >>> ids = keras.Input(shape=(2,), dtype="int64")
-    >>> x = keras_rec_emb.layers.EmbeddingVariable(4, combiner="sum")(ids)
-    >>> model = keras.Model(ids, keras.layers.Dense(1)(x))
+    >>> ids = keras.Input(shape=(2,), dtype="int32")
+    >>> x = keras_rec_emb.layers.EmbeddingVariable(4)(ids)
+    >>> model = keras.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(x)))
     >>> model.compile(optimizer=keras_rec_emb.optimizers.Ftrl(
     ...     0.1, l1_regularization_strength=0.01, table_rule="deeprec"), loss="mse")
-    >>> history = model.fit(np.array([[1, 10**12], [7, 1]]), np.ones((2, 1)),
+    >>> history = model.fit(np.array([[1, 10**6], [7, 1]]), np.ones((2, 1)),
     ...                     verbose=0)
     """
 
@@ -132,7 +193,7 @@ class Ftrl(TableOptimizer, keras.optimizers.Ftrl):
         config["table_rule"] = self.table_rule
         return config
 
-    def _table_update(self, learning_rate):
+    def _table_update(self, learning_rate, step):
         l2 = self.l2_regularization_strength + self.beta / (2.0 * learning_rate)
         rule = "ftrl_group" if self.table_rule == "deeprec" else "ftrl"
         return rule, {"learning_rate_power": self.learning_rate_power,

@@ -13,7 +13,7 @@ import tensorflow as tf
 from keras_rec_emb.backend.tensorflow import compat as _compat
 from keras_rec_emb.backend.tensorflow import ops as _ops
 from keras_rec_emb.data import ParquetDataset
-from keras_rec_emb.data import parquet as parquet_lib
+from keras_rec_emb.backend.tensorflow import data as parquet_lib
 
 
 def convert(batch, out_types, ragged_ranks, inner_ranks=None, inner_shapes=()):

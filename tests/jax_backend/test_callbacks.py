@@ -1,8 +1,9 @@
 """`keras_rec_emb.callbacks` under Keras's JAX backend: `EvictionCallback`
 evicts during `fit` with each table's step counter as "now" (the numbers a
 NumPy replay of GlobalStepEvict gives), `TableStats` logs what the tables'
-export says, and what needs TensorFlow (`CheckpointCallback`,
-`TableStats(log_dir=...)`) is refused naming it."""
+export says (in `logs` and as TensorBoard scalars, read back from the event
+file), and what needs TensorFlow (`CheckpointCallback`) is refused naming
+it."""
 
 import doctest
 
@@ -13,6 +14,7 @@ import pytest
 import keras_rec_emb as kre
 from keras_rec_emb import callbacks
 from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
+from tests import _event_files
 
 
 def _model(steps_to_live=None, filter_freq=None, name="ids", num_shards=4):
@@ -138,10 +140,36 @@ def test_table_stats_in_history_at_epoch_ends():
     assert h.history["ids_hit_rate"] == [0.25, 1.0]
 
 
+def test_table_stats_write_the_logged_numbers_as_tensorboard_scalars(tmp_path):
+    model, layer = _model(filter_freq=2)
+    stats = kre.callbacks.TableStats(every_n_steps=1, log_dir=str(tmp_path / "tb"))
+    seen = []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            step = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
+            seen.append((step, {f"tables/{k}": v for k, v in logs.items()
+                                if k.startswith("ids_")}))
+
+    x = np.array([[1, 2, 1, 3], [1, 2, 4, 5], [6, 6, 7, 2]], np.int32)
+    model.fit(x, np.ones((3, 1)), batch_size=1, shuffle=False, verbose=0,
+              callbacks=[stats, Record()])
+    written = _event_files.scalars(str(tmp_path / "tb"))
+    assert [step for step, _ in written] == [1, 2, 3]
+    assert len(seen) == 3 and seen[-1][1]["tables/ids_size"] == layer.table_size()
+    for (step, values), (logged_step, logged) in zip(written, seen):
+        assert step == logged_step and sorted(values) == sorted(logged) and len(values) == 6
+        for tag, value in logged.items():  # float32 in the file, as tf.summary.scalar
+            assert values[tag] == np.float32(value), (step, tag)
+    assert stats._writer is None  # closed when fit ends
+    again = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(stats))
+    assert again.get_config() == stats.get_config()
+
+
 def test_what_needs_tensorflow_is_refused_by_name(tmp_path):
-    with pytest.raises(ValueError, match=r"log_dir=.*TensorFlow's tf.summary.*'jax'.*"
-                                         r"Received: log_dir="):
-        kre.callbacks.TableStats(log_dir=str(tmp_path))
+    with pytest.raises(TypeError, match=r"`log_dir` must be a path or None. Received: "
+                                        r"log_dir=3"):
+        kre.callbacks.TableStats(log_dir=3)
     with pytest.raises(AttributeError, match=r"CheckpointCallback runs on Keras's TensorFlow "
                                              r"backend only for now.*Under JAX: "
                                              r"EvictionCallback, TableStats"):

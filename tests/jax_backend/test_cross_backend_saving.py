@@ -210,8 +210,9 @@ ids = np.array([[[1, 4, -1], [4, 4, 2]], [[-1, -1, -1], [0, -1, 3]],
                 [[2, 2, 2], [1, -1, -1]], [[5, 0, -1], [5, 1, 0]]], np.int32)
 def group_model():
     table = kre.layers.EmbeddingVariable(3, key_dtype="int32", name="shared")
-    group = kre.layers.GroupEmbedding({"a": kre.layers.FeatureSpec(table, "sum"),
-                                       "b": kre.layers.FeatureSpec(table, "mean")},
+    # a reads id 7 where an example has no id; b clips its rows.
+    group = kre.layers.GroupEmbedding({"a": kre.layers.FeatureSpec(table, "sum", default_id=7),
+                                       "b": kre.layers.FeatureSpec(table, "mean", max_norm=0.05)},
                                       output_mode="concat", name="group")
     inputs = keras.Input(shape=(2, 3), dtype="int32")
     model = keras.Model(inputs, keras.layers.Dense(1, name="dense")(group(inputs)))
@@ -248,7 +249,7 @@ def test_a_group_embedding_model_crosses_backends_both_ways(tmp_path):
     want = {"keys": e["keys"], "values": e["values"], "freqs": e["freqs"],
             "versions": e["versions"], "accumulator": e["slots"]["accumulator"]}
     predictions = model.predict(namespace["ids"], verbose=0)
-    assert len(want["keys"]) == 6  # no -1 key
+    assert sorted(want["keys"]) == [0, 1, 2, 3, 4, 5, 7]  # no -1 key; the default id
     _run_jax(_GROUP + _GROUP_JAX, path, tmp_path / "loaded.npz", tmp_path / "jax.keras")
     got = dict(np.load(tmp_path / "loaded.npz"))
     _assert_same(dict(got, default_values=0), dict(want, default_values=0))

@@ -2,7 +2,8 @@
 =tensorflow (this process) gives the same tables and Dense weights: one
 EmbeddingVariable called on two inputs (one step and one update per training
 step), learning rates changed by callbacks and by assignment between fits,
-and GroupEmbedding features with per-id weights."""
+GroupEmbedding features with per-id weights, and GroupEmbedding sequence,
+max_norm and default_id features."""
 
 import json
 import os
@@ -86,6 +87,32 @@ def weighted_group(name, lr):
     model.compile(optimizer=getattr(kre.optimizers, name)(lr), loss="mse")
     model.fit(x, labels, batch_size=4, epochs=2, shuffle=False, verbose=0)
     return summary(table, dense, model)
+def option_group(name, lr):
+    # One table read by a clipped weighted mean (a), a sum with a default
+    # id (b) and a weighted, clipped sequence with a default id (c).
+    rng, labels, init, dense = start(15, 4 * DIM)
+    table = make_layer(init, None)
+    group = kre.layers.GroupEmbedding({
+        "a": kre.layers.FeatureSpec(table, "mean", weight_feature="wa", max_norm=0.9),
+        "b": kre.layers.FeatureSpec(table, "sum", default_id=11),
+        "c": kre.layers.FeatureSpec(table, "sum", weight_feature="wc", sequence=True,
+                                    default_id=12, max_norm=1.1)})
+    x = {"a": rng.integers(-1, 7, size=(16, 3)), "b": rng.integers(-1, 7, size=(16, 2)),
+         "c": rng.integers(-1, 7, size=(16, 3))}
+    x = {k: v.astype(np.int32) for k, v in x.items()}
+    x["b"][3] = x["c"][5] = x["c"][6] = -1  # no id: the default ids
+    for f in "ac":
+        x["w" + f] = rng.choice([-0.5, 0.0, 0.5, 1.0, 2.5], size=(16, 3)).astype(np.float32)
+    inputs = {k: keras.Input(shape=v.shape[1:], dtype=v.dtype.name, name=k) for k, v in x.items()}
+    out = group(inputs)
+    flat = keras.layers.Concatenate()([out["a"], out["b"], out["c"][:, 0, :],
+                                       keras.ops.sum(out["c"], axis=1)])
+    model = keras.Model(inputs, dense(flat))
+    model.compile(optimizer=getattr(kre.optimizers, name)(lr), loss="mse")
+    model.fit(x, labels, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    out = summary(table, dense, model)
+    out["outputs"] = model.predict(x, verbose=0).tolist()
+    return out
 def weighted_layer(combiner, name, lr):
     # EmbeddingVariable(combiner=...)(ids, weights=w): ids padded with -1,
     # some weights <= 0; the outputs of the trained model too.
@@ -106,6 +133,8 @@ result = {"twice Adam": twice("Adam", 0.01), "twice Adagrad": twice("Adagrad", 0
           "assigned SGD": changed_rate("SGD", "assign"),
           "weighted group Adagrad": weighted_group("Adagrad", 0.05),
           "weighted group Adam": weighted_group("Adam", 0.01),
+          "option group SGD": option_group("SGD", 0.1),
+          "option group Adagrad": option_group("Adagrad", 0.05),
           "weighted sum Adagrad": weighted_layer("sum", "Adagrad", 0.05),
           "weighted mean Adagrad": weighted_layer("mean", "Adagrad", 0.05),
           "weighted sqrtn SGD": weighted_layer("sqrtn", "SGD", 0.1)}
@@ -113,7 +142,8 @@ result = {"twice Adam": twice("Adam", 0.01), "twice Adagrad": twice("Adagrad", 0
 
 _TOLERANCES = {"twice Adam": 1e-4, "twice Adagrad": 1e-5, "scheduler Adagrad": 1e-5,
                "plateau Adam": 1e-4, "assigned SGD": 1e-5, "weighted group Adagrad": 1e-5,
-               "weighted group Adam": 1e-4, "weighted sum Adagrad": 1e-5,
+               "weighted group Adam": 1e-4, "option group SGD": 1e-5,
+               "option group Adagrad": 1e-5, "weighted sum Adagrad": 1e-5,
                "weighted mean Adagrad": 1e-5, "weighted sqrtn SGD": 1e-5}
 
 
@@ -143,6 +173,8 @@ def test_steps_learning_rates_and_weights_give_the_tensorflow_backends_numbers()
     assert abs(tf_runs["assigned SGD"]["learning_rate"] - 0.002) < 1e-9
     assert all("outputs" in tf_runs[f"weighted {c}"] for c in ("sum Adagrad", "mean Adagrad",
                                                                  "sqrtn SGD"))
+    # The default ids were inserted and trained.
+    assert {11, 12} <= set(tf_runs["option group SGD"]["keys"])
     for name, tolerance in _TOLERANCES.items():
         tf_run, jax_run = tf_runs[name], jax_runs[name]
         for key in ("keys", "freqs", "versions"):

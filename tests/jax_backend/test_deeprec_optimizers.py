@@ -237,26 +237,25 @@ def test_filtered_frequency_stops_at_filter_freq_unless_record_freq(make_filter)
 
 
 # -- AdamW --------------------------------------------------------------------------
-# Under JAX, AdamW takes scale_weight_decay_by_learning_rate=True only (Keras's
-# decay, lr * weight_decay * var): DeepRec's unscaled convention is refused.
+# Both conventions, as under TensorFlow: Keras's decay (lr * weight_decay * var,
+# the default) and DeepRec's unscaled one (weight_decay * var).
 
-def test_adamw_decay_conventions():
-    # weight_decay_optimizers_test.py: AdamWOptimizerTest.testBasic with the
-    # decay scaled by the learning rate.
+@pytest.mark.parametrize("scaled", [True, False])
+def test_adamw_decay_conventions(scaled):
+    # weight_decay_optimizers_test.py: AdamWOptimizerTest.testBasic, with the
+    # decay scaled by the learning rate or not.
     var0, var1 = (keras.Variable(v) for v in ADAMW_STARTS)
     g0, g1 = (np.array(g) for g in ADAMW_GRADS)
-    opt = kre.optimizers.AdamW(WEIGHT_DECAY)
+    opt = kre.optimizers.AdamW(WEIGHT_DECAY, scale_weight_decay_by_learning_rate=scaled)
     n0, n1 = (np.array(v) for v in ADAMW_STARTS)
     m0 = v0 = m1 = v1 = 0.0
     for t in range(1, 4):
         opt.apply_gradients([(jnp.asarray(g0, jnp.float32), var0),
                              (jnp.asarray(g1, jnp.float32), var1)])
-        n0, m0, v0 = adamw_update_numpy(n0, g0, t, m0, v0, scaled=True)
-        n1, m1, v1 = adamw_update_numpy(n1, g1, t, m1, v1, scaled=True)
+        n0, m0, v0 = adamw_update_numpy(n0, g0, t, m0, v0, scaled=scaled)
+        n1, m1, v1 = adamw_update_numpy(n1, g1, t, m1, v1, scaled=scaled)
         np.testing.assert_allclose(var0.numpy(), n0, rtol=1e-6)
         np.testing.assert_allclose(var1.numpy(), n1, rtol=1e-6)
-    with pytest.raises(ValueError, match="scale_weight_decay_by_learning_rate=False"):
-        kre.optimizers.AdamW(WEIGHT_DECAY, scale_weight_decay_by_learning_rate=False)
 
 
 def test_adamw_decay_conventions_on_a_table():

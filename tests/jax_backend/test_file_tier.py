@@ -80,35 +80,8 @@ def _spills(stats):
     assert 0.0 < stats["cache_hit_rate"] < 1.0
 
 
-@pytest.mark.parametrize("policy", ["none", "counter", "bloom", "evict"])
-def test_file_tier_trains_like_dram(tmp_path, policy):
-    filters = {"counter": kre.CounterFilter(filter_freq=3),
-               "bloom": kre.CBFFilter(filter_freq=2, max_element_size=10000,
-                                      false_positive_probability=0.01)}
-    evict = kre.GlobalStepEvict(steps_to_live=4) if policy == "evict" else None
-    dram = _model(_option(None, filters.get(policy), evict))
-    file = _model(_option(_file(tmp_path), filters.get(policy), evict))
-    ids, y = _data()
-    dram.fit(ids, y, batch_size=64, epochs=2, verbose=0, shuffle=False)
-    file.fit(ids, y, batch_size=64, epochs=2, verbose=0, shuffle=False)
-    d, f = dram.get_layer("ev"), file.get_layer("ev")
-    if evict is not None:
-        assert d.evict() == f.evict() > 0
-    _same_rows(d.export(), f.export())
-    np.testing.assert_array_equal(dram.predict(ids, verbose=0), file.predict(ids, verbose=0))
-    _spills(f.stats())
-    assert d.stats()["storage"] == "DRAM" and d.storage_dir is None
-    assert f.stats()["size"] == d.stats()["size"]
-    # The rows' files are under storage_path, in the TensorFlow layer's folder.
-    assert f.storage_dir == os.path.join(str(tmp_path), "ev_embeddings")
-    assert f.snapshot() == 1  # flushes the buffered appends to the files
-    live = [os.path.join(f.storage_dir, name) for name in os.listdir(f.storage_dir)
-            if name.startswith("live-")]
-    assert len(live) == 1
-    on_disk = sum(os.path.getsize(os.path.join(live[0], name)) for name in os.listdir(live[0]))
-    stats = f.stats()
-    # Each row on file: its value and Adagrad accumulator, 2 * DIM floats.
-    assert on_disk >= (stats["rows"] - stats["cached_rows"]) * 2 * DIM * 4
+# Training like DRAM, with each filter and eviction: tests/test_file_tier.py
+# (both backends).
 
 
 def test_save_and_load_restore_every_row(tmp_path):

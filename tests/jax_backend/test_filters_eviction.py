@@ -9,12 +9,10 @@ test_cross_backend_saving.py.)"""
 
 import io
 import json
-import logging
 import math
 import os
 import subprocess
 import sys
-import warnings
 import zipfile
 
 import h5py
@@ -23,7 +21,6 @@ import numpy as np
 import pytest
 
 import keras_rec_emb as kre
-from tests._eviction_at_save import eviction_logs, two_table_model
 from keras_rec_emb.backend.jax import ffi
 from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
 
@@ -166,57 +163,6 @@ def test_saving_evicts_as_deeprec_does(tmp_path):
 
 # -- eviction at save: reported, and optional ------------------------------------
 # L2WeightEvict(1.0) at dim 16 evicts every trained row (issue 56).
-
-def test_default_save_evicts_and_reports_each_table(tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="keras_rec_emb")
-    model, x = two_table_model()
-    before = {name: model.get_layer(name).table_size() for name in ("clicks", "items")}
-    assert before["clicks"] > 100 and before["items"] > 100
-    with pytest.warns(UserWarning) as record:
-        kre.save_model(model, tmp_path / "m.keras")
-    after = {name: model.get_layer(name).table_size() for name in ("clicks", "items")}
-    assert after == {"clicks": 0, "items": before["items"]}
-    logs = eviction_logs(caplog)
-    for name in ("clicks", "items"):
-        assert (f"evicted {before[name] - after[name]} of {before[name]} rows, "
-                f"kept {after[name]}.") in logs[name], logs
-    warned = [str(w.message) for w in record if "Saving evicted" in str(w.message)]
-    assert len(warned) == 1, warned
-    assert f"Saving evicted {before['clicks']} of the {before['clicks']} rows of table " \
-           "'clicks' (0 kept)" in warned[0]
-    assert "save_model(model, path, evict=False)" in warned[0]
-    assert "L2WeightEvict(..., at_save=False)" in warned[0]
-    loaded = kre.load_model(tmp_path / "m.keras")
-    assert loaded.get_layer("clicks").table_size() == 0
-    assert loaded.get_layer("items").table_size() == before["items"]
-
-
-@pytest.mark.parametrize("how", ["save_model", "option"])
-def test_saving_without_eviction_keeps_every_row(tmp_path, caplog, how):
-    caplog.set_level(logging.INFO, logger="keras_rec_emb")
-    model, x = two_table_model(at_save=how != "option")
-    layer = model.get_layer("clicks")
-    rows = _parts(layer)
-    predictions = model.predict(x, verbose=0)
-    path = tmp_path / "m.keras"
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="Saving evicted")
-        if how == "save_model":
-            kre.save_model(model, path, evict=False)
-        else:
-            model.save(path)
-    assert "clicks" not in eviction_logs(caplog)
-    np.testing.assert_array_equal(model.predict(x, verbose=0), predictions)
-    assert layer.table_size() == len(rows["keys"])
-    loaded = kre.load_model(path)
-    np.testing.assert_array_equal(loaded.predict(x, verbose=0), predictions)
-    got = _parts(loaded.get_layer("clicks"))
-    assert loaded.get_layer("clicks").ev_option.evict_option.at_save is (how != "option")
-    order, want = np.argsort(got["keys"]), np.argsort(rows["keys"])
-    np.testing.assert_array_equal(got["keys"][order], rows["keys"][want])
-    np.testing.assert_array_equal(got["values"][order], rows["values"][want])
-    assert layer.evict() == len(rows["keys"])  # evict() still evicts
-
 
 def _filtered_model(form, filter_option):
     def ev():

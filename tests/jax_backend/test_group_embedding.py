@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 import keras_rec_emb as kre
-from keras_rec_emb.backend.jax import group_embedding, optimizers
-from keras_rec_emb.backend.jax.group_embedding import FeatureSpec, GroupEmbedding
+from keras_rec_emb import optimizers
+from keras_rec_emb.layers import group_embedding
+from keras_rec_emb.layers.group_embedding import FeatureSpec, GroupEmbedding
 from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
 
 DIM, DVD = 3, 5
@@ -310,28 +311,33 @@ def test_config_is_the_tensorflow_layers():
     assert kre.layers.GroupEmbedding is GroupEmbedding and kre.layers.FeatureSpec is FeatureSpec
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"sequence": True}, "sequence=False only.*Received: sequence=True"),
-    ({"max_norm": 1.0}, "max_norm=None only.*Received: max_norm=1.0"),
-    ({"default_id": 0}, "default_id=None only.*Received: default_id=0"),
-    ({"combiner": "max"}, "`combiner` must be one of.*combiner='max'"),
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"sequence": "yes"}, TypeError, r"`sequence` must be a bool. Received: sequence='yes'"),
+    ({"max_norm": -1.0}, ValueError, r"max_norm.*-1\.0"),
+    ({"max_norm": float("inf")}, ValueError, r"max_norm.*inf"),
+    ({"default_id": -5}, ValueError, r"default_id.*-5"),
+    ({"default_id": 1.5}, TypeError, r"default_id.*1\.5"),
+    ({"combiner": "max"}, ValueError, "`combiner` must be one of.*combiner='max'"),
 ])
-def test_feature_spec_refuses_what_jax_lacks(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+def test_feature_spec_refuses_bad_arguments_as_under_tensorflow(kwargs, error, match):
+    with pytest.raises(error, match=match):
         FeatureSpec({"embedding_dim": DIM}, **kwargs)
 
 
 def test_group_refuses_bad_arguments_and_inputs():
-    with pytest.raises(ValueError, match="table=an EmbeddingVariable.*keras.layers.Embedding"):
-        FeatureSpec(keras.layers.Embedding(10, DIM))
-    with pytest.raises(ValueError, match="keras.layers.Embedding"):
-        GroupEmbedding({"a": FeatureSpec({"input_dim": 10, "output_dim": DIM})})
+    with pytest.raises(TypeError, match="`table` must be an EmbeddingVariable.*table=3.5"):
+        FeatureSpec(3.5)
+    with pytest.raises(ValueError, match="must be a serialized layer.*Received"):
+        GroupEmbedding({"a": FeatureSpec({"dim": DIM})})
     with pytest.raises(ValueError, match="`output_mode` must be one of.*output_mode='stack'"):
         GroupEmbedding({"a": FeatureSpec({"embedding_dim": DIM})}, output_mode="stack")
     with pytest.raises(ValueError, match="`features` must be a non-empty dict"):
         GroupEmbedding({})
     with pytest.raises(ValueError, match="index 1 is out of range for 0 tables"):
         GroupEmbedding({"a": FeatureSpec(1)})
+    with pytest.raises(ValueError, match="Sequence feature 'a' cannot be concatenated"):
+        GroupEmbedding({"a": FeatureSpec({"embedding_dim": DIM}, sequence=True)},
+                       output_mode="concat")
     group = make_group()
     with pytest.raises(ValueError, match=r"missing inputs \['b'\]"):
         group({"a": STACKED[:, 0]})
@@ -339,6 +345,170 @@ def test_group_refuses_bad_arguments_and_inputs():
         group(np.zeros((4, 3), np.int32))
     with pytest.raises(ValueError, match=r"inputs=a dict of ids or one stacked"):
         group((STACKED[:, 0], STACKED[:, 0]))
+
+
+# Features with TensorFlow's per-feature options: a and b share table t1,
+# c reads t2; a clips rows (mean, weighted: ids of weight <= 0 dropped), b
+# reads id 6 where an example keeps none (sum), c is a weighted sequence
+# with a default id and clipped rows.
+OPTIONS = {"a": dict(combiner="mean", weight_feature="wa", max_norm=0.045),
+           "b": dict(combiner="sum", default_id=6),
+           "c": dict(combiner="sum", weight_feature="wc", sequence=True, default_id=5,
+                     max_norm=0.04)}
+OPTION_IDS = {"a": np.array([[1, 4, -1], [-1, -1, -1], [2, 2, 3], [0, 5, 1]], np.int32),
+              "wa": np.array([[0.5, 2.0, 1.0], [1.0, 1.0, 1.0], [0.0, -1.0, 3.0],
+                              [1.0, 0.25, 2.0]], np.float32),
+              "b": np.array([[4, -1], [-1, -1], [1, 3], [-1, 0]], np.int32),
+              "c": np.array([[-1, 3, 4], [-1, -1, -1], [2, -1, 2], [0, 1, -1]], np.int32),
+              "wc": np.array([[1.0, 0.5, 2.0], [1.0, 1.0, 1.0], [3.0, 1.0, -0.5],
+                              [1.0, 1.0, 1.0]], np.float32)}
+
+
+def option_group():
+    t1, t2 = table("t1"), table("t2")
+    return GroupEmbedding({n: FeatureSpec(t1 if n != "c" else t2, **o)
+                           for n, o in OPTIONS.items()}, output_mode="dict")
+
+
+def numpy_feature(rows, ids, w, combiner, max_norm=None, default_id=None, sequence=False):
+    """TensorFlow's fused lookup in NumPy (float64), as
+    tests/ops/test_group_lookup.py's reference: prune ids < 0 (and for mean
+    and sqrtn ids of weight <= 0), fill examples left empty with default_id
+    (weight 1), clip rows to max_norm, weigh, combine or lay out in order
+    ([batch, L, dim] here, zeros after an example's last kept id). `rows`
+    maps an id to its row."""
+    w = np.ones(ids.shape) if w is None else w
+    out = np.zeros((len(ids), ids.shape[1], DIM) if sequence else (len(ids), DIM))
+    for b in range(len(ids)):
+        kept = [(int(i), float(x)) for i, x in zip(ids[b], w[b])
+                if i >= 0 and (combiner == "sum" or x > 0)]
+        if not kept and default_id is not None:
+            kept = [(default_id, 1.0)]
+        if not kept:
+            continue
+        x = np.stack([rows[i] for i, _ in kept]).astype(np.float64)
+        if max_norm:
+            n = np.linalg.norm(x, axis=1, keepdims=True)
+            x = x * np.where(n > max_norm, max_norm / np.maximum(n, 1e-30), 1.0)
+        ww = np.array([k[1] for k in kept])[:, None]
+        if sequence:
+            out[b, :len(kept)] = x * ww
+            continue
+        total = (x * ww).sum(0)
+        out[b] = {"sum": total, "mean": total / ww.sum(),
+                  "sqrtn": total / np.sqrt((ww * ww).sum())}[combiner]
+    return out
+
+
+def numpy_options(tables, rows_of, x):
+    return {n: numpy_feature(rows_of[tables[n]], x[n], x.get(o.get("weight_feature")),
+                             o["combiner"], o.get("max_norm"), o.get("default_id"),
+                             o.get("sequence", False))
+            for n, o in OPTIONS.items()}
+
+
+def test_sequence_max_norm_and_default_id_features_look_up_like_numpy():
+    group = option_group()
+    for training in (False, None):
+        got = group(OPTION_IDS, training=training)
+        t1, t2 = group.tables
+        rows = {t: {i: t.default_values[i % DVD] for i in range(8)} for t in (t1, t2)}
+        want = numpy_options({"a": t1, "b": t1, "c": t2}, rows, OPTION_IDS)
+        assert sorted(got) == ["a", "b", "c"]
+        for name in want:
+            np.testing.assert_allclose(np.asarray(got[name]), want[name], rtol=1e-6, atol=1e-7,
+                                       err_msg=f"{name} training={training}")
+    # Some rows are clipped, others not; the defaults were read.
+    for t in (t1, t2):
+        norms = np.linalg.norm(np.asarray(t.default_values), axis=1)
+        assert norms.min() < 0.04 < 0.045 < norms.max()
+    np.testing.assert_allclose(np.asarray(got["b"])[1], t1.default_values[6 % DVD], rtol=1e-6)
+    assert t1.table_size() == t2.table_size() == 0  # inference inserts nothing
+
+
+def test_sequence_max_norm_and_default_id_train_to_numpys_gradient():
+    """One SGD step: each row moves by -lr times the gradient of the loss
+    (finite differences of the NumPy reference, float64), the default ids
+    included; clipped rows get the clip's gradient."""
+    lr = 0.5
+    group = option_group()
+    inputs = {k: keras.Input(shape=v.shape[1:], dtype=v.dtype.name, name=k)
+              for k, v in OPTION_IDS.items()}
+    out = group(inputs)
+    # A position-dependent head for the sequence (its first and summed rows).
+    flat = keras.layers.Concatenate()([out["a"], out["b"], out["c"][:, 0, :],
+                                       keras.ops.sum(out["c"], axis=1)])
+    dense = keras.layers.Dense(1, kernel_initializer=keras.initializers.RandomNormal(seed=7),
+                               trainable=False)
+    model = keras.Model(inputs, dense(flat))
+    model.compile(optimizer=optimizers.SGD(lr), loss="mse")
+    t1, t2 = group.tables
+    kernel, bias = (w.astype(np.float64) for w in dense.get_weights())
+    y = np.array([[0.5], [-1.0], [2.0], [0.25]])
+    ids = {t1: range(8), t2: range(8)}
+    start = {t: {i: t.default_values[i % DVD].astype(np.float64) for i in ids[t]}
+             for t in (t1, t2)}
+    tables = {"a": t1, "b": t1, "c": t2}
+
+    def loss(rows):
+        f = numpy_options(tables, rows, OPTION_IDS)
+        pred = np.concatenate([f["a"], f["b"], f["c"][:, 0], f["c"].sum(1)], 1) @ kernel + bias
+        return np.mean((pred - y) ** 2)
+
+    want = {}
+    for t in (t1, t2):
+        for i in ids[t]:
+            grad = np.zeros(DIM)
+            for d in range(DIM):
+                for sign in (1, -1):
+                    rows = {u: dict(r) for u, r in start.items()}
+                    rows[t][i] = rows[t][i] + sign * 1e-6 * np.eye(DIM)[d]
+                    grad[d] += sign * loss(rows) / 2e-6
+            if np.abs(grad).max() > 0:
+                want[(t.name, i)] = start[t][i] - lr * grad
+    model.fit(OPTION_IDS, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    for t in (t1, t2):
+        e = t.export()
+        got = {int(k): v for k, v in zip(e["keys"], e["values"])}
+        assert 6 in got if t is t1 else 5 in got  # the default ids are rows too
+        for i, row in got.items():
+            np.testing.assert_allclose(row, want.get((t.name, i), start[t][i]), rtol=1e-4,
+                                       atol=1e-5, err_msg=f"{t.name} id {i}")
+    assert {k for k, _ in want} == {"t1", "t2"}
+
+
+def test_a_keras_embedding_table_reads_and_trains_like_a_gather():
+    """A `keras.layers.Embedding` table (a dense matrix) trained by the
+    model's optimizer as any Keras weight: its rows are gathered, combined
+    and updated as NumPy says."""
+    lr = 0.25
+    dense_table = keras.layers.Embedding(8, DIM, embeddings_initializer=keras.initializers
+                                         .RandomUniform(seed=3))
+    group = GroupEmbedding({"a": FeatureSpec(dense_table, "mean"),
+                            "b": FeatureSpec({"input_dim": 8, "output_dim": 2})},
+                           output_mode="concat")
+    x = {"a": OPTION_IDS["a"], "b": OPTION_IDS["b"]}
+    out = np.asarray(group(x))
+    matrix = np.asarray(dense_table.embeddings)
+    rows = dict(enumerate(matrix))
+    np.testing.assert_allclose(out[:, :DIM], numpy_feature(rows, x["a"], None, "mean"),
+                               rtol=1e-6)
+    inputs = {k: keras.Input(shape=(v.shape[1],), dtype="int32", name=k) for k, v in x.items()}
+    model = keras.Model(inputs, keras.ops.sum(group(inputs), axis=1, keepdims=True))
+    model.compile(optimizer=optimizers.SGD(lr), loss="mse")
+    y = np.zeros((4, 1), np.float32)
+    pred = out.sum(1, keepdims=True)
+    d = 2 * (pred - y) / len(y)  # each pooled entry's gradient
+    keep = x["a"] >= 0
+    scale = keep / np.maximum(keep.sum(1, keepdims=True), 1)
+    grad = np.zeros_like(matrix, dtype=np.float64)
+    for b in range(4):
+        for i, s in zip(x["a"][b], scale[b]):
+            if i >= 0:
+                grad[i] += d[b, 0] * s
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    np.testing.assert_allclose(np.asarray(dense_table.embeddings), matrix - lr * grad,
+                               rtol=1e-5, atol=1e-6)
 
 
 def test_docstring_examples_run_under_jax():

@@ -10,7 +10,7 @@ import keras
 import numpy as np
 import pytest
 
-from keras_rec_emb.backend.jax import optimizers
+from keras_rec_emb import optimizers
 from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
 
 DIM, FEATURES, BATCH, STEPS = 3, 2, 4, 3
@@ -54,14 +54,15 @@ def numpy_rule(name, c):
             return p - lr * g / np.sqrt(acc + 1e-7)
         if name == "AdamW":  # decoupled decay first, then Adam
             p = p - p * c["weight_decay"] * lr
-            return numpy_rule("Adam", c)(state, key, p, g, t, lr)
+            # epsilon defaults to 1e-8 as DeepRec's (not Keras's AdamW's 1e-7).
+            return numpy_rule("Adam", {"epsilon": 1e-8, **c})(state, key, p, g, t, lr)
         if name == "Adam":
             b1, b2 = c.get("beta_1", 0.9), c.get("beta_2", 0.999)
             m = slot(state, key, "m", 0.0, p) + (g - slot(state, key, "m", 0.0, p)) * (1 - b1)
             v = slot(state, key, "v", 0.0, p) + (g * g - slot(state, key, "v", 0.0, p)) * (1 - b2)
             state[(key, "m")], state[(key, "v")] = m, v
             alpha = lr * np.sqrt(1 - b2 ** (t + 1)) / (1 - b1 ** (t + 1))
-            return p - alpha * m / (np.sqrt(v) + 1e-7)
+            return p - alpha * m / (np.sqrt(v) + c.get("epsilon", 1e-7))
         assert name == "Ftrl"
         power = c.get("learning_rate_power", -0.5)
         l1, l2 = c["l1_regularization_strength"], c["l2_regularization_strength"]
@@ -221,8 +222,6 @@ def test_an_optimizer_without_a_table_rule_is_refused():
     (lambda: optimizers.AdagradDecay(initial_accumulator_value=0.0),
      "`initial_accumulator_value` must be a float > 0"),
     (lambda: optimizers.AdamW(-0.1), "`weight_decay` must be a non-negative finite float"),
-    (lambda: optimizers.AdamW(0.1, scale_weight_decay_by_learning_rate=False),
-     "TensorFlow-only for now"),
     # Keras's namesakes accept these; the TensorFlow backend's classes do not.
     (lambda: optimizers.SGD(-1.0), "`learning_rate` must be a non-negative finite float. "
      "Received: learning_rate=-1.0"),
@@ -242,6 +241,8 @@ def test_arguments_of_the_wrong_kind_are_type_errors():
         optimizers.AdamAsync(beta_1="0.9")
     with pytest.raises(TypeError, match="`learning_rate` must be a non-negative finite float"):
         optimizers.Adagrad(learning_rate=[0.1])
+    with pytest.raises(TypeError, match="`scale_weight_decay_by_learning_rate` must be a bool"):
+        optimizers.AdamW(0.1, scale_weight_decay_by_learning_rate="no")
 
 
 def test_argument_checks_import_no_tensorflow():
@@ -274,7 +275,9 @@ def test_docstring_examples_run():
     finder, runner = doctest.DocTestFinder(), doctest.DocTestRunner()
     globs = {"keras": keras, "np": np, "keras_rec_emb": keras_rec_emb}
     found = {}
-    for module in (optimizers,):
+    from keras_rec_emb.optimizers import deeprec_optimizers, keras_optimizers, loss_scale
+
+    for module in (keras_optimizers, deeprec_optimizers, loss_scale):
         for test in finder.find(module, globs=dict(globs)):
             if test.examples and test.name.rsplit(".", 1)[0] == module.__name__:
                 found[test.name.rsplit(".", 1)[1]] = test

@@ -335,7 +335,7 @@ def test_the_optimizer_saves_what_the_tensorflow_backends_saves(tmp_path):
     """Step, learning rate and the Dense weights' accumulators; not the
     slots of the layer's zero-size anchor (a table's slots are the
     layer's)."""
-    from keras_rec_emb.backend.jax import optimizers
+    from keras_rec_emb import optimizers
 
     layer = EmbeddingVariable(3, default_value_dim=5, name="ev")
     model = _model(layer)

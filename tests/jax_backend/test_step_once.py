@@ -9,7 +9,7 @@ import keras
 import numpy as np
 import pytest
 
-from keras_rec_emb.backend.jax import optimizers
+from keras_rec_emb import optimizers
 from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
 
 DIM, DVD = 2, 5

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import keras_rec_emb as kre
-from keras_rec_emb.backend.jax import optimizers
-from keras_rec_emb.backend.jax.group_embedding import FeatureSpec, GroupEmbedding
+from keras_rec_emb import optimizers
+from keras_rec_emb.layers.group_embedding import FeatureSpec, GroupEmbedding
 from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
 
 DIM, DVD = 3, 5

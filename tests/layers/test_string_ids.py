@@ -15,7 +15,9 @@ import pytest
 import tensorflow as tf
 
 import keras_rec_emb as kre
+from keras_rec_emb._farmhash import hash_buckets
 from keras_rec_emb.layers import EmbeddingVariable, FeatureSpec, GroupEmbedding, HashStrings
+from tests import _hash_strings_cases as hash_cases
 from tests._model_forms import ChainModel, assert_state_equal, id_layers, state
 
 INT64_MAX = 2**63 - 1
@@ -325,3 +327,46 @@ def test_lists_and_object_arrays_of_strings_hash_as_tensors_do():
     got = HashStrings()([["a"], ["b", "", "c"]])  # rows of different lengths
     np.testing.assert_array_equal(got.row_lengths().numpy(), [1, 2])
     np.testing.assert_array_equal(got.values.numpy(), reference_keys([b"a", b"b", b"c"]))
+
+
+# -- the NumPy FarmHash (the JAX backend's keys) and TensorFlow's op -------------------
+def test_stored_keys_are_tensorflows():
+    """tests/layers/data/hash_strings_keys.npz, the JAX backend's reference,
+    holds TensorFlow's keys of its strings."""
+    strings, keys = hash_cases.load()
+    assert len(strings) > 300 and len(set(len(s) for s in strings)) > 200
+    np.testing.assert_array_equal(reference_keys(strings), keys)
+
+
+def test_numpy_farmhash_equals_tensorflows_op():
+    r = np.random.default_rng(11)
+    raw = [r.integers(0, 256, n, dtype=np.uint8).tobytes()
+           for n in r.integers(0, 700, 3000).tolist()]
+    np.testing.assert_array_equal(hash_buckets(raw), reference_keys(raw))
+    np.testing.assert_array_equal(hash_buckets(np.array(raw, dtype=object)),
+                                  reference_keys(raw))
+    # NumPy's fixed-width arrays (trailing NULs dropped, as NumPy drops them
+    # for TensorFlow too), ASCII and not.
+    fixed = np.array(raw[:500]).reshape(50, 10)
+    np.testing.assert_array_equal(hash_buckets(fixed), reference_keys(fixed))
+    points = r.integers(0x20, 0x2FFFF, (400, 30))
+    points[(points >= 0xD800) & (points < 0xE000)] = 0x41  # no surrogates: valid UTF-8
+    text = np.array(["".join(map(chr, row[:n])) for row, n in
+                     zip(points.tolist(), r.integers(0, 31, 400).tolist())])
+    np.testing.assert_array_equal(hash_buckets(text), reference_keys(text))
+    np.testing.assert_array_equal(hash_buckets(VOCAB.astype(str)), reference_keys(VOCAB))
+    assert hash_buckets(np.zeros((0, 3), "S4")).shape == (0, 3)
+
+
+def test_the_layer_gives_the_numpy_keys():
+    strings = criteo_strings((16, 3), seed=8)
+    got = HashStrings(missing="pad")(strings).numpy()
+    np.testing.assert_array_equal(got, np.where(strings == b"", -1, hash_buckets(strings)))
+
+
+@pytest.mark.parametrize("make, kind, message", [c[1:] for c in hash_cases.BAD_INPUTS],
+                         ids=[c[0] for c in hash_cases.BAD_INPUTS])
+def test_bad_input_gives_the_jax_backends_error(make, kind, message):
+    with pytest.raises(kind) as caught:
+        make(HashStrings)
+    assert message in str(caught.value)

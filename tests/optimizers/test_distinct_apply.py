@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 import keras_rec_emb as kre
-from keras_rec_emb.optimizers import base
+from keras_rec_emb.backend.tensorflow import optimizer as base
 
 DIM, BATCH, STEPS = 4, 6, 4
 rng = np.random.default_rng(3)

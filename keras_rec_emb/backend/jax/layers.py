@@ -428,7 +428,12 @@ class EmbeddingVariableBackend:
         gradient, prune, combiner, weights) of each lookup of the step
         (combiner None: rows; else combined rows of ids [rows, L]): equal
         ids summed. `distinct`: None, or for one combined lookup the
-        (inverse, distinct ids, count) of its `ffi.pooled_lookup_distinct`."""
+        (inverse, distinct ids, count) of its `ffi.pooled_lookup_distinct`.
+        Under a LossScaleOptimizer, unscaled and only when finite
+        (`TableRule.when_finite`)."""
+        self.table_rule.when_finite(parts, lambda parts: self._apply_rows(parts, step, distinct))
+
+    def _apply_rows(self, parts, step, distinct):
         rule = self.table_rule
         hyper = rule.hyper(step)
         names = (rule.rule.name, rule.rule.hparam_names, rule.slot_names())

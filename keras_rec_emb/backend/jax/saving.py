@@ -79,18 +79,19 @@ def mark_anchor_slot(optimizer, variable):
     optimizer._kre_anchor_slots.append(variable)
 
 
-def _saved_variables(optimizer):
+def saved_variables(optimizer):
+    """The optimizer's variables as TensorFlow saves them (no anchor slot)."""
     skip = {id(v) for v in getattr(optimizer, "_kre_anchor_slots", ())}
     return [v for v in optimizer.variables if id(v) not in skip]
 
 
 def save_optimizer(optimizer, store):
-    for i, variable in enumerate(_saved_variables(optimizer)):
+    for i, variable in enumerate(saved_variables(optimizer)):
         store[str(i)] = variable.numpy()
 
 
 def load_optimizer(optimizer, store):
-    variables = _saved_variables(optimizer)
+    variables = saved_variables(optimizer)
     if len(store.keys()) != len(variables):
         # Keras's own rule (base_optimizer.load_own_variables).
         warnings.warn(

@@ -138,7 +138,7 @@ def dataset_inputs(dataset):
 # `_serialize_to_tensors` / `_restore_from_tensors` (see OVERRIDDEN_HOOKS) are
 # what `tf.train.Checkpoint` saves. The public `tf.Module` is an
 # AutoTrackable, which would also track (and try to save) every attribute.
-# Used by `data/kafka.KafkaPosition`.
+# Used by `backend/tensorflow/data.PositionBase` (KafkaPosition's base).
 Trackable = tf.__internal__.tracking.Trackable
 
 def resolve_training(training):
@@ -237,23 +237,11 @@ class ActsAsResourceVariable:
 
 
 def input_signature(model):
-    """The `tf.TensorSpec` structure of a built model's inputs, as
-    `model.export` computes it; `keras.export.ExportArchive` (public) wants
-    it given, and Keras exports the helper only under `keras.src`.
-    Used by `serving.export_for_serving`."""
-    from keras.src.export.export_utils import get_input_signature
-
-    return get_input_signature(model)
-
-
-def flatten_layers(model):
-    """Every layer of `model`, nested ones included (`Layer._flatten_layers`).
-
-    The public `model.layers` lists direct children only, and layers that
-    hold layers (GroupEmbedding's tables) do not all expose them publicly.
-    Used by `callbacks.EvictionCallback` and the CLI's `inspect` / `demo`.
-    """
-    return model._flatten_layers()  # pylint: disable=protected-access
+    """The `keras.InputSpec` structure of a built model's inputs, as
+    `model.export` computes it, with a subclassed model's id inputs of
+    their dtype (`_keras_fixes.input_specs`); `keras.export.ExportArchive`
+    (public) wants it given. Used by `serving.export_for_serving`."""
+    return input_specs(model)
 
 
 def child_layers(layer):
@@ -272,20 +260,6 @@ def track_variable(layer, variable):
     adopt an existing variable. Used by `layers.EmbeddingVariable.build`.
     """
     layer._track_variable(variable)  # pylint: disable=protected-access
-
-
-def variable_index(optimizer, variable):
-    """The index of `variable` in the optimizer's slot lists, as Keras's own
-    `update_step`s find it (`Optimizer._get_variable_index`; no public
-    accessor). Used by `optimizers/deeprec_optimizers.py`."""
-    return optimizer._get_variable_index(variable)  # pylint: disable=protected-access
-
-
-def uses_weight_decay(optimizer, variable):
-    """Whether `variable` takes weight decay, honouring
-    `exclude_from_weight_decay` (`Optimizer._use_weight_decay`; no public
-    accessor). Used by `optimizers/base.py` and `AdamW`."""
-    return optimizer._use_weight_decay(variable)  # pylint: disable=protected-access
 
 
 def exported_resources(loaded):
@@ -635,64 +609,24 @@ class DistributedStepCalls:
 # `keras_rec_emb._keras_fixes`, which needs no TensorFlow (the JAX backend
 # installs it too).
 # `in_symbolic_build` is there too, for the same reason.
+# The `compile` loss-scale correction too.
+from keras_rec_emb import _keras_fixes  # noqa: E402
 from keras_rec_emb._keras_fixes import (  # noqa: E402,F401
+    KERAS_COMPILE_FIX_VERSIONS,
+    KERAS_COMPILE_ORIGINALS,
+    fix_compile_loss_scale,
+    KERAS_INPUT_DTYPES_FIX_VERSIONS,
     KERAS_SEQUENTIAL_FIX_VERSIONS,
     KERAS_SEQUENTIAL_ORIGINALS,
     fix_sequential_ids_input,
+    flatten_layers,
     in_symbolic_build,
+    uses_weight_decay,
+    variable_index,
+    input_specs,
+    record_model_input_dtypes,
 )
 
-
-# Keras 3.15.1's `Trainer.compile` wraps the optimizer in its own
-# `keras.optimizers.LossScaleOptimizer` under the "mixed_float16" policy
-# (`auto_scale_loss=True`). That wrapper cannot update a table: it keys
-# variables by identity and densifies gradients to check them (a table's
-# gradient has no dense shape). The correction hands an optimizer that Keras
-# has just wrapped so to `rewrap` (set by `keras_rec_emb.optimizers`: our
-# `LossScaleOptimizer` around an optimizer of ours, `None` for any other),
-# so `compile(optimizer=kre.optimizers.Adagrad(...))` just works as it does
-# for Keras's optimizers; a wrapper the user passed is kept as given.
-# Installed once by `fix_compile_loss_scale(rewrap)` (called when
-# `keras_rec_emb.optimizers` is imported), only for the versions in
-# `KERAS_COMPILE_FIX_VERSIONS` (read `Trainer.compile` again before adding
-# one).
-KERAS_COMPILE_FIX_VERSIONS = ("3.15.1",)
-# Keras's `Trainer.compile` that the correction wraps (filled when installed).
-KERAS_COMPILE_ORIGINALS = {}
-
-
-def _trainer_class():
-    from keras.src.trainers.trainer import Trainer
-    from keras.src.utils import tracking
-
-    return Trainer, tracking.no_automatic_dependency_tracking
-
-
-def fix_compile_loss_scale(rewrap):
-    """Installs the correction described above (idempotent). Returns whether
-    it is installed (False for a Keras version not listed)."""
-    trainer, no_tracking = _trainer_class()
-    if getattr(trainer.compile, "_kre_fix", False):
-        return True
-    if keras.__version__ not in KERAS_COMPILE_FIX_VERSIONS:
-        return False
-    keras_compile = trainer.compile
-    KERAS_COMPILE_ORIGINALS["compile"] = keras_compile
-
-    @no_tracking
-    def compile(self, optimizer="rmsprop", *args, **kwargs):  # pylint: disable=keyword-arg-before-vararg
-        keras_compile(self, optimizer, *args, **kwargs)
-        made = getattr(self, "optimizer", None)
-        if made is not None and made is not optimizer:  # Keras's own wrapper
-            replacement = rewrap(made)
-            if replacement is not None:
-                self.optimizer = replacement
-
-    compile.__doc__ = keras_compile.__doc__
-    compile.__wrapped__ = keras_compile
-    compile._kre_fix = True  # pylint: disable=protected-access
-    trainer.compile = compile
-    return True
 
 # Keras 3.15.1's TensorFlow layer gives a subclassed model (no symbolic
 # inputs) a default SavedModel signature (`TFLayer._default_save_signature`)
@@ -806,54 +740,25 @@ def export_record_batch(batch, array_address, schema_address):
     at the given addresses (`RecordBatch._export_to_c`). The public
     `__arrow_c_array__` returns PyCapsules, whose addresses Python cannot
     hand to a TF kernel without CPython internals.
-    Used by `data/parquet._Exports`."""
+    Used by `backend/tensorflow/data._Exports`."""
     batch._export_to_c(array_address, schema_address)  # pylint: disable=protected-access
 
 
 def import_record_batch(array_address, schema_address):
     """Imports (and so releases) Arrow C structs at the given addresses
     (`RecordBatch._import_from_c`), the counterpart of `export_record_batch`.
-    Used by `data/parquet._Exports.close` for batches never consumed."""
+    Used by `backend/tensorflow/data._Exports.close` for batches never consumed."""
     return pa.RecordBatch._import_from_c(  # pylint: disable=protected-access
         array_address, schema_address)
 
-# -- confluent-kafka --------------------------------------------------------------
-
-KAFKA_EXTRA_HINT = (
-    "Kafka datasets need confluent-kafka, an optional dependency of keras-rec-emb: "
-    "install it with `pip install \"keras-rec-emb[kafka]\"`.")
-
-
-def kafka():
-    """The `confluent_kafka` module, imported on first use: it is the optional
-    `kafka` extra, so `import keras_rec_emb` must not need it. Raises an
-    ImportError naming the extra when it is missing. Used by `data/kafka.py`."""
-    try:
-        import confluent_kafka  # pylint: disable=import-outside-toplevel
-    except ImportError as e:
-        raise ImportError(f"{KAFKA_EXTRA_HINT} ({e})") from e
-    return confluent_kafka
-
-
-class LazyKafka:
-    """Stands for the `confluent_kafka` module in `data/kafka.py`: the first
-    attribute read imports it (see `kafka()`), so that module imports without
-    the `kafka` extra and its Kafka classes raise the clear ImportError."""
-
-    def __getattr__(self, name):
-        return getattr(kafka(), name)
+# -- confluent-kafka: in `keras_rec_emb._keras_fixes`, which needs no TensorFlow
+# (the Kafka datasets run under the JAX backend too).
+from keras_rec_emb._keras_fixes import KAFKA_EXTRA_HINT, LazyKafka, kafka  # noqa: E402,F401
 
 
 def __getattr__(name):
-    # librdkafka's internal error codes (negative numbers) for a broker
-    # connection lost (retried by librdkafka) and for reaching the end of a
-    # partition (`enable.partition.eof`). confluent-kafka exposes them only
-    # with librdkafka's leading underscore. Read on first use, as the module
-    # is optional. Used by `data/kafka.py`.
-    if name == "KAFKA_TRANSPORT":
-        return kafka().KafkaError._TRANSPORT  # pylint: disable=protected-access
-    if name == "KAFKA_PARTITION_EOF":
-        return kafka().KafkaError._PARTITION_EOF  # pylint: disable=protected-access
+    if name in ("KAFKA_TRANSPORT", "KAFKA_PARTITION_EOF"):
+        return getattr(_keras_fixes, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -877,7 +782,7 @@ OVERRIDDEN_HOOKS = {
                                      "alive in TF's gradient registry)",
     },
     tf.data.Dataset: {
-        "_inputs": "data/_source.WrappedDataset: reports the wrapped pipeline as its "
+        "_inputs": "backend/tensorflow/data.WrappedDataset: reports the wrapped pipeline as its "
                    "input (an abstract method of every dataset)",
     },
     tf.saved_model.experimental.TrackableResource: {
@@ -889,11 +794,11 @@ OVERRIDDEN_HOOKS = {
                              "resource may outlive it in TF's function caches)",
     },
     Trackable: {
-        "_serialize_to_tensors": "variables.EmbeddingTable, data/kafka.KafkaPosition, "
-                                 "distribute.ShardedEmbeddingTable: the state "
+        "_serialize_to_tensors": "variables.EmbeddingTable, KafkaPosition (its base "
+                                 "backend/tensorflow/data.PositionBase), distribute.ShardedEmbeddingTable: the state "
                                  "tf.train.Checkpoint saves",
-        "_restore_from_tensors": "variables.EmbeddingTable, data/kafka.KafkaPosition, "
-                                 "distribute.ShardedEmbeddingTable: restores it",
+        "_restore_from_tensors": "variables.EmbeddingTable, KafkaPosition (its base "
+                                 "backend/tensorflow/data.PositionBase), distribute.ShardedEmbeddingTable: restores it",
     },
 }
 

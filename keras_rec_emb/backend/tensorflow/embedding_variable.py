@@ -17,7 +17,7 @@ from keras_rec_emb.backend.tensorflow import compat as _compat
 from keras_rec_emb.backend.tensorflow import variables
 from keras_rec_emb.backend.tensorflow.ids import embed_ids, output_spec
 from keras_rec_emb.ops import embedding_ops
-from keras_rec_emb.optimizers.base import table_optimizer
+from keras_rec_emb.backend.tensorflow.optimizer import table_optimizer
 
 
 def default_key_dtype():

@@ -1,7 +1,8 @@
-"""The optimizer base that also updates embedding tables.
+"""The TensorFlow backend's table plumbing of `keras_rec_emb.optimizers`.
 
-Our optimizers subclass Keras's own (`class Adam(TableOptimizer,
-keras.optimizers.Adam)`), so dense variables and `keras.layers.Embedding` take
+The optimizers (written once, in keras_rec_emb/optimizers/) subclass Keras's
+own through the running backend's `TableOptimizer` (`class Adam(
+TableOptimizer, keras.optimizers.Adam)`), so dense variables and `keras.layers.Embedding` take
 exactly Keras's path. This mixin intercepts the seams where a table differs:
 
 * `add_variable_from_reference`: a table's slot is a parallel arena inside
@@ -16,19 +17,21 @@ exactly Keras's path. This mixin intercepts the seams where a table differs:
   row's true gradient; `global_clipnorm` counts a table's rows without
   densifying them (Keras's version densifies `IndexedSlices`, impossible for
   a hash table). Keras variables keep Keras's exact semantics.
-"""
+* `_kre_rows` / `_kre_gather` / `_kre_at_rows`: the rows of a dense
+  variable's `tf.IndexedSlices` gradient (`keras.layers.Embedding`), on
+  which the DeepRec optimizers' shared math runs.
 
-import inspect
+`LossScaleTables` is the table part of `keras_rec_emb.optimizers.
+LossScaleOptimizer` here.
+"""
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_rec_emb import _checks_core
 from keras_rec_emb.backend.tensorflow import checks as _checks
 from keras_rec_emb.backend.tensorflow import compat as _compat
 from keras_rec_emb.backend.tensorflow.op_args import named_outputs
-from keras_rec_emb.optimizers import rules
 from keras_rec_emb.backend.tensorflow.variables import is_table
 
 
@@ -164,51 +167,15 @@ def _is_table_grad(grad):
 class TableOptimizer:
     """Mixin placed before a Keras optimizer class; see the module docstring.
 
-    Subclasses implement `_table_update(learning_rate)` returning
+    Subclasses implement `_table_update(learning_rate, step)` returning
     `(rule, hyper)` for the fused kernel: a rule of `rules.RULES` and a dict
     of its hyper-parameters by name (`learning_rate` and `decay` are filled
     in by this class; the rule declares the order and the slots).
     """
 
-    def __init__(self, *args, **kwargs):
-        base_init = super().__init__
-        _checks_core.check_hyper_arguments(base_init, args, kwargs, check_learning_rate)
-        base_init(*args, **kwargs)
+    check_learning_rate = staticmethod(check_learning_rate)
 
-    def __init_subclass__(cls, **kwargs):
-        # A subclass that takes its Keras base's arguments through
-        # `*args, **kwargs` gets that base's signature (inspect.signature,
-        # help(), docs), with its own keyword arguments before `**kwargs`.
-        super().__init_subclass__(**kwargs)
-        own_init = vars(cls).get("__init__")
-        if own_init is None and cls.__init__ is not TableOptimizer.__init__:
-            return  # inherits a signature (a class of ours, or its own)
-        own = inspect.signature(own_init) if own_init is not None else None
-        if own is not None and not any(p.kind is p.VAR_POSITIONAL
-                                       for p in own.parameters.values()):
-            return  # a signature of its own
-        keras_base = next((c for c in cls.__mro__
-                           if not issubclass(c, TableOptimizer) and "__init__" in vars(c)),
-                          None)
-        if keras_base is None:
-            return
-        params = list(inspect.signature(keras_base.__init__).parameters.values())
-        extra = [p for p in (own.parameters.values() if own else ())
-                 if p.kind is p.KEYWORD_ONLY]
-        var_kw = [p for p in params if p.kind is p.VAR_KEYWORD]
-        params = [p for p in params if p.kind is not p.VAR_KEYWORD] + extra + var_kw
-        call = own_init or TableOptimizer.__init__
-
-        def __init__(self, *args, **kwargs):
-            call(self, *args, **kwargs)
-
-        __init__.__signature__ = inspect.Signature(params)
-        __init__.__qualname__ = f"{cls.__qualname__}.__init__"
-        __init__.__module__ = cls.__module__
-        __init__.__doc__ = call.__doc__
-        cls.__init__ = __init__
-
-    def _table_update(self, learning_rate):
+    def _table_update(self, learning_rate, step):
         raise NotImplementedError
 
     # -- building ---------------------------------------------------------------
@@ -262,12 +229,13 @@ class TableOptimizer:
             return super().add_variable_from_reference(
                 reference_variable, name=name, initializer=initializer)
 
-    def add_scalar_slots(self, variables, name, init):
-        """One float of state per variable, or per row for a table.
+    def add_scalar_slots(self, variables, name, init, per_row=False):
+        """One float of state per variable (per row of its first axis with
+        `per_row`), or per row for a table.
 
-        Returns a list aligned with `variables`: a scalar Keras variable for
-        a dense variable, a `TableSlot` (a width-1 slot inside the table)
-        for a table.
+        Returns a list aligned with `variables`: a Keras variable for a
+        dense variable, a `TableSlot` (a width-1 slot inside the table) for
+        a table.
         """
         slots = []
         for variable in variables:
@@ -279,7 +247,8 @@ class TableOptimizer:
             else:
                 with tf.init_scope(), tf.device(variable.value.device):  # beside it
                     slots.append(self.add_variable(
-                        shape=(), initializer=keras.initializers.Constant(init),
+                        shape=tuple(variable.shape[:1]) if per_row else (),
+                        initializer=keras.initializers.Constant(init),
                         name=f"{variable.path.replace('/', '_')}_{name}"))
         return slots
 
@@ -333,8 +302,10 @@ class TableOptimizer:
         decay = 0.0
         if optimizer.weight_decay is not None and _compat.uses_weight_decay(optimizer, variable):
             decay = optimizer._decay_factor(lr)  # pylint: disable=protected-access
-        name, hyper = optimizer._table_update(lr)  # pylint: disable=protected-access
-        rule = rules.RULES[name]
+        name, hyper = optimizer._table_update(lr, self.iterations)  # pylint: disable=protected-access
+        # Imported here: keras_rec_emb.optimizers imports this module.
+        from keras_rec_emb.optimizers.rules import RULES  # pylint: disable=import-outside-toplevel
+        rule = RULES[name]
         hyper = dict(hyper, learning_rate=lr, decay=decay)
         ordered = dict(zip(rule.hparam_names, rule.ordered(hyper)))
         distinct = has_distinct_keys(grad)
@@ -351,6 +322,26 @@ class TableOptimizer:
 
     def _apply_weight_decay(self, variables):
         super()._apply_weight_decay([v for v in variables if not is_table(v)])
+
+    # -- the rows of a dense variable's sparse gradient --------------------------
+    def _kre_rows(self, gradient):
+        """(rows, summed values) of a `tf.IndexedSlices` gradient; None for
+        a dense one."""
+        if isinstance(gradient, tf.IndexedSlices):
+            return sum_duplicate_rows(gradient)
+        return None
+
+    @staticmethod
+    def _kre_gather(variable, rows):
+        return tf.gather(variable.value if isinstance(variable, keras.Variable) else variable,
+                         rows)
+
+    @staticmethod
+    def _kre_at_rows(values, rows, dense_shape=None):
+        return tf.IndexedSlices(values, rows, dense_shape)
+
+    def _kre_saved_variables(self):
+        return self.variables
 
     def apply(self, grads, trainable_variables=None):
         if self.clipnorm or self.clipvalue or self.global_clipnorm:
@@ -381,3 +372,21 @@ class TableOptimizer:
             return g * scale
 
         return [scaled(g) for g in grads]
+
+
+class LossScaleTables:
+    """The table part of `LossScaleOptimizer`: a table's `tf.IndexedSlices`
+    gradient goes through Keras's unscaling and apply as it is (its rows
+    are keyed by ids), and only its rows are checked for finiteness."""
+
+    @staticmethod
+    def _check_inner(inner_optimizer):
+        return isinstance(inner_optimizer, TableOptimizer)
+
+    def _var_key(self, variable):
+        if is_table(variable):
+            return variable.table._kre_id
+        return super()._var_key(variable)
+
+    def check_finite(self, grads):
+        return super().check_finite([g.values if _is_table_grad(g) else g for g in grads])

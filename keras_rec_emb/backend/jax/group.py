@@ -1,0 +1,264 @@
+"""`GroupEmbedding`'s forward under Keras's JAX backend.
+
+One lookup per table, combiner and step: the ids `[batch, L]` of the
+features that read a table with one combiner are padded to one L with -1
+(pruned by the lookup) and stacked, and one pooled table call looks them
+up and combines them (`ffi.pooled_lookup`; features of other combiners or
+weighting are other calls of the same step, whose gradients join the same
+update). Unweighted ids with L = 1 take a plain lookup instead (the
+combine of one id is its row, and a pooled call costs more). So a table
+shared by several features gets one sparse update per step, with the
+gradient of each distinct id summed over its features, as TensorFlow's
+fused op gives it: Adagrad's and Adam's slots are updated once per step,
+not once per feature.
+
+A `default_id` replaces the ids of an example that keeps none before the
+lookup (weight 1), so it is inserted and trained as any id. Sequence and
+`max_norm` features, and `keras.layers.Embedding` tables, read their rows
+per id (`[batch, L, dim]`) and clip, weigh, combine or lay them out in
+`keras.ops`, whose gradient reaches the rows through the lookup's.
+"""
+
+import jax.numpy as jnp
+import keras
+import numpy as np
+
+from keras_rec_emb.backend.jax import ffi
+from keras_rec_emb.backend.jax.ids import integer_ids, numpy_ids
+from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
+
+count_params = keras.layers.Layer.count_params
+
+
+def ids_input_dtype():
+    return ffi.int_dtype().name
+
+
+def _key_dtype(table):
+    return table.key_dtype if isinstance(table, EmbeddingVariable) else "int64"
+
+
+def prepare_inputs(layer, inputs):
+    """NumPy ids checked before Keras makes JAX arrays of them (which in
+    JAX's 32-bit mode narrows int64 ids unchecked)."""
+    if isinstance(inputs, dict):
+        inputs = dict(inputs)
+        for j, (n, s) in enumerate(layer.features.items()):
+            if n in inputs:
+                inputs[n] = numpy_ids(inputs[n], f"`sp_ids[{j}]`",
+                                      _key_dtype(layer.tables[s.table]), lower=False)
+    elif {_key_dtype(t) for t in layer.tables} == {"int32"}:
+        inputs = numpy_ids(inputs, f"GroupEmbedding '{layer.name}' ids", "int32", lower=False)
+    return inputs
+
+
+def _feature_ids(layer, inputs):
+    """(ids, weights) per feature, in the order of `features`: ids
+    `[batch, L]`, weights `[batch, L]` float32 or None."""
+    if isinstance(inputs, dict):
+        return _dict_ids(layer, inputs)
+    ids = _stacked_ids(layer, inputs)
+    return [ids[:, j, :] for j in range(ids.shape[1])], [None] * ids.shape[1]
+
+
+def _dict_ids(layer, inputs):
+    raw_ids, raw_weights = layer.dict_inputs(inputs)
+    out, weights = [], []
+    for j, (n, s, i, w) in enumerate(zip(layer.features, layer.features.values(), raw_ids,
+                                         raw_weights)):
+        # TensorFlow's checks and names (its fused lookup's `sp_ids[j]`).
+        ids = integer_ids(i, f"`sp_ids[{j}]`", _key_dtype(layer.tables[s.table]),
+                          lower=False, via=np.int64)
+        if ids.ndim not in (1, 2):
+            raise ValueError(
+                f"GroupEmbedding '{layer.name}': the ids of feature {n!r} must be "
+                f"[batch] or [batch, L] (padded with -1). Received: shape "
+                f"{tuple(ids.shape)}")
+        out.append(ids[:, None] if ids.ndim == 1 else ids)
+        if w is not None:
+            w = keras.ops.convert_to_tensor(w, dtype="float32")
+            if tuple(w.shape) != tuple(ids.shape):
+                raise ValueError(
+                    f"GroupEmbedding '{layer.name}': the weights "
+                    f"{s.weight_feature!r} of feature {n!r} must have its ids' shape "
+                    f"{tuple(ids.shape)}. Received: shape {tuple(w.shape)}")
+            w = w[:, None] if w.ndim == 1 else w
+        weights.append(w)
+    return out, weights
+
+
+def _stacked_ids(layer, inputs):
+    """One stacked ids tensor as [batch, F, L]."""
+    layer.refuse_weight_features()
+    if isinstance(inputs, (list, tuple)):
+        raise ValueError(
+            "Under the JAX backend GroupEmbedding takes inputs=a dict of ids or one stacked "
+            "ids tensor (no (ids, table_ids) pair). Received: inputs=(ids, table_ids)")
+    dtype = getattr(inputs, "dtype", None)
+    shape = np.shape(inputs)
+    layer.check_stacked(shape, np.dtype(dtype if dtype is not None
+                                        else np.asarray(inputs).dtype).name)
+    # TensorFlow's checks: the ids as int64, then as an int32 key once for
+    # all features when every table has int32 keys.
+    key_dtype = ("int32" if {_key_dtype(t) for t in layer.tables} == {"int32"}
+                 else ffi.int_dtype().name)
+    ids = integer_ids(inputs, f"GroupEmbedding '{layer.name}' ids", key_dtype, lower=False,
+                      via=np.int64, via_what=f"GroupEmbedding '{layer.name}'")
+    return ids[:, :, None] if ids.ndim == 2 else ids
+
+
+def _kept(ids, weights, spec):
+    """`ids` with those the feature drops set to -1 (ids < 0 are padding;
+    with `"mean"` or `"sqrtn"` ids of weight <= 0 too) and, with a
+    `default_id`, an example that keeps none reading it (weight 1) in its
+    first slot; and the weights."""
+    if weights is not None and spec.combiner != "sum":
+        ids = jnp.where(weights > 0, ids, jnp.asarray(-1, ids.dtype))
+    if spec.default_id is None:
+        return ids, weights
+    empty = jnp.logical_not(jnp.any(ids >= 0, axis=1))
+    first = jnp.where(empty, jnp.asarray(spec.default_id, ids.dtype), ids[:, 0])
+    ids = ids.at[:, 0].set(first)
+    if weights is not None:
+        weights = weights.at[:, 0].set(jnp.where(empty, 1.0, weights[:, 0]))
+    return ids, weights
+
+
+def _pooled(spec, table):
+    """Whether a feature's rows are combined in the table call."""
+    return isinstance(table, EmbeddingVariable) and not spec.sequence and not spec.max_norm
+
+
+def _one_call(layer, training):
+    """Whether one table call serves every feature: no table may train in
+    this call (so none inserts and no gradient is needed), one key dtype,
+    every feature pooled."""
+    tables = layer.tables
+    # pylint: disable-next=protected-access
+    return (all(isinstance(t, EmbeddingVariable) and not t._may_train(training) for t in tables)
+            and len({t.key_dtype for t in tables}) == 1
+            and all(_pooled(s, tables[s.table]) for s in layer.features.values()))
+
+
+def _inference_lookup(layer, inputs):
+    """The lookup of every feature in one table call: the features' ids
+    stacked [batch, F, L], their rows concatenated."""
+    specs = list(layer.features.values())
+    tables = [layer.tables[s.table] for s in specs]
+    key_dtype = tables[0].key_dtype
+    feature_ids, feature_weights = _feature_ids(layer, inputs)
+    kept = [_kept(jnp.asarray(i).astype(key_dtype), w, s)
+            for i, w, s in zip(feature_ids, feature_weights, specs)]
+    length = max(int(i.shape[1]) for i, _ in kept)
+    pad = [((0, 0), (0, length - int(i.shape[1]))) for i, _ in kept]
+    ids = jnp.stack([jnp.pad(i, p, constant_values=-1) for (i, _), p in zip(kept, pad)], axis=1)
+    weights = None
+    if any(w is not None for _, w in kept):
+        weights = jnp.stack([jnp.pad(jnp.ones(i.shape, jnp.float32) if w is None
+                                     else jnp.asarray(w).astype(jnp.float32), p)
+                             for (i, w), p in zip(kept, pad)], axis=1)
+    rows = ffi.group_pooled_lookup([t.handle for t in tables], ids,
+                                   [t.embedding_dim for t in tables],
+                                   [s.combiner for s in specs], weights)
+    if layer.output_mode == "concat":
+        return rows
+    out, start = [], 0
+    for t in tables:
+        out.append(rows[:, start:start + t.embedding_dim])
+        start += t.embedding_dim
+    return out
+
+
+def _rows_of(table, ids, training):
+    """Rows [batch, L, dim] of ids [batch, L] (zeros for ids < 0)."""
+    if isinstance(table, EmbeddingVariable):
+        # pylint: disable-next=protected-access
+        return table._rows(ids, training, prune=True)
+    valid = keras.ops.expand_dims(ids >= 0, -1)
+    rows = keras.ops.take(table.embeddings, keras.ops.where(ids >= 0, ids, 0), axis=0)
+    return keras.ops.where(valid, keras.ops.cast(rows, "float32"), 0.0)
+
+
+def _feature_rows(table, ids, weights, spec, training):
+    """A sequence or max_norm feature (or one of a dense table), as
+    TensorFlow's fused op computes it: each kept id's row clipped to
+    `max_norm` (`tf.clip_by_norm`), times its weight, then combined or laid
+    out in order of the kept ids ([batch, L, dim], zeros after the last)."""
+    ops = keras.ops
+    rows = _rows_of(table, ids, training)
+    valid = ids >= 0
+    w = ops.cast(valid, "float32")
+    if weights is not None:
+        w = ops.where(valid, weights, 0.0)
+    if spec.max_norm:
+        # A row within the norm passes as it is (its gradient too); the
+        # squared norm's guard keeps the padding's zero rows finite.
+        square = ops.sum(ops.square(rows), axis=-1, keepdims=True)
+        over = square > spec.max_norm ** 2
+        rows = rows * ops.where(over, spec.max_norm / ops.sqrt(ops.where(over, square, 1.0)),
+                                1.0)
+    rows = rows * ops.expand_dims(w, -1)
+    if spec.sequence:
+        # The kept ids first, in their order (a stable sort of "dropped").
+        order = jnp.argsort(jnp.logical_not(valid), axis=1, stable=True)
+        return ops.take_along_axis(rows, ops.expand_dims(order, -1), axis=1)
+    total = ops.sum(rows, axis=1)
+    if spec.combiner == "sum":
+        return total
+    scale = ops.sum(w, axis=1) if spec.combiner == "mean" else ops.sqrt(
+        ops.sum(ops.square(w), axis=1))
+    scale = ops.expand_dims(scale, -1)
+    return ops.where(scale > 0, total / ops.where(scale > 0, scale, 1.0), 0.0)
+
+
+def lookup(layer, inputs, training):
+    """The layer's outputs: one `[batch, sum(dims)]` array for
+    `output_mode="concat"`, else a list of per-feature outputs in the
+    order of `features`."""
+    if _one_call(layer, training):
+        return _inference_lookup(layer, inputs)
+    feature_ids, feature_weights = _feature_ids(layer, inputs)
+    specs = list(layer.features.values())
+    outs = [None] * len(specs)
+    for t, table in enumerate(layer.tables):
+        key_dtype = _key_dtype(table)
+        kinds = {}
+        for j, s in enumerate(specs):
+            if s.table != t:
+                continue
+            ids, w = _kept(integer_ids(feature_ids[j], f"`sp_ids[{j}]`", key_dtype,
+                                       lower=False), feature_weights[j], s)
+            if not _pooled(s, table):
+                outs[j] = _feature_rows(table, ids, w, s, training)
+                continue
+            kinds.setdefault((s.combiner, w is not None), []).append((j, ids, w))
+        for (combiner, weighted), features in kinds.items():
+            # One pooled lookup of the table for its features of one
+            # combiner (and weighted or not): their ids [batch, L] padded
+            # to one L with -1 (pruned) and stacked, combined in the table
+            # call. A table's lookups of one step get one sparse update.
+            length = max(int(i.shape[1]) for _, i, _ in features)
+            pads = [((0, 0), (0, length - i.shape[1])) for _, i, _ in features]
+            ids = [jnp.pad(i, p, constant_values=-1) for (_, i, _), p in zip(features, pads)]
+            ids_all = jnp.concatenate(ids) if len(ids) > 1 else ids[0]
+            if length == 1 and not weighted:
+                # One id per row: "sum", "mean" and "sqrtn" of it are its
+                # row (zeros for padding), and its gradient is the row's: a
+                # plain lookup, cheaper than a pooled one.
+                # pylint: disable-next=protected-access
+                rows = table._rows(ids_all[:, 0], training, prune=True)
+            else:
+                weights = None
+                if weighted:
+                    weights = jnp.concatenate([jnp.pad(w.astype(jnp.float32), p)
+                                               for (_, _, w), p in zip(features, pads)])
+                # pylint: disable-next=protected-access
+                rows = table._rows(ids_all, training, prune=True, combiner=combiner,
+                                   weights=weights)
+            start = 0
+            for j, i, _ in features:
+                outs[j] = rows[start:start + i.shape[0]]
+                start += i.shape[0]
+    if layer.output_mode == "concat":
+        return jnp.concatenate(outs, axis=-1)
+    return outs
