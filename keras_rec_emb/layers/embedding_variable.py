@@ -14,6 +14,7 @@ import numpy as np
 from keras_rec_emb import _backend
 from keras_rec_emb import tables as _tables
 from keras_rec_emb._checks_core import check_combiner, check_initializer_matrix, check_int
+from keras_rec_emb.optimizers.keras_optimizers import table_optimizer
 from keras_rec_emb.options import (EmbeddingVariableOption, InitializerOption,
                                    ev_option_from_config)
 
@@ -183,7 +184,7 @@ class EmbeddingVariable(_impl.EmbeddingVariableBackend, keras.layers.Layer):
         self.prune_invalid_ids = bool(prune_invalid_ids)
         self.ev_option = _ev_option(ev_option, default_value_dim, num_shards)
         self.restore_dim_mismatch = _tables.check_restore_dim_mode(restore_dim_mismatch)
-        self.table_optimizer = self._resolve_optimizer(optimizer)
+        self.table_optimizer = self._resolve_optimizer(table_optimizer(optimizer))
         self.table = None
 
     def build(self, input_shape=None):
@@ -410,7 +411,8 @@ class EmbeddingVariable(_impl.EmbeddingVariableBackend, keras.layers.Layer):
             "prune_invalid_ids": self.prune_invalid_ids,
             "ev_option": keras.saving.serialize_keras_object(self.ev_option),
             "restore_dim_mismatch": self.restore_dim_mismatch,
-            "optimizer": self._optimizer_config(),
+            "optimizer": (None if self.table_optimizer is None
+                          else keras.saving.serialize_keras_object(self.table_optimizer)),
         })
         return config
 

@@ -203,7 +203,7 @@ def test_settings_the_table_update_cannot_honour_are_refused(setting):
 def test_an_optimizer_without_a_table_rule_is_refused():
     with pytest.raises(ValueError, match="no optimizer for its table"):
         fit(keras.optimizers.RMSprop(0.1))  # a stock one trains the dense weights only
-    with pytest.raises(ValueError, match="SGD, Adagrad, Adam, Ftrl, AdamAsync.*RMSprop"):
+    with pytest.raises(TypeError, match="SGD, Adagrad, Adam, Ftrl, AdamAsync.*RMSprop"):
         EmbeddingVariable(DIM, optimizer=keras.optimizers.RMSprop(0.1))
     with pytest.raises(ValueError, match="`table_rule` must be one of"):
         optimizers.Ftrl(table_rule="group")

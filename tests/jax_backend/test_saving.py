@@ -276,7 +276,7 @@ def test_the_weights_file_holds_the_tensorflow_backends_parts(tmp_path):
 
 @pytest.mark.parametrize("change, message", [
     ({"optimizer": {"class_name": "RMSprop", "config": {}}},
-     "supports optimizer=None, SGD, Adagrad, Adam, Ftrl, AdamAsync"),
+     r"`optimizer` config must be that of an optimizer of keras_rec_emb.optimizers \(adagrad, "),
     ({"ev_option": 3}, "`ev_option` must be a serialized EmbeddingVariableOption"),
 ])
 def test_a_config_the_jax_layer_cannot_run_is_refused(change, message):

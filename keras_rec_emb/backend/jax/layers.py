@@ -49,7 +49,7 @@ import keras
 import numpy as np
 
 from keras_rec_emb._checks_core import check_combiner_weights
-from keras_rec_emb.backend.jax import ffi, saving
+from keras_rec_emb.backend.jax import ffi
 from keras_rec_emb.backend.jax.ids import integer_ids, numpy_ids
 from keras_rec_emb.backend.jax.optimizers import TableRule, register_anchor
 from keras_rec_emb.backend.jax.table import JaxTable
@@ -253,17 +253,13 @@ class EmbeddingVariableBackend:
         self.table_rule = None
 
     def _resolve_optimizer(self, optimizer):
-        """The table's own optimizer (the one given, a Keras one too: not
-        copied, so that a rate assigned to it reaches the table), and the
-        rule that trains the table with it; else that of the optimizer that
-        builds for `anchor` (`attach_optimizer`)."""
-        optimizer = saving.table_optimizer(optimizer)
+        """The table's own optimizer (the one given: not copied, so that a
+        rate assigned to it reaches the table), and the rule that trains
+        the table with it; else that of the optimizer that builds for
+        `anchor` (`attach_optimizer`)."""
         if optimizer is not None:
             self.table_rule = TableRule(optimizer, f"EmbeddingVariable '{self.name}'")
         return optimizer
-
-    def _optimizer_config(self):
-        return saving.optimizer_config(self.table_optimizer)
 
     @staticmethod
     def _draw(initializer, shape):

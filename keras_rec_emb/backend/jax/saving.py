@@ -5,9 +5,6 @@ config and weights store are the same under both (its table's parts and
 `slot:NAME` per slot; keras_rec_emb/layers/embedding_variable.py). What
 is JAX's own:
 
-* a table optimizer (SGD, Adagrad, Adam, Ftrl: ours or Keras's) is
-  written as the TensorFlow backend's table optimizer of the same name
-  (`optimizer_config`) and read back (`table_optimizer`);
 * the table's slots are the layer's under both backends: under TensorFlow
   the optimizer's own variables hold only its step, learning rate and the
   dense weights' slots, never a table's; under JAX the optimizer leaves
@@ -16,53 +13,6 @@ is JAX's own:
 """
 
 import warnings
-
-import keras
-
-# Table optimizers the JAX layer runs, by the name TensorFlow registers
-# (subclasses first: Keras's AdamW is an Adam).
-_OPTIMIZERS = {"SGD": keras.optimizers.SGD, "Adagrad": keras.optimizers.Adagrad,
-               "Adam": keras.optimizers.Adam, "Ftrl": keras.optimizers.Ftrl}
-# keras_rec_emb's own, without a Keras namesake (found by registered name).
-_DEEPREC_OPTIMIZERS = ("AdamAsync", "AdagradDecay", "AdamW")
-
-
-# -- config -------------------------------------------------------------------
-
-def optimizer_config(optimizer):
-    """`optimizer` (SGD, Adagrad, Adam, Ftrl: ours or Keras's; None: the
-    model's) serialized as the TensorFlow backend's table optimizer of the
-    same name."""
-    if optimizer is None:
-        return None
-    registered = keras.saving.get_registered_name(type(optimizer))
-    if registered.startswith("keras_rec_emb>"):
-        name = registered.split(">", 1)[1]
-    else:
-        name = next(n for n, cls in _OPTIMIZERS.items() if isinstance(optimizer, cls))
-    module = ("keras_rec_emb.optimizers.deeprec_optimizers" if name in _DEEPREC_OPTIMIZERS
-              else "keras_rec_emb.optimizers.keras_optimizers")
-    return {"module": module, "class_name": name,
-            "config": optimizer.get_config(), "registered_name": f"keras_rec_emb>{name}"}
-
-
-def table_optimizer(value):
-    """The layer's own optimizer of `value` (an optimizer, None: the
-    model's, or a config written by either backend)."""
-    if isinstance(value, keras.optimizers.Optimizer):
-        return value
-    if value is None:
-        return None  # the model's optimizer
-    name = value.get("class_name") if isinstance(value, dict) else None
-    if name not in (*_OPTIMIZERS, *_DEEPREC_OPTIMIZERS):
-        raise ValueError(
-            "Under the JAX backend an EmbeddingVariable supports optimizer=None, "
-            f"{', '.join((*_OPTIMIZERS, *_DEEPREC_OPTIMIZERS))} only (so far): other values "
-            f"are TensorFlow-only for now. Received: optimizer={value!r}")
-    # keras_rec_emb/backend/jax/optimizers.py registers them (imported with the
-    # package); looked up by name, since that module imports this one.
-    cls = keras.saving.get_registered_object(f"keras_rec_emb>{name}")
-    return cls.from_config(value.get("config") or {})
 
 
 # -- the optimizer -------------------------------------------------------------

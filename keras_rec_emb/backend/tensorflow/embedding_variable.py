@@ -17,7 +17,6 @@ from keras_rec_emb.backend.tensorflow import compat as _compat
 from keras_rec_emb.backend.tensorflow import variables
 from keras_rec_emb.backend.tensorflow.ids import embed_ids, output_spec
 from keras_rec_emb.ops import embedding_ops
-from keras_rec_emb.backend.tensorflow.optimizer import table_optimizer
 
 
 def default_key_dtype():
@@ -47,11 +46,7 @@ class EmbeddingVariableBackend:
     def _resolve_optimizer(self, optimizer):
         """A fresh copy of the table's own optimizer (each table keeps its
         own state), or None (the model's)."""
-        return table_optimizer(optimizer)
-
-    def _optimizer_config(self):
-        return (None if self.table_optimizer is None
-                else keras.saving.serialize_keras_object(self.table_optimizer))
+        return None if optimizer is None else type(optimizer).from_config(optimizer.get_config())
 
     @staticmethod
     def _draw(initializer, shape):
