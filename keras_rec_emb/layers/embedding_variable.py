@@ -100,9 +100,10 @@ class EmbeddingVariable(_impl.EmbeddingVariableBackend, keras.layers.Layer):
             `embedding_dim` with the slot's init value). Defaults to
             `"error"`.
         optimizer: `None`, or an optimizer of `keras_rec_emb.optimizers`
-            (instance, name such as `"adagrad"` under TensorFlow, or
-            serialized config) that updates this table instead of the
-            model's optimizer (keras-rs's `TableConfig(optimizer=...)`).
+            (instance, name such as `"adagrad"`, or serialized config; or
+            Keras's SGD, Adagrad, Adam or Ftrl, taken as ours of that name
+            and config) that updates this table instead of the model's
+            optimizer (keras-rs's `TableConfig(optimizer=...)`).
             Its learning rate (or schedule) and hyper-parameters apply; its
             slots live in the table and are saved with it. Gradient
             clipping, loss scaling and EMA belong to the model's optimizer:
@@ -436,8 +437,8 @@ def _ev_option(ev_option, default_value_dim, num_shards):
     if ev_option is None:
         init = (InitializerOption() if default_value_dim is None
                 else InitializerOption(default_value_dim=default_value_dim))
-        return EmbeddingVariableOption(init_option=init, track_meta=_impl.DEFAULT_TRACK_META,
-                                       **({} if num_shards is None else {"num_shards": num_shards}))
+        return EmbeddingVariableOption(
+            init_option=init, **({} if num_shards is None else {"num_shards": num_shards}))
     ev_option = ev_option_from_config(ev_option)
     for argument, value, held in (
             ("default_value_dim", default_value_dim, ev_option.init_option.default_value_dim),

@@ -6,9 +6,17 @@ import numpy as np
 import pytest
 
 from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
+from keras_rec_emb.options import EmbeddingVariableOption, InitializerOption
 
 DIM, FEATURES, BATCH = 3, 2, 4
 
+
+
+def _with_meta(default_value_dim):
+    # Frequencies and versions are kept only when asked for (as under
+    # TensorFlow): they show here which step updated each key, and how often.
+    return EmbeddingVariableOption(init_option=InitializerOption(default_value_dim=default_value_dim),
+                                   track_meta=True)
 
 def data(n=12, seed=0):
     rng = np.random.default_rng(seed)
@@ -71,7 +79,7 @@ def test_fit_trains_table_and_dense_weights_to_numpys_numbers(rule):
             state[key] = acc
             return row - np.float32(lr) * g / np.sqrt(acc + np.float32(1e-7))
 
-    layer = EmbeddingVariable(DIM, optimizer=table_opt, default_value_dim=5,
+    layer = EmbeddingVariable(DIM, optimizer=table_opt, ev_option=_with_meta(5),
                               initializer=keras.initializers.RandomUniform(seed=1))
     model = model_of(layer)
     model.compile(optimizer=keras.optimizers.SGD(learning_rate=lr), loss="mse")

@@ -12,14 +12,22 @@ from test_keras_layer import BATCH, DIM, FEATURES, check_table, data, numpy_fit
 import keras_rec_emb as kre
 from keras_rec_emb.backend.jax import ffi
 from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
+from keras_rec_emb.options import EmbeddingVariableOption, InitializerOption
 
 LR, ACC0, EPS = 0.05, 0.1, 1e-7
 
 
+
+def _with_meta(default_value_dim):
+    # Frequencies and versions are kept only when asked for (as under
+    # TensorFlow): they show here which step updated each key, and how often.
+    return EmbeddingVariableOption(init_option=InitializerOption(default_value_dim=default_value_dim),
+                                   track_meta=True)
+
 def embedding(own_optimizer):
     optimizer = (keras.optimizers.Adagrad(LR, initial_accumulator_value=ACC0, epsilon=EPS)
                  if own_optimizer else None)
-    return EmbeddingVariable(DIM, optimizer=optimizer, default_value_dim=5,
+    return EmbeddingVariable(DIM, optimizer=optimizer, ev_option=_with_meta(5),
                              initializer=keras.initializers.RandomUniform(seed=1), name="ev")
 
 

@@ -235,11 +235,6 @@ def default_key_dtype():
     return ffi.int_dtype().name
 
 
-# Without an `ev_option` the keys keep their frequency and version (the
-# TensorFlow table keeps them only with a filter or an eviction rule).
-DEFAULT_TRACK_META = True
-
-
 def register_layer_class(cls):
     """Nothing to register: no Functional-model fusion under JAX."""
     del cls

@@ -23,11 +23,6 @@ def default_key_dtype():
     return "int64"
 
 
-# Without an `ev_option` the option's own rule (`EmbeddingVariableOption.
-# tracks_meta`): frequencies and versions only with a filter or eviction.
-DEFAULT_TRACK_META = None
-
-
 def register_layer_class(cls):
     """The Functional-model fusion recognises this class's own calls."""
     embedding_ops.register_layer_class(cls)
