@@ -1,13 +1,11 @@
 """AdaptiveEmbedding's arguments, inner EmbeddingVariable, static table,
-promotion state and config, shared by the TensorFlow layer
-(keras_rec_emb/layers/adaptive_embedding.py) and a JAX one: no TensorFlow
-here, so both check the same arguments, make the same weights under the
-same names and write the same config (private).
-
-What a JAX layer has to add is the forward (counting, copying newly
-promoted ids' static rows into the table, serving each id from one table):
-the table engine's calls it needs (a counting lookup, `merge_rows` under
-jit, a NaN no-permission value) are in keras_rec_emb/backend/jax/ffi.py."""
+promotion state and config: the backend-free half of the one
+`keras_rec_emb.layers.AdaptiveEmbedding` (private), so both backends check
+the same arguments, make the same weights under the same names and write
+the same config. The forward (counting, copying newly promoted ids' static
+rows into the table, serving each id from one table) is the backend's:
+keras_rec_emb/backend/tensorflow/adaptive.py, keras_rec_emb/backend/jax/
+adaptive.py."""
 
 import math
 

@@ -603,6 +603,47 @@ def ev_option_or_default(ev_option):
     return ev_option
 
 
+def _inner(value, class_name, argument):
+    """The config dict of a serialized option (None stays None)."""
+    if value is None:
+        return None
+    if isinstance(value, dict) and value.get("class_name") == class_name:
+        return value.get("config") or {}
+    raise ValueError(f"`{argument}` must be a serialized {class_name} or None. "
+                     f"Received: {argument}={value!r}")
+
+
+def _option(value, class_names, argument):
+    """The option object of a serialized option of one of `class_names`
+    (an object of one of them stays as it is; None stays None)."""
+    classes = tuple(globals()[name] for name in class_names)
+    if value is None or isinstance(value, classes):
+        return value
+    name = value.get("class_name") if isinstance(value, dict) else None
+    if name not in class_names:
+        raise ValueError(f"`{argument}` must be a serialized {' or '.join(class_names)} or "
+                         f"None. Received: {argument}={value!r}")
+    # from_config: a StorageOption's folder is checked as on creation.
+    return globals()[name].from_config(_inner(value, name, argument))
+
+
+def ev_option_from_config(value):
+    """`value` (an `EmbeddingVariableOption`, one serialized in a config,
+    or None) as an `EmbeddingVariableOption` (None stays None); a
+    ValueError names a part it cannot read. Read part by part, not by
+    Keras's registry, so that a malformed part is named."""
+    if value is not None and not isinstance(value, EmbeddingVariableOption):
+        config = dict(_inner(value, "EmbeddingVariableOption", "ev_option"))
+        fields = {"init_option": ("InitializerOption",),
+                  "filter_option": ("CounterFilter", "CBFFilter"),
+                  "evict_option": ("GlobalStepEvict", "L2WeightEvict"),
+                  "storage_option": ("StorageOption",)}
+        for field, class_names in fields.items():
+            config[field] = _option(config.get(field), class_names, f"ev_option.{field}")
+        value = EmbeddingVariableOption(**config)
+    return value
+
+
 def deserialize_ev_option(config):
     """A layer config with its serialized `ev_option` turned back into an
     EmbeddingVariableOption (for `from_config`)."""

@@ -14,21 +14,87 @@ what the optimizers update (`sparse_apply`) and what incremental
 checkpoints and serving deltas read. An `EmbeddingTable` is both; a
 distributed table is a `Table` whose `variables` are its shards'.
 
+`StoredTable` is what `EmbeddingVariable` itself needs of its table under
+either Keras backend (its saving hooks and table methods are written once
+over it); the JAX backend's table (`keras_rec_emb.backend.jax.table`)
+implements it, and every TensorFlow kind implements `Table`, which extends
+it. The NumPy helpers below (the saved parts' names, the restore-width
+rule) are shared by both backends. No TensorFlow here: this module is
+imported under JAX too.
+
 tests/test_tables.py checks that every kind defines every member.
 """
 
 from typing import Any, Protocol, runtime_checkable
 
-import tensorflow as tf
+import numpy as np
+
+# The parts a `.keras` file holds, one array each, in the kernels' order
+# (keras_rec_emb/backend/tensorflow/variables.py's `PARTS` without the packed
+# slot parts); each optimizer slot is saved beside them as `slot:NAME`.
+ARRAY_PARTS = ("keys", "values", "freqs", "versions", "default_values", "keys_filtered",
+               "freqs_filtered", "versions_filtered", "bloom")
+SLOT_PREFIX = "slot:"
+RESTORE_DIM_MODES = ("error", "pad_or_truncate")
+
+
+def check_restore_dim_mode(mode):
+    if mode not in RESTORE_DIM_MODES:
+        raise ValueError(
+            f"`restore_dim_mismatch` must be one of {RESTORE_DIM_MODES}. "
+            f"Received: restore_dim_mismatch={mode!r}"
+        )
+    return mode
+
+
+def check_saved_dim(name, values_shape, dim, mode="error"):
+    """True when saved rows have another width and `mode` allows resizing
+    them; raises a clear error when it does not."""
+    if getattr(values_shape, "rank", 2) is None:
+        return False  # unknown rank (a restore inside a graph): nothing to check
+    shape = tuple(values_shape)
+    if len(shape) == 2 and shape[1] is not None and shape[1] != dim:
+        if mode == "pad_or_truncate":
+            return True
+        raise ValueError(
+            f"Cannot restore embedding table '{name}': the checkpoint holds rows of "
+            f"dim {shape[1]} but the table has dim {dim}. Build the layer with "
+            f"embedding_dim={shape[1]} to restore this checkpoint, or with "
+            "restore_dim_mismatch='pad_or_truncate' to pad new columns from the "
+            "initializer (or truncate) as DeepRec does."
+        )
+    return False
+
+
+def resize_rows(keys, values, slots, dim, default_values, slot_inits):
+    """Saved rows (and slots) of another width, brought to `dim`
+    (`restore_dim_mismatch="pad_or_truncate"`, DeepRec's rule): wider rows
+    are truncated; narrower ones padded, the new columns of key `k` from row
+    `k mod len(default_values)` of the initializer matrix, and per-element
+    slots with their init value (`slot_inits`, default 0). NumPy in and out."""
+    keys, values = np.asarray(keys), np.asarray(values, np.float32)
+    old, n = values.shape[1], values.shape[0]
+    if old > dim:
+        values = values[:, :dim]
+    else:
+        rows = default_values[np.mod(keys.astype(np.int64), default_values.shape[0])]
+        values = np.concatenate([values, rows[:, old:]], axis=1)
+    resized = {}
+    for name, block in slots.items():
+        block = np.asarray(block, np.float32).reshape(n, -1)
+        if block.shape[1] == old:  # a per-element slot (Adagrad's accumulator, ...)
+            if old > dim:
+                block = block[:, :dim]
+            else:
+                fill = np.full((n, dim - old), slot_inits.get(name, 0.0), np.float32)
+                block = np.concatenate([block, fill], axis=1)
+        resized[name] = block
+    return values, resized
 
 
 @runtime_checkable
-class Table(Protocol):
-    """An embedding table of any kind, as layers, ops and saving use it."""
-
-    # The optimizer of `EmbeddingVariable(optimizer=...)`, or None: set by
-    # the layer on the table and on each of its shards.
-    optimizer: Any
+class StoredTable(Protocol):
+    """What `EmbeddingVariable` uses of its table under either backend."""
 
     # -- description ----------------------------------------------------------
     @property
@@ -41,27 +107,15 @@ class Table(Protocol):
 
     @property
     def key_dtype(self):
-        """The keys' `tf.DType`."""
+        """The keys' dtype (a `tf.DType` under TensorFlow, a NumPy dtype
+        name under JAX)."""
 
     @property
     def trainable(self) -> bool:
-        """Whether gradient tapes watch the table (settable)."""
+        """Whether training lookups may change the table (settable)."""
 
     @trainable.setter
     def trainable(self, value): ...
-
-    @property
-    def variables(self) -> list:
-        """The `TableVariable`s a layer tracks and optimizers update: one
-        per shard held in this process."""
-
-    @property
-    def filters(self) -> bool:
-        """Whether an admission filter (counter or Bloom) is configured."""
-
-    @property
-    def no_permission_value(self) -> float:
-        """What keys not admitted yet read."""
 
     @property
     def evicts(self) -> bool:
@@ -74,6 +128,63 @@ class Table(Protocol):
     @property
     def storage_dir(self):
         """The file tier's folder, or None (rows in DRAM)."""
+
+    # -- operations -----------------------------------------------------------
+    def size(self):
+        """Number of admitted keys."""
+
+    def stats(self) -> dict:
+        """Statistics: at least `size`, `filtered`, `memory_bytes`,
+        `latest_step`."""
+
+    def evict(self, step=None) -> int:
+        """Applies the configured eviction; returns how many keys went."""
+
+    def evict_for_save(self, name=None) -> int:
+        """The eviction of a save (when the rule's `at_save` and
+        `keras_rec_emb.save_model(..., evict=...)` allow), reported."""
+
+    def add_slot(self, name, init=0.0, width=None):
+        """Adds (or re-inits) optimizer slot `name`."""
+
+    def export(self, include_filtered=True) -> dict:
+        """Every key as NumPy arrays, in the ordinary format."""
+
+    def import_(self, data, clear=True):
+        """Loads a dict shaped like `export()`'s result."""
+
+    def resize_rows(self, keys, values, slots):
+        """Saved rows (and slots) of another width brought to `dim`."""
+
+    def snapshot(self):
+        """File tier: a crash-safe snapshot of the table's files."""
+
+    def restore_snapshot(self, path=None):
+        """File tier: the contents replaced by the latest snapshot."""
+
+
+@runtime_checkable
+class Table(StoredTable, Protocol):
+    """An embedding table of any kind under TensorFlow, as layers, ops and
+    saving use it."""
+
+    # The optimizer of `EmbeddingVariable(optimizer=...)`, or None: set by
+    # the layer on the table and on each of its shards.
+    optimizer: Any
+
+    # -- description ----------------------------------------------------------
+    @property
+    def variables(self) -> list:
+        """The `TableVariable`s a layer tracks and optimizers update: one
+        per shard held in this process."""
+
+    @property
+    def filters(self) -> bool:
+        """Whether an admission filter (counter or Bloom) is configured."""
+
+    @property
+    def no_permission_value(self) -> float:
+        """What keys not admitted yet read."""
 
     # -- capabilities ---------------------------------------------------------
     @property
@@ -109,36 +220,8 @@ class Table(Protocol):
         """Rows of `keys` (any shape) as `keys.shape + (dim,)`; `insert`
         (training) counts and admits keys."""
 
-    def size(self):
-        """Number of admitted keys."""
-
-    def stats(self) -> dict:
-        """Statistics: at least `size`, `filtered`, `memory_bytes`,
-        `latest_step`."""
-
     def memory_bytes(self) -> int:
         """Bytes held by the table."""
-
-    def evict(self, step=None) -> int:
-        """Applies the configured eviction; returns how many keys went."""
-
-    def add_slot(self, name, init=0.0, width=None):
-        """Adds (or re-inits) optimizer slot `name`."""
-
-    def export(self, include_filtered=True) -> dict:
-        """Every key as NumPy arrays, in the ordinary format."""
-
-    def import_(self, data, clear=True):
-        """Loads a dict shaped like `export()`'s result."""
-
-    def resize_rows(self, keys, values, slots):
-        """Saved rows (and slots) of another width brought to `dim`."""
-
-    def snapshot(self):
-        """File tier: a crash-safe snapshot of the table's files."""
-
-    def restore_snapshot(self, path=None):
-        """File tier: the contents replaced by the latest snapshot."""
 
 
 @runtime_checkable
@@ -188,6 +271,8 @@ class TableShard(Table, Protocol):
 def lookup_each(tables, keys_list, insert=False, distinct=False):
     """`lookup_many` of tables that exchange nothing: each looks its own
     keys up."""
+    import tensorflow as tf  # only TensorFlow tables exchange
+
     if not distinct:
         return [t.lookup(k, insert=insert) for t, k in zip(tables, keys_list)]
     out = []
@@ -200,7 +285,7 @@ def lookup_each(tables, keys_list, insert=False, distinct=False):
     return out
 
 
-PROTOCOLS = (Table, TableShard)
+PROTOCOLS = (StoredTable, Table, TableShard)
 
 
 def members(protocol):

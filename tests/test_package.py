@@ -36,14 +36,16 @@ def test_backend_comes_from_keras_json_when_the_variable_is_unset(tmp_path, back
         import keras_rec_emb as kre, keras, numpy as np
         layer = kre.layers.EmbeddingVariable(4, combiner="sum")
         rows = layer(np.array([[1, 2]], np.int64))
-        print(keras.config.backend(), type(layer).__module__, tuple(rows.shape))
+        print(keras.config.backend(), type(layer).__module__, type(layer.table).__module__,
+              tuple(rows.shape))
     """)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    got_backend, module, shape = result.stdout.split(maxsplit=2)
+    got_backend, module, table_module, shape = result.stdout.split(maxsplit=3)
     assert got_backend == backend
-    assert module.startswith("keras_rec_emb.backend.jax" if backend == "jax" else "keras_rec_emb.layers")
+    assert module == "keras_rec_emb.layers.embedding_variable"  # one class for both
+    assert table_module.startswith(f"keras_rec_emb.backend.{backend}."), table_module
     assert shape.strip() == "(1, 4)"
 
 

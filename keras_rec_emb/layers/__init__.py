@@ -4,9 +4,6 @@ from keras_rec_emb import _backend
 
 if _backend.is_jax():
     # Under Keras's JAX backend, without TensorFlow (keras_rec_emb/backend/jax).
-    from keras_rec_emb.backend.jax.layers import EmbeddingVariable
-    from keras_rec_emb.backend.jax.adaptive import AdaptiveEmbedding
-    from keras_rec_emb.backend.jax.multi_hash import MultiHashEmbedding
     from keras_rec_emb._keras_fixes import fix_sequential_ids_input, record_model_input_dtypes
 
     # A Sequential without keras.Input gives our id layers int ids, not float32
@@ -17,10 +14,6 @@ if _backend.is_jax():
 else:
     from keras_rec_emb.backend.tensorflow import compat as _compat
 
-    from keras_rec_emb.layers.adaptive_embedding import AdaptiveEmbedding
-    from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
-    from keras_rec_emb.layers.multi_hash_embedding import MultiHashEmbedding
-
     # A Sequential without keras.Input gives our id layers int ids, not float32
     # (see _compat.fix_sequential_ids_input).
     _compat.fix_sequential_ids_input()
@@ -30,8 +23,11 @@ else:
     _compat.fix_subclassed_save_signature()
 
 # Written once for both backends.
+from keras_rec_emb.layers.adaptive_embedding import AdaptiveEmbedding
 from keras_rec_emb.layers.configs import FeatureConfig, TableConfig
+from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
 from keras_rec_emb.layers.group_embedding import FeatureSpec, GroupEmbedding
+from keras_rec_emb.layers.multi_hash_embedding import MultiHashEmbedding
 from keras_rec_emb.layers.string_ids import HashStrings
 
 __all__ = ["AdaptiveEmbedding", "EmbeddingVariable", "FeatureConfig", "FeatureSpec",

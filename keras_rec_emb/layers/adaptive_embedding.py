@@ -1,45 +1,29 @@
 """AdaptiveEmbedding: a static hashed table for rare ids and an
 EmbeddingVariable for frequent ones (DeepRec's Adaptive Embedding).
 
-How promotion works, in graph as in eager (one `call` in training):
-
-1. Counting. The EmbeddingVariable's table has a `CounterFilter` with
-   `filter_freq = promote_threshold`, an initializer matrix of one row of
-   `+inf` and a no-permission value of `NaN`. A training lookup of every id
-   (`insert=True`) counts each occurrence and tells each id's state by what
-   it reads: `NaN` = still counting (static), `+inf` = admitted by this very
-   lookup (its count reached the threshold: newly promoted), finite =
-   promoted before.
-2. Copy. Newly promoted ids (and ids an explicit mask routes to the EV that
-   have no row yet) get their current static row written into the table
-   (`EmbeddingTable.merge_rows`), with the frequency they have reached.
-3. Serve. Ids routed to the EV are looked up again (now reading the copied
-   rows; their gradient is the table's `tf.IndexedSlices`); the others are
-   gathered from the static matrix. Each table only sees the gradient of
-   the ids it served, so a promoted id no longer updates its static bucket.
-
-In inference nothing is counted or copied: ids with an EV row read it, the
-rest their static bucket. Promotion state (promoted ids with their counts,
-and the counts of ids not promoted yet) lives in the table, so `model.save`
-and `tf.train.Checkpoint` keep it.
+Written once for both Keras backends: the arguments, the inner
+EmbeddingVariable, the static table, the promotion state and the config
+are `keras_rec_emb._adaptive_spec.AdaptiveSpec`'s; the forward (count, copy
+newly promoted rows, serve each id from one table) is the backend's
+(`keras_rec_emb/backend/tensorflow/adaptive.py`, which says how promotion
+works, and `keras_rec_emb/backend/jax/adaptive.py`).
 """
 
 import keras
-import tensorflow as tf
 
-from keras_rec_emb.backend.tensorflow import compat as _compat
+from keras_rec_emb import _backend
 from keras_rec_emb import options as options_lib
-from keras_rec_emb.backend.tensorflow import variables
 from keras_rec_emb._adaptive_spec import AdaptiveSpec
-from keras_rec_emb._hashing import hash_to_range
-from keras_rec_emb.backend.tensorflow.ids import embed_ids, output_spec
 from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
 
-_NOT_PROMOTED, _NEWLY_PROMOTED, _PROMOTED = 0, 1, 2
+if _backend.is_jax():
+    from keras_rec_emb.backend.jax import adaptive as _impl
+else:
+    from keras_rec_emb.backend.tensorflow import adaptive as _impl
 
 
 @keras.saving.register_keras_serializable(package="keras_rec_emb")
-class AdaptiveEmbedding(AdaptiveSpec, keras.layers.Layer):
+class AdaptiveEmbedding(_impl.AdaptiveBackend, AdaptiveSpec, keras.layers.Layer):
     """Rare ids share a static hashed table; frequent ids get their own rows.
 
     Every id starts in a static `[hash_bucket_size, embedding_dim]` matrix
@@ -58,6 +42,10 @@ class AdaptiveEmbedding(AdaptiveSpec, keras.layers.Layer):
     has no EV row yet gets one, copied from its static row (its count
     restarts from that batch); in inference it reads its static row. Counting
     and frequency promotion go on under a mask.
+
+    Under JAX the ids are dense (ragged and sparse ids are TensorFlow's),
+    and ids < 0 (the JAX tables' padding) are always served by the static
+    table: never counted or promoted.
 
     Train with an optimizer from `keras_rec_emb.optimizers`. `model.save`
     keeps both tables and the promotion state: which ids are promoted, their
@@ -83,8 +71,8 @@ class AdaptiveEmbedding(AdaptiveSpec, keras.layers.Layer):
         **kwargs: other `keras.layers.Layer` arguments (e.g. `dtype`).
 
     Input shape:
-        Integer ids of any shape; or `[B, None]` ragged/sparse ids with a
-        combiner. `adaptive_mask`, if given, has the structure of the ids.
+        Integer ids of any shape; or (under TensorFlow) `[B, None]`
+        ragged/sparse ids with a combiner. `adaptive_mask`, if given, has the structure of the ids.
 
     Output shape:
         `ids.shape + (embedding_dim,)` without a combiner;
@@ -116,97 +104,6 @@ class AdaptiveEmbedding(AdaptiveSpec, keras.layers.Layer):
                  ev_option: options_lib.EmbeddingVariableOption | None = None,
                  combiner: str | None = None, name: str | None = None, **kwargs):
         super().__init__(name=name, **kwargs)
-        # Our C++ ops have no XLA kernels: Keras's jit_compile="auto" then
-        # chooses False, and True falls back to False with a warning.
-        self.supports_jit = False
+        self.supports_jit = self.SUPPORTS_JIT
         self.init_spec(embedding_dim, hash_bucket_size, promote_threshold, initializer,
                        ev_option, combiner, EmbeddingVariable)
-
-    count_params = variables.count_params  # tables count (ids admitted) x dim
-
-    # -- helpers ----------------------------------------------------------------
-    def static_bucket(self, ids):
-        """Row of the static table of each id: `fingerprint64(id) mod
-        hash_bucket_size` (int64, shape of `ids`)."""
-        return hash_to_range(tf.cast(ids, tf.int64), self.hash_bucket_size)
-
-    # -- forward ----------------------------------------------------------------
-    def _copy_static_rows(self, keys, freqs):
-        """Writes the current static rows of `keys` into the EV (in graph)."""
-        values = tf.stop_gradient(tf.gather(self.static_embeddings.value,
-                                            self.static_bucket(keys)))
-        return self.dynamic.table.merge_rows(keys, values, freqs)
-
-    def _embed_flat(self, ids, mask, training):
-        table = self.dynamic.table
-        dim = self.embedding_dim
-        use_mask = None if mask is None else tf.not_equal(tf.cast(mask, tf.float32), 0.0)
-        counting = self.promote_threshold is not None
-        deps = []
-        if training:
-            # 1. Count (and tell states apart by the sentinels).
-            probe = tf.stop_gradient(table.lookup(ids, insert=counting))[:, 0]
-            finite = tf.math.is_finite(probe)
-            if counting:
-                # The admitting lookup still reads the no-permission NaN
-                # (DeepRec's filter timing); a read-only probe after it
-                # tells the newly admitted ids (+inf, their default row).
-                with tf.control_dependencies([probe]):
-                    after = tf.stop_gradient(table.lookup(ids, insert=False))[:, 0]
-                newly = tf.logical_and(tf.math.is_nan(probe), tf.math.is_inf(after))
-            else:
-                newly = tf.zeros_like(finite)
-            code = tf.where(finite, _PROMOTED, tf.where(newly, _NEWLY_PROMOTED, _NOT_PROMOTED))
-            uniq, idx = tf.unique(ids)
-            n = tf.size(uniq)
-            status = tf.math.unsorted_segment_max(code, idx, n)
-            # 2. Copy static rows into newly promoted (or newly masked) rows.
-            to_copy = tf.equal(status, _NEWLY_PROMOTED)
-            forced = tf.zeros_like(to_copy)
-            if use_mask is not None:
-                wants_ev = tf.math.unsorted_segment_max(tf.cast(use_mask, tf.int32), idx, n) > 0
-                forced = tf.logical_and(tf.equal(status, _NOT_PROMOTED), wants_ev)
-                to_copy = tf.logical_or(to_copy, forced)
-            # Frequencies reached: an id admitted by this lookup keeps the
-            # table's exact count (-1: keep); a forced id keeps the count of
-            # this batch (its earlier count is not readable in graph).
-            ones = tf.ones_like(idx, tf.int64)
-            occurrences = tf.math.unsorted_segment_sum(ones, idx, n)
-            if counting:
-                freqs = tf.where(forced, occurrences, tf.fill([n], tf.constant(-1, tf.int64)))
-            else:
-                freqs = tf.zeros_like(occurrences)  # the serving lookup counts
-            op = self._copy_static_rows(tf.boolean_mask(uniq, to_copy),
-                                        tf.boolean_mask(freqs, to_copy))
-            deps = [] if op is None or tf.executing_eagerly() else [op]
-            use_ev = use_mask if use_mask is not None else tf.gather(status, idx) > 0
-        else:
-            probe_rows = table.lookup(ids, insert=False)
-            present = tf.math.is_finite(probe_rows[:, 0])
-            use_ev = present if use_mask is None else tf.logical_and(use_mask, present)
-        # 3. Serve: each table only sees the ids it serves.
-        positions = tf.range(tf.size(ids))
-        ev_pos = tf.boolean_mask(positions, use_ev)
-        static_pos = tf.boolean_mask(positions, tf.logical_not(use_ev))
-        if training:
-            with tf.control_dependencies(deps):
-                ev_ids = tf.gather(ids, ev_pos)
-                ev_rows = table.lookup(ev_ids, insert=not counting)
-        else:
-            ev_rows = tf.gather(probe_rows, ev_pos)
-        static_rows = tf.gather(self.static_embeddings,
-                                self.static_bucket(tf.gather(ids, static_pos)))
-        rows = tf.dynamic_stitch([ev_pos, static_pos],
-                                 [ev_rows, tf.cast(static_rows, tf.float32)])
-        rows = tf.ensure_shape(rows, [None, dim])
-        if rows.dtype != self.compute_dtype:
-            rows = tf.cast(rows, self.compute_dtype)
-        return rows
-
-    def call(self, inputs, adaptive_mask=None, training=None):
-        training = bool(_compat.resolve_training(training)) and self.trainable
-        return embed_ids(self, inputs, lambda ids, mask: self._embed_flat(ids, mask, training),
-                         self.combiner, extra=adaptive_mask)
-
-    def compute_output_spec(self, inputs, adaptive_mask=None, training=None):
-        return output_spec(self, inputs, self.embedding_dim, self.combiner)

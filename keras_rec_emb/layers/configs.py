@@ -9,14 +9,10 @@ naming one table share it) and returns a dict of per-feature embeddings.
 import keras
 import numpy as np
 
-from keras_rec_emb import _backend
 from keras_rec_emb._checks_core import check_combiner
 from keras_rec_emb.options import EmbeddingVariableOption
 
-if _backend.is_jax():
-    from keras_rec_emb.backend.jax.layers import EmbeddingVariable
-else:
-    from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
+from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
 
 
 def _check_name(name, what):
@@ -54,8 +50,8 @@ class TableConfig:
             `"truncated_normal"`.
         optimizer: `None` (the model's optimizer updates the table) or an
             optimizer of `keras_rec_emb.optimizers` for this table alone
-            (under TensorFlow also its name, e.g. `"adagrad"`). Defaults to
-            `None`.
+            (or its name, e.g. `"adagrad"`; see `EmbeddingVariable`).
+            Defaults to `None`.
         combiner: `"sum"`, `"mean"` or `"sqrtn"`: how each feature of this
             table combines a row's ids (keras-rs's default `"mean"`).
         key_dtype: `"int64"` or `"int32"`. Defaults to `"int64"`.
@@ -73,7 +69,7 @@ class TableConfig:
 
     def __init__(self, name: str, embedding_dim: int, vocabulary_size: int | None = None,
                  initializer: str | dict | keras.initializers.Initializer = "truncated_normal",
-                 optimizer: keras.optimizers.Optimizer | None = None, combiner: str = "mean",
+                 optimizer: keras.optimizers.Optimizer | str | None = None, combiner: str = "mean",
                  key_dtype: str = "int64",
                  ev_option: EmbeddingVariableOption | None = None):
         self.name = _check_name(name, "name")

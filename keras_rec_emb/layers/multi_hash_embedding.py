@@ -2,21 +2,28 @@
 (DeepRec's Multi-Hash Variable; Shi et al., "Compositional Embeddings Using
 Complementary Partitions for Memory-Efficient Recommendation Systems").
 
-The stable id hash (`fingerprint64`, `hash_to_range`) lives in
-`keras_rec_emb._hashing` and the input handling (`embed_ids`) in
-`keras_rec_emb.backend.tensorflow.ids`; both are re-exported here for old import paths.
+Written once for both Keras backends: the arguments, partitions, tables and
+config are `keras_rec_emb._multi_hash_spec.MultiHashSpec`'s; the lookup is
+the backend's (`keras_rec_emb/backend/tensorflow/multi_hash.py`,
+`keras_rec_emb/backend/jax/multi_hash.py`). The stable id hash lives in
+`keras_rec_emb._hashing`, re-exported here under TensorFlow for old import
+paths.
 """
 
 import keras
-import tensorflow as tf
 
-from keras_rec_emb._hashing import fingerprint64, hash_to_range  # noqa: F401 (old path)
-from keras_rec_emb.backend.tensorflow.ids import embed_ids, output_spec
+from keras_rec_emb import _backend
 from keras_rec_emb._multi_hash_spec import MultiHashSpec
+
+if _backend.is_jax():
+    from keras_rec_emb.backend.jax import multi_hash as _impl
+else:
+    from keras_rec_emb._hashing import fingerprint64, hash_to_range  # noqa: F401 (old path)
+    from keras_rec_emb.backend.tensorflow import multi_hash as _impl
 
 
 @keras.saving.register_keras_serializable(package="keras_rec_emb")
-class MultiHashEmbedding(MultiHashSpec, keras.layers.Layer):
+class MultiHashEmbedding(_impl.MultiHashBackend, MultiHashSpec, keras.layers.Layer):
     """Compositional embedding over complementary partitions (Multi-Hash).
 
     Instead of one `[num_buckets, dim]` matrix, `k` small tables are kept;
@@ -37,13 +44,18 @@ class MultiHashEmbedding(MultiHashSpec, keras.layers.Layer):
     Unless given, `num_partitions` moduli near `num_buckets**(1/k)` are
     chosen whose product is at least `num_buckets` (pairwise coprime for
     `"CRT"`). The tables are ordinary Keras weights, trained by any
-    optimizer (their gradients are `tf.IndexedSlices`).
+    optimizer (their gradients are `tf.IndexedSlices` under TensorFlow,
+    dense under JAX: the same numbers for SGD, and for Adagrad where a batch
+    reads each row once, as for `keras.layers.Embedding`).
 
     Ids outside `[0, num_buckets)` are hashed into it with
     `fingerprint64(id) mod num_buckets` (splitmix64, stable across runs and
     processes; see `fingerprint64`), unless `hash_input=False`: then they
-    are an error (a `ValueError` when called eagerly, an
-    `InvalidArgumentError` inside `model.fit` and other graphs).
+    are an error (a `ValueError` when called eagerly; inside `model.fit`
+    and other graphs an `InvalidArgumentError` under TensorFlow, a
+    `JaxRuntimeError` carrying that ValueError under JAX). Under JAX the ids
+    are dense (ragged and sparse ids are TensorFlow's), and int32 unless
+    JAX's 64-bit mode is on (the package turns it on).
 
     Args:
         num_buckets: int > 0. Size of the id range `[0, num_buckets)` that
@@ -100,12 +112,12 @@ class MultiHashEmbedding(MultiHashSpec, keras.layers.Layer):
 
     >>> layer = keras_rec_emb.layers.MultiHashEmbedding(
     ...     num_buckets=10**6, embedding_dim=[8, 8], operation="concat")
-    >>> layer(np.array([[3, 999_999]])).shape
-    TensorShape([1, 2, 16])
+    >>> tuple(layer(np.array([[3, 999_999]])).shape)
+    (1, 2, 16)
     >>> [tuple(w.shape) for w in layer.weights]
     [(1000, 8), (1000, 8)]
     >>> deeprec = keras_rec_emb.layers.MultiHashEmbedding(25, 6, qr_sizes=(5, 3))
-    >>> [t.numpy().tolist() for t in deeprec.partition_indices(np.array([4, 7]))]
+    >>> [keras.ops.convert_to_numpy(t).tolist() for t in deeprec.partition_indices(np.array([4, 7]))]
     [[0, 1], [1, 1]]
     >>> ids = keras.Input(shape=(2,), dtype="int64")
     >>> emb = keras_rec_emb.layers.MultiHashEmbedding(1000, 4, combiner="sum")(ids)
@@ -127,46 +139,6 @@ class MultiHashEmbedding(MultiHashSpec, keras.layers.Layer):
                        initializer, combiner, m, num_partitions, moduli, hash_input,
                        output_dim, qr_sizes)
 
-    # -- partitions -------------------------------------------------------------
-    def partition_indices(self, ids):
-        """Row of each table for ids in `[0, num_buckets)`: a list of int64
-        tensors `(ids // divisor_j) mod modulus_j`."""
-        ids = tf.cast(ids, tf.int64)
-        return [tf.math.floormod(tf.math.floordiv(ids, d) if d > 1 else ids, mod)
-                for d, mod in self._partitions]
-
-    # -- forward ----------------------------------------------------------------
-    def _in_range(self, ids):
-        n = self.num_buckets
-        if self.hash_input:
-            inside = tf.logical_and(ids >= 0, ids < n)
-            return tf.where(inside, ids, hash_to_range(ids, n))
-        if tf.executing_eagerly():
-            bad = ids.numpy()[(ids.numpy() < 0) | (ids.numpy() >= n)]
-            if bad.size:
-                raise ValueError(
-                    f"MultiHashEmbedding '{self.name}' has hash_input=False and "
-                    f"takes ids in [0, {n}). Received {bad.size} id(s) outside, "
-                    f"e.g. {bad[0]}"
-                )
-            return ids
-        message = (f"MultiHashEmbedding '{self.name}' has hash_input=False and takes "
-                   f"ids in [0, {n}); received ids outside")
-        checks = [tf.debugging.assert_non_negative(ids, message=message),
-                  tf.debugging.assert_less(ids, tf.constant(n, tf.int64), message=message)]
-        with tf.control_dependencies(checks):
-            return tf.identity(ids)
-
-    def _embed_flat(self, ids, _):
-        ids = self._in_range(ids)
-        out = self.combine_rows([tf.gather(table, idx) for table, idx in
-                                 zip(self.tables, self.partition_indices(ids))])
-        if out.dtype != self.compute_dtype:
-            out = tf.cast(out, self.compute_dtype)
-        return out
-
     def call(self, inputs):
-        return embed_ids(self, inputs, self._embed_flat, self.combiner)
-
-    def compute_output_spec(self, inputs):
-        return output_spec(self, inputs, self._total_dim, self.combiner)
+        """The combined rows of `inputs` (integer ids; see the class)."""
+        return self._call(inputs)

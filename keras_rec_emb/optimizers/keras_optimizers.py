@@ -207,3 +207,69 @@ if _backend.is_jax():
     # A table given Keras's own optimizer takes the rule of our namesake.
     NAMESAKE_UPDATES.update({cls.__name__: cls._table_update  # pylint: disable=protected-access
                              for cls in (SGD, Adagrad, Adam, Ftrl)})
+
+
+# What only the model's optimizer can do: a table's own optimizer sees one
+# table's gradient, before the model's clips, accumulates, averages or unscales.
+_MODEL_ONLY = ("clipnorm", "clipvalue", "global_clipnorm", "use_ema", "loss_scale_factor",
+               "gradient_accumulation_steps")
+
+
+def _table_optimizer_classes():
+    """Our optimizers by lower-case class name (`"adagrad"`, `"adamasync"`)."""
+    out, todo = {}, [TableOptimizer]
+    while todo:
+        cls = todo.pop()
+        for sub in cls.__subclasses__():
+            if sub.__module__.startswith("keras_rec_emb.optimizers"):
+                out[sub.__name__.lower()] = sub
+            todo.append(sub)
+    return out
+
+
+def table_optimizer(identifier):
+    """The optimizer of this package that trains one table on its own
+    (`EmbeddingVariable(optimizer=...)`, `TableConfig(optimizer=...)`), under
+    either backend: from one of ours (returned as it is), Keras's SGD,
+    Adagrad, Adam or Ftrl (ours of that name, same config), a name
+    (`"adagrad"`, `"AdamAsync"`) or a config saved by either backend; None
+    (the model's optimizer) stays None. Refuses what only the model's
+    optimizer can do (clipping, loss scaling, EMA, gradient accumulation)."""
+    if identifier is None:
+        return None
+    classes = _table_optimizer_classes()
+    if isinstance(identifier, str):
+        cls = classes.get(identifier.lower())
+        if cls is None:
+            raise ValueError(
+                "`optimizer` must be None, an optimizer of keras_rec_emb.optimizers, "
+                f"or the name of one of {sorted(classes)}. Received: optimizer={identifier!r}")
+        optimizer = cls()
+    elif isinstance(identifier, dict):
+        name = str(identifier.get("class_name", "")).lower()
+        if name not in classes:
+            raise ValueError(
+                "`optimizer` config must be that of an optimizer of keras_rec_emb.optimizers "
+                f"({', '.join(sorted(classes))}). Received: optimizer={identifier!r}")
+        optimizer = classes[name].from_config(identifier.get("config") or {})
+    else:
+        optimizer = identifier
+    keras_namesake = (isinstance(optimizer, keras.optimizers.Optimizer)
+                      and not isinstance(optimizer, TableOptimizer)
+                      and type(optimizer) in (keras.optimizers.SGD, keras.optimizers.Adagrad,
+                                              keras.optimizers.Adam, keras.optimizers.Ftrl))
+    if keras_namesake:
+        optimizer = classes[type(optimizer).__name__.lower()].from_config(optimizer.get_config())
+    if not isinstance(optimizer, TableOptimizer) or type(optimizer).__name__ == "LossScaleOptimizer":
+        raise TypeError(
+            "`optimizer` of a table must be None, an optimizer of keras_rec_emb.optimizers "
+            "(SGD, Adagrad, Adam, Ftrl, AdamAsync, AdagradDecay, AdamW), Keras's SGD, Adagrad, "
+            f"Adam or Ftrl, or the name of one of ours. Received: optimizer={identifier!r}")
+    config = optimizer.get_config()
+    model_only = sorted(name for name in _MODEL_ONLY if config.get(name) not in (None, False))
+    if model_only:
+        raise ValueError(
+            f"A table's optimizer cannot set {model_only} (the model's optimizer "
+            "clips, accumulates, averages and unscales every gradient, tables' included): set "
+            f"them on the model's optimizer. Received: optimizer={identifier!r}")
+    return optimizer

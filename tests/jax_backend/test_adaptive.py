@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import keras_rec_emb
-from keras_rec_emb.backend.jax.adaptive import AdaptiveEmbedding
+from keras_rec_emb.layers.adaptive_embedding import AdaptiveEmbedding
 
 MASK64 = (1 << 64) - 1
 DIM, BUCKETS = 3, 5

@@ -13,7 +13,7 @@ import pytest
 
 import keras_rec_emb as kre
 from keras_rec_emb import callbacks
-from keras_rec_emb.backend.jax.layers import EmbeddingVariable
+from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
 from tests import _event_files
 
 

@@ -7,11 +7,19 @@ import numpy as np
 import pytest
 
 from keras_rec_emb import optimizers
-from keras_rec_emb.backend.jax.layers import EmbeddingVariable
+from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
+from keras_rec_emb.options import EmbeddingVariableOption, InitializerOption
 
 DIM, DVD = 3, 5
 IDS = np.array([[1, 5, -1], [-1, -1, -1], [3, 3, 7], [2, 9, 4]], np.int32)
 
+
+
+def _with_meta(default_value_dim):
+    # Frequencies and versions are kept only when asked for (as under
+    # TensorFlow): they show here which step updated each key, and how often.
+    return EmbeddingVariableOption(init_option=InitializerOption(default_value_dim=default_value_dim),
+                                   track_meta=True)
 
 def numpy_combine(rows, ids, combiner, prune):
     """rows [..., L, DIM] -> [..., DIM]; pruned ids weigh 0."""
@@ -30,7 +38,7 @@ def test_inference_combines_the_last_axis_like_numpy(combiner, prune):
     got = np.asarray(layer(IDS))
     rows = layer.default_values[IDS % DVD]  # unseen ids read their initializer row
     np.testing.assert_allclose(got, numpy_combine(rows, IDS, combiner, prune), rtol=1e-6)
-    assert got.shape == (len(IDS), DIM) and layer.size() == 0
+    assert got.shape == (len(IDS), DIM) and layer.table_size() == 0
     if prune:
         np.testing.assert_array_equal(got[1], np.zeros(DIM))  # no id: zeros
 
@@ -40,7 +48,7 @@ def test_training_updates_each_distinct_id_once_with_its_summed_gradient(combine
     """Adagrad tells a once-per-step update from per-occurrence updates."""
     lr, init = 0.1, 0.1
     layer = EmbeddingVariable(DIM, combiner=combiner, prune_invalid_ids=True,
-                              default_value_dim=DVD,
+                              ev_option=_with_meta(DVD),
                               initializer=keras.initializers.RandomUniform(seed=2))
     inputs = keras.Input(shape=(IDS.shape[1],), dtype="int32")
     dense = keras.layers.Dense(1, kernel_initializer=keras.initializers.RandomNormal(seed=4))

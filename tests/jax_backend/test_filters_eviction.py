@@ -22,7 +22,7 @@ import pytest
 
 import keras_rec_emb as kre
 from keras_rec_emb.backend.jax import ffi
-from keras_rec_emb.backend.jax.layers import EmbeddingVariable
+from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
 
 DIM, DVD, NO_PERMISSION = 3, 7, -0.5
 
@@ -135,7 +135,9 @@ def test_l2_eviction_erases_small_rows():
     # between two of the (DVD distinct) rows' values.
     levels = np.unique(l2)
     threshold = float(levels[len(levels) // 2 - 1] + levels[len(levels) // 2]) / 2
-    layer.ev_option = _option(evict_option=kre.L2WeightEvict(threshold))
+    # The rule is the table's from its build on (as under TensorFlow): set on
+    # the JAX table itself for this threshold, known only once rows exist.
+    layer.table.eviction_rule = kre.L2WeightEvict(threshold)
     small = l2 < threshold
     assert 0 < small.sum() < len(keys)
     assert layer.evict() == int(small.sum())
@@ -162,9 +164,9 @@ def test_saving_evicts_as_deeprec_does(tmp_path):
 # -- eviction at save: reported, and optional ------------------------------------
 # L2WeightEvict(1.0) at dim 16 evicts every trained row (issue 56).
 
-def _filtered_model(form, filter_option):
+def _filtered_model(form, filter_option, **option):
     def ev():
-        return EmbeddingVariable(DIM, ev_option=_option(filter_option=filter_option),
+        return EmbeddingVariable(DIM, ev_option=_option(filter_option=filter_option, **option),
                                  name="ev")
     if form == "functional":
         inputs = keras.Input(shape=(4,), dtype="int32")
@@ -233,10 +235,10 @@ def test_filtered_keys_counts_and_bloom_counters_survive_save_and_load(tmp_path,
 def test_save_filtered_off_saves_no_filtered_keys_or_counters(tmp_path, monkeypatch, by):
     if by == "environment":
         monkeypatch.setenv("KRE_EV_SAVE_FILTERED_FEATURES", "false")
-    model = _filtered_model("functional", kre.CounterFilter(3))
+    # The option is the table's, fixed when the layer builds (as under TensorFlow).
+    option = {"save_filtered": False} if by == "option" else {}
+    model = _filtered_model("functional", kre.CounterFilter(3), **option)
     layer = model.get_layer("ev")
-    if by == "option":
-        layer.ev_option = _option(filter_option=kre.CounterFilter(3), save_filtered=False)
     model.compile(optimizer=kre.optimizers.SGD(0.1), loss="mse")
     model.fit(np.stack(_batches(4, n=4, width=4)), np.ones((4, 1)), verbose=0)
     assert _parts(layer)["keys_filtered"].size
@@ -250,6 +252,7 @@ def test_save_filtered_off_saves_no_filtered_keys_or_counters(tmp_path, monkeypa
     assert stored["keys"].size == layer.table_size()
     ev = next(e for e in config["config"]["layers"] if e["name"] == "ev")
     assert ev["config"]["ev_option"]["config"]["filter_option"]["config"] == {"filter_freq": 3}
+    assert ev["config"]["ev_option"]["config"]["save_filtered"] is (by == "environment")
     loaded = keras.saving.load_model(str(path))
     assert _parts(loaded.get_layer("ev"))["keys_filtered"].size == 0
 

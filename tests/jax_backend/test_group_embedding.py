@@ -14,7 +14,8 @@ import keras_rec_emb as kre
 from keras_rec_emb import optimizers
 from keras_rec_emb.layers import group_embedding
 from keras_rec_emb.layers.group_embedding import FeatureSpec, GroupEmbedding
-from keras_rec_emb.backend.jax.layers import EmbeddingVariable
+from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
+from keras_rec_emb.options import EmbeddingVariableOption, InitializerOption
 
 DIM, DVD = 3, 5
 # [batch, F=2, L=3], padded with -1; row 1 of feature 0 has no id.
@@ -24,8 +25,15 @@ STACKED = np.array([[[1, 4, -1], [4, 4, 2]],
                     [[5, 0, -1], [5, 1, 0]]], np.int32)
 
 
+
+def _with_meta(default_value_dim):
+    # Frequencies and versions are kept only when asked for (as under
+    # TensorFlow): they show here which step updated each key, and how often.
+    return EmbeddingVariableOption(init_option=InitializerOption(default_value_dim=default_value_dim),
+                                   track_meta=True)
+
 def table(name="shared"):
-    return EmbeddingVariable(DIM, default_value_dim=DVD, name=name,
+    return EmbeddingVariable(DIM, ev_option=_with_meta(DVD), name=name,
                              initializer=keras.initializers.RandomUniform(seed=2))
 
 

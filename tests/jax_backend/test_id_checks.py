@@ -122,7 +122,7 @@ def test_bad_ids_get_tensorflows_exception_and_message(tensorflow_outcomes):
 
 
 def test_int64_ids_of_numpy_in_32_bit_mode_are_checked_before_keras_narrows_them():
-    from keras_rec_emb.backend.jax.layers import EmbeddingVariable
+    from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
 
     from keras_rec_emb.optimizers import SGD
 
@@ -133,7 +133,7 @@ def test_int64_ids_of_numpy_in_32_bit_mode_are_checked_before_keras_narrows_them
                 "EmbeddingVariable 'ev' holds ids outside the int32 key range "
                 "[-2147483648, 2147483647], e.g. [4294967297]")):
             layer(np.array([2**32 + 1, 3], np.int64), training=True)
-        assert layer.size() == 0  # nothing was inserted (2**32 + 1 narrows to 1)
+        assert layer.table_size() == 0  # nothing was inserted (2**32 + 1 narrows to 1)
         layer(np.array([3, 1], np.int64), training=True)
         assert sorted(layer.export()["keys"].tolist()) == [1, 3]
 
@@ -143,7 +143,7 @@ def test_int64_ids_of_numpy_in_32_bit_mode_are_checked_before_keras_narrows_them
     (-2**40, "holds ids outside the int32 key range"),
 ])
 def test_traced_int64_ids_beyond_an_int32_table_fail_the_step_before_the_lookup(bad, message):
-    from keras_rec_emb.backend.jax.layers import EmbeddingVariable
+    from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
     from keras_rec_emb.optimizers import SGD
 
     layer = EmbeddingVariable(2, key_dtype="int32", name="ev", optimizer=SGD(0.1))
@@ -152,7 +152,7 @@ def test_traced_int64_ids_beyond_an_int32_table_fail_the_step_before_the_lookup(
     model.compile(optimizer=SGD(0.1), loss="mse")
     ids = np.array([[1, 2], [3, 4]], np.int64)
     model.fit(ids, np.ones((2, 1)), verbose=0)
-    assert layer.size() == 4
+    assert layer.table_size() == 4
     ids[1, 1] = bad + 5  # narrowed to int32 it would be id 5
     with pytest.raises(Exception, match=message) as caught:
         model.fit(ids, np.ones((2, 1)), verbose=0)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import keras_rec_emb
-from keras_rec_emb.backend.jax.multi_hash import MultiHashEmbedding
+from keras_rec_emb.layers.multi_hash_embedding import MultiHashEmbedding
 
 MASK64 = (1 << 64) - 1
 
@@ -326,7 +326,7 @@ import jax
 jax.config.update("jax_enable_x64", True)
 import numpy as np
 from keras_rec_emb.backend.jax import hashing
-from keras_rec_emb.backend.jax.multi_hash import MultiHashEmbedding
+from keras_rec_emb.layers.multi_hash_embedding import MultiHashEmbedding
 ids = np.array([-(2**63), -5, 0, 7, 2**40 + 3, 2**63 - 1], np.int64)
 n = 3 * 10**9
 print(np.asarray(hashing.hash_to_range(ids, n)).tolist())

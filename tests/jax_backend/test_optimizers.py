@@ -11,10 +11,18 @@ import numpy as np
 import pytest
 
 from keras_rec_emb import optimizers
-from keras_rec_emb.backend.jax.layers import EmbeddingVariable
+from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
+from keras_rec_emb.options import EmbeddingVariableOption, InitializerOption
 
 DIM, FEATURES, BATCH, STEPS = 3, 2, 4, 3
 
+
+
+def _with_meta(default_value_dim):
+    # Frequencies and versions are kept only when asked for (as under
+    # TensorFlow): they show here which step updated each key, and how often.
+    return EmbeddingVariableOption(init_option=InitializerOption(default_value_dim=default_value_dim),
+                                   track_meta=True)
 
 def numpy_rule(name, c):
     """Keras's element-wise update of `name` with config `c`, in float64:
@@ -103,7 +111,7 @@ def numpy_fit(defaults, kernel, bias, ids, labels, step, lr_at):
 
 
 def fit(optimizer):
-    layer = EmbeddingVariable(DIM, default_value_dim=5,
+    layer = EmbeddingVariable(DIM, ev_option=_with_meta(5),
                               initializer=keras.initializers.RandomUniform(seed=1))
     inputs = keras.Input(shape=(FEATURES,), dtype="int32")
     dense = keras.layers.Dense(1, kernel_initializer=keras.initializers.RandomNormal(seed=3),
@@ -203,7 +211,7 @@ def test_settings_the_table_update_cannot_honour_are_refused(setting):
 def test_an_optimizer_without_a_table_rule_is_refused():
     with pytest.raises(ValueError, match="no optimizer for its table"):
         fit(keras.optimizers.RMSprop(0.1))  # a stock one trains the dense weights only
-    with pytest.raises(ValueError, match="SGD, Adagrad, Adam, Ftrl, AdamAsync.*RMSprop"):
+    with pytest.raises(TypeError, match="SGD, Adagrad, Adam, Ftrl, AdamAsync.*RMSprop"):
         EmbeddingVariable(DIM, optimizer=keras.optimizers.RMSprop(0.1))
     with pytest.raises(ValueError, match="`table_rule` must be one of"):
         optimizers.Ftrl(table_rule="group")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from keras_rec_emb.backend.jax import ffi
-from keras_rec_emb.backend.jax.layers import EmbeddingVariable
+from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
 from keras_rec_emb.optimizers import SGD
 
 DIM = 4

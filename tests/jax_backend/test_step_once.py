@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from keras_rec_emb import optimizers
-from keras_rec_emb.backend.jax.layers import EmbeddingVariable
+from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
+from keras_rec_emb.options import EmbeddingVariableOption, InitializerOption
 
 DIM, DVD = 2, 5
 A = np.array([[1, 2], [2, 3], [4, 1]], np.int32)
@@ -29,12 +30,19 @@ class TwoReads(keras.Model):
              keras.ops.reshape(self.table(b), (-1, 2 * DIM))], axis=1))
 
 
+
+def _with_meta(default_value_dim):
+    # Frequencies and versions are kept only when asked for (as under
+    # TensorFlow): they show here which step updated each key, and how often.
+    return EmbeddingVariableOption(init_option=InitializerOption(default_value_dim=default_value_dim),
+                                   track_meta=True)
+
 @pytest.mark.parametrize("run_eagerly", [False, True], ids=["jit", "eager"])
 @pytest.mark.parametrize("form", ["functional", "subclassed"])
 def test_a_table_read_twice_in_a_step_is_updated_once_with_the_summed_gradient(form,
                                                                                run_eagerly):
     lr, acc0, eps, steps = 0.1, 0.1, 1e-7, 2
-    layer = EmbeddingVariable(DIM, default_value_dim=DVD,
+    layer = EmbeddingVariable(DIM, ev_option=_with_meta(DVD),
                               initializer=keras.initializers.RandomUniform(seed=3))
     dense = keras.layers.Dense(1, kernel_initializer=keras.initializers.RandomNormal(seed=5),
                                trainable=False)

@@ -13,7 +13,8 @@ import pytest
 import keras_rec_emb as kre
 from keras_rec_emb import optimizers
 from keras_rec_emb.layers.group_embedding import FeatureSpec, GroupEmbedding
-from keras_rec_emb.backend.jax.layers import EmbeddingVariable
+from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
+from keras_rec_emb.options import EmbeddingVariableOption, InitializerOption
 
 DIM, DVD = 3, 5
 # Padding (-1), duplicates in a row (3, 3), a weight of 0 and a negative one
@@ -22,6 +23,13 @@ IDS = np.array([[1, 5, -1], [-1, 8, 6], [3, 3, 7], [2, 9, 4]], np.int32)
 WEIGHTS = np.array([[0.5, 2.0, 9.0], [1.0, -1.0, 0.0], [1.5, 0.25, 3.0], [1.0, 0.0, 2.0]],
                    np.float32)
 
+
+
+def _with_meta(default_value_dim):
+    # Frequencies and versions are kept only when asked for (as under
+    # TensorFlow): they show here which step updated each key, and how often.
+    return EmbeddingVariableOption(init_option=InitializerOption(default_value_dim=default_value_dim),
+                                   track_meta=True)
 
 def numpy_combine(rows, ids, weights, combiner):
     """rows [..., L, DIM] -> [..., DIM], TensorFlow's weighted rule."""
@@ -45,7 +53,7 @@ def kept(ids, weights, combiner):
 
 def make_layer(combiner):
     return EmbeddingVariable(DIM, combiner=combiner, prune_invalid_ids=combiner is not None,
-                             default_value_dim=DVD,
+                             ev_option=_with_meta(DVD),
                              initializer=keras.initializers.RandomUniform(seed=2))
 
 

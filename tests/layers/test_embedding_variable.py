@@ -227,7 +227,8 @@ def test_get_config_round_trip(matrix_initializer, config_round_trip):
      "prune_invalid_ids=True.*needs a `combiner`.*combiner=None"),
     ({"embedding_dim": 4, "combiner": "sum", "prune_invalid_ids": "yes"}, TypeError,
      "prune_invalid_ids.*bool.*'yes'"),
-    ({"embedding_dim": 4, "ev_option": {"a": 1}}, TypeError, "ev_option"),
+    ({"embedding_dim": 4, "ev_option": {"a": 1}}, ValueError, "ev_option"),
+    ({"embedding_dim": 4, "ev_option": 3}, TypeError, "ev_option"),
     ({"embedding_dim": 4, "initializer": "no_such_init"}, ValueError, "no_such_init"),
 ])
 def test_bad_arguments(kwargs, error, match):

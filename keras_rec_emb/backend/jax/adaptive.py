@@ -1,7 +1,9 @@
-"""`AdaptiveEmbedding` under Keras's JAX backend.
+"""`AdaptiveEmbedding`'s JAX half: the forward of
+`keras_rec_emb.layers.AdaptiveEmbedding` (written once) under Keras's JAX
+backend, `AdaptiveBackend` below.
 
-The TensorFlow layer's promotion (keras_rec_emb/layers/adaptive_embedding.py
-says how it works) with the same tables, sentinels and config
+The TensorFlow backend's promotion (keras_rec_emb/backend/tensorflow/
+adaptive.py says how it works) with the same tables, sentinels and config
 (keras_rec_emb/_adaptive_spec.py): a static Keras weight trained by the
 compiled optimizer, and a JAX `EmbeddingVariable` (`dynamic`) with a counter
 filter at `promote_threshold`, trained in the backward of the lookup as
@@ -29,10 +31,9 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
-from keras_rec_emb._adaptive_spec import AdaptiveSpec
-from keras_rec_emb.backend.jax import ffi, hashing, register
+from keras_rec_emb.backend.jax import ffi, hashing
 from keras_rec_emb.backend.jax.ids import integer_ids, numpy_ids
-from keras_rec_emb.backend.jax.layers import EmbeddingVariable, combine_last_axis
+from keras_rec_emb.backend.jax.layers import combine_last_axis
 
 _NOT_PROMOTED, _NEWLY_PROMOTED, _PROMOTED = 0, 1, 2
 
@@ -125,69 +126,11 @@ def _step(layer, conditional, with_mask):
     return step_fn
 
 
-@register(package="keras_rec_emb", name="AdaptiveEmbedding")
-class AdaptiveEmbedding(AdaptiveSpec, keras.layers.Layer):
-    """Rare ids share a static hashed table; frequent ids get their own
-    rows, under Keras's JAX backend (the TensorFlow backend's
-    `AdaptiveEmbedding`: same arguments, tables, promotion state and
-    config, one `.keras` file for both).
+class AdaptiveBackend:
+    """What `AdaptiveEmbedding` does its own way under JAX (dense ids; ids
+    < 0 served by the static table only)."""
 
-    Every id starts in a static `[hash_bucket_size, embedding_dim]` matrix
-    (a Keras weight), at row `fingerprint64(id) mod hash_bucket_size` (the
-    TensorFlow backend's splitmix64). The training lookup that brings an
-    id's count to `promote_threshold` promotes it: it gets its own row in
-    an `EmbeddingVariable` (`dynamic`), a copy of its static row, and from
-    then on is served and trained by that row only. `layer(ids,
-    adaptive_mask=mask)` (0/1 shaped like the ids) routes by the mask
-    instead. Train with an optimizer of `keras_rec_emb.optimizers`.
-
-    Under JAX the ids are dense (ragged and sparse ids are TensorFlow's),
-    and ids < 0 are always served by the static table (the JAX tables'
-    padding): never counted or promoted.
-
-    Args:
-        embedding_dim: int > 0. Width of each embedding row.
-        hash_bucket_size: int > 0. Rows of the static table.
-        promote_threshold: int >= 1 or `None` (default): training lookups
-            after which an id is promoted; `None` promotes by mask only.
-        initializer: Keras initializer of the static table. Defaults to
-            `"truncated_normal"`.
-        ev_option: `keras_rec_emb.EmbeddingVariableOption` or `None`: the
-            table's eviction, shards and `save_filtered`; its
-            `filter_option` and `init_option` must be left unset.
-        combiner: `None`, `"sum"`, `"mean"` or `"sqrtn"`: combines the last
-            axis of the ids.
-        name: str or `None`.
-        **kwargs: other `keras.layers.Layer` arguments (e.g. `dtype`).
-
-    Example:
-
-    >>> layer = keras_rec_emb.layers.AdaptiveEmbedding(
-    ...     4, hash_bucket_size=100, promote_threshold=2)
-    >>> out = layer(np.array([7, 8, 7]), training=True)  # 7 seen twice
-    >>> layer.promoted_ids().tolist()
-    [7]
-    >>> out = layer(np.array([7, 8, 9]), adaptive_mask=np.array([0, 1, 0]),
-    ...             training=True)  # the mask sends 8 to the table
-    >>> layer.promoted_ids().tolist()
-    [7, 8]
-    >>> model = keras.Sequential([
-    ...     keras.Input(shape=(2,), dtype="int32"),
-    ...     keras_rec_emb.layers.AdaptiveEmbedding(4, 100, promote_threshold=3),
-    ...     keras.layers.Flatten(), keras.layers.Dense(1)])
-    >>> model.compile(optimizer=keras_rec_emb.optimizers.SGD(0.1), loss="mse")
-    >>> history = model.fit(np.random.randint(0, 20, (64, 2)), np.ones((64, 1)),
-    ...                     verbose=0)
-    >>> model.layers[0].promoted_ids().size > 0
-    True
-    """
-
-    def __init__(self, embedding_dim, hash_bucket_size, promote_threshold=None,
-                 initializer="truncated_normal", ev_option=None, combiner=None, name=None,
-                 **kwargs):
-        super().__init__(name=name, **kwargs)
-        self.init_spec(embedding_dim, hash_bucket_size, promote_threshold, initializer,
-                       ev_option, combiner, EmbeddingVariable)
+    SUPPORTS_JIT = True
 
     def static_bucket(self, ids):
         """Row of the static table of each id: `fingerprint64(id) mod

@@ -25,7 +25,7 @@ import numpy as np
 
 from keras_rec_emb.backend.jax import ffi
 from keras_rec_emb.backend.jax.ids import integer_ids, numpy_ids
-from keras_rec_emb.backend.jax.layers import EmbeddingVariable
+from keras_rec_emb.backend.jax.layers import EmbeddingVariableBackend as _JaxEmbeddingVariable
 
 count_params = keras.layers.Layer.count_params
 
@@ -35,7 +35,7 @@ def ids_input_dtype():
 
 
 def _key_dtype(table):
-    return table.key_dtype if isinstance(table, EmbeddingVariable) else "int64"
+    return table.key_dtype if isinstance(table, _JaxEmbeddingVariable) else "int64"
 
 
 def prepare_inputs(layer, inputs):
@@ -126,7 +126,7 @@ def _kept(ids, weights, spec):
 
 def _pooled(spec, table):
     """Whether a feature's rows are combined in the table call."""
-    return isinstance(table, EmbeddingVariable) and not spec.sequence and not spec.max_norm
+    return isinstance(table, _JaxEmbeddingVariable) and not spec.sequence and not spec.max_norm
 
 
 def _one_call(layer, training):
@@ -135,7 +135,7 @@ def _one_call(layer, training):
     every feature pooled."""
     tables = layer.tables
     # pylint: disable-next=protected-access
-    return (all(isinstance(t, EmbeddingVariable) and not t._may_train(training) for t in tables)
+    return (all(isinstance(t, _JaxEmbeddingVariable) and not t._may_train(training) for t in tables)
             and len({t.key_dtype for t in tables}) == 1
             and all(_pooled(s, tables[s.table]) for s in layer.features.values()))
 
@@ -171,7 +171,7 @@ def _inference_lookup(layer, inputs):
 
 def _rows_of(table, ids, training):
     """Rows [batch, L, dim] of ids [batch, L] (zeros for ids < 0)."""
-    if isinstance(table, EmbeddingVariable):
+    if isinstance(table, _JaxEmbeddingVariable):
         # pylint: disable-next=protected-access
         return table._rows(ids, training, prune=True)
     valid = keras.ops.expand_dims(ids >= 0, -1)

@@ -1,4 +1,9 @@
-"""`EmbeddingVariable` under Keras's JAX backend (dense ids, no combiner).
+"""`EmbeddingVariable`'s JAX half: its table, lookups and in-backward updates.
+
+`keras_rec_emb.layers.EmbeddingVariable` is written once; under Keras's JAX
+backend it takes `EmbeddingVariableBackend` below as its base: the table
+(`keras_rec_emb.backend.jax.table.JaxTable`) made at `build`, the call's
+lookup, and the machinery that trains the table.
 
 Where the update happens. The table is updated in the backward pass of its
 lookup, as TPU embedding does (and keras-rs's `TableConfig(optimizer=...)`
@@ -43,14 +48,14 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
-from keras_rec_emb._checks_core import (check_combiner_weights, check_initializer_matrix,
-                                        check_int)
-from keras_rec_emb.backend.jax import ffi, file_tier, register, saving
+from keras_rec_emb._checks_core import check_combiner_weights
+from keras_rec_emb.backend.jax import ffi
 from keras_rec_emb.backend.jax.ids import integer_ids, numpy_ids
 from keras_rec_emb.backend.jax.optimizers import TableRule, register_anchor
-from keras_rec_emb.options import EmbeddingVariableOption, InitializerOption
+from keras_rec_emb.backend.jax.table import JaxTable
 
-COMBINERS = (None, "sum", "mean", "sqrtn")
+# The layer's step counter in its weights store (see `_save_step`).
+_STEP = "iterations"
 
 
 def combine_last_axis(rows, keep, combiner, weights=None):
@@ -224,169 +229,48 @@ def _no_optimizer_error(name):
         "Received: the table has no optimizer")
 
 
-@register(package="keras_rec_emb", name="EmbeddingVariable")
-class EmbeddingVariable(keras.layers.Layer):
-    """Rows of a growing hash table for integer ids of any shape, under
-    Keras's JAX backend (the TensorFlow backend's `EmbeddingVariable`).
+def default_key_dtype():
+    """`key_dtype=None`: ids as wide as JAX holds them (int64 in its 64-bit
+    mode, which the package turns on), so that none wraps."""
+    return ffi.int_dtype().name
 
-    With `training=True` a lookup inserts unseen ids and its backward
-    updates the table; with `training=False` it changes nothing. With
-    `training=None` (what Keras's JAX trainer gives the layers of a
-    subclassed model whose `call` does not pass `training` on) the table
-    trains exactly when the loss is differentiated with respect to it, as
-    in `fit`, and `predict` and `evaluate` insert nothing.
 
-    Args:
-        embedding_dim: int >= 1, the row width.
-        combiner: None (rows `ids.shape + (embedding_dim,)`), "sum",
-            "mean" or "sqrtn": combines the last axis of the ids (`[..., L]`
-            -> `[..., embedding_dim]`).
-        prune_invalid_ids: bool. With a combiner, ids < 0 are padding:
-            dropped from the combine (mean and sqrtn count the kept ids; a
-            row with none gives zeros), never inserted or counted. False
-            (default) makes every id a key, -1 too.
-        optimizer: None (default: the optimizer the model is compiled
-            with, one of `keras_rec_emb.optimizers`) or the table's own
-            optimizer (SGD, Adagrad, Adam or Ftrl, ours or Keras's), whose
-            rule is applied in the backward pass of the lookup.
-        initializer: draws the `[default_value_dim, embedding_dim]` matrix
-            whose row `id mod default_value_dim` a new id starts from.
-        key_dtype: None (default: "int64" in JAX's 64-bit mode, as under
-            TensorFlow, else "int32"), "int32" or "int64" (needs JAX's
-            64-bit mode: `JAX_ENABLE_X64=1` or
-            `jax.config.update("jax_enable_x64", True)`).
-        default_value_dim: int >= 1, rows of that matrix (without
-            `ev_option`).
-        num_shards: the table's lock shards, in [1, 65536] (without
-            `ev_option`).
-        ev_option: None, or a `keras_rec_emb.EmbeddingVariableOption`
-            (or its config, a dict, as in a saved model), as under
-            TensorFlow: its initializer option, `num_shards`, admission
-            filter (`CounterFilter`, `CBFFilter`), eviction
-            (`GlobalStepEvict`, `L2WeightEvict`: applied when the model is
-            saved unless `at_save=False` or `keras_rec_emb.save_model(...,
-            evict=False)`, and by `evict()`), storage (`StorageOption("FILE",
-            storage_path, storage_size)`: the rows live in files under
-            `storage_path/<name>_embeddings` with a DRAM cache of about
-            `storage_size` bytes; see `snapshot()`), `track_meta`,
-            `save_filtered` and `record_freq` apply; its
-            `default_value_dim` and `num_shards` replace the layer's.
-        restore_dim_mismatch: "error" only (the other modes are
-            TensorFlow-only for now).
-        **kwargs: Keras's layer arguments (`name`, `trainable`, `dtype`).
+def register_layer_class(cls):
+    """Nothing to register: no Functional-model fusion under JAX."""
+    del cls
 
-    Example:
 
-    >>> ids = keras.Input(shape=(3,), dtype="int32")
-    >>> x = keras_rec_emb.layers.EmbeddingVariable(
-    ...     4, combiner="mean", prune_invalid_ids=True)(ids)
-    >>> model = keras.Model(ids, keras.layers.Dense(1)(x))
-    >>> model.compile(optimizer=keras_rec_emb.optimizers.Adagrad(0.1), loss="mse")
-    >>> history = model.fit(np.array([[1, 10**6, -1], [7, -1, -1]]), np.ones((2, 1)),
-    ...                     verbose=0)
-    >>> sorted(model.layers[1].export()["keys"].tolist())
-    [1, 7, 1000000]
+class EmbeddingVariableBackend:
+    """What `EmbeddingVariable` does its own way under JAX (its base there)."""
 
-    With an admission filter and eviction (a key gets a row at its second
-    training lookup; a row not updated for 100 steps goes when the model is
-    saved):
+    # -- init and build -------------------------------------------------------
+    def _init_backend(self):
+        self.table_rule = None
 
-    >>> option = keras_rec_emb.EmbeddingVariableOption(
-    ...     filter_option=keras_rec_emb.CounterFilter(filter_freq=2),
-    ...     evict_option=keras_rec_emb.GlobalStepEvict(steps_to_live=100))
-    >>> ids = keras.Input(shape=(2,), dtype="int32")
-    >>> layer = keras_rec_emb.layers.EmbeddingVariable(4, ev_option=option)
-    >>> model = keras.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(layer(ids))))
-    >>> model.compile(optimizer=keras_rec_emb.optimizers.SGD(0.1), loss="mse")
-    >>> history = model.fit(np.array([[1, 2], [1, 3]]), np.ones((2, 1)), batch_size=1,
-    ...                     verbose=0)
-    >>> layer.export()["keys"].tolist()
-    [1]
-    >>> layer.evict()
-    0
-    """
+    def _resolve_optimizer(self, optimizer):
+        """The table's own optimizer (the one given: not copied, so that a
+        rate assigned to it reaches the table), and the rule that trains
+        the table with it; else that of the optimizer that builds for
+        `anchor` (`attach_optimizer`)."""
+        if optimizer is not None:
+            self.table_rule = TableRule(optimizer, f"EmbeddingVariable '{self.name}'")
+        return optimizer
 
-    def __init__(self, embedding_dim, initializer="truncated_normal", key_dtype=None,
-                 combiner=None, prune_invalid_ids=False, ev_option=None,
-                 restore_dim_mismatch="error", optimizer=None, default_value_dim=4096,
-                 num_shards=32, **kwargs):
-        if ev_option is not None and not isinstance(ev_option, (dict, EmbeddingVariableOption)):
-            raise TypeError(
-                "`ev_option` must be None, a keras_rec_emb.EmbeddingVariableOption or its "
-                f"config (a dict). Received: ev_option={type(ev_option).__name__}")
-        # The TensorFlow layer's arguments, translated as a saved config is.
-        ev_option = saving.layer_kwargs({"ev_option": ev_option,
-                                         "restore_dim_mismatch": restore_dim_mismatch})["ev_option"]
-        if ev_option is None:  # this layer's own arguments, as the option holds them
-            ev_option = EmbeddingVariableOption(
-                init_option=InitializerOption(default_value_dim=default_value_dim),
-                num_shards=num_shards, track_meta=True)
-        default_value_dim = ev_option.init_option.default_value_dim
-        num_shards = ev_option.num_shards
-        super().__init__(**kwargs)
-        self.ev_option = ev_option
-        if combiner not in COMBINERS:
-            raise ValueError(f"`combiner` must be None or one of {COMBINERS[1:]}. Received: "
-                             f"combiner={combiner!r}")
-        if not isinstance(prune_invalid_ids, (bool, np.bool_)):
-            raise TypeError("`prune_invalid_ids` must be a bool. Received: "
-                            f"prune_invalid_ids={prune_invalid_ids!r}")
-        if prune_invalid_ids and combiner is None:
-            raise ValueError(
-                "`prune_invalid_ids=True` drops ids < 0 from a combine and needs a "
-                "`combiner` (\"sum\", \"mean\" or \"sqrtn\"). Received: combiner=None")
-        self.combiner = combiner
-        self.prune_invalid_ids = bool(prune_invalid_ids)
-        if (isinstance(embedding_dim, bool) or not isinstance(embedding_dim, (int, np.integer))
-                or embedding_dim <= 0):
-            raise ValueError("`embedding_dim` must be a positive integer. Received: "
-                             f"embedding_dim={embedding_dim!r}")
-        if key_dtype is None:  # ids as wide as JAX holds them: none wraps
-            key_dtype = ffi.int_dtype().name
-        if key_dtype not in ffi.KEY_DTYPES:
-            raise ValueError(f"`key_dtype` must be one of {ffi.KEY_DTYPES}. Received: "
-                             f"key_dtype={key_dtype!r}")
-        if int(default_value_dim) < 1:
-            raise ValueError("`default_value_dim` must be >= 1. Received: "
-                             f"default_value_dim={default_value_dim!r}")
-        self.embedding_dim = int(embedding_dim)
-        self.optimizer = optimizer
-        # The rule that trains the table: its own optimizer's, else that of
-        # the optimizer that builds for `anchor` (`attach_optimizer`).
-        self.table_rule = None if optimizer is None else TableRule(
-            optimizer, f"EmbeddingVariable '{self.name}'")
-        self._kre_slot_specs = []
-        self.initializer = keras.initializers.get(initializer)
-        self.key_dtype = key_dtype
-        self.default_value_dim = int(default_value_dim)
-        self.num_shards = int(num_shards)
-        self.handle = None
-        self.default_values = None
-
-    def build(self, input_shape=None):
-        # The option's initializer comes before the layer's, as under TensorFlow.
-        initializer = self.ev_option.init_option.initializer or self.initializer
-        check_initializer_matrix(self.name, self.default_value_dim, self.embedding_dim)
+    @staticmethod
+    def _draw(initializer, shape):
         with jax.ensure_compile_time_eval():
-            self.default_values = np.asarray(initializer(
-                shape=(self.default_value_dim, self.embedding_dim), dtype="float32"))
-        table = self.ev_option.table_kwargs()
-        filter_freq = table.get("filter_freq", 0)
-        self.handle = file_tier.create(
-            self, self.default_values, self.ev_option.storage_option,
-            key_dtype=self.key_dtype, num_shards=self.num_shards,
-            track_meta=table["track_meta"], filter_freq=filter_freq,
-            no_permission_value=table["no_permission_value"], bloom=table.get("bloom"),
-            # DeepRec's frequency: an admitted key's stays at the threshold
-            # unless `record_freq` (keras_rec_emb/backend/tensorflow/variables.py's _freq_cap).
-            freq_cap=0 if table["record_freq"] or filter_freq < 1 else filter_freq)
+            return np.asarray(initializer(shape=shape, dtype="float32"))
+
+    def _make_table(self, default_values):
+        self.table = JaxTable(f"{self.name}/embeddings", self.embedding_dim, self.key_dtype,
+                              default_values, self.ev_option, trainable=self.trainable)
         self.anchor = self.add_weight(shape=(0,), initializer="zeros", name="anchor")
         register_anchor(self.anchor, self)
         if self.table_rule is not None:
             self._add_slots(self.table_rule)
         self.iterations = self.add_weight(shape=(), initializer="zeros", dtype="int32",
                                           trainable=False, name="iterations")
-        rate = None if self.optimizer is None else self.optimizer.learning_rate
+        rate = None if self.table_optimizer is None else self.table_optimizer.learning_rate
         if isinstance(rate, keras.Variable):
             # The own optimizer's rate variable joins the layer's state, so
             # that a jitted step reads it from the step's state (as the
@@ -395,66 +279,67 @@ class EmbeddingVariable(keras.layers.Layer):
             # the table at the next step (TableRule.new_step). The compiled
             # optimizer's comes through its `scale_loss`.
             self._kre_own_learning_rate = rate
-        self.built = True
+
+    @property
+    def handle(self):
+        """The table's FFI handle (None before `build`)."""
+        return None if self.table is None else self.table.handle
+
+    @property
+    def default_values(self):
+        """The initializer matrix (None before `build`)."""
+        return None if self.table is None else self.table.default_values
+
+    @property
+    def _kre_slot_specs(self):
+        return [] if self.table is None else self.table.slot_specs
 
     def _add_slots(self, rule):
         for name, init, width in rule.slots:
-            width = self.embedding_dim if width is None else width
-            ffi.add_slot(self.handle, name, width, init)
-            if name not in {n for n, _ in self._kre_slot_specs}:
-                self._kre_slot_specs.append((name, width))
+            self.table.add_slot(name, init, width)
 
     def attach_optimizer(self, optimizer):
         """Called by a keras_rec_emb optimizer's `build` when it builds for
         this layer's `anchor`: it trains the table from the next traced
         training step on, unless the layer has its own optimizer."""
-        if self.optimizer is not None:
+        if self.table_optimizer is not None:
             return
-        if self.handle is None:
+        if self.table is None:
             self.build()
         self.table_rule = TableRule(optimizer, f"EmbeddingVariable '{self.name}'")
         self._add_slots(self.table_rule)
 
-    @property
-    def ids_input_dtype(self):
-        """`key_dtype`: the dtype of the `keras.Input` a `keras.Sequential`
-        without one makes for this layer (Keras would make it float32)."""
-        return self.key_dtype
+    # -- saving: the step counter beside the table's parts ---------------------
+    # The JAX layer's step counter (`iterations`, which drives learning-rate
+    # schedules, Adam's bias correction and the versions) is saved as
+    # `iterations`, which the TensorFlow layer does not read (its tables
+    # follow the model optimizer's step, saved with the optimizer): a model
+    # saved and loaded resumes at its step even when the last steps stamped
+    # no version (ids all filtered, padding or evicted).
+    def _save_step(self, store):
+        store[_STEP] = np.asarray(int(self.iterations.value), np.int64)
 
+    def _load_step(self, store, data):
+        self._kre_step_unsaved = _STEP not in list(store.keys())
+        if not self._kre_step_unsaved:
+            self.iterations.assign(int(np.asarray(store[_STEP])))
+            return
+        # A file without the step (saved under TensorFlow, whose tables take
+        # the model optimizer's): the model optimizer's step, when it loads
+        # (TableOptimizer.load_own_variables); until then, or without one, the
+        # step after the last one that stamped a version, admitted or filtered.
+        versions = np.concatenate([np.asarray(data.get(name, np.zeros(0, np.int64)), np.int64)
+                                   .ravel() for name in ("versions", "versions_filtered")])
+        self.iterations.assign(int(versions.max()) + 1 if versions.size else 0)
+
+    # -- forward --------------------------------------------------------------
     def __call__(self, ids, *args, **kwargs):
         # NumPy ids are checked before Keras makes JAX arrays of them (which
         # in JAX's 32-bit mode narrows int64 ids unchecked).
         return super().__call__(numpy_ids(ids, f"EmbeddingVariable '{self.name}'",
                                           self.key_dtype), *args, **kwargs)
 
-    def call(self, ids, weights=None, training=None):
-        """Rows of `ids`, combined over their last axis with a combiner.
-
-        Args:
-            ids: integer ids of any shape (`[..., L]` with a combiner).
-            weights: None, or per-id weights of the ids' shape (needs a
-                combiner): the combine is `sum(w * row)`, divided by
-                `sum(w)` for "mean" and by `sqrt(sum(w**2))` for "sqrtn"
-                (TensorFlow's `embedding_lookup_sparse` rule); a row whose
-                denominator is 0 gives zeros. With "mean" and "sqrtn" an id
-                whose weight is <= 0 is dropped: never inserted, counted
-                or updated (TensorFlow's and DeepRec's rule), which needs
-                `prune_invalid_ids=True`; "sum" keeps it. Padding ids (< 0,
-                with `prune_invalid_ids`) are dropped whatever their
-                weight. The table's gradient is each id's share,
-                `weight / denominator` times the output's gradient, summed
-                over equal ids.
-            training: bool or None (see the class).
-
-        Example:
-
-        >>> layer = keras_rec_emb.layers.EmbeddingVariable(
-        ...     2, combiner="mean", prune_invalid_ids=True,
-        ...     initializer=keras.initializers.Ones())
-        >>> out = layer(np.array([[1, 2, -1]]), weights=np.array([[1.0, 3.0, 5.0]]))
-        >>> np.asarray(out).tolist()
-        [[1.0, 1.0]]
-        """
+    def _call(self, ids, weights, training):
         ids = integer_ids(ids, f"EmbeddingVariable '{self.name}'", self.key_dtype)
         if self.combiner is not None and ids.ndim < 1:
             raise ValueError(f"With combiner={self.combiner!r} the ids need a last axis to "
@@ -575,146 +460,4 @@ class EmbeddingVariable(keras.layers.Layer):
             ffi.apply(self.handle, jnp.concatenate(ids), jnp.concatenate(grads), hyper, step,
                       *names, prune=prune)
 
-    def compute_output_shape(self, input_shape):
-        if self.combiner is not None:
-            return (*input_shape[:-1], self.embedding_dim)
-        return (*input_shape, self.embedding_dim)
 
-    def _require_built(self, what):
-        if self.handle is None:
-            raise ValueError(f"EmbeddingVariable '{self.name}' is not built yet; call it on "
-                             f"ids (or build it) before {what}.")
-
-    def export(self):
-        """All ids as NumPy arrays, in the TensorFlow backend's format
-        (DeepRec's): `keys` [N], `values` [N, dim], `freqs` [N], `versions`
-        [N] and `slots` {slot name: [N, width]} of admitted ids;
-        `keys_filtered`, `freqs_filtered`, `versions_filtered` of ids
-        counted by a filter but not admitted; `default_values` (the
-        EV-initializer matrix) and `bloom` (a Bloom filter's counters)."""
-        self._require_built("export()")
-        return ffi.export_parts(self.handle, self.key_dtype, self.embedding_dim,
-                                self._kre_slot_specs)
-
-    def evict(self, step=None):
-        """Applies the eviction option (`GlobalStepEvict` / `L2WeightEvict`)
-        now, as saving the model does; returns how many ids were evicted
-        (0 without one).
-
-        Args:
-            step: int >= 0 or None. The current step for `steps_to_live`;
-                None uses the last step that updated this table (steps are
-                the layer's `iterations`).
-        """
-        self._require_built("evict()")
-        step = check_int("step", step, 0, allow_none=True)
-        rule = self.ev_option.evict_option
-        if rule is None:
-            return 0
-        return ffi.evict(self.handle, -1 if step is None else step,
-                         getattr(rule, "steps_to_live", -1),
-                         getattr(rule, "l2_weight_threshold", -1.0))
-
-    def stats(self):
-        """The table's statistics, a dict of ints: `size` (admitted ids),
-        `filtered` (counted, not admitted), `memory_bytes`, `latest_step`,
-        `storage` ("DRAM" or "FILE"), the row store's `rows`,
-        `cached_rows`, `cache_memory_bytes`, `disk_bytes`, `cache_hits`,
-        `cache_misses`, `cache_hit_rate` (a float, 1.0 before any access),
-        `file_reads`, `file_writes`, and the counters `lookups`, `hits`,
-        `admitted_total`, `erased_total`, `change_epoch`, `erased_log`."""
-        self._require_built("stats()")
-        return file_tier.stats(self)
-
-    @property
-    def storage_dir(self):
-        """The file tier's folder of the table (`storage_path/<name>_embeddings`,
-        or a copy's folder beside a live table holding that one), or None
-        (DRAM)."""
-        return file_tier.storage_dir(self)
-
-    def snapshot(self):
-        """File tier (`StorageOption("FILE", ...)`): writes a crash-safe
-        snapshot of the table's files under `storage_dir` (segments flushed,
-        fsynced and hard-linked, an index written, a manifest renamed; no
-        rows go through Python); returns the snapshot's number. A snapshot
-        killed half-way leaves the previous one intact.
-
-        Example:
-
-        >>> import tempfile
-        >>> option = keras_rec_emb.EmbeddingVariableOption(
-        ...     storage_option=keras_rec_emb.StorageOption(
-        ...         "FILE", storage_path=tempfile.mkdtemp(), storage_size=1 << 20))
-        >>> layer = keras_rec_emb.layers.EmbeddingVariable(
-        ...     4, ev_option=option, optimizer=keras_rec_emb.optimizers.SGD(0.1))
-        >>> _ = layer(np.array([1, 2, 3]), training=True)
-        >>> layer.snapshot()
-        1
-        >>> layer.restore_snapshot()
-        3
-        """
-        self._require_built("snapshot()")
-        return file_tier.snapshot(self)
-
-    def restore_snapshot(self, path=None):
-        """File tier: replaces the table's contents with its latest snapshot
-        and returns the number of ids. A missing, corrupt or truncated
-        snapshot raises a ValueError naming the file and leaves the table
-        unchanged.
-
-        Args:
-            path: str or None. The folder of the snapshot; None is the
-                table's folder under its `storage_path` (also for a copy
-                working in a folder of its own).
-        """
-        self._require_built("restore_snapshot()")
-        return file_tier.restore_snapshot(self, path)
-
-    def table_size(self):
-        """Number of distinct ids admitted to the table (after every table
-        call already dispatched)."""
-        self._require_built("table_size()")
-        return int(ffi.size(self.handle)[0])
-
-    def size(self):
-        """The number of ids in the table (`table_size()`)."""
-        return self.table_size()
-
-    def import_(self, data):
-        """Replaces the table's contents with `data`, shaped like the
-        TensorFlow backend's `export()`: `keys` [N] and `values` [N, dim]
-        required; `freqs`, `versions`, `slots` ({slot name: [N, width]}),
-        `keys_filtered`, `freqs_filtered`, `versions_filtered`,
-        `default_values` and `bloom` optional. A failed import leaves the
-        table as it was."""
-        self._require_built("import_()")
-        if not isinstance(data, dict) or "keys" not in data or "values" not in data:
-            raise ValueError(
-                "`data` must be a dict with at least 'keys' [N] and 'values' "
-                f"[N, {self.embedding_dim}] (as export() returns). Received: "
-                f"{type(data).__name__}"
-                + (f" with keys {sorted(data)}" if isinstance(data, dict) else ""))
-        ffi.import_parts(self.handle, self.key_dtype, self.embedding_dim, data)
-        slots = data.get("slots")
-        known = {name for name, _ in self._kre_slot_specs}
-        if isinstance(slots, dict):
-            added = [(str(n), int(np.shape(v)[1])) for n, v in slots.items()]
-        else:
-            added = [(n.decode() if isinstance(n, bytes) else str(n), int(w))
-                     for n, w in zip(data.get("slot_names", ()), data.get("slot_widths", ()))]
-        self._kre_slot_specs += [(n, w) for n, w in added if n not in known]
-
-    # -- saving: the TensorFlow backend's format (see `saving`) ----------------
-    def save_own_variables(self, store):
-        saving.save_table(self, store)
-
-    def load_own_variables(self, store):
-        saving.load_table(self, store)
-
-    def get_config(self):
-        return saving.layer_config(self, super().get_config())
-
-    @classmethod
-    def from_config(cls, config):
-        return cls(**saving.layer_kwargs(config))

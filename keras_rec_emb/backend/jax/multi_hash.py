@@ -1,4 +1,5 @@
-"""`MultiHashEmbedding` under Keras's JAX backend.
+"""`MultiHashEmbedding`'s JAX half (`keras_rec_emb.layers.MultiHashEmbedding`'s
+base under Keras's JAX backend).
 
 Its tables are fixed-size Keras weights, as under TensorFlow: no hash
 table, no table engine. The compiled optimizer trains them like any dense
@@ -14,13 +15,11 @@ keras_rec_emb/_multi_hash_spec.py; the id hash in `hashing`.
 
 import jax
 import jax.numpy as jnp
-import keras
 import numpy as np
 
-from keras_rec_emb.backend.jax import ffi, hashing, register
+from keras_rec_emb.backend.jax import ffi, hashing
 from keras_rec_emb.backend.jax.ids import integer_ids, numpy_ids
 from keras_rec_emb.backend.jax.layers import combine_last_axis
-from keras_rec_emb._multi_hash_spec import MultiHashSpec
 
 
 def check_in_range(ids, n, what):
@@ -43,77 +42,8 @@ def check_in_range(ids, n, what):
     return ids
 
 
-@register(package="keras_rec_emb", name="MultiHashEmbedding")
-class MultiHashEmbedding(MultiHashSpec, keras.layers.Layer):
-    """Compositional embedding over complementary partitions (DeepRec's
-    Multi-Hash Variable), under Keras's JAX backend (the TensorFlow
-    backend's `MultiHashEmbedding`: same arguments, tables, numbers and
-    config, one `.keras` file for both).
-
-    Instead of one `[num_buckets, dim]` matrix, `k` small tables (Keras
-    weights, trained by the compiled optimizer) are kept; id `x` in
-    `[0, num_buckets)` reads row `(x // M_j) mod m_j` of table `j` and the
-    rows are combined by `operation`. Ids outside `[0, num_buckets)` are
-    hashed into it (`fingerprint64(id) mod num_buckets`, the TensorFlow
-    backend's splitmix64, to the bit) unless `hash_input=False`: then they
-    are a ValueError when called eagerly and a `JaxRuntimeError` carrying
-    that ValueError inside `jit` (`model.fit`, `predict`).
-
-    Under JAX the ids are dense (ragged and sparse ids are TensorFlow's);
-    they are int32 unless JAX's 64-bit mode is on, so without it
-    `num_buckets` must be at most 2**31 - 1.
-
-    Args:
-        num_buckets: int > 0. Size of the id range `[0, num_buckets)` that
-            embeds without collisions.
-        embedding_dim: int > 0 for `"add"` and `"mult"` (a one-element list
-            is accepted); for `"concat"` a list of one width per table.
-        complementary_strategy: `"Q-R"` (default), `"generalized_QR"` or
-            `"CRT"`.
-        operation: `"add"` (default), `"mult"` or `"concat"`.
-        initializer: Keras initializer of the tables (table `j` of a seeded
-            random one uses `seed + j`). Defaults to `"truncated_normal"`.
-        combiner: `None`, `"sum"`, `"mean"` or `"sqrtn"`: combines the last
-            axis of the ids (`[..., L]` -> `[..., output width]`).
-        m: int > 0 or `None`: the remainder modulus of `"Q-R"`.
-        num_partitions: int >= 2 or `None`: tables of `"generalized_QR"` and
-            `"CRT"`.
-        moduli: list of ints > 0 or `None`: the moduli of
-            `"generalized_QR"` and `"CRT"` (product >= `num_buckets`;
-            pairwise coprime for `"CRT"`).
-        hash_input: bool. Hash ids outside `[0, num_buckets)` into range.
-            Defaults to `True`.
-        output_dim: int or `None`: the output width `embedding_dim` must
-            give.
-        qr_sizes: `None` or DeepRec's Q-R pair `(quotient_rows,
-            remainder_rows)`.
-        name: str or `None`.
-        **kwargs: other `keras.layers.Layer` arguments (e.g. `dtype`).
-
-    Example:
-
-    >>> layer = keras_rec_emb.layers.MultiHashEmbedding(
-    ...     num_buckets=10**6, embedding_dim=[8, 8], operation="concat")
-    >>> tuple(layer(np.array([[3, 999_999]])).shape)
-    (1, 2, 16)
-    >>> [tuple(w.shape) for w in layer.weights]
-    [(1000, 8), (1000, 8)]
-    >>> ids = keras.Input(shape=(2,), dtype="int32")
-    >>> emb = keras_rec_emb.layers.MultiHashEmbedding(1000, 4, combiner="sum")(ids)
-    >>> model = keras.Model(ids, keras.layers.Dense(1)(emb))
-    >>> model.compile(optimizer="adam", loss="mse")
-    >>> history = model.fit(np.random.randint(-5, 2000, (32, 2)),
-    ...                     np.zeros((32, 1)), verbose=0)
-    """
-
-    def __init__(self, num_buckets, embedding_dim, complementary_strategy="Q-R",
-                 operation="add", initializer="truncated_normal", combiner=None, m=None,
-                 num_partitions=None, moduli=None, hash_input=True, output_dim=None,
-                 qr_sizes=None, name=None, **kwargs):
-        super().__init__(name=name, **kwargs)
-        self.init_spec(num_buckets, embedding_dim, complementary_strategy, operation,
-                       initializer, combiner, m, num_partitions, moduli, hash_input,
-                       output_dim, qr_sizes)
+class MultiHashBackend:
+    """What `MultiHashEmbedding` does its own way under JAX."""
 
     def partition_indices(self, ids):
         """Row of each table for ids in `[0, num_buckets)`: a list of
@@ -140,7 +70,7 @@ class MultiHashEmbedding(MultiHashSpec, keras.layers.Layer):
         return super().__call__(numpy_ids(inputs, f"MultiHashEmbedding '{self.name}'",
                                           ffi.int_dtype().name), *args, **kwargs)
 
-    def call(self, inputs):
+    def _call(self, inputs):
         ids = integer_ids(inputs, f"MultiHashEmbedding '{self.name}'", ffi.int_dtype().name,
                           via=np.int64)
         if self.combiner is not None and ids.ndim < 1:

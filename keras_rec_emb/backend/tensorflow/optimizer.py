@@ -103,55 +103,6 @@ def has_distinct_keys(grad):
                              for t in named_outputs(op)[name])
 
 
-def _table_optimizer_classes():
-    """Our optimizers by lower-case class name (`"adagrad"`, `"adamasync"`)."""
-    out, todo = {}, [TableOptimizer]
-    while todo:
-        cls = todo.pop()
-        for sub in cls.__subclasses__():
-            if sub.__module__.startswith("keras_rec_emb.optimizers"):
-                out[sub.__name__.lower()] = sub
-            todo.append(sub)
-    return out
-
-
-def table_optimizer(identifier):
-    """A fresh optimizer of this package for one table (`EmbeddingVariable(
-    optimizer=...)`), from an instance (copied: each table keeps its own
-    state), a name (`"adagrad"`, `"AdamAsync"`) or a serialized config; or
-    None. Refuses what only the model's optimizer can do (clipping, loss
-    scaling, EMA, gradient accumulation) and stock Keras optimizers."""
-    if identifier is None:
-        return None
-    classes = _table_optimizer_classes()
-    if isinstance(identifier, str):
-        cls = classes.get(identifier.lower())
-        if cls is None:
-            raise ValueError(
-                "`optimizer` must be None, an optimizer of keras_rec_emb.optimizers, "
-                f"or the name of one of {sorted(classes)}. Received: optimizer={identifier!r}")
-        optimizer = cls()
-    elif isinstance(identifier, dict):
-        optimizer = keras.saving.deserialize_keras_object(identifier)
-    else:
-        optimizer = identifier
-    if not isinstance(optimizer, TableOptimizer) or type(optimizer).__name__ == "LossScaleOptimizer":
-        raise TypeError(
-            "`optimizer` of a table must be None, an optimizer of keras_rec_emb.optimizers "
-            f"(SGD, Adagrad, Adam, Ftrl, ...) or its name. Received: optimizer={identifier!r}")
-    model_only = {name: getattr(optimizer, name, None)
-                  for name in ("clipnorm", "clipvalue", "global_clipnorm",
-                               "gradient_accumulation_steps")}
-    model_only["use_ema"] = optimizer.use_ema or None
-    model_only = {k: v for k, v in model_only.items() if v}
-    if model_only:
-        raise ValueError(
-            f"A table's optimizer cannot set {sorted(model_only)} (the model's optimizer "
-            "clips, accumulates and averages every gradient, tables' included): set "
-            f"them on the model's optimizer. Received: optimizer={identifier!r}")
-    return type(optimizer).from_config(optimizer.get_config())
-
-
 def own_optimizer(table, model_optimizer):
     """The optimizer that updates `table` when `model_optimizer` applies the
     model's gradients: the table's own (`EmbeddingVariable(optimizer=...)`)

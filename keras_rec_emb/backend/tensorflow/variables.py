@@ -124,33 +124,9 @@ def pack_slots(blocks, n):
     }
 
 
-RESTORE_DIM_MODES = ("error", "pad_or_truncate")
-
-
-def check_restore_dim_mode(mode):
-    if mode not in RESTORE_DIM_MODES:
-        raise ValueError(
-            f"`restore_dim_mismatch` must be one of {RESTORE_DIM_MODES}. "
-            f"Received: restore_dim_mismatch={mode!r}"
-        )
-    return mode
-
-
-def check_saved_dim(name, values_shape, dim, mode="error"):
-    """True when saved rows have another width and `mode` allows resizing
-    them; raises a clear error when it does not."""
-    shape = tf.TensorShape(values_shape)
-    if shape.rank == 2 and shape[1] is not None and shape[1] != dim:
-        if mode == "pad_or_truncate":
-            return True
-        raise ValueError(
-            f"Cannot restore embedding table '{name}': the checkpoint holds rows of "
-            f"dim {shape[1]} but the table has dim {dim}. Build the layer with "
-            f"embedding_dim={shape[1]} to restore this checkpoint, or with "
-            "restore_dim_mismatch='pad_or_truncate' to pad new columns from the "
-            "initializer (or truncate) as DeepRec does."
-        )
-    return False
+# (Shared with the JAX backend; re-exported for the distributed tables.)
+check_restore_dim_mode = _tables.check_restore_dim_mode
+check_saved_dim = _tables.check_saved_dim
 
 _STOCK_OPTIMIZER_ERROR = (
     "Embedding table '{name}' is a dynamic hash table and cannot be updated by "
@@ -376,25 +352,8 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
     def resize_rows(self, keys, values, slots):
         """Saved rows (and slots) of another width, brought to `dim`
         (`restore_dim_mismatch="pad_or_truncate"`): NumPy in, NumPy out."""
-        keys, values = np.asarray(keys), np.asarray(values, np.float32)
-        old, dim, n = values.shape[1], self._dim, values.shape[0]
-        if old > dim:
-            values = values[:, :dim]
-        else:
-            defaults = self._initial_default_values
-            rows = defaults[np.mod(keys.astype(np.int64), defaults.shape[0])]
-            values = np.concatenate([values, rows[:, old:]], axis=1)
-        resized = {}
-        for name, block in slots.items():
-            block = np.asarray(block, np.float32).reshape(n, -1)
-            if block.shape[1] == old:  # a per-element slot (Adagrad's accumulator, ...)
-                if old > dim:
-                    block = block[:, :dim]
-                else:
-                    fill = np.full((n, dim - old), self._slot_inits.get(name, 0.0), np.float32)
-                    block = np.concatenate([block, fill], axis=1)
-            resized[name] = block
-        return values, resized
+        return _tables.resize_rows(keys, values, slots, self._dim,
+                                   self._initial_default_values, self._slot_inits)
 
     def _resized_parts(self, parts):
         if not tf.executing_eagerly():
