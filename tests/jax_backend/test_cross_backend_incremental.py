@@ -55,18 +55,17 @@ def state(model):
     return out
 """
 
-_TENSORFLOW = """
+# The same layer under both backends (one class).
+_LAYER = """
 def layer():
     option = kre.EmbeddingVariableOption(
         init_option=kre.InitializerOption(default_value_dim=DVD), track_meta=True)
     return kre.layers.EmbeddingVariable(DIM, combiner="sum", ev_option=option, name="ev")
 """
+_TENSORFLOW = _LAYER
 
-_JAX = """
+_JAX = _LAYER + """
 import sys
-def layer():
-    return kre.layers.EmbeddingVariable(DIM, combiner="sum", default_value_dim=DVD,
-                                        key_dtype="int64", name="ev")
 model = write_chain(sys.argv[1]) if sys.argv[3] == "write" else restored(sys.argv[1])
 got = state(model)
 ev = model.get_layer("ev")

@@ -16,10 +16,9 @@ import keras
 import numpy as np
 
 from keras_rec_emb.backend.jax import ffi
-from keras_rec_emb.backend.jax import saving as _saving
 from keras_rec_emb.backend.jax.optimizers import tables_of
+from keras_rec_emb.tables import ARRAY_PARTS  # noqa: F401  (the parts a link holds)
 
-ARRAY_PARTS = _saving.PARTS
 
 
 class TableChanges:
@@ -37,7 +36,7 @@ class TableChanges:
         return np.dtype(self.layer.key_dtype)
 
     def _specs(self):
-        return _saving._slot_specs(self.layer)  # pylint: disable=protected-access
+        return self.layer.table.slot_specs
 
     def mark_changes(self):
         return ffi.mark_changes(self.layer.handle)

@@ -204,6 +204,8 @@ class TableOptimizer:
         if tables:
             check_supported(self, f"tables {[t.name for t in tables]}")
         super().build(variables)
+        # The tables this optimizer trains (weakly: a layer may go first).
+        self._kre_tables = [weakref.ref(t) for t in tables]
         for table in tables:
             table.attach_optimizer(self)
 
@@ -254,8 +256,9 @@ class TableOptimizer:
         # its own there (TensorFlow's tables, their own optimizers' too,
         # follow the model optimizer's step): it takes this step, loaded
         # after the layers.
-        for table in tables_of(self._trainable_variables):
-            if getattr(table, "_kre_step_unsaved", False):
+        for ref in getattr(self, "_kre_tables", ()):
+            table = ref()
+            if table is not None and getattr(table, "_kre_step_unsaved", False):
                 table.iterations.assign(self.iterations.value)
                 table._kre_step_unsaved = False  # pylint: disable=protected-access
 
