@@ -26,7 +26,7 @@ if _backend.is_jax():
     use_64_bit_ids()
     from keras_rec_emb import callbacks, data, layers, optimizers
     from keras_rec_emb.backend.jax import tensorflow_only_getattr
-    from keras_rec_emb.backend.jax.serving import export_for_serving
+    from keras_rec_emb.serving import export_for_serving
     from keras_rec_emb.incremental import IncrementalCheckpointer, apply_to_saved_model
     from keras_rec_emb.options import (CBFFilter, CounterFilter, EmbeddingVariableOption,
                                        GlobalStepEvict, InitializerOption, L2WeightEvict,

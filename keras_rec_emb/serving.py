@@ -1,25 +1,14 @@
 """`export_for_serving`: a SavedModel that stock TensorFlow serves without
-this package (no custom ops): each embedding table becomes a
-`tf.lookup.experimental.MutableHashTable` from key to row plus a dense
-`[N, dim]` matrix of the rows, read with stock ops.
-
-The serving function is traced inside `_serving_context.stock_tables`: in
-the exporting thread, every table lookup reads the table's stock twin and
-fused group lookups run `embedding_ops.stock_group_lookup` on the twins;
-other threads, and everything after the export, keep the package's ops.
-"""
+this package, from a model trained under either backend (the work is the
+backend's: backend/tensorflow/serving.py traces the model with stock
+twins of its tables; backend/jax/serving.py hands it to a TensorFlow
+process)."""
 
 import os
-import shutil
-import tempfile
 
 import keras
-import numpy as np
-import tensorflow as tf
 
-from keras_rec_emb import _checks_core, saving
-from keras_rec_emb.backend.tensorflow import compat as _compat
-from keras_rec_emb.backend.tensorflow import serving_context as _serving_context
+from keras_rec_emb import _backend, _checks_core
 
 __all__ = ["export_for_serving"]
 
@@ -31,140 +20,11 @@ __all__ = ["export_for_serving"]
 MAX_INPUT_SIZE = 2**24
 
 
-class _StockTable(tf.Module):
-    """One embedding table as stock TensorFlow state, with the inference
-    semantics of `KRE>TableLookup`: admitted keys read their rows; other
-    keys read `no_permission_value` when the table has an admission filter,
-    else their initializer row `default_values[key mod default_value_dim]`."""
-
-    def __init__(self, table):
-        super().__init__(name=_module_name(table.name))
-        data = table.export(include_filtered=False)
-        keys = np.asarray(data["keys"]).astype(np.int64)
-        self._dim = table.dim
-        self._key_dtype = table.key_dtype
-        self._filtered = table.filters
-        self._no_permission_value = table.no_permission_value
-        self.index = tf.lookup.experimental.MutableHashTable(
-            tf.int64, tf.int64, default_value=-1, name="index")
-        if len(keys):
-            self.index.insert(keys, np.arange(len(keys), dtype=np.int64))
-        values = np.asarray(data["values"], np.float32).reshape(len(keys), self._dim)
-        # The served table is frozen: with no rows (untrained, nothing
-        # admitted by a filter yet, or all evicted) every key reads its
-        # "other" row, and the served graph must not gather from an empty
-        # matrix (stock TF refuses index 0 of [0, dim]).
-        self._empty = len(keys) == 0
-        # Made while the export's function traces: a plain tf.Variable
-        # there would make tf.function trace the whole model once more.
-        self.values = _compat.constant_variable(values, "values")
-        defaults = np.asarray(data["default_values"], np.float32).reshape(-1, self._dim)
-        self.default_values = _compat.constant_variable(defaults, "default_values")
-
-    def lookup(self, keys):
-        keys = tf.convert_to_tensor(keys)
-        shape = tf.shape(keys)
-        flat = tf.cast(tf.cast(tf.reshape(keys, [-1]), self._key_dtype), tf.int64)
-        if self._filtered:
-            other = tf.fill(tf.stack([tf.size(flat), self._dim]),
-                            tf.constant(self._no_permission_value, tf.float32))
-        else:
-            dvd = tf.shape(self.default_values, out_type=tf.int64)[0]
-            other = tf.gather(self.default_values, tf.math.floormod(flat, dvd))
-        if self._empty:
-            rows = other
-        else:
-            index = self.index.lookup(flat)
-            found = index >= 0
-            rows = tf.where(found[:, None], tf.gather(self.values, tf.maximum(index, 0)),
-                            other)
-        return tf.reshape(rows, tf.concat([shape, [self._dim]], 0))
-
-
-def _module_name(name):
-    cleaned = "".join(c if c.isalnum() or c == "_" else "_" for c in str(name or "table"))
-    return cleaned if cleaned[:1].isalpha() else f"t_{cleaned}"
-
-
-class _Untracked:
-    """A plain holder that TensorFlow's object tracking does not look into."""
-
-    def __init__(self):
-        self.items = []
-
-
-class _StockTables(tf.Module):
-    """The stock tables of one export, made on first lookup of each table."""
-
-    def __init__(self):
-        super().__init__(name="embedding_tables")
-        self.tables = []
-        # The EmbeddingTables, in the order of `tables` (kept out of the
-        # SavedModel: they need this package's ops).
-        self._sources = _Untracked()
-
-    def get(self, table):
-        for source, stock in zip(self._sources.items, self.tables):
-            if source is table:
-                return stock
-        with tf.init_scope():  # eager state, captured by the traced function
-            stock = _StockTable(table)
-        self._sources.items.append(table)
-        self.tables.append(stock)
-        return stock
-
-    def release(self):
-        """Frees the indexes made in this process, once written out.
-
-        Made eagerly, a stock `MutableHashTable` lives in TensorFlow's
-        resource manager under a name of its own until deleted by name (it
-        has no deleter): each export kept its whole index (tens of bytes per
-        key) until the process ended. The SavedModel re-creates its tables
-        when loaded, so the exporter's are no longer needed."""
-        for stock in self.tables:
-            tf.raw_ops.DestroyResourceOp(resource=stock.index.resource_handle,
-                                         ignore_lookup_error=True)
-
-
-def _shape_checked(args, max_input_size=None):
-    """The endpoint's input tensors, each checked against its traced shape
-    when the graph runs (stock `EnsureShape`): a signature's callers (TF
-    Serving, a TF1 Session, `loaded.signatures[...]`) skip tf.function's
-    input check, and ids of another width or rank would be read as ids.
-    With `max_input_size`, a tensor of more elements fails the request
-    (InvalidArgument) before any op reads it."""
-    def check(x):
-        if not isinstance(x, tf.Tensor):
-            return x
-        name = (getattr(x, "name", None) or "input").split(":")[0]
-        if x.shape.rank is not None:
-            x = tf.ensure_shape(x, x.shape)
-        if max_input_size is not None:
-            size = tf.size(x, out_type=tf.int64)
-            assertion = tf.debugging.Assert(
-                size <= max_input_size,
-                [f"export_for_serving: input {name} of the request has", size,
-                 f"elements; this SavedModel serves at most {max_input_size} per input "
-                 "(export_for_serving's max_input_size). Split the request."])
-            with tf.control_dependencies([assertion]):
-                x = tf.identity(x)
-        return x
-
-    return tf.nest.map_structure(check, args)
-
-
-def _custom_ops(graph_def):
-    """Op types of this package (prefix KRE>) in a GraphDef and its library."""
-    found = {n.op for n in graph_def.node if n.op.startswith("KRE>")}
-    for function in graph_def.library.function:
-        found.update(n.op for n in function.node_def if n.op.startswith("KRE>"))
-    return found
-
-
 def export_for_serving(model: keras.Model, filepath: str | os.PathLike,
                        input_signature: list | tuple | dict | None = None,
                        verbose: bool = False,
-                       max_input_size: int | None = MAX_INPUT_SIZE) -> None:
+                       max_input_size: int | None = MAX_INPUT_SIZE,
+                       timeout: float = 600) -> str:
     """Exports `model` for inference as a SavedModel that needs only TensorFlow.
 
     `model.export` writes a SavedModel whose tables use this package's ops
@@ -188,6 +48,14 @@ def export_for_serving(model: keras.Model, filepath: str | os.PathLike,
     place only once complete, so a failed export leaves a previous one
     intact.
 
+    Under Keras's JAX backend the model is traced by TensorFlow in a child
+    process (TensorFlow must be installed; this process never imports it):
+    the model goes across as a `.keras` file, its signature as this
+    process's, and the user's own classes from their modules, or those
+    the script being run defines, from its source. A subclassed model's
+    ids keep the dtypes of its first call under both backends, so no
+    `input_signature` is needed once the model has been called on ids.
+
     Fresh rows for online serving: the stock export is frozen, so a TF
     Serving deployment picks up new rows the way TF Serving picks up any new
     model: export on a schedule (e.g. after each full or incremental
@@ -204,15 +72,18 @@ def export_for_serving(model: keras.Model, filepath: str | os.PathLike,
     incremental model update).
 
     Args:
-        model: a built `keras.Model` (TensorFlow backend).
+        model: a built `keras.Model`.
         filepath: str or path-like. Directory to write the SavedModel to.
         input_signature: optional structure of `tf.TensorSpec` /
-            `keras.InputSpec` for the endpoint, as in `model.export`.
-            Defaults to `None`: taken from the model's inputs.
+            `keras.InputSpec` for the endpoint, as in `model.export`
+            (TensorFlow backend; under JAX `None` only). Defaults to
+            `None`: taken from the model's inputs.
         verbose: bool. Print the endpoint's signature. Defaults to `False`.
         max_input_size: int or `None`. The most elements one input tensor
             of a request may have; `None` for no limit. Defaults to `2**24`
             (16,777,216: 128 MiB of int64 ids).
+        timeout: seconds the TensorFlow process may take under the JAX
+            backend (unused under TensorFlow). Defaults to 600.
 
     Returns:
         The path written.
@@ -244,43 +115,10 @@ def export_for_serving(model: keras.Model, filepath: str | os.PathLike,
             f"filepath={filepath!r}, an existing file")
     max_input_size = _checks_core.check_int("max_input_size", max_input_size, minimum=1,
                                             allow_none=True)
-    if input_signature is None:
-        input_signature = _compat.input_signature(model)
-    stock = _StockTables()
-    archive = keras.export.ExportArchive()
-    parent = os.path.dirname(os.path.abspath(filepath))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-serving-", dir=parent)
-    try:
-        # Every trace (also any the save makes) reads the stock tables.
-        with _serving_context.stock_tables(stock.get):
-            endpoint = archive.add_endpoint(
-                "serve",
-                lambda *args: model(*_shape_checked(args, max_input_size), training=False),
-                input_signature)
-            concrete = endpoint.get_concrete_function()
-            left = _custom_ops(concrete.graph.as_graph_def())
-            if left:
-                raise NotImplementedError(
-                    "export_for_serving: the model still runs ops of keras_rec_emb "
-                    f"({sorted(left)}) in inference; these layers cannot be served "
-                    "without the package. Use model.export instead.")
-            archive.track(stock)
-            archive.write_out(tmp, verbose=verbose)
-        # mkdtemp makes a 0700 folder; a server running as another user must
-        # read it, as it could one written by tf.saved_model.save.
-        os.chmod(tmp, saving.default_mode(directory=True))
-        if os.path.isdir(filepath):
-            old = tempfile.mkdtemp(prefix=".old-serving-", dir=parent)
-            os.rmdir(old)
-            os.replace(filepath, old)
-            os.replace(tmp, filepath)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, filepath)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        stock.release()
-    return filepath
+    if _backend.is_jax():
+        from keras_rec_emb.backend.jax import serving as _impl
+
+        return _impl.export(model, filepath, input_signature, verbose, max_input_size, timeout)
+    from keras_rec_emb.backend.tensorflow import serving as _impl
+
+    return _impl.export(model, filepath, input_signature, verbose, max_input_size)

@@ -15,7 +15,8 @@ import pytest
 import tensorflow as tf
 
 import keras_rec_emb as kre
-from keras_rec_emb import ops, serving
+from keras_rec_emb import ops
+from keras_rec_emb.backend.tensorflow import serving
 from keras_rec_emb.backend.tensorflow import serving_context as _serving_context
 from keras_rec_emb.distribute.collective_tables import CollectiveShardedTable
 from keras_rec_emb.distribute.ps_tables import ShardedEmbeddingTable

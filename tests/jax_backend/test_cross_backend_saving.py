@@ -62,8 +62,10 @@ def parts_of(layer):
     return table_parts(ffi.export_parts(layer.handle, layer.key_dtype, layer.embedding_dim,
                                         [("accumulator", layer.embedding_dim)]))
 def jax_layer(**kwargs):
-    return kre.layers.EmbeddingVariable(DIM, initializer="uniform", default_value_dim=DVD,
-                                        key_dtype="int32", name="ev", **kwargs)
+    option = kre.EmbeddingVariableOption(
+        init_option=kre.InitializerOption(default_value_dim=DVD), track_meta=True)
+    return kre.layers.EmbeddingVariable(DIM, initializer="uniform", key_dtype="int32",
+                                        ev_option=option, name="ev", **kwargs)
 """
 
 # Loads the TensorFlow file (compiled), predicts, then trains on.

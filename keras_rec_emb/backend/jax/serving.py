@@ -30,7 +30,6 @@ import sys
 import tempfile
 import types
 
-from keras_rec_emb._checks_core import check_int
 
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -166,49 +165,13 @@ def _signature(model):
     return encode(_keras_fixes.input_specs(model))
 
 
-# As the TensorFlow backend's MAX_INPUT_SIZE (that module imports TensorFlow).
-MAX_INPUT_SIZE = 2**24
-
-
-def export_for_serving(model, filepath, input_signature=None, verbose=False, timeout=600,
-                       max_input_size=MAX_INPUT_SIZE):
-    """Exports `model`, trained under Keras's JAX backend, for inference as
-    the SavedModel that the TensorFlow backend's `export_for_serving`
-    writes: stock TensorFlow only, each table a stock hash table and a
-    matrix of its rows (see that function). TensorFlow must be installed:
-    a child process under the TensorFlow backend writes the export.
-
-    Args:
-        model: a built `keras.Model` whose layers save in the format both
-            backends read (`model.save`).
-        filepath: str or path-like. Directory to write the SavedModel to.
-        input_signature: `None` only: the endpoint's signature is taken
-            from the model's inputs (a `tf.TensorSpec` cannot be made
-            under the JAX backend).
-        verbose: bool. Print the endpoint's signature.
-        timeout: seconds the child may take.
-        max_input_size: int or `None`. The most elements one input tensor
-            of a request may have (a larger one fails alone with
-            InvalidArgument); `None` for no limit. Defaults to `2**24`.
-
-    Returns:
-        The path written.
-    """
-    import keras
-
-    if not isinstance(model, keras.Model):
-        raise TypeError(f"`model` must be a keras.Model. Received: model={model!r}")
-    if not model.built:
-        raise ValueError("`model` must be built (called once or given Inputs) before export.")
+def export(model, filepath, input_signature, verbose, max_input_size, timeout):
+    """`keras_rec_emb.export_for_serving` under JAX (its arguments checked
+    there): a TensorFlow child process writes the SavedModel (see the top)."""
     if input_signature is not None:
         raise ValueError(
             "Under the JAX backend `input_signature` must be None (the endpoint takes the "
             f"model's inputs). Received: input_signature={input_signature!r}")
-    max_input_size = check_int("max_input_size", max_input_size, minimum=1, allow_none=True)
-    filepath = os.fspath(filepath)
-    if os.path.exists(filepath) and not os.path.isdir(filepath):
-        raise ValueError("`filepath` must be a directory for the SavedModel. Received: "
-                         f"filepath={filepath!r}, an existing file")
     env = dict(os.environ, KERAS_BACKEND="tensorflow")
     # The package, then this process's own path: the child imports the
     # user's modules from where this process found them.
