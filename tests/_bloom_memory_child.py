@@ -1,5 +1,5 @@
 """Child process of the Bloom-filter memory tests (tests/test_filters_eviction.py,
-tests/jax_backend/test_filters_eviction.py), under the Keras backend that
+tests/jax_backend/test_jax_filters_eviction.py), under the Keras backend that
 KERAS_BACKEND names: `python tests/_bloom_memory_child.py SPELLING`, where
 SPELLING names the counter type ("uint64", "tf.int64", "np.uint64",
 "jnp.int64"). A process of its own, so that its resident memory (VmRSS)

@@ -24,6 +24,7 @@ By hand, the JAX side alone, in one JAX process:
 """
 
 import os
+import sys
 import random
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -32,6 +33,14 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 import keras
 import numpy as np
 import pytest
+
+# `tests.*` modules import from the checkout's root: `python -m pytest` puts
+# the working folder on the path, the `pytest` script does not (the wheel
+# check runs it). Appended, so that the package imported is still the one
+# installed, when one is.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.append(_ROOT)
 
 pytest_plugins = ("tests._backends",)
 
@@ -133,7 +142,7 @@ def config_round_trip():
 _LONGEST_FILES = (
     "tests/test_guides.py",
     "tests/jax_backend/test_multi_hash.py",
-    "tests/jax_backend/test_file_tier.py",
+    "tests/jax_backend/test_jax_file_tier.py",
     "tests/jax_backend/test_cross_backend_hash_layers.py",
     "tests/distribute/test_mirrored.py",
     "tests/distribute/test_multi_worker.py",

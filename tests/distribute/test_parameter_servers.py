@@ -13,6 +13,7 @@ import pytest
 import tensorflow as tf
 
 import keras_rec_emb as kre
+from keras_rec_emb.backend.tensorflow import variables as tf_variables
 from keras_rec_emb.distribute import ps_tables
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -139,7 +140,7 @@ def test_two_ps_two_workers_sum_of_pushes(tmp_path):
     model = keras.saving.load_model(tmp_path / "ps_model.keras",
                                     custom_objects={"linear_loss": ps_worker.linear_loss})
     table = model.get_layer("emb").table
-    assert isinstance(table, kre.variables.EmbeddingTable)
+    assert isinstance(table, tf_variables.EmbeddingTable)
     data = table.export()
     order = np.argsort(data["keys"])
     np.testing.assert_allclose(data["values"][order], values, rtol=1e-5, atol=1e-5)
@@ -194,7 +195,7 @@ def test_sharded_table_in_one_process_matches_one_table():
     init = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)
     sharded = ps_tables.ShardedEmbeddingTable(["/cpu:0", "/device:CPU:0"], 3, "int64", init,
                                               name="sharded_local", track_meta=True)
-    plain = kre.variables.EmbeddingTable(3, "int64", init, name="plain_local",
+    plain = tf_variables.EmbeddingTable(3, "int64", init, name="plain_local",
                                          track_meta=True)
     keys = tf.constant([[5, 9, 5], [100, 2, 77]], tf.int64)
     for table in (sharded, plain):
@@ -214,7 +215,7 @@ def test_sharded_table_in_one_process_matches_one_table():
     three = ps_tables.ShardedEmbeddingTable(["/cpu:0"] * 3,
                                             3, "int64", init, name="three_local")
     three.import_(data)
-    one = kre.variables.EmbeddingTable(3, "int64", np.zeros((1, 3), np.float32), name="one")
+    one = tf_variables.EmbeddingTable(3, "int64", np.zeros((1, 3), np.float32), name="one")
     one.import_(three.export())
     for table in (three, one):
         np.testing.assert_allclose(table.lookup(keys).numpy(), plain.lookup(keys).numpy())
@@ -278,7 +279,7 @@ def test_checkpoint_reshards_on_restore(tmp_path):
 
     def make(n, name):
         if n == 1:
-            return kre.variables.EmbeddingTable(3, "int64", init, name=name, track_meta=True)
+            return tf_variables.EmbeddingTable(3, "int64", init, name=name, track_meta=True)
         return ps_tables.ShardedEmbeddingTable(["/cpu:0"] * n, 3, "int64", init, name=name,
                                                track_meta=True)
 

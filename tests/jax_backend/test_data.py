@@ -100,7 +100,7 @@ losses = history.history["loss"]
 assert Count.steps == 15 and len(losses) == 3 and all(np.isfinite(losses)), (Count.steps, losses)
 assert losses[-1] < losses[0], losses
 ids = {i for r in rows for i in (r["items"] or [])}
-assert int(table.size()) == len(ids), (int(table.size()), len(ids))
+assert int(table.table_size()) == len(ids), (int(table.table_size()), len(ids))
 assert np.isfinite(model.evaluate(train, verbose=0))
 assert model.predict(train, verbose=0).shape == (len(rows), 1)
 assert "tensorflow" not in sys.modules

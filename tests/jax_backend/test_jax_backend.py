@@ -126,7 +126,9 @@ for name in ("SGD", "Adagrad"):
     result[f"{name} filtered and evicted"] = train_filtered(name)
 """
 
-_TENSORFLOW = """
+# One layer for both backends (one class): the table's meta tracked, so
+# that frequencies and versions are compared too.
+_TENSORFLOW = _JAX = """
 import keras_rec_emb as kre
 def make_layer(init, combiner, **options):
     option = kre.EmbeddingVariableOption(
@@ -135,22 +137,7 @@ def make_layer(init, combiner, **options):
     return kre.layers.EmbeddingVariable(DIM, key_dtype="int32", ev_option=option,
                                         combiner=combiner, prune_invalid_ids=bool(combiner))
 def export(layer):
-    return layer.table.export()
-"""
-
-_JAX = """
-import keras_rec_emb as kre
-from keras_rec_emb.backend.jax import ffi
-def make_layer(init, combiner, **options):
-    if options:  # the TensorFlow layer's option object
-        option = kre.EmbeddingVariableOption(init_option=kre.InitializerOption(
-            initializer=init, default_value_dim=DVD), **options)
-        return kre.layers.EmbeddingVariable(DIM, ev_option=option)
-    return kre.layers.EmbeddingVariable(DIM, initializer=init, default_value_dim=DVD,
-                                        combiner=combiner, prune_invalid_ids=bool(combiner))
-def export(layer):  # the TensorFlow layer's export(): slots by name, filtered keys
-    return ffi.export_parts(layer.handle, layer.key_dtype, layer.embedding_dim,
-                            layer._kre_slot_specs)
+    return layer.export()
 """
 
 

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import types
+import zipfile
 
 
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -73,18 +74,40 @@ def _is_known(module):
     return module is None or module.split(".")[0] in _KNOWN
 
 
-def _user_classes(model):
-    """`(module, name, registered name)` of the model's own classes (its
-    layers', the model's) and of the registered custom objects that are the
-    user's: the child finds each in its module (`__main__`: the code
-    `_main_source` gives) and loads with them as `custom_objects`, which is
-    how Keras finds a class it was not told the registration of."""
+def _saved_names(path):
+    """Every `registered_name` and `class_name` the `.keras` file's config
+    holds (the objects the child must find to load it)."""
+    with zipfile.ZipFile(path) as archive:
+        config = json.loads(archive.read("config.json"))
+    names, todo = set(), [config]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            for key in ("registered_name", "class_name"):
+                if isinstance(node.get(key), str):
+                    names.add(node[key])
+            todo.extend(node.values())
+        elif isinstance(node, list):
+            todo.extend(node)
+    return names
+
+
+def _user_classes(model, saved):
+    """`(module, name, registered name)` of the user's classes the saved
+    model holds (its layers', the model's, and any registered custom
+    object its config names): the child finds each in its module
+    (`__main__`: the code `_main_source` gives) and loads with them as
+    `custom_objects`, which is how Keras finds a class it was not told the
+    registration of. Other objects registered in this process are not
+    the model's and stay here."""
     import keras
 
     from keras_rec_emb import _keras_fixes
 
+    names = _saved_names(saved)
     objects = [type(layer) for layer in _keras_fixes.flatten_layers(model)]
-    objects += list(keras.saving.get_custom_objects().values())
+    objects += [obj for name, obj in keras.saving.get_custom_objects().items()
+                if name in names]
     found = {}
     for obj in objects:
         module = getattr(obj, "__module__", None)
@@ -182,7 +205,7 @@ def export(model, filepath, input_signature, verbose, max_input_size, timeout):
         model.save(saved)
         setup = os.path.join(tmp, "setup.json")
         with open(setup, "w") as f:
-            classes = _user_classes(model)
+            classes = _user_classes(model, saved)
             needed = {name for module, name, _ in classes if module == "__main__"}
             json.dump({"classes": classes, "main": _main_source(needed),
                        "signature": _signature(model)}, f)
