@@ -277,9 +277,10 @@ class GroupEmbedding(keras.layers.Layer):
     def __init__(self, features: dict | list, output_mode: str = "dict",
                  tables: list | None = None, name: str | None = None, **kwargs):
         super().__init__(name=name, **kwargs)
-        # Our C++ ops have no XLA kernels: Keras's jit_compile="auto" then
-        # chooses False, and True falls back to False with a warning.
-        self.supports_jit = False
+        # The TensorFlow ops have no XLA kernels: Keras's jit_compile="auto"
+        # then chooses False, and True falls back to False with a warning.
+        # Under JAX the tables are XLA FFI calls: the step is jitted.
+        self.supports_jit = _backend.is_jax()
         if not isinstance(features, dict) or not features:
             raise ValueError(
                 "`features` must be a non-empty dict from feature name to "

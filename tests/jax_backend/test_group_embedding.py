@@ -527,3 +527,17 @@ def test_docstring_examples_run_under_jax():
         runner.run(test)
     result = runner.summarize(verbose=False)
     assert len(tests) == 2 and result.attempted >= 10 and result.failed == 0
+
+
+def test_a_group_embedding_model_compiles_its_step_with_xla():
+    """Under JAX the tables are XLA FFI calls: `jit_compile="auto"` must
+    choose XLA (a layer saying `supports_jit=False` would make every step
+    of `fit` run op by op, about ten times slower)."""
+    group = kre.layers.GroupEmbedding(
+        {"a": kre.layers.FeatureSpec({"embedding_dim": 4}, combiner="sum")})
+    ids = keras.Input((2,), dtype="int64", name="a")
+    model = keras.Model({"a": ids}, keras.layers.Dense(1)(group({"a": ids})["a"]))
+    model.compile(optimizer=kre.optimizers.Adagrad(0.1), loss="mse")
+    assert group.supports_jit
+    assert model.jit_compile is True
+    model.fit({"a": np.array([[1, 2], [3, -1]])}, np.ones((2, 1)), verbose=0)
