@@ -1,6 +1,6 @@
 """DeepRec's optimizer cases shared by the TensorFlow tests
 (tests/test_deeprec_parity.py, tests/optimizers/test_deeprec_optimizers.py)
-and their JAX port (tests/jax_backend/test_deeprec_optimizers.py): DeepRec's
+and tests/test_deeprec_training.py (both backends): DeepRec's
 inputs and expected numbers, and the NumPy references. No TensorFlow here:
 the JAX child imports it."""
 

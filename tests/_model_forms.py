@@ -5,7 +5,7 @@ value-by-value comparison."""
 import keras
 import numpy as np
 
-from keras_rec_emb.backend.tensorflow import compat as _compat
+from keras_rec_emb import _keras_fixes
 from keras_rec_emb.layers import EmbeddingVariable
 
 
@@ -31,7 +31,7 @@ class ChainModel(keras.Model):
 
 
 def id_layers(model):
-    return [layer for layer in _compat.flatten_layers(model)
+    return [layer for layer in _keras_fixes.flatten_layers(model)
             if isinstance(layer, EmbeddingVariable)]
 
 

@@ -6,6 +6,7 @@ import pytest
 
 import keras_rec_emb as kre
 from keras_rec_emb.layers import EmbeddingVariable
+from tests._callbacks import EachStep
 
 DIM = 4
 
@@ -14,17 +15,6 @@ def ev(name="ev", evict_option=None, **kwargs):
     return EmbeddingVariable(DIM, name=name, ev_option=kre.EmbeddingVariableOption(
         init_option=kre.InitializerOption(default_value_no_permission=-0.5),
         evict_option=evict_option, **kwargs))
-
-
-class SizeEachStep(keras.callbacks.Callback):
-    """Records a table's size after every training step."""
-
-    def __init__(self, layer):
-        super().__init__()
-        self.layer, self.sizes = layer, []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.sizes.append(self.layer.table_size())
 
 
 def test_eviction_callback_keeps_memory_flat_on_a_stream_of_new_ids():
@@ -83,11 +73,11 @@ def _one_epoch_of_new_ids(callback, nested):
         embedded = keras.layers.Flatten()(layer(ids))
     model = keras.Model(ids, keras.layers.Dense(1)(embedded))
     model.compile(optimizer=kre.optimizers.Adagrad(0.1), loss="mse")
-    sizes = SizeEachStep(layer)
+    sizes = EachStep(layer.table_size)
     x = np.arange(20).reshape(10, 2)  # 2 rows of 2 new ids per step
     model.fit(x, np.ones((10, 1)), batch_size=2, shuffle=False, verbose=0,
               callbacks=[callback, sizes])
-    return sizes.sizes, layer.table_size()
+    return sizes.values, layer.table_size()
 
 
 @pytest.mark.parametrize("nested", [False, True])

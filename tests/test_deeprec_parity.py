@@ -1,7 +1,9 @@
 """DeepRec's own unit tests, translated to this package's API with their
 inputs, hyper-parameters and expected values kept. Each test
 names the DeepRec test it reproduces (DeepRec-AI/DeepRec,
-tensorflow/python/...)."""
+tensorflow/python/...). These are TensorFlow's (checkpoints, the fused
+sparse ops, tf.constant ids); those that run under both backends are in
+tests/test_deeprec_training.py."""
 
 import keras
 import numpy as np
@@ -11,99 +13,11 @@ import tensorflow as tf
 import keras_rec_emb as kre
 from keras_rec_emb.layers import EmbeddingVariable
 
-from tests._deeprec_cases import (ADAGRAD_DECAY_IDS, ADAMW_GRADS, ADAMW_STARTS, ADAGRAD_DECAY_LOSSES, FTRL_EVICT_IDS,
-                                  FTRL_EVICT_ROWS, RECORD_FREQ_EXPECTED, RECORD_FREQ_IDS,
-                                  WEIGHT_DECAY, adamw_update_numpy,
-                                  deeprec_adagrad_decay_expected, ftrl_element_wise_one_step)
-
-
-def ones_ev(dim=3, name="ev", **option):
-    return EmbeddingVariable(dim, initializer="ones", name=name,
-                             ev_option=kre.EmbeddingVariableOption(**option) if option else None)
-
-
-def train_steps(layer, ids, optimizer, steps):
-    """DeepRec's test graph: emb = lookup(ids); loss = sum(emb * 2); one
-    optimizer step per run; returns the loss of each run (before its step)
-    and the embeddings each run read."""
-    layer.build()
-    losses, reads = [], []
-    for _ in range(steps):
-        with tf.GradientTape() as tape:
-            emb = layer(tf.constant(ids, tf.int64), training=True)
-            loss = tf.reduce_sum(emb * 2.0)
-        grads = tape.gradient(loss, layer.trainable_variables)
-        optimizer.apply_gradients(zip(grads, layer.trainable_variables))
-        losses.append(float(loss))
-        reads.append(emb.numpy())
-    return losses, reads
+from tests._table_training import (FILTERS, check_ftrl_evicted, freqs, ftrl_evict_trained, ones_ev,
+                                   train_steps)
 
 
 # -- 1. AdagradDecay -------------------------------------------------------------
-
-@pytest.mark.parametrize("epsilon", [0.0, 1e-7])
-def test_adagrad_decay_on_an_embedding_variable(epsilon):
-    # embedding_variable_ops_test.py: testEmbeddingVariableForAdagradDecayV2
-    # (AdagradDecayOptimizerV2(0.1, gs, accumulator_decay_step=2)).
-    opt = kre.optimizers.AdagradDecay(0.1, accumulator_decay_step=2, epsilon=epsilon)
-    losses, _ = train_steps(ones_ev(), ADAGRAD_DECAY_IDS, opt, 5)
-    assert losses[0] == ADAGRAD_DECAY_LOSSES[0]
-    np.testing.assert_allclose(losses[1:], ADAGRAD_DECAY_LOSSES[1:], atol=1e-5)
-
-
-@pytest.mark.parametrize("rate, init", [(0.9, 0.1), (0.6, 1.0)])
-def test_adagrad_decay_dense_and_sparse(rate, init):
-    # adagrad_decay_test.py: doTestBasic / doTestBaseline (dense gradients)
-    # and doTestSparseBasic / doTestSparseBaseline (IndexedSlices on a
-    # dense variable, as keras.layers.Embedding gives): decay_step=3,
-    # 4 steps, decay at the third.
-    var0 = keras.Variable([1.0, 2.0])
-    var1 = keras.Variable([3.0, 4.0])
-    sp0 = keras.Variable([[1.0], [2.0]])
-    sp1 = keras.Variable([[3.0], [4.0]])
-    opt = kre.optimizers.AdagradDecay(1.0, initial_accumulator_value=init,
-                                      accumulator_decay_step=3,
-                                      accumulator_decay_rate=rate, epsilon=0.0)
-    for _ in range(4):
-        opt.apply_gradients([
-            (tf.constant([0.1, 0.1]), var0), (tf.constant([0.2, 0.2]), var1),
-            (tf.IndexedSlices(tf.constant([[0.1]]), tf.constant([0]), tf.constant([2, 1])), sp0),
-            (tf.IndexedSlices(tf.constant([[0.2]]), tf.constant([1]), tf.constant([2, 1])), sp1),
-        ])
-    v0, a0 = deeprec_adagrad_decay_expected(0.1, init, rate, 4, 1.0)
-    v1, a1 = deeprec_adagrad_decay_expected(0.2, init, rate, 4, 3.0)
-    np.testing.assert_allclose(var0.numpy(), [v0, v0 + 1], rtol=1e-6)
-    np.testing.assert_allclose(var1.numpy(), [v1, v1 + 1], rtol=1e-6)
-    np.testing.assert_allclose(sp0.numpy(), [[v0], [2.0]], rtol=1e-6)
-    np.testing.assert_allclose(sp1.numpy(), [[3.0], [v1 + 1]], rtol=1e-6)
-    accs = {id(v): a for v, a in zip(opt._trainable_variables, opt._accumulators)}
-    np.testing.assert_allclose(accs[id(var0)].numpy(), [a0, a0], rtol=1e-6)
-    np.testing.assert_allclose(accs[id(sp1)].numpy(), [[init], [a1]], rtol=1e-6)
-
-
-def test_adagrad_decay_an_idle_row_decays_once_per_update():
-    # KvSparseApplyAdagradDecay: at most one decay per update of a row,
-    # however many periods it missed (accum_decay_power += 1).
-    layer = ones_ev(dim=1)
-    layer.build()
-    opt = kre.optimizers.AdagradDecay(0.1, initial_accumulator_value=0.1,
-                                      accumulator_decay_step=2, accumulator_decay_rate=0.5,
-                                      epsilon=0.0)
-    var = layer.trainable_variables[0]
-    g = tf.fill([1, 1], 3.0)
-    expect = 0.1
-    for step in range(9):
-        key = 5 if step in (0, 8) else 6
-        opt.apply_gradients([(tf.IndexedSlices(g, tf.constant([key], tf.int64)), var)])
-        if key == 5:
-            if (step + 1) // 2 > (1 if step == 8 else 0):
-                expect = max(expect * 0.5, 0.1)
-            expect += 9.0
-    data = layer.export()
-    i = list(data["keys"]).index(5)
-    np.testing.assert_allclose(data["slots"]["accumulator"][i], [expect], rtol=1e-6)
-    assert data["slots"]["decay_period"][i][0] == 1.0  # one decay, not four
-
 
 def test_adagrad_decay_old_scalar_decay_period_still_loads(tmp_path):
     # keras_rec_emb 0.1.0 stored a dense variable's decay_period as a scalar.
@@ -149,60 +63,7 @@ def test_cbf_false_positive_rate_holds_for_small_filters_and_many_shards(n):
     assert rate < 4 * p, rate
 
 
-def test_cbf_filter_admits_after_filter_freq_steps():
-    # embedding_variable_ops_test.py: testEmbeddingVariableForBloomFilterInt64
-    # (CBFFilter(3, 5, 0.01), 4 shards): three runs read 0, the fourth a
-    # trained row.
-    for counter in ("uint8", "uint16", "uint32", "uint64"):
-        layer = ones_ev(name=f"cbf_{counter}", filter_option=kre.CBFFilter(
-            3, 5, 0.01, counter), num_shards=4)
-        _, reads = train_steps(layer, [1], kre.optimizers.AdagradDecay(0.1), 4)
-        for r in reads[:3]:
-            np.testing.assert_array_equal(r, np.zeros((1, 3)))
-        assert not np.any(reads[3] == 1.0) and not np.any(reads[3] == 0.0)
-
-
 # -- 3. Admission timing -------------------------------------------------------------
-
-FILTERS = [lambda: kre.CounterFilter(3), lambda: kre.CBFFilter(3, 1000, 0.01)]
-
-
-@pytest.mark.parametrize("make_filter", FILTERS, ids=["counter", "cbf"])
-@pytest.mark.parametrize("make_opt", [
-    lambda: kre.optimizers.AdagradDecay(0.1), lambda: kre.optimizers.Ftrl(
-        0.1, l1_regularization_strength=2.0, l2_regularization_strength=1e-5),
-    lambda: kre.optimizers.AdamAsync(0.1), lambda: kre.optimizers.SGD(0.1)],
-    ids=["adagrad_decay", "ftrl", "adam_async", "sgd"])
-def test_filter_the_admitting_lookup_still_reads_no_permission(make_filter, make_opt):
-    # embedding_variable_ops_test.py: testEmbeddingVariableFor{AdagradDecay,
-    # Ftrl,AdamAsync,GradientDescent}Filter: CounterFilter(3) and key [1]:
-    # the first three runs read 0.0, the fourth a row != 1.0 (admitted by
-    # the third run, whose gradient trained it).
-    layer = ones_ev(filter_option=make_filter())
-    _, reads = train_steps(layer, [1], make_opt(), 4)
-    for r in reads[:3]:
-        np.testing.assert_array_equal(r, np.zeros((1, 3)))
-    assert not np.any(reads[3] == 1.0)
-
-
-def test_filter_one_value_per_key_per_batch():
-    # embedding_variable_ops_test.py:
-    # testEmbeddingVariableForFeatureFilterFromContribFeatureColumn: ids
-    # [1,1,1,1,2,2,2,3,3,4], CounterFilter(3): the first run reads 0 for all
-    # (keys 1 and 2 reach the threshold in it); the second reads rows for
-    # keys 1 and 2, 0 for keys 3 and 4.
-    ids = [1, 1, 1, 1, 2, 2, 2, 3, 3, 4]
-    for make_filter in FILTERS:
-        layer = ones_ev(name="ff", filter_option=make_filter(),
-                        init_option=kre.InitializerOption(default_value_no_permission=-0.5))
-        _, reads = train_steps(layer, ids, kre.optimizers.Ftrl(
-            0.1, l1_regularization_strength=2.0, l2_regularization_strength=1e-5), 2)
-        np.testing.assert_array_equal(reads[0], np.full((10, 3), -0.5))
-        assert not np.any(reads[1][:7] == -0.5) and not np.any(reads[1][:7] == 1.0)
-        np.testing.assert_array_equal(reads[1][7:], np.full((3, 3), -0.5))
-        # All occurrences of a key in one batch read the same row.
-        np.testing.assert_array_equal(reads[1][0], reads[1][3])
-
 
 @pytest.mark.parametrize("make_filter", FILTERS, ids=["counter", "cbf"])
 def test_filter_timing_through_group_embedding_and_functional_ops(make_filter):
@@ -230,37 +91,14 @@ def test_filter_timing_through_group_embedding_and_functional_ops(make_filter):
 
 # -- 4 and 5. L2WeightEvict and Ftrl on tables ------------------------------------------
 
-def test_ftrl_group_rule_and_l2_weight_evict(tmp_path):
-    # embedding_variable_ops_test.py: testEmbeddingVariableForL2FeatureEviction
-    # (Ftrl(0.1, l1=2.0, l2=1e-5), L2WeightEvict(0.9), ids [0,0,0,1,1,2],
-    # one step, save, restore, read).
-    layer = ones_ev(evict_option=kre.L2WeightEvict(0.9))
-    opt = kre.optimizers.Ftrl(0.1, l1_regularization_strength=2.0,
-                              l2_regularization_strength=0.00001, table_rule="deeprec")
-    ids = FTRL_EVICT_IDS
-    train_steps(layer, ids, opt, 1)
-    ckpt = tf.train.Checkpoint(layer=layer)
-    path = ckpt.write(str(tmp_path / "ckpt"))  # evicts, as DeepRec's save does
+def test_ftrl_l2_weight_evict_through_a_checkpoint(tmp_path):
+    # testEmbeddingVariableForL2FeatureEviction's save, restore, read.
+    layer = ftrl_evict_trained()
+    path = tf.train.Checkpoint(layer=layer).write(str(tmp_path / "ckpt"))  # evicts, as DeepRec's save does
     fresh = ones_ev(name="ev2", evict_option=kre.L2WeightEvict(0.9))
     fresh.build()
     tf.train.Checkpoint(layer=fresh).read(path).expect_partial()
-    emb = fresh(tf.constant(ids, tf.int64)).numpy()
-    np.testing.assert_allclose(emb, FTRL_EVICT_ROWS, rtol=1e-6)
-    assert sorted(fresh.export()["keys"].tolist()) == [0, 1]  # key 2 evicted
-
-
-def test_ftrl_default_table_rule_stays_element_wise():
-    layer = ones_ev()
-    opt = kre.optimizers.Ftrl(0.1, l1_regularization_strength=2.0,
-                              l2_regularization_strength=0.00001)
-    train_steps(layer, [0, 0, 0], opt, 1)
-    # Keras's element-wise rule for one element with g = 6.
-    want = ftrl_element_wise_one_step(6.0)
-    np.testing.assert_allclose(layer.export()["values"][0], [want] * 3, rtol=1e-6)
-    with pytest.raises(ValueError, match="table_rule.*'group'"):
-        kre.optimizers.Ftrl(0.1, table_rule="group")
-    cfg = kre.optimizers.Ftrl(0.1, table_rule="deeprec").get_config()
-    assert kre.optimizers.Ftrl.from_config(cfg).table_rule == "deeprec"
+    check_ftrl_evicted(fresh)
 
 
 def test_l2_weight_evict_uses_half_the_squared_norm():
@@ -272,67 +110,6 @@ def test_l2_weight_evict_uses_half_the_squared_norm():
                    "values": np.array([[0.9, 0.9], [0.95, 0.95], [0.0, 1.2727922]], np.float32)})
     assert layer.evict() == 2
     assert layer.export()["keys"].tolist() == [2]
-
-
-# -- 6. AdamW ------------------------------------------------------------------
-
-@pytest.mark.parametrize("scaled", [False, True])
-@pytest.mark.parametrize("sparse", [False, True])
-def test_adamw_decay_conventions(scaled, sparse):
-    # weight_decay_optimizers_test.py: AdamWOptimizerTest.testBasic /
-    # testSparse (DeepRec: scale_weight_decay_by_learning_rate=False); the
-    # same numbers with the decay scaled by the learning rate (Keras).
-    var0, var1 = (keras.Variable(v) for v in ADAMW_STARTS)
-    g0, g1 = (np.array(g) for g in ADAMW_GRADS)
-    opt = kre.optimizers.AdamW(WEIGHT_DECAY, scale_weight_decay_by_learning_rate=scaled)
-
-    def grad(g):
-        t = tf.constant(g, tf.float32)
-        return tf.IndexedSlices(t, tf.constant([0, 1]), tf.constant([2])) if sparse else t
-
-    n0, n1 = (np.array(v) for v in ADAMW_STARTS)
-    m0 = v0 = m1 = v1 = 0.0
-    for t in range(1, 4):
-        opt.apply_gradients([(grad(g0), var0), (grad(g1), var1)])
-        n0, m0, v0 = adamw_update_numpy(n0, g0, t, m0, v0, scaled=scaled)
-        n1, m1, v1 = adamw_update_numpy(n1, g1, t, m1, v1, scaled=scaled)
-        np.testing.assert_allclose(var0.numpy(), n0, rtol=1e-6)
-        np.testing.assert_allclose(var1.numpy(), n1, rtol=1e-6)
-
-
-@pytest.mark.parametrize("scaled", [False, True])
-def test_adamw_decay_conventions_on_a_table(scaled):
-    layer = ones_ev(dim=2)
-    layer.build()
-    var = layer.trainable_variables[0]
-    opt = kre.optimizers.AdamW(WEIGHT_DECAY, scale_weight_decay_by_learning_rate=scaled)
-    g = np.array([0.1, 0.1])
-    want, m, v = np.ones(2), 0.0, 0.0
-    for t in range(1, 4):
-        opt.apply_gradients([(tf.IndexedSlices(tf.constant([g], tf.float32),
-                                               tf.constant([4], tf.int64)), var)])
-        want, m, v = adamw_update_numpy(want, g, t, m, v, scaled=scaled)
-    np.testing.assert_allclose(layer.export()["values"][0], want, rtol=1e-6)
-    cfg = opt.get_config()
-    assert cfg["scale_weight_decay_by_learning_rate"] is scaled
-    assert kre.optimizers.AdamW.from_config(cfg).scale_weight_decay_by_learning_rate is scaled
-    with pytest.raises(TypeError, match="scale_weight_decay_by_learning_rate='no'"):
-        kre.optimizers.AdamW(0.01, scale_weight_decay_by_learning_rate="no")
-
-
-# -- 11. Shard counts ---------------------------------------------------------
-
-def test_any_positive_shard_count():
-    # DeepRec accepts ht_partition_num=20 (and any other count).
-    for shards in (1, 3, 20, 1000):
-        layer = ones_ev(name=f"s{shards}", num_shards=shards)
-        losses, _ = train_steps(layer, ADAGRAD_DECAY_IDS, kre.optimizers.AdagradDecay(
-            0.1, accumulator_decay_step=2, epsilon=0.0), 3)
-        np.testing.assert_allclose(losses, ADAGRAD_DECAY_LOSSES[:3], atol=1e-5)
-    with pytest.raises(ValueError, match=r"num_shards.*\[1, 65536\].*num_shards=70000"):
-        kre.EmbeddingVariableOption(num_shards=70000)
-    with pytest.raises(ValueError, match="num_shards=0"):
-        kre.EmbeddingVariableOption(num_shards=0)
 
 
 # -- 9. Restore into another embedding size (the error; see the report) -----------
@@ -620,11 +397,6 @@ def test_restore_dim_mismatch_config_and_default_error(tmp_path):
 # (CounterFilterDescriptorImpl::GetFreq; before it, EmbeddingVar's
 # add_freq_fn_ counted only while freq < filter_freq). Ours: `record_freq`.
 
-def _freqs(layer):
-    data = layer.export()
-    return dict(zip(data["keys"].tolist(), data["freqs"].tolist()))
-
-
 def test_export_after_lookups_without_an_optimizer_step():
     # embedding_variable_ops_test.py: testEmbeddingVariableForExport
     # (CounterFilter(filter_freq=1), steps_to_live=10000, three runs of the
@@ -643,35 +415,6 @@ def test_export_after_lookups_without_an_optimizer_step():
     np.testing.assert_array_equal(data["freqs"][order], [1, 1, 1, 1, 1, 1])
 
 
-@pytest.mark.parametrize("make_opt", [
-    lambda: kre.optimizers.Adagrad(0.1), lambda: kre.optimizers.AdagradDecay(0.1),
-    lambda: kre.optimizers.Adam(0.1), lambda: kre.optimizers.AdamAsync(0.1),
-    lambda: kre.optimizers.Ftrl(0.1), lambda: kre.optimizers.SGD(0.1)],
-    ids=["adagrad", "adagrad_decay", "adam", "adam_async", "ftrl", "sgd"])
-def test_record_freq_counts_every_occurrence_once_per_step(make_opt):
-    # embedding_variable_ops_test.py: _RecordFreqTestTemplate (TF_RECORD_FREQ=1,
-    # ids [1,1,1,2,2,3], two runs of lookup + train op): var_1-freqs 6, 4, 2.
-    layer = ones_ev(track_meta=True, record_freq=True)
-    train_steps(layer, RECORD_FREQ_IDS, make_opt(), 2)
-    assert _freqs(layer) == RECORD_FREQ_EXPECTED
-
-
-@pytest.mark.parametrize("make_filter", FILTERS, ids=["counter", "cbf"])
-def test_filtered_frequency_stops_at_filter_freq_unless_record_freq(make_filter):
-    # DeepRec's default (no TF_RECORD_FREQ): an admitted key reports
-    # filter_freq however often it is seen; with it, every occurrence.
-    ids = [1, 1, 1, 1, 2, 2, 2, 3, 3, 4]
-    capped = ones_ev(name="capped", filter_option=make_filter())
-    train_steps(capped, ids, kre.optimizers.SGD(0.1), 3)
-    assert _freqs(capped) == {1: 3, 2: 3, 3: 3, 4: 3}
-    counted = ones_ev(name="counted", filter_option=make_filter(), record_freq=True)
-    train_steps(counted, ids, kre.optimizers.SGD(0.1), 3)
-    assert _freqs(counted) == {1: 12, 2: 9, 3: 6, 4: 3}
-    # Keys not admitted yet count below the threshold either way (key 4
-    # has been seen 3 times: admitted by the third step).
-    assert counted.table_size() == capped.table_size() == 4
-
-
 def test_record_freq_option_config_and_bad_input():
     opt = kre.EmbeddingVariableOption(filter_option=kre.CounterFilter(2), record_freq=True)
     back = kre.EmbeddingVariableOption.from_config(opt.get_config())
@@ -686,11 +429,11 @@ def test_capped_frequencies_round_trip_and_old_counts_restore(tmp_path):
     # its counts unchanged; further lookups do not lower or raise them.
     old = ones_ev(name="old", filter_option=kre.CounterFilter(2), record_freq=True)
     train_steps(old, [5, 5, 5], kre.optimizers.SGD(0.1), 2)
-    assert _freqs(old) == {5: 6}
+    assert freqs(old) == {5: 6}
     path = tf.train.Checkpoint(layer=old).write(str(tmp_path / "ckpt"))
     new = ones_ev(name="old", filter_option=kre.CounterFilter(2))
     new.build()
     tf.train.Checkpoint(layer=new).read(path).assert_consumed()
-    assert _freqs(new) == {5: 6}
+    assert freqs(new) == {5: 6}
     new(tf.constant([5, 7, 7, 7], tf.int64), training=True)
-    assert _freqs(new) == {5: 6, 7: 2}
+    assert freqs(new) == {5: 6, 7: 2}

@@ -1,6 +1,8 @@
 """The file tier (StorageOption("FILE")): identical results to DRAM side by
 side (training with filters and eviction, export/import, model.save,
-tf.train.Checkpoint, export_for_serving), snapshots, statistics, faults."""
+tf.train.Checkpoint, export_for_serving), snapshots, statistics, faults;
+the tests marked `both` under both backends (the JAX-only ones are in
+tests/jax_backend/test_jax_file_tier.py)."""
 
 import gc
 import inspect
@@ -14,60 +16,12 @@ import pytest
 
 import keras_rec_emb as kre
 from keras_rec_emb.layers import EmbeddingVariable
+from tests._file_tier import (DIM, VOCAB, build_model, data, ev_option, file_option, same_export,
+                              table_error)
 
-DIM = 4
-VOCAB = 3000
+both = pytest.mark.backends("tensorflow", "jax")
 
-
-def ev_option(storage=None, filter_option=None, evict_option=None):
-    return kre.EmbeddingVariableOption(
-        init_option=kre.InitializerOption(
-            initializer=keras.initializers.RandomUniform(seed=3), default_value_dim=97),
-        filter_option=filter_option, evict_option=evict_option,
-        storage_option=storage, num_shards=4)
-
-
-def file_option(path, cache=4096):
-    # 4 KiB over 4 shards: each shard caches 1 KiB of rows (32 rows of value
-    # and Adagrad accumulator), far fewer than the table holds, so rows go
-    # to and come back from files.
-    return kre.StorageOption("FILE", storage_path=str(path), storage_size=cache)
-
-
-def build_model(option, name="ev"):
-    # Seeded by its initializers alone: the same model in every process, and
-    # keras.utils.set_random_seed would import TensorFlow under JAX.
-    ids = keras.Input((3,), dtype="int64", name="ids")
-    emb = EmbeddingVariable(DIM, ev_option=option, combiner="sum", name=name)(ids)
-    out = keras.layers.Dense(1, name="dense", kernel_initializer="ones")(emb)
-    model = keras.Model(ids, out)
-    model.compile(optimizer=kre.optimizers.Adagrad(0.1), loss="mse")
-    return model
-
-
-def data(seed=0, n=512):
-    rng = np.random.default_rng(seed)
-    ids = (rng.zipf(1.2, size=(n, 3)) % VOCAB).astype(np.int64)
-    y = rng.normal(size=(n, 1)).astype(np.float32)
-    return ids, y
-
-
-def same_export(a, b):
-    assert sorted(a) == sorted(b)
-    a, b = ({k: v if k == "slots" else np.asarray(v) for k, v in e.items()} for e in (a, b))
-    order_a, order_b = np.argsort(a["keys"]), np.argsort(b["keys"])
-    for key in ("keys", "values", "freqs", "versions"):
-        np.testing.assert_array_equal(a[key][order_a], b[key][order_b], err_msg=key)
-    assert sorted(a["slots"]) == sorted(b["slots"])
-    for name in a["slots"]:
-        np.testing.assert_array_equal(np.asarray(a["slots"][name])[order_a],
-                                      np.asarray(b["slots"][name])[order_b], err_msg=name)
-    fa, fb = np.argsort(a["keys_filtered"]), np.argsort(b["keys_filtered"])
-    for key in ("keys_filtered", "freqs_filtered", "versions_filtered"):
-        np.testing.assert_array_equal(a[key][fa], b[key][fb], err_msg=key)
-
-
-@pytest.mark.backends("tensorflow", "jax")
+@both
 @pytest.mark.parametrize("policy", ["none", "counter", "bloom", "evict"])
 def test_file_tier_trains_like_dram(tmp_path, policy):
     filters = {"counter": kre.CounterFilter(filter_freq=3),
@@ -155,8 +109,8 @@ print("SAVED-OK")
     np.testing.assert_allclose(out, expect, rtol=1e-5, atol=1e-6)
 
 
-def test_snapshot_restore_and_faults(tmp_path):
-    import tensorflow as tf
+@both
+def test_snapshot_restores_exactly_and_refuses_a_corrupt_one(tmp_path):
     ids, y = data(2)
     model = build_model(ev_option(file_option(tmp_path)))
     model.fit(ids, y, batch_size=128, epochs=1, verbose=0)
@@ -173,38 +127,48 @@ def test_snapshot_restore_and_faults(tmp_path):
     with pytest.warns(UserWarning, match="held by another live table"):
         second = build_model(ev_option(file_option(tmp_path)))
         second(ids[:1])
-    assert ".copy-" in second.get_layer("ev").table.storage_dir
+    assert ".copy-" in second.get_layer("ev").storage_dir
     del second
 
     # A corrupt snapshot index: a clear error naming it; the table unchanged.
-    index = os.path.join(layer.table.storage_dir, "snap-1", "index")
+    index = os.path.join(layer.storage_dir, "snap-1", "index")
     with open(index, "r+b") as f:
         f.seek(50)
         byte = f.read(1)
         f.seek(50)
         f.write(bytes([byte[0] ^ 0xFF]))
-    with pytest.raises(tf.errors.InvalidArgumentError, match=f"corrupt.*{index}"):
+    with pytest.raises(table_error(), match=f"corrupt.*{index}"):
         layer.restore_snapshot()
     same_export(at_snapshot, layer.export())
+    with pytest.raises(table_error(), match="snapshot restore failed"):
+        layer.restore_snapshot(str(tmp_path / "nothing_here"))
+    same_export(at_snapshot, layer.export())
 
-    # Snapshots need the file tier.
+
+@both
+def test_bad_input_names_it(tmp_path):
+    # Snapshots need the file tier, a built table and a path.
     dram = EmbeddingVariable(DIM, name="dram")
-    dram(np.array([1, 2]))
-    with pytest.raises(ValueError, match="needs a file-tier table.*'dram"):
+    dram(np.array([1, 2], np.int32))
+    with pytest.raises(ValueError, match="needs a file-tier table.*'dram/embeddings'"):
         dram.snapshot()
+    with pytest.raises(ValueError, match="needs a file-tier table.*'dram/embeddings'"):
+        dram.restore_snapshot()
+    file = EmbeddingVariable(DIM, ev_option=ev_option(file_option(tmp_path)), name="f")
+    file(np.array([1, 2], np.int32))
     with pytest.raises(TypeError, match="path.*Received: path=3"):
-        layer.restore_snapshot(3)
-
-
-def test_unwritable_storage_path_names_it(tmp_path):
-    import tensorflow as tf
+        file.restore_snapshot(3)
+    with pytest.raises(ValueError, match="not built yet"):
+        EmbeddingVariable(DIM, ev_option=ev_option(file_option(tmp_path / "x"))).snapshot()
+    # A storage path under a plain file: the error names it.
     plain = tmp_path / "plain"
     plain.write_text("x")
-    layer = EmbeddingVariable(DIM, ev_option=ev_option(file_option(plain / "sub")))
-    with pytest.raises(tf.errors.InvalidArgumentError, match=str(plain)):
-        layer(np.array([1, 2]))
+    layer = EmbeddingVariable(DIM, ev_option=ev_option(file_option(plain / "sub")), name="bad")
+    with pytest.raises(table_error(), match=str(plain)):
+        layer(np.array([1, 2], np.int32))
 
 
+@both
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"storage_type": "FILE"}, ValueError, "storage_path.*required"),
     ({"storage_type": "FILE", "storage_path": ""}, TypeError, "storage_path=''"),
@@ -217,6 +181,7 @@ def test_storage_option_bad_arguments(kwargs, error, match):
         kre.StorageOption(**kwargs)
 
 
+@both
 def test_storage_option_round_trip():
     option = kre.StorageOption("FILE", storage_path="/tmp/kre_x", storage_size=1 << 20)
     with kre.storage_root("/tmp"):
@@ -226,60 +191,65 @@ def test_storage_option_round_trip():
     assert again.cache_bytes == 1 << 20
 
 
+# Trains (the table by its own optimizer: its slots exist before the
+# restore) and snapshots in a loop, saving what each snapshot must hold just
+# before taking it; says READY once it has taken its first.
 WRITER = """
 import os, sys, numpy as np, keras, keras_rec_emb as kre
 folder = sys.argv[1]
 option = kre.EmbeddingVariableOption(num_shards=4, storage_option=kre.StorageOption(
     "FILE", storage_path=folder, storage_size=4096))
-layer = kre.layers.EmbeddingVariable(4, ev_option=option, name="w")
-layer.build()
-if os.path.exists(os.path.join(folder, "w_embeddings", "CURRENT")):
+layer = kre.layers.EmbeddingVariable(4, ev_option=option, name="w",
+                                     optimizer=kre.optimizers.Adagrad(0.1))
+ids = keras.Input((), dtype="int32")
+model = keras.Model(ids, layer(ids))
+model.compile(optimizer=kre.optimizers.SGD(0.1), loss=lambda _, emb: keras.ops.sum(emb ** 2))
+current = os.path.join(folder, "w_embeddings", "CURRENT")
+if os.path.exists(current):
     layer.restore_snapshot()
-opt = kre.optimizers.Adagrad(0.1)
 rng = np.random.default_rng(os.getpid())
-print("READY", flush=True)
 while True:
-    ids = rng.integers(0, 5000, size=256)
-    with __import__("tensorflow").GradientTape() as tape:
-        loss = keras.ops.sum(layer(ids, training=True) ** 2)
-    opt.apply_gradients(zip(tape.gradient(loss, layer.trainable_variables),
-                            layer.trainable_variables))
+    x = rng.integers(0, 5000, size=256).astype(np.int32)
+    model.train_on_batch(x, np.zeros(len(x), np.float32))
     data = layer.export()
-    seq = int(open(os.path.join(folder, "w_embeddings", "CURRENT")).read()[5:]) + 1 \\
-        if os.path.exists(os.path.join(folder, "w_embeddings", "CURRENT")) else 1
+    seq = int(open(current).read()[5:]) + 1 if os.path.exists(current) else 1
     tmp = os.path.join(folder, f"expect-{seq}.tmp.npz")
     np.savez(tmp, keys=data["keys"], values=data["values"],
              acc=data["slots"]["accumulator"])
     os.replace(tmp, os.path.join(folder, f"expect-{seq}.npz"))
     assert layer.snapshot() == seq
+    print("READY", flush=True)
 """
 
 
-def test_snapshot_survives_kill_9_of_the_writer(tmp_path):
-    """A writer trains and snapshots in a loop (saving what each snapshot
-    must hold just before taking it); it is killed with SIGKILL at a random
-    point, several times; after each kill the latest completed snapshot
-    restores exactly, and the next writer goes on from it."""
+@both
+def test_a_killed_snapshot_never_destroys_the_previous_one(tmp_path):
+    """A writer (WRITER) of this test's backend is killed with
+    SIGKILL at a random point after its first snapshot, three times; each
+    time the latest complete snapshot restores exactly, and the next writer
+    goes on from it."""
     import signal
     import time
 
     rng = np.random.default_rng(3)
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow")
-    checked = 0
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND=keras.config.backend(),
+               JAX_PLATFORMS="cpu")
     for _ in range(3):
         proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-        assert proc.stdout.readline().strip() == b"READY", proc.stderr.read()[-2000:]
-        time.sleep(0.3 + rng.random() * 1.5)
-        proc.send_signal(signal.SIGKILL)
-        assert proc.wait() == -signal.SIGKILL, proc.stderr.read()[-2000:]  # not a crash
-        current = tmp_path / "w_embeddings" / "CURRENT"
-        if not current.exists():
-            continue
-        seq = int(current.read_text()[5:])
+        try:
+            line = proc.stdout.readline().strip()
+            assert line == b"READY", proc.stderr.read()[-2000:] if proc.poll() else line
+            time.sleep(0.3 + rng.random() * 1.5)
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            code = proc.wait(timeout=60)
+        assert code == -signal.SIGKILL, proc.stderr.read()[-2000:]  # not a crash
+        seq = int((tmp_path / "w_embeddings" / "CURRENT").read_text()[5:])
         expect = np.load(tmp_path / f"expect-{seq}.npz")
-        layer = EmbeddingVariable(4, name="w", ev_option=kre.EmbeddingVariableOption(
-            num_shards=4, storage_option=file_option(tmp_path)))
+        layer = EmbeddingVariable(4, name="w", optimizer=kre.optimizers.Adagrad(0.1),
+                                  ev_option=kre.EmbeddingVariableOption(
+                                      num_shards=4, storage_option=file_option(tmp_path)))
         layer.build()
         assert layer.restore_snapshot() == len(expect["keys"])
         data = layer.export()
@@ -287,10 +257,8 @@ def test_snapshot_survives_kill_9_of_the_writer(tmp_path):
         np.testing.assert_array_equal(expect["keys"][a], data["keys"][b])
         np.testing.assert_array_equal(expect["values"][a], data["values"][b])
         np.testing.assert_array_equal(expect["acc"][a], data["slots"]["accumulator"][b])
-        checked += 1
         del layer, data  # releases the folder for the next writer
         gc.collect()
-    assert checked >= 2
 
 
 _FULL_DISK_CHILD = r"""

@@ -13,35 +13,16 @@ import tensorflow as tf
 
 import keras_rec_emb as kre
 import keras_rec_emb_cli
-from keras_rec_emb.layers import EmbeddingVariable
 from tests import _event_files
-
-
-def make_model(name="ids", filter_freq=2, steps_to_live=None):
-    ids = keras.Input((2,), dtype="int64")
-    ev = EmbeddingVariable(4, combiner="sum", name=name, ev_option=kre.EmbeddingVariableOption(
-        filter_option=kre.CounterFilter(filter_freq) if filter_freq else None,
-        evict_option=kre.GlobalStepEvict(steps_to_live) if steps_to_live else None))
-    model = keras.Model(ids, keras.layers.Dense(1, name="out")(ev(ids)))
-    model.compile(optimizer=kre.optimizers.Adagrad(0.1), loss="mse")
-    return model, ev
-
-
-class ExportEachStep(keras.callbacks.Callback):
-    def __init__(self, layer):
-        super().__init__()
-        self.layer, self.exports = layer, []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.exports.append(self.layer.table.export())
+from tests._callbacks import EachStep, table_model
 
 
 def test_stats_match_the_tables_export_every_step(tmp_path):
-    model, ev = make_model(filter_freq=2, steps_to_live=1)
+    model, ev = table_model(filter_freq=2, steps_to_live=1)
     stats = kre.callbacks.TableStats(every_n_steps=1, log_dir=str(tmp_path / "tb"))
     evict = kre.callbacks.EvictionCallback(every_n_steps=1)
-    # ExportEachStep runs after eviction and stats: all see the same state.
-    exports = ExportEachStep(ev)
+    # EachStep runs after eviction and stats: all see the same state.
+    exports = EachStep(ev.table.export)
     seen = []
 
     class Record(keras.callbacks.Callback):
@@ -52,7 +33,7 @@ def test_stats_match_the_tables_export_every_step(tmp_path):
     model.fit(x, np.ones((6, 1)), batch_size=2, verbose=0,
               callbacks=[evict, stats, exports, Record()])
     prev_keys = set()
-    for logs, d in zip(seen, exports.exports):
+    for logs, d in zip(seen, exports.values):
         assert logs["ids_size"] == len(d["keys"])
         assert logs["ids_filtered"] == len(d["keys_filtered"])
         keys = set(d["keys"].tolist())
@@ -81,7 +62,7 @@ def test_stats_match_the_tables_export_every_step(tmp_path):
 
 
 def test_hit_rate_against_numpy_reference():
-    model, ev = make_model(filter_freq=0)
+    model, ev = table_model(filter_freq=0)
     stats = kre.callbacks.TableStats(every_n_steps=1)
     x = np.array([[1, 2], [3, 4], [1, 9], [2, 3]])
     model.fit(x, np.ones((4, 1)), batch_size=2, verbose=0, shuffle=False, callbacks=[stats])
@@ -96,7 +77,7 @@ def test_hit_rate_against_numpy_reference():
 
 
 def test_stats_in_csv_logger_and_history(tmp_path):
-    model, _ = make_model(filter_freq=0)
+    model, _ = table_model(filter_freq=0)
     path = tmp_path / "log.csv"
     h = model.fit(np.array([[1, 2], [1, 3]]), np.ones((2, 1)), epochs=2, verbose=0,
                   callbacks=[kre.callbacks.TableStats(), keras.callbacks.CSVLogger(str(path))])
@@ -108,7 +89,7 @@ def test_stats_in_csv_logger_and_history(tmp_path):
 
 
 def test_inspect_reports_the_same_numbers(tmp_path):
-    model, ev = make_model(filter_freq=2)
+    model, ev = table_model(filter_freq=2)
     model.fit(np.array([[1, 2], [1, 3]]), np.ones((2, 1)), verbose=0)
     path = str(tmp_path / "m.keras")
     model.save(path)
@@ -142,7 +123,7 @@ def test_callbacks_config_round_trip_and_bad_input(tmp_path):
 
 
 def test_checkpoint_callback_chain_restores_the_fitted_state(tmp_path):
-    model, ev = make_model(filter_freq=2, steps_to_live=2)
+    model, ev = table_model(filter_freq=2, steps_to_live=2)
     cb = kre.callbacks.CheckpointCallback(str(tmp_path), full_every_steps=4,
                                           incremental_every_steps=1, keep=2)
     rng = np.random.default_rng(0)
@@ -150,7 +131,7 @@ def test_checkpoint_callback_chain_restores_the_fitted_state(tmp_path):
               callbacks=[cb, kre.callbacks.EvictionCallback(every_n_steps=1)])
     kinds = [p.rsplit("-", 1)[1] for p in cb.saves]
     assert kinds[0] == "full.npz" and "incremental.npz" in kinds
-    restored, rev = make_model(filter_freq=2, steps_to_live=2)
+    restored, rev = table_model(filter_freq=2, steps_to_live=2)
     restored.build((None, 2))
     info = kre.callbacks.CheckpointCallback(str(tmp_path)).restore(restored)
     assert info["links"][-1] == cb.saves[-1]
@@ -165,7 +146,7 @@ def test_checkpoint_callback_chain_restores_the_fitted_state(tmp_path):
 
 def test_first_interval_starts_at_fit_not_at_the_restore(tmp_path):
     """A restore replays admissions and erasures; TableStats counts from fit."""
-    model, ev = make_model(filter_freq=None, steps_to_live=1)
+    model, ev = table_model(filter_freq=None, steps_to_live=1)
     ckpt = kre.IncrementalCheckpointer(model, str(tmp_path))
     model.fit(np.array([[1, 2], [3, 4]]), np.ones((2, 1)), batch_size=1, verbose=0)
     ckpt.save_full()
@@ -173,7 +154,7 @@ def test_first_interval_starts_at_fit_not_at_the_restore(tmp_path):
     model.fit(np.array([[5, 6]]), np.ones((1, 1)), verbose=0)
     ckpt.save_incremental()
 
-    model2, ev2 = make_model(filter_freq=None, steps_to_live=1)
+    model2, ev2 = table_model(filter_freq=None, steps_to_live=1)
     kre.IncrementalCheckpointer(model2, str(tmp_path)).restore()
     before = ev2.table.counters()
     assert before["admitted_total"] >= 2 and before["erased_total"] >= 4  # the replay

@@ -13,29 +13,12 @@ import pytest
 
 import keras_rec_emb as kre
 from keras_rec_emb import callbacks
-from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
 from tests import _event_files
+from tests._callbacks import EachStep, table_model
 
 
-def _model(steps_to_live=None, filter_freq=None, name="ids", num_shards=4):
-    option = kre.EmbeddingVariableOption(
-        num_shards=num_shards,
-        filter_option=kre.CounterFilter(filter_freq) if filter_freq else None,
-        evict_option=kre.GlobalStepEvict(steps_to_live) if steps_to_live else None)
-    ids = keras.Input((4,), dtype="int32")
-    layer = EmbeddingVariable(4, combiner="sum", name=name, ev_option=option)
-    model = keras.Model(ids, keras.layers.Dense(1, name="out")(layer(ids)))
-    model.compile(optimizer=kre.optimizers.Adagrad(0.1), loss="mse")
-    return model, layer
-
-
-class _ExportEachStep(keras.callbacks.Callback):
-    def __init__(self, layer):
-        super().__init__()
-        self.layer, self.exports = layer, []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.exports.append(self.layer.export())
+def _model(steps_to_live=None, filter_freq=None, name="ids"):
+    return table_model(name, filter_freq, steps_to_live, width=4, dtype="int32", num_shards=4)
 
 
 def test_eviction_callback_keeps_the_ids_of_the_last_steps():
@@ -44,13 +27,13 @@ def test_eviction_callback_keeps_the_ids_of_the_last_steps():
     of the rule keeps (version > now - steps_to_live)."""
     model, layer = _model(steps_to_live=2)
     callback = kre.callbacks.EvictionCallback(every_n_steps=1, on_epoch_end=False)
-    exports = _ExportEachStep(layer)
+    exports = EachStep(layer.export)
     x = np.arange(10 * 8, dtype=np.int32).reshape(20, 4)  # 2 rows a step: 8 new ids
     model.fit(x, np.ones((20, 1)), batch_size=2, shuffle=False, verbose=0,
               callbacks=[callback, exports])
     version = {}  # NumPy replay: each key's last update step
     erased = 0
-    for step, export in enumerate(exports.exports):
+    for step, export in enumerate(exports.values):
         for key in x[2 * step:2 * step + 2].ravel().tolist():
             version[key] = step
         doomed = [k for k, v in version.items() if v < step - 2]
@@ -94,7 +77,7 @@ def test_table_stats_match_the_tables_export_every_step():
     model, layer = _model(steps_to_live=1, filter_freq=2)
     stats = kre.callbacks.TableStats(every_n_steps=1)
     evict = kre.callbacks.EvictionCallback(every_n_steps=1)
-    exports = _ExportEachStep(layer)  # after eviction and stats: the same state
+    exports = EachStep(layer.export)  # after eviction and stats: the same state
     seen = []
 
     class Record(keras.callbacks.Callback):
@@ -104,10 +87,10 @@ def test_table_stats_match_the_tables_export_every_step():
     x = np.array([[1, 2, 1, 3], [1, 2, 4, 5], [1, 6, 1, 7], [8, 8, 8, 8]], np.int32)
     model.fit(x, np.ones((4, 1)), batch_size=1, shuffle=False, verbose=0,
               callbacks=[evict, stats, exports, Record()])
-    assert len(seen) == len(exports.exports) == 4
+    assert len(seen) == len(exports.values) == 4
     counts, admitted = {}, set()
     prev_keys = prev_counted = set()
-    for step, (logs, d) in enumerate(zip(seen, exports.exports)):
+    for step, (logs, d) in enumerate(zip(seen, exports.values)):
         # NumPy: a key is admitted at its 2nd occurrence; an occurrence hits
         # when its key was admitted before the batch (one admitted within
         # the batch reads its row from the next batch on).

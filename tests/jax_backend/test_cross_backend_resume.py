@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.jax_backend.test_jax_backend import ROOT
+from tests._cross_backend import ROOT
 
 STEPS, MORE = 3, 3  # steps before the save, after the load
 

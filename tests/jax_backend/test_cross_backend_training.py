@@ -5,14 +5,9 @@ step), learning rates changed by callbacks and by assignment between fits,
 GroupEmbedding features with per-id weights, and GroupEmbedding sequence,
 max_norm and default_id features."""
 
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 
-from tests.jax_backend.test_jax_backend import _JAX, _TENSORFLOW, ROOT
+from tests._cross_backend import LAYER, assert_runs_agree, result_here, result_under_jax
 
 _CODE = """
 import numpy as np
@@ -147,26 +142,11 @@ _TOLERANCES = {"twice Adam": 1e-4, "twice Adagrad": 1e-5, "scheduler Adagrad": 1
                "weighted mean Adagrad": 1e-5, "weighted sqrtn SGD": 1e-5}
 
 
-def _under_jax():
-    code = "import json, sys\n" + _CODE.replace("def summary", _JAX + "def summary", 1) \
-        + "json.dump(result, sys.stdout)\n"
-    env = dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu")
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-4000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
-
-
-def _under_tensorflow():
-    namespace = {}
-    exec(_CODE.replace("def summary", _TENSORFLOW + "def summary", 1), namespace)
-    return namespace["result"]
-
-
 def test_steps_learning_rates_and_weights_give_the_tensorflow_backends_numbers():
     """Ids, frequencies, versions, rows, slots, Dense weights and the final
     learning rate agree (1e-5 for SGD and Adagrad, 1e-4 for Adam)."""
-    tf_runs, jax_runs = _under_tensorflow(), _under_jax()
+    code = _CODE.replace("def summary", LAYER + "def summary", 1)
+    tf_runs, jax_runs = result_here(code), result_under_jax(code, JAX_PLATFORMS="cpu")
     # The rates did change: the runs check that the tables follow them.
     assert tf_runs["scheduler Adagrad"]["learning_rate"] < 0.05 * 0.3
     assert abs(tf_runs["plateau Adam"]["learning_rate"] - 0.05 / 4) < 1e-8
@@ -175,17 +155,7 @@ def test_steps_learning_rates_and_weights_give_the_tensorflow_backends_numbers()
                                                                  "sqrtn SGD"))
     # The default ids were inserted and trained.
     assert {11, 12} <= set(tf_runs["option group SGD"]["keys"])
-    for name, tolerance in _TOLERANCES.items():
-        tf_run, jax_run = tf_runs[name], jax_runs[name]
-        for key in ("keys", "freqs", "versions"):
-            assert jax_run[key] == tf_run[key], (name, key)
-        assert sorted(jax_run["slots"]) == sorted(tf_run["slots"]), name
-        np.testing.assert_allclose(jax_run["learning_rate"], tf_run["learning_rate"], rtol=1e-6,
-                                   err_msg=name)
-        assert ("outputs" in jax_run) == ("outputs" in tf_run), name
-        for key in ("values", "kernel", "bias", *(f"slot {s}" for s in tf_run["slots"]),
-                    *(["outputs"] if "outputs" in tf_run else [])):
-            got, want = ((run["slots"][key[5:]] if key.startswith("slot ") else run[key])
-                         for run in (jax_run, tf_run))
-            np.testing.assert_allclose(got, want, rtol=tolerance, atol=1e-6,
-                                       err_msg=f"{name} {key}")
+    for name in _TOLERANCES:
+        np.testing.assert_allclose(jax_runs[name]["learning_rate"],
+                                   tf_runs[name]["learning_rate"], rtol=1e-6, err_msg=name)
+    assert_runs_agree(tf_runs, jax_runs, _TOLERANCES, optional=("outputs",))

@@ -3,8 +3,6 @@ stacked forms pool padded ids to NumPy's numbers, a table shared by two
 features gets one update per step with its ids' summed gradient, the model
 forms fit and save, and what JAX lacks is refused."""
 
-import doctest
-
 import jax
 import keras
 import numpy as np
@@ -15,7 +13,8 @@ from keras_rec_emb import optimizers
 from keras_rec_emb.layers import group_embedding
 from keras_rec_emb.layers.group_embedding import FeatureSpec, GroupEmbedding
 from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
-from keras_rec_emb.options import EmbeddingVariableOption, InitializerOption
+from tests._doctest_examples import assert_examples_run
+from tests._table_checks import with_meta
 
 DIM, DVD = 3, 5
 # [batch, F=2, L=3], padded with -1; row 1 of feature 0 has no id.
@@ -25,15 +24,8 @@ STACKED = np.array([[[1, 4, -1], [4, 4, 2]],
                     [[5, 0, -1], [5, 1, 0]]], np.int32)
 
 
-
-def _with_meta(default_value_dim):
-    # Frequencies and versions are kept only when asked for (as under
-    # TensorFlow): they show here which step updated each key, and how often.
-    return EmbeddingVariableOption(init_option=InitializerOption(default_value_dim=default_value_dim),
-                                   track_meta=True)
-
 def table(name="shared"):
-    return EmbeddingVariable(DIM, ev_option=_with_meta(DVD), name=name,
+    return EmbeddingVariable(DIM, ev_option=with_meta(DVD), name=name,
                              initializer=keras.initializers.RandomUniform(seed=2))
 
 
@@ -520,13 +512,7 @@ def test_a_keras_embedding_table_reads_and_trains_like_a_gather():
 
 
 def test_docstring_examples_run_under_jax():
-    globs = {"keras": keras, "np": np, "keras_rec_emb": kre}
-    tests = [t for t in doctest.DocTestFinder().find(group_embedding, globs=globs) if t.examples]
-    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
-    for test in tests:
-        runner.run(test)
-    result = runner.summarize(verbose=False)
-    assert len(tests) == 2 and result.attempted >= 10 and result.failed == 0
+    assert_examples_run(group_embedding, tests=2, attempted=10)
 
 
 def test_a_group_embedding_model_compiles_its_step_with_xla():

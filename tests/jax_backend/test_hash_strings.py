@@ -1,8 +1,8 @@
 """HashStrings under Keras's JAX backend: TensorFlow's keys to the bit
-(against keys stored under TensorFlow), hashed on the host in NumPy, the
-same errors as under TensorFlow, and a clear refusal inside a model."""
+(against keys stored under TensorFlow), hashed on the host in NumPy; ragged
+forms and a place inside a model refused clearly (the errors for bad input,
+the same under both backends: tests/layers/test_hash_strings_api.py)."""
 
-import doctest
 import os
 import pathlib
 import subprocess
@@ -15,6 +15,7 @@ import pytest
 import keras_rec_emb as kre
 from keras_rec_emb.layers import EmbeddingVariable, FeatureSpec, GroupEmbedding, HashStrings
 from tests import _hash_strings_cases as cases
+from tests._doctest_examples import assert_examples_run
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -58,14 +59,6 @@ def test_pad_keeps_any_shape_with_minus_one_for_the_empty_string():
     assert HashStrings(missing="pad")(mixed)[:, 0].tolist() == [-1, -1]
     assert HashStrings(missing="pad")(np.array(["", "x"]))[0] == -1
     assert HashStrings(missing="pad")(np.array("x")).shape == ()
-
-
-@pytest.mark.parametrize("make, kind, message", [c[1:] for c in cases.BAD_INPUTS],
-                         ids=[c[0] for c in cases.BAD_INPUTS])
-def test_bad_input_gives_the_tensorflow_backends_error(make, kind, message):
-    with pytest.raises(kind) as caught:
-        make(HashStrings)
-    assert message in str(caught.value)
 
 
 def test_ragged_forms_are_refused_naming_pad():
@@ -144,23 +137,8 @@ def test_group_embedding_takes_the_padded_keys():
             sorted(set(want[column[column > 0]].tolist()))
 
 
-def test_one_class_config_and_registration():
-    layer = HashStrings(missing="pad", name="h")
-    assert HashStrings.__module__ == "keras_rec_emb.layers.string_ids"
-    assert kre.layers.HashStrings is HashStrings and "HashStrings" in kre.layers.__all__
-    assert keras.saving.get_registered_name(HashStrings) == "keras_rec_emb>HashStrings"
-    config = layer.get_config()
-    assert config["missing"] == "pad" and config["name"] == "h"
-    again = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(layer))
-    assert type(again) is HashStrings and again.get_config() == config
-    assert HashStrings.from_config(HashStrings().get_config()).missing == "drop"
-
-
 def test_the_docstring_example_runs():
-    test = doctest.DocTestFinder().find(HashStrings, "HashStrings", globs={
-        "keras": keras, "np": np, "keras_rec_emb": kre})[0]
-    assert test.examples
-    assert doctest.DocTestRunner().run(test, out=lambda text: None).failed == 0
+    assert_examples_run(HashStrings, "HashStrings")
 
 
 _WITHOUT_TENSORFLOW = r"""

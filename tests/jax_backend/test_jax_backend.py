@@ -2,17 +2,11 @@
 trains as the TensorFlow backend does (in a JAX child; this process runs
 TensorFlow)."""
 
-import json
-import os
 import pathlib
 import subprocess
-import sys
-
-import numpy as np
 
 import keras_rec_emb
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from tests._cross_backend import LAYER, assert_runs_agree, result_here, result_under_jax
 LIBRARY = pathlib.Path(keras_rec_emb.__file__).parent / "_kre_jax.so"
 
 
@@ -126,38 +120,6 @@ for name in ("SGD", "Adagrad"):
     result[f"{name} filtered and evicted"] = train_filtered(name)
 """
 
-# One layer for both backends (one class): the table's meta tracked, so
-# that frequencies and versions are compared too.
-_TENSORFLOW = _JAX = """
-import keras_rec_emb as kre
-def make_layer(init, combiner, **options):
-    option = kre.EmbeddingVariableOption(
-        init_option=kre.InitializerOption(initializer=init, default_value_dim=DVD), track_meta=True,
-        **options)
-    return kre.layers.EmbeddingVariable(DIM, key_dtype="int32", ev_option=option,
-                                        combiner=combiner, prune_invalid_ids=bool(combiner))
-def export(layer):
-    return layer.export()
-"""
-
-
-def _train_under_jax():
-    code = "import json, sys\nimport keras\n" + _CROSS.replace(
-        "def train", _JAX + "def train", 1) + "json.dump(result, sys.stdout)\n"
-    env = dict(os.environ, KERAS_BACKEND="jax")
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-4000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
-
-
-def _train_under_tensorflow():
-    """In this process (the suite's runs TensorFlow): saves a child's start."""
-    namespace = {}
-    exec(_CROSS.replace("def train", _TENSORFLOW + "def train", 1), namespace)
-    return namespace["result"]
-
-
 def test_compiled_optimizers_give_the_tensorflow_backends_numbers():
     """model.fit with kre.optimizers.SGD, Adagrad and Adam, Adagrad
     through a mean combiner over ids padded with -1 (pruned), and Adagrad
@@ -166,24 +128,16 @@ def test_compiled_optimizers_give_the_tensorflow_backends_numbers():
     each epoch, under KERAS_BACKEND=jax and =tensorflow: the same ids,
     frequencies, versions, filtered ids and their counts, evictions, rows,
     slots and Dense weights (1e-5 for SGD and Adagrad, 1e-4 for Adam)."""
-    tf_runs = _train_under_tensorflow()
-    jax_runs = _train_under_jax()
+    code = _CROSS.replace("def train", LAYER + "def train", 1)
+    tf_runs, jax_runs = result_here(code), result_under_jax(code)
     assert -1 not in jax_runs["Adagrad mean"]["keys"]  # pruned padding
     assert -1 not in jax_runs["GroupEmbedding Adagrad"]["keys"]
     for name in ("SGD filtered and evicted", "Adagrad filtered and evicted"):
         run = jax_runs[name]  # the filter and eviction had something to do
         assert run["keys_filtered"] and run["evicted"][1:] != [0, 0], (name, run["evicted"])
-    for name, tolerance in (("SGD", 1e-5), ("Adagrad", 1e-5), ("Adam", 1e-4),
-                            ("Adagrad mean", 1e-5), ("GroupEmbedding Adagrad", 1e-5),
-                            ("SGD filtered and evicted", 1e-5),
-                            ("Adagrad filtered and evicted", 1e-5)):
-        tf_run, jax_run = tf_runs[name], jax_runs[name]
-        for key in ("keys", "freqs", "versions", "keys_filtered", "freqs_filtered",
-                    "versions_filtered", "evicted"):
-            assert jax_run.get(key) == tf_run.get(key), (name, key)
-        assert sorted(jax_run["slots"]) == sorted(tf_run["slots"]), name
-        for key in ("values", "kernel", "bias", *(f"slot {s}" for s in tf_run["slots"])):
-            got, want = ((run["slots"][key[5:]] if key.startswith("slot ") else run[key])
-                         for run in (jax_run, tf_run))
-            np.testing.assert_allclose(got, want, rtol=tolerance, atol=1e-6,
-                                       err_msg=f"{name} {key}")
+    assert_runs_agree(tf_runs, jax_runs, {
+        "SGD": 1e-5, "Adagrad": 1e-5, "Adam": 1e-4, "Adagrad mean": 1e-5,
+        "GroupEmbedding Adagrad": 1e-5, "SGD filtered and evicted": 1e-5,
+        "Adagrad filtered and evicted": 1e-5},
+        exact=("keys", "freqs", "versions", "keys_filtered", "freqs_filtered",
+               "versions_filtered", "evicted"))

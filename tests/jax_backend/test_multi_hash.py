@@ -1,6 +1,7 @@
-"""MultiHashEmbedding under Keras's JAX backend: the TensorFlow layer's
-partitions, hash and combiners to NumPy's numbers, `fit` to NumPy's SGD and
-Adagrad, save/load in every model form, config and bad input."""
+"""MultiHashEmbedding under Keras's JAX backend: the hash under jit, `fit`
+to NumPy's SGD and Adagrad, save/load in every model form, config and bad
+input (the rows, partitions and combiners against NumPy under both backends
+are in tests/layers/test_multi_hash_embedding.py)."""
 
 import math
 
@@ -11,100 +12,16 @@ import pytest
 
 import keras_rec_emb
 from keras_rec_emb.layers.multi_hash_embedding import MultiHashEmbedding
+from tests._doctest_examples import assert_examples_run
+from tests._multi_hash_cases import CASES, IDS, MASK64, case_id, in_range, splitmix64
 
-MASK64 = (1 << 64) - 1
-
-
-def splitmix64(x):
-    """The TensorFlow layer's documented fingerprint, in Python integers."""
-    z = (x + 0x9E3779B97F4A7C15) & MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
-    return z ^ (z >> 31)
-
-
-def in_range(ids, n):
-    """Ids in [0, n) kept, others hashed into it."""
-    return np.array([i if 0 <= i < n else splitmix64(int(i) & MASK64) % n
-                     for i in np.ravel(ids)], np.int64).reshape(np.shape(ids))
-
-
-def partition_indices(layer, ids):
-    """The paper's formulas, from the tables' shapes."""
-    sizes = [int(w.shape[0]) for w in layer.tables]
-    if layer.complementary_strategy == "Q-R":
-        if layer.qr_sizes is not None:
-            q, r = layer.qr_sizes
-            return [ids // q, ids % r]
-        return [ids // sizes[1], ids % sizes[1]]
-    if layer.complementary_strategy == "generalized_QR":
-        return [(ids // math.prod(sizes[:j])) % sizes[j] for j in range(len(sizes))]
-    return [ids % s for s in sizes]
-
-
-def numpy_embed(layer, ids, combiner=None):
-    ids = in_range(ids, layer.num_buckets)
-    tables = [np.asarray(w) for w in layer.tables]
-    rows = [t[i] for t, i in zip(tables, partition_indices(layer, ids))]
-    if layer.operation == "concat":
-        out = np.concatenate(rows, axis=-1)
-    elif layer.operation == "add":
-        out = np.sum(rows, axis=0)
-    else:
-        out = np.prod(rows, axis=0)
-    if combiner is None:
-        return out
-    total, length = out.sum(axis=-2), out.shape[-2]
-    return {"sum": total, "mean": total / max(length, 1),
-            "sqrtn": total / math.sqrt(max(length, 1))}[combiner]
-
-
-CASES = [
-    dict(complementary_strategy="Q-R", operation="add", embedding_dim=4),
-    dict(complementary_strategy="Q-R", operation="mult", embedding_dim=[4]),
-    dict(complementary_strategy="Q-R", operation="concat", embedding_dim=[3, 2]),
-    dict(complementary_strategy="Q-R", operation="add", embedding_dim=4, m=7),
-    dict(complementary_strategy="Q-R", operation="add", embedding_dim=4, qr_sizes=(10, 7)),
-    dict(complementary_strategy="generalized_QR", operation="mult", embedding_dim=4,
-         num_partitions=3),
-    dict(complementary_strategy="generalized_QR", operation="concat",
-         embedding_dim=[2, 3, 1], moduli=[5, 4, 6]),
-    dict(complementary_strategy="CRT", operation="add", embedding_dim=4, num_partitions=3),
-    dict(complementary_strategy="CRT", operation="concat", embedding_dim=[2, 2],
-         moduli=[11, 10]),
-]
-
-
-@pytest.mark.parametrize("kwargs", CASES, ids=lambda k: "-".join(map(str, k.values())))
-def test_rows_are_numpys_for_every_strategy_and_operation(kwargs):
+@pytest.mark.parametrize("kwargs", CASES, ids=case_id)
+def test_rows_in_jit_are_the_eager_ones(kwargs):
+    # tests/layers/test_multi_hash_embedding.py checks the rows against
+    # NumPy under both backends; here the hash traced as in fit.
     layer = MultiHashEmbedding(100, initializer="random_normal", **kwargs)
-    # In range, and out of it (hashed): negative, >= num_buckets, int32 extremes.
-    ids = np.array([[0, 99, 57], [-1, 100, 2**31 - 1], [-(2**31), 12, 3]], np.int32)
-    out = layer(ids)
-    assert out.shape == (3, 3, layer.output_width)
-    np.testing.assert_allclose(np.asarray(out), numpy_embed(layer, ids), rtol=1e-6)
-    jitted = jax.jit(lambda x: layer(x))(ids)  # the hash traced as in fit
-    np.testing.assert_allclose(np.asarray(jitted), np.asarray(out), rtol=1e-6)
-
-
-def test_every_id_in_range_has_its_own_rows():
-    layer = MultiHashEmbedding(630, 2, complementary_strategy="CRT", moduli=[7, 9, 10])
-    indices = np.stack([np.asarray(i) for i in layer.partition_indices(np.arange(630))], 1)
-    assert len({tuple(r) for r in indices}) == 630
-    layer.build()
-    assert [tuple(w.shape) for w in layer.weights] == [(7, 2), (9, 2), (10, 2)]
-    assert [w.name for w in layer.weights] == [f"partition_{j}_embeddings" for j in range(3)]
-
-
-@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
-def test_combiners_reduce_the_last_axis_like_numpy(combiner):
-    layer = MultiHashEmbedding(50, 3, combiner=combiner, initializer="random_normal")
-    ids = np.array([[[1, 2, 49], [7, -3, 0]]], np.int32)  # [1, 2, 3]
-    out = layer(ids)
-    assert out.shape == (1, 2, 3)
-    np.testing.assert_allclose(np.asarray(out), numpy_embed(layer, ids, combiner),
-                               rtol=1e-5, atol=1e-7)
-    np.testing.assert_array_equal(np.asarray(layer(np.zeros((2, 0), np.int32))), 0)
+    eager = np.asarray(layer(IDS))  # builds the tables outside the trace
+    np.testing.assert_allclose(np.asarray(jax.jit(lambda x: layer(x))(IDS)), eager, rtol=1e-6)
 
 
 def adagrad(lr, acc0=0.1, eps=1e-7):
@@ -327,6 +244,8 @@ jax.config.update("jax_enable_x64", True)
 import numpy as np
 from keras_rec_emb.backend.jax import hashing
 from keras_rec_emb.layers.multi_hash_embedding import MultiHashEmbedding
+from tests._doctest_examples import assert_examples_run
+from tests._multi_hash_cases import CASES, IDS, MASK64, case_id, in_range, splitmix64
 ids = np.array([-(2**63), -5, 0, 7, 2**40 + 3, 2**63 - 1], np.int64)
 n = 3 * 10**9
 print(np.asarray(hashing.hash_to_range(ids, n)).tolist())
@@ -354,10 +273,4 @@ def test_int64_ids_hash_as_under_tensorflow_in_jaxs_64_bit_mode():
 
 
 def test_the_docstring_example_runs():
-    import doctest
-
-    test = doctest.DocTestFinder().find(
-        MultiHashEmbedding, globs={"keras": keras, "np": np,
-                                   "keras_rec_emb": keras_rec_emb})[0]
-    assert test.examples
-    assert doctest.DocTestRunner().run(test, out=lambda text: None).failed == 0
+    assert_examples_run(MultiHashEmbedding)

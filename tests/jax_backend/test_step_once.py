@@ -11,7 +11,7 @@ import pytest
 
 from keras_rec_emb import optimizers
 from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
-from keras_rec_emb.options import EmbeddingVariableOption, InitializerOption
+from tests._table_checks import check_table, with_meta
 
 DIM, DVD = 2, 5
 A = np.array([[1, 2], [2, 3], [4, 1]], np.int32)
@@ -30,19 +30,12 @@ class TwoReads(keras.Model):
              keras.ops.reshape(self.table(b), (-1, 2 * DIM))], axis=1))
 
 
-
-def _with_meta(default_value_dim):
-    # Frequencies and versions are kept only when asked for (as under
-    # TensorFlow): they show here which step updated each key, and how often.
-    return EmbeddingVariableOption(init_option=InitializerOption(default_value_dim=default_value_dim),
-                                   track_meta=True)
-
 @pytest.mark.parametrize("run_eagerly", [False, True], ids=["jit", "eager"])
 @pytest.mark.parametrize("form", ["functional", "subclassed"])
 def test_a_table_read_twice_in_a_step_is_updated_once_with_the_summed_gradient(form,
                                                                                run_eagerly):
     lr, acc0, eps, steps = 0.1, 0.1, 1e-7, 2
-    layer = EmbeddingVariable(DIM, ev_option=_with_meta(DVD),
+    layer = EmbeddingVariable(DIM, ev_option=with_meta(DVD),
                               initializer=keras.initializers.RandomUniform(seed=3))
     dense = keras.layers.Dense(1, kernel_initializer=keras.initializers.RandomNormal(seed=5),
                                trainable=False)
@@ -78,14 +71,7 @@ def test_a_table_read_twice_in_a_step_is_updated_once_with_the_summed_gradient(f
             acc[key] = acc[key] + g * g
             rows[key] = rows[key] - lr * g / np.sqrt(acc[key] + eps)
 
-    e = layer.export()
-    order = np.argsort(e["keys"])
-    keys = e["keys"][order].tolist()
-    assert keys == sorted(rows)
-    np.testing.assert_allclose(e["values"][order], [rows[k] for k in keys], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(e["slots"]["accumulator"][order], [acc[k] for k in keys],
-                               rtol=1e-5)
-    assert e["versions"][order].tolist() == [steps - 1] * len(keys)
+    counts = np.concatenate([A, B])
+    check_table(layer, rows, acc, dict.fromkeys(rows, steps - 1),
+                {k: steps * int((counts == k).sum()) for k in rows})
     assert int(layer.iterations.value) == steps  # one per step, not per read
-    assert e["freqs"][order].tolist() == [steps * int((np.concatenate([A, B]) == k).sum())
-                                          for k in keys]

@@ -4,17 +4,15 @@ combine padded ids to NumPy's numbers (sum(w * row), / sum(w) for mean,
 / sqrt(sum(w**2)) for sqrtn, ids of weight <= 0 dropped from mean and
 sqrtn), and train each distinct id once with its summed weighted gradient."""
 
-import doctest
-
 import keras
 import numpy as np
 import pytest
 
-import keras_rec_emb as kre
 from keras_rec_emb import optimizers
 from keras_rec_emb.layers.group_embedding import FeatureSpec, GroupEmbedding
 from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
-from keras_rec_emb.options import EmbeddingVariableOption, InitializerOption
+from tests._doctest_examples import assert_examples_run
+from tests._table_checks import check_table, with_meta
 
 DIM, DVD = 3, 5
 # Padding (-1), duplicates in a row (3, 3), a weight of 0 and a negative one
@@ -23,13 +21,6 @@ IDS = np.array([[1, 5, -1], [-1, 8, 6], [3, 3, 7], [2, 9, 4]], np.int32)
 WEIGHTS = np.array([[0.5, 2.0, 9.0], [1.0, -1.0, 0.0], [1.5, 0.25, 3.0], [1.0, 0.0, 2.0]],
                    np.float32)
 
-
-
-def _with_meta(default_value_dim):
-    # Frequencies and versions are kept only when asked for (as under
-    # TensorFlow): they show here which step updated each key, and how often.
-    return EmbeddingVariableOption(init_option=InitializerOption(default_value_dim=default_value_dim),
-                                   track_meta=True)
 
 def numpy_combine(rows, ids, weights, combiner):
     """rows [..., L, DIM] -> [..., DIM], TensorFlow's weighted rule."""
@@ -53,7 +44,7 @@ def kept(ids, weights, combiner):
 
 def make_layer(combiner):
     return EmbeddingVariable(DIM, combiner=combiner, prune_invalid_ids=combiner is not None,
-                             ev_option=_with_meta(DVD),
+                             ev_option=with_meta(DVD),
                              initializer=keras.initializers.RandomUniform(seed=2))
 
 
@@ -92,18 +83,6 @@ def numpy_adagrad(default_values, batches, combiner, kernel, bias, lr, acc0, eps
             rows[int(key)] = rows[int(key)] - lr * g / np.sqrt(acc[int(key)] + eps)
             versions[int(key)] = step
     return rows, acc, versions, freqs
-
-
-def check_table(layer, rows, acc, versions, freqs):
-    e = layer.export()
-    order = np.argsort(e["keys"])
-    keys = e["keys"][order].tolist()
-    assert keys == sorted(rows)
-    np.testing.assert_allclose(e["values"][order], [rows[k] for k in keys], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(e["slots"]["accumulator"][order], [acc[k] for k in keys],
-                               rtol=1e-5)
-    assert e["versions"][order].tolist() == [versions[k] for k in keys]
-    assert e["freqs"][order].tolist() == [freqs[k] for k in keys]
 
 
 @pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
@@ -165,11 +144,7 @@ def test_bad_weights_are_refused():
 
 
 def test_the_call_example_runs():
-    test = doctest.DocTestFinder().find(
-        EmbeddingVariable.call, "call",
-        globs={"keras": keras, "np": np, "keras_rec_emb": kre})[0]
-    assert test.examples
-    assert doctest.DocTestRunner().run(test, out=lambda text: None).failed == 0
+    assert_examples_run(EmbeddingVariable.call, "call")
 
 
 # -- GroupEmbedding ------------------------------------------------------------

@@ -6,68 +6,30 @@ import math
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import keras_rec_emb as kre
 from keras_rec_emb.layers import MultiHashEmbedding
 from keras_rec_emb.layers import multi_hash_embedding as mh_module
+from tests._multi_hash_cases import MASK64, CASES, IDS, case_id, numpy_embed, splitmix64
+
+# The tests marked `both` run under both backends (the JAX-only ones are in
+# tests/jax_backend/test_multi_hash.py); the others use TensorFlow's ragged
+# and sparse ids, tapes and errors.
+both = pytest.mark.backends("tensorflow", "jax")
 
 
-def tables(layer):
-    return [t.numpy() for t in layer.tables]
-
-
-def numpy_embed(layer, ids):
-    """Reference: partition indices by the paper's formulas, then combine."""
-    ids = np.asarray(ids, np.int64)
-    n = layer.num_buckets
-    ws = tables(layer)
-    if layer.complementary_strategy == "Q-R":
-        m = ws[1].shape[0]
-        idx = [ids // m, ids % m]
-    elif layer.complementary_strategy == "generalized_QR":
-        moduli = [w.shape[0] for w in ws]
-        idx = [(ids // math.prod(moduli[:j])) % moduli[j] for j in range(len(moduli))]
-    else:
-        idx = [ids % w.shape[0] for w in ws]
-    assert all(((i >= 0) & (i < w.shape[0])).all() for i, w in zip(idx, ws)), n
-    rows = [w[i] for w, i in zip(ws, idx)]
-    if layer.operation == "concat":
-        return np.concatenate(rows, axis=-1)
-    if layer.operation == "add":
-        return np.sum(rows, axis=0)
-    return np.prod(rows, axis=0)
-
-
-CASES = [
-    dict(complementary_strategy="Q-R", operation="add", embedding_dim=4),
-    dict(complementary_strategy="Q-R", operation="mult", embedding_dim=4),
-    dict(complementary_strategy="Q-R", operation="concat", embedding_dim=[3, 2]),
-    dict(complementary_strategy="Q-R", operation="add", embedding_dim=4, m=7),
-    dict(complementary_strategy="generalized_QR", operation="mult", embedding_dim=4,
-         num_partitions=3),
-    dict(complementary_strategy="generalized_QR", operation="concat",
-         embedding_dim=[2, 3, 1], moduli=[5, 4, 6]),
-    dict(complementary_strategy="CRT", operation="add", embedding_dim=4, num_partitions=3),
-    dict(complementary_strategy="CRT", operation="concat", embedding_dim=[2, 2],
-         moduli=[11, 10]),
-]
-
-
-def case_id(k):
-    extra = k.get("m") or k.get("moduli") or k.get("num_partitions")
-    return f"{k['complementary_strategy']}-{k['operation']}-{extra}"
-
-
+@both
 @pytest.mark.parametrize("kwargs", CASES, ids=case_id)
-def test_math_matches_numpy(kwargs):
+def test_rows_are_numpys_for_every_strategy_and_operation(kwargs):
     layer = MultiHashEmbedding(100, initializer="random_normal", **kwargs)
-    ids = np.random.default_rng(0).integers(0, 100, size=(6, 3))
-    out = layer(ids)
-    assert out.shape == (6, 3, layer.output_width)
-    np.testing.assert_allclose(out.numpy(), numpy_embed(layer, ids), rtol=1e-6)
+    for ids in (np.random.default_rng(0).integers(0, 100, size=(6, 3)), IDS):
+        out = layer(ids)
+        assert out.shape == (*ids.shape, layer.output_width)
+        np.testing.assert_allclose(keras.ops.convert_to_numpy(out), numpy_embed(layer, ids),
+                                   rtol=1e-6)
 
 
+@both
 def test_qr_table_shapes_and_names():
     layer = MultiHashEmbedding(10, 4)
     layer.build()
@@ -76,10 +38,29 @@ def test_qr_table_shapes_and_names():
     layer = MultiHashEmbedding(10, 4, m=3)
     layer.build()
     assert layer.partition_sizes == [4, 3]
+    layer = MultiHashEmbedding(630, 2, complementary_strategy="CRT", moduli=[7, 9, 10])
+    layer.build()
+    assert [tuple(w.shape) for w in layer.weights] == [(7, 2), (9, 2), (10, 2)]
+    assert [w.name for w in layer.weights] == [f"partition_{j}_embeddings" for j in range(3)]
+
+
+@both
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_combiners_reduce_the_last_axis_like_numpy(combiner):
+    layer = MultiHashEmbedding(50, 3, combiner=combiner, initializer="random_normal")
+    ids = np.array([[[1, 2, 49], [7, -3, 0]]], np.int32)  # [1, 2, 3]
+    out = layer(ids)
+    assert out.shape == (1, 2, 3)
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(out), numpy_embed(layer, ids, combiner),
+                               rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(layer(np.zeros((2, 0), np.int32))),
+                                  0)
 
 
 @pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
 def test_combiners_on_dense_ragged_and_sparse_ids(combiner):
+    import tensorflow as tf
+
     layer = MultiHashEmbedding(50, 3, combiner=combiner, initializer="random_normal")
     lists = [[1, 2, 49], [], [7]]
     ragged = tf.ragged.constant(lists, dtype=tf.int64)
@@ -97,6 +78,8 @@ def test_combiners_on_dense_ragged_and_sparse_ids(combiner):
 
 
 def test_ragged_without_combiner_stays_ragged():
+    import tensorflow as tf
+
     layer = MultiHashEmbedding(50, 3)
     out = layer(tf.ragged.constant([[1, 2], [3]], dtype=tf.int64))
     assert isinstance(out, tf.RaggedTensor)
@@ -117,12 +100,13 @@ PARTITIONINGS = [
 ]
 
 
+@both
 @pytest.mark.parametrize("n,kwargs", PARTITIONINGS, ids=lambda x: str(x))
 def test_partitions_are_complementary(n, kwargs):
     """Exhaustively: no two ids in [0, n) share every partition index."""
     layer = MultiHashEmbedding(n, 2, **kwargs)
     ids = np.arange(n, dtype=np.int64)
-    idx = np.stack([i.numpy() for i in layer.partition_indices(ids)], axis=1)
+    idx = np.stack([keras.ops.convert_to_numpy(i) for i in layer.partition_indices(ids)], axis=1)
     for j, rows in enumerate(layer.partition_sizes):
         assert idx[:, j].min() >= 0 and idx[:, j].max() < rows
     assert len({tuple(r) for r in idx}) == n
@@ -131,7 +115,8 @@ def test_partitions_are_complementary(n, kwargs):
         sizes = layer.partition_sizes
         assert all(math.gcd(a, b) == 1 for i, a in enumerate(sizes) for b in sizes[i + 1:])
     # and so every id has its own embedding
-    out = MultiHashEmbedding(n, 4, initializer="random_normal", **kwargs)(ids).numpy()
+    out = keras.ops.convert_to_numpy(
+        MultiHashEmbedding(n, 4, initializer="random_normal", **kwargs)(ids))
     assert len(np.unique(out.round(6), axis=0)) == n
 
 
@@ -152,18 +137,12 @@ def test_memory_is_sqrt_n_rows():
 
 # -- hashing ---------------------------------------------------------------------
 
-def splitmix64(x):
-    mask = (1 << 64) - 1
-    z = (x + 0x9E3779B97F4A7C15) & mask
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
-    return z ^ (z >> 31)
-
-
 def test_fingerprint_is_the_documented_formula():
+    import tensorflow as tf
+
     ids = [0, 1, -1, -5, 2**40 + 3, 2**63 - 1, -(2**63)]
     got = mh_module.fingerprint64(tf.constant(ids, tf.int64)).numpy().tolist()
-    assert got == [splitmix64(i & ((1 << 64) - 1)) for i in ids]
+    assert got == [splitmix64(i & MASK64) for i in ids]
     assert got[:2] == [16294208416658607535, 10451216379200822465]  # golden
     got32 = mh_module.fingerprint64(tf.constant([-5, 7], tf.int32)).numpy().tolist()
     assert got32 == [got[3], splitmix64(7)]
@@ -173,13 +152,15 @@ def test_out_of_range_ids_are_hashed_into_range():
     n = 1000
     layer = MultiHashEmbedding(n, 4, initializer="random_normal")
     ids = np.array([-7, 1000, 10**15, 5], np.int64)
-    expect_ids = [splitmix64(int(i) & ((1 << 64) - 1)) % n for i in ids[:3]] + [5]
+    expect_ids = [splitmix64(int(i) & MASK64) % n for i in ids[:3]] + [5]
     np.testing.assert_allclose(layer(ids).numpy(), numpy_embed(layer, expect_ids), rtol=1e-6)
     np.testing.assert_array_equal(layer(ids[:2].astype(np.int32)).numpy(),
                                   layer(ids[:2]).numpy())
 
 
 def test_hash_input_false_rejects_out_of_range_ids_eagerly_and_in_fit():
+    import tensorflow as tf
+
     layer = MultiHashEmbedding(100, 4, hash_input=False)
     layer(np.array([0, 99]))
     with pytest.raises(ValueError, match=r"hash_input=False.*\[0, 100\).*e.g. 100"):
@@ -203,6 +184,8 @@ def test_non_integer_ids_are_a_type_error():
 # -- training --------------------------------------------------------------------
 
 def test_gradients_reach_the_rows_of_each_table():
+    import tensorflow as tf
+
     layer = MultiHashEmbedding(100, [2, 3], m=10, operation="concat")
     ids = np.array([[12, 47]])
     with tf.GradientTape() as tape:

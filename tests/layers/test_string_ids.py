@@ -277,19 +277,7 @@ def test_parquet_string_column_with_nulls(tmp_path):
     assert ev.export()["keys"].size == 7
 
 
-# -- config, registration, bad input -----------------------------------------------
-def test_config_and_registration():
-    layer = HashStrings(missing="pad", name="h")
-    assert keras.saving.get_registered_name(HashStrings) == "keras_rec_emb>HashStrings"
-    config = layer.get_config()
-    assert config["missing"] == "pad" and config["name"] == "h"
-    clone = HashStrings.from_config(config)
-    assert clone.missing == "pad"
-    again = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(layer))
-    assert type(again) is HashStrings and again.missing == "pad"
-    assert kre.layers.HashStrings is HashStrings
-
-
+# -- bad input (config, registration: tests/layers/test_hash_strings_api.py) -------
 def test_bad_input():
     with pytest.raises(ValueError, match=r"`missing` must be one of \('drop', 'pad'\)\. "
                                          r"Received: missing='skip'"):
@@ -362,11 +350,3 @@ def test_the_layer_gives_the_numpy_keys():
     strings = criteo_strings((16, 3), seed=8)
     got = HashStrings(missing="pad")(strings).numpy()
     np.testing.assert_array_equal(got, np.where(strings == b"", -1, hash_buckets(strings)))
-
-
-@pytest.mark.parametrize("make, kind, message", [c[1:] for c in hash_cases.BAD_INPUTS],
-                         ids=[c[0] for c in hash_cases.BAD_INPUTS])
-def test_bad_input_gives_the_jax_backends_error(make, kind, message):
-    with pytest.raises(kind) as caught:
-        make(HashStrings)
-    assert message in str(caught.value)
