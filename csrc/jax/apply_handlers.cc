@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "core/update_rules.h"
@@ -99,6 +100,45 @@ ffi::Error ApplyRule(kv::Table<K>& table, const string& rule, const std::vector<
   return ffi::Error::Success();
 }
 
+// An update with rule Rule on a table with keys K, once its names checked
+// (WithCheckedRule): the rule's name, slots, hyper-parameters and step.
+template <typename RuleT, typename K>
+struct RuleCall {
+  using Key = K;
+  using Rule = RuleT;
+
+  // RuleSlots of this call: the slots' indices, or the error.
+  ffi::ErrorOr<std::vector<int>> Slots() const {
+    return RuleSlots<RuleT>(table, rule, slots, hyper.dimensions(), hyper.typed_data());
+  }
+  // ApplyRule of keys[0..n), grad_of(i) the gradient row of keys[i].
+  template <typename GradOf>
+  ffi::Error Apply(const K* keys, int64_t n, GradOf&& grad_of) const {
+    return ApplyRule<RuleT>(table, rule, slots, keys, n, std::forward<GradOf>(grad_of),
+                            hyper.dimensions(), hyper.typed_data(), step);
+  }
+
+  kv::Table<K>& table;
+  const string& rule;
+  const std::vector<string>& slots;
+  const ffi::Buffer<ffi::F32>& hyper;
+  int64_t step;
+};
+
+// fn(RuleCall<Rule, K>) for update rule `rule_name` on `at` (see
+// WithCheckedRule).
+template <typename Fn>
+ffi::Error WithRuleCall(AnyTable& at, std::string_view rule_name, std::string_view hparam_names,
+                        std::string_view slot_names, const ffi::Buffer<ffi::F32>& hyper,
+                        int64_t step, Fn&& fn) {
+  return WithCheckedRule(
+      at, rule_name, hparam_names, slot_names,
+      [&](auto tag, auto& tab, const string& rule, const std::vector<string>& slots) {
+        using Rule = typename decltype(tag)::type;
+        return fn(RuleCall<Rule, KeyOfT<decltype(tab)>>{tab, rule, slots, hyper, step});
+      });
+}
+
 ffi::Error Apply(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> grads,
                  ffi::Buffer<ffi::F32> hyper, ffi::AnyBuffer step, ffi::Result<ffi::Token>,
                  int64_t table, std::string_view rule_name, std::string_view hparam_names,
@@ -112,30 +152,23 @@ ffi::Error Apply(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> grads,
     auto version = IntScalar(step, "step");
     if (version.has_error()) return version.error();
     const int64_t n = static_cast<int64_t>(keys.element_count());
-    return WithCheckedRule(
-        at, rule_name, hparam_names, slot_names,
-        [&](auto tag, auto& tab, const string& rule,
-            const std::vector<string>& slots) -> ffi::Error {
-          using Rule = typename decltype(tag)::type;
-          using K = KeyOfT<decltype(tab)>;
-          const K* k = keys.reinterpret_data<K>();
-          const int64_t dim = tab.dim();
-          const float* g = grads.typed_data();
-          std::vector<int64_t> kept;
-          if (prune) kept = KeptPositions(k, n);
-          if (!prune || static_cast<int64_t>(kept.size()) == n) {  // no padding
-            return ApplyRule<Rule>(
-                tab, rule, slots, k, n, [g, dim](int64_t i) { return g + i * dim; },
-                hyper.dimensions(), hyper.typed_data(), *version);
-          }
-          const std::vector<K> kept_keys = KeysAt(k, kept);
-          // The gradient of kept id j is read in place, at its position.
-          const int64_t* pos = kept.data();
-          return ApplyRule<Rule>(
-              tab, rule, slots, kept_keys.data(), static_cast<int64_t>(kept.size()),
-              [g, dim, pos](int64_t j) { return g + pos[j] * dim; }, hyper.dimensions(),
-              hyper.typed_data(), *version);
-        });
+    const int64_t dim = at.dim();
+    const float* g = grads.typed_data();
+    auto apply = [&](auto call) -> ffi::Error {
+      using K = typename decltype(call)::Key;
+      const K* k = keys.reinterpret_data<K>();
+      std::vector<int64_t> kept;
+      if (prune) kept = KeptPositions(k, n);
+      if (!prune || static_cast<int64_t>(kept.size()) == n) {  // no padding
+        return call.Apply(k, n, [g, dim](int64_t i) { return g + i * dim; });
+      }
+      const std::vector<K> kept_keys = KeysAt(k, kept);
+      // The gradient of kept id j is read in place, at its position.
+      const int64_t* pos = kept.data();
+      return call.Apply(kept_keys.data(), static_cast<int64_t>(kept.size()),
+                        [g, dim, pos](int64_t j) { return g + pos[j] * dim; });
+    };
+    return WithRuleCall(at, rule_name, hparam_names, slot_names, hyper, *version, apply);
   });
 }
 
@@ -152,27 +185,23 @@ ffi::Error ApplyPooled(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> we
     auto version = IntScalar(step, "step");
     if (version.has_error()) return version.error();
     const float* w = OptionalWeights(weights);
-    return WithCheckedRule(
-        at, rule_name, hparam_names, slot_names,
-        [&](auto tag, auto& tab, const string& rule,
-            const std::vector<string>& slots) -> ffi::Error {
-          using Rule = typename decltype(tag)::type;
-          using K = KeyOfT<decltype(tab)>;
-          const PooledIds<K> p(keys.reinterpret_data<K>(), w, rows, len, prune, *comb);
-          // Each id's gradient is made where the apply reads it
-          // (DistinctRows copies or adds it at once).
-          std::vector<float> one(dim);
-          const float* g = grads.typed_data();
-          auto grad_of = [&](int64_t i) {
-            const int32_t r = p.row[i];
-            const float s = p.w[i] * p.inv[r];
-            const float* src = g + static_cast<int64_t>(r) * dim;
-            for (int64_t d = 0; d < dim; ++d) one[d] = s * src[d];
-            return static_cast<const float*>(one.data());
-          };
-          return ApplyRule<Rule>(tab, rule, slots, p.keys.data(), p.size(), grad_of,
-                                 hyper.dimensions(), hyper.typed_data(), *version);
-        });
+    auto apply_pooled = [&](auto call) -> ffi::Error {
+      using K = typename decltype(call)::Key;
+      const PooledIds<K> p(keys.reinterpret_data<K>(), w, rows, len, prune, *comb);
+      // Each id's gradient is made where the apply reads it
+      // (DistinctRows copies or adds it at once).
+      std::vector<float> one(dim);
+      const float* g = grads.typed_data();
+      auto grad_of = [&](int64_t i) {
+        const int32_t r = p.row[i];
+        const float s = p.w[i] * p.inv[r];
+        const float* src = g + static_cast<int64_t>(r) * dim;
+        for (int64_t d = 0; d < dim; ++d) one[d] = s * src[d];
+        return static_cast<const float*>(one.data());
+      };
+      return call.Apply(p.keys.data(), p.size(), grad_of);
+    };
+    return WithRuleCall(at, rule_name, hparam_names, slot_names, hyper, *version, apply_pooled);
   });
 }
 
@@ -229,19 +258,16 @@ ffi::Error ApplyDistinct(ffi::Token, ffi::AnyBuffer distinct, ffi::AnyBuffer cou
         for (int64_t d = 0; d < dim; ++d) acc[d] += s * src[d];
       }
     }
-    return WithCheckedRule(
-        at, rule_name, hparam_names, slot_names,
-        [&](auto tag, auto& tab, const string& rule,
-            const std::vector<string>& slots) -> ffi::Error {
-          using Rule = typename decltype(tag)::type;
-          using K = KeyOfT<decltype(tab)>;
-          auto checked = RuleSlots<Rule>(tab, rule, slots, hyper.dimensions(), hyper.typed_data());
-          if (checked.has_error()) return checked.error();
-          const DistinctIds<K> d(tab, distinct.reinterpret_data<K>(), *m, /*distinct=*/true);
-          const rules::ApplyRow<Rule> update(hyper.typed_data(), dim);
-          ApplyByShard(tab, d.by_shard, sums.data(), *checked, *version, update);
-          return ffi::Error::Success();
-        });
+    auto apply_sums = [&](auto call) -> ffi::Error {
+      using K = typename decltype(call)::Key;
+      auto checked = call.Slots();
+      if (checked.has_error()) return checked.error();
+      const DistinctIds<K> d(call.table, distinct.reinterpret_data<K>(), *m, /*distinct=*/true);
+      const rules::ApplyRow<typename decltype(call)::Rule> update(hyper.typed_data(), dim);
+      ApplyByShard(call.table, d.by_shard, sums.data(), *checked, call.step, update);
+      return ffi::Error::Success();
+    };
+    return WithRuleCall(at, rule_name, hparam_names, slot_names, hyper, *version, apply_sums);
   });
 }
 

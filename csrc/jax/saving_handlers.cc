@@ -51,6 +51,30 @@ int64_t TotalSlotWidth(const kv::Table<K>& table) {
   return width;
 }
 
+// tab.Export into the buffers that buffers(n, nf, freqs, versions) names
+// when the keys `count` counts (the admitted ones, or with `filtered` those
+// counted but not admitted) fit in `capacity` rows: count[0] is their
+// number, and their frequencies and versions (read into `freqs` and
+// `versions`, scratch memory) go to outputs `freqs_out` and
+// `versions_out`. Nothing is written when they do not fit.
+template <typename K, typename Buffers>
+void ExportCounted(kv::Table<K>& tab, bool filtered, int64_t capacity, ffi::AnyBuffer count,
+                   ffi::AnyBuffer freqs_out, ffi::AnyBuffer versions_out, Buffers&& buffers) {
+  std::vector<int64_t> f, v;
+  int64_t exported = -1;
+  tab.Export([&](int64_t n, int64_t nf) -> std::optional<typename kv::Table<K>::ExportBuffers> {
+    const int64_t m = filtered ? nf : n;
+    SetInt(count, 0, m);
+    if (m > capacity) return std::nullopt;
+    exported = m;
+    f.resize(m);
+    v.resize(m);
+    return buffers(n, nf, f.data(), v.data());
+  });
+  SetInts(freqs_out, f, exported);
+  SetInts(versions_out, v, exported);
+}
+
 // out: [size, filtered size, total slot width, number of slots].
 // Exports the admitted keys into outputs of `capacity` rows (their first
 // dimension): keys, values [capacity, dim], freqs, versions, slots
@@ -86,30 +110,22 @@ ffi::Error Export(ffi::Token, ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffe
                        std::to_string(capacity) + ", " + std::to_string(width) + "], got " +
                        Shape(slots->dimensions()));
       }
-      std::vector<int64_t> f, v;
       std::vector<K> skip_keys;
       std::vector<int64_t> skip_freqs, skip_versions;
-      int64_t exported = -1;
-      tab.Export([&](int64_t n, int64_t nf) -> std::optional<typename kv::Table<K>::ExportBuffers> {
-        SetInt(*count, 0, n);
-        if (n > capacity) return std::nullopt;
-        exported = n;
-        f.resize(n);
-        v.resize(n);
+      auto buffers = [&](int64_t, int64_t nf, int64_t* f, int64_t* v) {
         skip_keys.resize(nf);
         skip_freqs.resize(nf);
         skip_versions.resize(nf);
         return typename kv::Table<K>::ExportBuffers{keys->reinterpret_data<K>(),
                                                     values->typed_data(),
-                                                    f.data(),
-                                                    v.data(),
+                                                    f,
+                                                    v,
                                                     slots->typed_data(),
                                                     skip_keys.data(),
                                                     skip_freqs.data(),
                                                     skip_versions.data()};
-      });
-      SetInts(*freqs, f, exported);
-      SetInts(*versions, v, exported);
+      };
+      ExportCounted(tab, /*filtered=*/false, capacity, *count, *freqs, *versions, buffers);
       return ffi::Error::Success();
     });
   });
@@ -195,45 +211,39 @@ ffi::Error ExportAux(ffi::Token, ffi::Result<ffi::Token>, ffi::ResultBuffer<ffi:
         return ffi::Error::Success();
       }
       const int64_t width = TotalSlotWidth(tab);
-      std::vector<K> k, kf;
+      std::vector<K> k;
       std::vector<float> values, slots;
-      std::vector<int64_t> f, v, ff, vf;
-      int64_t exported = -1;
-      tab.Export([&](int64_t n, int64_t nf) -> std::optional<typename kv::Table<K>::ExportBuffers> {
-        SetInt(*count, 0, nf);
-        if (nf > capacity) return std::nullopt;
-        exported = nf;
+      std::vector<int64_t> f, v;
+      auto buffers = [&](int64_t n, int64_t, int64_t* ff, int64_t* vf) {
         k.resize(n);
         values.resize(n * dim);
         slots.resize(n * width);
         f.resize(n);
         v.resize(n);
-        ff.resize(nf);
-        vf.resize(nf);
         return typename kv::Table<K>::ExportBuffers{k.data(),     values.data(),
                                                     f.data(),     v.data(),
                                                     slots.data(), keys_f->reinterpret_data<K>(),
-                                                    ff.data(),    vf.data()};
-      });
-      SetInts(*freqs_f, ff, exported);
-      SetInts(*versions_f, vf, exported);
+                                                    ff,           vf};
+      };
+      ExportCounted(tab, /*filtered=*/true, capacity, *count, *freqs_f, *versions_f, buffers);
       return ffi::Error::Success();
     });
   });
 }
 
-// Import's `clear=false`: writes the checked parts into the live table
-// (a delta of an incremental checkpoint: rows overwritten or added, keys
-// counted but not admitted added, the initializer matrix and Bloom counters
-// replaced when given), as TensorFlow's KRE>TableImport with clear=false.
+// Writes Import's checked parts into `tab`: the live table with
+// `clear=false` (a delta of an incremental checkpoint: rows overwritten or
+// added, keys counted but not admitted added, the initializer matrix and
+// Bloom counters replaced when given, as TensorFlow's KRE>TableImport with
+// clear=false), or the staging table of a restore.
 template <typename K>
-ffi::Error MergeInto(kv::Table<K>& tab, const std::vector<string>& names,
-                     const std::vector<int64_t>& widths, const ffi::Buffer<ffi::F32>& defaults,
-                     const K* keys, const ffi::Buffer<ffi::F32>& values,
-                     const std::vector<int64_t>& f, const std::vector<int64_t>& v, int64_t n,
-                     const ffi::Buffer<ffi::F32>& slot_values, const K* keys_filtered,
-                     const std::vector<int64_t>& ff, const std::vector<int64_t>& vf, int64_t nf,
-                     const ffi::Buffer<ffi::U8>& bloom) {
+ffi::Error WriteParts(kv::Table<K>& tab, const std::vector<string>& names,
+                      const std::vector<int64_t>& widths, const ffi::Buffer<ffi::F32>& defaults,
+                      const K* keys, const ffi::Buffer<ffi::F32>& values,
+                      const std::vector<int64_t>& f, const std::vector<int64_t>& v, int64_t n,
+                      const ffi::Buffer<ffi::F32>& slot_values, const K* keys_filtered,
+                      const std::vector<int64_t>& ff, const std::vector<int64_t>& vf, int64_t nf,
+                      const ffi::Buffer<ffi::U8>& bloom) {
   std::vector<int> ids;
   for (size_t j = 0; j < names.size(); ++j) {
     const int id = tab.SlotIndex(names[j]);
@@ -260,7 +270,7 @@ ffi::Error MergeInto(kv::Table<K>& tab, const std::vector<string>& names,
 // counted but not admitted, and the Bloom counters (kept when empty).
 // Every part is checked first; the new contents are built beside the table
 // and swapped in, so a failed import leaves the table as it was. With
-// `clear` false the parts are merged into the live table instead (MergeInto).
+// `clear` false the parts are merged into the live table instead.
 ffi::Error Import(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> values,
                   ffi::AnyBuffer freqs, ffi::AnyBuffer versions, ffi::Buffer<ffi::F32> slot_values,
                   ffi::AnyBuffer slot_widths, ffi::Buffer<ffi::F32> default_values,
@@ -352,30 +362,17 @@ ffi::Error Import(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> values,
                        " bytes but this table's counting Bloom filter has " +
                        std::to_string(bloom_bytes) + "; it was saved with other filter settings");
       }
-      if (!clear)
-        return MergeInto(tab, names, widths, default_values, k->data(), values, f, v, n,
-                         slot_values, kf->data(), ff, vf, nf, bloom);
+      auto write_into = [&](kv::Table<K>& dst) {
+        return WriteParts(dst, names, widths, default_values, k->data(), values, f, v, n,
+                          slot_values, kf->data(), ff, vf, nf, bloom);
+      };
+      if (!clear) return write_into(tab);
       kv::TableOptions options = tab.options();
       options.default_values = tab.DefaultValues();
       options.storage_lock = false;  // a staging table beside the live one
       kv::Table<K> staging(std::move(options));
       for (const auto& spec : specs) staging.AddSlot(spec.name, spec.width, spec.init);
-      std::vector<int> ids;
-      for (size_t j = 0; j < names.size(); ++j) {
-        const int id = staging.SlotIndex(names[j]);
-        ids.push_back(id >= 0 ? id : staging.AddSlot(names[j], widths[j], 0.0f));
-      }
-      if (default_values.dimensions()[0] > 0) {
-        const float* d = default_values.typed_data();
-        staging.SetDefaultValues(std::vector<float>(d, d + default_values.element_count()));
-      }
-      staging.Import(k->data(), values.typed_data(), f.data(), v.data(), n,
-                     slot_values.typed_data(), ids, widths);
-      staging.ImportFiltered(kf->data(), ff.data(), vf.data(), nf);
-      if (bloom.element_count() != 0 &&
-          !staging.SetBloomState(bloom.typed_data(), bloom.element_count())) {
-        return Invalid("`bloom` is not a counting Bloom filter state of this table's settings");
-      }
+      if (ffi::Error e = write_into(staging); e.failure()) return e;
       // A slot of the saved table the live table lacks is added to the live
       // table first (SwapContents needs the live table's slots in staging).
       for (size_t j = 0; j < names.size(); ++j) {

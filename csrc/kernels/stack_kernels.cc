@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "core/keep_rows.h"
@@ -59,29 +60,19 @@ void CopyRows(const T* __restrict ids, int64_t f, int64_t l, int64_t begin, int6
   }
 }
 
+// CopyRows<T, l> for l in kLs (0 included: any length), else CopyRows<T, 0>.
+template <typename T, int... kLs>
+void CopyRowsOfLength(std::integer_sequence<int, kLs...>, const T* ids, int64_t f, int64_t l,
+                      int64_t begin, int64_t end, int64_t* const* out) {
+  if (!((l == kLs && (CopyRows<T, kLs>(ids, f, l, begin, end, out), true)) || ...)) {
+    CopyRows<T, 0>(ids, f, l, begin, end, out);
+  }
+}
+
 template <typename T>
 void CopyRowsAnyLength(const T* ids, int64_t f, int64_t l, int64_t begin, int64_t end,
                        int64_t* const* out) {
-  switch (l) {
-    case 1:
-      return CopyRows<T, 1>(ids, f, l, begin, end, out);
-    case 2:
-      return CopyRows<T, 2>(ids, f, l, begin, end, out);
-    case 3:
-      return CopyRows<T, 3>(ids, f, l, begin, end, out);
-    case 4:
-      return CopyRows<T, 4>(ids, f, l, begin, end, out);
-    case 5:
-      return CopyRows<T, 5>(ids, f, l, begin, end, out);
-    case 6:
-      return CopyRows<T, 6>(ids, f, l, begin, end, out);
-    case 7:
-      return CopyRows<T, 7>(ids, f, l, begin, end, out);
-    case 8:
-      return CopyRows<T, 8>(ids, f, l, begin, end, out);
-    default:
-      return CopyRows<T, 0>(ids, f, l, begin, end, out);
-  }
+  CopyRowsOfLength(std::make_integer_sequence<int, 9>(), ids, f, l, begin, end, out);
 }
 
 // What both kernels share: the `num_features` attribute, checked once, the
@@ -186,18 +177,15 @@ class UnstackFeatureIdsOp : public StackedIdsOp {
   }
 };
 
-REGISTER_KERNEL_BUILDER(
-    Name("KRE>UnstackFeatureIds").Device(tf::DEVICE_CPU).TypeConstraint<int32_t>("T"),
-    UnstackFeatureIdsOp<int32_t>);
-REGISTER_KERNEL_BUILDER(
-    Name("KRE>UnstackFeatureIds").Device(tf::DEVICE_CPU).TypeConstraint<int64_t>("T"),
-    UnstackFeatureIdsOp<int64_t>);
-REGISTER_KERNEL_BUILDER(
-    Name("KRE>UnstackKeptIds").Device(tf::DEVICE_CPU).TypeConstraint<int32_t>("T"),
-    UnstackKeptIdsOp<int32_t>);
-REGISTER_KERNEL_BUILDER(
-    Name("KRE>UnstackKeptIds").Device(tf::DEVICE_CPU).TypeConstraint<int64_t>("T"),
-    UnstackKeptIdsOp<int64_t>);
+// Registers the CPU kernel Op<T> of op `name` for int32 and int64 ids.
+#define KRE_REGISTER_STACKED_IDS_KERNEL(name, Op)                                         \
+  REGISTER_KERNEL_BUILDER(Name(name).Device(tf::DEVICE_CPU).TypeConstraint<int32_t>("T"), \
+                          Op<int32_t>);                                                   \
+  REGISTER_KERNEL_BUILDER(Name(name).Device(tf::DEVICE_CPU).TypeConstraint<int64_t>("T"), \
+                          Op<int64_t>)
+
+KRE_REGISTER_STACKED_IDS_KERNEL("KRE>UnstackFeatureIds", UnstackFeatureIdsOp);
+KRE_REGISTER_STACKED_IDS_KERNEL("KRE>UnstackKeptIds", UnstackKeptIdsOp);
 
 }  // namespace
 }  // namespace kre

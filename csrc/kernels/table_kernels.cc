@@ -6,6 +6,7 @@
 #include <new>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -27,24 +28,22 @@ class TableCreateOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_shards", &options_.num_shards));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("track_meta", &options_.track_meta));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("filter_freq", &options_.filter_freq));
-    int64_t bloom_counters;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("bloom_counters", &bloom_counters));
-    OP_REQUIRES(ctx, bloom_counters >= 0,
-                errors::InvalidArgument("bloom_counters must be >= 0, got ", bloom_counters));
-    options_.bloom_counters = static_cast<uint64_t>(bloom_counters);
     OP_REQUIRES_OK(ctx, ctx->GetAttr("bloom_hashes", &options_.bloom_hashes));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("bloom_counter_bytes", &options_.bloom_counter_bytes));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("no_permission_value", &options_.no_permission_value));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("storage_path", &options_.storage_path));
-    int64_t cache_bytes;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("cache_bytes", &cache_bytes));
-    OP_REQUIRES(ctx, cache_bytes >= 1,
-                errors::InvalidArgument("cache_bytes must be >= 1, got ", cache_bytes));
-    options_.cache_bytes = static_cast<uint64_t>(cache_bytes);
     OP_REQUIRES_OK(ctx, ctx->GetAttr("table_shared_name", &shared_name_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("freq_cap", &options_.freq_cap));
-    OP_REQUIRES(ctx, options_.freq_cap >= 0,
-                errors::InvalidArgument("freq_cap must be >= 0, got ", options_.freq_cap));
+    // The integer attributes with a lower bound.
+    int64_t bloom_counters, cache_bytes;
+    for (auto [name, min, value] : {std::tuple{"bloom_counters", 0, &bloom_counters},
+                                    {"cache_bytes", 1, &cache_bytes},
+                                    {"freq_cap", 0, &options_.freq_cap}}) {
+      OP_REQUIRES_OK(ctx, ctx->GetAttr(name, value));
+      OP_REQUIRES(ctx, *value >= min,
+                  errors::InvalidArgument(name, " must be >= ", min, ", got ", *value));
+    }
+    options_.bloom_counters = static_cast<uint64_t>(bloom_counters);
+    options_.cache_bytes = static_cast<uint64_t>(cache_bytes);
     const int shards = options_.num_shards;
     OP_REQUIRES(ctx, shards >= 1 && shards <= 65536,
                 errors::InvalidArgument("num_shards must be in [1, 65536], got ", shards));
@@ -154,7 +153,8 @@ absl::Status LookupByShard(OpKernelContext* ctx, kv::Table<K>& table, const K* k
   });
 }
 
-template <typename K>
+// KRE>TableLookup, and with kCounted KRE>TableLookupCounted.
+template <typename K, bool kCounted = false>
 class TableLookupOp : public TableOpKernel<K> {
  public:
   explicit TableLookupOp(OpKernelConstruction* ctx) : TableOpKernel<K>(ctx) {
@@ -162,6 +162,17 @@ class TableLookupOp : public TableOpKernel<K> {
   }
 
   void ComputeOnTable(OpKernelContext* ctx, kv::Table<K>& table) override {
+    if constexpr (kCounted) {
+      LookupCounted(ctx, table);
+    } else {
+      Lookup(ctx, table);
+    }
+  }
+
+ private:
+  static constexpr int64_t kOrderedBlock = kv::Table<K>::kOrderedBlock;
+
+  void Lookup(OpKernelContext* ctx, kv::Table<K>& table) {
     const int64_t dim = this->dim_;
     const Tensor& keys = ctx->input(1);
     TensorShape out_shape = keys.shape();
@@ -186,19 +197,7 @@ class TableLookupOp : public TableOpKernel<K> {
     OP_REQUIRES_OK(ctx, LookupByShard(ctx, table, k, n, nullptr, insert_, dim, o));
   }
 
- private:
-  static constexpr int64_t kOrderedBlock = kv::Table<K>::kOrderedBlock;
-  bool insert_;
-};
-
-template <typename K>
-class TableLookupCountedOp : public TableOpKernel<K> {
- public:
-  explicit TableLookupCountedOp(OpKernelConstruction* ctx) : TableOpKernel<K>(ctx) {
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("insert", &insert_));
-  }
-
-  void ComputeOnTable(OpKernelContext* ctx, kv::Table<K>& table) override {
+  void LookupCounted(OpKernelContext* ctx, kv::Table<K>& table) {
     const int64_t dim = this->dim_;
     const Tensor& keys = ctx->input(1);
     const Tensor& counts = ctx->input(2);
@@ -255,9 +254,11 @@ class TableLookupCountedOp : public TableOpKernel<K> {
     }
   }
 
- private:
   bool insert_;
 };
+
+template <typename K>
+using TableLookupCountedOp = TableLookupOp<K, /*kCounted=*/true>;
 
 template <typename K>
 void TableSize(OpKernelContext* ctx, kv::Table<K>& table) {
@@ -334,167 +335,143 @@ void TableAddSlot(OpKernelContext* ctx, kv::Table<K>& table) {
   }
 }
 
+// Exports every row (KRE>TableExport); without `include_filtered` the keys
+// counted but not admitted are left out.
 template <typename K>
-class TableExportOp : public TableOpKernel<K> {
- public:
-  explicit TableExportOp(OpKernelConstruction* ctx) : TableOpKernel<K>(ctx) {
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("include_filtered", &include_filtered_));
-  }
-
-  void ComputeOnTable(OpKernelContext* ctx, kv::Table<K>& table) override {
-    absl::Status status;
-    // Filtered keys left out are written to scratch space and not output.
-    std::vector<K> skip_keys;
-    std::vector<int64_t> skip_freqs, skip_versions;
-    table.Export([&](int64_t n, int64_t nf) {
-      auto b = AllocateExportOutputs(ctx, table, n, include_filtered_ ? nf : 0, &status);
-      if (b && !include_filtered_) {
-        skip_keys.resize(nf);
-        skip_freqs.resize(nf);
-        skip_versions.resize(nf);
-        b->keys_filtered = skip_keys.data();
-        b->freqs_filtered = skip_freqs.data();
-        b->versions_filtered = skip_versions.data();
-      }
-      return b;
-    });
-    OP_REQUIRES_OK(ctx, status);
-    OP_REQUIRES_OK(ctx, SetBloomOutput(ctx, 11, table));
-  }
-
- private:
-  bool include_filtered_;
-};
-
-template <typename K>
-class TableImportOp : public TableOpKernel<K> {
- public:
-  explicit TableImportOp(OpKernelConstruction* ctx) : TableOpKernel<K>(ctx) {
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("clear", &clear_));
-  }
-
-  void ComputeOnTable(OpKernelContext* ctx, kv::Table<K>& table) override {
-    const int64_t dim = this->dim_;
-    const Tensor& keys = ctx->input(1);
-    const Tensor& values = ctx->input(2);
-    const Tensor& freqs = ctx->input(3);
-    const Tensor& versions = ctx->input(4);
-    const Tensor& slots = ctx->input(5);
-    const Tensor& names = ctx->input(6);
-    const Tensor& widths = ctx->input(7);
-    const Tensor& defaults = ctx->input(8);
-    const Tensor& keys_f = ctx->input(9);
-    const Tensor& freqs_f = ctx->input(10);
-    const Tensor& versions_f = ctx->input(11);
-    const Tensor& bloom = ctx->input(12);
-    // Every part is checked before the table is touched: a checkpoint or an
-    // export is untrusted input, and a failed import leaves the table as it
-    // was.
-    int64_t n;
-    OP_REQUIRES_OK(ctx, validate::KeysAndRows(keys, values, "values", dim, &n));
-    OP_REQUIRES_OK(ctx, validate::Vector(freqs, "freqs", n));
-    OP_REQUIRES_OK(ctx, validate::Vector(versions, "versions", n));
-    OP_REQUIRES_OK(ctx, validate::UniqueNames(names, "slot_names"));
-    int64_t total = 0;
-    OP_REQUIRES_OK(ctx, validate::SlotWidths(widths, "slot_widths", &total));
-    OP_REQUIRES(ctx, widths.NumElements() == names.NumElements(),
-                errors::InvalidArgument("`slot_names` and `slot_widths` must have one length, "
-                                        "got ",
-                                        names.NumElements(), " and ", widths.NumElements()));
-    OP_REQUIRES_OK(ctx, validate::Matrix(slots, "slot_values", n, total));
-    OP_REQUIRES_OK(ctx, validate::Matrix(defaults, "default_values", -1, dim));
-    OP_REQUIRES_OK(ctx, validate::Vector(keys_f, "keys_filtered"));
-    const int64_t nf = keys_f.dim_size(0);
-    OP_REQUIRES_OK(ctx, validate::Vector(freqs_f, "freqs_filtered", nf));
-    OP_REQUIRES_OK(ctx, validate::Vector(versions_f, "versions_filtered", nf));
-    OP_REQUIRES_OK(ctx, validate::Vector(bloom, "bloom"));
-    const K* k = keys.flat<K>().data();
-    const K* kf = keys_f.flat<K>().data();
-    OP_REQUIRES_OK(ctx, validate::UniqueKeys(k, n, "keys"));
-    OP_REQUIRES_OK(ctx, validate::UniqueKeys(kf, nf, "keys_filtered"));
-    // A merge into a live table (clear=false, AdaptiveEmbedding's promotion)
-    // may pass freq -1: "keep the count the table already has". A restore
-    // (clear=true) takes only real counts.
-    OP_REQUIRES_OK(
-        ctx, validate::AtLeast<int64_t>(freqs.flat<int64_t>().data(), n, clear_ ? 0 : -1, "freqs"));
-    OP_REQUIRES_OK(
-        ctx, validate::AtLeast<int64_t>(freqs_f.flat<int64_t>().data(), nf, 0, "freqs_filtered"));
-    OP_REQUIRES_OK(ctx, validate::Finite(values.flat<float>().data(), n * dim, "values", dim));
-    OP_REQUIRES_OK(ctx,
-                   validate::Finite(slots.flat<float>().data(), n * total, "slot_values", total));
-    // default_values may hold infinities: AdaptiveEmbedding marks rows with them.
-    const size_t bloom_bytes = table.BloomStateBytes();
-    OP_REQUIRES(
-        ctx, bloom.NumElements() == 0 || static_cast<size_t>(bloom.NumElements()) == bloom_bytes,
-        errors::InvalidArgument("`bloom` has ", bloom.NumElements(),
-                                " bytes but this table's counting Bloom filter has ", bloom_bytes,
-                                "; it was saved with other CBFFilter "
-                                "settings"));
-    std::vector<std::string> slot_names(names.NumElements());
-    std::vector<int64_t> w(widths.NumElements());
-    for (int64_t j = 0; j < names.NumElements(); ++j) {
-      slot_names[j] = std::string(names.flat<tf::tstring>()(j));
-      w[j] = widths.flat<int64_t>()(j);
+void TableExport(OpKernelContext* ctx, kv::Table<K>& table, bool include_filtered) {
+  absl::Status status;
+  // Filtered keys left out are written to scratch space and not output.
+  std::vector<K> skip_keys;
+  std::vector<int64_t> skip_freqs, skip_versions;
+  table.Export([&](int64_t n, int64_t nf) {
+    auto b = AllocateExportOutputs(ctx, table, n, include_filtered ? nf : 0, &status);
+    if (b && !include_filtered) {
+      skip_keys.resize(nf);
+      skip_freqs.resize(nf);
+      skip_versions.resize(nf);
+      b->keys_filtered = skip_keys.data();
+      b->freqs_filtered = skip_freqs.data();
+      b->versions_filtered = skip_versions.data();
     }
-    const std::vector<kv::SlotSpec> specs = table.Slots();
+    return b;
+  });
+  OP_REQUIRES_OK(ctx, status);
+  OP_REQUIRES_OK(ctx, SetBloomOutput(ctx, 11, table));
+}
+
+// Inserts or overwrites rows (KRE>TableImport), after clearing the table
+// when `clear`.
+template <typename K>
+void TableImport(OpKernelContext* ctx, kv::Table<K>& table, bool clear) {
+  const int64_t dim = table.dim();
+  const Tensor &keys = ctx->input(1), &values = ctx->input(2), &freqs = ctx->input(3),
+               &versions = ctx->input(4), &slots = ctx->input(5), &names = ctx->input(6),
+               &widths = ctx->input(7), &defaults = ctx->input(8), &keys_f = ctx->input(9),
+               &freqs_f = ctx->input(10), &versions_f = ctx->input(11), &bloom = ctx->input(12);
+  // Every part is checked before the table is touched: a checkpoint or an
+  // export is untrusted input, and a failed import leaves the table as it
+  // was.
+  int64_t n;
+  OP_REQUIRES_OK(ctx, validate::KeysAndRows(keys, values, "values", dim, &n));
+  OP_REQUIRES_OK(ctx, validate::Vector(freqs, "freqs", n));
+  OP_REQUIRES_OK(ctx, validate::Vector(versions, "versions", n));
+  OP_REQUIRES_OK(ctx, validate::UniqueNames(names, "slot_names"));
+  int64_t total = 0;
+  OP_REQUIRES_OK(ctx, validate::SlotWidths(widths, "slot_widths", &total));
+  OP_REQUIRES(ctx, widths.NumElements() == names.NumElements(),
+              errors::InvalidArgument("`slot_names` and `slot_widths` must have one length, "
+                                      "got ",
+                                      names.NumElements(), " and ", widths.NumElements()));
+  OP_REQUIRES_OK(ctx, validate::Matrix(slots, "slot_values", n, total));
+  OP_REQUIRES_OK(ctx, validate::Matrix(defaults, "default_values", -1, dim));
+  OP_REQUIRES_OK(ctx, validate::Vector(keys_f, "keys_filtered"));
+  const int64_t nf = keys_f.dim_size(0);
+  OP_REQUIRES_OK(ctx, validate::Vector(freqs_f, "freqs_filtered", nf));
+  OP_REQUIRES_OK(ctx, validate::Vector(versions_f, "versions_filtered", nf));
+  OP_REQUIRES_OK(ctx, validate::Vector(bloom, "bloom"));
+  const K* k = keys.flat<K>().data();
+  const K* kf = keys_f.flat<K>().data();
+  OP_REQUIRES_OK(ctx, validate::UniqueKeys(k, n, "keys"));
+  OP_REQUIRES_OK(ctx, validate::UniqueKeys(kf, nf, "keys_filtered"));
+  // A merge into a live table (clear=false, AdaptiveEmbedding's promotion)
+  // may pass freq -1: "keep the count the table already has". A restore
+  // (clear=true) takes only real counts.
+  OP_REQUIRES_OK(
+      ctx, validate::AtLeast<int64_t>(freqs.flat<int64_t>().data(), n, clear ? 0 : -1, "freqs"));
+  OP_REQUIRES_OK(
+      ctx, validate::AtLeast<int64_t>(freqs_f.flat<int64_t>().data(), nf, 0, "freqs_filtered"));
+  OP_REQUIRES_OK(ctx, validate::Finite(values.flat<float>().data(), n * dim, "values", dim));
+  OP_REQUIRES_OK(ctx,
+                 validate::Finite(slots.flat<float>().data(), n * total, "slot_values", total));
+  // default_values may hold infinities: AdaptiveEmbedding marks rows with them.
+  const size_t bloom_bytes = table.BloomStateBytes();
+  OP_REQUIRES(
+      ctx, bloom.NumElements() == 0 || static_cast<size_t>(bloom.NumElements()) == bloom_bytes,
+      errors::InvalidArgument("`bloom` has ", bloom.NumElements(),
+                              " bytes but this table's counting Bloom filter has ", bloom_bytes,
+                              "; it was saved with other CBFFilter "
+                              "settings"));
+  std::vector<std::string> slot_names(names.NumElements());
+  std::vector<int64_t> w(widths.NumElements());
+  for (int64_t j = 0; j < names.NumElements(); ++j) {
+    slot_names[j] = std::string(names.flat<tf::tstring>()(j));
+    w[j] = widths.flat<int64_t>()(j);
+  }
+  const std::vector<kv::SlotSpec> specs = table.Slots();
+  for (size_t j = 0; j < slot_names.size(); ++j) {
+    for (const auto& spec : specs) {
+      OP_REQUIRES(ctx, spec.name != slot_names[j] || spec.width == w[j],
+                  errors::InvalidArgument("slot '", spec.name, "' has width ", spec.width,
+                                          " in the table but ", w[j], " in the data"));
+    }
+  }
+  // Read from the input tensor, not copied: a filter may be tens of GiB.
+  const uint8_t* bloom_state = bloom.flat<uint8_t>().data();
+  const size_t bloom_size = static_cast<size_t>(bloom.NumElements());
+  std::vector<float> new_defaults;
+  if (defaults.dim_size(0) > 0) {
+    auto d = defaults.flat<float>();
+    new_defaults.assign(d.data(), d.data() + d.size());
+  }
+  auto fill = [&](kv::Table<K>& dst) {
+    std::vector<int> ids;
     for (size_t j = 0; j < slot_names.size(); ++j) {
-      for (const auto& spec : specs) {
-        OP_REQUIRES(ctx, spec.name != slot_names[j] || spec.width == w[j],
-                    errors::InvalidArgument("slot '", spec.name, "' has width ", spec.width,
-                                            " in the table but ", w[j], " in the data"));
-      }
+      const int id = dst.SlotIndex(slot_names[j]);
+      ids.push_back(id >= 0 ? id : dst.AddSlot(slot_names[j], w[j], 0.0f));
     }
-    // Read from the input tensor, not copied: a filter may be tens of GiB.
-    const uint8_t* bloom_state = bloom.flat<uint8_t>().data();
-    const size_t bloom_size = static_cast<size_t>(bloom.NumElements());
-    std::vector<float> new_defaults;
-    if (defaults.dim_size(0) > 0) {
-      auto d = defaults.flat<float>();
-      new_defaults.assign(d.data(), d.data() + d.size());
+    if (!new_defaults.empty()) dst.SetDefaultValues(new_defaults);
+    dst.Import(k, values.flat<float>().data(), freqs.flat<int64_t>().data(),
+               versions.flat<int64_t>().data(), n, slots.flat<float>().data(), ids, w);
+    dst.ImportFiltered(kf, freqs_f.flat<int64_t>().data(), versions_f.flat<int64_t>().data(), nf);
+    if (bloom_size != 0 && !dst.SetBloomState(bloom_state, bloom_size)) {
+      throw std::invalid_argument(
+          "`bloom` is not a counting Bloom filter state of this table's CBFFilter "
+          "settings");
     }
-    auto fill = [&](kv::Table<K>& dst) {
-      std::vector<int> ids;
-      for (size_t j = 0; j < slot_names.size(); ++j) {
-        const int id = dst.SlotIndex(slot_names[j]);
-        ids.push_back(id >= 0 ? id : dst.AddSlot(slot_names[j], w[j], 0.0f));
-      }
-      if (!new_defaults.empty()) dst.SetDefaultValues(new_defaults);
-      dst.Import(k, values.flat<float>().data(), freqs.flat<int64_t>().data(),
-                 versions.flat<int64_t>().data(), n, slots.flat<float>().data(), ids, w);
-      dst.ImportFiltered(kf, freqs_f.flat<int64_t>().data(), versions_f.flat<int64_t>().data(), nf);
-      if (bloom_size != 0 && !dst.SetBloomState(bloom_state, bloom_size)) {
-        throw std::invalid_argument(
-            "`bloom` is not a counting Bloom filter state of this table's CBFFilter "
-            "settings");
-      }
-    };
-    try {
-      if (clear_) {
-        // A restore: build the new contents on the side, then swap them in,
-        // so that a failure (e.g. out of memory) leaves the table exactly
-        // as before. Peak memory is the old plus the new contents.
-        kv::TableOptions options = table.options();
-        options.default_values = table.DefaultValues();
-        options.storage_lock = false;  // a file tier's staging table beside the live one
-        kv::Table<K> staging(std::move(options));
-        for (const auto& spec : specs) staging.AddSlot(spec.name, spec.width, spec.init);
-        fill(staging);
-        table.SwapContents(staging);  // the replaced rows (and files) go with staging
-      } else {
-        fill(table);
-      }
-    } catch (const std::bad_alloc&) {
-      ctx->SetStatus(errors::ResourceExhausted("import of ", n, " rows (", dim, " values and ",
-                                               total, " slot values each) ran out of memory",
-                                               clear_ ? "; the table is unchanged" : ""));
-    } catch (const std::exception& e) {
-      ctx->SetStatus(errors::InvalidArgument("import failed: ", e.what()));
+  };
+  try {
+    if (clear) {
+      // A restore: build the new contents on the side, then swap them in,
+      // so that a failure (e.g. out of memory) leaves the table exactly
+      // as before. Peak memory is the old plus the new contents.
+      kv::TableOptions options = table.options();
+      options.default_values = table.DefaultValues();
+      options.storage_lock = false;  // a file tier's staging table beside the live one
+      kv::Table<K> staging(std::move(options));
+      for (const auto& spec : specs) staging.AddSlot(spec.name, spec.width, spec.init);
+      fill(staging);
+      table.SwapContents(staging);  // the replaced rows (and files) go with staging
+    } else {
+      fill(table);
     }
+  } catch (const std::bad_alloc&) {
+    ctx->SetStatus(errors::ResourceExhausted("import of ", n, " rows (", dim, " values and ", total,
+                                             " slot values each) ran out of memory",
+                                             clear ? "; the table is unchanged" : ""));
+  } catch (const std::exception& e) {
+    ctx->SetStatus(errors::InvalidArgument("import failed: ", e.what()));
   }
-
- private:
-  bool clear_;
-};
+}
 
 KRE_REGISTER_TABLE_KERNEL("KRE>TableLookup", TableLookupOp);
 KRE_REGISTER_TABLE_KERNEL("KRE>TableLookupCounted", TableLookupCountedOp);
@@ -504,8 +481,11 @@ KRE_REGISTER_TABLE_FN("KRE>TableReleaseStorage", TableReleaseStorage);
 KRE_REGISTER_TABLE_FN("KRE>TableRestoreSnapshot", TableRestoreSnapshot);
 KRE_REGISTER_TABLE_FN("KRE>TableEvict", TableEvict);
 KRE_REGISTER_TABLE_FN("KRE>TableAddSlot", TableAddSlot);
-KRE_REGISTER_TABLE_KERNEL("KRE>TableExport", TableExportOp);
-KRE_REGISTER_TABLE_KERNEL("KRE>TableImport", TableImportOp);
+// The attributes of the flag of TableExport and TableImport.
+constexpr char kIncludeFiltered[] = "include_filtered";
+constexpr char kClear[] = "clear";
+KRE_REGISTER_TABLE_FLAG_FN("KRE>TableExport", TableExport, kIncludeFiltered);
+KRE_REGISTER_TABLE_FLAG_FN("KRE>TableImport", TableImport, kClear);
 
 }  // namespace
 }  // namespace kre

@@ -119,46 +119,61 @@ class TableOpKernel : public OpKernel {
   int64_t dim_ = -1;  // the op's `dim` attribute; -1 without one
 };
 
-// A kernel whose whole work is the function Fn(ctx, table): the small ops
-// on one table (sizes, counters, snapshots, eviction, ...) are written as
-// plain functions and registered with KRE_REGISTER_TABLE_FN.
-template <typename K, void (*Fn)(OpKernelContext*, kv::Table<K>&)>
+// A kernel whose whole work is the function Fn(ctx, table), or with kFlag
+// Fn(ctx, table, flag), `flag` the op's bool attribute named kFlag: the ops
+// on one table without state of their own (sizes, counters, snapshots,
+// eviction, export, import) are written as plain functions and registered
+// with KRE_REGISTER_TABLE_FN or KRE_REGISTER_TABLE_FLAG_FN.
+template <typename K, auto Fn, const char* kFlag = nullptr>
 class TableFnKernel : public TableOpKernel<K> {
  public:
-  using TableOpKernel<K>::TableOpKernel;
+  explicit TableFnKernel(OpKernelConstruction* ctx) : TableOpKernel<K>(ctx) {
+    if constexpr (kFlag != nullptr) OP_REQUIRES_OK(ctx, ctx->GetAttr(kFlag, &flag_));
+  }
 
  protected:
-  void ComputeOnTable(OpKernelContext* ctx, kv::Table<K>& table) override { Fn(ctx, table); }
+  void ComputeOnTable(OpKernelContext* ctx, kv::Table<K>& table) override {
+    if constexpr (kFlag != nullptr) {
+      Fn(ctx, table, flag_);
+    } else {
+      Fn(ctx, table);
+    }
+  }
+
+ private:
+  bool flag_ = false;
 };
+
+// Allocates output i of `shape` and has fill(data) write its values of
+// type T.
+template <typename T, typename Fill>
+absl::Status FillOutput(OpKernelContext* ctx, int i, const TensorShape& shape, Fill&& fill) {
+  Tensor* out;
+  TF_RETURN_IF_ERROR(ctx->allocate_output(i, shape, &out));
+  fill(out->flat<T>().data());
+  return absl::OkStatus();
+}
 
 // Allocates output i as a scalar of type T holding `value`.
 template <typename T>
 absl::Status SetScalarOutput(OpKernelContext* ctx, int i, T value) {
-  Tensor* out;
-  TF_RETURN_IF_ERROR(ctx->allocate_output(i, TensorShape({}), &out));
-  out->scalar<T>()() = value;
-  return absl::OkStatus();
+  return FillOutput<T>(ctx, i, TensorShape({}), [&](T* out) { *out = value; });
 }
 
 // Allocates output i as a vector holding `values`.
 template <typename T>
 absl::Status SetVectorOutput(OpKernelContext* ctx, int i, const std::vector<T>& values) {
-  Tensor* out;
-  TF_RETURN_IF_ERROR(
-      ctx->allocate_output(i, TensorShape({static_cast<int64_t>(values.size())}), &out));
-  std::copy(values.begin(), values.end(), out->flat<T>().data());
-  return absl::OkStatus();
+  const int64_t n = static_cast<int64_t>(values.size());
+  return FillOutput<T>(ctx, i, TensorShape({n}),
+                       [&](T* out) { std::copy(values.begin(), values.end(), out); });
 }
 
 // Output i: the table's Bloom counters (kv::Table::BloomState), written
 // into the output without a copy of them in between.
 template <typename K>
 absl::Status SetBloomOutput(OpKernelContext* ctx, int i, const kv::Table<K>& table) {
-  Tensor* out;
-  TF_RETURN_IF_ERROR(
-      ctx->allocate_output(i, TensorShape({static_cast<int64_t>(table.BloomStateBytes())}), &out));
-  table.CopyBloomState(out->flat<uint8_t>().data());
-  return absl::OkStatus();
+  const TensorShape shape({static_cast<int64_t>(table.BloomStateBytes())});
+  return FillOutput<uint8_t>(ctx, i, shape, [&](uint8_t* out) { table.CopyBloomState(out); });
 }
 
 // For the `alloc` of kv::Table::Export / ExportChangedSince (called with
@@ -208,14 +223,19 @@ std::optional<typename kv::Table<K>::ExportBuffers> AllocateExportOutputs(OpKern
       Name(name).Device(::tensorflow::DEVICE_CPU).TypeConstraint<int32_t>("Tkeys"), Op<int32_t>)
 
 // Registers the function template `fn` (void fn<K>(OpKernelContext*,
-// kv::Table<K>&)) as the CPU kernel of op `name` for both key types.
-#define KRE_REGISTER_TABLE_FN(name, fn)                                             \
+// kv::Table<K>&, bool flag)) as the CPU kernel of op `name` for both key
+// types, `flag` its bool attribute named by the char array `flag_attr`.
+#define KRE_REGISTER_TABLE_FLAG_FN(name, fn, flag_attr)                             \
   REGISTER_KERNEL_BUILDER(                                                          \
       Name(name).Device(::tensorflow::DEVICE_CPU).TypeConstraint<int64_t>("Tkeys"), \
-      ::kre::TableFnKernel<int64_t, fn<int64_t>>);                                  \
+      ::kre::TableFnKernel<int64_t, fn<int64_t>, flag_attr>);                       \
   REGISTER_KERNEL_BUILDER(                                                          \
       Name(name).Device(::tensorflow::DEVICE_CPU).TypeConstraint<int32_t>("Tkeys"), \
-      ::kre::TableFnKernel<int32_t, fn<int32_t>>)
+      ::kre::TableFnKernel<int32_t, fn<int32_t>, flag_attr>)
+
+// Registers the function template `fn` (void fn<K>(OpKernelContext*,
+// kv::Table<K>&)) as the CPU kernel of op `name` for both key types.
+#define KRE_REGISTER_TABLE_FN(name, fn) KRE_REGISTER_TABLE_FLAG_FN(name, fn, nullptr)
 
 // Runs fn(i) for i in [0, n) over the intra-op thread pool. Exceptions
 // become a status (TableWorkError: DataLoss for a file tier's lost rows,

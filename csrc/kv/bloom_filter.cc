@@ -43,30 +43,27 @@ void IncrementCounter(uint8_t* base, uint64_t i) {
   }
 }
 
-uint64_t GetCounter(const uint8_t* base, uint64_t i, int bytes) {
+// fn(C{}) for the counter type C of `bytes` bytes (1, 2, 4, else 8).
+template <typename Fn>
+auto WithCounterType(int bytes, Fn&& fn) {
   switch (bytes) {
     case 1:
-      return LoadCounter<uint8_t>(base, i);
+      return fn(uint8_t{});
     case 2:
-      return LoadCounter<uint16_t>(base, i);
+      return fn(uint16_t{});
     case 4:
-      return LoadCounter<uint32_t>(base, i);
+      return fn(uint32_t{});
     default:
-      return LoadCounter<uint64_t>(base, i);
+      return fn(uint64_t{});
   }
 }
 
+uint64_t GetCounter(const uint8_t* base, uint64_t i, int bytes) {
+  return WithCounterType(bytes, [&](auto c) { return LoadCounter<decltype(c)>(base, i); });
+}
+
 void BumpCounter(uint8_t* base, uint64_t i, int bytes) {
-  switch (bytes) {
-    case 1:
-      return IncrementCounter<uint8_t>(base, i);
-    case 2:
-      return IncrementCounter<uint16_t>(base, i);
-    case 4:
-      return IncrementCounter<uint32_t>(base, i);
-    default:
-      return IncrementCounter<uint64_t>(base, i);
-  }
+  WithCounterType(bytes, [&](auto c) { IncrementCounter<decltype(c)>(base, i); });
 }
 
 // Appended to the saved counters: tells this layout (one filter for the

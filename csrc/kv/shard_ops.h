@@ -26,25 +26,18 @@ KRE_KV_INLINE void CopyFixed(float* dst, const float* src) {
   __builtin_memcpy(dst, src, D * sizeof(float));
 }
 
+// CopyFixed<D> for the D of kWidths equal to dim, else a memcpy.
+template <int... kWidths>
+KRE_KV_INLINE void CopyRowOf(float* dst, const float* src, int64_t dim) {
+  if (!((dim == kWidths && (CopyFixed<kWidths>(dst, src), true)) || ...)) {
+    std::memcpy(dst, src, static_cast<size_t>(dim) * sizeof(float));
+  }
+}
+
 // Copies one row; common widths get an inlined fixed-size copy instead of a
 // library call per row.
 KRE_KV_INLINE void CopyRow(float* dst, const float* src, int64_t dim) {
-  switch (dim) {
-    case 4:
-      return CopyFixed<4>(dst, src);
-    case 8:
-      return CopyFixed<8>(dst, src);
-    case 16:
-      return CopyFixed<16>(dst, src);
-    case 32:
-      return CopyFixed<32>(dst, src);
-    case 64:
-      return CopyFixed<64>(dst, src);
-    case 128:
-      return CopyFixed<128>(dst, src);
-    default:
-      std::memcpy(dst, src, static_cast<size_t>(dim) * sizeof(float));
-  }
+  CopyRowOf<4, 8, 16, 32, 64, 128>(dst, src, dim);
 }
 
 // Whether rows of `dim` floats written `stride` floats apart from `out` are

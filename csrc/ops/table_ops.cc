@@ -1,6 +1,8 @@
 // Copyright keras_rec_emb authors. Apache-2.0.
 // Op registrations and shape functions of the embedding table. Kernels live
 // in csrc/kernels/.
+#include <initializer_list>
+
 #include "ops/stat_parts.h"
 #include "ops/table_shape_fns.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
@@ -8,6 +10,53 @@
 #include "tensorflow/core/framework/shape_inference.h"
 
 namespace kre {
+namespace {
+
+// Inputs first, first + 1, ... have the ranks `ranks`; their shapes go to
+// shapes[0], shapes[1], ...
+absl::Status InputRanks(InferenceContext* c, int first, std::initializer_list<int> ranks,
+                        ShapeHandle* shapes) {
+  for (int rank : ranks) TF_RETURN_IF_ERROR(c->WithRank(c->input(first++), rank, shapes++));
+  return absl::OkStatus();
+}
+
+// Merges dimension 0 of `shapes` into *rows.
+absl::Status MergeRows(InferenceContext* c, std::initializer_list<ShapeHandle> shapes,
+                       DimensionHandle* rows) {
+  *rows = c->Dim(*shapes.begin(), 0);
+  for (ShapeHandle s : shapes) TF_RETURN_IF_ERROR(c->Merge(*rows, c->Dim(s, 0), rows));
+  return absl::OkStatus();
+}
+
+// Input i is the EV-initializer matrix default_values [default_value_dim, dim].
+absl::Status DefaultValuesInput(InferenceContext* c, int i, int64_t dim) {
+  ShapeHandle defaults;
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 2, &defaults));
+  DimensionHandle unused;
+  return c->WithValue(c->Dim(defaults, 1), dim, &unused);
+}
+
+// The shape function of KRE>TableLookup (keys of any shape, values
+// [keys.shape..., dim]) and, `counted`, of KRE>TableLookupCounted (keys [n]
+// and counts [n], values [n, dim]).
+template <bool counted>
+absl::Status LookupShape(InferenceContext* c) {
+  int64_t dim;
+  TF_RETURN_IF_ERROR(HandleAndDim(c, &dim));
+  ShapeHandle keys = c->input(1);
+  if constexpr (counted) {
+    ShapeHandle counts;
+    TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &keys));
+    TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &counts));
+    TF_RETURN_IF_ERROR(c->Merge(keys, counts, &keys));
+  }
+  ShapeHandle values;
+  TF_RETURN_IF_ERROR(c->Concatenate(keys, c->Vector(dim), &values));
+  c->set_output(0, values);
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 // Creates an anonymous embedding table from integer keys to float rows of width
 // `dim` and returns a ref-counting handle: the table lives as long as a handle
@@ -47,10 +96,7 @@ REGISTER_OP("KRE>TableCreate")
     .SetShapeFn([](InferenceContext* c) {
       int64_t dim;
       TF_RETURN_IF_ERROR(GetDim(c, &dim));
-      ShapeHandle defaults;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &defaults));
-      DimensionHandle unused;
-      TF_RETURN_IF_ERROR(c->WithValue(c->Dim(defaults, 1), dim, &unused));
+      TF_RETURN_IF_ERROR(DefaultValuesInput(c, 0, dim));
       c->set_output(0, c->Scalar());
       return absl::OkStatus();
     });
@@ -64,14 +110,7 @@ KRE_REGISTER_TABLE_OP("KRE>TableLookup")
     .Output("values: float")
     .Attr("dim: int >= 1")
     .Attr("insert: bool = false")
-    .SetShapeFn([](InferenceContext* c) {
-      int64_t dim;
-      TF_RETURN_IF_ERROR(HandleAndDim(c, &dim));
-      ShapeHandle out;
-      TF_RETURN_IF_ERROR(c->Concatenate(c->input(1), c->Vector(dim), &out));
-      c->set_output(0, out);
-      return absl::OkStatus();
-    });
+    .SetShapeFn(LookupShape</*counted=*/false>);
 
 // TableLookup of `keys` [n] where keys[i] stands for counts[i] >= 1
 // occurrences of it in a batch (the MultiWorkerMirroredStrategy owner's
@@ -84,16 +123,7 @@ KRE_REGISTER_TABLE_OP("KRE>TableLookupCounted")
     .Output("values: float")
     .Attr("dim: int >= 1")
     .Attr("insert: bool = false")
-    .SetShapeFn([](InferenceContext* c) {
-      int64_t dim;
-      TF_RETURN_IF_ERROR(HandleAndDim(c, &dim));
-      ShapeHandle keys, counts;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &keys));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &counts));
-      TF_RETURN_IF_ERROR(c->Merge(keys, counts, &keys));
-      c->set_output(0, c->Matrix(c->Dim(keys, 0), dim));
-      return absl::OkStatus();
-    });
+    .SetShapeFn(LookupShape</*counted=*/true>);
 
 KRE_REGISTER_TABLE_OP("KRE>TableSize").Output("size: int64").SetShapeFn(ScalarOfHandle<1>);
 
@@ -183,32 +213,17 @@ KRE_REGISTER_TABLE_OP("KRE>TableImport")
     .SetShapeFn([](InferenceContext* c) {
       int64_t dim;
       TF_RETURN_IF_ERROR(HandleAndDim(c, &dim));
-      ShapeHandle keys, values, freqs, versions, slots, names, widths;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &keys));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 2, &values));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(3), 1, &freqs));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(4), 1, &versions));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(5), 2, &slots));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(6), 1, &names));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(7), 1, &widths));
-      DimensionHandle n = c->Dim(keys, 0), unused;
-      ShapeHandle defaults;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(8), 2, &defaults));
-      TF_RETURN_IF_ERROR(c->WithValue(c->Dim(defaults, 1), dim, &unused));
-      ShapeHandle kf, ff, vf, bloom;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(9), 1, &kf));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(10), 1, &ff));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(11), 1, &vf));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(12), 1, &bloom));
-      DimensionHandle nf = c->Dim(kf, 0);
-      TF_RETURN_IF_ERROR(c->Merge(nf, c->Dim(ff, 0), &nf));
-      TF_RETURN_IF_ERROR(c->Merge(nf, c->Dim(vf, 0), &nf));
-      TF_RETURN_IF_ERROR(c->Merge(n, c->Dim(values, 0), &n));
-      TF_RETURN_IF_ERROR(c->Merge(n, c->Dim(freqs, 0), &n));
-      TF_RETURN_IF_ERROR(c->Merge(n, c->Dim(versions, 0), &n));
-      TF_RETURN_IF_ERROR(c->Merge(n, c->Dim(slots, 0), &n));
-      TF_RETURN_IF_ERROR(c->WithValue(c->Dim(values, 1), dim, &unused));
-      TF_RETURN_IF_ERROR(c->Merge(c->Dim(names, 0), c->Dim(widths, 0), &unused));
+      // keys, values, freqs, versions, slot_values, slot_names, slot_widths;
+      // default_values; keys, freqs and versions filtered, bloom.
+      ShapeHandle in[7], filtered[4];
+      TF_RETURN_IF_ERROR(InputRanks(c, 1, {1, 2, 1, 1, 2, 1, 1}, in));
+      TF_RETURN_IF_ERROR(DefaultValuesInput(c, 8, dim));
+      TF_RETURN_IF_ERROR(InputRanks(c, 9, {1, 1, 1, 1}, filtered));
+      DimensionHandle n, nf, unused;
+      TF_RETURN_IF_ERROR(MergeRows(c, {filtered[0], filtered[1], filtered[2]}, &nf));
+      TF_RETURN_IF_ERROR(MergeRows(c, {in[0], in[1], in[2], in[3], in[4]}, &n));
+      TF_RETURN_IF_ERROR(c->WithValue(c->Dim(in[1], 1), dim, &unused));
+      TF_RETURN_IF_ERROR(c->Merge(c->Dim(in[5], 0), c->Dim(in[6], 0), &unused));
       return absl::OkStatus();
     });
 
@@ -229,14 +244,10 @@ KRE_REGISTER_TABLE_OP("KRE>TableImport")
 
 absl::Status SparseApplyShape(InferenceContext* c) {
   TF_RETURN_IF_ERROR(ScalarHandle(c));
-  ShapeHandle keys, grads, hyper, step;
-  TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &keys));
-  TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 2, &grads));
-  TF_RETURN_IF_ERROR(c->WithRank(c->input(3), 1, &hyper));
-  TF_RETURN_IF_ERROR(c->WithRank(c->input(4), 0, &step));
+  ShapeHandle in[4];  // keys, grads, hyper, step
+  TF_RETURN_IF_ERROR(InputRanks(c, 1, {1, 2, 1, 0}, in));
   DimensionHandle unused;
-  TF_RETURN_IF_ERROR(c->Merge(c->Dim(keys, 0), c->Dim(grads, 0), &unused));
-  return absl::OkStatus();
+  return MergeRows(c, {in[0], in[1]}, &unused);
 }
 
 // One fused optimizer step on the rows of `keys`: equal keys are deduplicated
