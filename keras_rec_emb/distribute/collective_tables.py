@@ -402,12 +402,7 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
         return tf.boolean_mask(gathered, keep)
 
     def _gathered_parts(self, include_filtered, evict=False):
-        shard = self._shards[0]
-        with tf.device(shard.device):
-            evict = [shard._evict_op()] if evict and shard.evicts_at_save else []
-            with tf.control_dependencies(evict):
-                parts = _ops.export(shard.handle, shard.key_dtype, shard.dim,
-                                    include_filtered=include_filtered)
+        parts = self._shard_parts(self._shards[0], include_filtered, evict)
         out = dict(parts)
         local = tf.stack([tf.size(parts["keys"], out_type=tf.int64),
                           tf.size(parts["keys_filtered"], out_type=tf.int64)])
@@ -428,17 +423,7 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
     def _restore_from_tensors(self, restored_tensors):
         """Keeps the restored keys that hash to this process's shard: a
         checkpoint of any shard count (or of one table) restores."""
-        parts = dict(restored_tensors)
-        values = parts.get("values")
-        if values is not None:
-            _variables.check_saved_dim(self._name, values.shape, self.dim)
-        rows = tf.equal(ps_tables.shard_of(parts["keys"], self._num), self._index)
-        filtered = tf.equal(ps_tables.shard_of(parts["keys_filtered"], self._num),
-                            self._index)
-        for k in self._ROW_PARTS:
-            parts[k] = tf.boolean_mask(parts[k], rows)
-        for k in self._FILTERED_PARTS:
-            parts[k] = tf.boolean_mask(parts[k], filtered)
+        parts = self._split_restored(restored_tensors, self._num)[self._index]
         shard = self._shards[0]
         with tf.device(shard.device):
             return _ops.import_(shard.handle, shard.dim, parts)
@@ -447,16 +432,12 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
         """Every worker's rows in one dict shaped like `EmbeddingTable.export()`
         (collective: every worker calls it and receives all rows). Like
         `EmbeddingTable.export`, it does not evict (saving does)."""
-        parts = {k: v.numpy() for k, v in self._gathered_parts(include_filtered).items()}
-        out = {k: parts[k] for k in _variables.ARRAY_PARTS}
-        out["slots"] = _variables.unpack_slots(parts)
-        return out
+        return _variables.exported(self._gathered_parts(include_filtered))
 
     def import_(self, data, clear=True):
         """Keeps the rows of `data` (shaped like `export()`, from any shard
         count) whose keys hash to this process's shard."""
-        if not isinstance(data, dict) or "keys" not in data or "values" not in data:
-            return self._shards[0].import_(data, clear)  # its error names the fix
+        self._check_import_data(data)
         rows = ps_tables._rows_of_shard(data, self._index, self._num)
         self._shards[0].import_(rows, clear)
 
@@ -464,20 +445,20 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
         """This process's shard's statistics (`EmbeddingTable.stats`)."""
         return self._shards[0].stats()
 
-    def _summed(self, values):
-        gathered = self._gather(tf.constant([values], tf.int64)).numpy()
-        return gathered
+    def _every(self, values):
+        """`values` (ints) of every worker, one row each (NumPy)."""
+        return self._gather(tf.constant([values], tf.int64)).numpy()
 
     def size(self):
         """Admitted keys over every shard (collective)."""
-        return int(self._summed([self._shards[0].size()]).sum())
+        return int(self._every([self._shards[0].size()]).sum())
 
     def stats(self):
         """The shards' statistics added up over the workers (`latest_step`:
         the largest; collective)."""
         local = self.local_stats()
         names = ("size", "filtered", "memory_bytes", "latest_step")
-        every = self._summed([local[k] for k in names])
+        every = self._every([local[k] for k in names])
         out = {k: int(every[:, i].sum()) for i, k in enumerate(names[:3])}
         out["latest_step"] = int(every[:, 3].max())
         return out
@@ -485,4 +466,4 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
     def evict(self, step=None):
         """Applies eviction on every shard; returns the keys evicted in all
         (collective)."""
-        return int(self._summed([self._shards[0].evict(step)]).sum())
+        return int(self._every([self._shards[0].evict(step)]).sum())

@@ -140,12 +140,14 @@ def current_devices():
     return ps_variables.scope_devices()
 
 
-def _concat(arrays, like):
-    arrays = [a for a in arrays]
-    return np.concatenate(arrays, axis=0) if arrays else like
+def _of_first_shard(name):
+    """A sharded table's property that is its first shard's: every shard is
+    built from the same arguments."""
+    return property(lambda table: getattr(table._shards[0], name),
+                    doc=f"The shards' `{name}` (the same for each).")
 
 
-class ShardedEmbeddingTable(_compat.Trackable):
+class ShardedEmbeddingTable(_tables.TableBase, _compat.Trackable):
     """One embedding table split by key hash over several devices.
 
     Shard `i` holds the keys with `shard_of(key, N) == i`; it is an
@@ -196,7 +198,6 @@ class ShardedEmbeddingTable(_compat.Trackable):
                 shards.ParameterServerShard(device, shard_name, dim, key_dtype, default_values,
                                             name=shard_name, **kwargs))
 
-    # -- properties shared with EmbeddingTable --------------------------------
     @property
     def shards(self):
         return list(self._shards)
@@ -248,17 +249,12 @@ class ShardedEmbeddingTable(_compat.Trackable):
     def variable(self):
         self._not_one_table("variable")
 
-    @property
-    def name(self):
-        return self._name
-
-    @property
-    def dim(self):
-        return self._shards[0].dim
-
-    @property
-    def key_dtype(self):
-        return self._shards[0].key_dtype
+    dim = _of_first_shard("dim")
+    key_dtype = _of_first_shard("key_dtype")
+    eviction_rule = _of_first_shard("eviction_rule")
+    save_filtered = _of_first_shard("save_filtered")
+    filters = _of_first_shard("filters")
+    no_permission_value = _of_first_shard("no_permission_value")
 
     @property
     def trainable(self):
@@ -269,36 +265,6 @@ class ShardedEmbeddingTable(_compat.Trackable):
         for s in self._shards:
             s.trainable = value
 
-    @property
-    def evicts(self):
-        return self._shards[0].evicts
-
-    @property
-    def evicts_at_save(self):
-        return self._shards[0].evicts_at_save
-
-    @property
-    def eviction_rule(self):
-        return self._shards[0].eviction_rule
-
-    def evict_for_save(self, name=None):
-        """`EmbeddingTable.evict_for_save` over every shard (collective for
-        a CollectiveShardedTable: `size` and `evict` are)."""
-        return _variables.evict_for_save(self, name)
-
-    @property
-    def save_filtered(self):
-        return self._shards[0].save_filtered
-
-    @property
-    def filters(self):
-        """Whether the table has an admission filter (as every shard)."""
-        return self._shards[0].filters
-
-    @property
-    def no_permission_value(self):
-        return self._shards[0].no_permission_value
-
     def __repr__(self):
         return (f"<ShardedEmbeddingTable '{self._name}' dim={self.dim} "
                 f"shards={self._devices}>")
@@ -307,16 +273,17 @@ class ShardedEmbeddingTable(_compat.Trackable):
     _ROW_PARTS = tuple(p.name for p in _variables.PARTS if p.rows == "N")
     _FILTERED_PARTS = tuple(p.name for p in _variables.PARTS if p.rows == "F")
 
+    @staticmethod
+    def _shard_parts(shard, include_filtered, evict):
+        """`shard`'s parts as tensors, exported on its device (`evict`: after
+        the eviction op of a save)."""
+        with tf.device(shard.device):
+            return shard._export_parts(include_filtered, evict=evict)
+
     def _serialize_to_tensors(self):
         """The shards gathered into `EmbeddingTable`'s checkpoint format (the
         same names), so a checkpoint restores into any shard count."""
-        shard_parts = []
-        for shard in self._shards:
-            with tf.device(shard.device):
-                evict = [shard._evict_op()] if shard.evicts_at_save else []
-                with tf.control_dependencies(evict):
-                    shard_parts.append(_ops.export(shard.handle, shard.key_dtype, shard.dim,
-                                                   include_filtered=shard.save_filtered))
+        shard_parts = [self._shard_parts(s, s.save_filtered, evict=True) for s in self._shards]
         out = {k: tf.concat([p[k] for p in shard_parts], axis=0)
                for k in self._ROW_PARTS + self._FILTERED_PARTS}
         for k in ("slot_names", "slot_widths", "default_values"):
@@ -325,21 +292,24 @@ class ShardedEmbeddingTable(_compat.Trackable):
         out["bloom"] = tf.zeros([0], tf.uint8)
         return out
 
-    def _restore_from_tensors(self, restored_tensors):
+    def _split_restored(self, restored_tensors, n):
+        """The restored parts (checked for their row width) split by key hash
+        into `n` dicts, one per shard."""
         parts = dict(restored_tensors)
         values = parts.get("values")
         if values is not None:
-            _variables.check_saved_dim(self._name, values.shape, self.dim)
-        n = len(self._shards)
+            _tables.check_saved_dim(self._name, values.shape, self.dim)
         rows = shard_of(parts["keys"], n)
         filtered = shard_of(parts["keys_filtered"], n)
         split = {k: tf.dynamic_partition(parts[k], rows, n) for k in self._ROW_PARTS}
         split.update({k: tf.dynamic_partition(parts[k], filtered, n)
                       for k in self._FILTERED_PARTS})
+        return [dict(parts, **{k: v[i] for k, v in split.items()}) for i in range(n)]
+
+    def _restore_from_tensors(self, restored_tensors):
         ops = []
-        for i, shard in enumerate(self._shards):
-            mine = dict(parts)
-            mine.update({k: v[i] for k, v in split.items()})
+        for shard, mine in zip(self._shards,
+                               self._split_restored(restored_tensors, len(self._shards))):
             with tf.device(shard.device):
                 ops.append(_ops.import_(shard.handle, shard.dim, mine))
         return tf.group(ops)
@@ -377,9 +347,6 @@ class ShardedEmbeddingTable(_compat.Trackable):
         out["latest_step"] = max(p["latest_step"] for p in parts)
         return out
 
-    def memory_bytes(self):
-        return self.stats()["memory_bytes"]
-
     def evict(self, step=None):
         return sum(s.evict(step) for s in self._shards)
 
@@ -403,8 +370,7 @@ class ShardedEmbeddingTable(_compat.Trackable):
         restores only into the same shard count: if `path` holds this
         table's snapshot for another count, a ValueError names both counts
         (a `tf.train.Checkpoint` or `model.save` reshards instead)."""
-        if path is not None and not isinstance(path, str):
-            raise TypeError(f"`path` must be a str or None. Received: path={path!r}")
+        _tables.check_snapshot_path(path)
         root = path or self.storage_dir
         if root is None:
             self._shards[0].restore_snapshot()  # its error names the fix
@@ -441,10 +407,8 @@ class ShardedEmbeddingTable(_compat.Trackable):
         filter's counters are per shard and are not merged: `bloom` is
         empty, the keys it counted stay in `keys_filtered`."""
         parts = [s.export(include_filtered) for s in self._shards]
-        out = {}
-        for key in ("keys", "values", "freqs", "versions", "keys_filtered",
-                    "freqs_filtered", "versions_filtered"):
-            out[key] = np.concatenate([p[key] for p in parts], axis=0)
+        out = {key: np.concatenate([p[key] for p in parts], axis=0)
+               for key in _tables.ROW_PARTS + _tables.FILTERED_ROW_PARTS}
         out["default_values"] = parts[0]["default_values"]
         out["bloom"] = np.zeros(0, np.uint8)
         names = list(parts[0]["slots"])
@@ -455,8 +419,7 @@ class ShardedEmbeddingTable(_compat.Trackable):
     def import_(self, data, clear=True):
         """Splits `data` (shaped like `export()`) over the shards by key hash:
         rows saved with any number of shards restore into this one."""
-        if not isinstance(data, dict) or "keys" not in data or "values" not in data:
-            return self._shards[0].import_(data, clear)  # its error names the fix
+        self._check_import_data(data)
         for i, shard in enumerate(self._shards):
             shard.import_(_rows_of_shard(data, i, len(self._shards)), clear)
 
@@ -468,19 +431,11 @@ def _rows_of_shard(data, index, num_shards):
     which = shard_of_numpy(keys, num_shards) if keys.size else np.zeros(0, np.int64)
     keys_f = np.asarray(data.get("keys_filtered", np.zeros(0, np.int64)))
     which_f = shard_of_numpy(keys_f, num_shards) if keys_f.size else np.zeros(0, np.int64)
-    per_row = ("keys", "values", "freqs", "versions")
-    per_filtered = ("keys_filtered", "freqs_filtered", "versions_filtered")
-    part = {k: v for k, v in data.items() if k not in per_row + per_filtered
-            and k not in ("slots", "bloom")}
-    mask = which == index
-    for k in per_row:
-        if k in data:
-            part[k] = np.asarray(data[k])[mask]
-    mask_f = which_f == index
-    for k in per_filtered:
-        if k in data:
-            part[k] = np.asarray(data[k])[mask_f]
-    part["slots"] = {name: np.asarray(rows).reshape(keys.shape[0], -1)[mask]
+    masks = {k: which == index for k in _tables.ROW_PARTS}
+    masks.update((k, which_f == index) for k in _tables.FILTERED_ROW_PARTS)
+    part = {k: v for k, v in data.items() if k not in masks and k not in ("slots", "bloom")}
+    part.update((k, np.asarray(data[k])[masks[k]]) for k in masks if k in data)
+    part["slots"] = {name: np.asarray(rows).reshape(keys.shape[0], -1)[which == index]
                      for name, rows in (data.get("slots") or {}).items()}
     return part
 

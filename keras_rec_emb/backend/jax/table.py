@@ -28,14 +28,11 @@ import weakref
 import numpy as np
 
 from keras_rec_emb import _file_tier
-from keras_rec_emb import saving as _saving
 from keras_rec_emb import tables as _tables
 from keras_rec_emb.backend.jax import ffi
-from keras_rec_emb.options import save_filtered_from_env
 
 # Saved as int64 whatever the key width, as TensorFlow writes them.
 _INT64_PARTS = ("freqs", "versions", "freqs_filtered", "versions_filtered")
-_FILTERED = ("keys_filtered", "freqs_filtered", "versions_filtered")
 
 
 def _free(handle):
@@ -49,7 +46,7 @@ def _free(handle):
         pass  # destroyed already
 
 
-class JaxTable:
+class JaxTable(_tables.TableBase):
     """One table of the engine, made from an `EmbeddingVariableOption`.
 
     Args:
@@ -66,7 +63,7 @@ class JaxTable:
     def __init__(self, name, dim, key_dtype, default_values, ev_option, trainable=True):
         self._name, self._dim, self._key_dtype = name, int(dim), key_dtype
         self.trainable = trainable
-        self.default_values = default_values
+        self._initial_default_values = default_values
         self.eviction_rule = ev_option.evict_option
         self._save_filtered = ev_option.save_filtered
         # (name, width) of the slots, in the order they were added (the
@@ -78,11 +75,7 @@ class JaxTable:
         kwargs = dict(
             key_dtype=key_dtype, num_shards=table["num_shards"], track_meta=table["track_meta"],
             filter_freq=filter_freq, no_permission_value=table["no_permission_value"],
-            bloom=table.get("bloom"),
-            # DeepRec's frequency: an admitted key's stays at the threshold
-            # unless `record_freq` (the TensorFlow table's `_freq_cap`).
-            freq_cap=0 if table["record_freq"] or filter_freq < 1 else filter_freq)
-        self._storage_dir = self._copy_dir = None
+            bloom=table.get("bloom"), freq_cap=_tables.freq_cap(table["record_freq"], filter_freq))
         storage = ev_option.storage_option
         if storage is None or storage.storage_type != "FILE":
             self.handle = ffi.create(default_values, **kwargs)
@@ -108,53 +101,17 @@ class JaxTable:
     def __repr__(self):
         return f"<JaxTable '{self._name}' key_dtype={self._key_dtype} dim={self._dim}>"
 
-    # -- description ----------------------------------------------------------
     @property
-    def name(self):
-        return self._name
+    def default_values(self):
+        """The initializer matrix the table was made with."""
+        return self._initial_default_values
 
-    @property
-    def dim(self):
-        return self._dim
-
-    @property
-    def key_dtype(self):
-        return self._key_dtype
-
-    @property
-    def evicts(self):
-        return self.eviction_rule is not None
-
-    @property
-    def evicts_at_save(self):
-        """Whether saving evicts now: an eviction rule with `at_save` on,
-        outside `keras_rec_emb.save_model(..., evict=False)`."""
-        return self.evicts and self.eviction_rule.at_save and _saving.evicts_at_save()
-
-    @property
-    def save_filtered(self):
-        return self._save_filtered and save_filtered_from_env()
-
-    @property
-    def storage_dir(self):
-        """The file tier's folder (its own under `storage_path`, or a
-        copy's), or None (DRAM)."""
-        return self._copy_dir or self._storage_dir
-
-    # -- operations -----------------------------------------------------------
     def size(self):
         """Admitted keys (after every table call already dispatched)."""
         return int(ffi.size(self.handle)[0])
 
     def stats(self):
-        out = ffi.stats(self.handle)
-        out["storage"] = "FILE" if self._storage_dir else "DRAM"
-        accesses = out["cache_hits"] + out["cache_misses"]
-        out["cache_hit_rate"] = out["cache_hits"] / accesses if accesses else 1.0
-        return out
-
-    def memory_bytes(self):
-        return self.stats()["memory_bytes"]
+        return self._with_storage(ffi.stats(self.handle))
 
     def evict(self, step=None):
         rule = self.eviction_rule
@@ -164,19 +121,8 @@ class JaxTable:
                          getattr(rule, "steps_to_live", -1),
                          getattr(rule, "l2_weight_threshold", -1.0))
 
-    def evict_for_save(self, name=None):
-        if not self.evicts_at_save:
-            return 0
-        before = self.size()
-        evicted = self.evict()
-        _saving.report_save_eviction(name or self._name, self.eviction_rule, before,
-                                     self.size(), evicted)
-        return evicted
-
-    def add_slot(self, name, init=0.0, width=None):
-        width = self._dim if width is None else int(width)
-        self._slot_inits[name] = float(init)
-        ffi.add_slot(self.handle, name, width, float(init))
+    def _add_slot(self, name, init, width):
+        ffi.add_slot(self.handle, name, width, init)
         if name not in {n for n, _ in self.slot_specs}:
             self.slot_specs.append((name, width))
 
@@ -185,7 +131,7 @@ class JaxTable:
         for name in _INT64_PARTS:
             parts[name] = np.asarray(parts[name]).astype(np.int64)
         if not include_filtered:
-            for name in _FILTERED:
+            for name in _tables.FILTERED_ROW_PARTS:
                 parts[name] = parts[name][:0]
         return parts
 
@@ -196,12 +142,7 @@ class JaxTable:
         if not clear:
             raise ValueError("A JAX table's import_ replaces its contents: clear=True only. "
                              "Received: clear=False")
-        if not isinstance(data, dict) or "keys" not in data or "values" not in data:
-            raise ValueError(
-                "`data` must be a dict with at least 'keys' [N] and 'values' "
-                f"[N, {self._dim}] (as returned by export()). Received: "
-                f"{type(data).__name__} with keys "
-                f"{sorted(data) if isinstance(data, dict) else None}")
+        self._check_import_data(data)
         ffi.import_parts(self.handle, self._key_dtype, self._dim, data)
         slots = data.get("slots")
         if isinstance(slots, dict):
@@ -212,32 +153,8 @@ class JaxTable:
         known = {name for name, _ in self.slot_specs}
         self.slot_specs += [(n, w) for n, w in added if n not in known]
 
-    def resize_rows(self, keys, values, slots):
-        return _tables.resize_rows(keys, values, slots, self._dim, self.default_values,
-                                   self._slot_inits)
-
-    def _check_file_tier(self, what):
-        if self._storage_dir is None:
-            raise ValueError(
-                f"{what} needs a file-tier table (EmbeddingVariableOption("
-                f"storage_option=StorageOption('FILE', storage_path=...))); table "
-                f"'{self._name}' keeps its rows in DRAM.")
-
-    def snapshot(self):
-        self._check_file_tier("snapshot()")
-        if self._copy_dir is not None:
-            raise ValueError(
-                f"Table '{self._name}' cannot snapshot(): it is a copy working in the "
-                f"temporary folder '{self._copy_dir}' (its folder '{self._storage_dir}' "
-                "is held by another live table), which is removed when it is freed, "
-                "snapshots included. Give this layer a storage_path of its own "
-                "(EmbeddingVariableOption(storage_option=StorageOption('FILE', "
-                "storage_path=...))), or snapshot the live table.")
+    def _snapshot(self):
         return ffi.snapshot(self.handle)
 
-    def restore_snapshot(self, path=None):
-        self._check_file_tier("restore_snapshot()")
-        if path is not None and not isinstance(path, str):
-            raise TypeError(f"`path` must be a str or None. Received: path={path!r}")
-        return ffi.restore_snapshot(self.handle, path or (self._storage_dir if self._copy_dir
-                                                          else ""))
+    def _restore_snapshot(self, path):
+        return ffi.restore_snapshot(self.handle, path)

@@ -29,10 +29,9 @@ from keras_rec_emb import _file_tier
 from keras_rec_emb.backend.tensorflow import compat as _compat
 from keras_rec_emb.backend.tensorflow import ops as _ops
 from keras_rec_emb.backend.tensorflow import serving_context as _serving_context
-from keras_rec_emb import saving as _saving
 from keras_rec_emb import tables as _tables
 from keras_rec_emb.backend.tensorflow.checks import keys_in_range
-from keras_rec_emb.options import GlobalStepEvict, L2WeightEvict, save_filtered_from_env
+from keras_rec_emb.options import GlobalStepEvict, L2WeightEvict
 
 _ids = itertools.count()
 
@@ -124,9 +123,13 @@ def pack_slots(blocks, n):
     }
 
 
-# (Shared with the JAX backend; re-exported for the distributed tables.)
-check_restore_dim_mode = _tables.check_restore_dim_mode
-check_saved_dim = _tables.check_saved_dim
+def exported(parts):
+    """`export()`'s dict of a table's parts as eager tensors (NumPy, slots
+    unpacked)."""
+    parts = {k: v.numpy() for k, v in parts.items()}
+    out = {k: parts[k] for k in ARRAY_PARTS}
+    out["slots"] = unpack_slots(parts)
+    return out
 
 _STOCK_OPTIMIZER_ERROR = (
     "Embedding table '{name}' is a dynamic hash table and cannot be updated by "
@@ -146,7 +149,7 @@ _STOCK_WRAPPER_ERROR = (
     "it so by itself)."
 )
 
-class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
+class EmbeddingTable(_tables.TableBase, tf.saved_model.experimental.TrackableResource):
     """A dynamic hash table from integer keys to float32 rows of width `dim`.
 
     Users normally reach it as `EmbeddingVariable(...).table`; the layer maps
@@ -232,7 +235,7 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
             self._storage_dir = _file_tier.table_folder(storage_path, name)
         self._cache_bytes = int(cache_bytes)
         self._shared_name = str(shared_name)
-        self._restore_dim_mismatch = check_restore_dim_mode(restore_dim_mismatch)
+        self._restore_dim_mismatch = _tables.check_restore_dim_mode(restore_dim_mismatch)
         self._slot_inits = {}
         self._dim = int(dim)
         self._key_dtype = tf.as_dtype(key_dtype)
@@ -295,7 +298,7 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
             tf.constant(self._initial_default_values), self._key_dtype, self._dim,
             self._num_shards, track_meta=self._track_meta, filter_freq=self._filter_freq,
             bloom=self._bloom, no_permission_value=self._no_permission_value,
-            freq_cap=self._freq_cap(),
+            freq_cap=_tables.freq_cap(self._record_freq, self._filter_freq),
             storage_path=storage_path, cache_bytes=self._cache_bytes,
             shared_name=shared_name,
         )
@@ -308,39 +311,29 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         if self._storage_dir is not None and tf.executing_eagerly():
             _ops.release_storage(self._resource_handle, self._key_dtype)
 
-    def _freq_cap(self):
-        # DeepRec (CounterFilterDescriptorImpl::GetFreq, EmbeddingVar's
-        # add_freq_fn_): without TF_RECORD_FREQ an admitted key's count is
-        # the filter's threshold.
-        if self._record_freq or self._filter_freq < 1:
-            return 0
-        return self._filter_freq
-
     def _serialize_to_tensors(self):
         # DeepRec evicts when a checkpoint is saved; every part is always
         # present (possibly empty) so that checkpoints of tables with and
         # without filters restore into each other. An eager save (e.g.
         # tf.train.Checkpoint.write) reports what it evicted; a traced one
         # runs the op.
-        evict = []
-        if self.evicts_at_save:
-            if tf.executing_eagerly():
-                self.evict_for_save()
-            else:
-                evict = [self._evict_op()]
-        with tf.control_dependencies(evict):
-            return self._export_parts(include_filtered=self.save_filtered)
+        eager = tf.executing_eagerly()
+        if eager:
+            self.evict_for_save()
+        return self._export_parts(self.save_filtered, evict=not eager)
 
     def _restore_from_tensors(self, restored_tensors):
         values = restored_tensors.get(_VALUES)
-        if values is not None and check_saved_dim(self._name, values.shape, self._dim,
-                                                  self._restore_dim_mismatch):
+        if values is not None and _tables.check_saved_dim(self._name, values.shape, self._dim,
+                                                          self._restore_dim_mismatch):
             restored_tensors = self._resized_parts(restored_tensors)
         return self._import_parts(restored_tensors)
 
-    def _export_parts(self, include_filtered=True):
-        """The table's parts as tensors, a dict in `PART_NAMES` order."""
-        return _ops.export(self.handle, self._key_dtype, self._dim, include_filtered)
+    def _export_parts(self, include_filtered=True, evict=False):
+        """The table's parts as tensors, a dict in `PART_NAMES` order; with
+        `evict`, after the eviction op of a save (when `evicts_at_save`)."""
+        with tf.control_dependencies([self._evict_op()] if evict and self.evicts_at_save else []):
+            return _ops.export(self.handle, self._key_dtype, self._dim, include_filtered)
 
     def _import_parts(self, parts, clear=True):
         """Loads a dict of every part (see `complete_parts`) as it is: the
@@ -348,12 +341,6 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         initializer matrix; `clear=False` merges into the live table."""
         return _ops.import_(self.handle, self._dim, {name: parts[name] for name in PART_NAMES},
                             clear=clear)
-
-    def resize_rows(self, keys, values, slots):
-        """Saved rows (and slots) of another width, brought to `dim`
-        (`restore_dim_mismatch="pad_or_truncate"`): NumPy in, NumPy out."""
-        return _tables.resize_rows(keys, values, slots, self._dim,
-                                   self._initial_default_values, self._slot_inits)
 
     def _resized_parts(self, parts):
         if not tf.executing_eagerly():
@@ -408,26 +395,6 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         return self.resource_handle.device
 
     @property
-    def trainable(self):
-        return self._trainable
-
-    @trainable.setter
-    def trainable(self, value):
-        self._trainable = bool(value)
-
-    @property
-    def name(self):
-        return self._name
-
-    @property
-    def key_dtype(self):
-        return self._key_dtype
-
-    @property
-    def dim(self):
-        return self._dim
-
-    @property
     def filters(self):
         """Whether an admission filter (counter or Bloom) is configured."""
         return self._filter_freq > 1 or self._bloom is not None
@@ -438,17 +405,6 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         return self._no_permission_value
 
     @property
-    def evicts(self):
-        """Whether an eviction rule is configured."""
-        return self._steps_to_live >= 0 or self._l2_threshold >= 0
-
-    @property
-    def evicts_at_save(self):
-        """Whether saving evicts now: an eviction rule with `at_save` on,
-        outside `keras_rec_emb.save_model(..., evict=False)`."""
-        return self.evicts and self._evict_at_save and _saving.evicts_at_save()
-
-    @property
     def eviction_rule(self):
         """The eviction option this table was built from (for messages)."""
         if self._steps_to_live >= 0:
@@ -456,16 +412,6 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         if self._l2_threshold >= 0:
             return L2WeightEvict(self._l2_threshold, at_save=self._evict_at_save)
         return None
-
-    def evict_for_save(self, name=None):
-        """Eager: the eviction of a save, when it evicts (`evicts_at_save`),
-        reported per table (see `keras_rec_emb.saving.report_save_eviction`);
-        returns the ids evicted."""
-        return evict_for_save(self, name)
-
-    @property
-    def save_filtered(self):
-        return self._save_filtered and save_filtered_from_env()
 
     def __repr__(self):
         return (f"<EmbeddingTable '{self._name}' key_dtype={self._key_dtype.name} "
@@ -522,55 +468,13 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         out = {k: int(v) for k, v in _ops.stats(self.handle, self._key_dtype).items()}
         out.update((k, int(v)) for k, v in
                    _ops.storage_stats(self.handle, self._key_dtype).items())
-        out["storage"] = "FILE" if self._storage_dir else "DRAM"
-        accesses = out["cache_hits"] + out["cache_misses"]
-        out["cache_hit_rate"] = out["cache_hits"] / accesses if accesses else 1.0
-        return out
+        return self._with_storage(out)
 
-    @property
-    def storage_dir(self):
-        """The file tier's folder of this table, or None (DRAM): its own
-        folder under its `storage_path`, or the folder of a copy made beside a
-        live table holding that one (see `storage_path` above)."""
-        return self._copy_dir or self._storage_dir
-
-    def _check_file_tier(self, what):
-        if self._storage_dir is None:
-            raise ValueError(
-                f"{what} needs a file-tier table (EmbeddingVariableOption("
-                f"storage_option=StorageOption('FILE', storage_path=...))); table "
-                f"'{self._name}' keeps its rows in DRAM.")
-
-    def snapshot(self):
-        """File tier: writes a crash-safe snapshot of the table (rows stay in
-        C++: segments are flushed, fsynced and hard-linked, an index written,
-        a manifest renamed) under `storage_dir`; returns its number."""
-        self._check_file_tier("snapshot()")
-        if self._copy_dir is not None:
-            raise ValueError(
-                f"Table '{self._name}' cannot snapshot(): it is a copy working in the "
-                f"temporary folder '{self._copy_dir}' (its folder '{self._storage_dir}' "
-                "is held by another live table), which is removed when it is freed, "
-                "snapshots included. Give this layer a storage_path of its own "
-                "(EmbeddingVariableOption(storage_option=StorageOption('FILE', "
-                "storage_path=...))), or snapshot the live table.")
+    def _snapshot(self):
         return int(_ops.snapshot(self.handle, self._key_dtype))
 
-    def restore_snapshot(self, path=None):
-        """File tier: replaces the contents with the latest snapshot under
-        `path` (default: the table's folder under its `storage_path`, also
-        for a copy working in a folder of its own); returns the number of
-        keys. A corrupt or truncated snapshot raises an error naming the
-        file and leaves the table unchanged."""
-        self._check_file_tier("restore_snapshot()")
-        if path is not None and not isinstance(path, str):
-            raise TypeError(f"`path` must be a str or None. Received: path={path!r}")
-        return int(_ops.restore_snapshot(self.handle, self._key_dtype,
-                                         path or (self._storage_dir if self._copy_dir else "")))
-
-    def memory_bytes(self):
-        """Bytes held by the table (index, rows, slots, metadata, filter)."""
-        return self.stats()["memory_bytes"]
+    def _restore_snapshot(self, path):
+        return int(_ops.restore_snapshot(self.handle, self._key_dtype, path))
 
     def _evict_op(self, step=None):
         return _ops.evict(self.handle, self._key_dtype, -1 if step is None else step,
@@ -587,14 +491,8 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
             return 0
         return int(self._evict_op(step))
 
-    def add_slot(self, name, init=0.0, width=None):
-        """Adds optimizer slot `name` (width `dim` unless given) or updates
-        the init value of an existing one for rows created from now on."""
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"`slot_name` must be a non-empty string. Received: name={name!r}")
-        self._slot_inits[name] = float(init)
-        _ops.add_slot(self.handle, self._key_dtype, name,
-                      self._dim if width is None else int(width), float(init))
+    def _add_slot(self, name, init, width):
+        _ops.add_slot(self.handle, self._key_dtype, name, width, init)
 
     def export(self, include_filtered=True):
         """All keys as NumPy arrays (DeepRec's export format).
@@ -609,10 +507,7 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
             not admitted (empty without `include_filtered`); and `bloom`,
             the counting Bloom filter's counters as bytes.
         """
-        parts = {k: v.numpy() for k, v in self._export_parts(include_filtered).items()}
-        out = {k: parts[k] for k in ARRAY_PARTS}
-        out["slots"] = unpack_slots(parts)
-        return out
+        return exported(self._export_parts(include_filtered))
 
     def import_(self, data, clear=True):
         """Loads keys from a dict shaped like `export()`'s result.
@@ -622,13 +517,7 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         missing `default_values` leaves the initializer matrix unchanged.
         With `clear=True` the table is emptied first.
         """
-        if not isinstance(data, dict) or _KEYS not in data or _VALUES not in data:
-            raise ValueError(
-                "`data` must be a dict with at least 'keys' [N] and 'values' "
-                f"[N, {self._dim}] (as returned by export()). Received: "
-                f"{type(data).__name__} with keys "
-                f"{sorted(data) if isinstance(data, dict) else None}"
-            )
+        self._check_import_data(data)
         keys = np.asarray(data[_KEYS])
         if not np.issubdtype(keys.dtype, np.integer):
             raise TypeError(f"`keys` must be integers. Received dtype {keys.dtype}")
@@ -688,15 +577,9 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         plus `erased` (keys erased after it: replay erases them first) and
         `complete` (False when the contents were replaced wholesale since,
         e.g. by a restore: then only a full export is correct)."""
-        parts = {k: v.numpy() for k, v in _ops.export_changed_since(
-            self.handle, self._key_dtype, self._dim, int(since)).items()}
-        out = {k: parts[k] for k in ARRAY_PARTS}
-        out["slots"] = {}
-        start = 0
-        for name, width in zip(parts["slot_names"], parts["slot_widths"]):
-            out["slots"][name.decode()] = parts["slot_values"][:, start:start + width]
-            start += width
-        out["erased"] = parts["erased"]
+        parts = _ops.export_changed_since(self.handle, self._key_dtype, self._dim, int(since))
+        out = exported(parts)
+        out["erased"] = parts["erased"].numpy()
         out["complete"] = bool(parts["complete"])
         return out
 
@@ -881,15 +764,3 @@ def count_params(layer):
     count = sum(int(np.prod(w.shape)) for w in weights)
     return TableParamCount(count, tables) if tables else count
 
-
-def evict_for_save(table, name=None):
-    """The eviction of a save for any table with `evicts_at_save`, `size`,
-    `evict` and `eviction_rule` (a local table, or a sharded one over all
-    its shards), reported per table; returns the ids evicted."""
-    if not table.evicts_at_save:
-        return 0
-    before = table.size()
-    evicted = table.evict()
-    _saving.report_save_eviction(name or table._name, table.eviction_rule, before,
-                                 table.size(), evicted)
-    return evicted
