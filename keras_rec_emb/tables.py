@@ -18,13 +18,15 @@ distributed table is a `Table` whose `variables` are its shards'.
 either Keras backend (its saving hooks and table methods are written once
 over it); the JAX backend's table (`keras_rec_emb.backend.jax.table`)
 implements it, and every TensorFlow kind implements `Table`, which extends
-it. The NumPy helpers below (the saved parts' names, the restore-width
-rule) are shared by both backends. No TensorFlow here: this module is
-imported under JAX too.
+it. `TableBase` is what they all share over their own ops. The NumPy
+helpers below (the saved parts' names, the restore-width rule) are shared
+by both backends. No TensorFlow here: this module is imported under JAX
+too.
 
 tests/test_tables.py checks that every kind defines every member.
 """
 
+import operator
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -106,6 +108,16 @@ def freq_cap(record_freq, filter_freq):
     return 0 if record_freq or filter_freq < 1 else int(filter_freq)
 
 
+def attribute(path, doc=None):
+    """A read-only property: the object's attribute at `path` (dotted)."""
+    return property(operator.attrgetter(path), doc=doc)
+
+
+def constant(value, doc):
+    """A read-only property that is `value` for every object of the class."""
+    return property(lambda self: value, doc=doc)
+
+
 def check_snapshot_path(path):
     if path is not None and not isinstance(path, str):
         raise TypeError(f"`path` must be a str or None. Received: path={path!r}")
@@ -127,18 +139,9 @@ class TableBase:
     """
 
     _storage_dir = _copy_dir = None
-
-    @property
-    def name(self):
-        return self._name
-
-    @property
-    def dim(self):
-        return self._dim
-
-    @property
-    def key_dtype(self):
-        return self._key_dtype
+    name = attribute("_name", "Name used in errors, saving and `path`.")
+    dim = attribute("_dim", "Width of each row.")
+    key_dtype = attribute("_key_dtype")
 
     @property
     def trainable(self):
@@ -225,9 +228,7 @@ class TableBase:
                 f"'{self._name}' keeps its rows in DRAM.")
 
     def snapshot(self):
-        """File tier: writes a crash-safe snapshot of the table (rows stay in
-        C++: segments are flushed, fsynced and hard-linked, an index written,
-        a manifest renamed) under `storage_dir`; returns its number."""
+        """File tier: `EmbeddingVariable.snapshot` (its number)."""
         self._check_file_tier("snapshot()")
         if self._copy_dir is not None:
             raise ValueError(
@@ -240,11 +241,8 @@ class TableBase:
         return self._snapshot()
 
     def restore_snapshot(self, path=None):
-        """File tier: replaces the contents with the latest snapshot under
-        `path` (default: the table's folder under its `storage_path`, also
-        for a copy working in a folder of its own); returns the number of
-        keys. A corrupt or truncated snapshot raises an error naming the
-        file and leaves the table unchanged."""
+        """File tier: `EmbeddingVariable.restore_snapshot` (the number of
+        keys)."""
         self._check_file_tier("restore_snapshot()")
         check_snapshot_path(path)
         return self._restore_snapshot(path or (self._storage_dir if self._copy_dir else ""))

@@ -45,6 +45,7 @@ restores into any number of workers, a MirroredStrategy or one process.
 
 import tensorflow as tf
 
+from keras_rec_emb import tables as _tables
 from keras_rec_emb.backend.tensorflow import compat as _compat
 from keras_rec_emb.backend.tensorflow import ops as _ops
 from keras_rec_emb.backend.tensorflow import serving_context as _serving_context
@@ -203,18 +204,9 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
         self._shards = [shards.ExchangedShard(local[0], self._index, dim, key_dtype,
                                               default_values, name=shard_name, **kwargs)]
 
-    @property
-    def num_shards(self):
-        return self._num
-
-    @property
-    def index(self):
-        """The shard this process holds."""
-        return self._index
-
-    @property
-    def strategy(self):
-        return self._strategy
+    num_shards = _tables.attribute("_num")
+    index = _tables.attribute("_index", "The shard this process holds.")
+    strategy = _tables.attribute("_strategy")
 
     def __repr__(self):
         return (f"<CollectiveShardedTable '{self._name}' dim={self.dim} "
@@ -403,17 +395,11 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
 
     def _gathered_parts(self, include_filtered, evict=False):
         parts = self._shard_parts(self._shards[0], include_filtered, evict)
-        out = dict(parts)
         local = tf.stack([tf.size(parts["keys"], out_type=tf.int64),
                           tf.size(parts["keys_filtered"], out_type=tf.int64)])
         counts = self._gather(local[tf.newaxis])
-        for k in self._ROW_PARTS:
-            out[k] = self._gather_rows(parts[k], counts[:, 0])
-        for k in self._FILTERED_PARTS:
-            out[k] = self._gather_rows(parts[k], counts[:, 1])
-        # Each shard's Bloom counters cover its own keys only; not merged.
-        out["bloom"] = tf.zeros([0], tf.uint8)
-        return out
+        return self._joined(parts, lambda k: self._gather_rows(parts[k], counts[:, 0]),
+                            lambda k: self._gather_rows(parts[k], counts[:, 1]))
 
     def _serialize_to_tensors(self):
         """Every worker's shard gathered into `EmbeddingTable`'s checkpoint

@@ -214,20 +214,11 @@ class ShardedEmbeddingTable(_tables.TableBase, _compat.Trackable):
     def variables(self):
         return [s.variable for s in self._shards]
 
-    @property
-    def local(self):
-        """False: the rows live in several tables (`tables.Table.local`)."""
-        return False
-
-    @property
-    def fused_table(self):
-        """None: the shards live on several devices (`tables.Table.fused_table`)."""
-        return None
-
-    @property
-    def exchange_group(self):
-        """None: each shard is looked up on its own device."""
-        return None
+    local = _tables.constant(
+        False, "False: the rows live in several tables (`tables.Table.local`).")
+    fused_table = _tables.constant(
+        None, "None: the shards live on several devices (`tables.Table.fused_table`).")
+    exchange_group = _tables.constant(None, "None: each shard is looked up on its own device.")
 
     lookup_many = staticmethod(_tables.lookup_each)
 
@@ -280,17 +271,26 @@ class ShardedEmbeddingTable(_tables.TableBase, _compat.Trackable):
         with tf.device(shard.device):
             return shard._export_parts(include_filtered, evict=evict)
 
+    def _joined(self, first, rows, filtered):
+        """One table's parts from the shards': those of `first` (a shard's),
+        each per-key part replaced by `rows(name)` (per admitted key) or
+        `filtered(name)` (per filtered key), every shard's rows together."""
+        out = dict(first)
+        out.update((k, rows(k)) for k in self._ROW_PARTS)
+        out.update((k, filtered(k)) for k in self._FILTERED_PARTS)
+        # Each shard's Bloom counters cover its own keys only; not merged.
+        out["bloom"] = tf.zeros([0], tf.uint8)
+        return out
+
     def _serialize_to_tensors(self):
         """The shards gathered into `EmbeddingTable`'s checkpoint format (the
         same names), so a checkpoint restores into any shard count."""
         shard_parts = [self._shard_parts(s, s.save_filtered, evict=True) for s in self._shards]
-        out = {k: tf.concat([p[k] for p in shard_parts], axis=0)
-               for k in self._ROW_PARTS + self._FILTERED_PARTS}
-        for k in ("slot_names", "slot_widths", "default_values"):
-            out[k] = shard_parts[0][k]
-        # Each shard's Bloom counters cover its own keys only; not merged.
-        out["bloom"] = tf.zeros([0], tf.uint8)
-        return out
+
+        def rows(k):
+            return tf.concat([p[k] for p in shard_parts], axis=0)
+
+        return self._joined(shard_parts[0], rows, rows)
 
     def _split_restored(self, restored_tensors, n):
         """The restored parts (checked for their row width) split by key hash
@@ -630,8 +630,6 @@ def serve(ps, task_index, worker=None):
     "host:port") in this process until it is killed: a
     `tf.distribute.Server` with this package's ops loaded, holding one eager
     context of its own (see `_hold_own_context`)."""
-    from keras_rec_emb.backend.tensorflow import ops as _ops
-
     _ops.gen()
     spec = {"ps": list(ps)}
     if worker:

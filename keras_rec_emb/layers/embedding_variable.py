@@ -199,26 +199,16 @@ class EmbeddingVariable(_impl.EmbeddingVariableBackend, keras.layers.Layer):
         self._make_table(default_values)
         self.built = True
 
-    @property
-    def optimizer(self):
-        """The table's own optimizer (`optimizer=`), or None (the model's)."""
-        return self.table_optimizer
-
-    @property
-    def default_value_dim(self):
-        """Rows of the initializer matrix (the option's)."""
-        return self.ev_option.init_option.default_value_dim
-
-    @property
-    def num_shards(self):
-        """The table's lock shards (the option's)."""
-        return self.ev_option.num_shards
-
-    @property
-    def ids_input_dtype(self):
-        """`key_dtype`: the dtype of the `keras.Input` a `keras.Sequential`
-        without one makes for this layer (Keras would make it float32)."""
-        return self.key_dtype
+    optimizer = _tables.attribute(
+        "table_optimizer", "The table's own optimizer (`optimizer=`), or None (the model's).")
+    default_value_dim = _tables.attribute(
+        "ev_option.init_option.default_value_dim",
+        "Rows of the initializer matrix (the option's).")
+    num_shards = _tables.attribute("ev_option.num_shards",
+                                   "The table's lock shards (the option's).")
+    ids_input_dtype = _tables.attribute(
+        "key_dtype", "`key_dtype`: the dtype of the `keras.Input` a `keras.Sequential` "
+        "without one makes for this layer (Keras would make it float32).")
 
     @property
     def trainable(self):

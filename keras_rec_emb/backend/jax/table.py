@@ -1,26 +1,18 @@
 """The JAX backend's embedding table: one engine table behind an FFI handle.
 
 `JaxTable` implements `keras_rec_emb.tables.StoredTable`, what
-`EmbeddingVariable` uses of its table under either backend (export /
-import, size, stats, eviction, slots, the file tier), with the TensorFlow
-`EmbeddingTable`'s names, arguments and messages. Lookups and updates are
-not methods: they are FFI calls inside traced steps
-(`keras_rec_emb.backend.jax.layers`), on `handle`.
+`EmbeddingVariable` uses of its table under either backend, over
+`tables.TableBase` (the accessors and checks, with the TensorFlow
+`EmbeddingTable`'s messages). Lookups and updates are not methods: they are
+FFI calls inside traced steps (`keras_rec_emb.backend.jax.layers`), on
+`handle`.
 
-The file tier (`StorageOption("FILE", storage_path, storage_size)`): the
-rows (values and optimizer slots) live in the engine's file store
-(csrc/kv/file_store.h) under `storage_path/<layer name>_embeddings` (the
-folder the TensorFlow layer's table uses), with a DRAM cache of about
-`storage_size` bytes; lookups, updates, filters, eviction, export/import and
-saving are the engine's, as on DRAM. A `.keras` file holds every row
-whatever the tier (saving exports them), so a file-tier model saved under
-one backend loads under the other.
-
-A live table locks its folder. A second one made on it (a model reloaded
-beside the one that saved it) works in a folder of its own next to it
-(keras_rec_emb/_file_tier.py). When the table is freed (with its layer) it
-is destroyed: the lock goes and the table's working files with it (the
-snapshots and the copy's folder rules are the engine's and `_file_tier`'s).
+On the file tier the rows live in the engine's file store
+(csrc/kv/file_store.h), in the folder the TensorFlow layer's table uses;
+a live table locks it, and a second one made on it works in a folder of
+its own next to it (keras_rec_emb/_file_tier.py). When the table is freed
+(with its layer) it is destroyed: the lock goes and its working files with
+it.
 """
 
 import weakref

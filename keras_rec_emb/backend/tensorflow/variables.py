@@ -358,41 +358,23 @@ class EmbeddingTable(_tables.TableBase, tf.saved_model.experimental.TrackableRes
         parts["default_values"] = np.zeros((0, self._dim), np.float32)
         return parts
 
-    @property
-    def handle(self):
-        return self.resource_handle
-
-    @property
-    def variable(self):
-        """The table as a trainable variable (see `TableVariable`)."""
-        return self._variable
+    handle = _tables.attribute("resource_handle")
+    variable = _tables.attribute("_variable", "The table as a trainable variable (see "
+                                 "`TableVariable`).")
+    device = _tables.attribute("resource_handle.device", "The device holding the table.")
 
     @property
     def variables(self):
         """`[variable]`: what a layer tracks (a sharded table has one per shard)."""
         return [self._variable]
 
-    @property
-    def local(self):
-        """True: the whole table is this one C++ table (`tables.Table.local`)."""
-        return True
-
-    @property
-    def fused_table(self):
-        """Itself (`tables.Table.fused_table`)."""
-        return self
-
-    @property
-    def exchange_group(self):
-        """None: lookups exchange nothing (`tables.Table.exchange_group`)."""
-        return None
+    local = _tables.constant(
+        True, "True: the whole table is this one C++ table (`tables.Table.local`).")
+    fused_table = property(lambda self: self, doc="Itself (`tables.Table.fused_table`).")
+    exchange_group = _tables.constant(
+        None, "None: lookups exchange nothing (`tables.Table.exchange_group`).")
 
     lookup_many = staticmethod(_tables.lookup_each)
-
-    @property
-    def device(self):
-        """The device holding the table."""
-        return self.resource_handle.device
 
     @property
     def filters(self):
@@ -458,13 +440,8 @@ class EmbeddingTable(_tables.TableBase, tf.saved_model.experimental.TrackableRes
         return int(n) if tf.executing_eagerly() else n
 
     def stats(self):
-        """dict: `size` (admitted keys), `filtered` (keys counted but not
-        admitted), `memory_bytes` (all DRAM the table holds), `latest_step`
-        (last optimizer step that updated a row), `storage` (`"DRAM"` or
-        `"FILE"`), and the row store's counters: `rows`, `cached_rows` (rows
-        in DRAM), `cache_memory_bytes`, `disk_bytes` (files, garbage
-        included), `cache_hits`, `cache_misses`, `cache_hit_rate` (hits /
-        accesses, 1.0 before any), `file_reads`, `file_writes` (rows)."""
+        """The statistics `EmbeddingVariable.stats` lists (ints, but
+        `storage` and `cache_hit_rate`)."""
         out = {k: int(v) for k, v in _ops.stats(self.handle, self._key_dtype).items()}
         out.update((k, int(v)) for k, v in
                    _ops.storage_stats(self.handle, self._key_dtype).items())
@@ -495,18 +472,9 @@ class EmbeddingTable(_tables.TableBase, tf.saved_model.experimental.TrackableRes
         _ops.add_slot(self.handle, self._key_dtype, name, width, init)
 
     def export(self, include_filtered=True):
-        """All keys as NumPy arrays (DeepRec's export format).
-
-        Returns:
-            dict with `keys` [N], `values` [N, dim], `freqs` [N],
-            `versions` [N] of the admitted keys; `slots` (a dict from slot
-            name to [N, width] rows in the same key order);
-            `default_values`, the EV-initializer matrix that rows of new keys
-            are copied from; `keys_filtered`, `freqs_filtered`,
-            `versions_filtered` of keys counted by an admission filter but
-            not admitted (empty without `include_filtered`); and `bloom`,
-            the counting Bloom filter's counters as bytes.
-        """
+        """All keys as NumPy arrays, in DeepRec's format as
+        `EmbeddingVariable.export` lists it (the filtered keys' parts empty
+        without `include_filtered`)."""
         return exported(self._export_parts(include_filtered))
 
     def import_(self, data, clear=True):
@@ -648,13 +616,9 @@ class TableVariable(_compat.ActsAsResourceVariable):
     def __init__(self, table):
         self._table = table
 
-    @property
-    def table(self):
-        return self._table
-
-    @property
-    def handle(self):
-        return self._table.resource_handle
+    table = _tables.attribute("_table")
+    handle = _tables.attribute("_table.resource_handle")
+    name = path = _tables.attribute("_table.name")
 
     @property
     def trainable(self):
@@ -663,14 +627,6 @@ class TableVariable(_compat.ActsAsResourceVariable):
     @trainable.setter
     def trainable(self, value):
         self._table.trainable = value
-
-    @property
-    def name(self):
-        return self._table.name
-
-    @property
-    def path(self):
-        return self._table.name
 
     @property
     def dtype(self):
