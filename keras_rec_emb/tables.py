@@ -31,6 +31,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from keras_rec_emb import _file_tier
 from keras_rec_emb import saving as _saving
 from keras_rec_emb.options import save_filtered_from_env
 
@@ -219,6 +220,18 @@ class TableBase:
         accesses = stats["cache_hits"] + stats["cache_misses"]
         stats["cache_hit_rate"] = stats["cache_hits"] / accesses if accesses else 1.0
         return stats
+
+    def _takes_copy_folder(self):
+        """After the table could not be made: when its file-tier folder is
+        held by another live table, gives it a folder of its own next to it
+        (`<folder>.copy-XXXXXXXX`, registered before any finalizer the
+        caller adds: those of one object run newest first, so the table goes
+        before its folder) and returns True; else returns False."""
+        if (self._storage_dir is None or self._copy_dir is not None
+                or not _file_tier.storage_held(self._storage_dir)):
+            return False
+        self._copy_dir = _file_tier.copy_folder(self, self._name, self._storage_dir)
+        return True
 
     def _check_file_tier(self, what):
         if self._storage_dir is None:

@@ -47,7 +47,6 @@ import tensorflow as tf
 
 from keras_rec_emb import tables as _tables
 from keras_rec_emb.backend.tensorflow import compat as _compat
-from keras_rec_emb.backend.tensorflow import ops as _ops
 from keras_rec_emb.backend.tensorflow import serving_context as _serving_context
 from keras_rec_emb.backend.tensorflow import variables as _variables
 from keras_rec_emb.distribute import ps_tables, shards
@@ -154,10 +153,8 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
 
     `EmbeddingVariable` builds one inside a MultiWorkerMirroredStrategy's
     scope; this process holds shard `index` of `num_shards` (`shards` lists
-    only it). Lookups run inside the strategy's replica function (what
-    `model.fit`, `evaluate` and `predict` call); `export`, `size`, `stats`,
-    `evict` and saving gather every shard and must be called by every
-    worker. `local_stats()` is this process's shard alone.
+    only it). Lookups and table-wide operations run as the module docstring
+    says; `local_stats()` is this process's shard alone.
 
     Args:
         strategy: the `tf.distribute.MultiWorkerMirroredStrategy`, one
@@ -208,6 +205,9 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
     index = _tables.attribute("_index", "The shard this process holds.")
     strategy = _tables.attribute("_strategy")
 
+    def _held(self):
+        return [(self._index, self._shards[0])]
+
     def __repr__(self):
         return (f"<CollectiveShardedTable '{self._name}' dim={self.dim} "
                 f"shard {self._index} of {self._num}>")
@@ -243,9 +243,6 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
         with the other workers: this replica's distinct ids go to their
         owners only, which answer with their rows (see the module
         docstring)."""
-        keys = tf.convert_to_tensor(keys)
-        if tf.distribute.get_replica_context() is None and not tf.executing_eagerly():
-            return self._shape_only_lookup(keys)
         return self.lookup_many([self], [keys], insert)[0]
 
     @property
@@ -406,26 +403,11 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
         format (evicting first, as one table does)."""
         return self._gathered_parts(self.save_filtered, evict=True)
 
-    def _restore_from_tensors(self, restored_tensors):
-        """Keeps the restored keys that hash to this process's shard: a
-        checkpoint of any shard count (or of one table) restores."""
-        parts = self._split_restored(restored_tensors, self._num)[self._index]
-        shard = self._shards[0]
-        with tf.device(shard.device):
-            return _ops.import_(shard.handle, shard.dim, parts)
-
     def export(self, include_filtered=True):
         """Every worker's rows in one dict shaped like `EmbeddingTable.export()`
         (collective: every worker calls it and receives all rows). Like
         `EmbeddingTable.export`, it does not evict (saving does)."""
         return _variables.exported(self._gathered_parts(include_filtered))
-
-    def import_(self, data, clear=True):
-        """Keeps the rows of `data` (shaped like `export()`, from any shard
-        count) whose keys hash to this process's shard."""
-        self._check_import_data(data)
-        rows = ps_tables._rows_of_shard(data, self._index, self._num)
-        self._shards[0].import_(rows, clear)
 
     def local_stats(self):
         """This process's shard's statistics (`EmbeddingTable.stats`)."""

@@ -4,24 +4,18 @@ A parameter-server (PS) task is a `tf.distribute.Server` in a process that
 has loaded this package's ops (`keras-rec-emb ps ...` or `python -m
 keras_rec_emb.distribute.ps ...`). A worker calls `connect(...)`, which
 checks that every PS address answers as the TensorFlow server of its task
-(bounded time, the error names the task and address) and then `tf.config.experimental_connect_to_cluster`; layers built
-inside `parameter_servers(devices)` shard each table over the PS tasks by
-key hash, and their dense variables and the optimizer's live on the PS
-tasks too (`ps_variables`): every worker trains one model. Worker 0 is the
-chief: it initializes the variables and saves. A lookup partitions the ids by shard (`tf.dynamic_partition`),
-runs each shard's lookup on its PS task (TensorFlow's gRPC runtime carries
-the ids and rows) and stitches the rows back (`tf.dynamic_stitch`); the
-gradient of each shard's lookup is a `tf.IndexedSlices` over that shard's
-keys, which the optimizers of `keras_rec_emb.optimizers` apply with their
-fused kernel on the PS task. Workers do not wait for each other (DeepRec's
-default mode for CPU clusters).
-
-Each shard is a table found or created by name (`shared_name`) on its PS
-task, so every worker that builds the same layer (same name, dim, key dtype)
-reaches the same shards. Saving gathers the shards into the ordinary
-format (`export`), and restoring splits rows by the same hash over however
-many shards the restoring model has: any shard count restores into any
-other, including one process without parameter servers.
+(bounded time, the error names the task and address) and then
+`tf.config.experimental_connect_to_cluster`; layers built inside
+`parameter_servers(devices)` shard each table over the PS tasks by key hash
+(`ShardedEmbeddingTable`), and their dense variables and the optimizer's
+live on the PS tasks too (`ps_variables`): every worker trains one model,
+asynchronously (DeepRec's default mode for CPU clusters). A lookup
+partitions the ids by shard (`tf.dynamic_partition`), runs each shard's
+lookup on its PS task (TensorFlow's gRPC runtime carries the ids and rows)
+and stitches the rows back (`tf.dynamic_stitch`); the gradient of each
+shard's lookup is a `tf.IndexedSlices` over that shard's keys, which the
+optimizers of `keras_rec_emb.optimizers` apply with their fused kernel on
+the PS task.
 """
 
 import contextlib
@@ -306,12 +300,18 @@ class ShardedEmbeddingTable(_tables.TableBase, _compat.Trackable):
                       for k in self._FILTERED_PARTS})
         return [dict(parts, **{k: v[i] for k, v in split.items()}) for i in range(n)]
 
+    def _held(self):
+        """(index, shard) of each shard this process holds: every one."""
+        return enumerate(self._shards)
+
     def _restore_from_tensors(self, restored_tensors):
+        """Keeps the restored keys that hash to each shard held here: a
+        checkpoint of any shard count (or of one table) restores."""
+        split = self._split_restored(restored_tensors, self.num_shards)
         ops = []
-        for shard, mine in zip(self._shards,
-                               self._split_restored(restored_tensors, len(self._shards))):
+        for i, shard in self._held():
             with tf.device(shard.device):
-                ops.append(_ops.import_(shard.handle, shard.dim, mine))
+                ops.append(_ops.import_(shard.handle, shard.dim, split[i]))
         return tf.group(ops)
 
     # -- table operations -------------------------------------------------
@@ -417,11 +417,12 @@ class ShardedEmbeddingTable(_tables.TableBase, _compat.Trackable):
         return out
 
     def import_(self, data, clear=True):
-        """Splits `data` (shaped like `export()`) over the shards by key hash:
-        rows saved with any number of shards restore into this one."""
+        """Splits `data` (shaped like `export()`) over the shards held here by
+        key hash: rows saved with any number of shards restore into this
+        one."""
         self._check_import_data(data)
-        for i, shard in enumerate(self._shards):
-            shard.import_(_rows_of_shard(data, i, len(self._shards)), clear)
+        for i, shard in self._held():
+            shard.import_(_rows_of_shard(data, i, self.num_shards), clear)
 
 
 def _rows_of_shard(data, index, num_shards):

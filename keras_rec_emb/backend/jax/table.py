@@ -76,17 +76,13 @@ class JaxTable(_tables.TableBase):
         weakref.finalize(self, _free, self.handle)
 
     def _create_on_file(self, storage, kwargs):
-        folder = _file_tier.table_folder(storage.storage_path, self._name)
-        self._storage_dir = folder
-        kwargs.update(storage_path=folder, cache_bytes=storage.cache_bytes)
+        self._storage_dir = _file_tier.table_folder(storage.storage_path, self._name)
+        kwargs.update(storage_path=self._storage_dir, cache_bytes=storage.cache_bytes)
         try:
             return ffi.create(self.default_values, **kwargs)
         except ValueError:
-            if not _file_tier.storage_held(folder):
+            if not self._takes_copy_folder():
                 raise
-        # Registered before the table's finalizer: finalizers of one object
-        # run newest first, so the table goes before its folder.
-        self._copy_dir = _file_tier.copy_folder(self, self._name, folder)
         kwargs["storage_path"] = self._copy_dir
         return ffi.create(self.default_values, **kwargs)
 

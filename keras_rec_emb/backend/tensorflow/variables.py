@@ -169,22 +169,17 @@ class EmbeddingTable(_tables.TableBase, tf.saved_model.experimental.TrackableRes
         bloom: `(counters, hashes, counter_bytes)` of a counting Bloom filter,
             or None.
         no_permission_value: float. What keys not admitted yet read.
-        record_freq: bool. With a filter, keep counting an admitted key's
-            training-lookup occurrences (DeepRec's `TF_RECORD_FREQ=1`);
-            `False` stops its frequency at `filter_freq`, as DeepRec does
-            by default. Without a filter every occurrence counts.
+        record_freq: bool. As `EmbeddingVariableOption(record_freq=...)`
+            (`False` stops an admitted key's frequency at `filter_freq`).
         steps_to_live: int or None. Global-step eviction threshold.
         l2_weight_threshold: float or None. L2-weight eviction threshold.
         evict_at_save: bool. Evict (by the rules above) when a checkpoint or
             the model is saved (DeepRec); `False` evicts only on `evict()`.
         save_filtered: bool. Save keys counted but not admitted (also off
             when `KRE_EV_SAVE_FILTERED_FEATURES=false`).
-        restore_dim_mismatch: `"error"` or `"pad_or_truncate"`. What
-            restoring rows of another width does: raise (the default), or
-            (DeepRec) truncate wider rows and pad narrower ones, the new
-            columns of key `k` from initializer row `k mod
-            default_value_dim` and those of width-`dim` optimizer slots with
-            the slot's init value; the table keeps its own initializer matrix.
+        restore_dim_mismatch: `"error"` or `"pad_or_truncate"`, as
+            `EmbeddingVariable(restore_dim_mismatch=...)`; the table keeps
+            its own initializer matrix.
         storage_path: str or None. A folder: the table's rows live in files
             under `storage_path/<name>` with a DRAM cache (the file tier;
             see `StorageOption`); None keeps every row in DRAM. When another
@@ -261,19 +256,10 @@ class EmbeddingTable(_tables.TableBase, tf.saved_model.experimental.TrackableRes
             try:
                 self._resource_handle = self._create_resource()
             except tf.errors.InvalidArgumentError:
-                if not self._takes_copy_folder():
+                # (A table found by name is shared: it never works in a copy.)
+                if self._shared_name or not self._takes_copy_folder():
                     raise
                 self._resource_handle = self._create_resource()
-
-    def _takes_copy_folder(self):
-        """After the table could not be made: when its file-tier folder is
-        held by another live table, gives it a folder of its own next to it
-        (`<folder>.copy-XXXXXXXX`) and returns True; else returns False."""
-        if (self._storage_dir is None or self._copy_dir is not None or self._shared_name
-                or not _file_tier.storage_held(self._storage_dir)):
-            return False
-        self._copy_dir = _file_tier.copy_folder(self, self._name, self._storage_dir)
-        return True
 
     # -- TrackableResource ------------------------------------------------
     def _create_resource(self):
@@ -510,14 +496,11 @@ class EmbeddingTable(_tables.TableBase, tf.saved_model.experimental.TrackableRes
         parts = {
             _KEYS: keys_in_range(keys, self._key_dtype, f"`keys` of table '{self._name}'"),
             _VALUES: values,
-            "freqs": np.asarray(data.get("freqs", np.zeros(n)), np.int64),
-            "versions": np.asarray(data.get("versions", np.zeros(n)), np.int64),
+            **{k: np.asarray(data.get(k, np.zeros(m)), np.int64) for k, m in (
+                ("freqs", n), ("versions", n), ("freqs_filtered", len(keys_f)),
+                ("versions_filtered", len(keys_f)))},
             "default_values": defaults,
             "keys_filtered": keys_f,
-            "freqs_filtered": np.asarray(
-                data.get("freqs_filtered", np.zeros(len(keys_f))), np.int64),
-            "versions_filtered": np.asarray(
-                data.get("versions_filtered", np.zeros(len(keys_f))), np.int64),
             "bloom": np.asarray(data.get("bloom", np.zeros(0)), np.uint8),
             **pack_slots(blocks, n),
         }
@@ -600,14 +583,8 @@ class EmbeddingTable(_tables.TableBase, tf.saved_model.experimental.TrackableRes
 
 
 class TableVariable(_compat.ActsAsResourceVariable):
-    """An `EmbeddingTable` seen as a trainable variable.
-
-    It is what Keras lists in `trainable_weights`, what `tf.GradientTape`
-    differentiates with respect to (through `handle`, as for a resource
-    variable: `_compat.ActsAsResourceVariable`), and what optimizers
-    receive with the table's `tf.IndexedSlices` gradient. Reach the table
-    with `.table`.
-    """
+    """An `EmbeddingTable` seen as a trainable variable (see the module
+    docstring); reach the table with `.table`."""
 
     constraint = None
     overwrite_with_gradient = False
