@@ -48,7 +48,6 @@ import tensorflow as tf
 from keras_rec_emb import tables as _tables
 from keras_rec_emb.backend.tensorflow import compat as _compat
 from keras_rec_emb.backend.tensorflow import serving_context as _serving_context
-from keras_rec_emb.backend.tensorflow import variables as _variables
 from keras_rec_emb.distribute import ps_tables, shards
 
 # One traced all-gather per (strategy, dtype, row shape): every worker
@@ -391,23 +390,13 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
         return tf.boolean_mask(gathered, keep)
 
     def _gathered_parts(self, include_filtered, evict=False):
+        """Every worker's shard's parts in one table's (collective)."""
         parts = self._shard_parts(self._shards[0], include_filtered, evict)
         local = tf.stack([tf.size(parts["keys"], out_type=tf.int64),
                           tf.size(parts["keys_filtered"], out_type=tf.int64)])
         counts = self._gather(local[tf.newaxis])
         return self._joined(parts, lambda k: self._gather_rows(parts[k], counts[:, 0]),
                             lambda k: self._gather_rows(parts[k], counts[:, 1]))
-
-    def _serialize_to_tensors(self):
-        """Every worker's shard gathered into `EmbeddingTable`'s checkpoint
-        format (evicting first, as one table does)."""
-        return self._gathered_parts(self.save_filtered, evict=True)
-
-    def export(self, include_filtered=True):
-        """Every worker's rows in one dict shaped like `EmbeddingTable.export()`
-        (collective: every worker calls it and receives all rows). Like
-        `EmbeddingTable.export`, it does not evict (saving does)."""
-        return _variables.exported(self._gathered_parts(include_filtered))
 
     def local_stats(self):
         """This process's shard's statistics (`EmbeddingTable.stats`)."""

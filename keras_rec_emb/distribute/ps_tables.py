@@ -276,15 +276,21 @@ class ShardedEmbeddingTable(_tables.TableBase, _compat.Trackable):
         out["bloom"] = tf.zeros([0], tf.uint8)
         return out
 
-    def _serialize_to_tensors(self):
-        """The shards gathered into `EmbeddingTable`'s checkpoint format (the
-        same names), so a checkpoint restores into any shard count."""
-        shard_parts = [self._shard_parts(s, s.save_filtered, evict=True) for s in self._shards]
+    def _gathered_parts(self, include_filtered, evict=False):
+        """Every shard's parts in one table's (`EmbeddingTable`'s checkpoint
+        format, the same names); `evict`: each shard's after the eviction
+        op of a save."""
+        shard_parts = [self._shard_parts(s, include_filtered, evict) for s in self._shards]
 
         def rows(k):
             return tf.concat([p[k] for p in shard_parts], axis=0)
 
         return self._joined(shard_parts[0], rows, rows)
+
+    def _serialize_to_tensors(self):
+        """Every shard's rows as one table's (evicting first, as one table
+        does), so a checkpoint restores into any shard count."""
+        return self._gathered_parts(self.save_filtered, evict=True)
 
     def _split_restored(self, restored_tensors, n):
         """The restored parts (checked for their row width) split by key hash
@@ -405,16 +411,11 @@ class ShardedEmbeddingTable(_tables.TableBase, _compat.Trackable):
         """Every shard's rows in one dict shaped like `EmbeddingTable.export()`
         (the ordinary format: a single table restores it). A counting Bloom
         filter's counters are per shard and are not merged: `bloom` is
-        empty, the keys it counted stay in `keys_filtered`."""
-        parts = [s.export(include_filtered) for s in self._shards]
-        out = {key: np.concatenate([p[key] for p in parts], axis=0)
-               for key in _tables.ROW_PARTS + _tables.FILTERED_ROW_PARTS}
-        out["default_values"] = parts[0]["default_values"]
-        out["bloom"] = np.zeros(0, np.uint8)
-        names = list(parts[0]["slots"])
-        out["slots"] = {name: np.concatenate([p["slots"][name] for p in parts], axis=0)
-                        for name in names}
-        return out
+        empty, the keys it counted stay in `keys_filtered`. Like
+        `EmbeddingTable.export`, it does not evict (saving does); a
+        `CollectiveShardedTable`'s is collective (every worker calls it and
+        receives all rows)."""
+        return _variables.exported(self._gathered_parts(include_filtered))
 
     def import_(self, data, clear=True):
         """Splits `data` (shaped like `export()`) over the shards held here by
