@@ -1,28 +1,19 @@
 """The table protocol: what every kind of embedding table implements.
 
-Three kinds exist: `variables.EmbeddingTable` (one table in this process),
-`distribute.ShardedEmbeddingTable` (split by key hash over parameter-server
-tasks or a MirroredStrategy's replicas) and
-`distribute.CollectiveShardedTable` (split over MultiWorkerMirroredStrategy
-workers). Layers, ops and saving use a table through `Table` only; where the
-kinds differ, a capability declared here says so (`local`,
-`exchange_group`) instead of a type test. `distribute.placement.make_table`
-decides which kind a layer gets.
+`StoredTable` is what `EmbeddingVariable` needs of its table under either
+Keras backend; the JAX backend's `JaxTable` implements it. `Table` extends
+it with what layers, ops and saving use under TensorFlow, implemented by
+`EmbeddingTable` (one table in this process), `ShardedEmbeddingTable`
+(split by key hash over parameter-server tasks or a MirroredStrategy's
+replicas) and `CollectiveShardedTable` (over MultiWorkerMirroredStrategy
+workers); where the kinds differ, a capability says so (`local`,
+`exchange_group`) instead of a type test. `TableShard` is the one C++ table
+of this process behind a `TableVariable`, what the optimizers update and
+incremental checkpoints and serving deltas read (an `EmbeddingTable` is
+one; a distributed table's `variables` are its shards').
 
-`TableShard` is the one C++ table of this process behind a `TableVariable`:
-what the optimizers update (`sparse_apply`) and what incremental
-checkpoints and serving deltas read. An `EmbeddingTable` is both; a
-distributed table is a `Table` whose `variables` are its shards'.
-
-`StoredTable` is what `EmbeddingVariable` itself needs of its table under
-either Keras backend (its saving hooks and table methods are written once
-over it); the JAX backend's table (`keras_rec_emb.backend.jax.table`)
-implements it, and every TensorFlow kind implements `Table`, which extends
-it. `TableBase` is what they all share over their own ops. The NumPy
-helpers below (the saved parts' names, the restore-width rule) are shared
-by both backends. No TensorFlow here: this module is imported under JAX
-too.
-
+`TableBase` is what every implementation shares over its own ops. No
+TensorFlow here: this module is imported under JAX too.
 tests/test_tables.py checks that every kind defines every member.
 """
 
@@ -135,7 +126,7 @@ class TableBase:
     `_initial_default_values` (the initializer matrix) and, on the file
     tier, `_storage_dir` and `_copy_dir`, unless it overrides what reads
     them; it has an `eviction_rule` (an eviction option or None) and
-    implements `size`, `stats`, `evict`, `_add_slot`, `_snapshot` and
+    implements `size`, `stats`, `_evict_op`, `_add_slot`, `_snapshot` and
     `_restore_snapshot`.
     """
 
@@ -177,6 +168,14 @@ class TableBase:
     def memory_bytes(self):
         """Bytes held by the table (index, rows, slots, metadata, filter)."""
         return self.stats()["memory_bytes"]
+
+    def evict(self, step=None):
+        """Applies the configured eviction now, as `EmbeddingVariable.evict`
+        (`step`: the global step, None the table's latest); returns how many
+        keys went."""
+        if not self.evicts:
+            return 0
+        return int(self._evict_op(step))
 
     def evict_for_save(self, name=None):
         """Eager: the eviction of a save, when it evicts (`evicts_at_save`),

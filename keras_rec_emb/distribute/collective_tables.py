@@ -158,11 +158,8 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
     Args:
         strategy: the `tf.distribute.MultiWorkerMirroredStrategy`, one
             replica per worker.
-        dim: int. As `EmbeddingTable`.
-        key_dtype: As `EmbeddingTable`.
-        default_values: As `EmbeddingTable`.
-        name: str. As `EmbeddingTable`.
-        **kwargs: The other arguments of `EmbeddingTable`.
+        dim, key_dtype, default_values, name, **kwargs: As
+            `ShardedEmbeddingTable`.
 
     Example (one worker, so the only shard holds every key):
 
@@ -402,25 +399,10 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
         """This process's shard's statistics (`EmbeddingTable.stats`)."""
         return self._shards[0].stats()
 
-    def _every(self, values):
-        """`values` (ints) of every worker, one row each (NumPy)."""
-        return self._gather(tf.constant([values], tf.int64)).numpy()
+    def _over_shards(self, value):
+        """`value(shard)` of every worker's shard, one row each (collective)."""
+        return self._gather(tf.constant([value(self._shards[0])], tf.int64)).numpy()
 
     def size(self):
         """Admitted keys over every shard (collective)."""
-        return int(self._every([self._shards[0].size()]).sum())
-
-    def stats(self):
-        """The shards' statistics added up over the workers (`latest_step`:
-        the largest; collective)."""
-        local = self.local_stats()
-        names = ("size", "filtered", "memory_bytes", "latest_step")
-        every = self._every([local[k] for k in names])
-        out = {k: int(every[:, i].sum()) for i, k in enumerate(names[:3])}
-        out["latest_step"] = int(every[:, 3].max())
-        return out
-
-    def evict(self, step=None):
-        """Applies eviction on every shard; returns the keys evicted in all
-        (collective)."""
-        return int(self._every([self._shards[0].evict(step)]).sum())
+        return int(self._over_shards(lambda s: [s.size()]).sum())

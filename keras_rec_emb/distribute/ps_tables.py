@@ -346,15 +346,29 @@ class ShardedEmbeddingTable(_tables.TableBase, _compat.Trackable):
     def size(self):
         return sum(s.size() for s in self._shards)
 
+    def _over_shards(self, value):
+        """`value(shard)` (a list of ints) of every shard, one row each
+        (NumPy); a `CollectiveShardedTable` gathers every worker's."""
+        return np.array([value(s) for s in self._shards], np.int64)
+
     def stats(self):
-        """The shards' statistics added up (`latest_step`: the largest)."""
-        parts = [s.stats() for s in self._shards]
-        out = {k: sum(p[k] for p in parts) for k in ("size", "filtered", "memory_bytes")}
-        out["latest_step"] = max(p["latest_step"] for p in parts)
+        """The shards' statistics added up (`latest_step`: the largest;
+        collective for a `CollectiveShardedTable`)."""
+        names = ("size", "filtered", "memory_bytes", "latest_step")
+
+        def row(shard):
+            stats = shard.stats()
+            return [stats[k] for k in names]
+
+        every = self._over_shards(row)
+        out = {k: int(every[:, i].sum()) for i, k in enumerate(names[:3])}
+        out["latest_step"] = int(every[:, 3].max())
         return out
 
     def evict(self, step=None):
-        return sum(s.evict(step) for s in self._shards)
+        """Applies eviction on every shard; returns the keys evicted in all
+        (collective for a `CollectiveShardedTable`)."""
+        return int(self._over_shards(lambda s: [s.evict(step)]).sum())
 
     @property
     def storage_dir(self):

@@ -85,10 +85,8 @@ class EmbeddingVariable(_impl.EmbeddingVariableBackend, keras.layers.Layer):
             files under `storage_path/<name>_embeddings` with a DRAM cache;
             see `snapshot()`), `track_meta`, `save_filtered` and
             `record_freq`. Its eviction option also evicts when the model
-            (or a checkpoint) is saved (DeepRec), logging the counts and
-            warning when over half of the rows go; not with the option's
-            `at_save=False` nor inside `keras_rec_emb.save_model(...,
-            evict=False)`. Defaults to `None` (`EmbeddingVariableOption()`).
+            (or a checkpoint) is saved, as `GlobalStepEvict` says. Defaults
+            to `None` (`EmbeddingVariableOption()`).
         trainable: bool. Defaults to `True`.
         name: str or `None`.
         restore_dim_mismatch: `"error"` or `"pad_or_truncate"`. Restoring

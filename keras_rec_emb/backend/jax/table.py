@@ -101,10 +101,8 @@ class JaxTable(_tables.TableBase):
     def stats(self):
         return self._with_storage(ffi.stats(self.handle))
 
-    def evict(self, step=None):
+    def _evict_op(self, step=None):
         rule = self.eviction_rule
-        if rule is None:
-            return 0
         return ffi.evict(self.handle, -1 if step is None else step,
                          getattr(rule, "steps_to_live", -1),
                          getattr(rule, "l2_weight_threshold", -1.0))

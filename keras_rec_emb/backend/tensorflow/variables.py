@@ -443,17 +443,6 @@ class EmbeddingTable(_tables.TableBase, tf.saved_model.experimental.TrackableRes
         return _ops.evict(self.handle, self._key_dtype, -1 if step is None else step,
                           self._steps_to_live, self._l2_threshold)
 
-    def evict(self, step=None):
-        """Applies the configured eviction now; returns how many keys went.
-
-        Args:
-            step: int or None. The current global step for `steps_to_live`;
-                None uses the last step that updated this table.
-        """
-        if not self.evicts:
-            return 0
-        return int(self._evict_op(step))
-
     def _add_slot(self, name, init, width):
         _ops.add_slot(self.handle, self._key_dtype, name, width, init)
 
