@@ -117,20 +117,21 @@ def check_snapshot_path(path):
 
 class TableBase:
     """What every table implementation has in common over its own ops (the
-    TensorFlow kernels, the JAX FFI calls, a sharded table's shards): the
-    description accessors, the eviction of a save, and the argument and
-    file-tier checks with their messages.
+    TensorFlow kernels, the JAX FFI calls, a sharded table's shards).
 
     A subclass sets `_name`, `_dim`, `_key_dtype`, `_trainable`,
-    `_save_filtered`, `_slot_inits` ({slot: init value}),
-    `_initial_default_values` (the initializer matrix) and, on the file
-    tier, `_storage_dir` and `_copy_dir`, unless it overrides what reads
-    them; it has an `eviction_rule` (an eviction option or None) and
-    implements `size`, `stats`, `_evict_op`, `_add_slot`, `_snapshot` and
-    `_restore_snapshot`.
-    """
+    `_save_filtered`, `_slot_inits`, `_initial_default_values` and, on the
+    file tier, `_storage_dir` and `_copy_dir`, unless it overrides what
+    reads them; has an `eviction_rule` (an option or None); and implements
+    `size`, `stats`, `_evict_op`, `_add_slot`, `_snapshot` and
+    `_restore_snapshot`."""
 
     _storage_dir = _copy_dir = None
+    _kind = "table"  # what `repr` calls it
+
+    def __repr__(self):
+        key_dtype = getattr(self._key_dtype, "name", self._key_dtype)
+        return f"<{self._kind} '{self._name}' key_dtype={key_dtype} dim={self._dim}>"
     name = attribute("_name", "Name used in errors, saving and `path`.")
     dim = attribute("_dim", "Width of each row.")
     key_dtype = attribute("_key_dtype")

@@ -256,11 +256,9 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
 
     @staticmethod
     def lookup_many(tables, keys_list, insert=False, distinct=False):
-        """The rows of each `keys_list[t]` in `tables[t]` (tables of one
-        strategy), all tables' ids and rows in one exchange: the collectives
-        of a step do not grow with the number of tables. With `distinct`,
-        per table the rows of its distinct keys and each key's place among
-        them (`tables.Table.lookup_many`)."""
+        """`tables.Table.lookup_many` of tables of one strategy: all tables'
+        ids and rows in one exchange, so the collectives of a step do not
+        grow with the number of tables."""
         first = tables[0]
         keys_list = [tf.convert_to_tensor(k) for k in keys_list]
         if tf.distribute.get_replica_context() is None and not tf.executing_eagerly():

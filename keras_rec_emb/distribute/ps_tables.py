@@ -152,11 +152,8 @@ class ShardedEmbeddingTable(_tables.TableBase, _compat.Trackable):
 
     Args:
         devices: list of str. One device per shard.
-        dim: int. As `EmbeddingTable`.
-        key_dtype: As `EmbeddingTable`.
-        default_values: As `EmbeddingTable`.
-        name: str. As `EmbeddingTable`.
-        **kwargs: The other arguments of `EmbeddingTable`.
+        dim, key_dtype, default_values, name, **kwargs: The arguments of
+            `EmbeddingTable`.
         replicas: bool. The devices are a MirroredStrategy's replicas: shard
             `i` is owned by replica `i`, which alone applies its updates
             (the optimizers gather every replica's gradient for it).

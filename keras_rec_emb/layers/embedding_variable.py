@@ -49,14 +49,12 @@ class EmbeddingVariable(_impl.EmbeddingVariableBackend, keras.layers.Layer):
 
     Under TensorFlow the table's gradient is a `tf.IndexedSlices` over ids
     that the optimizer applies with one fused kernel; `tf.train.Checkpoint`
-    and `model.export` keep the table too; the layers of one Functional (or
-    Sequential) model that read its inputs directly are looked up together
-    in one fused op in a traced model call, which is the same program (see
-    `keras_rec_emb/backend/tensorflow/model_fusion.py`). Under JAX the
-    lookup is a `jax.custom_vjp` whose backward applies the rows' gradient
-    to the table inside the jitted step (see
-    `keras_rec_emb/backend/jax/layers.py`); the layer counts its training
-    steps in a non-trainable `iterations`, saved with the table.
+    and `model.export` keep the table too; the layers of one Functional
+    model that read its inputs are looked up in one fused op
+    (`backend/tensorflow/model_fusion.py`). Under JAX the backward of the
+    lookup applies the rows' gradient inside the jitted step
+    (`backend/jax/layers.py`); the layer counts its training steps in a
+    non-trainable `iterations`, saved with the table.
 
     Args:
         embedding_dim: int > 0. Width of each embedding row.

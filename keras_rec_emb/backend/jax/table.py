@@ -52,6 +52,8 @@ class JaxTable(_tables.TableBase):
         trainable: bool.
     """
 
+    _kind = "JaxTable"
+
     def __init__(self, name, dim, key_dtype, default_values, ev_option, trainable=True):
         self._name, self._dim, self._key_dtype = name, int(dim), key_dtype
         self.trainable = trainable
@@ -85,9 +87,6 @@ class JaxTable(_tables.TableBase):
                 raise
         kwargs["storage_path"] = self._copy_dir
         return ffi.create(self.default_values, **kwargs)
-
-    def __repr__(self):
-        return f"<JaxTable '{self._name}' key_dtype={self._key_dtype} dim={self._dim}>"
 
     @property
     def default_values(self):

@@ -201,6 +201,7 @@ class EmbeddingTable(_tables.TableBase, tf.saved_model.experimental.TrackableRes
     # (a stock wrapper around it then gets a precise error).
     optimizer = None
     _table_optimizer = None
+    _kind = "EmbeddingTable"
     def _placement(self):
         """(device, shared_name) of the C++ table: here, a private table on
         the current device. A shard of keras_rec_emb.distribute places its
@@ -223,10 +224,7 @@ class EmbeddingTable(_tables.TableBase, tf.saved_model.experimental.TrackableRes
                  cache_bytes=64 << 20, evict_at_save=True):
         device, shared_name = self._placement()
         super().__init__(device=device)
-        self._storage_dir = None
-        self._copy_dir = None  # the folder of a copy beside a live table
-        if storage_path is not None:
-            # One folder per table: its name, made a safe file name.
+        if storage_path is not None:  # one folder per table, named after it
             self._storage_dir = _file_tier.table_folder(storage_path, name)
         self._cache_bytes = int(cache_bytes)
         self._shared_name = str(shared_name)
@@ -380,10 +378,6 @@ class EmbeddingTable(_tables.TableBase, tf.saved_model.experimental.TrackableRes
         if self._l2_threshold >= 0:
             return L2WeightEvict(self._l2_threshold, at_save=self._evict_at_save)
         return None
-
-    def __repr__(self):
-        return (f"<EmbeddingTable '{self._name}' key_dtype={self._key_dtype.name} "
-                f"dim={self._dim}>")
 
     # -- Table operations ---------------------------------------------------
     @_serving_context.served
