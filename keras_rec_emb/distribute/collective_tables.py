@@ -191,7 +191,6 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
         self._num = int(strategy.num_replicas_in_sync)
         self._index = worker_index(strategy)
         self._name = name
-        self._replicas = True
         self._devices = local
         shard_name = f"{name}/shard_{self._index}_of_{self._num}"
         self._shards = [shards.ExchangedShard(local[0], self._index, dim, key_dtype,

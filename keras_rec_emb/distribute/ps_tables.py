@@ -176,7 +176,6 @@ class ShardedEmbeddingTable(_tables.TableBase, _compat.Trackable):
         super().__init__()
         self._devices = _check_devices(devices)
         self._name = name
-        self._replicas = bool(replicas)
         n = len(self._devices)
         # Parameter-server shards are found by name (every worker reaches the
         # same one); a replica's shard is private to this process.

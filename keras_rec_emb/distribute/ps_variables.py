@@ -204,23 +204,19 @@ def _wait(done, what):
         time.sleep(0.1)
 
 
-def _ready_handle():
-    with tf.device(_cluster.device(0)):
-        return tf.raw_ops.VarHandleOp(dtype=tf.int64, shape=[], container="",
-                                      shared_name=READY, debug_name=READY)
-
-
-def mark_ready():
-    """The chief's `parameter_servers` scope ended: other workers may train."""
-    handle = _ready_handle()
-    with tf.device(_cluster.device(0)):
-        tf.raw_ops.AssignVariableOp(resource=handle, value=tf.constant(1, tf.int64))
-
-
-def wait_ready():
-    """A worker's `parameter_servers` scope ends once the chief's has."""
-    handle = _ready_handle()
+def scope_ended():
+    """Called when a `parameter_servers` scope over this cluster's PS tasks
+    ends (outermost scope only): the chief's marks the cluster ready (other
+    workers may train); another worker's ends once the chief's has."""
+    if _cluster is None:
+        return
     device = _cluster.device(0)
+    with tf.device(device):
+        handle = tf.raw_ops.VarHandleOp(dtype=tf.int64, shape=[], container="",
+                                        shared_name=READY, debug_name=READY)
+        if _cluster.chief:
+            tf.raw_ops.AssignVariableOp(resource=handle, value=tf.constant(1, tf.int64))
+            return
 
     def ready():
         if not _initialized(handle, device):
@@ -229,14 +225,3 @@ def wait_ready():
             return int(tf.raw_ops.ReadVariableOp(resource=handle, dtype=tf.int64)) == 1
 
     _wait(ready, "cluster's ready mark (the end of its `parameter_servers(...)` scope)")
-
-
-def scope_ended():
-    """Called when a `parameter_servers` scope over this cluster's PS tasks
-    ends (outermost scope only)."""
-    if _cluster is None:
-        return
-    if _cluster.chief:
-        mark_ready()
-    else:
-        wait_ready()

@@ -89,16 +89,9 @@ def complete_parts(given, dim, key_dtype, n=None):
             out[part.name] = given[part.name]
             continue
         dtype = key_dtype if part.dtype == "key" else tf.as_dtype(part.dtype)
-        if part.name == "slot_values":
-            out[part.name] = tf.zeros([n, 0], dtype)
-        elif part.name == "default_values":
-            out[part.name] = tf.zeros([0, dim], dtype)
-        elif part.name == _VALUES:
-            out[part.name] = tf.zeros([n, dim], dtype)
-        elif part.rows == "N":
-            out[part.name] = tf.zeros([n], dtype)
-        else:
-            out[part.name] = tf.zeros([0], dtype)
+        shape = {"slot_values": [n, 0], "default_values": [0, dim], _VALUES: [n, dim]}.get(
+            part.name, [n] if part.rows == "N" else [0])
+        out[part.name] = tf.zeros(shape, dtype)
     return out
 
 
@@ -336,8 +329,8 @@ class EmbeddingTable(_tables.TableBase, tf.saved_model.experimental.TrackableRes
         parts = {k: (v.numpy() if hasattr(v, "numpy") else np.asarray(v))
                  for k, v in parts.items()}
         n = parts[_VALUES].shape[0]
-        values, slots = self.resize_rows(parts[_KEYS], parts[_VALUES], unpack_slots(parts))
-        parts[_VALUES] = values
+        parts[_VALUES], slots = self.resize_rows(parts[_KEYS], parts[_VALUES],
+                                                 unpack_slots(parts))
         parts.update(pack_slots(slots, n))
         parts["default_values"] = np.zeros((0, self._dim), np.float32)
         return parts
