@@ -128,13 +128,13 @@ class TableBase:
 
     _storage_dir = _copy_dir = None
     _kind = "table"  # what `repr` calls it
+    name = attribute("_name", "Name used in errors, saving and `path`.")
+    dim = attribute("_dim", "Width of each row.")
+    key_dtype = attribute("_key_dtype")
 
     def __repr__(self):
         key_dtype = getattr(self._key_dtype, "name", self._key_dtype)
         return f"<{self._kind} '{self._name}' key_dtype={key_dtype} dim={self._dim}>"
-    name = attribute("_name", "Name used in errors, saving and `path`.")
-    dim = attribute("_dim", "Width of each row.")
-    key_dtype = attribute("_key_dtype")
 
     @property
     def trainable(self):
