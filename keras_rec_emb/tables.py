@@ -1,39 +1,39 @@
 """The table protocol: what every kind of embedding table implements.
 
-Three kinds exist: `variables.EmbeddingTable` (one table in this process),
-`distribute.ShardedEmbeddingTable` (split by key hash over parameter-server
-tasks or a MirroredStrategy's replicas) and
-`distribute.CollectiveShardedTable` (split over MultiWorkerMirroredStrategy
-workers). Layers, ops and saving use a table through `Table` only; where the
-kinds differ, a capability declared here says so (`local`,
-`exchange_group`) instead of a type test. `distribute.placement.make_table`
-decides which kind a layer gets.
+`StoredTable` is what `EmbeddingVariable` needs of its table under either
+Keras backend; the JAX backend's `JaxTable` implements it. `Table` extends
+it with what layers, ops and saving use under TensorFlow, implemented by
+`EmbeddingTable` (one table in this process), `ShardedEmbeddingTable`
+(split by key hash over parameter-server tasks or a MirroredStrategy's
+replicas) and `CollectiveShardedTable` (over MultiWorkerMirroredStrategy
+workers); where the kinds differ, a capability says so (`local`,
+`exchange_group`) instead of a type test. `TableShard` is the one C++ table
+of this process behind a `TableVariable`, what the optimizers update and
+incremental checkpoints and serving deltas read (an `EmbeddingTable` is
+one; a distributed table's `variables` are its shards').
 
-`TableShard` is the one C++ table of this process behind a `TableVariable`:
-what the optimizers update (`sparse_apply`) and what incremental
-checkpoints and serving deltas read. An `EmbeddingTable` is both; a
-distributed table is a `Table` whose `variables` are its shards'.
-
-`StoredTable` is what `EmbeddingVariable` itself needs of its table under
-either Keras backend (its saving hooks and table methods are written once
-over it); the JAX backend's table (`keras_rec_emb.backend.jax.table`)
-implements it, and every TensorFlow kind implements `Table`, which extends
-it. The NumPy helpers below (the saved parts' names, the restore-width
-rule) are shared by both backends. No TensorFlow here: this module is
-imported under JAX too.
-
+`TableBase` is what every implementation shares over its own ops. No
+TensorFlow here: this module is imported under JAX too.
 tests/test_tables.py checks that every kind defines every member.
 """
 
+import operator
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from keras_rec_emb import _file_tier
+from keras_rec_emb import saving as _saving
+from keras_rec_emb.options import save_filtered_from_env
+
+# The parts with one entry per admitted key, and those with one per key
+# counted by an admission filter but not admitted.
+ROW_PARTS = ("keys", "values", "freqs", "versions")
+FILTERED_ROW_PARTS = ("keys_filtered", "freqs_filtered", "versions_filtered")
 # The parts a `.keras` file holds, one array each, in the kernels' order
 # (keras_rec_emb/backend/tensorflow/variables.py's `PARTS` without the packed
 # slot parts); each optimizer slot is saved beside them as `slot:NAME`.
-ARRAY_PARTS = ("keys", "values", "freqs", "versions", "default_values", "keys_filtered",
-               "freqs_filtered", "versions_filtered", "bloom")
+ARRAY_PARTS = ROW_PARTS + ("default_values",) + FILTERED_ROW_PARTS + ("bloom",)
 SLOT_PREFIX = "slot:"
 RESTORE_DIM_MODES = ("error", "pad_or_truncate")
 
@@ -92,42 +92,194 @@ def resize_rows(keys, values, slots, dim, default_values, slot_inits):
     return values, resized
 
 
+def freq_cap(record_freq, filter_freq):
+    """The count an admitted key's frequency stops at, 0 for none. DeepRec
+    (CounterFilterDescriptorImpl::GetFreq, EmbeddingVar's add_freq_fn_):
+    without TF_RECORD_FREQ an admitted key's count is the filter's
+    threshold."""
+    return 0 if record_freq or filter_freq < 1 else int(filter_freq)
+
+
+def attribute(path, doc=None):
+    """A read-only property: the object's attribute at `path` (dotted)."""
+    return property(operator.attrgetter(path), doc=doc)
+
+
+def constant(value, doc):
+    """A read-only property that is `value` for every object of the class."""
+    return property(lambda self: value, doc=doc)
+
+
+def check_snapshot_path(path):
+    if path is not None and not isinstance(path, str):
+        raise TypeError(f"`path` must be a str or None. Received: path={path!r}")
+
+
+class TableBase:
+    """What every table implementation has in common over its own ops (the
+    TensorFlow kernels, the JAX FFI calls, a sharded table's shards).
+
+    A subclass sets `_name`, `_dim`, `_key_dtype`, `_trainable`,
+    `_save_filtered`, `_slot_inits`, `_initial_default_values` and, on the
+    file tier, `_storage_dir` and `_copy_dir`, unless it overrides what
+    reads them; has an `eviction_rule` (an option or None); and implements
+    `size`, `stats`, `_evict_op`, `_add_slot`, `_snapshot` and
+    `_restore_snapshot`."""
+
+    _storage_dir = _copy_dir = None
+    _kind = "table"  # what `repr` calls it
+    name = attribute("_name", "Name used in errors, saving and `path`.")
+    dim = attribute("_dim", "Width of each row.")
+    key_dtype = attribute("_key_dtype")
+
+    def __repr__(self):
+        key_dtype = getattr(self._key_dtype, "name", self._key_dtype)
+        return f"<{self._kind} '{self._name}' key_dtype={key_dtype} dim={self._dim}>"
+
+    @property
+    def trainable(self):
+        return self._trainable
+
+    @trainable.setter
+    def trainable(self, value):
+        self._trainable = bool(value)
+
+    @property
+    def evicts(self):
+        """Whether an eviction rule is configured."""
+        return self.eviction_rule is not None
+
+    @property
+    def evicts_at_save(self):
+        """Whether saving evicts now: an eviction rule with `at_save` on,
+        outside `keras_rec_emb.save_model(..., evict=False)`."""
+        return self.evicts and self.eviction_rule.at_save and _saving.evicts_at_save()
+
+    @property
+    def save_filtered(self):
+        return self._save_filtered and save_filtered_from_env()
+
+    @property
+    def storage_dir(self):
+        """The file tier's folder of this table, or None (DRAM): its own
+        folder under its `storage_path`, or the folder of a copy made beside
+        a live table holding that one."""
+        return self._copy_dir or self._storage_dir
+
+    def memory_bytes(self):
+        """Bytes held by the table (index, rows, slots, metadata, filter)."""
+        return self.stats()["memory_bytes"]
+
+    def evict(self, step=None):
+        """Applies the configured eviction now, as `EmbeddingVariable.evict`
+        (`step`: the global step, None the table's latest); returns how many
+        keys went."""
+        if not self.evicts:
+            return 0
+        return int(self._evict_op(step))
+
+    def evict_for_save(self, name=None):
+        """Eager: the eviction of a save, when it evicts (`evicts_at_save`),
+        reported per table (see `keras_rec_emb.saving.report_save_eviction`);
+        returns the ids evicted. A sharded table's covers every shard
+        (collectively for a `CollectiveShardedTable`, as `size` and `evict`)."""
+        if not self.evicts_at_save:
+            return 0
+        before = self.size()
+        evicted = self.evict()
+        _saving.report_save_eviction(name or self._name, self.eviction_rule, before,
+                                     self.size(), evicted)
+        return evicted
+
+    def add_slot(self, name, init=0.0, width=None):
+        """Adds optimizer slot `name` (width `dim` unless given) or updates
+        the init value of an existing one for rows created from now on."""
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"`slot_name` must be a non-empty string. Received: name={name!r}")
+        self._slot_inits[name] = float(init)
+        self._add_slot(name, float(init), self._dim if width is None else int(width))
+
+    def resize_rows(self, keys, values, slots):
+        """Saved rows (and slots) of another width, brought to `dim`
+        (`restore_dim_mismatch="pad_or_truncate"`): NumPy in, NumPy out."""
+        return resize_rows(keys, values, slots, self._dim, self._initial_default_values,
+                           self._slot_inits)
+
+    def _check_import_data(self, data):
+        if not isinstance(data, dict) or "keys" not in data or "values" not in data:
+            raise ValueError(
+                "`data` must be a dict with at least 'keys' [N] and 'values' "
+                f"[N, {self.dim}] (as returned by export()). Received: "
+                f"{type(data).__name__} with keys "
+                f"{sorted(data) if isinstance(data, dict) else None}")
+
+    def _with_storage(self, stats):
+        """`stats` (the row store's counters) with `storage` and
+        `cache_hit_rate` (hits / accesses, 1.0 before any)."""
+        stats["storage"] = "FILE" if self._storage_dir else "DRAM"
+        accesses = stats["cache_hits"] + stats["cache_misses"]
+        stats["cache_hit_rate"] = stats["cache_hits"] / accesses if accesses else 1.0
+        return stats
+
+    def _takes_copy_folder(self):
+        """After the table could not be made: when its file-tier folder is
+        held by another live table, gives it a folder of its own next to it
+        (`<folder>.copy-XXXXXXXX`, registered before any finalizer the
+        caller adds: those of one object run newest first, so the table goes
+        before its folder) and returns True; else returns False."""
+        if (self._storage_dir is None or self._copy_dir is not None
+                or not _file_tier.storage_held(self._storage_dir)):
+            return False
+        self._copy_dir = _file_tier.copy_folder(self, self._name, self._storage_dir)
+        return True
+
+    def _check_file_tier(self, what):
+        if self._storage_dir is None:
+            raise ValueError(
+                f"{what} needs a file-tier table (EmbeddingVariableOption("
+                f"storage_option=StorageOption('FILE', storage_path=...))); table "
+                f"'{self._name}' keeps its rows in DRAM.")
+
+    def snapshot(self):
+        """File tier: `EmbeddingVariable.snapshot` (its number)."""
+        self._check_file_tier("snapshot()")
+        if self._copy_dir is not None:
+            raise ValueError(
+                f"Table '{self._name}' cannot snapshot(): it is a copy working in the "
+                f"temporary folder '{self._copy_dir}' (its folder '{self._storage_dir}' "
+                "is held by another live table), which is removed when it is freed, "
+                "snapshots included. Give this layer a storage_path of its own "
+                "(EmbeddingVariableOption(storage_option=StorageOption('FILE', "
+                "storage_path=...))), or snapshot the live table.")
+        return self._snapshot()
+
+    def restore_snapshot(self, path=None):
+        """File tier: `EmbeddingVariable.restore_snapshot` (the number of
+        keys)."""
+        self._check_file_tier("restore_snapshot()")
+        check_snapshot_path(path)
+        return self._restore_snapshot(path or (self._storage_dir if self._copy_dir else ""))
+
+
+def _declared(doc, settable=False):
+    """A property that a protocol declares (its implementations define it)."""
+    declared = property(lambda self: None, doc=doc)
+    return declared.setter(lambda self, value: None) if settable else declared
+
+
 @runtime_checkable
 class StoredTable(Protocol):
     """What `EmbeddingVariable` uses of its table under either backend."""
 
     # -- description ----------------------------------------------------------
-    @property
-    def name(self) -> str:
-        """Name used in errors and saving."""
-
-    @property
-    def dim(self) -> int:
-        """Width of each row."""
-
-    @property
-    def key_dtype(self):
-        """The keys' dtype (a `tf.DType` under TensorFlow, a NumPy dtype
-        name under JAX)."""
-
-    @property
-    def trainable(self) -> bool:
-        """Whether training lookups may change the table (settable)."""
-
-    @trainable.setter
-    def trainable(self, value): ...
-
-    @property
-    def evicts(self) -> bool:
-        """Whether an eviction rule is configured."""
-
-    @property
-    def save_filtered(self) -> bool:
-        """Whether saving keeps keys counted but not admitted."""
-
-    @property
-    def storage_dir(self):
-        """The file tier's folder, or None (rows in DRAM)."""
+    name = _declared("Name used in errors and saving.")
+    dim = _declared("Width of each row.")
+    key_dtype = _declared("The keys' dtype (a `tf.DType` under TensorFlow, a NumPy dtype "
+                          "name under JAX).")
+    trainable = _declared("Whether training lookups may change the table.", settable=True)
+    evicts = _declared("Whether an eviction rule is configured.")
+    save_filtered = _declared("Whether saving keeps keys counted but not admitted.")
+    storage_dir = _declared("The file tier's folder, or None (rows in DRAM).")
 
     # -- operations -----------------------------------------------------------
     def size(self):
@@ -173,39 +325,23 @@ class Table(StoredTable, Protocol):
     optimizer: Any
 
     # -- description ----------------------------------------------------------
-    @property
-    def variables(self) -> list:
-        """The `TableVariable`s a layer tracks and optimizers update: one
-        per shard held in this process."""
-
-    @property
-    def filters(self) -> bool:
-        """Whether an admission filter (counter or Bloom) is configured."""
-
-    @property
-    def no_permission_value(self) -> float:
-        """What keys not admitted yet read."""
+    variables = _declared("The `TableVariable`s a layer tracks and optimizers update: one "
+                          "per shard held in this process.")
+    filters = _declared("Whether an admission filter (counter or Bloom) is configured.")
+    no_permission_value = _declared("What keys not admitted yet read.")
 
     # -- capabilities ---------------------------------------------------------
-    @property
-    def local(self) -> bool:
-        """Whether the whole table is one C++ table of this process, which
-        the fused kernels (group lookup, stacked lookup) read directly;
-        False for a table whose rows live in several places (its own
-        `lookup` reaches them)."""
-
-    @property
-    def fused_table(self):
-        """The one C++ table of this process that holds every row of this
-        table, which the fused kernels read in its place: the table itself
-        where `local`; a table sharded over one process only, its shard;
-        otherwise None."""
-
-    @property
-    def exchange_group(self):
-        """None, or a hashable shared by tables whose lookups exchange ids
-        and rows between processes and can be done together in one
-        exchange by `lookup_many`."""
+    local = _declared(
+        "Whether the whole table is one C++ table of this process, which the fused "
+        "kernels (group lookup, stacked lookup) read directly; False for a table whose "
+        "rows live in several places (its own `lookup` reaches them).")
+    fused_table = _declared(
+        "The one C++ table of this process that holds every row of this table, which "
+        "the fused kernels read in its place: the table itself where `local`; a table "
+        "sharded over one process only, its shard; otherwise None.")
+    exchange_group = _declared(
+        "None, or a hashable shared by tables whose lookups exchange ids and rows "
+        "between processes and can be done together in one exchange by `lookup_many`.")
 
     @staticmethod
     def lookup_many(tables, keys_list, insert=False, distinct=False) -> list:
@@ -228,17 +364,9 @@ class Table(StoredTable, Protocol):
 class TableShard(Table, Protocol):
     """The one C++ table of this process behind a `TableVariable`."""
 
-    @property
-    def handle(self):
-        """The table's resource handle."""
-
-    @property
-    def variable(self):
-        """The table as a trainable variable (`TableVariable`)."""
-
-    @property
-    def device(self) -> str:
-        """The device holding the table."""
+    handle = _declared("The table's resource handle.")
+    variable = _declared("The table as a trainable variable (`TableVariable`).")
+    device = _declared("The device holding the table.")
 
     def sparse_apply(self, keys, grads, rule, hyper, step, slots, distinct=False):
         """One fused optimizer step on the rows of `keys` (see

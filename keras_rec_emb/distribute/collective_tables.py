@@ -45,10 +45,9 @@ restores into any number of workers, a MirroredStrategy or one process.
 
 import tensorflow as tf
 
+from keras_rec_emb import tables as _tables
 from keras_rec_emb.backend.tensorflow import compat as _compat
-from keras_rec_emb.backend.tensorflow import ops as _ops
 from keras_rec_emb.backend.tensorflow import serving_context as _serving_context
-from keras_rec_emb.backend.tensorflow import variables as _variables
 from keras_rec_emb.distribute import ps_tables, shards
 
 # One traced all-gather per (strategy, dtype, row shape): every worker
@@ -153,19 +152,14 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
 
     `EmbeddingVariable` builds one inside a MultiWorkerMirroredStrategy's
     scope; this process holds shard `index` of `num_shards` (`shards` lists
-    only it). Lookups run inside the strategy's replica function (what
-    `model.fit`, `evaluate` and `predict` call); `export`, `size`, `stats`,
-    `evict` and saving gather every shard and must be called by every
-    worker. `local_stats()` is this process's shard alone.
+    only it). Lookups and table-wide operations run as the module docstring
+    says; `local_stats()` is this process's shard alone.
 
     Args:
         strategy: the `tf.distribute.MultiWorkerMirroredStrategy`, one
             replica per worker.
-        dim: int. As `EmbeddingTable`.
-        key_dtype: As `EmbeddingTable`.
-        default_values: As `EmbeddingTable`.
-        name: str. As `EmbeddingTable`.
-        **kwargs: The other arguments of `EmbeddingTable`.
+        dim, key_dtype, default_values, name, **kwargs: As
+            `ShardedEmbeddingTable`.
 
     Example (one worker, so the only shard holds every key):
 
@@ -197,24 +191,17 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
         self._num = int(strategy.num_replicas_in_sync)
         self._index = worker_index(strategy)
         self._name = name
-        self._replicas = True
         self._devices = local
         shard_name = f"{name}/shard_{self._index}_of_{self._num}"
         self._shards = [shards.ExchangedShard(local[0], self._index, dim, key_dtype,
                                               default_values, name=shard_name, **kwargs)]
 
-    @property
-    def num_shards(self):
-        return self._num
+    num_shards = _tables.attribute("_num")
+    index = _tables.attribute("_index", "The shard this process holds.")
+    strategy = _tables.attribute("_strategy")
 
-    @property
-    def index(self):
-        """The shard this process holds."""
-        return self._index
-
-    @property
-    def strategy(self):
-        return self._strategy
+    def _held(self):
+        return [(self._index, self._shards[0])]
 
     def __repr__(self):
         return (f"<CollectiveShardedTable '{self._name}' dim={self.dim} "
@@ -251,9 +238,6 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
         with the other workers: this replica's distinct ids go to their
         owners only, which answer with their rows (see the module
         docstring)."""
-        keys = tf.convert_to_tensor(keys)
-        if tf.distribute.get_replica_context() is None and not tf.executing_eagerly():
-            return self._shape_only_lookup(keys)
         return self.lookup_many([self], [keys], insert)[0]
 
     @property
@@ -271,11 +255,9 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
 
     @staticmethod
     def lookup_many(tables, keys_list, insert=False, distinct=False):
-        """The rows of each `keys_list[t]` in `tables[t]` (tables of one
-        strategy), all tables' ids and rows in one exchange: the collectives
-        of a step do not grow with the number of tables. With `distinct`,
-        per table the rows of its distinct keys and each key's place among
-        them (`tables.Table.lookup_many`)."""
+        """`tables.Table.lookup_many` of tables of one strategy: all tables'
+        ids and rows in one exchange, so the collectives of a step do not
+        grow with the number of tables."""
         first = tables[0]
         keys_list = [tf.convert_to_tensor(k) for k in keys_list]
         if tf.distribute.get_replica_context() is None and not tf.executing_eagerly():
@@ -402,87 +384,22 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
         return tf.boolean_mask(gathered, keep)
 
     def _gathered_parts(self, include_filtered, evict=False):
-        shard = self._shards[0]
-        with tf.device(shard.device):
-            evict = [shard._evict_op()] if evict and shard.evicts_at_save else []
-            with tf.control_dependencies(evict):
-                parts = _ops.export(shard.handle, shard.key_dtype, shard.dim,
-                                    include_filtered=include_filtered)
-        out = dict(parts)
+        """Every worker's shard's parts in one table's (collective)."""
+        parts = self._shard_parts(self._shards[0], include_filtered, evict)
         local = tf.stack([tf.size(parts["keys"], out_type=tf.int64),
                           tf.size(parts["keys_filtered"], out_type=tf.int64)])
         counts = self._gather(local[tf.newaxis])
-        for k in self._ROW_PARTS:
-            out[k] = self._gather_rows(parts[k], counts[:, 0])
-        for k in self._FILTERED_PARTS:
-            out[k] = self._gather_rows(parts[k], counts[:, 1])
-        # Each shard's Bloom counters cover its own keys only; not merged.
-        out["bloom"] = tf.zeros([0], tf.uint8)
-        return out
-
-    def _serialize_to_tensors(self):
-        """Every worker's shard gathered into `EmbeddingTable`'s checkpoint
-        format (evicting first, as one table does)."""
-        return self._gathered_parts(self.save_filtered, evict=True)
-
-    def _restore_from_tensors(self, restored_tensors):
-        """Keeps the restored keys that hash to this process's shard: a
-        checkpoint of any shard count (or of one table) restores."""
-        parts = dict(restored_tensors)
-        values = parts.get("values")
-        if values is not None:
-            _variables.check_saved_dim(self._name, values.shape, self.dim)
-        rows = tf.equal(ps_tables.shard_of(parts["keys"], self._num), self._index)
-        filtered = tf.equal(ps_tables.shard_of(parts["keys_filtered"], self._num),
-                            self._index)
-        for k in self._ROW_PARTS:
-            parts[k] = tf.boolean_mask(parts[k], rows)
-        for k in self._FILTERED_PARTS:
-            parts[k] = tf.boolean_mask(parts[k], filtered)
-        shard = self._shards[0]
-        with tf.device(shard.device):
-            return _ops.import_(shard.handle, shard.dim, parts)
-
-    def export(self, include_filtered=True):
-        """Every worker's rows in one dict shaped like `EmbeddingTable.export()`
-        (collective: every worker calls it and receives all rows). Like
-        `EmbeddingTable.export`, it does not evict (saving does)."""
-        parts = {k: v.numpy() for k, v in self._gathered_parts(include_filtered).items()}
-        out = {k: parts[k] for k in _variables.ARRAY_PARTS}
-        out["slots"] = _variables.unpack_slots(parts)
-        return out
-
-    def import_(self, data, clear=True):
-        """Keeps the rows of `data` (shaped like `export()`, from any shard
-        count) whose keys hash to this process's shard."""
-        if not isinstance(data, dict) or "keys" not in data or "values" not in data:
-            return self._shards[0].import_(data, clear)  # its error names the fix
-        rows = ps_tables._rows_of_shard(data, self._index, self._num)
-        self._shards[0].import_(rows, clear)
+        return self._joined(parts, lambda k: self._gather_rows(parts[k], counts[:, 0]),
+                            lambda k: self._gather_rows(parts[k], counts[:, 1]))
 
     def local_stats(self):
         """This process's shard's statistics (`EmbeddingTable.stats`)."""
         return self._shards[0].stats()
 
-    def _summed(self, values):
-        gathered = self._gather(tf.constant([values], tf.int64)).numpy()
-        return gathered
+    def _over_shards(self, value):
+        """`value(shard)` of every worker's shard, one row each (collective)."""
+        return self._gather(tf.constant([value(self._shards[0])], tf.int64)).numpy()
 
     def size(self):
         """Admitted keys over every shard (collective)."""
-        return int(self._summed([self._shards[0].size()]).sum())
-
-    def stats(self):
-        """The shards' statistics added up over the workers (`latest_step`:
-        the largest; collective)."""
-        local = self.local_stats()
-        names = ("size", "filtered", "memory_bytes", "latest_step")
-        every = self._summed([local[k] for k in names])
-        out = {k: int(every[:, i].sum()) for i, k in enumerate(names[:3])}
-        out["latest_step"] = int(every[:, 3].max())
-        return out
-
-    def evict(self, step=None):
-        """Applies eviction on every shard; returns the keys evicted in all
-        (collective)."""
-        return int(self._summed([self._shards[0].evict(step)]).sum())
+        return int(self._over_shards(lambda s: [s.size()]).sum())

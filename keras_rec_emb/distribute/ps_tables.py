@@ -4,24 +4,18 @@ A parameter-server (PS) task is a `tf.distribute.Server` in a process that
 has loaded this package's ops (`keras-rec-emb ps ...` or `python -m
 keras_rec_emb.distribute.ps ...`). A worker calls `connect(...)`, which
 checks that every PS address answers as the TensorFlow server of its task
-(bounded time, the error names the task and address) and then `tf.config.experimental_connect_to_cluster`; layers built
-inside `parameter_servers(devices)` shard each table over the PS tasks by
-key hash, and their dense variables and the optimizer's live on the PS
-tasks too (`ps_variables`): every worker trains one model. Worker 0 is the
-chief: it initializes the variables and saves. A lookup partitions the ids by shard (`tf.dynamic_partition`),
-runs each shard's lookup on its PS task (TensorFlow's gRPC runtime carries
-the ids and rows) and stitches the rows back (`tf.dynamic_stitch`); the
-gradient of each shard's lookup is a `tf.IndexedSlices` over that shard's
-keys, which the optimizers of `keras_rec_emb.optimizers` apply with their
-fused kernel on the PS task. Workers do not wait for each other (DeepRec's
-default mode for CPU clusters).
-
-Each shard is a table found or created by name (`shared_name`) on its PS
-task, so every worker that builds the same layer (same name, dim, key dtype)
-reaches the same shards. Saving gathers the shards into the ordinary
-format (`export`), and restoring splits rows by the same hash over however
-many shards the restoring model has: any shard count restores into any
-other, including one process without parameter servers.
+(bounded time, the error names the task and address) and then
+`tf.config.experimental_connect_to_cluster`; layers built inside
+`parameter_servers(devices)` shard each table over the PS tasks by key hash
+(`ShardedEmbeddingTable`), and their dense variables and the optimizer's
+live on the PS tasks too (`ps_variables`): every worker trains one model,
+asynchronously (DeepRec's default mode for CPU clusters). A lookup
+partitions the ids by shard (`tf.dynamic_partition`), runs each shard's
+lookup on its PS task (TensorFlow's gRPC runtime carries the ids and rows)
+and stitches the rows back (`tf.dynamic_stitch`); the gradient of each
+shard's lookup is a `tf.IndexedSlices` over that shard's keys, which the
+optimizers of `keras_rec_emb.optimizers` apply with their fused kernel on
+the PS task.
 """
 
 import contextlib
@@ -140,12 +134,14 @@ def current_devices():
     return ps_variables.scope_devices()
 
 
-def _concat(arrays, like):
-    arrays = [a for a in arrays]
-    return np.concatenate(arrays, axis=0) if arrays else like
+def _of_first_shard(name):
+    """A sharded table's property that is its first shard's: every shard is
+    built from the same arguments."""
+    return property(lambda table: getattr(table._shards[0], name),
+                    doc=f"The shards' `{name}` (the same for each).")
 
 
-class ShardedEmbeddingTable(_compat.Trackable):
+class ShardedEmbeddingTable(_tables.TableBase, _compat.Trackable):
     """One embedding table split by key hash over several devices.
 
     Shard `i` holds the keys with `shard_of(key, N) == i`; it is an
@@ -156,11 +152,8 @@ class ShardedEmbeddingTable(_compat.Trackable):
 
     Args:
         devices: list of str. One device per shard.
-        dim: int. As `EmbeddingTable`.
-        key_dtype: As `EmbeddingTable`.
-        default_values: As `EmbeddingTable`.
-        name: str. As `EmbeddingTable`.
-        **kwargs: The other arguments of `EmbeddingTable`.
+        dim, key_dtype, default_values, name, **kwargs: The arguments of
+            `EmbeddingTable`.
         replicas: bool. The devices are a MirroredStrategy's replicas: shard
             `i` is owned by replica `i`, which alone applies its updates
             (the optimizers gather every replica's gradient for it).
@@ -183,7 +176,6 @@ class ShardedEmbeddingTable(_compat.Trackable):
         super().__init__()
         self._devices = _check_devices(devices)
         self._name = name
-        self._replicas = bool(replicas)
         n = len(self._devices)
         # Parameter-server shards are found by name (every worker reaches the
         # same one); a replica's shard is private to this process.
@@ -196,7 +188,6 @@ class ShardedEmbeddingTable(_compat.Trackable):
                 shards.ParameterServerShard(device, shard_name, dim, key_dtype, default_values,
                                             name=shard_name, **kwargs))
 
-    # -- properties shared with EmbeddingTable --------------------------------
     @property
     def shards(self):
         return list(self._shards)
@@ -213,20 +204,11 @@ class ShardedEmbeddingTable(_compat.Trackable):
     def variables(self):
         return [s.variable for s in self._shards]
 
-    @property
-    def local(self):
-        """False: the rows live in several tables (`tables.Table.local`)."""
-        return False
-
-    @property
-    def fused_table(self):
-        """None: the shards live on several devices (`tables.Table.fused_table`)."""
-        return None
-
-    @property
-    def exchange_group(self):
-        """None: each shard is looked up on its own device."""
-        return None
+    local = _tables.constant(
+        False, "False: the rows live in several tables (`tables.Table.local`).")
+    fused_table = _tables.constant(
+        None, "None: the shards live on several devices (`tables.Table.fused_table`).")
+    exchange_group = _tables.constant(None, "None: each shard is looked up on its own device.")
 
     lookup_many = staticmethod(_tables.lookup_each)
 
@@ -248,17 +230,12 @@ class ShardedEmbeddingTable(_compat.Trackable):
     def variable(self):
         self._not_one_table("variable")
 
-    @property
-    def name(self):
-        return self._name
-
-    @property
-    def dim(self):
-        return self._shards[0].dim
-
-    @property
-    def key_dtype(self):
-        return self._shards[0].key_dtype
+    dim = _of_first_shard("dim")
+    key_dtype = _of_first_shard("key_dtype")
+    eviction_rule = _of_first_shard("eviction_rule")
+    save_filtered = _of_first_shard("save_filtered")
+    filters = _of_first_shard("filters")
+    no_permission_value = _of_first_shard("no_permission_value")
 
     @property
     def trainable(self):
@@ -269,36 +246,6 @@ class ShardedEmbeddingTable(_compat.Trackable):
         for s in self._shards:
             s.trainable = value
 
-    @property
-    def evicts(self):
-        return self._shards[0].evicts
-
-    @property
-    def evicts_at_save(self):
-        return self._shards[0].evicts_at_save
-
-    @property
-    def eviction_rule(self):
-        return self._shards[0].eviction_rule
-
-    def evict_for_save(self, name=None):
-        """`EmbeddingTable.evict_for_save` over every shard (collective for
-        a CollectiveShardedTable: `size` and `evict` are)."""
-        return _variables.evict_for_save(self, name)
-
-    @property
-    def save_filtered(self):
-        return self._shards[0].save_filtered
-
-    @property
-    def filters(self):
-        """Whether the table has an admission filter (as every shard)."""
-        return self._shards[0].filters
-
-    @property
-    def no_permission_value(self):
-        return self._shards[0].no_permission_value
-
     def __repr__(self):
         return (f"<ShardedEmbeddingTable '{self._name}' dim={self.dim} "
                 f"shards={self._devices}>")
@@ -307,41 +254,66 @@ class ShardedEmbeddingTable(_compat.Trackable):
     _ROW_PARTS = tuple(p.name for p in _variables.PARTS if p.rows == "N")
     _FILTERED_PARTS = tuple(p.name for p in _variables.PARTS if p.rows == "F")
 
-    def _serialize_to_tensors(self):
-        """The shards gathered into `EmbeddingTable`'s checkpoint format (the
-        same names), so a checkpoint restores into any shard count."""
-        shard_parts = []
-        for shard in self._shards:
-            with tf.device(shard.device):
-                evict = [shard._evict_op()] if shard.evicts_at_save else []
-                with tf.control_dependencies(evict):
-                    shard_parts.append(_ops.export(shard.handle, shard.key_dtype, shard.dim,
-                                                   include_filtered=shard.save_filtered))
-        out = {k: tf.concat([p[k] for p in shard_parts], axis=0)
-               for k in self._ROW_PARTS + self._FILTERED_PARTS}
-        for k in ("slot_names", "slot_widths", "default_values"):
-            out[k] = shard_parts[0][k]
+    @staticmethod
+    def _shard_parts(shard, include_filtered, evict):
+        """`shard`'s parts as tensors, exported on its device (`evict`: after
+        the eviction op of a save)."""
+        with tf.device(shard.device):
+            return shard._export_parts(include_filtered, evict=evict)
+
+    def _joined(self, first, rows, filtered):
+        """One table's parts from the shards': those of `first` (a shard's),
+        each per-key part replaced by `rows(name)` (per admitted key) or
+        `filtered(name)` (per filtered key), every shard's rows together."""
+        out = dict(first)
+        out.update((k, rows(k)) for k in self._ROW_PARTS)
+        out.update((k, filtered(k)) for k in self._FILTERED_PARTS)
         # Each shard's Bloom counters cover its own keys only; not merged.
         out["bloom"] = tf.zeros([0], tf.uint8)
         return out
 
-    def _restore_from_tensors(self, restored_tensors):
+    def _gathered_parts(self, include_filtered, evict=False):
+        """Every shard's parts in one table's (`EmbeddingTable`'s checkpoint
+        format, the same names); `evict`: each shard's after the eviction
+        op of a save."""
+        shard_parts = [self._shard_parts(s, include_filtered, evict) for s in self._shards]
+
+        def rows(k):
+            return tf.concat([p[k] for p in shard_parts], axis=0)
+
+        return self._joined(shard_parts[0], rows, rows)
+
+    def _serialize_to_tensors(self):
+        """Every shard's rows as one table's (evicting first, as one table
+        does), so a checkpoint restores into any shard count."""
+        return self._gathered_parts(self.save_filtered, evict=True)
+
+    def _split_restored(self, restored_tensors, n):
+        """The restored parts (checked for their row width) split by key hash
+        into `n` dicts, one per shard."""
         parts = dict(restored_tensors)
         values = parts.get("values")
         if values is not None:
-            _variables.check_saved_dim(self._name, values.shape, self.dim)
-        n = len(self._shards)
+            _tables.check_saved_dim(self._name, values.shape, self.dim)
         rows = shard_of(parts["keys"], n)
         filtered = shard_of(parts["keys_filtered"], n)
         split = {k: tf.dynamic_partition(parts[k], rows, n) for k in self._ROW_PARTS}
         split.update({k: tf.dynamic_partition(parts[k], filtered, n)
                       for k in self._FILTERED_PARTS})
+        return [dict(parts, **{k: v[i] for k, v in split.items()}) for i in range(n)]
+
+    def _held(self):
+        """(index, shard) of each shard this process holds: every one."""
+        return enumerate(self._shards)
+
+    def _restore_from_tensors(self, restored_tensors):
+        """Keeps the restored keys that hash to each shard held here: a
+        checkpoint of any shard count (or of one table) restores."""
+        split = self._split_restored(restored_tensors, self.num_shards)
         ops = []
-        for i, shard in enumerate(self._shards):
-            mine = dict(parts)
-            mine.update({k: v[i] for k, v in split.items()})
+        for i, shard in self._held():
             with tf.device(shard.device):
-                ops.append(_ops.import_(shard.handle, shard.dim, mine))
+                ops.append(_ops.import_(shard.handle, shard.dim, split[i]))
         return tf.group(ops)
 
     # -- table operations -------------------------------------------------
@@ -370,18 +342,29 @@ class ShardedEmbeddingTable(_compat.Trackable):
     def size(self):
         return sum(s.size() for s in self._shards)
 
+    def _over_shards(self, value):
+        """`value(shard)` (a list of ints) of every shard, one row each
+        (NumPy); a `CollectiveShardedTable` gathers every worker's."""
+        return np.array([value(s) for s in self._shards], np.int64)
+
     def stats(self):
-        """The shards' statistics added up (`latest_step`: the largest)."""
-        parts = [s.stats() for s in self._shards]
-        out = {k: sum(p[k] for p in parts) for k in ("size", "filtered", "memory_bytes")}
-        out["latest_step"] = max(p["latest_step"] for p in parts)
+        """The shards' statistics added up (`latest_step`: the largest;
+        collective for a `CollectiveShardedTable`)."""
+        names = ("size", "filtered", "memory_bytes", "latest_step")
+
+        def row(shard):
+            stats = shard.stats()
+            return [stats[k] for k in names]
+
+        every = self._over_shards(row)
+        out = {k: int(every[:, i].sum()) for i, k in enumerate(names[:3])}
+        out["latest_step"] = int(every[:, 3].max())
         return out
 
-    def memory_bytes(self):
-        return self.stats()["memory_bytes"]
-
     def evict(self, step=None):
-        return sum(s.evict(step) for s in self._shards)
+        """Applies eviction on every shard; returns the keys evicted in all
+        (collective for a `CollectiveShardedTable`)."""
+        return int(self._over_shards(lambda s: [s.evict(step)]).sum())
 
     @property
     def storage_dir(self):
@@ -403,8 +386,7 @@ class ShardedEmbeddingTable(_compat.Trackable):
         restores only into the same shard count: if `path` holds this
         table's snapshot for another count, a ValueError names both counts
         (a `tf.train.Checkpoint` or `model.save` reshards instead)."""
-        if path is not None and not isinstance(path, str):
-            raise TypeError(f"`path` must be a str or None. Received: path={path!r}")
+        _tables.check_snapshot_path(path)
         root = path or self.storage_dir
         if root is None:
             self._shards[0].restore_snapshot()  # its error names the fix
@@ -439,26 +421,19 @@ class ShardedEmbeddingTable(_compat.Trackable):
         """Every shard's rows in one dict shaped like `EmbeddingTable.export()`
         (the ordinary format: a single table restores it). A counting Bloom
         filter's counters are per shard and are not merged: `bloom` is
-        empty, the keys it counted stay in `keys_filtered`."""
-        parts = [s.export(include_filtered) for s in self._shards]
-        out = {}
-        for key in ("keys", "values", "freqs", "versions", "keys_filtered",
-                    "freqs_filtered", "versions_filtered"):
-            out[key] = np.concatenate([p[key] for p in parts], axis=0)
-        out["default_values"] = parts[0]["default_values"]
-        out["bloom"] = np.zeros(0, np.uint8)
-        names = list(parts[0]["slots"])
-        out["slots"] = {name: np.concatenate([p["slots"][name] for p in parts], axis=0)
-                        for name in names}
-        return out
+        empty, the keys it counted stay in `keys_filtered`. Like
+        `EmbeddingTable.export`, it does not evict (saving does); a
+        `CollectiveShardedTable`'s is collective (every worker calls it and
+        receives all rows)."""
+        return _variables.exported(self._gathered_parts(include_filtered))
 
     def import_(self, data, clear=True):
-        """Splits `data` (shaped like `export()`) over the shards by key hash:
-        rows saved with any number of shards restore into this one."""
-        if not isinstance(data, dict) or "keys" not in data or "values" not in data:
-            return self._shards[0].import_(data, clear)  # its error names the fix
-        for i, shard in enumerate(self._shards):
-            shard.import_(_rows_of_shard(data, i, len(self._shards)), clear)
+        """Splits `data` (shaped like `export()`) over the shards held here by
+        key hash: rows saved with any number of shards restore into this
+        one."""
+        self._check_import_data(data)
+        for i, shard in self._held():
+            shard.import_(_rows_of_shard(data, i, self.num_shards), clear)
 
 
 def _rows_of_shard(data, index, num_shards):
@@ -468,19 +443,11 @@ def _rows_of_shard(data, index, num_shards):
     which = shard_of_numpy(keys, num_shards) if keys.size else np.zeros(0, np.int64)
     keys_f = np.asarray(data.get("keys_filtered", np.zeros(0, np.int64)))
     which_f = shard_of_numpy(keys_f, num_shards) if keys_f.size else np.zeros(0, np.int64)
-    per_row = ("keys", "values", "freqs", "versions")
-    per_filtered = ("keys_filtered", "freqs_filtered", "versions_filtered")
-    part = {k: v for k, v in data.items() if k not in per_row + per_filtered
-            and k not in ("slots", "bloom")}
-    mask = which == index
-    for k in per_row:
-        if k in data:
-            part[k] = np.asarray(data[k])[mask]
-    mask_f = which_f == index
-    for k in per_filtered:
-        if k in data:
-            part[k] = np.asarray(data[k])[mask_f]
-    part["slots"] = {name: np.asarray(rows).reshape(keys.shape[0], -1)[mask]
+    masks = {k: which == index for k in _tables.ROW_PARTS}
+    masks.update((k, which_f == index) for k in _tables.FILTERED_ROW_PARTS)
+    part = {k: v for k, v in data.items() if k not in masks and k not in ("slots", "bloom")}
+    part.update((k, np.asarray(data[k])[masks[k]]) for k in masks if k in data)
+    part["slots"] = {name: np.asarray(rows).reshape(keys.shape[0], -1)[which == index]
                      for name, rows in (data.get("slots") or {}).items()}
     return part
 
@@ -675,8 +642,6 @@ def serve(ps, task_index, worker=None):
     "host:port") in this process until it is killed: a
     `tf.distribute.Server` with this package's ops loaded, holding one eager
     context of its own (see `_hold_own_context`)."""
-    from keras_rec_emb.backend.tensorflow import ops as _ops
-
     _ops.gen()
     spec = {"ps": list(ps)}
     if worker:

@@ -16,24 +16,15 @@ with its variable; the other workers find each variable where the chief
 put it, whatever models or order they build in. Variables synchronized on
 read (Keras's metrics) stay on the worker: each worker counts its own loss.
 
-Initialization, as TensorFlow 1's chief / `SessionManager`: the chief
-(worker 0) assigns each variable's initial value if the variable does not
-hold one yet, and marks the cluster ready when its `parameter_servers`
-scope ends; anything it does inside the scope (build, compile, restore a
-checkpoint) happens before the others start. Another worker waits, up to
-`connect`'s timeout, for each variable to be initialized and for that
-mark, and never assigns an initial value. A worker (the chief too) that
-joins a cluster whose variables hold values leaves them as they are.
-
-Updates are asynchronous, as DeepRec's and TensorFlow 1's parameter
-servers: each worker reads the variables when its step needs them and
-pushes its update (run on the PS task) without waiting for the others, so
-a step's gradient may be computed from values other workers have changed
-since (stale reads). An `assign_sub` (SGD's update) is atomic on the PS
-task: no worker's update is lost. An update that reads a slot and writes
-it back (momentum, Adam's moments) may interleave with another worker's,
-as TensorFlow 1's `use_locking=False` does. Tables apply each row's update
-under its lock (the fused kernel on the PS task).
+Initialization and updates are TensorFlow 1's (its chief and
+`SessionManager`; `parameter_servers` says what a user sees). Another
+worker than the chief never assigns an initial value, and a worker that
+joins a cluster whose variables hold values leaves them as they are. An
+`assign_sub` (SGD's update) is atomic on the PS task: no worker's update is
+lost. An update that reads a slot and writes it back (momentum, Adam's
+moments) may interleave with another worker's, as TensorFlow 1's
+`use_locking=False` does. Tables apply each row's update under its lock
+(the fused kernel on the PS task).
 """
 
 import threading
@@ -115,13 +106,9 @@ def set_scope_devices(devices):
     _local.devices = devices
 
 
-def _scope_tasks():
-    """The PS tasks of the innermost `parameter_servers` scope, or None when
-    outside one or when its devices are not this cluster's PS tasks."""
-    return scope_tasks_of(scope_devices())
-
-
 def scope_tasks_of(devices):
+    """The PS tasks of `devices` (a `parameter_servers` scope's), or None for
+    none or devices that are not all this cluster's PS tasks."""
     if devices is None or _cluster is None:
         return None
     tasks = [_cluster.task_of(d) for d in devices]
@@ -132,7 +119,7 @@ def _creator(next_creator, **kwargs):
     if _cluster is None or kwargs.get("synchronization") == tf.VariableSynchronization.ON_READ:
         return next_creator(**kwargs)
     task = _cluster.task_of(_compat.current_device_name())
-    tasks = [task] if task is not None else _scope_tasks()
+    tasks = [task] if task is not None else scope_tasks_of(scope_devices())
     if tasks is None:
         return next_creator(**kwargs)
     with tf.init_scope():
@@ -217,23 +204,19 @@ def _wait(done, what):
         time.sleep(0.1)
 
 
-def _ready_handle():
-    with tf.device(_cluster.device(0)):
-        return tf.raw_ops.VarHandleOp(dtype=tf.int64, shape=[], container="",
-                                      shared_name=READY, debug_name=READY)
-
-
-def mark_ready():
-    """The chief's `parameter_servers` scope ended: other workers may train."""
-    handle = _ready_handle()
-    with tf.device(_cluster.device(0)):
-        tf.raw_ops.AssignVariableOp(resource=handle, value=tf.constant(1, tf.int64))
-
-
-def wait_ready():
-    """A worker's `parameter_servers` scope ends once the chief's has."""
-    handle = _ready_handle()
+def scope_ended():
+    """Called when a `parameter_servers` scope over this cluster's PS tasks
+    ends (outermost scope only): the chief's marks the cluster ready (other
+    workers may train); another worker's ends once the chief's has."""
+    if _cluster is None:
+        return
     device = _cluster.device(0)
+    with tf.device(device):
+        handle = tf.raw_ops.VarHandleOp(dtype=tf.int64, shape=[], container="",
+                                        shared_name=READY, debug_name=READY)
+        if _cluster.chief:
+            tf.raw_ops.AssignVariableOp(resource=handle, value=tf.constant(1, tf.int64))
+            return
 
     def ready():
         if not _initialized(handle, device):
@@ -242,14 +225,3 @@ def wait_ready():
             return int(tf.raw_ops.ReadVariableOp(resource=handle, dtype=tf.int64)) == 1
 
     _wait(ready, "cluster's ready mark (the end of its `parameter_servers(...)` scope)")
-
-
-def scope_ended():
-    """Called when a `parameter_servers` scope over this cluster's PS tasks
-    ends (outermost scope only)."""
-    if _cluster is None:
-        return
-    if _cluster.chief:
-        mark_ready()
-    else:
-        wait_ready()

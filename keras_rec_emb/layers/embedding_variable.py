@@ -49,14 +49,12 @@ class EmbeddingVariable(_impl.EmbeddingVariableBackend, keras.layers.Layer):
 
     Under TensorFlow the table's gradient is a `tf.IndexedSlices` over ids
     that the optimizer applies with one fused kernel; `tf.train.Checkpoint`
-    and `model.export` keep the table too; the layers of one Functional (or
-    Sequential) model that read its inputs directly are looked up together
-    in one fused op in a traced model call, which is the same program (see
-    `keras_rec_emb/backend/tensorflow/model_fusion.py`). Under JAX the
-    lookup is a `jax.custom_vjp` whose backward applies the rows' gradient
-    to the table inside the jitted step (see
-    `keras_rec_emb/backend/jax/layers.py`); the layer counts its training
-    steps in a non-trainable `iterations`, saved with the table.
+    and `model.export` keep the table too; the layers of one Functional
+    model that read its inputs are looked up in one fused op
+    (`backend/tensorflow/model_fusion.py`). Under JAX the backward of the
+    lookup applies the rows' gradient inside the jitted step
+    (`backend/jax/layers.py`); the layer counts its training steps in a
+    non-trainable `iterations`, saved with the table.
 
     Args:
         embedding_dim: int > 0. Width of each embedding row.
@@ -85,10 +83,8 @@ class EmbeddingVariable(_impl.EmbeddingVariableBackend, keras.layers.Layer):
             files under `storage_path/<name>_embeddings` with a DRAM cache;
             see `snapshot()`), `track_meta`, `save_filtered` and
             `record_freq`. Its eviction option also evicts when the model
-            (or a checkpoint) is saved (DeepRec), logging the counts and
-            warning when over half of the rows go; not with the option's
-            `at_save=False` nor inside `keras_rec_emb.save_model(...,
-            evict=False)`. Defaults to `None` (`EmbeddingVariableOption()`).
+            (or a checkpoint) is saved, as `GlobalStepEvict` says. Defaults
+            to `None` (`EmbeddingVariableOption()`).
         trainable: bool. Defaults to `True`.
         name: str or `None`.
         restore_dim_mismatch: `"error"` or `"pad_or_truncate"`. Restoring
@@ -199,26 +195,16 @@ class EmbeddingVariable(_impl.EmbeddingVariableBackend, keras.layers.Layer):
         self._make_table(default_values)
         self.built = True
 
-    @property
-    def optimizer(self):
-        """The table's own optimizer (`optimizer=`), or None (the model's)."""
-        return self.table_optimizer
-
-    @property
-    def default_value_dim(self):
-        """Rows of the initializer matrix (the option's)."""
-        return self.ev_option.init_option.default_value_dim
-
-    @property
-    def num_shards(self):
-        """The table's lock shards (the option's)."""
-        return self.ev_option.num_shards
-
-    @property
-    def ids_input_dtype(self):
-        """`key_dtype`: the dtype of the `keras.Input` a `keras.Sequential`
-        without one makes for this layer (Keras would make it float32)."""
-        return self.key_dtype
+    optimizer = _tables.attribute(
+        "table_optimizer", "The table's own optimizer (`optimizer=`), or None (the model's).")
+    default_value_dim = _tables.attribute(
+        "ev_option.init_option.default_value_dim",
+        "Rows of the initializer matrix (the option's).")
+    num_shards = _tables.attribute("ev_option.num_shards",
+                                   "The table's lock shards (the option's).")
+    ids_input_dtype = _tables.attribute(
+        "key_dtype", "`key_dtype`: the dtype of the `keras.Input` a `keras.Sequential` "
+        "without one makes for this layer (Keras would make it float32).")
 
     @property
     def trainable(self):

@@ -29,10 +29,9 @@ from keras_rec_emb import _file_tier
 from keras_rec_emb.backend.tensorflow import compat as _compat
 from keras_rec_emb.backend.tensorflow import ops as _ops
 from keras_rec_emb.backend.tensorflow import serving_context as _serving_context
-from keras_rec_emb import saving as _saving
 from keras_rec_emb import tables as _tables
 from keras_rec_emb.backend.tensorflow.checks import keys_in_range
-from keras_rec_emb.options import GlobalStepEvict, L2WeightEvict, save_filtered_from_env
+from keras_rec_emb.options import GlobalStepEvict, L2WeightEvict
 
 _ids = itertools.count()
 
@@ -90,16 +89,9 @@ def complete_parts(given, dim, key_dtype, n=None):
             out[part.name] = given[part.name]
             continue
         dtype = key_dtype if part.dtype == "key" else tf.as_dtype(part.dtype)
-        if part.name == "slot_values":
-            out[part.name] = tf.zeros([n, 0], dtype)
-        elif part.name == "default_values":
-            out[part.name] = tf.zeros([0, dim], dtype)
-        elif part.name == _VALUES:
-            out[part.name] = tf.zeros([n, dim], dtype)
-        elif part.rows == "N":
-            out[part.name] = tf.zeros([n], dtype)
-        else:
-            out[part.name] = tf.zeros([0], dtype)
+        shape = {"slot_values": [n, 0], "default_values": [0, dim], _VALUES: [n, dim]}.get(
+            part.name, [n] if part.rows == "N" else [0])
+        out[part.name] = tf.zeros(shape, dtype)
     return out
 
 
@@ -124,9 +116,13 @@ def pack_slots(blocks, n):
     }
 
 
-# (Shared with the JAX backend; re-exported for the distributed tables.)
-check_restore_dim_mode = _tables.check_restore_dim_mode
-check_saved_dim = _tables.check_saved_dim
+def exported(parts):
+    """`export()`'s dict of a table's parts as eager tensors (NumPy, slots
+    unpacked)."""
+    parts = {k: v.numpy() for k, v in parts.items()}
+    out = {k: parts[k] for k in ARRAY_PARTS}
+    out["slots"] = unpack_slots(parts)
+    return out
 
 _STOCK_OPTIMIZER_ERROR = (
     "Embedding table '{name}' is a dynamic hash table and cannot be updated by "
@@ -146,7 +142,7 @@ _STOCK_WRAPPER_ERROR = (
     "it so by itself)."
 )
 
-class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
+class EmbeddingTable(_tables.TableBase, tf.saved_model.experimental.TrackableResource):
     """A dynamic hash table from integer keys to float32 rows of width `dim`.
 
     Users normally reach it as `EmbeddingVariable(...).table`; the layer maps
@@ -166,22 +162,17 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         bloom: `(counters, hashes, counter_bytes)` of a counting Bloom filter,
             or None.
         no_permission_value: float. What keys not admitted yet read.
-        record_freq: bool. With a filter, keep counting an admitted key's
-            training-lookup occurrences (DeepRec's `TF_RECORD_FREQ=1`);
-            `False` stops its frequency at `filter_freq`, as DeepRec does
-            by default. Without a filter every occurrence counts.
+        record_freq: bool. As `EmbeddingVariableOption(record_freq=...)`
+            (`False` stops an admitted key's frequency at `filter_freq`).
         steps_to_live: int or None. Global-step eviction threshold.
         l2_weight_threshold: float or None. L2-weight eviction threshold.
         evict_at_save: bool. Evict (by the rules above) when a checkpoint or
             the model is saved (DeepRec); `False` evicts only on `evict()`.
         save_filtered: bool. Save keys counted but not admitted (also off
             when `KRE_EV_SAVE_FILTERED_FEATURES=false`).
-        restore_dim_mismatch: `"error"` or `"pad_or_truncate"`. What
-            restoring rows of another width does: raise (the default), or
-            (DeepRec) truncate wider rows and pad narrower ones, the new
-            columns of key `k` from initializer row `k mod
-            default_value_dim` and those of width-`dim` optimizer slots with
-            the slot's init value; the table keeps its own initializer matrix.
+        restore_dim_mismatch: `"error"` or `"pad_or_truncate"`, as
+            `EmbeddingVariable(restore_dim_mismatch=...)`; the table keeps
+            its own initializer matrix.
         storage_path: str or None. A folder: the table's rows live in files
             under `storage_path/<name>` with a DRAM cache (the file tier;
             see `StorageOption`); None keeps every row in DRAM. When another
@@ -203,6 +194,7 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
     # (a stock wrapper around it then gets a precise error).
     optimizer = None
     _table_optimizer = None
+    _kind = "EmbeddingTable"
     def _placement(self):
         """(device, shared_name) of the C++ table: here, a private table on
         the current device. A shard of keras_rec_emb.distribute places its
@@ -225,14 +217,11 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
                  cache_bytes=64 << 20, evict_at_save=True):
         device, shared_name = self._placement()
         super().__init__(device=device)
-        self._storage_dir = None
-        self._copy_dir = None  # the folder of a copy beside a live table
-        if storage_path is not None:
-            # One folder per table: its name, made a safe file name.
+        if storage_path is not None:  # one folder per table, named after it
             self._storage_dir = _file_tier.table_folder(storage_path, name)
         self._cache_bytes = int(cache_bytes)
         self._shared_name = str(shared_name)
-        self._restore_dim_mismatch = check_restore_dim_mode(restore_dim_mismatch)
+        self._restore_dim_mismatch = _tables.check_restore_dim_mode(restore_dim_mismatch)
         self._slot_inits = {}
         self._dim = int(dim)
         self._key_dtype = tf.as_dtype(key_dtype)
@@ -258,19 +247,10 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
             try:
                 self._resource_handle = self._create_resource()
             except tf.errors.InvalidArgumentError:
-                if not self._takes_copy_folder():
+                # (A table found by name is shared: it never works in a copy.)
+                if self._shared_name or not self._takes_copy_folder():
                     raise
                 self._resource_handle = self._create_resource()
-
-    def _takes_copy_folder(self):
-        """After the table could not be made: when its file-tier folder is
-        held by another live table, gives it a folder of its own next to it
-        (`<folder>.copy-XXXXXXXX`) and returns True; else returns False."""
-        if (self._storage_dir is None or self._copy_dir is not None or self._shared_name
-                or not _file_tier.storage_held(self._storage_dir)):
-            return False
-        self._copy_dir = _file_tier.copy_folder(self, self._name, self._storage_dir)
-        return True
 
     # -- TrackableResource ------------------------------------------------
     def _create_resource(self):
@@ -295,7 +275,7 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
             tf.constant(self._initial_default_values), self._key_dtype, self._dim,
             self._num_shards, track_meta=self._track_meta, filter_freq=self._filter_freq,
             bloom=self._bloom, no_permission_value=self._no_permission_value,
-            freq_cap=self._freq_cap(),
+            freq_cap=_tables.freq_cap(self._record_freq, self._filter_freq),
             storage_path=storage_path, cache_bytes=self._cache_bytes,
             shared_name=shared_name,
         )
@@ -308,39 +288,29 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         if self._storage_dir is not None and tf.executing_eagerly():
             _ops.release_storage(self._resource_handle, self._key_dtype)
 
-    def _freq_cap(self):
-        # DeepRec (CounterFilterDescriptorImpl::GetFreq, EmbeddingVar's
-        # add_freq_fn_): without TF_RECORD_FREQ an admitted key's count is
-        # the filter's threshold.
-        if self._record_freq or self._filter_freq < 1:
-            return 0
-        return self._filter_freq
-
     def _serialize_to_tensors(self):
         # DeepRec evicts when a checkpoint is saved; every part is always
         # present (possibly empty) so that checkpoints of tables with and
         # without filters restore into each other. An eager save (e.g.
         # tf.train.Checkpoint.write) reports what it evicted; a traced one
         # runs the op.
-        evict = []
-        if self.evicts_at_save:
-            if tf.executing_eagerly():
-                self.evict_for_save()
-            else:
-                evict = [self._evict_op()]
-        with tf.control_dependencies(evict):
-            return self._export_parts(include_filtered=self.save_filtered)
+        eager = tf.executing_eagerly()
+        if eager:
+            self.evict_for_save()
+        return self._export_parts(self.save_filtered, evict=not eager)
 
     def _restore_from_tensors(self, restored_tensors):
         values = restored_tensors.get(_VALUES)
-        if values is not None and check_saved_dim(self._name, values.shape, self._dim,
-                                                  self._restore_dim_mismatch):
+        if values is not None and _tables.check_saved_dim(self._name, values.shape, self._dim,
+                                                          self._restore_dim_mismatch):
             restored_tensors = self._resized_parts(restored_tensors)
         return self._import_parts(restored_tensors)
 
-    def _export_parts(self, include_filtered=True):
-        """The table's parts as tensors, a dict in `PART_NAMES` order."""
-        return _ops.export(self.handle, self._key_dtype, self._dim, include_filtered)
+    def _export_parts(self, include_filtered=True, evict=False):
+        """The table's parts as tensors, a dict in `PART_NAMES` order; with
+        `evict`, after the eviction op of a save (when `evicts_at_save`)."""
+        with tf.control_dependencies([self._evict_op()] if evict and self.evicts_at_save else []):
+            return _ops.export(self.handle, self._key_dtype, self._dim, include_filtered)
 
     def _import_parts(self, parts, clear=True):
         """Loads a dict of every part (see `complete_parts`) as it is: the
@@ -348,12 +318,6 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         initializer matrix; `clear=False` merges into the live table."""
         return _ops.import_(self.handle, self._dim, {name: parts[name] for name in PART_NAMES},
                             clear=clear)
-
-    def resize_rows(self, keys, values, slots):
-        """Saved rows (and slots) of another width, brought to `dim`
-        (`restore_dim_mismatch="pad_or_truncate"`): NumPy in, NumPy out."""
-        return _tables.resize_rows(keys, values, slots, self._dim,
-                                   self._initial_default_values, self._slot_inits)
 
     def _resized_parts(self, parts):
         if not tf.executing_eagerly():
@@ -365,67 +329,29 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         parts = {k: (v.numpy() if hasattr(v, "numpy") else np.asarray(v))
                  for k, v in parts.items()}
         n = parts[_VALUES].shape[0]
-        values, slots = self.resize_rows(parts[_KEYS], parts[_VALUES], unpack_slots(parts))
-        parts[_VALUES] = values
+        parts[_VALUES], slots = self.resize_rows(parts[_KEYS], parts[_VALUES],
+                                                 unpack_slots(parts))
         parts.update(pack_slots(slots, n))
         parts["default_values"] = np.zeros((0, self._dim), np.float32)
         return parts
 
-    @property
-    def handle(self):
-        return self.resource_handle
-
-    @property
-    def variable(self):
-        """The table as a trainable variable (see `TableVariable`)."""
-        return self._variable
+    handle = _tables.attribute("resource_handle")
+    variable = _tables.attribute("_variable", "The table as a trainable variable (see "
+                                 "`TableVariable`).")
+    device = _tables.attribute("resource_handle.device", "The device holding the table.")
 
     @property
     def variables(self):
         """`[variable]`: what a layer tracks (a sharded table has one per shard)."""
         return [self._variable]
 
-    @property
-    def local(self):
-        """True: the whole table is this one C++ table (`tables.Table.local`)."""
-        return True
-
-    @property
-    def fused_table(self):
-        """Itself (`tables.Table.fused_table`)."""
-        return self
-
-    @property
-    def exchange_group(self):
-        """None: lookups exchange nothing (`tables.Table.exchange_group`)."""
-        return None
+    local = _tables.constant(
+        True, "True: the whole table is this one C++ table (`tables.Table.local`).")
+    fused_table = property(lambda self: self, doc="Itself (`tables.Table.fused_table`).")
+    exchange_group = _tables.constant(
+        None, "None: lookups exchange nothing (`tables.Table.exchange_group`).")
 
     lookup_many = staticmethod(_tables.lookup_each)
-
-    @property
-    def device(self):
-        """The device holding the table."""
-        return self.resource_handle.device
-
-    @property
-    def trainable(self):
-        return self._trainable
-
-    @trainable.setter
-    def trainable(self, value):
-        self._trainable = bool(value)
-
-    @property
-    def name(self):
-        return self._name
-
-    @property
-    def key_dtype(self):
-        return self._key_dtype
-
-    @property
-    def dim(self):
-        return self._dim
 
     @property
     def filters(self):
@@ -438,17 +364,6 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         return self._no_permission_value
 
     @property
-    def evicts(self):
-        """Whether an eviction rule is configured."""
-        return self._steps_to_live >= 0 or self._l2_threshold >= 0
-
-    @property
-    def evicts_at_save(self):
-        """Whether saving evicts now: an eviction rule with `at_save` on,
-        outside `keras_rec_emb.save_model(..., evict=False)`."""
-        return self.evicts and self._evict_at_save and _saving.evicts_at_save()
-
-    @property
     def eviction_rule(self):
         """The eviction option this table was built from (for messages)."""
         if self._steps_to_live >= 0:
@@ -456,20 +371,6 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         if self._l2_threshold >= 0:
             return L2WeightEvict(self._l2_threshold, at_save=self._evict_at_save)
         return None
-
-    def evict_for_save(self, name=None):
-        """Eager: the eviction of a save, when it evicts (`evicts_at_save`),
-        reported per table (see `keras_rec_emb.saving.report_save_eviction`);
-        returns the ids evicted."""
-        return evict_for_save(self, name)
-
-    @property
-    def save_filtered(self):
-        return self._save_filtered and save_filtered_from_env()
-
-    def __repr__(self):
-        return (f"<EmbeddingTable '{self._name}' key_dtype={self._key_dtype.name} "
-                f"dim={self._dim}>")
 
     # -- Table operations ---------------------------------------------------
     @_serving_context.served
@@ -512,107 +413,31 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         return int(n) if tf.executing_eagerly() else n
 
     def stats(self):
-        """dict: `size` (admitted keys), `filtered` (keys counted but not
-        admitted), `memory_bytes` (all DRAM the table holds), `latest_step`
-        (last optimizer step that updated a row), `storage` (`"DRAM"` or
-        `"FILE"`), and the row store's counters: `rows`, `cached_rows` (rows
-        in DRAM), `cache_memory_bytes`, `disk_bytes` (files, garbage
-        included), `cache_hits`, `cache_misses`, `cache_hit_rate` (hits /
-        accesses, 1.0 before any), `file_reads`, `file_writes` (rows)."""
+        """The statistics `EmbeddingVariable.stats` lists (ints, but
+        `storage` and `cache_hit_rate`)."""
         out = {k: int(v) for k, v in _ops.stats(self.handle, self._key_dtype).items()}
         out.update((k, int(v)) for k, v in
                    _ops.storage_stats(self.handle, self._key_dtype).items())
-        out["storage"] = "FILE" if self._storage_dir else "DRAM"
-        accesses = out["cache_hits"] + out["cache_misses"]
-        out["cache_hit_rate"] = out["cache_hits"] / accesses if accesses else 1.0
-        return out
+        return self._with_storage(out)
 
-    @property
-    def storage_dir(self):
-        """The file tier's folder of this table, or None (DRAM): its own
-        folder under its `storage_path`, or the folder of a copy made beside a
-        live table holding that one (see `storage_path` above)."""
-        return self._copy_dir or self._storage_dir
-
-    def _check_file_tier(self, what):
-        if self._storage_dir is None:
-            raise ValueError(
-                f"{what} needs a file-tier table (EmbeddingVariableOption("
-                f"storage_option=StorageOption('FILE', storage_path=...))); table "
-                f"'{self._name}' keeps its rows in DRAM.")
-
-    def snapshot(self):
-        """File tier: writes a crash-safe snapshot of the table (rows stay in
-        C++: segments are flushed, fsynced and hard-linked, an index written,
-        a manifest renamed) under `storage_dir`; returns its number."""
-        self._check_file_tier("snapshot()")
-        if self._copy_dir is not None:
-            raise ValueError(
-                f"Table '{self._name}' cannot snapshot(): it is a copy working in the "
-                f"temporary folder '{self._copy_dir}' (its folder '{self._storage_dir}' "
-                "is held by another live table), which is removed when it is freed, "
-                "snapshots included. Give this layer a storage_path of its own "
-                "(EmbeddingVariableOption(storage_option=StorageOption('FILE', "
-                "storage_path=...))), or snapshot the live table.")
+    def _snapshot(self):
         return int(_ops.snapshot(self.handle, self._key_dtype))
 
-    def restore_snapshot(self, path=None):
-        """File tier: replaces the contents with the latest snapshot under
-        `path` (default: the table's folder under its `storage_path`, also
-        for a copy working in a folder of its own); returns the number of
-        keys. A corrupt or truncated snapshot raises an error naming the
-        file and leaves the table unchanged."""
-        self._check_file_tier("restore_snapshot()")
-        if path is not None and not isinstance(path, str):
-            raise TypeError(f"`path` must be a str or None. Received: path={path!r}")
-        return int(_ops.restore_snapshot(self.handle, self._key_dtype,
-                                         path or (self._storage_dir if self._copy_dir else "")))
-
-    def memory_bytes(self):
-        """Bytes held by the table (index, rows, slots, metadata, filter)."""
-        return self.stats()["memory_bytes"]
+    def _restore_snapshot(self, path):
+        return int(_ops.restore_snapshot(self.handle, self._key_dtype, path))
 
     def _evict_op(self, step=None):
         return _ops.evict(self.handle, self._key_dtype, -1 if step is None else step,
                           self._steps_to_live, self._l2_threshold)
 
-    def evict(self, step=None):
-        """Applies the configured eviction now; returns how many keys went.
-
-        Args:
-            step: int or None. The current global step for `steps_to_live`;
-                None uses the last step that updated this table.
-        """
-        if not self.evicts:
-            return 0
-        return int(self._evict_op(step))
-
-    def add_slot(self, name, init=0.0, width=None):
-        """Adds optimizer slot `name` (width `dim` unless given) or updates
-        the init value of an existing one for rows created from now on."""
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"`slot_name` must be a non-empty string. Received: name={name!r}")
-        self._slot_inits[name] = float(init)
-        _ops.add_slot(self.handle, self._key_dtype, name,
-                      self._dim if width is None else int(width), float(init))
+    def _add_slot(self, name, init, width):
+        _ops.add_slot(self.handle, self._key_dtype, name, width, init)
 
     def export(self, include_filtered=True):
-        """All keys as NumPy arrays (DeepRec's export format).
-
-        Returns:
-            dict with `keys` [N], `values` [N, dim], `freqs` [N],
-            `versions` [N] of the admitted keys; `slots` (a dict from slot
-            name to [N, width] rows in the same key order);
-            `default_values`, the EV-initializer matrix that rows of new keys
-            are copied from; `keys_filtered`, `freqs_filtered`,
-            `versions_filtered` of keys counted by an admission filter but
-            not admitted (empty without `include_filtered`); and `bloom`,
-            the counting Bloom filter's counters as bytes.
-        """
-        parts = {k: v.numpy() for k, v in self._export_parts(include_filtered).items()}
-        out = {k: parts[k] for k in ARRAY_PARTS}
-        out["slots"] = unpack_slots(parts)
-        return out
+        """All keys as NumPy arrays, in DeepRec's format as
+        `EmbeddingVariable.export` lists it (the filtered keys' parts empty
+        without `include_filtered`)."""
+        return exported(self._export_parts(include_filtered))
 
     def import_(self, data, clear=True):
         """Loads keys from a dict shaped like `export()`'s result.
@@ -622,13 +447,7 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         missing `default_values` leaves the initializer matrix unchanged.
         With `clear=True` the table is emptied first.
         """
-        if not isinstance(data, dict) or _KEYS not in data or _VALUES not in data:
-            raise ValueError(
-                "`data` must be a dict with at least 'keys' [N] and 'values' "
-                f"[N, {self._dim}] (as returned by export()). Received: "
-                f"{type(data).__name__} with keys "
-                f"{sorted(data) if isinstance(data, dict) else None}"
-            )
+        self._check_import_data(data)
         keys = np.asarray(data[_KEYS])
         if not np.issubdtype(keys.dtype, np.integer):
             raise TypeError(f"`keys` must be integers. Received dtype {keys.dtype}")
@@ -653,14 +472,11 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         parts = {
             _KEYS: keys_in_range(keys, self._key_dtype, f"`keys` of table '{self._name}'"),
             _VALUES: values,
-            "freqs": np.asarray(data.get("freqs", np.zeros(n)), np.int64),
-            "versions": np.asarray(data.get("versions", np.zeros(n)), np.int64),
+            **{k: np.asarray(data.get(k, np.zeros(m)), np.int64) for k, m in (
+                ("freqs", n), ("versions", n), ("freqs_filtered", len(keys_f)),
+                ("versions_filtered", len(keys_f)))},
             "default_values": defaults,
             "keys_filtered": keys_f,
-            "freqs_filtered": np.asarray(
-                data.get("freqs_filtered", np.zeros(len(keys_f))), np.int64),
-            "versions_filtered": np.asarray(
-                data.get("versions_filtered", np.zeros(len(keys_f))), np.int64),
             "bloom": np.asarray(data.get("bloom", np.zeros(0)), np.uint8),
             **pack_slots(blocks, n),
         }
@@ -688,15 +504,9 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
         plus `erased` (keys erased after it: replay erases them first) and
         `complete` (False when the contents were replaced wholesale since,
         e.g. by a restore: then only a full export is correct)."""
-        parts = {k: v.numpy() for k, v in _ops.export_changed_since(
-            self.handle, self._key_dtype, self._dim, int(since)).items()}
-        out = {k: parts[k] for k in ARRAY_PARTS}
-        out["slots"] = {}
-        start = 0
-        for name, width in zip(parts["slot_names"], parts["slot_widths"]):
-            out["slots"][name.decode()] = parts["slot_values"][:, start:start + width]
-            start += width
-        out["erased"] = parts["erased"]
+        parts = _ops.export_changed_since(self.handle, self._key_dtype, self._dim, int(since))
+        out = exported(parts)
+        out["erased"] = parts["erased"].numpy()
         out["complete"] = bool(parts["complete"])
         return out
 
@@ -749,14 +559,8 @@ class EmbeddingTable(tf.saved_model.experimental.TrackableResource):
 
 
 class TableVariable(_compat.ActsAsResourceVariable):
-    """An `EmbeddingTable` seen as a trainable variable.
-
-    It is what Keras lists in `trainable_weights`, what `tf.GradientTape`
-    differentiates with respect to (through `handle`, as for a resource
-    variable: `_compat.ActsAsResourceVariable`), and what optimizers
-    receive with the table's `tf.IndexedSlices` gradient. Reach the table
-    with `.table`.
-    """
+    """An `EmbeddingTable` seen as a trainable variable (see the module
+    docstring); reach the table with `.table`."""
 
     constraint = None
     overwrite_with_gradient = False
@@ -765,13 +569,9 @@ class TableVariable(_compat.ActsAsResourceVariable):
     def __init__(self, table):
         self._table = table
 
-    @property
-    def table(self):
-        return self._table
-
-    @property
-    def handle(self):
-        return self._table.resource_handle
+    table = _tables.attribute("_table")
+    handle = _tables.attribute("_table.resource_handle")
+    name = path = _tables.attribute("_table.name")
 
     @property
     def trainable(self):
@@ -780,14 +580,6 @@ class TableVariable(_compat.ActsAsResourceVariable):
     @trainable.setter
     def trainable(self, value):
         self._table.trainable = value
-
-    @property
-    def name(self):
-        return self._table.name
-
-    @property
-    def path(self):
-        return self._table.name
 
     @property
     def dtype(self):
@@ -881,15 +673,3 @@ def count_params(layer):
     count = sum(int(np.prod(w.shape)) for w in weights)
     return TableParamCount(count, tables) if tables else count
 
-
-def evict_for_save(table, name=None):
-    """The eviction of a save for any table with `evicts_at_save`, `size`,
-    `evict` and `eviction_rule` (a local table, or a sharded one over all
-    its shards), reported per table; returns the ids evicted."""
-    if not table.evicts_at_save:
-        return 0
-    before = table.size()
-    evicted = table.evict()
-    _saving.report_save_eviction(name or table._name, table.eviction_rule, before,
-                                 table.size(), evicted)
-    return evicted
