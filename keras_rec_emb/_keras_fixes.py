@@ -22,9 +22,9 @@ def in_symbolic_build():
     that refused them would leave the model unbuilt, and Keras would then
     skip loading its dense weights and optimizer state (with only a
     warning). Nothing computed there is executed, so the id layers accept
-    any dtype in this scope (`_checks.integer_ids`). No public query exists.
-    Used by `_checks.integer_ids`, `layers.GroupEmbedding` and
-    `_jax.ids.integer_ids`.
+    any dtype in this scope. No public query exists. Used by the id checks
+    of both backends (`backend/tensorflow/checks.py`, `backend/jax/ids.py`),
+    the string-id layers, `layers.GroupEmbedding` and the model fusion.
     """
     from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 
