@@ -288,7 +288,7 @@ def exported_resources(loaded):
 def built_variables(optimizer):
     """The variables `optimizer` was built for (`_trainable_variables`; the
     public `optimizer.variables` holds the slots instead), or `[]` before
-    `build`. Used by `optimizers/base.TableOptimizer.apply`."""
+    `build`. Used by `backend/tensorflow/optimizer.TableOptimizer.apply`."""
     return getattr(optimizer, "_trainable_variables", [])
 
 
@@ -729,16 +729,16 @@ def __getattr__(name):
 # {library base class: {hook: why we override it, and where}}.
 OVERRIDDEN_HOOKS = {
     keras.optimizers.Optimizer: {
-        "_var_key": "optimizers/base.py: a table's variable is keyed by its table, "
+        "_var_key": "backend/tensorflow/optimizer.py: a table's variable is keyed by its table, "
                     "so Keras's slot lookup finds the table's slots",
-        "_backend_update_step": "optimizers/base.py: the TF backend's seam where "
+        "_backend_update_step": "backend/tensorflow/optimizer.py: the TF backend's seam where "
                                 "table gradients (IndexedSlices over keys) go to the "
                                 "fused C++ kernel, the rest to Keras",
-        "_apply_weight_decay": "optimizers/base.py, AdamW: a table's decoupled weight "
+        "_apply_weight_decay": "backend/tensorflow/optimizer.py, AdamW: a table's decoupled weight "
                                "decay is applied by the kernel to the updated rows only",
-        "_clip_gradients": "optimizers/base.py: global_clipnorm counts a table's rows "
+        "_clip_gradients": "backend/tensorflow/optimizer.py: global_clipnorm counts a table's rows "
                            "without densifying them",
-        "_all_reduce_sum_gradients": "optimizers/base.py: outside a tf.distribute "
+        "_all_reduce_sum_gradients": "backend/tensorflow/optimizer.py: outside a tf.distribute "
                                      "strategy the one-replica sum is skipped (its "
                                      "tf.custom_gradient kept every traced train step "
                                      "alive in TF's gradient registry)",
