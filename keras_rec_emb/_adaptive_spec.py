@@ -14,7 +14,7 @@ import numpy as np
 
 from keras_rec_emb import options as options_lib
 from keras_rec_emb._checks_core import check_combiner
-from keras_rec_emb._multi_hash_spec import MultiHashSpec
+from keras_rec_emb._multi_hash_spec import MultiHashSpec, output_shape, positive_int
 from keras_rec_emb.options import deserialize_ev_option, ev_option_or_default
 
 
@@ -26,11 +26,8 @@ class AdaptiveSpec:
                   ev_option, combiner, embedding_variable):
         """Checks and keeps the arguments; `embedding_variable` is the
         backend's EmbeddingVariable class, of which `dynamic` is made."""
-        for arg, value in (("embedding_dim", embedding_dim),
-                           ("hash_bucket_size", hash_bucket_size)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-                raise ValueError(
-                    f"`{arg}` must be a positive integer. Received: {arg}={value!r}")
+        positive_int("embedding_dim", embedding_dim)
+        positive_int("hash_bucket_size", hash_bucket_size)
         t = promote_threshold
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, np.integer))
                               or t < 1):
@@ -116,10 +113,7 @@ class AdaptiveSpec:
         }
 
     def compute_output_shape(self, input_shape, adaptive_mask_shape=None):
-        input_shape = tuple(input_shape)
-        if self.combiner is not None:
-            return input_shape[:-1] + (self.embedding_dim,)
-        return input_shape + (self.embedding_dim,)
+        return output_shape(input_shape, self.combiner, self.embedding_dim)
 
     def get_config(self):
         config = super().get_config()

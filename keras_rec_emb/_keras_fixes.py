@@ -1,7 +1,8 @@
 """The private Keras (and confluent-kafka) API that needs no TensorFlow,
-used under both backends (private): `_compat.py` holds the rest, and imports TensorFlow, which the
-JAX backend must not need; `_compat` re-exports these. Each entry says what
-it is and why the public API does not do it.
+used under both backends (private): `backend/tensorflow/compat.py` holds the
+rest, imports TensorFlow (which the JAX backend must not need) and
+re-exports these. Each entry says what it is and why the public API does
+not do it.
 """
 
 import functools
@@ -21,9 +22,9 @@ def in_symbolic_build():
     that refused them would leave the model unbuilt, and Keras would then
     skip loading its dense weights and optimizer state (with only a
     warning). Nothing computed there is executed, so the id layers accept
-    any dtype in this scope (`_checks.integer_ids`). No public query exists.
-    Used by `_checks.integer_ids`, `layers.GroupEmbedding` and
-    `_jax.ids.integer_ids`.
+    any dtype in this scope. No public query exists. Used by the id checks
+    of both backends (`backend/tensorflow/checks.py`, `backend/jax/ids.py`),
+    the string-id layers, `layers.GroupEmbedding` and the model fusion.
     """
     from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 
@@ -41,6 +42,27 @@ def flatten_layers(model):
     return model._flatten_layers()  # pylint: disable=protected-access
 
 
+def install_fix(versions, originals, owner, name, wrap, marker="_kre_fix"):
+    """Replaces Keras's `owner.<name>` (a function, or a property's getter)
+    by `wrap(keras_own)` once (idempotent), only when the installed Keras is
+    one of `versions` (read the code it wraps again before adding one), and
+    keeps Keras's own in `originals[name]`. Returns whether it is installed.
+    Every correction of Keras in this module and in `backend/tensorflow/
+    compat.py` is installed through it."""
+    prop = vars(owner).get(name) if isinstance(owner, type) else None
+    prop = prop if isinstance(prop, property) else None
+    current = getattr(owner, name) if prop is None else prop.fget
+    if getattr(current, marker, False):
+        return True
+    if keras.__version__ not in versions:
+        return False
+    originals[name] = current
+    replacement = wrap(current)
+    setattr(replacement, marker, True)
+    setattr(owner, name, replacement if prop is None else property(replacement))
+    return True
+
+
 # Keras 3.15.1's `Sequential.build(input_shape)` (a Sequential without
 # `keras.Input`, built from its first batch inside `fit`, by `predict`, or by
 # `model.build(shape)`) prepends an `InputLayer` whose dtype is the first
@@ -49,48 +71,33 @@ def flatten_layers(model):
 # 2**24 would lose their low bits (our layers refuse float ids, so `fit`
 # failed instead). The correction gives that `InputLayer` the dtype of ids,
 # the first layer's `ids_input_dtype`, when it has one (our id layers);
-# every other Sequential builds as Keras builds it. Installed once by
-# `fix_sequential_ids_input()` (called when `keras_rec_emb.layers` is
-# imported), only for the versions in `KERAS_SEQUENTIAL_FIX_VERSIONS`
-# (read `Sequential.build` again before adding one).
+# every other Sequential builds as Keras builds it. Installed by
+# `fix_sequential_ids_input()` when `keras_rec_emb.layers` is imported.
 KERAS_SEQUENTIAL_FIX_VERSIONS = ("3.15.1",)
-# Keras's `Sequential.build` that the correction wraps (filled when installed).
 KERAS_SEQUENTIAL_ORIGINALS = {}
 
 
-def _sequential_classes():
+def fix_sequential_ids_input():
+    """Installs the correction described above (`install_fix`)."""
+    from keras.src.backend.common.variables import standardize_shape
     from keras.src.layers.core.input_layer import InputLayer
     from keras.src.models.sequential import Sequential
-    from keras.src.backend.common.variables import standardize_shape
 
-    return Sequential, InputLayer, standardize_shape
+    def wrap(keras_build):
+        def build(self, input_shape=None):
+            layers = self._layers  # pylint: disable=protected-access
+            dtype = getattr(layers[0], "ids_input_dtype", None) if layers else None
+            if dtype is not None and not isinstance(layers[0], InputLayer):
+                try:
+                    shape = standardize_shape(input_shape)
+                except Exception:  # pylint: disable=broad-except
+                    return keras_build(self, input_shape)  # not one tensor: Keras's rule
+                self._layers = [InputLayer(batch_shape=shape, dtype=dtype)] + layers  # pylint: disable=protected-access
+            return keras_build(self, input_shape)
+        return build
 
-
-def fix_sequential_ids_input():
-    """Installs the correction described above (idempotent). Returns whether
-    it is installed (False for a Keras version not listed)."""
-    sequential, input_layer, standardize_shape = _sequential_classes()
-    if getattr(sequential.build, "_kre_fix", False):
-        return True
-    if keras.__version__ not in KERAS_SEQUENTIAL_FIX_VERSIONS:
-        return False
-    keras_build = sequential.build
-    KERAS_SEQUENTIAL_ORIGINALS["build"] = keras_build
-
-    def build(self, input_shape=None):
-        layers = self._layers  # pylint: disable=protected-access
-        dtype = getattr(layers[0], "ids_input_dtype", None) if layers else None
-        if dtype is not None and not isinstance(layers[0], input_layer):
-            try:
-                shape = standardize_shape(input_shape)
-            except Exception:  # pylint: disable=broad-except
-                return keras_build(self, input_shape)  # not one tensor: Keras's rule
-            self._layers = [input_layer(batch_shape=shape, dtype=dtype)] + layers  # pylint: disable=protected-access
-        return keras_build(self, input_shape)
-
-    build._kre_fix = True  # pylint: disable=protected-access
-    sequential.build = build
-    return True
+    return install_fix(KERAS_SEQUENTIAL_FIX_VERSIONS, KERAS_SEQUENTIAL_ORIGINALS,
+                       Sequential, "build", wrap)
 
 
 # A subclassed model's export signature. Keras 3.15.1 records only the
@@ -100,9 +107,8 @@ def fix_sequential_ids_input():
 # id layers refuse (and which would lose ids above 2**24). The correction
 # records the dtypes of the tensors of a subclassed model's first call
 # (`Layer._maybe_build`, where Keras records the shapes), and
-# `input_specs(model)` uses them. Installed once by
-# `record_model_input_dtypes()` (when `keras_rec_emb.layers` is imported),
-# only for the versions in `KERAS_INPUT_DTYPES_FIX_VERSIONS`.
+# `input_specs(model)` uses them. Installed by `record_model_input_dtypes()`
+# when `keras_rec_emb.layers` is imported.
 KERAS_INPUT_DTYPES_FIX_VERSIONS = ("3.15.1",)
 KERAS_INPUT_DTYPES_ORIGINALS = {}
 # model -> the dtypes of its first call's tensor arguments. Not an attribute:
@@ -124,30 +130,24 @@ def _tensor_dtype(x):
 
 
 def record_model_input_dtypes():
-    """Installs the correction described above (idempotent). Returns whether
-    it is installed (False for a Keras version not listed)."""
+    """Installs the correction described above (`install_fix`)."""
     from keras.src.layers.layer import Layer
 
-    if getattr(Layer._maybe_build, "_kre_fix", False):  # pylint: disable=protected-access
-        return True
-    if keras.__version__ not in KERAS_INPUT_DTYPES_FIX_VERSIONS:
-        return False
-    keras_maybe_build = Layer._maybe_build  # pylint: disable=protected-access
-    KERAS_INPUT_DTYPES_ORIGINALS["_maybe_build"] = keras_maybe_build
     symbolic = _symbolic_model_classes()
 
-    def _maybe_build(self, call_spec):
-        if not self.built and isinstance(self, keras.Model) and not isinstance(self, symbolic):
-            # The tensor arguments in Keras's order (`get_shapes_dict`'s).
-            _INPUT_DTYPES[self] = [
-                keras.tree.map_structure(_tensor_dtype, value)
-                for name, value in call_spec.tensor_arguments_dict.items()
-                if name not in ("mask", "args", "kwargs")]
-        return keras_maybe_build(self, call_spec)
+    def wrap(keras_maybe_build):
+        def _maybe_build(self, call_spec):
+            if not self.built and isinstance(self, keras.Model) and not isinstance(self, symbolic):
+                # The tensor arguments in Keras's order (`get_shapes_dict`'s).
+                _INPUT_DTYPES[self] = [
+                    keras.tree.map_structure(_tensor_dtype, value)
+                    for name, value in call_spec.tensor_arguments_dict.items()
+                    if name not in ("mask", "args", "kwargs")]
+            return keras_maybe_build(self, call_spec)
+        return _maybe_build
 
-    _maybe_build._kre_fix = True  # pylint: disable=protected-access
-    Layer._maybe_build = _maybe_build  # pylint: disable=protected-access
-    return True
+    return install_fix(KERAS_INPUT_DTYPES_FIX_VERSIONS, KERAS_INPUT_DTYPES_ORIGINALS,
+                       Layer, "_maybe_build", wrap)
 
 
 def input_specs(model):
@@ -253,47 +253,33 @@ def __getattr__(name):
 # `LossScaleOptimizer` around an optimizer of ours, `None` for any other),
 # so `compile(optimizer=kre.optimizers.Adagrad(...))` just works as it does
 # for Keras's optimizers; a wrapper the user passed is kept as given.
-# Installed once by `fix_compile_loss_scale(rewrap)` (called when
-# `keras_rec_emb.optimizers` is imported), only for the versions in
-# `KERAS_COMPILE_FIX_VERSIONS` (read `Trainer.compile` again before adding
-# one).
+# Installed by `fix_compile_loss_scale(rewrap)` when
+# `keras_rec_emb.optimizers` is imported.
 KERAS_COMPILE_FIX_VERSIONS = ("3.15.1",)
-# Keras's `Trainer.compile` that the correction wraps (filled when installed).
 KERAS_COMPILE_ORIGINALS = {}
 
 
-def _trainer_class():
+def fix_compile_loss_scale(rewrap):
+    """Installs the correction described above (`install_fix`)."""
     from keras.src.trainers.trainer import Trainer
     from keras.src.utils import tracking
 
-    return Trainer, tracking.no_automatic_dependency_tracking
+    def wrap(keras_compile):
+        @tracking.no_automatic_dependency_tracking
+        def compile(self, optimizer="rmsprop", *args, **kwargs):  # pylint: disable=keyword-arg-before-vararg
+            keras_compile(self, optimizer, *args, **kwargs)
+            made = getattr(self, "optimizer", None)
+            if made is not None and made is not optimizer:  # Keras's own wrapper
+                replacement = rewrap(made)
+                if replacement is not None:
+                    self.optimizer = replacement
 
+        compile.__doc__ = keras_compile.__doc__
+        compile.__wrapped__ = keras_compile
+        return compile
 
-def fix_compile_loss_scale(rewrap):
-    """Installs the correction described above (idempotent). Returns whether
-    it is installed (False for a Keras version not listed)."""
-    trainer, no_tracking = _trainer_class()
-    if getattr(trainer.compile, "_kre_fix", False):
-        return True
-    if keras.__version__ not in KERAS_COMPILE_FIX_VERSIONS:
-        return False
-    keras_compile = trainer.compile
-    KERAS_COMPILE_ORIGINALS["compile"] = keras_compile
-
-    @no_tracking
-    def compile(self, optimizer="rmsprop", *args, **kwargs):  # pylint: disable=keyword-arg-before-vararg
-        keras_compile(self, optimizer, *args, **kwargs)
-        made = getattr(self, "optimizer", None)
-        if made is not None and made is not optimizer:  # Keras's own wrapper
-            replacement = rewrap(made)
-            if replacement is not None:
-                self.optimizer = replacement
-
-    compile.__doc__ = keras_compile.__doc__
-    compile.__wrapped__ = keras_compile
-    compile._kre_fix = True  # pylint: disable=protected-access
-    trainer.compile = compile
-    return True
+    return install_fix(KERAS_COMPILE_FIX_VERSIONS, KERAS_COMPILE_ORIGINALS,
+                       Trainer, "compile", wrap)
 
 
 def variable_index(optimizer, variable):

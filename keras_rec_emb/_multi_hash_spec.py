@@ -4,6 +4,7 @@ JAX one (keras_rec_emb/backend/jax/multi_hash.py): no TensorFlow here, so both
 backends check the same arguments, make the same tables in the same order
 and write the same config (private)."""
 
+import itertools
 import math
 
 import keras
@@ -25,6 +26,19 @@ def positive_int(name, value):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
         raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
     return int(value)
+
+
+def refuse_given(name, value, why):
+    """Refuses argument `name` when given (not None): `why` it does not apply."""
+    if value is not None:
+        raise ValueError(f"{why} Received: {name}={value!r}")
+
+
+def output_shape(input_shape, combiner, width):
+    """The output shape of an id layer: a `width` row per id, or per example
+    with a `combiner`."""
+    input_shape = tuple(input_shape)
+    return (input_shape if combiner is None else input_shape[:-1]) + (width,)
 
 
 def int_root_ceil(n, k):
@@ -104,26 +118,16 @@ class MultiHashSpec:
                     "`num_partitions` must be 2 (or None) with "
                     f"complementary_strategy='Q-R'. Received: num_partitions={k!r}"
                 )
-            if self.moduli is not None:
-                raise ValueError(
-                    "`moduli` is for 'generalized_QR' and 'CRT'; 'Q-R' takes `m`. "
-                    f"Received: moduli={self.moduli!r}"
-                )
+            refuse_given("moduli", self.moduli,
+                         "`moduli` is for 'generalized_QR' and 'CRT'; 'Q-R' takes `m`.")
             if self.qr_sizes is not None:
                 return self._deeprec_qr_partitions()
             m = self.m if self.m is not None else math.isqrt(n - 1) + 1
             return [(m, -(-n // m)), (1, m)]
-        if self.qr_sizes is not None:
-            raise ValueError(
-                "`qr_sizes` is DeepRec's mapping of complementary_strategy='Q-R'. "
-                f"Received: qr_sizes={self.qr_sizes!r} with "
-                f"complementary_strategy={strategy!r}"
-            )
-        if self.m is not None:
-            raise ValueError(
-                "`m` is the remainder modulus of 'Q-R'; use `moduli` with "
-                f"complementary_strategy={strategy!r}. Received: m={self.m!r}"
-            )
+        refuse_given("qr_sizes", self.qr_sizes, "`qr_sizes` is DeepRec's mapping of "
+                     f"complementary_strategy='Q-R', not of {strategy!r}.")
+        refuse_given("m", self.m, "`m` is the remainder modulus of 'Q-R'; use `moduli` "
+                     f"with complementary_strategy={strategy!r}.")
         if self.moduli is not None:
             moduli = [positive_int("moduli", v) for v in self.moduli]
             if len(moduli) < 2:
@@ -141,17 +145,12 @@ class MultiHashSpec:
                     f"({n}) for the partitions to be complementary. Received: "
                     f"moduli={self.moduli!r} (product {math.prod(moduli)})"
                 )
-            if strategy == "CRT":
-                for i in range(len(moduli)):
-                    for j in range(i + 1, len(moduli)):
-                        if math.gcd(moduli[i], moduli[j]) != 1:
-                            raise ValueError(
-                                "`moduli` must be pairwise coprime with "
-                                f"complementary_strategy='CRT'; {moduli[i]} and "
-                                f"{moduli[j]} share the factor "
-                                f"{math.gcd(moduli[i], moduli[j])}. Received: "
-                                f"moduli={self.moduli!r}"
-                            )
+            for a, b in itertools.combinations(moduli if strategy == "CRT" else (), 2):
+                if math.gcd(a, b) != 1:
+                    raise ValueError(
+                        "`moduli` must be pairwise coprime with complementary_strategy="
+                        f"'CRT'; {a} and {b} share the factor {math.gcd(a, b)}. "
+                        f"Received: moduli={self.moduli!r}")
             self.moduli = moduli
         else:
             k = k or 2
@@ -281,10 +280,7 @@ class MultiHashSpec:
         return out
 
     def compute_output_shape(self, input_shape):
-        input_shape = tuple(input_shape)
-        if self.combiner is not None:
-            return input_shape[:-1] + (self._total_dim,)
-        return input_shape + (self._total_dim,)
+        return output_shape(input_shape, self.combiner, self._total_dim)
 
     def get_config(self):
         config = super().get_config()

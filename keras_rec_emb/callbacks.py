@@ -44,8 +44,20 @@ def _table_counters(model):
     return [(path, table.counters()) for path, table in _tables(model)]
 
 
+class _Callback(keras.callbacks.Callback):
+    """What the callbacks share: a config of their arguments, the step."""
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+    def _step(self):
+        # `iterations` is a mirrored variable under a tf.distribute strategy.
+        return int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
+
+
 @keras.saving.register_keras_serializable(package="keras_rec_emb")
-class EvictionCallback(keras.callbacks.Callback):
+class EvictionCallback(_Callback):
     """Runs the tables' configured eviction during `model.fit`.
 
     Every `EmbeddingVariable` of the model with a `GlobalStepEvict` or
@@ -79,10 +91,6 @@ class EvictionCallback(keras.callbacks.Callback):
         self.evict_on_epoch_end = _checks.check_bool("on_epoch_end", on_epoch_end)
         self.evicted = 0  # total ids evicted so far
 
-    def _step(self):
-        # `iterations` is a mirrored variable under a tf.distribute strategy.
-        return int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
-
     def _evict(self):
         step = self._step() - 1  # the last step applied
         for layer in _table_layers(self.model):
@@ -104,10 +112,6 @@ class EvictionCallback(keras.callbacks.Callback):
     def get_config(self):
         return {"every_n_steps": self.every_n_steps, "on_epoch_end": self.evict_on_epoch_end}
 
-    @classmethod
-    def from_config(cls, config):
-        return cls(**config)
-
 
 def _check_interval(name, value, kind=int):
     if value is None:
@@ -121,7 +125,7 @@ def _check_interval(name, value, kind=int):
 
 
 @keras.saving.register_keras_serializable(package="keras_rec_emb")
-class CheckpointCallback(keras.callbacks.Callback):
+class CheckpointCallback(_Callback):
     """Full and incremental checkpoints during `model.fit` (online training).
 
     Every `full_every_steps` steps or `full_every_secs` seconds it writes a
@@ -164,23 +168,17 @@ class CheckpointCallback(keras.callbacks.Callback):
                  incremental_every_steps=None, incremental_every_secs=None, keep=2,
                  save_on_train_end=True, kafka_position=None):
         super().__init__()
-        if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
-            raise TypeError("`directory` must be a non-empty path. Received: "
-                            f"directory={directory!r}")
-        self.directory = os.fspath(directory)
+        from keras_rec_emb.incremental import checked_arguments
+
+        # A bad Kafka position fails here, not at the first save in `fit`.
+        self.directory, self.keep, _ = checked_arguments(directory, keep, kafka_position)
         self.full_every_steps = _check_interval("full_every_steps", full_every_steps)
         self.full_every_secs = _check_interval("full_every_secs", full_every_secs, float)
         self.incremental_every_steps = _check_interval(
             "incremental_every_steps", incremental_every_steps)
         self.incremental_every_secs = _check_interval(
             "incremental_every_secs", incremental_every_secs, float)
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise ValueError(f"`keep` must be an integer >= 1. Received: keep={keep!r}")
-        self.keep = keep
         self.save_on_train_end = _checks.check_bool("save_on_train_end", save_on_train_end)
-        from keras_rec_emb.incremental import _position
-
-        _position(kafka_position)  # a bad one fails here, not at the first save in `fit`
         self.kafka_position = kafka_position
         self.checkpointer = None
         self.saves = []  # paths written, in order
@@ -198,9 +196,6 @@ class CheckpointCallback(keras.callbacks.Callback):
         """Restores `model` from the directory (see
         `IncrementalCheckpointer.restore`); later saves continue its chain."""
         return self._checkpointer(model).restore()
-
-    def _step(self):
-        return int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
 
     @staticmethod
     def _due(last, every_steps, every_secs, step, now):
@@ -242,13 +237,9 @@ class CheckpointCallback(keras.callbacks.Callback):
                 "incremental_every_secs": self.incremental_every_secs, "keep": self.keep,
                 "save_on_train_end": self.save_on_train_end}
 
-    @classmethod
-    def from_config(cls, config):
-        return cls(**config)
-
 
 @keras.saving.register_keras_serializable(package="keras_rec_emb")
-class TableStats(keras.callbacks.Callback):
+class TableStats(_Callback):
     """Logs statistics of every embedding table while training.
 
     Every `every_n_steps` steps and at each epoch's end it adds, per table
@@ -330,8 +321,7 @@ class TableStats(keras.callbacks.Callback):
                 from keras_rec_emb._event_file import EventFileWriter
 
                 self._writer = EventFileWriter(self.log_dir)
-            step = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
-            self._writer.scalars(step, {f"tables/{k}": v for k, v in values.items()})
+            self._writer.scalars(self._step(), {f"tables/{k}": v for k, v in values.items()})
             self._writer.flush()
 
     def on_train_begin(self, logs=None):
@@ -347,13 +337,12 @@ class TableStats(keras.callbacks.Callback):
             self._report(logs)
 
     def on_epoch_end(self, epoch, logs=None):
-        if logs is not None and self.in_logs and self.latest and not self._stale():
+        # The epoch's last step report stands for its end, unless reports come
+        # at epoch ends only (`every_n_steps=None`).
+        if logs is not None and self.in_logs and self.latest and self.every_n_steps is not None:
             logs.update(self.latest)
         else:
             self._report(logs)
-
-    def _stale(self):
-        return self.every_n_steps is None
 
     def on_train_end(self, logs=None):
         if self._writer is not None:
@@ -363,8 +352,4 @@ class TableStats(keras.callbacks.Callback):
     def get_config(self):
         return {"every_n_steps": self.every_n_steps, "log_dir": self.log_dir,
                 "in_logs": self.in_logs}
-
-    @classmethod
-    def from_config(cls, config):
-        return cls(**config)
 

@@ -11,23 +11,16 @@ what changed, not the table's size.
 
 Each link is one `.npz` file (NumPy's zip of arrays, no pickles) written to a
 temporary name and renamed: a crash mid-save leaves the previous chain.
-Each link proves where it belongs: its chain's id (made by the full
-checkpoint), its parent's file name and the parent's checksum (a SHA-256 of
-the parent's members and their CRC-32s, which reading a member checks). A
-file of another run copied into the folder, or a link that replaced one of
-ours, is therefore never applied as ours.
-
-A restore reads everything it will apply (every member CRC-checked) and
-checks it against the model before it changes anything, then applies it
-with the tables' previous contents kept aside, so that a failure at any
-stage leaves the model as it was.
+Each link proves where it belongs (see `IncrementalCheckpointer`): its
+chain's id (made by the full checkpoint), its parent's file name and the
+parent's checksum (a SHA-256 of the parent's members and their CRC-32s,
+which reading a member checks).
 """
 
 import hashlib
 import json
 import os
 import re
-import tempfile
 import time
 import uuid
 import warnings
@@ -249,12 +242,8 @@ def _link_table(arrays, meta, j, path):
 
 def _check_table_fits(parts, table, name, path, probe):
     """Raises a _Mismatch naming what differs when the parts of a link do
-    not fit `table` (its width, key type, slot widths, filter)."""
-    dim = parts["values"].shape[1]
-    if dim != table.dim:
-        raise _Mismatch(
-            f"{path} holds rows of dim {dim} for table '{name}', which has dim "
-            f"{table.dim}. Restore into a model whose layer has embedding_dim={dim}.")
+    not fit `table` (its key type, slot widths, filter; its width was
+    checked by `_check_model`)."""
     for k in ("keys", "keys_filtered", "erased"):
         if k in parts:
             try:
@@ -263,18 +252,24 @@ def _check_table_fits(parts, table, name, path, probe):
                     f"'{k}' of table '{name}' in {path}")
             except ValueError as e:
                 raise _Mismatch(str(e)) from None
+    _check_state_fits(parts, name, path, {s: a.shape[1] for s, a in probe["slots"].items()},
+                      probe["bloom"].size)
+
+
+def _check_state_fits(parts, name, path, slot_widths, bloom_bytes, whose="the table's"):
+    """Raises a _Mismatch when the slots or the Bloom filter of a link's
+    table do not fit the table's (`slot_widths` {slot: width}, `bloom_bytes`)."""
     for slot, block in parts["slots"].items():
-        have = probe["slots"].get(slot)
-        if have is not None and have.shape[1] != block.shape[1]:
+        have = slot_widths.get(slot)
+        if have is not None and have != block.shape[1]:
             raise _Mismatch(
                 f"{path} holds slot '{slot}' of table '{name}' with width "
-                f"{block.shape[1]}, but the table's is {have.shape[1]} (another optimizer?)")
+                f"{block.shape[1]}, but {whose} is {have} (another optimizer?)")
     bloom = parts["bloom"].size
-    if bloom and bloom != probe["bloom"].size:
+    if bloom and bloom != bloom_bytes:
         raise _Mismatch(
             f"{path} holds a counting Bloom filter of {bloom} bytes for table '{name}', "
-            f"but the table's has {probe['bloom'].size}: it was saved with other "
-            "CBFFilter settings")
+            f"but {whose} has {bloom_bytes}: it was saved with other CBFFilter settings")
 
 
 def _kafka_offsets(meta, path):
@@ -343,14 +338,8 @@ def _probe_served(handle, name, parts, path):
                          f"{e.message}") from None
     slots = {n.decode(): int(w) for n, w in zip(probe["slot_names"].numpy(),
                                                  probe["slot_widths"].numpy())}
-    for slot, block in parts["slots"].items():
-        if slot in slots and slots[slot] != block.shape[1]:
-            raise ValueError(f"{path} holds slot '{slot}' of table '{name}' with width "
-                             f"{block.shape[1]}, but the served table's is {slots[slot]}")
-    bloom = int(probe["bloom"].shape[0])
-    if parts["bloom"].size and parts["bloom"].size != bloom:
-        raise ValueError(f"{path} holds a counting Bloom filter of {parts['bloom'].size} "
-                         f"bytes for table '{name}', but the served table's has {bloom}")
+    _check_state_fits(parts, name, path, slots, int(probe["bloom"].shape[0]),
+                      "the served table's")
     return key_dtype
 
 
@@ -549,14 +538,39 @@ def _saved_paths(meta, key, path):
     return paths
 
 
-def _differ(what, path, saved, have):
-    """The _Mismatch of a link whose variables (by key) are not the model's."""
-    return _Mismatch(
-        f"{path} does not fit this model: its {what} are not the model's (in the "
-        f"checkpoint only: {sorted(set(saved) - set(have))}; in the model only: "
-        f"{sorted(set(have) - set(saved))}). Nothing was restored. Restore into a model "
-        "built as the one that saved the chain, with the same layer names (Keras numbers "
-        "the names of unnamed layers per process: name them).")
+def _check_variables(arrays, path, member, what, saved, keys, have):
+    """Raises a _Mismatch naming what differs unless a link's `member`
+    variables (`saved`, their paths, stored as `<member>/<i>`; `keys`, what
+    they match by) are those of the model (`have`, {key: variable}), shapes
+    included."""
+    if sorted(keys) != sorted(have):
+        raise _Mismatch(
+            f"{path} does not fit this model: its {what} are not the model's (in the "
+            f"checkpoint only: {sorted(set(keys) - set(have))}; in the model only: "
+            f"{sorted(set(have) - set(keys))}). Nothing was restored. Restore into a model "
+            "built as the one that saved the chain, with the same layer names (Keras "
+            "numbers the names of unnamed layers per process: name them).")
+    kind = "dense" if member == "dense" else "optimizer"
+    for i, (key, name) in enumerate(zip(keys, saved)):
+        a, v = arrays.get(f"{member}/{i}"), have[key]
+        if a is None:
+            raise ValueError(f"{path}: {kind} variable {name} lacks its array {member}/{i}")
+        if list(a.shape) != list(v.shape):
+            raise _Mismatch(
+                f"{path} does not fit this model: {kind} variable {name} has shape "
+                f"{list(v.shape)} in the model" + (f" (as {v.path})" if v.path != name else "")
+                + f" but {list(a.shape)} in the checkpoint")
+
+
+def checked_arguments(directory, keep, kafka_position):
+    """(directory, keep, KafkaPosition or None): the arguments of an
+    `IncrementalCheckpointer` (and `callbacks.CheckpointCallback`), checked."""
+    if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
+        raise TypeError("`directory` must be a non-empty path. Received: "
+                        f"directory={directory!r}")
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"`keep` must be an integer >= 1. Received: keep={keep!r}")
+    return os.fspath(directory), keep, _position(kafka_position)
 
 
 def _position(source):
@@ -669,15 +683,9 @@ class IncrementalCheckpointer:
                  kafka_position: object | None = None):
         if not isinstance(model, keras.Model):
             raise TypeError(f"`model` must be a keras.Model. Received: model={model!r}")
-        if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
-            raise TypeError("`directory` must be a non-empty path. Received: "
-                            f"directory={directory!r}")
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise ValueError(f"`keep` must be an integer >= 1. Received: keep={keep!r}")
         self.model = model
-        self.directory = os.fspath(directory)
-        self.keep = keep
-        self.kafka_position = _position(kafka_position)
+        self.directory, self.keep, self.kafka_position = checked_arguments(
+            directory, keep, kafka_position)
         self._run = uuid.uuid4().hex  # names this checkpointer's saves in their links
         self._marks = None  # {table name: mark of the last successful save}
         self._base = None   # file name of the chain's full checkpoint
@@ -745,21 +753,17 @@ class IncrementalCheckpointer:
         name = f"ckpt-{seq:08d}-{kind}.npz"
         meta.update(format=_FORMAT, kind=kind, seq=seq, time=time.time(), run=self._run)
         arrays[_META] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-kre-ckpt-", suffix=".npz", dir=self.directory)
-        try:
-            with os.fdopen(fd, "wb") as f:
+        path = os.path.join(self.directory, name)
+
+        def write(tmp):
+            with open(tmp, "wb") as f:
                 np.savez(f, **arrays)
                 f.flush()
                 os.fsync(f.fileno())
             with zipfile.ZipFile(tmp) as archive:
-                digest = _digest(archive)
-            os.chmod(tmp, _saving.default_mode())
-            os.replace(tmp, os.path.join(self.directory, name))
-        except BaseException:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
-        path = os.path.join(self.directory, name)
+                return _digest(archive)
+
+        digest = _saving.write_atomically(path, write, ".tmp-kre-ckpt-")
         self.last_save_bytes = os.path.getsize(path)
         return name, path, digest
 
@@ -838,13 +842,6 @@ class IncrementalCheckpointer:
         return out
 
     # -- Restoring -------------------------------------------------------------
-    @staticmethod
-    def _read(path):
-        """All arrays of a link and its meta; raises ValueError naming the
-        file when it is unreadable (truncated, CRC mismatch, foreign)."""
-        arrays, meta, _ = _read(path)
-        return arrays, meta
-
     def restore(self, partial=False):
         """Loads the newest chain: its full checkpoint and its links.
 
@@ -881,14 +878,13 @@ class IncrementalCheckpointer:
                                      reported, partial)
         stage = self._validate(staged, tables)
         self._apply(stage, tables)
-        last = applied[-1]
         last_meta = staged[-1][2]
         if broken:
             self._forget_chain()
         else:
             self._marks = {name: t.mark_changes() for name, t in _tables(self.model)}
-            self._base, self._last, self._chain = full.name, last[0], _chain_id(meta, full.name)
-            self._last_digest = last[1]
+            (self._last, self._last_digest), self._base = applied[-1], full.name
+            self._chain = _chain_id(meta, full.name)
         return {"links": [p for p, _, _ in staged], "step": last_meta.get("step", 0),
                 "skipped": skipped, "kafka": last_meta.get("kafka")}
 
@@ -1042,39 +1038,19 @@ class IncrementalCheckpointer:
                     f"{path} holds rows of dim {values.shape[1]} for table '{name}', which "
                     f"has dim {tables[name].dim}. Restore into a model whose layer has "
                     f"embedding_dim={values.shape[1]}.")
-        dense = {v.path: v for v in _dense(self.model)}
         saved = _saved_paths(meta, "dense", path)
-        if sorted(saved) != sorted(dense):
-            raise _differ("dense variables", path, saved, dense)
-        for i, name in enumerate(saved):
-            a = arrays.get(f"dense/{i}")
-            if a is None:
-                raise ValueError(f"{path}: dense variable {name} lacks its array dense/{i}")
-            if list(a.shape) != list(dense[name].shape):
-                raise _Mismatch(
-                    f"{path} does not fit this model: dense variable {name} has shape "
-                    f"{list(dense[name].shape)} in the model but {list(a.shape)} in the "
-                    "checkpoint")
+        _check_variables(arrays, path, "dense", "dense variables", saved, saved,
+                         {v.path: v for v in _dense(self.model)})
 
     @staticmethod
     def _check_optimizer(meta, arrays, opt_vars, path):
         """Raises a _Mismatch naming the paths that differ when a link's
         optimizer variables are not those of the model's (built) optimizer."""
-        have = dict(zip(_optimizer_keys([v.path for v in opt_vars]), opt_vars))
         saved = _saved_paths(meta, "optimizer", path)
-        keys = _optimizer_keys(saved)
-        if sorted(keys) != sorted(have):
-            raise _differ("optimizer variables (paths past the optimizer's name; "
-                          "compiled with another optimizer?)", path, keys, have)
-        for i, (key, name) in enumerate(zip(keys, saved)):
-            a = arrays.get(f"opt/{i}")
-            if a is None:
-                raise ValueError(f"{path}: optimizer variable {name} lacks its array opt/{i}")
-            if list(a.shape) != list(have[key].shape):
-                raise _Mismatch(
-                    f"{path} does not fit this model: optimizer variable {name} has shape "
-                    f"{list(a.shape)} in the checkpoint but {have[key].path} has "
-                    f"{list(have[key].shape)} in the model")
+        _check_variables(arrays, path, "opt", "optimizer variables (paths past the "
+                         "optimizer's name; compiled with another optimizer?)", saved,
+                         _optimizer_keys(saved),
+                         dict(zip(_optimizer_keys([v.path for v in opt_vars]), opt_vars)))
 
     def _validate(self, staged, tables):
         """Everything `_apply` needs, checked against the model; raises
@@ -1118,6 +1094,14 @@ class IncrementalCheckpointer:
         backup = {"dense": [np.array(keras.ops.convert_to_numpy(v)) for v in dense],
                   "opt": [np.array(keras.ops.convert_to_numpy(v)) for v in opt_vars],
                   "tables": {}, "steps": {n: tables[n].step for n in stage["steps"]}}
+
+        def assign(state):  # the variables and the JAX tables' steps of `state`
+            for variables, values in ((dense, state["dense"]), (opt_vars, state["opt"] or ())):
+                for v, a in zip(variables, values):
+                    v.assign(a)
+            for name, step in state["steps"].items():
+                tables[name].step = step
+
         try:
             for name, links in stage["tables"].items():
                 table = tables[name]
@@ -1127,23 +1111,12 @@ class IncrementalCheckpointer:
                         table.import_(parts, clear=True)
                     else:
                         table.apply_changes(parts)
-            for v, a in zip(dense, stage["dense"]):
-                v.assign(a)
-            if stage["opt"] is not None:
-                for v, a in zip(opt_vars, stage["opt"]):
-                    v.assign(a)
-            for name, step in stage["steps"].items():
-                tables[name].step = step
+            assign(stage)
         except BaseException as error:
             try:
                 for name, data in backup["tables"].items():
                     tables[name].import_(data, clear=True)
-                for name, step in backup["steps"].items():
-                    tables[name].step = step
-                for v, a in zip(dense, backup["dense"]):
-                    v.assign(a)
-                for v, a in zip(opt_vars, backup["opt"]):
-                    v.assign(a)
+                assign(backup)
             except BaseException as again:
                 raise RuntimeError(
                     f"Restoring from {self.directory} failed ({type(error).__name__}: "

@@ -256,8 +256,26 @@ class CBFFilter(_Option):
         }
 
 
+class _Evict(_Option):
+    """An eviction option: its rule's one argument (named by `_RULE`) and
+    `at_save`, in its config only when off: the default's config is the one
+    older releases write and read."""
+
+    _RULE = None
+
+    def __init__(self, value, at_save):
+        setattr(self, self._RULE, value)
+        self.at_save = check_bool("at_save", at_save)
+
+    def get_config(self):
+        config = {self._RULE: getattr(self, self._RULE)}
+        if not self.at_save:
+            config["at_save"] = False
+        return config
+
+
 @keras.saving.register_keras_serializable(package=_PACKAGE)
-class GlobalStepEvict(_Option):
+class GlobalStepEvict(_Evict):
     """Evict keys not updated for more than `steps_to_live` optimizer steps.
 
     Eviction runs when the model or a checkpoint is saved (as in DeepRec;
@@ -287,22 +305,15 @@ class GlobalStepEvict(_Option):
     False
     """
 
+    _RULE = "steps_to_live"
+
     def __init__(self, steps_to_live: int, at_save: bool = True):
         _check_int("steps_to_live", steps_to_live, 0)
-        self.steps_to_live = steps_to_live
-        self.at_save = check_bool("at_save", at_save)
-
-    def get_config(self):
-        # `at_save` only when off: the default's config is the one older
-        # releases write and read.
-        config = {"steps_to_live": self.steps_to_live}
-        if not self.at_save:
-            config["at_save"] = False
-        return config
+        super().__init__(steps_to_live, at_save)
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
-class L2WeightEvict(_Option):
+class L2WeightEvict(_Evict):
     """Evict keys whose row is small: `0.5 * sum(row**2) < l2_weight_threshold`.
 
     DeepRec's rule (`tf.nn.l2_loss` of the row, half its squared L2 norm,
@@ -326,17 +337,11 @@ class L2WeightEvict(_Option):
     >>> e = keras_rec_emb.L2WeightEvict(l2_weight_threshold=1e-4)
     """
 
+    _RULE = "l2_weight_threshold"
+
     def __init__(self, l2_weight_threshold: float, at_save: bool = True):
         # NaN would disable eviction and inf evict every row: both refused.
-        self.l2_weight_threshold = check_float("l2_weight_threshold", l2_weight_threshold, 0)
-        self.at_save = check_bool("at_save", at_save)
-
-    def get_config(self):
-        # `at_save` only when off (see GlobalStepEvict.get_config).
-        config = {"l2_weight_threshold": self.l2_weight_threshold}
-        if not self.at_save:
-            config["at_save"] = False
-        return config
+        super().__init__(check_float("l2_weight_threshold", l2_weight_threshold, 0), at_save)
 
 
 _STORAGE_TYPES = ("DRAM", "FILE")

@@ -113,18 +113,32 @@ def save_model(model: "keras.Model", filepath: str | os.PathLike, evict: bool = 
     directory = os.path.dirname(os.path.abspath(filepath))
     prefix = f"{_TMP_PREFIX}{os.path.basename(filepath)}-"
     _remove_stale_temporaries(directory, prefix)
-    fd, tmp = tempfile.mkstemp(prefix=f"{prefix}{os.getpid()}-", suffix=".keras",
-                               dir=directory)
-    os.close(fd)
-    try:
+
+    def write(tmp):
         with _eviction_at_save(evict):
             model.save(tmp, **kwargs)
-        os.chmod(tmp, default_mode())  # as `model.save` would: respect the umask
+
+    write_atomically(filepath, write, f"{prefix}{os.getpid()}-")
+
+
+def write_atomically(filepath, write, prefix):
+    """Calls `write(tmp)` on a temporary file beside `filepath` (named
+    `<prefix><random><filepath's extension>`), then renames it over
+    `filepath` with the mode `open` gives a new file (0666 less the umask;
+    temporaries are created 0600). On any failure the temporary is removed
+    and `filepath` is as it was. Returns what `write` returned."""
+    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=os.path.splitext(filepath)[1],
+                               dir=os.path.dirname(os.path.abspath(filepath)))
+    os.close(fd)
+    try:
+        result = write(tmp)
+        os.chmod(tmp, default_mode())
         os.replace(tmp, filepath)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+    return result
 
 
 # -- eviction at save ------------------------------------------------------------

@@ -15,10 +15,11 @@ import numpy as np
 from keras_rec_emb import _keras_fixes
 from keras_rec_emb._checks_core import (check_adagrad_decay, check_beta, check_bool,
                                         check_non_negative)
-from keras_rec_emb.optimizers.keras_optimizers import Adam, TableOptimizer
+from keras_rec_emb.optimizers.keras_optimizers import Adam, TableOptimizer, example
 
 ops = keras.ops
 _register = keras.saving.register_keras_serializable(package="keras_rec_emb")
+_LearningRate = float | keras.optimizers.schedules.LearningRateSchedule
 
 _BASE_ARGS = """
         **kwargs: the arguments of every Keras optimizer (`name`,
@@ -32,7 +33,6 @@ _BASE_ARGS = """
 
 @_register
 class AdamAsync(TableOptimizer, keras.optimizers.Optimizer):
-    # A docstring built with + is an expression, not a docstring: assigned.
     __doc__ = """Adam with per-variable (per-row for tables) bias-correction powers.
 
     DeepRec's AdamAsync: instead of deriving the bias correction from a
@@ -65,23 +65,11 @@ class AdamAsync(TableOptimizer, keras.optimizers.Optimizer):
         epsilon: float >= 0. Defaults to `1e-8`.
         use_nesterov: bool. Defaults to `False`.
         apply_sparse_rmsprop: bool. RMSProp for sparse updates. Defaults to
-            `False`.""" + _BASE_ARGS + """
+            `False`.""" + _BASE_ARGS + example("AdamAsync(0.01)")
 
-    Example:
-
-    >>> ids = keras.Input(shape=(2,), dtype="int32")
-    >>> x = keras_rec_emb.layers.EmbeddingVariable(4, combiner="sum")(ids)
-    >>> model = keras.Model(ids, keras.layers.Dense(1)(x))
-    >>> model.compile(optimizer=keras_rec_emb.optimizers.AdamAsync(0.01), loss="mse")
-    >>> history = model.fit(np.array([[1, 10**6], [7, 1]]), np.ones((2, 1)),
-    ...                     verbose=0)
-    """
-
-    def __init__(self,
-                 learning_rate: float | keras.optimizers.schedules.LearningRateSchedule = 0.001,
-                 beta_1: float = 0.9, beta_2: float = 0.999, epsilon: float = 1e-8,
-                 use_nesterov: bool = False, apply_sparse_rmsprop: bool = False,
-                 name: str = "adam_async", **kwargs):
+    def __init__(self, learning_rate: _LearningRate = 0.001, beta_1: float = 0.9,
+                 beta_2: float = 0.999, epsilon: float = 1e-8, use_nesterov: bool = False,
+                 apply_sparse_rmsprop: bool = False, name: str = "adam_async", **kwargs):
         self.check_learning_rate(learning_rate)
         check_beta("beta_1", beta_1)
         check_beta("beta_2", beta_2)
@@ -163,7 +151,6 @@ class AdamAsync(TableOptimizer, keras.optimizers.Optimizer):
 
 @_register
 class AdagradDecay(TableOptimizer, keras.optimizers.Optimizer):
-    # A docstring built with + is an expression, not a docstring: assigned.
     __doc__ = """Adagrad whose accumulator decays once per period of the global step.
 
     DeepRec's AdagradDecay, for models trained on an unbounded stream: the
@@ -202,21 +189,10 @@ class AdagradDecay(TableOptimizer, keras.optimizers.Optimizer):
         accumulator_decay_step: int > 0. Period length in steps. Defaults to
             `100000`.
         accumulator_decay_rate: float in (0, 1]. Defaults to `0.9`.
-        epsilon: float >= 0. Defaults to `1e-7`.""" + _BASE_ARGS + """
+        epsilon: float >= 0. Defaults to `1e-7`.""" + _BASE_ARGS + example(
+        "AdagradDecay(0.1, accumulator_decay_step=1000, accumulator_decay_rate=0.5)")
 
-    Example:
-
-    >>> ids = keras.Input(shape=(2,), dtype="int32")
-    >>> x = keras_rec_emb.layers.EmbeddingVariable(4, combiner="sum")(ids)
-    >>> model = keras.Model(ids, keras.layers.Dense(1)(x))
-    >>> opt = keras_rec_emb.optimizers.AdagradDecay(
-    ...     0.1, accumulator_decay_step=1000, accumulator_decay_rate=0.5)
-    >>> model.compile(optimizer=opt, loss="mse")
-    >>> history = model.fit(np.array([[1, 10**6], [7, 1]]), np.ones((2, 1)),
-    ...                     verbose=0)
-    """
-
-    def __init__(self, learning_rate: float | keras.optimizers.schedules.LearningRateSchedule = 0.001,
+    def __init__(self, learning_rate: _LearningRate = 0.001,
                  initial_accumulator_value: float = 0.1, accumulator_decay_step: int = 100000,
                  accumulator_decay_rate: float = 0.9, epsilon: float = 1e-7,
                  name: str = "adagrad_decay", **kwargs):
@@ -301,7 +277,7 @@ class AdagradDecay(TableOptimizer, keras.optimizers.Optimizer):
 
 @_register
 class AdamW(TableOptimizer, keras.optimizers.AdamW):
-    """Adam with decoupled weight decay (Loshchilov & Hutter), sparse-aware.
+    __doc__ = """Adam with decoupled weight decay (Loshchilov & Hutter), sparse-aware.
 
     `var -= learning_rate * weight_decay * var` (Keras's convention), or with
     `scale_weight_decay_by_learning_rate=False` DeepRec's (TF contrib's
@@ -330,25 +306,12 @@ class AdamW(TableOptimizer, keras.optimizers.AdamW):
         scale_weight_decay_by_learning_rate: bool. `True` (Keras):
             the decay is `learning_rate * weight_decay * var`; `False`
             (DeepRec, TF contrib): `weight_decay * var`. Defaults to `True`.
-        **kwargs: other `keras.optimizers.AdamW` arguments.
+        **kwargs: other `keras.optimizers.AdamW` arguments.""" + example("AdamW(0.01, 0.01)")
 
-    Example:
-
-    >>> ids = keras.Input(shape=(2,), dtype="int32")
-    >>> x = keras_rec_emb.layers.EmbeddingVariable(4, combiner="sum")(ids)
-    >>> model = keras.Model(ids, keras.layers.Dense(1)(x))
-    >>> model.compile(optimizer=keras_rec_emb.optimizers.AdamW(0.01, 0.01),
-    ...               loss="mse")
-    >>> history = model.fit(np.array([[1, 10**6], [7, 1]]), np.ones((2, 1)),
-    ...                     verbose=0)
-    """
-
-    def __init__(self, weight_decay: float = 0.004,
-                 learning_rate: float | keras.optimizers.schedules.LearningRateSchedule = 0.001,
+    def __init__(self, weight_decay: float = 0.004, learning_rate: _LearningRate = 0.001,
                  beta_1: float = 0.9, beta_2: float = 0.999, epsilon: float = 1e-8,
                  amsgrad: bool = False, scale_weight_decay_by_learning_rate: bool = True,
                  name: str = "adamw", **kwargs):
-        self.check_learning_rate(learning_rate)
         check_non_negative("weight_decay", weight_decay)
         scale_weight_decay_by_learning_rate = check_bool(
             "scale_weight_decay_by_learning_rate", scale_weight_decay_by_learning_rate)

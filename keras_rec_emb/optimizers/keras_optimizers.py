@@ -75,61 +75,58 @@ class TableOptimizer(_Tables):
         cls.__init__ = __init__
 
 
-_EXAMPLE = """
+def example(optimizer):
+    """The `Example:` of an optimizer's docstring: a model with a table
+    compiled with `keras_rec_emb.optimizers.<optimizer>` and trained."""
+    return f"""
+
     Example:
 
     >>> ids = keras.Input(shape=(2,), dtype="int32")
-    >>> x = keras_rec_emb.layers.EmbeddingVariable(4)(ids)
-    >>> model = keras.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(x)))
-    >>> model.compile(optimizer=keras_rec_emb.optimizers.{name}({args}),
-    ...               loss="mse")
+    >>> x = keras_rec_emb.layers.EmbeddingVariable(4, combiner="sum")(ids)
+    >>> model = keras.Model(ids, keras.layers.Dense(1)(x))
+    >>> model.compile(optimizer=keras_rec_emb.optimizers.{optimizer}, loss="mse")
     >>> history = model.fit(np.array([[1, 10**6], [7, 1]]), np.ones((2, 1)),
     ...                     verbose=0)
-"""
+    """
 
 
-def _doc(name, keras_name, rule, args=""):
-    return (
-        f"`keras.optimizers.{keras_name}` that also updates embedding tables.\n\n"
-        f"    Dense variables follow Keras's {keras_name} exactly. A table's rows\n"
-        f"    are updated in place by one fused kernel per step (under JAX, in the\n"
-        f"    backward pass of the lookup): {rule}\n"
-        "    Slots live inside the table and are saved with it.\n\n"
-        f"    Its arguments are those of `keras.optimizers.{keras_name}`.\n"
-        + _EXAMPLE.format(name=name, args=args)
-    )
+def _namesake(rule, args):
+    """Registers one of ours named as the Keras optimizer it subclasses, with
+    its docstring: `rule`, the table's update; `args`, the example's."""
+    def decorate(cls):
+        name = cls.__name__
+        cls.__doc__ = (
+            f"`keras.optimizers.{name}` that also updates embedding tables.\n\n"
+            f"    Dense variables follow Keras's {name} exactly. A table's rows\n"
+            f"    are updated in place by one fused kernel per step (under JAX, in the\n"
+            f"    backward pass of the lookup): {rule}\n"
+            "    Slots live inside the table and are saved with it.\n\n"
+            f"    Its arguments are those of `keras.optimizers.{name}`."
+            + example(f"{name}({args})"))
+        return _register(cls)
+    return decorate
 
 
-@_register
+@_namesake("equal keys summed, then `row -= lr * g` (or the momentum /\n"
+           "    Nesterov update with a per-row `momentum` slot).", "0.1")
 class SGD(TableOptimizer, keras.optimizers.SGD):
-    __doc__ = _doc("SGD", "SGD",
-                   "equal keys summed, then `row -= lr * g` (or the momentum /\n"
-                   "    Nesterov update with a per-row `momentum` slot).", "0.1")
-
     def _table_update(self, learning_rate, step):
         if self.momentum == 0:
             return "sgd", {}
         return "momentum", {"momentum": self.momentum, "nesterov": float(self.nesterov)}
 
 
-@_register
+@_namesake("`accumulator += g**2; row -= lr * g / sqrt(accumulator +\n    epsilon)`.", "0.1")
 class Adagrad(TableOptimizer, keras.optimizers.Adagrad):
-    __doc__ = _doc("Adagrad", "Adagrad",
-                   "`accumulator += g**2; row -= lr * g / sqrt(accumulator +\n"
-                   "    epsilon)`.", "0.1")
-
     def _table_update(self, learning_rate, step):
         return "adagrad", {"epsilon": self.epsilon}
 
 
-@_register
+@_namesake("Keras's Adam formula with the bias correction of the\n"
+           "    optimizer's step (`iterations + 1`), on per-row `momentum`\n"
+           "    and `velocity` (and `velocity_hat` with `amsgrad`) slots.", "0.01")
 class Adam(TableOptimizer, keras.optimizers.Adam):
-    __doc__ = _doc("Adam", "Adam",
-                   "Keras's Adam formula with the bias correction of the\n"
-                   "    optimizer's step (`iterations + 1`), on per-row `momentum`\n"
-                   "    and `velocity` (and `velocity_hat` with `amsgrad`) slots.",
-                   "0.01")
-
     def _table_update(self, learning_rate, step):
         t = ops.cast(step + 1, "float32")
         beta_1_power = ops.power(ops.cast(self.beta_1, "float32"), t)
@@ -144,7 +141,7 @@ _TABLE_RULES = ("keras", "deeprec")
 
 @_register
 class Ftrl(TableOptimizer, keras.optimizers.Ftrl):
-    """`keras.optimizers.Ftrl` that also updates embedding tables.
+    __doc__ = """`keras.optimizers.Ftrl` that also updates embedding tables.
 
     Dense variables follow Keras's Ftrl exactly. A table's rows are updated
     in place by one fused kernel per step, on per-row `accumulator` and
@@ -168,18 +165,8 @@ class Ftrl(TableOptimizer, keras.optimizers.Ftrl):
     Args:
         table_rule: `"keras"` or `"deeprec"`, the rule for embedding
             tables. Defaults to `"keras"`.
-        **kwargs: the arguments of `keras.optimizers.Ftrl`.
-
-    Example:
-
-    >>> ids = keras.Input(shape=(2,), dtype="int32")
-    >>> x = keras_rec_emb.layers.EmbeddingVariable(4)(ids)
-    >>> model = keras.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(x)))
-    >>> model.compile(optimizer=keras_rec_emb.optimizers.Ftrl(
-    ...     0.1, l1_regularization_strength=0.01, table_rule="deeprec"), loss="mse")
-    >>> history = model.fit(np.array([[1, 10**6], [7, 1]]), np.ones((2, 1)),
-    ...                     verbose=0)
-    """
+        **kwargs: the arguments of `keras.optimizers.Ftrl`.""" + example(
+        'Ftrl(0.1, l1_regularization_strength=0.01, table_rule="deeprec")')
 
     def __init__(self, *args, table_rule: str = "keras", **kwargs):
         if table_rule not in _TABLE_RULES:

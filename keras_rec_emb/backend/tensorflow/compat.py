@@ -26,6 +26,29 @@ from tensorflow.python.data.ops import from_generator_op
 from tensorflow.python.eager import tape as _tape
 from tensorflow.python.framework import op_def_registry
 
+# The corrections of Keras that need no TensorFlow (the JAX backend installs
+# them too), the private Keras API both backends use, confluent-kafka.
+from keras_rec_emb import _keras_fixes
+from keras_rec_emb._keras_fixes import (  # noqa: F401
+    KAFKA_EXTRA_HINT,
+    KERAS_COMPILE_FIX_VERSIONS,
+    KERAS_COMPILE_ORIGINALS,
+    KERAS_INPUT_DTYPES_FIX_VERSIONS,
+    KERAS_SEQUENTIAL_FIX_VERSIONS,
+    KERAS_SEQUENTIAL_ORIGINALS,
+    LazyKafka,
+    fix_compile_loss_scale,
+    fix_sequential_ids_input,
+    flatten_layers,
+    in_symbolic_build,
+    input_specs,
+    install_fix,
+    kafka,
+    record_model_input_dtypes,
+    uses_weight_decay,
+    variable_index,
+)
+
 # -- TensorFlow -------------------------------------------------------------------
 
 
@@ -80,33 +103,25 @@ def functional_nodes(model):
 # very tensor given to the graph); elsewhere every layer looks up at its
 # call.
 KERAS_FUNCTIONAL_HOOK_VERSIONS = ("3.15.1",)
-# Keras's `Functional._run_through_graph` that the hook wraps (when installed).
 KERAS_FUNCTIONAL_ORIGINALS = {}
 
 
 def hook_functional_graph(context):
-    """Installs the hook described above (idempotent). Returns whether it is
-    installed (False for a Keras version not listed)."""
+    """Installs the hook described above (`_keras_fixes.install_fix`)."""
     from keras.src.models.functional import Functional
 
-    if getattr(Functional._run_through_graph, "_kre_hook", False):  # pylint: disable=protected-access
-        return True
-    if keras.__version__ not in KERAS_FUNCTIONAL_HOOK_VERSIONS:
-        return False
-    original = Functional._run_through_graph  # pylint: disable=protected-access
-    KERAS_FUNCTIONAL_ORIGINALS["_run_through_graph"] = original
+    def wrap(original):
+        def _run_through_graph(self, inputs, operation_fn=lambda op: op, call_fn=None):
+            flat = keras.tree.flatten(inputs)
+            if (call_fn is not None or keras.backend.backend() != "tensorflow"
+                    or any(isinstance(x, keras.KerasTensor) for x in flat)):
+                return original(self, inputs, operation_fn=operation_fn, call_fn=call_fn)
+            with context(self, flat):
+                return original(self, inputs, operation_fn=operation_fn, call_fn=call_fn)
+        return _run_through_graph
 
-    def _run_through_graph(self, inputs, operation_fn=lambda op: op, call_fn=None):
-        flat = keras.tree.flatten(inputs)
-        if (call_fn is not None or keras.backend.backend() != "tensorflow"
-                or any(isinstance(x, keras.KerasTensor) for x in flat)):
-            return original(self, inputs, operation_fn=operation_fn, call_fn=call_fn)
-        with context(self, flat):
-            return original(self, inputs, operation_fn=operation_fn, call_fn=call_fn)
-
-    _run_through_graph._kre_hook = True  # pylint: disable=protected-access
-    Functional._run_through_graph = _run_through_graph  # pylint: disable=protected-access
-    return True
+    return install_fix(KERAS_FUNCTIONAL_HOOK_VERSIONS, KERAS_FUNCTIONAL_ORIGINALS,
+                       Functional, "_run_through_graph", wrap, marker="_kre_hook")
 
 
 # A dataset built from three graph functions (init / next / finalize) over a
@@ -236,12 +251,10 @@ class ActsAsResourceVariable:
 # -- Keras ------------------------------------------------------------------------
 
 
-def input_signature(model):
-    """The `keras.InputSpec` structure of a built model's inputs, as
-    `model.export` computes it, with a subclassed model's id inputs of
-    their dtype (`_keras_fixes.input_specs`); `keras.export.ExportArchive`
-    (public) wants it given. Used by `serving.export_for_serving`."""
-    return input_specs(model)
+# The `keras.InputSpec` structure of a built model's inputs, as `model.export`
+# computes it, with a subclassed model's id inputs of their dtype;
+# `keras.export.ExportArchive` (public) wants it given. Used by `serving.py`.
+input_signature = input_specs
 
 
 def child_layers(layer):
@@ -275,7 +288,7 @@ def exported_resources(loaded):
 def built_variables(optimizer):
     """The variables `optimizer` was built for (`_trainable_variables`; the
     public `optimizer.variables` holds the slots instead), or `[]` before
-    `build`. Used by `optimizers/base.TableOptimizer.apply`."""
+    `build`. Used by `backend/tensorflow/optimizer.TableOptimizer.apply`."""
     return getattr(optimizer, "_trainable_variables", [])
 
 
@@ -303,13 +316,9 @@ def built_variables(optimizer):
 # replicas, where Keras's loop fails the same way for any model
 # (keras-team/keras#19246); not with `jit_compile=True` (the written-out
 # steps are traced in place, without XLA). Every other case runs Keras's own
-# code unchanged.
-# Installed once by `fix_keras_multi_worker()` (called
-# when `keras_rec_emb.distribute` is imported), only for the Keras
-# versions in `KERAS_MULTI_WORKER_FIX_VERSIONS` (read the upstream code
-# again before adding one). Used by `distribute/__init__.py`.
+# code unchanged. Installed by `fix_keras_multi_worker()` when
+# `keras_rec_emb.distribute` is imported.
 KERAS_MULTI_WORKER_FIX_VERSIONS = ("3.15.1",)
-# Keras's own functions that the correction wraps (filled when installed).
 KERAS_MULTI_WORKER_ORIGINALS = {}
 
 
@@ -362,64 +371,57 @@ def coordination_heartbeat_timeout_ms():
 
 
 def fix_keras_multi_worker():
-    """Installs the correction described above (idempotent). Returns
-    whether it is installed (False for a Keras version not listed)."""
+    """Installs the correction described above (`_keras_fixes.install_fix`,
+    for each function it wraps)."""
     trainer = _keras_tf_trainer()
     cls = trainer.TensorFlowTrainer
-    if getattr(cls._maybe_symbolic_build, "_kre_fix", False):  # pylint: disable=protected-access
-        return True
-    if keras.__version__ not in KERAS_MULTI_WORKER_FIX_VERSIONS:
-        return False
-    keras_build = cls._maybe_symbolic_build  # pylint: disable=protected-access
-    keras_reduce = trainer.reduce_per_replica
-    KERAS_MULTI_WORKER_ORIGINALS.update(_maybe_symbolic_build=keras_build,
-                                        reduce_per_replica=keras_reduce)
 
-    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        strategy = self._distribute_strategy  # pylint: disable=protected-access
-        if iterator is None or not in_multi_worker_mode(strategy):
+    def wrap_build(keras_build):
+        def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+            strategy = self._distribute_strategy  # pylint: disable=protected-access
+            if iterator is None or not in_multi_worker_mode(strategy):
+                return keras_build(self, iterator=iterator, data_batch=data_batch)
+            for _, _, it in iterator:
+                batch = next(it)
+                data_batch = keras.tree.map_structure(lambda v: _local_part(strategy, v), batch)
+                return keras_build(self, iterator=None, data_batch=data_batch)
             return keras_build(self, iterator=iterator, data_batch=data_batch)
-        for _, _, it in iterator:
-            batch = next(it)
-            data_batch = keras.tree.map_structure(lambda v: _local_part(strategy, v), batch)
-            return keras_build(self, iterator=None, data_batch=data_batch)
-        return keras_build(self, iterator=iterator, data_batch=data_batch)
+        return _maybe_symbolic_build
 
-    def reduce_per_replica(values, strategy, reduction):
-        resolved = reduction
-        if reduction == "auto" and not isinstance(strategy, tf.distribute.TPUStrategy):
-            resolved = "mean"
-        if resolved != "mean" or not in_multi_worker_mode(strategy):
-            return keras_reduce(values, strategy, reduction)
-        return _mean_over_replicas(strategy, values)
+    def wrap_reduce(keras_reduce):
+        def reduce_per_replica(values, strategy, reduction):
+            resolved = reduction
+            if reduction == "auto" and not isinstance(strategy, tf.distribute.TPUStrategy):
+                resolved = "mean"
+            if resolved != "mean" or not in_multi_worker_mode(strategy):
+                return keras_reduce(values, strategy, reduction)
+            return _mean_over_replicas(strategy, values)
+        return reduce_per_replica
 
-    keras_make_function = cls._make_function  # pylint: disable=protected-access
-    KERAS_MULTI_WORKER_ORIGINALS["_make_function"] = keras_make_function
-
-    def _make_function(self, step_function):
-        strategy = self._distribute_strategy  # pylint: disable=protected-access
-        function = keras_make_function(self, step_function)
-        if self.run_eagerly:
+    def wrap_make_function(keras_make_function):
+        def _make_function(self, step_function):
+            strategy = self._distribute_strategy  # pylint: disable=protected-access
+            function = keras_make_function(self, step_function)
+            if self.run_eagerly:
+                return function
+            # (Written out, a step is traced in place: `jit_compile=True`, which
+            # tables never take, keeps Keras's own loop and its XLA.)
+            unroll = self.steps_per_execution > 1 and not self.jit_compile
+            if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+                if unroll:
+                    function = _unrolled_steps_function(self, step_function, function)
+                return DistributedStepCalls(function)
+            if (unroll and isinstance(strategy, tf.distribute.MirroredStrategy)
+                    and strategy.num_replicas_in_sync > 1):
+                return _unrolled_steps_function(self, step_function, function)
             return function
-        # (Written out, a step is traced in place: `jit_compile=True`, which
-        # tables never take, keeps Keras's own loop and its XLA.)
-        unroll = self.steps_per_execution > 1 and not self.jit_compile
-        if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
-            if unroll:
-                function = _unrolled_steps_function(self, step_function, function)
-            return DistributedStepCalls(function)
-        if (unroll and isinstance(strategy, tf.distribute.MirroredStrategy)
-                and strategy.num_replicas_in_sync > 1):
-            return _unrolled_steps_function(self, step_function, function)
-        return function
+        return _make_function
 
-    _maybe_symbolic_build._kre_fix = True  # pylint: disable=protected-access
-    reduce_per_replica._kre_fix = True  # pylint: disable=protected-access
-    _make_function._kre_fix = True  # pylint: disable=protected-access
-    cls._maybe_symbolic_build = _maybe_symbolic_build  # pylint: disable=protected-access
-    cls._make_function = _make_function  # pylint: disable=protected-access
-    trainer.reduce_per_replica = reduce_per_replica
-    return True
+    return all([install_fix(KERAS_MULTI_WORKER_FIX_VERSIONS, KERAS_MULTI_WORKER_ORIGINALS,
+                            owner, name, wrap)
+                for owner, name, wrap in ((cls, "_maybe_symbolic_build", wrap_build),
+                                          (trainer, "reduce_per_replica", wrap_reduce),
+                                          (cls, "_make_function", wrap_make_function))])
 
 
 def _mean_over_replicas(strategy, values):
@@ -604,30 +606,6 @@ class DistributedStepCalls:
         return concrete, flat
 
 
-# Keras 3.15.1's `Sequential.build(input_shape)` correction (a Sequential
-# without `keras.Input` gives our id layers int ids, not float32): in
-# `keras_rec_emb._keras_fixes`, which needs no TensorFlow (the JAX backend
-# installs it too).
-# `in_symbolic_build` is there too, for the same reason.
-# The `compile` loss-scale correction too.
-from keras_rec_emb import _keras_fixes  # noqa: E402
-from keras_rec_emb._keras_fixes import (  # noqa: E402,F401
-    KERAS_COMPILE_FIX_VERSIONS,
-    KERAS_COMPILE_ORIGINALS,
-    fix_compile_loss_scale,
-    KERAS_INPUT_DTYPES_FIX_VERSIONS,
-    KERAS_SEQUENTIAL_FIX_VERSIONS,
-    KERAS_SEQUENTIAL_ORIGINALS,
-    fix_sequential_ids_input,
-    flatten_layers,
-    in_symbolic_build,
-    uses_weight_decay,
-    variable_index,
-    input_specs,
-    record_model_input_dtypes,
-)
-
-
 # Keras 3.15.1's TensorFlow layer gives a subclassed model (no symbolic
 # inputs) a default SavedModel signature (`TFLayer._default_save_signature`)
 # of float32 specs of the recorded input shapes, whatever the inputs' real
@@ -638,46 +616,32 @@ from keras_rec_emb._keras_fixes import (  # noqa: E402,F401
 # such a model no default signature when it holds our id layers (those with
 # `ids_input_dtype`); `model.export` adds its own endpoint from the
 # `input_signature` given to it. Every other layer keeps Keras's. Installed
-# once by `fix_subclassed_save_signature()` (called when
-# `keras_rec_emb.layers` is imported), only for the versions in
-# `KERAS_SAVE_SIGNATURE_FIX_VERSIONS`.
+# by `fix_subclassed_save_signature()` when `keras_rec_emb.layers` is
+# imported.
 KERAS_SAVE_SIGNATURE_FIX_VERSIONS = ("3.15.1",)
-# Keras's property getter that the correction wraps (filled when installed).
 KERAS_SAVE_SIGNATURE_ORIGINALS = {}
 
 
-def _tf_layer_classes():
+def fix_subclassed_save_signature():
+    """Installs the correction described above (`_keras_fixes.install_fix`)."""
     from keras.src.backend.tensorflow.layer import TFLayer
     from keras.src.models.functional import Functional
     from keras.src.models.sequential import Sequential
 
-    return TFLayer, Functional, Sequential
+    def wrap(keras_get):
+        def _default_save_signature(self):
+            symbolic = isinstance(self, Functional) or (
+                isinstance(self, Sequential) and getattr(self, "_functional", None) is not None)
+            if not symbolic and isinstance(self, keras.Model) and any(
+                    getattr(layer, "ids_input_dtype", None)
+                    for layer in self._flatten_layers(include_self=False)):  # pylint: disable=protected-access
+                return None
+            return keras_get(self)
+        return _default_save_signature
 
+    return install_fix(KERAS_SAVE_SIGNATURE_FIX_VERSIONS, KERAS_SAVE_SIGNATURE_ORIGINALS,
+                       TFLayer, "_default_save_signature", wrap)
 
-def fix_subclassed_save_signature():
-    """Installs the correction described above (idempotent). Returns whether
-    it is installed (False for a Keras version not listed)."""
-    tf_layer, functional, sequential = _tf_layer_classes()
-    prop = tf_layer.__dict__["_default_save_signature"]
-    if getattr(prop.fget, "_kre_fix", False):
-        return True
-    if keras.__version__ not in KERAS_SAVE_SIGNATURE_FIX_VERSIONS:
-        return False
-    keras_get = prop.fget
-    KERAS_SAVE_SIGNATURE_ORIGINALS["_default_save_signature"] = keras_get
-
-    def _default_save_signature(self):
-        symbolic = isinstance(self, functional) or (
-            isinstance(self, sequential) and getattr(self, "_functional", None) is not None)
-        if not symbolic and isinstance(self, keras.Model) and any(
-                getattr(layer, "ids_input_dtype", None)
-                for layer in self._flatten_layers(include_self=False)):  # pylint: disable=protected-access
-            return None
-        return keras_get(self)
-
-    _default_save_signature._kre_fix = True  # pylint: disable=protected-access
-    tf_layer._default_save_signature = property(_default_save_signature)  # pylint: disable=protected-access
-    return True
 
 # -- Parameter-server variables (TensorFlow and Keras) -----------------------------
 
@@ -751,9 +715,7 @@ def import_record_batch(array_address, schema_address):
     return pa.RecordBatch._import_from_c(  # pylint: disable=protected-access
         array_address, schema_address)
 
-# -- confluent-kafka: in `keras_rec_emb._keras_fixes`, which needs no TensorFlow
-# (the Kafka datasets run under the JAX backend too).
-from keras_rec_emb._keras_fixes import KAFKA_EXTRA_HINT, LazyKafka, kafka  # noqa: E402,F401
+# -- confluent-kafka: in `keras_rec_emb._keras_fixes` (imported above).
 
 
 def __getattr__(name):
@@ -767,16 +729,16 @@ def __getattr__(name):
 # {library base class: {hook: why we override it, and where}}.
 OVERRIDDEN_HOOKS = {
     keras.optimizers.Optimizer: {
-        "_var_key": "optimizers/base.py: a table's variable is keyed by its table, "
+        "_var_key": "backend/tensorflow/optimizer.py: a table's variable is keyed by its table, "
                     "so Keras's slot lookup finds the table's slots",
-        "_backend_update_step": "optimizers/base.py: the TF backend's seam where "
+        "_backend_update_step": "backend/tensorflow/optimizer.py: the TF backend's seam where "
                                 "table gradients (IndexedSlices over keys) go to the "
                                 "fused C++ kernel, the rest to Keras",
-        "_apply_weight_decay": "optimizers/base.py, AdamW: a table's decoupled weight "
+        "_apply_weight_decay": "backend/tensorflow/optimizer.py, AdamW: a table's decoupled weight "
                                "decay is applied by the kernel to the updated rows only",
-        "_clip_gradients": "optimizers/base.py: global_clipnorm counts a table's rows "
+        "_clip_gradients": "backend/tensorflow/optimizer.py: global_clipnorm counts a table's rows "
                            "without densifying them",
-        "_all_reduce_sum_gradients": "optimizers/base.py: outside a tf.distribute "
+        "_all_reduce_sum_gradients": "backend/tensorflow/optimizer.py: outside a tf.distribute "
                                      "strategy the one-replica sum is skipped (its "
                                      "tf.custom_gradient kept every traced train step "
                                      "alive in TF's gradient registry)",

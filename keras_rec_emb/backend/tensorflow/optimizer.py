@@ -71,11 +71,6 @@ def sum_duplicate_rows(grad):
     return unique, tf.math.unsorted_segment_sum(grad.values, idx, tf.size(unique))
 
 
-def check_learning_rate(learning_rate):
-    """A finite float >= 0, a `LearningRateSchedule` or a callable."""
-    return _checks.check_learning_rate(learning_rate)
-
-
 # Outputs that never hold a key twice, by op type: (output name, whether
 # that holds for this op). The group lookup's `unique_ids` are its distinct
 # ids in a training lookup (`insert`); an inference lookup may list every id
@@ -125,7 +120,7 @@ class TableOptimizer:
     in by this class; the rule declares the order and the slots).
     """
 
-    check_learning_rate = staticmethod(check_learning_rate)
+    check_learning_rate = staticmethod(_checks.check_learning_rate)
 
     def _table_update(self, learning_rate, step):
         raise NotImplementedError
@@ -228,8 +223,8 @@ class TableOptimizer:
         # tables' are taken out) wraps them in a tf.custom_gradient whose
         # graph-mode gradient is registered in TensorFlow's global registry
         # for good: every traced train step, with the table handles it
-        # captures, then stays alive (issue 20 item 11: ~2 MB and 9 handles
-        # per build/fit/save/load cycle).
+        # captures, then stays alive (~2 MB and 9 handles per
+        # build/fit/save/load cycle).
         if not tf.distribute.has_strategy():
             return list(grads_and_vars)
         return super()._all_reduce_sum_gradients(grads_and_vars)
