@@ -82,10 +82,25 @@ def parser():
                                   "listens on its --ps address only; whoever reaches it "
                                   "can run any TensorFlow graph in it (no authentication): "
                                   "trusted networks only")
-    c.add_argument("--ps", required=True,
-                   help="comma-separated host:port of every PS task, in task order")
-    c.add_argument("--task", type=int, required=True, help="this task's index in --ps")
+    add_ps_arguments(c)
     return p
+
+
+def add_ps_arguments(p):
+    """`--ps` and `--task`, of `keras-rec-emb ps` and `python -m
+    keras_rec_emb.distribute.ps`."""
+    p.add_argument("--ps", required=True,
+                   help="comma-separated host:port of every PS task, in task order")
+    p.add_argument("--task", type=int, required=True, help="this task's index in --ps")
+
+
+def ps_addresses(p, args):
+    """The `--ps` addresses, once `--task` is checked to index one."""
+    ps = [a for a in args.ps.split(",") if a]
+    if not 0 <= args.task < len(ps):
+        p.error(f"--task must be in [0, {len(ps)}) for {len(ps)} --ps addresses; "
+                f"got {args.task}")
+    return ps
 
 
 def main(argv=None):
@@ -106,9 +121,7 @@ def main(argv=None):
             p.error(f"cannot write {args.output}: the folder {folder} does not exist "
                     "(create it first)")
     elif args.command == "ps":
-        n = len([a for a in args.ps.split(",") if a])
-        if not 0 <= args.task < n:
-            p.error(f"--task must be in [0, {n}) for {n} --ps addresses; got {args.task}")
+        ps_addresses(p, args)
     # Before TensorFlow loads: its C++ start-up lines would bury the output.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from keras_rec_emb import cli

@@ -647,16 +647,10 @@ def read_parquet(batch_size,
     `ParquetDataset` the list of paths).
 
     Args:
-        batch_size: int. Rows per batch.
+        batch_size, partition_count, partition_index, drop_remainder,
+        num_parallel_reads, num_sequential_reads: as in `ParquetDataset`.
         fields: `DataFrame.Field` or list of them (each with a `type`),
             required because the files are only known at run time.
-        partition_count: int. Number of row-group partitions. Defaults to `1`.
-        partition_index: int. Partition to read. Defaults to `0`.
-        drop_remainder: bool. Drop the last short batch. Defaults to `False`.
-        num_parallel_reads: int, optional. Files read at once. Defaults to
-            `None` (sequential).
-        num_sequential_reads: int. Batches taken from one open file before
-            moving to the next. Defaults to `1`.
 
     Returns:
         A function `Dataset -> ParquetDataset` for `Dataset.apply`.

@@ -17,6 +17,8 @@ import os
 import socket
 import sys
 
+import keras_rec_emb_cli
+
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIM = os.path.join(_PACKAGE_DIR, "_kre_bind.so")
 MAP_ENV = "KRE_BIND_MAP"
@@ -128,14 +130,9 @@ def main(argv=None):
                     "helper server on loopback). Anyone who reaches that port can run "
                     "any TensorFlow graph in this process, reading and writing its files: "
                     "run the cluster on a trusted network only.")
-    p.add_argument("--ps", required=True,
-                   help="comma-separated host:port of every PS task, in task order")
-    p.add_argument("--task", type=int, required=True, help="this task's index in --ps")
+    keras_rec_emb_cli.add_ps_arguments(p)
     args = p.parse_args(argv)
-    ps = [a for a in args.ps.split(",") if a]
-    if not 0 <= args.task < len(ps):
-        p.error(f"--task must be in [0, {len(ps)}) for {len(ps)} --ps addresses; "
-                f"got {args.task}")
+    ps = keras_rec_emb_cli.ps_addresses(p, args)
     try:
         mapping = bind_map(ps[args.task])
     except (ValueError, OSError) as e:
