@@ -12,7 +12,7 @@ import keras
 import numpy as np
 
 from keras_rec_emb import _backend
-from keras_rec_emb._checks_core import (COMBINERS, check_float, check_int, is_integer_dtype,
+from keras_rec_emb._checks_core import (check_combiner, check_float, check_int, is_integer_dtype,
                                         non_integer_ids_error)
 from keras_rec_emb._keras_fixes import in_symbolic_build
 from keras_rec_emb.layers.configs import EmbeddingVariable, FeatureConfig
@@ -113,11 +113,7 @@ class FeatureSpec:
     def __init__(self, table: keras.layers.Layer | dict | int, combiner: str = "sum",
                  weight_feature: str | None = None, sequence: bool = False,
                  max_norm: float | None = None, default_id: int | None = None):
-        if combiner not in COMBINERS:
-            raise ValueError(
-                f"`combiner` must be one of {COMBINERS}. "
-                f"Received: combiner={combiner!r}"
-            )
+        check_combiner(combiner, allow_none=False)
         if weight_feature is not None and not isinstance(weight_feature, str):
             raise TypeError(
                 "`weight_feature` must be None or an input name. Received: "

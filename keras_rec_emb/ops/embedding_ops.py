@@ -26,8 +26,9 @@ from keras_rec_emb.backend.tensorflow import model_fusion as _model_fusion
 from keras_rec_emb.backend.tensorflow.checks import (COMBINERS, assert_ids_in_range, check_bool, check_float,
                                    check_int, checked_sparse_ids, integer_ids)
 from keras_rec_emb.backend.tensorflow.embed_reduce import combine_rows
-from keras_rec_emb.backend.tensorflow.ids import (FlatIds, collapse_outer, flat_ids_and_splits, int_ids,
-                                sparse_row_splits, weights_values)
+from keras_rec_emb.backend.tensorflow.ids import (FlatIds, checked_id_shape, collapse_outer,
+                                                  flat_ids_and_splits, int_ids, sparse_row_splits,
+                                                  weights_values)
 from keras_rec_emb.backend.tensorflow.op_args import named_inputs, named_outputs
 from keras_rec_emb.backend.tensorflow.variables import EmbeddingTable, TableVariable
 
@@ -501,28 +502,9 @@ class LayerCall:
 def _pooled_call(layer, inputs, training, weights=None):
     """The `LayerCall` of `EmbeddingVariable(combiner=...)` on `inputs`,
     after the checks of their shape (see `pooled_layer_lookup`)."""
-    what = f"{type(layer).__name__} '{layer.name}'"
-    table = layer._table_for_lookup()
-    if isinstance(inputs, tf.RaggedTensor):
-        if inputs.ragged_rank != 1 or inputs.shape.rank != 2:
-            raise ValueError(
-                f"{what} takes ragged ids of shape [batch, None]. Received "
-                f"shape {inputs.shape} with ragged_rank {inputs.ragged_rank}"
-            )
-    elif isinstance(inputs, tf.SparseTensor):
-        if inputs.shape.rank != 2:
-            raise ValueError(
-                f"{what} takes sparse ids of shape [batch, None]. Received "
-                f"shape {inputs.shape}"
-            )
-    else:
-        inputs = tf.convert_to_tensor(inputs)
-        if inputs.shape.rank is not None and inputs.shape.rank < 1:
-            raise ValueError(
-                f"{what} with a combiner combines the last axis of the ids; "
-                f"received scalar ids of shape {inputs.shape}"
-            )
-    return LayerCall(layer, table, inputs, weights, bool(training) and layer.trainable)
+    inputs = checked_id_shape(inputs, f"{type(layer).__name__} '{layer.name}'", layer.combiner)
+    return LayerCall(layer, layer._table_for_lookup(), inputs, weights,
+                     bool(training) and layer.trainable)
 
 
 def pooled_layer_lookup(layer, inputs, training, weights=None):

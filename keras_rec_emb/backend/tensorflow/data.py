@@ -132,15 +132,6 @@ def parquet_source(filenames):
     return None, filenames
 
 
-def _column_spec(column, batch_dim):
-    dtype = tf.as_dtype(column.dtype)
-    if column.ragged_rank == 0:
-        return tf.TensorSpec([batch_dim, *column.shape], dtype)
-    return tf.RaggedTensorSpec(
-        [batch_dim] + [None] * column.ragged_rank + list(column.shape),
-        dtype, ragged_rank=column.ragged_rank, row_splits_dtype=tf.int64)
-
-
 def _component_dtypes(column):
     """What `KRE>ArrowBatchToTensors` returns for a column: values, then one
     row_splits vector per ragged level."""
