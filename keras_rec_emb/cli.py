@@ -370,11 +370,16 @@ def _keras_table(group, name, config, rows):
         "total_freq": int(total_freq or 0),
         "storage": {"storage": storage.get("storage_type") or "DRAM",
                     "storage_path": storage.get("storage_path")},
-        "rows": [{"key": int(k), "freq": int(f), "version": int(v),
-                  "values": [float(x) for x in row[:6]]}
-                 for k, f, v, row in zip(part("keys", rows), part("freqs", rows),
-                                         part("versions", rows), values[:rows])],
+        "rows": _rows(part("keys", rows), part("freqs", rows), part("versions", rows),
+                      values[:rows]),
     }
+
+
+def _rows(keys, freqs, versions, values):
+    """The rows `inspect` prints: key, frequency, version, first values."""
+    return [{"key": int(k), "freq": int(f), "version": int(v),
+             "values": [float(x) for x in row[:6]]}
+            for k, f, v, row in zip(keys, freqs, versions, values)]
 
 
 def is_checkpoint_link(path):
@@ -419,9 +424,7 @@ def _link_tables(path, rows):
             "erased": int(len(t.get("erased", ()))),
             "slots": sorted(k[len("slot/"):] for k in t if k.startswith("slot/")),
             "latest_step": int(versions.max()) if versions.size else None,
-            "rows": [{"key": int(keys[i]), "freq": int(t["freqs"][i]),
-                      "version": int(t["versions"][i]),
-                      "values": [float(x) for x in values[i][:6]]} for i in range(n)],
+            "rows": _rows(keys[:n], t["freqs"][:n], t["versions"][:n], values[:n]),
         })
     return link, tables
 

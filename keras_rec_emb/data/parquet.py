@@ -401,18 +401,26 @@ class _FileReader:
             parquet_file.close()
 
 
-def _file_readers(paths, columns, options, use_threads, pool):
-    """`_FileReader`s of the files with row groups in this partition.
-
-    Row groups are numbered across all files in order (file 0's first, then
-    file 1's, ...); this partition takes those whose number `g` has
-    `g % partition_count == partition_index`.
-    """
-    names = [c.name for c in columns]
-    schema = None  # output Arrow schema, fixed by the first file
+def _partition(paths, options):
+    """(path, its open `ParquetFile`, its row groups in this partition) of
+    each file. Row groups are numbered across all files in order (file 0's
+    first, then file 1's, ...); this partition takes those whose number `g`
+    has `g % partition_count == partition_index`."""
     first_row_group = 0
     for path in paths:
         parquet_file = _open(path)
+        count = parquet_file.num_row_groups
+        yield path, parquet_file, [
+            i for i in range(count)
+            if (first_row_group + i) % options.partition_count == options.partition_index]
+        first_row_group += count
+
+
+def _file_readers(paths, columns, options, use_threads, pool):
+    """`_FileReader`s of the files with row groups in this partition."""
+    names = [c.name for c in columns]
+    schema = None  # output Arrow schema, fixed by the first file
+    for path, parquet_file, row_groups in _partition(paths, options):
         file_schema = parquet_file.schema_arrow
         for column in columns:
             if column.name not in file_schema.names:
@@ -427,13 +435,6 @@ def _file_readers(paths, columns, options, use_threads, pool):
                                               c.dtype, c.name, path))
                 for c in columns
             ])
-        count = parquet_file.num_row_groups
-        row_groups = [
-            i for i in range(count)
-            if (first_row_group + i) % options.partition_count ==
-            options.partition_index
-        ]
-        first_row_group += count
         if not row_groups:
             parquet_file.close()
             continue
@@ -447,17 +448,12 @@ def _file_readers(paths, columns, options, use_threads, pool):
 
 def _num_batches(paths, options):
     """Batches one pass yields, from the files' metadata: the rows of this
-    partition's row groups (numbered as in `_file_readers`), in batches of
-    `batch_size` across row group and file boundaries."""
-    rows, first_row_group = 0, 0
-    for path in paths:
-        parquet_file = _open(path)
+    partition's row groups, in batches of `batch_size` across row group and
+    file boundaries."""
+    rows = 0
+    for _, parquet_file, row_groups in _partition(paths, options):
         try:
-            metadata = parquet_file.metadata
-            for i in range(metadata.num_row_groups):
-                if (first_row_group + i) % options.partition_count == options.partition_index:
-                    rows += metadata.row_group(i).num_rows
-            first_row_group += metadata.num_row_groups
+            rows += sum(parquet_file.metadata.row_group(i).num_rows for i in row_groups)
         finally:
             parquet_file.close()
     if options.drop_remainder:

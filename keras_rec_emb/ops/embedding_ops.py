@@ -174,26 +174,24 @@ def _refuse_distribution(params, what):
             _ops.refuse_distribution(what)
 
 
+def _distinct_params(params):
+    """(tables, dense parameters, each feature's index among them): the
+    distinct parameters of `params`, tables first (the fused ops' input
+    order), the trainable tables marked as read by the tape."""
+    tables = list({p.key: p for p in params if p.table is not None}.values())
+    dense = list({p.key: p for p in params if p.table is None}.values())
+    index = {p.key: i for i, p in enumerate(tables + dense)}
+    for t in tables:
+        if t.table.trainable:
+            _compat.variable_accessed(t.table.variable)
+    return tables, dense, [index[p.key] for p in params]
+
+
 def _group_lookup_op(params, flat_ids, splits, weights, combiners, max_norms, default_ids,
                      prunes, sequences, training, name, concat):
     """The KRE>GroupLookup op over `params` (tables of this process and
     dense matrices or tensors), its parameters each given once."""
-    # Distinct parameters, tables first (the op's input order).
-    tables, dense, index = [], [], {}
-    for p in params:
-        if p.key in index:
-            continue
-        if p.table is not None:
-            index[p.key] = ("t", len(tables))
-            tables.append(p)
-        else:
-            index[p.key] = ("d", len(dense))
-            dense.append(p)
-    feature_params = [index[p.key][1] + (0 if index[p.key][0] == "t" else len(tables))
-                      for p in params]
-    for t in tables:
-        if t.table.trainable:
-            _compat.variable_accessed(t.table.variable)
+    tables, dense, feature_params = _distinct_params(params)
     attrs = dict(
         table_key_dtypes=[t.table.key_dtype for t in tables],
         param_dims=[p.dim for p in tables + dense],
@@ -437,21 +435,14 @@ def stacked_pooled_lookup(params, ids, combiners, default_ids, name=None, what="
             ids = assert_ids_in_range(ids, tf.int32, what, lower=False)
         elif tf.int32 in key_dtypes:
             return None
-    tables, index = [], {}
-    for p in ps:
-        if p.key not in index:
-            index[p.key] = len(tables)
-            tables.append(p)
-    for t in tables:
-        if t.table.trainable:
-            _compat.variable_accessed(t.table.variable)
+    tables, _, feature_tables = _distinct_params(ps)
     _refuse_distribution(tables, "A group embedding lookup")
     _ops.refuse_xla("A group embedding lookup")
     return _ops.gen().kre_stacked_pooled_lookup(
         [t.table.handle for t in tables], ids, num_features=len(ps),
         table_key_dtypes=[t.table.key_dtype for t in tables],
         table_dims=[t.dim for t in tables],
-        feature_tables=[index[p.key] for p in ps],
+        feature_tables=feature_tables,
         combiners=list(combiners),
         default_ids=[-1 if d is None else int(d) for d in default_ids],
         name=name or "StackedPooledLookup")
@@ -523,14 +514,6 @@ def pooled_layer_lookup(layer, inputs, training, weights=None):
     return layers_lookup([_pooled_call(layer, inputs, training, weights)])[0]
 
 
-def model_call_rows(layer, inputs, training):
-    """This call's rows when `layer` is one of the fused calls of the
-    Functional model call being run (`backend/tensorflow/model_fusion.py`): a `tf.Tensor`,
-    all of them looked up at the first; None otherwise (the layer looks its
-    ids up at the call)."""
-    return _model_fusion.planned_rows(layer, inputs, training)
-
-
 def _lookup_entries(entries, training):
     """The rows of the planned calls `entries` (`_model_fusion`: a layer and
     its ids each) of one model call, one `KRE>GroupLookup` per insert flag."""
@@ -554,12 +537,6 @@ def _lookup_entries(entries, training):
 
 
 _model_fusion.lookup_entries = _lookup_entries
-
-
-def register_layer_class(cls):
-    """Names `layers.EmbeddingVariable` (which imports this module) to the
-    Functional-model fusion (`backend/tensorflow/model_fusion.py`)."""
-    _model_fusion.EMBEDDING_VARIABLE = cls
 
 
 def layers_lookup(calls):
@@ -838,8 +815,6 @@ def group_embedding_lookup(params, ids, name=None, *, training=False):
     """
     if not isinstance(ids, (list, tuple)):
         raise TypeError(f"`ids` must be a list. Received: ids={ids!r}")
-    if not isinstance(params, (list, tuple)):
-        raise TypeError(f"`params` must be a list. Received: params={params!r}")
     tensors = []
     for i, t in enumerate(ids):
         if isinstance(t, (tf.RaggedTensor, tf.SparseTensor)):
