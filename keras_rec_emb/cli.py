@@ -471,6 +471,18 @@ def _print_rows(rows):
               f"version={row['version']} values[:6]={values}")
 
 
+# The line `inspect` prints per table, by the kind of file read.
+_TABLE_LINES = {
+    "keras": ("{name}: dim={dim} key_dtype={key_dtype} keys={keys:,} filtered={filtered:,} "
+              "saved={saved_bytes:,} bytes slots={any_slots} latest_step={latest_step} "
+              "total_freq={total_freq:,}"),
+    "checkpoint link": ("{name}: dim={dim} key_dtype={key_dtype} keys={keys:,} "
+                        "filtered={filtered:,} erased={erased:,} slots={any_slots} "
+                        "latest_step={latest_step}"),
+    "SavedModel": "{name}: {kind} dim={any_dim} keys={keys:,} filtered={filtered:,}",
+}
+
+
 def inspect(args):
     link = None
     try:
@@ -505,25 +517,12 @@ def inspect(args):
         print(f"{args.model}: no EmbeddingVariable tables")
         return 0
     for t in tables:
-        if source == "keras":
-            print(f"{t['name']}: dim={t['dim']} key_dtype={t['key_dtype']} "
-                  f"keys={t['keys']:,} filtered={t['filtered']:,} "
-                  f"saved={t['saved_bytes']:,} bytes slots={t['slots'] or '-'} "
-                  f"latest_step={t['latest_step']} total_freq={t['total_freq']:,}")
-            st = t["storage"]
-            if st["storage"] == "FILE":
-                print(f"  file tier: storage_path={st['storage_path']} (a live table's "
-                      "folder; the rows above are those saved in this file)")
-            _print_rows(t["rows"])
-        elif source == "checkpoint link":
-            print(f"{t['name']}: dim={t['dim']} key_dtype={t['key_dtype']} "
-                  f"keys={t['keys']:,} filtered={t['filtered']:,} erased={t['erased']:,} "
-                  f"slots={t['slots'] or '-'} latest_step={t['latest_step']}")
-            _print_rows(t["rows"])
-        else:
-            dim = "-" if t["dim"] is None else t["dim"]
-            print(f"{t['name']}: {t['kind']} dim={dim} keys={t['keys']:,} "
-                  f"filtered={t['filtered']:,}")
+        print(_TABLE_LINES[source].format(**t, any_slots=t.get("slots") or "-",
+                                          any_dim="-" if t["dim"] is None else t["dim"]))
+        if t.get("storage", {}).get("storage") == "FILE":
+            print(f"  file tier: storage_path={t['storage']['storage_path']} (a live "
+                  "table's folder; the rows above are those saved in this file)")
+        _print_rows(t.get("rows", ()))
     line = f"total: {totals['tables']} tables, {totals['keys']:,} keys, " \
            f"{totals['filtered']:,} filtered"
     if "erased" in totals:

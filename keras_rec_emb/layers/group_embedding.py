@@ -123,12 +123,8 @@ class FeatureSpec:
             raise TypeError(f"`sequence` must be a bool. Received: sequence={sequence!r}")
         max_norm = check_float("max_norm", max_norm, 0, min_open=True, allow_none=True)
         default_id = check_int("default_id", default_id, 0, allow_none=True)
-        if isinstance(table, bool) or not isinstance(
-                table, (int, np.integer, dict, EmbeddingVariable, keras.layers.Embedding)):
-            raise TypeError(
-                "`table` must be an EmbeddingVariable, a keras.layers.Embedding, a "
-                f"spec dict or a table index. Received: table={table!r}"
-            )
+        if isinstance(table, bool) or not isinstance(table, (int, np.integer, dict)):
+            _check_table_layer(table, "table")
         self.table = table
         self.combiner = combiner
         self.weight_feature = weight_feature
@@ -301,7 +297,7 @@ class GroupEmbedding(keras.layers.Layer):
         for fname, spec in features.items():
             if not isinstance(fname, str):
                 raise TypeError(f"Feature names must be strings. Received: {fname!r}")
-            if isinstance(spec, dict) and "combiner" in spec or isinstance(spec, dict) and "table" in spec:
+            if isinstance(spec, dict) and ("combiner" in spec or "table" in spec):
                 spec = FeatureSpec.from_config(spec)
             if not isinstance(spec, FeatureSpec):
                 raise TypeError(
