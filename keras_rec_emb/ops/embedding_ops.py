@@ -92,7 +92,9 @@ def _dense_value(variable):
     return tf.cast(value, tf.float32) if value.dtype != tf.float32 else value
 
 
-def _as_list(x, n, what, check=None):
+def _as_list(x, n, what, check, *args, **kwargs):
+    """`x` (one value for all features or a list of one per feature) as a
+    list of `n`, each entry checked by `check(what, entry, *args, **kwargs)`."""
     if isinstance(x, (list, tuple)):
         if len(x) != n:
             raise ValueError(
@@ -102,18 +104,9 @@ def _as_list(x, n, what, check=None):
         out = list(x)
     else:
         out = [x] * n
-    if check is not None:
-        for v in out:
-            check(v)
+    for v in out:
+        check(what, v, *args, **kwargs)
     return out
-
-
-def _check_combiner(c):
-    if c not in COMBINERS:
-        raise ValueError(
-            f"`combiners` entries must be one of {COMBINERS}. Received: "
-            f"combiner={c!r}"
-        )
 
 
 # -- the fused op and its gradient --------------------------------------------
@@ -767,7 +760,9 @@ def group_embedding_lookup_sparse(params, sp_ids, combiners, sp_weights=None,
             f"len(params)={n} and len(combiners)={len(combiners)}"
         )
     for c in combiners:
-        _check_combiner(c)
+        if c not in COMBINERS:
+            raise ValueError(f"`combiners` entries must be one of {COMBINERS}. Received: "
+                             f"combiner={c!r}")
     if sp_weights is not None:
         if not isinstance(sp_weights, (list, tuple)) or len(sp_weights) != n:
             raise ValueError(
@@ -775,18 +770,15 @@ def group_embedding_lookup_sparse(params, sp_ids, combiners, sp_weights=None,
                 f"feature ({n}). Received: {sp_weights!r}"
             )
     check_bool("concat", concat)
-    sequences = _as_list(is_sequence, n, "is_sequence", lambda v: check_bool("is_sequence", v))
+    sequences = _as_list(is_sequence, n, "is_sequence", check_bool)
     if concat and any(sequences):
         raise ValueError("`concat=True` needs no sequence features. Received: "
                          f"is_sequence={is_sequence!r}")
     return _group(
         params, sp_ids, list(combiners), sp_weights, sequences,
-        _as_list(max_norm, n, "max_norm", lambda v: check_float(
-            "max_norm", v, 0, min_open=True, allow_none=True)),
-        _as_list(default_id, n, "default_id", lambda v: check_int(
-            "default_id", v, 0, allow_none=True)),
-        _as_list(prune_invalid_ids, n, "prune_invalid_ids",
-                 lambda v: check_bool("prune_invalid_ids", v)),
+        _as_list(max_norm, n, "max_norm", check_float, 0, min_open=True, allow_none=True),
+        _as_list(default_id, n, "default_id", check_int, 0, allow_none=True),
+        _as_list(prune_invalid_ids, n, "prune_invalid_ids", check_bool),
         params_num_per_group, training, name, concat=concat)
 
 
@@ -897,7 +889,6 @@ def embedding_lookup_sparse(params, sp_ids, sp_weights=None, combiner="mean",
            [0., 0., 0., 1.],
            [0., 0., 0., 1.]], dtype=float32)
     """
-    _check_combiner(combiner)
     return group_embedding_lookup_sparse(
         [params], [sp_ids], [combiner],
         None if sp_weights is None else [sp_weights], name=name,
