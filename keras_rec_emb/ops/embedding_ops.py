@@ -23,8 +23,9 @@ from keras_rec_emb.backend.tensorflow import compat as _compat
 from keras_rec_emb.backend.tensorflow import ops as _ops
 from keras_rec_emb.backend.tensorflow import serving_context as _serving_context
 from keras_rec_emb.backend.tensorflow import model_fusion as _model_fusion
-from keras_rec_emb.backend.tensorflow.checks import (COMBINERS, assert_ids_in_range, check_bool, check_float,
-                                   check_int, checked_sparse_ids, integer_ids)
+from keras_rec_emb._checks_core import COMBINERS, check_bool, check_float, check_int
+from keras_rec_emb.backend.tensorflow.checks import (assert_ids_in_range, checked_sparse_ids,
+                                                     integer_ids)
 from keras_rec_emb.backend.tensorflow.embed_reduce import combine_rows
 from keras_rec_emb.backend.tensorflow.ids import (FlatIds, checked_id_shape, collapse_outer,
                                                   flat_ids_and_splits, int_ids, sparse_row_splits,

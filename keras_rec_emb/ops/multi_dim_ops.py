@@ -11,7 +11,7 @@ are combined by stock segment ops over the present entries only.
 import numpy as np
 import tensorflow as tf
 
-from keras_rec_emb.backend.tensorflow.checks import check_bool, check_float
+from keras_rec_emb._checks_core import check_bool, check_float
 from keras_rec_emb.backend.tensorflow.ids import _same_vector, int_ids
 from keras_rec_emb.ops import embedding_ops
 
