@@ -1,13 +1,6 @@
-"""The `keras-rec-emb` command: `demo`, `bench`, `inspect` and `strip-filtered`.
-
-    keras-rec-emb demo [--rows N] [--epochs E] [--output DIR]
-    keras-rec-emb bench [--quick] [--output-dir DIR]
-    keras-rec-emb inspect MODEL.keras|SAVEDMODEL_DIR|ckpt-*.npz [--rows K] [--json]
-    keras-rec-emb strip-filtered IN.keras OUT.keras
-    keras-rec-emb ps --ps HOST:PORT,HOST:PORT --task I
-
-Arguments are parsed by `keras_rec_emb_cli` (which answers `--help` and
-`--version` without importing TensorFlow); the commands run here.
+"""The `keras-rec-emb` command's `demo`, `bench`, `inspect`, `strip-filtered`
+and `ps`. Arguments are parsed by `keras_rec_emb_cli` (its usage, `--help`
+and `--version` without importing TensorFlow); the commands run here.
 """
 
 import contextlib

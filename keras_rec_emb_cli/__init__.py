@@ -76,14 +76,17 @@ def parser():
                             "counted but did not admit (for serving)")
     c.add_argument("input", help="path of a .keras file")
     c.add_argument("output", help="path of the .keras file to write")
-    c = sub.add_parser("ps", help="run a parameter-server task (a tf.distribute.Server "
-                                  "with keras_rec_emb's ops) until killed: its shard of "
-                                  "the tables and its part of the dense variables. It "
-                                  "listens on its --ps address only; whoever reaches it "
-                                  "can run any TensorFlow graph in it (no authentication): "
-                                  "trusted networks only")
-    add_ps_arguments(c)
+    add_ps_arguments(sub.add_parser("ps", help=PS_HELP))
     return p
+
+
+PS_HELP = ("run a parameter-server task (a tf.distribute.Server with keras_rec_emb's ops) "
+           "until killed: its shard of every table and its part of the dense and "
+           "optimizer variables of the model the workers train (they connect in any "
+           "order, several at once). It listens on its --ps address only (its helper "
+           "server on loopback); whoever reaches that port can run any TensorFlow graph "
+           "in it, reading and writing its files (no authentication): trusted networks "
+           "only")
 
 
 def add_ps_arguments(p):

@@ -120,16 +120,9 @@ def _check_listening(address, mapping):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(
-        prog="keras-rec-emb ps",
-        description="Run a parameter-server task (a tf.distribute.Server with "
-                    "keras_rec_emb's ops loaded) until killed: it holds its shard of "
-                    "every table and its part of the dense and optimizer variables of "
-                    "the model the workers train. Workers may connect in any order, "
-                    "several at once. It listens on the address --ps gives it (its "
-                    "helper server on loopback). Anyone who reaches that port can run "
-                    "any TensorFlow graph in this process, reading and writing its files: "
-                    "run the cluster on a trusted network only.")
+    help_text = keras_rec_emb_cli.PS_HELP
+    p = argparse.ArgumentParser(prog="keras-rec-emb ps",
+                                description=help_text[0].upper() + help_text[1:] + ".")
     keras_rec_emb_cli.add_ps_arguments(p)
     args = p.parse_args(argv)
     ps = keras_rec_emb_cli.ps_addresses(p, args)

@@ -236,16 +236,14 @@ def _exchanged_lookup(params, flat_ids, splits, weights, combiners, max_norms, d
     looked = type(tables[0]).lookup_many(tables, flats, bool(training), distinct=True)
     places = [None] * len(params)
     for p, (_, index) in zip(order, looked):
-        features = features_of[p.key]
-        parts = tf.split(index, [tf.size(kept[f]) for f in features], 0) if len(
-            features) > 1 else [index]
-        for f, part in zip(features, parts):
-            part = tf.cast(part, tf.int64)
-            if keep[f] is not None:
-                part = tf.tensor_scatter_nd_update(
-                    tf.fill(tf.shape(keep[f], out_type=tf.int64), tf.constant(-1, tf.int64)),
-                    tf.where(keep[f]), part)
-            places[f] = part
+        _split_rows(places, features_of[p.key], [kept[f] for f in features_of[p.key]], index)
+    for f, part in enumerate(places):
+        part = tf.cast(part, tf.int64)
+        if keep[f] is not None:
+            part = tf.tensor_scatter_nd_update(
+                tf.fill(tf.shape(keep[f], out_type=tf.int64), tf.constant(-1, tf.int64)),
+                tf.where(keep[f]), part)
+        places[f] = part
     # Each table's distinct rows stand in as a dense parameter of its features.
     dense = {p.key: _Param(variable=rows) for p, (rows, _) in zip(order, looked)}
     return _group_lookup_op([dense[p.key] for p in params], places, splits, weights, combiners,
@@ -764,12 +762,10 @@ def group_embedding_lookup_sparse(params, sp_ids, combiners, sp_weights=None,
         if c not in COMBINERS:
             raise ValueError(f"`combiners` entries must be one of {COMBINERS}. Received: "
                              f"combiner={c!r}")
-    if sp_weights is not None:
-        if not isinstance(sp_weights, (list, tuple)) or len(sp_weights) != n:
-            raise ValueError(
-                "`sp_weights` must be None or a list with one entry per "
-                f"feature ({n}). Received: {sp_weights!r}"
-            )
+    if sp_weights is not None and (not isinstance(sp_weights, (list, tuple))
+                                   or len(sp_weights) != n):
+        raise ValueError("`sp_weights` must be None or a list with one entry per "
+                         f"feature ({n}). Received: {sp_weights!r}")
     check_bool("concat", concat)
     sequences = _as_list(is_sequence, n, "is_sequence", check_bool)
     if concat and any(sequences):
