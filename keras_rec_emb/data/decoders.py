@@ -18,11 +18,7 @@ else:
     from keras_rec_emb.backend.tensorflow import data as _impl
 
 
-def decode_csv(record_defaults,
-               names=None,
-               field_delim=",",
-               use_quote_delim=True,
-               na_value="",
+def decode_csv(record_defaults, names=None, field_delim=",", use_quote_delim=True, na_value="",
                select_cols=None):
     """A function parsing a batch of CSV records (`tf.io.decode_csv`;
     TensorFlow backend).

@@ -575,16 +575,8 @@ class KafkaDataset(_KafkaDatasetBase):
     ...     print(values.shape)
     """
 
-    def __init__(self,
-                 topics,
-                 servers="localhost",
-                 group="",
-                 eof=False,
-                 timeout=1000,
-                 config_global=None,
-                 config_topic=None,
-                 message_key=False,
-                 batch_size=None,
+    def __init__(self, topics, servers="localhost", group="", eof=False, timeout=1000,
+                 config_global=None, config_topic=None, message_key=False, batch_size=None,
                  broker_timeout=DEFAULT_BROKER_TIMEOUT_MS):
         ranges = [_parse_topic(s) for s in _strings(topics, "topics")]
         partitions = [(t, p) for t, p, _, _ in ranges]
@@ -639,15 +631,8 @@ class KafkaGroupIODataset(_KafkaDatasetBase):
     ...     batch_size=32)  # doctest: +SKIP
     """
 
-    def __init__(self,
-                 topics,
-                 group_id,
-                 servers,
-                 stream_timeout=0,
-                 message_poll_timeout=10000,
-                 configuration=None,
-                 message_key=False,
-                 batch_size=None,
+    def __init__(self, topics, group_id, servers, stream_timeout=0, message_poll_timeout=10000,
+                 configuration=None, message_key=False, batch_size=None,
                  broker_timeout=DEFAULT_BROKER_TIMEOUT_MS):
         topics = _strings(topics, "topics")
         for topic in topics:

@@ -610,18 +610,11 @@ class ParquetDataset(_impl.Dataset):
     [1, 2]
     """
 
-    def __init__(self,
-                 filenames,
-                 batch_size=1,
-                 fields=None,
-                 partition_count=1,
-                 partition_index=0,
-                 drop_remainder=False,
-                 num_parallel_reads=None,
+    def __init__(self, filenames, batch_size=1, fields=None, partition_count=1,
+                 partition_index=0, drop_remainder=False, num_parallel_reads=None,
                  num_sequential_reads=1):
-        options = _read_options(batch_size, drop_remainder, partition_count,
-                                partition_index, num_parallel_reads,
-                                num_sequential_reads)
+        options = _read_options(batch_size, drop_remainder, partition_count, partition_index,
+                                num_parallel_reads, num_sequential_reads)
         source, paths = _filenames(filenames)
         schema = _open(paths[0]).schema_arrow if paths else None
         columns = _columns(fields, schema, paths[0] if paths else None)
@@ -631,13 +624,8 @@ class ParquetDataset(_impl.Dataset):
             None if paths is None else _num_batches(paths, options)))
 
 
-def read_parquet(batch_size,
-                 fields=None,
-                 partition_count=1,
-                 partition_index=0,
-                 drop_remainder=False,
-                 num_parallel_reads=None,
-                 num_sequential_reads=1):
+def read_parquet(batch_size, fields=None, partition_count=1, partition_index=0,
+                 drop_remainder=False, num_parallel_reads=None, num_sequential_reads=1):
     """A transformation reading a dataset of filenames as a `ParquetDataset`
     (TensorFlow backend: a tf.data transformation; under JAX give
     `ParquetDataset` the list of paths).
@@ -669,8 +657,7 @@ def read_parquet(batch_size,
             "ParquetDataset(list_of_paths, ...)")
 
     def apply(filenames):
-        return ParquetDataset(filenames, batch_size, fields, partition_count,
-                              partition_index, drop_remainder,
-                              num_parallel_reads, num_sequential_reads)
+        return ParquetDataset(filenames, batch_size, fields, partition_count, partition_index,
+                              drop_remainder, num_parallel_reads, num_sequential_reads)
 
     return apply
