@@ -21,13 +21,6 @@ from keras_rec_emb.saving import default_mode
 from keras_rec_emb.data.synthetic import NUM_DENSE, synthetic_ctr
 
 
-def write_parquet(path, columns, row_group_size=65536):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    pq.write_table(pa.table(columns), path, row_group_size=row_group_size)
-
-
 # Where `bench` looks for a checkout's benchmarks/ folder: next to the
 # package (an editable install of a checkout), then the current directory.
 _CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -116,6 +109,8 @@ def _ev_layers(model):
 
 def demo(args):
     import keras
+    import pyarrow as pa
+    import pyarrow.parquet as pq
     import tensorflow as tf
 
     import keras_rec_emb as kre
@@ -129,7 +124,8 @@ def demo(args):
     paths = {}
     for part, rows in (("train", slice(0, split)), ("test", slice(split, None))):
         paths[part] = os.path.join(args.output, f"{part}.parquet")
-        write_parquet(paths[part], {k: v[rows] for k, v in columns.items()})
+        pq.write_table(pa.table({k: v[rows] for k, v in columns.items()}), paths[part],
+                       row_group_size=65536)
 
     def dataset(part):
         return kre.data.ParquetDataset(paths[part], batch_size=args.batch_size).map(
