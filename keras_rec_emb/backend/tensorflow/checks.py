@@ -72,6 +72,18 @@ def assert_ids_in_range(ids, key_dtype, what, lower=True):
         return tf.identity(ids)
 
 
+def checked(value, ok, message, received):
+    """`value` once the scalar bool `ok` holds: eagerly a ValueError
+    (`message`, then `received()`) if not; traced, an assertion that runs
+    before `value` is read."""
+    if tf.executing_eagerly():
+        if not bool(ok):
+            raise ValueError(f"{message}. {received()}")
+        return value
+    with tf.control_dependencies([tf.debugging.assert_equal(ok, True, message=message)]):
+        return tf.identity(value)
+
+
 def checked_sparse_ids(sp, what):
     """`sp` ([batch, None] tf.SparseTensor) in canonical row-major order,
     with a check that every row index lies in [0, dense_shape[0]) (a row

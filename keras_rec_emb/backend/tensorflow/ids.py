@@ -9,7 +9,7 @@ from typing import NamedTuple
 import keras
 import tensorflow as tf
 
-from keras_rec_emb.backend.tensorflow.checks import checked_sparse_ids, integer_ids
+from keras_rec_emb.backend.tensorflow.checks import checked, checked_sparse_ids, integer_ids
 from keras_rec_emb.backend.tensorflow.embed_reduce import combine_dense, combine_rows, combine_sparse
 
 
@@ -236,12 +236,6 @@ def weights_values(w, ids, splits, what, what_ids):
         same = tf.logical_and(same, _same_vector(tf.sparse.reorder(ids).indices, w.indices))
     message = (f"`{what}` must have the structure of `{what_ids}` (one weight per "
                "id, the same row lengths and, for tf.SparseTensor, the same indices)")
-    if tf.executing_eagerly():
-        if not bool(same):
-            raise ValueError(
-                f"{message}. Received {int(splits[-1])} ids with row splits "
-                f"{splits.numpy().tolist()[:8]} and {int(tf.size(values))} weights "
-                f"with row splits {w_splits.numpy().tolist()[:8]}")
-        return values
-    with tf.control_dependencies([tf.debugging.assert_equal(same, True, message=message)]):
-        return tf.identity(values)
+    return checked(values, same, message, lambda: (
+        f"Received {int(splits[-1])} ids with row splits {splits.numpy().tolist()[:8]} and "
+        f"{int(tf.size(values))} weights with row splits {w_splits.numpy().tolist()[:8]}"))
