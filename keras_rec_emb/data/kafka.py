@@ -28,6 +28,7 @@ import numpy as np
 
 from keras_rec_emb import _backend
 from keras_rec_emb import _keras_fixes as _fixes
+from keras_rec_emb._checks_core import is_int
 
 if _backend.is_jax():
     from keras_rec_emb.backend.jax import data as _impl
@@ -61,13 +62,10 @@ def _check_offsets(offsets):
     if not isinstance(offsets, dict):
         raise TypeError(f"`offsets` must be {allowed}. Received: offsets={offsets!r}")
 
-    def count(x):
-        return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) \
-            and x >= 0
-
     for key, offset in offsets.items():
         if not (isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str)
-                and _TOPIC.fullmatch(key[0]) and count(key[1]) and count(offset)):
+                and _TOPIC.fullmatch(key[0]) and is_int(key[1]) and key[1] >= 0
+                and is_int(offset) and offset >= 0):
             raise ValueError(f"`offsets` must be {allowed}. Received the entry "
                              f"{key!r}: {offset!r} in offsets={offsets!r}")
     return {(t, int(p)): int(o) for (t, p), o in offsets.items()}
