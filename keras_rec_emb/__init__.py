@@ -12,38 +12,13 @@ from keras_rec_emb.backend.tensorflow import allocator as _allocator
 from keras_rec_emb._version import __version__
 
 # Under Keras's JAX backend the tables go through XLA's FFI (keras_rec_emb/backend/jax,
-# `make jax-ops`) and TensorFlow is neither imported nor needed. The public API
-# there: `layers` (EmbeddingVariable, GroupEmbedding, FeatureSpec), every
-# optimizer but LossScaleOptimizer, the table options (EmbeddingVariableOption
-# and the rest), `callbacks`, `save_model` / `load_model`, `export_for_serving`
-# and incremental checkpoints (`IncrementalCheckpointer`; `apply_to_saved_model`
-# says what to use instead); the rest of the TensorFlow API is named as
-# TensorFlow-only when asked for.
+# `make jax-ops`) and TensorFlow is neither imported nor needed; `distribute` and
+# `ops` are TensorFlow-only, and say so when asked for.
 if _backend.is_jax():
     from keras_rec_emb.backend.jax import use_64_bit_ids
 
     # Before any array is made: ids are 64-bit (see use_64_bit_ids).
     use_64_bit_ids()
-    from keras_rec_emb import callbacks, data, layers, optimizers
-    from keras_rec_emb.backend.jax import tensorflow_only_getattr
-    from keras_rec_emb.serving import export_for_serving
-    from keras_rec_emb.incremental import IncrementalCheckpointer, apply_to_saved_model
-    from keras_rec_emb.options import (CBFFilter, CounterFilter, EmbeddingVariableOption,
-                                       GlobalStepEvict, InitializerOption, L2WeightEvict,
-                                       StorageOption)
-    from keras_rec_emb.saving import load_model, save_model, storage_root
-
-    __all__ = ["__version__", "export_for_serving", "layers", "optimizers", "CBFFilter",
-               "CounterFilter", "EmbeddingVariableOption", "GlobalStepEvict",
-               "InitializerOption", "L2WeightEvict", "StorageOption", "save_model",
-               "load_model", "storage_root", "callbacks", "data", "IncrementalCheckpointer",
-               "apply_to_saved_model"]
-    _TENSORFLOW_ONLY = ("distribute", "ops")
-
-    def __dir__():
-        return list(__all__)
-
-    __getattr__ = tensorflow_only_getattr("keras_rec_emb", _TENSORFLOW_ONLY, __all__[1:])
 else:
     # Before anything runs a TensorFlow op: the CPU allocator is chosen when
     # TensorFlow creates its devices (see _allocator for why and how to opt out).
@@ -151,38 +126,31 @@ else:
     # Register the ops now, so that SavedModels using them load after import.
     _ops.gen()
 
-    from keras_rec_emb import callbacks, data, distribute, layers, ops, optimizers
-    from keras_rec_emb.options import (
-        CBFFilter,
-        CounterFilter,
-        EmbeddingVariableOption,
-        GlobalStepEvict,
-        InitializerOption,
-        L2WeightEvict,
-        StorageOption,
-    )
-    from keras_rec_emb.incremental import (
-        IncrementalCheckpointer,
-        apply_to_saved_model,
-    )
-    from keras_rec_emb.saving import load_model, save_model, storage_root
-    from keras_rec_emb.serving import export_for_serving
 
-    __all__ = [
-        "__version__",
-        # Subpackages.
-        "callbacks", "data", "distribute", "layers", "ops", "optimizers",
-        # Table options.
-        "CBFFilter", "CounterFilter", "EmbeddingVariableOption", "GlobalStepEvict",
-        "InitializerOption", "L2WeightEvict", "StorageOption",
-        # Saving, serving, incremental checkpoints.
-        "save_model", "load_model", "storage_root", "export_for_serving",
-        "IncrementalCheckpointer",
-        "apply_to_saved_model",
-    ]
+from keras_rec_emb import callbacks, data, layers, optimizers
+from keras_rec_emb.incremental import IncrementalCheckpointer, apply_to_saved_model
+from keras_rec_emb.options import (CBFFilter, CounterFilter, EmbeddingVariableOption,
+                                   GlobalStepEvict, InitializerOption, L2WeightEvict,
+                                   StorageOption)
+from keras_rec_emb.saving import load_model, save_model, storage_root
+from keras_rec_emb.serving import export_for_serving
+
+__all__ = ["__version__", "export_for_serving", "layers", "optimizers", "CBFFilter",
+           "CounterFilter", "EmbeddingVariableOption", "GlobalStepEvict",
+           "InitializerOption", "L2WeightEvict", "StorageOption", "save_model",
+           "load_model", "storage_root", "callbacks", "data", "IncrementalCheckpointer",
+           "apply_to_saved_model"]
+if _backend.is_jax():
+    from keras_rec_emb.backend.jax import tensorflow_only_getattr
+
+    __getattr__ = tensorflow_only_getattr("keras_rec_emb", ("distribute", "ops"), __all__[1:])
+else:
+    from keras_rec_emb import distribute, ops
+
+    __all__ += ["distribute", "ops"]
 
 
-    def __dir__():
-        # dir() and completion list the public API only, not the modules that
-        # implement it (`_ops`, `variables`, ...) nor this file's helpers.
-        return list(__all__)
+def __dir__():
+    # dir() and completion list the public API only, not the modules that
+    # implement it (`_ops`, `variables`, ...) nor this file's helpers.
+    return list(__all__)

@@ -1,13 +1,6 @@
-"""The `keras-rec-emb` command: `demo`, `bench`, `inspect` and `strip-filtered`.
-
-    keras-rec-emb demo [--rows N] [--epochs E] [--output DIR]
-    keras-rec-emb bench [--quick] [--output-dir DIR]
-    keras-rec-emb inspect MODEL.keras|SAVEDMODEL_DIR|ckpt-*.npz [--rows K] [--json]
-    keras-rec-emb strip-filtered IN.keras OUT.keras
-    keras-rec-emb ps --ps HOST:PORT,HOST:PORT --task I
-
-Arguments are parsed by `keras_rec_emb_cli` (which answers `--help` and
-`--version` without importing TensorFlow); the commands run here.
+"""The `keras-rec-emb` command's `demo`, `bench`, `inspect`, `strip-filtered`
+and `ps`. Arguments are parsed by `keras_rec_emb_cli` (its usage, `--help`
+and `--version` without importing TensorFlow); the commands run here.
 """
 
 import contextlib
@@ -26,13 +19,6 @@ import numpy as np
 import keras_rec_emb_cli
 from keras_rec_emb.saving import default_mode
 from keras_rec_emb.data.synthetic import NUM_DENSE, synthetic_ctr
-
-
-def write_parquet(path, columns, row_group_size=65536):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    pq.write_table(pa.table(columns), path, row_group_size=row_group_size)
 
 
 # Where `bench` looks for a checkout's benchmarks/ folder: next to the
@@ -123,6 +109,8 @@ def _ev_layers(model):
 
 def demo(args):
     import keras
+    import pyarrow as pa
+    import pyarrow.parquet as pq
     import tensorflow as tf
 
     import keras_rec_emb as kre
@@ -136,7 +124,8 @@ def demo(args):
     paths = {}
     for part, rows in (("train", slice(0, split)), ("test", slice(split, None))):
         paths[part] = os.path.join(args.output, f"{part}.parquet")
-        write_parquet(paths[part], {k: v[rows] for k, v in columns.items()})
+        pq.write_table(pa.table({k: v[rows] for k, v in columns.items()}), paths[part],
+                       row_group_size=65536)
 
     def dataset(part):
         return kre.data.ParquetDataset(paths[part], batch_size=args.batch_size).map(
@@ -370,11 +359,16 @@ def _keras_table(group, name, config, rows):
         "total_freq": int(total_freq or 0),
         "storage": {"storage": storage.get("storage_type") or "DRAM",
                     "storage_path": storage.get("storage_path")},
-        "rows": [{"key": int(k), "freq": int(f), "version": int(v),
-                  "values": [float(x) for x in row[:6]]}
-                 for k, f, v, row in zip(part("keys", rows), part("freqs", rows),
-                                         part("versions", rows), values[:rows])],
+        "rows": _rows(part("keys", rows), part("freqs", rows), part("versions", rows),
+                      values[:rows]),
     }
+
+
+def _rows(keys, freqs, versions, values):
+    """The rows `inspect` prints: key, frequency, version, first values."""
+    return [{"key": int(k), "freq": int(f), "version": int(v),
+             "values": [float(x) for x in row[:6]]}
+            for k, f, v, row in zip(keys, freqs, versions, values)]
 
 
 def is_checkpoint_link(path):
@@ -419,9 +413,7 @@ def _link_tables(path, rows):
             "erased": int(len(t.get("erased", ()))),
             "slots": sorted(k[len("slot/"):] for k in t if k.startswith("slot/")),
             "latest_step": int(versions.max()) if versions.size else None,
-            "rows": [{"key": int(keys[i]), "freq": int(t["freqs"][i]),
-                      "version": int(t["versions"][i]),
-                      "values": [float(x) for x in values[i][:6]]} for i in range(n)],
+            "rows": _rows(keys[:n], t["freqs"][:n], t["versions"][:n], values[:n]),
         })
     return link, tables
 
@@ -468,6 +460,18 @@ def _print_rows(rows):
               f"version={row['version']} values[:6]={values}")
 
 
+# The line `inspect` prints per table, by the kind of file read.
+_TABLE_LINES = {
+    "keras": ("{name}: dim={dim} key_dtype={key_dtype} keys={keys:,} filtered={filtered:,} "
+              "saved={saved_bytes:,} bytes slots={any_slots} latest_step={latest_step} "
+              "total_freq={total_freq:,}"),
+    "checkpoint link": ("{name}: dim={dim} key_dtype={key_dtype} keys={keys:,} "
+                        "filtered={filtered:,} erased={erased:,} slots={any_slots} "
+                        "latest_step={latest_step}"),
+    "SavedModel": "{name}: {kind} dim={any_dim} keys={keys:,} filtered={filtered:,}",
+}
+
+
 def inspect(args):
     link = None
     try:
@@ -502,25 +506,12 @@ def inspect(args):
         print(f"{args.model}: no EmbeddingVariable tables")
         return 0
     for t in tables:
-        if source == "keras":
-            print(f"{t['name']}: dim={t['dim']} key_dtype={t['key_dtype']} "
-                  f"keys={t['keys']:,} filtered={t['filtered']:,} "
-                  f"saved={t['saved_bytes']:,} bytes slots={t['slots'] or '-'} "
-                  f"latest_step={t['latest_step']} total_freq={t['total_freq']:,}")
-            st = t["storage"]
-            if st["storage"] == "FILE":
-                print(f"  file tier: storage_path={st['storage_path']} (a live table's "
-                      "folder; the rows above are those saved in this file)")
-            _print_rows(t["rows"])
-        elif source == "checkpoint link":
-            print(f"{t['name']}: dim={t['dim']} key_dtype={t['key_dtype']} "
-                  f"keys={t['keys']:,} filtered={t['filtered']:,} erased={t['erased']:,} "
-                  f"slots={t['slots'] or '-'} latest_step={t['latest_step']}")
-            _print_rows(t["rows"])
-        else:
-            dim = "-" if t["dim"] is None else t["dim"]
-            print(f"{t['name']}: {t['kind']} dim={dim} keys={t['keys']:,} "
-                  f"filtered={t['filtered']:,}")
+        print(_TABLE_LINES[source].format(**t, any_slots=t.get("slots") or "-",
+                                          any_dim="-" if t["dim"] is None else t["dim"]))
+        if t.get("storage", {}).get("storage") == "FILE":
+            print(f"  file tier: storage_path={t['storage']['storage_path']} (a live "
+                  "table's folder; the rows above are those saved in this file)")
+        _print_rows(t.get("rows", ()))
     line = f"total: {totals['tables']} tables, {totals['keys']:,} keys, " \
            f"{totals['filtered']:,} filtered"
     if "erased" in totals:

@@ -76,16 +76,34 @@ def parser():
                             "counted but did not admit (for serving)")
     c.add_argument("input", help="path of a .keras file")
     c.add_argument("output", help="path of the .keras file to write")
-    c = sub.add_parser("ps", help="run a parameter-server task (a tf.distribute.Server "
-                                  "with keras_rec_emb's ops) until killed: its shard of "
-                                  "the tables and its part of the dense variables. It "
-                                  "listens on its --ps address only; whoever reaches it "
-                                  "can run any TensorFlow graph in it (no authentication): "
-                                  "trusted networks only")
-    c.add_argument("--ps", required=True,
-                   help="comma-separated host:port of every PS task, in task order")
-    c.add_argument("--task", type=int, required=True, help="this task's index in --ps")
+    add_ps_arguments(sub.add_parser("ps", help=PS_HELP))
     return p
+
+
+PS_HELP = ("run a parameter-server task (a tf.distribute.Server with keras_rec_emb's ops) "
+           "until killed: its shard of every table and its part of the dense and "
+           "optimizer variables of the model the workers train (they connect in any "
+           "order, several at once). It listens on its --ps address only (its helper "
+           "server on loopback); whoever reaches that port can run any TensorFlow graph "
+           "in it, reading and writing its files (no authentication): trusted networks "
+           "only")
+
+
+def add_ps_arguments(p):
+    """`--ps` and `--task`, of `keras-rec-emb ps` and `python -m
+    keras_rec_emb.distribute.ps`."""
+    p.add_argument("--ps", required=True,
+                   help="comma-separated host:port of every PS task, in task order")
+    p.add_argument("--task", type=int, required=True, help="this task's index in --ps")
+
+
+def ps_addresses(p, args):
+    """The `--ps` addresses, once `--task` is checked to index one."""
+    ps = [a for a in args.ps.split(",") if a]
+    if not 0 <= args.task < len(ps):
+        p.error(f"--task must be in [0, {len(ps)}) for {len(ps)} --ps addresses; "
+                f"got {args.task}")
+    return ps
 
 
 def main(argv=None):
@@ -106,9 +124,7 @@ def main(argv=None):
             p.error(f"cannot write {args.output}: the folder {folder} does not exist "
                     "(create it first)")
     elif args.command == "ps":
-        n = len([a for a in args.ps.split(",") if a])
-        if not 0 <= args.task < n:
-            p.error(f"--task must be in [0, {n}) for {n} --ps addresses; got {args.task}")
+        ps_addresses(p, args)
     # Before TensorFlow loads: its C++ start-up lines would bury the output.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from keras_rec_emb import cli

@@ -18,11 +18,7 @@ else:
     from keras_rec_emb.backend.tensorflow import data as _impl
 
 
-def decode_csv(record_defaults,
-               names=None,
-               field_delim=",",
-               use_quote_delim=True,
-               na_value="",
+def decode_csv(record_defaults, names=None, field_delim=",", use_quote_delim=True, na_value="",
                select_cols=None):
     """A function parsing a batch of CSV records (`tf.io.decode_csv`;
     TensorFlow backend).
@@ -155,9 +151,7 @@ class _JsonParser:
         import pyarrow as pa
 
         name = dtype_name(field.type)
-        base = {"string": pa.string(), "bool": pa.bool_()}.get(name)
-        if base is None:
-            base = pa.from_numpy_dtype(np.dtype(name))
+        base = pa.string() if name == "string" else pa.from_numpy_dtype(np.dtype(name))
         return pa.list_(base) if (field.ragged_rank or field.shape) else base
 
     def _read(self, lines, fields):
@@ -217,20 +211,18 @@ class _JsonParser:
         for f in self._fields:
             name = dtype_name(f.type)
             dtype = np.dtype(object if name == "string" else name)
-            if f.ragged_rank or f.shape:
-                if table is None:
-                    out += [np.zeros(0, dtype), np.zeros(1, np.int64)]
-                    continue
-                column = table.column(f.name).combine_chunks()
+            is_list = bool(f.ragged_rank or f.shape)
+            if table is None:
+                out += [np.zeros(0, dtype), np.zeros(1, np.int64)] if is_list else [
+                    np.zeros(0, dtype)]
+                continue
+            column = table.column(f.name).combine_chunks()
+            if is_list:
                 lengths = np.asarray(column.value_lengths().fill_null(0), np.int64)
                 splits = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
                 flat = column.flatten().fill_null(0)
                 out += [np.asarray(flat.to_numpy(zero_copy_only=False), dtype), splits]
                 continue
-            if table is None:
-                out.append(np.zeros(0, dtype))
-                continue
-            column = table.column(f.name).combine_chunks()
             fill = {"string": "", "bool": False}.get(name, 0)
             values = column.fill_null(fill).to_numpy(zero_copy_only=False)
             if name == "string":

@@ -18,6 +18,7 @@ the JAX trainer's look-ahead on accelerators) hold elements already counted
 as read.
 """
 
+import functools
 import logging
 import re
 import threading
@@ -27,6 +28,7 @@ import numpy as np
 
 from keras_rec_emb import _backend
 from keras_rec_emb import _keras_fixes as _fixes
+from keras_rec_emb._checks_core import is_int
 
 if _backend.is_jax():
     from keras_rec_emb.backend.jax import data as _impl
@@ -60,13 +62,10 @@ def _check_offsets(offsets):
     if not isinstance(offsets, dict):
         raise TypeError(f"`offsets` must be {allowed}. Received: offsets={offsets!r}")
 
-    def count(x):
-        return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) \
-            and x >= 0
-
     for key, offset in offsets.items():
         if not (isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str)
-                and _TOPIC.fullmatch(key[0]) and count(key[1]) and count(offset)):
+                and _TOPIC.fullmatch(key[0]) and is_int(key[1]) and key[1] >= 0
+                and is_int(offset) and offset >= 0):
             raise ValueError(f"`offsets` must be {allowed}. Received the entry "
                              f"{key!r}: {offset!r} in offsets={offsets!r}")
     return {(t, int(p)): int(o) for (t, p), o in offsets.items()}
@@ -489,11 +488,27 @@ def _batch_size(batch_size):
 
 
 class _KafkaDatasetBase(_impl.Dataset):
-    """A dataset of Kafka messages with a checkpointable `position`."""
+    """A dataset of Kafka messages with a checkpointable `position`: each
+    iteration is a `new_pass(...)` (a `_Pass`) over librdkafka `config`
+    (the servers and the logger added here), once a broker has answered
+    within `poll_timeout` ms."""
 
-    def __init__(self, make_pass, batch_size, message_key):
+    def __init__(self, new_pass, servers, config, poll_timeout, message_key, batch_size,
+                 broker_timeout):
+        servers = _servers(servers)
+        broker_timeout = _timeout("broker_timeout", broker_timeout, allow_infinite=True)
+        batch_size = _batch_size(batch_size)
+        config = {"bootstrap.servers": servers, "enable.auto.offset.store": "false",
+                  "logger": _LOGGER, **config}
+        _check_reachable(config, servers, poll_timeout)
         self.position = KafkaPosition()
-        super().__init__(_impl.kafka_dataset(make_pass, batch_size, message_key))
+
+        def make_pass():
+            return new_pass(config=config, position=self.position, batch_size=batch_size,
+                            message_key=bool(message_key), poll_timeout_ms=poll_timeout,
+                            broker_timeout_ms=broker_timeout)
+
+        super().__init__(_impl.kafka_dataset(make_pass, batch_size, bool(message_key)))
 
     def offsets(self):
         """`{(topic, partition): next_offset}` of what was handed out."""
@@ -558,16 +573,8 @@ class KafkaDataset(_KafkaDatasetBase):
     ...     print(values.shape)
     """
 
-    def __init__(self,
-                 topics,
-                 servers="localhost",
-                 group="",
-                 eof=False,
-                 timeout=1000,
-                 config_global=None,
-                 config_topic=None,
-                 message_key=False,
-                 batch_size=None,
+    def __init__(self, topics, servers="localhost", group="", eof=False, timeout=1000,
+                 config_global=None, config_topic=None, message_key=False, batch_size=None,
                  broker_timeout=DEFAULT_BROKER_TIMEOUT_MS):
         ranges = [_parse_topic(s) for s in _strings(topics, "topics")]
         partitions = [(t, p) for t, p, _, _ in ranges]
@@ -576,29 +583,15 @@ class KafkaDataset(_KafkaDatasetBase):
                              f"Received: topics={topics!r}")
         if not isinstance(group, str):
             raise TypeError(f"`group` must be a string. Received: group={group!r}")
-        servers = _servers(servers)
-        timeout = _timeout("timeout", timeout)
-        broker_timeout = _timeout("broker_timeout", broker_timeout, allow_infinite=True)
-        batch_size = _batch_size(batch_size)
         config = {
-            "bootstrap.servers": servers,
             "group.id": group or _NO_GROUP,
             "enable.auto.commit": "true" if group else "false",
-            "enable.auto.offset.store": "false",
             "enable.partition.eof": "true" if eof else "false",
-            "logger": _LOGGER,
             **_config(config_global, "config_global"),
             **_config(config_topic, "config_topic"),
         }
-        _check_reachable(config, servers, timeout)
-
-        def make_pass():
-            return _RangePass(ranges, bool(eof), config=config,
-                              position=self.position, batch_size=batch_size,
-                              message_key=bool(message_key),
-                              poll_timeout_ms=timeout, broker_timeout_ms=broker_timeout)
-
-        super().__init__(make_pass, batch_size, bool(message_key))
+        super().__init__(functools.partial(_RangePass, ranges, bool(eof)), servers, config,
+                         _timeout("timeout", timeout), message_key, batch_size, broker_timeout)
 
 
 class KafkaGroupIODataset(_KafkaDatasetBase):
@@ -625,13 +618,7 @@ class KafkaGroupIODataset(_KafkaDatasetBase):
             (unreachable: `ValueError` naming `servers`). Defaults to `10000`.
         configuration: list of `"key=value"` librdkafka properties,
             optional; topic properties may carry the prefix `conf.topic.`.
-        message_key: bool. Yield `(key, value)` instead of `value`. Defaults
-            to `False`.
-        batch_size: int, optional. Yield 1-D batches of up to `batch_size`
-            messages instead of one message per element. Defaults to `None`.
-        broker_timeout: int. As in `KafkaDataset`: milliseconds without a
-            message after which an unanswering broker raises
-            `ConnectionError`; -1 waits forever. Defaults to `60000`.
+        message_key, batch_size, broker_timeout: as in `KafkaDataset`.
 
     Example:
 
@@ -642,15 +629,8 @@ class KafkaGroupIODataset(_KafkaDatasetBase):
     ...     batch_size=32)  # doctest: +SKIP
     """
 
-    def __init__(self,
-                 topics,
-                 group_id,
-                 servers,
-                 stream_timeout=0,
-                 message_poll_timeout=10000,
-                 configuration=None,
-                 message_key=False,
-                 batch_size=None,
+    def __init__(self, topics, group_id, servers, stream_timeout=0, message_poll_timeout=10000,
+                 configuration=None, message_key=False, batch_size=None,
                  broker_timeout=DEFAULT_BROKER_TIMEOUT_MS):
         topics = _strings(topics, "topics")
         for topic in topics:
@@ -661,28 +641,9 @@ class KafkaGroupIODataset(_KafkaDatasetBase):
         if not isinstance(group_id, str) or not group_id:
             raise TypeError("`group_id` must be a non-empty string. "
                             f"Received: group_id={group_id!r}")
-        servers = _servers(servers)
-        stream_timeout = _timeout("stream_timeout", stream_timeout,
-                                  allow_infinite=True)
-        poll_timeout = _timeout("message_poll_timeout", message_poll_timeout)
-        broker_timeout = _timeout("broker_timeout", broker_timeout, allow_infinite=True)
-        batch_size = _batch_size(batch_size)
-        config = {
-            "bootstrap.servers": servers,
-            "group.id": group_id,
-            "enable.auto.commit": "true",
-            "enable.auto.offset.store": "false",
-            "logger": _LOGGER,
-            **_config(configuration, "configuration",
-                      strip_prefix="conf.topic."),
-        }
-        _check_reachable(config, servers, poll_timeout)
-
-        def make_pass():
-            return _GroupPass(topics, stream_timeout, config=config,
-                              position=self.position, batch_size=batch_size,
-                              message_key=bool(message_key),
-                              poll_timeout_ms=poll_timeout,
-                              broker_timeout_ms=broker_timeout)
-
-        super().__init__(make_pass, batch_size, bool(message_key))
+        stream_timeout = _timeout("stream_timeout", stream_timeout, allow_infinite=True)
+        config = {"group.id": group_id, "enable.auto.commit": "true",
+                  **_config(configuration, "configuration", strip_prefix="conf.topic.")}
+        super().__init__(functools.partial(_GroupPass, topics, stream_timeout), servers, config,
+                         _timeout("message_poll_timeout", message_poll_timeout), message_key,
+                         batch_size, broker_timeout)

@@ -401,18 +401,26 @@ class _FileReader:
             parquet_file.close()
 
 
-def _file_readers(paths, columns, options, use_threads, pool):
-    """`_FileReader`s of the files with row groups in this partition.
-
-    Row groups are numbered across all files in order (file 0's first, then
-    file 1's, ...); this partition takes those whose number `g` has
-    `g % partition_count == partition_index`.
-    """
-    names = [c.name for c in columns]
-    schema = None  # output Arrow schema, fixed by the first file
+def _partition(paths, options):
+    """(path, its open `ParquetFile`, its row groups in this partition) of
+    each file. Row groups are numbered across all files in order (file 0's
+    first, then file 1's, ...); this partition takes those whose number `g`
+    has `g % partition_count == partition_index`."""
     first_row_group = 0
     for path in paths:
         parquet_file = _open(path)
+        count = parquet_file.num_row_groups
+        yield path, parquet_file, [
+            i for i in range(count)
+            if (first_row_group + i) % options.partition_count == options.partition_index]
+        first_row_group += count
+
+
+def _file_readers(paths, columns, options, use_threads, pool):
+    """`_FileReader`s of the files with row groups in this partition."""
+    names = [c.name for c in columns]
+    schema = None  # output Arrow schema, fixed by the first file
+    for path, parquet_file, row_groups in _partition(paths, options):
         file_schema = parquet_file.schema_arrow
         for column in columns:
             if column.name not in file_schema.names:
@@ -427,13 +435,6 @@ def _file_readers(paths, columns, options, use_threads, pool):
                                               c.dtype, c.name, path))
                 for c in columns
             ])
-        count = parquet_file.num_row_groups
-        row_groups = [
-            i for i in range(count)
-            if (first_row_group + i) % options.partition_count ==
-            options.partition_index
-        ]
-        first_row_group += count
         if not row_groups:
             parquet_file.close()
             continue
@@ -447,17 +448,12 @@ def _file_readers(paths, columns, options, use_threads, pool):
 
 def _num_batches(paths, options):
     """Batches one pass yields, from the files' metadata: the rows of this
-    partition's row groups (numbered as in `_file_readers`), in batches of
-    `batch_size` across row group and file boundaries."""
-    rows, first_row_group = 0, 0
-    for path in paths:
-        parquet_file = _open(path)
+    partition's row groups, in batches of `batch_size` across row group and
+    file boundaries."""
+    rows = 0
+    for _, parquet_file, row_groups in _partition(paths, options):
         try:
-            metadata = parquet_file.metadata
-            for i in range(metadata.num_row_groups):
-                if (first_row_group + i) % options.partition_count == options.partition_index:
-                    rows += metadata.row_group(i).num_rows
-            first_row_group += metadata.num_row_groups
+            rows += sum(parquet_file.metadata.row_group(i).num_rows for i in row_groups)
         finally:
             parquet_file.close()
     if options.drop_remainder:
@@ -614,18 +610,11 @@ class ParquetDataset(_impl.Dataset):
     [1, 2]
     """
 
-    def __init__(self,
-                 filenames,
-                 batch_size=1,
-                 fields=None,
-                 partition_count=1,
-                 partition_index=0,
-                 drop_remainder=False,
-                 num_parallel_reads=None,
+    def __init__(self, filenames, batch_size=1, fields=None, partition_count=1,
+                 partition_index=0, drop_remainder=False, num_parallel_reads=None,
                  num_sequential_reads=1):
-        options = _read_options(batch_size, drop_remainder, partition_count,
-                                partition_index, num_parallel_reads,
-                                num_sequential_reads)
+        options = _read_options(batch_size, drop_remainder, partition_count, partition_index,
+                                num_parallel_reads, num_sequential_reads)
         source, paths = _filenames(filenames)
         schema = _open(paths[0]).schema_arrow if paths else None
         columns = _columns(fields, schema, paths[0] if paths else None)
@@ -635,28 +624,17 @@ class ParquetDataset(_impl.Dataset):
             None if paths is None else _num_batches(paths, options)))
 
 
-def read_parquet(batch_size,
-                 fields=None,
-                 partition_count=1,
-                 partition_index=0,
-                 drop_remainder=False,
-                 num_parallel_reads=None,
-                 num_sequential_reads=1):
+def read_parquet(batch_size, fields=None, partition_count=1, partition_index=0,
+                 drop_remainder=False, num_parallel_reads=None, num_sequential_reads=1):
     """A transformation reading a dataset of filenames as a `ParquetDataset`
     (TensorFlow backend: a tf.data transformation; under JAX give
     `ParquetDataset` the list of paths).
 
     Args:
-        batch_size: int. Rows per batch.
+        batch_size, partition_count, partition_index, drop_remainder,
+        num_parallel_reads, num_sequential_reads: as in `ParquetDataset`.
         fields: `DataFrame.Field` or list of them (each with a `type`),
             required because the files are only known at run time.
-        partition_count: int. Number of row-group partitions. Defaults to `1`.
-        partition_index: int. Partition to read. Defaults to `0`.
-        drop_remainder: bool. Drop the last short batch. Defaults to `False`.
-        num_parallel_reads: int, optional. Files read at once. Defaults to
-            `None` (sequential).
-        num_sequential_reads: int. Batches taken from one open file before
-            moving to the next. Defaults to `1`.
 
     Returns:
         A function `Dataset -> ParquetDataset` for `Dataset.apply`.
@@ -679,8 +657,7 @@ def read_parquet(batch_size,
             "ParquetDataset(list_of_paths, ...)")
 
     def apply(filenames):
-        return ParquetDataset(filenames, batch_size, fields, partition_count,
-                              partition_index, drop_remainder,
-                              num_parallel_reads, num_sequential_reads)
+        return ParquetDataset(filenames, batch_size, fields, partition_count, partition_index,
+                              drop_remainder, num_parallel_reads, num_sequential_reads)
 
     return apply

@@ -24,17 +24,11 @@ def table_kind():
 
 
 def make_table(dim, key_dtype, default_values, name, **kwargs):
-    """The table a layer built now gets (`**kwargs`: the other arguments of
-    `EmbeddingTable`):
-
-    * in a MultiWorkerMirroredStrategy's scope, a `CollectiveShardedTable`
-      over its workers;
-    * inside `parameter_servers(devices)`, a `ShardedEmbeddingTable` over
-      those devices;
-    * in a MirroredStrategy's scope, a `ShardedEmbeddingTable` over its
-      replicas (shard `i` owned by replica `i`);
-    * otherwise one `EmbeddingTable` in this process.
-    """
+    """The table a layer built now gets, by `table_kind()`: a
+    `CollectiveShardedTable` over the workers, a `ShardedEmbeddingTable`
+    over the parameter-server devices or over the replicas (shard `i`
+    owned by replica `i`), or one `EmbeddingTable` in this process
+    (`**kwargs`: the other arguments of `EmbeddingTable`)."""
     kind = table_kind()
     if kind == "collective":
         return collective_tables.CollectiveShardedTable(

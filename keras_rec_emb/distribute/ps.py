@@ -17,6 +17,8 @@ import os
 import socket
 import sys
 
+import keras_rec_emb_cli
+
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIM = os.path.join(_PACKAGE_DIR, "_kre_bind.so")
 MAP_ENV = "KRE_BIND_MAP"
@@ -118,24 +120,12 @@ def _check_listening(address, mapping):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(
-        prog="keras-rec-emb ps",
-        description="Run a parameter-server task (a tf.distribute.Server with "
-                    "keras_rec_emb's ops loaded) until killed: it holds its shard of "
-                    "every table and its part of the dense and optimizer variables of "
-                    "the model the workers train. Workers may connect in any order, "
-                    "several at once. It listens on the address --ps gives it (its "
-                    "helper server on loopback). Anyone who reaches that port can run "
-                    "any TensorFlow graph in this process, reading and writing its files: "
-                    "run the cluster on a trusted network only.")
-    p.add_argument("--ps", required=True,
-                   help="comma-separated host:port of every PS task, in task order")
-    p.add_argument("--task", type=int, required=True, help="this task's index in --ps")
+    help_text = keras_rec_emb_cli.PS_HELP
+    p = argparse.ArgumentParser(prog="keras-rec-emb ps",
+                                description=help_text[0].upper() + help_text[1:] + ".")
+    keras_rec_emb_cli.add_ps_arguments(p)
     args = p.parse_args(argv)
-    ps = [a for a in args.ps.split(",") if a]
-    if not 0 <= args.task < len(ps):
-        p.error(f"--task must be in [0, {len(ps)}) for {len(ps)} --ps addresses; "
-                f"got {args.task}")
+    ps = keras_rec_emb_cli.ps_addresses(p, args)
     try:
         mapping = bind_map(ps[args.task])
     except (ValueError, OSError) as e:

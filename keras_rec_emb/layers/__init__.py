@@ -1,27 +1,7 @@
 """Embedding layers backed by dynamic hash tables."""
 
 from keras_rec_emb import _backend
-
-if _backend.is_jax():
-    # Under Keras's JAX backend, without TensorFlow (keras_rec_emb/backend/jax).
-    from keras_rec_emb._keras_fixes import fix_sequential_ids_input, record_model_input_dtypes
-
-    # A Sequential without keras.Input gives our id layers int ids, not float32
-    # (see _keras_fixes.fix_sequential_ids_input).
-    fix_sequential_ids_input()
-    # A subclassed model exports its ids as ids (see _keras_fixes.input_specs).
-    record_model_input_dtypes()
-else:
-    from keras_rec_emb.backend.tensorflow import compat as _compat
-
-    # A Sequential without keras.Input gives our id layers int ids, not float32
-    # (see _compat.fix_sequential_ids_input).
-    _compat.fix_sequential_ids_input()
-    # A subclassed model exports its ids as ids (see _keras_fixes.input_specs).
-    _compat.record_model_input_dtypes()
-    # A subclassed model holding them exports (see _compat.fix_subclassed_save_signature).
-    _compat.fix_subclassed_save_signature()
-
+from keras_rec_emb._keras_fixes import fix_sequential_ids_input, record_model_input_dtypes
 # Written once for both backends.
 from keras_rec_emb.layers.adaptive_embedding import AdaptiveEmbedding
 from keras_rec_emb.layers.configs import FeatureConfig, TableConfig
@@ -29,6 +9,17 @@ from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
 from keras_rec_emb.layers.group_embedding import FeatureSpec, GroupEmbedding
 from keras_rec_emb.layers.multi_hash_embedding import MultiHashEmbedding
 from keras_rec_emb.layers.string_ids import HashStrings
+
+# A Sequential without keras.Input gives our id layers int ids, not float32
+# (see _keras_fixes.fix_sequential_ids_input).
+fix_sequential_ids_input()
+# A subclassed model exports its ids as ids (see _keras_fixes.input_specs).
+record_model_input_dtypes()
+if not _backend.is_jax():
+    from keras_rec_emb.backend.tensorflow import compat as _compat
+
+    # A subclassed model holding them exports (see _compat.fix_subclassed_save_signature).
+    _compat.fix_subclassed_save_signature()
 
 __all__ = ["AdaptiveEmbedding", "EmbeddingVariable", "FeatureConfig", "FeatureSpec",
            "GroupEmbedding", "HashStrings", "MultiHashEmbedding", "TableConfig"]

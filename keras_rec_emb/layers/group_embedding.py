@@ -12,7 +12,7 @@ import keras
 import numpy as np
 
 from keras_rec_emb import _backend
-from keras_rec_emb._checks_core import (COMBINERS, check_float, check_int, is_integer_dtype,
+from keras_rec_emb._checks_core import (check_combiner, check_float, check_int, is_integer_dtype,
                                         non_integer_ids_error)
 from keras_rec_emb._keras_fixes import in_symbolic_build
 from keras_rec_emb.layers.configs import EmbeddingVariable, FeatureConfig
@@ -34,33 +34,31 @@ def _integer(dtype):
         return False
 
 
-def _table_from_spec(spec, what):
-    """A table layer from a spec dict: a serialized Keras layer, the
-    arguments of `EmbeddingVariable` (`embedding_dim`, ...) or those of
-    `keras.layers.Embedding` (`input_dim`, `output_dim`, ...)."""
-    if "class_name" in spec:
-        layer = keras.saving.deserialize_keras_object(spec)
-    elif "embedding_dim" in spec:
-        layer = EmbeddingVariable(**spec)
-    elif "input_dim" in spec and "output_dim" in spec:
-        layer = keras.layers.Embedding(**spec)
-    else:
-        raise ValueError(
-            f"`{what}` as a dict must be a serialized layer or hold "
-            "EmbeddingVariable arguments (`embedding_dim`, ...) or "
-            "keras.layers.Embedding arguments (`input_dim`, `output_dim`, ...). "
-            f"Received: {what}={spec!r}"
-        )
-    return _check_table_layer(layer, what)
-
-
-def _check_table_layer(layer, what):
-    # An EmbeddingVariable's own combiner is not used: the feature's applies.
-    if isinstance(layer, (EmbeddingVariable, keras.layers.Embedding)):
-        return layer
+def _table_layer(table, what):
+    """`table`, a table layer, or the one a spec dict makes: a serialized
+    Keras layer, the arguments of `EmbeddingVariable` (`embedding_dim`, ...)
+    or those of `keras.layers.Embedding` (`input_dim`, `output_dim`, ...).
+    An EmbeddingVariable's own combiner is not used: the feature's applies."""
+    if isinstance(table, dict):
+        spec = table
+        if "class_name" in spec:
+            table = keras.saving.deserialize_keras_object(spec)
+        elif "embedding_dim" in spec:
+            table = EmbeddingVariable(**spec)
+        elif "input_dim" in spec and "output_dim" in spec:
+            table = keras.layers.Embedding(**spec)
+        else:
+            raise ValueError(
+                f"`{what}` as a dict must be a serialized layer or hold "
+                "EmbeddingVariable arguments (`embedding_dim`, ...) or "
+                "keras.layers.Embedding arguments (`input_dim`, `output_dim`, ...). "
+                f"Received: {what}={spec!r}"
+            )
+    if isinstance(table, (EmbeddingVariable, keras.layers.Embedding)):
+        return table
     raise TypeError(
         f"`{what}` must be an EmbeddingVariable, a keras.layers.Embedding, a "
-        f"spec dict or a table index. Received: {what}={layer!r}"
+        f"spec dict or a table index. Received: {what}={table!r}"
     )
 
 
@@ -113,11 +111,7 @@ class FeatureSpec:
     def __init__(self, table: keras.layers.Layer | dict | int, combiner: str = "sum",
                  weight_feature: str | None = None, sequence: bool = False,
                  max_norm: float | None = None, default_id: int | None = None):
-        if combiner not in COMBINERS:
-            raise ValueError(
-                f"`combiner` must be one of {COMBINERS}. "
-                f"Received: combiner={combiner!r}"
-            )
+        check_combiner(combiner, allow_none=False)
         if weight_feature is not None and not isinstance(weight_feature, str):
             raise TypeError(
                 "`weight_feature` must be None or an input name. Received: "
@@ -127,12 +121,8 @@ class FeatureSpec:
             raise TypeError(f"`sequence` must be a bool. Received: sequence={sequence!r}")
         max_norm = check_float("max_norm", max_norm, 0, min_open=True, allow_none=True)
         default_id = check_int("default_id", default_id, 0, allow_none=True)
-        if isinstance(table, bool) or not isinstance(
-                table, (int, np.integer, dict, EmbeddingVariable, keras.layers.Embedding)):
-            raise TypeError(
-                "`table` must be an EmbeddingVariable, a keras.layers.Embedding, a "
-                f"spec dict or a table index. Received: table={table!r}"
-            )
+        if isinstance(table, bool) or not isinstance(table, (int, np.integer, dict)):
+            _table_layer(table, "table")
         self.table = table
         self.combiner = combiner
         self.weight_feature = weight_feature
@@ -294,18 +284,13 @@ class GroupEmbedding(keras.layers.Layer):
             )
         if tables is not None and not isinstance(tables, (list, tuple)):
             raise TypeError(f"`tables` must be None or a list. Received: tables={tables!r}")
-        self._tables = []
-        for i, t in enumerate(tables or []):
-            what = f"tables[{i}]"
-            if isinstance(t, dict):
-                t = _table_from_spec(t, what)
-            self._tables.append(_check_table_layer(t, what))
+        self._tables = [_table_layer(t, f"tables[{i}]") for i, t in enumerate(tables or [])]
         self._features = {}
         by_id = {id(t): i for i, t in enumerate(self._tables)}
         for fname, spec in features.items():
             if not isinstance(fname, str):
                 raise TypeError(f"Feature names must be strings. Received: {fname!r}")
-            if isinstance(spec, dict) and "combiner" in spec or isinstance(spec, dict) and "table" in spec:
+            if isinstance(spec, dict) and ("combiner" in spec or "table" in spec):
                 spec = FeatureSpec.from_config(spec)
             if not isinstance(spec, FeatureSpec):
                 raise TypeError(
@@ -320,8 +305,7 @@ class GroupEmbedding(keras.layers.Layer):
                     )
                 index = int(table)
             else:
-                if isinstance(table, dict):
-                    table = _table_from_spec(table, f"features[{fname!r}].table")
+                table = _table_layer(table, f"features[{fname!r}].table")
                 if id(table) not in by_id:
                     by_id[id(table)] = len(self._tables)
                     self._tables.append(table)

@@ -23,11 +23,13 @@ from keras_rec_emb.backend.tensorflow import compat as _compat
 from keras_rec_emb.backend.tensorflow import ops as _ops
 from keras_rec_emb.backend.tensorflow import serving_context as _serving_context
 from keras_rec_emb.backend.tensorflow import model_fusion as _model_fusion
-from keras_rec_emb.backend.tensorflow.checks import (COMBINERS, assert_ids_in_range, check_bool, check_float,
-                                   check_int, checked_sparse_ids, integer_ids)
+from keras_rec_emb._checks_core import COMBINERS, check_bool, check_float, check_int
+from keras_rec_emb.backend.tensorflow.checks import (assert_ids_in_range, checked_sparse_ids,
+                                                     integer_ids)
 from keras_rec_emb.backend.tensorflow.embed_reduce import combine_rows
-from keras_rec_emb.backend.tensorflow.ids import (FlatIds, collapse_outer, flat_ids_and_splits, int_ids,
-                                sparse_row_splits, weights_values)
+from keras_rec_emb.backend.tensorflow.ids import (FlatIds, checked_id_shape, collapse_outer,
+                                                  flat_ids_and_splits, int_ids, sparse_row_splits,
+                                                  weights_values)
 from keras_rec_emb.backend.tensorflow.op_args import named_inputs, named_outputs
 from keras_rec_emb.backend.tensorflow.variables import EmbeddingTable, TableVariable
 
@@ -91,7 +93,9 @@ def _dense_value(variable):
     return tf.cast(value, tf.float32) if value.dtype != tf.float32 else value
 
 
-def _as_list(x, n, what, check=None):
+def _as_list(x, n, what, check, *args, **kwargs):
+    """`x` (one value for all features or a list of one per feature) as a
+    list of `n`, each entry checked by `check(what, entry, *args, **kwargs)`."""
     if isinstance(x, (list, tuple)):
         if len(x) != n:
             raise ValueError(
@@ -101,18 +105,9 @@ def _as_list(x, n, what, check=None):
         out = list(x)
     else:
         out = [x] * n
-    if check is not None:
-        for v in out:
-            check(v)
+    for v in out:
+        check(what, v, *args, **kwargs)
     return out
-
-
-def _check_combiner(c):
-    if c not in COMBINERS:
-        raise ValueError(
-            f"`combiners` entries must be one of {COMBINERS}. Received: "
-            f"combiner={c!r}"
-        )
 
 
 # -- the fused op and its gradient --------------------------------------------
@@ -173,26 +168,24 @@ def _refuse_distribution(params, what):
             _ops.refuse_distribution(what)
 
 
+def _distinct_params(params):
+    """(tables, dense parameters, each feature's index among them): the
+    distinct parameters of `params`, tables first (the fused ops' input
+    order), the trainable tables marked as read by the tape."""
+    tables = list({p.key: p for p in params if p.table is not None}.values())
+    dense = list({p.key: p for p in params if p.table is None}.values())
+    index = {p.key: i for i, p in enumerate(tables + dense)}
+    for t in tables:
+        if t.table.trainable:
+            _compat.variable_accessed(t.table.variable)
+    return tables, dense, [index[p.key] for p in params]
+
+
 def _group_lookup_op(params, flat_ids, splits, weights, combiners, max_norms, default_ids,
                      prunes, sequences, training, name, concat):
     """The KRE>GroupLookup op over `params` (tables of this process and
     dense matrices or tensors), its parameters each given once."""
-    # Distinct parameters, tables first (the op's input order).
-    tables, dense, index = [], [], {}
-    for p in params:
-        if p.key in index:
-            continue
-        if p.table is not None:
-            index[p.key] = ("t", len(tables))
-            tables.append(p)
-        else:
-            index[p.key] = ("d", len(dense))
-            dense.append(p)
-    feature_params = [index[p.key][1] + (0 if index[p.key][0] == "t" else len(tables))
-                      for p in params]
-    for t in tables:
-        if t.table.trainable:
-            _compat.variable_accessed(t.table.variable)
+    tables, dense, feature_params = _distinct_params(params)
     attrs = dict(
         table_key_dtypes=[t.table.key_dtype for t in tables],
         param_dims=[p.dim for p in tables + dense],
@@ -243,16 +236,14 @@ def _exchanged_lookup(params, flat_ids, splits, weights, combiners, max_norms, d
     looked = type(tables[0]).lookup_many(tables, flats, bool(training), distinct=True)
     places = [None] * len(params)
     for p, (_, index) in zip(order, looked):
-        features = features_of[p.key]
-        parts = tf.split(index, [tf.size(kept[f]) for f in features], 0) if len(
-            features) > 1 else [index]
-        for f, part in zip(features, parts):
-            part = tf.cast(part, tf.int64)
-            if keep[f] is not None:
-                part = tf.tensor_scatter_nd_update(
-                    tf.fill(tf.shape(keep[f], out_type=tf.int64), tf.constant(-1, tf.int64)),
-                    tf.where(keep[f]), part)
-            places[f] = part
+        _split_rows(places, features_of[p.key], [kept[f] for f in features_of[p.key]], index)
+    for f, part in enumerate(places):
+        part = tf.cast(part, tf.int64)
+        if keep[f] is not None:
+            part = tf.tensor_scatter_nd_update(
+                tf.fill(tf.shape(keep[f], out_type=tf.int64), tf.constant(-1, tf.int64)),
+                tf.where(keep[f]), part)
+        places[f] = part
     # Each table's distinct rows stand in as a dense parameter of its features.
     dense = {p.key: _Param(variable=rows) for p, (rows, _) in zip(order, looked)}
     return _group_lookup_op([dense[p.key] for p in params], places, splits, weights, combiners,
@@ -436,21 +427,14 @@ def stacked_pooled_lookup(params, ids, combiners, default_ids, name=None, what="
             ids = assert_ids_in_range(ids, tf.int32, what, lower=False)
         elif tf.int32 in key_dtypes:
             return None
-    tables, index = [], {}
-    for p in ps:
-        if p.key not in index:
-            index[p.key] = len(tables)
-            tables.append(p)
-    for t in tables:
-        if t.table.trainable:
-            _compat.variable_accessed(t.table.variable)
+    tables, _, feature_tables = _distinct_params(ps)
     _refuse_distribution(tables, "A group embedding lookup")
     _ops.refuse_xla("A group embedding lookup")
     return _ops.gen().kre_stacked_pooled_lookup(
         [t.table.handle for t in tables], ids, num_features=len(ps),
         table_key_dtypes=[t.table.key_dtype for t in tables],
         table_dims=[t.dim for t in tables],
-        feature_tables=[index[p.key] for p in ps],
+        feature_tables=feature_tables,
         combiners=list(combiners),
         default_ids=[-1 if d is None else int(d) for d in default_ids],
         name=name or "StackedPooledLookup")
@@ -501,28 +485,9 @@ class LayerCall:
 def _pooled_call(layer, inputs, training, weights=None):
     """The `LayerCall` of `EmbeddingVariable(combiner=...)` on `inputs`,
     after the checks of their shape (see `pooled_layer_lookup`)."""
-    what = f"{type(layer).__name__} '{layer.name}'"
-    table = layer._table_for_lookup()
-    if isinstance(inputs, tf.RaggedTensor):
-        if inputs.ragged_rank != 1 or inputs.shape.rank != 2:
-            raise ValueError(
-                f"{what} takes ragged ids of shape [batch, None]. Received "
-                f"shape {inputs.shape} with ragged_rank {inputs.ragged_rank}"
-            )
-    elif isinstance(inputs, tf.SparseTensor):
-        if inputs.shape.rank != 2:
-            raise ValueError(
-                f"{what} takes sparse ids of shape [batch, None]. Received "
-                f"shape {inputs.shape}"
-            )
-    else:
-        inputs = tf.convert_to_tensor(inputs)
-        if inputs.shape.rank is not None and inputs.shape.rank < 1:
-            raise ValueError(
-                f"{what} with a combiner combines the last axis of the ids; "
-                f"received scalar ids of shape {inputs.shape}"
-            )
-    return LayerCall(layer, table, inputs, weights, bool(training) and layer.trainable)
+    inputs = checked_id_shape(inputs, f"{type(layer).__name__} '{layer.name}'", layer.combiner)
+    return LayerCall(layer, layer._table_for_lookup(), inputs, weights,
+                     bool(training) and layer.trainable)
 
 
 def pooled_layer_lookup(layer, inputs, training, weights=None):
@@ -539,14 +504,6 @@ def pooled_layer_lookup(layer, inputs, training, weights=None):
     per-id weights of the ids' kind, checked by the layer) weigh the
     combine; for "mean" and "sqrtn" ids of weight <= 0 become padding."""
     return layers_lookup([_pooled_call(layer, inputs, training, weights)])[0]
-
-
-def model_call_rows(layer, inputs, training):
-    """This call's rows when `layer` is one of the fused calls of the
-    Functional model call being run (`backend/tensorflow/model_fusion.py`): a `tf.Tensor`,
-    all of them looked up at the first; None otherwise (the layer looks its
-    ids up at the call)."""
-    return _model_fusion.planned_rows(layer, inputs, training)
 
 
 def _lookup_entries(entries, training):
@@ -572,12 +529,6 @@ def _lookup_entries(entries, training):
 
 
 _model_fusion.lookup_entries = _lookup_entries
-
-
-def register_layer_class(cls):
-    """Names `layers.EmbeddingVariable` (which imports this module) to the
-    Functional-model fusion (`backend/tensorflow/model_fusion.py`)."""
-    _model_fusion.EMBEDDING_VARIABLE = cls
 
 
 def layers_lookup(calls):
@@ -808,26 +759,23 @@ def group_embedding_lookup_sparse(params, sp_ids, combiners, sp_weights=None,
             f"len(params)={n} and len(combiners)={len(combiners)}"
         )
     for c in combiners:
-        _check_combiner(c)
-    if sp_weights is not None:
-        if not isinstance(sp_weights, (list, tuple)) or len(sp_weights) != n:
-            raise ValueError(
-                "`sp_weights` must be None or a list with one entry per "
-                f"feature ({n}). Received: {sp_weights!r}"
-            )
+        if c not in COMBINERS:
+            raise ValueError(f"`combiners` entries must be one of {COMBINERS}. Received: "
+                             f"combiner={c!r}")
+    if sp_weights is not None and (not isinstance(sp_weights, (list, tuple))
+                                   or len(sp_weights) != n):
+        raise ValueError("`sp_weights` must be None or a list with one entry per "
+                         f"feature ({n}). Received: {sp_weights!r}")
     check_bool("concat", concat)
-    sequences = _as_list(is_sequence, n, "is_sequence", lambda v: check_bool("is_sequence", v))
+    sequences = _as_list(is_sequence, n, "is_sequence", check_bool)
     if concat and any(sequences):
         raise ValueError("`concat=True` needs no sequence features. Received: "
                          f"is_sequence={is_sequence!r}")
     return _group(
         params, sp_ids, list(combiners), sp_weights, sequences,
-        _as_list(max_norm, n, "max_norm", lambda v: check_float(
-            "max_norm", v, 0, min_open=True, allow_none=True)),
-        _as_list(default_id, n, "default_id", lambda v: check_int(
-            "default_id", v, 0, allow_none=True)),
-        _as_list(prune_invalid_ids, n, "prune_invalid_ids",
-                 lambda v: check_bool("prune_invalid_ids", v)),
+        _as_list(max_norm, n, "max_norm", check_float, 0, min_open=True, allow_none=True),
+        _as_list(default_id, n, "default_id", check_int, 0, allow_none=True),
+        _as_list(prune_invalid_ids, n, "prune_invalid_ids", check_bool),
         params_num_per_group, training, name, concat=concat)
 
 
@@ -856,8 +804,6 @@ def group_embedding_lookup(params, ids, name=None, *, training=False):
     """
     if not isinstance(ids, (list, tuple)):
         raise TypeError(f"`ids` must be a list. Received: ids={ids!r}")
-    if not isinstance(params, (list, tuple)):
-        raise TypeError(f"`params` must be a list. Received: params={params!r}")
     tensors = []
     for i, t in enumerate(ids):
         if isinstance(t, (tf.RaggedTensor, tf.SparseTensor)):
@@ -940,7 +886,6 @@ def embedding_lookup_sparse(params, sp_ids, sp_weights=None, combiner="mean",
            [0., 0., 0., 1.],
            [0., 0., 0., 1.]], dtype=float32)
     """
-    _check_combiner(combiner)
     return group_embedding_lookup_sparse(
         [params], [sp_ids], [combiner],
         None if sp_weights is None else [sp_weights], name=name,

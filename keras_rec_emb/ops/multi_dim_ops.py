@@ -11,7 +11,8 @@ are combined by stock segment ops over the present entries only.
 import numpy as np
 import tensorflow as tf
 
-from keras_rec_emb.backend.tensorflow.checks import check_bool, check_float
+from keras_rec_emb._checks_core import check_bool, check_float
+from keras_rec_emb.backend.tensorflow.checks import checked
 from keras_rec_emb.backend.tensorflow.ids import _same_vector, int_ids
 from keras_rec_emb.ops import embedding_ops
 
@@ -142,17 +143,11 @@ def safe_embedding_lookup_multi_dim(params, sp_ids, sp_weights=None, combiners=(
         if not (sw.values.dtype.is_floating or sw.values.dtype.is_integer):
             raise TypeError("`sp_weights` must be numeric. Received dtype "
                             f"{sw.values.dtype.name}")
-        same = _same_vector(sw.indices, indices)
-        message = "`sp_weights` must have the indices of `sp_ids` (one weight per id)"
-        if tf.executing_eagerly():
-            if not bool(same):
-                raise ValueError(f"{message}. Received {int(tf.shape(indices)[0])} ids and "
-                                 f"{int(tf.shape(sw.indices)[0])} weights")
-            weights = tf.cast(sw.values, tf.float32)
-        else:
-            with tf.control_dependencies([tf.debugging.assert_equal(same, True,
-                                                                    message=message)]):
-                weights = tf.cast(tf.identity(sw.values), tf.float32)
+        weights = tf.cast(checked(
+            sw.values, _same_vector(sw.indices, indices),
+            "`sp_weights` must have the indices of `sp_ids` (one weight per id)",
+            lambda: (f"Received {int(tf.shape(indices)[0])} ids and "
+                     f"{int(tf.shape(sw.indices)[0])} weights")), tf.float32)
     if prune:
         keep = ids >= 0
         if weights is not None and "sum" not in combiners:

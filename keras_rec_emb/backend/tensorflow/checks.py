@@ -8,17 +8,8 @@ import numpy as np
 import tensorflow as tf
 
 from keras_rec_emb import _checks_core
+from keras_rec_emb._checks_core import check_float
 from keras_rec_emb.backend.tensorflow import compat as _compat
-# The TensorFlow-free checks, importable from here as before.
-from keras_rec_emb._checks_core import (  # noqa: F401
-    COMBINERS,
-    check_bool,
-    check_combiner,
-    check_combiner_weights,
-    check_float,
-    check_int,
-    is_int,
-)
 
 
 def integer_ids(ids, what, dtype=tf.int64):
@@ -47,11 +38,6 @@ def check_learning_rate(value, name="learning_rate"):
     return _checks_core.check_learning_rate(value, name)
 
 
-def key_range(dtype):
-    """(min, max) of the integer key dtype."""
-    return _checks_core.key_range(tf.as_dtype(dtype).as_numpy_dtype)
-
-
 def keys_in_range(keys, key_dtype, what):
     """NumPy `keys` cast to `key_dtype`; a ValueError if one does not fit (an
     int64 id would otherwise wrap onto another int32 key)."""
@@ -66,7 +52,7 @@ def assert_ids_in_range(ids, key_dtype, what, lower=True):
     `key_dtype`; `lower=False` checks only the upper bound (ids < 0 are
     padding that is pruned)."""
     key_dtype = tf.as_dtype(key_dtype)
-    lo, hi = key_range(key_dtype)
+    lo, hi = _checks_core.key_range(key_dtype.as_numpy_dtype)
     if not _checks_core.ids_may_not_fit(ids.dtype.as_numpy_dtype, key_dtype.as_numpy_dtype):
         return ids
     lower = lower and not ids.dtype.is_unsigned
@@ -84,6 +70,18 @@ def assert_ids_in_range(ids, key_dtype, what, lower=True):
                     f"range (min {lo}); use key_dtype='int64'"))
     with tf.control_dependencies(checks):
         return tf.identity(ids)
+
+
+def checked(value, ok, message, received):
+    """`value` once the scalar bool `ok` holds: eagerly a ValueError
+    (`message`, then `received()`) if not; traced, an assertion that runs
+    before `value` is read."""
+    if tf.executing_eagerly():
+        if not bool(ok):
+            raise ValueError(f"{message}. {received()}")
+        return value
+    with tf.control_dependencies([tf.debugging.assert_equal(ok, True, message=message)]):
+        return tf.identity(value)
 
 
 def checked_sparse_ids(sp, what):

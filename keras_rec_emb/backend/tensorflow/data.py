@@ -132,15 +132,6 @@ def parquet_source(filenames):
     return None, filenames
 
 
-def _column_spec(column, batch_dim):
-    dtype = tf.as_dtype(column.dtype)
-    if column.ragged_rank == 0:
-        return tf.TensorSpec([batch_dim, *column.shape], dtype)
-    return tf.RaggedTensorSpec(
-        [batch_dim] + [None] * column.ragged_rank + list(column.shape),
-        dtype, ragged_rank=column.ragged_rank, row_splits_dtype=tf.int64)
-
-
 def _component_dtypes(column):
     """What `KRE>ArrowBatchToTensors` returns for a column: values, then one
     row_splits vector per ragged level."""
@@ -211,16 +202,13 @@ def _exported_batches(table_batches):
 
 
 def parquet_dataset(source, columns, options, table_batches, num_batches):
-    """The tf.data pipeline of a `ParquetDataset`.
-
-    Python only slices whole Arrow tables into batches (`table_batches`, a
-    function of the paths) and hands each batch to TensorFlow through the
-    Arrow C data interface: one small tensor of two addresses per batch, which
-    the `KRE>ArrowBatchToTensors` op turns into the column tensors, sharing
-    the Arrow buffers where they are aligned. Nothing loops over rows in
-    Python. `source` is a dataset of 1-D path tensors or the list of paths;
-    `num_batches` the length of a pass when known.
-    """
+    """The tf.data pipeline of a `ParquetDataset`: each batch of
+    `table_batches(paths)` reaches TensorFlow through the Arrow C data
+    interface, one small tensor of two addresses per batch, which the
+    `KRE>ArrowBatchToTensors` op turns into the column tensors (sharing the
+    Arrow buffers where they are aligned). `source` is a dataset of 1-D
+    path tensors or the list of paths; `num_batches` the length of a pass
+    when known."""
     if not isinstance(source, tf.data.Dataset):
         source = tf.data.Dataset.from_tensors(tf.constant(source))
     batch_dim = options.batch_size if options.drop_remainder else None

@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from keras_rec_emb._checks_core import check_combiner_weights
 from keras_rec_emb.backend.tensorflow import compat as _compat
+from keras_rec_emb.backend.tensorflow import model_fusion as _model_fusion
 from keras_rec_emb.backend.tensorflow import variables
 from keras_rec_emb.backend.tensorflow.ids import embed_ids, output_spec
 from keras_rec_emb.ops import embedding_ops
@@ -25,7 +26,7 @@ def default_key_dtype():
 
 def register_layer_class(cls):
     """The Functional-model fusion recognises this class's own calls."""
-    embedding_ops.register_layer_class(cls)
+    _model_fusion.EMBEDDING_VARIABLE = cls
 
 
 class EmbeddingVariableBackend:
@@ -95,7 +96,7 @@ class EmbeddingVariableBackend:
         training = _compat.resolve_training(training)
         if weights is None:
             # One of the layers of a Functional model call looked up together.
-            rows = embedding_ops.model_call_rows(self, inputs, training)
+            rows = _model_fusion.planned_rows(self, inputs, training)
             if rows is not None:
                 return rows
         else:

@@ -10,7 +10,7 @@ from keras_rec_emb.backend.tensorflow import compat as _compat
 from keras_rec_emb.backend.tensorflow import ops as _ops
 from keras_rec_emb.backend.tensorflow import serving_context as _serving_context
 from keras_rec_emb.backend.tensorflow import variables
-from keras_rec_emb.backend.tensorflow.checks import assert_ids_in_range, integer_ids
+from keras_rec_emb.backend.tensorflow.checks import assert_ids_in_range, checked, integer_ids
 from keras_rec_emb.backend.tensorflow.ids import FlatIds
 from keras_rec_emb.ops import embedding_ops
 
@@ -93,14 +93,8 @@ def _checked_table_ids(layer, table_ids, ids, n):
         tf.less(table_ids, 0), tf.greater_equal(table_ids, n)))
     message = (f"GroupEmbedding '{layer.name}': `table_ids` must be feature indices "
                f"in [0, {n}) wherever the id is >= 0")
-    if tf.executing_eagerly():
-        if bool(tf.reduce_any(bad)):
-            raise ValueError(f"{message}. Received table ids "
-                             f"{tf.boolean_mask(table_ids, bad).numpy()[:5].tolist()}")
-        return table_ids
-    check = tf.debugging.assert_equal(tf.reduce_any(bad), False, message=message)
-    with tf.control_dependencies([check]):
-        return tf.identity(table_ids)
+    return checked(table_ids, tf.logical_not(tf.reduce_any(bad)), message, lambda: (
+        f"Received table ids {tf.boolean_mask(table_ids, bad).numpy()[:5].tolist()}"))
 
 
 def _stacked_lookup(layer, inputs):

@@ -9,7 +9,7 @@ from typing import NamedTuple
 import keras
 import tensorflow as tf
 
-from keras_rec_emb.backend.tensorflow.checks import checked_sparse_ids, integer_ids
+from keras_rec_emb.backend.tensorflow.checks import checked, checked_sparse_ids, integer_ids
 from keras_rec_emb.backend.tensorflow.embed_reduce import combine_dense, combine_rows, combine_sparse
 
 
@@ -26,21 +26,45 @@ def embed_ids(layer, inputs, embed_flat, combiner, extra=None, key_dtype=tf.int6
     is flattened alongside.
     """
     what = f"{type(layer).__name__} '{layer.name}'"
+    inputs = checked_id_shape(inputs, what, combiner)
 
     def checked(ids):
         return integer_ids(ids, what, key_dtype)
 
+    if isinstance(inputs, tf.RaggedTensor):
+        flat_extra = None if extra is None else _flat_like(extra, inputs.values)
+        rows = embed_flat(checked(inputs.values), flat_extra)
+        if combiner is None:
+            return inputs.with_values(rows)
+        return combine_rows(rows, inputs.value_rowids(), inputs.nrows(), combiner)
+    if isinstance(inputs, tf.SparseTensor):
+        if extra is not None:  # reordered alike below
+            extra = tf.SparseTensor(inputs.indices, _flat_like(extra, inputs.values),
+                                    inputs.dense_shape)
+            extra = checked_sparse_ids(extra, f"{what} mask").values
+        inputs = checked_sparse_ids(inputs, f"{what} ids")
+        rows = embed_flat(checked(inputs.values), extra)
+        return combine_sparse(rows, inputs, combiner)
+    ids = checked(inputs)
+    flat_extra = None if extra is None else _flat_like(extra, ids)
+    rows = embed_flat(tf.reshape(ids, [-1]), flat_extra)
+    dim = rows.shape[-1]
+    shape = tf.concat([tf.shape(ids, out_type=tf.int64), [dim]], 0)
+    rows = tf.ensure_shape(tf.reshape(rows, shape), ids.shape.concatenate([dim]))
+    return rows if combiner is None else combine_dense(rows, combiner)
+
+
+def checked_id_shape(inputs, what, combiner):
+    """`inputs` (dense ones as a tensor) once their shape is checked for
+    layer `what` with `combiner`: ragged `[batch, None]`; sparse `[batch,
+    None]`, with a combiner; dense not scalar, with one."""
     if isinstance(inputs, tf.RaggedTensor):
         if inputs.ragged_rank != 1 or inputs.shape.rank != 2:
             raise ValueError(
                 f"{what} takes ragged ids of shape [batch, None]. Received "
                 f"shape {inputs.shape} with ragged_rank {inputs.ragged_rank}"
             )
-        flat_extra = None if extra is None else _flat_like(extra, inputs.values)
-        rows = embed_flat(checked(inputs.values), flat_extra)
-        if combiner is None:
-            return inputs.with_values(rows)
-        return combine_rows(rows, inputs.value_rowids(), inputs.nrows(), combiner)
+        return inputs
     if isinstance(inputs, tf.SparseTensor):
         if inputs.shape.rank != 2:
             raise ValueError(
@@ -52,26 +76,14 @@ def embed_ids(layer, inputs, embed_flat, combiner, extra=None, key_dtype=tf.int6
                 f"{what} needs a `combiner` to embed tf.SparseTensor ids. "
                 "Received combiner=None"
             )
-        if extra is not None:  # reordered alike below
-            extra = tf.SparseTensor(inputs.indices, _flat_like(extra, inputs.values),
-                                    inputs.dense_shape)
-            extra = checked_sparse_ids(extra, f"{what} mask").values
-        inputs = checked_sparse_ids(inputs, f"{what} ids")
-        rows = embed_flat(checked(inputs.values), extra)
-        return combine_sparse(rows, inputs, combiner)
+        return inputs
     inputs = tf.convert_to_tensor(inputs)
-    ids = checked(inputs)
     if combiner is not None and inputs.shape.rank is not None and inputs.shape.rank < 1:
         raise ValueError(
             f"{what} with a combiner combines the last axis of the ids; "
             f"received scalar ids of shape {inputs.shape}"
         )
-    flat_extra = None if extra is None else _flat_like(extra, ids)
-    rows = embed_flat(tf.reshape(ids, [-1]), flat_extra)
-    dim = rows.shape[-1]
-    shape = tf.concat([tf.shape(ids, out_type=tf.int64), [dim]], 0)
-    rows = tf.ensure_shape(tf.reshape(rows, shape), ids.shape.concatenate([dim]))
-    return rows if combiner is None else combine_dense(rows, combiner)
+    return inputs
 
 
 def _flat_like(extra, ids):
@@ -224,12 +236,6 @@ def weights_values(w, ids, splits, what, what_ids):
         same = tf.logical_and(same, _same_vector(tf.sparse.reorder(ids).indices, w.indices))
     message = (f"`{what}` must have the structure of `{what_ids}` (one weight per "
                "id, the same row lengths and, for tf.SparseTensor, the same indices)")
-    if tf.executing_eagerly():
-        if not bool(same):
-            raise ValueError(
-                f"{message}. Received {int(splits[-1])} ids with row splits "
-                f"{splits.numpy().tolist()[:8]} and {int(tf.size(values))} weights "
-                f"with row splits {w_splits.numpy().tolist()[:8]}")
-        return values
-    with tf.control_dependencies([tf.debugging.assert_equal(same, True, message=message)]):
-        return tf.identity(values)
+    return checked(values, same, message, lambda: (
+        f"Received {int(splits[-1])} ids with row splits {splits.numpy().tolist()[:8]} and "
+        f"{int(tf.size(values))} weights with row splits {w_splits.numpy().tolist()[:8]}"))

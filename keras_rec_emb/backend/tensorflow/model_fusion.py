@@ -47,8 +47,9 @@ import tensorflow as tf
 from keras_rec_emb.backend.tensorflow import compat as _compat
 from keras_rec_emb.backend.tensorflow import serving_context as _serving_context
 
-# `embedding_ops` (which imports this module) fills these: the layer class
-# and `(calls, training) -> rows` of a list of planned entries.
+# Filled by the modules that import this one: the layer class
+# (`embedding_variable.register_layer_class`) and `embedding_ops`'s
+# `(calls, training) -> rows` of a list of planned entries.
 EMBEDDING_VARIABLE = None
 lookup_entries = None
 

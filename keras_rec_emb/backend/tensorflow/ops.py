@@ -298,15 +298,10 @@ def sparse_apply(handle, keys, grads, rule, hyper, step, slots, distinct=False):
     (`KRE>TableSparseApplyDistinct` skips the dedupe)."""
     refuse_xla("An embedding table update")
     names = list(hyper)
-    values = hyper_vector(hyper)
+    values = tf.stack([tf.cast(h, tf.float32) for h in hyper.values()])
     op = gen().kre_table_sparse_apply_distinct if distinct else gen().kre_table_sparse_apply
     return op(handle, keys, grads, values, tf.cast(step, tf.int64), rule=rule,
               slots=list(slots), hparam_names=names)
-
-
-def hyper_vector(hyper):
-    """The float32 vector of dict `hyper`'s values, in order."""
-    return tf.stack([tf.cast(h, tf.float32) for h in hyper.values()])
 
 
 # -- Change tracking (incremental checkpoints) and counters -----------------
