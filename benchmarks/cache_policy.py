@@ -19,7 +19,6 @@ otherwise it is used once and not cached); and the static bound (the
     .venv/bin/python benchmarks/cache_policy.py      # ~1 min per policy on 2 cores
 """
 
-import argparse
 import os
 import sys
 
@@ -27,7 +26,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from storage import make_batches
+from _common import parser
+from storage import WORKLOAD, make_batches
 
 
 def simulate(steps, cap, insert_ref, max_ref, admit_by_freq, cycles):
@@ -61,15 +61,7 @@ def simulate(steps, cap, insert_ref, max_ref, admit_by_freq, cycles):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--batch", type=int, default=4096)
-    p.add_argument("--features", type=int, default=26)
-    p.add_argument("--vocab", type=int, default=200_000)
-    p.add_argument("--zipf-a", type=float, default=1.1)
-    p.add_argument("--batches", type=int, default=20)
-    p.add_argument("--cache-fraction", type=float, default=0.1)
-    p.add_argument("--cycles", type=int, default=3)
-    opts = p.parse_args(argv)
+    opts = parser(__doc__, **WORKLOAD, cache_fraction=0.1, cycles=3).parse_args(argv)
     steps = [np.unique(ids).tolist() for ids, _ in make_batches(opts)]
     keys, counts = np.unique(np.concatenate([np.asarray(s) for s in steps]), return_counts=True)
     cap = max(1, int(opts.cache_fraction * len(keys)))

@@ -57,6 +57,8 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from _common import child_result, child_results, free_addresses, parser, stop  # noqa: E402
 
 
 def make_data(args, seed=0):
@@ -218,21 +220,23 @@ def multi_worker_child(args):
                                   "ideal_bytes": ideal, "threads": threads}), flush=True)
 
 
+# The model's and the run's sizes: what a child is given of the options.
+_SIZES = ("features", "ids", "dim", "batch", "steps", "warmup", "hidden")
+
+
+def _child_command(args, flag):
+    """This script run as a child (`flag`) with the parent's sizes, threads
+    and model options."""
+    return [sys.executable, os.path.abspath(__file__), flag] + [
+        f"--{k}={getattr(args, k)}" for k in (*_SIZES, "threads")] + (
+        ["--group"] if args.group else []) + (["--no-tables"] if args.no_tables else [])
+
+
 def run_cluster(args, n):
     """n MultiWorkerMirroredStrategy workers on 127.0.0.1 (n = 0: the plain
     one-process reference); their summed CPU seconds and bytes per step."""
-    import socket
-
-    socks = [socket.socket() for _ in range(max(n, 1))]
-    for sock in socks:
-        sock.bind(("127.0.0.1", 0))
-    addresses = [f"127.0.0.1:{sock.getsockname()[1]}" for sock in socks]
-    for sock in socks:
-        sock.close()
-    cmd = [sys.executable, os.path.abspath(__file__), "--mw-child"] + [
-        f"--{k}={getattr(args, k)}" for k in ("features", "ids", "dim", "batch", "steps",
-                                               "warmup", "hidden", "threads")] + (
-        ["--group"] if args.group else []) + (["--no-tables"] if args.no_tables else []) + (
+    addresses = free_addresses(max(n, 1))
+    cmd = _child_command(args, "--mw-child") + (
         [f"--metrics={args.metrics}"] if args.metrics else [])
     procs = []
     try:
@@ -246,17 +250,10 @@ def run_cluster(args, n):
                                           stderr=subprocess.PIPE, text=True))
         outs = [p.communicate(timeout=1800) for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()  # by its pid
-                p.wait(timeout=30)
-    results = []
-    for p, (out, err) in zip(procs, outs):
-        line = [x for x in out.splitlines() if x.startswith("RESULT ")]
-        if p.returncode or not line:
-            sys.stderr.write(err[-3000:])
-            return None
-        results.append(json.loads(line[0][len("RESULT "):]))
+        stop(procs)
+    results = child_results(procs, outs)
+    if results is None:
+        return None
     steps = args.steps
     return {"workers": n, "cpu_s_per_step": sum(r["cpu_s"] for r in results) / steps,
             "bytes_per_step": sum(r["bytes_sent"] for r in results) / steps,
@@ -408,21 +405,12 @@ def run_ps_cluster(args, n):
     """--ps PS tasks (`python -m keras_rec_emb.distribute.ps`) and n workers
     on 127.0.0.1, connecting at once; CPU seconds of every process (read
     from /proc) and bytes their sockets sent (ss) over the timed steps."""
-    import socket
     import tempfile
 
-    socks = [socket.socket() for _ in range(args.ps + n)]
-    for sock in socks:
-        sock.bind(("127.0.0.1", 0))
-    addresses = [f"127.0.0.1:{sock.getsockname()[1]}" for sock in socks]
-    for sock in socks:
-        sock.close()
+    addresses = free_addresses(args.ps + n)
     ps, workers = addresses[:args.ps], addresses[args.ps:]
     sync = tempfile.mkdtemp(prefix="kre_bench_ps_")
-    cmd = [sys.executable, os.path.abspath(__file__), "--ps-child"] + [
-        f"--{k}={getattr(args, k)}" for k in ("features", "ids", "dim", "batch", "steps",
-                                               "warmup", "hidden", "threads")] + (
-        ["--group"] if args.group else []) + (["--no-tables"] if args.no_tables else [])
+    cmd = _child_command(args, "--ps-child")
     servers, procs = [], []
     try:
         for task in range(args.ps):
@@ -457,17 +445,10 @@ def run_ps_cluster(args, n):
         sys.stderr.write(f"{e}\n")
         return None
     finally:
-        for p in servers + procs:
-            if p.poll() is None:
-                p.kill()  # by its pid
-            p.wait(timeout=30)
-    results = []
-    for p, (out, err) in zip(procs, outs):
-        line = [x for x in out.splitlines() if x.startswith("RESULT ")]
-        if p.returncode or not line:
-            sys.stderr.write(err[-3000:])
-            return None
-        results.append(json.loads(line[0][len("RESULT "):]))
+        stop(servers + procs)
+    results = child_results(procs, outs)
+    if results is None:
+        return None
     cpu = [b[0] - a[0] for a, b in zip(before, after)]
     sent = [b[1] - a[1] for a, b in zip(before, after)]
     steps = n * args.steps  # worker steps, each of --batch examples
@@ -479,6 +460,14 @@ def run_ps_cluster(args, n):
             "bytes_per_step_ps": sum(sent[:args.ps]) / steps,
             "ideal_bytes_per_step": sum(r["ideal_bytes"] for r in results) / steps,
             "loopback_bytes_per_step": lo / steps, "wall_s": wall, "per_worker": results}
+
+
+def _write_report(args, argv, benchmark, results):
+    with open(args.json, "w") as f:
+        json.dump({"benchmark": benchmark, "date": time.strftime("%Y-%m-%d"),
+                   "command": shlex.join(["benchmarks/distributed.py", *(argv or sys.argv[1:])]),
+                   "load_average": os.getloadavg(), "args": vars(args),
+                   "results": results}, f, indent=1)
 
 
 def ps_main(args, argv):
@@ -506,26 +495,15 @@ def ps_main(args, argv):
               f"{r['cpu_s_per_example'] * 1e6:>10.2f} {r['cpu_s_per_example'] / plain_cpu:>9.2f} "
               f"{share:>7.0%} {r['bytes_per_step']:>12.0f} {r['ideal_bytes_per_step']:>12.0f} "
               f"{r['bytes_per_step'] / r['ideal_bytes_per_step']:>9.2f}")
-    with open(args.json, "w") as f:
-        json.dump({"benchmark": "distributed_ps", "date": time.strftime("%Y-%m-%d"),
-                   "command": shlex.join(["benchmarks/distributed.py", *(argv or sys.argv[1:])]),
-                   "load_average": os.getloadavg(), "args": vars(args),
-                   "results": {"plain": plain, "plain_examples_per_s": plain_rate,
-                               "plain_cpu_s_per_example": plain_cpu, "ps": runs}},
-                  f, indent=1)
+    _write_report(args, argv, "distributed_ps", {
+        "plain": plain, "plain_examples_per_s": plain_rate,
+        "plain_cpu_s_per_example": plain_cpu, "ps": runs})
     return 0
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--replicas", default="",
-                   help="MirroredStrategy logical-device counts, e.g. 1,2,4")
-    p.add_argument("--features", type=int, default=8)
-    p.add_argument("--ids", type=int, default=2)
-    p.add_argument("--dim", type=int, default=16)
-    p.add_argument("--batch", type=int, default=4096)
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=3)
+    p = parser(__doc__, replicas=("", "MirroredStrategy logical-device counts, e.g. 1,2,4"),
+               features=8, ids=2, dim=16, batch=4096, steps=30, warmup=3)
     p.add_argument("--quick", action="store_true", help="few small steps")
     p.add_argument("--json", default=os.path.join(HERE, "distributed.json"))
     p.add_argument("--workers", default="1,2,4",
@@ -569,14 +547,12 @@ def main(argv=None):
     results = []
     for n in [int(r) for r in args.replicas.split(",") if r]:
         cmd = [sys.executable, os.path.abspath(__file__), "--child", str(n)] + [
-            f"--{k}={getattr(args, k)}" for k in ("features", "ids", "dim", "batch",
-                                                   "steps", "warmup", "hidden")]
+            f"--{k}={getattr(args, k)}" for k in _SIZES]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-        line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-        if out.returncode != 0 or not line:
-            sys.stderr.write(out.stderr[-3000:])
+        result = child_result(out.returncode, out.stdout, out.stderr)
+        if result is None:
             return 1
-        results.append(json.loads(line[0][len("RESULT "):]))
+        results.append(result)
     if results:
         base = results[0].get("plain_steps_per_s") or results[0]["steps_per_s"]
         print("MirroredStrategy over logical CPU devices (one process):")
@@ -611,12 +587,7 @@ def main(argv=None):
                     by_thread[name] = by_thread.get(name, 0.0) + seconds / args.steps
             top = sorted(by_thread.items(), key=lambda kv: -kv[1])[:5]
             print(f"{r['workers'] or 'plain':>8}  " + ", ".join(f"{k} {v:.4f}" for k, v in top))
-    results = {"mirrored": results, "cluster": cluster}
-    with open(args.json, "w") as f:
-        json.dump({"benchmark": "distributed", "date": time.strftime("%Y-%m-%d"),
-                   "command": shlex.join(["benchmarks/distributed.py", *(argv or sys.argv[1:])]),
-                   "load_average": os.getloadavg(), "args": vars(args),
-                   "results": results}, f, indent=1)
+    _write_report(args, argv, "distributed", {"mirrored": results, "cluster": cluster})
     return 0
 
 

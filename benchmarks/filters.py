@@ -42,8 +42,6 @@ small run about 5 s):
     PYTHONPATH=. .venv/bin/python benchmarks/filters.py --ids 200000 --batch 20000
 """
 
-import argparse
-import json
 import os
 import statistics
 import sys
@@ -55,7 +53,8 @@ import tensorflow as tf
 import keras_rec_emb as kre
 from keras_rec_emb.backend.tensorflow.variables import EmbeddingTable
 
-from _machine import machine_info
+from _common import parser
+from _machine import machine_info, write_json_report
 
 FILTER_FREQ = 2
 CBF_FALSE_POSITIVE = 0.01
@@ -65,17 +64,12 @@ DEFAULT_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "filters
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--ids", type=int, default=2_000_000, help="ids in the stream")
-    p.add_argument("--batch", type=int, default=100_000, help="ids per lookup")
-    p.add_argument("--dim", type=int, default=16, help="row width")
-    p.add_argument("--singleton-fraction", type=float, default=0.9,
-                   help="target fraction of distinct keys seen exactly once")
-    p.add_argument("--zipf-a", type=float, default=1.2, help="Zipf exponent of hot keys")
-    p.add_argument("--reps", type=int, default=5, help="timed passes per table")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=DEFAULT_JSON, help="where to write results")
-    return p.parse_args(argv)
+    return parser(
+        __doc__, ids=(2_000_000, "ids in the stream"), batch=(100_000, "ids per lookup"),
+        dim=(16, "row width"),
+        singleton_fraction=(0.9, "target fraction of distinct keys seen exactly once"),
+        zipf_a=(1.2, "Zipf exponent of hot keys"), reps=(5, "timed passes per table"), seed=0,
+        json=(DEFAULT_JSON, "where to write results")).parse_args(argv)
 
 
 def log(msg):
@@ -242,9 +236,8 @@ def main(argv=None):
     print_report(config, truth, results)
     report = {"benchmark": "filters", "config": config, "stream": truth,
               "machine": machine_info(), "results": results}
-    with open(opts.json, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"\nwrote {opts.json}")
+    print()
+    write_json_report(opts.json, report)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ milliseconds and the median over blocks of 10 rounds of separate/group.
 Writes benchmarks/fit_epoch.json or --json.
 """
 
-import argparse
 import json
 import os
 import statistics
@@ -45,26 +44,20 @@ import keras
 import keras_rec_emb as kre
 from keras_rec_emb import cli
 
+from _common import parser
 from _machine import machine_info, median_range, write_json_report
 
 MODES = ("group", "group_dict", "separate")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rows", type=int, default=300_000)
-    p.add_argument("--features", type=int, default=26)
-    p.add_argument("--dim", type=int, default=16)
-    p.add_argument("--batch-size", type=int, default=4096)
-    p.add_argument("--epochs", type=int, default=4)
-    p.add_argument("--threads", type=int, default=0,
-                   help="TensorFlow intra-op threads, the same for every model (0: TF's default)")
-    p.add_argument("--step-rounds", type=int, default=200,
-                   help="rounds of one timed train_on_batch step per model (0: none)")
-    p.add_argument("--modes", default=",".join(MODES),
-                   help=f"comma-separated subset of {MODES} (separate is needed for ratios)")
-    p.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "fit_epoch.json"))
-    return p.parse_args(argv)
+    return parser(
+        __doc__, rows=300_000, features=26, dim=16, batch_size=4096, epochs=4,
+        threads=(0, "TensorFlow intra-op threads, the same for every model (0: TF's default)"),
+        step_rounds=(200, "rounds of one timed train_on_batch step per model (0: none)"),
+        modes=(",".join(MODES),
+               f"comma-separated subset of {MODES} (separate is needed for ratios)"),
+        json=os.path.join(os.path.dirname(__file__), "fit_epoch.json")).parse_args(argv)
 
 
 def build(mode, opts, steps):

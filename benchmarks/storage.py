@@ -39,9 +39,7 @@ Writes --json (default benchmarks/storage.json, with --scale
 benchmarks/storage_scale.json).
 """
 
-import argparse
 import datetime
-import json
 import os
 import resource
 import shlex
@@ -60,13 +58,19 @@ import numpy as np
 import keras_rec_emb as kre
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _machine import machine_info
+from _common import parser
+from _machine import machine_info, write_json_report
 
 TARGET_FILE_VS_DRAM = 0.5
 DEFAULT_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "storage.json")
 DEFAULT_SCALE_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                   "storage_scale.json")
 TARGET_SCALE_RSS = 6 * 2**30
+
+
+# The trace: --batches batches of ids [--batch, --features], Zipf(--zipf-a)
+# draws over --vocab ids per feature (cache_policy.py replays it).
+WORKLOAD = {"batch": 4096, "features": 26, "vocab": 200_000, "zipf_a": 1.1, "batches": 20}
 
 
 def make_batches(opts):
@@ -154,12 +158,7 @@ def scale_run(opts, folder):
     for ids, y in batches[:2]:  # warm-up
         model.train_on_batch(ids, y)
     before = layer.stats()
-    times = []
-    for i in range(opts.scale_steps):
-        ids, y = batches[i % len(batches)]
-        t1 = time.perf_counter()
-        model.train_on_batch(ids, y)
-        times.append(time.perf_counter() - t1)
+    step_s = time_steps(model, batches, opts.scale_steps)
     after = layer.stats()
     hits = after["cache_hits"] - before["cache_hits"]
     misses = after["cache_misses"] - before["cache_misses"]
@@ -174,7 +173,7 @@ def scale_run(opts, folder):
         "fill_s": fill_s, "fill_keys_per_s": filled / max(fill_s, 1e-9),
         "rows": int(after["rows"]), "cached_rows": int(after["cached_rows"]),
         "cache_bytes": opts.scale_cache_bytes,
-        "steps_per_s": 1.0 / statistics.median(times),
+        "steps_per_s": 1.0 / step_s,
         "cache_hit_rate": hits / max(1, hits + misses),
         "table_memory_bytes": int(after["memory_bytes"]),
         "table_memory_bytes_per_key": after["memory_bytes"] / rows,
@@ -202,16 +201,7 @@ def print_scale(report):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--batch", type=int, default=4096)
-    p.add_argument("--features", type=int, default=26)
-    p.add_argument("--dim", type=int, default=16)
-    p.add_argument("--vocab", type=int, default=200_000)
-    p.add_argument("--zipf-a", type=float, default=1.1)
-    p.add_argument("--batches", type=int, default=20)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--cache-fraction", type=float, default=0.1)
+    p = parser(__doc__, **WORKLOAD, dim=16, steps=10, reps=3, cache_fraction=0.1)
     p.add_argument("--storage-dir", default=None, help="folder for the file tier "
                    "(default: a temporary folder, removed afterwards)")
     p.add_argument("--json", default=None,
@@ -234,9 +224,7 @@ def main(argv=None):
             if opts.storage_dir is None:
                 shutil.rmtree(folder, ignore_errors=True)
         print_scale(report)
-        with open(opts.json, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {opts.json}")
+        write_json_report(opts.json, report)
         return
     opts.json = opts.json or DEFAULT_JSON
     batches = make_batches(opts)
@@ -293,9 +281,7 @@ def main(argv=None):
     print(f"cache hit rate {report['cache_hit_rate']:.3f}; disk {report['disk_bytes_per_key']:.1f} "
           f"B/key vs 4*dim*(1+slots) = {bound} -> {report['disk_over_bound']:.2f}x; "
           f"snapshot {snapshot_s:.2f} s; peak RSS {report['peak_rss_bytes'] / 2**30:.2f} GiB")
-    with open(opts.json, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"wrote {opts.json}")
+    write_json_report(opts.json, report)
 
 
 if __name__ == "__main__":

@@ -38,8 +38,6 @@ Run from the repository root:
 Writes benchmarks/training.json (config, machine, times, ratios) or --json.
 """
 
-import argparse
-import json
 import os
 import statistics
 import sys
@@ -54,7 +52,8 @@ import tensorflow as tf
 
 import keras_rec_emb as kre
 
-from _machine import machine_info
+from _common import parser
+from _machine import machine_info, write_json_report
 
 from keras_rec_emb.data.synthetic import NUM_DENSE
 TARGET_EV_VS_HASHING = 1.0
@@ -67,24 +66,17 @@ QUICK = {"batch": 1024, "features": 8, "steps": 20, "reps": 3, "batches": 4,
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--batch", type=int, default=4096, help="rows per step")
-    p.add_argument("--features", type=int, default=26, help="categorical features")
-    p.add_argument("--dim", type=int, default=16, help="embedding width")
-    p.add_argument("--bins", type=int, default=100_000,
-                   help="Hashing bins per feature (reference model)")
-    p.add_argument("--steps", type=int, default=50, help="steps per timed fit")
-    p.add_argument("--reps", type=int, default=5, help="timed fits per model")
-    p.add_argument("--batches", type=int, default=16, help="distinct batches")
-    p.add_argument("--zipf-a", type=float, default=1.2, help="Zipf exponent of the ids")
-    p.add_argument("--models", default=",".join(MODELS),
-                   help=f"comma-separated subset of {','.join(MODELS)}")
+    p = parser(
+        __doc__, batch=(4096, "rows per step"), features=(26, "categorical features"),
+        dim=(16, "embedding width"), bins=(100_000, "Hashing bins per feature (reference model)"),
+        steps=(50, "steps per timed fit"), reps=(5, "timed fits per model"),
+        batches=(16, "distinct batches"), zipf_a=(1.2, "Zipf exponent of the ids"),
+        models=(",".join(MODELS), f"comma-separated subset of {','.join(MODELS)}"), seed=0,
+        json=(DEFAULT_JSON, "where to write results"))
     p.add_argument("--quick", action="store_true",
                    help="small sizes for a fast check: " +
                    " ".join(f"--{k} {v}" for k, v in QUICK.items()) +
                    " (explicit options win)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=DEFAULT_JSON, help="where to write results")
     args = p.parse_args(argv)
     if args.quick:
         defaults = p.parse_args([])
@@ -256,9 +248,7 @@ def main(argv=None):
         "ratios": ratios,
         "meets_target": meets,
     }
-    with open(opts.json, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"wrote {opts.json}")
+    write_json_report(opts.json, report)
 
 
 if __name__ == "__main__":

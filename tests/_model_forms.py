@@ -8,6 +8,8 @@ import numpy as np
 from keras_rec_emb import _keras_fixes
 from keras_rec_emb.layers import EmbeddingVariable
 
+FORMS = ["functional", "subclassed", "sequential", "sequential_input"]
+
 
 @keras.saving.register_keras_serializable(package="kre_tests")
 class ChainModel(keras.Model):
@@ -28,6 +30,22 @@ class ChainModel(keras.Model):
         config = super().get_config()
         config["chain"] = [keras.saving.serialize_keras_object(c) for c in self.chain]
         return config
+
+
+def model_in_form(form, layers, shape, dtype):
+    """`layers` chained in one of `FORMS`: a functional model over
+    `keras.Input(shape, dtype)`, a `ChainModel`, or a `Sequential` without
+    or with that input."""
+    if form == "functional":
+        out = inp = keras.Input(shape, dtype=dtype)
+        for layer in layers:
+            out = layer(out)
+        return keras.Model(inp, out)
+    if form == "subclassed":
+        return ChainModel(layers)
+    if form == "sequential":
+        return keras.Sequential(layers)
+    return keras.Sequential([keras.Input(shape, dtype=dtype)] + layers)
 
 
 def id_layers(model):

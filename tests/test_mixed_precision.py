@@ -10,9 +10,8 @@ import pytest
 import keras_rec_emb as kre
 from keras_rec_emb.backend.tensorflow import compat as _compat
 from keras_rec_emb.layers import EmbeddingVariable
-from tests._model_forms import ChainModel, assert_state_equal, state
+from tests._model_forms import FORMS, ChainModel, assert_state_equal, model_in_form, state
 
-FORMS = ["functional", "subclassed", "sequential", "sequential_input"]
 OPTIMIZERS = {
     "SGD": lambda: kre.optimizers.SGD(0.05),
     "Adagrad": lambda: kre.optimizers.Adagrad(0.1),
@@ -42,19 +41,7 @@ def _layers():
 
 
 def make(form, optimizer, **compile_kwargs):
-    layers = _layers()
-    if form == "functional":
-        inp = keras.Input((3,), dtype="int64")
-        out = inp
-        for layer in layers:
-            out = layer(out)
-        model = keras.Model(inp, out)
-    elif form == "subclassed":
-        model = ChainModel(layers)
-    elif form == "sequential":
-        model = keras.Sequential(layers)
-    else:
-        model = keras.Sequential([keras.Input((3,), dtype="int64")] + layers)
+    model = model_in_form(form, _layers(), (3,), "int64")
     model.compile(optimizer=optimizer, loss="mse", **compile_kwargs)
     return model
 

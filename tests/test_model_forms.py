@@ -12,10 +12,8 @@ import tensorflow as tf
 import keras_rec_emb as kre
 from keras_rec_emb.layers import (AdaptiveEmbedding, EmbeddingVariable, FeatureSpec,
                                   GroupEmbedding, MultiHashEmbedding)
-from tests._model_forms import ChainModel, assert_state_equal, id_layers, state
-
-FORMS = ["functional", "subclassed", "sequential", "sequential_input"]
-
+from tests._model_forms import (FORMS, ChainModel, assert_state_equal, id_layers,
+                                model_in_form, state)
 
 def _ev_mean():
     return [EmbeddingVariable(8, combiner="mean", name="ev",
@@ -58,19 +56,7 @@ Y = rng.random((96, 1)).astype(np.float32)
 
 
 def make(form, layers_fn, x, optimizer=None):
-    layers = layers_fn()
-    if form == "functional":
-        inp = keras.Input(x.shape[1:], dtype="int64")
-        out = inp
-        for layer in layers:
-            out = layer(out)
-        model = keras.Model(inp, out)
-    elif form == "subclassed":
-        model = ChainModel(layers)
-    elif form == "sequential":
-        model = keras.Sequential(layers)
-    else:
-        model = keras.Sequential([keras.Input(x.shape[1:], dtype="int64")] + layers)
+    model = model_in_form(form, layers_fn(), x.shape[1:], "int64")
     model.compile(optimizer=optimizer or kre.optimizers.Adagrad(0.1), loss="mse")
     return model
 

@@ -127,22 +127,11 @@ def test_stacked_id_kernels_fail_a_request_too_large_for_memory_alone():
 
 @pytest.fixture(scope="module")
 def stacked_serving(tmp_path_factory):
-    import keras
+    from tests import _stacked_group
 
-    import keras_rec_emb as kre
-    from keras_rec_emb.layers import EmbeddingVariable, FeatureSpec, GroupEmbedding
-
-    keras.utils.set_random_seed(6)
-    group = GroupEmbedding({f"f{j}": FeatureSpec(EmbeddingVariable(3, name=f"t{j}"),
-                                                 combiner="sum") for j in range(3)},
-                           output_mode="concat")
-    ids = keras.Input((3, 2), dtype="int64")
-    model = keras.Model(ids, keras.layers.Dense(1)(group(ids)))
-    model.compile(optimizer=kre.optimizers.Adagrad(0.3), loss="mse")
-    model.fit(np.random.default_rng(6).integers(-1, 23, (32, 3, 2)), np.ones((32, 1)),
-              verbose=0)
-    query = (np.arange(24).reshape(4, 3, 2) % 23).astype(np.int64)
-    return model, model.predict(query, verbose=0), tmp_path_factory.mktemp("served")
+    model = _stacked_group.trained_model()
+    return (model, model.predict(_stacked_group.QUERY, verbose=0),
+            tmp_path_factory.mktemp("served"))
 
 
 def test_served_stacked_model_refuses_a_request_over_max_input_size(stacked_serving):

@@ -15,6 +15,7 @@ import tensorflow as tf
 
 import keras_rec_emb as kre
 from keras_rec_emb.layers import EmbeddingVariable, FeatureSpec, GroupEmbedding
+from tests import _stacked_group
 
 pytestmark = pytest.mark.tensorflow_only  # `model.export` SavedModels of this package's TF ops
 
@@ -195,18 +196,10 @@ def test_served_stacked_ids_refuse_another_length_or_rank(tmp_path):
     """The signatures of a served stacked-id GroupEmbedding model read ids
     of another length, another feature count or an extra rank as if valid
     (tf.function's shape check runs only for Python callers of `serve`)."""
-    keras.utils.set_random_seed(6)
-    group = GroupEmbedding({f"f{j}": FeatureSpec(EmbeddingVariable(3, name=f"t{j}"),
-                                                 combiner="sum") for j in range(3)},
-                           output_mode="concat")
-    ids = keras.Input((3, 2), dtype="int64")
-    model = keras.Model(ids, keras.layers.Dense(1)(group(ids)))
-    model.compile(optimizer=kre.optimizers.Adagrad(0.3), loss="mse")
-    model.fit(np.random.default_rng(6).integers(-1, 23, (32, 3, 2)), np.ones((32, 1)),
-              verbose=0)
-    good = (4, 3, 2)
+    model = _stacked_group.trained_model()
+    good = _stacked_group.QUERY.shape
     bad = [(4, 3, 3), (4, 3, 1), (4, 3, 2, 1), (4, 4, 2), (4, 2, 2), (4, 6)]
-    want = model.predict((np.arange(24).reshape(good) % 23).astype(np.int64), verbose=0)
+    want = model.predict(_stacked_group.QUERY, verbose=0)
     exported = str(tmp_path / "export")
     model.export(exported, verbose=False)
     stock = kre.export_for_serving(model, str(tmp_path / "stock"))

@@ -16,24 +16,19 @@ written by run.py (default /tmp/h19b/peers/peers-data).
 import json
 import os
 import sys
-import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-mode, variant, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
-reps = int(sys.argv[4]) if len(sys.argv) > 4 else 30
-rounds = int(sys.argv[5]) if len(sys.argv) > 5 else 9
-data_dir = sys.argv[6] if len(sys.argv) > 6 else "/tmp/h19b/peers/peers-data"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _ab
 
-import tensorflow as tf  # noqa: E402
+mode, variant, threads, reps, rounds, data_dir = _ab.arguments(
+    ("mode", str), ("variant", str), ("threads", int), ("reps", int, 30), ("rounds", int, 9),
+    ("data_dir", str, _ab.DATA_DIR))
+tf = _ab.tensorflow(threads)
 
-tf.config.threading.set_intra_op_parallelism_threads(threads)
-tf.config.threading.set_inter_op_parallelism_threads(1)
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_rec_emb as kre  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import protocol  # noqa: E402
 import workload  # noqa: E402
 
@@ -87,13 +82,7 @@ else:
 for step in steps.values():
     for i in range(nb):
         step(i)
-res = {k: [] for k in steps}
-for r in range(rounds):
-    for k in (list(steps) if r % 2 == 0 else list(steps)[::-1]):
-        c0 = time.process_time()
-        for i in range(reps):
-            steps[k](i)
-        res[k].append(1e3 * (time.process_time() - c0) / reps)
+_, res = _ab.interleaved(steps, range(nb), rounds, reps)
 out = {"mode": mode, "variant": variant, "threads": threads, "load": os.getloadavg()[0]}
 for k, v in res.items():
     v = sorted(v)

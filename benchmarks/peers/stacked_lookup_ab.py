@@ -20,30 +20,23 @@ import json
 import os
 import statistics
 import sys
-import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-variant = sys.argv[1] if len(sys.argv) > 1 else "multi"
-threads = int(sys.argv[2]) if len(sys.argv) > 2 else 1
-reps = int(sys.argv[3]) if len(sys.argv) > 3 else 64
-rounds = int(sys.argv[4]) if len(sys.argv) > 4 else 10
-data_dir = sys.argv[5] if len(sys.argv) > 5 else "/tmp/h19b/peers/peers-data"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _ab
 
-import tensorflow as tf  # noqa: E402
-
-tf.config.threading.set_intra_op_parallelism_threads(threads)
-tf.config.threading.set_inter_op_parallelism_threads(1)
+variant, threads, reps, rounds, data_dir = _ab.arguments(
+    ("variant", str, "multi"), ("threads", int, 1), ("reps", int, 64), ("rounds", int, 10),
+    ("data_dir", str, _ab.DATA_DIR))
+tf = _ab.tensorflow(threads)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_rec_emb as kre  # noqa: E402
-from keras_rec_emb.backend.tensorflow import ops as _ops  # noqa: E402
-from keras_rec_emb.backend.tensorflow.ids import FlatIds  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import protocol  # noqa: E402
 import workload  # noqa: E402
+from keras_rec_emb.backend.tensorflow import ops as _ops  # noqa: E402
+from keras_rec_emb.backend.tensorflow.ids import FlatIds  # noqa: E402
 
 ids, _, meta = workload.load(data_dir, variant)
 F, dim = meta["features"], meta["dim"]
@@ -72,16 +65,7 @@ for b in batches:
     if not np.array_equal(paths["new"](b).numpy(), paths["old"](b).numpy()):
         sys.exit("the two paths differ")
 
-wall = {n: [] for n in paths}
-cpu = {n: [] for n in paths}
-for r in range(rounds):
-    for name in (("new", "old") if r % 2 == 0 else ("old", "new")):
-        fn = paths[name]
-        w0, c0 = time.perf_counter(), time.process_time()
-        for i in range(reps):
-            fn(batches[i % len(batches)])
-        wall[name].append(1e3 * (time.perf_counter() - w0) / reps)
-        cpu[name].append(1e3 * (time.process_time() - c0) / reps)
+wall, cpu = _ab.interleaved(paths, batches, rounds, reps)
 ratios = [o / n for o, n in zip(wall["old"], wall["new"])]
 cpu_ratios = [o / n for o, n in zip(cpu["old"], cpu["new"])]
 result = {

@@ -13,6 +13,16 @@ OPTIMIZERS = {"sgd": lambda: kre.optimizers.SGD(0.1),
               "adam": lambda: kre.optimizers.Adam(0.05)}
 
 
+def counted_table(dim, combiner, filter_freq):
+    """The runners' "emb" table: rows uniform in [-1, 1) (seed 7),
+    frequencies tracked, keys admitted once counted `filter_freq` times."""
+    return kre.layers.EmbeddingVariable(
+        dim, combiner=combiner, name="emb",
+        initializer=keras.initializers.RandomUniform(-1, 1, seed=7),
+        ev_option=kre.EmbeddingVariableOption(
+            track_meta=True, filter_option=kre.CounterFilter(filter_freq=filter_freq)))
+
+
 def compile_mse(inputs, outputs, optimizer, steps_per_execution=1, metrics=None):
     """`keras.Model(inputs, outputs)` compiled with `OPTIMIZERS[optimizer]`
     and the mean squared error."""

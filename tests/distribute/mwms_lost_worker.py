@@ -26,7 +26,7 @@ import tensorflow as tf
 import keras_rec_emb as kre
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _models import table_arrays
+from _models import counted_table, table_arrays
 
 DIM, BATCH, STEPS, IDS, EPOCHS, KILL_EPOCH = 4, 12, 3, 3, 4, 2
 
@@ -42,11 +42,7 @@ def build():
     """Adagrad (a slot per row), a CounterFilter (counts of keys not yet
     admitted) and frequencies: what a restart must neither lose nor double."""
     ids = keras.Input(shape=(IDS,), dtype="int64")
-    emb = kre.layers.EmbeddingVariable(
-        DIM, combiner="sum", name="emb",
-        initializer=keras.initializers.RandomUniform(-1, 1, seed=7),
-        ev_option=kre.EmbeddingVariableOption(
-            track_meta=True, filter_option=kre.CounterFilter(filter_freq=6)))(ids)
+    emb = counted_table(DIM, "sum", filter_freq=6)(ids)
     dense = keras.layers.Dense(
         1, name="dense", kernel_initializer=keras.initializers.GlorotUniform(seed=2))(emb)
     model = keras.Model(ids, dense)

@@ -37,7 +37,7 @@ import keras_rec_emb as kre  # noqa: E402
 from keras_rec_emb.backend.tensorflow import compat as _compat  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _models import compile_mse, table_arrays  # noqa: E402
+from _models import compile_mse, counted_table, table_arrays  # noqa: E402
 
 DIM, BATCH, STEPS, IDS = 4, 12, 3, 3  # BATCH: global, a multiple of 2 and 3
 STEPS_TO_LIVE = 1  # the GroupEmbedding's table evicts during fit
@@ -57,11 +57,7 @@ def dense_init():
 
 def build(optimizer, steps_per_execution=1, metrics=None):
     ids = keras.Input(shape=(IDS,), dtype="int64")
-    emb = kre.layers.EmbeddingVariable(
-        DIM, combiner="mean", name="emb",
-        initializer=keras.initializers.RandomUniform(-1, 1, seed=7),
-        ev_option=kre.EmbeddingVariableOption(
-            track_meta=True, filter_option=kre.CounterFilter(filter_freq=2)))(ids)
+    emb = counted_table(DIM, "mean", filter_freq=2)(ids)
     # A GroupEmbedding over a second table (one feature per id column) whose
     # keys not updated for STEPS_TO_LIVE steps are evicted.
     group = kre.layers.GroupEmbedding(

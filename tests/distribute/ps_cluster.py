@@ -2,6 +2,7 @@
 processes on 127.0.0.1, each with its log, stopped by pid, under one
 deadline (imported by tests/distribute/test_ps_*.py)."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import time
 
 import pytest
+from _net import free_ports
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -84,3 +86,18 @@ class Cluster:
         return self.start(name, [sys.executable, os.path.join(HERE, "ps_model_worker.py"),
                                  role, "--ps", ",".join(ps), "--worker", address,
                                  "--task", str(task), "--out", self.out, *extra])
+
+
+@contextlib.contextmanager
+def two_ps_tasks(out, timeout, workers):
+    """A `Cluster` whose 2 PS tasks are started on free ports, stopped on
+    exit; yields it, the PS addresses and `workers` free worker addresses."""
+    ps = [f"127.0.0.1:{p}" for p in free_ports(2)]
+    worker_addresses = [f"127.0.0.1:{p}" for p in free_ports(workers)]
+    cluster = Cluster(out, timeout)
+    try:
+        for task in (0, 1):
+            cluster.start_ps(ps, task)
+        yield cluster, ps, worker_addresses
+    finally:
+        cluster.stop()

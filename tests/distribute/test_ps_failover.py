@@ -24,8 +24,7 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import ps_model_worker as w  # noqa: E402
-from _net import free_ports  # noqa: E402
-from ps_cluster import Cluster  # noqa: E402
+from ps_cluster import two_ps_tasks  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 
@@ -36,12 +35,7 @@ FAIL_WITHIN = 60  # seconds from the kill to the chief's error
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("ps_failover"))
-    ps = [f"127.0.0.1:{p}" for p in free_ports(2)]
-    workers = [f"127.0.0.1:{p}" for p in free_ports(2)]
-    cluster = Cluster(out, TIMEOUT)
-    try:
-        for task in (0, 1):
-            cluster.start_ps(ps, task)
+    with two_ps_tasks(out, TIMEOUT, workers=2) as (cluster, ps, workers):
         cluster.worker("chief", "ps_failure", ps, 0, workers[0])
         cluster.wait_until(lambda: cluster.exists("chief_checkpointed"),
                            "the chief's checkpoint", ("ps0", "ps1", "chief"))
@@ -66,8 +60,6 @@ def run(tmp_path_factory):
                            "the restarted chief", ("ps0_restarted", "ps1_restarted"))
         restarted = cluster.procs["chief_restarted"].poll()
         report = cluster.report()
-    finally:
-        cluster.stop()
     assert restarted == 0, report
     return {"out": out, "failed": failed, "report": report, "ps": ps}
 

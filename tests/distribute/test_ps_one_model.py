@@ -28,8 +28,7 @@ from keras_rec_emb.backend.tensorflow import variables as tf_variables
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import ps_model_worker as w  # noqa: E402
-from _net import free_ports  # noqa: E402
-from ps_cluster import Cluster  # noqa: E402
+from ps_cluster import two_ps_tasks  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 
@@ -39,16 +38,10 @@ TIMEOUT = 420  # seconds for the whole run (processes start slowly on a loaded m
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("ps_one_model"))
-    ps = [f"127.0.0.1:{p}" for p in free_ports(2)]
-    workers = [f"127.0.0.1:{p}" for p in free_ports(3)]
-    cluster = Cluster(out, TIMEOUT)
+    with two_ps_tasks(out, TIMEOUT, workers=3) as (cluster, ps, workers):
+        def worker(name, task, address, *extra):
+            return cluster.worker(name, "one_model", ps, task, address, *extra)
 
-    def worker(name, task, address, *extra):
-        return cluster.worker(name, "one_model", ps, task, address, *extra)
-
-    try:
-        for task in (0, 1):
-            cluster.start_ps(ps, task)
         worker("chief", 0, workers[0])
         worker("worker1", 1, workers[1])
         everyone = ("ps0", "ps1", "chief", "worker1")
@@ -68,8 +61,6 @@ def run(tmp_path_factory):
                            "the workers to finish", ("ps0", "ps1"))
         codes = {name: proc.poll() for name, proc in cluster.procs.items()}
         report = cluster.report()
-    finally:
-        cluster.stop()
     assert codes["chief"] == 0 and codes["worker1_restarted"] == 0, report
     return {"out": out, "codes": codes, "killed": killed, "report": report}
 

@@ -4,16 +4,11 @@ dtypes, combiners, options) are refused under JAX with TensorFlow's
 exception and message, and the same identifiers are accepted: the cases
 run here and in a TensorFlow child process, and the outcomes are compared."""
 
-import json
-import os
-import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from tests import _tensorflow_outcomes
 
 # Run under either backend: outcomes() maps a case to ["ok", what was
 # built] or [exception type, message] (object addresses removed).
@@ -79,26 +74,14 @@ def outcomes():
     return json.loads(json.dumps(out, default=repr))
 '''
 
-_TENSORFLOW = "import json, sys\n" + _CASES + "\njson.dump(outcomes(), open(sys.argv[1], 'w'))\n"
-
-
 @pytest.fixture(scope="module")
 def tensorflow_outcomes(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tf") / "outcomes.json"
-    env = dict(os.environ, KERAS_BACKEND="tensorflow")
-    run = subprocess.run([sys.executable, "-c", _TENSORFLOW, str(path)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=400)
-    assert run.returncode == 0, run.stderr[-4000:]
-    return json.loads(path.read_text())
+    return _tensorflow_outcomes.in_tensorflow(_CASES, tmp_path_factory.mktemp("tf"))
 
 
 def test_bad_arguments_get_tensorflows_exception_and_message(tensorflow_outcomes):
-    namespace = {"json": json}
-    exec(_CASES, namespace)  # pylint: disable=exec-used
-    got = namespace["outcomes"]()
-    assert sorted(got) == sorted(tensorflow_outcomes)
-    for case, outcome in got.items():
-        assert outcome == tensorflow_outcomes[case], case
+    got = _tensorflow_outcomes.here(_CASES)
+    _tensorflow_outcomes.assert_same(got, tensorflow_outcomes)
     accepted = {case for case, outcome in got.items() if outcome[0] == "ok"}
     assert accepted == {"name", "name_mixed_case", "keras_namesake", "ours", "config",
                         "table_config_name", "table_config_keras_namesake"}

@@ -4,19 +4,14 @@ ids beyond int32) are refused under JAX with TensorFlow's exception and
 message: the cases run here and in a TensorFlow child process, and the
 errors are compared."""
 
-import json
-import os
-import pathlib
 import re
-import subprocess
-import sys
 
 import jax
 import keras
 import numpy as np
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from tests import _tensorflow_outcomes
 
 # Run under either backend: CASES maps a name to a function that calls a
 # layer on bad ids; outcome() gives (exception type, message) or "ok".
@@ -77,8 +72,6 @@ def outcomes():
     return out
 '''
 
-_TENSORFLOW = "import re, json, sys\n" + _CASES + "\njson.dump(outcomes(), open(sys.argv[1], 'w'))\n"
-
 # Cases either backend accepts (the ids fit the keys).
 _FIT = {"ev_int64/int64_beyond_int32", "ev_int64/int64_below_int32", "ev_int64/uint32_beyond_int32",
         "group_dict_int64/int64_beyond_int32", "group_dict_int64/int64_below_int32",
@@ -92,22 +85,14 @@ _FIT = {"ev_int64/int64_beyond_int32", "ev_int64/int64_below_int32", "ev_int64/u
 
 @pytest.fixture(scope="module")
 def tensorflow_outcomes(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tf") / "outcomes.json"
-    env = dict(os.environ, KERAS_BACKEND="tensorflow")
-    run = subprocess.run([sys.executable, "-c", _TENSORFLOW, str(path)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=400)
-    assert run.returncode == 0, run.stderr[-4000:]
-    return json.loads(path.read_text())
+    return _tensorflow_outcomes.in_tensorflow(_CASES, tmp_path_factory.mktemp("tf"))
 
 
 def test_bad_ids_get_tensorflows_exception_and_message(tensorflow_outcomes):
-    namespace = {"re": re}
-    exec(_CASES, namespace)  # pylint: disable=exec-used
     assert jax.config.jax_enable_x64  # the package's default: int64 ids stay int64
-    got = namespace["outcomes"]()
-    assert sorted(got) == sorted(tensorflow_outcomes)
+    got = _tensorflow_outcomes.here(_CASES)
+    _tensorflow_outcomes.assert_same(got, tensorflow_outcomes)
     for case, outcome in got.items():
-        assert outcome == tensorflow_outcomes[case], case
         # Padding (ids < 0) is what a group prunes: below int32 is no error there.
         assert (outcome == "ok") == (case in _FIT), (case, outcome)
     assert got["ev_int32/nan"] == [

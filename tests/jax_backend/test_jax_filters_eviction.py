@@ -54,6 +54,16 @@ def _batches(seed=0, n=6, width=8, high=12):
     return [rng.integers(0, high, size=(width,)).astype(np.int32) for _ in range(n)]
 
 
+def _train_counting(layer):
+    """Calls `layer` on `_batches(1)` in training; how often each key came."""
+    counts = {}
+    for ids in _batches(1):
+        layer(ids, training=True)
+        for key in ids.tolist():
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
 @pytest.mark.parametrize("filter_freq, record_freq", [(3, False), (3, True), (1, False)])
 def test_the_counter_filter_admits_keys_at_their_count(filter_freq, record_freq):
     layer = _layer(filter_option=kre.CounterFilter(filter_freq), record_freq=record_freq)
@@ -88,11 +98,7 @@ def test_the_bloom_filter_admits_keys_at_their_count():
     f = kre.CBFFilter(3, max_element_size=1000, false_positive_probability=1e-4,
                       counter_type="uint16")
     layer = _layer(filter_option=f)
-    counts = {}
-    for ids in _batches(1):
-        layer(ids, training=True)
-        for key in ids.tolist():
-            counts[key] = counts.get(key, 0) + 1
+    counts = _train_counting(layer)
     parts = _parts(layer)
     # 12 keys in a filter sized for 1000 at p=1e-4: no false positive here.
     assert sorted(parts["keys"].tolist()) == sorted(k for k, c in counts.items() if c >= 3)
@@ -327,11 +333,7 @@ def test_cbf_counter_type_takes_deeprec_spellings_under_jax(spelling, name, widt
     assert f.counter_type == name and f.sizing()[2] == width
     assert kre.CBFFilter.from_config(f.get_config()) == f
     layer = _layer(filter_option=f)
-    counts = {}
-    for ids in _batches(1):
-        layer(ids, training=True)
-        for key in ids.tolist():
-            counts[key] = counts.get(key, 0) + 1
+    counts = _train_counting(layer)
     assert sorted(_parts(layer)["keys"].tolist()) == sorted(
         k for k, c in counts.items() if c >= 3)
 

@@ -10,11 +10,13 @@ import numpy as np
 import pytest
 
 from keras_rec_emb.backend.jax import ffi
+from keras_rec_emb.backend.jax.layers import pooled_scale
 from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
 from keras_rec_emb.optimizers import SGD
 
 DIM = 4
 ADAGRAD = ("learning_rate", "decay", "epsilon")
+HYPER = [0.2, 0.0, 1e-7]  # Adagrad's, in ADAGRAD's order
 
 
 def defaults(rows=5, dim=DIM):
@@ -35,18 +37,10 @@ def adagrad_tables(n):
             ffi.destroy(t)
 
 
-def numpy_shares(ids, weights, combiner, prune):
-    """Each id's weight over its row's denominator (0 for padding)."""
-    w = np.ones(ids.shape, np.float32) if weights is None else weights.astype(np.float32)
-    if prune:
-        w = np.where(ids >= 0, w, 0.0)
-    if combiner == "sum":
-        return w
-    w = np.where(w > 0, w, 0.0)
-    denom = (w if combiner == "mean" else w * w).sum(-1, keepdims=True)
-    if combiner == "sqrtn":
-        denom = np.sqrt(denom)
-    return np.where(denom > 0, w / np.where(denom > 0, denom, 1.0), 0.0).astype(np.float32)
+def id_shares(ids, weights, combiner, prune):
+    """Each id's weight over its row's denominator (0 for padding), as the
+    layers scale a combined row's gradient."""
+    return np.asarray(pooled_scale(ids, weights, combiner, prune))
 
 
 def batch(rng, rows, length, vocab):
@@ -55,6 +49,24 @@ def batch(rng, rows, length, vocab):
     ids[np.arange(length)[None, :] >= lengths[:, None]] = -1
     weights = rng.uniform(-0.5, 2.0, size=(rows, length)).astype(np.float32)
     return ids, weights
+
+
+def pooled_steps(seed, table, combiner, weighted, positive_only=False):
+    """Three steps of 300 rows on `table`, each a pooled lookup and its
+    Adagrad update; yields (step, ids, weights, grads, pooled rows) of each
+    for the same step on another table. `positive_only` pads the ids of
+    weights <= 0."""
+    rng = np.random.default_rng(seed)
+    for step in range(3):
+        ids, weights = batch(rng, 300, 4, 30)
+        weights = weights if weighted else None
+        if positive_only:
+            ids = np.where(weights > 0, ids, -1)
+        grads = rng.normal(size=(300, DIM)).astype(np.float32)
+        rows = ffi.pooled_lookup(table, ids, DIM, combiner, weights, prune=True)
+        ffi.apply_pooled(table, ids, grads, HYPER, step, "adagrad", ADAGRAD, ("accumulator",),
+                         combiner, weights, prune=True)
+        yield step, ids, weights, grads, rows
 
 
 # 6 rows take the tables' shard-by-shard path, 300 their batch-order one
@@ -74,7 +86,7 @@ def test_pooled_lookup_matches_numpy_and_inserts_as_lookup(rows, filter_freq, co
             out = np.asarray(ffi.pooled_lookup(pooled, ids, DIM, combiner, weights,
                                                insert=True, prune=True))
             rows_ = np.asarray(ffi.lookup(plain, ids, DIM, insert=True, prune=True))
-            want = (rows_ * numpy_shares(ids, weights, combiner, True)[..., None]).sum(1)
+            want = (rows_ * id_shares(ids, weights, combiner, True)[..., None]).sum(1)
             np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6, err_msg=str(step))
         a, b = ffi.export(pooled, "int32", DIM), ffi.export(plain, "int32", DIM)
         order_a, order_b = np.argsort(a["keys"]), np.argsort(b["keys"])
@@ -149,19 +161,11 @@ def test_group_pooled_lookup_is_each_features_pooled_lookup(rows, key_dtype, wei
 @pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_apply_pooled_is_apply_of_each_ids_share(combiner, weighted):
-    rng = np.random.default_rng(7)
     with adagrad_tables(2) as tables:
-        for step in range(3):
-            ids, weights = batch(rng, 300, 4, 30)
-            weights = weights if weighted else None
-            grads = rng.normal(size=(300, DIM)).astype(np.float32)
-            hyper = [0.2, 0.0, 1e-7]
-            ffi.pooled_lookup(tables[0], ids, DIM, combiner, weights, prune=True)
-            ffi.apply_pooled(tables[0], ids, grads, hyper, step, "adagrad", ADAGRAD,
-                             ("accumulator",), combiner, weights, prune=True)
-            shares = numpy_shares(ids, weights, combiner, True)
+        for step, ids, weights, grads, _ in pooled_steps(7, tables[0], combiner, weighted):
+            shares = id_shares(ids, weights, combiner, True)
             ffi.lookup(tables[1], ids, DIM, prune=True)
-            ffi.apply(tables[1], ids, grads[:, None, :] * shares[..., None], hyper, step,
+            ffi.apply(tables[1], ids, grads[:, None, :] * shares[..., None], HYPER, step,
                       "adagrad", ADAGRAD, ("accumulator",), prune=True)
         a, b = (ffi.export(t, "int32", DIM) for t in tables)
         order_a, order_b = np.argsort(a["keys"]), np.argsort(b["keys"])
@@ -236,7 +240,7 @@ def test_a_table_combined_over_two_lengths_in_one_step_gets_one_update():
     model.fit([a, b], np.zeros((3, 2 * DIM), np.float32), batch_size=3, epochs=1, verbose=0)
     grads = {}
     for ids in (a, b):
-        shares = numpy_shares(ids, None, "mean", True)
+        shares = id_shares(ids, None, "mean", True)
         out = (init[np.where(ids >= 0, ids, 0) % 7] * shares[..., None]).sum(1)
         g_out = 2 * out / out.size / 2  # mse over [3, 2 * DIM]: each half's share
         for r in range(ids.shape[0]):
@@ -294,7 +298,7 @@ def test_repeated_ids_count_each_occurrence_and_update_once_with_a_filter(combin
             for (r, k), key in np.ndenumerate(ids):
                 if kept[r, k] and key in values:
                     read[r, k] = values[key]
-            shares = numpy_shares(np.where(kept, ids, -1), weights, combiner, True)
+            shares = id_shares(np.where(kept, ids, -1), weights, combiner, True)
             np.testing.assert_allclose(out, (read * shares[..., None]).sum(1), rtol=1e-5,
                                        atol=1e-5, err_msg=f"step {step}")
             for key in ids[kept].tolist():
@@ -329,21 +333,13 @@ def test_repeated_ids_count_each_occurrence_and_update_once_with_a_filter(combin
 @pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_the_distinct_lookup_and_update_are_the_pooled_ones_bit_for_bit(combiner, weighted):
-    rng = np.random.default_rng(11)
     with adagrad_tables(2) as tables:
-        for step in range(3):
-            ids, weights = batch(rng, 300, 4, 30)
-            weights = weights if weighted else None
-            if combiner != "sum" and weighted:
-                ids = np.where(weights > 0, ids, -1)
-            grads = rng.normal(size=(300, DIM)).astype(np.float32)
-            hyper = [0.2, 0.0, 1e-7]
-            a = ffi.pooled_lookup(tables[0], ids, DIM, combiner, weights, prune=True)
-            ffi.apply_pooled(tables[0], ids, grads, hyper, step, "adagrad", ADAGRAD,
-                             ("accumulator",), combiner, weights, prune=True)
+        steps = pooled_steps(11, tables[0], combiner, weighted,
+                             positive_only=combiner != "sum" and weighted)
+        for step, ids, weights, grads, a in steps:
             b, inverse, uniq, count = ffi.pooled_lookup_distinct(tables[1], ids, DIM, combiner,
                                                                  weights, prune=True)
-            ffi.apply_distinct(tables[1], uniq, count, inverse, grads, hyper, step, "adagrad",
+            ffi.apply_distinct(tables[1], uniq, count, inverse, grads, HYPER, step, "adagrad",
                                ADAGRAD, ("accumulator",), combiner, weights)
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         a, b = (ffi.export(t, "int32", DIM) for t in tables)

@@ -18,7 +18,8 @@ import keras_rec_emb as kre
 from keras_rec_emb._farmhash import hash_buckets
 from keras_rec_emb.layers import EmbeddingVariable, FeatureSpec, GroupEmbedding, HashStrings
 from tests import _hash_strings_cases as hash_cases
-from tests._model_forms import ChainModel, assert_state_equal, id_layers, state
+from tests._model_forms import (FORMS, ChainModel, assert_state_equal, id_layers,
+                                model_in_form, state)
 
 INT64_MAX = 2**63 - 1
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -159,7 +160,6 @@ def test_group_embedding_stacked_ids_with_pad_equal_reference_ids():
 
 
 # -- model forms, saving, export, serving ---------------------------------------------
-FORMS = ["functional", "subclassed", "sequential", "sequential_input"]
 X = criteo_strings((96, 4), seed=6)
 Y = rng.random((96, 1)).astype(np.float32)
 
@@ -171,19 +171,7 @@ def _layers():
 
 
 def make(form):
-    layers = _layers()
-    if form == "functional":
-        inp = keras.Input((4,), dtype="string")
-        out = inp
-        for layer in layers:
-            out = layer(out)
-        model = keras.Model(inp, out)
-    elif form == "subclassed":
-        model = ChainModel(layers)
-    elif form == "sequential":
-        model = keras.Sequential(layers)
-    else:
-        model = keras.Sequential([keras.Input((4,), dtype="string")] + layers)
+    model = model_in_form(form, _layers(), (4,), "string")
     model.compile(optimizer=kre.optimizers.Adagrad(0.1), loss="mse")
     return model
 
