@@ -25,10 +25,11 @@ effect's token (`ffi`). Not in `optimizer.apply`, because:
 What follows: the table's optimizer is the one `model.compile` got (one
 of `keras_rec_emb.optimizers`, as under TensorFlow), found through the
 layer's `anchor` when it builds (`keras_rec_emb.backend.jax.optimizers`), or the
-layer's own (`optimizer=`). Its step counter is the layer's `iterations`
+layer's own (`optimizer=`). Its step, which drives learning rate
+schedules, Adam's bias correction and the rows' versions, is the compiled
+optimizer's `iterations` (`TableRule.step`), else the layer's `iterations`
 (a non-trainable variable counting training steps, so in the model's state
-under `jit`), which drives learning rate schedules, Adam's bias correction
-and the rows' versions. A table looked up several times in one step (a
+under `jit`). A table looked up several times in one step (a
 layer called on two inputs) counts the step once and gets one update with
 the gradients of all its lookups, equal ids summed, as under TensorFlow
 (`_StepLookups`). A constant learning rate is the optimizer's
@@ -428,6 +429,7 @@ class EmbeddingVariableBackend:
 
     def _apply_rows(self, parts, step, distinct):
         rule = self.table_rule
+        step = rule.step(step)
         hyper = rule.hyper(step)
         names = (rule.rule.name, rule.rule.hparam_names, rule.slot_names())
         if distinct is not None:

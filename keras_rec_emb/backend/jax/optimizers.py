@@ -12,11 +12,13 @@ and hyper-parameters, and its backward applies the rows' gradient to the
 table with them (see `keras_rec_emb.backend.jax.layers` for why the update runs
 there and not in `apply`).
 
-The step is the layer's `iterations` (a non-trainable variable counting
-training calls, in the model's state under `jit`), which equals the
-optimizer's `iterations` when the layer is called once per training step:
-learning-rate schedules and Adam's bias correction follow it, as they
-follow the optimizer's step under TensorFlow.
+The step is the compiled optimizer's `iterations` in the training step
+(its `scale_loss` hands it to the tables' rules): learning-rate schedules,
+Adam's bias correction and the rows' versions follow it, as they follow
+the optimizer's step under TensorFlow, and a step that `LossScaleOptimizer`
+skips advances none of them. Outside Keras's trainer (no `scale_loss`) it
+is the layer's `iterations`, a non-trainable variable counting training
+calls.
 
 Under `LossScaleOptimizer` (mixed precision) the rows' gradient reaching
 the backward is scaled by the loss scale of the step, which the wrapper's
@@ -136,6 +138,7 @@ class TableRule:
         if isinstance(self.optimizer, TableOptimizer):
             self.optimizer._kre_step_learning_rate = None  # pylint: disable=protected-access
         self.loss_scale = None  # set by LossScaleOptimizer.scale_loss, after this
+        self.optimizer_step = None  # set by TableOptimizer.scale_loss, after this
         self.own_step_rate = None if own_rate is None else own_rate.value
 
     def learning_rate(self, step):
@@ -163,6 +166,15 @@ class TableRule:
         if rate is None:
             rate = self.constant_learning_rate
         return jnp.asarray(rate, jnp.float32)
+
+    def step(self, own_step):
+        """The table's step in this training step: that of the optimizer
+        that trains the model (its `iterations` in the step's state, which
+        its `scale_loss` saw), which a step that `LossScaleOptimizer` skips
+        does not advance, as under TensorFlow; outside Keras's trainer,
+        `own_step` (the layer's `iterations` before the step)."""
+        step = getattr(self, "optimizer_step", None)
+        return own_step if step is None else step.astype(own_step.dtype)
 
     def hyper(self, step):
         """The rule's hyper-parameters at `step`, in the kernel's order."""
@@ -214,9 +226,15 @@ class TableOptimizer:
         # forward pass and before the gradient, with this step's optimizer
         # variables in scope: the tables' update (in the backward) takes the
         # learning rate from here (TableRule.learning_rate).
+        # Its step too: the tables it trains (their own optimizers' too)
+        # take this step (TableRule.step).
         rate = self.learning_rate
         if isinstance(rate, keras.Variable):
             self._kre_step_learning_rate = rate.value
+        for ref in getattr(self, "_kre_tables", ()):
+            rule = getattr(ref(), "table_rule", None)
+            if rule is not None:
+                rule.optimizer_step = self.iterations.value
         return super().scale_loss(loss)
 
     # Saving: the TensorFlow backend's layout (keras_rec_emb/backend/jax/saving.py).
