@@ -1,15 +1,10 @@
 """The change tracking of the JAX tables, for incremental checkpoints
 (keras_rec_emb/incremental.py): the TensorFlow `EmbeddingTable`'s
 `mark_changes`, `export_changes`, `trim_erased`, `apply_changes`,
-`export`, `import_` and `counters` over a JAX `EmbeddingVariable`'s table
-(csrc/jax/table_host.cc's change-tracking calls), so that one checkpointer
-writes and reads one file format under both backends.
-
-A JAX layer keeps its step counter (`iterations`, which stamps the
-versions) beside its table: a link saves it per table as `step` (the
-TensorFlow backend, whose tables follow the model optimizer's step, skips
-it), and a link without it (written under TensorFlow) restores the
-optimizer's step.
+`export`, `import_` and `counters` over a JAX `EmbeddingVariable`'s table,
+so that one checkpointer writes and reads one file format under both
+backends. A link saves each JAX table's step counter as `step` (the
+TensorFlow backend skips it); a link without it restores the optimizer's.
 """
 
 import keras

@@ -1,16 +1,12 @@
 """The JAX backend's table plumbing of `keras_rec_emb.optimizers`.
 
 The optimizers (written once, in keras_rec_emb/optimizers/) subclass their
-Keras namesakes (dense variables follow Keras exactly) through this
-module's `TableOptimizer`, which also trains the embedding tables of the
-model the optimizer is compiled with. How the compiled optimizer reaches a table:
-each JAX `EmbeddingVariable` owns a zero-size trainable variable, its
-`anchor`, which is among the variables `build` receives; `build` finds the
-layers behind those anchors and attaches itself to each (adding its slots
-to the table). The layer's training lookup then takes this optimizer's rule
-and hyper-parameters, and its backward applies the rows' gradient to the
-table with them (see `keras_rec_emb.backend.jax.layers` for why the update runs
-there and not in `apply`).
+Keras namesakes through this module's `TableOptimizer`, which also trains
+the embedding tables of the model it is compiled with: its `build` finds
+the layers behind the `anchor`s among its variables and attaches itself
+to each (adding its slots to the table); the layer's training lookup then
+applies the rows' gradient in its backward with this optimizer's rule
+(`TableRule`; keras_rec_emb/backend/jax/layers.py says why there).
 
 The step is the compiled optimizer's `iterations` in the training step
 (its `scale_loss` hands it to the tables' rules): learning-rate schedules,
@@ -18,12 +14,9 @@ Adam's bias correction and the rows' versions follow it, as they follow
 the optimizer's step under TensorFlow, and a step that `LossScaleOptimizer`
 skips advances none of them. Outside Keras's trainer (no `scale_loss`) it
 is the layer's `iterations`, a non-trainable variable counting training
-calls.
-
-Under `LossScaleOptimizer` (mixed precision) the rows' gradient reaching
-the backward is scaled by the loss scale of the step, which the wrapper's
-`scale_loss` hands to its inner optimizer (`LossScaleTables`): the table
-divides by it, and skips its update when the result is not finite.
+calls. Under `LossScaleOptimizer` the table divides its rows' gradient by
+the step's loss scale, which `scale_loss` hands over too
+(`LossScaleTables`), and skips its update when the result is not finite.
 """
 
 import weakref
@@ -144,14 +137,12 @@ class TableRule:
     def learning_rate(self, step):
         """The rate at `step`: a schedule's value there; else the value of
         the optimizer's `learning_rate` variable in this training step,
-        which its `scale_loss` saw (Keras's JAX trainer calls it after the
-        forward pass, before the gradient, with the optimizer's variables
-        of the step in scope, as `apply` has them for the dense weights:
-        a rate assigned between steps or epochs, by a callback such as
-        `ReduceLROnPlateau` or `LearningRateScheduler`, reaches the tables
-        as it reaches the dense weights). A layer's own optimizer: its
-        variable's value in the step's state, which `new_step` saw. Outside
-        Keras's trainer, the variable's value when the step is traced."""
+        which its `scale_loss` saw with the step's optimizer variables in
+        scope (so a rate a callback assigns between steps reaches the
+        tables as it reaches the dense weights); for a layer's own
+        optimizer, its variable's value in the step's state, which
+        `new_step` saw. Outside Keras's trainer, the variable's value when
+        the step is traced."""
         if self.schedule is not None:
             return jnp.asarray(self.schedule(step), jnp.float32)
         rate = getattr(self.optimizer, "_kre_step_learning_rate", None)
