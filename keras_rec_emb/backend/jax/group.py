@@ -1,16 +1,11 @@
 """`GroupEmbedding`'s forward under Keras's JAX backend.
 
-One lookup per table, combiner and step: the ids `[batch, L]` of the
-features that read a table with one combiner are padded to one L with -1
-(pruned by the lookup) and stacked, and one pooled table call looks them
-up and combines them (`ffi.pooled_lookup`; features of other combiners or
-weighting are other calls of the same step, whose gradients join the same
-update). Unweighted ids with L = 1 take a plain lookup instead (the
-combine of one id is its row, and a pooled call costs more). So a table
-shared by several features gets one sparse update per step, with the
-gradient of each distinct id summed over its features, as TensorFlow's
-fused op gives it: Adagrad's and Adam's slots are updated once per step,
-not once per feature.
+One pooled table call per table, combiner (and weighting) and step looks
+up and combines the features that read the table so (`lookup`), so a
+table shared by several features gets one sparse update per step, with
+the gradient of each distinct id summed over its features, as
+TensorFlow's fused op gives it: Adagrad's and Adam's slots are updated
+once per step, not once per feature.
 
 A `default_id` replaces the ids of an example that keeps none before the
 lookup (weight 1), so it is inserted and trained as any id. Sequence and

@@ -216,16 +216,13 @@ class TableOptimizer:
         # Keras's JAX trainer calls this inside the training step, after the
         # forward pass and before the gradient, with this step's optimizer
         # variables in scope: the tables' update (in the backward) takes the
-        # learning rate from here (TableRule.learning_rate).
-        # Its step too: the tables it trains (their own optimizers' too)
-        # take this step (TableRule.step).
+        # learning rate (TableRule.learning_rate) and the step of every table
+        # it trains, their own optimizers' too (TableRule.step), from here.
         rate = self.learning_rate
         if isinstance(rate, keras.Variable):
             self._kre_step_learning_rate = rate.value
-        for ref in getattr(self, "_kre_tables", ()):
-            rule = getattr(ref(), "table_rule", None)
-            if rule is not None:
-                rule.optimizer_step = self.iterations.value
+        for rule in _table_rules(self):
+            rule.optimizer_step = self.iterations.value
         return super().scale_loss(loss)
 
     # Saving: the TensorFlow backend's layout (keras_rec_emb/backend/jax/saving.py).
@@ -289,8 +286,12 @@ class LossScaleTables:
     def scale_loss(self, loss):
         loss = self.inner_optimizer.scale_loss(loss)  # the step's learning rate, for the tables
         scale = self.dynamic_scale.value if self.built else self.initial_scale
-        for table in getattr(self, "_kre_tables", ()):
-            rule = getattr(table(), "table_rule", None)
-            if rule is not None:
-                rule.loss_scale = scale
+        for rule in _table_rules(self):
+            rule.loss_scale = scale
         return super().scale_loss(loss)
+
+
+def _table_rules(optimizer):
+    """The rules of the live tables `optimizer` built for (`_kre_tables`)."""
+    rules = (getattr(ref(), "table_rule", None) for ref in getattr(optimizer, "_kre_tables", ()))
+    return [rule for rule in rules if rule is not None]
