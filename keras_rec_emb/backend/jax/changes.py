@@ -12,8 +12,8 @@ import numpy as np
 
 from keras_rec_emb.backend.jax import ffi
 from keras_rec_emb.backend.jax.optimizers import tables_of
+from keras_rec_emb.backend.jax.saving import saved_variables as optimizer_variables  # noqa: F401  (incremental's)
 from keras_rec_emb.tables import ARRAY_PARTS  # noqa: F401  (the parts a link holds)
-
 
 
 class TableChanges:
@@ -90,14 +90,3 @@ def dense_variables(model):
     tables' layers (anchor, step counter, own learning rate)."""
     skip = {id(v) for layer in tables_of(model.variables) for v in layer.variables}
     return [v for v in model.variables if id(v) not in skip]
-
-
-def optimizer_variables(optimizer):
-    """The optimizer's variables a TensorFlow optimizer also has: no slot
-    of a table's anchor, its own nor (a LossScaleOptimizer's) its inner
-    optimizer's."""
-    skip, inner = set(), optimizer
-    while inner is not None:
-        skip.update(id(v) for v in getattr(inner, "_kre_anchor_slots", ()))
-        inner = getattr(inner, "inner_optimizer", None)
-    return [v for v in optimizer.variables if id(v) not in skip]

@@ -20,8 +20,13 @@ def mark_anchor_slot(optimizer, variable):
 
 
 def saved_variables(optimizer):
-    """The optimizer's variables as TensorFlow saves them (no anchor slot)."""
-    skip = {id(v) for v in getattr(optimizer, "_kre_anchor_slots", ())}
+    """The optimizer's variables a TensorFlow optimizer also has: no slot
+    of a table's anchor, its own nor (a LossScaleOptimizer's) its inner
+    optimizer's."""
+    skip, inner = set(), optimizer
+    while inner is not None:
+        skip.update(id(v) for v in getattr(inner, "_kre_anchor_slots", ()))
+        inner = getattr(inner, "inner_optimizer", None)
     return [v for v in optimizer.variables if id(v) not in skip]
 
 
