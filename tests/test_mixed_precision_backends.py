@@ -29,10 +29,10 @@ def float32_after():
     keras.mixed_precision.set_global_policy("float32")
 
 
-def _model(policy, optimizer):
+def _model(policy, optimizer, track_meta=None):
     keras.mixed_precision.set_global_policy(policy)
     option = kre.EmbeddingVariableOption(
-        init_option=kre.InitializerOption(default_value_dim=DVD))
+        init_option=kre.InitializerOption(default_value_dim=DVD), track_meta=track_meta)
     ids = keras.Input((3,), dtype="int64")
     ev = kre.layers.EmbeddingVariable(DIM, initializer=keras.initializers.Constant(MATRIX),
                                       combiner="sum", prune_invalid_ids=True, ev_option=option,
@@ -96,3 +96,47 @@ def test_an_overflowing_step_skips_the_table_and_dense_updates(name):
     want = _state(_model("float32", OPTIMIZERS[name]()), keys=got["keys"])
     for key in want:
         np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
+def _table_state(model):
+    """Everything a step may change: the table's rows, slots, frequencies
+    and versions (by id), the Dense weights, the optimizer's step."""
+    parts = model.get_layer("ev").export()
+    order = np.argsort(parts["keys"])
+    out = {name: np.asarray(parts[name])[order] for name in ("keys", "values", "versions")}
+    for name, slot in parts["slots"].items():
+        out[f"slot {name}"] = np.asarray(slot)[order]
+    for layer in ("hidden", "head"):
+        for i, w in enumerate(model.get_layer(layer).get_weights()):
+            out[f"{layer} {i}"] = np.asarray(w)
+    out["step"] = int(model.optimizer.iterations)
+    return out
+
+
+@pytest.mark.parametrize("name", ["Adam", "AdamAsync", "Adagrad"])
+def test_a_non_finite_step_changes_nothing_and_the_next_step_resumes(name):
+    # The step counter drives Adam's bias correction and the versions: a
+    # skipped step must not advance it, so that the next finite step is the
+    # one an uninterrupted run takes.
+    first, second = slice(0, 8), slice(8, 16)
+    bad = np.full((8, 1), np.inf, np.float32)
+    skipped = _model("mixed_float16", OPTIMIZERS[name](), track_meta=True)
+    skipped.train_on_batch(IDS[first], LABELS[first])
+    before = _table_state(skipped)
+    skipped.train_on_batch(IDS[first], bad)
+    assert float(skipped.optimizer.dynamic_scale) == 2.0**14  # the step overflowed
+    after = _table_state(skipped)
+    assert after.keys() == before.keys()
+    for key in before:
+        np.testing.assert_array_equal(after[key], before[key], err_msg=key)
+    skipped.train_on_batch(IDS[second], LABELS[second])
+    straight = _model("mixed_float16", OPTIMIZERS[name](), track_meta=True)
+    straight.train_on_batch(IDS[first], LABELS[first])
+    straight.train_on_batch(IDS[second], LABELS[second])
+    got, want = _table_state(skipped), _table_state(straight)
+    assert got["step"] == want["step"] == 2
+    assert got["versions"].max() == 1  # the second step is step 1, as uninterrupted
+    for key in want:
+        # The scales differ by a power of two: the unscaled float16
+        # gradients are the same.
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-6, atol=1e-7, err_msg=key)

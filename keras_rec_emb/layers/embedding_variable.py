@@ -182,6 +182,8 @@ class EmbeddingVariable(_impl.EmbeddingVariableBackend, keras.layers.Layer):
         self.ev_option = _ev_option(ev_option, default_value_dim, num_shards)
         self.restore_dim_mismatch = _tables.check_restore_dim_mode(restore_dim_mismatch)
         self.table_optimizer = self._resolve_optimizer(table_optimizer(optimizer))
+        if self.table_optimizer is not None:
+            self.table_optimizer._kre_table_own = True  # for its load_own_variables
         self.table = None
 
     def build(self, input_shape=None):

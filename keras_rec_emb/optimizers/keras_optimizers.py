@@ -41,6 +41,15 @@ class TableOptimizer(_Tables):
         check_hyper_arguments(base_init, args, kwargs, self.check_learning_rate)
         base_init(*args, **kwargs)
 
+    def load_own_variables(self, store):
+        if getattr(self, "_kre_table_own", False) and self.variables and not store.keys():
+            # A table's own optimizer is saved at `<layer path>/optimizer`;
+            # the TensorFlow layer of 0.2.0 saved it at its other attribute,
+            # `table_optimizer`. A file without the first: Keras loads the
+            # same object again from the other path when this one fails.
+            raise ValueError(f"The file holds no variables of '{self.name}' at this path")
+        super().load_own_variables(store)
+
     def __init_subclass__(cls, **kwargs):
         # A subclass that takes its Keras base's arguments through
         # `*args, **kwargs` gets that base's signature (inspect.signature,

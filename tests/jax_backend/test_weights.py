@@ -253,8 +253,8 @@ def test_group_weight_features_refuse_bad_inputs():
     x = group_inputs(IDS, WEIGHTS)
     with pytest.raises(ValueError, match=r"missing inputs \['wb'\]"):
         group({k: v for k, v in x.items() if k != "wb"})
-    with pytest.raises(ValueError, match=r"weights 'wb' of feature 'b' must have its ids' "
-                                         r"shape \(4, 3\). Received: shape \(4, 2\)"):
+    with pytest.raises(ValueError, match=r"weights 'wb' of feature 'b' must have the ids' "
+                                         r"shape \(4, 3\).*weights of shape \(4, 2\)"):
         group(dict(x, wb=WEIGHTS[:, :2]))
     with pytest.raises(ValueError, match=r"has weight features \['wa', 'wb'\]: pass a dict"):
         group(np.zeros((4, 3, 3), np.int32))

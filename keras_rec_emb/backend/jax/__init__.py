@@ -19,19 +19,6 @@ def use_64_bit_ids():
     jax.config.update("jax_enable_x64", True)
 
 
-def register(**kwargs):
-    """`keras.saving.register_keras_serializable(**kwargs)` under Keras's JAX
-    backend, and nothing under another: the JAX classes take the TensorFlow
-    classes' registered names (one `.keras` file loads under either
-    backend), and a TensorFlow process that imports this package's JAX
-    modules (a test, a tool) must keep deserializing the TensorFlow ones."""
-    import keras
-
-    if keras.config.backend() != "jax":
-        return lambda cls: cls
-    return keras.saving.register_keras_serializable(**kwargs)
-
-
 def tensorflow_only_getattr(module, names, available):
     """A module `__getattr__` for Keras's JAX backend: a name of `names` (API
     the TensorFlow backend has) raises an AttributeError saying so and

@@ -4,26 +4,19 @@ backend, `AdaptiveBackend` below.
 
 The TensorFlow backend's promotion (keras_rec_emb/backend/tensorflow/
 adaptive.py says how it works) with the same tables, sentinels and config
-(keras_rec_emb/_adaptive_spec.py): a static Keras weight trained by the
-compiled optimizer, and a JAX `EmbeddingVariable` (`dynamic`) with a counter
-filter at `promote_threshold`, trained in the backward of the lookup as
-every JAX table is (keras_rec_emb/backend/jax/layers.py says why).
+(keras_rec_emb/_adaptive_spec.py). Under `jit` shapes are fixed, so
+`tf.unique`, `boolean_mask` and `dynamic_stitch` become a sized
+`jnp.unique`, masks and `where`; newly promoted rows are written by
+`ffi.merge_rows`. One `custom_vjp` holds the training step (count, copy,
+serve): its backward gives the static table the gradient of the ids it
+served and applies that of the others to `dynamic` with its optimizer's
+rule; with `training=None` it trains exactly when the loss is
+differentiated, as `EmbeddingVariable` does.
 
-Under `jit` shapes are fixed, so the TensorFlow layer's `tf.unique`,
-`boolean_mask` and `dynamic_stitch` become a sized `jnp.unique`, masks and
-`where`; newly promoted rows are written by `ffi.merge_rows`. One
-`custom_vjp` holds the training step (count, copy, serve): its backward
-gives the static table the gradient of the ids it served and applies that
-of the others to `dynamic` with its optimizer's rule. With
-`training=None` (a subclassed model's `call` that does not pass it on) the
-layer trains exactly when the loss is differentiated with respect to it, as
-`EmbeddingVariable` does: `fit` counts and promotes, `predict` does not.
-
-Ids < 0 are the JAX tables' padding (pruned), so under JAX they are served
-by the static table only, never counted or promoted. The static table is a
-Keras weight: where a batch reads one of its rows twice, Adagrad's numbers
-differ from TensorFlow's as `MultiHashEmbedding`'s do (keras_rec_emb/backend/jax/
-multi_hash.py says why); SGD's, and the table's, match.
+Ids < 0 are the JAX tables' padding, so under JAX they are served by the
+static table only, never counted or promoted. Where a batch reads a static
+row twice, Adagrad's numbers differ from TensorFlow's as
+`MultiHashEmbedding`'s do (keras_rec_emb/backend/jax/multi_hash.py).
 """
 
 import jax
@@ -32,7 +25,7 @@ import keras
 import numpy as np
 
 from keras_rec_emb.backend.jax import ffi, hashing
-from keras_rec_emb.backend.jax.ids import integer_ids, numpy_ids
+from keras_rec_emb.backend.jax.ids import check_combinable, integer_ids, numpy_ids
 from keras_rec_emb.backend.jax.layers import combine_last_axis
 
 _NOT_PROMOTED, _NEWLY_PROMOTED, _PROMOTED = 0, 1, 2
@@ -142,18 +135,13 @@ class AdaptiveBackend:
                                  dtype=self.compute_dtype)
 
     def __call__(self, inputs, *args, **kwargs):
-        # NumPy ids are checked before Keras makes JAX arrays of them (which
-        # in JAX's 32-bit mode narrows int64 ids unchecked).
         return super().__call__(numpy_ids(inputs, f"AdaptiveEmbedding '{self.name}'",
                                           self.dynamic.key_dtype), *args, **kwargs)
 
     def call(self, inputs, adaptive_mask=None, training=None):
         ids = integer_ids(inputs, f"AdaptiveEmbedding '{self.name}'", self.dynamic.key_dtype,
                           via=np.int64)
-        if self.combiner is not None and ids.ndim < 1:
-            raise ValueError(
-                f"AdaptiveEmbedding '{self.name}' with a combiner combines the last axis "
-                f"of the ids; received scalar ids of shape {tuple(ids.shape)}")
+        check_combinable(ids, self.combiner, f"AdaptiveEmbedding '{self.name}'")
         mask = None
         if adaptive_mask is not None:
             mask = jnp.asarray(adaptive_mask)
@@ -170,9 +158,7 @@ class AdaptiveBackend:
         else:
             counter = self.dynamic.iterations
             step = counter.value
-            if self.dynamic.table_rule is not None:  # as the table's own lookup does
-                self.dynamic.table_rule.new_step(
-                    getattr(self.dynamic, "_kre_own_learning_rate", None))
+            self.dynamic._new_step()  # pylint: disable=protected-access
             fn = _step(self, conditional, mask is not None)
             rows, trained = fn(flat, mask if mask is not None else jnp.zeros_like(flat),
                                static, step)

@@ -1,15 +1,10 @@
 """The change tracking of the JAX tables, for incremental checkpoints
 (keras_rec_emb/incremental.py): the TensorFlow `EmbeddingTable`'s
 `mark_changes`, `export_changes`, `trim_erased`, `apply_changes`,
-`export`, `import_` and `counters` over a JAX `EmbeddingVariable`'s table
-(csrc/jax/table_host.cc's change-tracking calls), so that one checkpointer
-writes and reads one file format under both backends.
-
-A JAX layer keeps its step counter (`iterations`, which stamps the
-versions) beside its table: a link saves it per table as `step` (the
-TensorFlow backend, whose tables follow the model optimizer's step, skips
-it), and a link without it (written under TensorFlow) restores the
-optimizer's step.
+`export`, `import_` and `counters` over a JAX `EmbeddingVariable`'s table,
+so that one checkpointer writes and reads one file format under both
+backends. A link saves each JAX table's step counter as `step` (the
+TensorFlow backend skips it); a link without it restores the optimizer's.
 """
 
 import keras
@@ -17,8 +12,8 @@ import numpy as np
 
 from keras_rec_emb.backend.jax import ffi
 from keras_rec_emb.backend.jax.optimizers import tables_of
+from keras_rec_emb.backend.jax.saving import saved_variables as optimizer_variables  # noqa: F401  (incremental's)
 from keras_rec_emb.tables import ARRAY_PARTS  # noqa: F401  (the parts a link holds)
-
 
 
 class TableChanges:
@@ -95,14 +90,3 @@ def dense_variables(model):
     tables' layers (anchor, step counter, own learning rate)."""
     skip = {id(v) for layer in tables_of(model.variables) for v in layer.variables}
     return [v for v in model.variables if id(v) not in skip]
-
-
-def optimizer_variables(optimizer):
-    """The optimizer's variables a TensorFlow optimizer also has: no slot
-    of a table's anchor, its own nor (a LossScaleOptimizer's) its inner
-    optimizer's."""
-    skip, inner = set(), optimizer
-    while inner is not None:
-        skip.update(id(v) for v in getattr(inner, "_kre_anchor_slots", ()))
-        inner = getattr(inner, "inner_optimizer", None)
-    return [v for v in optimizer.variables if id(v) not in skip]

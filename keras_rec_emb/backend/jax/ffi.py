@@ -9,30 +9,22 @@ Ordering. A lookup that inserts and an update are side effects on a table
 that XLA cannot see. The primitive carries an *ordered* effect (as
 `jax.experimental.io_callback(..., ordered=True)` does): JAX threads a token
 through every table call, in program order, within a jitted function and
-across dispatches (eager calls and successive jitted calls alike). So:
-
-* each call runs exactly once per execution: the token makes it live (a
-  lookup whose rows are unused still inserts) and distinct (two identical
-  lookups in one function are two calls, not merged by CSE);
-* calls run in the order the program makes them: a lookup then an apply
-  in one step, then the next step's lookup;
-* results (`size`, `export`) see every earlier call's effect.
+across dispatches. So each call runs exactly once per execution (live even
+when its rows are unused, never merged with an identical one by CSE), in
+the order the program makes them, and results (`size`, `export`) see every
+earlier call's effect.
 
 Tables are named by an integer handle (csrc/jax/table_registry.h), a static
-attribute of each call: a jitted function is compiled for the tables it
-uses. Table management (`create`, `destroy`, `add_slot`, `size`, `evict`,
-`stats`, the file tier's `snapshot` and `restore_snapshot`, the change
-tracking's `mark_changes`, `export_changes`, `trim_erased`, `erase`) is not an
-XLA call: those are plain C functions of the same library
+attribute of each call. Table management (`create`, `destroy`, `add_slot`,
+`size`, `evict`, `stats`, the file tier's and the change tracking's calls)
+is not an XLA call: those are plain C functions of the same library
 (csrc/jax/table_host.cc), called through ctypes, which take effect when
-Python calls them, whatever JAX is tracing. A Keras layer builds its table
-inside a trace (the JAX trainer's symbolic build, a subclassed model's
-first call): an XLA call made there would be staged into a computation that
-never runs. Each management call first waits for the table calls already
-dispatched (`jax.effects_barrier`), so it sees, and orders after, them.
-`export` and the save and restore calls run eagerly only (data-dependent
-shapes); lookups and applies also run inside `jit`, `lax.scan`,
-`custom_vjp` and `grad`.
+Python calls them, whatever JAX is tracing (a Keras layer builds its table
+inside a trace, where an XLA call would be staged into a computation that
+never runs). Each first waits for the table calls already dispatched
+(`jax.effects_barrier`). `export` and the save and restore calls run
+eagerly only (data-dependent shapes); lookups and applies also run inside
+`jit`, `lax.scan`, `custom_vjp` and `grad`.
 """
 
 import ctypes
@@ -100,30 +92,26 @@ _ERROR_SIZE = 1024
 
 def _declare_host_functions(lib):
     c = ctypes
-    error = (c.c_char_p, c.c_size_t)
-    lib.KreHostCreate.argtypes = (c.c_void_p, c.c_int64, c.c_int64, c.c_int32, c.c_int32,
-                                  c.c_int32, c.c_int64, c.c_float, c.c_int64, c.c_int64,
-                                  c.c_int32, c.c_int32, c.c_char_p, c.c_int64,
-                                  c.POINTER(c.c_int64), *error)
-    lib.KreHostEvict.argtypes = (c.c_int64, c.c_int64, c.c_int64, c.c_float,
-                                 c.POINTER(c.c_int64), *error)
-    lib.KreHostDestroy.argtypes = (c.c_int64, *error)
-    lib.KreHostAddSlot.argtypes = (c.c_int64, c.c_char_p, c.c_int64, c.c_float, *error)
-    lib.KreHostSize.argtypes = (c.c_int64, c.POINTER(c.c_int64), *error)
-    lib.KreHostStats.argtypes = (c.c_int64, c.POINTER(c.c_int64), *error)
-    lib.KreHostSnapshot.argtypes = (c.c_int64, c.POINTER(c.c_int64), *error)
-    lib.KreHostRestoreSnapshot.argtypes = (c.c_int64, c.c_char_p, c.POINTER(c.c_int64), *error)
-    lib.KreHostReleaseStorage.argtypes = (c.c_int64, *error)
-    lib.KreHostMarkChanges.argtypes = (c.c_int64, c.POINTER(c.c_int64), *error)
-    lib.KreHostExportChanges.argtypes = (c.c_int64, c.c_int64, c.c_void_p, c.c_int64,
-                                         *(c.c_void_p,) * 10, *error)
-    lib.KreHostTrimErased.argtypes = (c.c_int64, c.c_int64, c.POINTER(c.c_int64), *error)
-    lib.KreHostErase.argtypes = (c.c_int64, c.c_void_p, c.c_int64, c.c_int32,
-                                 c.POINTER(c.c_int64), *error)
-    for fn in (lib.KreHostCreate, lib.KreHostDestroy, lib.KreHostAddSlot, lib.KreHostSize,
-               lib.KreHostEvict, lib.KreHostStats, lib.KreHostSnapshot,
-               lib.KreHostRestoreSnapshot, lib.KreHostReleaseStorage, lib.KreHostMarkChanges,
-               lib.KreHostExportChanges, lib.KreHostTrimErased, lib.KreHostErase):
+    i64, out = c.c_int64, c.POINTER(c.c_int64)
+    arguments = {
+        "KreHostCreate": (c.c_void_p, i64, i64, c.c_int32, c.c_int32, c.c_int32, i64, c.c_float,
+                          i64, i64, c.c_int32, c.c_int32, c.c_char_p, i64, out),
+        "KreHostEvict": (i64, i64, i64, c.c_float, out),
+        "KreHostDestroy": (i64,),
+        "KreHostAddSlot": (i64, c.c_char_p, i64, c.c_float),
+        "KreHostSize": (i64, out),
+        "KreHostStats": (i64, out),
+        "KreHostSnapshot": (i64, out),
+        "KreHostRestoreSnapshot": (i64, c.c_char_p, out),
+        "KreHostReleaseStorage": (i64,),
+        "KreHostMarkChanges": (i64, out),
+        "KreHostExportChanges": (i64, i64, c.c_void_p, i64, *(c.c_void_p,) * 10),
+        "KreHostTrimErased": (i64, i64, out),
+        "KreHostErase": (i64, c.c_void_p, i64, c.c_int32, out),
+    }
+    for name, types in arguments.items():
+        fn = getattr(lib, name)
+        fn.argtypes = (*types, c.c_char_p, c.c_size_t)  # and the error message's buffer
         fn.restype = c.c_int
     lib.KreLiveTables.argtypes = ()
     lib.KreLiveTables.restype = c.c_int64
@@ -140,6 +128,14 @@ def _host(function, *args, wait=True):
     if status != _HOST_OK:
         message = error.value.decode("utf-8", "replace")
         raise (ValueError if status == _HOST_INVALID else RuntimeError)(message)
+
+
+def _host_int(function, *args, wait=True):
+    """`_host` for a function whose last argument is an int64 it writes:
+    that int."""
+    value = ctypes.c_int64(0)
+    _host(function, *args, ctypes.byref(value), wait=wait)
+    return int(value.value)
 
 
 def live_tables():
@@ -254,13 +250,11 @@ def create(default_values, key_dtype="int32", num_shards=32, track_meta=True, fi
     if default_values.ndim != 2 or min(default_values.shape) < 1:
         raise ValueError("default_values must be [default_value_dim >= 1, dim >= 1]. "
                          f"Received: shape {default_values.shape}")
-    handle = ctypes.c_int64(0)
-    _host("KreHostCreate", default_values.ctypes.data, *default_values.shape,
-          64 if key_dtype == "int64" else 32, int(num_shards), int(bool(track_meta)),
-          int(filter_freq), float(no_permission_value), int(freq_cap),
-          *((0, 0, 8) if bloom is None else (int(b) for b in bloom)),
-          os.fsencode(storage_path or ""), int(cache_bytes), ctypes.byref(handle), wait=False)
-    return int(handle.value)
+    return _host_int("KreHostCreate", default_values.ctypes.data, *default_values.shape,
+                     64 if key_dtype == "int64" else 32, int(num_shards), int(bool(track_meta)),
+                     int(filter_freq), float(no_permission_value), int(freq_cap),
+                     *((0, 0, 8) if bloom is None else (int(b) for b in bloom)),
+                     os.fsencode(storage_path or ""), int(cache_bytes), wait=False)
 
 
 def evict(handle, now, steps_to_live, l2_threshold):
@@ -270,10 +264,8 @@ def evict(handle, now, steps_to_live, l2_threshold):
     `0.5 * sum(row**2) < l2_threshold`; -1 turns a rule off), after every
     table call already dispatched. `now` < 0 is the latest step that
     updated the table. Returns the number of keys erased."""
-    erased = ctypes.c_int64(0)
-    _host("KreHostEvict", int(handle), int(now), int(steps_to_live), float(l2_threshold),
-          ctypes.byref(erased))
-    return int(erased.value)
+    return _host_int("KreHostEvict", int(handle), int(now), int(steps_to_live),
+                     float(l2_threshold))
 
 
 def destroy(handle, wait=True):
@@ -447,9 +439,7 @@ def snapshot(handle):
     """File tier: writes a crash-safe snapshot of the table under its
     folder (after every table call already dispatched); returns its
     number. An I/O error is a RuntimeError naming the file."""
-    sequence = ctypes.c_int64(0)
-    _host("KreHostSnapshot", int(handle), ctypes.byref(sequence))
-    return int(sequence.value)
+    return _host_int("KreHostSnapshot", int(handle))
 
 
 def restore_snapshot(handle, path=""):
@@ -457,9 +447,7 @@ def restore_snapshot(handle, path=""):
     `path` (the table's folder when empty); returns the number of keys. A
     missing or corrupt snapshot is a ValueError naming the file, and
     leaves the table as it was."""
-    count = ctypes.c_int64(0)
-    _host("KreHostRestoreSnapshot", int(handle), os.fsencode(path or ""), ctypes.byref(count))
-    return int(count.value)
+    return _host_int("KreHostRestoreSnapshot", int(handle), os.fsencode(path or ""))
 
 
 def release_storage(handle, wait=True):
@@ -474,9 +462,7 @@ def mark_changes(handle):
     """Closes the table's change epoch (after every table call already
     dispatched) and returns it, an int mark: `export_changes(mark)` later
     returns what changed after it."""
-    mark = ctypes.c_int64(0)
-    _host("KreHostMarkChanges", int(handle), ctypes.byref(mark))
-    return int(mark.value)
+    return _host_int("KreHostMarkChanges", int(handle))
 
 
 def export_changes(handle, key_dtype, dim, slot_specs, since):
@@ -485,8 +471,7 @@ def export_changes(handle, key_dtype, dim, slot_specs, since):
     it) and `complete` (False when the contents were replaced wholesale
     since: only a full export is then correct)."""
     key_dtype = _check_key_dtype(key_dtype)
-    slot_specs = [(str(name), int(width)) for name, width in slot_specs]
-    width = sum(w for _, w in slot_specs)
+    width = sum(int(w) for _, w in slot_specs)
     capacity = np.zeros(3, np.int64)
     counts = np.zeros(5, np.int64)
     while True:
@@ -498,17 +483,13 @@ def export_changes(handle, key_dtype, dim, slot_specs, since):
                "versions_filtered": np.zeros(nf, np.int64), "erased": np.zeros(ne, key_dtype)}
         _host("KreHostExportChanges", int(handle), int(since), capacity.ctypes.data, width,
               *(a.ctypes.data for a in out.values()), counts.ctypes.data)
-        if counts[3] != width:
-            raise ValueError(f"`slot_specs` must describe the table's {counts[3]} slot "
-                             f"columns. Received: slot_specs={slot_specs}")
         if (counts[:3] <= capacity).all():
             break
         capacity = counts[:3].copy()  # (the first call only counts)
     n, nf, ne = (int(c) for c in counts[:3])
     out = {k: a[:nf if k.endswith("_filtered") else ne if k == "erased" else n]
            for k, a in out.items()}
-    starts = np.cumsum([0] + [w for _, w in slot_specs])
-    out["slots"] = {name: out["slots"][:, a:a + w] for (name, w), a in zip(slot_specs, starts)}
+    out["slots"] = _unpacked_slots(out["slots"], slot_specs, int(counts[3]))
     aux = export_aux(handle, key_dtype, dim)
     out.update(default_values=aux[0], bloom=aux[1], complete=bool(counts[4]))
     return out
@@ -517,9 +498,7 @@ def export_changes(handle, key_dtype, dim, slot_specs, since):
 def trim_erased(handle, upto):
     """Forgets logged erasures at or before mark `upto`; returns how many
     stay logged."""
-    remaining = ctypes.c_int64(0)
-    _host("KreHostTrimErased", int(handle), int(upto), ctypes.byref(remaining))
-    return int(remaining.value)
+    return _host_int("KreHostTrimErased", int(handle), int(upto))
 
 
 def erase(handle, key_dtype, keys):
@@ -527,10 +506,8 @@ def erase(handle, key_dtype, keys):
     present."""
     key_dtype = _check_key_dtype(key_dtype)
     keys = np.ascontiguousarray(keys, key_dtype).reshape(-1)
-    erased = ctypes.c_int64(0)
-    _host("KreHostErase", int(handle), keys.ctypes.data, keys.size,
-          64 if key_dtype == "int64" else 32, ctypes.byref(erased))
-    return int(erased.value)
+    return _host_int("KreHostErase", int(handle), keys.ctypes.data, keys.size,
+                     64 if key_dtype == "int64" else 32)
 
 
 def export(handle, key_dtype, dim):
@@ -542,17 +519,15 @@ def export(handle, key_dtype, dim):
     capacity, width = int(stats[0]), int(stats[2])
     ints = int_dtype()
     while True:
-        outs = _call("kre_table_export", [], [
+        *arrays, count = (np.asarray(o) for o in _call("kre_table_export", [], [
             _aval((capacity,), key_dtype), _aval((capacity, dim), np.float32),
             _aval((capacity,), ints), _aval((capacity,), ints),
-            _aval((capacity, width), np.float32), _aval((), ints)], table=np.int64(handle))
-        keys, values, freqs, versions, slots, count = (np.asarray(o) for o in outs)
-        count = int(count)
-        if count <= capacity:
+            _aval((capacity, width), np.float32), _aval((), ints)], table=np.int64(handle)))
+        if int(count) <= capacity:
             break
-        capacity = count  # rows added on another thread since `size`
-    names = ("keys", "values", "freqs", "versions", "slots")
-    return {n: a[:count] for n, a in zip(names, (keys, values, freqs, versions, slots))}
+        capacity = int(count)  # rows added on another thread since `size`
+    return {n: a[:int(count)] for n, a in zip(("keys", "values", "freqs", "versions", "slots"),
+                                              arrays)}
 
 
 # -- save and restore ---------------------------------------------------------
@@ -569,19 +544,24 @@ def export_parts(handle, key_dtype, dim, slot_specs):
     `keys_filtered`, `freqs_filtered`, `versions_filtered` (keys counted
     but not admitted). Eager only."""
     key_dtype = _check_key_dtype(key_dtype)
-    slot_specs = [(str(name), int(width)) for name, width in slot_specs]
     defaults, bloom, keys_f, freqs_f, versions_f = export_aux(handle, key_dtype, dim)
     parts = export(handle, key_dtype, dim)
-    width = parts["slots"].shape[1]
+    parts["slots"] = _unpacked_slots(parts["slots"], slot_specs, parts["slots"].shape[1])
+    parts.update(default_values=defaults, bloom=bloom, keys_filtered=keys_f,
+                 freqs_filtered=freqs_f, versions_filtered=versions_f)
+    return parts
+
+
+def _unpacked_slots(packed, slot_specs, width):
+    """{name: [N, width]} of the packed slot columns [N, total] by
+    `slot_specs` ((name, width) of each slot, in the order they were
+    added), which must describe the table's `width` columns."""
+    slot_specs = [(str(name), int(w)) for name, w in slot_specs]
     if sum(w for _, w in slot_specs) != width:
         raise ValueError(f"`slot_specs` must describe the table's {width} slot columns. "
                          f"Received: slot_specs={slot_specs}")
     starts = np.cumsum([0] + [w for _, w in slot_specs])
-    parts["slots"] = {name: parts["slots"][:, a:a + w]
-                      for (name, w), a in zip(slot_specs, starts)}
-    parts.update(default_values=defaults, bloom=bloom, keys_filtered=keys_f,
-                 freqs_filtered=freqs_f, versions_filtered=versions_f)
-    return parts
+    return {name: packed[:, a:a + w] for (name, w), a in zip(slot_specs, starts)}
 
 
 def export_aux(handle, key_dtype, dim):

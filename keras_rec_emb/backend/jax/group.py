@@ -1,16 +1,11 @@
 """`GroupEmbedding`'s forward under Keras's JAX backend.
 
-One lookup per table, combiner and step: the ids `[batch, L]` of the
-features that read a table with one combiner are padded to one L with -1
-(pruned by the lookup) and stacked, and one pooled table call looks them
-up and combines them (`ffi.pooled_lookup`; features of other combiners or
-weighting are other calls of the same step, whose gradients join the same
-update). Unweighted ids with L = 1 take a plain lookup instead (the
-combine of one id is its row, and a pooled call costs more). So a table
-shared by several features gets one sparse update per step, with the
-gradient of each distinct id summed over its features, as TensorFlow's
-fused op gives it: Adagrad's and Adam's slots are updated once per step,
-not once per feature.
+One pooled table call per table, combiner (and weighting) and step looks
+up and combines the features that read the table so (`lookup`), so a
+table shared by several features gets one sparse update per step, with
+the gradient of each distinct id summed over its features, as
+TensorFlow's fused op gives it: Adagrad's and Adam's slots are updated
+once per step, not once per feature.
 
 A `default_id` replaces the ids of an example that keeps none before the
 lookup (weight 1), so it is inserted and trained as any id. Sequence and
@@ -24,8 +19,9 @@ import keras
 import numpy as np
 
 from keras_rec_emb.backend.jax import ffi
-from keras_rec_emb.backend.jax.ids import integer_ids, numpy_ids
+from keras_rec_emb.backend.jax.ids import float_weights, integer_ids, numpy_ids
 from keras_rec_emb.backend.jax.layers import EmbeddingVariableBackend as _JaxEmbeddingVariable
+from keras_rec_emb.backend.jax.layers import denominator, divided
 
 count_params = keras.layers.Layer.count_params
 
@@ -76,12 +72,8 @@ def _dict_ids(layer, inputs):
                 f"{tuple(ids.shape)}")
         out.append(ids[:, None] if ids.ndim == 1 else ids)
         if w is not None:
-            w = keras.ops.convert_to_tensor(w, dtype="float32")
-            if tuple(w.shape) != tuple(ids.shape):
-                raise ValueError(
-                    f"GroupEmbedding '{layer.name}': the weights "
-                    f"{s.weight_feature!r} of feature {n!r} must have its ids' shape "
-                    f"{tuple(ids.shape)}. Received: shape {tuple(w.shape)}")
+            w = float_weights(w, ids, f"GroupEmbedding '{layer.name}': the weights "
+                                      f"{s.weight_feature!r} of feature {n!r}")
             w = w[:, None] if w.ndim == 1 else w
         weights.append(w)
     return out, weights
@@ -140,6 +132,21 @@ def _one_call(layer, training):
             and all(_pooled(s, tables[s.table]) for s in layer.features.values()))
 
 
+def _padded(kept, join):
+    """The (ids [batch, L_f], weights or None) of features padded to one L
+    (ids with -1, pruned; weights with 0, 1 where a feature has none) and
+    joined by `join` (stacked as features, or concatenated as rows); the
+    weights None when no feature has any."""
+    length = max(int(i.shape[1]) for i, _ in kept)
+    pads = [((0, 0), (0, length - int(i.shape[1]))) for i, _ in kept]
+    ids = join([jnp.pad(i, p, constant_values=-1) for (i, _), p in zip(kept, pads)])
+    if all(w is None for _, w in kept):
+        return ids, None
+    return ids, join([jnp.pad(jnp.ones(i.shape, jnp.float32) if w is None
+                              else jnp.asarray(w).astype(jnp.float32), p)
+                      for (i, w), p in zip(kept, pads)])
+
+
 def _inference_lookup(layer, inputs):
     """The lookup of every feature in one table call: the features' ids
     stacked [batch, F, L], their rows concatenated."""
@@ -149,14 +156,7 @@ def _inference_lookup(layer, inputs):
     feature_ids, feature_weights = _feature_ids(layer, inputs)
     kept = [_kept(jnp.asarray(i).astype(key_dtype), w, s)
             for i, w, s in zip(feature_ids, feature_weights, specs)]
-    length = max(int(i.shape[1]) for i, _ in kept)
-    pad = [((0, 0), (0, length - int(i.shape[1]))) for i, _ in kept]
-    ids = jnp.stack([jnp.pad(i, p, constant_values=-1) for (i, _), p in zip(kept, pad)], axis=1)
-    weights = None
-    if any(w is not None for _, w in kept):
-        weights = jnp.stack([jnp.pad(jnp.ones(i.shape, jnp.float32) if w is None
-                                     else jnp.asarray(w).astype(jnp.float32), p)
-                             for (i, w), p in zip(kept, pad)], axis=1)
+    ids, weights = _padded(kept, lambda parts: jnp.stack(parts, axis=1))
     rows = ffi.group_pooled_lookup([t.handle for t in tables], ids,
                                    [t.embedding_dim for t in tables],
                                    [s.combiner for s in specs], weights)
@@ -203,12 +203,7 @@ def _feature_rows(table, ids, weights, spec, training):
         order = jnp.argsort(jnp.logical_not(valid), axis=1, stable=True)
         return ops.take_along_axis(rows, ops.expand_dims(order, -1), axis=1)
     total = ops.sum(rows, axis=1)
-    if spec.combiner == "sum":
-        return total
-    scale = ops.sum(w, axis=1) if spec.combiner == "mean" else ops.sqrt(
-        ops.sum(ops.square(w), axis=1))
-    scale = ops.expand_dims(scale, -1)
-    return ops.where(scale > 0, total / ops.where(scale > 0, scale, 1.0), 0.0)
+    return total if spec.combiner == "sum" else divided(total, denominator(w, spec.combiner))
 
 
 def lookup(layer, inputs, training):
@@ -234,26 +229,20 @@ def lookup(layer, inputs, training):
             kinds.setdefault((s.combiner, w is not None), []).append((j, ids, w))
         for (combiner, weighted), features in kinds.items():
             # One pooled lookup of the table for its features of one
-            # combiner (and weighted or not): their ids [batch, L] padded
-            # to one L with -1 (pruned) and stacked, combined in the table
-            # call. A table's lookups of one step get one sparse update.
-            length = max(int(i.shape[1]) for _, i, _ in features)
-            pads = [((0, 0), (0, length - i.shape[1])) for _, i, _ in features]
-            ids = [jnp.pad(i, p, constant_values=-1) for (_, i, _), p in zip(features, pads)]
-            ids_all = jnp.concatenate(ids) if len(ids) > 1 else ids[0]
-            if length == 1 and not weighted:
+            # combiner (and weighted or not), combined in the table call. A
+            # table's lookups of one step get one sparse update.
+            ids, weights = _padded([(i, w) for _, i, w in features],
+                                   lambda parts: jnp.concatenate(parts) if len(parts) > 1
+                                   else parts[0])
+            if ids.shape[1] == 1 and not weighted:
                 # One id per row: "sum", "mean" and "sqrtn" of it are its
                 # row (zeros for padding), and its gradient is the row's: a
                 # plain lookup, cheaper than a pooled one.
                 # pylint: disable-next=protected-access
-                rows = table._rows(ids_all[:, 0], training, prune=True)
+                rows = table._rows(ids[:, 0], training, prune=True)
             else:
-                weights = None
-                if weighted:
-                    weights = jnp.concatenate([jnp.pad(w.astype(jnp.float32), p)
-                                               for (_, _, w), p in zip(features, pads)])
                 # pylint: disable-next=protected-access
-                rows = table._rows(ids_all, training, prune=True, combiner=combiner,
+                rows = table._rows(ids, training, prune=True, combiner=combiner,
                                    weights=weights)
             start = 0
             for j, i, _ in features:

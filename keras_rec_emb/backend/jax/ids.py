@@ -13,6 +13,7 @@ any wrapped id is looked up, as TensorFlow's assertion op fails its graph.
 
 import jax
 import jax.numpy as jnp
+import keras
 import numpy as np
 
 from keras_rec_emb._checks_core import (check_ids_in_key_range, ids_may_not_fit,
@@ -78,10 +79,27 @@ def numpy_ids(ids, what, key_dtype, lower=True):
     """NumPy 64-bit integer `ids` checked to fit `key_dtype` (as
     `integer_ids` checks them) and cast to it in JAX's 32-bit mode, where
     Keras would narrow them to a JAX array before the layer's `call` sees
-    them; anything else as it is."""
+    them (so the layers call it in `__call__`); anything else as it is."""
     if (not jax.config.jax_enable_x64 and isinstance(ids, np.ndarray)
             and is_integer_dtype(ids.dtype) and ids.dtype.itemsize == 8
             and ids_may_not_fit(ids.dtype, key_dtype)):
         check_ids_in_key_range(ids, key_dtype, what, lower)
         return ids.astype(key_dtype)
     return ids
+
+
+def float_weights(weights, ids, what):
+    """`weights` as float32, checked to have the shape of `ids` (one weight
+    per id); `what` names them in the error."""
+    weights = keras.ops.convert_to_tensor(weights, dtype="float32")
+    if tuple(weights.shape) != tuple(ids.shape):
+        raise ValueError(f"{what} must have the ids' shape {tuple(ids.shape)} (one weight per "
+                         f"id). Received: weights of shape {tuple(weights.shape)}")
+    return weights
+
+
+def check_combinable(ids, combiner, what):
+    """Refuses scalar ids when `combiner` (not None) combines their last axis."""
+    if combiner is not None and ids.ndim < 1:
+        raise ValueError(f"{what} with combiner={combiner!r} combines the last axis of the "
+                         f"ids ([..., L]); received scalar ids of shape {tuple(ids.shape)}")

@@ -5,42 +5,27 @@ backend it takes `EmbeddingVariableBackend` below as its base: the table
 (`keras_rec_emb.backend.jax.table.JaxTable`) made at `build`, the call's
 lookup, and the machinery that trains the table.
 
-Where the update happens. The table is updated in the backward pass of its
-lookup, as TPU embedding does (and keras-rs's `TableConfig(optimizer=...)`
-reflects): the lookup is a `jax.custom_vjp` whose backward applies the
-rows' gradient to the table with its optimizer's rule, inside the
-jitted training step, ordered after the forward lookup by the table
-effect's token (`ffi`). Not in `optimizer.apply`, because:
+The table is updated in the backward pass of its lookup, as TPU embedding
+does: the lookup is a `jax.custom_vjp` whose backward applies the rows'
+gradient with its optimizer's rule, inside the jitted training step,
+ordered after the forward lookup by the table effect's token (`ffi`). Not
+in `optimizer.apply`: Keras's JAX trainer differentiates with respect to
+fixed-shape `trainable_variables` only, and the rows a batch reads from a
+growing table are no such variable (carrying their gradient would take a
+fixed-capacity buffer per table and a side channel for the keys); in the
+backward it is one fused sparse apply per table and step.
 
-* Keras's JAX trainer differentiates the loss with respect to
-  `trainable_variables` only, arrays of fixed shape. The rows a batch reads
-  from a growing table have no such variable: carrying their gradient to
-  the optimizer would take a fixed-capacity gradient buffer per table and a
-  side channel for the batch's keys, and the optimizer's `stateless_apply`
-  does not see the layer's state.
-* The update is a side effect on the C++ table either way; in the backward
-  it is one fused sparse apply per table and step, with no copy of the
-  gradient through the trainer.
-
-What follows: the table's optimizer is the one `model.compile` got (one
-of `keras_rec_emb.optimizers`, as under TensorFlow), found through the
-layer's `anchor` when it builds (`keras_rec_emb.backend.jax.optimizers`), or the
-layer's own (`optimizer=`). Its step counter is the layer's `iterations`
-(a non-trainable variable counting training steps, so in the model's state
-under `jit`), which drives learning rate schedules, Adam's bias correction
-and the rows' versions. A table looked up several times in one step (a
-layer called on two inputs) counts the step once and gets one update with
-the gradients of all its lookups, equal ids summed, as under TensorFlow
-(`_StepLookups`). A constant learning rate is the optimizer's
-`learning_rate` variable in that step (the layer's own optimizer's is in
-the layer's state for that), so a rate assigned between steps
-(`ReduceLROnPlateau`, `LearningRateScheduler`) reaches the tables
-(`TableRule.learning_rate`). Clipping (`clipnorm`, `clipvalue`,
-`global_clipnorm`), EMA, gradient accumulation and loss scaling are
-refused with an error: the backward sees this table's gradient alone,
-before the trainer's optimizer could clip or unscale it. A zero-size
-trainable variable (`anchor`) is the lookup's differentiable input, so
-that `jax.grad` runs the backward at all; its gradient is empty.
+The table's optimizer is the one `model.compile` got, found through the
+layer's `anchor` (a zero-size trainable variable, the lookup's
+differentiable input, so that `jax.grad` runs the backward at all) when it
+builds (`keras_rec_emb.backend.jax.optimizers`), or the layer's own
+(`optimizer=`); its step and learning rate are those of the training step
+(`TableRule`). A table looked up several times in one step gets one update
+with the gradients of all its lookups, equal ids summed, as under
+TensorFlow (`_StepLookups`). Clipping, EMA, gradient accumulation and
+loss scaling by the trainer are refused with an error: the backward sees
+this table's gradient alone, before the trainer's optimizer could clip or
+unscale it (`LossScaleOptimizer` unscales in the backward itself).
 """
 
 import jax
@@ -50,7 +35,7 @@ import numpy as np
 
 from keras_rec_emb._checks_core import check_combiner_weights
 from keras_rec_emb.backend.jax import ffi
-from keras_rec_emb.backend.jax.ids import integer_ids, numpy_ids
+from keras_rec_emb.backend.jax.ids import check_combinable, float_weights, integer_ids, numpy_ids
 from keras_rec_emb.backend.jax.optimizers import TableRule, register_anchor
 from keras_rec_emb.backend.jax.table import JaxTable
 
@@ -81,12 +66,19 @@ def combine_last_axis(rows, keep, combiner, weights=None):
     if combiner != "sum":
         w = jnp.where(w > 0, w, 0.0)
     total = jnp.sum(rows * w[..., None], axis=-2)
-    if combiner == "sum":
-        return total
+    return total if combiner == "sum" else divided(total, denominator(w, combiner))
+
+
+def denominator(w, combiner):
+    """The denominator of "mean" (`sum(w)`) or "sqrtn" (`sqrt(sum(w**2))`)
+    over the last axis of the weights `w`, kept as an axis of 1."""
     denom = jnp.sum(w if combiner == "mean" else w * w, axis=-1, keepdims=True)
-    if combiner == "sqrtn":
-        denom = jnp.sqrt(denom)
-    return jnp.where(denom > 0, total / jnp.where(denom > 0, denom, 1.0), 0.0)
+    return jnp.sqrt(denom) if combiner == "sqrtn" else denom
+
+
+def divided(x, denom):
+    """x / denom, and 0 where denom is 0 (a row without ids gives zeros)."""
+    return jnp.where(denom > 0, x / jnp.where(denom > 0, denom, 1.0), 0.0)
 
 
 def pooled_scale(ids, weights, combiner, prune):
@@ -101,10 +93,7 @@ def pooled_scale(ids, weights, combiner, prune):
     if combiner == "sum":
         return w
     w = jnp.where(w > 0, w, 0.0)
-    denom = jnp.sum(w if combiner == "mean" else w * w, axis=-1, keepdims=True)
-    if combiner == "sqrtn":
-        denom = jnp.sqrt(denom)
-    return jnp.where(denom > 0, w / jnp.where(denom > 0, denom, 1.0), 0.0)
+    return divided(w, denominator(w, combiner))
 
 
 def _table_lookup(handle, ids, weights, dim, insert, prune, combiner):
@@ -118,22 +107,16 @@ def _table_lookup(handle, ids, weights, dim, insert, prune, combiner):
 class _StepLookups:
     """The training lookups of one table in one training step.
 
-    A table may be looked up several times in a step (one layer called on
-    two inputs). As under TensorFlow, where the optimizer applies the
-    table's gradient once per step with its ids' gradients summed, the step
-    counts once (`iterations`, which drives schedules, Adam's bias
-    correction and the rows' versions) and the table gets one fused update:
-    the backward of each later lookup stashes its ids and gradient here,
-    and that of the step's first lookup, which runs after them all (each
-    later lookup takes the first one's zero-size `carry` output as an
-    input, so its backward feeds the first one's), applies them together.
-    `marker` is the value `iterations` holds after the first lookup: a
-    call that reads it is in the same step (of the same trace). It is set
-    only when the first lookup trains (its forward rule ran, under
-    differentiation) and cleared when its backward has applied the step:
-    run eagerly (`run_eagerly`, or a model whose compile config says
-    `jit_compile=False`), the next step reads the very array this one left
-    in `iterations`, which must not make it a later lookup of this step."""
+    The step counts once and the table gets one fused update: the backward
+    of each later lookup stashes its ids and gradient here, and that of the
+    step's first lookup, which runs after them all (each later lookup takes
+    the first one's zero-size `carry` output as an input), applies them
+    together. `marker` is the value `iterations` holds after the first
+    lookup: a call that reads it is in the same step (of the same trace).
+    It is set only when the first lookup trains and cleared when its
+    backward has applied the step: run eagerly, the next step reads the
+    very array this one left in `iterations`, which must not make it a
+    later lookup of this step."""
 
     def __init__(self, step):
         self.step = step
@@ -146,16 +129,12 @@ class _StepLookups:
 def _first_lookup(layer, dim, prune, conditional, group, combiner=None):
     """lookup(ids, weights, anchor, step) -> (rows, carry, trained), the step's first
     training lookup of `layer`'s table; its backward applies the rows'
-    gradient, with those the step's later lookups stashed, to the table
-    (see the top). With `conditional` (`training=None`): training or not
-    is decided by differentiation. Keras's JAX trainer calls the model's
-    `call` directly (`stateless_call`), so a layer of a subclassed model
-    that does not pass `training` on gets None in `fit` as in `predict`.
-    What tells them apart is whether the loss is differentiated with
-    respect to the table: under `jax.grad` JAX runs the forward rule
-    (insert; `trained` 1; the backward applies the gradient), otherwise
-    the plain function (no insert; `trained` 0, so the step counter
-    stays)."""
+    gradient, with those the step's later lookups stashed. With
+    `conditional` (`training=None`, which a subclassed model's layer gets in
+    `fit` as in `predict` when its `call` does not pass `training` on),
+    differentiation decides: under `jax.grad` JAX runs the forward rule
+    (insert; `trained` 1; the backward applies), otherwise the plain
+    function (no insert; `trained` 0, so the step counter stays)."""
     handle = layer.handle
 
     @jax.custom_vjp
@@ -272,12 +251,9 @@ class EmbeddingVariableBackend:
                                           trainable=False, name="iterations")
         rate = None if self.table_optimizer is None else self.table_optimizer.learning_rate
         if isinstance(rate, keras.Variable):
-            # The own optimizer's rate variable joins the layer's state, so
-            # that a jitted step reads it from the step's state (as the
-            # compiled optimizer's rate is): a rate assigned later
-            # (`layer.optimizer.learning_rate = x`, `.assign(x)`) reaches
-            # the table at the next step (TableRule.new_step). The compiled
-            # optimizer's comes through its `scale_loss`.
+            # The own optimizer's rate joins the layer's state, so that a
+            # jitted step reads it from the step's state: a rate assigned
+            # later reaches the table at the next step (TableRule.new_step).
             self._kre_own_learning_rate = rate
 
     @property
@@ -310,11 +286,8 @@ class EmbeddingVariableBackend:
         self._add_slots(self.table_rule)
 
     # -- saving: the step counter beside the table's parts ---------------------
-    # The JAX layer's step counter (`iterations`, which drives learning-rate
-    # schedules, Adam's bias correction and the versions) is saved as
-    # `iterations`, which the TensorFlow layer does not read (its tables
-    # follow the model optimizer's step, saved with the optimizer): a model
-    # saved and loaded resumes at its step even when the last steps stamped
+    # Saved as `iterations` (the TensorFlow layer does not read it), so that
+    # a reloaded model resumes at its step even when the last steps stamped
     # no version (ids all filtered, padding or evicted).
     def _save_step(self, store):
         store[_STEP] = np.asarray(int(self.iterations.value), np.int64)
@@ -334,16 +307,12 @@ class EmbeddingVariableBackend:
 
     # -- forward --------------------------------------------------------------
     def __call__(self, ids, *args, **kwargs):
-        # NumPy ids are checked before Keras makes JAX arrays of them (which
-        # in JAX's 32-bit mode narrows int64 ids unchecked).
         return super().__call__(numpy_ids(ids, f"EmbeddingVariable '{self.name}'",
                                           self.key_dtype), *args, **kwargs)
 
     def _call(self, ids, weights, training):
         ids = integer_ids(ids, f"EmbeddingVariable '{self.name}'", self.key_dtype)
-        if self.combiner is not None and ids.ndim < 1:
-            raise ValueError(f"With combiner={self.combiner!r} the ids need a last axis to "
-                             f"combine ([..., L]). Received: ids of shape {tuple(ids.shape)}")
+        check_combinable(ids, self.combiner, f"EmbeddingVariable '{self.name}'")
         if weights is not None:
             weights = self._checked_weights(ids, weights)
             if self.combiner != "sum":
@@ -363,13 +332,7 @@ class EmbeddingVariableBackend:
         dtype = getattr(weights, "dtype", None)
         check_combiner_weights(self.name, self.combiner, self.prune_invalid_ids,
                                None if dtype is None else np.dtype(dtype))
-        weights = keras.ops.convert_to_tensor(weights, dtype="float32")
-        if tuple(weights.shape) != tuple(ids.shape):
-            raise ValueError(
-                f"EmbeddingVariable '{self.name}': `weights` must have the ids' shape "
-                f"{tuple(ids.shape)} (one weight per id). Received: weights of shape "
-                f"{tuple(weights.shape)}")
-        return weights
+        return float_weights(weights, ids, f"EmbeddingVariable '{self.name}': `weights`")
 
     def _combine(self, ids, rows, weights=None):
         """Combines the last axis of `ids`: rows [..., L, dim] -> [..., dim];
@@ -411,9 +374,14 @@ class EmbeddingVariableBackend:
         self.iterations.assign(current + trained)
         group.marker = self.iterations.value if group.training else None
         self._kre_step_lookups = group
+        self._new_step()
+        return rows
+
+    def _new_step(self):
+        """Tells the table's rule (while tracing) that a training step's
+        first lookup ran (TableRule.new_step)."""
         if self.table_rule is not None:
             self.table_rule.new_step(getattr(self, "_kre_own_learning_rate", None))
-        return rows
 
     def _apply_gradients(self, parts, step, distinct=None):
         """One fused update of the table at `step` (in the backward of the
@@ -428,6 +396,7 @@ class EmbeddingVariableBackend:
 
     def _apply_rows(self, parts, step, distinct):
         rule = self.table_rule
+        step = rule.step(step)
         hyper = rule.hyper(step)
         names = (rule.rule.name, rule.rule.hparam_names, rule.slot_names())
         if distinct is not None:

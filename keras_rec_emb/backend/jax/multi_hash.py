@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from keras_rec_emb.backend.jax import ffi, hashing
-from keras_rec_emb.backend.jax.ids import integer_ids, numpy_ids
+from keras_rec_emb.backend.jax.ids import check_combinable, integer_ids, numpy_ids
 from keras_rec_emb.backend.jax.layers import combine_last_axis
 
 
@@ -65,18 +65,13 @@ class MultiHashBackend:
         return jnp.where(inside, ids, hashing.hash_to_range(ids, n))
 
     def __call__(self, inputs, *args, **kwargs):
-        # NumPy ids are checked before Keras makes JAX arrays of them (which
-        # in JAX's 32-bit mode narrows int64 ids unchecked).
         return super().__call__(numpy_ids(inputs, f"MultiHashEmbedding '{self.name}'",
                                           ffi.int_dtype().name), *args, **kwargs)
 
     def _call(self, inputs):
         ids = integer_ids(inputs, f"MultiHashEmbedding '{self.name}'", ffi.int_dtype().name,
                           via=np.int64)
-        if self.combiner is not None and ids.ndim < 1:
-            raise ValueError(
-                f"MultiHashEmbedding '{self.name}' with a combiner combines the last axis "
-                f"of the ids; received scalar ids of shape {tuple(ids.shape)}")
+        check_combinable(ids, self.combiner, f"MultiHashEmbedding '{self.name}'")
         ids = self._in_range(ids)
         out = self.combine_rows([jnp.take(table.value, idx, axis=0) for table, idx in
                                  zip(self.tables, self.partition_indices(ids))])

@@ -1,27 +1,22 @@
 """The JAX backend's table plumbing of `keras_rec_emb.optimizers`.
 
 The optimizers (written once, in keras_rec_emb/optimizers/) subclass their
-Keras namesakes (dense variables follow Keras exactly) through this
-module's `TableOptimizer`, which also trains the embedding tables of the
-model the optimizer is compiled with. How the compiled optimizer reaches a table:
-each JAX `EmbeddingVariable` owns a zero-size trainable variable, its
-`anchor`, which is among the variables `build` receives; `build` finds the
-layers behind those anchors and attaches itself to each (adding its slots
-to the table). The layer's training lookup then takes this optimizer's rule
-and hyper-parameters, and its backward applies the rows' gradient to the
-table with them (see `keras_rec_emb.backend.jax.layers` for why the update runs
-there and not in `apply`).
+Keras namesakes through this module's `TableOptimizer`, which also trains
+the embedding tables of the model it is compiled with: its `build` finds
+the layers behind the `anchor`s among its variables and attaches itself
+to each (adding its slots to the table); the layer's training lookup then
+applies the rows' gradient in its backward with this optimizer's rule
+(`TableRule`; keras_rec_emb/backend/jax/layers.py says why there).
 
-The step is the layer's `iterations` (a non-trainable variable counting
-training calls, in the model's state under `jit`), which equals the
-optimizer's `iterations` when the layer is called once per training step:
-learning-rate schedules and Adam's bias correction follow it, as they
-follow the optimizer's step under TensorFlow.
-
-Under `LossScaleOptimizer` (mixed precision) the rows' gradient reaching
-the backward is scaled by the loss scale of the step, which the wrapper's
-`scale_loss` hands to its inner optimizer (`LossScaleTables`): the table
-divides by it, and skips its update when the result is not finite.
+The step is the compiled optimizer's `iterations` in the training step
+(its `scale_loss` hands it to the tables' rules): learning-rate schedules,
+Adam's bias correction and the rows' versions follow it, as they follow
+the optimizer's step under TensorFlow, and a step that `LossScaleOptimizer`
+skips advances none of them. Outside Keras's trainer (no `scale_loss`) it
+is the layer's `iterations`, a non-trainable variable counting training
+calls. Under `LossScaleOptimizer` the table divides its rows' gradient by
+the step's loss scale, which `scale_loss` hands over too
+(`LossScaleTables`), and skips its update when the result is not finite.
 """
 
 import weakref
@@ -136,19 +131,18 @@ class TableRule:
         if isinstance(self.optimizer, TableOptimizer):
             self.optimizer._kre_step_learning_rate = None  # pylint: disable=protected-access
         self.loss_scale = None  # set by LossScaleOptimizer.scale_loss, after this
+        self.optimizer_step = None  # set by TableOptimizer.scale_loss, after this
         self.own_step_rate = None if own_rate is None else own_rate.value
 
     def learning_rate(self, step):
         """The rate at `step`: a schedule's value there; else the value of
         the optimizer's `learning_rate` variable in this training step,
-        which its `scale_loss` saw (Keras's JAX trainer calls it after the
-        forward pass, before the gradient, with the optimizer's variables
-        of the step in scope, as `apply` has them for the dense weights:
-        a rate assigned between steps or epochs, by a callback such as
-        `ReduceLROnPlateau` or `LearningRateScheduler`, reaches the tables
-        as it reaches the dense weights). A layer's own optimizer: its
-        variable's value in the step's state, which `new_step` saw. Outside
-        Keras's trainer, the variable's value when the step is traced."""
+        which its `scale_loss` saw with the step's optimizer variables in
+        scope (so a rate a callback assigns between steps reaches the
+        tables as it reaches the dense weights); for a layer's own
+        optimizer, its variable's value in the step's state, which
+        `new_step` saw. Outside Keras's trainer, the variable's value when
+        the step is traced."""
         if self.schedule is not None:
             return jnp.asarray(self.schedule(step), jnp.float32)
         rate = getattr(self.optimizer, "_kre_step_learning_rate", None)
@@ -163,6 +157,15 @@ class TableRule:
         if rate is None:
             rate = self.constant_learning_rate
         return jnp.asarray(rate, jnp.float32)
+
+    def step(self, own_step):
+        """The table's step in this training step: that of the optimizer
+        that trains the model (its `iterations` in the step's state, which
+        its `scale_loss` saw), which a step that `LossScaleOptimizer` skips
+        does not advance, as under TensorFlow; outside Keras's trainer,
+        `own_step` (the layer's `iterations` before the step)."""
+        step = getattr(self, "optimizer_step", None)
+        return own_step if step is None else step.astype(own_step.dtype)
 
     def hyper(self, step):
         """The rule's hyper-parameters at `step`, in the kernel's order."""
@@ -213,10 +216,13 @@ class TableOptimizer:
         # Keras's JAX trainer calls this inside the training step, after the
         # forward pass and before the gradient, with this step's optimizer
         # variables in scope: the tables' update (in the backward) takes the
-        # learning rate from here (TableRule.learning_rate).
+        # learning rate (TableRule.learning_rate) and the step of every table
+        # it trains, their own optimizers' too (TableRule.step), from here.
         rate = self.learning_rate
         if isinstance(rate, keras.Variable):
             self._kre_step_learning_rate = rate.value
+        for rule in _table_rules(self):
+            rule.optimizer_step = self.iterations.value
         return super().scale_loss(loss)
 
     # Saving: the TensorFlow backend's layout (keras_rec_emb/backend/jax/saving.py).
@@ -280,8 +286,12 @@ class LossScaleTables:
     def scale_loss(self, loss):
         loss = self.inner_optimizer.scale_loss(loss)  # the step's learning rate, for the tables
         scale = self.dynamic_scale.value if self.built else self.initial_scale
-        for table in getattr(self, "_kre_tables", ()):
-            rule = getattr(table(), "table_rule", None)
-            if rule is not None:
-                rule.loss_scale = scale
+        for rule in _table_rules(self):
+            rule.loss_scale = scale
         return super().scale_loss(loss)
+
+
+def _table_rules(optimizer):
+    """The rules of the live tables `optimizer` built for (`_kre_tables`)."""
+    rules = (getattr(ref(), "table_rule", None) for ref in getattr(optimizer, "_kre_tables", ()))
+    return [rule for rule in rules if rule is not None]

@@ -1,26 +1,16 @@
 """Saving under Keras's JAX backend in the TensorFlow backend's format.
 
-One format for both backends: `EmbeddingVariable` is one class, whose
-config and weights store are the same under both (its table's parts and
-`slot:NAME` per slot; keras_rec_emb/layers/embedding_variable.py). What
-is JAX's own:
-
-* the table's slots are the layer's under both backends: under TensorFlow
-  the optimizer's own variables hold only its step, learning rate and the
-  dense weights' slots, never a table's; under JAX the optimizer leaves
-  out the slots it makes for the layers' zero-size anchors
-  (`save_optimizer` / `load_optimizer`), so its list is TensorFlow's.
+`EmbeddingVariable` is one class, whose config and weights store are the
+same under both backends (keras_rec_emb/layers/embedding_variable.py). What
+is JAX's own: under TensorFlow a table's slots live in the table and the
+optimizer saves only its other variables (step, learning rate, the dense
+weights' slots); under JAX the optimizer also makes a slot for each
+layer's zero-size `anchor`, which `save_optimizer` / `load_optimizer`
+leave out, so that both backends save and load the same list.
 """
 
 import warnings
 
-
-# -- the optimizer -------------------------------------------------------------
-# Under TensorFlow a table's slots live in the table and the optimizer saves
-# only its other variables (step, learning rate, the dense weights' slots).
-# Under JAX the optimizer also makes a slot for each layer's zero-size
-# `anchor`: those are left out of the store, so that both backends save
-# and load the same list.
 
 def mark_anchor_slot(optimizer, variable):
     """Records `variable` as a slot of a table's anchor (not saved)."""
@@ -30,8 +20,13 @@ def mark_anchor_slot(optimizer, variable):
 
 
 def saved_variables(optimizer):
-    """The optimizer's variables as TensorFlow saves them (no anchor slot)."""
-    skip = {id(v) for v in getattr(optimizer, "_kre_anchor_slots", ())}
+    """The optimizer's variables a TensorFlow optimizer also has: no slot
+    of a table's anchor, its own nor (a LossScaleOptimizer's) its inner
+    optimizer's."""
+    skip, inner = set(), optimizer
+    while inner is not None:
+        skip.update(id(v) for v in getattr(inner, "_kre_anchor_slots", ()))
+        inner = getattr(inner, "inner_optimizer", None)
     return [v for v in optimizer.variables if id(v) not in skip]
 
 
