@@ -1,14 +1,9 @@
 """The one place that loads the compiled ops library and wraps its raw ops.
 
-The library (`_kre_ops.so`, built from csrc/) is loaded once, on first use or
-when `keras_rec_emb` is imported (so that a SavedModel that uses the ops can
-be loaded in a fresh process after `import keras_rec_emb`).
-
-It is a TensorFlow op library, not a Python extension module: it uses
-TensorFlow's C++ ABI only, so one build serves every Python version that
-TensorFlow supports, and its name carries no Python tag. TensorFlow keeps
-that ABI within a minor release, which must match the one it was built
-against.
+`_kre_ops.so` is loaded on first use or at `import keras_rec_emb` (so a
+SavedModel using the ops loads in a fresh process). It is a TensorFlow op
+library using TensorFlow's C++ ABI only: one build serves every Python
+version, and TensorFlow's minor release must match the one it was built with.
 """
 
 import functools
