@@ -1,11 +1,6 @@
-"""AdaptiveEmbedding's arguments, inner EmbeddingVariable, static table,
-promotion state and config: the backend-free half of the one
-`keras_rec_emb.layers.AdaptiveEmbedding` (private), so both backends check
-the same arguments, make the same weights under the same names and write
-the same config. The forward (counting, copying newly promoted ids' static
-rows into the table, serving each id from one table) is the backend's:
-keras_rec_emb/backend/tensorflow/adaptive.py, keras_rec_emb/backend/jax/
-adaptive.py."""
+"""The backend-free half of `AdaptiveEmbedding`: its arguments, inner
+EmbeddingVariable, static table, promotion state and config, the same under
+both backends; the forward is the backend's `adaptive` module."""
 
 import math
 

@@ -1,16 +1,7 @@
-"""The file tier's folders, shared by both backends (no TensorFlow, no JAX).
-
-A file-tier table works in `storage_path/<table name>` (the name made a safe
-file name) and holds an exclusive flock on its `LOCK` file while it lives
-(csrc/kv/file_store.h's StorageLock). A second table made on a folder that a
-live table holds (a model reloaded beside the one that saved it, or a trainer
-in another process) works in a folder of its own next to it,
-`<folder>.copy-XXXXXXXX` (under `$KRE_STORAGE_COPY_PATH` when set), removed
-when that table is freed; it warns, and refuses `snapshot()`.
-
-A `storage_path` read from a config (`keras.saving.load_model`, a layer's
-`from_config`) is a path a file chose: it must lie under the storage root the
-caller gave (`storage_root`), else loading raises (see `loaded_storage_path`).
+"""The file tier's folders, shared by both backends (no TensorFlow, no JAX): a
+table's folder and its flock (csrc/kv/file_store.h's StorageLock), the copy
+folder beside a live table's, and the storage root a loaded config's
+`storage_path` must lie under (docs/file_tier.md).
 """
 
 import contextvars

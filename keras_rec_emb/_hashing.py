@@ -12,22 +12,8 @@ from keras_rec_emb._multi_hash_spec import MIX2 as _MIX2
 def fingerprint64(ids):
     """A stable 64-bit fingerprint of integer ids (splitmix64), as uint64.
 
-    With `x` the id as a 64-bit two's-complement integer read unsigned and
-    all arithmetic modulo 2**64:
-
-        z = x + 0x9E3779B97F4A7C15
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EB
-        fingerprint = z ^ (z >> 31)
-
-    It depends on nothing but the id: the same in every run, process and
-    machine (unlike Python's `hash`).
-
-    Args:
-        ids: integer tensor (int32 ids are sign-extended first).
-
-    Returns:
-        uint64 tensor of the shape of `ids`.
+    The same in every run, process and machine (unlike Python's `hash`);
+    int32 ids are sign-extended first. Returns a uint64 tensor of `ids`' shape.
 
     Example:
 

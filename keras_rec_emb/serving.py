@@ -1,8 +1,5 @@
-"""`export_for_serving`: a SavedModel that stock TensorFlow serves without
-this package, from a model trained under either backend (the work is the
-backend's: backend/tensorflow/serving.py traces the model with stock
-twins of its tables; backend/jax/serving.py hands it to a TensorFlow
-process)."""
+"""`export_for_serving`: a SavedModel that stock TensorFlow serves without this
+package, from either backend (the work is the backend's `serving` module)."""
 
 import os
 
@@ -12,11 +9,9 @@ from keras_rec_emb import _backend, _checks_core
 
 __all__ = ["export_for_serving"]
 
-# The most elements one input tensor of a request may have (2**24: a batch
-# of 16,384 rows of 1,024 ids). Stock TensorFlow ops of the served graph
-# size scratch by the request and some do not check that allocation (the
-# CPU UnsortedSegmentSum's row counter, a std::vector): a request too large
-# for the memory left ends the server process instead of failing alone.
+# The most elements one input tensor of a request may have: some stock ops of
+# the served graph end the process when their scratch does not fit
+# (docs/semantics.md, 'Serving').
 MAX_INPUT_SIZE = 2**24
 
 
@@ -27,49 +22,10 @@ def export_for_serving(model: keras.Model, filepath: str | os.PathLike,
                        timeout: float = 600) -> str:
     """Exports `model` for inference as a SavedModel that needs only TensorFlow.
 
-    `model.export` writes a SavedModel whose tables use this package's ops
-    (so serving it needs `import keras_rec_emb`). This one does not: each
-    embedding table becomes a stock `tf.lookup.experimental.MutableHashTable`
-    (key to row number) and a dense `[N, dim]` matrix of its admitted rows,
-    stored with the SavedModel's variables; fused group lookups become stock
-    gathers and segment sums. Predictions equal `model(x, training=False)`:
-    keys the table has read their rows, other keys read their initializer
-    row (`default_values[key mod default_value_dim]`), or
-    `no_permission_value` when the table has an admission filter. Keys
-    counted by a filter but not admitted are not exported. The served
-    tables are frozen: serving does not insert or count keys.
-
-    A request whose input tensor has more than `max_input_size` elements
-    fails alone with InvalidArgument, before any lookup: some stock ops the
-    served graph runs end the process (not the request) when their scratch
-    does not fit in memory.
-
-    The export is atomic: it is written next to `filepath` and moved into
-    place only once complete, so a failed export leaves a previous one
-    intact.
-
-    Under Keras's JAX backend the model is traced by TensorFlow in a child
-    process (TensorFlow must be installed; this process never imports it):
-    the model goes across as a `.keras` file, its signature as this
-    process's, and the user's own classes from their modules, or those
-    the script being run defines, from its source. A subclassed model's
-    ids keep the dtypes of its first call under both backends, so no
-    `input_signature` is needed once the model has been called on ids.
-
-    Fresh rows for online serving: the stock export is frozen, so a TF
-    Serving deployment picks up new rows the way TF Serving picks up any new
-    model: export on a schedule (e.g. after each full or incremental
-    checkpoint of `keras_rec_emb.callbacks.CheckpointCallback`) into a new
-    numbered version folder of the model's base path
-    (`export_for_serving(model, f"{base}/{int(time.time())}")`); TF
-    Serving's file-system poller (`--file_system_poll_wait_seconds`) loads the
-    newest version and, with the default version policy, unloads the older
-    one once the new one serves. A server that runs this package's ops
-    instead (a SavedModel from `model.export`, loaded with
-    `tf.saved_model.load` after `import keras_rec_emb`) can apply each
-    incremental checkpoint in place, without a reload:
-    `keras_rec_emb.apply_to_saved_model(loaded, link_path)` (DeepRec's
-    incremental model update).
+    Each table becomes a stock `tf.lookup.experimental.MutableHashTable` and a
+    dense matrix of its admitted rows, frozen; predictions equal
+    `model(x, training=False)`. The export is atomic. See docs/semantics.md,
+    'Serving'.
 
     Args:
         model: a built `keras.Model`.

@@ -28,12 +28,8 @@ class DataFrame:
     """Named, typed columns read from Parquet.
 
     A column has a logical type (scalar, fixed-length list, variable-length
-    list, nested list) and a physical type (integer, float, string).
-    Under TensorFlow `ParquetDataset` turns scalars and fixed-length lists
-    into `tf.Tensor` and variable-length (nested) lists into
-    `tf.RaggedTensor`, and `DataFrame.to_sparse()` turns those into
-    `tf.SparseTensor`; under JAX they are NumPy arrays, variable-length
-    lists padded (see `ParquetDataset`).
+    list, nested list) and a physical type (integer, float, string); how each
+    reads: docs/semantics.md, 'Input pipelines'.
 
     Example:
 
@@ -131,9 +127,8 @@ class DataFrame:
     def to_sparse(num_parallel_calls=None):
         """A dataset transformation turning ragged values into sparse ones.
 
-        Every `tf.RaggedTensor` in an element (at any nesting of dicts and
-        tuples) becomes the equivalent `tf.SparseTensor`; other values pass
-        through unchanged.
+        Every `tf.RaggedTensor` in an element, at any nesting, becomes the
+        equivalent `tf.SparseTensor`; other values pass through.
 
         Args:
             num_parallel_calls: int, optional. Passed to `Dataset.map`.

@@ -1,10 +1,5 @@
-"""Vectorized decoders for batches of raw records (e.g. Kafka messages).
-
-Each `decode_*` returns a function for `Dataset.map` that parses a whole
-batch at once: CSV and tf.Example with TensorFlow ops (TensorFlow backend),
-JSON with Arrow's JSON reader under both backends (one Python call per
-batch, no Python per record).
-"""
+"""Vectorized decoders of record batches for `Dataset.map` (docs/semantics.md,
+'Input pipelines')."""
 
 import numpy as np
 
@@ -89,17 +84,8 @@ def decode_json(fields):
     """A function parsing a batch of JSON objects (one per record) with
     `pyarrow.json`.
 
-    The batch is parsed in one call of Arrow's JSON reader against a schema
-    built from `fields` (one Python call per batch, not per record). Fields
-    may be scalars (integers, floats, `bool`, strings) or lists of numbers
-    (`ragged_rank=1`: ragged; `shape=(n,)`: dense, padded with 0 or cut to
-    `n`; list fields need 1-D `records`). Other keys, nested or not, are
-    ignored; missing or `null` values read as 0, `False`, `""` or an empty
-    list. A record that is not a JSON object, or a value of the wrong type
-    for its field (a string or a float in an int field, an int that does not
-    fit the field's dtype, e.g. 3000000000 in an int32 field), raises
-    `ValueError` (`InvalidArgumentError` inside a dataset) naming the field
-    and the record.
+    One Arrow call per batch; missing or `null` values read as 0, `False`, `""`
+    or an empty list, a wrong type raises (docs/semantics.md, 'Input pipelines').
 
     Args:
         fields: list of `DataFrame.Field` (each with a `type`), or a dict

@@ -1,22 +1,5 @@
-"""Kafka topics as datasets, on confluent-kafka (librdkafka): a
-`tf.data.Dataset` under Keras's TensorFlow backend, an iterable of NumPy
-batches of message bytes under JAX (`backend/tensorflow/data.py`,
-`backend/jax/data.py`).
-
-Messages are consumed in batches (`Consumer.consume(n, timeout)`), and each
-element is handed out as one NumPy array (with one `tf.numpy_function` call
-under TensorFlow): a single message (the seed's API) or, with `batch_size`,
-a 1-D batch of messages for the vectorized decoders in
-`keras_rec_emb.data.decode_*`.
-
-The consumed position is state. `dataset.position` (a `KafkaPosition`) holds
-the next offset of every partition read so far, updated when an element is
-handed out, and saves with `tf.train.Checkpoint` (TensorFlow) or an
-`IncrementalCheckpointer`; a new dataset restored from it starts each of
-those partitions there. Buffers after the dataset (`prefetch`, `shuffle`,
-the JAX trainer's look-ahead on accelerators) hold elements already counted
-as read.
-"""
+"""Kafka topics as datasets on confluent-kafka, for either backend, with a
+checkpointable position (docs/semantics.md, 'Input pipelines')."""
 
 import functools
 import logging
@@ -52,9 +35,8 @@ _PROBE_LIMIT_MS = 10000
 
 
 def _check_offsets(offsets):
-    """`offsets` as a dict {(topic, partition): offset}, or a TypeError /
-    ValueError naming the entry that is not one (a bad position would
-    otherwise surface only when a dataset starts reading from it)."""
+    """`offsets` as {(topic, partition): offset}, checked now: a bad position
+    would otherwise surface only when a dataset starts reading from it."""
     if offsets is None:
         return {}
     allowed = ("a dict {(topic: str, partition: int >= 0): next offset: int >= 0}, or "
@@ -74,15 +56,9 @@ def _check_offsets(offsets):
 class KafkaPosition(_impl.PositionBase):
     """The consumed position of a Kafka dataset, as checkpointable state.
 
-    Maps `(topic, partition)` to the offset of the next message to read,
-    for every partition this dataset has handed out messages from (or that
-    was restored). Under TensorFlow save it with
-    `tf.train.Checkpoint(data=ds.position)`; restoring it into the `position`
-    of a new dataset over the same topics makes that dataset's next
-    iteration resume exactly after the last message handed out before the
-    save. Restore before iterating: an iteration that already runs keeps its
-    own consumer position. Under either backend `KafkaPosition(offsets)`
-    starts a position at saved `offsets()`.
+    Maps `(topic, partition)` to the offset of the next message to read. Save
+    it with `tf.train.Checkpoint(data=ds.position)` and restore it into a new
+    dataset's `position` before iterating (docs/semantics.md, 'Input pipelines').
 
     Example:
 
@@ -174,10 +150,8 @@ class _Pass:
     """One iteration over a Kafka dataset: a consumer and a message buffer.
 
     Subclasses connect the consumer (`_start`) and filter what it returns
-    (`_accept`, `_ended`). It is the iterator a backend runs per pass: its
-    `close()` (the pass ended, was abandoned or collected) stops the
-    consume loop even while another thread is inside it, and the consumer
-    is closed when the loop exits.
+    (`_accept`, `_ended`); `close()` stops the consume loop even from another
+    thread, and the loop closes the consumer when it exits.
     """
 
     def __init__(self, config, position, batch_size, message_key,
@@ -488,10 +462,8 @@ def _batch_size(batch_size):
 
 
 class _KafkaDatasetBase(_impl.Dataset):
-    """A dataset of Kafka messages with a checkpointable `position`: each
-    iteration is a `new_pass(...)` (a `_Pass`) over librdkafka `config`
-    (the servers and the logger added here), once a broker has answered
-    within `poll_timeout` ms."""
+    """Kafka messages with a checkpointable `position`; each iteration is a
+    `new_pass(...)` (a `_Pass`), built once a broker has answered."""
 
     def __init__(self, new_pass, servers, config, poll_timeout, message_key, batch_size,
                  broker_timeout):
@@ -520,17 +492,8 @@ class KafkaDataset(_KafkaDatasetBase):
     `tf.string` under TensorFlow, an iterable of NumPy arrays of bytes under
     JAX (`fit` takes it after a `.map` that decodes, e.g. `decode_json`).
 
-    Each partition is read from its start offset for `length` messages (or
-    without end), in the order the broker delivers them. With `eof=True` a
-    partition also ends when the consumer reaches the end of its log (a
-    partition-EOF event, not the broker's reported high watermark). The
-    dataset ends when every partition has ended; with `eof=False` and an
-    unbounded partition it streams forever.
-
-    A new iteration starts every partition at `position` if it has one
-    (what earlier iterations handed out, or a restored checkpoint), else at
-    the offset of its spec. With a `group`, handed-out offsets are also
-    committed to that consumer group (librdkafka auto-commit).
+    Each partition is read from its start offset (or its saved `position`)
+    for `length` messages; see docs/semantics.md, 'Input pipelines'.
 
     Args:
         topics: str, list of str or (TensorFlow) 1-D `tf.string` tensor of
@@ -558,11 +521,9 @@ class KafkaDataset(_KafkaDatasetBase):
             messages (full unless the dataset ends) instead of one message
             per element: much faster, and what the `decode_*` functions take.
             Defaults to `None`.
-        broker_timeout: int. Milliseconds an iteration waits with no
-            message before it checks that the broker still answers (a
-            metadata request of at most `min(broker_timeout, 10000)` ms);
-            if not, the iteration raises `ConnectionError` naming `servers`.
-            -1 waits for the broker forever. Defaults to `60000`.
+        broker_timeout: int. Milliseconds an iteration waits with no message
+            before it checks the broker (`ConnectionError` if it does not
+            answer); -1 waits forever. Defaults to `60000`.
 
     Example:
 
@@ -597,13 +558,8 @@ class KafkaDataset(_KafkaDatasetBase):
 class KafkaGroupIODataset(_KafkaDatasetBase):
     """Messages of Kafka topics read by a consumer group, as a dataset.
 
-    The group balances the topics' partitions over all its consumers (other
-    datasets, other processes). Partitions start at this dataset's
-    `position` where it has one (restored checkpoint, earlier iteration),
-    else at the group's committed offset, else per `auto.offset.reset`.
-    Handed-out offsets are committed to the group (librdkafka auto-commit);
-    when a partition moves to another consumer, messages fetched but not yet
-    handed out are dropped, so the next owner reads them instead.
+    The group balances the topics' partitions over all its consumers; see
+    docs/semantics.md, 'Input pipelines'.
 
     Args:
         topics: str, list of str or (TensorFlow) 1-D `tf.string` tensor of

@@ -1,12 +1,5 @@
-"""`ParquetDataset`: Parquet files decoded by pyarrow, as a `tf.data.Dataset`
-under Keras's TensorFlow backend and as an iterable of NumPy batches under
-JAX (`backend/tensorflow/data.py`, `backend/jax/data.py`).
-
-pyarrow reads and decodes row groups (in its own threads, without the GIL)
-and fills nulls once per row group; Python only slices whole Arrow tables
-into batches (here), which each backend turns into its arrays column by
-column. Nothing loops over rows in Python.
-"""
+"""`ParquetDataset`: Parquet files read by pyarrow, batched for either backend
+(docs/semantics.md, 'Input pipelines')."""
 
 import collections
 import concurrent.futures
@@ -172,14 +165,8 @@ def _layout(levels, ragged_rank, shape, name, source):
 
 
 def _resolve(path):
-    """(pyarrow filesystem, path in it) for a local path or a URI.
-
-    Local paths and URIs `pyarrow.fs` understands use pyarrow's own
-    filesystems; any other URI goes through fsspec (optional), wrapped as a
-    `pyarrow.fs.PyFileSystem`. fsspec caches its filesystem instances per
-    protocol and storage options, and the wrapper holds no state, so
-    nothing more is cached here.
-    """
+    """(pyarrow filesystem, path in it) for a local path or a URI; URIs pyarrow
+    does not know go through fsspec, which caches its filesystems itself."""
     if "://" not in path:
         return pafs.LocalFileSystem(), os.path.abspath(path)
     try:
@@ -350,12 +337,8 @@ def _use_arrow_threads():
 
 
 class _FileReader:
-    """The selected row groups of one file, read ahead in a pool.
-
-    `_READ_AHEAD` row groups are decoded at once, each through its own
-    handle on the file (a pyarrow reader is not shared between threads),
-    so the cores stay busy while one row group's slowest column finishes.
-    """
+    """The selected row groups of one file, read ahead in a pool, each through
+    its own handle (a pyarrow reader is not shared between threads)."""
 
     _READ_AHEAD = 2
 
@@ -402,10 +385,7 @@ class _FileReader:
 
 
 def _partition(paths, options):
-    """(path, its open `ParquetFile`, its row groups in this partition) of
-    each file. Row groups are numbered across all files in order (file 0's
-    first, then file 1's, ...); this partition takes those whose number `g`
-    has `g % partition_count == partition_index`."""
+    """(path, open `ParquetFile`, its row groups in this partition) per file."""
     first_row_group = 0
     for path in paths:
         parquet_file = _open(path)
@@ -487,12 +467,8 @@ def _read_row_group(parquet_file, index, names, schema, path, use_threads):
 
 
 def _tables(paths, columns, options, use_threads):
-    """Tables of the partition's row groups, interleaving the open files.
-
-    `num_parallel_reads` files are open at once, each read ahead in its own
-    thread; the output takes `num_sequential_reads * batch_size` rows from
-    each open file in turn, and an exhausted file's place goes to the next.
-    """
+    """Tables of the partition's row groups: `num_sequential_reads` batches'
+    rows from each of the `num_parallel_reads` open files in turn."""
     block_rows = options.num_sequential_reads * options.batch_size
     with concurrent.futures.ThreadPoolExecutor(
             options.num_parallel_reads * _FileReader._READ_AHEAD) as pool:
@@ -511,13 +487,8 @@ def _tables(paths, columns, options, use_threads):
 
 
 def _table_batches(paths, columns, options):
-    """Batches of `batch_size` rows as Arrow tables: yields one list per
-    table read in, of the batches it completes (so that a backend hands
-    them over once per table rather than once per batch).
-
-    Batches run across row group and file boundaries; only the last one
-    can be short (and is dropped with `drop_remainder`).
-    """
+    """Lists of `batch_size`-row Arrow tables, one list per table read (a
+    backend hands them over once per table); only the last batch is short."""
     leftover = None
     for table in _tables(paths, columns, options, _use_arrow_threads()):
         if leftover is not None and leftover.num_rows:
@@ -537,42 +508,9 @@ class ParquetDataset(_impl.Dataset):
     """Batches read from Parquet files: a `tf.data.Dataset` under Keras's
     TensorFlow backend, an iterable of NumPy batches under JAX.
 
-    Each element is a dict from column name to a batch. Under TensorFlow:
-    `tf.Tensor` for scalars and fixed-length lists, `tf.RaggedTensor` for
-    variable-length (nested) lists. Under JAX (no TensorFlow needed): NumPy
-    arrays, variable-length lists padded to the longest row of the batch
-    rounded up to a power of two, with -1 for signed integers (the padding
-    id of `EmbeddingVariable(..., prune_invalid_ids=True)`), 0 for unsigned
-    integers and floats, `False` and `b""`; `fit`, `evaluate` and
-    `predict` take it as they take a `tf.data.Dataset` (one pass per epoch,
-    in file order, `shuffle` not applied), and `.map(fn)` / `.take(n)`
-    transform it (tf.data's other methods raise, naming these). Batches hold
-    `batch_size` rows taken in file order across row groups and files; only
-    the last batch can be smaller (or is dropped with
-    `drop_remainder=True`, which under TensorFlow also makes the batch
-    dimension static).
-
-    Physical types: int8..int64, uint8..uint64, float16/32/64, bool and
-    string/binary, each read as the dtype of the same name (strings and
-    binaries as `tf.string`, bytes under JAX; uint32 and uint64 stay
-    unsigned, pass `DataFrame.Field(name, "int64")` to get int64). Nulls read
-    as 0, `False`, `b""`, or an empty list.
-
-    Partitioning: the row groups of all files are numbered in order (file
-    0's first, then file 1's, ...); partition `partition_index` reads the
-    row groups whose number `g` has `g % partition_count == partition_index`,
-    so the partitions are disjoint and together read every row.
-
-    Given paths (not a dataset of filenames), the number of batches of a
-    pass is counted from the files' metadata (partition, `batch_size` and
-    `drop_remainder` included), so `model.fit` shows an ETA from the first
-    epoch: the `cardinality()` under TensorFlow (`.repeat(n)`, `.map` and
-    `.take` keep it), `num_batches` under JAX. A file that changed since the
-    dataset was created fails the pass.
-
-    `ARROW_NUM_THREADS` (read when iteration starts) sets pyarrow's decoding
-    threads: > 0 that many, 0 none, < 0 one per core (process-wide, through
-    `pyarrow.set_cpu_count`).
+    Each element is a dict from column name to a batch of `batch_size` rows,
+    taken in file order across row groups and files. See docs/semantics.md,
+    'Input pipelines'.
 
     Args:
         filenames: Parquet files: a path or URI (`str`) or a list/tuple of
@@ -590,9 +528,8 @@ class ParquetDataset(_impl.Dataset):
             `[0, partition_count)`. Defaults to `0`.
         drop_remainder: bool. Drop the last batch if it is short. Defaults to
             `False`.
-        num_parallel_reads: int, optional. Files read at once (each by its
-            own thread, read ahead by one row group). Defaults to `None`:
-            one file after the other.
+        num_parallel_reads: int, optional. Files read at once, each by its own
+            thread. Defaults to `None`: one file after the other.
         num_sequential_reads: int. With several files open, how many batches
             worth of rows to take from one before moving to the next.
             Defaults to `1`.

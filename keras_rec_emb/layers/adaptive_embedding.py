@@ -1,13 +1,6 @@
-"""AdaptiveEmbedding: a static hashed table for rare ids and an
-EmbeddingVariable for frequent ones (DeepRec's Adaptive Embedding).
-
-Written once for both Keras backends: the arguments, the inner
-EmbeddingVariable, the static table, the promotion state and the config
-are `keras_rec_emb._adaptive_spec.AdaptiveSpec`'s; the forward (count, copy
-newly promoted rows, serve each id from one table) is the backend's
-(`keras_rec_emb/backend/tensorflow/adaptive.py`, which says how promotion
-works, and `keras_rec_emb/backend/jax/adaptive.py`).
-"""
+"""AdaptiveEmbedding, written once for both backends: the arguments and state
+are `AdaptiveSpec`'s, the forward the backend's (backend/tensorflow/adaptive.py
+says how promotion works)."""
 
 import keras
 
@@ -26,31 +19,10 @@ else:
 class AdaptiveEmbedding(_impl.AdaptiveBackend, AdaptiveSpec, keras.layers.Layer):
     """Rare ids share a static hashed table; frequent ids get their own rows.
 
-    Every id starts in a static `[hash_bucket_size, embedding_dim]` matrix
-    (a Keras weight), at row `fingerprint64(id) mod hash_bucket_size` (see
-    `keras_rec_emb.layers.multi_hash_embedding.fingerprint64`), shared with
-    the ids that collide there. Training lookups count each id; the one
-    that brings its count to `promote_threshold` promotes it: it gets a
-    collision-free row in an `EmbeddingVariable`, initialized with its
-    current static row (so what it learnt carries over), and from then on is
-    served and trained by that row only. With `promote_threshold=None`,
-    ids move only by an explicit mask.
-
-    `layer(ids, adaptive_mask=mask)` (a 0/1 tensor shaped like the ids; 1 =
-    EV, 0 = static) routes ids by the mask instead of their promotion state,
-    as DeepRec's `adaptive_mask_tensors`. In training an id masked 1 that
-    has no EV row yet gets one, copied from its static row (its count
-    restarts from that batch); in inference it reads its static row. Counting
-    and frequency promotion go on under a mask.
-
-    Under JAX the ids are dense (ragged and sparse ids are TensorFlow's),
-    and ids < 0 (the JAX tables' padding) are always served by the static
-    table: never counted or promoted.
-
-    Train with an optimizer from `keras_rec_emb.optimizers`. `model.save`
-    keeps both tables and the promotion state: which ids are promoted, their
-    frequencies, and the counts of ids not promoted yet (unless
-    `ev_option.save_filtered` is off).
+    Every id starts in a static `[hash_bucket_size, embedding_dim]` matrix at a
+    hashed row; a training lookup that brings its count to `promote_threshold`
+    gives it its own `EmbeddingVariable` row, copied from the static one. See
+    docs/semantics.md, 'AdaptiveEmbedding'.
 
     Args:
         embedding_dim: int > 0. Width of each embedding row.
@@ -60,11 +32,8 @@ class AdaptiveEmbedding(_impl.AdaptiveBackend, AdaptiveSpec, keras.layers.Layer)
             Defaults to `None`.
         initializer: Keras initializer of the static table (EV rows are
             copies of static rows). Defaults to `"truncated_normal"`.
-        ev_option: `keras_rec_emb.EmbeddingVariableOption` or `None`: the
-            EV's eviction (an evicted id falls back to the static table),
-            shards and `save_filtered`. Its `filter_option` and
-            `init_option` must be left unset: the layer uses them to count
-            and copy.
+        ev_option: `keras_rec_emb.EmbeddingVariableOption` or `None`: the EV's
+            eviction, shards and `save_filtered`; no `filter_option` or `init_option`.
         combiner: `None`, `"sum"`, `"mean"` or `"sqrtn"`, as in
             `EmbeddingVariable`. Defaults to `None`.
         name: str or `None`.

@@ -1,10 +1,5 @@
-"""keras-rs style table and feature configs for `GroupEmbedding`.
-
-A port from keras-rs's `DistributedEmbedding(feature_configs)` keeps its
-configs: `GroupEmbedding(feature_configs)` takes the same dict of
-`FeatureConfig`s, builds one `EmbeddingVariable` per `TableConfig` (features
-naming one table share it) and returns a dict of per-feature embeddings.
-"""
+"""keras-rs style table and feature configs: `GroupEmbedding(feature_configs)`
+takes keras-rs's `DistributedEmbedding` dict, one `EmbeddingVariable` per table."""
 
 import keras
 import numpy as np

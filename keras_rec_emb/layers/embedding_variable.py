@@ -1,12 +1,5 @@
-"""EmbeddingVariable: an embedding layer backed by a dynamic hash table.
-
-Written once for Keras's TensorFlow and JAX backends: the arguments, their
-checks, the config, the saving hooks and the table methods are here; what
-differs (the table's kind, the call's lookup, how training updates the
-table) is the base class `_impl.EmbeddingVariableBackend`, from
-`keras_rec_emb/backend/tensorflow/embedding_variable.py` or
-`keras_rec_emb/backend/jax/layers.py`.
-"""
+"""EmbeddingVariable, written once for both backends; what differs (the table's
+kind, the lookup, the update) is the base `_impl.EmbeddingVariableBackend`."""
 
 import keras
 import numpy as np
@@ -30,31 +23,9 @@ _KEY_DTYPES = ("int32", "int64")
 class EmbeddingVariable(_impl.EmbeddingVariableBackend, keras.layers.Layer):
     """Embedding layer whose table grows as new ids arrive (DeepRec's EV).
 
-    Ids index a collision-free hash table instead of a `[vocab, dim]` matrix:
-    any int32/int64 id works (`10**15` as well as `3`), and memory grows
-    with the number of distinct ids seen. A new id's row is a copy of row
-    `id mod default_value_dim` of a matrix drawn once from `initializer`
-    (DeepRec's EV Initializer).
-
-    In training (`training=True`, as in `model.fit`) unseen ids are inserted
-    and counted; in inference they read their initial row and the table is
-    unchanged. `training=None` (what Keras passes to the layers of a
-    subclassed model whose `call` takes no `training`) is training when the
-    loss is differentiated with respect to the table, as in `fit` (under
-    TensorFlow: while a gradient tape records), and inference otherwise.
-    Train with an optimizer from `keras_rec_emb.optimizers`, or give the
-    layer its own (`optimizer=`). `model.save` keeps every row, the
-    optimizer slots, frequencies and versions, in one format under both
-    backends (a `.keras` file saved under one loads under the other).
-
-    Under TensorFlow the table's gradient is a `tf.IndexedSlices` over ids
-    that the optimizer applies with one fused kernel; `tf.train.Checkpoint`
-    and `model.export` keep the table too; the layers of one Functional
-    model that read its inputs are looked up in one fused op
-    (`backend/tensorflow/model_fusion.py`). Under JAX the backward of the
-    lookup applies the rows' gradient inside the jitted step
-    (`backend/jax/layers.py`); the layer counts its training steps in a
-    non-trainable `iterations`, saved with the table.
+    Any int32/int64 id indexes a collision-free hash table; memory grows with
+    the distinct ids seen. Training inserts and counts unseen ids; inference
+    reads their initial row. See docs/semantics.md, 'EmbeddingVariable'.
 
     Args:
         embedding_dim: int > 0. Width of each embedding row.
@@ -68,52 +39,20 @@ class EmbeddingVariable(_impl.EmbeddingVariableBackend, keras.layers.Layer):
             ids `[..., L]` (under TensorFlow also `tf.RaggedTensor` or
             `tf.SparseTensor` `[B, None]`) give `[..., embedding_dim]`, and
             empty rows give zeros. Defaults to `None`.
-        prune_invalid_ids: bool. With a combiner, ids `< 0` are padding:
-            dropped from the combine (a mean or sqrtn counts the kept ids
-            only, a row with none gives zeros), never looked up, inserted
-            or counted, as in DeepRec's `fused_safe_embedding_lookup_sparse`
-            and `GroupEmbedding`. Ids padded with -1 (`[B, L]`) then need no
-            conversion to ragged. `False` makes every id a key, -1 too.
-            Needs a combiner. Defaults to `False`.
-        ev_option: `keras_rec_emb.EmbeddingVariableOption`, its config (a
-            dict, as in a saved model) or `None`: the initializer option,
-            `num_shards`, admission filter (`CounterFilter`, `CBFFilter`),
-            eviction (`GlobalStepEvict`, `L2WeightEvict`), storage
-            (`StorageOption("FILE", storage_path, storage_size)`: rows in
-            files under `storage_path/<name>_embeddings` with a DRAM cache;
-            see `snapshot()`), `track_meta`, `save_filtered` and
-            `record_freq`. Its eviction option also evicts when the model
-            (or a checkpoint) is saved, as `GlobalStepEvict` says. Defaults
-            to `None` (`EmbeddingVariableOption()`).
+        prune_invalid_ids: bool. With a combiner, ids `< 0` are padding, dropped
+            from the combine and never looked up. Defaults to `False`.
+        ev_option: `keras_rec_emb.EmbeddingVariableOption`, its config or `None`
+            (`EmbeddingVariableOption()`): initializer, shards, filter, eviction, storage.
         trainable: bool. Defaults to `True`.
         name: str or `None`.
-        restore_dim_mismatch: `"error"` or `"pad_or_truncate"`. Restoring
-            rows of another width (`load_weights`, `.keras` loading,
-            `tf.train.Checkpoint`) raises by default; `"pad_or_truncate"`
-            does what DeepRec does: wider rows are truncated, narrower ones
-            padded, the new columns of id `k` from initializer row
-            `k mod default_value_dim` (optimizer slots of width
-            `embedding_dim` with the slot's init value). Defaults to
-            `"error"`.
-        optimizer: `None`, or an optimizer of `keras_rec_emb.optimizers`
-            (instance, name such as `"adagrad"`, or serialized config; or
-            Keras's SGD, Adagrad, Adam or Ftrl, taken as ours of that name
-            and config) that updates this table instead of the model's
-            optimizer (keras-rs's `TableConfig(optimizer=...)`).
-            Its learning rate (or schedule) and hyper-parameters apply; its
-            slots live in the table and are saved with it. Gradient
-            clipping, loss scaling and EMA belong to the model's optimizer:
-            a table optimizer that sets them is refused. Defaults to `None`
-            (the model's optimizer).
-        default_value_dim: int >= 1 or `None`. Rows of the initializer
-            matrix, a shortcut for `ev_option=EmbeddingVariableOption(
-            init_option=InitializerOption(default_value_dim=...))`; with an
-            `ev_option` it must agree with the option's. Defaults to `None`
-            (the option's, 4096).
-        num_shards: int in [1, 65536] or `None`. The table's lock shards,
-            a shortcut for `EmbeddingVariableOption(num_shards=...)`; with
-            an `ev_option` it must agree with the option's. Defaults to
-            `None` (the option's, 32).
+        restore_dim_mismatch: `"error"` (default) or `"pad_or_truncate"`: what
+            restoring rows of another width does (docs/semantics.md, 'Tables').
+        optimizer: `None` (the model's), or an optimizer of `keras_rec_emb.optimizers`
+            (instance, name or config) that updates this table alone.
+        default_value_dim: int >= 1 or `None`. Rows of the initializer matrix,
+            a shortcut for the `ev_option`'s (4096), which it must agree with.
+        num_shards: int in [1, 65536] or `None`. The table's lock shards, a
+            shortcut for the `ev_option`'s (32), which it must agree with.
         **kwargs: other `keras.layers.Layer` arguments (e.g. `dtype`).
 
     Input shape:
@@ -223,19 +162,8 @@ class EmbeddingVariable(_impl.EmbeddingVariableBackend, keras.layers.Layer):
 
         Args:
             inputs: integer ids (see the class).
-            weights: None, or per-id weights of the ids' shape (and kind:
-                dense, or under TensorFlow `tf.RaggedTensor` /
-                `tf.SparseTensor`; needs a combiner): the combine is
-                `sum(w * row)`, divided by `sum(w)` for "mean" and by
-                `sqrt(sum(w**2))` for "sqrtn" (TensorFlow's
-                `embedding_lookup_sparse` rule); a row whose denominator is
-                0 gives zeros. With "mean" and "sqrtn" an id whose weight is
-                <= 0 is dropped: never inserted, counted or updated
-                (DeepRec's rule), which needs `prune_invalid_ids=True`;
-                "sum" keeps it. Padding ids (< 0, with `prune_invalid_ids`)
-                are dropped whatever their weight. The table's gradient is
-                each id's share, `weight / denominator` times the output's
-                gradient, summed over equal ids.
+            weights: None, or per-id weights of the ids' shape and kind (needs a
+                combiner); see docs/semantics.md, 'EmbeddingVariable'.
             training: bool or None (see the class).
 
         Example:
@@ -268,9 +196,8 @@ class EmbeddingVariable(_impl.EmbeddingVariableBackend, keras.layers.Layer):
         return self.table.size()
 
     def evict(self, step=None):
-        """Applies the configured eviction (`GlobalStepEvict` /
-        `L2WeightEvict`) now, as saving the model does; returns how many ids
-        were evicted (0 without one).
+        """Applies the configured eviction now, as saving does; returns how many
+        ids were evicted (0 without one).
 
         Args:
             step: int >= 0 or None. The current global step for
@@ -281,12 +208,7 @@ class EmbeddingVariable(_impl.EmbeddingVariableBackend, keras.layers.Layer):
         return self.table.evict(check_int("step", step, 0, allow_none=True))
 
     def stats(self):
-        """The table's statistics, a dict: `size` (admitted ids), `filtered`
-        (counted, not admitted), `memory_bytes`, `latest_step`, `storage`
-        ("DRAM" or "FILE"), the row store's `rows`, `cached_rows`,
-        `cache_memory_bytes`, `disk_bytes`, `cache_hits`, `cache_misses`,
-        `cache_hit_rate` (a float, 1.0 before any access), `file_reads` and
-        `file_writes`."""
+        """The table's statistics, a dict (docs/semantics.md, 'EmbeddingVariable')."""
         self._require_built("stats()")
         return self.table.stats()
 
@@ -298,11 +220,8 @@ class EmbeddingVariable(_impl.EmbeddingVariableBackend, keras.layers.Layer):
         return None if self.table is None else self.table.storage_dir
 
     def snapshot(self):
-        """File tier (`StorageOption("FILE", ...)`): writes a crash-safe
-        snapshot of the table's files under `storage_dir` (segments flushed,
-        fsynced and hard-linked, an index written, a manifest renamed; no
-        rows go through Python); returns the snapshot's number. A snapshot
-        killed half-way leaves the previous one intact.
+        """File tier: writes a crash-safe snapshot of the table's files under
+        `storage_dir`; returns its number (docs/file_tier.md).
 
         Example:
 
@@ -322,33 +241,24 @@ class EmbeddingVariable(_impl.EmbeddingVariableBackend, keras.layers.Layer):
         return self.table.snapshot()
 
     def restore_snapshot(self, path=None):
-        """File tier: replaces the table's contents with its latest snapshot
-        and returns the number of ids. A missing, corrupt or truncated
-        snapshot raises a ValueError naming the file and leaves the table
-        unchanged.
+        """File tier: replaces the table's contents with its latest snapshot;
+        returns the number of ids. A bad snapshot raises a ValueError.
 
         Args:
-            path: str or None. The folder of the snapshot; None is the
-                table's folder under its `storage_path` (also for a copy
-                working in a folder of its own).
+            path: str or None. The snapshot's folder; None is the table's.
         """
         self._require_built("restore_snapshot()")
         return self.table.restore_snapshot(path)
 
     def export(self):
-        """All ids as NumPy arrays, in DeepRec's format: `keys` [N], `values`
-        [N, dim], `freqs` [N], `versions` [N] and `slots` {slot name: [N,
-        width]} of admitted ids; `keys_filtered`, `freqs_filtered`,
-        `versions_filtered` of ids counted by a filter but not admitted;
-        `default_values` (the EV-initializer matrix) and `bloom` (a Bloom
-        filter's counters)."""
+        """All ids as a dict of NumPy arrays in DeepRec's format
+        (docs/semantics.md, 'EmbeddingVariable')."""
         self._require_built("export()")
         return self.table.export()
 
     def import_(self, data):
-        """Replaces the table's contents with `data` (shaped like
-        `export()`'s result: `keys` and `values` required; `freqs`,
-        `versions`, `slots` and the filtered parts optional)."""
+        """Replaces the table's contents with `data`, shaped like `export()`'s
+        (`keys` and `values` required, the rest optional)."""
         self._require_built("import_()")
         self.table.import_(data)
 
@@ -373,8 +283,7 @@ class EmbeddingVariable(_impl.EmbeddingVariableBackend, keras.layers.Layer):
         if self.table is None:
             self.build()
         names = list(store.keys())
-        # Parts a file lacks (e.g. saved before a filter was configured, or
-        # stripped of filtered ids) load as empty.
+        # Parts a file lacks (no filter configured, filtered ids stripped) load as empty.
         data = {key: np.asarray(store[key]) for key in _tables.ARRAY_PARTS if key in names}
         data["slots"] = {n[len(_tables.SLOT_PREFIX):]: np.asarray(store[n]) for n in names
                          if n.startswith(_tables.SLOT_PREFIX)}
@@ -414,9 +323,7 @@ class EmbeddingVariable(_impl.EmbeddingVariableBackend, keras.layers.Layer):
 
 
 def _ev_option(ev_option, default_value_dim, num_shards):
-    """The layer's `EmbeddingVariableOption`, from `ev_option` (an option,
-    its config or None) and the shortcuts `default_value_dim` and
-    `num_shards` (None: the option's)."""
+    """The layer's `EmbeddingVariableOption` from `ev_option` and the shortcuts."""
     if ev_option is not None and not isinstance(ev_option, (dict, EmbeddingVariableOption)):
         raise TypeError(
             "`ev_option` must be None, a keras_rec_emb.EmbeddingVariableOption or its "

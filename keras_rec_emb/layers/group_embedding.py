@@ -1,12 +1,5 @@
-"""GroupEmbedding: many embedding features looked up together (DeepRec's
-Group Embedding), and FeatureSpec, how it embeds one feature.
-
-Written once for both Keras backends: arguments, checks, config, input
-parsing and output assembly. The lookup itself is the backend's
-(`keras_rec_emb/backend/tensorflow/group.py`: one fused op over all
-features; `keras_rec_emb/backend/jax/group.py`: one pooled table call per
-table, the clipped, defaulted or sequence features in `keras.ops`).
-"""
+"""GroupEmbedding and FeatureSpec, written once for both backends; the lookup
+is the backend's `group` module."""
 
 import keras
 import numpy as np
@@ -26,8 +19,7 @@ _OUTPUT_MODES = ("dict", "concat")
 
 
 def _integer(dtype):
-    """Whether ids of `dtype` (a name) are integers (NumPy knows no
-    "string" or "bfloat16")."""
+    """Whether ids of `dtype` are integers (NumPy knows no "string" or "bfloat16")."""
     try:
         return is_integer_dtype(dtype)
     except TypeError:
@@ -35,10 +27,8 @@ def _integer(dtype):
 
 
 def _table_layer(table, what):
-    """`table`, a table layer, or the one a spec dict makes: a serialized
-    Keras layer, the arguments of `EmbeddingVariable` (`embedding_dim`, ...)
-    or those of `keras.layers.Embedding` (`input_dim`, `output_dim`, ...).
-    An EmbeddingVariable's own combiner is not used: the feature's applies."""
+    """`table`, a table layer, or the one a spec dict makes (a serialized layer,
+    or `EmbeddingVariable` or `keras.layers.Embedding` arguments)."""
     if isinstance(table, dict):
         spec = table
         if "class_name" in spec:
@@ -75,21 +65,13 @@ class FeatureSpec:
             `tables`. One table object may serve several features.
         combiner: `"sum"`, `"mean"` or `"sqrtn"`. Defaults to `"sum"`.
         weight_feature: `None` or the name of the input holding per-id
-            weights (same shape as the ids). With `"mean"` or `"sqrtn"`, ids
-            whose weight is <= 0 are dropped (TF's and DeepRec's rule).
-            Defaults to `None`.
-        sequence: bool. Return `[batch, T, dim]` rows instead of combining:
-            row t of an example is its t-th kept id's row (times its
-            weight), zeros after its last. Under TensorFlow T is the most
-            ids an example of the batch keeps; under JAX (static shapes) it
-            is the ids' length L, the rows past the TensorFlow T being
-            zeros. Defaults to `False`.
+            weights (the ids' shape). Defaults to `None`.
+        sequence: bool. Return `[batch, T, dim]` rows instead of combining
+            (docs/semantics.md, 'Lookups'). Defaults to `False`.
         max_norm: `None` or float. Clip each row to this L2 norm before
             combining. Defaults to `None`.
-        default_id: `None` or int. Id read (weight 1) by rows with no valid
-            id (ids < 0 are padding and dropped); in training it is
-            inserted and updated as any id. `None` gives zeros. Defaults
-            to `None`.
+        default_id: `None` or int. Id read (weight 1) by rows with no valid id;
+            `None` gives zeros. Defaults to `None`.
 
     Example:
 
@@ -148,9 +130,8 @@ class FeatureSpec:
 
 
 def _feature_specs(features):
-    """`features` with each `FeatureConfig` turned into a `FeatureSpec`
-    over one `EmbeddingVariable` per `TableConfig` (shared by every feature
-    naming it); other values as they are."""
+    """`features` with each `FeatureConfig` a `FeatureSpec` over one
+    `EmbeddingVariable` per `TableConfig`."""
     layers, by_name, out = {}, {}, {}
     for fname, spec in features.items():
         if not isinstance(spec, FeatureConfig):
@@ -179,26 +160,8 @@ class GroupEmbedding(keras.layers.Layer):
     """Embeds many features with one fused lookup (DeepRec's Group Embedding).
 
     Every feature reads its table (an `EmbeddingVariable` or a
-    `keras.layers.Embedding`) and combines each example's ids. Under
-    TensorFlow all features run in one C++ op forward and one backward, so
-    the number of kernels per training step does not grow with the number
-    of features; under JAX each table is read by one pooled call per
-    combiner. A table shared by several features gets one update per step
-    with each distinct id's gradient summed over them. Ids `< 0` are
-    padding and dropped. In training (`model.fit`) unseen ids are inserted
-    into `EmbeddingVariable` tables. Train with an optimizer from
-    `keras_rec_emb.optimizers`.
-
-    When to use it: for many features (dozens of tables), above all
-    multi-id (ragged or sparse) ones, one fused op per step replaces a
-    chain of ops per feature; with at least two tables per intra-op
-    thread each table is one unit of work (dedupe, lookup and combine), so
-    the op waits on the thread pool once. Measured (26 features, batch
-    4096, README "Semantics worth knowing"): with 1-5 ids per row the
-    forward takes about 0.57x the time of separate layers; with one id per
-    row a training step in `fit` costs the same as with separate
-    `EmbeddingVariable` layers, whose lookups can overlap on spare cores
-    and so may finish a forward pass sooner.
+    `keras.layers.Embedding`) and combines each example's ids; ids `< 0` are
+    padding. See docs/semantics.md, 'Lookups'.
 
     Args:
         features: dict from feature (input) name to `FeatureSpec` (or its
@@ -217,18 +180,8 @@ class GroupEmbedding(keras.layers.Layer):
     Input shape:
         A dict from feature name (and weight feature name) to ids `[batch]`,
         `[batch, L]` (pad with -1), or under TensorFlow a `tf.RaggedTensor`
-        or `tf.SparseTensor` `[batch, None]`. Or one tensor of stacked
-        integer ids, features in the order of `features` (no weight
-        features): `[batch, F]` whose column j feeds feature j
-        (OneEmbedding's form), or `[batch, F, L]` where feature j's ids are
-        `ids[:, j, :]` (pad with -1). Under TensorFlow one op splits it per
-        feature (no per-feature slicing: with many features
-        the cheapest form to feed); an inference call (`training=False`)
-        with L > 1 and `output_mode="concat"` looks it up in one op
-        (`KRE>StackedPooledLookup`) unless a feature has `max_norm` or a
-        table is a dense matrix or distributed. Under TensorFlow, also a tuple `(ids, table_ids)` of equal
-        shape `[batch, L]` where `table_ids` picks each id's feature (index
-        in `features`).
+        or `tf.SparseTensor` `[batch, None]`. Or one tensor of stacked ids,
+        `[batch, F]` or `[batch, F, L]` (docs/semantics.md, 'Lookups').
 
     Output shape:
         dict of `[batch, dim]` (or `[batch, T, dim]` for sequence features),
@@ -328,9 +281,8 @@ class GroupEmbedding(keras.layers.Layer):
 
     @property
     def ids_input_dtype(self):
-        """The dtype of the `keras.Input` a `keras.Sequential` without one
-        makes for this layer (the stacked form's ids; Keras would make it
-        float32): int64, or int32 in JAX's 32-bit mode."""
+        """The dtype of the `keras.Input` a `keras.Sequential` without one makes
+        for this layer (Keras would make it float32)."""
         return _impl.ids_input_dtype()
 
     def _dim(self, table):
@@ -348,11 +300,9 @@ class GroupEmbedding(keras.layers.Layer):
 
     count_params = _impl.count_params
 
-    # -- forward ---------------------------------------------------------------
     # -- input parsing and output assembly --------------------------------------
     def dict_inputs(self, inputs):
-        """(ids, weights) of a dict of inputs, per feature in the order of
-        `features` (weights None for a feature without `weight_feature`)."""
+        """(ids, weights) of a dict of inputs, per feature in order."""
         specs = list(self._features.values())
         missing = [n for n in self._features if n not in inputs]
         missing += [s.weight_feature for s in specs
@@ -374,8 +324,7 @@ class GroupEmbedding(keras.layers.Layer):
                 "dict of inputs (ids and weights by name), not one stacked ids tensor")
 
     def check_stacked(self, shape, dtype):
-        """The one-tensor form's shape ([batch, F] or [batch, F, L]) and dtype
-        (integers)."""
+        """Checks the stacked form's shape ([batch, F] or [batch, F, L]) and dtype."""
         f = len(self._features)
         if len(shape) not in (2, 3) or shape[1] != f:
             raise ValueError(

@@ -1,14 +1,6 @@
-"""MultiHashEmbedding: compositional embeddings from complementary partitions
-(DeepRec's Multi-Hash Variable; Shi et al., "Compositional Embeddings Using
-Complementary Partitions for Memory-Efficient Recommendation Systems").
-
-Written once for both Keras backends: the arguments, partitions, tables and
-config are `keras_rec_emb._multi_hash_spec.MultiHashSpec`'s; the lookup is
-the backend's (`keras_rec_emb/backend/tensorflow/multi_hash.py`,
-`keras_rec_emb/backend/jax/multi_hash.py`). The stable id hash lives in
-`keras_rec_emb._hashing`, re-exported here under TensorFlow for old import
-paths.
-"""
+"""MultiHashEmbedding, written once for both backends: the arguments and tables
+are `MultiHashSpec`'s, the lookup the backend's. `fingerprint64` and
+`hash_to_range` stay importable from here under TensorFlow (old path)."""
 
 import keras
 
@@ -28,34 +20,9 @@ class MultiHashEmbedding(_impl.MultiHashBackend, MultiHashSpec, keras.layers.Lay
 
     Instead of one `[num_buckets, dim]` matrix, `k` small tables are kept;
     id `x` in `[0, num_buckets)` picks row `p_j(x)` of table `j` and the
-    rows are combined by `operation`. The partitions are complementary: no
-    two ids in `[0, num_buckets)` pick the same rows in every table, so
-    every id keeps a distinct embedding with about `k * num_buckets**(1/k)`
-    rows in all.
-
-    Strategies (`M_j` is the product of the moduli before `j`):
-
-    * `"Q-R"` (quotient-remainder, 2 tables): `x // m` in a table of
-      `ceil(num_buckets / m)` rows and `x mod m` in one of `m` rows;
-      `m = ceil(sqrt(num_buckets))` unless given.
-    * `"generalized_QR"` with moduli `m_1..m_k`: `(x // M_j) mod m_j`.
-    * `"CRT"` (Chinese remainder) with pairwise-coprime moduli: `x mod m_j`.
-
-    Unless given, `num_partitions` moduli near `num_buckets**(1/k)` are
-    chosen whose product is at least `num_buckets` (pairwise coprime for
-    `"CRT"`). The tables are ordinary Keras weights, trained by any
-    optimizer (their gradients are `tf.IndexedSlices` under TensorFlow,
-    dense under JAX: the same numbers for SGD, and for Adagrad where a batch
-    reads each row once, as for `keras.layers.Embedding`).
-
-    Ids outside `[0, num_buckets)` are hashed into it with
-    `fingerprint64(id) mod num_buckets` (splitmix64, stable across runs and
-    processes; see `fingerprint64`), unless `hash_input=False`: then they
-    are an error (a `ValueError` when called eagerly; inside `model.fit`
-    and other graphs an `InvalidArgumentError` under TensorFlow, a
-    `JaxRuntimeError` carrying that ValueError under JAX). Under JAX the ids
-    are dense (ragged and sparse ids are TensorFlow's), and int32 unless
-    JAX's 64-bit mode is on (the package turns it on).
+    rows are combined by `operation`; every id keeps a distinct embedding
+    with about `k * num_buckets**(1/k)` rows in all. See docs/semantics.md,
+    'MultiHashEmbedding'.
 
     Args:
         num_buckets: int > 0. Size of the id range `[0, num_buckets)` that
@@ -84,16 +51,9 @@ class MultiHashEmbedding(_impl.MultiHashBackend, MultiHashSpec, keras.layers.Lay
             `num_buckets`, and for `"CRT"` they must be pairwise coprime.
         hash_input: bool. Hash ids outside `[0, num_buckets)` into range
             instead of failing. Defaults to `True`.
-        qr_sizes: `None` or a pair `(quotient_rows, remainder_rows)`:
-            DeepRec's Q-R mapping (`get_multihash_variable` shapes
-            `[[q, d], [r, d]]`, `categorical_column_with_multihash(dims=(q,
-            r))`): id `x` reads row `x // q` of a `q`-row quotient table and
-            row `x mod r` of an `r`-row remainder table, so a DeepRec model's
-            numbers reproduce. `num_buckets` must be at most `q**2` (larger
-            ids are hashed into range as above). Unlike our default (`x // m`
-            and `x mod m`), the partitions are complementary only when
-            `r >= q`: with DeepRec's `(5, 3)`, ids 0 and 3 share both rows.
-            Only with `"Q-R"` and without `m`. Defaults to `None`.
+        qr_sizes: `None` or a pair `(quotient_rows, remainder_rows)`: DeepRec's
+            Q-R mapping (`x // q`, `x mod r`); only with `"Q-R"` and without `m`.
+            Defaults to `None`.
         output_dim: int or `None`. If given, the output width the
             `embedding_dim` list of `"concat"` must sum to (for `"add"` and
             `"mult"`, must equal `embedding_dim`).

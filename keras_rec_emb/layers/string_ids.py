@@ -21,42 +21,14 @@ _STRING_TYPES = {str, bytes, np.str_, np.bytes_}
 class HashStrings(keras.layers.Layer):
     """Hashes string ids to int64 keys as DeepRec does, `''` as missing.
 
-    Real CTR data has string categories (Criteo's hex values). DeepRec's
-    string embedding variables hash each string with
-    `tf.strings.to_hash_bucket_fast(s, 2**63 - 1)` (FarmHash Fingerprint64
-    modulo `2**63 - 1`) and treat the empty string as missing: no row is
-    read or inserted for it and it gets no gradient. This layer does the
-    same in front of `EmbeddingVariable` or `GroupEmbedding`, with the same
-    keys, bit for bit, under either Keras backend. Null strings of a
-    Parquet column read as `''` (`ParquetDataset`), so they are missing too.
-
-    Under Keras's TensorFlow backend it is a layer of the model: it runs
-    TensorFlow's op (so an exported model serves raw strings with stock
-    TensorFlow) on dense, ragged or sparse `tf.string` tensors, in
-    `tf.function` and `tf.data` too. Under Keras's JAX backend, whose arrays
-    hold no strings, it hashes NumPy string arrays (or nested lists of
-    `str`/`bytes`) on the host, in NumPy, and returns NumPy int64 keys: call
-    it before the model (the input pipeline, before `model.predict`), with
-    `missing="pad"` (JAX has no ragged tensors); calling it on a
-    `keras.Input` there raises a ValueError saying so.
-
-    Unlike `keras.layers.Hashing(num_bins, mask_value="")`, keys are not
-    shifted and `''` never becomes a key of the table.
+    Each string's key is `tf.strings.to_hash_bucket_fast(s, 2**63 - 1)`, as in
+    DeepRec's string embedding variables; `''` gets no row, insert or gradient.
+    Under JAX call it on the host, before the model. See docs/semantics.md,
+    'Lookups'.
 
     Args:
-        missing: `"drop"` or `"pad"`. How a missing (`''`) id is expressed
-            in the output. `"drop"` (TensorFlow backend) removes it: dense
-            `[B]` or `[B, L]` strings give a `[B, None]` `tf.RaggedTensor`
-            of keys (a row may be empty), ragged strings stay ragged and
-            sparse strings stay sparse; every layer takes these (give
-            `EmbeddingVariable` a `combiner`, under which an empty row
-            embeds as zeros). `"pad"` keeps the input's shape and writes
-            `-1` in its place: for `GroupEmbedding`, the sparse lookups of
-            `keras_rec_emb.ops` and `EmbeddingVariable(combiner=...,
-            prune_invalid_ids=True)`, which drop ids `< 0` as padding (the
-            form `GroupEmbedding` takes all its features in at once,
-            `[B, F]` or `[B, F, L]`). A plain `EmbeddingVariable` reads `-1`
-            as a key like any other. Defaults to `"drop"`.
+        missing: `"drop"` (TensorFlow: ragged keys without it) or `"pad"` (`-1`
+            in its place, the input's shape). Defaults to `"drop"`.
         name: str or `None`.
         **kwargs: other `keras.layers.Layer` arguments.
 

@@ -1,19 +1,5 @@
 """Fused embedding lookups over many tables and variables (DeepRec's Group
-Embedding and Embedding Subgraph Fusion).
-
-All features of a group run in one C++ op (`KRE>GroupLookup`) and their
-gradients in one more (`KRE>GroupLookupGrad`), whatever the number of
-features: ids are pruned, empty rows filled, rows clipped and combined inside
-the kernel. The forward op deduplicates each parameter's ids first, so a key
-repeated across rows and features is looked up once (and counted as often
-as it occurs, for admission filters); the backward op sums gradients through
-the forward's id-to-distinct-id map without hashing again. The gradient of an
-embedding table is a `tf.IndexedSlices` over distinct keys (no dense shape),
-as the single lookup's; that of a dense `[vocab, dim]` variable a
-`tf.IndexedSlices` over distinct row indices, as `tf.gather`'s. The optimizers
-of `keras_rec_emb.optimizers` (and, for dense variables, any Keras optimizer)
-apply them unchanged.
-"""
+Embedding); see docs/semantics.md, 'Lookups: fused, grouped, strings'."""
 
 import keras
 import numpy as np
@@ -94,8 +80,7 @@ def _dense_value(variable):
 
 
 def _as_list(x, n, what, check, *args, **kwargs):
-    """`x` (one value for all features or a list of one per feature) as a
-    list of `n`, each entry checked by `check(what, entry, *args, **kwargs)`."""
+    """`x` (one value or one per feature) as a list of `n`, each `check`ed."""
     if isinstance(x, (list, tuple)):
         if len(x) != n:
             raise ValueError(
@@ -113,16 +98,9 @@ def _as_list(x, n, what, check, *args, **kwargs):
 # -- the fused op and its gradient --------------------------------------------
 def _fused_lookup(params, flat_ids, splits, weights, combiners, max_norms,
                   default_ids, prunes, sequences, training, name, concat=False):
-    """Runs one KRE>GroupLookup over features (lists of equal length); with
-    `concat`, returns `[outputs side by side]` (written in place by the op)."""
-    # Stock ops instead of the fused op: in a graph traced for stock serving
-    # (inside `_serving_context.stock_tables`; rows from the tables' stock
-    # twins), and over tables sharded by
-    # `keras_rec_emb.distribute` (parameter servers, MirroredStrategy replicas,
-    # MultiWorkerMirroredStrategy workers), whose own `lookup` sends ids to
-    # their shards and rows back (with `training` it inserts and counts every
-    # occurrence, as the fused kernel does); the fused op needs every table in
-    # this process.
+    """One KRE>GroupLookup over features; with `concat`, `[outputs side by side]`."""
+    # Stock ops in a stock-serving trace and over sharded tables: the fused
+    # op needs every table in this process (docs/semantics.md, 'Lookups').
     stock_table = _serving_context.stock_reader()
     if stock_table is None or training:
         params = _fused_params(params)
@@ -146,9 +124,7 @@ def _fused_lookup(params, flat_ids, splits, weights, combiners, max_norms,
 
 
 def _fused_params(params):
-    """`params` with each table that one C++ table of this process holds
-    whole (`tables.Table.fused_table`: a table sharded over one worker)
-    replaced by that table, which the fused kernels read directly."""
+    """`params` with each one-worker sharded table replaced by its whole C++ table."""
     out = []
     for p in params:
         if p.table is not None and not p.table.local and p.table.fused_table is not None:
@@ -158,9 +134,7 @@ def _fused_params(params):
 
 
 def _refuse_distribution(params, what):
-    """A fused kernel under a tf.distribute strategy: refused, as for a
-    table's own lookup, except over the shards that a strategy's replicas
-    look up and update (`EmbeddingTable._refuse_strategy`)."""
+    """Refuses a strategy as a table's own lookup does, except over its replicas' shards."""
     for p in params:
         if p.table is not None:
             p.table._refuse_strategy(what)  # pylint: disable=protected-access
@@ -169,9 +143,8 @@ def _refuse_distribution(params, what):
 
 
 def _distinct_params(params):
-    """(tables, dense parameters, each feature's index among them): the
-    distinct parameters of `params`, tables first (the fused ops' input
-    order), the trainable tables marked as read by the tape."""
+    """(tables, dense params, each feature's index among them), tables first (the
+    ops' input order); trainable tables are marked as read by the tape."""
     tables = list({p.key: p for p in params if p.table is not None}.values())
     dense = list({p.key: p for p in params if p.table is None}.values())
     index = {p.key: i for i, p in enumerate(tables + dense)}
@@ -183,8 +156,7 @@ def _distinct_params(params):
 
 def _group_lookup_op(params, flat_ids, splits, weights, combiners, max_norms, default_ids,
                      prunes, sequences, training, name, concat):
-    """The KRE>GroupLookup op over `params` (tables of this process and
-    dense matrices or tensors), its parameters each given once."""
+    """The KRE>GroupLookup op over local tables and dense params, each given once."""
     tables, dense, feature_params = _distinct_params(params)
     attrs = dict(
         table_key_dtypes=[t.table.key_dtype for t in tables],
@@ -207,15 +179,10 @@ def _group_lookup_op(params, flat_ids, splits, weights, combiners, max_norms, de
 
 def _exchanged_lookup(params, flat_ids, splits, weights, combiners, max_norms, default_ids,
                       prunes, sequences, training, name, concat):
-    """Features over tables that exchange ids and rows between workers
-    (`tables.Table.exchange_group`, MultiWorkerMirroredStrategy): one
-    exchange brings the rows of each table's distinct ids, then one
-    KRE>GroupLookup pools them as it pools dense matrices (each feature's
-    ids replaced by their places among the distinct ids), so the pooling
-    and its gradient run in the fused kernel and the gradient reaching the
-    exchange has a row per distinct id, not per id. None where this does
-    not serve (the stock path then does): other tables, a default id, a
-    sequence feature or a max_norm."""
+    """Tables of one `exchange_group`: one exchange of the distinct ids' rows, then
+    KRE>GroupLookup pools them as dense params, so the gradient reaching the
+    exchange has a row per distinct id. None (the stock path) for other tables,
+    a default id, a sequence feature or a max_norm."""
     group = {p.table.exchange_group if p.table is not None else None for p in params}
     if (len(group) != 1 or None in group or any(d is not None for d in default_ids)
             or any(sequences) or any(max_norms)):
@@ -252,10 +219,8 @@ def _exchanged_lookup(params, flat_ids, splits, weights, combiners, max_norms, d
 
 # -- the same lookup with stock TensorFlow ops (export_for_serving) ------------
 def _checked_splits(splits, nnz):
-    """`splits` once checked (with stock ops, in the served graph) to be the
-    row splits of `nnz` values: a serving request with malformed ragged
-    input gets an InvalidArgument error, never rows read from the wrong
-    places."""
+    """`splits` checked with stock ops to be the row splits of `nnz` values, so a
+    malformed serving request errors instead of reading wrong rows."""
     message = ("row_splits of a ragged input must have at least one entry, start at "
                "0, never decrease and end at the number of values")
     n = tf.size(splits)
@@ -272,13 +237,9 @@ def _checked_splits(splits, nnz):
 
 def stock_group_lookup(params, flat_ids, splits, weights, combiners, max_norms,
                        default_ids, prunes, sequences, stock_table=None, insert=False):
-    """`KRE>GroupLookup` (inference) with stock TensorFlow ops, feature by
-    feature: prune ids < 0 (and, for mean and sqrtn, ids of weight <= 0),
-    fill empty rows with the default id, clip rows to max_norm, weight, then
-    combine or lay out as a sequence. A table's rows are read from
-    `stock_table(table)` (an object with `lookup(keys)`), or from the table
-    itself without it (`insert`: a training lookup of the table itself,
-    one per table for all its features)."""
+    """KRE>GroupLookup (inference) with stock TensorFlow ops, feature by feature.
+    Rows come from `stock_table(table).lookup(keys)`, or from the table itself
+    (`insert`: a training lookup, one per table for all its features)."""
     prepared = []
     for ids, s, w, combiner, default_id, prune in zip(
             flat_ids, splits, weights, combiners, default_ids, prunes):
@@ -325,9 +286,8 @@ def stock_group_lookup(params, flat_ids, splits, weights, combiners, max_norms,
 
 
 def _feature_rows(params, ids_list, stock_table, insert):
-    """The rows of each feature's ids. Without `stock_table` the features of
-    one table share one lookup (a sharded table's lookup exchanges ids and
-    rows between devices or workers: once per table, not per feature)."""
+    """The rows of each feature's ids; without `stock_table`, one lookup per table
+    (a sharded table exchanges once per table, not per feature)."""
     rows = [None] * len(params)
     shared = {}
     for i, p in enumerate(params):
@@ -358,7 +318,7 @@ def _feature_rows(params, ids_list, stock_table, insert):
 
 
 def _split_rows(rows, features, ids, looked):
-    """`looked` (the rows of the features' ids, concatenated) into `rows`."""
+    """`looked` (the features' rows, concatenated) into `rows`."""
     parts = tf.split(looked, [tf.size(x) for x in ids], 0) if len(ids) > 1 else [looked]
     for i, r in zip(features, parts):
         rows[i] = r
@@ -374,8 +334,7 @@ _GRAD_ATTRS = ("table_key_dtypes", "param_dims", "feature_params", "combiners",
 
 @tf.RegisterGradient("KRE>GroupLookup")
 def _group_lookup_grad(op, *grads):
-    """Per table: IndexedSlices over distinct keys (no dense shape, like the
-    single lookup's); per dense param: IndexedSlices over distinct rows."""
+    """IndexedSlices over distinct keys per table, over distinct rows per dense param."""
     inputs, outputs = named_inputs(op), named_outputs(op)
     nt = len(inputs["tables"])
     nf = len(outputs["outputs"])
@@ -402,20 +361,12 @@ _STACKED_ATTRS = ("table_key_dtypes", "table_dims", "feature_tables", "combiners
 
 
 def stacked_pooled_lookup(params, ids, combiners, default_ids, name=None, what="`ids`"):
-    """The inference lookup of stacked ids `[batch, F, L]` (int32 or int64;
-    ids < 0 are padding) in one `KRE>StackedPooledLookup` op: feature j reads
-    `params[j]` with ids `ids[:, j, :]`, fills an empty row with
-    `default_ids[j]` (or zeros for `None`) and combines by `combiners[j]`;
-    returns `[batch, sum of dims]`, the features side by side. The same
-    values as `group_embedding_lookup_sparse(..., concat=True)` over the
-    features' ragged ids, without splitting the ids per feature first.
-    Returns `None` where the op does not serve: a parameter that is not a
-    table of this process (dense matrices, distributed tables), int64 ids
-    over int32 and int64 tables together (the group lookup checks each
-    int32 table's ids apart) or a graph traced for stock serving
-    (`_serving_context.tracing_stock`).
-    Over int32 tables alone, int64 ids are checked once to fit (`what`
-    names them in the error)."""
+    """Inference lookup of stacked ids `[batch, F, L]` (ids < 0 pad) in one
+    KRE>StackedPooledLookup: `[batch, sum of dims]`, as
+    `group_embedding_lookup_sparse(..., concat=True)`. None where the op does not
+    serve: non-local or dense params, int64 ids over int32 and int64 tables
+    together, or a stock-serving trace. Over int32 tables alone, int64 ids are
+    checked once to fit (`what` names them)."""
     if _serving_context.tracing_stock():
         return None
     ps = _fused_params([_as_param(p, i) for i, p in enumerate(params)])
@@ -442,10 +393,8 @@ def stacked_pooled_lookup(params, ids, combiners, default_ids, name=None, what="
 
 @tf.RegisterGradient("KRE>StackedPooledLookup")
 def _stacked_pooled_lookup_grad(op, grad):
-    """The gradient of an inference lookup that is differentiated anyway
-    (e.g. under a GradientTape with `training=False`): the group lookup's,
-    over the ids split per feature and looked up again for the keys it
-    lists. Per table an IndexedSlices over those keys."""
+    """The group lookup's gradient (e.g. a tape with `training=False`), per table an
+    IndexedSlices over the keys it looks up again."""
     nt, nf = op.get_attr("num_tables"), op.get_attr("num_features")
     tables, ids = list(op.inputs[:nt]), op.inputs[nt]
     a = _attrs_of(op, _STACKED_ATTRS)
@@ -467,8 +416,7 @@ def _stacked_pooled_lookup_grad(op, grad):
 
 # -- a layer's pooled lookup: a group of one ------------------------------------
 class LayerCall:
-    """One pooled layer call: what `layers_lookup` needs to look it up
-    (`insert`: a training call of a trainable layer)."""
+    """One pooled layer call for `layers_lookup` (`insert`: training, trainable)."""
 
     __slots__ = ("layer", "table", "inputs", "weights", "insert", "single", "combiner", "prune")
 
@@ -483,32 +431,22 @@ class LayerCall:
 
 
 def _pooled_call(layer, inputs, training, weights=None):
-    """The `LayerCall` of `EmbeddingVariable(combiner=...)` on `inputs`,
-    after the checks of their shape (see `pooled_layer_lookup`)."""
+    """The `LayerCall` of `EmbeddingVariable(combiner=...)`, its ids' shape checked."""
     inputs = checked_id_shape(inputs, f"{type(layer).__name__} '{layer.name}'", layer.combiner)
     return LayerCall(layer, layer._table_for_lookup(), inputs, weights,
                      bool(training) and layer.trainable)
 
 
 def pooled_layer_lookup(layer, inputs, training, weights=None):
-    """What `EmbeddingVariable(combiner=...)` returns for `inputs`: its ids
-    looked up and combined by its combiner in one fused op, as a group of
-    one feature (the group lookup's kernels, forward and backward), at the
-    call. Every id
-    is a key (-1 too) unless the layer's `prune_invalid_ids` drops ids < 0
-    from the combine; dense ids
-    `[..., L]` give `[..., dim]` (an empty last axis gives zeros), ragged or
-    sparse `[batch, None]` ids `[batch, dim]`. Ids are checked to be
-    integers that fit the table's keys. With `training` (and a trainable
-    layer) unseen ids are inserted and counted. `weights` (None, or float32
-    per-id weights of the ids' kind, checked by the layer) weigh the
-    combine; for "mean" and "sqrtn" ids of weight <= 0 become padding."""
+    """`EmbeddingVariable(combiner=...)`'s output: a fused group of one feature.
+    Every id is a key (-1 too) unless `prune_invalid_ids`; dense `[..., L]` ids
+    give `[..., dim]`, ragged or sparse ones `[batch, dim]`. For "mean" and
+    "sqrtn", ids of weight <= 0 become padding."""
     return layers_lookup([_pooled_call(layer, inputs, training, weights)])[0]
 
 
 def _lookup_entries(entries, training):
-    """The rows of the planned calls `entries` (`_model_fusion`: a layer and
-    its ids each) of one model call, one `KRE>GroupLookup` per insert flag."""
+    """The rows of one model call's planned entries, one KRE>GroupLookup per insert flag."""
     calls = []
     for e in entries:
         layer = e.layer
@@ -532,8 +470,7 @@ _model_fusion.lookup_entries = _lookup_entries
 
 
 def layers_lookup(calls):
-    """The rows of pooled layer calls (`LayerCall`s of one insert flag) from
-    one `KRE>GroupLookup`: a list, one per call."""
+    """The rows of `LayerCall`s of one insert flag from one KRE>GroupLookup."""
     n = len(calls)
     insert = calls[0].insert
     name = f"{calls[0].layer.name}_lookup" if n == 1 else "pooled_layers_lookup"
@@ -559,9 +496,8 @@ def layers_lookup(calls):
 
 
 def _layer_ids(call):
-    """One pooled layer call's ids in the fused op's form: `(values,
-    row_splits, weights, outer)`, `outer` the dense ids' leading shape
-    (dynamic, static) or None."""
+    """A call's ids as `(values, row_splits, weights, outer)`; `outer` is the dense
+    ids' leading (dynamic, static) shape or None."""
     layer, inputs, weights = call.layer, call.inputs, call.weights
     if call.single:  # each id its own row: ids [..., 1]
         inputs = tf.expand_dims(inputs, -1)

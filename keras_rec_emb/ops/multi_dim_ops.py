@@ -1,12 +1,5 @@
-"""DeepRec's multi-dimensional sparse lookup: ids `[d0, d1, ..., dk]`
-combined along several axes, one combiner per axis
-(`tf.nn.safe_embedding_lookup_multi_dim` in DeepRec).
-
-The innermost axis is looked up and combined by the fused group lookup
-(its kernels, forward and backward) wherever that combine is the one asked
-for (sum, mean and sqrtn); min, max and tile there, and every outer axis,
-are combined by stock segment ops over the present entries only.
-"""
+"""DeepRec's `safe_embedding_lookup_multi_dim`: ids `[d0, ..., dk]` combined
+along several axes (docs/semantics.md, 'Lookups')."""
 
 import numpy as np
 import tensorflow as tf
@@ -59,24 +52,9 @@ def safe_embedding_lookup_multi_dim(params, sp_ids, sp_weights=None, combiners=(
                                     training=False):
     """Looks up ids `[d0, ..., dk]` and combines them along several axes.
 
-    DeepRec's `safe_embedding_lookup_multi_dim`. `combiners[i]` combines one
-    axis: the last `len(combiners)` axes of the ids, the innermost last
-    (`["mean", "sum"]` on `[batch, items, ids]` ids sums each item's ids,
-    then averages the items of each batch row); axes before them are kept.
-    Each axis combines only the entries present in it (an item without ids
-    is not counted by its row's mean). A combiner is one of `"sum"`,
-    `"mean"`, `"sqrtn"` (divide by the number of entries, or by the sum of
-    the weights / the root of their squared sum on `weight_axis`), `"max"`,
-    `"min"` (element-wise over the entries) or `"tile"` (the axis's entries
-    side by side in index order, missing ones as zeros: the width grows by
-    the axis's length). With weights every id's row is scaled by its weight
-    first, and an entry's weight on the next axis is the mean of its
-    entries' weights. Entries with nothing present are zeros.
-
-    With `prune` ids < 0 are dropped and, when no axis sums (`"sum"` not in
-    `combiners`), ids of weight <= 0. The innermost axis runs in the fused
-    group lookup (kernels of `group_embedding_lookup_sparse`) for `"sum"`,
-    and for `"mean"`/`"sqrtn"` without weights or weighted on that axis.
+    DeepRec's `safe_embedding_lookup_multi_dim`: `combiners[i]` combines one
+    of the last `len(combiners)` axes, the innermost last; axes before them are
+    kept. See docs/semantics.md, 'Lookups'.
 
     Args:
         params: an embedding parameter, as in `embedding_lookup_sparse`
@@ -93,7 +71,8 @@ def safe_embedding_lookup_multi_dim(params, sp_ids, sp_weights=None, combiners=(
             before weighting.
         weight_axis: int in `[1, k]` (or negative, from the end). The axis
             whose mean and sqrtn divide by the weights. Defaults to `1`.
-        prune: bool. Drop invalid ids (see above). Defaults to `True`.
+        prune: bool. Drop ids < 0 (and, when no axis sums, ids of weight <= 0).
+            Defaults to `True`.
         training: bool. Insert unseen ids into a table. Defaults to `False`.
 
     Returns:

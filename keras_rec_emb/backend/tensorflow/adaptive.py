@@ -1,29 +1,5 @@
-"""`AdaptiveEmbedding`'s TensorFlow half: the forward of
-`keras_rec_emb.layers.AdaptiveEmbedding` (written once) in TF ops,
-`AdaptiveBackend` below.
-
-How promotion works, in graph as in eager (one `call` in training):
-
-1. Counting. The EmbeddingVariable's table has a `CounterFilter` with
-   `filter_freq = promote_threshold`, an initializer matrix of one row of
-   `+inf` and a no-permission value of `NaN`. A training lookup of every id
-   (`insert=True`) counts each occurrence and tells each id's state by what
-   it reads: `NaN` = still counting (static), `+inf` = admitted by this very
-   lookup (its count reached the threshold: newly promoted), finite =
-   promoted before.
-2. Copy. Newly promoted ids (and ids an explicit mask routes to the EV that
-   have no row yet) get their current static row written into the table
-   (`EmbeddingTable.merge_rows`), with the frequency they have reached.
-3. Serve. Ids routed to the EV are looked up again (now reading the copied
-   rows; their gradient is the table's `tf.IndexedSlices`); the others are
-   gathered from the static matrix. Each table only sees the gradient of
-   the ids it served, so a promoted id no longer updates its static bucket.
-
-In inference nothing is counted or copied: ids with an EV row read it, the
-rest their static bucket. Promotion state (promoted ids with their counts,
-and the counts of ids not promoted yet) lives in the table, so `model.save`
-and `tf.train.Checkpoint` keep it.
-"""
+"""`AdaptiveEmbedding`'s forward in TF ops (`AdaptiveBackend`); how promotion
+counts, copies and serves: docs/semantics.md, 'AdaptiveEmbedding'."""
 
 import tensorflow as tf
 

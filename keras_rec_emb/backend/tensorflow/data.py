@@ -189,10 +189,9 @@ class _Exports:
 
 
 def _exported_batches(table_batches):
-    """The lists of batch tables of `table_batches` exported as Arrow C
-    structs: yields 1-element lists (the components of `python_dataset`) of
-    [k, 2] arrays, the addresses of the k batches one table read in holds (so
-    that Python is entered once per table rather than once per batch)."""
+    """The batch tables of `table_batches` as Arrow C structs: per table read, a
+    1-element list of the `[k, 2]` addresses of its k batches (Python entered
+    once per table, not per batch)."""
     exports = _Exports()
     try:
         for tables in table_batches:
@@ -202,13 +201,10 @@ def _exported_batches(table_batches):
 
 
 def parquet_dataset(source, columns, options, table_batches, num_batches):
-    """The tf.data pipeline of a `ParquetDataset`: each batch of
-    `table_batches(paths)` reaches TensorFlow through the Arrow C data
-    interface, one small tensor of two addresses per batch, which the
-    `KRE>ArrowBatchToTensors` op turns into the column tensors (sharing the
-    Arrow buffers where they are aligned). `source` is a dataset of 1-D
-    path tensors or the list of paths; `num_batches` the length of a pass
-    when known."""
+    """The tf.data pipeline of a `ParquetDataset`: each batch reaches TensorFlow
+    through the Arrow C data interface as two addresses, which
+    `KRE>ArrowBatchToTensors` turns into column tensors (sharing aligned Arrow
+    buffers). `source`: a dataset of 1-D path tensors or the list of paths."""
     if not isinstance(source, tf.data.Dataset):
         source = tf.data.Dataset.from_tensors(tf.constant(source))
     batch_dim = options.batch_size if options.drop_remainder else None

@@ -1,8 +1,6 @@
-"""Integer ids in, in every form the package takes them (dense of any shape,
-`tf.RaggedTensor`, `tf.SparseTensor`; with optional per-id weights or
-masks): the one normalizer of the layers (`embed_ids`) and of the fused
-group lookup (`flat_ids_and_splits`, `collapse_outer`, `weights_values`)
-(private)."""
+"""Integer ids in every form the package takes them (dense, ragged, sparse, with
+optional weights or masks): the one normalizer of the layers and of the fused
+group lookup."""
 
 from typing import NamedTuple
 
@@ -14,17 +12,13 @@ from keras_rec_emb.backend.tensorflow.embed_reduce import combine_dense, combine
 
 
 def embed_ids(layer, inputs, embed_flat, combiner, extra=None, key_dtype=tf.int64):
-    """The input handling of the embedding layers (EmbeddingVariable,
-    MultiHashEmbedding, AdaptiveEmbedding).
+    """The input handling of EmbeddingVariable, MultiHashEmbedding and AdaptiveEmbedding.
 
-    `embed_flat(flat_ids, flat_extra)` returns `[n, dim]` rows; the ids are
-    integers of `key_dtype` (others are cast, and refused if they do not fit). Dense
-    ids of any shape give `ids.shape + (dim,)`; with a combiner the last
-    axis is combined. Ragged `[B, None]` ids give ragged rows (no combiner)
-    or `[B, dim]`; sparse `[B, None]` ids need a combiner. `extra` (an
-    optional per-id tensor of the same structure as `inputs`, e.g. a mask)
-    is flattened alongside.
-    """
+    `embed_flat(flat_ids, flat_extra)` returns `[n, dim]` rows of ids cast to
+    `key_dtype` (refused if they do not fit). Dense ids give `ids.shape + (dim,)`
+    (the last axis combined with a combiner); ragged `[B, None]` ids give ragged
+    rows or `[B, dim]`; sparse ids need a combiner. `extra` (per-id, e.g. a mask)
+    is flattened alongside."""
     what = f"{type(layer).__name__} '{layer.name}'"
     inputs = checked_id_shape(inputs, what, combiner)
 
@@ -108,12 +102,9 @@ def output_spec(layer, inputs, dim, combiner):
 
 # -- the fused group lookup: flat ids and row splits ---------------------------
 class FlatIds(NamedTuple):
-    """One feature's ids already in the fused lookup's form: `values` flat
-    int64 ids (< 0 is padding), `splits` int64 row splits `[batch + 1]`.
-    `in_range`: the ids are known to fit every table's key dtype (checked
-    once for all features, or int32 to begin with), so no per-feature range
-    check is added. What `GroupEmbedding` passes for its stacked
-    `[batch, F(, L)]` input (`KRE>UnstackFeatureIds`, `KRE>UnstackKeptIds`)."""
+    """One feature's ids in the fused lookup's form (flat values, < 0 padding, and
+    row splits), as GroupEmbedding's stacked input gives them; `in_range`: known
+    to fit every table's key dtype, so no per-feature range check is added."""
 
     values: tf.Tensor
     splits: tf.Tensor
@@ -125,12 +116,9 @@ def int_ids(values, what):
 
 
 def collapse_outer(ids, what):
-    """Rank > 2 ids as TF's safe_embedding_lookup_sparse takes them.
-
-    Returns (ids as [d0 * ... * dn-1, dn], outer) where `outer` is None for
-    rank <= 2 ids, else (the dynamic and the static shape [d0, ..., dn-1]) to
-    give the combined output back that shape plus the embedding dim.
-    """
+    """Rank > 2 ids as `[d0 * ... * dn-1, dn]`, as TF's safe_embedding_lookup_sparse
+    takes them, and `outer` (dynamic and static `[d0, ..., dn-1]`, None for rank
+    <= 2) to give the output back its shape."""
     if isinstance(ids, FlatIds):
         return ids, None
     if isinstance(ids, tf.SparseTensor):

@@ -1,41 +1,7 @@
 # Copyright keras_rec_emb authors. Apache-2.0.
-"""The `EmbeddingVariable` calls of one Functional model call, looked up
-in one fused op.
-
-A layer call means what it means eagerly: inside any `tf.function` (a
-custom train step, a nested function) an `EmbeddingVariable` call looks
-its ids up at the call, in program order, under the tapes recording
-there, and returns a `tf.Tensor`.
-
-A model written the natural way, one pooled layer per feature, would then
-run one fused-lookup op per layer (and, under `MultiWorkerMirroredStrategy`,
-one exchange per layer) where a `GroupEmbedding` over the same tables runs
-one. One call of a Functional (or Sequential) model is one call: the code
-around it runs before or after it, never between its layers. So, in a
-traced graph, the layers of its graph that
-
-* are `EmbeddingVariable` nodes reading a model input directly (integer
-  ids: dense, ragged or sparse with a combiner; dense without one), with
-  no argument but the ids, each layer called once in the graph,
-* whose layers no other node of the graph holds (no other layer of the
-  forward pass reads or writes their tables),
-
-are looked up together, in one `KRE>GroupLookup` per insert flag, when the
-first of them is called; each of them then returns its own rows, a
-`tf.Tensor`. That is the same program: their ids are the model's inputs,
-known at the model call; every layer of the call runs under the tapes
-recording at it, with the `training` Keras gives every layer of the call
-(a graph where a node passes its own `training` is not fused: Keras hands
-that value on to the layers after it); and nothing else in the forward
-pass touches their tables. Code that reads a fused table from inside
-another layer of the same model (a `Lambda` calling `table.size()`) would
-see the lookups made at the first of them.
-
-Not fused (each layer looks up at its call): eager calls, Keras's
-symbolic shape inference, XLA-compiled functions (which refuse the lookup
-at the call), graphs traced for stock serving, subclassed models (their
-`call` is user code), and Keras versions the hook is not written for
-(`_compat.hook_functional_graph`).
+"""The `EmbeddingVariable` calls of one Functional model call, looked up in one
+fused op. Why that is the same program, and what is not fused:
+docs/semantics.md, 'Memory and speed' (separate layers of a Functional model).
 """
 
 import threading

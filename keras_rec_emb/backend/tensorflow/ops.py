@@ -1,14 +1,9 @@
 """The one place that loads the compiled ops library and wraps its raw ops.
 
-The library (`_kre_ops.so`, built from csrc/) is loaded once, on first use or
-when `keras_rec_emb` is imported (so that a SavedModel that uses the ops can
-be loaded in a fresh process after `import keras_rec_emb`).
-
-It is a TensorFlow op library, not a Python extension module: it uses
-TensorFlow's C++ ABI only, so one build serves every Python version that
-TensorFlow supports, and its name carries no Python tag. TensorFlow keeps
-that ABI within a minor release, which must match the one it was built
-against.
+`_kre_ops.so` is loaded on first use or at `import keras_rec_emb` (so a
+SavedModel using the ops loads in a fresh process). It is a TensorFlow op
+library using TensorFlow's C++ ABI only: one build serves every Python
+version, and TensorFlow's minor release must match the one it was built with.
 """
 
 import functools
@@ -117,12 +112,9 @@ tf.no_gradient("KRE>UnstackFeatureIds")  # integer ids in, integer ids out
 
 
 def unstack_feature_ids(ids):
-    """Splits `ids` `[batch, F, L]` (int32 or int64, F static) into what the
-    fused group lookup takes per feature: `(values, row_splits)`, `values`
-    a list of F int64 `[batch * L]` tensors (feature j's ids `ids[:, j, :]`
-    row by row, padding kept) and `row_splits` `range(batch + 1) * L`, one
-    int64 tensor shared by all features. One op (`KRE>UnstackFeatureIds`)
-    instead of F strided slices."""
+    """`ids` `[batch, F, L]` as F flat int64 `[batch * L]` feature tensors (padding
+    kept) and one shared `range(batch + 1) * L` row splits, in one op instead of
+    F strided slices."""
     values, splits = gen().kre_unstack_feature_ids(ids, num_features=int(ids.shape[1]))
     return list(values), splits
 
@@ -131,11 +123,8 @@ tf.no_gradient("KRE>UnstackKeptIds")
 
 
 def unstack_kept_ids(ids):
-    """`unstack_feature_ids` with the padding (ids < 0) dropped: `(values,
-    row_splits)`, both lists of F int64 tensors, `values[j]` the ids >= 0 of
-    `ids[:, j, :]` row by row and `row_splits[j]` their row splits
-    `[batch + 1]`. One op (`KRE>UnstackKeptIds`); the group lookup, which
-    would prune the same ids, then reads each feature's ids where they are."""
+    """`unstack_feature_ids` without the padding (ids < 0): F values and F row
+    splits, so the group lookup reads each feature's kept ids where they are."""
     values, splits = gen().kre_unstack_kept_ids(ids, num_features=int(ids.shape[1]))
     return list(values), list(splits)
 
@@ -143,12 +132,10 @@ def unstack_kept_ids(ids):
 def create_table(default_values, key_dtype, dim, num_shards, track_meta=True,
                  filter_freq=0, bloom=None, no_permission_value=0.0, freq_cap=0,
                  storage_path="", cache_bytes=64 << 20, shared_name=""):
-    """A new table; `bloom` is (counters, hashes, counter_bytes) or None;
-    `freq_cap` > 0 stops each key's frequency at that count; a non-empty
-    `storage_path` makes it a file-tier table. A non-empty `shared_name`
-    finds or creates the table of that name on the current device (shared
-    by every client of a parameter server). The caller refuses what it
-    must (`refuse_distribution`): `EmbeddingTable` does."""
+    """A new table; `bloom` is (counters, hashes, counter_bytes) or None,
+    `freq_cap` > 0 caps each key's frequency, a `storage_path` makes it
+    file-tier, a `shared_name` finds or creates the table of that name on this
+    device. Callers refuse distribution themselves."""
     counters, hashes, counter_bytes = bloom or (0, 0, 8)
     return gen().kre_table_create(
         default_values, key_dtype=key_dtype, dim=dim, num_shards=num_shards,
@@ -176,10 +163,8 @@ def refuse_xla(what):
 
 
 def refuse_distribution(what):
-    """Under a tf.distribute strategy each replica would train its own copy
-    of a table, silently different from one device: refused, except for the
-    shards of tables sharded over a strategy's replicas, which skip this
-    check (`EmbeddingTable._refuse_strategy`, keras_rec_emb.distribute)."""
+    """Each replica would train its own copy of a table: refused (sharded tables'
+    shards skip this check, `EmbeddingTable._refuse_strategy`)."""
     if tf.distribute.has_strategy():
         strategy = tf.distribute.get_strategy()
         kind = type(strategy).__name__
@@ -291,11 +276,9 @@ def import_(handle, dim, parts, clear=True):
 
 
 def sparse_apply(handle, keys, grads, rule, hyper, step, slots, distinct=False):
-    """One fused optimizer step on a table: `hyper` is a dict from name to
-    value in the kernel's order and `slots` the slot names the rule reads
-    (`keras_rec_emb._update_rules` declares both; the kernel checks the
-    names). `distinct`: `keys` are known to hold no key twice
-    (`KRE>TableSparseApplyDistinct` skips the dedupe)."""
+    """One fused optimizer step on a table; `hyper` and `slots` in the order
+    `keras_rec_emb._update_rules` declares (the kernel checks the names);
+    `distinct`: `keys` hold no key twice, so the dedupe is skipped."""
     refuse_xla("An embedding table update")
     names = list(hyper)
     values = tf.stack([tf.cast(h, tf.float32) for h in hyper.values()])

@@ -1,13 +1,7 @@
-"""`export_for_serving` under TensorFlow: a SavedModel that stock TensorFlow
-serves without this package (no custom ops): each embedding table becomes a
-`tf.lookup.experimental.MutableHashTable` from key to row plus a dense
-`[N, dim]` matrix of the rows, read with stock ops.
-
-The serving function is traced inside `_serving_context.stock_tables`: in
-the exporting thread, every table lookup reads the table's stock twin and
-fused group lookups run `embedding_ops.stock_group_lookup` on the twins;
-other threads, and everything after the export, keep the package's ops.
-"""
+"""`export_for_serving` under TensorFlow: traced inside
+`_serving_context.stock_tables`, where the exporting thread's table lookups
+read stock twins (a `MutableHashTable` from key to row and a dense matrix) and
+fused group lookups run `embedding_ops.stock_group_lookup` on them."""
 
 import os
 import shutil
@@ -24,10 +18,8 @@ from keras_rec_emb.backend.tensorflow import serving_context as _serving_context
 
 
 class _StockTable(tf.Module):
-    """One embedding table as stock TensorFlow state, with the inference
-    semantics of `KRE>TableLookup`: admitted keys read their rows; other
-    keys read `no_permission_value` when the table has an admission filter,
-    else their initializer row `default_values[key mod default_value_dim]`."""
+    """One table as stock TensorFlow state, with `KRE>TableLookup`'s inference
+    semantics (docs/semantics.md, 'Serving')."""
 
     def __init__(self, table):
         super().__init__(name=_module_name(table.name))

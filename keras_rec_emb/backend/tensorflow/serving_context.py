@@ -1,20 +1,10 @@
-"""How the graph this thread traces reads embedding tables: the one place
-that says whether it is a serving graph of stock TensorFlow ops.
-
-A model is served from one of two graphs, both its inference path
-(`model(x, training=False)`: nothing inserted or counted):
-
-- `model.export` (Keras) traces it with the package's own ops: the state
-  outside `stock_tables`, where this module changes nothing.
-- `serving.export_for_serving` traces it inside `stock_tables(read)`: there,
-  in the tracing thread only, every table lookup (each table kind's
-  `lookup` is decorated by `served`) and every fused group lookup read the
-  table's stock twin `read(table)` (an object with `lookup(keys)`), and
-  layers leave out the package's ops that have no stock form
-  (`tracing_stock()`).
-
-The state is thread-local, not an attribute of the tables: a trainer in
-another thread keeps the package's ops while a model is exported.
+"""Whether the graph this thread traces is a serving graph of stock TensorFlow
+ops. `model.export` traces with the package's ops (outside `stock_tables`);
+`export_for_serving` traces inside `stock_tables(read)`, where every table
+lookup (decorated by `served`) and fused group lookup reads the table's stock
+twin `read(table)`, and layers leave out ops with no stock form
+(`tracing_stock()`). Thread-local, so a trainer in another thread keeps the
+package's ops while a model is exported.
 """
 
 import contextlib
