@@ -106,11 +106,6 @@ def parameter_servers(devices):
         ps_variables.scope_ended()
 
 
-def current_devices():
-    """The devices of the innermost `parameter_servers` scope, or None."""
-    return ps_variables.scope_devices()
-
-
 def _of_first_shard(name):  # every shard is built from the same arguments
     return property(lambda table: getattr(table._shards[0], name),
                     doc=f"The shards' `{name}` (the same for each).")
