@@ -22,9 +22,7 @@ def in_symbolic_build():
     that refused them would leave the model unbuilt, and Keras would then
     skip loading its dense weights and optimizer state (with only a
     warning). Nothing computed there is executed, so the id layers accept
-    any dtype in this scope. No public query exists. Used by the id checks
-    of both backends (`backend/tensorflow/checks.py`, `backend/jax/ids.py`),
-    the string-id layers, `layers.GroupEmbedding` and the model fusion.
+    any dtype in this scope. No public query exists.
     """
     from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 
@@ -32,13 +30,9 @@ def in_symbolic_build():
 
 
 def flatten_layers(model):
-    """Every layer of `model`, nested ones included (`Layer._flatten_layers`).
-
-    The public `model.layers` lists direct children only, and layers that
-    hold layers (GroupEmbedding's tables) do not all expose them publicly.
-    Used by `callbacks.EvictionCallback`, the CLI's `inspect` / `demo` and
-    the JAX backend's `export_for_serving`.
-    """
+    """Every layer of `model`, nested ones included: public `model.layers`
+    lists direct children only, and layers that hold layers do not all
+    expose them."""
     return model._flatten_layers()  # pylint: disable=protected-access
 
 

@@ -20,8 +20,7 @@ def __dir__():
 
 
 def _table_layers(model):
-    """The EmbeddingVariable layers of `model`, nested ones included, each
-    once."""
+    """The EmbeddingVariable layers of `model`, nested ones included, each once."""
     if _JAX:
         from keras_rec_emb.backend.jax.optimizers import tables_of
 
@@ -36,9 +35,7 @@ def _table_layers(model):
 
 
 def _table_counters(model):
-    """(name, counters) of every table of `model`, in variable order:
-    `counters` a dict with at least `size`, `filtered`, `memory_bytes`,
-    `lookups`, `hits`, `admitted_total`, `erased_total`."""
+    """(name, `counters()`) of every table of `model`, in variable order."""
     from keras_rec_emb.incremental import _tables
 
     return [(path, table.counters()) for path, table in _tables(model)]
@@ -128,12 +125,11 @@ def _check_interval(name, value, kind=int):
 class CheckpointCallback(_Callback):
     """Full and incremental checkpoints during `model.fit` (online training).
 
-    Every `full_every_steps` steps or `full_every_secs` seconds it writes a
-    full checkpoint, and in between, every `incremental_every_steps` steps or
-    `incremental_every_secs` seconds, an incremental one with only the rows
-    changed since the previous save (see `keras_rec_emb.IncrementalCheckpointer`,
-    which does the work and is `self.checkpointer` once training starts). The
-    first save is always full. `restore(model)` resumes from the directory.
+    Every `full_every_steps` steps or `full_every_secs` seconds a full
+    checkpoint, in between every `incremental_every_steps` steps or
+    `incremental_every_secs` seconds an incremental one (the first save is
+    full), by `self.checkpointer`, an `IncrementalCheckpointer`.
+    `restore(model)` resumes from the directory.
 
     Args:
         directory: str. The checkpoint folder.
@@ -193,8 +189,8 @@ class CheckpointCallback(_Callback):
         return self.checkpointer
 
     def restore(self, model):
-        """Restores `model` from the directory (see
-        `IncrementalCheckpointer.restore`); later saves continue its chain."""
+        """`IncrementalCheckpointer.restore`; later saves continue its chain."""
+
         return self._checkpointer(model).restore()
 
     @staticmethod

@@ -1,20 +1,8 @@
 """Incremental checkpoints (DeepRec's Incremental Checkpoint) for online training.
 
-A chain of files in one directory: a full checkpoint (every row of every
-table, every dense and optimizer variable, the Kafka position), then
-incremental ones holding only the rows changed since the previous link
-(values, slots, frequencies, versions, keys counted by a filter), the keys
-erased since (eviction), and again all dense variables, the optimizer's
-variables (its iteration included) and the Kafka position. The tables know
-which rows changed (a per-row change epoch kept in C++), so a save costs
-what changed, not the table's size.
-
-Each link is one `.npz` file (NumPy's zip of arrays, no pickles) written to a
-temporary name and renamed: a crash mid-save leaves the previous chain.
-Each link proves where it belongs (see `IncrementalCheckpointer`): its
-chain's id (made by the full checkpoint), its parent's file name and the
-parent's checksum (a SHA-256 of the parent's members and their CRC-32s,
-which reading a member checks).
+A chain of `.npz` links in one directory: a full checkpoint, then links of
+the rows changed since the previous one. See docs/semantics.md,
+'Incremental checkpoints'.
 """
 
 import hashlib
@@ -52,11 +40,7 @@ class _Mismatch(ValueError):
 
 
 def _changes():
-    """The backend's table change tracking: `tables(model)` ((name, table)
-    of every table, in variable order, each table with `mark_changes`,
-    `export_changes`, `trim_erased`, `apply_changes`, `export`, `import_`,
-    `dim`, `key_dtype`), `dense_variables(model)`,
-    `optimizer_variables(optimizer)` and `ARRAY_PARTS`."""
+    """The backend's `changes` module (backend/<name>/changes.py)."""
     if _backend.is_jax():
         from keras_rec_emb.backend.jax import changes
     else:
@@ -69,9 +53,7 @@ def _tables(model):
 
 
 def _export_order(model):
-    """Table names in the order `model.export` lists them
-    (`_compat.exported_resources` of the loaded export); None under JAX,
-    which has no SavedModel of this package's ops."""
+    """Table names in `model.export`'s order; None under JAX (no SavedModel of our ops)."""
     if _backend.is_jax():
         return None
     import tensorflow as tf
@@ -100,8 +82,7 @@ def _export_order(model):
 
 # -- Reading and checking links ------------------------------------------------
 def _digest(archive):
-    """The checksum of a link: SHA-256 of its members' names, CRC-32s and
-    sizes (reading a member checks its CRC, so this stands for the bytes)."""
+    """SHA-256 of the members' names, CRC-32s and sizes (reading checks each CRC)."""
     h = hashlib.sha256()
     for info in sorted(archive.infolist(), key=lambda i: i.filename):
         h.update(f"{info.filename}\0{info.CRC:08x}\0{info.file_size}\n".encode())
@@ -136,7 +117,7 @@ def _parse_meta(raw, path, kind=None):
 
 
 def _read_meta(path, kind=None):
-    """(meta, digest) of a link, reading only its metadata member."""
+    """(meta, digest), reading only the metadata member."""
     try:
         with zipfile.ZipFile(path) as archive:
             with archive.open(_META + ".npy") as f:
@@ -148,8 +129,7 @@ def _read_meta(path, kind=None):
 
 
 def _read(path, kind=None):
-    """(arrays, meta, digest) of a link, every member read and CRC-checked;
-    a ValueError naming the file when it is unreadable or not a link."""
+    """(arrays, meta, digest), every member read and CRC-checked."""
     try:
         with np.load(path, allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}  # reads (and CRC-checks) every member
@@ -168,8 +148,7 @@ def _chain_id(meta, name):
 
 
 def _follows(meta, parent_name, parent_digest):
-    """Whether an incremental link was saved right after `parent_name`
-    with checksum `parent_digest` (a /1 link records only the name)."""
+    """Whether a link was saved right after that parent (a /1 link records only the name)."""
     if meta.get("parent") != parent_name:
         return False
     recorded = meta.get("parent_digest")
@@ -201,10 +180,8 @@ def _float_matrix(arrays, key, path, what, rows=None, cols=None):
 
 
 def _link_table(arrays, meta, j, path):
-    """The parts of table `j` of a link (as `export()` gives them, with
-    `erased` in an incremental link), checked for shape, type, unique keys
-    and finite values: what the import kernel would refuse is refused here,
-    before any table is touched."""
+    """The parts of table `j` (as `export()` gives them), checked here for
+    what the import kernel would refuse, before any table is touched."""
     name = meta["tables"][j]
     what, prefix = f"table '{name}'", f"t{j}/"
     arrays = {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
@@ -241,9 +218,7 @@ def _link_table(arrays, meta, j, path):
 
 
 def _check_table_fits(parts, table, name, path, probe):
-    """Raises a _Mismatch naming what differs when the parts of a link do
-    not fit `table` (its key type, slot widths, filter; its width was
-    checked by `_check_model`)."""
+    """Key type, slots and filter (`_check_model` checked the width)."""
     for k in ("keys", "keys_filtered", "erased"):
         if k in parts:
             try:
@@ -257,8 +232,6 @@ def _check_table_fits(parts, table, name, path, probe):
 
 
 def _check_state_fits(parts, name, path, slot_widths, bloom_bytes, whose="the table's"):
-    """Raises a _Mismatch when the slots or the Bloom filter of a link's
-    table do not fit the table's (`slot_widths` {slot: width}, `bloom_bytes`)."""
     for slot, block in parts["slots"].items():
         have = slot_widths.get(slot)
         if have is not None and have != block.shape[1]:
@@ -292,7 +265,6 @@ _SERVED = weakref.WeakKeyDictionary()
 
 
 def _served_tables(loaded):
-    """The table handles of a `tf.saved_model.load` result, in export order."""
     from keras_rec_emb.backend.tensorflow import compat as _compat
 
     if loaded is None or isinstance(loaded, (str, bytes, os.PathLike)):
@@ -322,8 +294,7 @@ def _served_tables(loaded):
 
 
 def _probe_served(handle, name, parts, path):
-    """Checks that a served table takes `parts` (key type, width, slots,
-    filter) without changing it; a ValueError naming what differs."""
+    """Checks, without changing it, that a served table takes `parts`."""
     import tensorflow as tf
 
     from keras_rec_emb.backend.tensorflow import ops as _ops
@@ -344,20 +315,10 @@ def _probe_served(handle, name, parts, path):
 
 
 def apply_to_saved_model(loaded: object, path: str | os.PathLike) -> None:
-    """Applies checkpoint links (full or incremental) to a SavedModel
-    written by `model.export` and loaded with `tf.saved_model.load` (after
-    `import keras_rec_emb`), in place: its tables take the changed rows and
-    drop the erased keys, its dense variables the saved values. The model
-    serves the new state from its next call, without a reload (DeepRec's
-    incremental model update).
-
-    Links apply in chain order, from the full checkpoint the model was
-    exported at or after. A list of links is put in order (by their
-    numbers) and must form one chain. The loaded model remembers the last
-    link it took: a later call refuses a link that does not follow it (an
-    older one, one after a gap, one of another chain) with an error naming
-    both; a full checkpoint starts over. Every link is read and checked
-    (CRC, chain, table widths and slots) before the first one is applied.
+    """Applies checkpoint links in place to a SavedModel loaded with
+    `tf.saved_model.load` (DeepRec's incremental model update): it serves
+    the new state from its next call, without a reload. See
+    docs/semantics.md, 'Incremental checkpoints'.
 
     Args:
         loaded: the object `tf.saved_model.load` returned.
@@ -489,17 +450,10 @@ def _optimizer_vars(model):
 
 
 def _optimizer_keys(paths):
-    """The keys by which links store an optimizer's variables, from their
-    paths in `optimizer.variables` order: each path without the names of
-    the optimizers that lead it, which Keras makes unique per instance (a
-    model compiled again, or a second model in the process, has
-    `adagrad_1`), and with `inner/` before it per level of wrapping (a
-    LossScaleOptimizer lists its own variables, then its inner
-    optimizer's). The optimizers' names are the first parts of the paths,
-    in order; a variable the inner optimizer makes inside the wrapper's
-    name scope (its slots, when `fit` builds it) has both names in front
-    (`loss_scale_optimizer/adam/x`), one it makes alone only its own
-    (`adam/x`, when built outside `fit`): both are `inner/x`."""
+    """Optimizer variable paths without the leading optimizer names (Keras
+    numbers them per instance: `adagrad_1`), with `inner/` per level of
+    wrapping. An inner optimizer's variable is `loss_scale_optimizer/adam/x`
+    when `fit` builds it, `adam/x` when built alone: both are `inner/x`."""
     owners = []
     for path in paths:
         owner = path.partition("/")[0]
@@ -517,8 +471,7 @@ def _optimizer_keys(paths):
 
 
 def _refuse_duplicates(names, what):
-    """Links key variables by path: two variables of one path could not be
-    told apart on restore."""
+    """Two variables of one path could not be told apart on restore."""
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise ValueError(
@@ -528,8 +481,7 @@ def _refuse_duplicates(names, what):
 
 
 def _saved_paths(meta, key, path):
-    """The variable paths a link lists under `key` (its members
-    `<dense|opt>/<i>` hold them in this order)."""
+    """The paths under `key`, in the order of the members `<dense|opt>/<i>`."""
     paths = meta.get(key, [])
     if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
         raise ValueError(f"{path} has no valid list of {key} variables in its metadata")
@@ -539,10 +491,7 @@ def _saved_paths(meta, key, path):
 
 
 def _check_variables(arrays, path, member, what, saved, keys, have):
-    """Raises a _Mismatch naming what differs unless a link's `member`
-    variables (`saved`, their paths, stored as `<member>/<i>`; `keys`, what
-    they match by) are those of the model (`have`, {key: variable}), shapes
-    included."""
+    """Raises a _Mismatch unless the `member` variables are `have`'s {key: variable}."""
     if sorted(keys) != sorted(have):
         raise _Mismatch(
             f"{path} does not fit this model: its {what} are not the model's (in the "
@@ -563,8 +512,7 @@ def _check_variables(arrays, path, member, what, saved, keys, have):
 
 
 def checked_arguments(directory, keep, kafka_position):
-    """(directory, keep, KafkaPosition or None): the arguments of an
-    `IncrementalCheckpointer` (and `callbacks.CheckpointCallback`), checked."""
+    """Checks `IncrementalCheckpointer`'s (and `CheckpointCallback`'s) arguments."""
     if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
         raise TypeError("`directory` must be a non-empty path. Received: "
                         f"directory={directory!r}")
@@ -574,7 +522,6 @@ def checked_arguments(directory, keep, kafka_position):
 
 
 def _position(source):
-    """The KafkaPosition of `source` (a KafkaPosition or a dataset with one)."""
     if source is None:
         return None
     position = getattr(source, "position", source)
@@ -589,8 +536,7 @@ def _position(source):
 
 
 class _Link:
-    """One `ckpt-*.npz` file of the directory and its metadata (or why it
-    cannot be read)."""
+    """One `ckpt-*.npz` file and its metadata (or why it cannot be read)."""
 
     def __init__(self, seq, kind, path):
         self.seq, self.kind, self.path = seq, kind, path
@@ -617,40 +563,10 @@ class IncrementalCheckpointer:
     """Full and incremental checkpoints of a model, for custom training loops.
 
     `save_full()` writes every row of every table; `save_incremental()`
-    writes only rows changed (trained, admitted, counted) since the previous
-    save of this checkpointer plus the keys erased since (eviction), and all
-    dense and optimizer variables. `restore()` loads the newest chain (the
-    intact full checkpoint whose chain reaches furthest) and replays it: the
-    model then equals, row for row, the state at its last link. Later saves
-    continue that chain. `keep` full checkpoints (with their chains) are
-    kept.
-
-    Every link records its chain's id, its parent's name and checksum. A
-    restore applies only links that prove they follow one another: a file of
-    another run copied into the folder is skipped with a warning naming it;
-    a chain broken in the middle (a link missing, corrupt or replaced while
-    later links of the chain exist) raises an error naming the break and the
-    links it would drop (`restore(partial=True)` restores up to the last good
-    link instead). An unreadable newest link (nothing after it) or a corrupt
-    full checkpoint (then the older chain) is skipped with a warning; the
-    next save after a shortened chain is a full one.
-
-    A restore is all-or-nothing: every link is read and checked against the
-    model (table names, widths, key types, slots, dense shapes) before
-    anything changes, and the tables' previous contents are kept aside (a
-    copy in memory: free for a fresh model) and put back if applying fails.
-
-    Dense variables and the optimizer's variables are saved whole in every
-    link (they are small next to the tables), keyed by path (an optimizer's
-    past its own name, which Keras numbers per instance): a restore assigns
-    each to the model's variable of that path and refuses a model whose
-    dense or optimizer variables are not those of the checkpoint, naming
-    the paths that differ. A model without an optimizer (not compiled)
-    restores the tables and dense variables only. With a Kafka source, pass its
-    `position` (or the dataset): the offsets are saved in every link and
-    restored, so a resumed stream re-reads at most what was read after the
-    last link (at-least-once; `prefetch` after the dataset holds elements
-    already counted as read, so leave it out for exactly the trained ones).
+    only the rows changed since the previous save and the keys erased since,
+    with all dense and optimizer variables (and the Kafka offsets) each time.
+    `restore()` replays the newest intact chain, all-or-nothing. See
+    docs/semantics.md, 'Incremental checkpoints'.
 
     Args:
         model: a built `keras.Model` (its tables exist); its optimizer, if
@@ -712,10 +628,8 @@ class IncrementalCheckpointer:
         return max(seqs, default=-1) + 1
 
     def _common(self, arrays, meta):
-        """The dense and optimizer variables, keyed by path: member
-        `dense/<i>` holds the variable `meta["dense"][i]` names, `opt/<i>`
-        the one `meta["optimizer"][i]` does (a restore reads them by these
-        paths, never by position)."""
+        """Member `dense/<i>` holds `meta["dense"][i]`, `opt/<i>` `meta["optimizer"][i]`
+        (a restore matches them by path, never by position)."""
         dense = _dense(self.model)
         opt_vars = _optimizer_vars(self.model)
         _refuse_duplicates([v.path for v in dense], "the dense variable paths")
@@ -747,7 +661,7 @@ class IncrementalCheckpointer:
             arrays[f"t{j}/erased"] = np.asarray(parts["erased"])
 
     def _write(self, kind, arrays, meta):
-        """Writes a link atomically; returns (name, path, checksum)."""
+        """Returns (name, path, checksum)."""
         os.makedirs(self.directory, exist_ok=True)
         seq = self._next_seq()
         name = f"ckpt-{seq:08d}-{kind}.npz"
@@ -813,8 +727,7 @@ class IncrementalCheckpointer:
         self._marks, self._base, self._last = marks, base, last
         self._last_digest, self._chain = digest, chain
 
-    def _forget_chain(self):
-        """The next save is a full one (a new chain)."""
+    def _forget_chain(self):  # the next save starts a new chain
         self._marks = self._base = self._last = self._last_digest = self._chain = None
 
     def _prune(self):
@@ -830,8 +743,7 @@ class IncrementalCheckpointer:
                 except OSError:
                     pass
 
-    def _links(self):
-        """{seq: (kind, path)} of the chain files in the directory."""
+    def _links(self):  # {seq: (kind, path)}
         out = {}
         if not os.path.isdir(self.directory):
             return out
@@ -889,10 +801,8 @@ class IncrementalCheckpointer:
                 "skipped": skipped, "kafka": last_meta.get("kafka")}
 
     def _pick_full(self, links, tables):
-        """The full checkpoint to restore: of those that read intact, the one
-        whose chain reaches furthest (a chain continued after a fallback
-        restore is newer than the corrupt full checkpoint it fell back
-        from). Warns about each one skipped, with its links."""
+        """Of the intact full checkpoints, the one whose chain reaches furthest
+        (one continued after a fallback restore is newer than the corrupt one)."""
         def reach(full):
             if full.meta is None:
                 return full.seq
@@ -924,11 +834,7 @@ class IncrementalCheckpointer:
                          "was restored")
 
     def _walk(self, links, full, digest, tables, staged, skipped, reported, partial):
-        """Reads the links of `full`'s chain that follow one another into
-        `staged`; returns [(name, checksum)] of the chain read and whether it
-        ended early. Warns about every newer file not applied, or raises
-        when the chain breaks in the middle (later links of it would be
-        dropped) unless `partial`."""
+        """Stages `full`'s chain; returns ([(name, checksum)], whether it ended early)."""
         chain = _chain_id(staged[0][2], full.name)
         by_name = {link.name: link for link in links}
         applied = [(full.name, digest)]
@@ -1004,8 +910,7 @@ class IncrementalCheckpointer:
 
     @staticmethod
     def _why_not_next(link, last, by_name, chain):
-        """(where, why) the chain breaks before `link`, which does not follow
-        `last`, the last link read."""
+        """(where, why) the chain breaks before `link`."""
         parent = link.meta.get("parent")
         found = by_name.get(parent)
         if found is None:
@@ -1022,8 +927,7 @@ class IncrementalCheckpointer:
                            "of the chain before it (two writers in one folder?)")
 
     def _check_model(self, meta, arrays, tables, path):
-        """Raises a _Mismatch saying what differs when a link's tables or
-        dense variables do not fit the model."""
+        """Tables and dense variables (a _Mismatch names what differs)."""
         have, want = sorted(tables), sorted(meta["tables"])
         if have != want:
             raise _Mismatch(
@@ -1044,8 +948,6 @@ class IncrementalCheckpointer:
 
     @staticmethod
     def _check_optimizer(meta, arrays, opt_vars, path):
-        """Raises a _Mismatch naming the paths that differ when a link's
-        optimizer variables are not those of the model's (built) optimizer."""
         saved = _saved_paths(meta, "optimizer", path)
         _check_variables(arrays, path, "opt", "optimizer variables (paths past the "
                          "optimizer's name; compiled with another optimizer?)", saved,
@@ -1053,8 +955,7 @@ class IncrementalCheckpointer:
                          dict(zip(_optimizer_keys([v.path for v in opt_vars]), opt_vars)))
 
     def _validate(self, staged, tables):
-        """Everything `_apply` needs, checked against the model; raises
-        before anything changes."""
+        """Everything `_apply` needs, checked before anything changes."""
         dense = _dense(self.model)
         opt_vars = _optimizer_vars(self.model)  # (builds the tables' slots)
         probes = {name: t.export_changes(_NO_CHANGES) for name, t in tables.items()}
@@ -1087,8 +988,8 @@ class IncrementalCheckpointer:
         return stage
 
     def _apply(self, stage, tables):
-        """Applies a checked stage; on any failure puts back what it
-        changed and re-raises."""
+        """On any failure puts back what it changed and re-raises."""
+
         dense = _dense(self.model)
         opt_vars = _optimizer_vars(self.model)
         backup = {"dense": [np.array(keras.ops.convert_to_numpy(v)) for v in dense],

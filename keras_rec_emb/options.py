@@ -29,8 +29,6 @@ __all__ = [
 ]
 
 _PACKAGE = "keras_rec_emb"
-
-
 _INT64_MAX = 2**63 - 1
 
 
@@ -111,10 +109,8 @@ class CounterFilter(_Option):
     its gradients are dropped and it has no embedding row or optimizer slots,
     only its count (exported as `keys_filtered` / `freqs_filtered`). The
     lookup that brings the count to `filter_freq` gives it its initializer
-    row, and it trains normally from then on. As in DeepRec, an admitted
-    key's frequency then stays at `filter_freq` (keep counting with
-    `EmbeddingVariableOption(record_freq=True)`, DeepRec's
-    `TF_RECORD_FREQ=1`).
+    row, and it trains normally from then on. See docs/semantics.md,
+    'Admission filters and eviction'.
 
     Args:
         filter_freq: int >= 0. `0` (or `1`) admits every key.
@@ -146,10 +142,8 @@ _COUNTER_TYPES = {
 
 
 def _counter_type_name(value):
-    """The name of dtype `value` ("uint64"): a string, a NumPy dtype or scalar
-    type, a JAX scalar type or a TensorFlow `DType`, told apart by name and
-    attributes so that checking one imports no framework; None for anything
-    else."""
+    """The dtype's name ("uint64") or None; a TensorFlow `DType` is told
+    apart by attributes, so that checking one imports no framework."""
     if isinstance(value, str):
         return value
     if isinstance(value, (bool, int, float)) or value is None:
@@ -257,9 +251,8 @@ class CBFFilter(_Option):
 
 
 class _Evict(_Option):
-    """An eviction option: its rule's one argument (named by `_RULE`) and
-    `at_save`, in its config only when off: the default's config is the one
-    older releases write and read."""
+    """`at_save` is in the config only when off: the default's config is the
+    one older releases write and read."""
 
     _RULE = None
 
@@ -278,17 +271,12 @@ class _Evict(_Option):
 class GlobalStepEvict(_Evict):
     """Evict keys not updated for more than `steps_to_live` optimizer steps.
 
-    Eviction runs when the model or a checkpoint is saved (as in DeepRec;
-    unless `at_save=False`), on `EmbeddingVariable.evict()`, and from
+    Eviction runs when the model or a checkpoint is saved (unless
+    `at_save=False`), on `EmbeddingVariable.evict()`, and from
     `keras_rec_emb.callbacks.EvictionCallback`. Evicted rows and their slots
     return to the table's free lists. Keys counted by a filter but not
-    admitted are evicted when not looked up for `steps_to_live` steps.
-
-    Eviction at save changes the table in memory too, not only the file. A
-    save logs each table's evicted and kept rows at INFO (logger
-    `"keras_rec_emb"`) and warns when it evicts more than half of a
-    table's rows. `keras_rec_emb.save_model(model, path, evict=False)` saves
-    without evicting, once, for every table.
+    admitted are evicted when not looked up for `steps_to_live` steps. See
+    docs/semantics.md, 'Admission filters and eviction'.
 
     Args:
         steps_to_live: int >= 0.
@@ -316,15 +304,9 @@ class GlobalStepEvict(_Evict):
 class L2WeightEvict(_Evict):
     """Evict keys whose row is small: `0.5 * sum(row**2) < l2_weight_threshold`.
 
-    DeepRec's rule (`tf.nn.l2_loss` of the row, half its squared L2 norm,
-    against the threshold), so DeepRec's thresholds carry over unchanged.
-    (keras_rec_emb 0.1.0 compared the row's L2 norm itself: a threshold
-    `t` chosen for that rule corresponds to `0.5 * t**2` now.) Runs when
-    `GlobalStepEvict` would (see there): also when the model is saved,
-    unless `at_save=False`. A threshold too high for the rows (freshly
-    initialized rows of a wide table are small) empties the table at the
-    first save: the save warns when it evicts more than half of a table's
-    rows.
+    DeepRec's rule (`tf.nn.l2_loss` of the row), so DeepRec's thresholds
+    carry over. Runs when `GlobalStepEvict` would. See docs/semantics.md,
+    'Admission filters and eviction'.
 
     Args:
         l2_weight_threshold: finite float >= 0.
@@ -345,13 +327,11 @@ class L2WeightEvict(_Evict):
 
 
 _STORAGE_TYPES = ("DRAM", "FILE")
-
-
 _DEFAULT_CACHE_BYTES = 64 << 20
 
 
-def _machine_memory():
-    """This machine's physical memory in bytes (None when unknown)."""
+
+def _machine_memory():  # bytes, or None when unknown
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, OSError, ValueError):
@@ -363,22 +343,9 @@ class StorageOption(_Option):
     """Where an EmbeddingVariable keeps its rows.
 
     `"DRAM"` keeps every row in memory. `"FILE"` is a tier for tables larger
-    than memory (DeepRec's DRAM+SSDHASH, OneEmbedding's cached SSD store):
-    rows (values and optimizer slots) live in append-only segment files
-    under `storage_path/<table name>/`, a DRAM cache of about `storage_size`
-    bytes holds the hot rows (CLOCK replacement, dirty rows written back on
-    eviction), and the key index with per-key frequency and version stays in
-    DRAM (about 40 bytes per key). Lookups, optimizer updates, filters,
-    eviction, export/import, `model.save`, `tf.train.Checkpoint` and
-    `export_for_serving` give the same results as on DRAM. A live table locks
-    its folder: a second table made on it (for instance a model reloaded
-    beside the one that saved it) works in a folder of its own next to it,
-    removed when it is freed (see the README's file-tier notes).
-    `layer.snapshot()` writes a crash-safe snapshot of the table's files
-    (no rows go through Python); `layer.restore_snapshot()` reads it back.
-    The file tier works under Keras's TensorFlow and JAX backends alike
-    (`tf.train.Checkpoint` is TensorFlow's), and a `.keras` file of a
-    file-tier model saved under one loads under the other.
+    than memory (DeepRec's DRAM+SSDHASH): rows live in segment files under
+    `storage_path/<table name>/` with a DRAM cache of about `storage_size`
+    bytes, giving the same results as DRAM. See docs/file_tier.md.
 
     Args:
         storage_type: `"DRAM"` (the default) or `"FILE"`.
@@ -481,11 +448,8 @@ class EmbeddingVariableOption(_Option):
             Defaults to `True`.
         record_freq: bool. With a `CounterFilter` or `CBFFilter`, keep
             counting a key's training-lookup occurrences after it is
-            admitted (DeepRec's `TF_RECORD_FREQ=1`). `False` is DeepRec's
-            default: an admitted key's frequency stays at `filter_freq`
-            (DeepRec's export test: `CounterFilter(1)`, three lookups,
-            freq 1). Without a filter every occurrence counts. Defaults to
-            `False`.
+            admitted (DeepRec's `TF_RECORD_FREQ=1`); `False` (DeepRec's
+            default) stops at `filter_freq`. Defaults to `False`.
 
     Example:
 
@@ -588,8 +552,7 @@ _SAVE_FILTERED_ENV = "KRE_EV_SAVE_FILTERED_FEATURES"
 
 
 def save_filtered_from_env(default=True):
-    """`KRE_EV_SAVE_FILTERED_FEATURES=false` (or 0/no/off) turns off saving
-    the keys that an admission filter has counted but not admitted."""
+    """`KRE_EV_SAVE_FILTERED_FEATURES=false` (or 0/no/off) turns off `save_filtered`."""
     value = os.environ.get(_SAVE_FILTERED_ENV)
     if value is None:
         return default
@@ -597,7 +560,6 @@ def save_filtered_from_env(default=True):
 
 
 def ev_option_or_default(ev_option):
-    """`ev_option`, or the default EmbeddingVariableOption when None."""
     if ev_option is None:
         return EmbeddingVariableOption()
     if not isinstance(ev_option, EmbeddingVariableOption):
@@ -609,7 +571,6 @@ def ev_option_or_default(ev_option):
 
 
 def _inner(value, class_name, argument):
-    """The config dict of a serialized option (None stays None)."""
     if value is None:
         return None
     if isinstance(value, dict) and value.get("class_name") == class_name:
@@ -619,8 +580,6 @@ def _inner(value, class_name, argument):
 
 
 def _option(value, class_names, argument):
-    """The option object of a serialized option of one of `class_names`
-    (an object of one of them stays as it is; None stays None)."""
     classes = tuple(globals()[name] for name in class_names)
     if value is None or isinstance(value, classes):
         return value
@@ -633,10 +592,7 @@ def _option(value, class_names, argument):
 
 
 def ev_option_from_config(value):
-    """`value` (an `EmbeddingVariableOption`, one serialized in a config,
-    or None) as an `EmbeddingVariableOption` (None stays None); a
-    ValueError names a part it cannot read. Read part by part, not by
-    Keras's registry, so that a malformed part is named."""
+    """Read part by part, not by Keras's registry, so that a malformed part is named."""
     if value is not None and not isinstance(value, EmbeddingVariableOption):
         config = dict(_inner(value, "EmbeddingVariableOption", "ev_option"))
         fields = {"init_option": ("InitializerOption",),
@@ -650,8 +606,6 @@ def ev_option_from_config(value):
 
 
 def deserialize_ev_option(config):
-    """A layer config with its serialized `ev_option` turned back into an
-    EmbeddingVariableOption (for `from_config`)."""
     config = dict(config)
     if isinstance(config.get("ev_option"), dict):
         config["ev_option"] = keras.saving.deserialize_keras_object(config["ev_option"])

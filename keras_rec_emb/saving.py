@@ -32,9 +32,8 @@ def _pid_alive(pid):
 
 
 def _remove_stale_temporaries(directory, prefix):
-    """Removes temporaries of earlier saves to the same file whose process
-    is gone (killed mid-save: `kill -9` runs no cleanup). Those of live
-    processes, possibly saving right now, are left alone."""
+    """Removes temporaries of saves whose process is gone (`kill -9` runs no
+    cleanup); a live process's may be saving right now."""
     try:
         names = os.listdir(directory)
     except OSError:
@@ -66,8 +65,7 @@ def current_umask():
 
 
 def default_mode(directory=False):
-    """The mode `open`/`os.mkdir` would give a new file or folder: 0666 or
-    0777 less the umask (temporary files are created 0600/0700)."""
+    """The mode `open`/`os.mkdir` gives (temporaries are created 0600/0700)."""
     return (0o777 if directory else 0o666) & ~current_umask()
 
 
@@ -75,20 +73,10 @@ def save_model(model: "keras.Model", filepath: str | os.PathLike, evict: bool = 
                **kwargs) -> None:
     """`model.save(filepath)`, atomically: the previous file survives a failure.
 
-    Keras's `model.save` opens `filepath` for writing (truncating it) before
-    it serializes the model, so an error midway leaves neither the old nor a
-    new model. This writes to a temporary file in the same directory and
-    renames it over `filepath` only once the save has succeeded. The file
-    gets the mode `model.save` gives (0666 less the umask). A temporary left
-    by a save that was killed (`kill -9`) is removed by the next save to the
-    same file.
-
-    Saving evicts (DeepRec's rule, as `model.save` does): each table with a
-    `GlobalStepEvict` / `L2WeightEvict` option (unless `at_save=False`)
-    first loses the rows its rule names, in memory and in the file. Each
-    table's count of evicted and kept rows is logged at INFO (logger
-    `"keras_rec_emb"`), and a `UserWarning` names a table that lost more
-    than half of its rows.
+    Keras's `model.save` truncates `filepath` before it serializes; this
+    writes a temporary beside it and renames it over `filepath` once the save
+    succeeded. Saving evicts, as `model.save` does. See docs/semantics.md,
+    'Saving, checkpoints and inspection' and 'Admission filters and eviction'.
 
     Args:
         model: a `keras.Model`.
@@ -122,11 +110,8 @@ def save_model(model: "keras.Model", filepath: str | os.PathLike, evict: bool = 
 
 
 def write_atomically(filepath, write, prefix):
-    """Calls `write(tmp)` on a temporary file beside `filepath` (named
-    `<prefix><random><filepath's extension>`), then renames it over
-    `filepath` with the mode `open` gives a new file (0666 less the umask;
-    temporaries are created 0600). On any failure the temporary is removed
-    and `filepath` is as it was. Returns what `write` returned."""
+    """`write(tmp)` on a temporary beside `filepath`, renamed over it with the
+    mode `open` gives; on failure `filepath` is as it was. Returns `write`'s result."""
     fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=os.path.splitext(filepath)[1],
                                dir=os.path.dirname(os.path.abspath(filepath)))
     os.close(fd)
@@ -151,8 +136,7 @@ _LOGGER = logging.getLogger("keras_rec_emb")
 _EVICT_AT_SAVE = contextvars.ContextVar("keras_rec_emb_evict_at_save", default=True)
 
 
-def evicts_at_save():
-    """False inside `save_model(..., evict=False)` (`_eviction_at_save`)."""
+def evicts_at_save():  # False inside `save_model(..., evict=False)`
     return _EVICT_AT_SAVE.get()
 
 
@@ -166,10 +150,8 @@ def _eviction_at_save(enabled):
 
 
 def report_save_eviction(table, rule, before, after, evicted=None):
-    """Logs (INFO, logger "keras_rec_emb") what a save's eviction took from
-    `table` (its name): `before` and `after` admitted rows, `evicted` ids in
-    all (rows plus keys counted but not admitted; None: the rows); warns
-    when it took more than half of the rows."""
+    """Logs what a save's eviction took (`evicted`: rows plus filtered keys;
+    None: the rows); warns past half of the rows."""
     rows = before - after
     others = 0 if evicted is None else max(0, evicted - rows)
     extra = f" and {others} ids counted but not admitted" if others else ""
@@ -190,9 +172,8 @@ _KERAS_MEMBERS = ("config.json", "model.weights.h5")
 
 
 def check_keras_file(filepath):
-    """Raises an error naming `filepath` and the fix unless it is a readable
-    `.keras` archive (Keras itself reports a corrupt or truncated file as
-    "File not found"). Reads the whole file (CRC check of every member)."""
+    """Raises an error naming the fix unless `filepath` is a readable `.keras`
+    archive, every member CRC-checked (Keras says "File not found")."""
     filepath = os.fspath(filepath)
     if not os.path.isfile(filepath):
         raise FileNotFoundError(f"No such model file: {filepath}")
@@ -228,19 +209,11 @@ def check_keras_file(filepath):
 def storage_root(root: str | os.PathLike):
     """A context in which models are loaded with their file-tier tables under `root`.
 
-    A file-tier table (`StorageOption("FILE", storage_path=...)`) creates
-    `storage_path/<table name>/`, takes its lock and clears its working files.
-    A `.keras` file's config names that `storage_path`, so a model file from
-    elsewhere would choose where this program creates and clears folders.
-    Tables built from a config (`keras.saving.load_model`,
-    `keras.models.model_from_json`, `clone_model`, a layer's `from_config`)
-    therefore work only under a folder the caller chose: inside this context
-    a relative `storage_path` is taken under `root` and an absolute one must
-    lie inside `root` (symbolic links resolved); any other raises a
-    ValueError naming `storage_path`. Outside it an absolute `storage_path`
-    is refused, and a relative one is taken under the current folder and
-    must stay in it. Tables made in code (`StorageOption(...)` passed to a
-    layer) are not affected.
+    A `.keras` file's config names each file-tier table's `storage_path`, so
+    tables built from a config work only under a folder the caller chose:
+    inside this context a relative `storage_path` is taken under `root` and an
+    absolute one must lie inside it. Tables made in code are not affected.
+    See docs/file_tier.md, 'File tier, loading a `.keras` file'.
 
     Args:
         root: str or path-like, a folder (need not exist yet).
@@ -269,12 +242,8 @@ def load_model(filepath: str | os.PathLike, storage_root: str | os.PathLike | No
                **kwargs) -> "keras.Model":
     """`keras.saving.load_model(filepath)` with errors that say what is wrong.
 
-    Keras reports a missing file, a file that is not a zip archive and a
-    truncated or corrupt archive alike as "File not found". This checks
-    the file first (`check_keras_file`: it exists, is a zip archive whose
-    members pass their CRC check, and holds a model config and weights) and
-    raises an error naming `filepath` and the fix; then it loads the model
-    (our layers and optimizers are registered for Keras serialization).
+    Keras reports a missing, non-zip, truncated or corrupt file alike as "File
+    not found"; this checks the file first and names what is wrong.
 
     Args:
         filepath: str or path-like, a `.keras` file.
@@ -318,11 +287,9 @@ def load_model(filepath: str | os.PathLike, storage_root: str | os.PathLike | No
 
 
 def _free_partial_model(error):
-    """Frees the model a failed load had begun to build. The traceback's
-    frames hold it, and with it its tables: a file-tier table would keep its
-    storage folder locked, so that loading the model again (fixed) in this
-    process would find the folder taken. Clearing the finished frames' locals
-    and collecting frees them (their folders are released)."""
+    """Frees the model a failed load began: the traceback's frames hold its
+    tables, and a file-tier table would keep its folder locked against a retry."""
+
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))

@@ -1,20 +1,12 @@
 """The table protocol: what every kind of embedding table implements.
 
-`StoredTable` is what `EmbeddingVariable` needs of its table under either
-Keras backend; the JAX backend's `JaxTable` implements it. `Table` extends
-it with what layers, ops and saving use under TensorFlow, implemented by
-`EmbeddingTable` (one table in this process), `ShardedEmbeddingTable`
-(split by key hash over parameter-server tasks or a MirroredStrategy's
-replicas) and `CollectiveShardedTable` (over MultiWorkerMirroredStrategy
-workers); where the kinds differ, a capability says so (`local`,
-`exchange_group`) instead of a type test. `TableShard` is the one C++ table
-of this process behind a `TableVariable`, what the optimizers update and
-incremental checkpoints and serving deltas read (an `EmbeddingTable` is
-one; a distributed table's `variables` are its shards').
-
-`TableBase` is what every implementation shares over its own ops. No
-TensorFlow here: this module is imported under JAX too.
-tests/test_tables.py checks that every kind defines every member.
+`StoredTable`: what `EmbeddingVariable` needs under either backend (`JaxTable`).
+`Table`: what layers, ops and saving use under TensorFlow (`EmbeddingTable`,
+`ShardedEmbeddingTable`, `CollectiveShardedTable`); where the kinds differ, a
+capability (`local`, `exchange_group`) says so instead of a type test.
+`TableShard`: the one C++ table of this process behind a `TableVariable`.
+`TableBase`: what the implementations share. No TensorFlow here (imported
+under JAX too); tests/test_tables.py checks every kind defines every member.
 """
 
 import operator
@@ -48,8 +40,7 @@ def check_restore_dim_mode(mode):
 
 
 def check_saved_dim(name, values_shape, dim, mode="error"):
-    """True when saved rows have another width and `mode` allows resizing
-    them; raises a clear error when it does not."""
+    """True when saved rows have another width and `mode` allows resizing them."""
     if getattr(values_shape, "rank", 2) is None:
         return False  # unknown rank (a restore inside a graph): nothing to check
     shape = tuple(values_shape)
@@ -67,11 +58,8 @@ def check_saved_dim(name, values_shape, dim, mode="error"):
 
 
 def resize_rows(keys, values, slots, dim, default_values, slot_inits):
-    """Saved rows (and slots) of another width, brought to `dim`
-    (`restore_dim_mismatch="pad_or_truncate"`, DeepRec's rule): wider rows
-    are truncated; narrower ones padded, the new columns of key `k` from row
-    `k mod len(default_values)` of the initializer matrix, and per-element
-    slots with their init value (`slot_inits`, default 0). NumPy in and out."""
+    """Rows (and slots) of another width brought to `dim`, DeepRec's rule (see
+    docs/semantics.md, 'Tables and their options'). NumPy in and out."""
     keys, values = np.asarray(keys), np.asarray(values, np.float32)
     old, n = values.shape[1], values.shape[0]
     if old > dim:
@@ -100,13 +88,11 @@ def freq_cap(record_freq, filter_freq):
     return 0 if record_freq or filter_freq < 1 else int(filter_freq)
 
 
-def attribute(path, doc=None):
-    """A read-only property: the object's attribute at `path` (dotted)."""
+def attribute(path, doc=None):  # a read-only property: the attribute at dotted `path`
     return property(operator.attrgetter(path), doc=doc)
 
 
-def constant(value, doc):
-    """A read-only property that is `value` for every object of the class."""
+def constant(value, doc):  # a read-only property, `value` for every object
     return property(lambda self: value, doc=doc)
 
 
@@ -116,8 +102,7 @@ def check_snapshot_path(path):
 
 
 class TableBase:
-    """What every table implementation has in common over its own ops (the
-    TensorFlow kernels, the JAX FFI calls, a sharded table's shards).
+    """What every table implementation has in common over its own ops.
 
     A subclass sets `_name`, `_dim`, `_key_dtype`, `_trainable`,
     `_save_filtered`, `_slot_inits`, `_initial_default_values` and, on the
@@ -146,7 +131,6 @@ class TableBase:
 
     @property
     def evicts(self):
-        """Whether an eviction rule is configured."""
         return self.eviction_rule is not None
 
     @property
@@ -161,28 +145,20 @@ class TableBase:
 
     @property
     def storage_dir(self):
-        """The file tier's folder of this table, or None (DRAM): its own
-        folder under its `storage_path`, or the folder of a copy made beside
-        a live table holding that one."""
+        """The file tier's folder (a copy's when it works in one), or None."""
         return self._copy_dir or self._storage_dir
 
     def memory_bytes(self):
-        """Bytes held by the table (index, rows, slots, metadata, filter)."""
         return self.stats()["memory_bytes"]
 
     def evict(self, step=None):
-        """Applies the configured eviction now, as `EmbeddingVariable.evict`
-        (`step`: the global step, None the table's latest); returns how many
-        keys went."""
+        """As `EmbeddingVariable.evict`; returns how many keys went."""
         if not self.evicts:
             return 0
         return int(self._evict_op(step))
 
     def evict_for_save(self, name=None):
-        """Eager: the eviction of a save, when it evicts (`evicts_at_save`),
-        reported per table (see `keras_rec_emb.saving.report_save_eviction`);
-        returns the ids evicted. A sharded table's covers every shard
-        (collectively for a `CollectiveShardedTable`, as `size` and `evict`)."""
+        """Eager: a save's eviction (when `evicts_at_save`), reported per table."""
         if not self.evicts_at_save:
             return 0
         before = self.size()
@@ -192,16 +168,13 @@ class TableBase:
         return evicted
 
     def add_slot(self, name, init=0.0, width=None):
-        """Adds optimizer slot `name` (width `dim` unless given) or updates
-        the init value of an existing one for rows created from now on."""
+        """Adds slot `name` (width `dim` unless given), or sets its init for new rows."""
         if not isinstance(name, str) or not name:
             raise TypeError(f"`slot_name` must be a non-empty string. Received: name={name!r}")
         self._slot_inits[name] = float(init)
         self._add_slot(name, float(init), self._dim if width is None else int(width))
 
     def resize_rows(self, keys, values, slots):
-        """Saved rows (and slots) of another width, brought to `dim`
-        (`restore_dim_mismatch="pad_or_truncate"`): NumPy in, NumPy out."""
         return resize_rows(keys, values, slots, self._dim, self._initial_default_values,
                            self._slot_inits)
 
@@ -214,19 +187,15 @@ class TableBase:
                 f"{sorted(data) if isinstance(data, dict) else None}")
 
     def _with_storage(self, stats):
-        """`stats` (the row store's counters) with `storage` and
-        `cache_hit_rate` (hits / accesses, 1.0 before any)."""
         stats["storage"] = "FILE" if self._storage_dir else "DRAM"
         accesses = stats["cache_hits"] + stats["cache_misses"]
         stats["cache_hit_rate"] = stats["cache_hits"] / accesses if accesses else 1.0
         return stats
 
     def _takes_copy_folder(self):
-        """After the table could not be made: when its file-tier folder is
-        held by another live table, gives it a folder of its own next to it
-        (`<folder>.copy-XXXXXXXX`, registered before any finalizer the
-        caller adds: those of one object run newest first, so the table goes
-        before its folder) and returns True; else returns False."""
+        """When the file-tier folder is held by another live table, gives this
+        one a copy folder and returns True (registered before any finalizer
+        the caller adds: they run newest first, so the table goes first)."""
         if (self._storage_dir is None or self._copy_dir is not None
                 or not _file_tier.storage_held(self._storage_dir)):
             return False
@@ -254,8 +223,7 @@ class TableBase:
         return self._snapshot()
 
     def restore_snapshot(self, path=None):
-        """File tier: `EmbeddingVariable.restore_snapshot` (the number of
-        keys)."""
+        """File tier: `EmbeddingVariable.restore_snapshot` (the number of keys)."""
         self._check_file_tier("restore_snapshot()")
         check_snapshot_path(path)
         return self._restore_snapshot(path or (self._storage_dir if self._copy_dir else ""))
@@ -286,15 +254,13 @@ class StoredTable(Protocol):
         """Number of admitted keys."""
 
     def stats(self) -> dict:
-        """Statistics: at least `size`, `filtered`, `memory_bytes`,
-        `latest_step`."""
+        """At least `size`, `filtered`, `memory_bytes`, `latest_step`."""
 
     def evict(self, step=None) -> int:
         """Applies the configured eviction; returns how many keys went."""
 
     def evict_for_save(self, name=None) -> int:
-        """The eviction of a save (when the rule's `at_save` and
-        `keras_rec_emb.save_model(..., evict=...)` allow), reported."""
+        """The eviction of a save, when `at_save` and `save_model` allow, reported."""
 
     def add_slot(self, name, init=0.0, width=None):
         """Adds (or re-inits) optimizer slot `name`."""
@@ -317,8 +283,7 @@ class StoredTable(Protocol):
 
 @runtime_checkable
 class Table(StoredTable, Protocol):
-    """An embedding table of any kind under TensorFlow, as layers, ops and
-    saving use it."""
+    """An embedding table of any kind under TensorFlow."""
 
     # The optimizer of `EmbeddingVariable(optimizer=...)`, or None: set by
     # the layer on the table and on each of its shards.
@@ -353,8 +318,7 @@ class Table(StoredTable, Protocol):
 
     # -- operations -----------------------------------------------------------
     def lookup(self, keys, insert=False):
-        """Rows of `keys` (any shape) as `keys.shape + (dim,)`; `insert`
-        (training) counts and admits keys."""
+        """Rows `keys.shape + (dim,)`; `insert` (training) counts and admits."""
 
     def memory_bytes(self) -> int:
         """Bytes held by the table."""
@@ -369,10 +333,8 @@ class TableShard(Table, Protocol):
     device = _declared("The device holding the table.")
 
     def sparse_apply(self, keys, grads, rule, hyper, step, slots, distinct=False):
-        """One fused optimizer step on the rows of `keys` (see
-        `_ops.sparse_apply`); a distributed shard gathers the replicas'
-        gradients, or leaves the update to its owner, as its placement
-        requires."""
+        """One fused optimizer step on the rows of `keys` (a distributed shard
+        may gather the replicas' gradients or leave it to their owner)."""
 
     def merge_rows(self, keys, values, freqs):
         """Writes rows of `keys` into the live table."""
@@ -397,8 +359,7 @@ class TableShard(Table, Protocol):
 
 
 def lookup_each(tables, keys_list, insert=False, distinct=False):
-    """`lookup_many` of tables that exchange nothing: each looks its own
-    keys up."""
+    """`lookup_many` of tables that exchange nothing."""
     import tensorflow as tf  # only TensorFlow tables exchange
 
     if not distinct:
@@ -428,8 +389,8 @@ def members(protocol):
 
 
 def missing_members(cls, protocol=Table):
-    """The members of `protocol` that class `cls` does not define (its own
-    or from a base other than the protocol): [] when it implements it."""
+    """The members of `protocol` that `cls` does not define (itself or a non-protocol base)."""
+
     missing = []
     for name in members(protocol):
         owner = next((base for base in cls.__mro__ if name in vars(base)), None)

@@ -1,46 +1,11 @@
 """Synchronous tables sharded over MultiWorkerMirroredStrategy workers.
 
-Under `tf.distribute.MultiWorkerMirroredStrategy` every worker process runs
-one replica (one CPU device). An `EmbeddingVariable` built inside
-`strategy.scope()` gets a `CollectiveShardedTable`: shard `i` (the keys with
-`shard_of(key, N) == i`) lives in worker `i` (chief first, then the workers
-in task order) and only there. A lookup (inside the replica function that
-`model.fit` / `evaluate` / `predict` run) sends each id to its owner only,
-with TensorFlow's collectives:
-
-1. Each replica de-duplicates its ids (`tf.unique_with_counts`), keeping
-   each id's occurrences; the distinct ids are grouped by owner shard.
-2. One small `all_gather` tells every worker each rank's shard and how many
-   ids it sends to every shard; the largest count is the padded width `W`.
-3. One `CollectiveAllToAllV2` carries `[N, W, 3]` int64 (id, occurrences,
-   table): row `r` to rank `r`. Each owner looks its received ids up in its
-   shard once each (`EmbeddingTable.lookup_counted`: an id several ranks
-   asked for is looked up once with their occurrences summed, so
-   frequencies and admission filters count what one process counts) and
-   answers with an all-to-all of `[N, W, dim]` rows in the same layout; the
-   asker gathers each of its ids' rows from there.
-
-The gradient runs the same way back: the all-to-all of the rows has the
-all-to-all back as its gradient, so each owner receives, for its ids, every
-replica's summed gradient row (what one process computes with the global
-batch) as a `tf.IndexedSlices` over its shard, which the optimizers of
-`keras_rec_emb.optimizers` apply in place with their fused kernel; the
-dense variables stay data-parallel as Keras makes them.
-
-Cost per lookup and worker: `16 W N` bytes of ids and `4 W N dim` of rows
-forward, the same rows back, where `W` is at most the replica's distinct ids
-for one owner: about `(N-1)/N` of its distinct ids and rows, independent of
-`N` (`benchmarks/distributed.py` measures the bytes each process's sockets
-send). The tables of one fused lookup share one exchange (`lookup_many`):
-a `GroupEmbedding`'s, and the `EmbeddingVariable` calls of one Functional
-model call that read its inputs, looked up together (`backend/tensorflow/model_fusion.py`).
-
-Table-wide operations (`export`, `size`, `stats`, `evict`, saving with
-`model.save` or `tf.train.Checkpoint`) gather the shards with the same
-collectives: every worker must call them, in the same order, as every
-worker calls `model.fit` and `model.save` under this strategy. Saving
-writes the ordinary per-table format (every key of every shard), which
-restores into any number of workers, a MirroredStrategy or one process.
+An `EmbeddingVariable` built in the strategy's scope gets a
+`CollectiveShardedTable`: shard `i` lives in worker `i` only. A lookup sends
+each distinct id to its owner with one all-gather and two
+`CollectiveAllToAllV2`; the gradient is the all-to-all back. Table-wide
+operations are collective: every worker calls them, in the same order. See
+docs/distributed.md, 'Semantics'.
 """
 
 import tensorflow as tf

@@ -15,22 +15,9 @@ def multi_worker_strategy(lost_worker_timeout=DEFAULT_LOST_WORKER_TIMEOUT,
     """A `tf.distribute.MultiWorkerMirroredStrategy` whose workers end with
     an error naming a lost worker within `lost_worker_timeout` seconds.
 
-    A synchronous cluster cannot go on without one of its workers: when a
-    worker process dies (`kill -9`, a lost machine), the others fail their
-    next collective with `tf.errors.UnavailableError` naming the lost task
-    ("The following tasks are unhealthy (stopped sending heartbeats):
-    /job:worker/replica:0/task:1") once it has missed its heartbeats for
-    `lost_worker_timeout` seconds (TensorFlow's coordination service; a
-    process that exits cleanly is noticed at once). Restart every worker
-    then: with `keras.callbacks.BackupAndRestore(backup_dir)` (one folder
-    per worker, on its own disk) `fit` continues from the last completed
-    epoch with the tables, slots, filter counts and dense weights saved
-    there, as an uninterrupted run would have them.
+    Call it before anything else starts TensorFlow's runtime. See
+    docs/distributed.md, 'Running on several machines'.
 
-    Call it before anything else starts TensorFlow's runtime, as the
-    strategy's own constructor must be. A plain
-    `tf.distribute.MultiWorkerMirroredStrategy()` works the same with
-    TensorFlow's default heartbeat timeout.
 
     Args:
         lost_worker_timeout: seconds (a positive number, at most one day)

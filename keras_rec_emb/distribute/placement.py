@@ -5,7 +5,7 @@ is built in. Layers create tables only through `make_table`; the core table
 import tensorflow as tf
 
 from keras_rec_emb.backend.tensorflow import variables as _variables
-from keras_rec_emb.distribute import collective_tables, ps_tables
+from keras_rec_emb.distribute import collective_tables, ps_tables, ps_variables
 
 
 def table_kind():
@@ -16,7 +16,7 @@ def table_kind():
     strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
     if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
         return "collective"
-    if ps_tables.current_devices() is not None:
+    if ps_variables.scope_devices() is not None:
         return "parameter_servers"
     if isinstance(strategy, tf.distribute.MirroredStrategy):
         return "replicas"
@@ -24,18 +24,15 @@ def table_kind():
 
 
 def make_table(dim, key_dtype, default_values, name, **kwargs):
-    """The table a layer built now gets, by `table_kind()`: a
-    `CollectiveShardedTable` over the workers, a `ShardedEmbeddingTable`
-    over the parameter-server devices or over the replicas (shard `i`
-    owned by replica `i`), or one `EmbeddingTable` in this process
-    (`**kwargs`: the other arguments of `EmbeddingTable`)."""
+    """The table a layer built now gets, by `table_kind()` (`**kwargs`: the
+    other arguments of `EmbeddingTable`)."""
     kind = table_kind()
     if kind == "collective":
         return collective_tables.CollectiveShardedTable(
             tf.distribute.get_strategy(), dim, key_dtype, default_values, name=name, **kwargs)
     if kind == "parameter_servers":
         return ps_tables.ShardedEmbeddingTable(
-            ps_tables.current_devices(), dim, key_dtype, default_values, name=name, **kwargs)
+            ps_variables.scope_devices(), dim, key_dtype, default_values, name=name, **kwargs)
     if kind == "replicas":
         devices = list(tf.distribute.get_strategy().extended.worker_devices)
         return ps_tables.ShardedEmbeddingTable(devices, dim, key_dtype, default_values,

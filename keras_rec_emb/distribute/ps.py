@@ -1,14 +1,10 @@
 """`python -m keras_rec_emb.distribute.ps --ps HOST:PORT,HOST:PORT --task I`:
 runs parameter-server task I (same as `keras-rec-emb ps`).
 
-A TensorFlow gRPC server runs any graph a client sends (file reads and
-writes included) and has no authentication. TensorFlow 2.21 binds it to
-`0.0.0.0:PORT` whatever host the task address names (GrpcServer::Init), so
-this command starts itself again with `_kre_bind.so` preloaded
-(csrc/net/kre_bind.c, `make bind-shim`): its `bind()` puts that server on
-the address `--ps` names and the process's helper server (see
-ps_tables._hold_own_context) on loopback. Once serving it reads its own
-listening sockets and stops with an error if any listens wider.
+TensorFlow 2.21 binds its gRPC server, which runs any graph sent to it, to
+`0.0.0.0:PORT` whatever the task address names (GrpcServer::Init): this
+command starts itself again with `_kre_bind.so` preloaded (csrc/net/kre_bind.c)
+so that it listens on the `--ps` address only. See docs/security.md.
 """
 
 import argparse

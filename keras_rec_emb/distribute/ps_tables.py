@@ -1,21 +1,9 @@
 """Asynchronous parameter-server training over TensorFlow's own runtime.
 
-A parameter-server (PS) task is a `tf.distribute.Server` in a process that
-has loaded this package's ops (`keras-rec-emb ps ...` or `python -m
-keras_rec_emb.distribute.ps ...`). A worker calls `connect(...)`, which
-checks that every PS address answers as the TensorFlow server of its task
-(bounded time, the error names the task and address) and then
-`tf.config.experimental_connect_to_cluster`; layers built inside
-`parameter_servers(devices)` shard each table over the PS tasks by key hash
-(`ShardedEmbeddingTable`), and their dense variables and the optimizer's
-live on the PS tasks too (`ps_variables`): every worker trains one model,
-asynchronously (DeepRec's default mode for CPU clusters). A lookup
-partitions the ids by shard (`tf.dynamic_partition`), runs each shard's
-lookup on its PS task (TensorFlow's gRPC runtime carries the ids and rows)
-and stitches the rows back (`tf.dynamic_stitch`); the gradient of each
-shard's lookup is a `tf.IndexedSlices` over that shard's keys, which the
-optimizers of `keras_rec_emb.optimizers` apply with their fused kernel on
-the PS task.
+Layers built inside `parameter_servers(connect(...))` shard each table over
+the PS tasks by key hash (`ShardedEmbeddingTable`); a lookup partitions the
+ids by shard and runs each shard's lookup on its task. See
+docs/distributed.md, 'Semantics'.
 """
 
 import contextlib
@@ -85,21 +73,10 @@ def parameter_servers(devices):
     """Layers built inside shard their tables over `devices` by key hash.
 
     In a worker connected with `connect(...)` (`devices` its result), the
-    model built inside is the cluster's one model: its dense variables, and
-    the optimizer's step counter and learning rate when the model is
-    compiled inside, are variables on the PS tasks found by name
-    (`kre_ps/<path>`), as are the optimizer's slots, beside their
-    variables. The chief (worker 0) gives every variable the PS tasks do
-    not hold yet its initial value; when its scope ends, the other
-    workers' scopes end too (they wait for it, up to `connect`'s timeout):
-    restore a checkpoint inside the chief's scope and every worker starts
-    from it. Workers then update asynchronously: a step reads the values
-    the PS tasks hold then, possibly changed by other workers since its
-    previous read (stale reads, as DeepRec and TensorFlow 1's parameter
-    servers). Saving on the chief (`model.save`, `export_for_serving`,
-    checkpoint callbacks) reads each variable and each table shard in one
-    piece, one after another: taken while others train, a save mixes
-    values from a few steps apart.
+    model built inside is the cluster's one model, its dense and optimizer
+    variables on the PS tasks too; the chief (worker 0) initializes them
+    and the other workers wait for the end of its scope. Workers then
+    update asynchronously. See docs/distributed.md, 'Semantics'.
 
     Args:
         devices: list of str. One device per shard, normally
@@ -129,14 +106,7 @@ def parameter_servers(devices):
         ps_variables.scope_ended()
 
 
-def current_devices():
-    """The devices of the innermost `parameter_servers` scope, or None."""
-    return ps_variables.scope_devices()
-
-
-def _of_first_shard(name):
-    """A sharded table's property that is its first shard's: every shard is
-    built from the same arguments."""
+def _of_first_shard(name):  # every shard is built from the same arguments
     return property(lambda table: getattr(table._shards[0], name),
                     doc=f"The shards' `{name}` (the same for each).")
 
@@ -256,15 +226,12 @@ class ShardedEmbeddingTable(_tables.TableBase, _compat.Trackable):
 
     @staticmethod
     def _shard_parts(shard, include_filtered, evict):
-        """`shard`'s parts as tensors, exported on its device (`evict`: after
-        the eviction op of a save)."""
         with tf.device(shard.device):
             return shard._export_parts(include_filtered, evict=evict)
 
     def _joined(self, first, rows, filtered):
-        """One table's parts from the shards': those of `first` (a shard's),
-        each per-key part replaced by `rows(name)` (per admitted key) or
-        `filtered(name)` (per filtered key), every shard's rows together."""
+        """`first`'s parts with each per-key part replaced by `rows(name)`
+        (admitted keys) or `filtered(name)` (filtered keys)."""
         out = dict(first)
         out.update((k, rows(k)) for k in self._ROW_PARTS)
         out.update((k, filtered(k)) for k in self._FILTERED_PARTS)
@@ -273,9 +240,7 @@ class ShardedEmbeddingTable(_tables.TableBase, _compat.Trackable):
         return out
 
     def _gathered_parts(self, include_filtered, evict=False):
-        """Every shard's parts in one table's (`EmbeddingTable`'s checkpoint
-        format, the same names); `evict`: each shard's after the eviction
-        op of a save."""
+        """Every shard's parts in `EmbeddingTable`'s checkpoint format."""
         shard_parts = [self._shard_parts(s, include_filtered, evict) for s in self._shards]
 
         def rows(k):
@@ -289,8 +254,7 @@ class ShardedEmbeddingTable(_tables.TableBase, _compat.Trackable):
         return self._gathered_parts(self.save_filtered, evict=True)
 
     def _split_restored(self, restored_tensors, n):
-        """The restored parts (checked for their row width) split by key hash
-        into `n` dicts, one per shard."""
+        """The restored parts split by key hash into `n` dicts, one per shard."""
         parts = dict(restored_tensors)
         values = parts.get("values")
         if values is not None:
@@ -302,8 +266,7 @@ class ShardedEmbeddingTable(_tables.TableBase, _compat.Trackable):
                       for k in self._FILTERED_PARTS})
         return [dict(parts, **{k: v[i] for k, v in split.items()}) for i in range(n)]
 
-    def _held(self):
-        """(index, shard) of each shard this process holds: every one."""
+    def _held(self):  # (index, shard) of each shard this process holds
         return enumerate(self._shards)
 
     def _restore_from_tensors(self, restored_tensors):
@@ -343,8 +306,8 @@ class ShardedEmbeddingTable(_tables.TableBase, _compat.Trackable):
         return sum(s.size() for s in self._shards)
 
     def _over_shards(self, value):
-        """`value(shard)` (a list of ints) of every shard, one row each
-        (NumPy); a `CollectiveShardedTable` gathers every worker's."""
+        """`value(shard)` of every shard, one row each (a `CollectiveShardedTable`
+        gathers every worker's)."""
         return np.array([value(s) for s in self._shards], np.int64)
 
     def stats(self):
@@ -381,11 +344,7 @@ class ShardedEmbeddingTable(_tables.TableBase, _compat.Trackable):
     def restore_snapshot(self, path=None):
         """File tier: every shard restores the latest snapshot of its folder
         under `path` (default `storage_dir`); returns the number of keys.
-
-        A snapshot is per shard (files of the keys hashed to it), so it
-        restores only into the same shard count: if `path` holds this
-        table's snapshot for another count, a ValueError names both counts
-        (a `tf.train.Checkpoint` or `model.save` reshards instead)."""
+        A snapshot is per shard, so it restores only into the same shard count."""
         _tables.check_snapshot_path(path)
         root = path or self.storage_dir
         if root is None:
@@ -418,27 +377,19 @@ class ShardedEmbeddingTable(_tables.TableBase, _compat.Trackable):
         return self._shards[0].resize_rows(keys, values, slots)
 
     def export(self, include_filtered=True):
-        """Every shard's rows in one dict shaped like `EmbeddingTable.export()`
-        (the ordinary format: a single table restores it). A counting Bloom
-        filter's counters are per shard and are not merged: `bloom` is
-        empty, the keys it counted stay in `keys_filtered`. Like
-        `EmbeddingTable.export`, it does not evict (saving does); a
-        `CollectiveShardedTable`'s is collective (every worker calls it and
-        receives all rows)."""
+        """Every shard's rows in one dict shaped like `EmbeddingTable.export()`.
+        Bloom counters are per shard and not merged: `bloom` is empty. A
+        `CollectiveShardedTable`'s is collective (every worker calls it)."""
         return _variables.exported(self._gathered_parts(include_filtered))
 
     def import_(self, data, clear=True):
-        """Splits `data` (shaped like `export()`) over the shards held here by
-        key hash: rows saved with any number of shards restore into this
-        one."""
+        """Splits `data` by key hash: rows saved with any shard count restore."""
         self._check_import_data(data)
         for i, shard in self._held():
             shard.import_(_rows_of_shard(data, i, self.num_shards), clear)
 
 
 def _rows_of_shard(data, index, num_shards):
-    """The part of `data` (shaped like `export()`) whose keys hash to shard
-    `index` of `num_shards` (NumPy)."""
     keys = np.asarray(data["keys"])
     which = shard_of_numpy(keys, num_shards) if keys.size else np.zeros(0, np.int64)
     keys_f = np.asarray(data.get("keys_filtered", np.zeros(0, np.int64)))
@@ -453,8 +404,7 @@ def _rows_of_shard(data, index, num_shards):
 
 
 def saved_shard_counts(root, shard_folder):
-    """The shard counts N whose folders `<table>_shard_<i>_of_<N>` exist
-    under `root` for the table whose shard folder is `shard_folder`."""
+    """The N of the folders `<table>_shard_<i>_of_<N>` under `root`."""
     base = re.sub(r"_shard_\d+_of_\d+$", "", shard_folder)
     pattern = re.compile(re.escape(base) + r"_shard_\d+_of_(\d+)$")
     try:
@@ -473,8 +423,7 @@ def _split_address(address):
 
 
 def wait_for(address, timeout):
-    """Returns once `address` ("host:port") accepts a TCP connection;
-    raises `ConnectionError` naming it after `timeout` seconds."""
+    """Returns once `address` accepts a TCP connection (else `ConnectionError`)."""
     host, port = _split_address(address)
     deadline = time.monotonic() + timeout
     while True:
@@ -497,8 +446,7 @@ def wait_for(address, timeout):
 _GET_STATUS = "/tensorflow.WorkerService/GetStatus"
 
 
-def _device_names(response):
-    """The device names in a serialized GetStatusResponse."""
+def _device_names(response):  # of a serialized GetStatusResponse
     from tensorflow.core.framework import device_attributes_pb2
 
     names, i = [], 0
@@ -528,16 +476,12 @@ def _varint(data, i):
 
 
 def probe(address, job, task, timeout):
-    """Returns once the TensorFlow server at `address` answers, as task
-    `task` of job `job`, the RPC TensorFlow's runtime asks each task first
-    (`WorkerService.GetStatus`), under a deadline of `timeout` seconds.
+    """Returns once the server at `address` answers `WorkerService.GetStatus`
+    as task `task` of `job`, within `timeout` s, else `ConnectionError`.
 
-    An open port is not enough: a process that accepts connections and never
-    answers (another service, a half-started server) would otherwise make
-    TensorFlow's runtime wait forever at the first op placed on the task,
-    since its RPCs carry no deadline. Raises `ConnectionError` naming the
-    task and the address: nothing answered in time, the answer is not
-    TensorFlow's, or the server is another task of the cluster."""
+    An open port is not enough: a process that never answers would make
+    TensorFlow's runtime (whose RPCs carry no deadline) wait forever at the
+    first op placed on the task."""
     import grpc
 
     _split_address(address)
@@ -638,10 +582,8 @@ def connect(ps, worker, task_index=0, timeout=60.0):
 
 
 def serve(ps, task_index, worker=None):
-    """Runs parameter-server task `task_index` of the cluster `ps` (list of
-    "host:port") in this process until it is killed: a
-    `tf.distribute.Server` with this package's ops loaded, holding one eager
-    context of its own (see `_hold_own_context`)."""
+    """Runs PS task `task_index` of `ps` in this process until it is killed,
+    holding one eager context of its own (see `_hold_own_context`)."""
     _ops.gen()
     spec = {"ps": list(ps)}
     if worker:
@@ -658,10 +600,10 @@ KEEPER_JOB = "kre_ps_keeper"
 
 def _hold_own_context(address, task_index):
     """Makes this process an eager client of its own server, before any
-    worker can connect, and keeps that context alive (TensorFlow's client
-    keep-alive thread) for the life of the process.
+    worker connects, for the life of the process.
 
-    Why: TensorFlow 2.21's `EagerServiceImpl::CreateContext` replaces the
+    Why: TensorFlow 2.21's
+ `EagerServiceImpl::CreateContext` replaces the
     server's collective-executor manager (`env_->collective_executor_mgr`, a
     unique_ptr) whenever it finds no context, checked under its lock but
     replaced after releasing it. Two workers whose CreateContext reach an

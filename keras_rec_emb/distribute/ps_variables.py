@@ -1,30 +1,11 @@
 """Dense variables on the parameter servers: one model for every worker.
 
-In a worker connected with `connect(...)`, a variable that is created
-
-* inside `parameter_servers(devices)` (the layers' weights, the optimizer's
-  step counter and learning rate when the model is compiled there), or
-* on a parameter-server device (an optimizer slot, which our optimizers
-  create beside its variable),
-
-is a resource variable on a PS task found by name, `kre_ps/<Keras path>`
-(`dense/kernel`, `adam/dense_kernel_momentum`): every worker that builds
-the same layers reaches the same variables. The chief places each one
-inside the scope on the task holding the fewest bytes so far (TensorFlow's
-`GreedyLoadBalancingStrategy` for `replica_device_setter`); a slot stays
-with its variable; the other workers find each variable where the chief
-put it, whatever models or order they build in. Variables synchronized on
-read (Keras's metrics) stay on the worker: each worker counts its own loss.
-
+In a worker connected with `connect(...)`, a variable created inside
+`parameter_servers(devices)` or on a PS device (an optimizer slot) is a
+resource variable on a PS task found by name, `kre_ps/<Keras path>`: every
+worker that builds the same layers reaches the same variables.
 Initialization and updates are TensorFlow 1's (its chief and
-`SessionManager`; `parameter_servers` says what a user sees). Another
-worker than the chief never assigns an initial value, and a worker that
-joins a cluster whose variables hold values leaves them as they are. An
-`assign_sub` (SGD's update) is atomic on the PS task: no worker's update is
-lost. An update that reads a slot and writes it back (momentum, Adam's
-moments) may interleave with another worker's, as TensorFlow 1's
-`use_locking=False` does. Tables apply each row's update under its lock
-(the fused kernel on the PS task).
+`SessionManager`). See docs/distributed.md, 'Semantics'.
 """
 
 import threading

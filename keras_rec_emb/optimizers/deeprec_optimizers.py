@@ -169,17 +169,8 @@ class AdagradDecay(TableOptimizer, keras.optimizers.Optimizer):
         acc += g**2
         var -= lr * g / sqrt(acc + epsilon)
 
-    So the first decay comes with the `accumulator_decay_step`-th update, and
-    a row idle for several periods decays once when next updated, then once
-    per update until its count catches up (as in DeepRec; not
-    `rate ** periods`).
-
-    Where it differs from DeepRec: `epsilon` (default `1e-7`, as Keras's
-    Adagrad) is added under the square root; DeepRec has none. Pass
-    `epsilon=0` for DeepRec's numbers bit for bit. Checkpoints written
-    by keras_rec_emb 0.1.0 stored a dense variable's `decay_period` as one
-    scalar (the last period it was decayed for); they still load (the
-    scalar fills every row).
+    `epsilon=0` gives DeepRec's numbers bit for bit. See docs/semantics.md,
+    'Optimizers and mixed precision'.
 
     Args:
         learning_rate: float >= 0, a schedule, or a callable. Defaults to
@@ -280,17 +271,10 @@ class AdamW(TableOptimizer, keras.optimizers.AdamW):
     __doc__ = """Adam with decoupled weight decay (Loshchilov & Hutter), sparse-aware.
 
     `var -= learning_rate * weight_decay * var` (Keras's convention), or with
-    `scale_weight_decay_by_learning_rate=False` DeepRec's (TF contrib's
-    `AdamWOptimizer`, `DecoupledWeightDecayExtension`): `var -= weight_decay
-    * var`, not scaled by the learning rate; then Keras's Adam update (the
-    same as DeepRec's Adam: `lr * sqrt(1 - beta_2**t) / (1 - beta_1**t) * m /
-    (sqrt(v) + epsilon)`). For
-    dense gradients the decay covers the whole variable, exactly as
-    `keras.optimizers.AdamW`. For sparse gradients, both embedding tables and
-    `tf.IndexedSlices` gradients of dense variables (`keras.layers.Embedding`),
-    the decay applies only to the rows updated in this step: rows that are
-    not looked up are neither trained nor shrunk. `exclude_from_weight_decay`
-    works as in Keras.
+    `scale_weight_decay_by_learning_rate=False` DeepRec's `var -= weight_decay
+    * var`; then Keras's Adam update (the same as DeepRec's Adam). Sparse
+    gradients decay only the rows they update. See docs/semantics.md,
+    'Optimizers and mixed precision'.
 
     Args:
         weight_decay: float >= 0. Defaults to `0.004`, as
@@ -355,8 +339,8 @@ class AdamW(TableOptimizer, keras.optimizers.AdamW):
 
 
 def _is_placeholder(slot):
-    """Whether `slot` stands for state inside a table (None under JAX, a
-    `TableSlot` under TensorFlow), not a Keras variable."""
+    """Whether `slot` stands for state inside a table (None, or a `TableSlot`)."""
+
     return slot is None or not isinstance(slot, keras.Variable)
 
 

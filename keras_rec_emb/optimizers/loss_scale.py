@@ -14,30 +14,13 @@ else:
 class LossScaleOptimizer(LossScaleTables, keras.optimizers.LossScaleOptimizer):
     """`keras.optimizers.LossScaleOptimizer` for models with embedding tables.
 
-    Under the `"mixed_float16"` policy, gradients of a float16 loss are
-    scaled up so that small ones do not underflow; this wrapper scales the
-    loss, unscales every gradient (a table's `tf.IndexedSlices` rows
-    included), skips the step and halves the scale when a gradient is not
-    finite, and doubles it after `dynamic_growth_steps` finite steps, exactly
-    as Keras's. Keras's own wrapper cannot read a table's gradient (its rows
-    are keyed by ids, not positions), so where `compile` wraps an optimizer
-    by itself under `"mixed_float16"`, an optimizer of
-    `keras_rec_emb.optimizers` is wrapped in this one instead (named
-    `"loss_scale_optimizer"`, Keras's defaults): `compile(optimizer=
-    keras_rec_emb.optimizers.Adagrad(...))` just works. Pass this one to
-    `compile` yourself to choose `initial_scale` or `dynamic_growth_steps`;
-    Keras uses it as is.
-
-    Tables stay float32 (their rows are cast to the layer's compute dtype,
-    float16, after the lookup; the float16 gradient is applied to the
-    float32 rows), like Keras's own float32 master weights.
-
-    Under JAX a table is updated in the backward pass of its lookup, before
-    the step's other gradients exist: there it divides its rows' gradient
-    by the loss scale in effect in the step, and skips its update when that
-    gradient is not finite (the dense weights skip when any gradient is
-    not finite, as in Keras; a table's zero-size anchor carries no value
-    into that check). The scale then halves or grows as in Keras.
+    Scales the loss and unscales every gradient (a table's rows included),
+    skipping steps and adjusting the scale exactly as Keras's, whose own
+    wrapper cannot read a table's gradient. `compile` under
+    `"mixed_float16"` wraps an optimizer of `keras_rec_emb.optimizers` in
+    this one by itself; pass it yourself to choose `initial_scale` or
+    `dynamic_growth_steps`. See docs/semantics.md, 'Optimizers and mixed
+    precision'.
 
     Args:
         inner_optimizer: an optimizer of `keras_rec_emb.optimizers`.
@@ -80,11 +63,8 @@ class LossScaleOptimizer(LossScaleTables, keras.optimizers.LossScaleOptimizer):
 
 
 def rewrap_keras_auto_wrapper(optimizer):
-    """Our `LossScaleOptimizer` in place of the `keras.optimizers.
-    LossScaleOptimizer` that `compile` has just put around an optimizer of
-    ours (same inner optimizer, name and settings); `None` for any other
-    optimizer (Keras's wrapper is right for it). Installed by
-    `_compat.fix_compile_loss_scale`."""
+    """Ours in place of the Keras `LossScaleOptimizer` that `compile` just put
+    around an optimizer of ours; `None` for any other (Keras's is right)."""
     if (type(optimizer) is not keras.optimizers.LossScaleOptimizer
             or not LossScaleTables._check_inner(optimizer.inner_optimizer)
             or optimizer.built):

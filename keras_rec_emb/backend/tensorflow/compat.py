@@ -7,13 +7,9 @@ that every entry still exists in the installed versions and that no other
 module of the package reaches past it.
 
 Each entry says what it is, why the public API does not do it, and who uses
-it. Two kinds of entries:
-
-* names called or subclassed (functions and aliases below);
-* private *hooks* our classes override (`OVERRIDDEN_HOOKS`): they cannot be
-  routed through a function, so they are declared here and the test checks
-  both that the base class still has each one and that our classes
-  override no private method not declared here.
+it. Private *hooks* our classes override cannot be routed through a function:
+`OVERRIDDEN_HOOKS` declares them, and the test checks that the base class
+still has each and that our classes override no undeclared private method.
 """
 
 import os
@@ -55,34 +51,25 @@ from keras_rec_emb._keras_fixes import (  # noqa: F401
 def variable_accessed(variable):
     """Records a read of `variable` on every watching `tf.GradientTape`.
 
-    Our lookup kernels read the table through its resource handle, which the
-    tape does not see (stock reads go through `ResourceVariable`, which calls
-    this itself). The public `tape.watch` needs the tape object, which a
-    layer called inside `model.fit` does not have.
-    Used by `variables.EmbeddingTable.lookup` and the fused group lookup
-    (`ops/embedding_ops.py`).
+    Our kernels read the table through its handle, which the tape does not
+    see; `tape.watch` needs the tape object, which a layer inside `fit` lacks.
+    Used by `variables.EmbeddingTable.lookup` and `ops/embedding_ops.py`.
     """
     _tape.variable_accessed(variable)
 
 
 def op_def(op_type):
-    """The `OpDef` registered for `op_type`: the names of its inputs, outputs
-    and attributes, as the op's registration declares them.
+    """The `OpDef` registered for `op_type` (its inputs, outputs, attributes).
 
-    A graph op has it as `op.op_def`, but the op a gradient function gets in
-    eager mode has only its type, attributes and tensors; the public API has
-    no lookup by type. Used by `_op_args` (our ops' inputs and outputs read
-    by name, in the group lookup's gradient and the optimizers).
+    The op an eager gradient function gets has no `op_def`, and the public API
+    has no lookup by type. Used by `op_args`.
     """
     return op_def_registry.get(op_type)
 
 
 def functional_nodes(model):
-    """The nodes of a Functional model's graph in the order its call runs
-    them (`Function._nodes_by_depth`, deepest first, each depth in order;
-    input nodes left out), each with public `operation` and `arguments`
-    (`args`, `kwargs`). Keras exposes the graph only through this private
-    attribute. Used by `backend/tensorflow/model_fusion.py`."""
+    """A Functional model's non-input nodes in the order its call runs them
+    (`_nodes_by_depth`, Keras's only view of the graph). Used by `model_fusion.py`."""
     by_depth = model._nodes_by_depth  # pylint: disable=protected-access
     return [node for depth in sorted(by_depth, reverse=True) for node in by_depth[depth]
             if node.operation is not None and not node.is_input]
@@ -132,13 +119,9 @@ GeneratorDataset = from_generator_op._GeneratorDataset  # pylint: disable=protec
 
 
 def dataset_variant(dataset):
-    """The variant tensor of a `tf.data.Dataset`.
-
-    `tf.data.Dataset.__init__(variant_tensor)` is how a subclass (as
-    `tf.data.TFRecordDataset` does) becomes a dataset; a pipeline built from
-    public transformations exposes its variant only as this attribute.
-    Used by `data/_source.WrappedDataset`.
-    """
+    """The variant tensor of a `tf.data.Dataset`, which a subclass passes to
+    `Dataset.__init__`; a pipeline exposes it only as this attribute. Used by
+    `data/_source.WrappedDataset`."""
     return dataset._variant_tensor  # pylint: disable=protected-access
 
 
@@ -157,12 +140,9 @@ def dataset_inputs(dataset):
 Trackable = tf.__internal__.tracking.Trackable
 
 def resolve_training(training):
-    """`training` of a layer call, with None read as "while a gradient tape
-    records". Keras passes None to the layers of a subclassed model whose
-    `call` takes no `training` argument, in `fit` too; a table layer that
-    read None as inference would then count nothing (frequencies, admission
-    filters) while its optimizer still trains it. Under the JAX backend
-    None means "when differentiated" for the same reason (keras_rec_emb/backend/jax).
+    """`training`, with None read as "while a gradient tape records": Keras
+    passes None to the layers of a subclassed model without `training`, in
+    `fit` too, and a table would then count nothing while it trains.
     TensorFlow has no public query of the tape stack."""
     if training is not None:
         return training
@@ -172,11 +152,9 @@ def resolve_training(training):
 
 
 def in_xla_context():
-    """Whether the graph being built is compiled by XLA (`tf.function(
-    jit_compile=True)`, which Keras's `jit_compile=True` uses). Our kernels
-    have no XLA implementation; without this check the user gets XLA's raw
-    "No registered 'KRE>...' OpKernel for XLA_CPU_JIT" error at run time.
-    TensorFlow has no public query. Used by `_ops.refuse_xla`."""
+    """Whether the graph being built is compiled by XLA: our kernels have
+    none, and XLA's own error ("No registered 'KRE>...' OpKernel") says
+    nothing of the fix. No public query. Used by `_ops.refuse_xla`."""
     from tensorflow.python.framework import ops
     from tensorflow.python.ops import control_flow_util
 
@@ -184,17 +162,13 @@ def in_xla_context():
 
 
 def strategy_all_to_all(strategy, tensor):
-    """TensorFlow's collective all-to-all among the replicas of `strategy`
-    (a MultiWorkerMirroredStrategy, one replica per worker), called in its
-    replica function: `tensor` `[group_size, ...]`, row `r` goes to rank
-    `r`; the result's row `r` comes from rank `r` (ranks in the order of
-    the strategy's `all_gather`).
+    """Collective all-to-all among `strategy`'s replicas, in its replica
+    function: row `r` of `tensor` goes to rank `r`, the result's comes from it.
 
-    The replica context offers all-reduce, all-gather and broadcast only.
-    This launches `CollectiveAllToAllV2` the way the strategy's own
-    collectives are launched (`CollectiveReplicaLauncher`: its group, its
-    next instance key, its ordering token, its timeout), so that it orders
-    with them on every worker. Used by `distribute/collective_tables.py`.
+    The replica context has no all-to-all; this launches one as the
+    strategy's `CollectiveReplicaLauncher` does (its group, instance key,
+    ordering token, timeout), so that it orders with the strategy's own
+    collectives. Used by `distribute/collective_tables.py`.
     """
     from tensorflow.python.ops import collective_ops
 
@@ -202,11 +176,9 @@ def strategy_all_to_all(strategy, tensor):
 
 
 def strategy_all_gather(strategy, tensor):
-    """The strategy's all-gather along axis 0 of a tensor of the same shape
-    on every replica, in one collective: `ReplicaContext.all_gather` first
-    gathers every replica's shape (a second collective, one more round trip
-    between the workers) to allow shapes that differ. Launched as
-    `strategy_all_to_all` is; used by `distribute/collective_tables.py`."""
+    """All-gather of a tensor of one shape on every replica, in one collective
+    (`ReplicaContext.all_gather` gathers the shapes first, one more round
+    trip). Launched as `strategy_all_to_all` is."""
     from tensorflow.python.ops import collective_ops
 
     return _strategy_collective(strategy, collective_ops.all_gather_v2, tensor)
@@ -225,17 +197,12 @@ def _strategy_collective(strategy, op, tensor):
 
 
 class ActsAsResourceVariable:
-    """Base of an object that is not a `tf.Variable` but that
-    `tf.GradientTape` differentiates with respect to through its `handle`,
-    as it does a resource variable: TensorFlow treats as one any object with
-    `_should_act_as_resource_variable` (no public protocol).
+    """Base of a non-variable that a tape differentiates through its `handle`
+    (`_should_act_as_resource_variable`, no public protocol).
 
-    Stock optimizers key the variables they are built on by `_unique_id`
-    (Keras's and TensorFlow's `_var_key`); here it returns what the
-    subclass's `_stock_optimizer_key()` does. Used by
-    `variables.TableVariable`, whose `_stock_optimizer_key` refuses a stock
-    optimizer with an error naming the fix (the first point where one meets
-    a table).
+    Stock optimizers key variables by `_unique_id`: here the subclass's
+    `_stock_optimizer_key()`, which `variables.TableVariable` uses to refuse
+    them with an error naming the fix.
     """
 
     _should_act_as_resource_variable = True
@@ -258,37 +225,27 @@ input_signature = input_specs
 
 
 def child_layers(layer):
-    """The layers `layer` holds directly, in the order it tracks them
-    (`Layer._flatten_layers(include_self=False, recursive=False)`); public
-    `layers` exists on models only. Used by the CLI's `inspect`, to list
-    tables in model order (a GroupEmbedding's where the group is)."""
+    """The layers `layer` holds directly, in order (public `layers` exists on
+    models only). Used by the CLI's `inspect`."""
     return layer._flatten_layers(include_self=False, recursive=False)  # pylint: disable=protected-access
 
 
 def track_variable(layer, variable):
-    """Makes `layer` own `variable` (weights, saving, `trainable_variables`).
-
-    Keras tracks variables that `add_weight` creates; an embedding table's
-    variable is created by `EmbeddingTable`, and Keras has no public way to
-    adopt an existing variable. Used by `layers.EmbeddingVariable.build`.
-    """
+    """Makes `layer` own `variable`: Keras has no public way to adopt an
+    existing variable. Used by `layers.EmbeddingVariable.build`."""
     layer._track_variable(variable)  # pylint: disable=protected-access
 
 
 def exported_resources(loaded):
-    """The resources (our tables among them) of a SavedModel that
-    `model.export` wrote, as `tf.saved_model.load` returns it, in the order
-    the export lists them: Keras's `ExportArchive` tracks them in the list
-    `_misc_assets` of the exported object; TensorFlow lists a loaded
-    object's resources nowhere public. Used by
+    """The resources of a loaded `model.export` SavedModel, in export order
+    (`ExportArchive`'s `_misc_assets`; nothing public lists them). Used by
     `incremental.apply_to_saved_model`."""
     return list(getattr(loaded, "_misc_assets", None) or [])
 
 
 def built_variables(optimizer):
-    """The variables `optimizer` was built for (`_trainable_variables`; the
-    public `optimizer.variables` holds the slots instead), or `[]` before
-    `build`. Used by `backend/tensorflow/optimizer.TableOptimizer.apply`."""
+    """The variables `optimizer` was built for (public `variables` are its
+    slots), or `[]`. Used by `TableOptimizer.apply`."""
     return getattr(optimizer, "_trainable_variables", [])
 
 
@@ -329,9 +286,7 @@ def _keras_tf_trainer():
 
 
 def in_multi_worker_mode(strategy):
-    """Whether `strategy` is a MultiWorkerMirroredStrategy spanning several
-    worker processes (the test Keras's trainer itself makes,
-    `_collective_all_reduce_multi_worker`)."""
+    """Whether `strategy` spans several worker processes (Keras's own test)."""
     return bool(strategy is not None and _keras_tf_trainer()._collective_all_reduce_multi_worker(  # pylint: disable=protected-access
         strategy))
 
@@ -343,12 +298,9 @@ def _local_part(strategy, value):
 
 
 def configure_lost_worker_timeout(cluster_spec, seconds):
-    """Sets the heartbeat timeout of TensorFlow's coordination service, the
-    time after which the survivors of a lost worker fail their collectives
-    with an error naming it, before the MultiWorkerMirroredStrategy
-    configures that service with TensorFlow's defaults: it only does when
-    none is configured (`collective_all_reduce_strategy`,
-    `_initialize_multi_worker`), with the same jobs and leader as here."""
+    """Sets the coordination service's heartbeat timeout (after which the
+    survivors of a lost worker fail naming it) before the strategy configures
+    the service with the defaults, which it does only when none is configured."""
     from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
     from tensorflow.python.distribute import multi_worker_util
     from tensorflow.python.eager import context
@@ -362,8 +314,7 @@ def configure_lost_worker_timeout(cluster_spec, seconds):
 
 
 def coordination_heartbeat_timeout_ms():
-    """The heartbeat timeout configured for the coordination service, or
-    None when none is configured yet."""
+    """The coordination service's heartbeat timeout, or None."""
     from tensorflow.python.eager import context
 
     config = context.context().coordination_service
@@ -371,8 +322,7 @@ def coordination_heartbeat_timeout_ms():
 
 
 def fix_keras_multi_worker():
-    """Installs the correction described above (`_keras_fixes.install_fix`,
-    for each function it wraps)."""
+    """Installs the correction described above, for each function it wraps."""
     trainer = _keras_tf_trainer()
     cls = trainer.TensorFlowTrainer
 
@@ -425,10 +375,8 @@ def fix_keras_multi_worker():
 
 
 def _mean_over_replicas(strategy, values):
-    """Each of `values` (a step's logs: the loss and every metric) averaged
-    element-wise over the replicas. Traced, the logs of one dtype travel in
-    one all-reduce (`batch_reduce_to` packs them), not one per log: each
-    collective is a round of messages between the workers every step."""
+    """A step's logs averaged over the replicas; traced, those of one dtype
+    in one all-reduce (each collective is a round of messages every step)."""
     flat = keras.tree.flatten(values)
     if tf.executing_eagerly() or len(flat) < 2:
         return keras.tree.map_structure(
@@ -455,10 +403,7 @@ UNROLLED_STEPS_MAX = 4
 
 def _unrolled_steps_function(trainer, step_function, keras_function):
     """Keras's train / test function for `steps_per_execution` > 1 under a
-    MultiWorkerMirroredStrategy or a MirroredStrategy of several replicas
-    (its `_make_function`, whose structure this
-    follows; `keras_function`, what that made, still takes inputs that are
-    not iterators: a list of batches, as `train_on_batch` passes).
+    multi-replica strategy (`keras_function`, Keras's, takes non-iterators).
 
     Keras runs the steps of one execution in a `tf.while_loop` that calls
     the one-step `tf.function` inside a `tf.cond`. A collective's instance
@@ -528,9 +473,8 @@ def _unrolled_steps_function(trainer, step_function, keras_function):
 
 
 def last_step_logs(optional_outputs):
-    """The logs of the last step that ran, of the optional logs that an
-    execution's traced functions return one after another (stops at the
-    first empty one: the data ran out); `StopIteration` if no step ran."""
+    """The logs of the last step that ran (the first empty one: the data ran
+    out); `StopIteration` if no step ran."""
     last = None
     for outputs in optional_outputs:
         if not outputs.has_value():
@@ -542,24 +486,18 @@ def last_step_logs(optional_outputs):
 
 
 class DistributedStepCalls:
-    """Keras's train / test function (`TensorFlowTrainer._make_function`)
-    under a MultiWorkerMirroredStrategy, called on the same distributed
-    iterator step after step without tf.function's per-call work.
+    """Keras's train / test function under a MultiWorkerMirroredStrategy,
+    called on one distributed iterator step after step without tf.function's
+    per-call work.
 
-    Each call of Keras's function hands the `DistributedIterator` to its
-    `tf.function`, which looks its traced function up and flattens the
-    iterator into its resource tensors again: both walk the iterator's
-    `TypeSpec`, built anew every call, a few milliseconds of Python a step
-    (measured: about a third of a worker's Python time per step at global
-    batch 4096, `benchmarks/distributed.py`). The iterator and its traced
-    function do not change within an epoch. After Keras's own first call
-    on an iterator, this keeps that traced function and the iterator's
-    tensors and calls it directly (`ConcreteFunction._call_flat`, as
-    `tracing_compilation.call_function` does), reading its captured inputs
-    each call: the collectives' instance keys are fresh every step. Any
-    other input, and the first call on each iterator, go to Keras's own
-    function.
+    Each call walks the iterator's `TypeSpec`, built anew, to find the traced
+    function and flatten the iterator (about a third of a worker's Python
+    time per step at global batch 4096). After Keras's first call on an
+    iterator this calls that traced function directly (`_call_flat`),
+    reading its captured inputs each call: the collectives' instance keys are
+    fresh every step. Anything else goes to Keras's function.
     """
+
 
     def __init__(self, function):
         self._function = function
@@ -590,8 +528,7 @@ class DistributedStepCalls:
 
     @staticmethod
     def _traced(step, iterator):
-        """(the traced function of `step` that Keras's call just ran, the
-        iterator's tensors), or None where it is not a traced tf.function."""
+        """(`step`'s traced function just run, the iterator's tensors), or None."""
         from tensorflow.python.eager.polymorphic_function import tracing_compilation
 
         config = None
@@ -647,19 +584,17 @@ def fix_subclassed_save_signature():
 
 
 def keras_current_path():
-    """Keras's current name-scope path (`"dense"`, `"adam"`), the prefix of
-    the `path` of a variable created now. A `tf.variable_creator_scope`
-    receives only the short `name`; the path is what names a variable the
-    same way in every worker process. Used by `distribute/ps_variables`."""
+    """Keras's current name-scope path: a `tf.variable_creator_scope` gets
+    only the short `name`, the path names a variable alike in every worker.
+    Used by `distribute/ps_variables`."""
     from keras.src.backend.common.name_scope import current_path
 
     return current_path()
 
 
 def current_device_name():
-    """The device of the innermost `tf.device` scope, fully specified, or ''
-    (eager). No public API reads it. Used by `distribute/ps_variables` (a
-    slot created beside its variable on a parameter server)."""
+    """The innermost `tf.device` scope, fully specified, or '' (no public
+    reader). Used by `distribute/ps_variables`."""
     from tensorflow.python.eager import context
 
     return context.context().device_name
@@ -667,11 +602,9 @@ def current_device_name():
 
 def variable_from_handle(handle, name, shape, dtype, trainable, synchronization,
                          aggregation, unique_id):
-    """A `tf.Variable` over an existing resource handle (a `VarHandleOp` with
-    a `shared_name`, found by name by every client of its device) that
-    never destroys the resource: the public `tf.Variable` always makes an
-    anonymous resource, owned by the Python object and destroyed with it.
-    Used by `distribute/ps_variables`."""
+    """A `tf.Variable` over an existing, shared resource handle that never
+    destroys it (the public `tf.Variable` owns an anonymous resource). Used by
+    `distribute/ps_variables`."""
     from tensorflow.python.ops import handle_data_util, resource_variable_ops
 
     # The shape and dtype the handle carries into traced functions (what
@@ -686,11 +619,9 @@ def variable_from_handle(handle, name, shape, dtype, trainable, synchronization,
 
 
 def constant_variable(value, name):
-    """A non-trainable `tf.Variable` holding `value`, made without the
-    variable creator scopes: a `tf.function` whose first trace makes one
-    (even under `init_scope`) counts it as created by the trace and traces
-    everything again (`polymorphic_function._get_concrete_function_garbage_collected`).
-    The class called directly skips `tf.Variable`'s creator chain."""
+    """A non-trainable variable made without the creator scopes: a
+    `tf.function` whose first trace makes one (even under `init_scope`)
+    traces everything again."""
     from tensorflow.python.ops import resource_variable_ops
 
     return resource_variable_ops.ResourceVariable(value, trainable=False, name=name)
@@ -700,18 +631,15 @@ def constant_variable(value, name):
 
 
 def export_record_batch(batch, array_address, schema_address):
-    """Exports `batch` as Arrow C structs (ArrowArray, ArrowSchema) written
-    at the given addresses (`RecordBatch._export_to_c`). The public
-    `__arrow_c_array__` returns PyCapsules, whose addresses Python cannot
-    hand to a TF kernel without CPython internals.
-    Used by `backend/tensorflow/data._Exports`."""
+    """Exports `batch` as Arrow C structs at the given addresses: the public
+    `__arrow_c_array__` gives PyCapsules, whose addresses Python cannot hand
+    to a kernel. Used by `backend/tensorflow/data._Exports`."""
     batch._export_to_c(array_address, schema_address)  # pylint: disable=protected-access
 
 
 def import_record_batch(array_address, schema_address):
-    """Imports (and so releases) Arrow C structs at the given addresses
-    (`RecordBatch._import_from_c`), the counterpart of `export_record_batch`.
-    Used by `backend/tensorflow/data._Exports.close` for batches never consumed."""
+    """Imports (and so releases) Arrow C structs: `export_record_batch`'s
+    counterpart, for batches never consumed."""
     return pa.RecordBatch._import_from_c(  # pylint: disable=protected-access
         array_address, schema_address)
 
@@ -766,6 +694,6 @@ OVERRIDDEN_HOOKS = {
 
 
 def exit_now(code):
-    """Ends the process at once with `code`, without Python's shutdown (a
-    running TensorFlow gRPC server can hold a normal exit)."""
+    """`os._exit`: a running TensorFlow gRPC server can hold a normal exit."""
+
     os._exit(code)

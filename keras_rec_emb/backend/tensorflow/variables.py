@@ -1,20 +1,11 @@
 """The embedding table: a TensorFlow resource owning a C++ hash table.
 
-Two objects with two roles:
-
-* `EmbeddingTable` is a `TrackableResource`: `tf.train.Checkpoint` saves and
-  restores its rows, slots, frequencies, versions and initializer matrix
-  (`_serialize_to_tensors`), and `tf.saved_model.save` re-creates it in the
-  exported graph and restores it there. It is what `EmbeddingVariable.table`
-  is.
-* `TableVariable` (`table.variable`) is its face as a trainable variable, the
-  object in a layer's `trainable_weights`: `tf.GradientTape` watches it
-  through `handle` (`_compat.ActsAsResourceVariable`) and receives
-  the lookup's gradient, a `tf.IndexedSlices` over keys, as `ResourceGather`
-  gives one for a `tf.Variable`. The optimizers of `keras_rec_emb.optimizers`
-  update it with one fused kernel; a stock Keras optimizer is refused with an
-  error naming the fix. It is deliberately not trackable: TensorFlow saves
-  objects that act as resource variables as variables, which a table is not.
+* `EmbeddingTable` (`EmbeddingVariable.table`) is a `TrackableResource`:
+  checkpoints save its parts, SavedModels re-create it.
+* `TableVariable` (`table.variable`) is its face as a trainable variable: a
+  tape watches its `handle` and gets an `IndexedSlices` over keys. It is
+  deliberately not trackable: TensorFlow saves objects that act as resource
+  variables as variables, which a table is not.
 """
 
 import itertools
@@ -77,9 +68,8 @@ _KEYS, _VALUES = "keys", "values"
 
 
 def complete_parts(given, dim, key_dtype, n=None):
-    """`given` (a dict of some parts) completed with empty ones, in
-    `PART_NAMES` order: per-key parts are zeros for `n` keys (default: the
-    length of `given["keys"]`), the others empty. Works eagerly and traced."""
+    """`given` completed with zeros for `n` keys (default: `len(keys)`), in
+    `PART_NAMES` order; eager or traced."""
     key_dtype = tf.as_dtype(key_dtype)
     if n is None:
         n = tf.size(given[_KEYS]) if _KEYS in given else 0
@@ -117,8 +107,7 @@ def pack_slots(blocks, n):
 
 
 def exported(parts):
-    """`export()`'s dict of a table's parts as eager tensors (NumPy, slots
-    unpacked)."""
+    """`export()`'s dict (NumPy, slots unpacked) of eager parts."""
     parts = {k: v.numpy() for k, v in parts.items()}
     out = {k: parts[k] for k in ARRAY_PARTS}
     out["slots"] = unpack_slots(parts)
@@ -173,20 +162,12 @@ class EmbeddingTable(_tables.TableBase, tf.saved_model.experimental.TrackableRes
         restore_dim_mismatch: `"error"` or `"pad_or_truncate"`, as
             `EmbeddingVariable(restore_dim_mismatch=...)`; the table keeps
             its own initializer matrix.
-        storage_path: str or None. A folder: the table's rows live in files
-            under `storage_path/<name>` with a DRAM cache (the file tier;
-            see `StorageOption`); None keeps every row in DRAM. When another
-            live table holds that folder (the model a `.keras` file is
-            reloaded beside, or a trainer in another process), this one
-            works in a folder of its own, `storage_path/<name>.copy-XXXXXXXX`
-            (under `$KRE_STORAGE_COPY_PATH` when set), removed when it is
-            freed; it warns, and refuses `snapshot()`.
+        storage_path: str or None. The file tier's folder (rows under
+            `storage_path/<name>`; see docs/file_tier.md); None: DRAM.
         cache_bytes: int. DRAM cache bytes of the file tier.
 
-    The table is private to its handle, on the current device. Subclasses
-    (the shards of `keras_rec_emb.distribute`) place it elsewhere with
-    `_placement`, let it run under a strategy with `_refuse_strategy`, and
-    update it in their own way with `sparse_apply`.
+    Subclasses (the shards of `keras_rec_emb.distribute`) override
+    `_placement`, `_refuse_strategy` and `sparse_apply`.
     """
 
     # The optimizer of `EmbeddingVariable(optimizer=...)`, set by the layer;
@@ -196,17 +177,11 @@ class EmbeddingTable(_tables.TableBase, tf.saved_model.experimental.TrackableRes
     _table_optimizer = None
     _kind = "EmbeddingTable"
     def _placement(self):
-        """(device, shared_name) of the C++ table: here, a private table on
-        the current device. A shard of keras_rec_emb.distribute places its
-        own (a name finds or creates the table of that name on its device,
-        shared by every client of that device)."""
+        """(device, shared_name): here a private table on the current device."""
         return "", ""
 
     def _refuse_strategy(self, what):
-        """Refuses `what` (creating, looking up, updating) under a
-        tf.distribute strategy, where each replica would silently train its
-        own copy of this table. A shard that a strategy's replicas create,
-        look up and update (keras_rec_emb.distribute) allows it."""
+        """Under a strategy each replica would silently train its own copy."""
         _ops.refuse_distribution(what)
 
     def __init__(self, dim, key_dtype, default_values, num_shards=32,
@@ -307,15 +282,13 @@ class EmbeddingTable(_tables.TableBase, tf.saved_model.experimental.TrackableRes
         return self._import_parts(restored_tensors)
 
     def _export_parts(self, include_filtered=True, evict=False):
-        """The table's parts as tensors, a dict in `PART_NAMES` order; with
-        `evict`, after the eviction op of a save (when `evicts_at_save`)."""
+        """The parts as tensors; `evict`: after a save's eviction op."""
         with tf.control_dependencies([self._evict_op()] if evict and self.evicts_at_save else []):
             return _ops.export(self.handle, self._key_dtype, self._dim, include_filtered)
 
     def _import_parts(self, parts, clear=True):
-        """Loads a dict of every part (see `complete_parts`) as it is: the
-        kernel checks them. A non-empty `default_values` replaces the
-        initializer matrix; `clear=False` merges into the live table."""
+        """Every part, checked by the kernel; non-empty `default_values`
+        replaces the initializer matrix."""
         return _ops.import_(self.handle, self._dim, {name: parts[name] for name in PART_NAMES},
                             clear=clear)
 
@@ -388,22 +361,16 @@ class EmbeddingTable(_tables.TableBase, tf.saved_model.experimental.TrackableRes
         return _ops.lookup(self.handle, keys, self._dim, insert)
 
     def lookup_counted(self, keys, counts, insert=False):
-        """Rows `[n, dim]` of `keys` `[n]`, `keys[i]` standing for
-        `counts[i]` >= 1 occurrences in a batch: a training lookup counts
-        frequencies and admission as `lookup` of every occurrence would,
-        and each key reads what that lookup reads for it. A key given
-        twice is looked up once with its counts summed (a sharded table's
-        owner receives the ids several workers asked for this way)."""
+        """Rows `[n, dim]` of `keys` `[n]`, each standing for `counts[i]`
+        occurrences, counted as `lookup` of every occurrence would; a key
+        given twice is looked up once with its counts summed."""
         if self._trainable:
             _compat.variable_accessed(self._variable)
         self._refuse_strategy("An embedding table lookup")
         return _ops.lookup_counted(self.handle, keys, counts, self._dim, insert)
 
     def sparse_apply(self, keys, grads, rule, hyper, step, slots, distinct=False):
-        """One fused optimizer step on the rows of `keys` (what the
-        optimizers of `keras_rec_emb.optimizers` call; see
-        `_ops.sparse_apply`). A distributed shard may gather the gradient
-        first, or leave the update to the replica owning it."""
+        """One fused optimizer step on the rows of `keys` (`_ops.sparse_apply`)."""
         self._refuse_strategy("An embedding table update")
         _ops.sparse_apply(self.handle, keys, grads, rule, hyper, step, slots, distinct=distinct)
 
@@ -413,8 +380,7 @@ class EmbeddingTable(_tables.TableBase, tf.saved_model.experimental.TrackableRes
         return int(n) if tf.executing_eagerly() else n
 
     def stats(self):
-        """The statistics `EmbeddingVariable.stats` lists (ints, but
-        `storage` and `cache_hit_rate`)."""
+        """The statistics `EmbeddingVariable.stats` lists."""
         out = {k: int(v) for k, v in _ops.stats(self.handle, self._key_dtype).items()}
         out.update((k, int(v)) for k, v in
                    _ops.storage_stats(self.handle, self._key_dtype).items())
@@ -434,9 +400,7 @@ class EmbeddingTable(_tables.TableBase, tf.saved_model.experimental.TrackableRes
         _ops.add_slot(self.handle, self._key_dtype, name, width, init)
 
     def export(self, include_filtered=True):
-        """All keys as NumPy arrays, in DeepRec's format as
-        `EmbeddingVariable.export` lists it (the filtered keys' parts empty
-        without `include_filtered`)."""
+        """All keys as NumPy arrays, as `EmbeddingVariable.export` lists them."""
         return exported(self._export_parts(include_filtered))
 
     def import_(self, data, clear=True):
@@ -483,9 +447,7 @@ class EmbeddingTable(_tables.TableBase, tf.saved_model.experimental.TrackableRes
         self._import_parts(parts, clear=clear)
 
     def merge_rows(self, keys, values, freqs):
-        """Writes rows of `keys` into the live table (traced or eager), as
-        of the table's latest step; `freqs` -1 keeps a key's current count.
-        Other keys, slots and filter state are unchanged."""
+        """Writes rows of `keys`, as of the latest step; `freqs` -1 keeps a count."""
         latest = _ops.stats(self.handle, self._key_dtype)["latest_step"]
         given = {_KEYS: tf.cast(keys, self._key_dtype), _VALUES: tf.cast(values, tf.float32),
                  "freqs": freqs, "versions": tf.fill([tf.size(keys)], tf.maximum(latest, 0))}
@@ -495,15 +457,12 @@ class EmbeddingTable(_tables.TableBase, tf.saved_model.experimental.TrackableRes
 
     # -- Change tracking (incremental checkpoints, serving deltas) -----------
     def mark_changes(self):
-        """Closes the table's current change epoch and returns it (an int
-        mark): `export_changes(mark)` later returns what changed after it."""
+        """Closes the current change epoch and returns it, for `export_changes`."""
         return int(_ops.mark_changes(self.handle, self._key_dtype))
 
     def export_changes(self, since):
-        """The keys changed after mark `since`, shaped like `export()`,
-        plus `erased` (keys erased after it: replay erases them first) and
-        `complete` (False when the contents were replaced wholesale since,
-        e.g. by a restore: then only a full export is correct)."""
+        """The keys changed after mark `since`, shaped like `export()`, plus
+        `erased` and `complete` (False after a wholesale replacement)."""
         parts = _ops.export_changed_since(self.handle, self._key_dtype, self._dim, int(since))
         out = exported(parts)
         out["erased"] = parts["erased"].numpy()
@@ -511,21 +470,17 @@ class EmbeddingTable(_tables.TableBase, tf.saved_model.experimental.TrackableRes
         return out
 
     def trim_erased(self, upto):
-        """Forgets logged erasures at or before mark `upto`; returns how
-        many stay logged."""
+        """Forgets erasures logged up to mark `upto`; returns how many stay."""
         return int(_ops.trim_erased(self.handle, self._key_dtype, int(upto)))
 
     def erase(self, keys):
-        """Erases `keys` (absent ones are skipped); returns how many were
-        present."""
+        """Returns how many of `keys` were present."""
         keys = keys_in_range(np.asarray(keys).reshape(-1), self._key_dtype,
                              f"`keys` of table '{self._name}'")
         return int(_ops.erase(self.handle, tf.constant(keys, self._key_dtype)))
 
     def apply_changes(self, delta):
-        """Replays a dict from `export_changes` (or one read back from an
-        incremental checkpoint) onto this table: erases `erased`, then
-        imports the changed rows and counted keys without clearing."""
+        """Replays an `export_changes` dict: erases, then imports without clearing."""
         if not isinstance(delta, dict) or "erased" not in delta:
             raise ValueError(
                 "`delta` must be a dict from export_changes() (with 'erased'). "
@@ -537,15 +492,11 @@ class EmbeddingTable(_tables.TableBase, tf.saved_model.experimental.TrackableRes
         self.import_(rows, clear=False)
 
     def counters(self):
-        """dict of cumulative counters: `size`, `filtered`, `memory_bytes`,
-        `latest_step`, `lookups` (key occurrences looked up), `hits` (of them
-        found admitted), `admitted_total`, `erased_total`, `change_epoch`,
-        `erased_log`."""
+        """Cumulative counters (`lookups`, `hits`, `admitted_total`, ...)."""
         return {k: int(v) for k, v in _ops.counters(self.handle, self._key_dtype).items()}
 
     def _slot_block(self, name, rows, n):
-        """Slot `name`'s rows as a float32 [n, width] array (an empty table's
-        slots keep their width: `reshape(0, -1)` cannot infer it)."""
+        """[n, width] float32 (`reshape(0, -1)` cannot infer an empty one's width)."""
         rows = np.asarray(rows, np.float32)
         if rows.ndim == 2 and rows.shape[0] == n:
             return rows
@@ -559,8 +510,7 @@ class EmbeddingTable(_tables.TableBase, tf.saved_model.experimental.TrackableRes
 
 
 class TableVariable(_compat.ActsAsResourceVariable):
-    """An `EmbeddingTable` seen as a trainable variable (see the module
-    docstring); reach the table with `.table`."""
+    """An `EmbeddingTable` seen as a trainable variable (see the module docstring)."""
 
     constraint = None
     overwrite_with_gradient = False
@@ -618,9 +568,7 @@ class TableVariable(_compat.ActsAsResourceVariable):
 
 
 def _table_to_tensor(variable, dtype=None, name=None, as_ref=False):
-    """`tf.convert_to_tensor(table.variable)`: the rows, eagerly (what
-    `keras.callbacks.TensorBoard(histogram_freq=...)` histograms). Inside a
-    traced function a table has no fixed rows to convert: look ids up."""
+    """The rows, eagerly (what `TensorBoard(histogram_freq=...)` histograms)."""
     if dtype is not None and tf.as_dtype(dtype) != tf.float32:
         return NotImplemented
     if not tf.executing_eagerly():
@@ -635,7 +583,6 @@ tf.register_tensor_conversion_function(TableVariable, _table_to_tensor)
 
 
 def is_table(variable):
-    """Whether `variable` is an embedding table's `TableVariable`."""
     return isinstance(variable, TableVariable)
 
 
@@ -660,12 +607,9 @@ class TableParamCount(int):
 
 
 def count_params(layer):
-    """`layer.count_params()` for layers holding tables: rows x dim of
-    each table (its current size) plus the dense weights, as a
-    `TableParamCount` that shows the tables in `model.summary()`.
+    """`count_params` of the table layers: rows x dim of each table plus the
+    dense weights, as a `TableParamCount`."""
 
-    The table layers take it as their method (`count_params =
-    variables.count_params`); an unbuilt layer raises Keras's error."""
     if not layer.built:
         return keras.layers.Layer.count_params(layer)
     weights = {id(w): w for w in layer.weights}.values()
