@@ -46,7 +46,7 @@ class EmbeddingVariable(_impl.EmbeddingVariableBackend, keras.layers.Layer):
         trainable: bool. Defaults to `True`.
         name: str or `None`.
         restore_dim_mismatch: `"error"` (default) or `"pad_or_truncate"`: what
-            restoring rows of another width does (docs/semantics.md, 'Tables').
+            restoring rows of another width does (docs/semantics.md, 'Tables and their options').
         optimizer: `None` (the model's), or an optimizer of `keras_rec_emb.optimizers`
             (instance, name or config) that updates this table alone.
         default_value_dim: int >= 1 or `None`. Rows of the initializer matrix,

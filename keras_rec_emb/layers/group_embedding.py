@@ -67,7 +67,7 @@ class FeatureSpec:
         weight_feature: `None` or the name of the input holding per-id
             weights (the ids' shape). Defaults to `None`.
         sequence: bool. Return `[batch, T, dim]` rows instead of combining
-            (docs/semantics.md, 'Lookups'). Defaults to `False`.
+            (docs/semantics.md, 'Lookups: fused, grouped, strings'). Defaults to `False`.
         max_norm: `None` or float. Clip each row to this L2 norm before
             combining. Defaults to `None`.
         default_id: `None` or int. Id read (weight 1) by rows with no valid id;
@@ -161,7 +161,7 @@ class GroupEmbedding(keras.layers.Layer):
 
     Every feature reads its table (an `EmbeddingVariable` or a
     `keras.layers.Embedding`) and combines each example's ids; ids `< 0` are
-    padding. See docs/semantics.md, 'Lookups'.
+    padding. See docs/semantics.md, 'Lookups: fused, grouped, strings'.
 
     Args:
         features: dict from feature (input) name to `FeatureSpec` (or its
@@ -181,7 +181,7 @@ class GroupEmbedding(keras.layers.Layer):
         A dict from feature name (and weight feature name) to ids `[batch]`,
         `[batch, L]` (pad with -1), or under TensorFlow a `tf.RaggedTensor`
         or `tf.SparseTensor` `[batch, None]`. Or one tensor of stacked ids,
-        `[batch, F]` or `[batch, F, L]` (docs/semantics.md, 'Lookups').
+        `[batch, F]` or `[batch, F, L]` (docs/semantics.md, 'Lookups: fused, grouped, strings').
 
     Output shape:
         dict of `[batch, dim]` (or `[batch, T, dim]` for sequence features),

@@ -100,7 +100,7 @@ def _fused_lookup(params, flat_ids, splits, weights, combiners, max_norms,
                   default_ids, prunes, sequences, training, name, concat=False):
     """One KRE>GroupLookup over features; with `concat`, `[outputs side by side]`."""
     # Stock ops in a stock-serving trace and over sharded tables: the fused
-    # op needs every table in this process (docs/semantics.md, 'Lookups').
+    # op needs every table in this process (docs/semantics.md, 'Lookups: fused, grouped, strings').
     stock_table = _serving_context.stock_reader()
     if stock_table is None or training:
         params = _fused_params(params)

@@ -1,5 +1,5 @@
 """DeepRec's `safe_embedding_lookup_multi_dim`: ids `[d0, ..., dk]` combined
-along several axes (docs/semantics.md, 'Lookups')."""
+along several axes (docs/semantics.md, 'Lookups: fused, grouped, strings')."""
 
 import numpy as np
 import tensorflow as tf
@@ -54,7 +54,7 @@ def safe_embedding_lookup_multi_dim(params, sp_ids, sp_weights=None, combiners=(
 
     DeepRec's `safe_embedding_lookup_multi_dim`: `combiners[i]` combines one
     of the last `len(combiners)` axes, the innermost last; axes before them are
-    kept. See docs/semantics.md, 'Lookups'.
+    kept. See docs/semantics.md, 'Lookups: fused, grouped, strings'.
 
     Args:
         params: an embedding parameter, as in `embedding_lookup_sparse`
