@@ -5,6 +5,8 @@
 // the row gradients summed through the forward's `inverse` (no hashing, no
 // table access unless a max_norm clip must be differentiated, which reads
 // the distinct rows as the deduplicating path does: distinct_lookup.h).
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <string>
@@ -20,6 +22,24 @@
 
 namespace kre {
 namespace {
+
+// acc[d] += s * x[d] for d < dim (D: dim when known at compile time, else
+// 0). The gradient and the sums are both float arrays, so the compiler
+// keeps a fixed-width loop scalar (they might overlap); a width of whole
+// vectors is summed 4 floats at a time, with the scalar loop's operations
+// (a multiply, then an add, per element): bit-identical.
+template <int D>
+inline void AddScaledRow(float* acc, float s, const float* x, int64_t dim) {
+  if constexpr (D > 0 && D % 4 == 0) {
+    const __m128 sv = _mm_set1_ps(s);
+    for (int v = 0; v < D / 4; ++v) {
+      _mm_storeu_ps(acc + 4 * v, _mm_add_ps(_mm_loadu_ps(acc + 4 * v),
+                                            _mm_mul_ps(sv, _mm_loadu_ps(x + 4 * v))));
+    }
+  } else {
+    for (int64_t d = 0; d < dim; ++d) acc[d] += s * x[d];
+  }
+}
 
 class GroupLookupGradOp : public OpKernel {
  public:
@@ -125,16 +145,41 @@ class GroupLookupGradOp : public OpKernel {
                      const int64_t lo = num_uniq * r / num_ranges[p];
                      const int64_t hi = num_uniq * (r + 1) / num_ranges[p];
                      std::fill(outs[p] + lo * cfg.dims[p], outs[p] + hi * cfg.dims[p], 0.0f);
-                     Accumulate(ctx, cfg, params, features, grads, p, lo, hi, outs[p]);
+                     AccumulateAnyWidth(ctx, cfg, params, features, grads, p, lo, hi, outs[p]);
                    }));
   }
 
  private:
+  // Accumulate for parameter p's width.
+  static void AccumulateAnyWidth(OpKernelContext* ctx, const GroupConfig& cfg,
+                                 const std::vector<ParamIds>& params,
+                                 const std::vector<Feature>& features,
+                                 const std::vector<const float*>& grads, int p, int64_t lo,
+                                 int64_t hi, float* out) {
+    switch (cfg.dims[p]) {
+#define KRE_ACCUMULATE_CASE(D) \
+  case D:                      \
+    return Accumulate<D>(ctx, cfg, params, features, grads, p, lo, hi, out);
+      KRE_ACCUMULATE_CASE(4)
+      KRE_ACCUMULATE_CASE(8)
+      KRE_ACCUMULATE_CASE(16)
+      KRE_ACCUMULATE_CASE(32)
+      KRE_ACCUMULATE_CASE(64)
+#undef KRE_ACCUMULATE_CASE
+      default:
+        return Accumulate<0>(ctx, cfg, params, features, grads, p, lo, hi, out);
+    }
+  }
+
+  // D: the parameter's width when known at compile time (the common
+  // widths: the row sums unroll into whole vectors), else 0. Every element
+  // gets the same operations in the same order for every D.
+  template <int D>
   static void Accumulate(OpKernelContext* ctx, const GroupConfig& cfg,
                          const std::vector<ParamIds>& params, const std::vector<Feature>& features,
                          const std::vector<const float*>& grads, int p, int64_t lo, int64_t hi,
                          float* out) {
-    const int64_t dim = cfg.dims[p];
+    const int64_t dim = D > 0 ? D : cfg.dims[p];
     std::vector<float> g(dim);
     // Rows of a pooled feature's output gradient lie row_stride apart (the
     // whole concat row with `concat`): prefetched kAhead rows ahead, since
@@ -145,9 +190,13 @@ class GroupLookupGradOp : public OpKernel {
       const float max_norm = cfg.feature[f].max_norm;
       const bool sequence = cfg.feature[f].sequence;
       const int64_t stride = sequence ? 0 : cfg.row_stride(f);
+      const Combiner combiner = cfg.feature[f].combiner;
+      const int32_t* inverse = ft.inverse;
+      const float* weights = ft.weights.data();
+      const float* grad = grads[f];
       for (int64_t b = 0; b < ft.batch; ++b) {
         if (!sequence && b + kAhead < ft.batch) {
-          const float* ahead = grads[f] + (b + kAhead) * stride;
+          const float* ahead = grad + (b + kAhead) * stride;
           __builtin_prefetch(ahead);
           __builtin_prefetch(ahead + dim - 1);
         }
@@ -155,17 +204,15 @@ class GroupLookupGradOp : public OpKernel {
         if (begin == end) continue;
         float c = -1.0f;  // computed on first use
         for (int64_t j = begin; j < end; ++j) {
-          const int64_t u = ft.inverse[j];
+          const int64_t u = inverse[j];
           if (u < lo || u >= hi) continue;
-          if (c < 0)
-            c = cfg.feature[f].sequence ? 1.0f : CombinerScale(ft, cfg.feature[f].combiner, b);
-          const float* dout = cfg.feature[f].sequence
-                                  ? grads[f] + (b * ft.max_len + (j - begin)) * dim
-                                  : grads[f] + b * cfg.row_stride(f);
-          const float s = c * ft.weights[j];
+          if (c < 0) c = sequence ? 1.0f : CombinerScale(ft, combiner, b);
+          const float* dout =
+              sequence ? grad + (b * ft.max_len + (j - begin)) * dim : grad + b * stride;
+          const float s = c * weights[j];
           float* acc = out + u * dim;
           if (max_norm <= 0) {
-            for (int64_t d = 0; d < dim; ++d) acc[d] += s * dout[d];
+            AddScaledRow<D>(acc, s, dout, dim);
             continue;
           }
           for (int64_t d = 0; d < dim; ++d) g[d] = s * dout[d];

@@ -157,6 +157,24 @@ absl::Status BuildFeature(OpKernelContext* ctx, const GroupConfig& cfg, int f, F
     out->num_raw = n;
     return absl::OkStatus();
   }
+  if (w == nullptr && !prune_weights && vocab < 0 && def < 0) {
+    // A table's unweighted ids with no default id: when none is pruned (no
+    // id < 0, or no pruning), the kept ids are the ids as they are, copied
+    // at once (the pass below writes them one by one after zeroing).
+    int64_t any = 0;
+    if (prune) {
+      for (int64_t j = 0; j < nnz; ++j) any |= ids[j];
+    }
+    if (any >= 0) {
+      out->ids.assign(ids, ids + nnz);
+      out->weights.assign(nnz, 1.0f);
+      out->splits.assign(splits, splits + batch + 1);
+      int64_t max_len = 0;
+      for (int64_t b = 0; b < batch; ++b) max_len = std::max(max_len, splits[b + 1] - splits[b]);
+      out->max_len = max_len;
+      return absl::OkStatus();
+    }
+  }
   out->splits.resize(batch + 1);
   out->ids.resize(nnz + (def >= 0 ? batch : 0));
   out->weights.resize(out->ids.size());
