@@ -33,8 +33,8 @@ inline void AddScaledRow(float* acc, float s, const float* x, int64_t dim) {
   if constexpr (D > 0 && D % 4 == 0) {
     const __m128 sv = _mm_set1_ps(s);
     for (int v = 0; v < D / 4; ++v) {
-      _mm_storeu_ps(acc + 4 * v, _mm_add_ps(_mm_loadu_ps(acc + 4 * v),
-                                            _mm_mul_ps(sv, _mm_loadu_ps(x + 4 * v))));
+      _mm_storeu_ps(acc + 4 * v,
+                    _mm_add_ps(_mm_loadu_ps(acc + 4 * v), _mm_mul_ps(sv, _mm_loadu_ps(x + 4 * v))));
     }
   } else {
     for (int64_t d = 0; d < dim; ++d) acc[d] += s * x[d];
