@@ -214,9 +214,7 @@ class AdagradDecay(TableOptimizer, keras.optimizers.Optimizer):
         # last period it was decayed for): it fills every row.
         variables = self._kre_saved_variables()
         if len(store.keys()) == len(variables):
-            # A table's own optimizer under JAX is never built: no periods.
-            periods = {id(p) for p in getattr(self, "_decay_periods", ())
-                       if not _is_placeholder(p)}
+            periods = {id(p) for p in self._decay_periods if not _is_placeholder(p)}
             values = {}
             for i, variable in enumerate(variables):
                 value = np.asarray(store[str(i)])

@@ -233,6 +233,10 @@ class EmbeddingVariableBackend:
         `anchor` (`attach_optimizer`)."""
         if optimizer is not None:
             self.table_rule = TableRule(optimizer, f"EmbeddingVariable '{self.name}'")
+            # Built for no variable (the table holds the slots): its state
+            # (slot lists, a loss scale's variables) is what it is under
+            # TensorFlow, which builds it, and what its loading expects.
+            optimizer.build([])
         return optimizer
 
     @staticmethod
