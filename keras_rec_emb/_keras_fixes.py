@@ -276,6 +276,55 @@ def fix_compile_loss_scale(rewrap):
                        Trainer, "compile", wrap)
 
 
+# Keras 3.15.1's JAX trainer builds an unbuilt model, loss or metrics (the
+# first `fit` or `evaluate` after `compile`) from one batch that
+# `Trainer._symbolic_build` reads from the epoch iterator, which it then
+# resets: the epoch reads a new pass of the data. A stream's new pass (a
+# Kafka dataset's) starts after what the first one consumed, so no step
+# trained on that batch. The correction takes that batch from the dataset's
+# `_kre_peek()` instead (`backend/jax/data.py`), which keeps the pass it came from,
+# that batch first again, as the dataset's next iteration: the epoch's. Any
+# other input builds as Keras builds it (the TensorFlow trainer reads a
+# `tf.data.Dataset`'s element spec and no batch). Installed by
+# `fix_symbolic_build_peek()` when `backend/jax/data.py` is imported.
+KERAS_SYMBOLIC_BUILD_FIX_VERSIONS = ("3.15.1",)
+KERAS_SYMBOLIC_BUILD_ORIGINALS = {}
+
+
+class _PeekOnce:
+    """Stands for the epoch iterator in `Trainer._symbolic_build`: its one
+    step's data iterator is itself, whose `next()` is the dataset's
+    `_kre_peek()` (read only if Keras needs a batch; an empty dataset raises
+    StopIteration there, as Keras's own iterator would)."""
+
+    def __init__(self, peek):
+        self._peek = peek
+
+    def __iter__(self):
+        return iter([(0, 0, self)])
+
+    def __next__(self):
+        return self._peek()
+
+
+def fix_symbolic_build_peek():
+    """Installs the correction described above (`install_fix`)."""
+    from keras.src.trainers.trainer import Trainer
+
+    def wrap(keras_symbolic_build):
+        def _symbolic_build(self, iterator=None, data_batch=None):
+            peek = getattr(getattr(iterator, "data_adapter", None), "_kre_peek", None)
+            if data_batch is None and peek is not None:
+                iterator = _PeekOnce(peek)
+            return keras_symbolic_build(self, iterator=iterator, data_batch=data_batch)
+
+        _symbolic_build.__wrapped__ = keras_symbolic_build
+        return _symbolic_build
+
+    return install_fix(KERAS_SYMBOLIC_BUILD_FIX_VERSIONS, KERAS_SYMBOLIC_BUILD_ORIGINALS,
+                       Trainer, "_symbolic_build", wrap)
+
+
 def variable_index(optimizer, variable):
     """The index of `variable` in the optimizer's slot lists, as Keras's own
     `update_step`s find it (`Optimizer._get_variable_index`; no public
