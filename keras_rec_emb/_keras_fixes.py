@@ -325,6 +325,48 @@ def fix_symbolic_build_peek():
                        Trainer, "_symbolic_build", wrap)
 
 
+# Keras 3.15.1's JAX `predict` builds a model that is not built yet (a
+# subclassed model, a `Sequential` without `keras.Input`) by calling it on
+# one batch read from a pass of the data, and predicts on a new pass: for a
+# stream, one batch short. The correction builds it, as Keras does, on the
+# batch of the dataset's `_kre_peek()`, which the prediction then starts
+# with. Installed by `fix_predict_build_peek()` when `backend/jax/data.py`
+# is imported.
+KERAS_PREDICT_BUILD_FIX_VERSIONS = ("3.15.1",)
+KERAS_PREDICT_BUILD_ORIGINALS = {}
+
+
+def fix_predict_build_peek():
+    """Installs the correction described above (`install_fix`)."""
+    from keras.src import backend
+    from keras.src.backend.config import is_nnx_enabled
+    from keras.src.backend.jax.trainer import JAXTrainer
+    from keras.src.trainers.data_adapters import data_adapter_utils
+
+    def wrap(keras_predict):
+        @functools.wraps(keras_predict)
+        def predict(self, x, *args, **kwargs):
+            peek = getattr(x, "_kre_peek", None)
+            if peek is not None and not all(layer.built for layer in flatten_layers(self)):
+                try:
+                    batch = peek()
+                except StopIteration:  # an empty pass: Keras's own
+                    batch = None
+                if batch is not None:
+                    inputs, _, _ = data_adapter_utils.unpack_x_y_sample_weight(batch)
+                    if is_nnx_enabled():
+                        self(inputs)
+                    else:
+                        with backend.StatelessScope():
+                            self(inputs)
+            return keras_predict(self, x, *args, **kwargs)
+
+        return predict
+
+    return install_fix(KERAS_PREDICT_BUILD_FIX_VERSIONS, KERAS_PREDICT_BUILD_ORIGINALS,
+                       JAXTrainer, "predict", wrap)
+
+
 def variable_index(optimizer, variable):
     """The index of `variable` in the optimizer's slot lists, as Keras's own
     `update_step`s find it (`Optimizer._get_variable_index`; no public

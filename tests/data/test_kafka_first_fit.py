@@ -1,9 +1,9 @@
 """The first `fit` (and `evaluate`) after `compile` on a Kafka dataset, read
-from the real tansu broker of conftest.py, trains on (evaluates) every
-record under both backends: the batch Keras's JAX trainer reads to build
-the model and its loss and metrics (`Trainer._symbolic_build`) is the
-epoch's first, not one the stream moves past. Checked against the same
-model fed the same records as NumPy arrays."""
+from the real tansu broker of conftest.py, and `predict` of a model not built
+yet, read every record under both backends: the batch Keras's JAX trainer
+reads to build the model and its loss and metrics (`Trainer._symbolic_build`,
+the start of `predict`) is the epoch's first, not one the stream moves past.
+Checked against the same model fed the same records as NumPy arrays."""
 
 import json
 
@@ -93,3 +93,30 @@ def test_first_fit_and_evaluate_after_compile_read_every_record(broker):
         np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, err_msg=name)
     predictions = model.predict(users, batch_size=BATCH, verbose=0)[:, 0]
     np.testing.assert_allclose(got["loss"], np.mean((predictions - labels) ** 2), rtol=1e-5)
+
+
+class IdsModel(keras.Model):
+    """Built by its first call: `predict` builds it from a batch first."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = kre.layers.EmbeddingVariable(
+            3, initializer=keras.initializers.RandomUniform(seed=2))
+        self.head = keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(
+            seed=3))
+
+    def call(self, ids):
+        return self.head(self.table(ids))
+
+
+def test_predict_of_an_unbuilt_model_reads_every_record(broker):
+    topic, users, _ = _records(broker)
+    ds, stream = _stream(broker, topic)
+    model, want_model = IdsModel(), IdsModel()
+    assert not model.built
+    got = model.predict(stream.map(lambda x, y: x), verbose=0)
+    want = want_model.predict(users, batch_size=BATCH, verbose=0)
+    assert ds.offsets() == {(topic, 0): RECORDS}
+    assert got.shape == want.shape == (RECORDS, 1)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    assert model.table.table_size() == 0  # inference inserts nothing

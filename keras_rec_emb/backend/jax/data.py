@@ -15,9 +15,11 @@ import pyarrow as pa
 
 from keras_rec_emb import _keras_fixes
 
-# `fit` and `evaluate` build the model from the batch `Dataset._kre_peek`
-# gives, which the epoch then trains on (see `_keras_fixes`).
+# `fit`, `evaluate` and `predict` build the model from the batch
+# `Dataset._kre_peek` gives, which the epoch then starts with (see
+# `_keras_fixes`).
 _keras_fixes.fix_symbolic_build_peek()
+_keras_fixes.fix_predict_build_peek()
 
 # Dtype names a `DataFrame.Field` may hold (its `type` under this backend).
 _STRINGS = ("string", "str", "bytes")
