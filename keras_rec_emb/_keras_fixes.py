@@ -276,6 +276,97 @@ def fix_compile_loss_scale(rewrap):
                        Trainer, "compile", wrap)
 
 
+# Keras 3.15.1's JAX trainer builds an unbuilt model, loss or metrics (the
+# first `fit` or `evaluate` after `compile`) from one batch that
+# `Trainer._symbolic_build` reads from the epoch iterator, which it then
+# resets: the epoch reads a new pass of the data. A stream's new pass (a
+# Kafka dataset's) starts after what the first one consumed, so no step
+# trained on that batch. The correction takes that batch from the dataset's
+# `_kre_peek()` instead (`backend/jax/data.py`), which keeps the pass it came from,
+# that batch first again, as the dataset's next iteration: the epoch's. Any
+# other input builds as Keras builds it (the TensorFlow trainer reads a
+# `tf.data.Dataset`'s element spec and no batch). Installed by
+# `fix_symbolic_build_peek()` when `backend/jax/data.py` is imported.
+KERAS_SYMBOLIC_BUILD_FIX_VERSIONS = ("3.15.1",)
+KERAS_SYMBOLIC_BUILD_ORIGINALS = {}
+
+
+class _PeekOnce:
+    """Stands for the epoch iterator in `Trainer._symbolic_build`: its one
+    step's data iterator is itself, whose `next()` is the dataset's
+    `_kre_peek()` (read only if Keras needs a batch; an empty dataset raises
+    StopIteration there, as Keras's own iterator would)."""
+
+    def __init__(self, peek):
+        self._peek = peek
+
+    def __iter__(self):
+        return iter([(0, 0, self)])
+
+    def __next__(self):
+        return self._peek()
+
+
+def fix_symbolic_build_peek():
+    """Installs the correction described above (`install_fix`)."""
+    from keras.src.trainers.trainer import Trainer
+
+    def wrap(keras_symbolic_build):
+        def _symbolic_build(self, iterator=None, data_batch=None):
+            peek = getattr(getattr(iterator, "data_adapter", None), "_kre_peek", None)
+            if data_batch is None and peek is not None:
+                iterator = _PeekOnce(peek)
+            return keras_symbolic_build(self, iterator=iterator, data_batch=data_batch)
+
+        _symbolic_build.__wrapped__ = keras_symbolic_build
+        return _symbolic_build
+
+    return install_fix(KERAS_SYMBOLIC_BUILD_FIX_VERSIONS, KERAS_SYMBOLIC_BUILD_ORIGINALS,
+                       Trainer, "_symbolic_build", wrap)
+
+
+# Keras 3.15.1's JAX `predict` builds a model that is not built yet (a
+# subclassed model, a `Sequential` without `keras.Input`) by calling it on
+# one batch read from a pass of the data, and predicts on a new pass: for a
+# stream, one batch short. The correction builds it, as Keras does, on the
+# batch of the dataset's `_kre_peek()`, which the prediction then starts
+# with. Installed by `fix_predict_build_peek()` when `backend/jax/data.py`
+# is imported.
+KERAS_PREDICT_BUILD_FIX_VERSIONS = ("3.15.1",)
+KERAS_PREDICT_BUILD_ORIGINALS = {}
+
+
+def fix_predict_build_peek():
+    """Installs the correction described above (`install_fix`)."""
+    from keras.src import backend
+    from keras.src.backend.config import is_nnx_enabled
+    from keras.src.backend.jax.trainer import JAXTrainer
+    from keras.src.trainers.data_adapters import data_adapter_utils
+
+    def wrap(keras_predict):
+        @functools.wraps(keras_predict)
+        def predict(self, x, *args, **kwargs):
+            peek = getattr(x, "_kre_peek", None)
+            if peek is not None and not all(layer.built for layer in flatten_layers(self)):
+                try:
+                    batch = peek()
+                except StopIteration:  # an empty pass: Keras's own
+                    batch = None
+                if batch is not None:
+                    inputs, _, _ = data_adapter_utils.unpack_x_y_sample_weight(batch)
+                    if is_nnx_enabled():
+                        self(inputs)
+                    else:
+                        with backend.StatelessScope():
+                            self(inputs)
+            return keras_predict(self, x, *args, **kwargs)
+
+        return predict
+
+    return install_fix(KERAS_PREDICT_BUILD_FIX_VERSIONS, KERAS_PREDICT_BUILD_ORIGINALS,
+                       JAXTrainer, "predict", wrap)
+
+
 def variable_index(optimizer, variable):
     """The index of `variable` in the optimizer's slot lists, as Keras's own
     `update_step`s find it (`Optimizer._get_variable_index`; no public

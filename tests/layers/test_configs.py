@@ -161,13 +161,34 @@ def test_kerass_namesake_is_taken_as_ours_with_its_config():
     assert (config["learning_rate"], config["beta_1"]) == (pytest.approx(0.2), 0.5)
 
 
-# TensorFlow's alone: under JAX two layers given one optimizer share that one
-# object.
-@pytest.mark.backends("tensorflow")
 def test_table_optimizer_is_a_copy_per_table():
+    """One optimizer given to two layers: each trains with a copy of its
+    own, so a rate set on one layer's optimizer (0: table `a` stays as it
+    is) leaves the other's, and the one given, as they are. Both tables read
+    the same ids; loss = mean((sum of both rows - y)**2), so table `b`'s row
+    of id k moves by 0.3 * 2 (pred_k - y_k) / B per entry."""
     opt = kre.optimizers.SGD(0.3)
-    a, b = EmbeddingVariable(2, optimizer=opt), EmbeddingVariable(2, optimizer=opt)
+    a = EmbeddingVariable(2, combiner="sum", optimizer=opt, name="a")
+    b = EmbeddingVariable(2, combiner="sum", optimizer=opt, name="b")
     assert a.table_optimizer is not opt and a.table_optimizer is not b.table_optimizer
+    assert not opt.built
+    a.optimizer.learning_rate = 0.0
+    assert float(b.optimizer.learning_rate) == float(opt.learning_rate) == pytest.approx(0.3)
+    ids = keras.Input((1,), dtype="int64")
+    total = keras.layers.Add()([a(ids), b(ids)])
+    model = keras.Model(ids, keras.layers.Lambda(
+        lambda x: keras.ops.sum(x, axis=-1, keepdims=True))(total))
+    # The compiled optimizer trains nothing here (both tables have their own).
+    model.compile(optimizer=kre.optimizers.SGD(0.0), loss="mse")
+    x = np.array([[1], [2], [3], [4]], np.int64)
+    y = np.array([[1.0], [-1.0], [0.5], [2.0]], np.float32)
+    before_a, before_b = _rows(a, x), _rows(b, x)
+    model.fit(x, y, batch_size=2, shuffle=False, verbose=0)
+    pred = (before_a + before_b).sum(axis=-1, keepdims=True)
+    want_b = before_b - 0.3 * 2.0 * (pred - y) / 2
+    np.testing.assert_allclose(_rows(a, x), before_a, rtol=0, atol=0)
+    np.testing.assert_allclose(_rows(b, x), want_b, rtol=1e-6, atol=1e-6)
+    assert float(opt.learning_rate) == pytest.approx(0.3)
 
 
 @pytest.mark.parametrize("kwargs, error, match", [

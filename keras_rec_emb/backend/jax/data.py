@@ -15,6 +15,12 @@ import pyarrow as pa
 
 from keras_rec_emb import _keras_fixes
 
+# `fit`, `evaluate` and `predict` build the model from the batch
+# `Dataset._kre_peek` gives, which the epoch then starts with (see
+# `_keras_fixes`).
+_keras_fixes.fix_symbolic_build_peek()
+_keras_fixes.fix_predict_build_peek()
+
 # Dtype names a `DataFrame.Field` may hold (its `type` under this backend).
 _STRINGS = ("string", "str", "bytes")
 
@@ -51,6 +57,10 @@ class Dataset(_keras_fixes.data_adapter_base()):
     pass ends). `fit`, `evaluate` and `predict` iterate it as a
     `tf.data.Dataset` (one pass per epoch, in order, `shuffle` not applied)."""
 
+    # A pass whose first batch Keras read to build the model (`_kre_peek`),
+    # that batch first again: the next iteration.
+    _kre_peeked = None
+
     def __init__(self, make_iterator, num_batches=None):
         if isinstance(make_iterator, Dataset):
             # A public class wraps the pipeline built for it (as under TensorFlow).
@@ -59,7 +69,20 @@ class Dataset(_keras_fixes.data_adapter_base()):
         self._length = num_batches
 
     def __iter__(self):
-        return iter(self._make_iterator())
+        peeked, self._kre_peeked = self._kre_peeked, None
+        return iter(self._make_iterator()) if peeked is None else peeked
+
+    def _kre_peek(self):
+        """The first batch of a new pass, as `get_jax_iterator()` gives it,
+        for Keras's symbolic build (`_keras_fixes.fix_symbolic_build_peek`);
+        that pass, this batch first, is the next iteration, so that the
+        epoch after the build trains on it (a stream, such as a Kafka
+        dataset, has no second pass that would read it again).
+        StopIteration when the pass is empty."""
+        rest = iter(self)
+        first = next(rest)
+        self._kre_peeked = _replay(first, rest)
+        return next(_keras_fixes.jax_iterator(iter([first])))
 
     def map(self, map_func):
         """A dataset of `map_func(element)` (a tuple element is passed as
@@ -132,6 +155,15 @@ class Dataset(_keras_fixes.data_adapter_base()):
     @property
     def partial_batch_size(self):
         return None
+
+
+def _replay(first, rest):
+    """`first`, then the rest of the pass; closing it closes the pass."""
+    try:
+        yield first
+        yield from rest
+    finally:
+        getattr(rest, "close", lambda: None)()
 
 
 def _pad_value(dtype):

@@ -227,11 +227,14 @@ class EmbeddingVariableBackend:
         self.table_rule = None
 
     def _resolve_optimizer(self, optimizer):
-        """The table's own optimizer (the one given: not copied, so that a
-        rate assigned to it reaches the table), and the rule that trains
-        the table with it; else that of the optimizer that builds for
-        `anchor` (`attach_optimizer`)."""
+        """A fresh copy of the table's own optimizer, as under TensorFlow
+        (each table keeps its own state: one optimizer given to several
+        layers trains each with a copy of its own; a rate set later goes
+        to `layer.optimizer`), and the rule that trains the table with it;
+        else that of the optimizer that builds for `anchor`
+        (`attach_optimizer`)."""
         if optimizer is not None:
+            optimizer = type(optimizer).from_config(optimizer.get_config())
             self.table_rule = TableRule(optimizer, f"EmbeddingVariable '{self.name}'")
             # Built for no variable (the table holds the slots): its state
             # (slot lists, a loss scale's variables) is what it is under
