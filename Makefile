@@ -68,9 +68,11 @@ $(JAX_OBJ)/%.o: csrc/%.cc $(JAX_HDRS) | $(DEPS_STAMP)
 # a time.
 jax-objs: $(JAX_OBJS)
 
+# Linked without its symbol table (-s) unless KRE_KEEP_SYMBOLS=1 (for a
+# profiler that names the library's internal functions), as setup.py's.
 $(JAX_SO): $(JAX_SRC) $(KV_SRC) $(JAX_HDRS) | $(DEPS_STAMP)
 	$(MAKE) -j2 jax-objs
-	$(CXX) -shared -s -pthread -o $@ $(JAX_OBJS)
+	$(CXX) -shared $(if $(KRE_KEEP_SYMBOLS),,-s) -pthread -o $@ $(JAX_OBJS)
 
 jax-ops: $(JAX_SO)
 

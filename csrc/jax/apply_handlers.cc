@@ -6,6 +6,7 @@
 // (ApplyPooled, and ApplyDistinct through the distinct ids of
 // PooledLookupDistinct). handlers.h says what every handler shares;
 // pooled_ids.h what the combiners' calls do.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -205,6 +206,88 @@ ffi::Error ApplyPooled(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> we
   });
 }
 
+// Checks that every entry of inverse[0..n) is in [-1, m).
+ffi::Error CheckInverse(const int32_t* inv, int64_t n, int64_t m) {
+  // The range in one pass without a branch; the first entry outside it is
+  // looked for only to name it.
+  int32_t lo = -1, hi = -1;
+  for (int64_t j = 0; j < n; ++j) {
+    lo = std::min(lo, inv[j]);
+    hi = std::max(hi, inv[j]);
+  }
+  if (lo >= -1 && hi < m) return ffi::Error::Success();
+  for (int64_t j = 0; j < n; ++j) {
+    if (inv[j] < -1 || inv[j] >= m) {
+      return Invalid("`inverse` must be in [-1, count = " + std::to_string(m) + "), got " +
+                     std::to_string(inv[j]));
+    }
+  }
+  return ffi::Error::Success();
+}
+
+// Rows m, m + 1, ... of the sums that take the shares of pruned ids.
+constexpr int64_t kSpareRows = 4;
+
+// D: dim when known at compile time (the common widths: whole vectors),
+// else 0. The shares of the pruned ids (-1) go to kSpareRows rows after the
+// m distinct ids' (in turn: no chain of adds to one row), so that no branch
+// skips them (1-5 ids in a row pad unpredictably); the distinct ids' rows
+// get the same terms in the same order as with the branch.
+template <int D>
+void SumDistinctFixed(const int32_t* inv, const float* w, const float* g, int64_t rows, int64_t len,
+                      int64_t dim, int64_t m, Combiner comb, float* sums) {
+  // A distinct id's sums are read and written at random: fetched kAhead
+  // rows of ids ahead.
+  constexpr int64_t kAhead = 4;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int32_t* ir = inv + r * len;
+    if (r + kAhead < rows) {
+      for (int64_t j = 0; j < len; ++j) {
+        const int32_t u = ir[kAhead * len + j];
+        __builtin_prefetch(sums + (u >= 0 ? u : m) * dim, 1);
+      }
+    }
+    float c = 1.0f;  // "sum": InverseDenominator is 1 whatever the weights
+    if (comb != kSum) {
+      float denom = 0;
+      for (int64_t j = 0; j < len; ++j) {
+        const float term = DenominatorTerm(PooledWeight(w, r * len + j, comb), comb);
+        denom += ir[j] >= 0 ? term : 0.0f;  // + 0: the kept ids' sum, exactly
+      }
+      c = InverseDenominator(denom, comb);
+    }
+    const float* src = g + r * dim;
+    for (int64_t j = 0; j < len; ++j) {
+      const float s = PooledWeight(w, r * len + j, comb) * c;
+      const int64_t u = ir[j] >= 0 ? ir[j] : m + (j % kSpareRows);
+      AddScaled<D>(sums + u * dim, s, src, dim);
+    }
+  }
+}
+
+// Each id's share of its row's gradient g [rows, dim], w[r, k] /
+// denominator(r) * g[r], summed per distinct id through inv [rows, len]
+// (entries in [-1, m): CheckInverse) in batch order into *sums ([m, dim],
+// and kSpareRows rows more).
+void SumDistinct(const int32_t* inv, const float* w, const float* g, int64_t rows, int64_t len,
+                 int64_t dim, int64_t m, Combiner comb, std::vector<float>* sums) {
+  sums->assign((m + kSpareRows) * dim, 0.0f);
+  float* out = sums->data();
+  switch (dim) {
+#define KRE_SUM_DISTINCT_CASE(D) \
+  case D:                        \
+    return SumDistinctFixed<D>(inv, w, g, rows, len, dim, m, comb, out);
+    KRE_SUM_DISTINCT_CASE(4)
+    KRE_SUM_DISTINCT_CASE(8)
+    KRE_SUM_DISTINCT_CASE(16)
+    KRE_SUM_DISTINCT_CASE(32)
+    KRE_SUM_DISTINCT_CASE(64)
+#undef KRE_SUM_DISTINCT_CASE
+    default:
+      return SumDistinctFixed<0>(inv, w, g, rows, len, dim, m, comb, out);
+  }
+}
+
 // The backward of PooledLookupDistinct: id (r, k)'s share of row r's
 // gradient, w[r, k] / denominator(r) * grads[r] (as ApplyPooled), summed
 // per distinct id through `inverse` in batch order, then each distinct id
@@ -236,28 +319,10 @@ ffi::Error ApplyDistinct(ffi::Token, ffi::AnyBuffer distinct, ffi::AnyBuffer cou
     auto version = IntScalar(step, "step");
     if (version.has_error()) return version.error();
     const int32_t* inv = inverse.typed_data();
+    if (ffi::Error e = CheckInverse(inv, rows * len, *m); e.failure()) return e;
     const float* w = OptionalWeights(weights);
-    const float* g = grads.typed_data();
-    std::vector<float> sums(*m * dim, 0.0f);
-    for (int64_t r = 0; r < rows; ++r) {
-      float denom = 0;
-      for (int64_t j = r * len; j < (r + 1) * len; ++j) {
-        if (inv[j] < -1 || inv[j] >= *m) {
-          return Invalid("`inverse` must be in [-1, count = " + std::to_string(*m) + "), got " +
-                         std::to_string(inv[j]));
-        }
-        if (inv[j] < 0) continue;
-        denom += DenominatorTerm(PooledWeight(w, j, *comb), *comb);
-      }
-      const float c = InverseDenominator(denom, *comb);
-      const float* src = g + r * dim;
-      for (int64_t j = r * len; j < (r + 1) * len; ++j) {
-        if (inv[j] < 0) continue;
-        const float s = PooledWeight(w, j, *comb) * c;
-        float* acc = sums.data() + static_cast<int64_t>(inv[j]) * dim;
-        for (int64_t d = 0; d < dim; ++d) acc[d] += s * src[d];
-      }
-    }
+    std::vector<float> sums;
+    SumDistinct(inv, w, grads.typed_data(), rows, len, dim, *m, *comb, &sums);
     auto apply_sums = [&](auto call) -> ffi::Error {
       using K = typename decltype(call)::Key;
       auto checked = call.Slots();

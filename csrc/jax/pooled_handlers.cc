@@ -241,9 +241,14 @@ ffi::Error PooledLookupDistinct(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi
       const PooledIds<K> p(k, w, rows, len, prune, *comb);
       const DistinctIds<K> d(tab, p.keys.data(), p.size());
       PooledLookupDistinctRows(tab, p, d, out->typed_data(), rows);
+      // Branch-free: 1-5 ids in a row pad unpredictably. d.inverse[n] is
+      // -1, read after the last kept id.
       int32_t* inv = inverse->typed_data();
       for (int64_t j = 0, i = 0; j < rows * len; ++j) {
-        inv[j] = prune && k[j] < 0 ? -1 : static_cast<int32_t>(d.inverse[i++]);
+        const int64_t keep = prune ? Kept(k[j]) : 1;
+        // u for a kept id, u | -1 = -1 for a pruned one.
+        inv[j] = d.inverse[i] | static_cast<int32_t>(keep - 1);
+        i += keep;
       }
       K* dst = distinct->reinterpret_data<K>();
       std::copy(d.uniq.begin(), d.uniq.end(), dst);

@@ -20,11 +20,17 @@
 #ifndef KRE_JAX_POOLED_IDS_H_
 #define KRE_JAX_POOLED_IDS_H_
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
+#include <new>
 #include <string>
 #include <string_view>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "core/distinct_ids.h"
@@ -64,6 +70,56 @@ inline ffi::ErrorOr<Combiner> CheckPooledCall(const AnyTable& at, const ffi::Any
   return ParseCombinerAttr(combiner);
 }
 
+// 1 for an id >= 0, else 0, from its sign bit (the compiler turns a
+// comparison into a branch, which padding mispredicts).
+template <typename K>
+inline int64_t Kept(K id) {
+  using U = std::make_unsigned_t<K>;
+  return 1 - static_cast<int64_t>(static_cast<U>(id) >> (8 * sizeof(K) - 1));
+}
+
+// std::allocator, but `resize` leaves new elements uninitialized: a buffer
+// every element of which is written before it is read (no zero fill of
+// ids or rows a call overwrites at once).
+template <typename T>
+struct Uninitialized : std::allocator<T> {
+  template <typename U>
+  struct rebind {
+    using other = Uninitialized<U>;
+  };
+  Uninitialized() = default;
+  template <typename U>
+  Uninitialized(const Uninitialized<U>&) {}  // NOLINT: rebinding
+  template <typename U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+
+template <typename T>
+using Buffer = std::vector<T, Uninitialized<T>>;
+
+// acc[d] += s * x[d] for d < dim (D: dim when known at compile time, else
+// 0). The compiler keeps the fixed-width loop scalar; a width of whole
+// vectors is summed 4 floats at a time, with the scalar loop's operations
+// (a multiply, then an add, per element): the same sums.
+template <int D>
+inline void AddScaled(float* acc, float s, const float* x, int64_t dim) {
+  if constexpr (D > 0 && D % 4 == 0) {
+    const __m128 sv = _mm_set1_ps(s);
+    for (int v = 0; v < D / 4; ++v) {
+      _mm_storeu_ps(acc + 4 * v,
+                    _mm_add_ps(_mm_loadu_ps(acc + 4 * v), _mm_mul_ps(sv, _mm_loadu_ps(x + 4 * v))));
+    }
+  } else {
+    for (int64_t d = 0; d < dim; ++d) acc[d] += s * x[d];
+  }
+}
+
 // Weight j of a row (weights or nullptr: 1) as `combiner` counts it: with
 // "mean" and "sqrtn" a weight <= 0 counts as 0.
 inline float PooledWeight(const float* weights, int64_t j, Combiner combiner) {
@@ -83,7 +139,8 @@ inline float InverseDenominator(float denom, Combiner combiner) {
 
 // The ids a pooled call looks up (all, or with `prune` those >= 0), in
 // batch order, each with its output row and weight, and each row's
-// 1 / denominator.
+// 1 / denominator. `keys`, `row` and `w` have room for every id; the first
+// size() entries are the looked-up ones.
 template <typename K>
 struct PooledIds {
   // Of ids k [rows, len], weights of their shape or nullptr.
@@ -96,34 +153,47 @@ struct PooledIds {
   }
   // Empty, for AddRow of rows 0, 1, ... rows - 1 of len ids each.
   PooledIds(int64_t rows, int64_t len, bool prune, Combiner combiner)
-      : inv(rows), len_(len), prune_(prune), combiner_(combiner) {
-    keys.reserve(rows * len);
-    row.reserve(rows * len);
-    w.reserve(rows * len);
-  }
-  // Row r's ids k[0..len) and weights (or nullptr).
+      : keys(rows * len),
+        row(rows * len),
+        w(rows * len),
+        inv(rows),
+        len_(len),
+        prune_(prune),
+        combiner_(combiner) {}
+  // Row r's ids k[0..len) and weights (or nullptr). Every id is written at
+  // the next free entry, which only a kept one takes: no branch on which
+  // are padding (1-5 ids in a row pad unpredictably). A dropped id's term
+  // adds +0 to the denominator: the kept ids' sum, exactly ("sum" has none).
   void AddRow(int64_t r, const K* k, const float* weights) {
     float denom = 0;
+    K* kk = keys.data() + n_;
+    int32_t* rr = row.data() + n_;
+    float* ww = w.data() + n_;
+    int64_t m = 0;
     for (int64_t j = 0; j < len_; ++j) {
-      if (prune_ && k[j] < 0) continue;
+      const int64_t keep = prune_ ? Kept(k[j]) : 1;
       const float x = PooledWeight(weights, j, combiner_);
-      keys.push_back(k[j]);
-      row.push_back(static_cast<int32_t>(r));
-      w.push_back(x);
-      denom += DenominatorTerm(x, combiner_);
+      kk[m] = k[j];
+      rr[m] = static_cast<int32_t>(r);
+      ww[m] = x;
+      if (combiner_ != kSum) denom += keep ? DenominatorTerm(x, combiner_) : 0.0f;
+      m += keep;
     }
+    n_ += m;
     inv[r] = InverseDenominator(denom, combiner_);
   }
-  int64_t size() const { return static_cast<int64_t>(keys.size()); }
+  int64_t size() const { return n_; }
 
-  std::vector<K> keys;
-  std::vector<int32_t> row;
-  std::vector<float> w, inv;
+  Buffer<K> keys;
+  Buffer<int32_t> row;
+  Buffer<float> w;
+  std::vector<float> inv;
 
  private:
   const int64_t len_;
   const bool prune_;
   const Combiner combiner_;
+  int64_t n_ = 0;
 };
 
 // Sums weighted rows into the output rows by non-decreasing row index,
@@ -142,20 +212,15 @@ class RowSums {
         acc_(dim, 0.0f) {}
 
   void Add(const int32_t* row, const float* w, const float* const* src, int64_t n) {
-    switch (dim_) {
-      case 4:
-        return AddFixed<4>(row, w, src, n);
-      case 8:
-        return AddFixed<8>(row, w, src, n);
-      case 16:
-        return AddFixed<16>(row, w, src, n);
-      case 32:
-        return AddFixed<32>(row, w, src, n);
-      case 64:
-        return AddFixed<64>(row, w, src, n);
-      default:
-        return AddFixed<0>(row, w, src, n);
-    }
+    Dispatch([&](auto d) { AddFixed<decltype(d)::value>(row, w, Pointers{src}, n); });
+  }
+
+  // Add of the rows base + index[i] * dim.
+  template <typename I>
+  void AddIndexed(const int32_t* row, const float* w, const float* base, const I* index,
+                  int64_t n) {
+    Dispatch(
+        [&](auto d) { AddFixed<decltype(d)::value>(row, w, Indexed<I>{base, index, dim_}, n); });
   }
 
   void Finish() {
@@ -164,15 +229,53 @@ class RowSums {
   }
 
  private:
+  // The rows Add reads: src[i].
+  struct Pointers {
+    const float* const* src;
+    const float* operator()(int64_t i) const { return src[i]; }
+  };
+  // base + index[i] * dim.
+  template <typename I>
+  struct Indexed {
+    const float* base;
+    const I* index;
+    int64_t dim;
+    const float* operator()(int64_t i) const { return base + static_cast<int64_t>(index[i]) * dim; }
+  };
+
+  // fn(std::integral_constant<int, D>) for the compiled width D of dim_ (0:
+  // any).
+  template <typename Fn>
+  void Dispatch(Fn&& fn) {
+    switch (dim_) {
+      case 4:
+        return fn(std::integral_constant<int, 4>());
+      case 8:
+        return fn(std::integral_constant<int, 8>());
+      case 16:
+        return fn(std::integral_constant<int, 16>());
+      case 32:
+        return fn(std::integral_constant<int, 32>());
+      case 64:
+        return fn(std::integral_constant<int, 64>());
+      default:
+        return fn(std::integral_constant<int, 0>());
+    }
+  }
+
   // D > 0: rows of D floats, the sum in a local array (registers); D = 0:
-  // of dim_ floats, in acc_.
-  template <int D>
-  void AddFixed(const int32_t* row, const float* w, const float* const* src, int64_t n) {
+  // of dim_ floats, in acc_. src(i) is row i.
+  template <int D, typename Src>
+  void AddFixed(const int32_t* row, const float* w, const Src& src, int64_t n) {
     const int64_t dim = D > 0 ? D : dim_;
     float local[D > 0 ? D : 1];
     float* acc = D > 0 ? local : acc_.data();
     if (D > 0) std::copy(acc_.begin(), acc_.end(), acc);
+    // The rows are read at random (a distinct id's, or the table's):
+    // fetched kAhead ids ahead.
+    constexpr int64_t kAhead = 8;
     for (int64_t i = 0; i < n; ++i) {
+      if (i + kAhead < n) __builtin_prefetch(src(i + kAhead));
       if (row[i] != cur_) {
         Store(acc);
         Zero(row[i]);
@@ -180,7 +283,7 @@ class RowSums {
         std::fill(acc, acc + dim, 0.0f);
       }
       const float s = w[i];
-      const float* r = src[i];
+      const float* r = src(i);
       for (int64_t d = 0; d < dim; ++d) acc[d] += s * r[d];
     }
     if (D > 0) std::copy(acc, acc + dim, acc_.begin());
@@ -220,9 +323,12 @@ constexpr int64_t kPooledReadBlock = 1024;
 template <typename K>
 struct DistinctIds {
   // The distinct ids of k[0..n).
-  DistinctIds(const kv::Table<K>& table, const K* k, int64_t n) : inverse(n) {
+  DistinctIds(const kv::Table<K>& table, const K* k, int64_t n) : inverse(n + 1) {
     DistinctBuilder<K> distinct(n, &uniq, &hashes, &counts);
-    for (int64_t i = 0; i < n; ++i) inverse[i] = distinct.Add(k[i], kv::Table<K>::Hash(k[i]));
+    for (int64_t i = 0; i < n; ++i) {
+      inverse[i] = static_cast<int32_t>(distinct.Add(k[i], kv::Table<K>::Hash(k[i])));
+    }
+    inverse[n] = -1;
     GroupByShard(table, uniq.data(), hashes.data(), size(), &by_shard);
   }
   // Ids known to be distinct (no counts, no inverse): for an update.
@@ -242,7 +348,10 @@ struct DistinctIds {
   std::vector<K> uniq;
   std::vector<uint64_t> hashes;
   std::vector<int32_t> counts;
-  std::vector<int64_t> inverse;
+  // Id i's index among the distinct ids (int32: as the calls' `inverse`
+  // output), then -1: a loop over the ids with padding among them may read
+  // the entry after the last id's.
+  Buffer<int32_t> inverse;
   kv::Partitioned<K> by_shard;  // uniq by shard (GroupByShard)
 };
 
@@ -252,11 +361,11 @@ void PooledLookupDistinctRows(kv::Table<K>& table, const PooledIds<K>& p, const 
                               float* out, int64_t rows, int64_t out_stride = -1) {
   const int64_t dim = table.dim(), n = p.size();
   RowSums sums(out, p.inv.data(), rows, dim, out_stride);
-  std::vector<float> buffer(d.size() * dim);
+  // The lookup writes every distinct id's row (as the TensorFlow group
+  // op's, into an uninitialized buffer).
+  Buffer<float> buffer(d.size() * dim);
   d.Lookup(table, /*insert=*/true, buffer.data());
-  std::vector<const float*> ptrs(n);
-  for (int64_t i = 0; i < n; ++i) ptrs[i] = buffer.data() + d.inverse[i] * dim;
-  sums.Add(p.row.data(), p.w.data(), ptrs.data(), n);
+  sums.AddIndexed(p.row.data(), p.w.data(), buffer.data(), d.inverse.data(), n);
   sums.Finish();
 }
 

@@ -216,3 +216,50 @@ def test_an_update_in_the_lookups_backward_runs_once_per_gradient(table):
         step(k, y)
         ref.step(k, y)
     ref.check(table)
+
+
+def test_dispatches_get_the_last_token_itself_on_one_device(table):
+    """`_jax_private.pass_tokens_in_place`: the next dispatch is handed the
+    token the last one left (no put of it); an effect with no token yet
+    takes JAX's own code."""
+    from jax._src import dispatch
+
+    lookup = jax.jit(lambda k: ffi.lookup(table, k, DIM, insert=False))
+    lookup(np.array([1, 2], np.int32)).block_until_ready()
+    tokens = dispatch.runtime_tokens
+    last = tokens.current_tokens[ffi._EFFECT]
+    device = jax.devices()[0]
+    assert tokens.get_token_input(ffi._EFFECT, [device]) is last
+    fresh = ffi.TableEffect()
+    first = tokens.get_token_input(fresh, [device])
+    assert tokens.current_tokens.pop(fresh) is first
+
+
+def test_alternating_dispatches_unblocked_see_every_earlier_update(table):
+    """Applies and lookups dispatched one after the other, never waited on
+    in between (the tokens handed on in place): each lookup reads the rows
+    every earlier apply left, as NumPy computes them."""
+    keys = np.array([1, 1, 2, 3], np.int32)
+    grads = np.linspace(-1.0, 1.0, 4 * DIM, dtype=np.float32).reshape(4, DIM)
+
+    @jax.jit
+    def apply_only(k, g, step):
+        ffi.apply(table, k, g, jnp.array([LR, 0.0, EPS]), step, "adagrad", ADAGRAD,
+                  ("accumulator",))
+
+    lookup = jax.jit(lambda k: ffi.lookup(table, k, DIM, insert=False))
+    ffi.lookup(table, keys, DIM)  # inserts the keys
+    ref = NumpyTable()
+    ref.lookup(keys)
+    outs = []
+    for s in range(12):
+        apply_only(keys, grads * (s + 1), s)
+        outs.append(lookup(keys))
+    for s, out in enumerate(outs):
+        g = grads * (s + 1)
+        for k in np.unique(keys):
+            gk = g[keys == k].sum(0)
+            ref.acc[int(k)] = ref.acc[int(k)] + gk * gk
+            ref.values[int(k)] = ref.values[int(k)] - LR * gk / np.sqrt(ref.acc[int(k)] + EPS)
+        np.testing.assert_allclose(np.asarray(out), [ref.values[int(k)] for k in keys],
+                                   rtol=2e-5, atol=1e-6)

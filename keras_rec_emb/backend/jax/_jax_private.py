@@ -9,6 +9,7 @@ Each entry says what it is and why the public API does not do it.
 """
 
 from jax._src import core as _core
+from jax._src import dispatch as _dispatch
 from jax._src import effects as _effects
 
 # The abstract value of an XLA token. `jax.ffi`'s lowering recognises a
@@ -31,3 +32,35 @@ def register_ordered_effect(effect_type):
     _effects.control_flow_allowed_effects.add_type(effect_type)
     _effects.custom_derivatives_allowed_effects.add_type(effect_type)
     _effects.remat_allowed_effects.add_type(effect_type)
+
+
+def pass_tokens_in_place():
+    """Makes JAX hand an ordered effect's last token to the next dispatch as
+    it is when it already lies on the one device that dispatch runs on.
+
+    Every call of a jitted function with an ordered effect takes JAX's
+    Python dispatch path, which `device_put`s the effect's last token onto
+    the computation's devices at every call (`RuntimeTokenSet.get_token_input`),
+    there already or not: on one device a put of a zero-size array to where
+    it is, which cost more than the rest of the path (docs/performance.md,
+    "Keras's JAX backend"). The token passed is the same buffer, so the
+    dependency that orders the dispatch after the last one is the one JAX
+    makes; the first token of an effect, and several devices, take JAX's own
+    code. JAX has no public API for how a dispatch gets its tokens.
+    Installed once; it changes no result, only the put it skips."""
+    cls = _dispatch.RuntimeTokenSet
+    original = cls.get_token_input
+    if getattr(original, "_kre_in_place", False):
+        return
+
+    def get_token_input(self, eff, devices):
+        token = self.current_tokens.get(eff)
+        if isinstance(token, _core.Token) and len(devices) == 1:
+            sharding = getattr(getattr(token, "_buf", None), "sharding", None)
+            if sharding is not None and sharding.device_set == {devices[0]}:
+                return token
+        return original(self, eff, devices)
+
+    get_token_input._kre_in_place = True
+    get_token_input.__wrapped__ = original
+    cls.get_token_input = get_token_input

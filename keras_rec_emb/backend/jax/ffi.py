@@ -12,7 +12,9 @@ through every table call, in program order, within a jitted function and
 across dispatches. So each call runs exactly once per execution (live even
 when its rows are unused, never merged with an identical one by CSE), in
 the order the program makes them, and results (`size`, `export`) see every
-earlier call's effect.
+earlier call's effect. That token reaches the next dispatch as it is when
+it is on that dispatch's one device (`_jax_private.pass_tokens_in_place`:
+JAX would put it there again at every call, a cost of each dispatch).
 
 Tables are named by an integer handle (csrc/jax/table_registry.h), a static
 attribute of each call. Table management (`create`, `destroy`, `add_slot`,
@@ -81,6 +83,7 @@ def library():
                 jax.ffi.register_ffi_target(
                     target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
             _declare_host_functions(lib)
+            _jax_private.pass_tokens_in_place()
             _lib = lib
         return _lib
 
