@@ -48,10 +48,10 @@ def pass_tokens_in_place():
     makes; the first token of an effect, and several devices, take JAX's own
     code. JAX has no public API for how a dispatch gets its tokens.
     Installed once; it changes no result, only the put it skips."""
-    cls = _dispatch.RuntimeTokenSet
-    original = cls.get_token_input
-    if getattr(original, "_kre_in_place", False):
-        return
+    cls = getattr(_dispatch, "RuntimeTokenSet", None)
+    original = getattr(cls, "get_token_input", None)
+    if original is None or getattr(original, "_kre_in_place", False):
+        return  # another JAX: its own dispatch, unchanged
 
     def get_token_input(self, eff, devices):
         token = self.current_tokens.get(eff)
