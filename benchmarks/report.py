@@ -307,11 +307,15 @@ def _storage_rows(data):
     what = (f"`storage.py`: {data['rows']:,} rows, dim {data['config']['dim']}, cache "
             f"{data['config']['cache_fraction']:.0%} of the rows "
             f"(hit rate {data['cache_hit_rate']:.2f})")
-    return [_row(what, "training steps/s, FILE tier / DRAM", data["file_over_dram"],
-                 data["target_file_over_dram"]),
-            _row(what, f"bytes on disk per key / `4*dim*(1+slots)` = "
-                 f"{data['row_bound_bytes_per_key']} (lower is better)",
-                 data["disk_over_bound"])]
+    rows = [_row(what, "training steps/s, FILE tier / DRAM", data["file_over_dram"],
+                 data["target_file_over_dram"])]
+    if "file_over_dram_cpu" in data:
+        rows.append(_row(what, "process CPU per training step, DRAM / FILE tier",
+                         data["file_over_dram_cpu"]))
+    rows.append(_row(what, f"bytes on disk per key / `4*dim*(1+slots)` = "
+                     f"{data['row_bound_bytes_per_key']} (lower is better)",
+                     data["disk_over_bound"]))
+    return rows
 
 
 def _checkpoint_rows(data):

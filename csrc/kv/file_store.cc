@@ -35,6 +35,11 @@ constexpr uint64_t kChunkBytes = 4 << 20;
 constexpr uint64_t kCompactFloorBytes = 1 << 20;
 // Records up to this size are read through a buffer on the stack.
 constexpr uint64_t kStackRecordBytes = 2048;
+// Prefetch: records of a segment this close (bytes from the end of one to
+// the start of the next) are read with one pread, of at most kReadRunBytes
+// (one record more when a record is larger).
+constexpr uint64_t kReadGapBytes = 16 << 10;
+constexpr uint64_t kReadRunBytes = 256 << 10;
 // Directory levels RemoveTree descends (tables write none below their own
 // folders): deeper ones are left, which bounds its stack and descriptors.
 constexpr int kRemoveDepth = 16;
@@ -141,6 +146,20 @@ void CopySegmentFile(const std::string& src, const std::string& dst, uint64_t si
 }
 
 std::atomic<uint64_t> g_space_counter{0};
+
+// Sorts by the upper 32 bits (a least-significant-digit radix sort, 8 bits
+// a pass; stable): a lookup's misses are a few thousand a shard, where
+// std::sort's comparisons cost several times more.
+void SortByHigh32(std::vector<uint64_t>* v) {
+  std::vector<uint64_t> tmp(v->size());
+  for (int shift = 32; shift < 64; shift += 8) {
+    size_t count[257] = {};
+    for (const uint64_t x : *v) ++count[((x >> shift) & 0xFF) + 1];
+    for (int b = 0; b < 256; ++b) count[b + 1] += count[b];
+    for (const uint64_t x : *v) tmp[count[(x >> shift) & 0xFF]++] = x;
+    v->swap(tmp);
+  }
+}
 
 // Removes the entries of the directory open as `dir` (closed here), then
 // `depth` levels below it at most; a symbolic link is unlinked, never
@@ -668,8 +687,8 @@ uint32_t FileRowStore::TakeCacheSlot() {
   while (true) {
     const uint64_t h = hand_;
     hand_ = (hand_ + 1) % cache_row_.size();
-    if (ref_[h]) {
-      ref_[h] = 0;
+    if (ref_[h] & kReferenced) {
+      ref_[h] = static_cast<uint8_t>(ref_[h] & ~kReferenced);  // kAhead stays
       continue;
     }
     const uint32_t slot = static_cast<uint32_t>(h);
@@ -682,7 +701,7 @@ uint32_t FileRowStore::TakeCacheSlot() {
 float* FileRowStore::Fetch(uint32_t row, bool write) {
   int32_t slot = SlotOf(row);
   if (slot >= 0) {
-    ++hits_;
+    if ((ref_[slot] & kAhead) == 0) ++hits_;  // else Prefetch counted its miss
   } else {
     ++misses_;
     const uint32_t s = TakeCacheSlot();
@@ -699,9 +718,99 @@ float* FileRowStore::Fetch(uint32_t row, bool write) {
     Cache(row, s, loc);
     dirty_[s] = 0;
   }
-  ref_[slot] = 1;
+  ref_[slot] = kReferenced;
   if (write) dirty_[slot] = 1;
   return cache_.data() + static_cast<uint64_t>(slot) * width_;
+}
+
+void FileRowStore::Prefetch(const uint32_t* rows, size_t n) {
+  // Any failure stops here: the rows not loaded are fetched one by one,
+  // which raises it where it arose before.
+  try {
+    // The rows not cached, by record number (a segment's records in file
+    // order; segments own disjoint ranges); the cached ones are marked
+    // referenced, as their fetch would, so that loading the others passes
+    // them over.
+    std::vector<uint64_t> want;  // word << 32 | row
+    want.reserve(n);
+    uint64_t cached = 0;
+    constexpr size_t kAheadRows = 8;  // the row words are read at random
+    for (size_t i = 0; i < n; ++i) {
+      if (i + kAheadRows < n) __builtin_prefetch(where_.Row(rows[i + kAheadRows]));
+      const uint32_t w = *where_.Row(rows[i]);
+      if (w == kNoWord) continue;
+      if (IsCached(w)) {
+        ref_[w & ~kCached] |= kReferenced;
+        ++cached;
+        continue;
+      }
+      want.push_back(static_cast<uint64_t>(w) << 32 | rows[i]);
+    }
+    if (want.empty()) return;
+    SortByHigh32(&want);  // a row's word is its own: equal words, equal entries
+    want.erase(std::unique(want.begin(), want.end()), want.end());
+    const uint64_t room = capacity_ > cached ? capacity_ - cached : 0;
+    if (want.size() > room) want.resize(static_cast<size_t>(room));
+    const uint64_t compactions = compactions_;
+    std::vector<char> run;
+    size_t i = 0;
+    while (i < want.size()) {
+      const uint32_t w0 = static_cast<uint32_t>(want[i] >> 32);
+      const uint64_t loc0 = WordToLoc(w0);
+      const uint32_t id = static_cast<uint32_t>(loc0 >> kOffsetBits);
+      const Segment& seg = segments_.at(id);
+      const uint64_t start = loc0 & kOffsetMask;
+      // The run: records of this segment on file, close to each other.
+      uint64_t end = start + seg.rec_bytes;
+      size_t j = i + 1;
+      if (end <= seg.size) {
+        while (j < want.size()) {
+          const uint32_t w = static_cast<uint32_t>(want[j] >> 32);
+          if (w >= seg.base + seg.cap) break;  // another segment
+          const uint64_t at = kHeaderBytes + static_cast<uint64_t>(w - seg.base) * seg.rec_bytes;
+          if (at + seg.rec_bytes > seg.size || at > end + kReadGapBytes ||
+              at + seg.rec_bytes - start > kReadRunBytes) {
+            break;
+          }
+          end = at + seg.rec_bytes;
+          ++j;
+        }
+        run.resize(static_cast<size_t>(end - start));
+        const SegmentFile file(*this, id, seg);
+        ReadRecordBytes(file.fd(), run.data(), run.size(), start, seg.path);
+      } else {
+        run.clear();  // in the active segment's buffer: ReadRecord takes it there
+      }
+      for (size_t k = i; k < j; ++k) {
+        const uint32_t w = static_cast<uint32_t>(want[k] >> 32);
+        const uint32_t row = static_cast<uint32_t>(want[k]);
+        const uint32_t s = TakeCacheSlot();
+        if (compactions_ != compactions) {  // a write-back compacted: rows moved
+          free_slots_.push_back(s);
+          return;
+        }
+        float* dst = cache_.data() + static_cast<uint64_t>(s) * width_;
+        const uint64_t offset = kHeaderBytes + static_cast<uint64_t>(w - seg.base) * seg.rec_bytes;
+        try {
+          if (run.empty()) {
+            ReadRecord((static_cast<uint64_t>(id) << kOffsetBits) | offset, dst);
+          } else {
+            UnpackRecord(seg, offset, run.data() + (offset - start), dst);
+          }
+        } catch (...) {
+          free_slots_.push_back(s);
+          throw;
+        }
+        ++misses_;
+        ++reads_;
+        Cache(row, s, (static_cast<uint64_t>(id) << kOffsetBits) | offset);
+        dirty_[s] = 0;
+        ref_[s] = kReferenced | kAhead;
+      }
+      i = j;
+    }
+  } catch (...) {
+  }
 }
 
 uint32_t FileRowStore::Allocate(const float* init) {

@@ -25,6 +25,11 @@
 //                valid together. A file store throws DataLossError when the
 //                row's record is no longer on file as written (and I/O
 //                errors as std::runtime_error); nothing changes then.
+//   Prefetch     exclusive lock: a hint that the rows given are about to be
+//                read (Value/Slot); a file store loads those it does not hold
+//                in one pass, sorted by file offset, neighbours in one read.
+//                Changes no row and throws nothing: a row it could not load
+//                is read (and its error reported) by its Value call.
 //   Read         a shared lock suffices (no state changes): copies the value
 //                and the slots (concatenated) out. Does not fill a cache.
 //                Throws as Value does.
@@ -95,6 +100,7 @@ class RowStore {
   virtual float* Value(uint32_t row, bool write) = 0;
   virtual float* Slot(size_t j, uint32_t row, bool write) = 0;
   virtual void Read(uint32_t row, float* value, float* slots) const = 0;
+  virtual void Prefetch(const uint32_t* /*rows*/, size_t /*n*/) {}
   virtual void ReserveSlot(int64_t width, float init) = 0;
   virtual void CommitSlot() = 0;
   virtual void SetSlotInit(size_t j, float init) = 0;

@@ -296,6 +296,22 @@ const float* Table<K>::Resolve(Shard& s, K key, uint64_t h, bool insert, int64_t
 }
 
 template <typename K>
+void Table<K>::PrefetchRows(Shard& s, const K* keys, const uint64_t* hashes, int64_t n) {
+  // The rows of the keys already admitted, for the store to load those it
+  // does not hold in one pass (keys not found are left to the lookup).
+  constexpr int64_t kAhead = 16;
+  std::vector<uint32_t> rows;
+  rows.reserve(static_cast<size_t>(n));
+  const bool probe = !s.index.empty_storage();
+  for (int64_t j = 0; j < n; ++j) {
+    if (probe && j + kAhead < n) s.index.PrefetchProbe(hashes[j + kAhead]);
+    const int64_t idx = s.index.Find(keys[j], hashes[j]);
+    if (idx >= 0 && s.index.entry(idx).row != kNoRow) rows.push_back(s.index.entry(idx).row);
+  }
+  s.store->Prefetch(rows.data(), rows.size());
+}
+
+template <typename K>
 template <bool kCounted>
 int64_t Table<K>::LookupImpl(int shard, const K* keys, const uint64_t* hashes, const int64_t* order,
                              const int32_t* counts, int64_t n, bool insert, float* out) {
@@ -309,6 +325,7 @@ int64_t Table<K>::LookupImpl(int shard, const K* keys, const uint64_t* hashes, c
   } else {
     rlock.lock();
   }
+  if (!stable) PrefetchRows(s, keys, hashes, n);
   int64_t inserted = 0;
   uint64_t hits = 0, occurrences = 0;
   const int64_t now = SatAdd(LatestStep(), 1);  // the step this lookup belongs to

@@ -469,6 +469,10 @@ class Table {
   // and occurrences that found an admitted row in *hits.
   const float* Resolve(Shard& s, K key, uint64_t h, bool insert, int64_t now, int64_t count,
                        int64_t* admitted, uint64_t* hits);
+  // A store without stable pointers (the file tier) gets the rows of the
+  // keys of a lookup that are in the index, to load as a batch
+  // (RowStore::Prefetch); caller holds the shard's lock exclusively.
+  void PrefetchRows(Shard& s, const K* keys, const uint64_t* hashes, int64_t n);
   template <bool kCounted>
   int64_t LookupImpl(int shard, const K* keys, const uint64_t* hashes, const int64_t* order,
                      const int32_t* counts, int64_t n, bool insert, float* out);
