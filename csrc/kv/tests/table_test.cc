@@ -12,6 +12,7 @@
 #include <map>
 #include <optional>
 #include <random>
+#include <set>
 #include <thread>
 #include <vector>
 
@@ -1083,6 +1084,185 @@ void TestIndexMaxLoad() {
 
 }  // namespace
 
+// An Adagrad-like update for the entry-reuse tests: value and slot both
+// change, with float operations that any change of row or order shows.
+void AdagradRow(float* v, float** slots, const float* g) {
+  for (int64_t d = 0; d < kDim; ++d) {
+    slots[0][d] += g[d] * g[d];
+    v[d] -= 0.1f * g[d] / std::sqrt(slots[0][d]);
+  }
+}
+
+// ApplyDistinct after a training LookupCounted of the same keys takes each
+// key's entry from the lookup (Table::ReusedEntries counts them) and
+// updates exactly what a probe of the index does: table `a` runs
+// LookupCounted + ApplyDistinct, twin `b` a plain Lookup (which keeps no
+// entries) + ApplyDistinct, with the same operations in between: none,
+// erasures followed by inserts that reuse the freed rows, eviction, a
+// change mark, the keys applied in another order or in part, a clear, an
+// import, another lookup of other keys. Exports, deltas and counters agree
+// after every round.
+template <typename K>
+void CheckApplyReusesLookupEntries(bool track_meta, int num_shards, uint64_t seed) {
+  kre::kv::TableOptions o = FilterOptions(0);
+  o.track_meta = track_meta;
+  o.num_shards = num_shards;
+  Table<K> a(o), b(o);
+  const int sa = a.AddSlot("acc", kDim, 0.1f), sb = b.AddSlot("acc", kDim, 0.1f);
+  CHECK(sa == 0 && sb == 0);
+  std::mt19937_64 rng(seed);
+  int64_t mark = a.MarkChanges();
+  CHECK(b.MarkChanges() == mark);
+  uint64_t all_reused = 0;
+  for (int round = 0; round < 80; ++round) {
+    std::vector<K> keys;
+    {
+      std::set<int64_t> seen;
+      const int64_t n = 1 + static_cast<int64_t>(rng() % 120);
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t k = static_cast<int64_t>(rng() % 400) - 50;
+        if (seen.insert(k).second) keys.push_back(static_cast<K>(k));
+      }
+    }
+    const int64_t step = round + 1;
+    LookupDistinct(a, keys, 1 + round % 3);
+    std::vector<K> plain;  // b's lookup: each key once per occurrence
+    for (K k : keys) plain.insert(plain.end(), 1 + round % 3, k);
+    Lookup(b, plain, true);
+    std::vector<K> applied = keys;
+    const int op = round < 8 ? round : static_cast<int>(rng() % 8);
+    for (Table<K>* t : {&a, &b}) {
+      std::mt19937_64 same(seed * 31 + round);  // both tables see the same
+      switch (op) {
+        case 1: {  // erase some keys, then insert new ones into their rows
+          for (size_t i = 0; i < keys.size(); i += 2) t->Erase(keys[i]);
+          std::vector<K> fresh;
+          for (int i = 0; i < 30; ++i) fresh.push_back(static_cast<K>(1000 + round * 40 + i));
+          Lookup(*t, fresh, true);
+          break;
+        }
+        case 2:
+          t->Evict(-1, /*steps_to_live=*/3, -1.0f);
+          break;
+        case 3:
+          mark = t->MarkChanges();
+          break;
+        case 4: {  // the keys applied in another order, and only some
+          std::vector<K> other = keys;
+          std::shuffle(other.begin(), other.end(), same);
+          other.resize(other.size() - other.size() / 4);
+          if (t == &a) applied = other;
+          break;
+        }
+        case 5:
+          t->Clear();
+          break;
+        case 6: {
+          std::vector<K> imported(keys.begin(), keys.begin() + (keys.size() + 1) / 2);
+          std::vector<float> values(imported.size() * kDim, 0.5f), slots(values.size(), 0.25f);
+          t->Import(imported.data(), values.data(), nullptr, nullptr,
+                    static_cast<int64_t>(imported.size()), slots.data(), {0}, {kDim});
+          break;
+        }
+        case 7: {  // another training lookup, of other keys, in between
+          std::vector<K> other;
+          for (int i = 0; i < 20; ++i) other.push_back(static_cast<K>(2000 + i));
+          if (t == &a) {
+            LookupDistinct(a, other);
+          } else {
+            Lookup(b, other, true);
+          }
+          break;
+        }
+        default:
+          break;
+      }
+    }
+    std::vector<float> grads(applied.size() * kDim);
+    for (float& g : grads) g = static_cast<float>(rng() % 1000) / 256.0f - 2.0f;
+    const uint64_t before = a.ReusedEntries();
+    ApplyDistinctKeys(a, applied, grads, {0}, step, AdagradRow);
+    ApplyDistinctKeys(b, applied, grads, {0}, step, AdagradRow);
+    const uint64_t reused = a.ReusedEntries() - before;
+    all_reused += reused;
+    // Untouched, every entry is reused (without metadata, but those of keys
+    // last stamped before a change mark); after a clear (rows gone) none.
+    if (op == 0) CHECK(track_meta ? reused == applied.size() : reused <= applied.size());
+    if (op == 5) CHECK(reused == 0);
+    if (op == 1 && num_shards == 1) CHECK(reused == 0);
+    CHECK(ExportAll(a) == ExportAll(b));
+    std::vector<K> erased_a, erased_b;
+    Exported<K> da, db;
+    const bool ca = a.ExportChangedSince(mark, ExportInto(a, &da), &erased_a);
+    const bool cb = b.ExportChangedSince(mark, ExportInto(b, &db), &erased_b);
+    CHECK(ca == cb && da == db && erased_a == erased_b);
+  }
+  CHECK(all_reused > 0 && b.ReusedEntries() == 0);
+  const auto ca = a.Counters(), cb = b.Counters();
+  CHECK(ca.lookups == cb.lookups && ca.hits == cb.hits && ca.admitted == cb.admitted &&
+        ca.erased == cb.erased);
+}
+
+// A key erased between its lookup and its apply, whose row went to a key
+// inserted meanwhile: the apply must not take the old entry (the row is the
+// new key's now), and inserts the erased key afresh. Without metadata, a
+// change mark between them leaves the apply to stamp the index entry.
+void TestApplyAfterEraseReusedRow() {
+  Table<int64_t> t(kDim, Defaults(), 1);
+  const int acc = t.AddSlot("acc", kDim, 0.1f);
+  const std::vector<int64_t> keys = {10, 11};
+  LookupDistinct(t, keys);
+  CHECK(t.Erase(10));
+  Lookup(t, std::vector<int64_t>{12}, true);  // takes key 10's row
+  std::vector<float> grads(2 * kDim, 1.0f);
+  ApplyDistinctKeys(t, keys, grads, {acc}, 5, [](float* v, float** slots, const float* g) {
+    for (int64_t d = 0; d < kDim; ++d) {
+      v[d] -= g[d];
+      slots[0][d] += 1.0f;
+    }
+  });
+  CHECK(t.ReusedEntries() == 0);  // the erase made every copy stale
+  std::vector<float> v;
+  int64_t f, ver;
+  const float* d12 = t.DefaultRow(12);
+  CHECK(t.Find(12, &v, &f, &ver) && std::equal(v.begin(), v.end(), d12) && ver == 0);
+  const float* d10 = t.DefaultRow(10);
+  CHECK(t.Find(10, &v, &f, &ver) && ver == 5);
+  for (int64_t d = 0; d < kDim; ++d) CHECK(v[d] == d10[d] - 1.0f);
+  // The next step's lookup and apply reuse both entries.
+  LookupDistinct(t, keys);
+  ApplyDistinctKeys(t, keys, grads, {acc}, 6, AdagradRow);
+  CHECK(t.ReusedEntries() == 2);
+
+  kre::kv::TableOptions o = FilterOptions(0);
+  o.track_meta = false;
+  Table<int64_t> u(o);
+  u.AddSlot("acc", kDim, 0.1f);
+  const std::vector<int64_t> ks = {1, 2, 3, 4, 5};
+  LookupDistinct(u, ks);
+  ApplyDistinctKeys(u, ks, std::vector<float>(5 * kDim, 1.0f), {0}, 1, AdagradRow);
+  LookupDistinct(u, ks);
+  const int64_t mark = u.MarkChanges();
+  const uint64_t before = u.ReusedEntries();
+  ApplyDistinctKeys(u, ks, std::vector<float>(5 * kDim, 1.0f), {0}, 2, AdagradRow);
+  CHECK(u.ReusedEntries() == before);  // stamped in the index, not from the copies
+  std::vector<int64_t> erased;
+  Exported<int64_t> delta;
+  CHECK(u.ExportChangedSince(mark, ExportInto(u, &delta), &erased));
+  std::vector<int64_t> changed = delta.keys;
+  std::sort(changed.begin(), changed.end());
+  CHECK(changed == ks && erased.empty());
+}
+
+void TestApplyReusesLookupEntries() {
+  CheckApplyReusesLookupEntries<int64_t>(true, 4, 1);
+  CheckApplyReusesLookupEntries<int64_t>(true, 1, 2);
+  CheckApplyReusesLookupEntries<int64_t>(false, 4, 3);
+  CheckApplyReusesLookupEntries<int32_t>(true, 3, 4);
+  CheckApplyReusesLookupEntries<int32_t>(false, 1, 5);
+  TestApplyAfterEraseReusedRow();
+}
+
 int main() {
   TestInsertFindDefaultRows<int64_t>();
   TestInsertFindDefaultRows<int32_t>();
@@ -1108,5 +1288,6 @@ int main() {
   TestAnyShardCount();
   TestBadConstruction();
   TestIncrementalExport();
+  TestApplyReusesLookupEntries();
   return kre::kv::test::Report("table_test");
 }
