@@ -55,14 +55,15 @@ class _TableUpdate:
 
     def group(self):
         """The key of the one op that may update this table with others
-        (`_ops.group_sparse_apply`), or None: a table of this process
-        (not a distributed shard, which gathers or hands off its update)
-        with distinct keys, as the group lookup's backward gives them."""
-        if not (self.distinct and type(self.table).sparse_apply is
-                _variables.EmbeddingTable.sparse_apply):
+        (`_ops.group_sparse_apply`), or None: a table with distinct keys,
+        as the group lookup's backward gives them, outside a tf.distribute
+        strategy (a distributed shard gathers or hands off its update, or
+        lives on a parameter server); tables on one device only."""
+        if not (self.distinct and not tf.distribute.has_strategy()
+                and type(self.table).sparse_apply is _variables.EmbeddingTable.sparse_apply):
             return None
-        return (self.table.key_dtype, self.rule, tuple(self.hyper), self.slots,
-                id(self.step))
+        return (self.table.device, self.table.key_dtype, self.rule, tuple(self.hyper),
+                self.slots, id(self.step))
 
 
 def _apply_table_updates(updates):
@@ -84,9 +85,11 @@ def _apply_table_updates(updates):
         for u in members:
             u.table._refuse_strategy("An embedding table update")  # pylint: disable=protected-access
         first = members[0]
-        _ops.group_sparse_apply([u.table.handle for u in members], [u.keys for u in members],
-                                [u.grads for u in members], first.rule,
-                                [u.hyper for u in members], first.step, first.slots)
+        with tf.device(first.table.device):  # with the tables (resource ops run there)
+            _ops.group_sparse_apply([u.table.handle for u in members],
+                                    [u.keys for u in members], [u.grads for u in members],
+                                    first.rule, [u.hyper for u in members], first.step,
+                                    first.slots)
 
 
 class TableSlot:
