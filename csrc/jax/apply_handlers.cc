@@ -6,7 +6,6 @@
 // (ApplyPooled, and ApplyDistinct through the distinct ids of
 // PooledLookupDistinct). handlers.h says what every handler shares;
 // pooled_ids.h what the combiners' calls do.
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -16,7 +15,6 @@
 
 #include "core/update_rules.h"
 #include "jax/handlers.h"
-#include "jax/parallel.h"
 #include "jax/pooled_ids.h"
 #include "kv/table.h"
 #include "xla/ffi/api/ffi.h"
@@ -210,16 +208,14 @@ ffi::Error ApplyPooled(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> we
 // The backward of PooledLookupDistinct: id (r, k)'s share of row r's
 // gradient, w[r, k] / denominator(r) * grads[r] (as ApplyPooled), summed
 // per distinct id through `inverse` in batch order, then each distinct id
-// updated once, each shard's in first-seen order (the shards over XLA's
-// intra-op pool, jax/parallel.h): the same sums, order and updates as
-// ApplyPooled of the same ids.
+// updated once, shard by shard in first-seen order: the same sums, order
+// and updates as ApplyPooled of the same ids.
 ffi::Error ApplyDistinct(ffi::Token, ffi::AnyBuffer distinct, ffi::AnyBuffer count,
                          ffi::Buffer<ffi::S32, 2> inverse, ffi::Buffer<ffi::F32> weights,
                          ffi::Buffer<ffi::F32, 2> grads, ffi::Buffer<ffi::F32> hyper,
                          ffi::AnyBuffer step, ffi::Result<ffi::Token>, int64_t table,
                          std::string_view rule_name, std::string_view hparam_names,
-                         std::string_view slot_names, std::string_view combiner,
-                         ffi::ThreadPool pool) {
+                         std::string_view slot_names, std::string_view combiner) {
   return OnTable(table, [&](AnyTable& at) -> ffi::Error {
     if (ffi::Error e = CheckKeys(at, distinct); e.failure()) return e;
     auto comb = ParseCombinerAttr(combiner);
@@ -242,8 +238,7 @@ ffi::Error ApplyDistinct(ffi::Token, ffi::AnyBuffer distinct, ffi::AnyBuffer cou
     const int32_t* inv = inverse.typed_data();
     const float* w = OptionalWeights(weights);
     const float* g = grads.typed_data();
-    // Row r's 1 / denominator, once every entry of `inverse` is checked.
-    std::vector<float> scale(rows);
+    std::vector<float> sums(*m * dim, 0.0f);
     for (int64_t r = 0; r < rows; ++r) {
       float denom = 0;
       for (int64_t j = r * len; j < (r + 1) * len; ++j) {
@@ -254,28 +249,14 @@ ffi::Error ApplyDistinct(ffi::Token, ffi::AnyBuffer distinct, ffi::AnyBuffer cou
         if (inv[j] < 0) continue;
         denom += DenominatorTerm(PooledWeight(w, j, *comb), *comb);
       }
-      scale[r] = InverseDenominator(denom, *comb);
-    }
-    // The sums of distinct ids [lo, hi), in batch order: split in ranges of
-    // distinct ids over the pool, each range's sums are the same as in one.
-    std::vector<float> sums(*m * dim, 0.0f);
-    auto sum_range = [&](int64_t lo, int64_t hi) {
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* src = g + r * dim;
-        for (int64_t j = r * len; j < (r + 1) * len; ++j) {
-          if (inv[j] < lo || inv[j] >= hi) continue;
-          const float s = PooledWeight(w, j, *comb) * scale[r];
-          float* acc = sums.data() + static_cast<int64_t>(inv[j]) * dim;
-          for (int64_t d = 0; d < dim; ++d) acc[d] += s * src[d];
-        }
+      const float c = InverseDenominator(denom, *comb);
+      const float* src = g + r * dim;
+      for (int64_t j = r * len; j < (r + 1) * len; ++j) {
+        if (inv[j] < 0) continue;
+        const float s = PooledWeight(w, j, *comb) * c;
+        float* acc = sums.data() + static_cast<int64_t>(inv[j]) * dim;
+        for (int64_t d = 0; d < dim; ++d) acc[d] += s * src[d];
       }
-    };
-    const int64_t ranges = ThreadsFor(pool, *m);
-    if (ranges == 1) {
-      sum_range(0, *m);
-    } else {
-      ParallelFor(pool, ranges,
-                  [&](int64_t i) { sum_range(*m * i / ranges, *m * (i + 1) / ranges); });
     }
     auto apply_sums = [&](auto call) -> ffi::Error {
       using K = typename decltype(call)::Key;
@@ -283,19 +264,7 @@ ffi::Error ApplyDistinct(ffi::Token, ffi::AnyBuffer distinct, ffi::AnyBuffer cou
       if (checked.has_error()) return checked.error();
       const DistinctIds<K> d(call.table, distinct.reinterpret_data<K>(), *m, /*distinct=*/true);
       const rules::ApplyRow<typename decltype(call)::Rule> update(hyper.typed_data(), dim);
-      // Shard by shard (over the pool for many ids): no two units touch one
-      // shard.
-      const kv::Partitioned<K>& ps = d.by_shard;
-      ParallelFor(
-          pool, call.table.num_shards(),
-          [&](int64_t s) {
-            const int64_t b = ps.offsets[s], e = ps.offsets[s + 1];
-            if (e == b) return;
-            call.table.ApplyDistinct(static_cast<int>(s), ps.keys.data() + b, ps.hashes.data() + b,
-                                     ps.order.data() + b, e - b, sums.data(), *checked, call.step,
-                                     update);
-          },
-          ThreadsFor(pool, *m));
+      ApplyByShard(call.table, d.by_shard, sums.data(), *checked, call.step, update);
       return ffi::Error::Success();
     };
     return WithRuleCall(at, rule_name, hparam_names, slot_names, hyper, *version, apply_sums);
@@ -326,8 +295,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     (WithRuleAttrs(TokenBinding<Args<ffi::AnyBuffer, ffi::AnyBuffer, ffi::BufferR2<ffi::S32>,
                                      ffi::Buffer<ffi::F32>, ffi::BufferR2<ffi::F32>,
                                      ffi::Buffer<ffi::F32>, ffi::AnyBuffer>>())
-         .Attr<std::string_view>("combiner")
-         .Ctx<ffi::ThreadPool>()));
+         .Attr<std::string_view>("combiner")));
 
 #pragma GCC visibility pop
 

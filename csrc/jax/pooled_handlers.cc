@@ -211,14 +211,13 @@ ffi::Error GroupPooledLookup(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F
 // id without deduplicating the batch again: `inverse` [rows, L], id
 // (r, k)'s index among the distinct ids (-1 for a pruned one); `distinct`
 // [rows * L], the distinct ids first seen first (the rest is zeros); and
-// `count`, how many there are. The table's shards are looked up, and the
-// rows summed in parts, over XLA's intra-op pool (jax/parallel.h).
+// `count`, how many there are.
 ffi::Error PooledLookupDistinct(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> weights,
                                 ffi::Result<ffi::Token>, ffi::ResultBuffer<ffi::F32, 2> out,
                                 ffi::ResultBuffer<ffi::S32, 2> inverse,
                                 ffi::Result<ffi::AnyBuffer> distinct,
                                 ffi::Result<ffi::AnyBuffer> count, int64_t table, bool prune,
-                                std::string_view combiner, ffi::ThreadPool pool) {
+                                std::string_view combiner) {
   return OnTable(table, [&](AnyTable& at) -> ffi::Error {
     auto comb = CheckPooledLookup(at, keys, weights, *out, combiner);
     if (comb.has_error()) return comb.error();
@@ -241,7 +240,7 @@ ffi::Error PooledLookupDistinct(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi
       const K* k = keys.reinterpret_data<K>();
       const PooledIds<K> p(k, w, rows, len, prune, *comb);
       const DistinctIds<K> d(tab, p.keys.data(), p.size());
-      PooledLookupDistinctRows(tab, p, d, out->typed_data(), rows, /*out_stride=*/-1, &pool);
+      PooledLookupDistinctRows(tab, p, d, out->typed_data(), rows);
       int32_t* inv = inverse->typed_data();
       for (int64_t j = 0, i = 0; j < rows * len; ++j) {
         inv[j] = prune && k[j] < 0 ? -1 : static_cast<int32_t>(d.inverse[i++]);
@@ -282,8 +281,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTablePooledLookupDistinct, PooledLookupDistinct
                                                  ffi::AnyBuffer, ffi::AnyBuffer>>()
                                    .Attr<int64_t>("table")
                                    .Attr<bool>("prune")
-                                   .Attr<std::string_view>("combiner")
-                                   .Ctx<ffi::ThreadPool>()));
+                                   .Attr<std::string_view>("combiner")));
 
 #pragma GCC visibility pop
 

@@ -30,7 +30,6 @@
 #include "core/distinct_ids.h"
 #include "core/pooled_rows.h"
 #include "jax/handlers.h"
-#include "jax/parallel.h"
 #include "kv/table.h"
 
 namespace kre {
@@ -132,19 +131,14 @@ struct PooledIds {
 // times its 1 / denominator; Finish() stores the last one and zeros the
 // rows no id reached. Output row r is out[r * stride, r * stride + dim)
 // (a stride > dim: one feature's columns of a group's concatenated rows).
-// It writes rows [first, rows) (first > 0: one part of the rows, the ids
-// of rows >= first only).
 class RowSums {
  public:
-  RowSums(float* out, const float* inv, int64_t rows, int64_t dim, int64_t stride = -1,
-          int64_t first = 0)
+  RowSums(float* out, const float* inv, int64_t rows, int64_t dim, int64_t stride = -1)
       : out_(out),
         inv_(inv),
         rows_(rows),
         dim_(dim),
         stride_(stride < 0 ? dim : stride),
-        first_(first),
-        cur_(first - 1),
         acc_(dim, 0.0f) {}
 
   void Add(const int32_t* row, const float* w, const float* const* src, int64_t n) {
@@ -193,7 +187,7 @@ class RowSums {
   }
 
   void Store(const float* acc) {
-    if (cur_ < first_) return;  // no id yet
+    if (cur_ < 0) return;
     float* o = out_ + cur_ * stride_;
     const float c = inv_[cur_];
     for (int64_t d = 0; d < dim_; ++d) o[d] = acc[d] * c;
@@ -209,8 +203,8 @@ class RowSums {
 
   float* const out_;
   const float* const inv_;
-  const int64_t rows_, dim_, stride_, first_;
-  int64_t cur_;
+  const int64_t rows_, dim_, stride_;
+  int64_t cur_ = -1;
   std::vector<float> acc_;
 };
 
@@ -240,20 +234,9 @@ struct DistinctIds {
   int64_t size() const { return static_cast<int64_t>(uniq.size()); }
 
   // Looks every distinct id up once: row u of `rows` ([size(), dim]) is
-  // uniq[u]'s; with a pool, shard by shard over its threads.
-  void Lookup(kv::Table<K>& table, bool insert, float* rows,
-              ffi::ThreadPool* pool = nullptr) const {
-    const int64_t threads = pool == nullptr ? 1 : ThreadsFor(*pool, size());
-    if (threads == 1) {
-      LookupCountedByShard(table, by_shard, counts.data(), insert, rows);
-      return;
-    }
-    ParallelFor(
-        *pool, table.num_shards(),
-        [&](int64_t s) {
-          LookupShardCounted(table, by_shard, static_cast<int>(s), counts.data(), insert, rows);
-        },
-        threads);
+  // uniq[u]'s.
+  void Lookup(kv::Table<K>& table, bool insert, float* rows) const {
+    LookupCountedByShard(table, by_shard, counts.data(), insert, rows);
   }
 
   std::vector<K> uniq;
@@ -263,36 +246,18 @@ struct DistinctIds {
   kv::Partitioned<K> by_shard;  // uniq by shard (GroupByShard)
 };
 
-// A training pooled lookup through the distinct ids `d` of p's ids; with a
-// pool, the distinct ids are looked up shard by shard and the output rows
-// summed in parts over its threads (each row's sum the same as in one
-// part).
+// A training pooled lookup through the distinct ids `d` of p's ids.
 template <typename K>
 void PooledLookupDistinctRows(kv::Table<K>& table, const PooledIds<K>& p, const DistinctIds<K>& d,
-                              float* out, int64_t rows, int64_t out_stride = -1,
-                              ffi::ThreadPool* pool = nullptr) {
+                              float* out, int64_t rows, int64_t out_stride = -1) {
   const int64_t dim = table.dim(), n = p.size();
+  RowSums sums(out, p.inv.data(), rows, dim, out_stride);
   std::vector<float> buffer(d.size() * dim);
-  d.Lookup(table, /*insert=*/true, buffer.data(), pool);
+  d.Lookup(table, /*insert=*/true, buffer.data());
   std::vector<const float*> ptrs(n);
   for (int64_t i = 0; i < n; ++i) ptrs[i] = buffer.data() + d.inverse[i] * dim;
-  const int64_t parts = pool == nullptr ? 1 : ThreadsFor(*pool, n);
-  if (parts == 1) {
-    RowSums sums(out, p.inv.data(), rows, dim, out_stride);
-    sums.Add(p.row.data(), p.w.data(), ptrs.data(), n);
-    sums.Finish();
-    return;
-  }
-  // Part j: rows [rows * j / parts, rows * (j + 1) / parts), whose ids are
-  // contiguous (p.row is non-decreasing).
-  ParallelFor(*pool, parts, [&](int64_t j) {
-    const int64_t first = rows * j / parts, end = rows * (j + 1) / parts;
-    const int64_t lo = std::lower_bound(p.row.begin(), p.row.end(), first) - p.row.begin();
-    const int64_t hi = std::lower_bound(p.row.begin(), p.row.end(), end) - p.row.begin();
-    RowSums sums(out, p.inv.data(), end, dim, out_stride, first);
-    sums.Add(p.row.data() + lo, p.w.data() + lo, ptrs.data() + lo, hi - lo);
-    sums.Finish();
-  });
+  sums.Add(p.row.data(), p.w.data(), ptrs.data(), n);
+  sums.Finish();
 }
 
 // Output row r at out[r * out_stride] (-1: the table's dim).
