@@ -214,11 +214,19 @@ absl::Status BuildFeature(OpKernelContext* ctx, const GroupConfig& cfg, int f, F
   return absl::OkStatus();
 }
 
+int64_t BuildFeatureCost(OpKernelContext* ctx, const GroupConfig& cfg) {
+  int64_t ids = 0;
+  for (int f = 0; f < cfg.num_features; ++f) ids += ctx->input(cfg.ids_input(f)).NumElements();
+  // About 20 cycles an id (its checks, the copy of it and its weight).
+  return 20 * (ids / std::max(1, cfg.num_features) + 1);
+}
+
 absl::Status BuildFeatures(OpKernelContext* ctx, const GroupConfig& cfg,
                            std::vector<Feature>* features) {
   features->assign(cfg.num_features, Feature());
   std::vector<absl::Status> status(cfg.num_features);
-  TF_RETURN_IF_ERROR(ParallelFor(ctx, cfg.num_features, 1000, [&](int64_t f) {
+  const int64_t cost = BuildFeatureCost(ctx, cfg);
+  TF_RETURN_IF_ERROR(ParallelFor(ctx, cfg.num_features, cost, [&](int64_t f) {
     status[f] = BuildFeature(ctx, cfg, static_cast<int>(f), &(*features)[f]);
   }));
   for (const auto& s : status) TF_RETURN_IF_ERROR(s);

@@ -90,6 +90,10 @@ struct Feature {
 absl::Status BuildFeature(OpKernelContext* ctx, const GroupConfig& cfg, int f, Feature* out,
                           bool in_place = false);
 
+// The cost of one BuildFeature call, in cycles, for the intra-op pool's
+// split: the features' ids inputs average size times a cost per id.
+int64_t BuildFeatureCost(OpKernelContext* ctx, const GroupConfig& cfg);
+
 // BuildFeature for every feature, over the intra-op pool.
 absl::Status BuildFeatures(OpKernelContext* ctx, const GroupConfig& cfg,
                            std::vector<Feature>* features);

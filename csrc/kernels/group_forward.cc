@@ -85,7 +85,7 @@ class GroupLookupOp : public OpKernel {
     std::vector<Feature> features(F);
     {
       std::vector<absl::Status> status(F);
-      OP_REQUIRES_OK(ctx, ParallelFor(ctx, F, 1000, [&](int64_t f) {
+      OP_REQUIRES_OK(ctx, ParallelFor(ctx, F, BuildFeatureCost(ctx, cfg), [&](int64_t f) {
                        const int fi = static_cast<int>(f);
                        status[f] =
                            BuildFeature(ctx, cfg, fi, &features[f], pooled[cfg.feature[fi].param]);

@@ -266,4 +266,41 @@ KRE_REGISTER_SPARSE_APPLY_OP("KRE>TableSparseApply");
 // would be applied once each, in order, instead of once with their sum.
 KRE_REGISTER_SPARSE_APPLY_OP("KRE>TableSparseApplyDistinct");
 
+absl::Status GroupSparseApplyShape(InferenceContext* c) {
+  int n;
+  TF_RETURN_IF_ERROR(c->GetAttr("N", &n));
+  for (int t = 0; t < n; ++t) {
+    ShapeHandle unused;
+    TF_RETURN_IF_ERROR(c->WithRank(c->input(t), 0, &unused));
+    ShapeHandle keys, grads, hyper;
+    TF_RETURN_IF_ERROR(c->WithRank(c->input(n + t), 1, &keys));
+    TF_RETURN_IF_ERROR(c->WithRank(c->input(2 * n + t), 2, &grads));
+    TF_RETURN_IF_ERROR(c->WithRank(c->input(3 * n + t), 1, &hyper));
+    DimensionHandle rows;
+    TF_RETURN_IF_ERROR(c->Merge(c->Dim(keys, 0), c->Dim(grads, 0), &rows));
+  }
+  ShapeHandle step;
+  return c->WithRank(c->input(4 * n), 0, &step);
+}
+
+// KRE>TableSparseApplyDistinct of N tables with one key dtype, one rule and
+// one set of slot names in one op: table t's distinct keys[t], grads[t]
+// and hyper[t], at one step. The tables are updated concurrently over the
+// intra-op pool, each as KRE>TableSparseApplyDistinct would update it.
+REGISTER_OP("KRE>GroupSparseApplyDistinct")
+    .Input("handles: N * resource")
+    .Input("keys: N * Tkeys")
+    .Input("grads: N * float")
+    .Input("hyper: N * float")
+    .Input("step: int64")
+    .Attr("N: int >= 1")
+    .Attr("Tkeys: {int32, int64}")
+    .Attr(
+        "rule: {'sgd', 'momentum', 'adagrad', 'adam', 'ftrl', 'adam_async', "
+        "'adagrad_decay', 'ftrl_group'}")
+    .Attr("slots: list(string) >= 0")
+    .Attr("hparam_names: list(string) >= 2")
+    .SetIsStateful()
+    .SetShapeFn(GroupSparseApplyShape);
+
 }  // namespace kre

@@ -1,7 +1,9 @@
-"""The distinct-key apply (`KRE>TableSparseApplyDistinct`).
+"""The distinct-key apply (`KRE>TableSparseApplyDistinct`, and for several
+tables `KRE>GroupSparseApplyDistinct`).
 
 A table gradient of the group lookup (its keys: the forward's distinct ids)
-or of a `tf.unique` takes the apply that skips the dedupe, in a traced step.
+or of a `tf.unique` takes the apply that skips the dedupe, in a traced step
+(the step's tables in one op).
 It must train exactly as the general apply (`KRE>TableSparseApply`, taken by
 the same step run eagerly): values, slots, frequencies, versions, filtered
 keys; and as a NumPy Adagrad. Tables are shared by two features, so a key
@@ -96,8 +98,9 @@ def assert_same_state(got, want):
 def test_distinct_apply_equals_general_apply(name):
     filtered = name in ("adagrad", "adam")
     traced, ops = train(OPTIMIZERS[name], filtered, traced=True)
-    assert "KRE>TableSparseApplyDistinct" in ops
-    assert "KRE>TableSparseApply" not in ops
+    # Both tables' distinct keys in one op (KRE>GroupSparseApplyDistinct).
+    assert "KRE>GroupSparseApplyDistinct" in ops
+    assert not ops & {"KRE>TableSparseApply", "KRE>TableSparseApplyDistinct"}
     eager, _ = train(OPTIMIZERS[name], filtered, traced=False)
     assert len(eager[0]["keys"]) > 0
     assert eager[0]["versions"].max() == STEPS - 1 and eager[0]["freqs"].min() > 0

@@ -287,6 +287,19 @@ def sparse_apply(handle, keys, grads, rule, hyper, step, slots, distinct=False):
               slots=list(slots), hparam_names=names)
 
 
+def group_sparse_apply(handles, keys, grads, rule, hypers, step, slots):
+    """`sparse_apply(..., distinct=True)` of several tables with one key
+    dtype, rule, hyper-parameter names and slots in one op, which updates
+    the tables concurrently over the intra-op pool; `hypers`: each table's
+    hyper-parameters (dicts with the same names, in the rule's order)."""
+    refuse_xla("An embedding table update")
+    names = list(hypers[0])
+    values = [tf.stack([tf.cast(h[n], tf.float32) for n in names]) for h in hypers]
+    return gen().kre_group_sparse_apply_distinct(
+        list(handles), list(keys), list(grads), values, tf.cast(step, tf.int64), rule=rule,
+        slots=list(slots), hparam_names=names)
+
+
 # -- Change tracking (incremental checkpoints) and counters -----------------
 
 def mark_changes(handle, key_dtype):

@@ -9,7 +9,9 @@ exactly Keras's path. This mixin intercepts the seams where a table differs:
   the table (`EmbeddingTable.add_slot`), not a Keras variable; a `TableSlot`
   placeholder stands in Keras's slot lists.
 * `_backend_update_step`: table gradients (`tf.IndexedSlices` over keys) go to
-  one fused C++ kernel per table; the rest to Keras.
+  one fused C++ kernel per table, or one for all tables whose keys are
+  distinct (a group lookup's), which updates them concurrently; the rest
+  to Keras.
 * `_apply_weight_decay`: decoupled weight decay of a table is applied by the
   kernel to the rows updated in the step.
 * `apply` / `_clip_gradients`: when clipping is configured, a table's
@@ -32,8 +34,62 @@ import tensorflow as tf
 from keras_rec_emb._update_rules import RULES
 from keras_rec_emb.backend.tensorflow import checks as _checks
 from keras_rec_emb.backend.tensorflow import compat as _compat
+from keras_rec_emb.backend.tensorflow import ops as _ops
+from keras_rec_emb.backend.tensorflow import variables as _variables
 from keras_rec_emb.backend.tensorflow.op_args import named_outputs
 from keras_rec_emb.backend.tensorflow.variables import is_table
+
+
+class _TableUpdate:
+    """One table's fused update of a step: `table.sparse_apply`'s arguments."""
+
+    def __init__(self, table, keys, grads, rule, hyper, step, slots, distinct):
+        self.table, self.keys, self.grads, self.rule = table, keys, grads, rule
+        self.hyper, self.step, self.slots, self.distinct = hyper, step, slots, distinct
+
+    def apply(self):
+        # The table applies it (a distributed shard gathers the replicas'
+        # gradients, or leaves the update to its owner: keras_rec_emb.distribute).
+        self.table.sparse_apply(self.keys, self.grads, self.rule, self.hyper, self.step,
+                                list(self.slots), distinct=self.distinct)
+
+    def group(self):
+        """The key of the one op that may update this table with others
+        (`_ops.group_sparse_apply`), or None: a table with distinct keys,
+        as the group lookup's backward gives them, outside a tf.distribute
+        strategy (a distributed shard gathers or hands off its update, or
+        lives on a parameter server); tables on one device only."""
+        if not (self.distinct and not tf.distribute.has_strategy()
+                and type(self.table).sparse_apply is _variables.EmbeddingTable.sparse_apply):
+            return None
+        return (self.table.device, self.table.key_dtype, self.rule, tuple(self.hyper),
+                self.slots, id(self.step))
+
+
+def _apply_table_updates(updates):
+    """Applies the `_TableUpdate`s: those of one group (`_TableUpdate.group`)
+    in one op that updates their tables concurrently over the intra-op
+    pool, the others one op per table. Each table's update is the same
+    either way."""
+    groups = {}
+    for u in updates:
+        key = u.group()
+        groups.setdefault(key if key is not None else ("alone", id(u)), []).append(u)
+    for key, members in groups.items():
+        # A table twice in one op would be updated by two threads at once.
+        if (key[0] == "alone" or len(members) == 1
+                or len({id(u.table) for u in members}) < len(members)):
+            for u in members:
+                u.apply()
+            continue
+        for u in members:
+            u.table._refuse_strategy("An embedding table update")  # pylint: disable=protected-access
+        first = members[0]
+        with tf.device(first.table.device):  # with the tables (resource ops run there)
+            _ops.group_sparse_apply([u.table.handle for u in members],
+                                    [u.keys for u in members], [u.grads for u in members],
+                                    first.rule, [u.hyper for u in members], first.step,
+                                    first.slots)
 
 
 class TableSlot:
@@ -206,13 +262,14 @@ class TableOptimizer:
 
     # -- applying -----------------------------------------------------------
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
-        dense_grads, dense_vars = [], []
+        dense_grads, dense_vars, updates = [], [], []
         for grad, var in zip(grads, trainable_variables):
             if is_table(var):
-                self._apply_to_table(grad, var, learning_rate)
+                updates.append(self._table_update_of(grad, var, learning_rate))
             else:
                 dense_grads.append(grad)
                 dense_vars.append(var)
+        _apply_table_updates(updates)
         if dense_vars:
             super()._backend_update_step(dense_grads, dense_vars, learning_rate)
 
@@ -229,7 +286,9 @@ class TableOptimizer:
             return list(grads_and_vars)
         return super()._all_reduce_sum_gradients(grads_and_vars)
 
-    def _apply_to_table(self, grad, variable, learning_rate):
+    def _table_update_of(self, grad, variable, learning_rate):
+        """The `_TableUpdate` of a table's gradient (applied by
+        `_apply_table_updates`)."""
         table = variable.table
         if not isinstance(grad, tf.IndexedSlices):
             raise TypeError(
@@ -256,10 +315,8 @@ class TableOptimizer:
         distinct = has_distinct_keys(grad)
         keys = tf.cast(grad.indices, table.key_dtype)
         values = tf.reshape(tf.cast(grad.values, tf.float32), [-1, table.dim])
-        # The table applies it (a distributed shard gathers the replicas'
-        # gradients, or leaves the update to its owner: keras_rec_emb.distribute).
-        table.sparse_apply(keys, values, name, ordered, self.iterations,
-                           rule.slot_names(hyper), distinct=distinct)
+        return _TableUpdate(table, keys, values, name, ordered, self.iterations,
+                            tuple(rule.slot_names(hyper)), distinct)
 
     def _decay_factor(self, learning_rate):
         """The fraction of a row that decoupled weight decay removes."""
