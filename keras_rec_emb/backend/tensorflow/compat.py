@@ -26,13 +26,10 @@ from tensorflow.python.framework import op_def_registry
 # them too), the private Keras API both backends use, confluent-kafka.
 from keras_rec_emb import _keras_fixes
 from keras_rec_emb._keras_fixes import (  # noqa: F401
-    KAFKA_EXTRA_HINT,
     KERAS_COMPILE_FIX_VERSIONS,
     KERAS_COMPILE_ORIGINALS,
-    KERAS_INPUT_DTYPES_FIX_VERSIONS,
     KERAS_SEQUENTIAL_FIX_VERSIONS,
     KERAS_SEQUENTIAL_ORIGINALS,
-    LazyKafka,
     fix_compile_loss_scale,
     fix_sequential_ids_input,
     flatten_layers,
@@ -40,7 +37,6 @@ from keras_rec_emb._keras_fixes import (  # noqa: F401
     input_specs,
     install_fix,
     kafka,
-    record_model_input_dtypes,
     uses_weight_decay,
     variable_index,
 )
