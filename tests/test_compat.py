@@ -16,6 +16,7 @@ import pytest
 import tensorflow as tf
 
 import keras_rec_emb
+from keras_rec_emb import _keras_fixes
 from keras_rec_emb.backend.tensorflow import compat as _compat
 
 PACKAGE_DIR = pathlib.Path(keras_rec_emb.__file__).parent
@@ -354,10 +355,10 @@ def test_arrow_c_export_round_trip():
 
 
 def test_kafka_error_codes():
-    codes = {_compat.KAFKA_TRANSPORT, _compat.KAFKA_PARTITION_EOF}
+    codes = {_keras_fixes.KAFKA_TRANSPORT, _keras_fixes.KAFKA_PARTITION_EOF}
     assert len(codes) == 2 and all(isinstance(c, int) and c < 0 for c in codes)
-    error = confluent_kafka.KafkaError(_compat.KAFKA_PARTITION_EOF)
-    assert error.code() == _compat.KAFKA_PARTITION_EOF
+    error = confluent_kafka.KafkaError(_keras_fixes.KAFKA_PARTITION_EOF)
+    assert error.code() == _keras_fixes.KAFKA_PARTITION_EOF
     assert "eof" in error.name().lower()
 
 

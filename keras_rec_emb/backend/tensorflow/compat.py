@@ -24,7 +24,6 @@ from tensorflow.python.framework import op_def_registry
 
 # The corrections of Keras that need no TensorFlow (the JAX backend installs
 # them too), the private Keras API both backends use, confluent-kafka.
-from keras_rec_emb import _keras_fixes
 from keras_rec_emb._keras_fixes import (  # noqa: F401
     KERAS_COMPILE_FIX_VERSIONS,
     KERAS_COMPILE_ORIGINALS,
@@ -36,7 +35,6 @@ from keras_rec_emb._keras_fixes import (  # noqa: F401
     in_symbolic_build,
     input_specs,
     install_fix,
-    kafka,
     uses_weight_decay,
     variable_index,
 )
@@ -639,13 +637,8 @@ def import_record_batch(array_address, schema_address):
     return pa.RecordBatch._import_from_c(  # pylint: disable=protected-access
         array_address, schema_address)
 
+
 # -- confluent-kafka: in `keras_rec_emb._keras_fixes` (imported above).
-
-
-def __getattr__(name):
-    if name in ("KAFKA_TRANSPORT", "KAFKA_PARTITION_EOF"):
-        return getattr(_keras_fixes, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # -- Private hooks our classes override ---------------------------------------------
