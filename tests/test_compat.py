@@ -337,7 +337,7 @@ def test_optimizer_entries():
     assert _compat.built_variables(opt) == []
     opt.exclude_from_weight_decay(var_names=["bias"])
     opt.build([a, b])
-    assert [_compat.variable_index(opt, v) for v in (a, b)] == [0, 1]
+    assert [_keras_fixes.variable_index(opt, v) for v in (a, b)] == [0, 1]
     assert _compat.uses_weight_decay(opt, a) and not _compat.uses_weight_decay(opt, b)
     assert [v.name for v in _compat.built_variables(opt)] == ["a", "bias_b"]
 
@@ -472,10 +472,10 @@ def test_keras_sequential_fix_gives_id_layers_an_int_input_and_others_keras_own(
 
     from keras.src.models.sequential import Sequential
 
-    assert keras.__version__ in _compat.KERAS_SEQUENTIAL_FIX_VERSIONS
-    assert _compat.fix_sequential_ids_input()  # idempotent: installed on import
+    assert keras.__version__ in _keras_fixes.KERAS_SEQUENTIAL_FIX_VERSIONS
+    assert _keras_fixes.fix_sequential_ids_input()  # idempotent: installed on import
     assert Sequential.build._kre_fix
-    original = _compat.KERAS_SEQUENTIAL_ORIGINALS["build"]
+    original = _keras_fixes.KERAS_SEQUENTIAL_ORIGINALS["build"]
     assert Sequential.build is not original
     source = " ".join(inspect.getsource(original).split())
     assert "dtype = self._layers[0].compute_dtype" in source

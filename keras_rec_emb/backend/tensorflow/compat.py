@@ -25,18 +25,11 @@ from tensorflow.python.framework import op_def_registry
 # The corrections of Keras that need no TensorFlow (the JAX backend installs
 # them too), the private Keras API both backends use, confluent-kafka.
 from keras_rec_emb._keras_fixes import (  # noqa: F401
-    KERAS_COMPILE_FIX_VERSIONS,
-    KERAS_COMPILE_ORIGINALS,
-    KERAS_SEQUENTIAL_FIX_VERSIONS,
-    KERAS_SEQUENTIAL_ORIGINALS,
-    fix_compile_loss_scale,
-    fix_sequential_ids_input,
     flatten_layers,
     in_symbolic_build,
     input_specs,
     install_fix,
     uses_weight_decay,
-    variable_index,
 )
 
 # -- TensorFlow -------------------------------------------------------------------
