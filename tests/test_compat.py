@@ -325,7 +325,7 @@ def test_keras_layer_entries():
     layer.build((None, 3))
     assert [w is layer.adopted for w in layer.trainable_weights] == [True]
 
-    signature = _compat.input_signature(model)
+    signature = _keras_fixes.input_specs(model)
     flat = tf.nest.flatten(signature)
     assert len(flat) == 1 and list(flat[0].shape) == [None, 3]
 

@@ -27,7 +27,6 @@ from tensorflow.python.framework import op_def_registry
 from keras_rec_emb._keras_fixes import (  # noqa: F401
     flatten_layers,
     in_symbolic_build,
-    input_specs,
     install_fix,
     uses_weight_decay,
 )
@@ -203,12 +202,6 @@ class ActsAsResourceVariable:
 
 
 # -- Keras ------------------------------------------------------------------------
-
-
-# The `keras.InputSpec` structure of a built model's inputs, as `model.export`
-# computes it, with a subclassed model's id inputs of their dtype;
-# `keras.export.ExportArchive` (public) wants it given. Used by `serving.py`.
-input_signature = input_specs
 
 
 def child_layers(layer):
