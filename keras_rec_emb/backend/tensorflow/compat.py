@@ -23,7 +23,7 @@ from tensorflow.python.eager import tape as _tape
 from tensorflow.python.framework import op_def_registry
 
 # The corrections of Keras that need no TensorFlow (the JAX backend installs
-# them too), the private Keras API both backends use, confluent-kafka.
+# them too) and the private Keras API both backends use.
 from keras_rec_emb._keras_fixes import (  # noqa: F401
     flatten_layers,
     in_symbolic_build,
@@ -624,7 +624,7 @@ def import_record_batch(array_address, schema_address):
         array_address, schema_address)
 
 
-# -- confluent-kafka: in `keras_rec_emb._keras_fixes` (imported above).
+# -- confluent-kafka: in `keras_rec_emb._keras_fixes`, which `data/kafka.py` imports.
 
 
 # -- Private hooks our classes override ---------------------------------------------
