@@ -192,10 +192,6 @@ def jax_iterator(numpy_iterator):
 
 # -- confluent-kafka --------------------------------------------------------------
 
-KAFKA_EXTRA_HINT = (
-    "Kafka datasets need confluent-kafka, an optional dependency of keras-rec-emb: "
-    "install it with `pip install \"keras-rec-emb[kafka]\"`.")
-
 
 def kafka():
     """The `confluent_kafka` module, imported on first use: it is the optional
@@ -204,7 +200,9 @@ def kafka():
     try:
         import confluent_kafka  # pylint: disable=import-outside-toplevel
     except ImportError as e:
-        raise ImportError(f"{KAFKA_EXTRA_HINT} ({e})") from e
+        raise ImportError(
+            "Kafka datasets need confluent-kafka, an optional dependency of keras-rec-emb: "
+            f"install it with `pip install \"keras-rec-emb[kafka]\"`. ({e})") from e
     return confluent_kafka
 
 

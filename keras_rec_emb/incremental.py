@@ -21,6 +21,7 @@ import numpy as np
 from keras_rec_emb import _backend
 from keras_rec_emb import _checks_core as _checks
 from keras_rec_emb import saving as _saving
+from keras_rec_emb.tables import ARRAY_PARTS
 
 __all__ = ["IncrementalCheckpointer", "apply_to_saved_model"]
 
@@ -651,7 +652,7 @@ class IncrementalCheckpointer:
 
     @staticmethod
     def _table_arrays(arrays, j, parts, table):
-        for k in _changes().ARRAY_PARTS:
+        for k in ARRAY_PARTS:  # the parts a link holds
             arrays[f"t{j}/{k}"] = np.asarray(parts[k])
         if hasattr(table, "step"):  # a JAX table's step counter (backend/jax/changes.py)
             arrays[f"t{j}/step"] = np.asarray(table.step, np.int64)

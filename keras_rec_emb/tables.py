@@ -372,28 +372,3 @@ def lookup_each(tables, keys_list, insert=False, distinct=False):
         first = tf.math.unsorted_segment_min(tf.range(tf.size(flat)), index, tf.size(unique))
         out.append((tf.gather(rows, first), index))
     return out
-
-
-PROTOCOLS = (StoredTable, Table, TableShard)
-
-
-def members(protocol):
-    """The names `protocol` declares (its own and inherited), sorted."""
-    names = set()
-    for cls in protocol.__mro__:
-        if cls not in PROTOCOLS:
-            continue
-        names.update(n for n in vars(cls) if not n.startswith("_"))
-        names.update(getattr(cls, "__annotations__", {}))
-    return sorted(names)
-
-
-def missing_members(cls, protocol=Table):
-    """The members of `protocol` that `cls` does not define (itself or a non-protocol base)."""
-
-    missing = []
-    for name in members(protocol):
-        owner = next((base for base in cls.__mro__ if name in vars(base)), None)
-        if owner is None or owner in PROTOCOLS:
-            missing.append(name)
-    return missing

@@ -16,6 +16,7 @@ import pytest
 import tensorflow as tf
 
 import keras_rec_emb
+from keras_rec_emb import _keras_fixes
 from keras_rec_emb.backend.tensorflow import compat as _compat
 
 PACKAGE_DIR = pathlib.Path(keras_rec_emb.__file__).parent
@@ -324,7 +325,7 @@ def test_keras_layer_entries():
     layer.build((None, 3))
     assert [w is layer.adopted for w in layer.trainable_weights] == [True]
 
-    signature = _compat.input_signature(model)
+    signature = _keras_fixes.input_specs(model)
     flat = tf.nest.flatten(signature)
     assert len(flat) == 1 and list(flat[0].shape) == [None, 3]
 
@@ -336,7 +337,7 @@ def test_optimizer_entries():
     assert _compat.built_variables(opt) == []
     opt.exclude_from_weight_decay(var_names=["bias"])
     opt.build([a, b])
-    assert [_compat.variable_index(opt, v) for v in (a, b)] == [0, 1]
+    assert [_keras_fixes.variable_index(opt, v) for v in (a, b)] == [0, 1]
     assert _compat.uses_weight_decay(opt, a) and not _compat.uses_weight_decay(opt, b)
     assert [v.name for v in _compat.built_variables(opt)] == ["a", "bias_b"]
 
@@ -354,10 +355,10 @@ def test_arrow_c_export_round_trip():
 
 
 def test_kafka_error_codes():
-    codes = {_compat.KAFKA_TRANSPORT, _compat.KAFKA_PARTITION_EOF}
+    codes = {_keras_fixes.KAFKA_TRANSPORT, _keras_fixes.KAFKA_PARTITION_EOF}
     assert len(codes) == 2 and all(isinstance(c, int) and c < 0 for c in codes)
-    error = confluent_kafka.KafkaError(_compat.KAFKA_PARTITION_EOF)
-    assert error.code() == _compat.KAFKA_PARTITION_EOF
+    error = confluent_kafka.KafkaError(_keras_fixes.KAFKA_PARTITION_EOF)
+    assert error.code() == _keras_fixes.KAFKA_PARTITION_EOF
     assert "eof" in error.name().lower()
 
 
@@ -471,10 +472,10 @@ def test_keras_sequential_fix_gives_id_layers_an_int_input_and_others_keras_own(
 
     from keras.src.models.sequential import Sequential
 
-    assert keras.__version__ in _compat.KERAS_SEQUENTIAL_FIX_VERSIONS
-    assert _compat.fix_sequential_ids_input()  # idempotent: installed on import
+    assert keras.__version__ in _keras_fixes.KERAS_SEQUENTIAL_FIX_VERSIONS
+    assert _keras_fixes.fix_sequential_ids_input()  # idempotent: installed on import
     assert Sequential.build._kre_fix
-    original = _compat.KERAS_SEQUENTIAL_ORIGINALS["build"]
+    original = _keras_fixes.KERAS_SEQUENTIAL_ORIGINALS["build"]
     assert Sequential.build is not original
     source = " ".join(inspect.getsource(original).split())
     assert "dtype = self._layers[0].compute_dtype" in source

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import keras_rec_emb as kre
-from keras_rec_emb.backend.tensorflow import compat as _compat
+from keras_rec_emb import _keras_fixes
 from keras_rec_emb.layers import EmbeddingVariable
 from tests._model_forms import FORMS, ChainModel, assert_state_equal, model_in_form, state
 
@@ -166,13 +166,13 @@ def test_a_stock_wrapper_passed_by_hand_still_names_the_fix(mixed_float16):
 
 
 def test_keras_compile_still_wraps_in_its_own_wrapper(mixed_float16):
-    """Pins the Keras behaviour that `_compat.fix_compile_loss_scale`
+    """Pins the Keras behaviour that `_keras_fixes.fix_compile_loss_scale`
     corrects: Keras's own `compile` wraps ours in its LossScaleOptimizer,
     which cannot update a table. When this fails, Keras changed: read
     `Trainer.compile` again and drop or adapt the correction."""
-    assert keras.__version__ in _compat.KERAS_COMPILE_FIX_VERSIONS
+    assert keras.__version__ in _keras_fixes.KERAS_COMPILE_FIX_VERSIONS
     assert keras.Model.compile._kre_fix
-    keras_compile = _compat.KERAS_COMPILE_ORIGINALS["compile"]
+    keras_compile = _keras_fixes.KERAS_COMPILE_ORIGINALS["compile"]
     layers = _layers()
     inp = keras.Input((3,), dtype="int64")
     out = inp

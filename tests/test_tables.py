@@ -10,10 +10,36 @@ import tensorflow as tf
 from keras_rec_emb import tables
 from keras_rec_emb.distribute import CollectiveShardedTable, ShardedEmbeddingTable
 from keras_rec_emb.distribute import shards
-from keras_rec_emb.tables import Table, TableShard, members, missing_members
+from keras_rec_emb.tables import StoredTable, Table, TableShard
 from keras_rec_emb.backend.tensorflow.variables import EmbeddingTable
 
 KINDS = [EmbeddingTable, ShardedEmbeddingTable, CollectiveShardedTable]
+
+
+# The declared protocols (keras_rec_emb.tables); only this test walks them.
+PROTOCOLS = (StoredTable, Table, TableShard)
+
+
+def members(protocol):
+    """The names `protocol` declares (its own and inherited), sorted."""
+    names = set()
+    for cls in protocol.__mro__:
+        if cls not in PROTOCOLS:
+            continue
+        names.update(n for n in vars(cls) if not n.startswith("_"))
+        names.update(getattr(cls, "__annotations__", {}))
+    return sorted(names)
+
+
+def missing_members(cls, protocol=Table):
+    """The members of `protocol` that `cls` does not define (itself or a non-protocol base)."""
+
+    missing = []
+    for name in members(protocol):
+        owner = next((base for base in cls.__mro__ if name in vars(base)), None)
+        if owner is None or owner in PROTOCOLS:
+            missing.append(name)
+    return missing
 
 
 def _defaults():

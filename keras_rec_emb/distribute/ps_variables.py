@@ -57,12 +57,6 @@ def register(num_ps, task_index, timeout, job="ps"):
     install()
 
 
-def unregister():
-    """Variables are this process's own again (tests)."""
-    global _cluster
-    _cluster = None
-
-
 def cluster():
     """The connected cluster, or None."""
     return _cluster

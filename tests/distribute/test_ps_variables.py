@@ -18,14 +18,15 @@ PS = "/job:localhost/replica:0/task:0/device:CPU:0"
 
 
 @pytest.fixture
-def as_worker():
+def as_worker(monkeypatch):
     """Registers this process as worker `task` of a one-task cluster."""
+    # Restored after the test: variables are this process's own again.
+    monkeypatch.setattr(ps_variables, "_cluster", None)
 
     def register(task, timeout=10.0):
         ps_variables.register(1, task, timeout, job="localhost")
 
-    yield register
-    ps_variables.unregister()
+    return register
 
 
 def _model(name, units=3):

@@ -13,7 +13,6 @@ import numpy as np
 from keras_rec_emb.backend.jax import ffi
 from keras_rec_emb.backend.jax.optimizers import tables_of
 from keras_rec_emb.backend.jax.saving import saved_variables as optimizer_variables  # noqa: F401  (incremental's)
-from keras_rec_emb.tables import ARRAY_PARTS  # noqa: F401  (the parts a link holds)
 
 
 class TableChanges:

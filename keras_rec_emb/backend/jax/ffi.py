@@ -141,11 +141,6 @@ def _host_int(function, *args, wait=True):
     return int(value.value)
 
 
-def live_tables():
-    """The number of tables alive in this process (created, not destroyed)."""
-    return int(library().KreLiveTables())
-
-
 class TableEffect(Effect):
     """The effect of a call on an embedding table: ordered (see the top)."""
 

@@ -4,8 +4,6 @@ the model's `TableVariable`s, which track changes themselves."""
 
 from keras_rec_emb.backend.tensorflow import variables as _variables
 
-ARRAY_PARTS = _variables.ARRAY_PARTS
-
 
 def tables(model):
     """(name, EmbeddingTable) of every table of `model`, in variable order."""

@@ -23,26 +23,12 @@ from tensorflow.python.eager import tape as _tape
 from tensorflow.python.framework import op_def_registry
 
 # The corrections of Keras that need no TensorFlow (the JAX backend installs
-# them too), the private Keras API both backends use, confluent-kafka.
-from keras_rec_emb import _keras_fixes
+# them too) and the private Keras API both backends use.
 from keras_rec_emb._keras_fixes import (  # noqa: F401
-    KAFKA_EXTRA_HINT,
-    KERAS_COMPILE_FIX_VERSIONS,
-    KERAS_COMPILE_ORIGINALS,
-    KERAS_INPUT_DTYPES_FIX_VERSIONS,
-    KERAS_SEQUENTIAL_FIX_VERSIONS,
-    KERAS_SEQUENTIAL_ORIGINALS,
-    LazyKafka,
-    fix_compile_loss_scale,
-    fix_sequential_ids_input,
     flatten_layers,
     in_symbolic_build,
-    input_specs,
     install_fix,
-    kafka,
-    record_model_input_dtypes,
     uses_weight_decay,
-    variable_index,
 )
 
 # -- TensorFlow -------------------------------------------------------------------
@@ -216,12 +202,6 @@ class ActsAsResourceVariable:
 
 
 # -- Keras ------------------------------------------------------------------------
-
-
-# The `keras.InputSpec` structure of a built model's inputs, as `model.export`
-# computes it, with a subclassed model's id inputs of their dtype;
-# `keras.export.ExportArchive` (public) wants it given. Used by `serving.py`.
-input_signature = input_specs
 
 
 def child_layers(layer):
@@ -643,13 +623,8 @@ def import_record_batch(array_address, schema_address):
     return pa.RecordBatch._import_from_c(  # pylint: disable=protected-access
         array_address, schema_address)
 
-# -- confluent-kafka: in `keras_rec_emb._keras_fixes` (imported above).
 
-
-def __getattr__(name):
-    if name in ("KAFKA_TRANSPORT", "KAFKA_PARTITION_EOF"):
-        return getattr(_keras_fixes, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# -- confluent-kafka: in `keras_rec_emb._keras_fixes`, which `data/kafka.py` imports.
 
 
 # -- Private hooks our classes override ---------------------------------------------

@@ -82,8 +82,6 @@ def _apply_table_updates(updates):
             for u in members:
                 u.apply()
             continue
-        for u in members:
-            u.table._refuse_strategy("An embedding table update")  # pylint: disable=protected-access
         first = members[0]
         with tf.device(first.table.device):  # with the tables (resource ops run there)
             _ops.group_sparse_apply([u.table.handle for u in members],

@@ -11,7 +11,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_rec_emb import saving
+from keras_rec_emb import _keras_fixes, saving
 from keras_rec_emb.backend.tensorflow import compat as _compat
 from keras_rec_emb.backend.tensorflow import serving_context as _serving_context
 
@@ -149,8 +149,8 @@ def export(model, filepath, input_signature, verbose, max_input_size):
     """`keras_rec_emb.export_for_serving` under TensorFlow (its arguments
     checked there): the model traced in this process, every table lookup
     reading its stock twin."""
-    if input_signature is None:
-        input_signature = _compat.input_signature(model)
+    if input_signature is None:  # keras.export.ExportArchive wants it given
+        input_signature = _keras_fixes.input_specs(model)
     stock = _StockTables()
     archive = keras.export.ExportArchive()
     parent = os.path.dirname(os.path.abspath(filepath))

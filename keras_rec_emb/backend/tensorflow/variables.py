@@ -67,12 +67,11 @@ FILTERED_PARTS = tuple(p.name for p in PARTS if p.filtered)
 _KEYS, _VALUES = "keys", "values"
 
 
-def complete_parts(given, dim, key_dtype, n=None):
-    """`given` completed with zeros for `n` keys (default: `len(keys)`), in
+def complete_parts(given, dim, key_dtype):
+    """`given` completed with zeros for its `len(keys)` keys, in
     `PART_NAMES` order; eager or traced."""
     key_dtype = tf.as_dtype(key_dtype)
-    if n is None:
-        n = tf.size(given[_KEYS]) if _KEYS in given else 0
+    n = tf.size(given[_KEYS]) if _KEYS in given else 0
     out = {}
     for part in PARTS:
         if part.name in given:
