@@ -149,8 +149,9 @@ def _package_modules():
 
 
 # The modules that may spell private library API: the TensorFlow backend's
-# compat and its TensorFlow-free part.
-_PRIVATE_API_MODULES = ("backend/tensorflow/compat.py", "_keras_fixes.py")
+# compat, its TensorFlow-free part, and the JAX backend's `_jax_private`.
+_PRIVATE_API_MODULES = ("backend/tensorflow/compat.py", "_keras_fixes.py",
+                        "backend/jax/_jax_private.py")
 
 
 def test_no_module_but_compat_uses_private_library_api():

@@ -122,7 +122,7 @@ def test_import_names_a_second_tensorflow_distribution_and_loads_no_kafka(tmp_pa
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: tensorflow\nVersion: 2.21.0\n")
     result = run(["-c", "import sys, keras_rec_emb; print('confluent_kafka' in sys.modules)"],
-                 PYTHONPATH=str(tmp_path))
+                 PYTHONPATH=str(tmp_path), KERAS_BACKEND="tensorflow")
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == "False"
     assert "Several TensorFlow distributions are installed" in result.stderr
