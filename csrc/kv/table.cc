@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <new>
 #include <stdexcept>
 
 #include "kv/eviction.h"
@@ -141,8 +140,7 @@ template <typename K>
 uint64_t Table<K>::MemoryBytes() const {
   uint64_t bytes = default_values_.size() * sizeof(float) + bloom_.MemoryBytes();
   ForEachShardShared([&](const Shard& s) {
-    bytes += s.index.MemoryBytes() + s.store->Stats().memory_bytes + s.meta.MemoryBytes() +
-             s.found.capacity() * sizeof(Entry);
+    bytes += s.index.MemoryBytes() + s.store->Stats().memory_bytes + s.meta.MemoryBytes();
   });
   return bytes;
 }
@@ -213,7 +211,6 @@ bool Table<K>::SetBloomState(const uint8_t* state, size_t size) {
 template <typename K>
 void Table<K>::EraseAt(Shard& s, uint64_t i) {
   const Entry& e = s.index.entry(i);
-  ++s.generation;  // its rows may be reused: copies of its entry are stale
   ++s.erased_total;
   if (log_erased_.load(std::memory_order_relaxed)) {
     s.erased_log.emplace_back(e.key, epoch_.load(std::memory_order_relaxed));
@@ -415,10 +412,7 @@ void Table<K>::LookupPipelined(Shard& s, const K* keys, const uint64_t* hashes,
   // its output row and, for a training lookup, its metadata; copy the row
   // and count the occurrences of the key kRowAhead keys back. Missing keys
   // go through Resolve at once (an insert may rehash the index: stage 3
-  // keeps only row and metadata pointers, which stay valid). A training
-  // lookup of distinct keys (kCounted) copies each key's entry into
-  // s.found for the apply that follows (see Shard::found); without room
-  // for them it copies none.
+  // keeps only row and metadata pointers, which stay valid).
   constexpr int64_t kSlotAhead = 32;
   constexpr int64_t kRowAhead = 16;
   static_assert(IsPowerOfTwo(kRowAhead), "ring slots are j & (kRowAhead - 1)");
@@ -426,16 +420,6 @@ void Table<K>::LookupPipelined(Shard& s, const K* keys, const uint64_t* hashes,
   int64_t* metas[kRowAhead];
   int64_t meta_counts[kRowAhead];
   const int64_t epoch = epoch_.load(std::memory_order_relaxed);
-  Entry* found = nullptr;
-  if (kCounted && insert) {
-    s.found_generation = kNoGeneration;
-    try {
-      s.found.resize(n);
-      found = s.found.data();
-    } catch (const std::bad_alloc&) {
-      s.found.clear();
-    }
-  }
   auto prefetch_slot = [&](int64_t j) { s.index.PrefetchProbe(hashes[j]); };
   if (!s.index.empty_storage()) {
     for (int64_t j = 0; j < std::min(n, kSlotAhead); ++j) prefetch_slot(j);
@@ -463,15 +447,8 @@ void Table<K>::LookupPipelined(Shard& s, const K* keys, const uint64_t* hashes,
         row = s.Value(e.row, /*write=*/false);
         *hits += static_cast<uint64_t>(c);
         if (insert && (m = Meta(s, e)) != nullptr) __builtin_prefetch(m, 1);
-        if (found != nullptr) found[j] = e;
       } else {
         row = Resolve(s, keys[j], hashes[j], insert, now, c, inserted, hits);
-        if (found != nullptr) {
-          // Inserted by Resolve (a training lookup without filters admits
-          // every key): its entry, in cache.
-          const int64_t at = s.index.Find(keys[j], hashes[j]);
-          found[j] = at >= 0 ? s.index.entry(at) : Entry{keys[j], kNoRow, 0};
-        }
       }
       PrefetchRow(row, dim_);
       __builtin_prefetch(out + order[j] * dim_, 1);
@@ -480,7 +457,6 @@ void Table<K>::LookupPipelined(Shard& s, const K* keys, const uint64_t* hashes,
       meta_counts[j & (kRowAhead - 1)] = c;
     }
   }
-  if (found != nullptr) s.found_generation = s.generation;
 }
 
 template <typename K>
@@ -731,7 +707,6 @@ void Table<K>::Import(const K* keys, const float* values, const int64_t* freqs,
   int64_t total_width = 0;
   for (int64_t w : slot_widths) total_width += w;
   ForEachKeyLocked(keys, n, [&](int64_t i, Shard& s, uint64_t h, int64_t idx) {
-    ++s.generation;
     const bool existed = idx >= 0;
     if (idx < 0) idx = static_cast<int64_t>(InsertNew(s, keys[i], h, /*admit=*/true));
     if (s.index.entry(idx).row == kNoRow) Admit(s, static_cast<uint64_t>(idx));
@@ -898,13 +873,6 @@ template <typename K>
 int64_t Table<K>::ErasedLogSize() const {
   int64_t n = 0;
   ForEachShardShared([&](const Shard& s) { n += static_cast<int64_t>(s.erased_log.size()); });
-  return n;
-}
-
-template <typename K>
-uint64_t Table<K>::ReusedEntries() const {
-  uint64_t n = 0;
-  ForEachShardShared([&](const Shard& s) { n += s.reused; });
   return n;
 }
 

@@ -151,9 +151,6 @@ class Table {
   // occurrences in a batch: the table ends as if the batch had been looked
   // up by Lookup, and every occurrence reads what Lookup gives it (every
   // occurrence of a key reads the same row).
-  // A training LookupCounted of a DRAM table without filters also keeps a
-  // copy of each key's index entry for the shard's next ApplyDistinct (see
-  // there).
   int64_t LookupCounted(int shard, const K* keys, const uint64_t* hashes, const int64_t* order,
                         const int32_t* counts, int64_t n, bool insert, float* out);
   // Whether LookupOrdered serves this table: rows in DRAM, no admission
@@ -247,11 +244,6 @@ class Table {
   // and pipelined (index slots, then value, slot and metadata rows are
   // prefetched some keys ahead) when the rows live in DRAM. Equal keys among
   // keys[] would each be applied once, in order: callers must not pass them.
-  // Key j finds its rows without probing the index when the shard's last
-  // training LookupCounted had the same key at position j and no row of the
-  // shard can have been released since (Shard::found): a training step's
-  // apply gets the distinct keys its forward looked up, shard by shard in
-  // the same order (both partitions are stable).
   template <typename Fn>
   void ApplyDistinct(int shard, const K* keys, const uint64_t* hashes, const int64_t* order,
                      int64_t n, const float* grads, const std::vector<int>& slot_ids, int64_t step,
@@ -368,9 +360,6 @@ class Table {
   int64_t ErasedLogSize() const;
   // Cumulative counters (see TableCounters).
   TableCounters Counters() const;
-  // Keys that ApplyDistinct updated through the entry their training lookup
-  // found instead of probing the index (for tests and benchmarks).
-  uint64_t ReusedEntries() const;
   int64_t Snapshot();
   // Releases storage_path's lock (the owner of this table has let go of it
   // and another table may take the path); the table keeps working on its
@@ -381,9 +370,6 @@ class Table {
  private:
   using Index = ShardIndex<K>;
   using Entry = typename Index::Entry;
-  // Shard::found_generation when no copy is valid (generations count up
-  // from 0 and never reach it).
-  static constexpr uint64_t kNoGeneration = UINT64_MAX;
   // The load limit of this table's shard indexes: a file tier's index is
   // most of its DRAM per key, so it runs fuller (see ShardIndex::MaxLoad).
   typename Index::MaxLoad IndexMaxLoad() const {
@@ -407,30 +393,12 @@ class Table {
     std::atomic<uint64_t> hits{0};
     uint64_t admitted_total = 0;  // under the exclusive lock
     uint64_t erased_total = 0;    // under the exclusive lock
-    // The entries the last training LookupCounted found, for the
-    // ApplyDistinct that follows it (see there): found[j] is a copy of the
-    // index entry of its j-th key (row kNoRow: none), valid while
-    // `generation` equals found_generation. A copy holds row ids, not index
-    // positions: an insert that rehashes the index moves entries, never
-    // rows (DRAM rows and metadata rows stay put, chunked arenas), so what
-    // invalidates it is a release of rows or a change of contents:
-    // EraseAt (Erase, Evict, a failed insert), Reset (Clear), SwapContents
-    // (an import's swap, RestoreSnapshot) and Import bump `generation`. Both
-    // are read and written under the exclusive lock only. Rows admitted
-    // later (kNoRow before) are not taken from a copy: the tables that
-    // keep copies have no admission filter.
-    std::vector<Entry> found;
-    uint64_t found_generation = kNoGeneration;
-    uint64_t generation = 0;
-    uint64_t reused = 0;  // keys applied through `found` (ReusedEntries)
 
     // The row of an admitted entry (DramRowStore is final: inlined).
     __attribute__((always_inline)) float* Value(uint32_t row, bool write) {
       return dram ? dram->Value(row, write) : store->Value(row, write);
     }
     void SwapContents(Shard& o) {
-      ++generation;
-      ++o.generation;
       index.Swap(o.index);
       store.swap(o.store);
       std::swap(dram, o.dram);
@@ -440,7 +408,6 @@ class Table {
     }
     // Empties the shard (index, rows, metadata, change log).
     void Reset() {
-      ++generation;
       index.Clear();
       store->Clear();
       meta.Clear();
@@ -681,30 +648,7 @@ void Table<K>::ApplyDistinct(int shard, const K* keys, const uint64_t* hashes, c
   const bool filter = filtering() || bloom();
   const int64_t epoch = epoch_.load(std::memory_order_relaxed);
   const bool indexed = !s.index.empty_storage();
-  // The entries the last training lookup found (Shard::found), when still
-  // valid; key j takes its entry from there when it is the key the lookup
-  // had at position j.
-  const Entry* copies = nullptr;
-  int64_t num_copies = 0;
-  if (!filter && s.found_generation == s.generation) {
-    copies = s.found.data();
-    num_copies = static_cast<int64_t>(s.found.size());
-  }
-  const uint32_t epoch_word = EpochWord();
-  auto copied = [&](int64_t j) -> const Entry* {
-    if (j >= num_copies) return nullptr;
-    const Entry& c = copies[j];
-    if (c.key != keys[j] || c.row == kNoRow) return nullptr;
-    // Without metadata the index entry holds the key's change epoch, which
-    // the update stamps: an entry not stamped with the current one (a
-    // MarkChanges came between) is updated in the index.
-    if (!options_.track_meta && c.aux != epoch_word) return nullptr;
-    return &c;
-  };
-  uint64_t reused = 0;
-  auto prefetch_slot = [&](int64_t j) {
-    if (copied(j) == nullptr) s.index.PrefetchProbe(hashes[j]);
-  };
+  auto prefetch_slot = [&](int64_t j) { s.index.PrefetchProbe(hashes[j]); };
   if (indexed) {
     for (int64_t j = 0; j < std::min(n, kSlotAhead); ++j) prefetch_slot(j);
   }
@@ -721,18 +665,12 @@ void Table<K>::ApplyDistinct(int shard, const K* keys, const uint64_t* hashes, c
     live[r] = false;
     if (j >= n) continue;
     if (indexed && j + kSlotAhead < n) prefetch_slot(j + kSlotAhead);
-    const Entry* copy = copied(j);
-    if (copy != nullptr) {
-      ++reused;
-    } else {
-      Entry* found = AppliedEntry(s, keys[j], hashes[j], filter);
-      if (found == nullptr) continue;              // not admitted: the gradient is dropped
-      if (!options_.track_meta) Touch(s, *found);  // writes the entry itself
-      copy = found;
-    }
-    const Entry& e = *copy;
+    Entry* found = AppliedEntry(s, keys[j], hashes[j], filter);
+    if (found == nullptr) continue;  // not admitted: the gradient is dropped
+    Entry& e = *found;
     Pending& q = ring[r];
     q.meta = Meta(s, e);
+    if (!options_.track_meta) Touch(s, e);  // writes the entry itself
     q.value = s.dram->Value(e.row, /*write=*/true);
     for (int64_t d = 0; d < dim_; d += 16) __builtin_prefetch(q.value + d, 1);
     for (size_t k = 0; k < num_slots; ++k) {
@@ -744,7 +682,6 @@ void Table<K>::ApplyDistinct(int shard, const K* keys, const uint64_t* hashes, c
     for (int64_t d = 0; d < dim_; d += 16) __builtin_prefetch(q.grad + d);
     live[r] = true;
   }
-  s.reused += reused;
 }
 
 template <typename K>

@@ -62,38 +62,6 @@ std::vector<float> Lookup(Table<K>& t, const std::vector<K>& keys, bool insert,
   return out;
 }
 
-// A training lookup of distinct keys as the group lookup's forward does it
-// (Partition keeps each shard's keys in batch order, as GroupByShard does):
-// LookupCounted of every shard, each key counted `count` times. Returns
-// their rows [n, dim].
-template <typename K>
-std::vector<float> LookupDistinct(Table<K>& t, const std::vector<K>& keys, int32_t count = 1) {
-  const int64_t n = static_cast<int64_t>(keys.size());
-  auto p = Partition(t, keys.data(), n, 2, Serial);
-  std::vector<int32_t> counts(n, count);
-  std::vector<float> out(n * t.dim(), -1.0f);
-  for (int s = 0; s < t.num_shards(); ++s) {
-    const int64_t b = p.offsets[s];
-    t.LookupCounted(s, p.keys.data() + b, p.hashes.data() + b, p.order.data() + b, counts.data(),
-                    p.offsets[s + 1] - b, /*insert=*/true, out.data());
-  }
-  return out;
-}
-
-// ApplyDistinct of distinct keys (gradient row i keys[i]'s), shard by shard
-// as the apply kernel does after the group lookup.
-template <typename K, typename Fn>
-void ApplyDistinctKeys(Table<K>& t, const std::vector<K>& keys, const std::vector<float>& grads,
-                       const std::vector<int>& slot_ids, int64_t step, Fn&& fn) {
-  const int64_t n = static_cast<int64_t>(keys.size());
-  auto p = Partition(t, keys.data(), n, 3, Serial);
-  for (int s = 0; s < t.num_shards(); ++s) {
-    const int64_t b = p.offsets[s];
-    t.ApplyDistinct(s, p.keys.data() + b, p.hashes.data() + b, p.order.data() + b,
-                    p.offsets[s + 1] - b, grads.data(), slot_ids, step, fn);
-  }
-}
-
 // A table's export (Table::ExportBuffers) held in vectors: admitted keys
 // with values [n, dim], slots [n, total slot width], freqs and versions;
 // the keys counted but not admitted with theirs.
@@ -147,11 +115,9 @@ Exported<K> ExportAll(const Table<K>& t) {
 using kre::kv::Partition;
 using kre::kv::Table;
 using kre::kv::TableOptions;
-using kre::kv::test::ApplyDistinctKeys;
 using kre::kv::test::ExportAll;
 using kre::kv::test::ExportInto;
 using kre::kv::test::Lookup;
-using kre::kv::test::LookupDistinct;
 using kre::kv::test::Serial;
 
 #endif  // KRE_KV_TESTS_TEST_UTIL_H_
