@@ -9,7 +9,7 @@ each up and interleaves the rounds (one worker running at a time, order
 reversed every other round); every round measures training steps/s
 (`model.fit`) and the forward lookup of the embedding part (inference),
 and the ratios are the medians of the per-round ratios: steps/s JAX / TF
-and forward ms TF / JAX, so above 1 is JAX faster. Target: >= 0.8 for
+and forward ms TF / JAX, so above 1 is JAX faster. Target (issue 57): >= 0.9 for
 both at 1 thread.
 
 One thread for both: TensorFlow's intra-op pool 1 and inter-op pool 1
@@ -34,7 +34,7 @@ sys.path.insert(0, str(HERE))
 import run as peers  # noqa: E402
 
 FRAMEWORKS = ("ours_group", "ours_jax_group", "ours_separate", "ours_jax")
-TARGET = 0.8
+TARGET = 0.9
 STORED = HERE / "results" / "jax_speed.json"
 
 
