@@ -208,6 +208,25 @@ struct PooledFeature {
   int feature, table;  // for messages
 };
 
+// acc[d] += s * x[d] for d < dim (D: dim when known at compile time, else
+// 0); the backward sums of the TensorFlow group op and of the JAX handlers.
+// The gradient and the sums are both float arrays, so the compiler keeps a
+// fixed-width loop scalar (they might overlap); a width of whole vectors is
+// summed 4 floats at a time, with the scalar loop's operations (a multiply,
+// then an add, per element): bit-identical.
+template <int D>
+inline void AddScaled(float* acc, float s, const float* x, int64_t dim) {
+  if constexpr (D > 0 && D % 4 == 0) {
+    const __m128 sv = _mm_set1_ps(s);
+    for (int v = 0; v < D / 4; ++v) {
+      _mm_storeu_ps(acc + 4 * v,
+                    _mm_add_ps(_mm_loadu_ps(acc + 4 * v), _mm_mul_ps(sv, _mm_loadu_ps(x + 4 * v))));
+    }
+  } else {
+    for (int64_t d = 0; d < dim; ++d) acc[d] += s * x[d];
+  }
+}
+
 // Rows of a buffer for a feature read shard by shard: a chunk holds
 // kPooledChunkIds ids, or one row (with its default id) of max_len ids.
 inline int64_t PooledBufferRows(int64_t kept, int64_t rows, int64_t max_len) {

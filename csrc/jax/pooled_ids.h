@@ -20,8 +20,6 @@
 #ifndef KRE_JAX_POOLED_IDS_H_
 #define KRE_JAX_POOLED_IDS_H_
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -102,23 +100,6 @@ struct Uninitialized : std::allocator<T> {
 
 template <typename T>
 using Buffer = std::vector<T, Uninitialized<T>>;
-
-// acc[d] += s * x[d] for d < dim (D: dim when known at compile time, else
-// 0). The compiler keeps the fixed-width loop scalar; a width of whole
-// vectors is summed 4 floats at a time, with the scalar loop's operations
-// (a multiply, then an add, per element): the same sums.
-template <int D>
-inline void AddScaled(float* acc, float s, const float* x, int64_t dim) {
-  if constexpr (D > 0 && D % 4 == 0) {
-    const __m128 sv = _mm_set1_ps(s);
-    for (int v = 0; v < D / 4; ++v) {
-      _mm_storeu_ps(acc + 4 * v,
-                    _mm_add_ps(_mm_loadu_ps(acc + 4 * v), _mm_mul_ps(sv, _mm_loadu_ps(x + 4 * v))));
-    }
-  } else {
-    for (int64_t d = 0; d < dim; ++d) acc[d] += s * x[d];
-  }
-}
 
 // Weight j of a row (weights or nullptr: 1) as `combiner` counts it: with
 // "mean" and "sqrtn" a weight <= 0 counts as 0.

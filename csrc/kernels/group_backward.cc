@@ -5,13 +5,13 @@
 // the row gradients summed through the forward's `inverse` (no hashing, no
 // table access unless a max_norm clip must be differentiated, which reads
 // the distinct rows as the deduplicating path does: distinct_lookup.h).
-#include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "core/pooled_rows.h"
 #include "kernels/checked.h"
 #include "kernels/distinct_lookup.h"
 #include "kernels/group_config.h"
@@ -22,24 +22,6 @@
 
 namespace kre {
 namespace {
-
-// acc[d] += s * x[d] for d < dim (D: dim when known at compile time, else
-// 0). The gradient and the sums are both float arrays, so the compiler
-// keeps a fixed-width loop scalar (they might overlap); a width of whole
-// vectors is summed 4 floats at a time, with the scalar loop's operations
-// (a multiply, then an add, per element): bit-identical.
-template <int D>
-inline void AddScaledRow(float* acc, float s, const float* x, int64_t dim) {
-  if constexpr (D > 0 && D % 4 == 0) {
-    const __m128 sv = _mm_set1_ps(s);
-    for (int v = 0; v < D / 4; ++v) {
-      _mm_storeu_ps(acc + 4 * v,
-                    _mm_add_ps(_mm_loadu_ps(acc + 4 * v), _mm_mul_ps(sv, _mm_loadu_ps(x + 4 * v))));
-    }
-  } else {
-    for (int64_t d = 0; d < dim; ++d) acc[d] += s * x[d];
-  }
-}
 
 class GroupLookupGradOp : public OpKernel {
  public:
@@ -212,7 +194,7 @@ class GroupLookupGradOp : public OpKernel {
           const float s = c * weights[j];
           float* acc = out + u * dim;
           if (max_norm <= 0) {
-            AddScaledRow<D>(acc, s, dout, dim);
+            AddScaled<D>(acc, s, dout, dim);
             continue;
           }
           for (int64_t d = 0; d < dim; ++d) g[d] = s * dout[d];
