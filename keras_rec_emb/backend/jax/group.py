@@ -234,10 +234,11 @@ def lookup(layer, inputs, training):
             ids, weights = _padded([(i, w) for _, i, w in features],
                                    lambda parts: jnp.concatenate(parts) if len(parts) > 1
                                    else parts[0])
-            if ids.shape[1] == 1 and not weighted:
-                # One id per row: "sum", "mean" and "sqrtn" of it are its
-                # row (zeros for padding), and its gradient is the row's: a
-                # plain lookup, cheaper than a pooled one.
+            if ids.shape[1] == 1 and not weighted and not training:
+                # One id per row, not training: any combiner of it is its
+                # row (zeros for padding), a plain lookup. A training one
+                # stays pooled: its update sums through the forward's
+                # inverse; a plain lookup's would de-duplicate again.
                 # pylint: disable-next=protected-access
                 rows = table._rows(ids[:, 0], training, prune=True)
             else:
