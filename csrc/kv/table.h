@@ -159,8 +159,9 @@ class Table {
   // Whether a lookup of n keys is faster through LookupOrdered than shard by
   // shard: it locks every shard, so it pays from kMinOrderedIdsPerShard ids
   // per shard on, and a larger table than kMaxOrderedKeys is faster shard by
-  // shard (its random walk over every shard's memory misses the TLB;
-  // benchmarks/kv_ab compares the two). Callers split such a lookup into
+  // shard (its random walk over every shard's memory misses the TLB; the
+  // lookup A/B that measured it, benchmarks/kv_ab/run.sh, is in the history
+  // before a405d41). Callers split such a lookup into
   // blocks of kOrderedBlock keys over their threads.
   static constexpr int64_t kMinOrderedIdsPerShard = 4;
   static constexpr int64_t kMaxOrderedKeys = 1 << 16;
