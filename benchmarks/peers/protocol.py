@@ -116,7 +116,10 @@ def thread_env(threads):
     t = str(threads)
     os.environ.update({"OMP_NUM_THREADS": t, "MKL_NUM_THREADS": t,
                        "OPENBLAS_NUM_THREADS": t, "TF_NUM_INTRAOP_THREADS": t,
-                       "TF_NUM_INTEROP_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"})
+                       "TF_NUM_INTEROP_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
+                       # The size of XLA's CPU intra-op pool (JAX), where
+                       # the table updates run when it has 2 threads or more.
+                       "NPROC": t})
 
 
 def serve(make_worker, argv=None):

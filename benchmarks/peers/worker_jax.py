@@ -20,9 +20,11 @@ a generator; the forward lookup is the embedding part alone
 (`training=False`) in a `jax.jit`, on pre-built batch arrays on the device
 (TensorFlow's forward gets pre-built tensors).
 
-Threads: `--threads 1` gives XLA's CPU client one thread
-(`--xla_cpu_multi_thread_eigen=false`, `intra_op_parallelism_threads=1`);
-the table kernels run on the calling thread either way.
+Threads: `--threads T` sizes XLA's CPU intra-op pool to T (`NPROC`,
+`protocol.thread_env`); the table lookups run on the calling thread, the
+table updates on that pool when it has 2 threads or more. `--threads 1`
+also makes XLA's own code single-threaded
+(`--xla_cpu_multi_thread_eigen=false`).
 """
 
 import os
@@ -39,8 +41,7 @@ def make_worker(args):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if args.threads == 1:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   " --xla_cpu_multi_thread_eigen=false"
-                                   " intra_op_parallelism_threads=1").strip()
+                                   " --xla_cpu_multi_thread_eigen=false").strip()
     import jax
     import keras
     import numpy as np

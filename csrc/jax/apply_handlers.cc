@@ -66,11 +66,14 @@ ffi::ErrorOr<std::vector<int>> RuleSlots(const kv::Table<K>& table, const string
   return slot_ids;
 }
 
-// grad_of(i) is the gradient row of keys[i].
+// grad_of(i) is the gradient row of keys[i]. The sums are made here (they
+// read the call's operands), their updates of the table maybe after the
+// call returned (Defer).
 template <typename Rule, typename K, typename GradOf>
-ffi::Error ApplyRule(kv::Table<K>& table, const string& rule, const std::vector<string>& slot_names,
-                     const K* keys, int64_t n, GradOf&& grad_of,
-                     ffi::Span<const int64_t> hyper_dims, const float* h, int64_t step) {
+ffi::Error ApplyRule(ffi::ThreadPool& pool, AnyTable& at, kv::Table<K>& table, const string& rule,
+                     const std::vector<string>& slot_names, const K* keys, int64_t n,
+                     GradOf&& grad_of, ffi::Span<const int64_t> hyper_dims, const float* h,
+                     int64_t step) {
   const int64_t dim = table.dim();
   auto checked = RuleSlots<Rule>(table, rule, slot_names, hyper_dims, h);
   if (checked.has_error()) return checked.error();
@@ -94,9 +97,16 @@ ffi::Error ApplyRule(kv::Table<K>& table, const string& rule, const std::vector<
   d.reserve(shards);
   for (int s = 0; s < shards; ++s) d.emplace_back(counts[s], dim);
   for (int64_t i = 0; i < n; ++i) d[shard_of[i]].Add(keys[i], hashes[i], grad_of(i));
-  for (int s = 0; s < shards; ++s) {
-    table.ApplyDistinct(s, d[s].keys.data(), d[s].hashes.data(), d[s].order.data(), d[s].size(),
-                        d[s].sums.data(), slot_ids, step, update);
+  auto apply = [&table, slot_ids, step, update](const std::vector<rules::DistinctRows<K>>& d) {
+    for (int s = 0; s < table.num_shards(); ++s) {
+      table.ApplyDistinct(s, d[s].keys.data(), d[s].hashes.data(), d[s].order.data(), d[s].size(),
+                          d[s].sums.data(), slot_ids, step, update);
+    }
+  };
+  if (!Deferrable(pool)) {
+    apply(d);
+  } else {
+    Defer(pool, at, [apply, d = std::move(d)] { apply(d); });
   }
   return ffi::Error::Success();
 }
@@ -115,10 +125,12 @@ struct RuleCall {
   // ApplyRule of keys[0..n), grad_of(i) the gradient row of keys[i].
   template <typename GradOf>
   ffi::Error Apply(const K* keys, int64_t n, GradOf&& grad_of) const {
-    return ApplyRule<RuleT>(table, rule, slots, keys, n, std::forward<GradOf>(grad_of),
+    return ApplyRule<RuleT>(pool, any, table, rule, slots, keys, n, std::forward<GradOf>(grad_of),
                             hyper.dimensions(), hyper.typed_data(), step);
   }
 
+  ffi::ThreadPool& pool;
+  AnyTable& any;
   kv::Table<K>& table;
   const string& rule;
   const std::vector<string>& slots;
@@ -129,21 +141,21 @@ struct RuleCall {
 // fn(RuleCall<Rule, K>) for update rule `rule_name` on `at` (see
 // WithCheckedRule).
 template <typename Fn>
-ffi::Error WithRuleCall(AnyTable& at, std::string_view rule_name, std::string_view hparam_names,
-                        std::string_view slot_names, const ffi::Buffer<ffi::F32>& hyper,
-                        int64_t step, Fn&& fn) {
+ffi::Error WithRuleCall(ffi::ThreadPool& pool, AnyTable& at, std::string_view rule_name,
+                        std::string_view hparam_names, std::string_view slot_names,
+                        const ffi::Buffer<ffi::F32>& hyper, int64_t step, Fn&& fn) {
   return WithCheckedRule(
       at, rule_name, hparam_names, slot_names,
       [&](auto tag, auto& tab, const string& rule, const std::vector<string>& slots) {
         using Rule = typename decltype(tag)::type;
-        return fn(RuleCall<Rule, KeyOfT<decltype(tab)>>{tab, rule, slots, hyper, step});
+        return fn(RuleCall<Rule, KeyOfT<decltype(tab)>>{pool, at, tab, rule, slots, hyper, step});
       });
 }
 
 ffi::Error Apply(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> grads,
                  ffi::Buffer<ffi::F32> hyper, ffi::AnyBuffer step, ffi::Result<ffi::Token>,
                  int64_t table, std::string_view rule_name, std::string_view hparam_names,
-                 std::string_view slot_names, bool prune) {
+                 std::string_view slot_names, bool prune, ffi::ThreadPool pool) {
   return OnTable(table, [&](AnyTable& at) -> ffi::Error {
     if (ffi::Error e = CheckKeys(at, keys); e.failure()) return e;
     if (ffi::Error e = CheckRows(keys.dimensions(), grads.dimensions(), at.dim(), "grads");
@@ -169,7 +181,7 @@ ffi::Error Apply(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> grads,
       return call.Apply(kept_keys.data(), static_cast<int64_t>(kept.size()),
                         [g, dim, pos](int64_t j) { return g + pos[j] * dim; });
     };
-    return WithRuleCall(at, rule_name, hparam_names, slot_names, hyper, *version, apply);
+    return WithRuleCall(pool, at, rule_name, hparam_names, slot_names, hyper, *version, apply);
   });
 }
 
@@ -177,7 +189,8 @@ ffi::Error ApplyPooled(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> we
                        ffi::Buffer<ffi::F32, 2> grads, ffi::Buffer<ffi::F32> hyper,
                        ffi::AnyBuffer step, ffi::Result<ffi::Token>, int64_t table,
                        std::string_view rule_name, std::string_view hparam_names,
-                       std::string_view slot_names, bool prune, std::string_view combiner) {
+                       std::string_view slot_names, bool prune, std::string_view combiner,
+                       ffi::ThreadPool pool) {
   return OnTable(table, [&](AnyTable& at) -> ffi::Error {
     auto comb = CheckPooledCall(at, keys, weights, combiner);
     if (comb.has_error()) return comb.error();
@@ -202,7 +215,8 @@ ffi::Error ApplyPooled(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> we
       };
       return call.Apply(p.keys.data(), p.size(), grad_of);
     };
-    return WithRuleCall(at, rule_name, hparam_names, slot_names, hyper, *version, apply_pooled);
+    return WithRuleCall(pool, at, rule_name, hparam_names, slot_names, hyper, *version,
+                        apply_pooled);
   });
 }
 
@@ -298,7 +312,8 @@ ffi::Error ApplyDistinct(ffi::Token, ffi::AnyBuffer distinct, ffi::AnyBuffer cou
                          ffi::Buffer<ffi::F32, 2> grads, ffi::Buffer<ffi::F32> hyper,
                          ffi::AnyBuffer step, ffi::Result<ffi::Token>, int64_t table,
                          std::string_view rule_name, std::string_view hparam_names,
-                         std::string_view slot_names, std::string_view combiner) {
+                         std::string_view slot_names, std::string_view combiner,
+                         ffi::ThreadPool pool) {
   return OnTable(table, [&](AnyTable& at) -> ffi::Error {
     if (ffi::Error e = CheckKeys(at, distinct); e.failure()) return e;
     auto comb = ParseCombinerAttr(combiner);
@@ -321,18 +336,38 @@ ffi::Error ApplyDistinct(ffi::Token, ffi::AnyBuffer distinct, ffi::AnyBuffer cou
     const int32_t* inv = inverse.typed_data();
     if (ffi::Error e = CheckInverse(inv, rows * len, *m); e.failure()) return e;
     const float* w = OptionalWeights(weights);
-    std::vector<float> sums;
-    SumDistinct(inv, w, grads.typed_data(), rows, len, dim, *m, *comb, &sums);
+    const float* g = grads.typed_data();
     auto apply_sums = [&](auto call) -> ffi::Error {
       using K = typename decltype(call)::Key;
       auto checked = call.Slots();
       if (checked.has_error()) return checked.error();
-      const DistinctIds<K> d(call.table, distinct.reinterpret_data<K>(), *m, /*distinct=*/true);
+      const K* ids = distinct.reinterpret_data<K>();
       const rules::ApplyRow<typename decltype(call)::Rule> update(hyper.typed_data(), dim);
-      ApplyByShard(call.table, d.by_shard, sums.data(), *checked, call.step, update);
+      auto sum_and_apply = [&table = call.table, rows, len, dim, comb = *comb, slot_ids = *checked,
+                            step = call.step, update](const K* ids, int64_t m, const int32_t* inv,
+                                                      const float* w, const float* g) {
+        std::vector<float> sums;
+        SumDistinct(inv, w, g, rows, len, dim, m, comb, &sums);
+        const DistinctIds<K> d(table, ids, m, /*distinct=*/true);
+        ApplyByShard(table, d.by_shard, sums.data(), slot_ids, step, update);
+      };
+      if (!Deferrable(pool)) {
+        sum_and_apply(ids, *m, inv, w, g);
+        return ffi::Error::Success();
+      }
+      // After the call returned (Defer): the work owns copies of the
+      // operands it reads.
+      Defer(pool, at,
+            [sum_and_apply, ids = std::vector<K>(ids, ids + *m),
+             inv = std::vector<int32_t>(inv, inv + rows * len),
+             w = w == nullptr ? std::vector<float>() : std::vector<float>(w, w + rows * len),
+             g = std::vector<float>(g, g + rows * dim)] {
+              sum_and_apply(ids.data(), static_cast<int64_t>(ids.size()), inv.data(),
+                            w.empty() ? nullptr : w.data(), g.data());
+            });
       return ffi::Error::Success();
     };
-    return WithRuleCall(at, rule_name, hparam_names, slot_names, hyper, *version, apply_sums);
+    return WithRuleCall(pool, at, rule_name, hparam_names, slot_names, hyper, *version, apply_sums);
   });
 }
 
@@ -346,21 +381,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     KreTableApply, Apply,
     (WithRuleAttrs(TokenBinding<Args<ffi::AnyBuffer, ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32>,
                                      ffi::AnyBuffer>>())
-         .Attr<bool>("prune")));
+         .Attr<bool>("prune")
+         .Ctx<ffi::ThreadPool>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     KreTableApplyPooled, ApplyPooled,
     (WithRuleAttrs(TokenBinding<Args<ffi::AnyBuffer, ffi::Buffer<ffi::F32>, ffi::BufferR2<ffi::F32>,
                                      ffi::Buffer<ffi::F32>, ffi::AnyBuffer>>())
          .Attr<bool>("prune")
-         .Attr<std::string_view>("combiner")));
+         .Attr<std::string_view>("combiner")
+         .Ctx<ffi::ThreadPool>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     KreTableApplyDistinct, ApplyDistinct,
     (WithRuleAttrs(TokenBinding<Args<ffi::AnyBuffer, ffi::AnyBuffer, ffi::BufferR2<ffi::S32>,
                                      ffi::Buffer<ffi::F32>, ffi::BufferR2<ffi::F32>,
                                      ffi::Buffer<ffi::F32>, ffi::AnyBuffer>>())
-         .Attr<std::string_view>("combiner")));
+         .Attr<std::string_view>("combiner")
+         .Ctx<ffi::ThreadPool>()));
 
 #pragma GCC visibility pop
 

@@ -85,14 +85,31 @@ ffi::Error Guarded(Body&& body) {
   }
 }
 
-// The table of `handle`, or an error naming it.
+// The table of `handle`, its deferred work settled (AnyTable::Settle, which
+// rethrows that work's failure: call it inside Guarded), or an error naming
+// it.
 inline ffi::ErrorOr<std::shared_ptr<AnyTable>> Find(int64_t handle) {
   std::shared_ptr<AnyTable> t = Tables().Get(handle);
   if (t == nullptr) {
     return ffi::Unexpected(Invalid("no embedding table has handle " + std::to_string(handle) +
                                    " (it was destroyed, or made in another process)"));
   }
+  t->Settle();
   return t;
+}
+
+// Whether an update's table part may run on XLA's intra-op pool after its
+// handler returned (Defer): when the pool has threads to spare. One thread
+// (NPROC=1, the pool's size) keeps every table call on the calling thread.
+inline bool Deferrable(ffi::ThreadPool& pool) { return pool.num_threads() >= 2; }
+
+// Runs `work` (the table part of an update of `table`, owning what it
+// reads) on XLA's intra-op pool, or on the table's next use if that comes
+// first (AnyTable::Defer).
+template <typename Work>
+void Defer(ffi::ThreadPool& pool, AnyTable& table, Work&& work) {
+  table.Defer(std::forward<Work>(work));
+  pool.Schedule([t = table.shared_from_this()] { t->RunDeferred(); });
 }
 
 // Guarded body(table) on the table of `handle` (the error naming it when

@@ -72,6 +72,7 @@ int OnHostTable(int64_t handle, char* error, size_t error_size, Body&& body) {
   return Guarded(error, error_size, [&]() -> int {
     std::shared_ptr<AnyTable> t = Tables().Get(handle);
     if (t == nullptr) return Fail(kKreInvalid, NoTable(handle), error, error_size);
+    t->Settle();  // (table_registry.h) its failure is this call's
     return body(*t);
   });
 }
@@ -202,6 +203,14 @@ extern "C" int KreHostCreate(const float* defaults, int64_t rows, int64_t dim, i
 }
 
 extern "C" int KreHostDestroy(int64_t handle, char* error, size_t error_size) {
+  if (std::shared_ptr<AnyTable> t = Tables().Get(handle)) {
+    // A deferred update finishes before its table goes (its failure goes
+    // with the table).
+    try {
+      t->Settle();
+    } catch (const std::exception&) {
+    }
+  }
   if (!Tables().Remove(handle)) {
     return Fail(kKreInvalid,
                 "no embedding table has handle " + std::to_string(handle) + " (destroyed twice?)",

@@ -7,12 +7,23 @@
 // A handler holds the table through a shared_ptr for the length of its call,
 // so a table destroyed while another thread's computation still uses it is
 // freed when that call ends.
+//
+// An update's table part, whose result no call waits for, may run on XLA's
+// intra-op pool after its handler returned (AnyTable::Defer): every later
+// use of the table settles it first (AnyTable::Settle), so each table's
+// calls still take effect one after another, in program order, while the
+// calling thread goes on with other tables.
 #ifndef KRE_JAX_TABLE_REGISTRY_H_
 #define KRE_JAX_TABLE_REGISTRY_H_
 
+#include <condition_variable>
 #include <cstdint>
+#include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
+#include <string>
 #include <type_traits>
 #include <unordered_map>
 #include <utility>
@@ -33,7 +44,7 @@ template <typename T>
 using KeyOfT = typename KeyOf<std::decay_t<T>>::type;
 
 // A table with int32 or int64 keys (JAX gives int32 ids unless x64 is on).
-class AnyTable {
+class AnyTable : public std::enable_shared_from_this<AnyTable> {
  public:
   AnyTable(int key_bits, kv::TableOptions options) : key_bits_(key_bits) {
     if (key_bits == 64) {
@@ -52,10 +63,68 @@ class AnyTable {
     return fn(*t32_);
   }
 
+  // Hands `work` (the table part of an update) to whichever thread settles
+  // the table first: the pool's task (RunDeferred) or the table's next use
+  // (Settle). Work deferred before is settled first.
+  void Defer(std::function<void()> work) {
+    std::unique_lock<std::mutex> lock(mu_);
+    Drain(lock);
+    deferred_ = std::move(work);
+  }
+  // Runs the deferred work here if no thread has started it, else waits for
+  // it; then rethrows (once) what deferred work raised since the last
+  // Settle: an update's failure reaches the table's next call.
+  void Settle() {
+    std::unique_lock<std::mutex> lock(mu_);
+    Drain(lock);
+    if (failure_ != nullptr) std::rethrow_exception(std::exchange(failure_, nullptr));
+  }
+  // The pool's task: runs the deferred work if no thread has (its failure
+  // kept for the next Settle).
+  void RunDeferred() {
+    std::unique_lock<std::mutex> lock(mu_);
+    Drain(lock);
+  }
+
  private:
+  void Drain(std::unique_lock<std::mutex>& lock) {
+    for (;;) {
+      if (deferred_) {
+        std::function<void()> work = std::move(deferred_);
+        deferred_ = nullptr;
+        running_ = true;
+        lock.unlock();
+        std::exception_ptr failure;
+        // Named as an earlier update's failure (its kind kept: a file
+        // tier's DataLossError stays one).
+        try {
+          work();
+        } catch (const kv::DataLossError& e) {
+          failure = std::make_exception_ptr(kv::DataLossError(std::string(kEarlier) + e.what()));
+        } catch (const std::exception& e) {
+          failure = std::make_exception_ptr(std::runtime_error(std::string(kEarlier) + e.what()));
+        }
+        lock.lock();
+        running_ = false;
+        if (failure != nullptr && failure_ == nullptr) failure_ = failure;
+        settled_.notify_all();
+      } else if (running_) {
+        settled_.wait(lock);
+      } else {
+        return;
+      }
+    }
+  }
+
+  static constexpr const char* kEarlier = "an earlier update of this table failed: ";
   const int key_bits_;
   std::unique_ptr<kv::Table<int32_t>> t32_;
   std::unique_ptr<kv::Table<int64_t>> t64_;
+  std::mutex mu_;
+  std::condition_variable settled_;
+  std::function<void()> deferred_;  // guarded by mu_
+  bool running_ = false;            // guarded by mu_
+  std::exception_ptr failure_;      // guarded by mu_
 };
 
 class Registry {
