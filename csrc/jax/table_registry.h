@@ -103,6 +103,8 @@ class AnyTable : public std::enable_shared_from_this<AnyTable> {
           failure = std::make_exception_ptr(kv::DataLossError(std::string(kEarlier) + e.what()));
         } catch (const std::exception& e) {
           failure = std::make_exception_ptr(std::runtime_error(std::string(kEarlier) + e.what()));
+        } catch (...) {  // never escapes with running_ set (later uses would wait forever)
+          failure = std::make_exception_ptr(std::runtime_error(std::string(kEarlier) + "unknown"));
         }
         lock.lock();
         running_ = false;

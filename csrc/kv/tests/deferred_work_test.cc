@@ -32,6 +32,17 @@ bool StartsWith(const char* s, const char* prefix) {
   return std::strncmp(s, prefix, std::strlen(prefix)) == 0;
 }
 
+// Whether t.Settle() throws an E whose message starts with `prefix`.
+template <typename E>
+bool SettleThrows(AnyTable& t, const char* prefix) {
+  try {
+    t.Settle();
+  } catch (const E& e) {
+    return StartsWith(e.what(), prefix);
+  }
+  return false;
+}
+
 // Work settled by the table's next use runs once, before that use goes on.
 void TestSettleRunsTheWorkOnce() {
   auto t = MakeTable();
@@ -108,29 +119,11 @@ void TestFailureReachesTheNextUseOnce() {
   t->Defer([] { throw std::runtime_error("disk full"); });
   std::thread pool([t] { t->RunDeferred(); });
   pool.join();
-  bool threw = false;
-  try {
-    t->Settle();
-  } catch (const std::runtime_error& e) {
-    threw = StartsWith(e.what(), "an earlier update of this table failed: disk full");
-  }
-  CHECK(threw);
-  bool again = false;
-  try {
-    t->Settle();
-  } catch (const std::exception&) {
-    again = true;
-  }
-  CHECK(!again);
+  CHECK(SettleThrows<std::runtime_error>(*t, "an earlier update of this table failed: disk full"));
+  CHECK(!SettleThrows<std::exception>(*t, ""));  // once
 
   t->Defer([] { throw kv::DataLossError("segment truncated"); });
-  bool data_loss = false;
-  try {
-    t->Settle();
-  } catch (const kv::DataLossError& e) {
-    data_loss = StartsWith(e.what(), "an earlier update of this table failed: segment");
-  }
-  CHECK(data_loss);
+  CHECK(SettleThrows<kv::DataLossError>(*t, "an earlier update of this table failed: segment"));
 }
 
 // Deferring while the previous work still runs waits for it (one pending
