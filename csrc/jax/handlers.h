@@ -85,16 +85,23 @@ ffi::Error Guarded(Body&& body) {
   }
 }
 
-// The table of `handle`, its deferred work settled (AnyTable::Settle, which
-// rethrows that work's failure: call it inside Guarded), or an error naming
-// it.
-inline ffi::ErrorOr<std::shared_ptr<AnyTable>> Find(int64_t handle) {
+// The table of `handle` as it is, its deferred work maybe still pending (a
+// caller settles it before use), or an error naming it.
+inline ffi::ErrorOr<std::shared_ptr<AnyTable>> FindUnsettled(int64_t handle) {
   std::shared_ptr<AnyTable> t = Tables().Get(handle);
   if (t == nullptr) {
     return ffi::Unexpected(Invalid("no embedding table has handle " + std::to_string(handle) +
                                    " (it was destroyed, or made in another process)"));
   }
-  t->Settle();
+  return t;
+}
+
+// The table of `handle`, its deferred work settled (AnyTable::Settle, which
+// rethrows that work's failure: call it inside Guarded), or an error naming
+// it.
+inline ffi::ErrorOr<std::shared_ptr<AnyTable>> Find(int64_t handle) {
+  auto t = FindUnsettled(handle);
+  if (t.has_value()) (*t)->Settle();
   return t;
 }
 
@@ -110,6 +117,16 @@ template <typename Work>
 void Defer(ffi::ThreadPool& pool, AnyTable& table, Work&& work) {
   table.Defer(std::forward<Work>(work));
   pool.Schedule([t = table.shared_from_this()] { t->RunDeferred(); });
+}
+
+// Runs fn(i) for i in [0, n) on the calling thread and, when XLA's pool
+// has threads to spare (Deferrable), on pool threads too (ShareWork).
+template <typename Fn>
+void OnPool(ffi::ThreadPool& pool, int64_t n, Fn&& fn) {
+  const int64_t helpers = Deferrable(pool) ? pool.num_threads() - 1 : 0;
+  ShareWork(
+      helpers, [&pool](auto&& task) { pool.Schedule(std::forward<decltype(task)>(task)); }, n,
+      std::forward<Fn>(fn));
 }
 
 // Guarded body(table) on the table of `handle` (the error naming it when

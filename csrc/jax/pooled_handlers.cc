@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -126,6 +127,93 @@ void GroupPooledRows(const std::vector<std::shared_ptr<AnyTable>>& tables,
   }
 }
 
+// A training pooled lookup of ids k [rows, len] (weights of their shape or
+// nullptr) into out (row stride `out_stride`, -1: the dim) through their
+// distinct ids, returning what ApplyDistinct needs: inv [rows, len], each
+// id's index among the distinct ids (-1 for a pruned one), and dst (room
+// for rows * len ids), the distinct ids first seen first, then zeros.
+// Returns how many there are.
+template <typename K>
+int64_t DistinctPooledLookup(kv::Table<K>& tab, const K* k, const float* w, int64_t rows,
+                             int64_t len, bool prune, Combiner comb, float* out, int64_t out_stride,
+                             int32_t* inv, K* dst) {
+  const PooledIds<K> p(k, w, rows, len, prune, comb);
+  const DistinctIds<K> d(tab, p.keys.data(), p.size());
+  PooledLookupDistinctRows(tab, p, d, out, rows, out_stride);
+  // Branch-free: 1-5 ids in a row pad unpredictably. d.inverse[n] is -1,
+  // read after the last kept id.
+  for (int64_t j = 0, i = 0; j < rows * len; ++j) {
+    const int64_t keep = prune ? Kept(k[j]) : 1;
+    // u for a kept id, u | -1 = -1 for a pruned one.
+    inv[j] = d.inverse[i] | static_cast<int32_t>(keep - 1);
+    i += keep;
+  }
+  std::copy(d.uniq.begin(), d.uniq.end(), dst);
+  std::fill(dst + d.size(), dst + rows * len, K{0});
+  return d.size();
+}
+
+// The tables, combiners and output width of a group's lookup of ids keys
+// [rows, F, L] (with `feature_major`, [F, rows, L]; weights empty or of
+// their shape) into out [rows, sum of the tables' dims], its tables not yet
+// settled; with `feature_major` no table may serve two features (a
+// training lookup's tables are looked up side by side).
+struct Group {
+  std::vector<std::shared_ptr<AnyTable>> tables;
+  std::vector<Combiner> combiners;
+  int64_t width = 0;
+};
+
+ffi::ErrorOr<Group> CheckGroup(const ffi::AnyBuffer& keys, const ffi::Buffer<ffi::F32>& weights,
+                               const ffi::Buffer<ffi::F32, 2>& out, ffi::Span<const int64_t> tables,
+                               std::string_view combiners, bool feature_major) {
+  auto fail = [](const string& message) { return ffi::Unexpected(Invalid(message)); };
+  const auto kd = keys.dimensions();
+  if (kd.size() != 3) {
+    return fail(string("`keys` must be ") +
+                (feature_major ? "[features, rows, L]" : "[rows, features, L]") + ", got " +
+                Shape(kd));
+  }
+  const int64_t rows = kd[feature_major ? 1 : 0], features = kd[feature_major ? 0 : 1];
+  const auto wd = weights.element_count() == 0 ? kd : weights.dimensions();
+  if (!(wd.size() == 3 && wd[0] == kd[0] && wd[1] == kd[1] && wd[2] == kd[2])) {
+    return fail("`weights` must be empty or have the keys' shape " + Shape(kd) + ", got " +
+                Shape(weights.dimensions()));
+  }
+  const std::vector<string> names = SplitNames(combiners);
+  if (static_cast<int64_t>(tables.size()) != features ||
+      static_cast<int64_t>(names.size()) != features) {
+    return fail("`tables` and `combiners` must name one table and one combiner per feature (" +
+                std::to_string(features) + "), got " + std::to_string(tables.size()) + " and " +
+                std::to_string(names.size()));
+  }
+  Group group;
+  for (int64_t f = 0; f < features; ++f) {
+    if (feature_major) {
+      for (int64_t g = 0; g < f; ++g) {
+        if (tables[g] == tables[f]) {
+          return fail("table " + std::to_string(tables[f]) + " serves features " +
+                      std::to_string(g) + " and " + std::to_string(f) +
+                      "; a group's training lookup takes one table per feature");
+        }
+      }
+    }
+    auto t = FindUnsettled(tables[f]);
+    if (t.has_error()) return ffi::Unexpected(t.error());
+    if (ffi::Error e = CheckKeys(**t, keys); e.failure()) return ffi::Unexpected(e);
+    auto c = ParseCombinerAttr(names[f]);
+    if (c.has_error()) return ffi::Unexpected(c.error());
+    group.width += (*t)->dim();
+    group.tables.push_back(*t);
+    group.combiners.push_back(*c);
+  }
+  if (out.dimensions()[0] != rows || out.dimensions()[1] != group.width) {
+    return fail("`out` must be [" + std::to_string(rows) + ", " + std::to_string(group.width) +
+                "] (the features' dims summed), got " + Shape(out.dimensions()));
+  }
+  return group;
+}
+
 // A group's inference lookup in one call: feature f's ids keys[:, f, :]
 // ([rows, F, L], padded with ids < 0 when `prune`; weights empty or of the
 // keys' shape) pooled by combiner f from table f into out's columns
@@ -137,38 +225,12 @@ ffi::Error GroupPooledLookup(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F
                              ffi::Span<const int64_t> tables, std::string_view combiners,
                              bool prune) {
   return Guarded([&]() -> ffi::Error {
+    auto group = CheckGroup(keys, weights, *out, tables, combiners, /*feature_major=*/false);
+    if (group.has_error()) return group.error();
+    auto& [found, comb, width] = *group;
+    for (auto& t : found) t->Settle();
     const auto kd = keys.dimensions();
-    if (kd.size() != 3) return Invalid("`keys` must be [rows, features, L], got " + Shape(kd));
     const int64_t rows = kd[0], features = kd[1], len = kd[2];
-    const auto wd = weights.element_count() == 0 ? kd : weights.dimensions();
-    if (!(wd.size() == 3 && wd[0] == rows && wd[1] == features && wd[2] == len)) {
-      return Invalid("`weights` must be empty or have the keys' shape " + Shape(kd) + ", got " +
-                     Shape(weights.dimensions()));
-    }
-    const std::vector<string> names = SplitNames(combiners);
-    if (static_cast<int64_t>(tables.size()) != features ||
-        static_cast<int64_t>(names.size()) != features) {
-      return Invalid("`tables` and `combiners` must name one table and one combiner per feature (" +
-                     std::to_string(features) + "), got " + std::to_string(tables.size()) +
-                     " and " + std::to_string(names.size()));
-    }
-    std::vector<std::shared_ptr<AnyTable>> found;
-    std::vector<Combiner> comb;
-    int64_t width = 0;
-    for (int64_t f = 0; f < features; ++f) {
-      auto t = Find(tables[f]);
-      if (t.has_error()) return t.error();
-      if (ffi::Error e = CheckKeys(**t, keys); e.failure()) return e;
-      auto c = ParseCombinerAttr(names[f]);
-      if (c.has_error()) return c.error();
-      width += (*t)->dim();
-      found.push_back(*t);
-      comb.push_back(*c);
-    }
-    if (out->dimensions()[0] != rows || out->dimensions()[1] != width) {
-      return Invalid("`out` must be [" + std::to_string(rows) + ", " + std::to_string(width) +
-                     "] (the features' dims summed), got " + Shape(out->dimensions()));
-    }
     const float* w = OptionalWeights(weights);
     found[0]->Visit([&](auto& first) {
       using K = KeyOfT<decltype(first)>;
@@ -206,6 +268,104 @@ ffi::Error GroupPooledLookup(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F
   });
 }
 
+// Copies a row of dim floats: of the usual dims as a copy of fixed size,
+// which the compiler does with a few vector moves (a memmove call for each
+// row of each feature took 8% of a training step's time at 26 features).
+inline void CopyRow(const float* src, int64_t dim, float* dst) {
+  switch (dim) {
+    case 4:
+      std::memcpy(dst, src, 4 * sizeof(float));
+      return;
+    case 8:
+      std::memcpy(dst, src, 8 * sizeof(float));
+      return;
+    case 16:
+      std::memcpy(dst, src, 16 * sizeof(float));
+      return;
+    case 32:
+      std::memcpy(dst, src, 32 * sizeof(float));
+      return;
+    case 64:
+      std::memcpy(dst, src, 64 * sizeof(float));
+      return;
+    default:
+      std::copy_n(src, dim, dst);
+  }
+}
+
+// A group's training lookup in one call: ids keys [F, rows, L] (feature f's
+// ids keys[f], contiguous; weights empty or of their shape) pooled into
+// GroupPooledLookup's output, each feature's table inserting and counting
+// its ids as PooledLookupDistinct does, whose extra outputs it returns per
+// feature for the backward (one ApplyDistinct a table): `inverse`
+// [F, rows, L], id (f, r, k)'s index among feature f's distinct ids (-1 for
+// a pruned one); `distinct` [F, rows * L], row f feature f's distinct ids
+// first seen first (then zeros); `counts` [F], how many. Each feature has a table of
+// its own, so that with a pool of 2+ threads features are looked up side by
+// side (OnPool), each table settled by the thread that looks it up.
+ffi::Error GroupPooledLookupDistinct(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> weights,
+                                     ffi::Result<ffi::Token>, ffi::ResultBuffer<ffi::F32, 2> out,
+                                     ffi::ResultBuffer<ffi::S32, 3> inverse,
+                                     ffi::Result<ffi::AnyBuffer> distinct,
+                                     ffi::Result<ffi::AnyBuffer> counts,
+                                     ffi::Span<const int64_t> tables, std::string_view combiners,
+                                     bool prune, ffi::ThreadPool pool) {
+  return Guarded([&]() -> ffi::Error {
+    auto group = CheckGroup(keys, weights, *out, tables, combiners, /*feature_major=*/true);
+    if (group.has_error()) return group.error();
+    const auto& [found, comb, width] = *group;
+    const auto kd = keys.dimensions();
+    const int64_t features = kd[0], rows = kd[1], len = kd[2];
+    const auto id = inverse->dimensions();
+    if (!(id[0] == features && id[1] == rows && id[2] == len)) {
+      return Invalid("`inverse` must have the keys' shape " + Shape(kd) + ", got " + Shape(id));
+    }
+    if (ffi::Error e = CheckKeys(*found[0], *distinct); e.failure()) return e;
+    const auto dd = distinct->dimensions();
+    if (!(dd.size() == 2 && dd[0] == features && dd[1] == rows * len)) {
+      return Invalid("`distinct` must be [" + std::to_string(features) + ", " +
+                     std::to_string(rows * len) + "], got " + Shape(dd));
+    }
+    if (ffi::Error e = CheckIntVector(*counts, "counts", features); e.failure()) return e;
+    std::vector<int64_t> offset(features + 1, 0);
+    for (int64_t f = 0; f < features; ++f) offset[f + 1] = offset[f] + found[f]->dim();
+    const float* w = OptionalWeights(weights);
+    // Each feature's rows go to a compact block first (feature f's at
+    // rows * offset[f]), then row after row into `out`: pooled straight
+    // into its columns, a feature's pass would write one cache line per row
+    // of an output larger than the cache, amid the table's reads (3x the
+    // pooling's time at 26 features of dim 16). Reused call after call.
+    thread_local Buffer<float> scratch;
+    if (static_cast<int64_t>(scratch.size()) < rows * width) scratch.resize(rows * width);
+    float* blocks = scratch.data();
+    OnPool(pool, features, [&](int64_t f) {
+      AnyTable& at = *found[f];
+      at.Settle();
+      at.Visit([&](auto& tab) {
+        using K = KeyOfT<decltype(tab)>;
+        const int64_t at_f = f * rows * len;
+        SetInt(*counts, f,
+               DistinctPooledLookup(tab, keys.reinterpret_data<K>() + at_f,
+                                    w == nullptr ? nullptr : w + at_f, rows, len, prune, comb[f],
+                                    blocks + rows * offset[f], -1, inverse->typed_data() + at_f,
+                                    distinct->reinterpret_data<K>() + at_f));
+      });
+    });
+    constexpr int64_t kRowsATask = 512;
+    float* dst = out->typed_data();
+    OnPool(pool, (rows + kRowsATask - 1) / kRowsATask, [&](int64_t task) {
+      const int64_t end = std::min(rows, (task + 1) * kRowsATask);
+      for (int64_t r = task * kRowsATask; r < end; ++r) {
+        for (int64_t f = 0; f < features; ++f) {
+          const int64_t dim = offset[f + 1] - offset[f];
+          CopyRow(blocks + rows * offset[f] + r * dim, dim, dst + r * width + offset[f]);
+        }
+      }
+    });
+    return ffi::Error::Success();
+  });
+}
+
 // A training pooled lookup (as PooledLookup with `insert`) that also
 // returns what its backward (ApplyDistinct) needs to update each distinct
 // id without deduplicating the batch again: `inverse` [rows, L], id
@@ -237,23 +397,10 @@ ffi::Error PooledLookupDistinct(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi
     const float* w = OptionalWeights(weights);
     at.Visit([&](auto& tab) {
       using K = KeyOfT<decltype(tab)>;
-      const K* k = keys.reinterpret_data<K>();
-      const PooledIds<K> p(k, w, rows, len, prune, *comb);
-      const DistinctIds<K> d(tab, p.keys.data(), p.size());
-      PooledLookupDistinctRows(tab, p, d, out->typed_data(), rows);
-      // Branch-free: 1-5 ids in a row pad unpredictably. d.inverse[n] is
-      // -1, read after the last kept id.
-      int32_t* inv = inverse->typed_data();
-      for (int64_t j = 0, i = 0; j < rows * len; ++j) {
-        const int64_t keep = prune ? Kept(k[j]) : 1;
-        // u for a kept id, u | -1 = -1 for a pruned one.
-        inv[j] = d.inverse[i] | static_cast<int32_t>(keep - 1);
-        i += keep;
-      }
-      K* dst = distinct->reinterpret_data<K>();
-      std::copy(d.uniq.begin(), d.uniq.end(), dst);
-      std::fill(dst + d.size(), dst + rows * len, K{0});
-      SetInt(*count, 0, d.size());
+      SetInt(*count, 0,
+             DistinctPooledLookup(tab, keys.reinterpret_data<K>(), w, rows, len, prune, *comb,
+                                  out->typed_data(), -1, inverse->typed_data(),
+                                  distinct->reinterpret_data<K>()));
     });
     return ffi::Error::Success();
   });
@@ -287,6 +434,30 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTablePooledLookupDistinct, PooledLookupDistinct
                                    .Attr<int64_t>("table")
                                    .Attr<bool>("prune")
                                    .Attr<std::string_view>("combiner")));
+
+// How many threads a table call gets: XLA's intra-op pool's size when it
+// has threads to spare (Deferrable), else 1. A group's training lookup is
+// one call when it has 2 or more (features side by side), a call a table
+// when not (group/jax.py: one call over 26 features, its output written
+// row after row, took 1.07x the per-table calls' time on one thread).
+ffi::Error PoolThreads(ffi::Token, ffi::Result<ffi::Token>, ffi::ResultBuffer<ffi::S32, 0> threads,
+                       ffi::ThreadPool pool) {
+  threads->typed_data()[0] = Deferrable(pool) ? pool.num_threads() : 1;
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    KrePoolThreads, PoolThreads,
+    (TokenBinding<Args<>, Rets<ffi::BufferR0<ffi::S32>>>().Ctx<ffi::ThreadPool>()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KreGroupPooledLookupDistinct, GroupPooledLookupDistinct,
+                              (TokenBinding<Args<ffi::AnyBuffer, ffi::Buffer<ffi::F32>>,
+                                            Rets<ffi::BufferR2<ffi::F32>, ffi::BufferR3<ffi::S32>,
+                                                 ffi::AnyBuffer, ffi::AnyBuffer>>()
+                                   .Attr<ffi::Span<const int64_t>>("tables")
+                                   .Attr<std::string_view>("combiners")
+                                   .Attr<bool>("prune")
+                                   .Ctx<ffi::ThreadPool>()));
 
 #pragma GCC visibility pop
 

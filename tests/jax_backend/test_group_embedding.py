@@ -3,6 +3,10 @@ stacked forms pool padded ids to NumPy's numbers, a table shared by two
 features gets one update per step with its ids' summed gradient, the model
 forms fit and save, and what JAX lacks is refused."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import keras
 import numpy as np
@@ -10,6 +14,7 @@ import pytest
 
 import keras_rec_emb as kre
 from keras_rec_emb import optimizers
+from keras_rec_emb.backend.jax import ffi
 from keras_rec_emb.layers import group_embedding
 from keras_rec_emb.layers.group_embedding import FeatureSpec, GroupEmbedding
 from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
@@ -527,3 +532,73 @@ def test_a_group_embedding_model_compiles_its_step_with_xla():
     assert group.supports_jit
     assert model.jit_compile is True
     model.fit({"a": np.array([[1, 2], [3, -1]])}, np.ones((2, 1)), verbose=0)
+
+
+def _own_tables_model(threads, monkeypatch):
+    """A model over a group of three features, each pooled from a table of
+    its own (weighted mean, sum, sqrtn; L 3, 3, 2), trained two steps of
+    Adam, its step traced as with a table call's pool of `threads`."""
+
+    monkeypatch.setattr(ffi, "pool_threads", lambda: threads)
+    tables = [EmbeddingVariable(d, ev_option=with_meta(DVD), name=f"t{j}",
+                                initializer=keras.initializers.RandomUniform(seed=j))
+              for j, d in enumerate((DIM, 2, 4))]
+    group = GroupEmbedding({"a": FeatureSpec(tables[0], "mean", weight_feature="wa"),
+                            "b": FeatureSpec(tables[1], "sum"),
+                            "c": FeatureSpec(tables[2], "sqrtn")}, output_mode="concat")
+    inputs = {"a": keras.Input((3,), dtype="int64", name="a"),
+              "wa": keras.Input((3,), name="wa"),
+              "b": keras.Input((3,), dtype="int64", name="b"),
+              "c": keras.Input((2,), dtype="int64", name="c")}
+    dense = keras.layers.Dense(1, kernel_initializer=keras.initializers.RandomNormal(seed=4))
+    model = keras.Model(inputs, dense(group(inputs)))
+    model.compile(optimizer=kre.optimizers.Adam(0.05), loss="mse")
+    rng = np.random.default_rng(7)
+    x = {"a": rng.integers(-1, 9, (16, 3)), "wa": rng.uniform(-0.5, 2, (16, 3)).astype("float32"),
+         "b": rng.integers(-1, 9, (16, 3)), "c": rng.integers(-1, 9, (16, 2))}
+    y = rng.normal(size=(16, 1)).astype("float32")
+    history = model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    monkeypatch.undo()
+    return model, tables, x, y, history.history["loss"]
+
+
+def test_own_tables_train_in_one_group_call_with_the_per_table_numbers(monkeypatch):
+    """Features each pooled from a table of their own: with threads to
+    spare a training step looks every table up in one call (and updates
+    each table once); the loss, rows, slots, step counters and dense
+    weights equal those of the per-table lookups (one thread) bit for bit."""
+    got, got_tables, x, y, got_loss = _own_tables_model(2, monkeypatch)
+    want, want_tables, _, _, want_loss = _own_tables_model(1, monkeypatch)
+    assert got_loss == want_loss
+    for g, w in zip(got_tables, want_tables):
+        ge, we = g.export(), w.export()
+        for name in ("keys", "values", "freqs", "versions"):
+            np.testing.assert_array_equal(ge[name], we[name], err_msg=f"{g.name} {name}")
+        for slot in we["slots"]:
+            np.testing.assert_array_equal(ge["slots"][slot], we["slots"][slot], err_msg=slot)
+        assert int(g.iterations.value) == int(w.iterations.value) == 2
+    for g, w in zip(got.get_weights(), want.get_weights()):
+        np.testing.assert_array_equal(g, w)
+    state = got._get_jax_state(trainable_variables=True, non_trainable_variables=True,
+                               optimizer_variables=True, metrics_variables=True)
+    data = ({k: v[:8] for k, v in x.items()}, y[:8])
+    monkeypatch.setattr(ffi, "pool_threads", lambda: 2)
+    calls = _table_calls(lambda s, d: got.train_step(s, d), state, data)
+    assert calls.count("kre_group_pooled_lookup_distinct") == 1
+    assert not [c for c in calls if "lookup" in c and c != "kre_group_pooled_lookup_distinct"]
+    assert calls.count("kre_table_apply_distinct") == 3
+    monkeypatch.setattr(ffi, "pool_threads", lambda: 1)
+    # (A function of its own: JAX keeps the trace of one.)
+    assert _table_calls(lambda s, d: got.train_step(s, d), state, data).count(
+        "kre_table_pooled_lookup_distinct") == 3
+
+
+def test_pool_threads_is_xlas_pool_size_when_it_has_threads_to_spare():
+    code = ("import jax; from keras_rec_emb.backend.jax import ffi; "
+            "print(jax.jit(lambda x: x + ffi.pool_threads())(0), ffi.pool_threads())")
+    for nproc, want in (("1", "1 1"), ("3", "3 3")):
+        env = dict(os.environ, NPROC=nproc, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu")
+        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert run.stdout.split()[-2:] == want.split(), run.stdout

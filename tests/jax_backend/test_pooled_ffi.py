@@ -348,6 +348,80 @@ def test_the_distinct_lookup_and_update_are_the_pooled_ones_bit_for_bit(combiner
             np.testing.assert_array_equal(a[part][order_a], b[part][order_b], err_msg=part)
 
 
+@pytest.mark.parametrize("key_dtype", ["int32", "int64"])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("prune", [True, False])
+def test_the_group_training_lookup_is_each_tables_distinct_lookup_bit_for_bit(key_dtype, weighted,
+                                                                            prune):
+    # Five features of dims 4, 8 and 6 (filtered tables among them), each
+    # from a table of its own, looked up side by side on XLA's pool (this
+    # machine's threads): rows, inverse, distinct ids and counts, and the
+    # tables after three steps with their updates, are those of one
+    # pooled_lookup_distinct a table.
+    if key_dtype == "int64" and ffi.int_dtype() != np.int64:
+        pytest.skip("int64 keys need JAX's 64-bit mode")
+    rng = np.random.default_rng(7)
+    specs = [(4, 0, "mean"), (8, 0, "sum"), (6, 2, "sqrtn"), (4, 0, "sqrtn"), (4, 2, "sum")]
+    dims, combiners = [d for d, _, _ in specs], [c for _, _, c in specs]
+    made = [[ffi.create(defaults(7, dim), key_dtype, filter_freq=freq) for dim, freq, _ in specs]
+            for _ in range(2)]
+    try:
+        for group, single in zip(*made):
+            width = ffi.size(group)[2]
+            assert width == ffi.size(single)[2] == 0
+        for step in range(3):
+            parts = [batch(rng, 300, 5, 60) for _ in specs]
+            ids = np.stack([i for i, _ in parts]).astype(key_dtype)
+            if not prune:
+                ids = np.abs(ids)
+            weights = np.stack([w for _, w in parts]) if weighted else None
+            rows, inverse, distinct, count = ffi.group_pooled_lookup_distinct(
+                made[0], ids, dims, combiners, weights, prune)
+            assert inverse.shape == ids.shape and distinct.shape == (5, 1500)
+            start = 0
+            for f, (t, dim, comb) in enumerate(zip(made[1], dims, combiners)):
+                w = None if weights is None else weights[f]
+                want = ffi.pooled_lookup_distinct(t, ids[f], dim, comb, w, prune=prune)
+                for got, one in zip((rows[:, start:start + dim], inverse[f], distinct[f],
+                                     count[f]), want):
+                    np.testing.assert_array_equal(np.asarray(got), np.asarray(one))
+                grads = rng.normal(size=(300, dim)).astype(np.float32)
+                for table, (inv, uniq, n) in ((made[0][f], (inverse[f], distinct[f], count[f])),
+                                              (t, want[1:])):
+                    ffi.apply_distinct(table, uniq, n, inv, grads, [0.1, 0.0], step, "sgd",
+                                       ("learning_rate", "decay"), (), comb, w)
+                start += dim
+            assert np.abs(np.asarray(rows)).sum() > 0
+        for a, b, dim in zip(*made, dims):
+            a, b = ffi.export(a, key_dtype, dim), ffi.export(b, key_dtype, dim)
+            assert a["keys"].size > 0
+            order_a, order_b = np.argsort(a["keys"]), np.argsort(b["keys"])
+            for part in ("keys", "values", "freqs", "versions"):
+                np.testing.assert_array_equal(a[part][order_a], b[part][order_b], err_msg=part)
+    finally:
+        for t in made[0] + made[1]:
+            ffi.destroy(t)
+
+
+@pytest.mark.parametrize("handles, ids, message", [
+    ([0, 0], np.ones((2, 3, 2), np.int32),
+     r"table \d+ serves features 0 and 1; a group's training lookup takes one table per "
+     "feature"),
+    ([0], np.ones((2, 3), np.int32), r"`keys` must be \[features, rows, L\], got \[2, 3\]"),
+    ([0, 1], np.ones((2, 3, 2), np.int64), "has int32 keys but `keys` is int64"),
+])
+def test_the_group_training_lookup_refuses_bad_input(handles, ids, message):
+    tables = [ffi.create(defaults()), ffi.create(defaults())]
+    try:
+        with pytest.raises(Exception, match=message):
+            jax.block_until_ready(ffi.group_pooled_lookup_distinct(
+                [tables[h] for h in handles], ids, [DIM] * len(handles), ["sum"] * len(handles)))
+        assert [ffi.size(t)[0] for t in tables] == [0, 0]  # nothing inserted
+    finally:
+        for t in tables:
+            ffi.destroy(t)
+
+
 @pytest.mark.parametrize("count, inverse, message", [
     (3, [[0, 1, 2], [3, -1, -1]], r"`inverse` must be in \[-1, count = 3\), got 3"),
     (7, [[0, 1, 2], [0, -1, -1]], r"`count` must be in \[0, 6\], got 7"),

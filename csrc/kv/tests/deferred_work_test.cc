@@ -4,10 +4,13 @@
 // a pool thread runs exactly once, each table's work in program order, its
 // effect seen by the next use of the table, its failure raised there once.
 // The pool is played by threads calling RunDeferred; TSan runs this too.
+// And ShareWork, which splits a call's items among the caller and pool
+// threads.
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -151,6 +154,68 @@ void TestDeferWaitsForTheRunningWork() {
   releaser.join();
 }
 
+// ShareWork: every item runs exactly once, helpers on pool threads take
+// items too, a helper that starts after the call returned touches nothing,
+// and an item's exception reaches the caller after every taken item ended.
+void TestShareWorkRunsEachItemOnce() {
+  constexpr int64_t kItems = 5000;
+  std::vector<std::thread> pool;
+  std::vector<std::function<void()>> late;  // helpers run after the call
+  std::vector<std::atomic<int>> runs(kItems);
+  std::atomic<int> on_helpers{0};
+  const std::thread::id caller = std::this_thread::get_id();
+  ShareWork(
+      2,
+      [&](std::function<void()> task) {
+        if (pool.empty()) {
+          pool.emplace_back(std::move(task));
+        } else {
+          late.push_back(std::move(task));
+        }
+      },
+      kItems,
+      [&](int64_t i) {
+        runs[i].fetch_add(1);
+        if (std::this_thread::get_id() != caller) {
+          on_helpers.fetch_add(1);
+          return;
+        }
+        // The caller's items wait (10 s at most) until a helper took one.
+        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+        while (on_helpers.load() == 0 && std::chrono::steady_clock::now() < until) {
+          std::this_thread::yield();
+        }
+      });
+  for (auto& th : pool) th.join();
+  for (auto& task : late) task();  // finds no item left
+  bool once = true;
+  for (auto& r : runs) once = once && r.load() == 1;
+  CHECK(once);
+  CHECK(late.size() == 1);
+  CHECK(on_helpers.load() > 0);
+  // No helpers: all on the caller.
+  int inline_runs = 0;
+  ShareWork(0, [](std::function<void()>) { CHECK(false); }, 3, [&](int64_t) { ++inline_runs; });
+  CHECK(inline_runs == 3);
+
+  std::thread helper;
+  std::atomic<int> ended{0};
+  bool thrown = false;
+  try {
+    ShareWork(
+        1, [&](std::function<void()> task) { helper = std::thread(std::move(task)); }, 64,
+        [&](int64_t i) {
+          if (i == 5) throw std::runtime_error("item 5 failed");
+          ended.fetch_add(1);
+        });
+  } catch (const std::runtime_error& e) {
+    thrown = StartsWith(e.what(), "item 5 failed");
+  }
+  helper.join();
+  CHECK(thrown);
+  CHECK(ended.load() == 63);  // the other items still ran
+}
+
 }  // namespace
 }  // namespace jaxbind
 }  // namespace kre
@@ -161,5 +226,6 @@ int main() {
   kre::jaxbind::TestTheTableChangeIsSeenAfterSettle();
   kre::jaxbind::TestFailureReachesTheNextUseOnce();
   kre::jaxbind::TestDeferWaitsForTheRunningWork();
+  kre::jaxbind::TestShareWorkRunsEachItemOnce();
   return kre::kv::test::Report("deferred_work_test");
 }

@@ -54,6 +54,8 @@ TARGETS = {
     "kre_table_pooled_lookup_distinct": "KreTablePooledLookupDistinct",
     "kre_table_apply_distinct": "KreTableApplyDistinct",
     "kre_group_pooled_lookup": "KreGroupPooledLookup",
+    "kre_group_pooled_lookup_distinct": "KreGroupPooledLookupDistinct",
+    "kre_pool_threads": "KrePoolThreads",
     "kre_table_export": "KreTableExport",
     # Save and restore.
     "kre_table_save_info": "KreTableSaveInfo",
@@ -365,6 +367,37 @@ def group_pooled_lookup(handles, keys, dims, combiners, weights=None, prune=True
                    tables=tuple(int(h) for h in handles), combiners=",".join(combiners),
                    prune=bool(prune))
     return out
+
+
+def group_pooled_lookup_distinct(handles, keys, dims, combiners, weights=None, prune=True):
+    """The training lookup of a group of features in one call, each with a
+    table of its own: ids `keys` [F, rows, L] (feature f's ids `keys[f]`,
+    optional `weights` of their shape) pooled into `group_pooled_lookup`'s
+    output, each table inserting as `pooled_lookup_distinct` does, whose
+    other outputs come per feature: (rows [rows, sum(dims)], `inverse`
+    [F, rows, L] int32, `distinct` [F, rows * L], `count` [F]). With
+    XLA's CPU pool of 2+ threads, features are looked up side by side."""
+    keys = jnp.asarray(keys)
+    if keys.ndim != 3:
+        raise ValueError(f"`keys` must be [features, rows, L], got {list(keys.shape)}")
+    features, rows, length = keys.shape
+    return tuple(_call("kre_group_pooled_lookup_distinct", [keys, _pooled_weights(keys, weights)],
+                       [_aval((rows, int(sum(dims))), np.float32), _aval(keys.shape, np.int32),
+                        _aval((features, rows * length), keys.dtype),
+                        _aval((features,), int_dtype())],
+                       tables=tuple(int(h) for h in handles), combiners=",".join(combiners),
+                       prune=bool(prune)))
+
+
+@functools.cache
+def pool_threads():
+    """How many threads a table call gets (XLA's CPU intra-op pool, its
+    size set by `NPROC`): 1 when it has none to spare. Asked of XLA once,
+    run now (compiled alone) even while a step is traced."""
+    library()
+    ask = _jitted("kre_pool_threads", (_aval((), np.int32),), ())
+    (threads,) = ask.lower().compile()()
+    return int(threads)
 
 
 def apply_pooled(handle, keys, grads, hyper, step, rule, hparam_names, slots, combiner,

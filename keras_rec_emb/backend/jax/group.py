@@ -21,7 +21,7 @@ import numpy as np
 from keras_rec_emb.backend.jax import ffi
 from keras_rec_emb.backend.jax.ids import float_weights, integer_ids, numpy_ids
 from keras_rec_emb.backend.jax.layers import EmbeddingVariableBackend as _JaxEmbeddingVariable
-from keras_rec_emb.backend.jax.layers import denominator, divided
+from keras_rec_emb.backend.jax.layers import denominator, divided, group_training_lookup
 
 count_params = keras.layers.Layer.count_params
 
@@ -132,6 +132,22 @@ def _one_call(layer, training):
             and all(_pooled(s, tables[s.table]) for s in layer.features.values()))
 
 
+def _one_training_call(layer, training):
+    """Whether one training table call serves every feature: two or more
+    features, each pooled from a table of its own that trains in this call
+    and is first looked up in its step here, one key dtype, and threads to
+    look features up side by side (on one thread a call a table is faster,
+    `ffi.pool_threads`)."""
+    tables, specs = layer.tables, list(layer.features.values())
+    # pylint: disable=protected-access
+    return (len(specs) >= 2 and len(tables) == len(specs) and ffi.pool_threads() >= 2
+            and sorted(s.table for s in specs) == list(range(len(tables)))
+            and all(isinstance(t, _JaxEmbeddingVariable) and t._may_train(training)
+                    and not t._looked_up_this_step() for t in tables)
+            and len({t.key_dtype for t in tables}) == 1
+            and all(_pooled(s, tables[s.table]) for s in specs))
+
+
 def _padded(kept, join):
     """The (ids [batch, L_f], weights or None) of features padded to one L
     (ids with -1, pruned; weights with 0, 1 where a feature has none) and
@@ -160,6 +176,26 @@ def _inference_lookup(layer, inputs):
     rows = ffi.group_pooled_lookup([t.handle for t in tables], ids,
                                    [t.embedding_dim for t in tables],
                                    [s.combiner for s in specs], weights)
+    return _split_output(layer, rows, tables)
+
+
+def _training_lookup(layer, inputs, training):
+    """The training lookup of every feature in one table call, each from a
+    table of its own: the features' ids stacked [F, batch, L], their rows
+    concatenated; each table updated in the backward."""
+    specs = list(layer.features.values())
+    tables = [layer.tables[s.table] for s in specs]
+    key_dtype = tables[0].key_dtype
+    feature_ids, feature_weights = _feature_ids(layer, inputs)
+    kept = [_kept(jnp.asarray(i).astype(key_dtype), w, s)
+            for i, w, s in zip(feature_ids, feature_weights, specs)]
+    ids, weights = _padded(kept, jnp.stack)
+    rows = group_training_lookup(tables, ids, weights, [s.combiner for s in specs], training)
+    return _split_output(layer, rows, tables)
+
+
+def _split_output(layer, rows, tables):
+    """The layer's output of the features' rows concatenated."""
     if layer.output_mode == "concat":
         return rows
     out, start = [], 0
@@ -212,6 +248,8 @@ def lookup(layer, inputs, training):
     order of `features`."""
     if _one_call(layer, training):
         return _inference_lookup(layer, inputs)
+    if _one_training_call(layer, training):
+        return _training_lookup(layer, inputs, training)
     feature_ids, feature_weights = _feature_ids(layer, inputs)
     specs = list(layer.features.values())
     outs = [None] * len(specs)

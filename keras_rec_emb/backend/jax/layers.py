@@ -126,50 +126,123 @@ class _StepLookups:
         self.training = False
 
 
-def _first_lookup(layer, dim, prune, conditional, group, combiner=None):
-    """lookup(ids, weights, anchor, step) -> (rows, carry, trained), the step's first
-    training lookup of `layer`'s table; its backward applies the rows'
-    gradient, with those the step's later lookups stashed. With
-    `conditional` (`training=None`, which a subclassed model's layer gets in
-    `fit` as in `predict` when its `call` does not pass `training` on),
-    differentiation decides: under `jax.grad` JAX runs the forward rule
-    (insert; `trained` 1; the backward applies), otherwise the plain
-    function (no insert; `trained` 0, so the step counter stays)."""
-    handle = layer.handle
+def _first_lookup(layers, groups, conditional, primal, train_rows, parts_of):
+    """lookup(ids, weights, anchors, steps) -> (rows, carries, trained), the
+    step's first training lookup of each of `layers`' tables in one call
+    (their `_StepLookups` `groups`, `anchors`, `steps`, and per table a
+    carry and a `trained` flag); its backward applies each table's
+    gradient, with those the step's later lookups stashed. `primal(ids,
+    weights, insert)` gives the rows; `train_rows(ids, weights)` the rows
+    that insert and, per table, None or the (inverse, distinct ids, count)
+    of its pooled lookup, which its update then takes as they are;
+    `parts_of(ids, weights, grads)` per table its part of the rows'
+    gradient (`_apply_gradients`). With `conditional` (`training=None`,
+    which a subclassed model's layer gets in `fit` as in `predict` when its
+    `call` does not pass `training` on), differentiation decides: under
+    `jax.grad` JAX runs the forward rule (insert; `trained` 1; the backward
+    applies), otherwise the plain function (no insert; `trained` 0, so the
+    step counters stay)."""
+
+    def carries():
+        return [jnp.zeros((0,), jnp.float32) for _ in layers]
 
     @jax.custom_vjp
-    def lookup(ids, weights, anchor, step):
-        del anchor
-        rows = _table_lookup(handle, ids, weights, dim, not conditional, prune, combiner)
-        trained = jnp.zeros_like(step) if conditional else jnp.ones_like(step)
-        return rows, jnp.zeros((0,), jnp.float32), trained
+    def lookup(ids, weights, anchors, steps):
+        del anchors
+        rows = primal(ids, weights, not conditional)
+        return rows, carries(), [(jnp.zeros_like if conditional else jnp.ones_like)(s)
+                                 for s in steps]
 
-    def forward(ids, weights, anchor, step):
-        if layer.table_rule is None:
-            raise _no_optimizer_error(layer.name)
-        group.training = True
-        distinct = None
-        if combiner is None:
-            rows = _table_lookup(handle, ids, weights, dim, True, prune, combiner)
-        else:
-            # The distinct ids and the inverse go to the backward, which
-            # then updates each distinct id without deduplicating again.
-            rows, *distinct = ffi.pooled_lookup_distinct(handle, ids, dim, combiner, weights,
-                                                         prune=prune)
-        return ((rows, jnp.zeros((0,), jnp.float32), jnp.ones_like(step)),
-                (ids, weights, anchor, step, distinct))
+    def forward(ids, weights, anchors, steps):
+        for layer, group in zip(layers, groups):
+            if layer.table_rule is None:
+                raise _no_optimizer_error(layer.name)
+            group.training = True
+        rows, distincts = train_rows(ids, weights)
+        return ((rows, carries(), [jnp.ones_like(s) for s in steps]),
+                (ids, weights, anchors, steps, distincts))
 
     def backward(saved, grads):
-        ids, weights, anchor, step, distinct = saved
-        parts = [(ids, grads[0], prune, combiner, weights)] + group.pending
-        group.pending = []
-        # pylint: disable-next=protected-access
-        layer._apply_gradients(parts, step, None if len(parts) > 1 else distinct)
-        group.marker, group.training = None, False  # the step is over
-        return None, None, jnp.zeros_like(anchor), None
+        ids, weights, anchors, steps, distincts = saved
+        for layer, group, part, step, distinct in zip(layers, groups,
+                                                      parts_of(ids, weights, grads[0]), steps,
+                                                      distincts):
+            parts = [part] + group.pending
+            group.pending = []
+            # pylint: disable-next=protected-access
+            layer._apply_gradients(parts, step, None if len(parts) > 1 else distinct)
+            group.marker, group.training = None, False  # the step is over
+        return None, None, [jnp.zeros_like(a) for a in anchors], None
 
     lookup.defvjp(forward, backward)
     return lookup
+
+
+def _table_first_lookup(layer, dim, prune, conditional, group, combiner=None):
+    """`_first_lookup` of one layer's table: lookup(ids, weights, anchors,
+    steps) -> (rows, [carry], [trained])."""
+    handle = layer.handle
+
+    def primal(ids, weights, insert):
+        return _table_lookup(handle, ids, weights, dim, insert, prune, combiner)
+
+    def forward(ids, weights):
+        if combiner is None:
+            return primal(ids, weights, True), [None]
+        # The distinct ids and the inverse go to the backward, which then
+        # updates each distinct id without deduplicating again.
+        rows, *distinct = ffi.pooled_lookup_distinct(handle, ids, dim, combiner, weights,
+                                                     prune=prune)
+        return rows, [distinct]
+
+    def parts_of(ids, weights, grads):
+        return [(ids, grads, prune, combiner, weights)]
+
+    return _first_lookup([layer], [group], conditional, primal, forward, parts_of)
+
+
+def group_training_lookup(tables, ids, weights, combiners, training):
+    """The step's first training lookups of `tables` (EmbeddingVariable
+    layers), each pooling one feature by its combiner, in one table call
+    (`ffi.group_pooled_lookup_distinct`): ids [F, rows, L] (feature f's
+    for `tables[f]`, padding -1) and weights of their shape or None ->
+    rows [rows, sum of their dims]. Each table's step, update and later
+    lookups in the step are those of its `_rows`."""
+    handles = [t.handle for t in tables]
+    dims = [t.embedding_dim for t in tables]
+    conditional = training is None
+    for t in tables:
+        if not conditional and t.table_rule is None:
+            raise _no_optimizer_error(t.name)
+    steps = [t.iterations.value for t in tables]
+    groups = [_StepLookups(step) for step in steps]
+
+    def primal(ids, weights, insert):
+        if insert:
+            return ffi.group_pooled_lookup_distinct(handles, ids, dims, combiners, weights)[0]
+        return ffi.group_pooled_lookup(
+            handles, jnp.moveaxis(ids, 0, 1), dims, combiners,
+            None if weights is None else jnp.moveaxis(weights, 0, 1))
+
+    def train_rows(ids, weights):
+        rows, inverse, distinct, count = ffi.group_pooled_lookup_distinct(
+            handles, ids, dims, combiners, weights)
+        return rows, [(inverse[f], distinct[f], count[f]) for f in range(len(tables))]
+
+    def parts_of(ids, weights, grads):
+        parts, start = [], 0
+        for f, dim in enumerate(dims):
+            parts.append((ids[f], grads[:, start:start + dim], True, combiners[f],
+                          None if weights is None else weights[f]))
+            start += dim
+        return parts
+
+    lookup = _first_lookup(tables, groups, conditional, primal, train_rows, parts_of)
+    rows, carries, trained = lookup(ids, weights, [t.anchor.value for t in tables], steps)
+    for table, group, carry, step in zip(tables, groups, carries, trained):
+        # pylint: disable-next=protected-access
+        table._begin_step(group, carry, step)
+    return rows
 
 
 def _later_lookup(layer, dim, prune, conditional, group, combiner=None):
@@ -370,19 +443,33 @@ class EmbeddingVariableBackend:
         if not conditional and self.table_rule is None:
             raise _no_optimizer_error(self.name)
         current = self.iterations.value
-        group = getattr(self, "_kre_step_lookups", None)
-        if group is not None and group.marker is not None and group.marker is current:
+        if self._looked_up_this_step():
             # Looked up again in the same step: one step, one update.
+            group = self._kre_step_lookups
             lookup = _later_lookup(self, self.embedding_dim, prune, conditional, group, combiner)
             return lookup(ids, weights, self.anchor.value, group.carry, group.step)
         group = _StepLookups(current)
-        lookup = _first_lookup(self, self.embedding_dim, prune, conditional, group, combiner)
-        rows, group.carry, trained = lookup(ids, weights, self.anchor.value, current)
-        self.iterations.assign(current + trained)
+        lookup = _table_first_lookup(self, self.embedding_dim, prune, conditional, group,
+                                     combiner)
+        rows, carries, trained = lookup(ids, weights, [self.anchor.value], [current])
+        self._begin_step(group, carries[0], trained[0])
+        return rows
+
+    def _looked_up_this_step(self):
+        """Whether a training lookup of this step (of this trace) ran."""
+        group = getattr(self, "_kre_step_lookups", None)
+        return group is not None and group.marker is not None and (
+            group.marker is self.iterations.value)
+
+    def _begin_step(self, group, carry, trained):
+        """After the step's first lookup (`_first_lookup`): the step counter
+        moved by `trained`, and `group` (its `carry`) the one later lookups
+        of this step join."""
+        group.carry = carry
+        self.iterations.assign(group.step + trained)
         group.marker = self.iterations.value if group.training else None
         self._kre_step_lookups = group
         self._new_step()
-        return rows
 
     def _new_step(self):
         """Tells the table's rule (while tracing) that a training step's
