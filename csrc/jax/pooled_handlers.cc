@@ -69,7 +69,7 @@ ffi::Error PooledLookup(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> w
 template <typename K>
 void GroupPooledRows(const std::vector<std::shared_ptr<AnyTable>>& tables,
                      const std::vector<Combiner>& comb, const K* k, int64_t rows, int64_t len,
-                     bool prune, float* out, int64_t width) {
+                     bool prune, float* out, int64_t width, ffi::ThreadPool& pool) {
   const int64_t features = static_cast<int64_t>(tables.size());
   // Feature f's kept ids at kept[f * cap], room for rows * len and a cache
   // line more: with a multiple of 4 KiB apart, the features' ids stored
@@ -79,7 +79,6 @@ void GroupPooledRows(const std::vector<std::shared_ptr<AnyTable>>& tables,
   // Reused call after call: no allocation nor zeroing once they are large
   // enough; feature f's splits at splits[f * (rows + 1)].
   thread_local std::vector<int64_t> kept, splits;
-  thread_local std::vector<float> buffer;
   if (static_cast<int64_t>(kept.size()) < features * cap) kept.resize(features * cap);
   if (static_cast<int64_t>(splits.size()) < features * (rows + 1)) {
     splits.resize(features * (rows + 1));
@@ -96,10 +95,11 @@ void GroupPooledRows(const std::vector<std::shared_ptr<AnyTable>>& tables,
   for (int64_t f = 0; f < features; ++f) offset[f + 1] = offset[f] + tables[f]->dim();
   // Every other call walks the features in reverse, as the TensorFlow group
   // op does: the tables read last by one call are read first by the next,
-  // while still in the last-level cache.
+  // while still in the last-level cache. With a pool of 2+ threads the
+  // features are read side by side, as the TensorFlow op's units are.
   static std::atomic<uint64_t> calls{0};
   const bool reverse = calls.fetch_add(1, std::memory_order_relaxed) & 1;
-  for (int64_t i = 0; i < features; ++i) {
+  OnPool(pool, features, [&](int64_t i) {
     const int64_t f = reverse ? features - 1 - i : i;
     const int64_t dim = tables[f]->dim();
     // All tables have K keys (CheckKeys); the visit gives the type.
@@ -115,6 +115,7 @@ void GroupPooledRows(const std::vector<std::shared_ptr<AnyTable>>& tables,
                                static_cast<int>(f),
                                static_cast<int>(f)};
         float* rows_buffer = nullptr;
+        thread_local std::vector<float> buffer;
         if (!tab.PrefersOrderedLookup(count[f])) {
           // len bounds every row's ids.
           buffer.resize(PooledBufferRows(count[f], rows, len) * dim);
@@ -124,7 +125,7 @@ void GroupPooledRows(const std::vector<std::shared_ptr<AnyTable>>& tables,
         PooledRowsOf(tab, pf, 0, rows, rows_buffer);
       }
     });
-  }
+  });
 }
 
 // A training pooled lookup of ids k [rows, len] (weights of their shape or
@@ -223,7 +224,7 @@ ffi::ErrorOr<Group> CheckGroup(const ffi::AnyBuffer& keys, const ffi::Buffer<ffi
 ffi::Error GroupPooledLookup(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> weights,
                              ffi::Result<ffi::Token>, ffi::ResultBuffer<ffi::F32, 2> out,
                              ffi::Span<const int64_t> tables, std::string_view combiners,
-                             bool prune) {
+                             bool prune, ffi::ThreadPool pool) {
   return Guarded([&]() -> ffi::Error {
     auto group = CheckGroup(keys, weights, *out, tables, combiners, /*feature_major=*/false);
     if (group.has_error()) return group.error();
@@ -236,7 +237,7 @@ ffi::Error GroupPooledLookup(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F
       using K = KeyOfT<decltype(first)>;
       if (w == nullptr) {
         GroupPooledRows(found, comb, keys.reinterpret_data<K>(), rows, len, prune,
-                        out->typed_data(), width);
+                        out->typed_data(), width, pool);
         return;
       }
       // With weights: every feature's ids in one pass over the ids in memory order:
@@ -252,17 +253,17 @@ ffi::Error GroupPooledLookup(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F
           ids[f].AddRow(r, k + at, w + at);
         }
       }
-      int64_t offset = 0;
-      for (int64_t f = 0; f < features; ++f) {
+      std::vector<int64_t> offset(features + 1, 0);
+      for (int64_t f = 0; f < features; ++f) offset[f + 1] = offset[f] + found[f]->dim();
+      OnPool(pool, features, [&](int64_t f) {
         // All tables have K keys (CheckKeys); the visit gives the type.
         found[f]->Visit([&](auto& tab) {
           if constexpr (std::is_same_v<KeyOfT<decltype(tab)>, K>) {
-            PooledLookupRows(tab, ids[f], /*insert=*/false, out->typed_data() + offset, rows,
+            PooledLookupRows(tab, ids[f], /*insert=*/false, out->typed_data() + offset[f], rows,
                              width);
           }
         });
-        offset += found[f]->dim();
-      }
+      });
     });
     return ffi::Error::Success();
   });
@@ -425,7 +426,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     (TokenBinding<Args<ffi::AnyBuffer, ffi::Buffer<ffi::F32>>, Rets<ffi::BufferR2<ffi::F32>>>()
          .Attr<ffi::Span<const int64_t>>("tables")
          .Attr<std::string_view>("combiners")
-         .Attr<bool>("prune")));
+         .Attr<bool>("prune")
+         .Ctx<ffi::ThreadPool>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTablePooledLookupDistinct, PooledLookupDistinct,
                               (TokenBinding<Args<ffi::AnyBuffer, ffi::Buffer<ffi::F32>>,
