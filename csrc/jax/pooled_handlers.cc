@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstring>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -166,7 +165,7 @@ struct Group {
 };
 
 ffi::ErrorOr<Group> CheckGroup(const ffi::AnyBuffer& keys, const ffi::Buffer<ffi::F32>& weights,
-                               const ffi::Buffer<ffi::F32, 2>& out, ffi::Span<const int64_t> tables,
+                               ffi::Span<const int64_t> out, ffi::Span<const int64_t> tables,
                                std::string_view combiners, bool feature_major) {
   auto fail = [](const string& message) { return ffi::Unexpected(Invalid(message)); };
   const auto kd = keys.dimensions();
@@ -208,9 +207,11 @@ ffi::ErrorOr<Group> CheckGroup(const ffi::AnyBuffer& keys, const ffi::Buffer<ffi
     group.tables.push_back(*t);
     group.combiners.push_back(*c);
   }
-  if (out.dimensions()[0] != rows || out.dimensions()[1] != group.width) {
-    return fail("`out` must be [" + std::to_string(rows) + ", " + std::to_string(group.width) +
-                "] (the features' dims summed), got " + Shape(out.dimensions()));
+  const bool fits = feature_major ? out.size() == 1 && out[0] == rows * group.width
+                                  : out.size() == 2 && out[0] == rows && out[1] == group.width;
+  if (!fits) {
+    return fail("`out` must be [" + std::to_string(rows) + (feature_major ? " * " : ", ") +
+                std::to_string(group.width) + "] (the features' dims summed), got " + Shape(out));
   }
   return group;
 }
@@ -226,7 +227,8 @@ ffi::Error GroupPooledLookup(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F
                              ffi::Span<const int64_t> tables, std::string_view combiners,
                              bool prune, ffi::ThreadPool pool) {
   return Guarded([&]() -> ffi::Error {
-    auto group = CheckGroup(keys, weights, *out, tables, combiners, /*feature_major=*/false);
+    auto group =
+        CheckGroup(keys, weights, out->dimensions(), tables, combiners, /*feature_major=*/false);
     if (group.has_error()) return group.error();
     auto& [found, comb, width] = *group;
     for (auto& t : found) t->Settle();
@@ -269,34 +271,14 @@ ffi::Error GroupPooledLookup(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F
   });
 }
 
-// Copies a row of dim floats: of the usual dims as a copy of fixed size,
-// which the compiler does with a few vector moves (a memmove call for each
-// row of each feature took 8% of a training step's time at 26 features).
-inline void CopyRow(const float* src, int64_t dim, float* dst) {
-  switch (dim) {
-    case 4:
-      std::memcpy(dst, src, 4 * sizeof(float));
-      return;
-    case 8:
-      std::memcpy(dst, src, 8 * sizeof(float));
-      return;
-    case 16:
-      std::memcpy(dst, src, 16 * sizeof(float));
-      return;
-    case 32:
-      std::memcpy(dst, src, 32 * sizeof(float));
-      return;
-    case 64:
-      std::memcpy(dst, src, 64 * sizeof(float));
-      return;
-    default:
-      std::copy_n(src, dim, dst);
-  }
-}
-
 // A group's training lookup in one call: ids keys [F, rows, L] (feature f's
 // ids keys[f], contiguous; weights empty or of their shape) pooled into
-// GroupPooledLookup's output, each feature's table inserting and counting
+// `out` [rows * sum of dims], feature f's rows [rows, dim_f] a block at
+// rows * (the dims of the features before f): pooled straight into the
+// columns of [rows, sum of dims], a feature's pass would write a cache line
+// a row of an output larger than the cache (3x the pooling's time at 26
+// features of dim 16); XLA joins the blocks (ffi.py). Each feature's table
+// inserting and counting
 // its ids as PooledLookupDistinct does, whose extra outputs it returns per
 // feature for the backward (one ApplyDistinct a table): `inverse`
 // [F, rows, L], id (f, r, k)'s index among feature f's distinct ids (-1 for
@@ -305,14 +287,15 @@ inline void CopyRow(const float* src, int64_t dim, float* dst) {
 // its own, so that with a pool of 2+ threads features are looked up side by
 // side (OnPool), each table settled by the thread that looks it up.
 ffi::Error GroupPooledLookupDistinct(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> weights,
-                                     ffi::Result<ffi::Token>, ffi::ResultBuffer<ffi::F32, 2> out,
+                                     ffi::Result<ffi::Token>, ffi::ResultBuffer<ffi::F32, 1> out,
                                      ffi::ResultBuffer<ffi::S32, 3> inverse,
                                      ffi::Result<ffi::AnyBuffer> distinct,
                                      ffi::Result<ffi::AnyBuffer> counts,
                                      ffi::Span<const int64_t> tables, std::string_view combiners,
                                      bool prune, ffi::ThreadPool pool) {
   return Guarded([&]() -> ffi::Error {
-    auto group = CheckGroup(keys, weights, *out, tables, combiners, /*feature_major=*/true);
+    auto group =
+        CheckGroup(keys, weights, out->dimensions(), tables, combiners, /*feature_major=*/true);
     if (group.has_error()) return group.error();
     const auto& [found, comb, width] = *group;
     const auto kd = keys.dimensions();
@@ -331,14 +314,7 @@ ffi::Error GroupPooledLookupDistinct(ffi::Token, ffi::AnyBuffer keys, ffi::Buffe
     std::vector<int64_t> offset(features + 1, 0);
     for (int64_t f = 0; f < features; ++f) offset[f + 1] = offset[f] + found[f]->dim();
     const float* w = OptionalWeights(weights);
-    // Each feature's rows go to a compact block first (feature f's at
-    // rows * offset[f]), then row after row into `out`: pooled straight
-    // into its columns, a feature's pass would write one cache line per row
-    // of an output larger than the cache, amid the table's reads (3x the
-    // pooling's time at 26 features of dim 16). Reused call after call.
-    thread_local Buffer<float> scratch;
-    if (static_cast<int64_t>(scratch.size()) < rows * width) scratch.resize(rows * width);
-    float* blocks = scratch.data();
+    float* blocks = out->typed_data();
     OnPool(pool, features, [&](int64_t f) {
       AnyTable& at = *found[f];
       at.Settle();
@@ -351,17 +327,6 @@ ffi::Error GroupPooledLookupDistinct(ffi::Token, ffi::AnyBuffer keys, ffi::Buffe
                                     blocks + rows * offset[f], -1, inverse->typed_data() + at_f,
                                     distinct->reinterpret_data<K>() + at_f));
       });
-    });
-    constexpr int64_t kRowsATask = 512;
-    float* dst = out->typed_data();
-    OnPool(pool, (rows + kRowsATask - 1) / kRowsATask, [&](int64_t task) {
-      const int64_t end = std::min(rows, (task + 1) * kRowsATask);
-      for (int64_t r = task * kRowsATask; r < end; ++r) {
-        for (int64_t f = 0; f < features; ++f) {
-          const int64_t dim = offset[f + 1] - offset[f];
-          CopyRow(blocks + rows * offset[f] + r * dim, dim, dst + r * width + offset[f]);
-        }
-      }
     });
     return ffi::Error::Success();
   });
@@ -440,8 +405,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KreTablePooledLookupDistinct, PooledLookupDistinct
 // How many threads a table call gets: XLA's intra-op pool's size when it
 // has threads to spare (Deferrable), else 1. A group's training lookup is
 // one call when it has 2 or more (features side by side), a call a table
-// when not (group/jax.py: one call over 26 features, its output written
-// row after row, took 1.07x the per-table calls' time on one thread).
+// when not (backend/jax/group.py; on one thread the one call over 26
+// features took 1.02-1.03x the per-table calls' time: docs/performance.md).
 ffi::Error PoolThreads(ffi::Token, ffi::Result<ffi::Token>, ffi::ResultBuffer<ffi::S32, 0> threads,
                        ffi::ThreadPool pool) {
   threads->typed_data()[0] = Deferrable(pool) ? pool.num_threads() : 1;
@@ -454,7 +419,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KreGroupPooledLookupDistinct, GroupPooledLookupDistinct,
                               (TokenBinding<Args<ffi::AnyBuffer, ffi::Buffer<ffi::F32>>,
-                                            Rets<ffi::BufferR2<ffi::F32>, ffi::BufferR3<ffi::S32>,
+                                            Rets<ffi::BufferR1<ffi::F32>, ffi::BufferR3<ffi::S32>,
                                                  ffi::AnyBuffer, ffi::AnyBuffer>>()
                                    .Attr<ffi::Span<const int64_t>>("tables")
                                    .Attr<std::string_view>("combiners")

@@ -381,12 +381,16 @@ def group_pooled_lookup_distinct(handles, keys, dims, combiners, weights=None, p
     if keys.ndim != 3:
         raise ValueError(f"`keys` must be [features, rows, L], got {list(keys.shape)}")
     features, rows, length = keys.shape
-    return tuple(_call("kre_group_pooled_lookup_distinct", [keys, _pooled_weights(keys, weights)],
-                       [_aval((rows, int(sum(dims))), np.float32), _aval(keys.shape, np.int32),
-                        _aval((features, rows * length), keys.dtype),
-                        _aval((features,), int_dtype())],
-                       tables=tuple(int(h) for h in handles), combiners=",".join(combiners),
-                       prune=bool(prune)))
+    blocks, *distinct = _call(
+        "kre_group_pooled_lookup_distinct", [keys, _pooled_weights(keys, weights)],
+        [_aval((rows * int(sum(dims)),), np.float32), _aval(keys.shape, np.int32),
+         _aval((features, rows * length), keys.dtype), _aval((features,), int_dtype())],
+        tables=tuple(int(h) for h in handles), combiners=",".join(combiners), prune=bool(prune))
+    # Feature after feature, each its rows [rows, dim] (the handler's
+    # comment): joined by XLA, as the per-table calls' outputs are.
+    ends = np.cumsum([0, *dims]) * rows
+    return (jnp.concatenate([blocks[a:b].reshape(rows, -1) for a, b in zip(ends, ends[1:])],
+                            axis=1), *distinct)
 
 
 @functools.cache
