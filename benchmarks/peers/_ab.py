@@ -2,6 +2,7 @@
 positional arguments, TensorFlow's thread pools, and timing rounds that
 interleave the two forms."""
 
+import json
 import os
 import sys
 import time
@@ -49,3 +50,17 @@ def interleaved(calls, inputs, rounds, reps):
             wall[name].append(1e3 * (time.perf_counter() - w0) / reps)
             cpu[name].append(1e3 * (time.process_time() - c0) / reps)
     return wall, cpu
+
+
+def report(out, res, unit, top, bottom):
+    """Prints `out` as JSON with, per form of `res` (name -> a figure a
+    round), its median, min and max (`unit`), and the median and range of
+    the per-round ratio of form `top` to form `bottom`."""
+    for name, v in res.items():
+        v = sorted(v)
+        out[name] = {f"{unit}_median": round(v[len(v) // 2], 2), "min": round(v[0], 2),
+                     "max": round(v[-1], 2)}
+    ratios = sorted(a / b for a, b in zip(res[top], res[bottom]))
+    out[f"{top}/{bottom} median"] = round(ratios[len(ratios) // 2], 3)
+    out["range"] = [round(ratios[0], 3), round(ratios[-1], 3)]
+    print(json.dumps(out))

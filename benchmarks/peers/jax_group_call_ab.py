@@ -12,7 +12,6 @@ THREADS sizes XLA's CPU pool (`NPROC`). DATA_DIR holds the workload written
 by run.py (default /tmp/h19b/peers/peers-data; written there if missing).
 """
 
-import json
 import os
 import sys
 
@@ -50,13 +49,5 @@ for r in range(rounds):
     for name in (list(forms) if r % 2 == 0 else list(forms)[::-1]):
         wall, _ = forms[name].train(steps)
         res[name].append(1e3 * wall / steps)
-out = {"variant": variant, "threads": threads, "pool_threads": pool(),
-       "load": os.getloadavg()[0]}
-for name, v in res.items():
-    v = sorted(v)
-    out[name] = {"ms_a_step_median": round(v[len(v) // 2], 2), "min": round(v[0], 2),
-                 "max": round(v[-1], 2)}
-ratios = sorted(b / a for a, b in zip(res["one_call"], res["per_table"]))
-out["per_table/one_call median"] = round(ratios[len(ratios) // 2], 3)
-out["range"] = [round(ratios[0], 3), round(ratios[-1], 3)]
-print(json.dumps(out))
+_ab.report({"variant": variant, "threads": threads, "pool_threads": pool(),
+            "load": os.getloadavg()[0]}, res, "ms_a_step", "per_table", "one_call")

@@ -13,7 +13,6 @@ Dense(1, sigmoid), keras_rec_emb Adagrad). DATA_DIR holds the workload
 written by run.py (default /tmp/h19b/peers/peers-data).
 """
 
-import json
 import os
 import sys
 
@@ -83,12 +82,5 @@ for step in steps.values():
     for i in range(nb):
         step(i)
 _, res = _ab.interleaved(steps, range(nb), rounds, reps)
-out = {"mode": mode, "variant": variant, "threads": threads, "load": os.getloadavg()[0]}
-for k, v in res.items():
-    v = sorted(v)
-    out[k] = {"cpu_ms_median": round(v[len(v) // 2], 2), "min": round(v[0], 2),
-              "max": round(v[-1], 2)}
-ratios = sorted(a / b for a, b in zip(res["stacked"], res["columns"]))
-out["stacked/columns median"] = round(ratios[len(ratios) // 2], 3)
-out["range"] = [round(ratios[0], 3), round(ratios[-1], 3)]
-print(json.dumps(out))
+_ab.report({"mode": mode, "variant": variant, "threads": threads, "load": os.getloadavg()[0]},
+           res, "cpu_ms", "stacked", "columns")

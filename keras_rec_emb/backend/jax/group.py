@@ -163,34 +163,25 @@ def _padded(kept, join):
                       for (i, w), p in zip(kept, pads)])
 
 
-def _inference_lookup(layer, inputs):
-    """The lookup of every feature in one table call: the features' ids
-    stacked [batch, F, L], their rows concatenated."""
+def _one_call_lookup(layer, inputs, training=None, train=False):
+    """The lookup of every feature in one table call, their rows
+    concatenated: the features' ids stacked [batch, F, L] for an inference
+    lookup, [F, batch, L] for a training one (`train`), each feature from
+    a table of its own, each table updated in the backward."""
     specs = list(layer.features.values())
     tables = [layer.tables[s.table] for s in specs]
     key_dtype = tables[0].key_dtype
     feature_ids, feature_weights = _feature_ids(layer, inputs)
     kept = [_kept(jnp.asarray(i).astype(key_dtype), w, s)
             for i, w, s in zip(feature_ids, feature_weights, specs)]
-    ids, weights = _padded(kept, lambda parts: jnp.stack(parts, axis=1))
-    rows = ffi.group_pooled_lookup([t.handle for t in tables], ids,
-                                   [t.embedding_dim for t in tables],
-                                   [s.combiner for s in specs], weights)
-    return _split_output(layer, rows, tables)
-
-
-def _training_lookup(layer, inputs, training):
-    """The training lookup of every feature in one table call, each from a
-    table of its own: the features' ids stacked [F, batch, L], their rows
-    concatenated; each table updated in the backward."""
-    specs = list(layer.features.values())
-    tables = [layer.tables[s.table] for s in specs]
-    key_dtype = tables[0].key_dtype
-    feature_ids, feature_weights = _feature_ids(layer, inputs)
-    kept = [_kept(jnp.asarray(i).astype(key_dtype), w, s)
-            for i, w, s in zip(feature_ids, feature_weights, specs)]
-    ids, weights = _padded(kept, jnp.stack)
-    rows = group_training_lookup(tables, ids, weights, [s.combiner for s in specs], training)
+    combiners = [s.combiner for s in specs]
+    if not train:
+        ids, weights = _padded(kept, lambda parts: jnp.stack(parts, axis=1))
+        rows = ffi.group_pooled_lookup([t.handle for t in tables], ids,
+                                       [t.embedding_dim for t in tables], combiners, weights)
+    else:
+        ids, weights = _padded(kept, jnp.stack)
+        rows = group_training_lookup(tables, ids, weights, combiners, training)
     return _split_output(layer, rows, tables)
 
 
@@ -247,9 +238,9 @@ def lookup(layer, inputs, training):
     `output_mode="concat"`, else a list of per-feature outputs in the
     order of `features`."""
     if _one_call(layer, training):
-        return _inference_lookup(layer, inputs)
+        return _one_call_lookup(layer, inputs)
     if _one_training_call(layer, training):
-        return _training_lookup(layer, inputs, training)
+        return _one_call_lookup(layer, inputs, training, train=True)
     feature_ids, feature_weights = _feature_ids(layer, inputs)
     specs = list(layer.features.values())
     outs = [None] * len(specs)
