@@ -8,15 +8,13 @@ to each (adding its slots to the table); the layer's training lookup then
 applies the rows' gradient in its backward with this optimizer's rule
 (`TableRule`; keras_rec_emb/backend/jax/layers.py says why there).
 
-The step is the compiled optimizer's `iterations` in the training step
-(its `scale_loss` hands it to the tables' rules): learning-rate schedules,
-Adam's bias correction and the rows' versions follow it, as they follow
-the optimizer's step under TensorFlow, and a step that `LossScaleOptimizer`
-skips advances none of them. Outside Keras's trainer (no `scale_loss`) it
-is the layer's `iterations`, a non-trainable variable counting training
-calls. Under `LossScaleOptimizer` the table divides its rows' gradient by
-the step's loss scale, which `scale_loss` hands over too
-(`LossScaleTables`), and skips its update when the result is not finite.
+The step is the compiled optimizer's `iterations` (its `scale_loss` hands
+it to the tables' rules): learning-rate schedules, Adam's bias correction
+and the rows' versions follow it, as under TensorFlow, and a step that
+`LossScaleOptimizer` skips advances none of them. Outside Keras's trainer
+it is the layer's `iterations`, counting training calls. Under
+`LossScaleOptimizer` the table divides its rows' gradient by the loss scale
+`scale_loss` hands over (`LossScaleTables`), and skips a non-finite update.
 """
 
 import weakref

@@ -1,12 +1,10 @@
 """`export_for_serving` under Keras's JAX backend.
 
-The stock-TensorFlow SavedModel is TensorFlow's own format, written by
-tracing the model with TensorFlow. A process runs one Keras backend, so
-the model goes across in the one format both backends read: it is saved
-to a `.keras` file, and a child process under the TensorFlow backend loads
-it (`compile=False`: serving needs no optimizer) and runs the TensorFlow
-backend's `export_for_serving`. TensorFlow is needed for that step only,
-in the child; this process never imports it.
+The stock-TensorFlow SavedModel is written by tracing the model with
+TensorFlow, and a process runs one Keras backend: the model is saved to a
+`.keras` file, which a child process under the TensorFlow backend loads
+(`compile=False`) and exports with that backend's `export_for_serving`.
+This process never imports TensorFlow.
 
 The child must know the model's classes and its inputs:
 - Classes of the user's own (a custom layer, a subclassed model, any

@@ -2,26 +2,24 @@
 
 The optimizers (written once, in keras_rec_emb/optimizers/) subclass Keras's
 own through the running backend's `TableOptimizer` (`class Adam(
-TableOptimizer, keras.optimizers.Adam)`), so dense variables and `keras.layers.Embedding` take
-exactly Keras's path. This mixin intercepts the seams where a table differs:
+TableOptimizer, keras.optimizers.Adam)`), so dense variables and
+`keras.layers.Embedding` take exactly Keras's path. This mixin intercepts
+the seams where a table differs:
 
-* `add_variable_from_reference`: a table's slot is a parallel arena inside
-  the table (`EmbeddingTable.add_slot`), not a Keras variable; a `TableSlot`
-  placeholder stands in Keras's slot lists.
-* `_backend_update_step`: table gradients (`tf.IndexedSlices` over keys) go to
-  one fused C++ kernel per table, or one for all tables whose keys are
-  distinct (a group lookup's), which updates them concurrently; the rest
-  to Keras.
-* `_apply_weight_decay`: decoupled weight decay of a table is applied by the
+* `add_variable_from_reference`: a table's slot lives inside the table
+  (`EmbeddingTable.add_slot`); a `TableSlot` stands in Keras's slot lists.
+* `_backend_update_step`: table gradients (`tf.IndexedSlices` over keys) go
+  to one fused C++ kernel per table, or one for all tables whose keys are
+  distinct (a group lookup's); the rest to Keras.
+* `_apply_weight_decay`: a table's decoupled weight decay is applied by the
   kernel to the rows updated in the step.
-* `apply` / `_clip_gradients`: when clipping is configured, a table's
-  gradient has its duplicate keys summed first, so that clipping sees the
-  row's true gradient; `global_clipnorm` counts a table's rows without
-  densifying them (Keras's version densifies `IndexedSlices`, impossible for
-  a hash table). Keras variables keep Keras's exact semantics.
+* `apply` / `_clip_gradients`: with clipping, a table's duplicate keys are
+  summed first, so that clipping sees the row's true gradient;
+  `global_clipnorm` counts a table's rows without densifying them (Keras
+  densifies `IndexedSlices`, impossible for a hash table).
 * `_kre_rows` / `_kre_gather` / `_kre_at_rows`: the rows of a dense
-  variable's `tf.IndexedSlices` gradient (`keras.layers.Embedding`), on
-  which the DeepRec optimizers' shared math runs.
+  variable's `tf.IndexedSlices` gradient, on which the DeepRec optimizers'
+  shared math runs.
 
 `LossScaleTables` is the table part of `keras_rec_emb.optimizers.
 LossScaleOptimizer` here.
@@ -272,14 +270,11 @@ class TableOptimizer:
             super()._backend_update_step(dense_grads, dense_vars, learning_rate)
 
     def _all_reduce_sum_gradients(self, grads_and_vars):
-        # Outside a tf.distribute strategy the sum over the one replica is
-        # the identity. Keras still calls the default replica context's
-        # all_reduce, which for a list of dense gradients (ours, once the
-        # tables' are taken out) wraps them in a tf.custom_gradient whose
-        # graph-mode gradient is registered in TensorFlow's global registry
-        # for good: every traced train step, with the table handles it
-        # captures, then stays alive (~2 MB and 9 handles per
-        # build/fit/save/load cycle).
+        # Outside a tf.distribute strategy the one-replica sum is the
+        # identity, but Keras's call wraps dense gradients in a
+        # tf.custom_gradient registered in TensorFlow's global registry for
+        # good: every traced train step, with the table handles it captures,
+        # would stay alive (~2 MB and 9 handles per build/fit/save/load cycle).
         if not tf.distribute.has_strategy():
             return list(grads_and_vars)
         return super()._all_reduce_sum_gradients(grads_and_vars)
