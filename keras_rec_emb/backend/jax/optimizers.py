@@ -133,14 +133,11 @@ class TableRule:
         self.own_step_rate = None if own_rate is None else own_rate.value
 
     def learning_rate(self, step):
-        """The rate at `step`: a schedule's value there; else the value of
-        the optimizer's `learning_rate` variable in this training step,
-        which its `scale_loss` saw with the step's optimizer variables in
-        scope (so a rate a callback assigns between steps reaches the
-        tables as it reaches the dense weights); for a layer's own
-        optimizer, its variable's value in the step's state, which
-        `new_step` saw. Outside Keras's trainer, the variable's value when
-        the step is traced."""
+        """The rate at `step`: a schedule's value there; else the optimizer's
+        `learning_rate` in this step's state, which `scale_loss` (or, for a
+        layer's own optimizer, `new_step`) saw, so a rate a callback assigns
+        reaches the tables as it reaches the dense weights. Outside Keras's
+        trainer, the variable's value when the step is traced."""
         if self.schedule is not None:
             return jnp.asarray(self.schedule(step), jnp.float32)
         rate = getattr(self.optimizer, "_kre_step_learning_rate", None)
