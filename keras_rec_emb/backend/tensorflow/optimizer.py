@@ -164,13 +164,8 @@ def _is_table_grad(grad):
 
 
 class TableOptimizer:
-    """Mixin placed before a Keras optimizer class; see the module docstring.
-
-    Subclasses implement `_table_update(learning_rate, step)` returning
-    `(rule, hyper)` for the fused kernel: a rule of `rules.RULES` and a dict
-    of its hyper-parameters by name (`learning_rate` and `decay` are filled
-    in by this class; the rule declares the order and the slots).
-    """
+    """Mixin placed before a Keras optimizer class; see the module docstring
+    (and `optimizers.keras_optimizers.TableOptimizer` for `_table_update`)."""
 
     check_learning_rate = staticmethod(_checks.check_learning_rate)
 
@@ -230,12 +225,8 @@ class TableOptimizer:
 
     def add_scalar_slots(self, variables, name, init, per_row=False):
         """One float of state per variable (per row of its first axis with
-        `per_row`), or per row for a table.
-
-        Returns a list aligned with `variables`: a Keras variable for a
-        dense variable, a `TableSlot` (a width-1 slot inside the table) for
-        a table.
-        """
+        `per_row`), or per row for a table: a list aligned with `variables`,
+        of Keras variables and, for tables, width-1 `TableSlot`s."""
         slots = []
         for variable in variables:
             if is_table(variable):

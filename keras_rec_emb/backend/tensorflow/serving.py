@@ -98,13 +98,10 @@ class _StockTables(tf.Module):
         return stock
 
     def release(self):
-        """Frees the indexes made in this process, once written out.
-
-        Made eagerly, a stock `MutableHashTable` lives in TensorFlow's
-        resource manager under a name of its own until deleted by name (it
-        has no deleter): each export kept its whole index (tens of bytes per
-        key) until the process ended. The SavedModel re-creates its tables
-        when loaded, so the exporter's are no longer needed."""
+        """Frees the indexes made in this process, once written out: an eager
+        stock `MutableHashTable` has no deleter and lives in TensorFlow's
+        resource manager until deleted by name, and the SavedModel re-creates
+        its tables when loaded."""
         for stock in self.tables:
             tf.raw_ops.DestroyResourceOp(resource=stock.index.resource_handle,
                                          ignore_lookup_error=True)

@@ -2,10 +2,9 @@
 
 * `EmbeddingTable` (`EmbeddingVariable.table`) is a `TrackableResource`:
   checkpoints save its parts, SavedModels re-create it.
-* `TableVariable` (`table.variable`) is its face as a trainable variable: a
-  tape watches its `handle` and gets an `IndexedSlices` over keys. It is
-  deliberately not trackable: TensorFlow saves objects that act as resource
-  variables as variables, which a table is not.
+* `TableVariable` (`table.variable`) is its face as a trainable variable,
+  whose gradient is an `IndexedSlices` over keys. It is not trackable:
+  TensorFlow would save it as a variable, which a table is not.
 """
 
 import itertools
@@ -28,15 +27,13 @@ _ids = itertools.count()
 
 
 # -- The table's parts --------------------------------------------------------
-# What a checkpoint, `export()` and `import_()` hold, declared once, named
-# and ordered as the kernels' I/O (the outputs of KRE>TableExport, the
-# inputs of KRE>TableImport; they are passed by name, and
-# tests/test_variables.py checks the op definitions against this list).
-# `rows`: "N" one entry per admitted key, "F" one per key counted but not
-# admitted, None a length of its own. `dtype` "key" is the table's key dtype.
-# `slot` parts are packed slot columns (`export()` returns them unpacked as
-# `slots`); `filtered` parts are those of an admission
-# filter (`save_filtered=False` and `keras-rec-emb strip-filtered` drop them).
+# What a checkpoint, `export()` and `import_()` hold, named and ordered as
+# KRE>TableExport's outputs and KRE>TableImport's inputs (tests/test_variables.py
+# checks the op definitions against this list). `rows`: "N" one entry per
+# admitted key, "F" one per key counted but not admitted, None a length of its
+# own. `slot` parts are packed slot columns (`export()` unpacks them as
+# `slots`); `filtered` parts are an admission filter's (`save_filtered=False`
+# and `keras-rec-emb strip-filtered` drop them).
 class Part(NamedTuple):
     name: str
     dtype: str
@@ -231,12 +228,10 @@ class EmbeddingTable(_tables.TableBase, tf.saved_model.experimental.TrackableRes
         storage_path = self._copy_dir or self._storage_dir or ""
         shared_name = self._shared_name
         if not tf.executing_eagerly():
-            # Traced into a SavedModel (`model.export`): its `_create_resource`
-            # function (what tf.saved_model.load runs) and its graph (what a
-            # TF1 Session runs, as C++ model servers do).
-            # The loaded copy keeps its rows in DRAM: a folder path fixed at
-            # export would be the trainer's, whose lock a server cannot take
-            # while the trainer lives, nor two versions loaded in one process.
+            # Traced into a SavedModel (`model.export`). The loaded copy keeps
+            # its rows in DRAM: a folder fixed at export would be the
+            # trainer's, whose lock a server cannot take while the trainer
+            # lives, nor two versions loaded in one process.
             storage_path = ""
             if not shared_name and not tf.inside_function():
                 # A Session runs the graph's create op at every `run`; a
