@@ -208,11 +208,9 @@ class TableOptimizer:
             table.attach_optimizer(self)
 
     def scale_loss(self, loss):
-        # Keras's JAX trainer calls this inside the training step, after the
-        # forward pass and before the gradient, with this step's optimizer
-        # variables in scope: the tables' update (in the backward) takes the
-        # learning rate (TableRule.learning_rate) and the step of every table
-        # it trains, their own optimizers' too (TableRule.step), from here.
+        # Called in the training step, before the gradient, with the step's
+        # optimizer variables in scope: the tables' update (in the backward)
+        # takes its learning rate and step from here (TableRule).
         rate = self.learning_rate
         if isinstance(rate, keras.Variable):
             self._kre_step_learning_rate = rate.value
@@ -253,10 +251,8 @@ class TableOptimizer:
 
     def load_own_variables(self, store):
         saving.load_optimizer(self, store)
-        # A table loaded from a file saved under TensorFlow has no step of
-        # its own there (TensorFlow's tables, their own optimizers' too,
-        # follow the model optimizer's step): it takes this step, loaded
-        # after the layers.
+        # A table from a file saved under TensorFlow has no step of its own
+        # there (TensorFlow's follow the model optimizer's): it takes this one.
         for ref in getattr(self, "_kre_tables", ()):
             table = ref()
             if table is not None and getattr(table, "_kre_step_unsaved", False):

@@ -46,20 +46,16 @@ class EmbeddingVariableBackend:
 
     @staticmethod
     def _draw(initializer, shape):
-        # Keras builds a layer lazily inside the traced first step of `fit`
-        # (and `model.build(shape)` / a Sequential without `keras.Input`
-        # build it symbolically): the matrix is drawn eagerly, once, outside
-        # any graph, as the table it initializes is created (`init_scope`).
+        # Keras may build a layer inside the traced first step of `fit` or
+        # symbolically: the matrix is drawn eagerly, once, outside any graph.
         with tf.init_scope():
             return keras.ops.convert_to_numpy(initializer(shape=shape, dtype="float32"))
 
     def _make_table(self, default_values):
         from keras_rec_emb.distribute import placement
 
-        # Under `keras_rec_emb.distribute.parameter_servers(...)` the table is
-        # sharded over the parameter-server tasks, in a MirroredStrategy's or
-        # MultiWorkerMirroredStrategy's scope over its replicas; otherwise
-        # one local table (`placement.make_table` decides).
+        # Sharded over the PS tasks under `parameter_servers(...)`, over the
+        # replicas in a (MultiWorker)MirroredStrategy's scope; else local.
         self.table = placement.make_table(
             self.embedding_dim, self.key_dtype, default_values, trainable=self.trainable,
             name=f"{self.name}/embeddings", restore_dim_mismatch=self.restore_dim_mismatch,

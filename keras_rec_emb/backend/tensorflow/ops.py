@@ -200,10 +200,10 @@ def size(handle, key_dtype):
 
 
 # -- Statistics: int64 vectors of named parts ---------------------------------
-# Each op returns a vector whose parts these tuples name, in order; the op
-# takes the tuple as its `parts` attr and its kernel checks it against the
-# library's own list (csrc/ops/stat_parts.h), so that no number is read by a
-# position the library does not agree on. Read them through `named_parts`.
+# Each op returns a vector whose parts these tuples name, in order; its kernel
+# checks the tuple (its `parts` attr) against csrc/ops/stat_parts.h, so that
+# no number is read by a position the library does not agree on (read them
+# through `named_parts`).
 TABLE_STATS = ("size", "filtered", "memory_bytes", "latest_step")
 STORAGE_STATS = ("rows", "cached_rows", "cache_memory_bytes", "disk_bytes", "cache_hits",
                  "cache_misses", "file_reads", "file_writes")

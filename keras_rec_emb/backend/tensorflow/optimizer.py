@@ -214,10 +214,8 @@ class TableOptimizer:
             with tf.init_scope():
                 reference_variable.table.add_slot(name, _initial_value(initializer))
             return TableSlot(reference_variable.table, name)
-        # Eagerly, as a table's slot: Keras then places the slot beside its
-        # variable (`colocate_vars_with` is a device scope when eager; inside
-        # the traced step it only colocates the graph's ops, and the slot
-        # lands on the default device: a dense variable on a parameter
+        # Eagerly, so that Keras places the slot beside its variable (traced,
+        # `colocate_vars_with` only colocates ops: a variable on a parameter
         # server would get its slots on the worker).
         with tf.init_scope():
             return super().add_variable_from_reference(

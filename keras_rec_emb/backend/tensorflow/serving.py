@@ -34,10 +34,8 @@ class _StockTable(tf.Module):
         if len(keys):
             self.index.insert(keys, np.arange(len(keys), dtype=np.int64))
         values = np.asarray(data["values"], np.float32).reshape(len(keys), self._dim)
-        # The served table is frozen: with no rows (untrained, nothing
-        # admitted by a filter yet, or all evicted) every key reads its
-        # "other" row, and the served graph must not gather from an empty
-        # matrix (stock TF refuses index 0 of [0, dim]).
+        # A frozen table with no rows: every key reads its "other" row, and
+        # the graph must not gather from an empty matrix (stock TF refuses).
         self._empty = len(keys) == 0
         # Made while the export's function traces: a plain tf.Variable
         # there would make tf.function trace the whole model once more.

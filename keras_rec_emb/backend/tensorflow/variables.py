@@ -234,10 +234,9 @@ class EmbeddingTable(_tables.TableBase, tf.saved_model.experimental.TrackableRes
             # lives, nor two versions loaded in one process.
             storage_path = ""
             if not shared_name and not tf.inside_function():
-                # A Session runs the graph's create op at every `run`; a
-                # private table (owned by its handle) would be a new, empty
-                # one each time, after the restore filled another. A name
-                # makes it one table per Session (each has its own devices).
+                # A Session runs the create op at every `run`: a private
+                # table would be a new, empty one each time, after the
+                # restore filled another. A name makes it one per Session.
                 shared_name = f"kre_saved_model/{uuid.uuid4().hex}"
         self._refuse_strategy("Creating an embedding table")
         return _ops.create_table(
@@ -250,19 +249,16 @@ class EmbeddingTable(_tables.TableBase, tf.saved_model.experimental.TrackableRes
         )
 
     def _destroy_resource(self):
-        # The Python table is going: its file tier's folder lock goes with it
-        # (the C++ resource may outlive it, held by TensorFlow's function
-        # caches), so that a reloaded model can take the folder. Eager only:
-        # this is also traced into SavedModels, which must not need the op.
+        # The folder lock goes with the Python table (the C++ resource may
+        # outlive it in TensorFlow's function caches), so that a reloaded
+        # model can take the folder. Eager only: SavedModels must not need the op.
         if self._storage_dir is not None and tf.executing_eagerly():
             _ops.release_storage(self._resource_handle, self._key_dtype)
 
     def _serialize_to_tensors(self):
-        # DeepRec evicts when a checkpoint is saved; every part is always
-        # present (possibly empty) so that checkpoints of tables with and
-        # without filters restore into each other. An eager save (e.g.
-        # tf.train.Checkpoint.write) reports what it evicted; a traced one
-        # runs the op.
+        # DeepRec evicts when a checkpoint is saved (an eager save reports
+        # what it evicted). Every part is present, possibly empty, so that
+        # checkpoints of tables with and without filters restore into each other.
         eager = tf.executing_eagerly()
         if eager:
             self.evict_for_save()
@@ -537,11 +533,9 @@ class TableVariable(_compat.ActsAsResourceVariable):
         return tf.TensorShape([None, self._table.dim])
 
     def _stock_optimizer_key(self):
-        # What stock Keras/TF optimizers key a variable by, asked when they
-        # are built on a model's variables: the first point where they meet
-        # a table. Ours key tables by `_kre_id`; a stock wrapper around one
-        # of ours (Keras adds LossScaleOptimizer by itself under
-        # mixed_float16) is built after the optimizer it wraps.
+        # Asked when a stock optimizer is built on a model's variables, the
+        # first point where it meets a table (ours key tables by `_kre_id`);
+        # a stock wrapper around ours is built after the optimizer it wraps.
         ours = self._table._table_optimizer
         if ours is not None:
             raise TypeError(_STOCK_WRAPPER_ERROR.format(name=self.name, ours=ours))
