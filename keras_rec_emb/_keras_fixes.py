@@ -309,13 +309,11 @@ def fix_symbolic_build_peek():
                        Trainer, "_symbolic_build", wrap)
 
 
-# Keras 3.15.1's JAX `predict` builds a model that is not built yet (a
-# subclassed model, a `Sequential` without `keras.Input`) by calling it on
-# one batch read from a pass of the data, and predicts on a new pass: for a
-# stream, one batch short. The correction builds it, as Keras does, on the
-# batch of the dataset's `_kre_peek()`, which the prediction then starts
-# with. Installed by `fix_predict_build_peek()` when `backend/jax/data.py`
-# is imported.
+# Keras 3.15.1's JAX `predict` builds an unbuilt model on one batch of a pass
+# of the data and predicts on a new pass: for a stream, one batch short. The
+# correction builds it on the batch of the dataset's `_kre_peek()`, which the
+# prediction then starts with. Installed by `fix_predict_build_peek()` when
+# `backend/jax/data.py` is imported.
 KERAS_PREDICT_BUILD_FIX_VERSIONS = ("3.15.1",)
 KERAS_PREDICT_BUILD_ORIGINALS = {}
 

@@ -28,7 +28,6 @@ from keras_rec_emb.distribute import ps_variables, shards
 _GOLDEN = 0x9E3779B97F4A7C15
 
 
-
 def shard_of(keys, num_shards):
     """The shard of each key among `num_shards`: a TF int32 tensor.
 

@@ -20,7 +20,6 @@ from keras_rec_emb.backend.tensorflow.op_args import named_inputs, named_outputs
 from keras_rec_emb.backend.tensorflow.variables import EmbeddingTable, TableVariable
 
 
-
 # -- parameters --------------------------------------------------------------
 class _Param:
     """A normalized parameter: an embedding table or a dense [vocab, dim] one."""

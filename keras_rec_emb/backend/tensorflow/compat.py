@@ -505,18 +505,14 @@ class DistributedStepCalls:
         return concrete, flat
 
 
-# Keras 3.15.1's TensorFlow layer gives a subclassed model (no symbolic
-# inputs) a default SavedModel signature (`TFLayer._default_save_signature`)
-# of float32 specs of the recorded input shapes, whatever the inputs' real
-# dtypes. Tracing it, as `model.export` and `tf.saved_model.save` do while
-# they walk the model for its lookup tables, feeds float ids to our id
-# layers, which refuse them: the walk then skips the whole model and the
-# export fails ("references an 'untracked' resource"). The correction gives
-# such a model no default signature when it holds our id layers (those with
-# `ids_input_dtype`); `model.export` adds its own endpoint from the
-# `input_signature` given to it. Every other layer keeps Keras's. Installed
-# by `fix_subclassed_save_signature()` when `keras_rec_emb.layers` is
-# imported.
+# Keras 3.15.1 gives a subclassed model a default SavedModel signature
+# (`TFLayer._default_save_signature`) of float32 specs, whatever the inputs'
+# dtypes. Tracing it, as `model.export` and `tf.saved_model.save` do, feeds
+# float ids to our id layers, which refuse them, and the export fails
+# ("references an 'untracked' resource"). The correction gives such a model
+# no default signature when it holds our id layers (`ids_input_dtype`);
+# `model.export` adds its own endpoint from its `input_signature`. Installed
+# by `fix_subclassed_save_signature()` when `keras_rec_emb.layers` is imported.
 KERAS_SAVE_SIGNATURE_FIX_VERSIONS = ("3.15.1",)
 KERAS_SAVE_SIGNATURE_ORIGINALS = {}
 

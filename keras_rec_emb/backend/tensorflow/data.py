@@ -1,9 +1,8 @@
 """The TensorFlow side of `keras_rec_emb.data`: tf.data pipelines over the
 backend-neutral readers (pyarrow for Parquet, confluent-kafka for Kafka).
 
-`python_dataset` turns a Python iterator of NumPy batches into a
-`tf.data.Dataset` with one `tf.numpy_function` call per element (TensorFlow's
-`from_generator` adds per-component Python checks, costly on wide
+`python_dataset` makes a `tf.data.Dataset` of a Python iterator of NumPy
+batches (not `from_generator`: its per-component checks are costly on wide
 batches). `WrappedDataset` lets a public class be a real `tf.data.Dataset`
 whose pipeline is built in its constructor, as `tf.data.TFRecordDataset` is.
 """

@@ -1,11 +1,9 @@
 """`EmbeddingVariable`'s TensorFlow half: its table, placement and lookups.
 
-`keras_rec_emb.layers.EmbeddingVariable` is written once; under Keras's
-TensorFlow backend it takes `EmbeddingVariableBackend` below as its base:
-the table (`variables.EmbeddingTable`, or a distributed one: placed by
-`keras_rec_emb.distribute.placement`) made at `build`, tracked as the
-layer's `TableVariable`s, and the call's lookup (fused with the model's
-other table lookups where that is the same program: `model_fusion.py`).
+`keras_rec_emb.layers.EmbeddingVariable` takes `EmbeddingVariableBackend`
+below as its base under TensorFlow: the table made at `build` (placed by
+`distribute.placement`), tracked as the layer's `TableVariable`s, and the
+call's lookup (fused with the model's other lookups: `model_fusion.py`).
 """
 
 import keras

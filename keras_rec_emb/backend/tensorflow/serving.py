@@ -16,7 +16,6 @@ from keras_rec_emb.backend.tensorflow import compat as _compat
 from keras_rec_emb.backend.tensorflow import serving_context as _serving_context
 
 
-
 class _StockTable(tf.Module):
     """One table as stock TensorFlow state, with `KRE>TableLookup`'s inference
     semantics (docs/semantics.md, 'Serving')."""

@@ -444,7 +444,6 @@ class EmbeddingTable(_tables.TableBase, tf.saved_model.experimental.TrackableRes
         return self._import_parts(complete_parts(given, self._dim, self._key_dtype),
                                   clear=False)
 
-
     # -- Change tracking (incremental checkpoints, serving deltas) -----------
     def mark_changes(self):
         """Closes the current change epoch and returns it, for `export_changes`."""
