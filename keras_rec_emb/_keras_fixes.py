@@ -139,10 +139,9 @@ def record_model_input_dtypes():
 
 
 def input_specs(model):
-    """The endpoint signature of a built model, as `model.export` computes
-    it (`keras.InputSpec`s, a list), with a subclassed model's inputs of the
-    dtypes its first call had (see above) rather than its float
-    `input_dtype`. Keras exports the helper only under `keras.src`."""
+    """The endpoint signature of a built model (`keras.InputSpec`s), as
+    `model.export` computes it but with a subclassed model's inputs of the
+    dtypes its first call had (see above). The helper is only in `keras.src`."""
     from keras.src.export.export_utils import get_input_signature
 
     specs = get_input_signature(model)
@@ -210,9 +209,8 @@ class LazyKafka:
 @functools.cache
 def _kafka_error_code(name):
     """The librdkafka error code whose `KafkaError(code).name()` is `name`:
-    its internal codes (negative numbers, -200..-100) are public only as
-    confluent-kafka's underscored class attributes, found here by name
-    through the public constructor instead."""
+    its internal codes (-200..-100) are public only as underscored class
+    attributes, so they are found through the public constructor."""
     kafka_error = kafka().KafkaError
     return next(code for code in range(-200, -99) if kafka_error(code).name() == name)
 
@@ -278,8 +276,7 @@ KERAS_SYMBOLIC_BUILD_ORIGINALS = {}
 class _PeekOnce:
     """Stands for the epoch iterator in `Trainer._symbolic_build`: its one
     step's data iterator is itself, whose `next()` is the dataset's
-    `_kre_peek()` (read only if Keras needs a batch; an empty dataset raises
-    StopIteration there, as Keras's own iterator would)."""
+    `_kre_peek()` (StopIteration for an empty dataset, as Keras's own)."""
 
     def __init__(self, peek):
         self._peek = peek

@@ -229,9 +229,8 @@ def _table_groups(h5):
 
 class _Window(io.RawIOBase):
     """Bytes [start, start + size) of an open file, as a seekable file: a
-    zip member stored without compression read in place (Python's own
-    member file seeks backwards by reading again from the member's start,
-    16 MiB at a time)."""
+    stored zip member read in place (Python's member file seeks backwards
+    by reading again from the member's start)."""
 
     def __init__(self, f, start, size):
         super().__init__()

@@ -199,10 +199,8 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
 
     @_serving_context.served
     def lookup(self, keys, insert=False):
-        """Rows of `keys` (any shape) as `keys.shape + (dim,)`, exchanged
-        with the other workers: this replica's distinct ids go to their
-        owners only, which answer with their rows (see the module
-        docstring)."""
+        """Rows of `keys` (any shape) as `keys.shape + (dim,)`: this replica's
+        distinct ids go to their owners, which answer with their rows."""
         return self.lookup_many([self], [keys], insert)[0]
 
     @property

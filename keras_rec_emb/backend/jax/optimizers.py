@@ -174,10 +174,9 @@ class TableRule:
         return jnp.stack([jnp.asarray(v, f32) for v in self.rule.ordered(values)])
 
     def when_finite(self, parts, apply):
-        """Runs `apply(parts)`, `parts` the step's (ids, rows' gradient, ...)
-        of the table's lookups, with each gradient divided by the loss scale
-        of the step under `LossScaleOptimizer`, and then only when they are
-        all finite (Keras's wrapper skips a step so); else `apply(parts)`."""
+        """Runs `apply(parts)` (the step's ids, rows' gradient, ...); under
+        `LossScaleOptimizer` with each gradient divided by the loss scale, and
+        only when all are finite (as Keras's wrapper skips a step)."""
         scale = getattr(self, "loss_scale", None)
         if scale is None:
             apply(parts)
@@ -262,9 +261,7 @@ class TableOptimizer:
 
 class LossScaleTables:
     """The table part of `LossScaleOptimizer`: its `scale_loss` hands the
-    step's loss scale to the rules of the tables it builds for (their own
-    optimizers' too), which unscale their rows' gradient with it
-    (`TableRule.when_finite`)."""
+    step's loss scale to its tables' rules (`TableRule.when_finite`)."""
 
     @staticmethod
     def _check_inner(inner_optimizer):

@@ -289,9 +289,8 @@ def sparse_apply(handle, keys, grads, rule, hyper, step, slots, distinct=False):
 
 def group_sparse_apply(handles, keys, grads, rule, hypers, step, slots):
     """`sparse_apply(..., distinct=True)` of several tables with one key
-    dtype, rule, hyper-parameter names and slots in one op, which updates
-    the tables concurrently over the intra-op pool; `hypers`: each table's
-    hyper-parameters (dicts with the same names, in the rule's order)."""
+    dtype, rule and slots in one op, which updates them concurrently;
+    `hypers`: each table's hyper-parameters (same names, the rule's order)."""
     refuse_xla("An embedding table update")
     names = list(hypers[0])
     values = [tf.stack([tf.cast(h[n], tf.float32) for n in names]) for h in hypers]

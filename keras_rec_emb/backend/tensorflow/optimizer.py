@@ -53,10 +53,9 @@ class _TableUpdate:
 
     def group(self):
         """The key of the one op that may update this table with others
-        (`_ops.group_sparse_apply`), or None: a table with distinct keys,
-        as the group lookup's backward gives them, outside a tf.distribute
-        strategy (a distributed shard gathers or hands off its update, or
-        lives on a parameter server); tables on one device only."""
+        (`_ops.group_sparse_apply`), or None: tables with distinct keys, on
+        one device, outside a tf.distribute strategy (a distributed shard
+        gathers or hands off its update, or lives on a parameter server)."""
         if not (self.distinct and not tf.distribute.has_strategy()
                 and type(self.table).sparse_apply is _variables.EmbeddingTable.sparse_apply):
             return None
@@ -66,9 +65,8 @@ class _TableUpdate:
 
 def _apply_table_updates(updates):
     """Applies the `_TableUpdate`s: those of one group (`_TableUpdate.group`)
-    in one op that updates their tables concurrently over the intra-op
-    pool, the others one op per table. Each table's update is the same
-    either way."""
+    in one op that updates their tables concurrently, the others one op per
+    table (each table's update is the same either way)."""
     groups = {}
     for u in updates:
         key = u.group()
@@ -135,11 +133,9 @@ _DISTINCT_OUTPUTS = {
 
 
 def has_distinct_keys(grad):
-    """Whether a table gradient's keys are known to hold no key twice: in a
-    traced graph, its indices are a training group lookup's distinct ids (its
-    registered gradient) or a `tf.unique`'s output, as produced, so the fused
-    apply may skip its dedupe. False when unknown (eager tensors, any other
-    op): the general apply dedupes."""
+    """Whether a table gradient's keys are known to hold no key twice (traced,
+    its indices a training group lookup's distinct ids or a `tf.unique`'s
+    output), so the fused apply may skip its dedupe. False when unknown."""
     indices = grad.indices
     op = getattr(indices, "op", None) if not tf.executing_eagerly() else None
     known = _DISTINCT_OUTPUTS.get(getattr(op, "type", None))

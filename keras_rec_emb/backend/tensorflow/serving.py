@@ -106,10 +106,9 @@ class _StockTables(tf.Module):
 
 def _shape_checked(args, max_input_size=None):
     """The endpoint's input tensors, each checked against its traced shape
-    when the graph runs (stock `EnsureShape`): a signature's callers (TF
-    Serving, a TF1 Session, `loaded.signatures[...]`) skip tf.function's
-    input check, and ids of another width or rank would be read as ids.
-    With `max_input_size`, a tensor of more elements fails the request
+    when the graph runs (stock `EnsureShape`): a signature's callers skip
+    tf.function's input check, and ids of another width or rank would be
+    read as ids. With `max_input_size`, a larger tensor fails the request
     (InvalidArgument) before any op reads it."""
     def check(x):
         if not isinstance(x, tf.Tensor):
