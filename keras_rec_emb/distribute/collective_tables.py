@@ -2,10 +2,9 @@
 
 An `EmbeddingVariable` built in the strategy's scope gets a
 `CollectiveShardedTable`: shard `i` lives in worker `i` only. A lookup sends
-each distinct id to its owner with one all-gather and two
-`CollectiveAllToAllV2`; the gradient is the all-to-all back. Table-wide
-operations are collective: every worker calls them, in the same order. See
-docs/distributed.md, 'Semantics'.
+each distinct id to its owner (one all-gather, two all-to-alls; the
+gradient is the all-to-all back). Table-wide operations are collective:
+every worker calls them, in the same order. See docs/distributed.md, 'Semantics'.
 """
 
 import tensorflow as tf

@@ -2,12 +2,10 @@
 NumPy batches (no TensorFlow), and Keras data adapters, so that `fit`,
 `evaluate` and `predict` take them as they take a `tf.data.Dataset`.
 
-Ragged values (variable-length list columns, `decode_json` list fields) have
-no NumPy form: they come as dense arrays padded to the longest row of the
-batch, rounded up to a power of two (so that a compiled train step sees few
-shapes), with -1 for signed integers (the padding id of the layers'
-`prune_invalid_ids=True`), 0 for unsigned integers and floats, `False` and
-`b""`; each ragged level is padded the same way.
+Ragged values have no NumPy form: they come as dense arrays padded to the
+batch's longest row rounded up to a power of two (so that a compiled step
+sees few shapes), with -1 for signed integers (the layers' padding id), 0
+for unsigned integers and floats, `False` and `b""`, at every ragged level.
 """
 
 import numpy as np

@@ -33,8 +33,7 @@ class EmbeddingVariableBackend:
 
     # -- init and build -------------------------------------------------------
     def _init_backend(self):
-        # Our C++ ops have no XLA kernels: Keras's jit_compile="auto" then
-        # chooses False, and True falls back to False with a warning.
+        # No XLA kernels: Keras's jit_compile="auto" picks False (True warns).
         self.supports_jit = False
 
     def _resolve_optimizer(self, optimizer):
