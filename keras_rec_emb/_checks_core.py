@@ -149,6 +149,16 @@ def check_int(name, value, minimum=None, maximum=None, allow_none=False):
     return int(value)
 
 
+def positive_int(name, value, allow_none=False):
+    """`value` as an int (or None, with `allow_none`); a ValueError for any
+    value but a positive integer (bools included)."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        _fail(name, "None or a positive integer" if allow_none else "a positive integer", value)
+    return int(value)
+
+
 def _int_range(minimum, maximum):
     if minimum is not None and maximum is not None:
         return f"an integer in [{minimum}, {maximum}]"
