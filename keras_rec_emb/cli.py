@@ -1,7 +1,6 @@
 """The `keras-rec-emb` command's `demo`, `bench`, `inspect`, `strip-filtered`
-and `ps`. Arguments are parsed by `keras_rec_emb_cli` (its usage, `--help`
-and `--version` without importing TensorFlow); the commands run here.
-"""
+and `ps`, run here; `keras_rec_emb_cli` parses the arguments (and `--help`,
+`--version` without importing TensorFlow)."""
 
 import contextlib
 import io

@@ -69,9 +69,8 @@ class TableChanges:
 
 def tables(model):
     """(name, TableChanges) of every table of `model`, in variable order,
-    named as the TensorFlow table is (`<layer name>/embeddings`, whatever
-    layers hold it: Keras numbers the paths of unnamed holders per
-    process, so a model built again would not match)."""
+    named `<layer name>/embeddings` as under TensorFlow (Keras numbers the
+    paths of unnamed holders per process: a model built again would differ)."""
     out, seen = [], set()
     for variable in model.variables:
         for layer in tables_of([variable]):

@@ -20,9 +20,8 @@ from keras_rec_emb.backend.jax.layers import combine_last_axis
 
 def check_in_range(ids, n, what):
     """`ids` unchanged, after checking each is in [0, n): a ValueError now
-    when they are concrete; when traced, a host check at run time, whose
-    ValueError comes out of the jitted step as a `JaxRuntimeError` (as the
-    TensorFlow layer's check is an `InvalidArgumentError` in graphs)."""
+    when they are concrete; when traced, a host check whose ValueError
+    comes out of the jitted step as a `JaxRuntimeError`."""
     message = f"{what} has hash_input=False and takes ids in [0, {n})"
 
     def check(values):

@@ -187,8 +187,7 @@ class TableRule:
 
 
 class TableOptimizer:
-    """Mixin placed before a Keras optimizer class: `build` attaches the
-    optimizer to the tables whose anchors it builds for (see the top); the
+    """Mixin placed before a Keras optimizer class (see the top): the
     anchors' slots are left out of its saved variables, and a dense step
     skips the anchors (their tables were updated in the backward)."""
 

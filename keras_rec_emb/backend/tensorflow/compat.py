@@ -123,9 +123,8 @@ Trackable = tf.__internal__.tracking.Trackable
 
 def resolve_training(training):
     """`training`, with None read as "while a gradient tape records": Keras
-    passes None to the layers of a subclassed model without `training`, in
-    `fit` too, and a table would then count nothing while it trains.
-    TensorFlow has no public query of the tape stack."""
+    passes None to a subclassed model's layers, in `fit` too, and a table
+    would count nothing while it trains. No public query of the tape stack."""
     if training is not None:
         return training
     from tensorflow.python.eager import record
