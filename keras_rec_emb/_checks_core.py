@@ -1,8 +1,6 @@
-"""Argument checks that need no TensorFlow (private).
-
-Shared by the TensorFlow layers, options and optimizers (through
-`keras_rec_emb.backend.tensorflow.checks`, which adds the TensorFlow input checks) and by
-the JAX backend, which must import without TensorFlow.
+"""Argument checks that need no TensorFlow (private): shared by the layers,
+options and optimizers of both backends (`backend/tensorflow/checks.py` adds
+the checks of TensorFlow inputs).
 """
 
 import inspect

@@ -328,10 +328,9 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
         return _all_gather(self._strategy, tensor)
 
     def _gather_rows(self, x, counts):
-        """Row part `x` of every worker; `counts` [workers] their row
-        counts. Each worker sends one extra zero row (TensorFlow 2.21's CPU
-        all-gather crashes on tensors with no elements), dropped here; a
-        part with no columns (SGD's slots) is not sent at all."""
+        """Row part `x` of every worker (`counts`: their row counts), each with
+        one extra zero row dropped here (TensorFlow 2.21's CPU all-gather
+        crashes on empty tensors); a part with no columns is not sent."""
         inner = x.shape[1:]
         total = tf.reduce_sum(counts)
         if inner.num_elements() == 0:

@@ -50,10 +50,9 @@ _TF_DATA_METHODS = frozenset((
 
 
 class Dataset(_keras_fixes.data_adapter_base()):
-    """Batches as NumPy arrays: each iteration is a new pass
-    (`make_iterator()`), of `num_batches` batches when known (None: until the
-    pass ends). `fit`, `evaluate` and `predict` iterate it as a
-    `tf.data.Dataset` (one pass per epoch, in order, `shuffle` not applied)."""
+    """Batches as NumPy arrays: each iteration is a new pass (`make_iterator()`)
+    of `num_batches` batches (None: until the pass ends), which `fit`, `evaluate`
+    and `predict` iterate as a `tf.data.Dataset` (a pass per epoch, in order)."""
 
     # A pass whose first batch Keras read to build the model (`_kre_peek`),
     # that batch first again: the next iteration.

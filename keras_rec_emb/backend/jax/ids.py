@@ -74,10 +74,9 @@ def _traced_check(ids, key_dtype, what, lower):
 
 
 def numpy_ids(ids, what, key_dtype, lower=True):
-    """NumPy 64-bit integer `ids` checked to fit `key_dtype` (as
-    `integer_ids` checks them) and cast to it in JAX's 32-bit mode, where
-    Keras would narrow them to a JAX array before the layer's `call` sees
-    them (so the layers call it in `__call__`); anything else as it is."""
+    """NumPy 64-bit integer `ids` checked to fit `key_dtype` and cast to it in
+    JAX's 32-bit mode, where Keras would narrow them before the layer's
+    `call` (so the layers call it in `__call__`); anything else as it is."""
     if (not jax.config.jax_enable_x64 and isinstance(ids, np.ndarray)
             and is_integer_dtype(ids.dtype) and ids.dtype.itemsize == 8
             and ids_may_not_fit(ids.dtype, key_dtype)):

@@ -200,10 +200,10 @@ def _exported_batches(table_batches):
 
 
 def parquet_dataset(source, columns, options, table_batches, num_batches):
-    """The tf.data pipeline of a `ParquetDataset`: each batch reaches TensorFlow
-    through the Arrow C data interface as two addresses, which
-    `KRE>ArrowBatchToTensors` turns into column tensors (sharing aligned Arrow
-    buffers). `source`: a dataset of 1-D path tensors or the list of paths."""
+    """The tf.data pipeline of a `ParquetDataset`: each batch comes as two Arrow
+    C data interface addresses, which `KRE>ArrowBatchToTensors` turns into
+    column tensors (sharing aligned Arrow buffers). `source`: a dataset of
+    1-D path tensors or a list of paths."""
     if not isinstance(source, tf.data.Dataset):
         source = tf.data.Dataset.from_tensors(tf.constant(source))
     batch_dim = options.batch_size if options.drop_remainder else None

@@ -132,10 +132,9 @@ def unstack_kept_ids(ids):
 def create_table(default_values, key_dtype, dim, num_shards, track_meta=True,
                  filter_freq=0, bloom=None, no_permission_value=0.0, freq_cap=0,
                  storage_path="", cache_bytes=64 << 20, shared_name=""):
-    """A new table; `bloom` is (counters, hashes, counter_bytes) or None,
-    `freq_cap` > 0 caps each key's frequency, a `storage_path` makes it
-    file-tier, a `shared_name` finds or creates the table of that name on this
-    device. Callers refuse distribution themselves."""
+    """A new table; `bloom`: (counters, hashes, counter_bytes) or None;
+    `freq_cap` > 0 caps each key's frequency; `storage_path`: file tier;
+    `shared_name`: the device's table of that name. Callers refuse distribution."""
     counters, hashes, counter_bytes = bloom or (0, 0, 8)
     return gen().kre_table_create(
         default_values, key_dtype=key_dtype, dim=dim, num_shards=num_shards,

@@ -1,7 +1,7 @@
 """`export_for_serving` under TensorFlow: traced inside
-`_serving_context.stock_tables`, where the exporting thread's table lookups
-read stock twins (a `MutableHashTable` from key to row and a dense matrix) and
-fused group lookups run `embedding_ops.stock_group_lookup` on them."""
+`_serving_context.stock_tables`, where table lookups (fused ones through
+`embedding_ops.stock_group_lookup`) read stock twins (a `MutableHashTable`
+from key to row and a dense matrix)."""
 
 import os
 import shutil
