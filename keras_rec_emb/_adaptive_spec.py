@@ -9,7 +9,8 @@ import numpy as np
 
 from keras_rec_emb import options as options_lib
 from keras_rec_emb._checks_core import check_combiner
-from keras_rec_emb._multi_hash_spec import MultiHashSpec, output_shape, positive_int
+from keras_rec_emb._checks_core import positive_int
+from keras_rec_emb._multi_hash_spec import MultiHashSpec, output_shape
 from keras_rec_emb.options import deserialize_ev_option, ev_option_or_default
 
 

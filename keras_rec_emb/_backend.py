@@ -1,12 +1,10 @@
 """Which Keras backend this process runs: the one place the package asks.
 
-Keras picks its backend once, when it is first imported: `KERAS_BACKEND`
-if set, else the `"backend"` of `keras.json` in `KERAS_HOME` (default
-`~/.keras`, or `/tmp/.keras` when the home folder is not writable), else
-TensorFlow. Once Keras is imported, `keras.config.backend()` is the answer.
-Before that the same rule is applied here without importing Keras, because
-importing Keras imports the backend, and the JAX side must turn JAX's 64-bit
-mode on before any array is made.
+Keras picks its backend when first imported: `KERAS_BACKEND`, else the
+`"backend"` of `keras.json` in `KERAS_HOME` (`~/.keras`, or `/tmp/.keras`
+when the home folder is not writable), else TensorFlow. Before Keras is
+imported the same rule is applied here, because importing Keras imports the
+backend, and JAX's 64-bit mode must be on before any array is made.
 """
 
 import json

@@ -1,8 +1,6 @@
-"""Argument checks that need no TensorFlow (private).
-
-Shared by the TensorFlow layers, options and optimizers (through
-`keras_rec_emb.backend.tensorflow.checks`, which adds the TensorFlow input checks) and by
-the JAX backend, which must import without TensorFlow.
+"""Argument checks that need no TensorFlow (private): shared by the layers,
+options and optimizers of both backends (`backend/tensorflow/checks.py` adds
+the checks of TensorFlow inputs).
 """
 
 import inspect
@@ -146,6 +144,16 @@ def check_int(name, value, minimum=None, maximum=None, allow_none=False):
         _fail(name, allowed, value, TypeError)
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
         _fail(name, allowed, value)
+    return int(value)
+
+
+def positive_int(name, value, allow_none=False):
+    """`value` as an int (or None, with `allow_none`); a ValueError for any
+    value but a positive integer (bools included)."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        _fail(name, "None or a positive integer" if allow_none else "a positive integer", value)
     return int(value)
 
 

@@ -1,8 +1,6 @@
-"""TensorBoard scalars without TensorFlow: an event file (`events.out.
-tfevents.*`) of TFRecord-framed `tensorboard.Event` protos, encoded by hand
-(the few fields a scalar needs), so that `callbacks.TableStats` writes the
-same files under either Keras backend and needs neither TensorFlow nor the
-`tensorboard` package.
+"""TensorBoard scalars without TensorFlow: an event file of TFRecord-framed
+`tensorboard.Event` protos encoded by hand, so that `callbacks.TableStats`
+writes the same files under either backend without TensorFlow or `tensorboard`.
 
 A record is `uint64 length, uint32 masked_crc32c(length), data,
 uint32 masked_crc32c(data)`, little-endian (TensorFlow's

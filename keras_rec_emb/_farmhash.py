@@ -4,8 +4,7 @@ many strings: the hash of TensorFlow's `tf.strings.to_hash_bucket_fast`
 TensorFlow. All arithmetic is on uint64 arrays, modulo 2**64 as in C.
 
 Strings are hashed in groups of one code path (0-3, 4-7, 8-16, 17-32, 33-64
-bytes, and longer, whose 64-byte blocks loop over the longest string's
-block count), reading the bytes from one buffer at each string's offset."""
+bytes, and longer), reading the bytes from one buffer at each string's offset."""
 
 import numpy as np
 

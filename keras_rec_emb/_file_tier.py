@@ -130,10 +130,9 @@ def remove_stale_copies(root, base):
 
 
 def copy_folder(owner, table_name, folder):
-    """A folder of its own for table `table_name`, whose `folder` another
-    live table holds: made next to it (or under `$KRE_STORAGE_COPY_PATH`),
-    removed when `owner` is freed. Warns; an OSError names the fixes when
-    none can be made."""
+    """A folder of its own for table `table_name`, whose `folder` another live
+    table holds: made next to it (or under `$KRE_STORAGE_COPY_PATH`), removed
+    when `owner` is freed. Warns; an OSError names the fixes if none can be made."""
     root = os.environ.get(COPY_PATH_ENV) or os.path.dirname(folder)
     base = os.path.basename(folder)
     remove_stale_copies(root, base)

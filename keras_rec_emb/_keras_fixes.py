@@ -15,14 +15,12 @@ def in_symbolic_build():
     """Whether Keras is running a layer only to infer shapes and build its
     state (`backend.compute_output_spec`, under Keras's `SymbolicScope`).
 
-    Keras then feeds float32 placeholders of the recorded shapes whatever
-    the real inputs' dtype: `Model.build_from_config` (every `.keras` load of
-    a subclassed model) and `model.build(shape)` make
-    `backend.KerasTensor(shape)` with the default float dtype. An id layer
-    that refused them would leave the model unbuilt, and Keras would then
-    skip loading its dense weights and optimizer state (with only a
-    warning). Nothing computed there is executed, so the id layers accept
-    any dtype in this scope. No public query exists.
+    Keras then feeds float32 placeholders whatever the real inputs' dtype
+    (`Model.build_from_config`, every `.keras` load of a subclassed model, and
+    `model.build(shape)`). An id layer that refused them would leave the model
+    unbuilt, and Keras would skip loading its weights and optimizer state with
+    only a warning; nothing there is executed, so the id layers accept any
+    dtype in this scope. No public query exists.
     """
     from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 
@@ -58,15 +56,13 @@ def install_fix(versions, originals, owner, name, wrap, marker="_kre_fix"):
 
 
 # Keras 3.15.1's `Sequential.build(input_shape)` (a Sequential without
-# `keras.Input`, built from its first batch inside `fit`, by `predict`, or by
-# `model.build(shape)`) prepends an `InputLayer` whose dtype is the first
-# layer's `compute_dtype`, float32: the functional model it builds then
-# casts every batch to float32 before the first layer, so int64 ids above
-# 2**24 would lose their low bits (our layers refuse float ids, so `fit`
-# failed instead). The correction gives that `InputLayer` the dtype of ids,
-# the first layer's `ids_input_dtype`, when it has one (our id layers);
-# every other Sequential builds as Keras builds it. Installed by
-# `fix_sequential_ids_input()` when `keras_rec_emb.layers` is imported.
+# `keras.Input`) prepends an `InputLayer` of the first layer's
+# `compute_dtype`, float32, which casts every batch: int64 ids above 2**24
+# would lose their low bits (our layers refuse float ids, so `fit` failed).
+# The correction gives that `InputLayer` the first layer's `ids_input_dtype`
+# when it has one (our id layers); every other Sequential builds as Keras
+# builds it. Installed by `fix_sequential_ids_input()` when
+# `keras_rec_emb.layers` is imported.
 KERAS_SEQUENTIAL_FIX_VERSIONS = ("3.15.1",)
 KERAS_SEQUENTIAL_ORIGINALS = {}
 
@@ -95,13 +91,11 @@ def fix_sequential_ids_input():
 
 
 # A subclassed model's export signature. Keras 3.15.1 records only the
-# shapes of a subclassed model's first call (`_build_shapes_dict`), and
-# `keras.src.export.export_utils.get_input_signature` gives every input the
-# model's float `input_dtype`: ids would be exported as float32, which our
-# id layers refuse (and which would lose ids above 2**24). The correction
-# records the dtypes of the tensors of a subclassed model's first call
-# (`Layer._maybe_build`, where Keras records the shapes), and
-# `input_specs(model)` uses them. Installed by `record_model_input_dtypes()`
+# shapes of its first call (`_build_shapes_dict`), and `get_input_signature`
+# gives every input the model's float `input_dtype`: ids would be exported as
+# float32, which our id layers refuse. The correction records the dtypes of
+# the first call's tensors (`Layer._maybe_build`, where Keras records the
+# shapes) for `input_specs(model)`. Installed by `record_model_input_dtypes()`
 # when `keras_rec_emb.layers` is imported.
 KERAS_INPUT_DTYPES_FIX_VERSIONS = ("3.15.1",)
 KERAS_INPUT_DTYPES_ORIGINALS = {}
@@ -145,10 +139,9 @@ def record_model_input_dtypes():
 
 
 def input_specs(model):
-    """The endpoint signature of a built model, as `model.export` computes
-    it (`keras.InputSpec`s, a list), with a subclassed model's inputs of the
-    dtypes its first call had (see above) rather than its float
-    `input_dtype`. Keras exports the helper only under `keras.src`."""
+    """The endpoint signature of a built model (`keras.InputSpec`s), as
+    `model.export` computes it but with a subclassed model's inputs of the
+    dtypes its first call had (see above). The helper is only in `keras.src`."""
     from keras.src.export.export_utils import get_input_signature
 
     specs = get_input_signature(model)
@@ -169,13 +162,11 @@ def input_specs(model):
 
 
 def data_adapter_base():
-    """Keras's `DataAdapter` base class: an instance of it given to `fit`,
-    `evaluate` or `predict` is used as the input pipeline as it is. The JAX
-    backend's datasets are adapters, so that Keras iterates them the way it
-    iterates a `tf.data.Dataset` (a new pass per epoch, `shuffle` not
-    applied, an unknown length ending the epoch when the pass ends), which a
-    `keras.utils.PyDataset` (indexed, shuffled by index) cannot be. Used by
-    `backend/jax/data.py`."""
+    """Keras's `DataAdapter` base class, which `fit`, `evaluate` and
+    `predict` use as the input pipeline as it is. The JAX backend's datasets
+    are adapters so that Keras iterates them as a `tf.data.Dataset` (a new
+    pass per epoch, no `shuffle`, the pass's end ending the epoch), which a
+    `keras.utils.PyDataset` (indexed) cannot be. Used by `backend/jax/data.py`."""
     from keras.src.trainers.data_adapters import data_adapter
 
     return data_adapter.DataAdapter
@@ -218,9 +209,8 @@ class LazyKafka:
 @functools.cache
 def _kafka_error_code(name):
     """The librdkafka error code whose `KafkaError(code).name()` is `name`:
-    its internal codes (negative numbers, -200..-100) are public only as
-    confluent-kafka's underscored class attributes, found here by name
-    through the public constructor instead."""
+    its internal codes (-200..-100) are public only as underscored class
+    attributes, so they are found through the public constructor."""
     kafka_error = kafka().KafkaError
     return next(code for code in range(-200, -99) if kafka_error(code).name() == name)
 
@@ -237,16 +227,13 @@ def __getattr__(name):
 
 
 # Keras 3.15.1's `Trainer.compile` wraps the optimizer in its own
-# `keras.optimizers.LossScaleOptimizer` under the "mixed_float16" policy
-# (`auto_scale_loss=True`). That wrapper cannot update a table: it keys
-# variables by identity and densifies gradients to check them (a table's
-# gradient has no dense shape). The correction hands an optimizer that Keras
-# has just wrapped so to `rewrap` (set by `keras_rec_emb.optimizers`: our
-# `LossScaleOptimizer` around an optimizer of ours, `None` for any other),
-# so `compile(optimizer=kre.optimizers.Adagrad(...))` just works as it does
-# for Keras's optimizers; a wrapper the user passed is kept as given.
-# Installed by `fix_compile_loss_scale(rewrap)` when
-# `keras_rec_emb.optimizers` is imported.
+# `LossScaleOptimizer` under the "mixed_float16" policy, which cannot update
+# a table: it keys variables by identity and densifies gradients to check
+# them. The correction hands an optimizer Keras has just wrapped to `rewrap`
+# (from `keras_rec_emb.optimizers`: our `LossScaleOptimizer` around an
+# optimizer of ours, `None` for any other), so `compile` works as it does for
+# Keras's optimizers; a wrapper the user passed is kept. Installed by
+# `fix_compile_loss_scale(rewrap)` when `keras_rec_emb.optimizers` is imported.
 KERAS_COMPILE_FIX_VERSIONS = ("3.15.1",)
 KERAS_COMPILE_ORIGINALS = {}
 
@@ -275,15 +262,12 @@ def fix_compile_loss_scale(rewrap):
 
 
 # Keras 3.15.1's JAX trainer builds an unbuilt model, loss or metrics (the
-# first `fit` or `evaluate` after `compile`) from one batch that
-# `Trainer._symbolic_build` reads from the epoch iterator, which it then
-# resets: the epoch reads a new pass of the data. A stream's new pass (a
-# Kafka dataset's) starts after what the first one consumed, so no step
-# trained on that batch. The correction takes that batch from the dataset's
-# `_kre_peek()` instead (`backend/jax/data.py`), which keeps the pass it came from,
-# that batch first again, as the dataset's next iteration: the epoch's. Any
-# other input builds as Keras builds it (the TensorFlow trainer reads a
-# `tf.data.Dataset`'s element spec and no batch). Installed by
+# first `fit` or `evaluate`) from one batch that `Trainer._symbolic_build`
+# reads from the epoch iterator, which it then resets. A stream's new pass (a
+# Kafka dataset's) starts after what the first consumed, so no step trained
+# on that batch. The correction takes it from the dataset's `_kre_peek()`
+# (`backend/jax/data.py`), which keeps its pass, that batch first, as the
+# epoch's. Any other input builds as Keras builds it. Installed by
 # `fix_symbolic_build_peek()` when `backend/jax/data.py` is imported.
 KERAS_SYMBOLIC_BUILD_FIX_VERSIONS = ("3.15.1",)
 KERAS_SYMBOLIC_BUILD_ORIGINALS = {}
@@ -292,8 +276,7 @@ KERAS_SYMBOLIC_BUILD_ORIGINALS = {}
 class _PeekOnce:
     """Stands for the epoch iterator in `Trainer._symbolic_build`: its one
     step's data iterator is itself, whose `next()` is the dataset's
-    `_kre_peek()` (read only if Keras needs a batch; an empty dataset raises
-    StopIteration there, as Keras's own iterator would)."""
+    `_kre_peek()` (StopIteration for an empty dataset, as Keras's own)."""
 
     def __init__(self, peek):
         self._peek = peek
@@ -323,13 +306,11 @@ def fix_symbolic_build_peek():
                        Trainer, "_symbolic_build", wrap)
 
 
-# Keras 3.15.1's JAX `predict` builds a model that is not built yet (a
-# subclassed model, a `Sequential` without `keras.Input`) by calling it on
-# one batch read from a pass of the data, and predicts on a new pass: for a
-# stream, one batch short. The correction builds it, as Keras does, on the
-# batch of the dataset's `_kre_peek()`, which the prediction then starts
-# with. Installed by `fix_predict_build_peek()` when `backend/jax/data.py`
-# is imported.
+# Keras 3.15.1's JAX `predict` builds an unbuilt model on one batch of a pass
+# of the data and predicts on a new pass: for a stream, one batch short. The
+# correction builds it on the batch of the dataset's `_kre_peek()`, which the
+# prediction then starts with. Installed by `fix_predict_build_peek()` when
+# `backend/jax/data.py` is imported.
 KERAS_PREDICT_BUILD_FIX_VERSIONS = ("3.15.1",)
 KERAS_PREDICT_BUILD_ORIGINALS = {}
 

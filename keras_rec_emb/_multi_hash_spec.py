@@ -10,7 +10,7 @@ import math
 import keras
 import numpy as np
 
-from keras_rec_emb._checks_core import check_bool, check_combiner
+from keras_rec_emb._checks_core import check_bool, check_combiner, positive_int
 
 STRATEGIES = ("Q-R", "generalized_QR", "CRT")
 OPERATIONS = ("add", "mult", "concat")
@@ -20,12 +20,6 @@ OPERATIONS = ("add", "mult", "concat")
 GOLDEN = 0x9E3779B97F4A7C15
 MIX1 = 0xBF58476D1CE4E5B9
 MIX2 = 0x94D049BB133111EB
-
-
-def positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
-    return int(value)
 
 
 def refuse_given(name, value, why):

@@ -1,12 +1,10 @@
 """The update rules of the fused sparse-apply kernel, declared by name.
 
 One entry per rule of `KRE>TableSparseApply` (csrc/kernels/apply_kernels.cc):
-the names of its hyper-parameters, in the layout of the kernel's `hyper`
-vector, and of the table slots it reads, in order. An optimizer's
-`_table_update` gives its hyper-parameters by name; `TableOptimizer` orders
-them by this table, and the kernel receives the names with the values and
-checks them against its own at construction, so a reordered or renamed list
-fails with InvalidArgument instead of training wrong.
+its hyper-parameters in the layout of the kernel's `hyper` vector, and the
+table slots it reads, in order. The kernel checks the names it receives
+against its own, so a reordered or renamed list fails with InvalidArgument
+instead of training wrong.
 """
 
 from typing import NamedTuple

@@ -1,7 +1,6 @@
 """The `keras-rec-emb` command's `demo`, `bench`, `inspect`, `strip-filtered`
-and `ps`. Arguments are parsed by `keras_rec_emb_cli` (its usage, `--help`
-and `--version` without importing TensorFlow); the commands run here.
-"""
+and `ps`, run here; `keras_rec_emb_cli` parses the arguments (and `--help`,
+`--version` without importing TensorFlow)."""
 
 import contextlib
 import io
@@ -229,9 +228,8 @@ def _table_groups(h5):
 
 class _Window(io.RawIOBase):
     """Bytes [start, start + size) of an open file, as a seekable file: a
-    zip member stored without compression read in place (Python's own
-    member file seeks backwards by reading again from the member's start,
-    16 MiB at a time)."""
+    stored zip member read in place (Python's member file seeks backwards
+    by reading again from the member's start)."""
 
     def __init__(self, f, start, size):
         super().__init__()

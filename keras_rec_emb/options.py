@@ -330,7 +330,6 @@ _STORAGE_TYPES = ("DRAM", "FILE")
 _DEFAULT_CACHE_BYTES = 64 << 20
 
 
-
 def _machine_memory():  # bytes, or None when unknown
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

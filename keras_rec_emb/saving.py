@@ -127,10 +127,9 @@ def write_atomically(filepath, write, prefix):
 
 
 # -- eviction at save ------------------------------------------------------------
-# DeepRec evicts when a model or checkpoint is saved: a table with an
-# eviction option whose `at_save` is on loses the rows the rule names, in
-# memory and in the file. `save_model(..., evict=False)` turns it off for one
-# save (every table), the option's `at_save=False` for one table always.
+# DeepRec evicts when a model or checkpoint is saved (in memory and in the
+# file); `save_model(..., evict=False)` turns it off for one save, an
+# option's `at_save=False` for one table always.
 
 _LOGGER = logging.getLogger("keras_rec_emb")
 _EVICT_AT_SAVE = contextvars.ContextVar("keras_rec_emb_evict_at_save", default=True)

@@ -81,10 +81,8 @@ def resize_rows(keys, values, slots, dim, default_values, slot_inits):
 
 
 def freq_cap(record_freq, filter_freq):
-    """The count an admitted key's frequency stops at, 0 for none. DeepRec
-    (CounterFilterDescriptorImpl::GetFreq, EmbeddingVar's add_freq_fn_):
-    without TF_RECORD_FREQ an admitted key's count is the filter's
-    threshold."""
+    """The count an admitted key's frequency stops at, 0 for none: without
+    TF_RECORD_FREQ, DeepRec's is the filter's threshold (CounterFilterDescriptorImpl::GetFreq)."""
     return 0 if record_freq or filter_freq < 1 else int(filter_freq)
 
 

@@ -237,10 +237,8 @@ class _Pass:
                     else:
                         idle_since = self._check_broker(idle_since)
                     if not messages and not self._closing.is_set():
-                        # Hand control back to tf.data after every empty
-                        # poll (a placeholder it filters out), so that an
-                        # abandoned iterator (deleted while its prefetch
-                        # thread waits here) is released within one poll
+                        # A placeholder after every empty poll, so that an
+                        # abandoned iterator is released within one poll
                         # timeout, not when a message or an error arrives.
                         yield self._idle()
                 if not self._pending or self._closing.is_set():

@@ -1,7 +1,6 @@
 """Tables beyond one process: asynchronous parameter-server tables and
 synchronous tables sharded over MultiWorkerMirroredStrategy workers.
-TensorFlow backend only: they are built on `tf.distribute` and TensorFlow's
-gRPC runtime."""
+TensorFlow backend only (built on `tf.distribute` and its gRPC runtime)."""
 
 from keras_rec_emb import _backend
 

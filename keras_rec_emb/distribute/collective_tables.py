@@ -2,10 +2,9 @@
 
 An `EmbeddingVariable` built in the strategy's scope gets a
 `CollectiveShardedTable`: shard `i` lives in worker `i` only. A lookup sends
-each distinct id to its owner with one all-gather and two
-`CollectiveAllToAllV2`; the gradient is the all-to-all back. Table-wide
-operations are collective: every worker calls them, in the same order. See
-docs/distributed.md, 'Semantics'.
+each distinct id to its owner (one all-gather, two all-to-alls; the
+gradient is the all-to-all back). Table-wide operations are collective:
+every worker calls them, in the same order. See docs/distributed.md, 'Semantics'.
 """
 
 import tensorflow as tf
@@ -199,10 +198,8 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
 
     @_serving_context.served
     def lookup(self, keys, insert=False):
-        """Rows of `keys` (any shape) as `keys.shape + (dim,)`, exchanged
-        with the other workers: this replica's distinct ids go to their
-        owners only, which answer with their rows (see the module
-        docstring)."""
+        """Rows of `keys` (any shape) as `keys.shape + (dim,)`: this replica's
+        distinct ids go to their owners, which answer with their rows."""
         return self.lookup_many([self], [keys], insert)[0]
 
     @property
@@ -331,10 +328,9 @@ class CollectiveShardedTable(ps_tables.ShardedEmbeddingTable):
         return _all_gather(self._strategy, tensor)
 
     def _gather_rows(self, x, counts):
-        """Row part `x` of every worker; `counts` [workers] their row
-        counts. Each worker sends one extra zero row (TensorFlow 2.21's CPU
-        all-gather crashes on tensors with no elements), dropped here; a
-        part with no columns (SGD's slots) is not sent at all."""
+        """Row part `x` of every worker (`counts`: their row counts), each with
+        one extra zero row dropped here (TensorFlow 2.21's CPU all-gather
+        crashes on empty tensors); a part with no columns is not sent."""
         inner = x.shape[1:]
         total = tf.reduce_sum(counts)
         if inner.num_elements() == 0:

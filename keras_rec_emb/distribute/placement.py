@@ -9,10 +9,9 @@ from keras_rec_emb.distribute import collective_tables, ps_tables, ps_variables
 
 
 def table_kind():
-    """The kind of table a layer built now gets: `"collective"` inside a
-    MultiWorkerMirroredStrategy's scope, `"parameter_servers"` inside
-    `parameter_servers(...)`, `"replicas"` inside a MirroredStrategy's scope,
-    else `"local"`."""
+    """The kind of table a layer built now gets: `"collective"` (in a
+    MultiWorkerMirroredStrategy's scope), `"parameter_servers"`, `"replicas"`
+    (in a MirroredStrategy's scope), else `"local"`."""
     strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
     if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
         return "collective"

@@ -28,7 +28,6 @@ from keras_rec_emb.distribute import ps_variables, shards
 _GOLDEN = 0x9E3779B97F4A7C15
 
 
-
 def shard_of(keys, num_shards):
     """The shard of each key among `num_shards`: a TF int32 tensor.
 
@@ -602,17 +601,13 @@ def _hold_own_context(address, task_index):
     """Makes this process an eager client of its own server, before any
     worker connects, for the life of the process.
 
-    Why: TensorFlow 2.21's
- `EagerServiceImpl::CreateContext` replaces the
-    server's collective-executor manager (`env_->collective_executor_mgr`, a
-    unique_ptr) whenever it finds no context, checked under its lock but
-    replaced after releasing it. Two workers whose CreateContext reach an
-    idle server together both replace it; the first one's new context keeps
-    a pointer to the manager the second one freed, and the server crashes
-    (SIGSEGV) at its next use. With a context of its own held from the
-    start, a server never has zero contexts again, so no worker's
-    CreateContext replaces the manager and any number of workers may
-    connect at the same moment."""
+    Why: TensorFlow 2.21's `EagerServiceImpl::CreateContext` replaces the
+    server's collective-executor manager whenever it finds no context,
+    checked under its lock but replaced after releasing it. Two workers
+    reaching an idle server together both replace it, one context keeps a
+    pointer to the manager the other freed, and the server crashes (SIGSEGV).
+    Holding a context of its own, a server never has zero contexts again, so
+    any number of workers may connect at the same moment."""
     with socket.socket() as s:  # a free port for this client's own server
         s.bind(("127.0.0.1", 0))
         keeper = f"127.0.0.1:{s.getsockname()[1]}"

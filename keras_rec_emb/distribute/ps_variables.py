@@ -2,10 +2,10 @@
 
 In a worker connected with `connect(...)`, a variable created inside
 `parameter_servers(devices)` or on a PS device (an optimizer slot) is a
-resource variable on a PS task found by name, `kre_ps/<Keras path>`: every
-worker that builds the same layers reaches the same variables.
-Initialization and updates are TensorFlow 1's (its chief and
-`SessionManager`). See docs/distributed.md, 'Semantics'.
+resource variable on a PS task found by name, `kre_ps/<Keras path>`, so
+every worker that builds the same layers reaches the same variables,
+initialized and updated as in TensorFlow 1 (its chief and `SessionManager`).
+See docs/distributed.md, 'Semantics'.
 """
 
 import threading

@@ -76,10 +76,9 @@ class ReplicaShard(_variables.EmbeddingTable):
 
 
 class ExchangedShard(ReplicaShard):
-    """This worker's shard of a table sharded over MultiWorkerMirroredStrategy
-    workers (`CollectiveShardedTable`): the collectives of its lookup already
-    summed every replica's gradient for its keys, so this process applies
-    it as it comes."""
+    """This worker's shard of a `CollectiveShardedTable`: its lookup's
+    collectives already summed every replica's gradient for its keys, so
+    this process applies it as it comes."""
 
     def sparse_apply(self, keys, grads, rule, hyper, step, slots, distinct=False):
         return _variables.EmbeddingTable.sparse_apply(self, keys, grads, rule, hyper, step,

@@ -4,7 +4,7 @@ takes keras-rs's `DistributedEmbedding` dict, one `EmbeddingVariable` per table.
 import keras
 import numpy as np
 
-from keras_rec_emb._checks_core import check_combiner
+from keras_rec_emb._checks_core import check_combiner, positive_int
 from keras_rec_emb.options import EmbeddingVariableOption
 
 from keras_rec_emb.layers.embedding_variable import EmbeddingVariable
@@ -68,20 +68,9 @@ class TableConfig:
                  key_dtype: str = "int64",
                  ev_option: EmbeddingVariableOption | None = None):
         self.name = _check_name(name, "name")
-        if (isinstance(embedding_dim, bool) or not isinstance(embedding_dim, (int, np.integer))
-                or embedding_dim <= 0):
-            raise ValueError(
-                "`embedding_dim` must be a positive integer. Received: "
-                f"embedding_dim={embedding_dim!r}")
-        if vocabulary_size is not None and (
-                isinstance(vocabulary_size, bool)
-                or not isinstance(vocabulary_size, (int, np.integer)) or vocabulary_size <= 0):
-            raise ValueError(
-                "`vocabulary_size` must be None or a positive integer. Received: "
-                f"vocabulary_size={vocabulary_size!r}")
+        self.embedding_dim = positive_int("embedding_dim", embedding_dim)
+        self.vocabulary_size = positive_int("vocabulary_size", vocabulary_size, allow_none=True)
         check_combiner(combiner, allow_none=False)
-        self.embedding_dim = int(embedding_dim)
-        self.vocabulary_size = None if vocabulary_size is None else int(vocabulary_size)
         self.initializer = initializer
         self.optimizer = optimizer
         self.combiner = combiner

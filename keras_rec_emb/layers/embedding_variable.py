@@ -6,7 +6,8 @@ import numpy as np
 
 from keras_rec_emb import _backend
 from keras_rec_emb import tables as _tables
-from keras_rec_emb._checks_core import check_combiner, check_initializer_matrix, check_int
+from keras_rec_emb._checks_core import (check_combiner, check_initializer_matrix, check_int,
+                                        positive_int)
 from keras_rec_emb.optimizers.keras_optimizers import table_optimizer
 from keras_rec_emb.options import (EmbeddingVariableOption, InitializerOption,
                                    ev_option_from_config)
@@ -88,12 +89,7 @@ class EmbeddingVariable(_impl.EmbeddingVariableBackend, keras.layers.Layer):
                  **kwargs):
         super().__init__(trainable=trainable, name=name, **kwargs)
         self._init_backend()
-        if (isinstance(embedding_dim, bool) or not isinstance(embedding_dim, (int, np.integer))
-                or embedding_dim <= 0):
-            raise ValueError(
-                "`embedding_dim` must be a positive integer. Received: "
-                f"embedding_dim={embedding_dim!r}"
-            )
+        positive_int("embedding_dim", embedding_dim)
         if key_dtype is None:
             key_dtype = _impl.default_key_dtype()
         key_dtype = getattr(key_dtype, "name", key_dtype)  # a tf.DType or NumPy dtype

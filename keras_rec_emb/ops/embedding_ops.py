@@ -2,14 +2,14 @@
 Embedding); see docs/semantics.md, 'Lookups: fused, grouped, strings'."""
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from keras_rec_emb.backend.tensorflow import compat as _compat
 from keras_rec_emb.backend.tensorflow import ops as _ops
 from keras_rec_emb.backend.tensorflow import serving_context as _serving_context
 from keras_rec_emb.backend.tensorflow import model_fusion as _model_fusion
-from keras_rec_emb._checks_core import COMBINERS, check_bool, check_float, check_int
+from keras_rec_emb._checks_core import (COMBINERS, check_bool, check_float, check_int,
+                                        positive_int)
 from keras_rec_emb.backend.tensorflow.checks import (assert_ids_in_range, checked_sparse_ids,
                                                      integer_ids)
 from keras_rec_emb.backend.tensorflow.embed_reduce import combine_rows
@@ -18,7 +18,6 @@ from keras_rec_emb.backend.tensorflow.ids import (FlatIds, checked_id_shape, col
                                                   weights_values)
 from keras_rec_emb.backend.tensorflow.op_args import named_inputs, named_outputs
 from keras_rec_emb.backend.tensorflow.variables import EmbeddingTable, TableVariable
-
 
 
 # -- parameters --------------------------------------------------------------
@@ -547,14 +546,7 @@ def _group(params, ids_list, combiners, weights_list, sequences, max_norms,
             f"`params` and `{what_ids}` must have the same length. Received "
             f"len(params)={n} and len({what_ids})={len(ids_list)}"
         )
-    if params_num_per_group is not None and (
-            isinstance(params_num_per_group, bool)
-            or not isinstance(params_num_per_group, (int, np.integer))
-            or params_num_per_group < 1):
-        raise ValueError(
-            "`params_num_per_group` must be None or a positive integer. "
-            f"Received: params_num_per_group={params_num_per_group!r}"
-        )
+    positive_int("params_num_per_group", params_num_per_group, allow_none=True)
     ps = [_as_param(p, i) for i, p in enumerate(params)]
     flat, splits, weights, outers = [], [], [], []
     no_weights = None  # one empty weights tensor shared by unweighted features

@@ -6,7 +6,6 @@ first) and embedding tables (one fused kernel per table and step). The dense
 math is written once in `keras.ops` on the rows a gradient touches (the whole
 variable for a dense gradient); `TableOptimizer` of the running backend
 supplies those rows (`_kre_rows`, `_kre_gather`, `_kre_at_rows`).
-
 """
 
 import keras

@@ -2,10 +2,9 @@
 
 Each accepts exactly the arguments of its Keras namesake and updates dense
 variables exactly as Keras does. Embedding tables are updated by one fused
-kernel per table and step, with the same per-row formula, on the rows that
-have a gradient in the step ("lazy" sparse updates: rows absent from the
-batch, their slots included, are untouched — as in DeepRec, and the only
-choice for a table whose rows are not enumerable each step).
+kernel per table and step, with the same per-row formula, on the rows with
+a gradient in the step only ("lazy" updates, as in DeepRec: a table's rows
+are not enumerable each step).
 """
 
 import inspect

@@ -5,13 +5,10 @@ import os
 
 def use_64_bit_ids():
     """Turns on JAX's 64-bit mode (`jax_enable_x64`) unless the environment
-    variable JAX_ENABLE_X64 says otherwise. Ids are 64-bit, as under
-    TensorFlow (DeepRec's int64 keys, hashed ids up to 2**63): in JAX's
-    default 32-bit mode Keras and JAX convert int64 ids to int32 with a
-    warning at most, so distinct ids beyond the int32 range would silently
-    share rows. Keras's layers keep their float32 weights and compute
-    dtype (`keras.config.floatx()`) either way. With JAX_ENABLE_X64=0 the
-    tables' keys are int32 and a key_dtype="int64" is refused."""
+    variable JAX_ENABLE_X64 says otherwise: in JAX's default 32-bit mode
+    int64 ids become int32 with a warning at most, so distinct ids beyond
+    the int32 range would silently share rows. Float weights stay float32.
+    With JAX_ENABLE_X64=0 the keys are int32 and key_dtype="int64" is refused."""
     if "JAX_ENABLE_X64" in os.environ:
         return
     import jax

@@ -20,13 +20,10 @@ abstract_token = _core.abstract_token
 
 def register_ordered_effect(effect_type):
     """Declares `effect_type` as an ordered effect, as `io_callback(...,
-    ordered=True)` declares its own: JAX then threads a token through every
-    primitive carrying it, within a jitted computation and across
-    dispatches, so those primitives run exactly once each and in program
-    order. It is also allowed where the table calls sit: inside control flow
-    (`lax.scan`, `cond`), `custom_vjp` (the lookup's backward) and `remat`.
-    JAX has no public API to declare an effect's kind (`jax.extend.core`
-    exports `Effect` only)."""
+    ordered=True)` declares its own: JAX threads a token through every
+    primitive carrying it, so they run once each and in program order, also
+    inside control flow, `custom_vjp` (the lookup's backward) and `remat`.
+    JAX has no public API to declare an effect's kind."""
     _effects.ordered_effects.add_type(effect_type)
     _effects.lowerable_effects.add_type(effect_type)
     _effects.control_flow_allowed_effects.add_type(effect_type)
@@ -38,16 +35,12 @@ def pass_tokens_in_place():
     """Makes JAX hand an ordered effect's last token to the next dispatch as
     it is when it already lies on the one device that dispatch runs on.
 
-    Every call of a jitted function with an ordered effect takes JAX's
-    Python dispatch path, which `device_put`s the effect's last token onto
-    the computation's devices at every call (`RuntimeTokenSet.get_token_input`),
-    there already or not: on one device a put of a zero-size array to where
-    it is, which cost more than the rest of the path (docs/performance.md,
-    "Keras's JAX backend"). The token passed is the same buffer, so the
-    dependency that orders the dispatch after the last one is the one JAX
-    makes; the first token of an effect, and several devices, take JAX's own
-    code. JAX has no public API for how a dispatch gets its tokens.
-    Installed once; it changes no result, only the put it skips."""
+    JAX's dispatch `device_put`s the effect's last token onto the
+    computation's devices at every call (`RuntimeTokenSet.get_token_input`),
+    there already or not, which cost more than the rest of the path
+    (docs/performance.md, "Keras's JAX backend"). The token passed is the
+    same buffer, so the ordering is JAX's own; the first token, and several
+    devices, take JAX's code. No public API exists for this."""
     cls = getattr(_dispatch, "RuntimeTokenSet", None)
     original = getattr(cls, "get_token_input", None)
     if original is None or getattr(original, "_kre_in_place", False):

@@ -2,21 +2,17 @@
 `keras_rec_emb.layers.AdaptiveEmbedding` (written once) under Keras's JAX
 backend, `AdaptiveBackend` below.
 
-The TensorFlow backend's promotion (keras_rec_emb/backend/tensorflow/
-adaptive.py says how it works) with the same tables, sentinels and config
-(keras_rec_emb/_adaptive_spec.py). Under `jit` shapes are fixed, so
-`tf.unique`, `boolean_mask` and `dynamic_stitch` become a sized
-`jnp.unique`, masks and `where`; newly promoted rows are written by
-`ffi.merge_rows`. One `custom_vjp` holds the training step (count, copy,
-serve): its backward gives the static table the gradient of the ids it
-served and applies that of the others to `dynamic` with its optimizer's
-rule; with `training=None` it trains exactly when the loss is
-differentiated, as `EmbeddingVariable` does.
+The TensorFlow backend's promotion (backend/tensorflow/adaptive.py) with
+the same tables, sentinels and config (_adaptive_spec.py). Under `jit`
+shapes are fixed: a sized `jnp.unique`, masks and `where` replace
+`tf.unique`, `boolean_mask` and `dynamic_stitch`; promoted rows are written
+by `ffi.merge_rows`. One `custom_vjp` holds the training step: its backward
+gives the static table the gradient of the ids it served and applies the
+others' to `dynamic` with its optimizer's rule.
 
-Ids < 0 are the JAX tables' padding, so under JAX they are served by the
-static table only, never counted or promoted. Where a batch reads a static
-row twice, Adagrad's numbers differ from TensorFlow's as
-`MultiHashEmbedding`'s do (keras_rec_emb/backend/jax/multi_hash.py).
+Ids < 0 are the JAX tables' padding: served by the static table only, never
+counted or promoted. Where a batch reads a static row twice, Adagrad's
+numbers differ from TensorFlow's as `MultiHashEmbedding`'s do (multi_hash.py).
 """
 
 import jax

@@ -1,10 +1,7 @@
-"""The change tracking of the JAX tables, for incremental checkpoints
-(keras_rec_emb/incremental.py): the TensorFlow `EmbeddingTable`'s
-`mark_changes`, `export_changes`, `trim_erased`, `apply_changes`,
-`export`, `import_` and `counters` over a JAX `EmbeddingVariable`'s table,
-so that one checkpointer writes and reads one file format under both
-backends. A link saves each JAX table's step counter as `step` (the
-TensorFlow backend skips it); a link without it restores the optimizer's.
+"""The change tracking of the JAX tables, for incremental checkpoints: the
+TensorFlow `EmbeddingTable`'s methods that `incremental.py` uses, so that one
+file format serves both backends. A link saves each JAX table's step counter
+as `step` (TensorFlow skips it); a link without it restores the optimizer's.
 """
 
 import keras
@@ -72,9 +69,8 @@ class TableChanges:
 
 def tables(model):
     """(name, TableChanges) of every table of `model`, in variable order,
-    named as the TensorFlow table is (`<layer name>/embeddings`, whatever
-    layers hold it: Keras numbers the paths of unnamed holders per
-    process, so a model built again would not match)."""
+    named `<layer name>/embeddings` as under TensorFlow (Keras numbers the
+    paths of unnamed holders per process: a model built again would differ)."""
     out, seen = [], set()
     for variable in model.variables:
         for layer in tables_of([variable]):

@@ -2,12 +2,10 @@
 NumPy batches (no TensorFlow), and Keras data adapters, so that `fit`,
 `evaluate` and `predict` take them as they take a `tf.data.Dataset`.
 
-Ragged values (variable-length list columns, `decode_json` list fields) have
-no NumPy form: they come as dense arrays padded to the longest row of the
-batch, rounded up to a power of two (so that a compiled train step sees few
-shapes), with -1 for signed integers (the padding id of the layers'
-`prune_invalid_ids=True`), 0 for unsigned integers and floats, `False` and
-`b""`; each ragged level is padded the same way.
+Ragged values have no NumPy form: they come as dense arrays padded to the
+batch's longest row rounded up to a power of two (so that a compiled step
+sees few shapes), with -1 for signed integers (the layers' padding id), 0
+for unsigned integers and floats, `False` and `b""`, at every ragged level.
 """
 
 import numpy as np
@@ -52,10 +50,9 @@ _TF_DATA_METHODS = frozenset((
 
 
 class Dataset(_keras_fixes.data_adapter_base()):
-    """Batches as NumPy arrays: each iteration is a new pass
-    (`make_iterator()`), of `num_batches` batches when known (None: until the
-    pass ends). `fit`, `evaluate` and `predict` iterate it as a
-    `tf.data.Dataset` (one pass per epoch, in order, `shuffle` not applied)."""
+    """Batches as NumPy arrays: each iteration is a new pass (`make_iterator()`)
+    of `num_batches` batches (None: until the pass ends), which `fit`, `evaluate`
+    and `predict` iterate as a `tf.data.Dataset` (a pass per epoch, in order)."""
 
     # A pass whose first batch Keras read to build the model (`_kre_peek`),
     # that batch first again: the next iteration.

@@ -3,9 +3,8 @@
 (keras_rec_emb/_hashing.py, splitmix64) to the bit, so that an id lands in
 the same bucket under either backend.
 
-JAX holds 32-bit integers unless its 64-bit mode is on. There the 64-bit
-arithmetic runs on pairs of uint32 words (`_Word64`); with the mode on, on
-uint64 directly."""
+Without JAX's 64-bit mode the arithmetic runs on pairs of uint32 words
+(`_Word64`); with it, on uint64."""
 
 import jax.numpy as jnp
 from jax import lax

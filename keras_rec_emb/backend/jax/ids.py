@@ -2,13 +2,11 @@
 layers' ids (`keras_rec_emb.backend.tensorflow.checks.integer_ids`), with their messages
 (`keras_rec_emb._checks_core`).
 
-Non-integer ids (floats, NaN, bool) are refused by dtype, which is static
-under `jit` too. Ids that may not fit the keys (int64 ids for int32 keys,
-uint64 ids for int64 keys) are checked by value: a concrete array (NumPy,
-or a JAX array outside `jit`) raises the ValueError TensorFlow's eager
-check raises; a traced one gets a host check that the lookup's ids depend
-on, so the step fails (a `JaxRuntimeError` carrying the message) before
-any wrapped id is looked up, as TensorFlow's assertion op fails its graph.
+Non-integer ids are refused by dtype, static under `jit` too. Ids that may
+not fit the keys are checked by value: a concrete array raises TensorFlow's
+eager ValueError; a traced one gets a host check the lookup's ids depend
+on, so the step fails (a `JaxRuntimeError`) before any wrapped id is looked
+up, as TensorFlow's assertion op fails its graph.
 """
 
 import jax
@@ -76,10 +74,9 @@ def _traced_check(ids, key_dtype, what, lower):
 
 
 def numpy_ids(ids, what, key_dtype, lower=True):
-    """NumPy 64-bit integer `ids` checked to fit `key_dtype` (as
-    `integer_ids` checks them) and cast to it in JAX's 32-bit mode, where
-    Keras would narrow them to a JAX array before the layer's `call` sees
-    them (so the layers call it in `__call__`); anything else as it is."""
+    """NumPy 64-bit integer `ids` checked to fit `key_dtype` and cast to it in
+    JAX's 32-bit mode, where Keras would narrow them before the layer's
+    `call` (so the layers call it in `__call__`); anything else as it is."""
     if (not jax.config.jax_enable_x64 and isinstance(ids, np.ndarray)
             and is_integer_dtype(ids.dtype) and ids.dtype.itemsize == 8
             and ids_may_not_fit(ids.dtype, key_dtype)):

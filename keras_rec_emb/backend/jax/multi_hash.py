@@ -1,16 +1,12 @@
 """`MultiHashEmbedding`'s JAX half (`keras_rec_emb.layers.MultiHashEmbedding`'s
 base under Keras's JAX backend).
 
-Its tables are fixed-size Keras weights, as under TensorFlow: no hash
-table, no table engine. The compiled optimizer trains them like any dense
-weight. TensorFlow's gradient is `tf.IndexedSlices` (a row per id read),
-JAX's dense (zero outside the rows read, equal rows summed): the same
-numbers for SGD, and for Adagrad where a batch reads each row once; where
-it reads a row twice Keras's TensorFlow backend adds each occurrence's
-squared gradient to the accumulator and its JAX backend the square of their
-sum (`keras.layers.Embedding` differs so too). What the two backends share,
-argument checks, partitions, tables and config, lives in
-keras_rec_emb/_multi_hash_spec.py; the id hash in `hashing`.
+Its tables are fixed-size Keras weights, trained by the compiled optimizer
+like any dense weight. TensorFlow's gradient is `tf.IndexedSlices` (a row
+per id read), JAX's dense (equal rows summed): where a batch reads a row
+twice, Adagrad under TensorFlow adds each occurrence's squared gradient and
+under JAX the square of their sum (as `keras.layers.Embedding`). The shared
+checks, partitions, tables and config live in _multi_hash_spec.py.
 """
 
 import jax
@@ -24,9 +20,8 @@ from keras_rec_emb.backend.jax.layers import combine_last_axis
 
 def check_in_range(ids, n, what):
     """`ids` unchanged, after checking each is in [0, n): a ValueError now
-    when they are concrete; when traced, a host check at run time, whose
-    ValueError comes out of the jitted step as a `JaxRuntimeError` (as the
-    TensorFlow layer's check is an `InvalidArgumentError` in graphs)."""
+    when they are concrete; when traced, a host check whose ValueError
+    comes out of the jitted step as a `JaxRuntimeError`."""
     message = f"{what} has hash_input=False and takes ids in [0, {n})"
 
     def check(values):

@@ -8,15 +8,13 @@ to each (adding its slots to the table); the layer's training lookup then
 applies the rows' gradient in its backward with this optimizer's rule
 (`TableRule`; keras_rec_emb/backend/jax/layers.py says why there).
 
-The step is the compiled optimizer's `iterations` in the training step
-(its `scale_loss` hands it to the tables' rules): learning-rate schedules,
-Adam's bias correction and the rows' versions follow it, as they follow
-the optimizer's step under TensorFlow, and a step that `LossScaleOptimizer`
-skips advances none of them. Outside Keras's trainer (no `scale_loss`) it
-is the layer's `iterations`, a non-trainable variable counting training
-calls. Under `LossScaleOptimizer` the table divides its rows' gradient by
-the step's loss scale, which `scale_loss` hands over too
-(`LossScaleTables`), and skips its update when the result is not finite.
+The step is the compiled optimizer's `iterations` (its `scale_loss` hands
+it to the tables' rules): learning-rate schedules, Adam's bias correction
+and the rows' versions follow it, as under TensorFlow, and a step that
+`LossScaleOptimizer` skips advances none of them. Outside Keras's trainer
+it is the layer's `iterations`, counting training calls. Under
+`LossScaleOptimizer` the table divides its rows' gradient by the loss scale
+`scale_loss` hands over (`LossScaleTables`), and skips a non-finite update.
 """
 
 import weakref
@@ -135,14 +133,11 @@ class TableRule:
         self.own_step_rate = None if own_rate is None else own_rate.value
 
     def learning_rate(self, step):
-        """The rate at `step`: a schedule's value there; else the value of
-        the optimizer's `learning_rate` variable in this training step,
-        which its `scale_loss` saw with the step's optimizer variables in
-        scope (so a rate a callback assigns between steps reaches the
-        tables as it reaches the dense weights); for a layer's own
-        optimizer, its variable's value in the step's state, which
-        `new_step` saw. Outside Keras's trainer, the variable's value when
-        the step is traced."""
+        """The rate at `step`: a schedule's value there; else the optimizer's
+        `learning_rate` in this step's state, which `scale_loss` (or, for a
+        layer's own optimizer, `new_step`) saw, so a rate a callback assigns
+        reaches the tables as it reaches the dense weights. Outside Keras's
+        trainer, the variable's value when the step is traced."""
         if self.schedule is not None:
             return jnp.asarray(self.schedule(step), jnp.float32)
         rate = getattr(self.optimizer, "_kre_step_learning_rate", None)
@@ -179,10 +174,9 @@ class TableRule:
         return jnp.stack([jnp.asarray(v, f32) for v in self.rule.ordered(values)])
 
     def when_finite(self, parts, apply):
-        """Runs `apply(parts)`, `parts` the step's (ids, rows' gradient, ...)
-        of the table's lookups, with each gradient divided by the loss scale
-        of the step under `LossScaleOptimizer`, and then only when they are
-        all finite (Keras's wrapper skips a step so); else `apply(parts)`."""
+        """Runs `apply(parts)` (the step's ids, rows' gradient, ...); under
+        `LossScaleOptimizer` with each gradient divided by the loss scale, and
+        only when all are finite (as Keras's wrapper skips a step)."""
         scale = getattr(self, "loss_scale", None)
         if scale is None:
             apply(parts)
@@ -193,8 +187,7 @@ class TableRule:
 
 
 class TableOptimizer:
-    """Mixin placed before a Keras optimizer class: `build` attaches the
-    optimizer to the tables whose anchors it builds for (see the top); the
+    """Mixin placed before a Keras optimizer class (see the top): the
     anchors' slots are left out of its saved variables, and a dense step
     skips the anchors (their tables were updated in the backward)."""
 
@@ -213,11 +206,9 @@ class TableOptimizer:
             table.attach_optimizer(self)
 
     def scale_loss(self, loss):
-        # Keras's JAX trainer calls this inside the training step, after the
-        # forward pass and before the gradient, with this step's optimizer
-        # variables in scope: the tables' update (in the backward) takes the
-        # learning rate (TableRule.learning_rate) and the step of every table
-        # it trains, their own optimizers' too (TableRule.step), from here.
+        # Called in the training step, before the gradient, with the step's
+        # optimizer variables in scope: the tables' update (in the backward)
+        # takes its learning rate and step from here (TableRule).
         rate = self.learning_rate
         if isinstance(rate, keras.Variable):
             self._kre_step_learning_rate = rate.value
@@ -258,10 +249,8 @@ class TableOptimizer:
 
     def load_own_variables(self, store):
         saving.load_optimizer(self, store)
-        # A table loaded from a file saved under TensorFlow has no step of
-        # its own there (TensorFlow's tables, their own optimizers' too,
-        # follow the model optimizer's step): it takes this step, loaded
-        # after the layers.
+        # A table from a file saved under TensorFlow has no step of its own
+        # there (TensorFlow's follow the model optimizer's): it takes this one.
         for ref in getattr(self, "_kre_tables", ()):
             table = ref()
             if table is not None and getattr(table, "_kre_step_unsaved", False):
@@ -271,9 +260,7 @@ class TableOptimizer:
 
 class LossScaleTables:
     """The table part of `LossScaleOptimizer`: its `scale_loss` hands the
-    step's loss scale to the rules of the tables it builds for (their own
-    optimizers' too), which unscale their rows' gradient with it
-    (`TableRule.when_finite`)."""
+    step's loss scale to its tables' rules (`TableRule.when_finite`)."""
 
     @staticmethod
     def _check_inner(inner_optimizer):

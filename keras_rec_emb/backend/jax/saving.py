@@ -1,12 +1,9 @@
 """Saving under Keras's JAX backend in the TensorFlow backend's format.
 
-`EmbeddingVariable` is one class, whose config and weights store are the
-same under both backends (keras_rec_emb/layers/embedding_variable.py). What
-is JAX's own: under TensorFlow a table's slots live in the table and the
-optimizer saves only its other variables (step, learning rate, the dense
-weights' slots); under JAX the optimizer also makes a slot for each
-layer's zero-size `anchor`, which `save_optimizer` / `load_optimizer`
-leave out, so that both backends save and load the same list.
+`EmbeddingVariable`'s config and weights store are the same under both
+backends. What is JAX's own: its optimizer also makes a slot for each
+layer's zero-size `anchor`, which `save_optimizer` / `load_optimizer` leave
+out, so that both backends save the same optimizer variables.
 """
 
 import warnings

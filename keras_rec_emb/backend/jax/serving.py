@@ -1,12 +1,10 @@
 """`export_for_serving` under Keras's JAX backend.
 
-The stock-TensorFlow SavedModel is TensorFlow's own format, written by
-tracing the model with TensorFlow. A process runs one Keras backend, so
-the model goes across in the one format both backends read: it is saved
-to a `.keras` file, and a child process under the TensorFlow backend loads
-it (`compile=False`: serving needs no optimizer) and runs the TensorFlow
-backend's `export_for_serving`. TensorFlow is needed for that step only,
-in the child; this process never imports it.
+The stock-TensorFlow SavedModel is written by tracing the model with
+TensorFlow, and a process runs one Keras backend: the model is saved to a
+`.keras` file, which a child process under the TensorFlow backend loads
+(`compile=False`) and exports with that backend's `export_for_serving`.
+This process never imports TensorFlow.
 
 The child must know the model's classes and its inputs:
 - Classes of the user's own (a custom layer, a subclassed model, any
@@ -94,12 +92,10 @@ def _saved_names(path):
 
 def _user_classes(model, saved):
     """`(module, name, registered name)` of the user's classes the saved
-    model holds (its layers', the model's, and any registered custom
-    object its config names): the child finds each in its module
-    (`__main__`: the code `_main_source` gives) and loads with them as
-    `custom_objects`, which is how Keras finds a class it was not told the
-    registration of. Other objects registered in this process are not
-    the model's and stay here."""
+    model holds (its layers', the model's, and any registered custom object
+    its config names): the child imports each from its module (`__main__`:
+    `_main_source`'s code) and loads with them as `custom_objects`, as
+    Keras finds a class whose registration it was not told."""
     import keras
 
     from keras_rec_emb import _keras_fixes
@@ -118,14 +114,12 @@ def _user_classes(model, saved):
 
 def _main_source(needed):
     """What the script being run (`__main__`) binds at top level, as code
-    that recreates it in the child without running the script: imports of
-    its modules and imported names, simple constants, the source of the
-    classes and functions it defines, in the script's order, and then its
-    other objects that pickle (a `TableConfig` a class reads, say; not
-    layers, variables, optimizers or arrays of a framework, nor any over
-    1 MiB). A definition whose source cannot be read (a `python -c`
-    script, a REPL) is left out, unless it is one of `needed` (the names of
-    the model's classes defined there)."""
+    that recreates it in the child without running it: its imports, simple
+    constants, the source of its classes and functions, in order, then its
+    other objects that pickle (not framework layers, variables, optimizers
+    or arrays, nor any over 1 MiB). A definition whose source cannot be read
+    (`python -c`, a REPL) is left out, unless it is one of `needed` (the
+    model's classes defined there)."""
     import keras
 
     main = sys.modules.get("__main__")

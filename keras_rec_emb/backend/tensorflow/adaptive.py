@@ -15,8 +15,7 @@ class AdaptiveBackend:
     """What `AdaptiveEmbedding` does its own way under TensorFlow (dense,
     ragged and sparse ids through `embed_ids`)."""
 
-    # Our C++ ops have no XLA kernels: Keras's jit_compile="auto" then
-    # chooses False, and True falls back to False with a warning.
+    # No XLA kernels: Keras's jit_compile="auto" picks False (True warns).
     SUPPORTS_JIT = False
 
     count_params = variables.count_params  # tables count (ids admitted) x dim

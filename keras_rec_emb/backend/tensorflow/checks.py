@@ -1,8 +1,6 @@
-"""Argument and input checks shared by the layers and ops (private).
-
-The checks that need no TensorFlow live in `keras_rec_emb._checks_core`
-(the JAX backend imports them without TensorFlow); this module adds the
-checks of TensorFlow inputs."""
+"""Argument and input checks shared by the layers and ops (private): those of
+TensorFlow inputs; the ones that need no TensorFlow (and serve the JAX
+backend too) live in `keras_rec_emb._checks_core`."""
 
 import numpy as np
 import tensorflow as tf
@@ -13,10 +11,9 @@ from keras_rec_emb.backend.tensorflow import compat as _compat
 
 
 def integer_ids(ids, what, dtype=tf.int64):
-    """`ids` cast to `dtype`, or a TypeError naming `what` if not integers
-    (a ValueError, or a failing assertion when traced, if an id does not fit
-    `dtype`: int64 ids would wrap onto other int32 keys, uint64 ids onto
-    negative int64 keys)."""
+    """`ids` cast to `dtype`; a TypeError naming `what` if not integers, a
+    ValueError (a failing assertion when traced) if an id does not fit
+    `dtype`, where it would wrap onto another key."""
     if not ids.dtype.is_integer:
         if _compat.in_symbolic_build():  # shapes only: see _compat.in_symbolic_build
             return tf.zeros(tf.shape(ids), dtype)

@@ -61,20 +61,16 @@ def functional_nodes(model):
             if node.operation is not None and not node.is_input]
 
 
-# Keras 3.15.1's `Functional._run_through_graph(inputs, operation_fn,
-# call_fn)` runs a Functional (or Sequential) model's layers in graph order
-# on the standardized, flattened inputs. `hook_functional_graph(context)`
-# wraps it (once) so that each real run (not Keras's symbolic passes: a
-# `call_fn`, or `KerasTensor` inputs) happens inside
-# `context(model, flat_inputs)`, a context manager: `backend/tensorflow/model_fusion.py`
-# plans there the table lookups of one model call that can share one fused
-# op. Keras has no hook around a model's graph run; a subclass is not
-# possible (`keras.Model(inputs, outputs)` makes a Functional itself).
-# Installed only for the versions in `KERAS_FUNCTIONAL_HOOK_VERSIONS` (read
-# `_run_through_graph` and `Layer.__call__`'s input conversion again before
-# adding one: the fusion relies on integer ids reaching each layer as the
-# very tensor given to the graph); elsewhere every layer looks up at its
-# call.
+# Keras 3.15.1's `Functional._run_through_graph` runs a Functional (or
+# Sequential) model's layers in graph order. `hook_functional_graph(context)`
+# wraps it so that each real run (not Keras's symbolic passes: a `call_fn`, or
+# `KerasTensor` inputs) happens inside `context(model, flat_inputs)`, where
+# `model_fusion.py` plans the lookups of one model call that can share one
+# fused op. Keras has no hook around a graph run, and a subclass is not
+# possible (`keras.Model(inputs, outputs)` makes a Functional itself). Before
+# adding a version, read `_run_through_graph` and `Layer.__call__`'s input
+# conversion again: the fusion relies on integer ids reaching each layer as
+# the very tensor given to the graph. Elsewhere every layer looks up at its call.
 KERAS_FUNCTIONAL_HOOK_VERSIONS = ("3.15.1",)
 KERAS_FUNCTIONAL_ORIGINALS = {}
 
@@ -127,9 +123,8 @@ Trackable = tf.__internal__.tracking.Trackable
 
 def resolve_training(training):
     """`training`, with None read as "while a gradient tape records": Keras
-    passes None to the layers of a subclassed model without `training`, in
-    `fit` too, and a table would then count nothing while it trains.
-    TensorFlow has no public query of the tape stack."""
+    passes None to a subclassed model's layers, in `fit` too, and a table
+    would count nothing while it trains. No public query of the tape stack."""
     if training is not None:
         return training
     from tensorflow.python.eager import record
@@ -232,28 +227,20 @@ def built_variables(optimizer):
 # Keras 3.15.1's TensorFlow trainer under a multi-worker strategy
 # (keras-team/keras#20585): `model.fit` / `evaluate` fail for any model.
 # (1) `_maybe_symbolic_build` calls `strategy.reduce("MEAN", batch,
-# axis=None)` on the first (per-replica) input batch, which the collective
-# strategy cannot convert; the symbolic build reads only shapes and dtypes.
-# (2) `reduce_per_replica(..., "mean")` (the "auto" reduction of the train
-# and test steps' logs) calls `strategy.reduce("MEAN", v, axis=0)`, which
-# fails on scalar logs (and would average a vector log's entries too),
-# while its one-worker branch takes the element-wise mean over replicas.
-# The correction below does, under a multi-worker
-# MultiWorkerMirroredStrategy only, what the one-worker branches do: the
-# symbolic build gets this worker's part of the batch (same shapes as the
-# mean), the logs the element-wise mean over every replica
-# (`strategy.reduce("MEAN", v, axis=None)`). (3) Not a failure but a cost:
-# Keras's train and test functions hand the distributed iterator to a
-# tf.function every step; `DistributedStepCalls` calls the traced function
-# directly after each iterator's first step, and the step's logs are
-# averaged in one all-reduce (`_mean_over_replicas`). (4) With
-# `steps_per_execution` > 1, Keras's loop of steps fails under the
-# strategy (its collectives' instance keys inside a `tf.while_loop`):
-# `_unrolled_steps_function`; the same under a MirroredStrategy of several
-# replicas, where Keras's loop fails the same way for any model
-# (keras-team/keras#19246); not with `jit_compile=True` (the written-out
-# steps are traced in place, without XLA). Every other case runs Keras's own
-# code unchanged. Installed by `fix_keras_multi_worker()` when
+# axis=None)` on the first (per-replica) batch, which the collective strategy
+# cannot convert; (2) `reduce_per_replica(..., "mean")` (the steps' "auto"
+# log reduction) calls `strategy.reduce("MEAN", v, axis=0)`, which fails on
+# scalar logs. Under a multi-worker MultiWorkerMirroredStrategy only, the
+# correction does what the one-worker branches do: the symbolic build gets
+# this worker's part of the batch (same shapes), the logs the element-wise
+# mean over every replica. (3) A cost: Keras hands the distributed iterator
+# to a tf.function every step; `DistributedStepCalls` calls the traced
+# function directly after an iterator's first step, and the logs are averaged
+# in one all-reduce (`_mean_over_replicas`). (4) With `steps_per_execution` >
+# 1, Keras's loop of steps fails under the strategy, and under a
+# MirroredStrategy of several replicas (keras-team/keras#19246):
+# `_unrolled_steps_function` (not with `jit_compile=True`). Every other case
+# runs Keras's own code. Installed by `fix_keras_multi_worker()` when
 # `keras_rec_emb.distribute` is imported.
 KERAS_MULTI_WORKER_FIX_VERSIONS = ("3.15.1",)
 KERAS_MULTI_WORKER_ORIGINALS = {}
@@ -385,22 +372,17 @@ def _unrolled_steps_function(trainer, step_function, keras_function):
     """Keras's train / test function for `steps_per_execution` > 1 under a
     multi-replica strategy (`keras_function`, Keras's, takes non-iterators).
 
-    Keras runs the steps of one execution in a `tf.while_loop` that calls
-    the one-step `tf.function` inside a `tf.cond`. A collective's instance
-    key is a value captured at call time (`capture_call_time_value`,
-    fresh for every call), which TensorFlow cannot thread through control
-    flow into a nested function: the call fails with "You must feed a
-    value for placeholder tensor 'while/.../Placeholder'". And the body of
-    a while loop is traced once, so every iteration would use the same
-    instance keys. Here the steps are written out one after another in
-    one traced function, each step's ops traced in place (no nested
-    function): each collective gets its own instance key, captured by the
-    outer function, and a step after the data ran out is skipped by a
-    `tf.cond` (every worker agrees on it: the distributed iterator's
-    `get_next_as_optional` does). One traced function holds at most
-    `UNROLLED_STEPS_MAX` steps; an execution of more calls them in turn
-    (`function._kre_step_functions`, the order `DistributedStepCalls`
-    follows too) and returns the logs of its last step, as Keras's does."""
+    Keras loops over the steps in a `tf.while_loop`, calling the one-step
+    `tf.function` in a `tf.cond`. A collective's instance key is captured at
+    call time, which TensorFlow cannot thread through control flow into a
+    nested function ("You must feed a value for placeholder tensor
+    'while/.../Placeholder'"), and a loop body traced once would reuse the
+    keys. Here the steps are written out in one traced function, each traced
+    in place: each collective gets its own key, and a step after the data ran
+    out is skipped by a `tf.cond` (every worker agrees, as the distributed
+    iterator's `get_next_as_optional` does). One function holds at most
+    `UNROLLED_STEPS_MAX` steps; a longer execution calls them in turn
+    (`function._kre_step_functions`) and returns its last step's logs."""
     trainer_module = _keras_tf_trainer()
     strategy = trainer.distribute_strategy
 
@@ -478,7 +460,6 @@ class DistributedStepCalls:
     fresh every step. Anything else goes to Keras's function.
     """
 
-
     def __init__(self, function):
         self._function = function
         plan = getattr(function, "_kre_step_functions", None)
@@ -523,18 +504,14 @@ class DistributedStepCalls:
         return concrete, flat
 
 
-# Keras 3.15.1's TensorFlow layer gives a subclassed model (no symbolic
-# inputs) a default SavedModel signature (`TFLayer._default_save_signature`)
-# of float32 specs of the recorded input shapes, whatever the inputs' real
-# dtypes. Tracing it, as `model.export` and `tf.saved_model.save` do while
-# they walk the model for its lookup tables, feeds float ids to our id
-# layers, which refuse them: the walk then skips the whole model and the
-# export fails ("references an 'untracked' resource"). The correction gives
-# such a model no default signature when it holds our id layers (those with
-# `ids_input_dtype`); `model.export` adds its own endpoint from the
-# `input_signature` given to it. Every other layer keeps Keras's. Installed
-# by `fix_subclassed_save_signature()` when `keras_rec_emb.layers` is
-# imported.
+# Keras 3.15.1 gives a subclassed model a default SavedModel signature
+# (`TFLayer._default_save_signature`) of float32 specs, whatever the inputs'
+# dtypes. Tracing it, as `model.export` and `tf.saved_model.save` do, feeds
+# float ids to our id layers, which refuse them, and the export fails
+# ("references an 'untracked' resource"). The correction gives such a model
+# no default signature when it holds our id layers (`ids_input_dtype`);
+# `model.export` adds its own endpoint from its `input_signature`. Installed
+# by `fix_subclassed_save_signature()` when `keras_rec_emb.layers` is imported.
 KERAS_SAVE_SIGNATURE_FIX_VERSIONS = ("3.15.1",)
 KERAS_SAVE_SIGNATURE_ORIGINALS = {}
 

@@ -1,9 +1,8 @@
 """The TensorFlow side of `keras_rec_emb.data`: tf.data pipelines over the
 backend-neutral readers (pyarrow for Parquet, confluent-kafka for Kafka).
 
-`python_dataset` turns a Python iterator of NumPy batches into a
-`tf.data.Dataset` with one `tf.numpy_function` call per element (TensorFlow's
-`from_generator` adds per-component Python checks, costly on wide
+`python_dataset` makes a `tf.data.Dataset` of a Python iterator of NumPy
+batches (not `from_generator`: its per-component checks are costly on wide
 batches). `WrappedDataset` lets a public class be a real `tf.data.Dataset`
 whose pipeline is built in its constructor, as `tf.data.TFRecordDataset` is.
 """
@@ -201,10 +200,10 @@ def _exported_batches(table_batches):
 
 
 def parquet_dataset(source, columns, options, table_batches, num_batches):
-    """The tf.data pipeline of a `ParquetDataset`: each batch reaches TensorFlow
-    through the Arrow C data interface as two addresses, which
-    `KRE>ArrowBatchToTensors` turns into column tensors (sharing aligned Arrow
-    buffers). `source`: a dataset of 1-D path tensors or the list of paths."""
+    """The tf.data pipeline of a `ParquetDataset`: each batch comes as two Arrow
+    C data interface addresses, which `KRE>ArrowBatchToTensors` turns into
+    column tensors (sharing aligned Arrow buffers). `source`: a dataset of
+    1-D path tensors or a list of paths."""
     if not isinstance(source, tf.data.Dataset):
         source = tf.data.Dataset.from_tensors(tf.constant(source))
     batch_dim = options.batch_size if options.drop_remainder else None

@@ -1,11 +1,9 @@
 """`EmbeddingVariable`'s TensorFlow half: its table, placement and lookups.
 
-`keras_rec_emb.layers.EmbeddingVariable` is written once; under Keras's
-TensorFlow backend it takes `EmbeddingVariableBackend` below as its base:
-the table (`variables.EmbeddingTable`, or a distributed one: placed by
-`keras_rec_emb.distribute.placement`) made at `build`, tracked as the
-layer's `TableVariable`s, and the call's lookup (fused with the model's
-other table lookups where that is the same program: `model_fusion.py`).
+`keras_rec_emb.layers.EmbeddingVariable` takes `EmbeddingVariableBackend`
+below as its base under TensorFlow: the table made at `build` (placed by
+`distribute.placement`), tracked as the layer's `TableVariable`s, and the
+call's lookup (fused with the model's other lookups: `model_fusion.py`).
 """
 
 import keras
@@ -35,8 +33,7 @@ class EmbeddingVariableBackend:
 
     # -- init and build -------------------------------------------------------
     def _init_backend(self):
-        # Our C++ ops have no XLA kernels: Keras's jit_compile="auto" then
-        # chooses False, and True falls back to False with a warning.
+        # No XLA kernels: Keras's jit_compile="auto" picks False (True warns).
         self.supports_jit = False
 
     def _resolve_optimizer(self, optimizer):
@@ -46,20 +43,16 @@ class EmbeddingVariableBackend:
 
     @staticmethod
     def _draw(initializer, shape):
-        # Keras builds a layer lazily inside the traced first step of `fit`
-        # (and `model.build(shape)` / a Sequential without `keras.Input`
-        # build it symbolically): the matrix is drawn eagerly, once, outside
-        # any graph, as the table it initializes is created (`init_scope`).
+        # Keras may build a layer inside the traced first step of `fit` or
+        # symbolically: the matrix is drawn eagerly, once, outside any graph.
         with tf.init_scope():
             return keras.ops.convert_to_numpy(initializer(shape=shape, dtype="float32"))
 
     def _make_table(self, default_values):
         from keras_rec_emb.distribute import placement
 
-        # Under `keras_rec_emb.distribute.parameter_servers(...)` the table is
-        # sharded over the parameter-server tasks, in a MirroredStrategy's or
-        # MultiWorkerMirroredStrategy's scope over its replicas; otherwise
-        # one local table (`placement.make_table` decides).
+        # Sharded over the PS tasks under `parameter_servers(...)`, over the
+        # replicas in a (MultiWorker)MirroredStrategy's scope; else local.
         self.table = placement.make_table(
             self.embedding_dim, self.key_dtype, default_values, trainable=self.trainable,
             name=f"{self.name}/embeddings", restore_dim_mismatch=self.restore_dim_mismatch,

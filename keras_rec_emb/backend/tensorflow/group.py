@@ -127,11 +127,9 @@ def lookup(layer, inputs, training):
     training = _compat.resolve_training(training)
     if isinstance(inputs, tf.Tensor) and inputs.shape.rank is not None \
             and not tf.executing_eagerly():
-        # The traced shape is checked when the graph runs: the signatures
-        # of a SavedModel (model.export, export_for_serving) are fed by
-        # callers that skip tf.function's input check (TF Serving, a TF1
-        # Session, `loaded.signatures[...]`), and stacked ids of another
-        # length or rank would be read as valid ids.
+        # Checked when the graph runs: a SavedModel's signature callers skip
+        # tf.function's input check, and stacked ids of another length or
+        # rank would be read as valid ids.
         inputs = tf.ensure_shape(inputs, inputs.shape, name=f"{layer.name}_ids_shape")
     out = None if training else _stacked_lookup(layer, inputs)
     if out is not None:

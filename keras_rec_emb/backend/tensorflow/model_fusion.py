@@ -1,8 +1,7 @@
 # Copyright keras_rec_emb authors. Apache-2.0.
 """The `EmbeddingVariable` calls of one Functional model call, looked up in one
-fused op. Why that is the same program, and what is not fused:
-docs/semantics.md, 'Memory and speed' (separate layers of a Functional model).
-"""
+fused op (why that is the same program, and what is not fused: docs/semantics.md,
+'Memory and speed')."""
 
 import threading
 import weakref

@@ -1,7 +1,6 @@
-"""The inputs and outputs of an op by the names its registration gives them
-(`REGISTER_OP(...).Input("ids: num_features * int64")` in csrc/ops):
-declared once, in C++, and read here from the op's `OpDef`, so that no
-caller counts list arguments by position (private)."""
+"""The inputs and outputs of an op by the names its registration in csrc/ops
+gives them, read from the op's `OpDef`, so that no caller counts list
+arguments by position (private)."""
 
 from keras_rec_emb.backend.tensorflow import compat as _compat
 

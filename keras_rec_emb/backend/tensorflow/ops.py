@@ -132,10 +132,9 @@ def unstack_kept_ids(ids):
 def create_table(default_values, key_dtype, dim, num_shards, track_meta=True,
                  filter_freq=0, bloom=None, no_permission_value=0.0, freq_cap=0,
                  storage_path="", cache_bytes=64 << 20, shared_name=""):
-    """A new table; `bloom` is (counters, hashes, counter_bytes) or None,
-    `freq_cap` > 0 caps each key's frequency, a `storage_path` makes it
-    file-tier, a `shared_name` finds or creates the table of that name on this
-    device. Callers refuse distribution themselves."""
+    """A new table; `bloom`: (counters, hashes, counter_bytes) or None;
+    `freq_cap` > 0 caps each key's frequency; `storage_path`: file tier;
+    `shared_name`: the device's table of that name. Callers refuse distribution."""
     counters, hashes, counter_bytes = bloom or (0, 0, 8)
     return gen().kre_table_create(
         default_values, key_dtype=key_dtype, dim=dim, num_shards=num_shards,
@@ -200,10 +199,10 @@ def size(handle, key_dtype):
 
 
 # -- Statistics: int64 vectors of named parts ---------------------------------
-# Each op returns a vector whose parts these tuples name, in order; the op
-# takes the tuple as its `parts` attr and its kernel checks it against the
-# library's own list (csrc/ops/stat_parts.h), so that no number is read by a
-# position the library does not agree on. Read them through `named_parts`.
+# Each op returns a vector whose parts these tuples name, in order; its kernel
+# checks the tuple (its `parts` attr) against csrc/ops/stat_parts.h, so that
+# no number is read by a position the library does not agree on (read them
+# through `named_parts`).
 TABLE_STATS = ("size", "filtered", "memory_bytes", "latest_step")
 STORAGE_STATS = ("rows", "cached_rows", "cache_memory_bytes", "disk_bytes", "cache_hits",
                  "cache_misses", "file_reads", "file_writes")
@@ -289,9 +288,8 @@ def sparse_apply(handle, keys, grads, rule, hyper, step, slots, distinct=False):
 
 def group_sparse_apply(handles, keys, grads, rule, hypers, step, slots):
     """`sparse_apply(..., distinct=True)` of several tables with one key
-    dtype, rule, hyper-parameter names and slots in one op, which updates
-    the tables concurrently over the intra-op pool; `hypers`: each table's
-    hyper-parameters (dicts with the same names, in the rule's order)."""
+    dtype, rule and slots in one op, which updates them concurrently;
+    `hypers`: each table's hyper-parameters (same names, the rule's order)."""
     refuse_xla("An embedding table update")
     names = list(hypers[0])
     values = [tf.stack([tf.cast(h[n], tf.float32) for n in names]) for h in hypers]

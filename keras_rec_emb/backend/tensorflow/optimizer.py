@@ -2,26 +2,24 @@
 
 The optimizers (written once, in keras_rec_emb/optimizers/) subclass Keras's
 own through the running backend's `TableOptimizer` (`class Adam(
-TableOptimizer, keras.optimizers.Adam)`), so dense variables and `keras.layers.Embedding` take
-exactly Keras's path. This mixin intercepts the seams where a table differs:
+TableOptimizer, keras.optimizers.Adam)`), so dense variables and
+`keras.layers.Embedding` take exactly Keras's path. This mixin intercepts
+the seams where a table differs:
 
-* `add_variable_from_reference`: a table's slot is a parallel arena inside
-  the table (`EmbeddingTable.add_slot`), not a Keras variable; a `TableSlot`
-  placeholder stands in Keras's slot lists.
-* `_backend_update_step`: table gradients (`tf.IndexedSlices` over keys) go to
-  one fused C++ kernel per table, or one for all tables whose keys are
-  distinct (a group lookup's), which updates them concurrently; the rest
-  to Keras.
-* `_apply_weight_decay`: decoupled weight decay of a table is applied by the
+* `add_variable_from_reference`: a table's slot lives inside the table
+  (`EmbeddingTable.add_slot`); a `TableSlot` stands in Keras's slot lists.
+* `_backend_update_step`: table gradients (`tf.IndexedSlices` over keys) go
+  to one fused C++ kernel per table, or one for all tables whose keys are
+  distinct (a group lookup's); the rest to Keras.
+* `_apply_weight_decay`: a table's decoupled weight decay is applied by the
   kernel to the rows updated in the step.
-* `apply` / `_clip_gradients`: when clipping is configured, a table's
-  gradient has its duplicate keys summed first, so that clipping sees the
-  row's true gradient; `global_clipnorm` counts a table's rows without
-  densifying them (Keras's version densifies `IndexedSlices`, impossible for
-  a hash table). Keras variables keep Keras's exact semantics.
+* `apply` / `_clip_gradients`: with clipping, a table's duplicate keys are
+  summed first, so that clipping sees the row's true gradient;
+  `global_clipnorm` counts a table's rows without densifying them (Keras
+  densifies `IndexedSlices`, impossible for a hash table).
 * `_kre_rows` / `_kre_gather` / `_kre_at_rows`: the rows of a dense
-  variable's `tf.IndexedSlices` gradient (`keras.layers.Embedding`), on
-  which the DeepRec optimizers' shared math runs.
+  variable's `tf.IndexedSlices` gradient, on which the DeepRec optimizers'
+  shared math runs.
 
 `LossScaleTables` is the table part of `keras_rec_emb.optimizers.
 LossScaleOptimizer` here.
@@ -55,10 +53,9 @@ class _TableUpdate:
 
     def group(self):
         """The key of the one op that may update this table with others
-        (`_ops.group_sparse_apply`), or None: a table with distinct keys,
-        as the group lookup's backward gives them, outside a tf.distribute
-        strategy (a distributed shard gathers or hands off its update, or
-        lives on a parameter server); tables on one device only."""
+        (`_ops.group_sparse_apply`), or None: tables with distinct keys, on
+        one device, outside a tf.distribute strategy (a distributed shard
+        gathers or hands off its update, or lives on a parameter server)."""
         if not (self.distinct and not tf.distribute.has_strategy()
                 and type(self.table).sparse_apply is _variables.EmbeddingTable.sparse_apply):
             return None
@@ -68,9 +65,8 @@ class _TableUpdate:
 
 def _apply_table_updates(updates):
     """Applies the `_TableUpdate`s: those of one group (`_TableUpdate.group`)
-    in one op that updates their tables concurrently over the intra-op
-    pool, the others one op per table. Each table's update is the same
-    either way."""
+    in one op that updates their tables concurrently, the others one op per
+    table (each table's update is the same either way)."""
     groups = {}
     for u in updates:
         key = u.group()
@@ -137,11 +133,9 @@ _DISTINCT_OUTPUTS = {
 
 
 def has_distinct_keys(grad):
-    """Whether a table gradient's keys are known to hold no key twice: in a
-    traced graph, its indices are a training group lookup's distinct ids (its
-    registered gradient) or a `tf.unique`'s output, as produced, so the fused
-    apply may skip its dedupe. False when unknown (eager tensors, any other
-    op): the general apply dedupes."""
+    """Whether a table gradient's keys are known to hold no key twice (traced,
+    its indices a training group lookup's distinct ids or a `tf.unique`'s
+    output), so the fused apply may skip its dedupe. False when unknown."""
     indices = grad.indices
     op = getattr(indices, "op", None) if not tf.executing_eagerly() else None
     known = _DISTINCT_OUTPUTS.get(getattr(op, "type", None))
@@ -166,13 +160,8 @@ def _is_table_grad(grad):
 
 
 class TableOptimizer:
-    """Mixin placed before a Keras optimizer class; see the module docstring.
-
-    Subclasses implement `_table_update(learning_rate, step)` returning
-    `(rule, hyper)` for the fused kernel: a rule of `rules.RULES` and a dict
-    of its hyper-parameters by name (`learning_rate` and `decay` are filled
-    in by this class; the rule declares the order and the slots).
-    """
+    """Mixin placed before a Keras optimizer class; see the module docstring
+    (and `optimizers.keras_optimizers.TableOptimizer` for `_table_update`)."""
 
     check_learning_rate = staticmethod(_checks.check_learning_rate)
 
@@ -221,10 +210,8 @@ class TableOptimizer:
             with tf.init_scope():
                 reference_variable.table.add_slot(name, _initial_value(initializer))
             return TableSlot(reference_variable.table, name)
-        # Eagerly, as a table's slot: Keras then places the slot beside its
-        # variable (`colocate_vars_with` is a device scope when eager; inside
-        # the traced step it only colocates the graph's ops, and the slot
-        # lands on the default device: a dense variable on a parameter
+        # Eagerly, so that Keras places the slot beside its variable (traced,
+        # `colocate_vars_with` only colocates ops: a variable on a parameter
         # server would get its slots on the worker).
         with tf.init_scope():
             return super().add_variable_from_reference(
@@ -232,12 +219,8 @@ class TableOptimizer:
 
     def add_scalar_slots(self, variables, name, init, per_row=False):
         """One float of state per variable (per row of its first axis with
-        `per_row`), or per row for a table.
-
-        Returns a list aligned with `variables`: a Keras variable for a
-        dense variable, a `TableSlot` (a width-1 slot inside the table) for
-        a table.
-        """
+        `per_row`), or per row for a table: a list aligned with `variables`,
+        of Keras variables and, for tables, width-1 `TableSlot`s."""
         slots = []
         for variable in variables:
             if is_table(variable):
@@ -272,14 +255,11 @@ class TableOptimizer:
             super()._backend_update_step(dense_grads, dense_vars, learning_rate)
 
     def _all_reduce_sum_gradients(self, grads_and_vars):
-        # Outside a tf.distribute strategy the sum over the one replica is
-        # the identity. Keras still calls the default replica context's
-        # all_reduce, which for a list of dense gradients (ours, once the
-        # tables' are taken out) wraps them in a tf.custom_gradient whose
-        # graph-mode gradient is registered in TensorFlow's global registry
-        # for good: every traced train step, with the table handles it
-        # captures, then stays alive (~2 MB and 9 handles per
-        # build/fit/save/load cycle).
+        # Outside a tf.distribute strategy the one-replica sum is the
+        # identity, but Keras's call wraps dense gradients in a
+        # tf.custom_gradient registered in TensorFlow's global registry for
+        # good: every traced train step, with the table handles it captures,
+        # would stay alive (~2 MB and 9 handles per build/fit/save/load cycle).
         if not tf.distribute.has_strategy():
             return list(grads_and_vars)
         return super()._all_reduce_sum_gradients(grads_and_vars)

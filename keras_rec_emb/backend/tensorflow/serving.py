@@ -1,7 +1,7 @@
 """`export_for_serving` under TensorFlow: traced inside
-`_serving_context.stock_tables`, where the exporting thread's table lookups
-read stock twins (a `MutableHashTable` from key to row and a dense matrix) and
-fused group lookups run `embedding_ops.stock_group_lookup` on them."""
+`_serving_context.stock_tables`, where table lookups (fused ones through
+`embedding_ops.stock_group_lookup`) read stock twins (a `MutableHashTable`
+from key to row and a dense matrix)."""
 
 import os
 import shutil
@@ -14,7 +14,6 @@ import tensorflow as tf
 from keras_rec_emb import _keras_fixes, saving
 from keras_rec_emb.backend.tensorflow import compat as _compat
 from keras_rec_emb.backend.tensorflow import serving_context as _serving_context
-
 
 
 class _StockTable(tf.Module):
@@ -34,10 +33,8 @@ class _StockTable(tf.Module):
         if len(keys):
             self.index.insert(keys, np.arange(len(keys), dtype=np.int64))
         values = np.asarray(data["values"], np.float32).reshape(len(keys), self._dim)
-        # The served table is frozen: with no rows (untrained, nothing
-        # admitted by a filter yet, or all evicted) every key reads its
-        # "other" row, and the served graph must not gather from an empty
-        # matrix (stock TF refuses index 0 of [0, dim]).
+        # A frozen table with no rows: every key reads its "other" row, and
+        # the graph must not gather from an empty matrix (stock TF refuses).
         self._empty = len(keys) == 0
         # Made while the export's function traces: a plain tf.Variable
         # there would make tf.function trace the whole model once more.
@@ -98,13 +95,10 @@ class _StockTables(tf.Module):
         return stock
 
     def release(self):
-        """Frees the indexes made in this process, once written out.
-
-        Made eagerly, a stock `MutableHashTable` lives in TensorFlow's
-        resource manager under a name of its own until deleted by name (it
-        has no deleter): each export kept its whole index (tens of bytes per
-        key) until the process ended. The SavedModel re-creates its tables
-        when loaded, so the exporter's are no longer needed."""
+        """Frees the indexes made in this process, once written out: an eager
+        stock `MutableHashTable` has no deleter and lives in TensorFlow's
+        resource manager until deleted by name, and the SavedModel re-creates
+        its tables when loaded."""
         for stock in self.tables:
             tf.raw_ops.DestroyResourceOp(resource=stock.index.resource_handle,
                                          ignore_lookup_error=True)
@@ -112,10 +106,9 @@ class _StockTables(tf.Module):
 
 def _shape_checked(args, max_input_size=None):
     """The endpoint's input tensors, each checked against its traced shape
-    when the graph runs (stock `EnsureShape`): a signature's callers (TF
-    Serving, a TF1 Session, `loaded.signatures[...]`) skip tf.function's
-    input check, and ids of another width or rank would be read as ids.
-    With `max_input_size`, a tensor of more elements fails the request
+    when the graph runs (stock `EnsureShape`): a signature's callers skip
+    tf.function's input check, and ids of another width or rank would be
+    read as ids. With `max_input_size`, a larger tensor fails the request
     (InvalidArgument) before any op reads it."""
     def check(x):
         if not isinstance(x, tf.Tensor):

@@ -1,10 +1,8 @@
 """Whether the graph this thread traces is a serving graph of stock TensorFlow
-ops. `model.export` traces with the package's ops (outside `stock_tables`);
-`export_for_serving` traces inside `stock_tables(read)`, where every table
-lookup (decorated by `served`) and fused group lookup reads the table's stock
-twin `read(table)`, and layers leave out ops with no stock form
-(`tracing_stock()`). Thread-local, so a trainer in another thread keeps the
-package's ops while a model is exported.
+ops: `export_for_serving` traces inside `stock_tables(read)`, where every
+table lookup (decorated by `served`) reads the table's stock twin
+`read(table)`, and layers leave out ops with no stock form (`tracing_stock()`).
+Thread-local, so a trainer in another thread keeps the package's ops.
 """
 
 import contextlib

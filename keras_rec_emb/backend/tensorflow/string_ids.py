@@ -1,7 +1,6 @@
 """`layers.HashStrings` on Keras's TensorFlow backend: the keys from
-TensorFlow's own op, so that an exported model serves raw strings with
-stock TensorFlow, inside `tf.function` and `tf.data` too; ragged and
-sparse strings keep their kind."""
+TensorFlow's own op, so that an exported model serves raw strings with stock
+TensorFlow; ragged and sparse strings keep their kind."""
 
 import tensorflow as tf
 

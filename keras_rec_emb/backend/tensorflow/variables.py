@@ -2,10 +2,9 @@
 
 * `EmbeddingTable` (`EmbeddingVariable.table`) is a `TrackableResource`:
   checkpoints save its parts, SavedModels re-create it.
-* `TableVariable` (`table.variable`) is its face as a trainable variable: a
-  tape watches its `handle` and gets an `IndexedSlices` over keys. It is
-  deliberately not trackable: TensorFlow saves objects that act as resource
-  variables as variables, which a table is not.
+* `TableVariable` (`table.variable`) is its face as a trainable variable,
+  whose gradient is an `IndexedSlices` over keys. It is not trackable:
+  TensorFlow would save it as a variable, which a table is not.
 """
 
 import itertools
@@ -28,15 +27,13 @@ _ids = itertools.count()
 
 
 # -- The table's parts --------------------------------------------------------
-# What a checkpoint, `export()` and `import_()` hold, declared once, named
-# and ordered as the kernels' I/O (the outputs of KRE>TableExport, the
-# inputs of KRE>TableImport; they are passed by name, and
-# tests/test_variables.py checks the op definitions against this list).
-# `rows`: "N" one entry per admitted key, "F" one per key counted but not
-# admitted, None a length of its own. `dtype` "key" is the table's key dtype.
-# `slot` parts are packed slot columns (`export()` returns them unpacked as
-# `slots`); `filtered` parts are those of an admission
-# filter (`save_filtered=False` and `keras-rec-emb strip-filtered` drop them).
+# What a checkpoint, `export()` and `import_()` hold, named and ordered as
+# KRE>TableExport's outputs and KRE>TableImport's inputs (tests/test_variables.py
+# checks the op definitions against this list). `rows`: "N" one entry per
+# admitted key, "F" one per key counted but not admitted, None a length of its
+# own. `slot` parts are packed slot columns (`export()` unpacks them as
+# `slots`); `filtered` parts are an admission filter's (`save_filtered=False`
+# and `keras-rec-emb strip-filtered` drop them).
 class Part(NamedTuple):
     name: str
     dtype: str
@@ -231,18 +228,15 @@ class EmbeddingTable(_tables.TableBase, tf.saved_model.experimental.TrackableRes
         storage_path = self._copy_dir or self._storage_dir or ""
         shared_name = self._shared_name
         if not tf.executing_eagerly():
-            # Traced into a SavedModel (`model.export`): its `_create_resource`
-            # function (what tf.saved_model.load runs) and its graph (what a
-            # TF1 Session runs, as C++ model servers do).
-            # The loaded copy keeps its rows in DRAM: a folder path fixed at
-            # export would be the trainer's, whose lock a server cannot take
-            # while the trainer lives, nor two versions loaded in one process.
+            # Traced into a SavedModel (`model.export`). The loaded copy keeps
+            # its rows in DRAM: a folder fixed at export would be the
+            # trainer's, whose lock a server cannot take while the trainer
+            # lives, nor two versions loaded in one process.
             storage_path = ""
             if not shared_name and not tf.inside_function():
-                # A Session runs the graph's create op at every `run`; a
-                # private table (owned by its handle) would be a new, empty
-                # one each time, after the restore filled another. A name
-                # makes it one table per Session (each has its own devices).
+                # A Session runs the create op at every `run`: a private
+                # table would be a new, empty one each time, after the
+                # restore filled another. A name makes it one per Session.
                 shared_name = f"kre_saved_model/{uuid.uuid4().hex}"
         self._refuse_strategy("Creating an embedding table")
         return _ops.create_table(
@@ -255,19 +249,16 @@ class EmbeddingTable(_tables.TableBase, tf.saved_model.experimental.TrackableRes
         )
 
     def _destroy_resource(self):
-        # The Python table is going: its file tier's folder lock goes with it
-        # (the C++ resource may outlive it, held by TensorFlow's function
-        # caches), so that a reloaded model can take the folder. Eager only:
-        # this is also traced into SavedModels, which must not need the op.
+        # The folder lock goes with the Python table (the C++ resource may
+        # outlive it in TensorFlow's function caches), so that a reloaded
+        # model can take the folder. Eager only: SavedModels must not need the op.
         if self._storage_dir is not None and tf.executing_eagerly():
             _ops.release_storage(self._resource_handle, self._key_dtype)
 
     def _serialize_to_tensors(self):
-        # DeepRec evicts when a checkpoint is saved; every part is always
-        # present (possibly empty) so that checkpoints of tables with and
-        # without filters restore into each other. An eager save (e.g.
-        # tf.train.Checkpoint.write) reports what it evicted; a traced one
-        # runs the op.
+        # DeepRec evicts when a checkpoint is saved (an eager save reports
+        # what it evicted). Every part is present, possibly empty, so that
+        # checkpoints of tables with and without filters restore into each other.
         eager = tf.executing_eagerly()
         if eager:
             self.evict_for_save()
@@ -453,7 +444,6 @@ class EmbeddingTable(_tables.TableBase, tf.saved_model.experimental.TrackableRes
         return self._import_parts(complete_parts(given, self._dim, self._key_dtype),
                                   clear=False)
 
-
     # -- Change tracking (incremental checkpoints, serving deltas) -----------
     def mark_changes(self):
         """Closes the current change epoch and returns it, for `export_changes`."""
@@ -542,11 +532,9 @@ class TableVariable(_compat.ActsAsResourceVariable):
         return tf.TensorShape([None, self._table.dim])
 
     def _stock_optimizer_key(self):
-        # What stock Keras/TF optimizers key a variable by, asked when they
-        # are built on a model's variables: the first point where they meet
-        # a table. Ours key tables by `_kre_id`; a stock wrapper around one
-        # of ours (Keras adds LossScaleOptimizer by itself under
-        # mixed_float16) is built after the optimizer it wraps.
+        # Asked when a stock optimizer is built on a model's variables, the
+        # first point where it meets a table (ours key tables by `_kre_id`);
+        # a stock wrapper around ours is built after the optimizer it wraps.
         ours = self._table._table_optimizer
         if ours is not None:
             raise TypeError(_STOCK_WRAPPER_ERROR.format(name=self.name, ours=ours))
