@@ -63,12 +63,13 @@ ffi::Error PooledLookup(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> w
 // memory order (feature after feature over all rows would stride through
 // them: a cache line per row and feature), then feature after feature its
 // rows in blocks read in batch order (or shard by shard, a table that
-// prefers it), combined straight into its columns of out (row stride
-// `width`).
+// prefers it), combined straight into its columns of out (feature f's
+// [offset[f], offset[f + 1]), row stride offset.back()).
 template <typename K>
 void GroupPooledRows(const std::vector<std::shared_ptr<AnyTable>>& tables,
                      const std::vector<Combiner>& comb, const K* k, int64_t rows, int64_t len,
-                     bool prune, float* out, int64_t width, ffi::ThreadPool& pool) {
+                     bool prune, float* out, const std::vector<int64_t>& offset,
+                     ffi::ThreadPool& pool) {
   const int64_t features = static_cast<int64_t>(tables.size());
   // Feature f's kept ids at kept[f * cap], room for rows * len and a cache
   // line more: with a multiple of 4 KiB apart, the features' ids stored
@@ -90,8 +91,6 @@ void GroupPooledRows(const std::vector<std::shared_ptr<AnyTable>>& tables,
   std::vector<int64_t> count(features, 0);
   KeepRowsAnyLength(k, features, len, rows, 0, features, kept_of.data(), splits_of.data(),
                     count.data(), prune);
-  std::vector<int64_t> offset(features + 1, 0);
-  for (int64_t f = 0; f < features; ++f) offset[f + 1] = offset[f] + tables[f]->dim();
   // Every other call walks the features in reverse, as the TensorFlow group
   // op does: the tables read last by one call are read first by the next,
   // while still in the last-level cache. With a pool of 2+ threads the
@@ -110,7 +109,7 @@ void GroupPooledRows(const std::vector<std::shared_ptr<AnyTable>>& tables,
                                /*default_id=*/-1,
                                comb[f],
                                out + offset[f],
-                               width,
+                               offset.back(),
                                static_cast<int>(f),
                                static_cast<int>(f)};
         float* rows_buffer = nullptr;
@@ -153,7 +152,7 @@ int64_t DistinctPooledLookup(kv::Table<K>& tab, const K* k, const float* w, int6
   return d.size();
 }
 
-// The tables, combiners and output width of a group's lookup of ids keys
+// The tables, combiners and column offsets of a group's lookup of ids keys
 // [rows, F, L] (with `feature_major`, [F, rows, L]; weights empty or of
 // their shape) into out [rows, sum of the tables' dims], its tables not yet
 // settled; with `feature_major` no table may serve two features (a
@@ -161,7 +160,9 @@ int64_t DistinctPooledLookup(kv::Table<K>& tab, const K* k, const float* w, int6
 struct Group {
   std::vector<std::shared_ptr<AnyTable>> tables;
   std::vector<Combiner> combiners;
-  int64_t width = 0;
+  // Feature f's columns [offset[f], offset[f + 1]) of the output's
+  // offset.back() (the dims one after the other).
+  std::vector<int64_t> offset{0};
 };
 
 ffi::ErrorOr<Group> CheckGroup(const ffi::AnyBuffer& keys, const ffi::Buffer<ffi::F32>& weights,
@@ -203,15 +204,16 @@ ffi::ErrorOr<Group> CheckGroup(const ffi::AnyBuffer& keys, const ffi::Buffer<ffi
     if (ffi::Error e = CheckKeys(**t, keys); e.failure()) return ffi::Unexpected(e);
     auto c = ParseCombinerAttr(names[f]);
     if (c.has_error()) return ffi::Unexpected(c.error());
-    group.width += (*t)->dim();
+    group.offset.push_back(group.offset.back() + (*t)->dim());
     group.tables.push_back(*t);
     group.combiners.push_back(*c);
   }
-  const bool fits = feature_major ? out.size() == 1 && out[0] == rows * group.width
-                                  : out.size() == 2 && out[0] == rows && out[1] == group.width;
+  const int64_t width = group.offset.back();
+  const bool fits = feature_major ? out.size() == 1 && out[0] == rows * width
+                                  : out.size() == 2 && out[0] == rows && out[1] == width;
   if (!fits) {
     return fail("`out` must be [" + std::to_string(rows) + (feature_major ? " * " : ", ") +
-                std::to_string(group.width) + "] (the features' dims summed), got " + Shape(out));
+                std::to_string(width) + "] (the features' dims summed), got " + Shape(out));
   }
   return group;
 }
@@ -230,7 +232,7 @@ ffi::Error GroupPooledLookup(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F
     auto group =
         CheckGroup(keys, weights, out->dimensions(), tables, combiners, /*feature_major=*/false);
     if (group.has_error()) return group.error();
-    auto& [found, comb, width] = *group;
+    auto& [found, comb, offset] = *group;
     for (auto& t : found) t->Settle();
     const auto kd = keys.dimensions();
     const int64_t rows = kd[0], features = kd[1], len = kd[2];
@@ -239,7 +241,7 @@ ffi::Error GroupPooledLookup(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F
       using K = KeyOfT<decltype(first)>;
       if (w == nullptr) {
         GroupPooledRows(found, comb, keys.reinterpret_data<K>(), rows, len, prune,
-                        out->typed_data(), width, pool);
+                        out->typed_data(), offset, pool);
         return;
       }
       // With weights: every feature's ids in one pass over the ids in memory order:
@@ -255,14 +257,12 @@ ffi::Error GroupPooledLookup(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F
           ids[f].AddRow(r, k + at, w + at);
         }
       }
-      std::vector<int64_t> offset(features + 1, 0);
-      for (int64_t f = 0; f < features; ++f) offset[f + 1] = offset[f] + found[f]->dim();
       OnPool(pool, features, [&](int64_t f) {
         // All tables have K keys (CheckKeys); the visit gives the type.
         found[f]->Visit([&](auto& tab) {
           if constexpr (std::is_same_v<KeyOfT<decltype(tab)>, K>) {
             PooledLookupRows(tab, ids[f], /*insert=*/false, out->typed_data() + offset[f], rows,
-                             width);
+                             offset.back());
           }
         });
       });
@@ -278,14 +278,14 @@ ffi::Error GroupPooledLookup(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F
 // columns of [rows, sum of dims], a feature's pass would write a cache line
 // a row of an output larger than the cache (3x the pooling's time at 26
 // features of dim 16); XLA joins the blocks (ffi.py). Each feature's table
-// inserting and counting
-// its ids as PooledLookupDistinct does, whose extra outputs it returns per
-// feature for the backward (one ApplyDistinct a table): `inverse`
-// [F, rows, L], id (f, r, k)'s index among feature f's distinct ids (-1 for
-// a pruned one); `distinct` [F, rows * L], row f feature f's distinct ids
-// first seen first (then zeros); `counts` [F], how many. Each feature has a table of
-// its own, so that with a pool of 2+ threads features are looked up side by
-// side (OnPool), each table settled by the thread that looks it up.
+// inserts and counts its ids as PooledLookupDistinct does, whose extra
+// outputs come per feature for the backward (one ApplyDistinct a table):
+// `inverse` [F, rows, L], id (f, r, k)'s index among feature f's distinct
+// ids (-1 for a pruned one); `distinct` [F, rows * L], row f feature f's
+// distinct ids first seen first (then zeros); `counts` [F], how many. Each
+// feature has a table of its own, so that with a pool of 2+ threads
+// features are looked up side by side (OnPool), each table settled by the
+// thread that looks it up.
 ffi::Error GroupPooledLookupDistinct(ffi::Token, ffi::AnyBuffer keys, ffi::Buffer<ffi::F32> weights,
                                      ffi::Result<ffi::Token>, ffi::ResultBuffer<ffi::F32, 1> out,
                                      ffi::ResultBuffer<ffi::S32, 3> inverse,
@@ -297,7 +297,7 @@ ffi::Error GroupPooledLookupDistinct(ffi::Token, ffi::AnyBuffer keys, ffi::Buffe
     auto group =
         CheckGroup(keys, weights, out->dimensions(), tables, combiners, /*feature_major=*/true);
     if (group.has_error()) return group.error();
-    const auto& [found, comb, width] = *group;
+    const auto& [found, comb, offset] = *group;
     const auto kd = keys.dimensions();
     const int64_t features = kd[0], rows = kd[1], len = kd[2];
     const auto id = inverse->dimensions();
@@ -311,8 +311,6 @@ ffi::Error GroupPooledLookupDistinct(ffi::Token, ffi::AnyBuffer keys, ffi::Buffe
                      std::to_string(rows * len) + "], got " + Shape(dd));
     }
     if (ffi::Error e = CheckIntVector(*counts, "counts", features); e.failure()) return e;
-    std::vector<int64_t> offset(features + 1, 0);
-    for (int64_t f = 0; f < features; ++f) offset[f + 1] = offset[f] + found[f]->dim();
     const float* w = OptionalWeights(weights);
     float* blocks = out->typed_data();
     OnPool(pool, features, [&](int64_t f) {
