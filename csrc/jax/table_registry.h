@@ -159,7 +159,8 @@ void ShareWork(int64_t helpers, Schedule&& schedule, int64_t n, Fn&& fn) {
           f = std::current_exception();
         }
         std::lock_guard<std::mutex> lock(mu);
-        if (f != nullptr && failure == nullptr) failure = f;
+        if (failure == nullptr) failure = std::move(f);
+        f = nullptr;  // dropped under the lock, like `failure` (see below)
         if (++done == n) all_done.notify_all();
       }
     }
@@ -172,9 +173,16 @@ void ShareWork(int64_t helpers, Schedule&& schedule, int64_t n, Fn&& fn) {
     schedule([state] { state->Work(); });
   }
   state->Work();
-  std::unique_lock<std::mutex> lock(state->mu);
-  state->all_done.wait(lock, [&] { return state->done == n; });
-  if (state->failure != nullptr) std::rethrow_exception(state->failure);
+  std::exception_ptr failure;
+  {
+    std::unique_lock<std::mutex> lock(state->mu);
+    state->all_done.wait(lock, [&] { return state->done == n; });
+    // Taken out of the state: a helper may still hold the state, and the
+    // exception is then released by the thread that handles it, not by the
+    // helper dropping the last reference behind the caller's back.
+    failure = std::move(state->failure);
+  }
+  if (failure != nullptr) std::rethrow_exception(failure);
 }
 
 class Registry {
