@@ -68,6 +68,14 @@ class Cluster:
                 pytest.fail(f"timed out waiting for {what}:\n{self.report()}")
             time.sleep(0.1)
 
+    def wait_serving(self, *names):
+        """Waits until each PS process `names` printed that it serves: only
+        then does it hold the context of its own that lets workers connect
+        at once (see ps_tables._hold_own_context); a worker connecting
+        before can crash a TensorFlow 2.21 server."""
+        for name in names:
+            self.wait_until(lambda: "serving at" in self.log(name), f"{name} to serve", names)
+
     def exists(self, name):
         return os.path.exists(os.path.join(self.out, name))
 
@@ -98,6 +106,7 @@ def two_ps_tasks(out, timeout, workers):
     try:
         for task in (0, 1):
             cluster.start_ps(ps, task)
+        cluster.wait_serving("ps0", "ps1")
         yield cluster, ps, worker_addresses
     finally:
         cluster.stop()

@@ -55,6 +55,7 @@ def run(tmp_path_factory):
         cluster.procs["ps0"].wait(timeout=60)
         for task in (0, 1):
             cluster.start_ps(ps, task, f"ps{task}_restarted")
+        cluster.wait_serving("ps0_restarted", "ps1_restarted")
         cluster.worker("chief_restarted", "restart", ps, 0, workers[1])
         cluster.wait_until(lambda: cluster.procs["chief_restarted"].poll() is not None,
                            "the restarted chief", ("ps0_restarted", "ps1_restarted"))
