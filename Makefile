@@ -91,7 +91,7 @@ demo: install
 # Each csrc/kv source is compiled once per variant (plain, ASan+UBSan, TSan)
 # into $(KV_BIN)/obj/<variant>/ and linked into every test binary; `make test`
 # builds all of them two at a time (kv-bins) before running any.
-KV_HDRS := $(wildcard csrc/kv/*.h) $(wildcard csrc/kv/tests/*.h) csrc/jax/table_registry.h
+KV_HDRS := $(wildcard csrc/kv/*.h) $(wildcard csrc/kv/tests/*.h) csrc/jax/table_registry.h csrc/core/share_work.h
 KV_VARIANTS := plain asan tsan
 KV_CFLAGS_plain := -O2
 # ASan+UBSan at -O0: UBSan's checks make an optimizing compile 2-3x slower
