@@ -8,14 +8,16 @@
 #ifndef KRE_KERNELS_CHECKED_H_
 #define KRE_KERNELS_CHECKED_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <mutex>
 #include <new>
 #include <utility>
 
+#include "core/share_work.h"
 #include "tensorflow/core/framework/op_kernel.h"
-#include "tensorflow/core/util/work_sharder.h"
 
 namespace kre {
 
@@ -39,27 +41,41 @@ void ComputeChecked(::tensorflow::OpKernelContext* ctx, Body&& body) {
   }
 }
 
-// Runs fn(begin, end) over ranges of [0, n) on the intra-op pool, as
-// tf::Shard does; an exception of fn becomes ResourceExhausted (the
-// request's scratch did not fit) and the other ranges still run.
+// Runs fn(begin, end) over ranges of [0, n) on the intra-op pool: inline
+// when the pool has one thread or the work is below what TensorFlow's Shard
+// gives a task of its own, else in up to 16 ranges a thread, taken one at a
+// time by the calling thread and num_threads - 1 pool threads (ShareWork;
+// Shard's fixed blocks left one thread working alone at the end). An
+// exception of fn becomes ResourceExhausted (the request's scratch did not
+// fit) and the other ranges still run.
 template <typename Fn>
 absl::Status ShardChecked(::tensorflow::OpKernelContext* ctx, int64_t n, int64_t cost_per_unit,
                           Fn&& fn) {
   auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
   std::mutex mu;
   absl::Status status;
-  ::tensorflow::Shard(
-      workers->num_threads, workers->workers, n, cost_per_unit, [&](int64_t begin, int64_t end) {
-        try {
-          fn(begin, end);
-        } catch (const std::bad_alloc&) {
-          std::lock_guard<std::mutex> lock(mu);
-          status = TooLarge();
-        } catch (const std::exception& e) {
-          std::lock_guard<std::mutex> lock(mu);
-          status = ::tensorflow::errors::ResourceExhausted("a request's work failed: ", e.what());
-        }
-      });
+  auto range = [&](int64_t begin, int64_t end) {
+    try {
+      fn(begin, end);
+    } catch (const std::bad_alloc&) {
+      std::lock_guard<std::mutex> lock(mu);
+      status = TooLarge();
+    } catch (const std::exception& e) {
+      std::lock_guard<std::mutex> lock(mu);
+      status = ::tensorflow::errors::ResourceExhausted("a request's work failed: ", e.what());
+    }
+  };
+  constexpr int64_t kMinCostPerTask = 10000;  // tsl's Shard: kMinCostPerShard
+  const int64_t threads = workers->num_threads;
+  if (n <= 0) return status;
+  if (threads <= 1 || n == 1 || n * std::max<int64_t>(cost_per_unit, 1) < kMinCostPerTask) {
+    range(0, n);
+    return status;
+  }
+  const int64_t ranges = std::min<int64_t>(n, 16 * threads);
+  ShareWork(
+      threads - 1, [&](std::function<void()> task) { workers->workers->Schedule(std::move(task)); },
+      ranges, [&](int64_t r) { range(n * r / ranges, n * (r + 1) / ranges); });
   return status;
 }
 

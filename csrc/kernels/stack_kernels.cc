@@ -17,7 +17,6 @@
 #include "kernels/checked.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
-#include "tensorflow/core/util/work_sharder.h"
 
 namespace kre {
 namespace {
@@ -141,7 +140,7 @@ class UnstackKeptIdsOp : public StackedIdsOp {
     }
     std::vector<int64_t> kept(f, 0);
     const T* src = ids.flat<T>().data();
-    // ~1 cycle per id copied; Shard keeps small inputs on this thread.
+    // ~1 cycle per id copied; small inputs stay on this thread.
     OP_REQUIRES_OK(ctx, ShardChecked(ctx, f, batch * l, [&](int64_t j0, int64_t j1) {
                      KeepRowsAnyLength(src, f, l, batch, j0, j1, out.data(), splits.data(),
                                        kept.data());
@@ -170,7 +169,7 @@ class UnstackFeatureIdsOp : public StackedIdsOp {
     for (int64_t b = 0; b <= batch; ++b) splits[b] = b * l;
     if (batch == 0 || l == 0) return;
     const T* src = ids.flat<T>().data();
-    // ~1 cycle per id copied; Shard keeps small inputs on this thread.
+    // ~1 cycle per id copied; small inputs stay on this thread.
     OP_REQUIRES_OK(ctx, ShardChecked(ctx, batch, f * l, [&](int64_t begin, int64_t end) {
                      CopyRowsAnyLength(src, f, l, begin, end, out.data());
                    }));
