@@ -151,6 +151,11 @@ def parse_args(argv=None):
                         "result `keras-rec-emb bench` shows without the peer virtualenvs")
     p.add_argument("--skip-missing", action="store_true",
                    help="leave out frameworks whose virtualenv is missing (default: error)")
+    p.add_argument("--before", default=None, metavar="DIR",
+                   help="a folder holding another build of keras_rec_emb (a copy of the "
+                        "package with its compiled libraries): each of ours in --frameworks "
+                        "runs again as NAME_before with DIR first on its PYTHONPATH, in the "
+                        "same interleaved rounds (an A/B of two builds)")
     p.add_argument("--timeout", type=float, default=1800,
                    help="seconds a worker may take to answer one command")
     a = p.parse_args(argv)
@@ -171,14 +176,23 @@ def parse_args(argv=None):
         p.error(f"unknown --variants {bad}; choose from {list(workload.VARIANTS)}")
     if not a.threads or min(a.threads) <= 0:
         p.error(f"--threads must be positive integers, got {a.threads}")
+    if a.before is not None:
+        before = pathlib.Path(a.before).resolve()
+        if not (before / "keras_rec_emb" / "__init__.py").is_file():
+            p.error(f"--before must be a folder holding keras_rec_emb/, got {a.before!r}")
+        for name in [n for n in a.frameworks if n.startswith("ours")]:
+            label, script, venv, impl, env = FRAMEWORKS[name]
+            FRAMEWORKS[name + "_before"] = (f"{label} (build in {before})", script, venv, impl,
+                                            {**env, "PYTHONPATH": str(before)})
+            a.frameworks.append(name + "_before")
     return a
 
 
 def worker_env(name, omp_wait_policy="PASSIVE", torch_huge_pages=False):
     """The environment of framework `name`'s worker process (see the module
     docstring for the thread and huge-page settings)."""
-    full_env = {**os.environ, **FRAMEWORKS[name][4], "PYTHONUNBUFFERED": "1",
-                "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    full_env = {**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
+                **FRAMEWORKS[name][4], "PYTHONUNBUFFERED": "1"}
     full_env.pop("OMP_WAIT_POLICY", None)
     full_env.pop("THP_MEM_ALLOC_ENABLE", None)
     if omp_wait_policy != "unset":

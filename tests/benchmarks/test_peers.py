@@ -127,6 +127,22 @@ def test_bad_arguments():
         run.parse_args(["--rounds", "0"])
 
 
+def test_before_runs_each_of_ours_again_on_another_build(tmp_path, monkeypatch):
+    monkeypatch.setattr(run, "FRAMEWORKS", dict(run.FRAMEWORKS))
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    with pytest.raises(SystemExit):
+        run.parse_args(["--frameworks", "ours_group", "--before", str(tmp_path)])
+    (tmp_path / "keras_rec_emb").mkdir()
+    (tmp_path / "keras_rec_emb" / "__init__.py").write_text("")
+    a = run.parse_args(["--frameworks", "ours_group,ours_jax_group,torchrec_tbe",
+                        "--before", str(tmp_path)])
+    assert a.frameworks == ["ours_group", "ours_jax_group", "torchrec_tbe",
+                            "ours_group_before", "ours_jax_group_before"]
+    assert run.worker_env("ours_group_before")["PYTHONPATH"] == str(tmp_path.resolve())
+    assert run.worker_env("ours_jax_group_before")["KERAS_BACKEND"] == "jax"
+    assert run.worker_env("ours_group")["PYTHONPATH"] == "/elsewhere"
+
+
 def test_stored_result_is_rendered_and_consistent(tmp_path):
     """The stored full run (benchmarks/results/peers.json, `run.py --store`):
     every configuration and framework, ratios recomputed here with NumPy from
