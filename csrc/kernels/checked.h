@@ -3,8 +3,9 @@
 // kernel's work (std::bad_alloc above all) become its status. An exception
 // must not leave a kernel: thrown on a pool thread it ends the process
 // (std::terminate); thrown on the caller's thread, where TensorFlow runs
-// an eager op and Shard runs small work, it crosses TensorFlow's C API
-// into its Python bindings, which fault (SIGSEGV).
+// an eager op and small work runs inline, it crosses TensorFlow's C API
+// into its Python bindings, which fault (SIGSEGV). Also how the kernels
+// split their work over the intra-op pool (WorthSplitting, ShareOverPool).
 #ifndef KRE_KERNELS_CHECKED_H_
 #define KRE_KERNELS_CHECKED_H_
 
@@ -41,17 +42,34 @@ void ComputeChecked(::tensorflow::OpKernelContext* ctx, Body&& body) {
   }
 }
 
-// Runs fn(begin, end) over ranges of [0, n) on the intra-op pool: inline
-// when the pool has one thread or the work is below what TensorFlow's Shard
-// gives a task of its own, else in up to 16 ranges a thread, taken one at a
-// time by the calling thread and num_threads - 1 pool threads (ShareWork;
-// Shard's fixed blocks left one thread working alone at the end). An
-// exception of fn becomes ResourceExhausted (the request's scratch did not
-// fit) and the other ranges still run.
+// Whether n units of cost_per_unit cycles each are worth splitting over the
+// intra-op pool: it has 2+ threads and the work reaches what TensorFlow's
+// Shard gives a task of its own (tsl's kMinCostPerShard).
+inline bool WorthSplitting(::tensorflow::OpKernelContext* ctx, int64_t n, int64_t cost_per_unit) {
+  constexpr int64_t kMinCostPerTask = 10000;
+  return ctx->device()->tensorflow_cpu_worker_threads()->num_threads > 1 && n > 1 &&
+         n * std::max<int64_t>(cost_per_unit, 1) >= kMinCostPerTask;
+}
+
+// Runs item(i) for i in [0, n) on the calling thread and num_threads - 1
+// intra-op pool threads, each taking the next i (ShareWork). Not Shard's
+// fixed blocks: with a few dozen units (a group's tables) on two threads, a
+// block of several left one thread working alone for about a tenth of the op.
+template <typename Fn>
+void ShareOverPool(::tensorflow::OpKernelContext* ctx, int64_t n, Fn&& item) {
+  auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
+  ShareWork(
+      workers->num_threads - 1,
+      [&](std::function<void()> task) { workers->workers->Schedule(std::move(task)); }, n, item);
+}
+
+// Runs fn(begin, end) over ranges of [0, n): one range on this thread when
+// not WorthSplitting, else up to 16 ranges a thread over the pool
+// (ShareOverPool). An exception of fn becomes ResourceExhausted (the
+// request's scratch did not fit) and the other ranges still run.
 template <typename Fn>
 absl::Status ShardChecked(::tensorflow::OpKernelContext* ctx, int64_t n, int64_t cost_per_unit,
                           Fn&& fn) {
-  auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
   std::mutex mu;
   absl::Status status;
   auto range = [&](int64_t begin, int64_t end) {
@@ -65,17 +83,14 @@ absl::Status ShardChecked(::tensorflow::OpKernelContext* ctx, int64_t n, int64_t
       status = ::tensorflow::errors::ResourceExhausted("a request's work failed: ", e.what());
     }
   };
-  constexpr int64_t kMinCostPerTask = 10000;  // tsl's Shard: kMinCostPerShard
-  const int64_t threads = workers->num_threads;
   if (n <= 0) return status;
-  if (threads <= 1 || n == 1 || n * std::max<int64_t>(cost_per_unit, 1) < kMinCostPerTask) {
+  if (!WorthSplitting(ctx, n, cost_per_unit)) {
     range(0, n);
     return status;
   }
+  const int64_t threads = ctx->device()->tensorflow_cpu_worker_threads()->num_threads;
   const int64_t ranges = std::min<int64_t>(n, 16 * threads);
-  ShareWork(
-      threads - 1, [&](std::function<void()> task) { workers->workers->Schedule(std::move(task)); },
-      ranges, [&](int64_t r) { range(n * r / ranges, n * (r + 1) / ranges); });
+  ShareOverPool(ctx, ranges, [&](int64_t r) { range(n * r / ranges, n * (r + 1) / ranges); });
   return status;
 }
 

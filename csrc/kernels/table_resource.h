@@ -8,13 +8,12 @@
 
 #include <algorithm>
 #include <exception>
-#include <functional>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
 
-#include "core/share_work.h"
+#include "kernels/checked.h"
 #include "kv/partition.h"
 #include "kv/table.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -238,18 +237,13 @@ std::optional<typename kv::Table<K>::ExportBuffers> AllocateExportOutputs(OpKern
 // kv::Table<K>&)) as the CPU kernel of op `name` for both key types.
 #define KRE_REGISTER_TABLE_FN(name, fn) KRE_REGISTER_TABLE_FLAG_FN(name, fn, nullptr)
 
-// Runs fn(i) for i in [0, n) over the intra-op thread pool: inline when the
-// pool has one thread or the work (n * cost_per_unit cycles) is below what
-// TensorFlow's Shard gives a task of its own, else on the calling thread
-// and num_threads - 1 pool threads, each taking the next i (ShareWork). Not
-// Shard's fixed blocks: with a few dozen units of a group's tables on two
-// threads, a block of several units left one thread working alone for
-// about a tenth of the op. Exceptions become a status (TableWorkError:
-// DataLoss for a file tier's lost rows, else ResourceExhausted: allocation
-// failure, a full shard or disk).
+// Runs fn(i) for i in [0, n): on this thread when not WorthSplitting, else
+// over the intra-op pool, each thread taking the next i (ShareOverPool).
+// Exceptions become a status (TableWorkError: DataLoss for a file tier's
+// lost rows, else ResourceExhausted: allocation failure, a full shard or
+// disk).
 template <typename Fn>
 absl::Status ParallelFor(tf::OpKernelContext* ctx, int64_t n, int64_t cost_per_unit, Fn&& fn) {
-  auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
   std::mutex mu;
   absl::Status status;
   auto item = [&](int64_t i) {
@@ -260,15 +254,11 @@ absl::Status ParallelFor(tf::OpKernelContext* ctx, int64_t n, int64_t cost_per_u
       status = TableWorkError(e);
     }
   };
-  constexpr int64_t kMinCostPerTask = 10000;  // tsl's Shard: kMinCostPerShard
-  const int64_t threads = workers->num_threads;
-  if (threads <= 1 || n <= 1 || n * std::max<int64_t>(cost_per_unit, 1) < kMinCostPerTask) {
+  if (!WorthSplitting(ctx, n, cost_per_unit)) {
     for (int64_t i = 0; i < n; ++i) item(i);
-    return status;
+  } else {
+    ShareOverPool(ctx, n, item);
   }
-  ShareWork(
-      threads - 1, [&](std::function<void()> task) { workers->workers->Schedule(std::move(task)); },
-      n, item);
   return status;
 }
 
