@@ -65,9 +65,11 @@ def log(msg):
     print(msg, file=sys.stderr, flush=True)
 
 
-def build_probe(out_dir):
-    """Compiles probe.cc into out_dir (again when the source is newer)."""
-    src, exe = HERE / "bound" / "probe.cc", out_dir / "probe"
+def build_probe(out_dir, name="probe"):
+    """Compiles bound/NAME.cc (probe.cc, or file_probe.cc for the file
+    tier's floor, run by storage.py) into out_dir (again when the source is
+    newer)."""
+    src, exe = HERE / "bound" / f"{name}.cc", pathlib.Path(out_dir) / name
     if not exe.exists() or exe.stat().st_mtime < src.stat().st_mtime:
         subprocess.run(["g++", "-O3", "-march=native", "-fno-math-errno", "-pthread", "-Wall",
                         "-Wextra", "-Werror", "-o", str(exe), str(src)], check=True)

@@ -312,6 +312,14 @@ def _storage_rows(data):
     if "file_over_dram_cpu" in data:
         rows.append(_row(what, "process CPU per training step, DRAM / FILE tier",
                          data["file_over_dram_cpu"]))
+    floor = data.get("floor")
+    if floor:
+        for key, misses in (("measured_misses", "the misses measured"),
+                            ("static_bound_misses", "the static bound's misses")):
+            for how, label in (("pread", "read by pread"), ("map", "read from a memory map")):
+                rows.append(_row(what, f"FILE/DRAM at the file floor ({misses}, {label}; "
+                                 "no table can exceed it)",
+                                 floor[key][how]["file_over_dram"]))
     rows.append(_row(what, f"bytes on disk per key / `4*dim*(1+slots)` = "
                      f"{data['row_bound_bytes_per_key']} (lower is better)",
                      data["disk_over_bound"]))

@@ -15,9 +15,26 @@ each; a model's steps/s is one over its median time per step.
 Reported: steps/s of both and their ratio (issue 58's target: >= 0.8x),
 the same ratio from the process CPU time per step (less sensitive to
 other work on the machine; each round's ratio too), the cache hit rate
-during the timed steps, bytes on disk per key against
+during the timed steps (the table's counter, which counts the update's
+fetches of the rows the lookup just loaded as hits), the rows read from
+file a step (the table's misses) per distinct id of the step, bytes on
+disk per key against
 ``4 * dim * (1 + slots)``, the time of one snapshot, and the peak RSS of
 the process (``ru_maxrss``, both models included).
+
+And the file tier's floor on this machine: a step of the FILE table must at
+least do the DRAM table's step plus, per distinct id that misses, one read
+of its record from the page cache and one append of the dirty row it
+evicts (compaction and the table's own work left out).
+``benchmarks/bound/file_probe.cc`` measures both rates over a file of the
+table's size and record width, at --floor-threads threads: reads with pread
+as the file tier does them (sorted, neighbours merged; the best of the
+gaps it tries) and, for comparison, from a memory map (the page cache at
+memory speed). Misses are counted twice: the rows the table read from
+file (measured), and the misses of the static bound (the cached-rows most frequent ids of the trace
+always cached, which no replacement policy beats). The floor's ratio
+``DRAM step / (DRAM step + misses * (1/read + 1/append))`` is the best
+FILE/DRAM any file tier of this cache size could reach here.
 
 With --scale (issue 14's scale run; not part of `make test`, whose
 benchmark test runs it tiny): one FILE table of --scale-keys ids (default
@@ -61,6 +78,7 @@ import keras_rec_emb as kre
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import parser
+from bound import build_probe
 from _machine import machine_info, write_json_report
 
 TARGET_FILE_VS_DRAM = 0.8  # issue 58, item 5 (issue 14's was 0.5)
@@ -110,6 +128,45 @@ def time_steps(model, batches, steps, cpu=None):
     if cpu is not None:
         cpu.append((time.process_time() - c0) / steps)
     return statistics.median(times)
+
+
+def lookup_misses_static(batches, steps, cached_rows):
+    """Per timed step (the first `steps` of the cycle over `batches`, as
+    time_steps takes them), on average: the distinct ids, and those not
+    among the `cached_rows` ids of the trace seen in most batches (the
+    static bound)."""
+    per_batch = [np.unique(ids) for ids, _ in batches]
+    keys, counts = np.unique(np.concatenate(per_batch), return_counts=True)
+    top = keys[np.argsort(-counts, kind="stable")[:cached_rows]]
+    timed = [per_batch[i % len(per_batch)] for i in range(steps)]
+    distinct = statistics.mean(len(s) for s in timed)
+    misses = statistics.mean(len(s) - int(np.isin(s, top).sum()) for s in timed)
+    return distinct, misses
+
+
+def file_floor(folder, rows, rec_bytes, misses, threads, repeats):
+    """The file_probe rates (records/s) for `misses` reads a step over a file
+    of `rows` records of `rec_bytes` in `folder`."""
+    import json
+    import subprocess
+
+    exe = build_probe(folder, "file_probe")
+    reads = max(1, min(int(round(misses)), rows // 2))
+    out = subprocess.run([str(exe), folder, str(rows), str(rec_bytes), str(reads),
+                          str(threads), str(repeats)],
+                         check=True, capture_output=True, text=True).stdout
+    rates = json.loads(out)
+    rates["pread_best_per_s"] = max(rates[k] for k in rates if k.startswith("pread_"))
+    return rates
+
+
+def floor_report(dram_step_s, misses, rates):
+    """The floor's extra time a step and FILE/DRAM ratio, by pread and by map."""
+    out = {"misses_per_step": misses}
+    for how, read in (("pread", rates["pread_best_per_s"]), ("map", rates["map_per_s"])):
+        extra = misses / read + misses / rates["append_per_s"]
+        out[how] = {"extra_ms": 1e3 * extra, "file_over_dram": dram_step_s / (dram_step_s + extra)}
+    return out
 
 
 def rss_now():
@@ -220,6 +277,11 @@ def main(argv=None):
     p.add_argument("--scale-chunk", type=int, default=1_000_000)
     p.add_argument("--scale-fill-seconds", type=float, default=3 * 3600)
     p.add_argument("--scale-steps", type=int, default=20)
+    p.add_argument("--floor-threads", type=int, default=os.cpu_count() or 1,
+                   help="threads of the file floor's probe (default: every core)")
+    p.add_argument("--floor-repeats", type=int, default=5)
+    p.add_argument("--no-floor", dest="floor", action="store_false",
+                   help="leave the file floor out")
     p.add_argument("--verbose", action="store_true")
     opts = p.parse_args(argv)
     if opts.scale:
@@ -263,6 +325,18 @@ def main(argv=None):
         layer.snapshot()
         snapshot_s = time.perf_counter() - t0
         stats = layer.stats()
+        timed_steps = opts.reps * opts.steps
+        distinct, static_misses = lookup_misses_static(batches, opts.steps,
+                                                       int(stats["cached_rows"]))
+        file_reads = misses / timed_steps
+        floor = None
+        if opts.floor and stats["rows"] >= 1024:  # file_probe's smallest file
+            dram_step = statistics.median(per_step["dram"])
+            rates = file_floor(folder, int(stats["rows"]), 4 * 2 * opts.dim + 4,
+                               file_reads, opts.floor_threads, opts.floor_repeats)
+            floor = {"threads": opts.floor_threads, "rates": rates,
+                     "measured_misses": floor_report(dram_step, file_reads, rates),
+                     "static_bound_misses": floor_report(dram_step, static_misses, rates)}
         steps_per_s = {n: 1.0 / statistics.median(v) for n, v in per_step.items()}
         ratio = steps_per_s["file"] / steps_per_s["dram"]
         # Per round (the models take turns): DRAM's CPU per step / FILE's.
@@ -282,6 +356,11 @@ def main(argv=None):
             "load_average": os.getloadavg(),
             "target_file_over_dram": TARGET_FILE_VS_DRAM,
             "cache_hit_rate": hits / max(1, hits + misses),
+            "distinct_ids_per_step": distinct,
+            "file_reads_per_step": file_reads,
+            "file_reads_per_distinct_id": file_reads / max(1.0, distinct),
+            "static_bound_misses_per_distinct_id": static_misses / max(1.0, distinct),
+            "floor": floor,
             "disk_bytes": int(stats["disk_bytes"]),
             "disk_bytes_per_key": stats["disk_bytes"] / max(1, stats["rows"]),
             "row_bound_bytes_per_key": bound,
@@ -300,6 +379,18 @@ def main(argv=None):
           f"{report['cpu_s_per_step']['file'] * 1e3:.1f}  -> FILE/DRAM {cpu_ratio:.2f}x "
           f"(rounds {min(cpu_ratios):.2f}-{max(cpu_ratios):.2f}); load average "
           f"{' '.join(f'{x:.1f}' for x in report['load_average'])}")
+    print(f"rows read from file a step: {report['file_reads_per_distinct_id']:.3f} of the "
+          f"{distinct:,.0f} distinct ids (static bound: "
+          f"{report['static_bound_misses_per_distinct_id']:.3f} miss)")
+    if floor:
+        for name, label in (("measured_misses", "misses measured"),
+                            ("static_bound_misses", "static bound's misses")):
+            f = floor[name]
+            print(f"file floor, {label} ({f['misses_per_step']:,.0f} a step, "
+                  f"{floor['threads']} threads): FILE/DRAM <= {f['pread']['file_over_dram']:.2f}x "
+                  f"by pread (+{f['pread']['extra_ms']:.1f} ms a step), "
+                  f"<= {f['map']['file_over_dram']:.2f}x from a memory map "
+                  f"(+{f['map']['extra_ms']:.1f} ms)")
     print(f"cache hit rate {report['cache_hit_rate']:.3f}; disk {report['disk_bytes_per_key']:.1f} "
           f"B/key vs 4*dim*(1+slots) = {bound} -> {report['disk_over_bound']:.2f}x; "
           f"snapshot {snapshot_s:.2f} s; peak RSS {report['peak_rss_bytes'] / 2**30:.2f} GiB")

@@ -38,7 +38,7 @@ constexpr uint64_t kStackRecordBytes = 2048;
 // Prefetch: records of a segment this close (bytes from the end of one to
 // the start of the next) are read with one pread, of at most kReadRunBytes
 // (one record more when a record is larger).
-constexpr uint64_t kReadGapBytes = 16 << 10;
+constexpr uint64_t kReadGapBytes = 4 << 10;
 constexpr uint64_t kReadRunBytes = 256 << 10;
 // Directory levels RemoveTree descends (tables write none below their own
 // folders): deeper ones are left, which bounds its stack and descriptors.

@@ -39,8 +39,9 @@
 //   here), a buffered append a share of one 1 MiB write. A lookup hands
 //   the store its rows first (Prefetch): the misses are read sorted by
 //   record, and records of one segment at most kReadGapBytes apart with one
-//   pread (up to kReadRunBytes), since a pread's fixed cost (~2 us here)
-//   buys ~16 KiB of copying from the page cache.
+//   pread (up to kReadRunBytes): benchmarks/bound/file_probe.cc reads
+//   5-10% of a page-cached file's records fastest with a 4 KiB gap (a
+//   pread's fixed cost buys about that much copying here).
 // * Descriptors. Only the segment being appended to keeps its file open.
 //   Reads of the other segments go through a few open files per shard
 //   (open_files, 2 to 16: kTableOpenFiles split over the shards; the least
