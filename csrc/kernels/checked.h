@@ -64,12 +64,14 @@ void ShareOverPool(::tensorflow::OpKernelContext* ctx, int64_t n, Fn&& item) {
 }
 
 // Runs fn(begin, end) over ranges of [0, n): one range on this thread when
-// not WorthSplitting, else up to 16 ranges a thread over the pool
-// (ShareOverPool). An exception of fn becomes ResourceExhausted (the
-// request's scratch did not fit) and the other ranges still run.
+// not WorthSplitting, else up to `ranges_per_thread` ranges a thread over
+// the pool (ShareOverPool; many small ranges even out units of unequal
+// cost, a few large ones suit work that reads its input best in long
+// runs). An exception of fn becomes ResourceExhausted (the request's
+// scratch did not fit) and the other ranges still run.
 template <typename Fn>
 absl::Status ShardChecked(::tensorflow::OpKernelContext* ctx, int64_t n, int64_t cost_per_unit,
-                          Fn&& fn) {
+                          Fn&& fn, int64_t ranges_per_thread = 16) {
   std::mutex mu;
   absl::Status status;
   auto range = [&](int64_t begin, int64_t end) {
@@ -89,7 +91,7 @@ absl::Status ShardChecked(::tensorflow::OpKernelContext* ctx, int64_t n, int64_t
     return status;
   }
   const int64_t threads = ctx->device()->tensorflow_cpu_worker_threads()->num_threads;
-  const int64_t ranges = std::min<int64_t>(n, 16 * threads);
+  const int64_t ranges = std::min<int64_t>(n, std::max<int64_t>(1, ranges_per_thread) * threads);
   ShareOverPool(ctx, ranges, [&](int64_t r) { range(n * r / ranges, n * (r + 1) / ranges); });
   return status;
 }

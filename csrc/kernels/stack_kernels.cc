@@ -141,10 +141,13 @@ class UnstackKeptIdsOp : public StackedIdsOp {
     std::vector<int64_t> kept(f, 0);
     const T* src = ids.flat<T>().data();
     // ~1 cycle per id copied; small inputs stay on this thread.
-    OP_REQUIRES_OK(ctx, ShardChecked(ctx, f, batch * l, [&](int64_t j0, int64_t j1) {
-                     KeepRowsAnyLength(src, f, l, batch, j0, j1, out.data(), splits.data(),
-                                       kept.data());
-                   }));
+    OP_REQUIRES_OK(ctx, ShardChecked(
+                            ctx, f, batch * l,
+                            [&](int64_t j0, int64_t j1) {
+                              KeepRowsAnyLength(src, f, l, batch, j0, j1, out.data(), splits.data(),
+                                                kept.data());
+                            },
+                            kKeepRowsRangesPerThread));
     for (int64_t j = 0; j < f; ++j) ctx->set_output(j, values[j].Slice(0, kept[j]));
   }
 };

@@ -70,17 +70,18 @@ class StackedPooledLookupOp : public OpKernel {
     }
     std::vector<int64_t> num_kept(F, 0);
     auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
-    OP_REQUIRES_OK(
-        ctx, ShardChecked(ctx, F, batch * len,  // ~1 cycle an id
-                          [&](int64_t j0, int64_t j1) {
-                            if (ids_t.dtype() == tf::DT_INT64) {
-                              KeepRowsAnyLength(ids_t.flat<int64_t>().data(), F, len, batch, j0, j1,
-                                                kept.data(), splits.data(), num_kept.data());
-                            } else {
-                              KeepRowsAnyLength(ids_t.flat<int32_t>().data(), F, len, batch, j0, j1,
-                                                kept.data(), splits.data(), num_kept.data());
-                            }
-                          }));
+    OP_REQUIRES_OK(ctx, ShardChecked(
+                            ctx, F, batch * len,  // ~1 cycle an id
+                            [&](int64_t j0, int64_t j1) {
+                              if (ids_t.dtype() == tf::DT_INT64) {
+                                KeepRowsAnyLength(ids_t.flat<int64_t>().data(), F, len, batch, j0,
+                                                  j1, kept.data(), splits.data(), num_kept.data());
+                              } else {
+                                KeepRowsAnyLength(ids_t.flat<int32_t>().data(), F, len, batch, j0,
+                                                  j1, kept.data(), splits.data(), num_kept.data());
+                              }
+                            },
+                            kKeepRowsRangesPerThread));
     // Decided once here (a table's size may change under a concurrent
     // training lookup). Features of tables read shard by shard are one
     // unit each, with a row buffer for a chunk of their ids; the others

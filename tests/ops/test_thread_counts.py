@@ -1,7 +1,8 @@
 """The TensorFlow ops split their units (tables, shards, id ranges) over the
 intra-op pool, each thread taking the next unit: whatever the pool's size,
 a GroupEmbedding's training (lookup, backward, the fused update) gives the
-same outputs, rows and slots, bit for bit. (The output's gradient is a
+same outputs, rows and slots, bit for bit, and so does its inference
+lookup. (The output's gradient is a
 fixed tensor: Keras's dense layers and reductions sum in an order that
 depends on the pool's size.) Each thread count runs in a child
 process, as the pool's size is fixed once TensorFlow starts."""
@@ -49,6 +50,10 @@ for s in range(4):  # the same ids each step: the outputs change as the tables t
     g = rng.normal(size=(B, F * DIM)).astype("float32")
     outs.append(step(tf.constant(ids, tf.int64), tf.constant(g)).numpy())
 out = {"outputs": [o.tobytes().hex() for o in outs]}
+# The inference lookup of stacked ids (KRE>StackedPooledLookup: its split of
+# the ids per feature and its pooling also go over the pool).
+out["inference"] = tf.function(lambda x: group(x, training=False))(
+    tf.constant(ids, tf.int64)).numpy().tobytes().hex()
 for j in range(F):
     got = specs[f"f{j}"].table.table.export()
     order = np.argsort(got["keys"])
@@ -71,7 +76,7 @@ def _run(threads):
 
 def test_group_training_is_bit_identical_at_1_2_and_5_threads():
     one, two, five = _run(1), _run(2), _run(5)
-    assert len(one) == 9 and all(np.isfinite(np.frombuffer(bytes.fromhex(v), np.float32)).all()
+    assert len(one) == 10 and all(np.isfinite(np.frombuffer(bytes.fromhex(v), np.float32)).all()
                                  for v in one["outputs"])
     # The tables trained: each step's output differs from the one before.
     assert len(set(one["outputs"])) == 4
