@@ -306,9 +306,9 @@ struct DistinctIds {
   // The distinct ids of k[0..n).
   DistinctIds(const kv::Table<K>& table, const K* k, int64_t n) : inverse(n + 1) {
     DistinctBuilder<K> distinct(n, &uniq, &hashes, &counts);
-    for (int64_t i = 0; i < n; ++i) {
-      inverse[i] = static_cast<int32_t>(distinct.Add(k[i], kv::Table<K>::Hash(k[i])));
-    }
+    distinct.AddAll(
+        n, [&](int64_t i) { return k[i]; }, [](K key) { return kv::Table<K>::Hash(key); },
+        inverse.data());
     inverse[n] = -1;
     GroupByShard(table, uniq.data(), hashes.data(), size(), &by_shard);
   }

@@ -24,11 +24,10 @@ void Dedupe(const GroupConfig& cfg, int p, std::vector<Feature>* features, HashF
   DistinctBuilder<int64_t> distinct(n, &out->uniq, &out->hashes, &out->counts);
   for (int f : cfg.features_of[p]) {
     Feature& ft = (*features)[f];
-    const int64_t m = static_cast<int64_t>(ft.ids.size());
-    for (int64_t j = 0; j < m; ++j) {
-      const int64_t k = key(ft.ids[j]);
-      ft.inverse[j] = static_cast<int32_t>(distinct.Add(k, hash(k)));
-    }
+    const int64_t* ids = ft.ids.data();
+    distinct.AddAll(
+        static_cast<int64_t>(ft.ids.size()), [&](int64_t j) { return key(ids[j]); }, hash,
+        ft.inverse);
   }
 }
 
