@@ -40,7 +40,7 @@ class DistinctBuilder {
   // inverse[j]; hash(k) is key k's hash. Each hash is computed kAddAhead
   // ids before its Add and its home slot prefetched then
   // (kv::BatchGroups::Prefetch): the TensorFlow group's de-duplication
-  // took 1.3x less time so (session 43, docs/performance.md).
+  // took about 1.25x less time so (docs/performance.md).
   template <typename KeyAt, typename HashFn>
   void AddAll(int64_t n, KeyAt&& key_at, HashFn&& hash, int32_t* inverse) {
     uint64_t ring[kAddAhead];

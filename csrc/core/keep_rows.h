@@ -33,9 +33,9 @@ constexpr int64_t kKeepAhead = 32;
 // contiguous block a thread. Each call reads its features' slice of every
 // input row, so blocks of one feature (16 a thread) read each row's lines
 // once per feature: on two threads the split of the peer workload's
-// [4096, 26, 5] ids took 2.9 CPU-ms and 1.5-1.8 ms against 1.0 ms on one
-// thread; in one block a thread, 1.3 CPU-ms and 0.9-1.4 ms (session 43,
-// docs/performance.md).
+// [4096, 26, 5] ids took 2.4-3.0 CPU-ms and 1.5-1.8 ms against 0.9-1.0 ms
+// on one thread; in one block a thread, 1.3-1.4 CPU-ms and 0.9-1.4 ms
+// (docs/performance.md).
 constexpr int64_t kKeepRowsRangesPerThread = 1;
 
 // Row counts a thread keeps for its next call; a larger matrix (a huge

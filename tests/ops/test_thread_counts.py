@@ -2,9 +2,8 @@
 intra-op pool, each thread taking the next unit: whatever the pool's size,
 a GroupEmbedding's training (lookup, backward, the fused update) gives the
 same outputs, rows and slots, bit for bit, and so does its inference
-lookup. (The output's gradient is a
-fixed tensor: Keras's dense layers and reductions sum in an order that
-depends on the pool's size.) Each thread count runs in a child
+lookup. (The output's gradient is a fixed tensor: Keras's dense layers and
+reductions sum in an order that depends on the pool's size.) Each thread count runs in a child
 process, as the pool's size is fixed once TensorFlow starts."""
 
 import json
