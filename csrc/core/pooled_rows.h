@@ -12,7 +12,8 @@
 // large table) has a chunk of ids grouped by shard and looked up shard by
 // shard into a row buffer (kv::Table::Lookup without insert), then combined
 // alike. CombinePooledRows's outputs are bit-identical to the deduplicating
-// path's CombineRows (csrc/kernels/distinct_lookup.cc) for unweighted ids.
+// path's weighted loop (CombineRows, csrc/kernels/distinct_lookup.cc) with
+// weights of 1, and CombineRows runs it for unweighted ids.
 #ifndef KRE_CORE_POOLED_ROWS_H_
 #define KRE_CORE_POOLED_ROWS_H_
 

@@ -116,6 +116,7 @@ absl::Status BuildFeature(OpKernelContext* ctx, const GroupConfig& cfg, int f, F
   const int64_t def = cfg.feature[f].default_id;
   const int64_t vocab = cfg.is_table(p) ? -1 : ctx->input(p).dim_size(0);
   out->batch = batch;
+  out->weighted = w != nullptr;
   if (in_place && w == nullptr && !prune_weights && vocab < 0) {
     if (cfg.key_dtypes[p] == tf::DT_INT64 && nnz > 0) {  // (no ids: the pass below)
       // Read only: is any id < 0 (the OR of all ids is negative), any row

@@ -62,6 +62,9 @@ struct Feature {
   std::vector<int64_t> splits;  // [batch + 1]
   std::vector<int64_t> ids;
   std::vector<float> weights;
+  // Whether its weights came from a weights input (else every kept id,
+  // default ids included, weighs 1).
+  bool weighted = false;
   // ids[j] is distinct id inverse[j] of its parameter (an output of the
   // forward, an input of the backward).
   int32_t* inverse = nullptr;
