@@ -20,14 +20,12 @@ template <typename HashFn, typename KeyFn>
 void Dedupe(const GroupConfig& cfg, int p, std::vector<Feature>* features, HashFn&& hash,
             KeyFn&& key, ParamIds* out) {
   int64_t n = 0;
-  for (int f : cfg.features_of[p]) n += static_cast<int64_t>((*features)[f].ids.size());
+  for (int f : cfg.features_of[p]) n += (*features)[f].kept();
   DistinctBuilder<int64_t> distinct(n, &out->uniq, &out->hashes, &out->counts);
   for (int f : cfg.features_of[p]) {
     Feature& ft = (*features)[f];
-    const int64_t* ids = ft.ids.data();
-    distinct.AddAll(
-        static_cast<int64_t>(ft.ids.size()), [&](int64_t j) { return key(ids[j]); }, hash,
-        ft.inverse);
+    const int64_t* ids = ft.kept_ids();
+    distinct.AddAll(ft.kept(), [&](int64_t j) { return key(ids[j]); }, hash, ft.inverse);
   }
 }
 

@@ -58,13 +58,12 @@ class GroupLookupGradOp : public OpKernel {
       const Tensor& inv = ctx->input(inverse0 + f);
       const std::string inv_name = "inverse[" + std::to_string(f) + "]";
       // One entry per id kept after pruning and default filling.
-      OP_REQUIRES_OK(ctx,
-                     validate::Vector(inv, (inv_name + " (one entry per looked-up id)").c_str(),
-                                      static_cast<int64_t>(ft.ids.size())));
+      OP_REQUIRES_OK(
+          ctx,
+          validate::Vector(inv, (inv_name + " (one entry per looked-up id)").c_str(), ft.kept()));
       ft.inverse = const_cast<int32_t*>(inv.flat<int32_t>().data());
       const int64_t num_uniq = static_cast<int64_t>(params[p].uniq.size());
-      OP_REQUIRES_OK(ctx, validate::InRange(ft.inverse, static_cast<int64_t>(ft.ids.size()), 0,
-                                            num_uniq, inv_name));
+      OP_REQUIRES_OK(ctx, validate::InRange(ft.inverse, ft.kept(), 0, num_uniq, inv_name));
       if (cfg.concat && f > 0) {
         OP_REQUIRES(
             ctx, ft.batch == features[0].batch,
@@ -118,7 +117,7 @@ class GroupLookupGradOp : public OpKernel {
       for (int u = first_unit[p]; u < first_unit[p + 1]; ++u) unit_param[u] = p;
     }
     int64_t total = 0;
-    for (const Feature& ft : features) total += static_cast<int64_t>(ft.ids.size());
+    for (const Feature& ft : features) total += ft.kept();
     const int64_t cost = 20 * (total / std::max(1, first_unit[P]) + 1);
     OP_REQUIRES_OK(ctx, ParallelFor(ctx, first_unit[P], cost, [&](int64_t unit) {
                      const int p = unit_param[unit];
@@ -174,7 +173,8 @@ class GroupLookupGradOp : public OpKernel {
       const int64_t stride = sequence ? 0 : cfg.row_stride(f);
       const Combiner combiner = cfg.feature[f].combiner;
       const int32_t* inverse = ft.inverse;
-      const float* weights = ft.weights.data();
+      // Built in place: weights of 1 (c * 1 is c).
+      const float* weights = ft.in_place() ? nullptr : ft.weights.data();
       const float* grad = grads[f];
       for (int64_t b = 0; b < ft.batch; ++b) {
         if (!sequence && b + kAhead < ft.batch) {
@@ -191,7 +191,7 @@ class GroupLookupGradOp : public OpKernel {
           if (c < 0) c = sequence ? 1.0f : CombinerScale(ft, combiner, b);
           const float* dout =
               sequence ? grad + (b * ft.max_len + (j - begin)) * dim : grad + b * stride;
-          const float s = c * weights[j];
+          const float s = weights != nullptr ? c * weights[j] : c;
           float* acc = out + u * dim;
           if (max_norm <= 0) {
             AddScaled<D>(acc, s, dout, dim);

@@ -228,7 +228,8 @@ absl::Status BuildFeatures(OpKernelContext* ctx, const GroupConfig& cfg,
   std::vector<absl::Status> status(cfg.num_features);
   const int64_t cost = BuildFeatureCost(ctx, cfg);
   TF_RETURN_IF_ERROR(ParallelFor(ctx, cfg.num_features, cost, [&](int64_t f) {
-    status[f] = BuildFeature(ctx, cfg, static_cast<int>(f), &(*features)[f]);
+    const int fi = static_cast<int>(f);
+    status[f] = BuildFeature(ctx, cfg, fi, &(*features)[f], KeptIdsSuffice(cfg, fi));
   }));
   for (const auto& s : status) TF_RETURN_IF_ERROR(s);
   return absl::OkStatus();

@@ -97,7 +97,17 @@ absl::Status BuildFeature(OpKernelContext* ctx, const GroupConfig& cfg, int f, F
 // split: the features' ids inputs average size times a cost per id.
 int64_t BuildFeatureCost(OpKernelContext* ctx, const GroupConfig& cfg);
 
-// BuildFeature for every feature, over the intra-op pool.
+// Whether feature f's deduplicated lookup and its backward read no more of
+// it than its kept ids and row splits (a table's pooled feature without
+// max_norm, all its ids weighing 1 unless a weights input says otherwise):
+// then BuildFeature may build it in place.
+inline bool KeptIdsSuffice(const GroupConfig& cfg, int f) {
+  const FeatureAttrs& a = cfg.feature[f];
+  return cfg.is_table(a.param) && !a.sequence && a.max_norm <= 0;
+}
+
+// BuildFeature for every feature, over the intra-op pool (in place where
+// KeptIdsSuffice).
 absl::Status BuildFeatures(OpKernelContext* ctx, const GroupConfig& cfg,
                            std::vector<Feature>* features);
 

@@ -81,14 +81,15 @@ class GroupLookupOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ResolveTables(ctx, cfg, &tables));
     std::vector<char> pooled(P, 0);
     for (int p = 0; p < cfg.num_tables; ++p) pooled[p] = PooledParam(ctx, cfg, insert_, p);
-    // Pooled features are built in place (their kept ids only).
+    // Pooled features, and those whose kept ids suffice, are built in place.
     std::vector<Feature> features(F);
     {
       std::vector<absl::Status> status(F);
       OP_REQUIRES_OK(ctx, ParallelFor(ctx, F, BuildFeatureCost(ctx, cfg), [&](int64_t f) {
                        const int fi = static_cast<int>(f);
                        status[f] =
-                           BuildFeature(ctx, cfg, fi, &features[f], pooled[cfg.feature[fi].param]);
+                           BuildFeature(ctx, cfg, fi, &features[f],
+                                        pooled[cfg.feature[fi].param] || KeptIdsSuffice(cfg, fi));
                      }));
       for (const auto& st : status) OP_REQUIRES_OK(ctx, st);
     }
