@@ -136,9 +136,14 @@ def _as_dict(x):
 
 @pytest.mark.parametrize("dtype", [np.int32, np.int64])
 @pytest.mark.parametrize("length", [None, 1, 4])
-def test_stacked_equals_per_feature_inputs(matrix_initializer, dtype, length):
-    group = _group(matrix_initializer, dense=True)
-    x = _stacked_ids(length=length or 1).astype(dtype)
+@pytest.mark.parametrize("dense,batch", [(True, 9), (False, 9), (False, 3000)],
+                         ids=["with_dense", "tables", "tables_ordered_lookup"])
+def test_stacked_equals_per_feature_inputs(matrix_initializer, dtype, length, dense, batch):
+    """Stacked ids give the per-feature form's bits: with a dense matrix
+    among the tables (the group lookup), and over tables alone (one
+    KRE>StackedPooledLookup, small batches and those read in batch order)."""
+    group = _group(matrix_initializer, dense=dense)
+    x = _stacked_ids(batch=batch, length=length or 1).astype(dtype)
     if length is None:  # [batch, F]: column j feeds feature j
         x = x[:, :, 0]
     expect = group(_as_dict(x)).numpy()
@@ -175,19 +180,23 @@ def test_stacked_dict_output(matrix_initializer):
 def test_stacked_graph_has_no_per_feature_ops(matrix_initializer):
     group = _group(matrix_initializer)
     group(_stacked_ids())
-    # Training, one id per row: a split (plain for one id, pruning for several
-    # or unknown) and the group lookup. Inference with several: one op.
+    # Training: a split (plain for one id a row, pruning for several or
+    # unknown) and the group lookup. Inference: one op, for any length
+    # (length 0: ids [batch, F]).
     for dtype, length, training, lookup in [
+            (tf.int64, 0, True, ["KRE>UnstackFeatureIds", "KRE>GroupLookup"]),
+            (tf.int64, 0, False, ["KRE>StackedPooledLookup"]),
             (tf.int32, 4, True, ["KRE>UnstackKeptIds", "KRE>GroupLookup"]),
             (tf.int64, 4, True, ["KRE>UnstackKeptIds", "KRE>GroupLookup"]),
             (tf.int64, None, True, ["KRE>UnstackKeptIds", "KRE>GroupLookup"]),
             (tf.int64, 1, True, ["KRE>UnstackFeatureIds", "KRE>GroupLookup"]),
-            (tf.int64, 1, False, ["KRE>UnstackFeatureIds", "KRE>GroupLookup"]),
+            (tf.int64, 1, False, ["KRE>StackedPooledLookup"]),
             (tf.int32, 4, False, ["KRE>StackedPooledLookup"]),
             (tf.int64, 4, False, ["KRE>StackedPooledLookup"]),
             (tf.int64, None, False, ["KRE>StackedPooledLookup"])]:
+        shape = [None, 5] if length == 0 else [None, 5, length]
         graph = tf.function(lambda t, training=training: group(t, training=training)
-                            ).get_concrete_function(tf.TensorSpec([None, 5, length], dtype)).graph
+                            ).get_concrete_function(tf.TensorSpec(shape, dtype)).graph
         ops = [op.type for op in graph.get_operations()]
         assert [op for op in ops if op.startswith("KRE>")] == lookup, ops
         assert not {"StridedSlice", "Reshape", "Cast", "Range"} & set(ops), ops

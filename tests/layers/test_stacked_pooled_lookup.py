@@ -101,7 +101,7 @@ def _graph_ops(group, x):
             if op.type.startswith("KRE>")]
 
 
-@pytest.mark.parametrize("length", [2, 5, 12])  # 12: rows longer than the padded combine's
+@pytest.mark.parametrize("length", [1, 2, 5, 12])  # 12: rows longer than the padded combine's
 @pytest.mark.parametrize("ids_dtype", ["int32", "int64"])
 @pytest.mark.parametrize("key_dtype", ["int32", "int64"])
 def test_matches_numpy_and_the_group_lookup(length, ids_dtype, key_dtype):
@@ -225,8 +225,9 @@ def test_mixed_precision_output():
 
 
 def test_not_used_where_it_does_not_serve():
-    """Dense matrices, max_norm features, dict output and one id per row keep
-    the group lookup."""
+    """Dense matrices, max_norm features and dict output keep the group
+    lookup; one id per row (ids [batch, F, 1] or [batch, F]) takes the op
+    too."""
     tables = _tables()
     x = tf.constant(_ids(20, 3))
     dense = GroupEmbedding({"a": FeatureSpec(tables[0]),
@@ -240,7 +241,8 @@ def test_not_used_where_it_does_not_serve():
         assert "KRE>StackedPooledLookup" not in _graph_ops(group, x[:, :2])
     single = _group(tables)
     single(x)
-    assert "KRE>StackedPooledLookup" not in _graph_ops(single, x[:, :, :1])
+    assert "KRE>StackedPooledLookup" in _graph_ops(single, x[:, :, :1])
+    assert "KRE>StackedPooledLookup" in _graph_ops(single, x[:, :, 0])
 
 
 def _op(ids, tables=None, **attrs):

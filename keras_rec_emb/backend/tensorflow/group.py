@@ -75,8 +75,9 @@ def _stacked_inputs(layer, ids):
             in_range = True
         # int64 tables with int32 ones: each int32 table's ids are checked apart
     if ids.shape[2] == 1:
-        # One id per row: the plain split (its row splits shared); the
-        # lookup's lean single-id path reads each feature's ids as given.
+        # One id per row (a training call: inference takes _stacked_lookup):
+        # the plain split (its row splits shared); the group lookup reads
+        # each feature's ids as given.
         values, splits = _ops.unstack_feature_ids(ids)
         return [FlatIds(v, splits, in_range) for v in values]
     # Several: padding dropped in the split (every feature of the layer
@@ -99,7 +100,7 @@ def _checked_table_ids(layer, table_ids, ids, n):
 
 def _stacked_lookup(layer, inputs):
     """The concatenated output of an inference call on stacked ids
-    `[batch, F, L]` with L > 1, from one `KRE>StackedPooledLookup` op
+    `[batch, F]` or `[batch, F, L]`, from one `KRE>StackedPooledLookup` op
     (no split of the ids per feature), or `None` where that op does not
     serve: other inputs, a sequence or max_norm feature, a dense or
     distributed table, a graph traced for serving."""
@@ -110,8 +111,8 @@ def _stacked_lookup(layer, inputs):
         return None
     ids = tf.convert_to_tensor(inputs)
     layer.check_stacked(tuple(ids.shape), ids.dtype.name)
-    if ids.shape.rank != 3 or ids.shape[2] == 1:  # one id a row: the lean single-id path
-        return None
+    if ids.shape.rank == 2:  # [batch, F]: one id a row and feature
+        ids = tf.expand_dims(ids, -1)
     if ids.dtype not in (tf.int32, tf.int64):
         ids = integer_ids(ids, f"GroupEmbedding '{layer.name}'", tf.int64)
     return embedding_ops.stacked_pooled_lookup(
