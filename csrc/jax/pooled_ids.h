@@ -146,6 +146,7 @@ struct PooledIds {
   // are padding (1-5 ids in a row pad unpredictably). A dropped id's term
   // adds +0 to the denominator: the kept ids' sum, exactly ("sum" has none).
   void AddRow(int64_t r, const K* k, const float* weights) {
+    if (weights != nullptr) weighted_ = true;
     float denom = 0;
     K* kk = keys.data() + n_;
     int32_t* rr = row.data() + n_;
@@ -164,6 +165,9 @@ struct PooledIds {
     inv[r] = InverseDenominator(denom, combiner_);
   }
   int64_t size() const { return n_; }
+  // Whether any row came with weights (else every id weighs 1).
+  bool weighted() const { return weighted_; }
+  Combiner combiner() const { return combiner_; }
 
   Buffer<K> keys;
   Buffer<int32_t> row;
@@ -175,6 +179,7 @@ struct PooledIds {
   const bool prune_;
   const Combiner combiner_;
   int64_t n_ = 0;
+  bool weighted_ = false;
 };
 
 // Sums weighted rows into the output rows by non-decreasing row index,
@@ -341,11 +346,33 @@ template <typename K>
 void PooledLookupDistinctRows(kv::Table<K>& table, const PooledIds<K>& p, const DistinctIds<K>& d,
                               float* out, int64_t rows, int64_t out_stride = -1) {
   const int64_t dim = table.dim(), n = p.size();
-  RowSums sums(out, p.inv.data(), rows, dim, out_stride);
   // The lookup writes every distinct id's row (as the TensorFlow group
   // op's, into an uninitialized buffer).
   Buffer<float> buffer(d.size() * dim);
   d.Lookup(table, /*insert=*/true, buffer.data());
+  if (!p.weighted()) {
+    // Unweighted ids: the combine of the TensorFlow group op's and of the
+    // inference lookups (CombinePooledRows: sums in registers, short rows
+    // padded branch-free) from the distinct rows' pointers; RowSums'
+    // results but for a row of one id that is -0.0 (x, not 0 + x).
+    const int64_t stride = out_stride < 0 ? dim : out_stride;
+    Buffer<int64_t> splits(rows + 1);
+    std::fill(splits.begin(), splits.end(), 0);
+    for (int64_t i = 0; i < n; ++i) ++splits[p.row[i] + 1];
+    int64_t max_len = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      max_len = std::max(max_len, splits[r + 1]);
+      splits[r + 1] += splits[r];
+    }
+    Buffer<const float*> ptrs(n + 1);
+    for (int64_t i = 0; i < n; ++i) ptrs[i] = buffer.data() + int64_t{d.inverse[i]} * dim;
+    ptrs[n] = kNegativeZeros.data();
+    CombinePooledRows(dim, splits.data(), 0, 0, rows, ptrs.data(), PadPooledRows(max_len, rows, n),
+                      n, max_len, p.combiner(), out, stride);
+    kv::StreamFence();  // the streamed stores are ordered before the call returns
+    return;
+  }
+  RowSums sums(out, p.inv.data(), rows, dim, out_stride);
   sums.AddIndexed(p.row.data(), p.w.data(), buffer.data(), d.inverse.data(), n);
   sums.Finish();
 }

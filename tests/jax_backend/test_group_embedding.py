@@ -602,3 +602,55 @@ def test_pool_threads_is_xlas_pool_size_when_it_has_threads_to_spare():
                              text=True, timeout=120)
         assert run.returncode == 0, run.stderr[-2000:]
         assert run.stdout.split()[-2:] == want.split(), run.stdout
+
+
+@pytest.mark.parametrize("length", [6, 12], ids=["padded_combine", "long_rows"])
+def test_training_and_inference_lookups_give_the_same_bits(length):
+    """The training lookup (through the distinct ids) and the inference
+    lookup combine unweighted ids with the same operations in the same order
+    (core/pooled_rows.h): the same bits, -0.0 included (a row of one id reads
+    its row as it is), and NumPy's float32 sums in that order."""
+    rng = np.random.default_rng(5)
+    dims, combiners = (16, 3), ("sum", "mean", "sqrtn")
+    matrices = []
+    for dim in dims:
+        m = rng.normal(size=(DVD, dim)).astype(np.float32)
+        m[0] = -0.0
+        m[1, ::2] = -0.0
+        matrices.append(m)
+    tables = [EmbeddingVariable(dim, ev_option=with_meta(DVD), name=f"t{j}",
+                                initializer=lambda shape, dtype=None, m=m: m)
+              for j, (dim, m) in enumerate(zip(dims, matrices))]
+    specs = {f"f{j}": FeatureSpec(tables[j % 2], combiners[j % 3]) for j in range(4)}
+    group = GroupEmbedding(specs, output_mode="concat")
+    model = keras.Sequential([keras.Input((4, length), dtype="int32"), group])
+    model.compile(optimizer=optimizers.Adagrad(0.1), loss="mse")
+    model.optimizer.build(model.trainable_variables)  # the tables' update rule: training lookups
+    x = rng.integers(0, 40, (300, 4, length)).astype(np.int32)
+    x[rng.random(x.shape) < 0.45] = -1
+    x[:20] = -1
+    x[20:40, :, 1:] = -1  # rows of one id
+    x[20:30, :, 0] = 0  # ... that is all -0.0
+    trained = np.asarray(group(x, training=True))
+    inferred = np.asarray(group(x, training=False))
+    np.testing.assert_array_equal(trained.view(np.uint32), inferred.view(np.uint32))
+    want = []
+    for j in range(4):
+        m, comb = matrices[j % 2], combiners[j % 3]
+        rows = []
+        for ids in x[:, j]:
+            kept = ids[ids >= 0]
+            if len(kept) == 1:
+                rows.append(m[kept[0] % DVD])
+                continue
+            acc = np.zeros(m.shape[1], np.float32)
+            for k in kept:
+                acc = acc + m[k % DVD]
+            if comb != "sum" and len(kept):
+                n = np.float32(len(kept))
+                acc = acc * (np.float32(1) / (np.sqrt(n, dtype=np.float32) if comb == "sqrtn" else n))
+            rows.append(acc)
+        want.append(np.stack(rows))
+    want = np.concatenate(want, -1)
+    np.testing.assert_array_equal(trained.view(np.uint32), want.view(np.uint32))
+    assert (np.signbit(trained) & (trained == 0)).any()
