@@ -190,6 +190,24 @@ inline void CombinePooledRows(int64_t dim, const int64_t* splits, int64_t j0, in
   }
 }
 
+// CombinePooledRows of rows [b0, b1) whose ids' rows are base + index[j] *
+// dim (j from splits[b0] on: distinct rows through an inverse, or a dense
+// matrix through ids); `rows` has room for their splits[b1] - splits[b0]
+// pointers and the pad row's. The streamed stores are fenced on return.
+template <typename I>
+void CombineIndexedRows(int64_t dim, const int64_t* splits, int64_t b0, int64_t b1,
+                        const float* base, const I* index, Combiner comb, float* out,
+                        int64_t stride, const float** rows) {
+  const int64_t j0 = splits[b0], n = splits[b1] - j0;
+  int64_t max_len = 0;
+  for (int64_t b = b0; b < b1; ++b) max_len = std::max(max_len, splits[b + 1] - splits[b]);
+  for (int64_t k = 0; k < n; ++k) rows[k] = base + static_cast<int64_t>(index[j0 + k]) * dim;
+  rows[n] = kNegativeZeros.data();
+  CombinePooledRows(dim, splits, j0, b0, b1, rows, PadPooledRows(max_len, b1 - b0, n), n, max_len,
+                    comb, out, stride);
+  kv::StreamFence();
+}
+
 // Kept ids per block of a feature read in batch order: the block's ids stay
 // in L1, its rows in L2.
 constexpr int64_t kPooledBlockIds = 1024;

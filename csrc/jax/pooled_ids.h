@@ -359,17 +359,10 @@ void PooledLookupDistinctRows(kv::Table<K>& table, const PooledIds<K>& p, const 
     Buffer<int64_t> splits(rows + 1);
     std::fill(splits.begin(), splits.end(), 0);
     for (int64_t i = 0; i < n; ++i) ++splits[p.row[i] + 1];
-    int64_t max_len = 0;
-    for (int64_t r = 0; r < rows; ++r) {
-      max_len = std::max(max_len, splits[r + 1]);
-      splits[r + 1] += splits[r];
-    }
+    for (int64_t r = 0; r < rows; ++r) splits[r + 1] += splits[r];
     Buffer<const float*> ptrs(n + 1);
-    for (int64_t i = 0; i < n; ++i) ptrs[i] = buffer.data() + int64_t{d.inverse[i]} * dim;
-    ptrs[n] = kNegativeZeros.data();
-    CombinePooledRows(dim, splits.data(), 0, 0, rows, ptrs.data(), PadPooledRows(max_len, rows, n),
-                      n, max_len, p.combiner(), out, stride);
-    kv::StreamFence();  // the streamed stores are ordered before the call returns
+    CombineIndexedRows(dim, splits.data(), 0, rows, buffer.data(), d.inverse.data(), p.combiner(),
+                       out, stride, ptrs.data());
     return;
   }
   RowSums sums(out, p.inv.data(), rows, dim, out_stride);

@@ -129,25 +129,15 @@ void CombineRows(OpKernelContext* ctx, const GroupConfig& cfg, const std::vector
     // registers, and rows of up to kPaddedCombineLen ids are padded so
     // that no branch depends on a row's length.
     thread_local std::vector<const float*> rows;
-    const int64_t* splits = ft.splits.data();
-    const int64_t j0 = splits[begin], n = splits[end] - j0;
-    rows.resize(n + 1);
-    int64_t max_len = 0;
-    for (int64_t b = begin; b < end; ++b) max_len = std::max(max_len, splits[b + 1] - splits[b]);
+    rows.resize(ft.splits[end] - ft.splits[begin] + 1);
+    const Combiner comb = cfg.feature[f].combiner;
     if (cfg.is_table(p)) {
-      const float* base = params[p].rows;
-      const int32_t* inverse = ft.inverse + j0;
-      for (int64_t k = 0; k < n; ++k) rows[k] = base + static_cast<int64_t>(inverse[k]) * dim;
+      CombineIndexedRows(dim, ft.splits.data(), begin, end, params[p].rows, ft.inverse, comb, out,
+                         stride, rows.data());
     } else {
-      const float* base = ctx->input(p).flat<float>().data();
-      const int64_t* ids = ft.ids.data() + j0;
-      for (int64_t k = 0; k < n; ++k) rows[k] = base + ids[k] * dim;
+      CombineIndexedRows(dim, ft.splits.data(), begin, end, ctx->input(p).flat<float>().data(),
+                         ft.ids.data(), comb, out, stride, rows.data());
     }
-    rows[n] = kNegativeZeros.data();
-    CombinePooledRows(dim, splits, j0, begin, end, rows.data(),
-                      PadPooledRows(max_len, end - begin, n), n, max_len, cfg.feature[f].combiner,
-                      out, stride);
-    kv::StreamFence();  // ordered before the op's output is read
     return;
   }
   // Output rows that are whole aligned cache lines (a concatenated output's

@@ -86,8 +86,9 @@ inline float ClipScale(const float* row, int64_t dim, float max_norm, float* nor
 // 1 / the combiner's denominator of row b (0 when it is 0).
 inline float CombinerScale(const Feature& ft, Combiner c, int64_t b) {
   if (c == kSum) return 1.0f;
-  // Built in place: weights of 1 (UnweightedScale sums them alike).
-  if (ft.in_place()) return UnweightedScale(c, ft.splits[b + 1] - ft.splits[b]);
+  // Weights of 1 (none stored when built in place): UnweightedScale sums
+  // them alike.
+  if (!ft.weighted) return UnweightedScale(c, ft.splits[b + 1] - ft.splits[b]);
   float denom = 0;
   for (int64_t j = ft.splits[b]; j < ft.splits[b + 1]; ++j) {
     const float w = ft.weights[j];

@@ -173,8 +173,8 @@ class GroupLookupGradOp : public OpKernel {
       const int64_t stride = sequence ? 0 : cfg.row_stride(f);
       const Combiner combiner = cfg.feature[f].combiner;
       const int32_t* inverse = ft.inverse;
-      // Built in place: weights of 1 (c * 1 is c).
-      const float* weights = ft.in_place() ? nullptr : ft.weights.data();
+      // Unweighted: weights of 1 (c * 1 is c; none stored when built in place).
+      const float* weights = ft.weighted ? ft.weights.data() : nullptr;
       const float* grad = grads[f];
       for (int64_t b = 0; b < ft.batch; ++b) {
         if (!sequence && b + kAhead < ft.batch) {
