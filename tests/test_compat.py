@@ -573,3 +573,46 @@ def test_functional_graph_hook_runs_each_real_graph_run_inside_its_context():
     finally:
         _model_fusion._ModelCall.__init__ = original  # pylint: disable=protected-access
     assert seen == [(model, 2)]
+
+
+def test_symbolic_build_under_a_strategy_makes_no_iterator_once_built_and_keeps_the_one_it_took(
+        monkeypatch):
+    """(5) of the Keras fix: under a strategy Keras's `fit` / `evaluate` /
+    `predict` each made a distributed iterator for the symbolic build, took a
+    batch and dropped it while its MultiDeviceIterator fetched the next
+    (TensorFlow's teardown then can crash the process). Once the model, its
+    metrics and loss are built, no iterator is made for the build (one fewer
+    than Keras's own code makes, the same evaluation); the iterator the first
+    build took a batch from is kept while the model lives."""
+    from keras.src.backend.tensorflow import trainer
+
+    made = []
+    get_iterator = trainer.TFEpochIterator._get_iterator
+    monkeypatch.setattr(trainer.TFEpochIterator, "_get_iterator",
+                        lambda self: made.append(self) or get_iterator(self))
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 3)).astype("float32"), rng.normal(size=(16, 1)).astype("float32")
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+    assert model not in _compat._BUILD_ITERATORS
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    kept = _compat._BUILD_ITERATORS[model]
+    assert isinstance(kept, tf.distribute.DistributedIterator)
+
+    def calls(fn):
+        del made[:]
+        result = fn()
+        return len(made), result
+
+    ours, got = calls(lambda: model.evaluate(x, y, batch_size=4, verbose=0))
+    with monkeypatch.context() as keras_own:
+        keras_own.setattr(trainer.TensorFlowTrainer, "_maybe_symbolic_build",
+                          _compat.KERAS_MULTI_WORKER_ORIGINALS["_maybe_symbolic_build"])
+        theirs, want = calls(lambda: model.evaluate(x, y, batch_size=4, verbose=0))
+    assert ours == theirs - 1
+    assert got == want
+    ours_predict, _ = calls(lambda: model.predict(x, batch_size=4, verbose=0))
+    assert ours_predict == ours
+    assert _compat._BUILD_ITERATORS[model] is kept  # no build took another

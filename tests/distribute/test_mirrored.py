@@ -25,7 +25,8 @@ def emb_table(model):
 
 def run_mirrored(tmp_path, replicas, optimizer, group=False):
     out = tmp_path / f"mirrored_{replicas}_{optimizer}.npz"
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow",
+               PYTHONFAULTHANDLER="1")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
         [sys.executable, os.path.join(HERE, "mirrored_run.py"), str(replicas), optimizer,
@@ -83,7 +84,8 @@ def test_replicas_match_one_process(tmp_path, replicas, optimizer, group):
 
 
 def _resume_run(folder, mode, wait=True):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow",
+               PYTHONFAULTHANDLER="1")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     log = open(folder / f"{mode}.log", "w")
     proc = subprocess.Popen([sys.executable, os.path.join(HERE, "mirrored_resume.py"), "2",
@@ -222,7 +224,8 @@ def test_several_steps_an_execution_over_replica_shards_train_as_one_step_a_call
     gradients without a collective. 5 and 9 steps an execution give the
     tables, slots, dense weights, losses and evaluation of one step a call,
     with and without tables."""
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow",
+               PYTHONFAULTHANDLER="1")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, "-c", _STEPS_PER_EXECUTION], capture_output=True,
                           text=True, env=env, cwd=ROOT, timeout=300)

@@ -12,7 +12,8 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 def test_table_optimizer_under_mirrored_strategy_matches_one_process():
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow",
+               PYTHONFAULTHANDLER="1")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, os.path.join(HERE, "mirrored_table_optimizer.py"),
                            "2"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)

@@ -239,11 +239,33 @@ def built_variables(optimizer):
 # in one all-reduce (`_mean_over_replicas`). (4) With `steps_per_execution` >
 # 1, Keras's loop of steps fails under the strategy, and under a
 # MirroredStrategy of several replicas (keras-team/keras#19246):
-# `_unrolled_steps_function` (not with `jit_compile=True`). Every other case
+# `_unrolled_steps_function` (not with `jit_compile=True`). (5) Under any
+# strategy, `fit` / `evaluate` / `predict` each make a distributed iterator
+# for the symbolic build, take one batch and drop it at once
+# (`epoch_iterator.reset()`) while its MultiDeviceIterator's background
+# thread fetches the next batch; TensorFlow 2.21's ~MultiDeviceIterator
+# releases the dataset before it stops that thread, which then can crash the
+# process (SIGSEGV in MultiDeviceBuffer::BackgroundThread, seen under load).
+# The correction takes no batch when nothing is left to build (no iterator
+# is made), and keeps the iterator a build took from until its model goes
+# (its thread then waits on a full buffer or has ended). Every other case
 # runs Keras's own code. Installed by `fix_keras_multi_worker()` when
 # `keras_rec_emb.distribute` is imported.
 KERAS_MULTI_WORKER_FIX_VERSIONS = ("3.15.1",)
 KERAS_MULTI_WORKER_ORIGINALS = {}
+# model -> the distributed iterator its last symbolic build took a batch from.
+_BUILD_ITERATORS = weakref.WeakKeyDictionary()
+
+
+def _needs_a_batch(trainer):
+    """Whether Keras's symbolic build of `trainer` reads a data batch (its
+    model, compiled metrics or compiled loss unbuilt; `_symbolic_build`'s
+    tests). The optimizer builds from the variables alone."""
+    metrics = trainer._compile_metrics  # pylint: disable=protected-access
+    loss = trainer._compile_loss  # pylint: disable=protected-access
+    return (not all(layer.built for layer in trainer._flatten_layers())  # pylint: disable=protected-access
+            or (metrics is not None and not metrics.built)
+            or (loss is not None and not loss.built))
 
 
 def _keras_tf_trainer():
@@ -296,13 +318,23 @@ def fix_keras_multi_worker():
     def wrap_build(keras_build):
         def _maybe_symbolic_build(self, iterator=None, data_batch=None):
             strategy = self._distribute_strategy  # pylint: disable=protected-access
-            if iterator is None or not in_multi_worker_mode(strategy):
+            if iterator is None or strategy is None:
                 return keras_build(self, iterator=iterator, data_batch=data_batch)
-            for _, _, it in iterator:
-                batch = next(it)
-                data_batch = keras.tree.map_structure(lambda v: _local_part(strategy, v), batch)
+            if not _needs_a_batch(self):  # (5): no iterator made
                 return keras_build(self, iterator=None, data_batch=data_batch)
-            return keras_build(self, iterator=iterator, data_batch=data_batch)
+            try:
+                if not in_multi_worker_mode(strategy):
+                    return keras_build(self, iterator=iterator, data_batch=data_batch)
+                for _, _, it in iterator:
+                    batch = next(it)
+                    data_batch = keras.tree.map_structure(lambda v: _local_part(strategy, v),
+                                                          batch)
+                    return keras_build(self, iterator=None, data_batch=data_batch)
+                return keras_build(self, iterator=iterator, data_batch=data_batch)
+            finally:  # (5): kept past the epoch iterator's reset
+                taken = getattr(iterator, "_current_iterator", None)
+                if taken is not None:
+                    _BUILD_ITERATORS[self] = taken
         return _maybe_symbolic_build
 
     def wrap_reduce(keras_reduce):
