@@ -398,7 +398,8 @@ def test_keras_multi_worker_fix_is_installed_for_the_pinned_keras_only_where_nee
     """keras-team/keras#20585: the correction is installed for the pinned
     Keras (listed), wraps exactly the two faulty spots, which are still in
     Keras's code (an upgrade that mends them fails here: drop the entry), and
-    leaves one process and MirroredStrategy to Keras's own code."""
+    leaves one process's and MirroredStrategy's log reduction to Keras's own
+    code (their symbolic build: the test after this one)."""
     import inspect
 
     from keras.src.backend.tensorflow import trainer
