@@ -576,31 +576,43 @@ def test_functional_graph_hook_runs_each_real_graph_run_inside_its_context():
     assert seen == [(model, 2)]
 
 
-def test_symbolic_build_under_a_strategy_makes_no_iterator_once_built_and_keeps_the_one_it_took(
+def test_under_a_strategy_no_iterator_is_made_for_a_built_model_and_dropped_ones_are_kept_a_while(
         monkeypatch):
     """(5) of the Keras fix: under a strategy Keras's `fit` / `evaluate` /
     `predict` each made a distributed iterator for the symbolic build, took a
     batch and dropped it while its MultiDeviceIterator fetched the next
-    (TensorFlow's teardown then can crash the process). Once the model, its
+    (TensorFlow's teardown then can crash the process); an epoch's iterator
+    is dropped the same way when the next epoch begins. Once the model, its
     metrics and loss are built, no iterator is made for the build (one fewer
-    than Keras's own code makes, the same evaluation); the iterator the first
-    build took a batch from is kept while the model lives."""
+    than Keras's own code makes, the same evaluation); every distributed
+    iterator Keras drops is kept a while (the build's, each epoch's), then
+    released; no plain iterator is kept."""
     from keras.src.backend.tensorflow import trainer
 
     made = []
     get_iterator = trainer.TFEpochIterator._get_iterator
     monkeypatch.setattr(trainer.TFEpochIterator, "_get_iterator",
                         lambda self: made.append(self) or get_iterator(self))
+    kept = _compat._DROPPED_ITERATORS
+    monkeypatch.setattr(_compat, "_DROPPED_ITERATORS", type(kept)())
+    kept = _compat._DROPPED_ITERATORS
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(16, 3)).astype("float32"), rng.normal(size=(16, 1)).astype("float32")
+    plain = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    plain.compile(optimizer="sgd", loss="mse")
+    plain.fit(x, y, batch_size=4, epochs=2, verbose=0)
+    assert not kept  # one process: plain iterators, not kept
     strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
     with strategy.scope():
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
         model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
-    assert model not in _compat._BUILD_ITERATORS
-    model.fit(x, y, batch_size=4, epochs=1, verbose=0)
-    kept = _compat._BUILD_ITERATORS[model]
-    assert isinstance(kept, tf.distribute.DistributedIterator)
+    model.fit(x, y, batch_size=4, epochs=2, verbose=0)
+    # The build's; the first epoch's (consumed to its last step when Keras
+    # made the next); that next one (never read: the second epoch makes its
+    # own); the second epoch's.
+    assert len(kept) == 4
+    assert all(isinstance(it, tf.distribute.DistributedIterator) for _, it in kept)
+    assert len({id(it) for _, it in kept}) == 4
 
     def calls(fn):
         del made[:]
@@ -616,4 +628,8 @@ def test_symbolic_build_under_a_strategy_makes_no_iterator_once_built_and_keeps_
     assert got == want
     ours_predict, _ = calls(lambda: model.predict(x, batch_size=4, verbose=0))
     assert ours_predict == ours
-    assert _compat._BUILD_ITERATORS[model] is kept  # no build took another
+    # At most _KEEP_DROPPED_MAX; none once older than _KEEP_DROPPED_S.
+    assert len(kept) == _compat._KEEP_DROPPED_MAX
+    monkeypatch.setattr(_compat, "_KEEP_DROPPED_S", 0.0)
+    model.evaluate(x, y, batch_size=4, verbose=0)
+    assert len(kept) == 1

@@ -12,7 +12,9 @@ it. Private *hooks* our classes override cannot be routed through a function:
 still has each and that our classes override no undeclared private method.
 """
 
+import collections
 import os
+import time
 import weakref
 
 import keras
@@ -246,15 +248,42 @@ def built_variables(optimizer):
 # thread fetches the next batch; TensorFlow 2.21's ~MultiDeviceIterator
 # releases the dataset before it stops that thread, which then can crash the
 # process (SIGSEGV in MultiDeviceBuffer::BackgroundThread, seen under load).
-# The correction takes no batch when nothing is left to build (no iterator
-# is made), and keeps the iterator a build took from until its model goes
-# (its thread then waits on a full buffer or has ended). Every other case
-# runs Keras's own code. Installed by `fix_keras_multi_worker()` when
-# `keras_rec_emb.distribute` is imported.
+# Keras drops an epoch's iterator the same way when the next epoch begins
+# (its thread may be fetching the end of the data). The correction takes no
+# batch when nothing is left to build (no iterator is made), and keeps every
+# iterator an epoch iterator drops (`reset`, or replaced between epochs) a
+# while (`_keep_dropped`): released later, its thread waits on a full buffer
+# or has ended. Every other case runs Keras's own code. Installed by
+# `fix_keras_multi_worker()` when `keras_rec_emb.distribute` is imported.
 KERAS_MULTI_WORKER_FIX_VERSIONS = ("3.15.1",)
 KERAS_MULTI_WORKER_ORIGINALS = {}
-# model -> the distributed iterator its last symbolic build took a batch from.
-_BUILD_ITERATORS = weakref.WeakKeyDictionary()
+# (time dropped, iterator) of the distributed iterators Keras dropped last,
+# oldest first: each kept for _KEEP_DROPPED_S seconds, at most
+# _KEEP_DROPPED_MAX of them (each holds a batch or two per device).
+_DROPPED_ITERATORS = collections.deque()
+_KEEP_DROPPED_S = 5.0
+_KEEP_DROPPED_MAX = 8
+
+
+def _keep_dropped(iterator):
+    """Keeps `iterator`, just dropped by Keras, and releases the kept ones
+    dropped more than _KEEP_DROPPED_S seconds ago (or beyond the last
+    _KEEP_DROPPED_MAX)."""
+    now = time.monotonic()
+    kept = _DROPPED_ITERATORS
+    while kept and (now - kept[0][0] > _KEEP_DROPPED_S or len(kept) >= _KEEP_DROPPED_MAX):
+        kept.popleft()
+    kept.append((now, iterator))
+
+
+def _kept_if_replaced(epoch_iterator, seen):
+    """`seen`, the epoch iterator's iterator before, kept if Keras has
+    replaced it since; returns the one it holds now."""
+    now = epoch_iterator._current_iterator  # pylint: disable=protected-access
+    # (A strategy's: a plain tf.data iterator stops its threads first.)
+    if isinstance(seen, tf.distribute.DistributedIterator) and now is not seen:
+        _keep_dropped(seen)
+    return now
 
 
 def _needs_a_batch(trainer):
@@ -322,20 +351,30 @@ def fix_keras_multi_worker():
                 return keras_build(self, iterator=iterator, data_batch=data_batch)
             if not _needs_a_batch(self):  # (5): no iterator made
                 return keras_build(self, iterator=None, data_batch=data_batch)
-            try:
-                if not in_multi_worker_mode(strategy):
-                    return keras_build(self, iterator=iterator, data_batch=data_batch)
-                for _, _, it in iterator:
-                    batch = next(it)
-                    data_batch = keras.tree.map_structure(lambda v: _local_part(strategy, v),
-                                                          batch)
-                    return keras_build(self, iterator=None, data_batch=data_batch)
+            if not in_multi_worker_mode(strategy):
                 return keras_build(self, iterator=iterator, data_batch=data_batch)
-            finally:  # (5): kept past the epoch iterator's reset
-                taken = getattr(iterator, "_current_iterator", None)
-                if taken is not None:
-                    _BUILD_ITERATORS[self] = taken
+            for _, _, it in iterator:
+                batch = next(it)
+                data_batch = keras.tree.map_structure(lambda v: _local_part(strategy, v), batch)
+                return keras_build(self, iterator=None, data_batch=data_batch)
+            return keras_build(self, iterator=iterator, data_batch=data_batch)
         return _maybe_symbolic_build
+
+    def wrap_reset(keras_reset):
+        def reset(self):
+            dropped = self._current_iterator  # pylint: disable=protected-access
+            keras_reset(self)
+            _kept_if_replaced(self, dropped)  # (5)
+        return reset
+
+    def wrap_enumerate(keras_enumerate):
+        def _enumerate_iterator(self):
+            seen = self._current_iterator  # pylint: disable=protected-access
+            for step in keras_enumerate(self):
+                seen = _kept_if_replaced(self, seen)  # (5): replaced between epochs
+                yield step
+            _kept_if_replaced(self, seen)
+        return _enumerate_iterator
 
     def wrap_reduce(keras_reduce):
         def reduce_per_replica(values, strategy, reduction):
@@ -370,7 +409,10 @@ def fix_keras_multi_worker():
                             owner, name, wrap)
                 for owner, name, wrap in ((cls, "_maybe_symbolic_build", wrap_build),
                                           (trainer, "reduce_per_replica", wrap_reduce),
-                                          (cls, "_make_function", wrap_make_function))])
+                                          (cls, "_make_function", wrap_make_function),
+                                          (trainer.TFEpochIterator, "reset", wrap_reset),
+                                          (trainer.TFEpochIterator, "_enumerate_iterator",
+                                           wrap_enumerate))])
 
 
 def _mean_over_replicas(strategy, values):
