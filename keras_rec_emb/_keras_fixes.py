@@ -358,3 +358,30 @@ def uses_weight_decay(optimizer, variable):
     `exclude_from_weight_decay` (`Optimizer._use_weight_decay`; no public
     accessor). Used by the TensorFlow table optimizer and `AdamW`."""
     return optimizer._use_weight_decay(variable)  # pylint: disable=protected-access
+
+
+# Keras 3.15.1's JAX trainer jits its train, test and predict steps with
+# its module's `jit` (`jax.jit` unless Flax NNX is on). The correction
+# hands each jitted step to `dispatch(jitted)`
+# (`backend/jax/dispatch.OrderedJit`: JAX refuses its C++ dispatch to
+# computations holding table calls, and its Python dispatch costs about
+# 2 ms a step of a model with 26 tables). Installed by
+# `dispatch_jax_trainer_steps(dispatch)` when `keras_rec_emb.layers` is
+# imported under JAX; NNX's jit is left as it is.
+KERAS_JAX_JIT_FIX_VERSIONS = ("3.15.1",)
+KERAS_JAX_JIT_ORIGINALS = {}
+
+
+def dispatch_jax_trainer_steps(dispatch):
+    """Installs the correction described above (`install_fix`)."""
+    import jax
+    from keras.src.backend.jax import trainer
+
+    def wrap(keras_jit):
+        def jit(fun, *args, **kwargs):
+            jitted = keras_jit(fun, *args, **kwargs)
+            return dispatch(jitted) if keras_jit is jax.jit else jitted
+        return jit
+
+    return install_fix(KERAS_JAX_JIT_FIX_VERSIONS, KERAS_JAX_JIT_ORIGINALS, trainer, "jit",
+                       wrap)

@@ -1,7 +1,8 @@
 """Embedding layers backed by dynamic hash tables."""
 
 from keras_rec_emb import _backend
-from keras_rec_emb._keras_fixes import fix_sequential_ids_input, record_model_input_dtypes
+from keras_rec_emb._keras_fixes import (dispatch_jax_trainer_steps, fix_sequential_ids_input,
+                                        record_model_input_dtypes)
 # Written once for both backends.
 from keras_rec_emb.layers.adaptive_embedding import AdaptiveEmbedding
 from keras_rec_emb.layers.configs import FeatureConfig, TableConfig
@@ -20,6 +21,12 @@ if not _backend.is_jax():
 
     # A subclassed model holding them exports (see _compat.fix_subclassed_save_signature).
     _compat.fix_subclassed_save_signature()
+else:
+    from keras_rec_emb.backend.jax import dispatch as _dispatch
+
+    # Keras's jitted steps holding table calls skip JAX's Python dispatch
+    # (see _keras_fixes.dispatch_jax_trainer_steps).
+    dispatch_jax_trainer_steps(lambda jitted: _dispatch.OrderedJit(jitted))
 
 __all__ = ["AdaptiveEmbedding", "EmbeddingVariable", "FeatureConfig", "FeatureSpec",
            "GroupEmbedding", "HashStrings", "MultiHashEmbedding", "TableConfig"]

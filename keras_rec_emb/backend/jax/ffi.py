@@ -15,6 +15,9 @@ the order the program makes them, and results (`size`, `export`) see every
 earlier call's effect. That token reaches the next dispatch as it is when
 it is on that dispatch's one device (`_jax_private.pass_tokens_in_place`:
 JAX would put it there again at every call, a cost of each dispatch).
+The effect keeps such a function off JAX's C++ dispatch; Keras's steps get
+`dispatch.OrderedJit`, which runs the compiled executable through JAX's own
+execution (the same tokens) without JAX's Python dispatch.
 
 Tables are named by an integer handle (csrc/jax/table_registry.h), a static
 attribute of each call. Table management (`create`, `destroy`, `add_slot`,
@@ -174,8 +177,11 @@ def _jitted(target, result_avals, attributes):
 
 
 def _impl(*args, target, result_avals, attributes):
-    # Outside jit the call is compiled alone (and cached per attributes).
-    return _jitted(target, result_avals, attributes)(*args)
+    # Outside jit the call is compiled alone (and cached per attributes),
+    # also under `jax.disable_jit()` (as JAX's own primitives are): there
+    # the jitted bind would call this again, without end.
+    with jax.disable_jit(False):
+        return _jitted(target, result_avals, attributes)(*args)
 
 
 table_call_p.def_impl(_impl)
